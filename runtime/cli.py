@@ -1,0 +1,42 @@
+"""moedesk-cli: the headless front door. Each subcommand lives in its own module and is imported lazily.
+
+    moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
+                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
+    moedesk-cli import-demo [--bits B] [--force]
+    moedesk-cli synth --shape NAME --bpw B --out DIR
+    moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help)
+SUBCOMMANDS = {
+    "chat": ("runtime.chat_cli", "Ask a model one question through a real worker process."),
+    "import-demo": ("runtime.demo", "Import the demo model (SmolLM2-135M-Instruct) into the models folder."),
+    "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
+    "bench": ("runtime.bench", "Measure prefill and decode speed; write JSON to bench/results/."),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moedesk-cli", description="MoE Desk, headless.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (modname, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(modname)
+        mod.add_arguments(p)
+        modules[name] = mod
+    args = parser.parse_args(argv)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except KeyboardInterrupt:
+        print("moedesk-cli: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

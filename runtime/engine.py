@@ -1,0 +1,71 @@
+"""The engine interface: what every backend (CUDA `exl2`, CPU `reference`) gives the generation loop.
+
+One primitive does prefill, single-token decode and verify-K: `forward(tokens)` appends the tokens to
+the KV cache at the current position and returns the logits of every position it was given
+(`[T, vocab]`, float32, on the CPU... or on the engine's device; callers use `.float()` rows).
+`truncate(n)` rolls the cache back to its first n tokens, which is all speculation needs.
+
+Speculation, sampling, stop strings and streaming live above this interface (runtime/generate.py,
+runtime/speculative/), so they work identically on both backends and with expert offload.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+ProgressFn = Callable[[str, str, int, int], None]   # (stage, message, done, total)
+
+
+class EngineError(RuntimeError):
+    """A backend failure with a stable protocol error code (see runtime.protocol.ErrorCode)."""
+
+    def __init__(self, code: str, message: str, detail: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.detail = detail
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str          # e.g. "LlamaForCausalLM", "Qwen3MoeForCausalLM"
+    vocab_size: int
+    context_length: int
+    num_layers: int
+    num_experts: int = 0       # 0 for dense models
+    experts_per_token: int = 0
+    bits_per_weight: Optional[float] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """A loaded model with its KV cache, for one sequence (batch 1)."""
+
+    info: ModelInfo
+    backend: str               # "cpu" | "cuda"
+
+    @abc.abstractmethod
+    def forward(self, tokens: Sequence[int]):
+        """Append `tokens` at the current position; return logits for each of them, shape [T, vocab]."""
+
+    @abc.abstractmethod
+    def truncate(self, length: int) -> None:
+        """Roll the cache back so that it holds only the first `length` tokens."""
+
+    @property
+    @abc.abstractmethod
+    def position(self) -> int:
+        """Number of tokens in the cache."""
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def telemetry(self) -> dict[str, Any]:
+        """Engine figures for the gauges (expert cache hit rate, bytes per token, ...); {} when none."""
+        return {}
+
+    def close(self) -> None:
+        """Free what the engine holds (GPU memory, pinned buffers)."""

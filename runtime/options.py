@@ -1,0 +1,161 @@
+"""Every user-facing option, with its default and a one-line description: the one place for defaults.
+
+Grouped as the settings panel groups them. Pure Python (no torch): the GUI imports this module
+to build its panel, and the same dataclasses travel to the worker inside protocol commands.
+
+`from_dict` validates plain data (from JSON) and raises `OptionError` naming the field and the
+problem; unknown keys are errors too, so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar
+
+
+class OptionError(ValueError):
+    """A setting has a bad value. `path` names it, e.g. "sampling.top_p"."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+        max: float | None = None, reload: bool = False):
+    """A dataclass field with its description, allowed range and whether changing it needs a reload."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "reload": reload}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = opt(0.7, "Randomness of sampling; 0 always picks the most likely token.", min=0.0, max=5.0)
+    top_p: float = opt(0.9, "Sample only from the most likely tokens whose probabilities add up to this.", min=0.0, max=1.0)
+    top_k: int = opt(40, "Sample only from this many most likely tokens (0 = no limit).", min=0)
+    min_p: float = opt(0.0, "Drop tokens less likely than this fraction of the most likely one.", min=0.0, max=1.0)
+    repetition_penalty: float = opt(1.0, "Penalise tokens already in the conversation (1 = off).", min=0.5, max=3.0)
+    max_tokens: int = opt(1024, "Longest answer, in tokens.", min=1)
+    seed: Optional[int] = opt(None, "Random seed for reproducible sampling (empty = random).", min=0)
+    stop: tuple[str, ...] = opt((), "Extra strings that end the answer.")
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    vram_budget_gb: Optional[float] = opt(None, "GPU memory the engine may use, in GB (empty = all free VRAM).", min=0.5, reload=True)
+    ram_budget_gb: Optional[float] = opt(None, "Host memory for offloaded experts, in GB (empty = what is free).", min=0.5, reload=True)
+    cpu_threads: int = opt(0, "CPU threads for experts computed on the CPU (0 = all physical cores).", min=0, reload=True)
+    kv_cache: str = opt("fp16", "Precision of the attention cache; lower fits longer context.", choices=("fp16", "q8", "q6", "q4"), reload=True)
+    context_length: int = opt(4096, "Longest conversation the model can see, in tokens.", min=256, reload=True)
+    placement: str = opt("auto", "Where cold experts go: auto, all in VRAM, computed on the CPU, or streamed to the GPU.",
+                         choices=("auto", "vram", "cpu", "stream"), reload=True)
+    backend: str = opt("auto", "Engine: auto (GPU when available), cuda, or cpu (reference engine).",
+                       choices=("auto", "cuda", "cpu"), reload=True)
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    mode: str = opt("off", "Speculative decoding: off, a small draft model, or n-gram lookup in the conversation.",
+                    choices=("off", "model", "ngram"))
+    model: Optional[str] = opt(None, "Draft model (name or folder); needs the target's vocabulary.", reload=True)
+    draft_tokens: int = opt(4, "Tokens drafted ahead per step.", min=1, max=16)
+    adaptive: bool = opt(True, "Adjust the draft length, and switch drafting off when it does not pay.")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    offload: OffloadOptions = field(default_factory=OffloadOptions, metadata={"help": "Memory and placement."})
+    draft: DraftOptions = field(default_factory=DraftOptions, metadata={"help": "Speculative decoding."})
+
+
+T = TypeVar("T")
+
+
+def describe(cls: type) -> list[tuple[str, Any, dict]]:
+    """(name, default, metadata) for each field of an options group, in declaration order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append((f.name, default, dict(f.metadata)))
+    return out
+
+
+def to_dict(obj: Any) -> dict:
+    """Plain JSON-ready data (tuples become lists)."""
+    return json_ready(dataclasses.asdict(obj))
+
+
+def json_ready(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build and validate an options dataclass from plain data; missing keys take their defaults."""
+    where = path or cls.__name__
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise OptionError(where, f"expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise OptionError(where, f"unknown option(s) {', '.join(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        fpath = f"{path}.{f.name}" if path else f.name
+        kwargs[f.name] = _coerce(hints[f.name], data[f.name], fpath, f.metadata)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str, meta: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        if value is None:
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise OptionError(path, "expected a list of strings")
+        return tuple(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise OptionError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise OptionError(path, f"expected a whole number, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OptionError(path, f"expected a number, got {value!r}")
+        value = float(value)
+        if value != value:
+            raise OptionError(path, "expected a number, got NaN")
+    elif tp is str:
+        if not isinstance(value, str):
+            raise OptionError(path, f"expected text, got {value!r}")
+    if meta:
+        if meta.get("choices") and value not in meta["choices"]:
+            raise OptionError(path, f"{value!r} is not one of {', '.join(meta['choices'])}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise OptionError(path, f"{value} is below the minimum {meta['min']}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise OptionError(path, f"{value} is above the maximum {meta['max']}")
+    return value

@@ -1,0 +1,52 @@
+"""Where the app keeps its files: platformdirs' user dirs, overridable with MOEDESK_HOME (tests, portable installs).
+
+No torch here: the GUI imports it too.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "moedesk"
+
+
+def _home() -> Path | None:
+    h = os.environ.get("MOEDESK_HOME")
+    return Path(h) if h else None
+
+
+def data_dir() -> Path:
+    h = _home()
+    return (h / "data") if h else Path(platformdirs.user_data_dir(APP, appauthor=False))
+
+
+def config_dir() -> Path:
+    h = _home()
+    return (h / "config") if h else Path(platformdirs.user_config_dir(APP, appauthor=False))
+
+
+def cache_dir() -> Path:
+    h = _home()
+    return (h / "cache") if h else Path(platformdirs.user_cache_dir(APP, appauthor=False))
+
+
+def models_dir() -> Path:
+    """Downloaded and imported models, one folder each."""
+    env = os.environ.get("MOEDESK_MODELS")
+    return Path(env) if env else data_dir() / "models"
+
+
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct-exl2-8.0bpw"
+DEMO_ALIAS = "demo"
+
+
+def resolve_model(name_or_dir: str) -> Path:
+    """A model name (folder in the models dir), the alias "demo", or a path to a folder."""
+    if name_or_dir == DEMO_ALIAS:
+        return models_dir() / DEMO_MODEL_NAME
+    p = Path(name_or_dir).expanduser()
+    if p.is_dir() or os.sep in name_or_dir or name_or_dir.startswith("."):
+        return p
+    return models_dir() / name_or_dir

@@ -1,0 +1,47 @@
+"""Shared fixtures. Tests never touch the user's real folders: MOEDESK_HOME points at a temp dir.
+
+The demo model is imported by `make test` into the real models folder before pytest starts;
+`demo_model` hands tests its path (captured before MOEDESK_HOME is redirected).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from runtime import paths
+
+DEMO_DIR = paths.resolve_model(paths.DEMO_ALIAS)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run on the GPU test machine (make test-gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MOEDESK_MODELS", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    yield
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    if not (DEMO_DIR / "config.json").exists():
+        pytest.fail(f"demo model missing at {DEMO_DIR}: run `make test` (it imports it) or `moedesk-cli import-demo`")
+    return DEMO_DIR
