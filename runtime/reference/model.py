@@ -59,8 +59,9 @@ def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor
     qk = rope.apply(qk, *rot)
     cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)                     # [KVH, T, D]
     cache.v[i, :, start:end] = qkv[:, (nh + nkv) * d:].view(t, nkv, d).transpose(0, 1)
-    q = qk[:, :nh].reshape(t, nkv, nh // nkv, d).permute(1, 2, 0, 3).reshape(nkv, -1, d)   # [KVH, G*T, D]
-    o = F.scaled_dot_product_attention(q, cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
+    q = qk[:, :nh].reshape(t, nkv, nh // nkv, d).permute(1, 2, 0, 3).reshape(1, nkv, -1, d)  # [1, KVH, G*T, D]
+    # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the slower math path)
+    o = F.scaled_dot_product_attention(q, cache.k[i:i + 1, :, :end], cache.v[i:i + 1, :, :end], attn_mask=mask)
     o = o.view(nkv, nh // nkv, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)  # [T, NH*D]
     return layer.o(o)
 
