@@ -14,6 +14,7 @@ unloaded(Unloaded), token(TokenDelta), finished(Finished), telemetry(Telemetry);
 error(request_id, WorkerError) where the exception comes from `runtime.protocol.exception_for` (code,
 message, detail); worker_died(exit_code, description in words, last stderr lines) when the process
 ends without being asked to; state_changed(state) with one of the `State` values.
+A request made while no worker runs is not sent: `error` follows (code "not_running") with its id.
 
 Nothing here blocks the GUI thread: output is read from QProcess's readyRead signals (partial lines
 are buffered until their newline), commands are written without waiting. The only blocking call is
@@ -36,6 +37,7 @@ from runtime.protocol import ChatMessage
 STDERR_LINES = 50
 SHUTDOWN_GRACE_MS = 3000     # after the shutdown command, before terminate
 TERMINATE_GRACE_MS = 2000    # after terminate (SIGTERM), before kill
+NOT_RUNNING = "not_running"  # error code (client side) for a request made while no worker runs
 
 
 class State:
@@ -197,7 +199,9 @@ class EngineClient(QObject):
     def load(self, model: str, options: Optional[LoadOptions] = None, request_id: Optional[str] = None) -> str:
         options = options or LoadOptions()
         request_id = request_id or f"load-{uuid.uuid4().hex[:8]}"
-        self._send(protocol.Load(request_id=request_id, model=model, options=options))
+        if not self._send(protocol.Load(request_id=request_id, model=model, options=options)):
+            self.last_load = (model, options)     # what a restart will load
+            return request_id
         if self._loading is None:
             self._previous_load = self.last_load
         self.last_load, self._loading = (model, options), request_id
@@ -215,16 +219,16 @@ class EngineClient(QObject):
         for i, m in enumerate(messages):
             if not isinstance(m, ChatMessage):
                 raise TypeError(f"messages[{i}] is a {type(m).__name__}, expected runtime.protocol.ChatMessage")
-        self._send(protocol.Generate(request_id=request_id, messages=tuple(messages),
-                                     sampling=sampling or SamplingOptions(), draft=draft))
-        self.generating = request_id
-        self._set_state(State.GENERATING)
+        if self._send(protocol.Generate(request_id=request_id, messages=tuple(messages),
+                                        sampling=sampling or SamplingOptions(), draft=draft)):
+            self.generating = request_id
+            self._set_state(State.GENERATING)
         return request_id
 
     def cancel(self, request_id: Optional[str] = None) -> None:
         """Stop a generation (the running one when `request_id` is None); `finished` follows."""
         rid = request_id or self.generating
-        if rid:
+        if rid and self.is_running():
             self._send(protocol.Cancel(request_id=rid))
 
     def stats(self, request_id: str = "") -> None:
@@ -232,15 +236,21 @@ class EngineClient(QObject):
         self._send(protocol.Stats(request_id=request_id))
 
     # -- internals --------------------------------------------------------------------------
-    def _send(self, command) -> None:
+    def _send(self, command) -> bool:
+        """Write one command; when there is no worker, `error` says so (queued) and False is returned."""
         line = protocol.encode(command)
         proc = self._proc
         if proc is None or proc.state() == QProcess.ProcessState.NotRunning or self._asked_to_stop:
-            raise RuntimeError(f"the engine is not running; cannot send {command.type}")
+            rid = getattr(command, "request_id", "") or ""
+            exc = protocol.WorkerError(NOT_RUNNING, f"The engine is not running, so the {command.type} "
+                                       "request was not sent. Restart the engine and try again.")
+            QTimer.singleShot(0, lambda: self.error.emit(rid, exc))
+            return False
         if proc.state() == QProcess.ProcessState.Starting:
             self._pending.append(line)
         else:
             proc.write(line.encode())
+        return True
 
     def _on_started(self, proc: QProcess) -> None:
         if proc is not self._proc:

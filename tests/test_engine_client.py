@@ -144,8 +144,12 @@ def test_failed_to_start_is_a_death_in_words(qtbot, clients):
     with qtbot.waitSignal(c.worker_died, timeout=10000) as died:
         c.start()
     assert died.args[0] == -1 and "could not be started" in died.args[1]
-    with pytest.raises(RuntimeError, match="not running"):
-        c.load("demo")
+    with qtbot.waitSignal(c.error, timeout=5000) as sig:
+        rid = c.generate("g1", [ChatMessage("user", "hi")])
+    assert sig.args[0] == rid == "g1" and sig.args[1].code == ec.NOT_RUNNING
+    assert "not running" in str(sig.args[1]) and c.generating is None
+    c.load("demo")
+    assert c.last_load[0] == "demo"       # a restart will load it
 
 
 def test_shutdown_escalates_to_kill_for_a_stubborn_process(qtbot, clients, monkeypatch):

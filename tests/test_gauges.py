@@ -223,3 +223,13 @@ def test_sparkline_points_follow_history(panel):
     assert pts[2].x() == pytest.approx(100.0)           # newest on the right edge
     assert pts[0].y() > pts[2].y()                      # higher value drawn higher
     g.spark.grab()                                      # paints without error
+
+
+def test_gui_modules_do_not_import_torch():
+    code = ("import sys, app.engine_client, app.gauges, app.telemetry, app.settings, app.settings_panel\n"
+            "app.settings_panel.list_local_models()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'exllamav2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
