@@ -233,3 +233,13 @@ def test_gui_modules_do_not_import_torch():
                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_memory_sparklines_are_scaled_to_the_total(panel):
+    spark = panel.gauges["ram"].spark
+    spark.resize(102, 24)
+    total_gib = psutil.virtual_memory().total / 2 ** 30
+    assert spark.ceiling == pytest.approx(total_gib)
+    used = panel.gauges["ram"].history.last()
+    pt = spark.points()[-1]
+    assert pt.y() == pytest.approx(22 - used / total_gib * 20, abs=0.01)   # height 24, padding 2

@@ -66,8 +66,11 @@ def test_active_options_define_what_needs_reload(qtbot):
     p = sp.SettingsPanel(Settings(), active=active, has_model=True)
     qtbot.addWidget(p)
     assert p.needs_reload() == ["offload.kv_cache"]       # saved fp16, but the model runs q4
+    assert not p.reload_button.isHidden() and p.reload_button.isEnabled()
     p.set_active(LoadOptions(), has_model=False)
-    assert p.needs_reload() == [] and not p.reload_button.isVisible()
+    assert p.needs_reload() == [] and p.reload_button.isHidden()
+    p.fields["offload.kv_cache"].set_value("q6")
+    assert p.fields["offload.kv_cache"].status.text() == "used at next load"
 
 
 def test_optional_number_maps_lowest_value_to_none(panel):
