@@ -22,6 +22,7 @@ the last resort on application quit (`shutdown(wait=True)`, wired to `aboutToQui
 """
 from __future__ import annotations
 
+import logging
 import signal as _signal
 import sys
 import uuid
@@ -33,6 +34,8 @@ from PySide6.QtCore import QCoreApplication, QObject, QProcess, QTimer, Signal
 from runtime import protocol
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 from runtime.protocol import ChatMessage
+
+log = logging.getLogger("moedesk.worker")   # the worker's stderr, line by line
 
 STDERR_LINES = 50
 SHUTDOWN_GRACE_MS = 3000     # after the shutdown command, before terminate
@@ -139,6 +142,7 @@ class EngineClient(QObject):
         if self._proc is not None and self._proc.state() != QProcess.ProcessState.NotRunning:
             return
         self._out, self._err = LineBuffer(), LineBuffer()
+        self.stderr_lines.clear()       # a later death reports this process's own lines
         self.ready_event, self.loaded_event, self.generating, self._loading = None, None, None, None
         if self._proc is not None:
             self._proc.deleteLater()
@@ -173,9 +177,10 @@ class EngineClient(QObject):
         if proc is None or proc.state() == QProcess.ProcessState.NotRunning:
             self._set_state(State.STOPPED)
             return
+        first = not self._asked_to_stop
         self._asked_to_stop = True
         self._set_state(State.STOPPING)
-        if proc.state() == QProcess.ProcessState.Running:
+        if first and proc.state() == QProcess.ProcessState.Running:
             proc.write(protocol.encode(protocol.Shutdown()).encode())
             proc.closeWriteChannel()     # EOF on stdin: a second reason to leave
         if wait:
@@ -185,7 +190,8 @@ class EngineClient(QObject):
                     proc.kill()
                     proc.waitForFinished(TERMINATE_GRACE_MS)
             return
-        QTimer.singleShot(SHUTDOWN_GRACE_MS, lambda p=proc: self._escalate(p, terminate=True))
+        if first:
+            QTimer.singleShot(SHUTDOWN_GRACE_MS, self, lambda p=proc: self._escalate(p, terminate=True))
 
     def pid(self) -> Optional[int]:
         if self._proc is None or self._proc.state() == QProcess.ProcessState.NotRunning:
@@ -244,7 +250,7 @@ class EngineClient(QObject):
             rid = getattr(command, "request_id", "") or ""
             exc = protocol.WorkerError(NOT_RUNNING, f"The engine is not running, so the {command.type} "
                                        "request was not sent. Restart the engine and try again.")
-            QTimer.singleShot(0, lambda: self.error.emit(rid, exc))
+            QTimer.singleShot(0, self, lambda: self.error.emit(rid, exc))
             return False
         if proc.state() == QProcess.ProcessState.Starting:
             self._pending.append(line)
@@ -269,7 +275,9 @@ class EngineClient(QObject):
         if proc is not self._proc:
             return
         for raw in self._err.feed(bytes(proc.readAllStandardError())):
-            self.stderr_lines.append(raw.decode("utf-8", "replace").rstrip("\r"))
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            self.stderr_lines.append(line)
+            log.info("worker: %s", line)
 
     def _handle_line(self, raw: bytes) -> None:
         if not raw.strip():
@@ -350,7 +358,7 @@ class EngineClient(QObject):
             return
         if terminate:
             proc.terminate()
-            QTimer.singleShot(TERMINATE_GRACE_MS, lambda p=proc: self._escalate(p, terminate=False))
+            QTimer.singleShot(TERMINATE_GRACE_MS, self, lambda p=proc: self._escalate(p, terminate=False))
         else:
             proc.kill()
 

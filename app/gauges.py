@@ -3,7 +3,7 @@
 Use (the window's wiring block connects it to the engine client):
 
     panel = GaugesPanel()
-    client.ready.connect(lambda ev: panel.set_worker_pid(client.pid()))
+    client.ready.connect(lambda ev: panel.set_worker_pid(ev.pid))
     client.telemetry.connect(panel.show_telemetry)     # runtime.protocol.Telemetry
     client.finished.connect(panel.show_finished)       # runtime.protocol.Finished
     client.worker_died.connect(lambda *a: panel.set_worker_pid(None))

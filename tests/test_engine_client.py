@@ -260,3 +260,21 @@ def test_real_worker_shutdown_leaves_no_process(qtbot, worker):
         worker.shutdown()
     gone, alive = psutil.wait_procs(family, timeout=5)
     assert alive == []
+
+
+def test_app_quit_stops_the_worker(qtbot, qapp, clients):
+    c = clients(scripted("""
+        for line in sys.stdin:
+            if '"shutdown"' in line:
+                print("bye", file=sys.stderr)
+                sys.exit(0)
+    """))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.start()
+    proc = psutil.Process(c.pid())
+    died = []
+    c.worker_died.connect(lambda *a: died.append(a))
+    qapp.aboutToQuit.emit()                 # what QApplication does on quit
+    assert c.state == State.STOPPED and c.pid() is None
+    assert not proc.is_running() and died == []
+    assert list(c.stderr_lines) == ["bye"]
