@@ -23,13 +23,15 @@ the last resort on application quit (`shutdown(wait=True)`, wired to `aboutToQui
 from __future__ import annotations
 
 import logging
+import os
 import signal as _signal
 import sys
 import uuid
 from collections import deque
+from pathlib import Path
 from typing import Optional, Sequence
 
-from PySide6.QtCore import QCoreApplication, QObject, QProcess, QTimer, Signal
+from PySide6.QtCore import QCoreApplication, QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 from runtime import protocol
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
@@ -60,6 +62,19 @@ def worker_command() -> list[str]:
     except ImportError:
         return [sys.executable, "-m", "runtime.worker"]
     return list(runtime_worker_command())
+
+
+def worker_environment() -> dict[str, str]:
+    """The worker's environment: ours, with this copy of `runtime` importable and unbuffered output."""
+    try:
+        from runtime.client import worker_env
+    except ImportError:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+    return dict(worker_env())
 
 
 def describe_exit(exit_code: int, crashed: bool) -> str:
@@ -150,6 +165,10 @@ class EngineClient(QObject):
         proc = self._proc = QProcess(self)
         proc.setProgram(self._command[0])
         proc.setArguments(self._command[1:])
+        env = QProcessEnvironment()
+        for key, value in worker_environment().items():
+            env.insert(key, value)
+        proc.setProcessEnvironment(env)
         proc.readyReadStandardOutput.connect(lambda p=proc: self._read_stdout(p))
         proc.readyReadStandardError.connect(lambda p=proc: self._read_stderr(p))
         proc.started.connect(lambda p=proc: self._on_started(p))

@@ -52,6 +52,8 @@ def test_worker_command_default():
     cmd = ec.worker_command()
     assert cmd[0] == sys.executable or os.path.exists(cmd[0])
     assert "runtime.worker" in " ".join(cmd) or "moedesk-worker" in " ".join(cmd)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ec.__file__)))
+    assert ec.worker_environment()["PYTHONPATH"].split(os.pathsep)[0] == root
 
 
 # ---- scripted processes -----------------------------------------------------------------------
