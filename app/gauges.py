@@ -149,6 +149,9 @@ class GaugesPanel(QWidget):
 
     # -- polled: NVML and psutil only -------------------------------------------------------
     def set_worker_pid(self, pid: Optional[int]) -> None:
+        """Watch this process's memory (None: none). Repeating the same pid changes nothing."""
+        if (pid or None) == self.ram.pid:
+            return
         self.ram.set_pid(pid)
         self.poll()
 

@@ -21,6 +21,7 @@ rule lives with the model hub: pass it in through `set_draft_compatibility`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,7 @@ def list_local_models(models_dir: Optional[Path] = None, target: Optional[Path] 
             try:
                 validate(folder)
             except Exception as e:   # ModelFolderError names the file and the problem
-                problem = str(e)
+                problem = str(e).replace(f"{folder}{os.sep}", "")    # the file, relative to its folder
         elif not (folder / "config.json").is_file():
             problem = "no config.json"
         if problem is None and target is not None:

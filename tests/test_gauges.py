@@ -179,6 +179,8 @@ def test_panel_shows_no_gpu_state_and_psutil_values(panel, qtbot):
     panel.set_worker_pid(os.getpid())
     assert panel.value_text("worker_rss") != DASH and f"pid {os.getpid()}" == panel.note_text("worker_rss")
     n = len(panel.gauges["ram"].history)
+    panel.set_worker_pid(os.getpid())                  # the same pid again: no extra sample
+    assert len(panel.gauges["ram"].history) == n
     qtbot.waitUntil(lambda: len(panel.gauges["ram"].history) >= n + 2, timeout=3000)   # the timer polls
 
 

@@ -144,3 +144,13 @@ def test_saved_draft_model_that_is_gone_stays_visible(qtbot):
     combo = p.fields["draft.model"].editor
     assert combo.currentText() == "vanished (not found)"
     assert p.settings().load.draft.model == "vanished"
+
+
+def test_draft_picker_uses_the_model_folder_validator(demo_model, tmp_path):
+    if sp._validate_function() is None:
+        pytest.skip("runtime.modelfolder is not on this branch yet")
+    demo = {m.name: m.problem for m in sp.list_local_models(demo_model.parent)}
+    assert demo[demo_model.name] is None
+    _model_folder(tmp_path, "broken", 1000)          # config.json only: no tokenizer, no weights
+    (broken,) = sp.list_local_models(tmp_path)
+    assert broken.problem is not None and broken.problem.startswith("config.json: "), broken.problem
