@@ -17,8 +17,9 @@ ends without being asked to; state_changed(state) with one of the `State` values
 A request made while no worker runs is not sent: `error` follows (code "not_running") with its id.
 
 Nothing here blocks the GUI thread: output is read from QProcess's readyRead signals (partial lines
-are buffered until their newline), commands are written without waiting. The only blocking call is
-the last resort on application quit (`shutdown(wait=True)`, wired to `aboutToQuit`).
+are buffered until their newline), commands are written without waiting, restart and shutdown
+proceed on signals and timers. The only blocking call is the last resort on application quit
+(`shutdown(wait=True)`, wired to `aboutToQuit`).
 """
 from __future__ import annotations
 
@@ -146,6 +147,7 @@ class EngineClient(QObject):
         self.loaded_event: Optional[protocol.Loaded] = None
         self.generating: Optional[str] = None     # request id of the running generation
         self._asked_to_stop = False
+        self._restarting = False
         self._pending: list[str] = []
         app = QCoreApplication.instance()
         if app is not None:
@@ -179,12 +181,19 @@ class EngineClient(QObject):
         proc.start()
 
     def restart(self) -> None:
-        """Stop the worker if it runs, start a fresh one, and reload the last model if there was one."""
+        """Stop the worker if it runs (kill), start a fresh one, and reload the last model if any."""
+        if self._restarting:
+            return
         old = self._proc
         if old is not None and old.state() != QProcess.ProcessState.NotRunning:
-            self._asked_to_stop = True
+            self._asked_to_stop = self._restarting = True
+            old.finished.connect(lambda *_: self._respawn())   # runs after _on_finished for it
             old.kill()
-            old.waitForFinished(2000)    # SIGKILL: immediate; bounded wait
+            return
+        self._respawn()
+
+    def _respawn(self) -> None:
+        self._restarting = False
         self.start()
         if self.last_load is not None:
             model, options = self.last_load

@@ -297,3 +297,24 @@ def test_app_quit_stops_the_worker(qtbot, qapp, clients):
     assert c.state == State.STOPPED and c.pid() is None
     assert not proc.is_running() and died == []
     assert list(c.stderr_lines) == ["bye"]
+
+
+def test_restart_of_a_running_worker_replaces_it_and_reloads(qtbot, clients):
+    c = clients(scripted("""
+        for line in sys.stdin:
+            print("got", line.split('"type":"')[1].split('"')[0], file=sys.stderr, flush=True)
+    """))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.start()
+    c.load("some-model")
+    first = psutil.Process(c.pid())
+    died = []
+    c.worker_died.connect(lambda *a: died.append(a))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.restart()
+        c.restart()                        # a double click: one restart, one reload
+    assert c.pid() != first.pid and not first.is_running()
+    assert died == [] and c.last_load[0] == "some-model"
+    qtbot.waitUntil(lambda: "got load" in c.stderr_lines, timeout=5000)
+    qtbot.wait(300)
+    assert list(c.stderr_lines) == ["got load"]
