@@ -357,7 +357,12 @@ class SettingsPanel(QDialog):
         self.fields["draft.model"].editor.setEnabled(mode == "model")
         for p in ("draft.draft_tokens", "draft.adaptive"):
             self.fields[p].editor.setEnabled(mode != "off")
-        self.reload_button.setEnabled(bool(reload) and self._has_model)
+        missing = mode == "model" and self.fields["draft.model"].value() is None
+        if missing:
+            self.fields["draft.model"].status.setText("choose a draft model")
+            self.fields["draft.model"].status.setStyleSheet(_status_style("needs reload"))
+        self.apply_button.setEnabled(not missing)
+        self.reload_button.setEnabled(bool(reload) and self._has_model and not missing)
         self.reload_button.setVisible(self._has_model)
 
     def _status_text(self, path: str, f: _Field, needs_reload: bool) -> str:

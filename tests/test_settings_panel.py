@@ -89,6 +89,10 @@ def test_draft_mode_enables_its_editors(panel):
     assert not panel.fields["draft.model"].editor.isEnabled()
     panel.fields["draft.mode"].set_value("model")
     assert panel.fields["draft.model"].editor.isEnabled()
+    assert panel.fields["draft.model"].status.text() == "choose a draft model"   # none picked yet
+    assert not panel.apply_button.isEnabled()
+    panel.fields["draft.mode"].set_value("off")
+    assert panel.apply_button.isEnabled()
 
 
 def test_applied_report_is_shown(panel):
