@@ -194,6 +194,8 @@ def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     Tensors are consumed one at a time (pass a generator to keep memory at one tensor). `total`
     defaults to len(named_tensors) when it has one; progress gets (tensors done, total).
     """
+    fmt.resolve_bits(bits, name="bits")                 # fail before any work, not at the last tensor
+    fmt.resolve_bits(head_bits, name="head_bits")
     tied = bool(hf_config.get("tie_word_embeddings", False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     if total is None:
