@@ -16,7 +16,7 @@ from huggingface_hub import HfApi, constants, get_session, hf_hub_download
 from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.hf_api import RepoFile
 
-from app.hub.errors import HubError, translate
+from app.hub.errors import HubAccessError, HubError, translate
 from runtime import paths
 
 # Never downloaded: pickled checkpoints are never loaded (safetensors only) and GGUF is another format.
@@ -72,6 +72,7 @@ class Quant:
     head_bits: float | None
     files: tuple[RemoteFile, ...]
     config: dict = field(default_factory=dict, compare=False)
+    access: str = ""           # non-empty: why the files cannot be fetched now (gated repo without a token)
 
     @property
     def size_bytes(self) -> int:
@@ -137,13 +138,18 @@ class HubClient:
                       for f in tree if not is_ignored(f.path))
         if not any(f.path.endswith(".safetensors") for f in files):
             return None
-        config = self._config(repo_id, commit) if any(f.path == "config.json" for f in files) else {}
+        config, access = {}, ""
+        if any(f.path == "config.json" for f in files):
+            try:
+                config = self._config(repo_id, commit)
+            except HubAccessError as exc:       # gated: the listing is public, the files are not
+                access = str(exc)
         bpw, head_bits = parse_branch_bpw(branch)
         qc = config.get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("quant_method") == "exl2":
             bpw = float(qc.get("bits") or bpw or 0) or bpw
             head_bits = float(qc.get("head_bits") or head_bits or 0) or head_bits
-        return Quant(repo_id, branch, commit, bpw, head_bits, files, config)
+        return Quant(repo_id, branch, commit, bpw, head_bits, files, config, access)
 
     def _config(self, repo_id: str, commit: str) -> dict:
         try:
