@@ -14,16 +14,16 @@ The server logs every request (`FakeHub.log`) so tests can check Range headers a
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import numpy as np
-from safetensors.numpy import save as st_save
 
 LFS_MIN_SIZE = 1024          # like the Hub: weights (and big files) are LFS
 
@@ -285,35 +285,41 @@ TINY_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
-    "vocab_size": 256, "tie_word_embeddings": False, "max_position_embeddings": 2048,
+    "vocab_size": 1024, "tie_word_embeddings": False, "max_position_embeddings": 2048,
     "torch_dtype": "float16", "rms_norm_eps": 1e-6,
 }
 
 
-def tiny_tokenizer_json(vocab_size: int = 256, salt: str = "") -> bytes:
+def tiny_tokenizer_json(vocab_size: int = 1024, salt: str = "") -> bytes:
     vocab = {f"<{salt}{i}>": i for i in range(vocab_size)}
     return json.dumps({"version": "1.0", "added_tokens": [], "normalizer": None, "pre_tokenizer": None,
                        "model": {"type": "BPE", "vocab": vocab, "merges": []}}).encode()
 
 
-def exl2_safetensors(bits: float, seed: int, rows: int = 64, layers: int = 2, experts: int = 8) -> bytes:
-    """Random tensors with EXL2 names and dtypes; size grows with `bits` like a real quant."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    packed_rows = max(int(rows * bits / 32), 1)
-    for layer in range(layers):
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            pre = f"model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{pre}.q_weight"] = rng.integers(0, 2**31, (packed_rows * 4, 64), dtype=np.int32)
-            tensors[f"{pre}.q_scale"] = rng.integers(0, 2**31, (2, 8), dtype=np.int32)
-            tensors[f"{pre}.q_scale_max"] = rng.random(2, dtype=np.float32).astype(np.float16)
-        for e in range(experts):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                pre = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
-                tensors[f"{pre}.q_weight"] = rng.integers(0, 2**31, (packed_rows, 64), dtype=np.int32)
-        tensors[f"model.layers.{layer}.mlp.gate.weight"] = rng.random((experts, 64), dtype=np.float32).astype(np.float16)
-    tensors["model.embed_tokens.weight"] = rng.random((256, 64), dtype=np.float32).astype(np.float16)
-    return st_save(tensors, metadata={"format": "pt"})
+@functools.lru_cache(maxsize=None)
+def exl2_safetensors(bits: float, seed: int, head_bits: int = 6) -> bytes:
+    """A valid EXL2 model of TINY_CONFIG's shape (random weights, round-to-nearest quantized)."""
+    import torch
+    from safetensors.torch import save
+
+    from runtime.exl2.format import quantize
+    from runtime.modelfolder import layout
+
+    gen = torch.Generator().manual_seed(seed)
+    lay = layout(TINY_CONFIG)
+    tensors = {name: (torch.randn(shape, generator=gen) * 0.02 + (1.0 if name.endswith("norm.weight") else 0.0))
+               .to(torch.float16) for name, shape in lay.plain.items()}
+    quantized: dict[str, dict] = {}            # one quantized weight per kind, reused across layers and experts
+    for prefix, (out, inp) in lay.linears.items():
+        if prefix.endswith("mlp.gate"):                                 # the router stays FP16
+            tensors[f"{prefix}.weight"] = (torch.randn(out, inp, generator=gen) * 0.05).to(torch.float16)
+            continue
+        kind = re.sub(r"\.\d+\.", ".#.", prefix)
+        if kind not in quantized:
+            w = torch.randn(out, inp, generator=gen) * 0.05
+            quantized[kind] = quantize(w, head_bits if prefix == "lm_head" else bits, 32, name=prefix)
+        tensors.update({f"{prefix}.{k}": v.clone() for k, v in quantized[kind].items()})
+    return save(tensors, metadata={"format": "pt"})
 
 
 def exl2_branch(name: str, bits: float, seed: int, head_bits: int = 6) -> Branch:
@@ -323,7 +329,7 @@ def exl2_branch(name: str, bits: float, seed: int, head_bits: int = 6) -> Branch
         "config.json": json.dumps(config, indent=2).encode(),
         "tokenizer.json": tiny_tokenizer_json(),
         "tokenizer_config.json": b'{"eos_token": "<255>"}',
-        "model.safetensors": exl2_safetensors(bits, seed),
+        "model.safetensors": exl2_safetensors(bits, seed, head_bits),
         "README.md": f"# tiny exl2 {name}\n".encode(),
     })
 
