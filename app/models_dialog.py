@@ -284,8 +284,10 @@ class ModelManagerDialog(QDialog):
         self._fill_quants()
 
     def fit_text(self, q: Quant) -> tuple[str, str]:
+        if q.access:
+            return "gated: sign in to download it and to see its fit", q.access
         if not q.config or q.bpw is None:
-            return "unknown: no config.json or bits per weight", q.access
+            return "unknown: no config.json or bits per weight", ""
         try:
             est = estimate_fit(ModelShape.from_config(q.config), q.bpw, self.context_spin.value(),
                                self.kv_combo.currentText(), self.vram, self.ram, q.head_bits or 6.0)

@@ -289,3 +289,27 @@ def test_safe_names():
     assert safe_name("a/b", "../../x y") == "a--b--.._.._x_y"
     with pytest.raises(UnsafePathError, match="cannot make a folder name"):
         safe_name("..", "/")
+
+
+def test_a_branch_that_moved_on_starts_afresh(hub, tmp_path):
+    models = tmp_path / "models"
+    holder = {}
+
+    def pause_midway(p):
+        if p.state is JobState.RUNNING and p.done_bytes > 60_000:
+            holder["m"].pause(p.job_id)
+    holder["m"] = m = manager(models, pause_midway)
+    job = m.enqueue(quant())
+    assert m.wait(job.id).state is JobState.PAUSED
+    from fakehub import Branch, exl2_branch
+    old = hub.repos[REPO].branches["4.0bpw"]
+    new = exl2_branch("4.0bpw", 4.0, seed=7)
+    readme = old.files["README.md"].upper()                 # same size: only the commit says it changed
+    hub.repos[REPO].branches["4.0bpw"] = Branch("4.0bpw", dict(new.files, **{"README.md": readme}))
+    assert hub.repos[REPO].branches["4.0bpw"].commit != old.commit
+    m.on_event = lambda p: None
+    job2 = m.enqueue(quant())
+    assert job2.commit != job.commit
+    assert m.wait(job2.id).state is JobState.DONE
+    assert (models / job2.id / "README.md").read_bytes() == readme
+    assert_model_matches(models / job2.id, hub, "4.0bpw")

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 from app.hub.browse import Quant
-from app.hub.download import (DownloadJob, DownloadProgress, Interrupted, JobState, RetryPolicy, bytes_on_disk,
-                              check_disk_space, plan, progress_for, remove_staging, run_job, staged_jobs,
-                              write_manifest)
+from app.hub.download import (MANIFEST, DownloadJob, DownloadProgress, Interrupted, JobState, RetryPolicy,
+                              bytes_on_disk, check_disk_space, plan, progress_for, read_manifest, remove_staging,
+                              run_job, staged_jobs, staging_dir, write_manifest)
 from app.hub.errors import HubError
 from runtime import paths
 
@@ -57,6 +57,9 @@ class DownloadManager:
                 return self._jobs[job.id]
             if (self.models_dir / job.id).exists():
                 raise HubError(f"{job.repo_id} ({job.branch}) is already downloaded: {self.models_dir / job.id}")
+            stage = staging_dir(self.models_dir, job.id)
+            if (stage / MANIFEST).is_file() and read_manifest(stage).commit != job.commit:
+                remove_staging(self.models_dir, job.id)     # the branch moved on: old bytes are not its files
             check_disk_space(job, self.models_dir, self.margin_bytes)
             write_manifest(job, self.models_dir)
             self._jobs[job.id] = job
