@@ -1,6 +1,6 @@
 """Browsing against the fake hub on loopback: search, branches, bits per weight, sizes, offline, gated."""
 import pytest
-from fakehub import FakeHub, Repo, Branch, fake_hub, tiny_exl2_repo  # noqa: F401
+from fakehub import Branch, Repo, fake_hub, tiny_exl2_repo  # noqa: F401 (fake_hub is a fixture)
 
 from app.hub.browse import HubClient, parse_branch_bpw
 from app.hub.errors import HubAccessError, HubOffline

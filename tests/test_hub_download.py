@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fakehub import fake_hub, tiny_exl2_repo  # noqa: F401
+from fakehub import Fault, fake_hub, tiny_exl2_repo  # noqa: F401 (fake_hub is a fixture)
 
 from app.hub import download
 from app.hub.browse import HubClient
@@ -60,7 +60,8 @@ def test_download_a_branch(hub, tmp_path):
 
 
 def test_dropped_connection_resumes_from_where_it_stopped(hub, tmp_path):
-    hub.faults.append(download_fault := __import__("fakehub").Fault("model.safetensors", "close", at=100_000))
+    fault = Fault("model.safetensors", "close", at=100_000)
+    hub.faults.append(fault)
     m = manager(tmp_path / "models")
     job = m.enqueue(quant())
     assert m.wait(job.id).state is JobState.DONE
@@ -68,7 +69,7 @@ def test_dropped_connection_resumes_from_where_it_stopped(hub, tmp_path):
     assert len(gets) == 2 and gets[0].range is None
     start = int(gets[1].range.removeprefix("bytes=").rstrip("-"))
     assert 0 < start <= 100_000                       # resumed, not restarted
-    assert download_fault.times == 0
+    assert fault.times == 0
     assert_model_matches(tmp_path / "models" / job.id, hub, "4.0bpw")
 
 
@@ -97,7 +98,6 @@ def test_restart_resumes_the_partial_file(hub, tmp_path):
 
 
 def test_server_errors_are_retried_with_backoff(hub, tmp_path):
-    from fakehub import Fault
     hub.faults.append(Fault("model.safetensors", "error", times=3, status=500))
     events = []
     m = manager(tmp_path / "models", events)
@@ -108,7 +108,6 @@ def test_server_errors_are_retried_with_backoff(hub, tmp_path):
 
 
 def test_server_errors_give_up_with_a_message(hub, tmp_path):
-    from fakehub import Fault
     hub.faults.append(Fault("model.safetensors", "error", times=99, status=503))
     m = manager(tmp_path / "models")
     job = m.enqueue(quant())
@@ -119,7 +118,6 @@ def test_server_errors_give_up_with_a_message(hub, tmp_path):
 
 
 def test_stalled_connection_times_out_and_resumes(hub, tmp_path, monkeypatch):
-    from fakehub import Fault
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
     hub.faults.append(Fault("model.safetensors", "stall", at=50_000, seconds=4))
@@ -133,7 +131,6 @@ def test_stalled_connection_times_out_and_resumes(hub, tmp_path, monkeypatch):
 
 
 def test_a_corrupted_byte_is_detected_and_fetched_again(hub, tmp_path):
-    from fakehub import Fault
     hub.faults.append(Fault("model.safetensors", "corrupt", at=1234))
     events = []
     m = manager(tmp_path / "models", events)
@@ -144,7 +141,6 @@ def test_a_corrupted_byte_is_detected_and_fetched_again(hub, tmp_path):
 
 
 def test_persistent_corruption_fails_and_nothing_becomes_loadable(hub, tmp_path):
-    from fakehub import Fault
     hub.faults.append(Fault("model.safetensors", "corrupt", at=150_000, times=99))
     m = manager(tmp_path / "models")
     job = m.enqueue(quant())

@@ -1,9 +1,8 @@
 """The model manager dialog (pytest-qt, offscreen) against the fake hub on loopback."""
 import pytest
-from fakehub import Fault, fake_hub  # noqa: F401
+from fakehub import Fault, fake_hub  # noqa: F401 (fake_hub is a fixture)
 
 from app.hub import download
-from app.hub.download import JobState
 from app.models_dialog import ModelManagerDialog
 
 GiB = 1024 ** 3
@@ -80,7 +79,6 @@ def test_cancel_from_the_dialog_leaves_nothing_to_load(qtbot, dialog, fake_hub, 
 
 
 def test_disk_refusal_is_shown(qtbot, dialog, monkeypatch):
-    from app.hub import errors
     search_and_pick(qtbot, dialog)
     shown = []
     monkeypatch.setattr("app.models_dialog.QMessageBox.warning", lambda *a: shown.append(a[2]))
@@ -89,7 +87,6 @@ def test_disk_refusal_is_shown(qtbot, dialog, monkeypatch):
     assert shown and shown[0].startswith("Not enough disk space for tester/Tiny-MoE-exl2 (4.0bpw)")
     assert dialog.hub_status.text() == shown[0]
     assert dialog.download_table.rowCount() == 0
-    assert errors  # module imported for the message types
 
 
 def test_offline_hub_is_said_and_local_models_still_work(qtbot, dialog, fake_hub, tmp_path):
