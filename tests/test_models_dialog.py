@@ -117,3 +117,24 @@ def test_screenshot_helper_writes_a_png(qtbot, tmp_path):
     from app.models_dialog import grab_model_manager
     out = grab_model_manager(tmp_path / "shots" / "model-manager.png")
     assert out.is_file() and out.stat().st_size > 10_000
+
+
+def test_delete_asks_first_and_reveal_opens_the_folder(qtbot, dialog, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+    from test_hub_local import write_model
+    folder = write_model(tmp_path / "models" / "to-delete")
+    dialog.refresh_local()
+    dialog.local_table.selectRow(0)
+    opened = []
+    monkeypatch.setattr("app.models_dialog.QDesktopServices.openUrl", lambda url: opened.append(url.toLocalFile()))
+    dialog.reveal_button.click()
+    assert opened == [str(folder)]
+    asked = []
+    monkeypatch.setattr("app.models_dialog.QMessageBox.question",
+                        lambda *a: asked.append(a[2]) or QMessageBox.No)
+    dialog.delete_button.click()
+    assert folder.is_dir() and "Delete to-delete" in asked[0]
+    monkeypatch.setattr("app.models_dialog.QMessageBox.question", lambda *a: QMessageBox.Yes)
+    dialog.local_table.selectRow(0)
+    dialog.delete_button.click()
+    assert not folder.exists() and dialog.local_table.rowCount() == 0
