@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class FakeHub:
         self.faults: list[Fault] = []
         self.log: list[Request] = []
         self.lock = threading.Lock()
+        self.connections: set = set()       # open client sockets, closed by stop() like a vanished host
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
 
@@ -102,6 +104,13 @@ class FakeHub:
         if self.server:
             self.server.shutdown()
             self.server.server_close()
+            with self.lock:
+                for conn in list(self.connections):
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self.connections.clear()
 
     def take_fault(self, path: str) -> Fault | None:
         with self.lock:
@@ -121,6 +130,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        with self.hub.lock:
+            self.hub.connections.add(self.connection)
+
+    def finish(self):
+        with self.hub.lock:
+            self.hub.connections.discard(self.connection)
+        super().finish()
 
     # -- plumbing
     def _send(self, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False):

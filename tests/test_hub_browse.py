@@ -47,6 +47,7 @@ def test_bpw_falls_back_to_the_branch_name(fake_hub):
 
 
 def test_offline_hub_is_reported_in_words(monkeypatch, fake_hub):
+    assert HubClient().search("tiny")                 # online first: a kept-alive connection exists
     fake_hub.stop()
     with pytest.raises(HubOffline, match="cannot be reached.*Local models keep working"):
         HubClient().search("tiny")

@@ -87,18 +87,18 @@ class HubClient:
         self.token = token            # None: huggingface_hub's own stored token (login / HF_TOKEN), if any
         self.api = HfApi(endpoint=self.endpoint, token=token, library_name="moedesk")
 
-    def check_online(self, timeout: float = 5.0) -> None:
+    def check_online(self, what: str, timeout: float = 5.0) -> None:
         """Raise `HubOffline` at once when the Hub is unreachable (huggingface_hub would retry for ~20 s)."""
         try:
             if constants.is_offline_mode():
                 raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
             get_session().head(self.endpoint, timeout=timeout)
         except Exception as exc:
-            raise translate(exc, "contacting the Hub") from exc
+            raise translate(exc, what) from exc
 
     def search(self, query: str = "", limit: int = 50) -> list[RepoSummary]:
         """Repos tagged `exl2`, then repos with "exl2" in their name, most downloaded first."""
-        self.check_online()
+        self.check_online(f"searching for {query!r}")
         found: dict[str, RepoSummary] = {}
         try:
             for tagged in (True, False):
@@ -113,7 +113,7 @@ class HubClient:
 
     def quants(self, repo_id: str) -> list[Quant]:
         """Every branch of `repo_id` that holds safetensors, with its bits per weight and size."""
-        self.check_online()
+        self.check_online(f"listing the branches of {repo_id}")
         try:
             refs = self.api.list_repo_refs(repo_id)
         except Exception as exc:

@@ -177,7 +177,7 @@ def check_disk_space(job: DownloadJob, models_dir: Path, margin_bytes: int) -> N
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,9 +313,9 @@ def run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress
                     raise fatal from exc
                 if attempt == retry.attempts:
                     raise _gave_up(exc, f, attempt) from exc
-                problem = f"{f.path}: {exc.__class__.__name__}."
+                problem = _retry_reason(exc, f)
             tracker.file_bytes = 0
-            tracker.publish(force=True, message=f"{problem} Retrying in {retry.delay(attempt):.0f} s "
+            tracker.publish(force=True, message=f"{problem} Retrying in {retry.delay(attempt):.3g} s "
                                                 f"(attempt {attempt + 1} of {retry.attempts}).")
             wait(retry.delay(attempt))
     return _finish(job, stage, final)
@@ -361,6 +361,14 @@ def _classify(exc: Exception, job: DownloadJob, f: RemoteFile, models_dir: Path)
     if isinstance(exc, (httpx2.TransportError, OSError)):
         return None
     return translate(exc, f"downloading {f.path}")
+
+
+def _retry_reason(exc: Exception, f: RemoteFile) -> str:
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return f"{f.path}: the Hub answered HTTP {exc.response.status_code}."
+    if isinstance(exc, httpx2.TransportError):
+        return f"{f.path}: connection problem ({exc.__class__.__name__})."
+    return f"{f.path}: {exc}."
 
 
 def _gave_up(exc: Exception, f: RemoteFile, attempts: int) -> HubError:

@@ -65,7 +65,10 @@ def translate(exc: BaseException, what: str) -> HubError:
     """Map a huggingface_hub / httpx2 exception met while doing `what` (e.g. "listing branches of x/y")."""
     if isinstance(exc, HubError):
         return exc
-    if isinstance(exc, (hf_errors.OfflineModeIsEnabled, httpx2.TransportError)):
+    if isinstance(exc, hf_errors.OfflineModeIsEnabled):
+        return HubOffline("Offline mode is on (HF_HUB_OFFLINE): the Hugging Face Hub is not contacted. "
+                          "Local models keep working.")
+    if isinstance(exc, httpx2.TransportError):
         return HubOffline(f"The Hugging Face Hub cannot be reached while {what} "
                           f"({exc.__class__.__name__}). Local models keep working.")
     if isinstance(exc, hf_errors.GatedRepoError):
