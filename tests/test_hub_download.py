@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from fakehub import Fault, fake_hub, tiny_exl2_repo  # noqa: F401 (fake_hub is a fixture)
 
-from app.hub import download
+from app.hub import download, staging
 from app.hub.browse import HubClient
-from app.hub.download import JobState, RetryPolicy, safe_relpath, safe_name
+from app.hub.download import JobState, RetryPolicy
+from app.hub.staging import safe_name, safe_relpath
 from app.hub.errors import NotEnoughDiskSpace, UnsafePathError
 from app.hub.queue import DownloadManager
 
@@ -50,8 +51,8 @@ def test_download_a_branch(hub, tmp_path):
     folder = tmp_path / "models" / job.id
     assert job.id == "tester--Tiny-MoE-exl2--4.0bpw"
     assert_model_matches(folder, hub, "4.0bpw")
-    assert (folder / download.SOURCE).is_file() and not (folder / download.MANIFEST).exists()
-    assert not list((tmp_path / "models" / download.STAGING).iterdir())
+    assert (folder / staging.SOURCE).is_file() and not (folder / staging.MANIFEST).exists()
+    assert not list((tmp_path / "models" / staging.STAGING).iterdir())
     running = [e for e in events if e.state is JobState.RUNNING]
     assert any(e.current_file == "model.safetensors" and 0 < e.done_bytes < job.total_bytes for e in running)
     assert [e.done_bytes for e in running] == sorted(e.done_bytes for e in running)
@@ -84,7 +85,7 @@ def test_restart_resumes_the_partial_file(hub, tmp_path):
     job = first.enqueue(quant())
     assert first.wait(job.id).state is JobState.PAUSED
     first.shutdown()                                  # the app quits
-    part = models / download.STAGING / job.id / download.PARTIAL / "model.safetensors"
+    part = models / staging.STAGING / job.id / staging.PARTIAL / "model.safetensors"
     kept = part.stat().st_size
     assert 0 < kept < len(hub.repos[REPO].branches["4.0bpw"].files["model.safetensors"])
 
@@ -147,7 +148,7 @@ def test_persistent_corruption_fails_and_nothing_becomes_loadable(hub, tmp_path)
     final = m.wait(job.id)
     assert final.state is JobState.FAILED
     assert "model.safetensors arrived corrupted" in final.message and "(4 times)" in final.message
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [download.STAGING]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [staging.STAGING]
 
 
 def test_cancel_deletes_the_partial_download(hub, tmp_path):
@@ -162,7 +163,7 @@ def test_cancel_deletes_the_partial_download(hub, tmp_path):
     final = m.wait(job.id)
     assert final.state is JobState.CANCELLED and "deleted" in final.message
     assert not (models / job.id).exists()
-    assert not (models / download.STAGING / job.id).exists()
+    assert not (models / staging.STAGING / job.id).exists()
 
 
 def test_pause_and_resume_in_one_session(hub, tmp_path):
@@ -264,7 +265,7 @@ def test_gated_repo_needs_a_token_and_the_token_is_never_logged(hub, tmp_path, m
 # -- paths from the listing
 
 @pytest.mark.parametrize("bad", ["../evil", "a/../../evil", "/etc/passwd", "a\\b", "C:evil", "", "a//b",
-                                 "./a", download.MANIFEST, ".partial/x"])
+                                 "./a", staging.MANIFEST, ".partial/x"])
 def test_unsafe_paths_are_refused(bad):
     with pytest.raises(UnsafePathError):
         safe_relpath(bad)

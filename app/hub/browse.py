@@ -57,7 +57,7 @@ class RepoSummary:
 
 @dataclass(frozen=True)
 class RemoteFile:
-    path: str              # as listed by the Hub: untrusted until `download.safe_relpath` accepts it
+    path: str              # as listed by the Hub: untrusted until `staging.safe_relpath` accepts it
     size: int
     sha256: str | None     # LFS files: the sha256 of the content
     blob_id: str           # git blob id (sha1 of "blob <size>\0" + content) for non-LFS files

@@ -5,24 +5,20 @@ Files travel through huggingface_hub's own HTTP layer (`hf_hub_url`, `build_hf_h
 goes to a process-unique temporary file that is deleted on any failure, so a cancelled, paused or crashed
 download starts every file from zero; and it offers no way to stop it. Here partial bytes are kept.
 
-Layout on disk:
-  <models>/.staging/<name>/.moedesk-download.json   what to fetch: repo, branch, commit, files, sizes, hashes
-  <models>/.staging/<name>/.partial/<path>          bytes received so far of one file
-  <models>/.staging/<name>/<path>                   files received and verified (size + sha256 / git blob id)
-  <models>/<name>/                                  the whole folder, moved there in one rename when complete
+A download lives in `<models>/.staging/<name>/` (layout in `app/hub/staging.py`): partial files under
+`.partial/`, each file moved beside them once its size and hash (sha256 for LFS files, the git blob id
+otherwise) match the listing, and the whole folder renamed to `<models>/<name>/` when every file is there.
 The model list skips `.staging`, so nothing half-downloaded ever looks loadable.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Callable
 
 import httpx2
@@ -31,14 +27,11 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 
-from app.hub.browse import Quant, RemoteFile, endpoint as hub_endpoint
-from app.hub.errors import (DiskFullError, HubError, IntegrityError, NotEnoughDiskSpace, UnsafePathError,
-                            is_disk_full, translate)
+from app.hub.browse import RemoteFile, endpoint as hub_endpoint
+from app.hub.errors import DiskFullError, HubError, IntegrityError, is_disk_full, translate
+from app.hub.staging import (MANIFEST, PARTIAL, SOURCE, DownloadJob, bytes_on_disk, check_disk_space, file_digest,
+                             gb, inside, partial_total, safe_relpath, staging_dir, write_manifest)
 
-STAGING = ".staging"
-MANIFEST = ".moedesk-download.json"
-PARTIAL = ".partial"
-SOURCE = "moedesk-source.json"       # written into a finished model folder: where it came from
 CHUNK_BYTES = 1 << 20                # huggingface_hub streams 10 MB chunks; 1 MiB keeps pause/cancel prompt
 PROGRESS_INTERVAL_S = 0.2
 SPEED_WINDOW_S = 5.0
@@ -65,20 +58,6 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
-class DownloadJob:
-    id: str                    # the folder name: "<owner>--<repo>--<branch>"
-    repo_id: str
-    branch: str
-    commit: str
-    files: tuple[RemoteFile, ...]
-    bpw: float | None = None
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-
-@dataclass(frozen=True)
 class DownloadProgress:
     job_id: str
     state: JobState
@@ -95,108 +74,6 @@ class Interrupted(Exception):
         super().__init__(reason)
         self.reason = reason
 
-
-# ------------------------------------------------------------------------------------------------
-# Names and paths: nothing from a repository listing may land outside the download's folder
-
-def safe_name(repo_id: str, branch: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{repo_id.replace('/', '--')}--{branch}").lstrip("._-")
-    if not name:
-        raise UnsafePathError(f"cannot make a folder name from {repo_id!r} at {branch!r}", repo_id)
-    return name[:150]
-
-
-def safe_relpath(path: str) -> PurePosixPath:
-    """A repository path accepted only when it stays inside the folder it is joined to."""
-    parts = path.split("/")
-    if (not path or "\\" in path or "\0" in path or ":" in path or path.startswith("/")
-            or any(p in ("", ".", "..") for p in parts) or parts[0] in (MANIFEST, PARTIAL, SOURCE)):
-        raise UnsafePathError(f"refusing the repository path {path!r}: it could write outside the model folder",
-                              path)
-    return PurePosixPath(*parts)
-
-
-def _inside(root: Path, rel: PurePosixPath) -> Path:
-    target = root.joinpath(*rel.parts)
-    if not target.resolve().is_relative_to(root.resolve()):
-        raise UnsafePathError(f"refusing {str(rel)!r}: it resolves outside {root}", str(rel))
-    return target
-
-
-def staging_dir(models_dir: Path, job_id: str) -> Path:
-    return models_dir / STAGING / job_id
-
-
-def plan(quant: Quant) -> DownloadJob:
-    """A job for `quant`, with every listed path checked."""
-    for f in quant.files:
-        safe_relpath(f.path)
-    return DownloadJob(safe_name(quant.repo_id, quant.branch), quant.repo_id, quant.branch, quant.commit,
-                       quant.files, quant.bpw)
-
-
-def write_manifest(job: DownloadJob, models_dir: Path) -> None:
-    stage = staging_dir(models_dir, job.id)
-    stage.mkdir(parents=True, exist_ok=True)
-    data = {"repo_id": job.repo_id, "branch": job.branch, "commit": job.commit, "bpw": job.bpw,
-            "files": [asdict(f) for f in job.files]}
-    (stage / MANIFEST).write_text(json.dumps(data, indent=1))
-
-
-def read_manifest(stage: Path) -> DownloadJob:
-    data = json.loads((stage / MANIFEST).read_text())
-    files = tuple(RemoteFile(**f) for f in data["files"])
-    for f in files:
-        safe_relpath(f.path)
-    return DownloadJob(stage.name, data["repo_id"], data["branch"], data["commit"], files, data.get("bpw"))
-
-
-def bytes_on_disk(job: DownloadJob, models_dir: Path) -> int:
-    """Bytes already there: verified files count in full, partial files by their size."""
-    stage = staging_dir(models_dir, job.id)
-    done = 0
-    for f in job.files:
-        rel = safe_relpath(f.path)
-        final, part = stage.joinpath(*rel.parts), stage.joinpath(PARTIAL, *rel.parts)
-        if final.is_file():
-            done += f.size
-        elif part.is_file():
-            done += min(part.stat().st_size, f.size)
-    return done
-
-
-def check_disk_space(job: DownloadJob, models_dir: Path, margin_bytes: int) -> None:
-    models_dir.mkdir(parents=True, exist_ok=True)
-    needed = job.total_bytes - bytes_on_disk(job, models_dir)
-    free = shutil.disk_usage(models_dir).free
-    if free < needed + margin_bytes:
-        raise NotEnoughDiskSpace(
-            f"Not enough disk space for {job.repo_id} ({job.branch}): it needs {_gb(needed + margin_bytes)}, "
-            f"and {models_dir} has {_gb(free)} free. Free some space or choose a smaller quant.",
-            needed + margin_bytes, free)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
-# ------------------------------------------------------------------------------------------------
-# Integrity
-
-def file_digest(path: Path, remote: RemoteFile) -> tuple[str, str]:
-    """(expected, actual): sha256 for LFS files, git blob id (sha1 of "blob <size>\\0" + bytes) otherwise."""
-    if remote.sha256:
-        h, expected = hashlib.sha256(), remote.sha256
-    else:
-        h, expected = hashlib.sha1(b"blob %d\0" % path.stat().st_size), remote.blob_id
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 22):
-            h.update(block)
-    return expected, h.hexdigest()
-
-
-# ------------------------------------------------------------------------------------------------
-# One job
 
 class _Tracker:
     """Aggregates bytes into DownloadProgress events: speed over a sliding window, ETA, current file."""
@@ -276,13 +153,13 @@ def run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress
         raise HubError(f"{final} already exists: delete it first to download {job.repo_id} ({job.branch}) again.")
     check_disk_space(job, models_dir, margin_bytes)
     write_manifest(job, models_dir)
-    tracker = _Tracker(job, bytes_on_disk(job, models_dir) - _partial_total(job, stage), emit, check)
+    tracker = _Tracker(job, bytes_on_disk(job, models_dir) - partial_total(job, stage), emit, check)
     hub = hub or hub_endpoint()
     constants.DOWNLOAD_CHUNK_SIZE = CHUNK_BYTES
 
     for f in job.files:
         rel = safe_relpath(f.path)
-        dest, part = _inside(stage, rel), _inside(stage / PARTIAL, rel)
+        dest, part = inside(stage, rel), inside(stage / PARTIAL, rel)
         if dest.is_file() and dest.stat().st_size == f.size:
             continue                                  # verified in an earlier run
         for attempt in range(1, retry.attempts + 1):
@@ -321,15 +198,6 @@ def run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress
     return _finish(job, stage, final)
 
 
-def _partial_total(job: DownloadJob, stage: Path) -> int:
-    total = 0
-    for f in job.files:
-        part = stage.joinpath(PARTIAL, *safe_relpath(f.path).parts)
-        if part.is_file() and not stage.joinpath(*safe_relpath(f.path).parts).is_file():
-            total += min(part.stat().st_size, f.size)
-    return total
-
-
 def _fetch(job: DownloadJob, f: RemoteFile, part: Path, tracker: _Tracker, hub: str) -> None:
     part.parent.mkdir(parents=True, exist_ok=True)
     if part.exists() and part.stat().st_size > f.size:
@@ -351,7 +219,7 @@ def _classify(exc: Exception, job: DownloadJob, f: RemoteFile, models_dir: Path)
     """The error to show for `exc`, or None when it is worth retrying (network, 5xx, short file)."""
     if is_disk_full(exc):
         return DiskFullError(f"The disk holding {models_dir} is full: {f.path} could not be written "
-                             f"({_gb(shutil.disk_usage(models_dir).free)} free). Free some space, then press "
+                             f"({gb(shutil.disk_usage(models_dir).free)} free). Free some space, then press "
                              "Resume: the download continues where it stopped.", str(models_dir))
     if isinstance(exc, OfflineModeIsEnabled):
         return translate(exc, f"downloading {f.path}")
@@ -392,24 +260,6 @@ def _finish(job: DownloadJob, stage: Path, final: Path) -> Path:
     stage.rename(final)
     return final
 
-
-def remove_staging(models_dir: Path, job_id: str) -> None:
-    shutil.rmtree(staging_dir(models_dir, job_id), ignore_errors=True)
-
-
-def staged_jobs(models_dir: Path) -> list[DownloadJob]:
-    """Downloads left unfinished by an earlier run (or a crash), oldest first."""
-    root = models_dir / STAGING
-    if not root.is_dir():
-        return []
-    jobs = []
-    for stage in sorted(root.iterdir(), key=lambda p: p.stat().st_mtime):
-        if (stage / MANIFEST).is_file():
-            try:
-                jobs.append(read_manifest(stage))
-            except (ValueError, KeyError, TypeError, UnsafePathError):
-                continue                              # unreadable manifest: leave the folder alone
-    return jobs
 
 
 def progress_for(job: DownloadJob, models_dir: Path, state: JobState, message: str = "") -> DownloadProgress:

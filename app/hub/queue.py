@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Callable
 
 from app.hub.browse import Quant
-from app.hub.download import (MANIFEST, DownloadJob, DownloadProgress, Interrupted, JobState, RetryPolicy,
-                              bytes_on_disk, check_disk_space, plan, progress_for, read_manifest, remove_staging,
-                              run_job, staged_jobs, staging_dir, write_manifest)
+from app.hub.download import DownloadProgress, Interrupted, JobState, RetryPolicy, progress_for, run_job
+from app.hub.staging import (MANIFEST, DownloadJob, bytes_on_disk, check_disk_space, plan, read_manifest,
+                             remove_staging, staged_jobs, staging_dir, write_manifest)
 from app.hub.errors import HubError
 from runtime import paths
 
