@@ -147,6 +147,20 @@ def run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress
     `check()` raises `Interrupted` when the user paused or cancelled; `wait(s)` sleeps s seconds unless
     interrupted (then raises). Raises `HubError`s with messages for the user; partial files stay for a resume.
     """
+    try:
+        return _run_job(job, models_dir, emit, check, wait, retry, margin_bytes, hub)
+    except OSError as exc:             # the manifest, a rename, the source note: any write can meet a full disk
+        if is_disk_full(exc):
+            raise DiskFullError(f"The disk holding {models_dir} is full ({gb(shutil.disk_usage(models_dir).free)} "
+                                "free). Free some space, then press Resume: the download continues where it "
+                                "stopped.", str(models_dir)) from exc
+        raise HubError(f"Cannot write the download of {job.repo_id} ({job.branch}) into {models_dir}: "
+                       f"{exc.strerror or exc}") from exc
+
+
+def _run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress], None],
+             check: Callable[[], None], wait: Callable[[float], None], retry: RetryPolicy, margin_bytes: int,
+             hub: str | None) -> Path:
     stage = staging_dir(models_dir, job.id)
     final = models_dir / job.id
     if final.exists():
@@ -259,7 +273,6 @@ def _finish(job: DownloadJob, stage: Path, final: Path) -> Path:
     shutil.rmtree(stage / PARTIAL, ignore_errors=True)
     stage.rename(final)
     return final
-
 
 
 def progress_for(job: DownloadJob, models_dir: Path, state: JobState, message: str = "") -> DownloadProgress:

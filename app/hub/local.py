@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.hub.errors import LocalModelError
+from app.hub.staging import SOURCE
 from runtime import paths
 from runtime.modelfolder import FolderInfo, ModelFolderError, validate
 
 LAST_USED_FILE = "models-last-used.json"
-SOURCE_FILE = "moedesk-source.json"
+
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def describe(folder: Path, last_used: dict[str, float] | None = None) -> LocalMo
     used = (last_used if last_used is not None else last_used_map()).get(folder.name)
     source = ""
     try:
-        src = json.loads((folder / SOURCE_FILE).read_text())
+        src = json.loads((folder / SOURCE).read_text())
         source = f"{src['repo_id']} @ {src['branch']}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
