@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialo
                                QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
                                QVBoxLayout, QWidget)
 
-from app.hub.browse import HubClient, Quant
+from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit
@@ -329,13 +329,11 @@ class ModelManagerDialog(QDialog):
                                          "Access token (stored by huggingface_hub, never shown again):",
                                          QLineEdit.Password)
         if ok and token.strip():
-            from huggingface_hub import login
             self.hub_status.setText("Checking the token…")
-            self._run(lambda: login(token=token.strip(), add_to_git_credential=False, skip_if_logged_in=False),
-                      lambda _: self.hub_status.setText("Signed in: gated and private repositories you can "
-                                                        "access now download."),
-                      lambda exc: self.hub_status.setText(f"Sign-in failed: {exc.__class__.__name__}. "
-                                                          "Check the token and try again."))
+            self._run(lambda: sign_in(token),
+                      lambda user: self.hub_status.setText(f"Signed in as {user}: gated and private repositories "
+                                                           "you have access to can be downloaded now."),
+                      self._hub_failed)
 
     # ------------------------------------------------------------------------------------------
     # Downloads

@@ -1,6 +1,6 @@
 """A fake Hugging Face Hub: a real HTTP server on 127.0.0.1 speaking the routes huggingface_hub uses.
 
-Routes: GET /api/models (search, filter), GET /api/models/{repo}[/revision/{rev}] (model info),
+Routes: GET /api/whoami-v2 (token check), GET /api/models (search, filter), GET /api/models/{repo}[/revision/{rev}] (model info),
 GET /api/models/{repo}/refs, GET /api/models/{repo}/tree/{rev}[/{path}] (recursive listing with LFS
 metadata), HEAD and GET /{repo}/resolve/{rev}/{path} (ETag, X-Repo-Commit, X-Linked-Etag, X-Linked-Size,
 Range requests). Errors carry the X-Error-Code header huggingface_hub maps to its exceptions.
@@ -80,6 +80,7 @@ class FakeHub:
         self.faults: list[Fault] = []
         self.log: list[Request] = []
         self.lock = threading.Lock()
+        self.valid_tokens: set[str] = set()  # tokens /api/whoami-v2 accepts (login checks them there)
         self.connections: set = set()       # open client sockets, closed by stop() like a vanished host
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -174,6 +175,13 @@ class _Handler(BaseHTTPRequestHandler):
         query = parse_qs(url.query)
         if not parts:
             return self._send(200, b"fake hub", {"Content-Type": "text/plain"})
+        if parts == ["api", "whoami-v2"]:
+            token = auth.removeprefix("Bearer ")
+            if token not in self.hub.valid_tokens:
+                return self._send(401, b'{"error": "Invalid credentials"}',
+                                  {"X-Error-Message": "Invalid credentials in Authorization header"})
+            return self._json({"type": "user", "name": "tester",
+                               "auth": {"accessToken": {"displayName": "moedesk-test", "role": "read"}}})
         if parts[:2] == ["api", "models"]:
             if len(parts) == 2:
                 return self._search(query)
@@ -371,7 +379,7 @@ import pytest  # noqa: E402
 @pytest.fixture
 def fake_hub(monkeypatch, tmp_path):
     """The tiny repo served on loopback; huggingface_hub pointed at it, online, with an empty token store."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, hf_api
 
     hub = FakeHub()
     hub.add(tiny_exl2_repo())
@@ -383,7 +391,10 @@ def fake_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", url)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hf_api.api, "endpoint", url)       # the module-level HfApi behind whoami(), login()
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf" / "stored_tokens"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "hf" / "agent_harnesses.json"))
     yield hub
     hub.stop()

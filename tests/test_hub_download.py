@@ -310,3 +310,24 @@ def test_a_branch_that_moved_on_starts_afresh(hub, tmp_path):
     assert m.wait(job2.id).state is JobState.DONE
     assert (models / job2.id / "README.md").read_bytes() == readme
     assert_model_matches(models / job2.id, hub, "4.0bpw")
+
+
+def test_sign_in_stores_the_token_where_huggingface_hub_keeps_it(hub, tmp_path, caplog):
+    from huggingface_hub import constants, get_token
+
+    from app.hub.browse import sign_in
+    from app.hub.errors import HubAccessError
+    caplog.set_level("DEBUG")
+    hub.add(tiny_exl2_repo("tester/Gated-exl2", token="hf_secret_token_456"))
+    hub.valid_tokens.add("hf_secret_token_456")
+    with pytest.raises(HubAccessError, match="does not accept this token"):
+        sign_in("hf_wrong")
+    assert get_token() is None
+    assert sign_in(" hf_secret_token_456\n") == "tester"
+    assert Path(constants.HF_TOKEN_PATH).read_text().strip() == "hf_secret_token_456"
+    q = next(q for q in HubClient().quants("tester/Gated-exl2") if q.branch == "6_5")
+    assert q.access == "" and q.config                # with the token the files (config.json) are readable
+    m = manager(tmp_path / "models")
+    job = m.enqueue(q)
+    assert m.wait(job.id).state is JobState.DONE
+    assert "hf_secret_token_456" not in caplog.text

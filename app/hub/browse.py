@@ -79,6 +79,29 @@ class Quant:
         return sum(f.size for f in self.files)
 
 
+def sign_in(token: str) -> str:
+    """Check `token` with the Hub and keep it in huggingface_hub's own token store; returns the user name.
+
+    Every later call (listing, downloads) picks it up from there. The token itself is never logged.
+    """
+    from huggingface_hub import login
+
+    token = token.strip()
+    try:
+        user = HfApi(endpoint=endpoint()).whoami(token=token)["name"]
+        login(token=token, add_to_git_credential=False, skip_if_logged_in=False)
+        return user
+    except ValueError as exc:
+        raise HubAccessError(f"Sign-in refused: {exc}") from None
+    except Exception as exc:
+        error = translate(exc, "checking the token")
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(error, HubAccessError) or status in (401, 403):
+            raise HubAccessError("Sign-in refused: the Hub does not accept this token. Copy a token from "
+                                 "huggingface.co/settings/tokens and try again.") from None
+        raise error from None
+
+
 class HubClient:
     """Thin layer over `HfApi` that returns plain dataclasses and raises `HubError`s with clear messages."""
 
