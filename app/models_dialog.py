@@ -428,9 +428,17 @@ def grab_model_manager(path: str | Path) -> Path:
               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
     repo = "turboderp/Qwen3-30B-A3B-exl2"
-    quants = [Quant(repo, b, "0" * 40, bpw, 6.0, (RemoteFile("model.safetensors", int(size), "0" * 64, ""),), config)
-              for b, bpw, size in (("3.0bpw", 3.0, 11.9e9), ("4.0bpw", 4.0, 15.6e9), ("6.0bpw", 6.0, 23.1e9),
-                                   ("8.0bpw", 8.0, 30.6e9))]
+    shape = ModelShape.from_config(config)
+    emb = shape.embedding_params()
+
+    def size(bpw: float) -> int:        # what the EXL2 files of this shape weigh: body at bpw, head 6 bits, FP16 rest
+        small = shape.norm_params() + shape.router_params()
+        body = shape.total_params() - 2 * emb - small
+        return int(body * bpw / 8 + emb * 6 / 8 + (emb + small) * 2)
+    quants = [Quant(repo, f"{bpw:.1f}bpw", "0" * 40, bpw, 6.0,
+                    (RemoteFile("model.safetensors", size(bpw), "0" * 64, ""),), config)
+              for bpw in (3.0, 4.0, 6.0, 8.0)]
+    total = size(4.0)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as models:
@@ -447,7 +455,7 @@ def grab_model_manager(path: str | Path) -> Path:
         dialog.show_quants(repo, quants)
         dialog.quant_table.selectRow(1)
         dialog._on_download_event(DownloadProgress(f"{repo.replace('/', '--')}--4.0bpw", JobState.RUNNING,
-                                                   6_420_000_000, 15_600_000_000, 48.2e6, 190.0,
+                                                   int(total * 0.41), total, 48.2e6, total * 0.59 / 48.2e6,
                                                    "model-00002-of-00004.safetensors",
                                                    "Downloading model-00002-of-00004.safetensors"))
         dialog.show()
