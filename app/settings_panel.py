@@ -15,8 +15,10 @@ reported for it in the `loaded` event's `applied` dict ("applied" / "ignored: wh
 "Apply and reload" is offered when a reload is needed and a model is loaded.
 
 The draft-model picker lists folders under `runtime.paths.models_dir()` that validate
-(`runtime.modelfolder.validate` when present, else folders with a config.json); the vocabulary
-rule lives with the model hub: pass it in through `set_draft_compatibility`.
+(`runtime.modelfolder.validate` when present, else folders with a config.json). Once a target is
+set (`set_target_model`), each is checked with the vocabulary rule: by default the model hub's
+`app.hub.local.draft_compatibility`; `set_draft_compatibility` replaces it. Unusable models stay
+listed, disabled, with the reason.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from app.settings import AppSettings, Settings
 from runtime import paths
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
 
-DraftCompatibility = Callable[[Path, Path], Optional[str]]   # (target dir, draft dir) -> None or why not
+# (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
+DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
     "app.theme": "Theme", "app.show_gauges": "Show gauges",
@@ -92,9 +95,26 @@ def list_local_models(models_dir: Optional[Path] = None, target: Optional[Path] 
             if folder.resolve() == Path(target).resolve():
                 problem = "this is the loaded model"
             elif compatible is not None:
-                problem = compatible(Path(target), folder)
+                problem = _problem(compatible(Path(target), folder))
         out.append(LocalModel(folder.name, folder, problem))
     return out
+
+
+def _problem(verdict: Any) -> Optional[str]:
+    """A compatibility verdict as "why not" text: None / "reason" / (ok, reason)."""
+    if isinstance(verdict, tuple):
+        ok, reason = verdict
+        return None if ok else str(reason)
+    return None if verdict is None else str(verdict)
+
+
+def default_draft_compatibility() -> Optional[DraftCompatibility]:
+    """The model hub's rule (same vocabulary size and tokenizer) when that module is present."""
+    try:
+        from app.hub.local import draft_compatibility
+    except ImportError:
+        return None
+    return draft_compatibility
 
 
 def _validate_function() -> Optional[Callable[[Path], Any]]:
@@ -216,7 +236,7 @@ class SettingsPanel(QDialog):
         self._has_model = has_model
         self._models_dir = models_dir
         self._target: Optional[Path] = None
-        self._compatible: Optional[DraftCompatibility] = None
+        self._compatible: Optional[DraftCompatibility] = default_draft_compatibility()
         self._applied: dict[str, str] = {}
         self._loading = True
         self.fields: dict[str, _Field] = {}

@@ -229,7 +229,7 @@ def test_sparkline_points_follow_history(panel):
 
 def test_gui_modules_do_not_import_torch():
     code = ("import sys, app.engine_client, app.gauges, app.telemetry, app.settings, app.settings_panel\n"
-            "app.settings_panel.list_local_models()\n"
+            "app.settings_panel.list_local_models(), app.settings_panel.default_draft_compatibility()\n"
             "app.engine_client.worker_command(), app.engine_client.worker_environment()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'exllamav2')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -158,3 +158,17 @@ def test_draft_picker_uses_the_model_folder_validator(demo_model, tmp_path):
     _model_folder(tmp_path, "broken", 1000)          # config.json only: no tokenizer, no weights
     (broken,) = sp.list_local_models(tmp_path)
     assert broken.problem is not None and broken.problem.startswith("config.json: "), broken.problem
+
+
+def test_hub_rule_is_the_default_and_tuple_verdicts_work(qtbot, tmp_path, monkeypatch):
+    rule = sp.default_draft_compatibility()
+    if rule is None:
+        pytest.skip("app.hub.local is not on this branch yet")
+    monkeypatch.setattr(sp, "_validate_function", lambda: None)   # the config.json rule only
+    target = _model_folder(tmp_path, "target", 1000)
+    _model_folder(tmp_path, "other-vocab", 2000)
+    models = {m.name: m.problem for m in sp.list_local_models(tmp_path, target, lambda t, d: (False, "nope"))}
+    assert models["other-vocab"] == "nope"
+    p = sp.SettingsPanel(Settings(), has_model=True)
+    qtbot.addWidget(p)
+    assert p._compatible is rule
