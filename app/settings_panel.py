@@ -7,7 +7,8 @@
     panel.set_target_model(path_of_loaded_model)
     panel.exec()
 
-Groups: General (`app.settings.AppSettings`), Offload (`OffloadOptions`), Draft (`DraftOptions`).
+Groups: General (`app.settings.AppSettings`), Offload (`OffloadOptions`), Draft (`DraftOptions`), and
+the default sampling for new conversations (`SamplingOptions`, stop strings excepted).
 Each option shows its label, an editor, its one-line description with its default (as a visible
 hint and as a tooltip), and a status: "needs reload" for a changed option whose metadata says
 `reload` (compared with `active`, the options the loaded model runs with), or what the worker
@@ -37,7 +38,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from app.settings import AppSettings, Settings
 from runtime import paths
-from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
 # (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
 DraftCompatibility = Callable[[Path, Path], Any]
@@ -50,6 +51,8 @@ LABELS = {
     "offload.backend": "Engine",
     "draft.mode": "Speculative decoding", "draft.model": "Draft model",
     "draft.draft_tokens": "Draft tokens", "draft.adaptive": "Adaptive draft length",
+    "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
+    "sampling.max_tokens": "Max tokens",
 }
 CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
@@ -60,9 +63,11 @@ CHOICE_LABELS = {
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
-                "offload.cpu_threads": "All physical cores"}
-HIDDEN = {"app.last_model"}
-GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions))
+                "offload.cpu_threads": "All physical cores", "sampling.seed": "Random",
+                "sampling.top_k": "No limit"}
+HIDDEN = {"app.last_model", "sampling.stop"}
+GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions),
+          ("New conversations: sampling", "sampling", SamplingOptions))
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,9 @@ class _Field:
             ed.valueChanged.connect(on_change)
         elif base is float:
             ed = QDoubleSpinBox()
-            ed.setDecimals(1)
-            ed.setSingleStep(0.5)
+            fine = meta.get("max") is not None and meta["max"] <= 5      # probabilities, temperature
+            ed.setDecimals(2 if fine else 1)
+            ed.setSingleStep(0.05 if fine else 0.5)
             lo = float(meta["min"]) if meta.get("min") is not None else 0.0
             ed.setRange(lo - 0.5 if self.optional else lo, float(meta["max"]) if meta.get("max") is not None else 4096.0)
             ed.valueChanged.connect(on_change)
@@ -299,21 +305,22 @@ class SettingsPanel(QDialog):
 
     def settings(self) -> Settings:
         """The edited settings (validated by the dataclasses' types and the editors' ranges)."""
-        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}}
+        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}, "sampling": {}}
         for path, f in self.fields.items():
             group, name = path.split(".")
             groups[group][name] = f.value()
         base = self._base
         load = LoadOptions(offload=dataclasses.replace(base.load.offload, **groups["offload"]),
                            draft=dataclasses.replace(base.load.draft, **groups["draft"]))
-        return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load)
+        return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load,
+                                   sampling=dataclasses.replace(base.sampling, **groups["sampling"]))
 
     def needs_reload(self) -> list[str]:
         """Paths of changed options that take effect only after the model is reloaded."""
         out = []
         for path, f in self.fields.items():
             group, name = path.split(".")
-            if f.reload and group != "app" and f.value() != getattr(self._section_load(self._active, group), name):
+            if f.reload and group in ("offload", "draft") and f.value() != getattr(self._section_load(self._active, group), name):
                 out.append(path)
         return out
 
@@ -359,7 +366,9 @@ class SettingsPanel(QDialog):
     # -- internals ------------------------------------------------------------------------------
     @staticmethod
     def _section(settings: Settings, group: str) -> Any:
-        return settings.app if group == "app" else SettingsPanel._section_load(settings.load, group)
+        if group in ("app", "sampling"):
+            return getattr(settings, group)
+        return SettingsPanel._section_load(settings.load, group)
 
     @staticmethod
     def _section_load(load: LoadOptions, group: str) -> Any:

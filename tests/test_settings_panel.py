@@ -1,6 +1,7 @@
 """The settings dialog generated from the options' metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from app import settings_panel as sp
 from app.settings import Settings
 from runtime import paths
-from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
 
 @pytest.fixture
@@ -20,8 +21,10 @@ def panel(qtbot):
 
 
 def test_every_option_has_an_editor_hint_and_default(panel):
-    for group, cls in (("offload", OffloadOptions), ("draft", DraftOptions)):
+    for group, cls in (("offload", OffloadOptions), ("draft", DraftOptions), ("sampling", SamplingOptions)):
         for name, default, meta in describe(cls):
+            if f"{group}.{name}" == "sampling.stop":
+                continue
             f = panel.fields[f"{group}.{name}"]
             assert meta["help"] in f.hint.text() and "Default:" in f.hint.text()
             assert f.editor.toolTip() == f.hint.text()
@@ -172,3 +175,16 @@ def test_hub_rule_is_the_default_and_tuple_verdicts_work(qtbot, tmp_path, monkey
     p = sp.SettingsPanel(Settings(), has_model=True)
     qtbot.addWidget(p)
     assert p._compatible is rule
+
+
+def test_default_sampling_is_edited_and_keeps_stop_strings(qtbot):
+    s = dataclasses.replace(Settings(), sampling=SamplingOptions(stop=("END",)))
+    p = sp.SettingsPanel(s)
+    qtbot.addWidget(p)
+    p.fields["sampling.top_p"].editor.setValue(0.95)
+    p.fields["sampling.seed"].set_value(7)
+    out = p.settings().sampling
+    assert out == SamplingOptions(top_p=0.95, seed=7, stop=("END",))
+    p.fields["sampling.seed"].set_value(None)
+    assert p.settings().sampling.seed is None and p.fields["sampling.seed"].editor.text() == "Random"
+    assert p.needs_reload() == []          # sampling never needs a reload
