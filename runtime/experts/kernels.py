@@ -24,7 +24,7 @@ GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K, N,
+def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
     PER: tl.constexpr = 32 // BITS
@@ -39,7 +39,7 @@ def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K, N,
 
 
 @triton.jit
-def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K, N, A,
+def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
                   BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                   BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
@@ -62,7 +62,7 @@ def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K, N, A,
 
 
 @triton.jit
-def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K, N,
+def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
                BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -71,7 +71,7 @@ def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K, N,
     acc = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        xh = tl.load(h_ptr + p * K + tl.load(p2 + e * K + kk)).to(tl.float32)
+        xh = tl.load(h_ptr + p * HS + tl.load(p2 + e * K + kk)).to(tl.float32)
         w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
         acc += tl.sum(xh[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
@@ -79,7 +79,8 @@ def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K, N,
 
 
 @triton.jit
-def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K, N, A, P,
+def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr,
+                     N: tl.constexpr, A: tl.constexpr, P,
                      BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     b = tl.program_id(0)
@@ -108,7 +109,8 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, 
 
 
 @triton.jit
-def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K, N, P,
+def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
+                  HS: tl.constexpr, P,
                   BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BN: tl.constexpr):
     b = tl.program_id(0)
@@ -122,7 +124,7 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K, N, P
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
             i2 = tl.load(p2 + e * K + kk)
-            xa = tl.load(h_ptr + rows[:, None] * K + i2[None, :], mask=valid[:, None], other=0.0)
+            xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
             w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
             acc = tl.dot(xa, w.to(tl.float16), acc)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
@@ -165,37 +167,40 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
                     w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
-    """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts)."""
+    """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
+
+    Stored column counts may be padded to 32 (padding dequantizes to 0): gate/up write I' >= I
+    columns of h, down reads its first I; down's H' >= H columns are cut to H."""
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
-    I = w1.out_features
+    I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
     x = x.contiguous()
     ids_f = ids.reshape(P).to(torch.int32)
     rw = weights.reshape(P).to(torch.float32).contiguous()
-    h = torch.empty((P, I), dtype=torch.float16, device=x.device)
-    y = torch.empty((P, H), dtype=torch.float32, device=x.device)
+    h = torch.empty((P, I1), dtype=torch.float16, device=x.device)
+    y = torch.empty((P, H2), dtype=torch.float32, device=x.device)
     bk1, bk2 = _bk(w1, w3), _bk(w2)
     if P <= GEMV_MAX_PAIRS:
         bn = 32
-        _gate_up_gemv[(P, triton.cdiv(I, bn))](
-            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h, H, I, A,
+        _gate_up_gemv[(P, triton.cdiv(I1, bn))](
+            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h, H, I1, A,
             BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn, num_warps=4)
-        _down_gemv[(P, triton.cdiv(H, bn))](
-            h, ids_f, rw, w2.qweight, w2.scales, w2.perm, y, I, H,
+        _down_gemv[(P, triton.cdiv(H2, bn))](
+            h, ids_f, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, num_warps=4)
     else:
-        bm, bn = 64 if P >= 4096 else 16, 64
+        bm, bn = (64 if P >= 4096 else 16), 64
         pairs, bexp = align(ids_f, w1.num_experts, bm)
         nb = bexp.numel()
-        _gate_up_grouped[(nb, triton.cdiv(I, bn))](
+        _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
             x, pairs, bexp, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h,
-            H, I, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
+            H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
             BM=bm, BK=bk1, BN=bn, num_warps=4)
-        _down_grouped[(nb, triton.cdiv(H, bn))](
-            h, pairs, bexp, rw, w2.qweight, w2.scales, w2.perm, y, I, H, P,
+        _down_grouped[(nb, triton.cdiv(H2, bn))](
+            h, pairs, bexp, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1, P,
             BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
-    return y.view(T, A, H).sum(dim=1)
+    return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
 
 def interpreting() -> bool:

@@ -43,8 +43,9 @@ class ExpertLayer:
             raise ValueError(f"router has {E} experts, weights have {w1.num_experts}/{w3.num_experts}/{w2.num_experts}")
         if not 1 <= top_k <= E:
             raise ValueError(f"top-k {top_k} outside 1..{E}")
-        if w1.out_features != w3.out_features or w2.in_features != w1.out_features:
-            raise ValueError("gate/up/down shapes do not chain")
+        if w1.out_features != w3.out_features or not w2.in_features <= w1.out_features < w2.in_features + 32:
+            raise ValueError(f"gate/up/down shapes do not chain: gate {w1.out_features}, up {w3.out_features}, "
+                             f"down takes {w2.in_features}")
         self.gate_w = gate_w.float().contiguous()            # [E, H] fp32
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.top_k = top_k
@@ -84,7 +85,7 @@ def experts_reference(x: torch.Tensor, r: Routing, w1: PackedExperts, w3: Packed
         rows, slot = torch.nonzero(r.ids == e, as_tuple=True)
         g = xf[rows] @ dequantize_packed(w1, e).T
         u = xf[rows] @ dequantize_packed(w3, e).T
-        h = (F.silu(g) * u).half().float()                   # the kernels keep h in fp16
-        y = h @ dequantize_packed(w2, e).T
+        h = (F.silu(g) * u).half().float()[:, : w2.in_features]   # the kernels keep h in fp16
+        y = (h @ dequantize_packed(w2, e).T)[:, :H]
         out.index_add_(0, rows, y * r.weights[rows, slot, None])
     return out

@@ -7,7 +7,8 @@ size per tensor, so at load each expert projection is rewritten, losslessly:
 
     code c = q - 2**(b-1)                      (signed, |c| <= 2**(b-1))
     stored u = c + 2**(S-1), S = 4 if every group has b <= 4 else 8   (8 or 4 codes per int32, LSB first)
-    scale[g, n] = (q_scale[g, n] + 1)**2 * q_scale_max[g] / 256     (fp16; groups split to one size)
+    scale[g, n] = fp16((q_scale[g, n] + 1)**2) * fp16(q_scale_max[g] / 256)   (fp16, as exllamav2;
+                                                                    groups split to one size)
     W^T[perm[k], n] = c[k, n] * scale[k // group, n]                 (perm = argsort(q_invperm))
 
 Cost in bytes, honestly: 4-bit and 2-bit groups cost 4 bits (2-bit wastes half), 3-bit costs 4 bits
@@ -92,7 +93,7 @@ def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Code
             raise PackError(f"{name}: tensor {key} missing")
     qw = t["q_weight"].to(torch.int64) & 0xFFFFFFFF          # [Q, N] words as unsigned
     qs = t["q_scale"].to(torch.int64) & 0xFFFFFFFF           # [G0, N // 8]
-    qsm = t["q_scale_max"].to(torch.float32)                 # [G0]
+    qsm = t["q_scale_max"]                                   # [G0] fp16
     groups = t["q_groups"].to(torch.int64).cpu().view(-1, 2) # [G0, 2] (bits, first qrow)
     invperm = t["q_invperm"].to(torch.int64)                 # [K]
     Q, N = qw.shape
@@ -112,7 +113,8 @@ def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Code
     # Scales per original group, then split every group into rows of one common size.
     nib = torch.arange(8, device=dev) * 4
     qs4 = ((qs[:, :, None] >> nib) & 15).reshape(G0, N)      # [G0, N]
-    scale0 = (qs4 + 1).to(torch.float32) ** 2 * (qsm[:, None] / 256.0)
+    mx = t["q_scale_max"].to(torch.float16) * (1 / 256)     # fp16 roundings as exllamav2's dq_scale
+    scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[:, None]).to(torch.float32)
     group = math.gcd(*rows_per_group) if len(rows_per_group) > 1 else rows_per_group[0]
     reps = torch.tensor([r // group for r in rows_per_group], device=dev)
     scales = torch.repeat_interleave(scale0, reps, dim=0)    # [K // group, N]
