@@ -38,6 +38,11 @@ def _free_vram() -> str:
         return "free memory unknown"
 
 
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
 def _oom(what: str, err: BaseException) -> EngineError:
     gc.collect()
     torch.cuda.empty_cache()
@@ -117,6 +122,7 @@ class Exl2Engine(Engine):
                               f"{self.position} tokens in the cache + {T} new exceed the context length "
                               f"{self.info.context_length}")
         ids = torch.tensor([list(tokens)], dtype=torch.long)
+        failure, pos0 = None, self.position
         try:
             if T == 1 and self.graphs is not None:
                 logits = self.graphs.step(ids, self.position)          # [1, V'] fp16
@@ -124,8 +130,13 @@ class Exl2Engine(Engine):
                 return logits[:, : self.vocab]
             logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
             return logits[0, :, : self.vocab]
-        except torch.cuda.OutOfMemoryError as e:
-            raise _oom(f"a forward pass of {T} tokens at position {self.position}", e) from None
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if not _is_oom(e):
+                raise
+            failure = str(e)
+        # outside the except block, so the traceback no longer holds the step's tensors
+        self.cache.current_seq_len = pos0
+        raise _oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.position:
@@ -194,6 +205,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     applied["offload.backend"] = "applied"
 
     model = cache = None
+    failure: Optional[tuple[bool, str]] = None
     try:
         model = ExLlamaV2(config)
         if is_moe and moe == "own":
@@ -204,17 +216,19 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         progress("load", "Allocating the KV cache", 0, 1)
         cache = _cache_class(off.kv_cache)(model, max_seq_len=off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
-    except torch.cuda.OutOfMemoryError as e:
+    except Exception as e:
+        if not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
+            raise
+        failure = (_is_oom(e), f"{type(e).__name__}: {e}")
+    if failure is not None:                     # outside the except: the traceback no longer pins tensors
         if model is not None:
             model.unload()
         model = cache = None
-        raise _oom(f"the model's weights and a {off.context_length}-token {off.kv_cache} KV cache", e) from None
-    except EngineError:
-        raise
-    except (ValueError, KeyError, AssertionError, OSError) as e:
-        if model is not None:
-            model.unload()
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: could not load the model: {e}") from None
+        oom, text = failure
+        if oom:
+            raise _oom(f"the model's weights and a {off.context_length}-token {off.kv_cache} KV cache",
+                       RuntimeError(text))
+        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: could not load the model: {text}")
 
     info = ModelInfo(
         name=path.name, path=str(path), architecture=config.architecture, vocab_size=config.vocab_size,
