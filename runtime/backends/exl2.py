@@ -114,7 +114,8 @@ class Exl2Engine(Engine):
         T = len(tokens)
         if T == 0:
             raise EngineError(ErrorCode.INTERNAL.value, "forward() needs at least one token")
-        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.vocab]
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.vocab]
         if bad:
             raise EngineError(ErrorCode.INTERNAL.value, f"token ids outside 0..{self.vocab - 1}: {bad[:5]}")
         if self.position + T > self.info.context_length:
@@ -125,9 +126,9 @@ class Exl2Engine(Engine):
         failure, pos0 = None, self.position
         try:
             if T == 1 and self.graphs is not None:
-                logits = self.graphs.step(ids, self.position)          # [1, V'] fp16
+                logits = self.graphs.step(ids, self.position)          # [1, V'] fp16, reused next step
                 self.cache.current_seq_len += 1
-                return logits[:, : self.vocab]
+                return logits[:, : self.vocab].clone()
             logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
             return logits[0, :, : self.vocab]
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:

@@ -112,7 +112,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """Run one token at `position`; the caller advances the cache position. Returns [1, V'] fp16."""
+        """Run one token at `position`; the caller advances the cache position. Returns [1, V'] fp16,
+        the graph's output buffer: valid until the next step."""
+        from exllamav2.device import set_device_streams
+        set_device_streams()                       # the stream exllamav2's own forward uses, in any thread
         emb = self.embed.forward(ids)                                  # [1, 1, H] on the CPU
         self.x_in.copy_(emb.view(1, 1, -1))
         self.pos32.fill_(position)

@@ -64,8 +64,21 @@ class PackedExperts:
         return self.expert_bytes() * self.num_experts
 
 
+_ROW_TABLES: dict = {}
+
+
 def _row_table(groups: torch.Tensor, Q: int, K: int, name: str):
-    """Per packed row: first word, bit shift, width; plus rows per group. From q_groups [G0, 2]."""
+    """Per packed row: first word, bit shift, width; plus rows per group. From q_groups [G0, 2].
+    Experts of one projection share their layout, so tables are cached by it."""
+    key = (tuple(groups.flatten().tolist()), Q, K)
+    if key not in _ROW_TABLES:
+        if len(_ROW_TABLES) > 64:
+            _ROW_TABLES.clear()
+        _ROW_TABLES[key] = _build_row_table(groups, Q, K, name)
+    return _ROW_TABLES[key]
+
+
+def _build_row_table(groups: torch.Tensor, Q: int, K: int, name: str):
     bits_l = groups[:, 0].tolist()
     starts = groups[:, 1].tolist() + [Q]
     if any(b not in (2, 3, 4, 5, 6, 8) for b in bits_l):
@@ -104,7 +117,7 @@ def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Code
                         f"do not match {G0} groups and {N} columns")
     word, shift, width, rows_per_group, max_bits = _row_table(groups, Q, K, name)
     dev = qw.device
-    word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]
+    word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]   # [K], [K, 1]
     padded = torch.cat([qw, torch.zeros((1, N), dtype=torch.int64, device=dev)])
     pair = padded[word] | (padded[word + 1] << 32)           # [K, N] 64 bits from the row's first word
     q = (pair >> shift) & ((1 << width) - 1)

@@ -5,7 +5,7 @@ prefill, single-token decode, verify with 1, 2, 4, 5, 8 rows after a rollback, a
 stepwise logits. Error measure: ‖exl2 − ref‖ / ‖ref‖ over the rows' logits.
 
 Tolerance: both engines dequantize the same EXL2 codes to the same fp16 weights, so the difference
-is arithmetic only: the reference runs fp32 throughout; exllamav2 keeps activations, attention and
+is arithmetic only: the reference runs float32 throughout (precision="float32"); exllamav2 keeps activations, attention and
 the residual stream in fp16 (unit roundoff 4.9e-4), with a few roundings per layer that accumulate
 through the layers. TOL = 1e-2 leaves headroom over that accumulation for the tiny models' few
 layers while still catching any real error (a wrong expert, row or position gives errors of order 1).
@@ -49,7 +49,7 @@ def references(tiny_moe, tiny_dense):
     from runtime import reference
     engines = {}
     for name, path in (("moe", tiny_moe), ("dense", tiny_dense)):
-        engines[name] = reference.load(path, LoadOptions(), lambda *a: None)[0]
+        engines[name] = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
     return engines
 
 
