@@ -198,6 +198,8 @@ def machine() -> dict[str, Any]:
 
 
 def git_commit() -> Optional[str]:
+    if os.environ.get("MOEDESK_COMMIT"):
+        return os.environ["MOEDESK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or None
