@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.exl2 import format as exl2
-from runtime.experts.layer import ExpertLayer, Routing, experts_reference, route
+from runtime.experts.layer import ExpertLayer, route
 from runtime.experts.pack import PackError, dequantize_codes, dequantize_packed, pack_experts, unpack_exl2
 
 

@@ -44,11 +44,15 @@ def _sync_time(fn) -> float:
 
 def hbm_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (as ceilings.py)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    dt = _sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / reps
-    del a, b
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+
+    def copies():
+        for _ in range(reps):
+            dst.copy_(src)
+    dt = _sync_time(copies) / reps
+    src = dst = None
     torch.cuda.empty_cache()
     return 2 * nbytes / dt
 
@@ -163,7 +167,6 @@ def stock_generator_decode(engine, decode: int, prompt: int) -> Optional[float]:
                                   stop_conditions=[], decode_special_tokens=True)
         gen.enqueue(job)
         t_first = None
-        t0 = time.perf_counter()
         count = 0
         while gen.num_remaining_jobs():
             for r in gen.iterate():
