@@ -44,18 +44,37 @@ def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: in
     return ExpertLayer(gate, w1, w3, w2, top_k)
 
 
+def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> CheckResult:
+    """Fused router + top-k against torch (softmax, topk, renormalise): same experts wherever the
+    k-th and (k+1)-th probabilities are not within 1e-5 (a near tie may go either way), and the
+    largest weight difference as the error."""
+    from runtime.experts.kernels import route_fused
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, layer.gate_w.shape[1], generator=g).half().to(device)
+    counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=device)
+    ids, w = route_fused(x, layer.gate_w, layer.top_k, counts)
+    r = route(x, layer.gate_w, layer.top_k)
+    probs = torch.softmax(x.float() @ layer.gate_w.T, -1).sort(-1, descending=True).values
+    probs = torch.nn.functional.pad(probs, (0, 1))          # top_k may equal the expert count
+    clear = (probs[:, layer.top_k - 1] - probs[:, layer.top_k]) > 1e-5
+    same = (ids.long().sort(-1).values == r.ids.sort(-1).values).all(-1)
+    if not bool(same[clear].all()) or int(counts.sum()) != rows * layer.top_k:
+        return CheckResult(rows, "routing", float("inf"))
+    return CheckResult(rows, "routing", (w[clear] - r.weights[clear]).abs().max().item() if clear.any() else 0.0)
+
+
 def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> list[CheckResult]:
     from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
     g = torch.Generator().manual_seed(seed)
     H = layer.gate_w.shape[1]
-    out = []
+    out = [check_routing(layer, max(rows), device)]
     for T in rows:
         x = torch.randn(T, H, generator=g).half().to(device)
         r = route(x, layer.gate_w, layer.top_k)
         y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
         ref = experts_reference(x, r, layer.w1, layer.w3, layer.w2)
         err = ((y - ref).norm() / ref.norm()).item()
-        out.append(CheckResult(T, "gemv" if T * layer.top_k <= GEMV_MAX_PAIRS else "grouped", err))
+        out.append(CheckResult(T, "splitk" if T * layer.top_k <= GEMV_MAX_PAIRS else "grouped", err))
     return out
 
 

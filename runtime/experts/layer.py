@@ -51,18 +51,18 @@ class ExpertLayer:
         self.top_k = top_k
         self.renormalize = renormalize
         self.num_experts = E
-        # Routing statistics (how often each expert was chosen), counted on the device.
-        self.counts = torch.zeros(E, dtype=torch.int64, device=gate_w.device)
-        self.count_routing = True
+        # Routing statistics (how often each expert was chosen), counted on the device (int32: the
+        # kernels add atomically; wraps after 2**31 choices of one expert).
+        self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
-        r = route(x, self.gate_w, self.top_k, self.renormalize)
-        if self.count_routing:
-            self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1)))
         if x.is_cuda:
-            from runtime.experts.kernels import experts_forward
-            return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
+            from runtime.experts.kernels import experts_forward, route_fused
+            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize)
+            return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
+        r = route(x, self.gate_w, self.top_k, self.renormalize)
+        self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
         return experts_reference(x, r, self.w1, self.w3, self.w2)
 
     def weight_bytes(self) -> int:
