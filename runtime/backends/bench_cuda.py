@@ -103,6 +103,9 @@ def measure(engine, prompts: list[int], decode: int, seed: int = 0) -> dict[str,
     engine.forward(torch.randint(0, vocab, (64,), generator=g).tolist())
     for _ in range(4):
         engine.forward([1])
+    for n in prompts:                                     # every prompt shape once, untimed (JIT, buffers)
+        engine.reset()
+        engine.forward(torch.randint(0, vocab, (n,), generator=g).tolist())
     for n in prompts:
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         engine.reset()
@@ -153,6 +156,47 @@ def profile_decode(engine, path: Path, steps: int = 16) -> dict[str, Any]:
             "gpu_kernel_ms_per_token": gpu_us / 1e3 / steps,
             "kernels_per_token": len(kern) / steps,
             "gpu_busy_fraction": (gpu_us / 1e6) / wall if wall else None}
+
+
+def profile_prefill(engine, path: Path, n: int) -> dict[str, Any]:
+    """torch.profiler over one prefill of n tokens; the table is appended to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+    ids = list(range(100, 100 + n))
+    engine.reset()
+    engine.forward(ids)
+    engine.reset()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.forward(ids)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    ka = prof.key_averages()
+    with open(path, "a") as f:
+        f.write(f"\n\n=== prefill of {n} tokens: {wall * 1e3:.1f} ms under the profiler ===\n")
+        f.write(ka.table(sort_by="self_cuda_time_total" if hasattr(ka[0], "self_cuda_time_total") else
+                         "self_device_time_total", row_limit=20))
+    return {"tokens": n, "wall_ms": wall * 1e3}
+
+
+def verify_logits(engine, rows=(1, 2, 3, 4, 5, 8), prompt: int = 64) -> dict[str, torch.Tensor]:
+    """Logits of verify forwards of each row count after the same prompt (rolled back each time), and
+    of the 8 rows one at a time: to compare engines and batched vs stepwise at the real shape."""
+    g = torch.Generator().manual_seed(11)
+    toks = torch.randint(0, engine.info.vocab_size, (prompt + max(rows),), generator=g).tolist()
+    engine.reset()
+    engine.forward(toks[:prompt])
+    out = {}
+    for r in rows:
+        out[f"verify_{r}"] = engine.forward(toks[prompt:prompt + r]).float().cpu()
+        engine.truncate(prompt)
+    out["stepwise_8"] = torch.cat([engine.forward([t]).float().cpu() for t in toks[prompt:prompt + 8]])
+    engine.reset()
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
 
 def stock_generator_decode(engine, decode: int, prompt: int) -> Optional[float]:
@@ -225,10 +269,13 @@ def bench_one(path: str, moe: str, graphs: bool, context: int, prompts: list[int
         res["bytes_per_token"] = weight_bytes_per_token(engine)
         res["peak_vram_gb"] = torch.cuda.max_memory_allocated() / GB
         res["graphs"] = engine.graphs is not None
+        res["telemetry"] = engine.telemetry()
+        res["verify_logits"] = verify_logits(engine)
         if profile_to is not None:
             engine.reset()
             engine.forward(list(range(100, 100 + prompts[0])))
             res["profile"] = profile_decode(engine, profile_to)
+            res["profile_prefill"] = profile_prefill(engine, profile_to, prompts[-1])
         if moe == "stock":
             try:
                 res["generator_decode_tps"] = stock_generator_decode(engine, decode, prompts[0])
@@ -242,6 +289,10 @@ def bench_one(path: str, moe: str, graphs: bool, context: int, prompts: list[int
     return res
 
 
+def _plain(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "verify_logits"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="CUDA benchmark: exl2 engine vs exllamav2 stock")
     ap.add_argument("--model", required=True)
@@ -251,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--baseline", choices=("stock", "none"), default="stock")
+    ap.add_argument("--stock-decode", type=int, help="decode tokens for the (slow) stock baseline")
     ap.add_argument("--eager", action="store_true", help="also time our engine without the decode graphs")
     ap.add_argument("--profile", help="folder for profiler tables")
     ap.add_argument("--ceilings", help="file with ceilings.py's output, copied into the result")
@@ -264,16 +316,24 @@ def main(argv=None) -> int:
     bw = hbm_bandwidth()
     runs: dict[str, dict] = {}
     if a.baseline == "stock":
-        runs["stock"] = bench_one(a.model, "stock", False, a.context, prompts, a.decode,
+        runs["stock"] = bench_one(a.model, "stock", False, a.context, prompts, a.stock_decode or a.decode,
                                   prof / f"profile_{a.label}_stock.txt" if prof else None)
-        print("stock:", json.dumps(runs["stock"], default=str), flush=True)
+        print("stock:", json.dumps(_plain(runs["stock"]), default=str), flush=True)
     if a.eager:
-        runs["eager"] = bench_one(a.model, "own", False, a.context, prompts, a.decode,
-                                  prof / f"profile_{a.label}_eager.txt" if prof else None)
-        print("eager:", json.dumps(runs["eager"], default=str), flush=True)
+        runs["eager"] = bench_one(a.model, "own", False, a.context, prompts[:1], a.decode, None)
+        print("eager:", json.dumps(_plain(runs["eager"]), default=str), flush=True)
     ours = bench_one(a.model, "own", True, a.context, prompts, a.decode,
                      prof / f"profile_{a.label}_graph.txt" if prof else None)
-    print("ours:", json.dumps(ours, default=str), flush=True)
+    print("ours:", json.dumps(_plain(ours), default=str), flush=True)
+    checks = {}
+    v = ours["verify_logits"]
+    checks["ours_batched8_vs_stepwise"] = _rel(v["verify_8"], v["stepwise_8"])
+    if "stock" in runs:
+        sv = runs["stock"]["verify_logits"]
+        checks["stock_batched8_vs_stepwise"] = _rel(sv["verify_8"], sv["stepwise_8"])
+        for k in v:
+            checks[f"stock_vs_ours_{k}"] = _rel(sv[k], v[k])
+    print("checks:", json.dumps(checks), flush=True)
 
     def figures(r):
         b = r["bytes_per_token"]["total"]
@@ -298,6 +358,8 @@ def main(argv=None) -> int:
                   "argmax on the GPU. Roofline = HBM copy bandwidth (read+write) / weight bytes per token; "
                   "KV cache reads not counted. " + a.note),
         "extra": {"ours": f, "eager": figures(runs["eager"]) if "eager" in runs else None,
+                  "logit_checks": checks, "telemetry": ours.get("telemetry"),
+                  "profile_prefill": ours.get("profile_prefill"),
                   "hbm_copy_gbps": bw / GB,
                   "ceilings": Path(a.ceilings).read_text() if a.ceilings and Path(a.ceilings).exists() else None},
     }

@@ -148,6 +148,9 @@ class Exl2Engine(Engine):
     def telemetry(self) -> dict[str, Any]:
         out: dict[str, Any] = {"vram_allocated_bytes": torch.cuda.memory_allocated(),
                                "decode_graphs": self.graphs is not None}
+        if self.graphs is not None:
+            out["graph_attention"] = "sdpa" if self.graphs.sdpa else "bmm"
+            out["graph_buckets"] = self.graphs.captured()
         return out
 
     def routing_counts(self) -> list[list[int]]:

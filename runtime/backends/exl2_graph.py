@@ -15,6 +15,8 @@ Letters: S cache length, L attended length, Hq query heads, Hk KV heads, R = Hq 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 BUCKET = 512
@@ -40,6 +42,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
+        self.sdpa = os.environ.get("MOEDESK_GRAPH_ATTN", "auto") != "bmm" and self._pick_attention()
 
     @classmethod
     def build_if_supported(cls, model, cache) -> "DecodeGraphs | None":
@@ -78,13 +81,48 @@ class DecodeGraphs:
         V = self.cache.value_states[a.layer_idx]
         K.index_copy_(1, self.pos64, k.view(1, 1, Hk, D))
         V.index_copy_(1, self.pos64, v.view(1, 1, Hk, D))
+        if self.sdpa:
+            o = self._attn_sdpa(q, K, V, L, mask, Hq, Hk, D, a.scaling)
+        else:
+            o = self._attn_bmm(q, K, V, L, mask, Hq, Hk, D, a.scaling)
+        self.ext.q_attn_forward_2(a.q_handle, x, o, 1, 1, [], self.none)
+        return x
+
+    @staticmethod
+    def _attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale):
+        """Two batched matmuls over the KV heads; mask: fp32 additive [L]."""
         Kl = K[0, :L].permute(1, 2, 0)                                 # [Hk, D, L] (a view)
         Vl = V[0, :L].permute(1, 0, 2)                                 # [Hk, L, D]
         s = torch.bmm(q.view(Hk, Hq // Hk, D), Kl).float()             # [Hk, R, L]
-        p = torch.softmax(s * a.scaling + mask, dim=-1).half()
-        o = torch.bmm(p, Vl).view(1, 1, Hq * D)                        # [1, 1, Hq*D]
-        self.ext.q_attn_forward_2(a.q_handle, x, o, 1, 1, [], self.none)
-        return x
+        p = torch.softmax(s * scale + mask, dim=-1).half()
+        return torch.bmm(p, Vl).view(1, 1, Hq * D)                     # [1, 1, Hq*D]
+
+    @staticmethod
+    def _attn_sdpa(q, K, V, L, mask, Hq, Hk, D, scale):
+        """One fused attention call (grouped-query heads, boolean mask over the L rows)."""
+        import torch.nn.functional as F
+        qh = q.view(1, Hq, 1, D)
+        Kl = K[:, :L].transpose(1, 2)                                  # [1, Hk, L, D] (a view)
+        Vl = V[:, :L].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qh, Kl, Vl, attn_mask=(mask == 0).view(1, 1, 1, L),
+                                           scale=scale, enable_gqa=True)
+        return o.reshape(1, 1, Hq * D)
+
+    def _pick_attention(self) -> bool:
+        """Use SDPA where this torch runs it with these shapes and it agrees with the bmm path."""
+        a = next(m for m in self.body if isinstance(m, self.Attention))
+        Hq, Hk, D, L = a.num_attention_heads, a.num_key_value_heads, a.head_dim, 64
+        dev = self.device
+        q = torch.randn(1, 1, Hq * D, device=dev, dtype=torch.float16)
+        K = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
+        V = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
+        mask = torch.where(torch.arange(L, device=dev) <= 40, 0.0, float("-inf"))
+        try:
+            ref = self._attn_bmm(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
+            got = self._attn_sdpa(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
+            return bool(((got - ref).norm() / ref.norm()) < 5e-3)
+        except Exception:
+            return False
 
     def _step(self, L: int) -> torch.Tensor:
         x = self.x_in.clone()
