@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--baseline", choices=("stock", "none"), default="stock")
     ap.add_argument("--stock-decode", type=int, help="decode tokens for the (slow) stock baseline")
+    ap.add_argument("--stock-prompts", help="prompt lengths for the stock baseline (default: --prompts)")
+    ap.add_argument("--stock-profile", action="store_true", help="profile the stock baseline too")
     ap.add_argument("--eager", action="store_true", help="also time our engine without the decode graphs")
     ap.add_argument("--profile", help="folder for profiler tables")
     ap.add_argument("--ceilings", help="file with ceilings.py's output, copied into the result")
@@ -316,8 +318,9 @@ def main(argv=None) -> int:
     bw = hbm_bandwidth()
     runs: dict[str, dict] = {}
     if a.baseline == "stock":
-        runs["stock"] = bench_one(a.model, "stock", False, a.context, prompts, a.stock_decode or a.decode,
-                                  prof / f"profile_{a.label}_stock.txt" if prof else None)
+        sp = [int(p) for p in a.stock_prompts.split(",")] if a.stock_prompts else prompts
+        runs["stock"] = bench_one(a.model, "stock", False, a.context, sp, a.stock_decode or a.decode,
+                                  prof / f"profile_{a.label}_stock.txt" if prof and a.stock_profile else None)
         print("stock:", json.dumps(_plain(runs["stock"]), default=str), flush=True)
     if a.eager:
         runs["eager"] = bench_one(a.model, "own", False, a.context, prompts[:1], a.decode, None)

@@ -96,6 +96,7 @@ class Exl2Engine(Engine):
         self.info = info
         self.vocab = info.vocab_size
         self.graphs = None
+        self.graph_error: Optional[str] = None
         if graphs:
             from runtime.backends.exl2_graph import DecodeGraphs
             self.graphs = DecodeGraphs.build_if_supported(model, cache)
@@ -126,9 +127,19 @@ class Exl2Engine(Engine):
         failure, pos0 = None, self.position
         try:
             if T == 1 and self.graphs is not None:
-                logits = self.graphs.step(ids, self.position)          # [1, V'] fp16, reused next step
-                self.cache.current_seq_len += 1
-                return logits[:, : self.vocab].clone()
+                try:
+                    logits = self.graphs.step(ids, self.position)      # [1, V'] fp16, reused next step
+                except RuntimeError as e:
+                    if _is_oom(e):
+                        raise
+                    # A capture this torch/driver refuses: run the layer loop from now on (the step is
+                    # recomputed below; its K/V row is simply written again).
+                    self.graph_error = f"{type(e).__name__}: {e}"[:500]
+                    self.graphs = None
+                    torch.cuda.synchronize()
+                else:
+                    self.cache.current_seq_len += 1
+                    return logits[:, : self.vocab].clone()
             logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
             return logits[0, :, : self.vocab]
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
@@ -148,6 +159,8 @@ class Exl2Engine(Engine):
     def telemetry(self) -> dict[str, Any]:
         out: dict[str, Any] = {"vram_allocated_bytes": torch.cuda.memory_allocated(),
                                "decode_graphs": self.graphs is not None}
+        if self.graph_error:
+            out["graph_error"] = self.graph_error
         if self.graphs is not None:
             out["graph_attention"] = "sdpa" if self.graphs.sdpa else "bmm"
             out["graph_buckets"] = self.graphs.captured()

@@ -42,7 +42,8 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
-        self.sdpa = os.environ.get("MOEDESK_GRAPH_ATTN", "auto") != "bmm" and self._pick_attention()
+        # SDPA inside a captured graph failed on the test machine (torch 2.11, cuDNN attention): opt-in only.
+        self.sdpa = os.environ.get("MOEDESK_GRAPH_ATTN") == "sdpa" and self._pick_attention()
 
     @classmethod
     def build_if_supported(cls, model, cache) -> "DecodeGraphs | None":
@@ -142,7 +143,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool, stream=s):
+        # thread_local: a telemetry thread touching CUDA during the capture must not invalidate it
+        with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode="thread_local"):
             out = self._step(L)
         if self.pool is None:
             self.pool = g.pool()
