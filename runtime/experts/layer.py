@@ -9,6 +9,7 @@ nothing here reads a device value on the host, so a decode step can be graph-cap
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,10 @@ class ExpertLayer:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
         if x.is_cuda:
             from runtime.experts.kernels import experts_forward, route_fused
+            if os.environ.get("MOEDESK_ROUTE") == "torch":        # the unfused routing, for comparisons
+                r = route(x, self.gate_w, self.top_k, self.renormalize)
+                self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
+                return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
             ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize)
             return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
         r = route(x, self.gate_w, self.top_k, self.renormalize)

@@ -12,7 +12,7 @@ import torch
 
 TINY = {
     "moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128,
-            "num_experts_per_tok": 8, "moe_intermediate_size": 64, "norm_topk_prob": True,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 128, "norm_topk_prob": True,
             "decoder_sparse_step": 1, "mlp_only_layers": []},
     "dense": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
 }
@@ -20,8 +20,8 @@ TINY = {
 
 def make_model(kind: str, out: Path, bits: float = 4.0, seed: int = 0) -> Path:
     from runtime.exl2.writer import quantize_model
-    cfg = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
+    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 128, "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
            "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "attention_bias": False,
            **TINY[kind]}

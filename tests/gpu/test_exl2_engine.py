@@ -147,7 +147,8 @@ def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
     filler = torch.empty(torch.cuda.mem_get_info()[0] - (8 << 20), dtype=torch.uint8, device="cuda")
     try:
         with pytest.raises(EngineError) as ei:
-            _load_exl2(tiny_moe)                            # 8 MiB left: the weights cannot fit
+            # 8 MiB left: the weights fit, a 64K-token cache (32 MiB here) does not
+            _load_exl2(tiny_moe, context_length=65536)
     finally:
         del filler
     assert ei.value.code == "out_of_memory"
