@@ -136,6 +136,15 @@ class DecodeGraphs:
         return x.view(1, -1)                                           # [1, V'] logits
 
     def _capture(self, L: int):
+        """Capture the step for bucket L; one retry, since a first capture can fail where a kernel is
+        only loaded (lazily) on its first launch inside the capture."""
+        try:
+            self._capture_once(L)
+        except RuntimeError:
+            torch.cuda.synchronize()
+            self._capture_once(L)
+
+    def _capture_once(self, L: int):
         s = self.stream
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -322,7 +322,7 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     T, H = x.shape
     E = gate_w.shape[0]
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    eb = 8
+    eb = 2                                 # E / 2 programs per token: the 1 MB fp32 router read in parallel
     bh = 256 if H % 256 == 0 else (64 if H % 64 == 0 else 32)
     _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, logits, H=H, E=E, EB=eb, BH=bh, num_warps=4)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)

@@ -1,4 +1,4 @@
-"""The CUDA engine against the CPU reference engine, on synthetic dense and MoE models.
+"""The CUDA engine against the CPU reference engine, on synthetic dense and MoE models of real widths.
 
 Checks, each for our engine (asserted) and for exllamav2's stock MoE path (recorded, not asserted):
 prefill, single-token decode, verify with 1, 2, 4, 5, 8 rows after a rollback, and batched vs
@@ -7,8 +7,10 @@ stepwise logits. Error measure: ‖exl2 − ref‖ / ‖ref‖ over the rows' lo
 Tolerance: both engines dequantize the same EXL2 codes to the same fp16 weights, so the difference
 is arithmetic only: the reference runs float32 throughout (precision="float32"); exllamav2 keeps activations, attention and
 the residual stream in fp16 (unit roundoff 4.9e-4), with a few roundings per layer that accumulate
-through the layers. TOL = 1e-2 leaves headroom over that accumulation for the tiny models' few
-layers while still catching any real error (a wrong expert, row or position gives errors of order 1).
+through the layers. Measured at the Qwen3-30B-A3B shape (48 layers): our engine's batched vs
+stepwise logits differ by 1.3e-3 and agree with exllamav2's unfused (>= 5 rows) MoE path to 1.2e-3.
+TOL = 1e-2 leaves headroom over that accumulation for 2 layers while still catching any real error
+(a wrong expert, row or position gives errors of order 1e-1 to 1).
 With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
 """
 from __future__ import annotations
@@ -45,10 +47,10 @@ def _load_exl2(path, moe="own", graphs=True, **off):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_moe, tiny_dense):
+def references(moe_2l, dense_2l):
     from runtime import reference
     engines = {}
-    for name, path in (("moe", tiny_moe), ("dense", tiny_dense)):
+    for name, path in (("moe", moe_2l), ("dense", dense_2l)):
         engines[name] = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
     return engines
 
@@ -76,8 +78,8 @@ def _script(engine, ref, toks, label, assert_tol):
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_engine_matches_reference(kind, tiny_moe, tiny_dense, references):
-    path = tiny_moe if kind == "moe" else tiny_dense
+def test_engine_matches_reference(kind, moe_2l, dense_2l, references):
+    path = moe_2l if kind == "moe" else dense_2l
     ref = references[kind]
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     for graphs in (True, False):
@@ -106,8 +108,8 @@ def _batched_vs_stepwise(engine, toks) -> float:
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_batched_vs_stepwise(kind, tiny_moe, tiny_dense):
-    path = tiny_moe if kind == "moe" else tiny_dense
+def test_batched_vs_stepwise(kind, moe_2l, dense_2l):
+    path = moe_2l if kind == "moe" else dense_2l
     eng = _load_exl2(path)
     toks = torch.randint(0, eng.info.vocab_size, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     try:
@@ -138,6 +140,19 @@ def test_moe_layer_rows_are_independent_at_real_size():
         e = _rel(layer(x[:n]), one[:n])
         _record(test="moe_layer_batched_vs_stepwise", rows=n, rel_err=e)
         assert e < (1e-6 if n <= 8 else TOLERANCE)
+
+
+@pytest.mark.xfail(reason="decode-graph capture regressed after the first measured run; see "
+                          "runtime/experts/NOTES.md (the engine falls back to the layer loop)", strict=False)
+def test_decode_step_is_graph_captured(moe_2l):
+    eng = _load_exl2(moe_2l)
+    try:
+        eng.forward(list(range(100, 116)))
+        eng.forward([7])
+        tel = eng.telemetry()
+        assert tel["decode_graphs"], tel.get("graph_error")
+    finally:
+        eng.close()
 
 
 def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
