@@ -88,11 +88,12 @@ def mix_for_bpw(bpw: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
 
 
 def resolve_bits(bits, bits_prop=None, name: str = "bits") -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """int (uniform), float (bpw target) or a descending list of widths (+ proportions, default equal)."""
+    """int (one width), float (bpw target: 4.0 -> [4], 2.5 -> [3, 2], 7.0 -> [8, 6]) or a descending list
+    of widths (+ proportions, default equal)."""
     if isinstance(bits, (int, float)) and not 2 <= bits <= 8:
         raise Exl2FormatError(name, f"{bits} bits per weight is outside EXL2's range 2..8")
-    if isinstance(bits, float) and not bits.is_integer():
-        return mix_for_bpw(bits)
+    if isinstance(bits, float) and not (bits.is_integer() and int(bits) in WIDTHS):
+        return mix_for_bpw(bits)                        # a bpw target such as 2.5 or 7.0
     if isinstance(bits, (int, float)):
         mix, props = (int(bits),), (1.0,)
     else:
