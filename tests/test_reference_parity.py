@@ -110,10 +110,12 @@ def test_long_prefill_then_decode(pair):
 def test_reduced_precisions_stay_close(tmp_path, precision, tol):
     """bf16 and int8 weights: logits close to float32's relative to their scale, same top tokens mostly."""
     model = make_model("qwen3", tmp_path)
-    seq = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    seq = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = oracle(model, seq)
     engine, _ = load(tmp_path, precision=precision)
-    got = torch.cat([engine.forward(seq[:10]), engine.forward([seq[10]]), engine.forward([seq[11]])])
+    # a long prefill (int8: the dequantized bf16 path), a short verify and decodes (the int8 kernel)
+    got = torch.cat([engine.forward(seq[:40]), engine.forward(seq[40:46]), engine.forward([seq[46]]),
+                     engine.forward([seq[47]])])
     assert got.dtype == torch.float32
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
     assert rel < tol, f"{precision}: max diff {rel:.3f} of the logit scale"
@@ -165,3 +167,25 @@ def _set_expert(model, name: str, weight: torch.Tensor) -> None:
         experts.gate_up_proj[e, :m].copy_(weight)
     else:
         experts.gate_up_proj[e, m:].copy_(weight)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_folder_written_by_exl2_writer_loads_close_to_original(tmp_path, name):
+    """The project's EXL2 writer at 8 bits: the engine's logits stay close to the unquantized model's."""
+    import json
+
+    from runtime.exl2.writer import quantize_model
+    model = make_model(name, tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    from safetensors.torch import load_file
+    quantize_model(load_file(str(tmp_path / "plain" / "model.safetensors")), config, bits=8, head_bits=8,
+                   out_dir=tmp_path / "exl2", group_size=32)
+    engine, _ = load(tmp_path / "exl2", precision="float32")
+    assert engine.info.extra["is_exl2"]
+    seq = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = oracle(model, seq)
+    got = torch.cat([engine.forward(seq[:9]), engine.forward(seq[9:])])
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    # quantization noise can flip near-tied routing choices of a random MoE, hence the margin
+    assert rel < 0.1, f"8-bit EXL2 logits differ by {rel:.3f} of the logit scale"
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
