@@ -86,13 +86,14 @@ class SearchHit:
 def _v1(fts: bool) -> list[str]:
     steps = [
         """CREATE TABLE conversations (
-            id INTEGER PRIMARY KEY,
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
             title TEXT NOT NULL,
             created REAL NOT NULL,
             updated REAL NOT NULL,
             model TEXT NOT NULL DEFAULT '')""",
+        # AUTOINCREMENT: ids are never reused, so a regenerated answer is a new message everywhere.
         """CREATE TABLE messages (
-            id INTEGER PRIMARY KEY,
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
             conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
             role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
             content TEXT NOT NULL,
