@@ -22,6 +22,7 @@ ErrorRole = Qt.ItemDataRole.UserRole + 5        # words, when state is "error"
 IdRole = Qt.ItemDataRole.UserRole + 6           # the store's message id
 ModelNameRole = Qt.ItemDataRole.UserRole + 7
 IsLastRole = Qt.ItemDataRole.UserRole + 8       # the last row (Regenerate is offered there)
+ItemRole = Qt.ItemDataRole.UserRole + 9         # the whole ChatItem (one call for the delegate)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class MessageListModel(QAbstractListModel):
         if not index.isValid() or not 0 <= index.row() < len(self.items):
             return None
         it = self.items[index.row()]
+        if role == ItemRole:
+            return it
         if role in (Qt.ItemDataRole.DisplayRole, ContentRole):
             return it.content
         return {
