@@ -56,7 +56,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     store.mark_interrupted(INTERRUPTED)
     session = ChatSession(store, settings.sampling)
     client = EngineClient(worker_command)
-    gauges = GaugesPanel()
+    gauges = GaugesPanel(columns=5)
     window = MainWindow(store, session, gauges)
     desk = Desk(settings, store, session, client, gauges, window,
                 startup_model(settings) if model == "auto" else model)

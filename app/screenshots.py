@@ -25,6 +25,13 @@ QUESTIONS = ["What is the capital of France?",
              "Write a Python function that returns the square of a number."]
 
 
+def settle(ms: int = 500) -> None:
+    """Let queued events (palette changes, layouts, paints) run."""
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -46,7 +53,7 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
     theme.apply(app, "light")
     desk = build(Settings(sampling=SamplingOptions(temperature=0.0, max_tokens=120)), model=model)
     win = desk.window
-    win.resize(1280, 860)
+    win.resize(1280, 900)
     win.show()
     written: list[Path] = []
     try:
@@ -56,14 +63,14 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         wait_for(lambda: not desk.session.busy, timeout_s, "the first answer")
         desk.session.send(QUESTIONS[1])
         # Mid-conversation: grab while the second answer is still streaming.
-        wait_for(lambda: len(desk.session.model.items[-1].content.split()) >= 25 or not desk.session.busy,
+        wait_for(lambda: len(desk.session.model.items[-1].content) >= 110 or not desk.session.busy,
                  timeout_s, "the second answer to get going")
-        for name in ("main-window.png",):
-            written.append(_save(win.grab(), out / name))
+        written.append(_save(win.grab(), out / "main-window.png"))
         theme.apply(app, "dark")
-        wait_for(lambda: True, 1, "")
+        settle()
         written.append(_save(win.grab(), out / "main-window-dark.png"))
         theme.apply(app, "light")
+        settle()
         if desk.session.busy:
             desk.session.stop()
             wait_for(lambda: not desk.session.busy, timeout_s, "the answer to stop")
@@ -71,9 +78,11 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         panel = SettingsPanel(desk.settings, active=desk.settings.load, has_model=True, parent=win)
         if desk.client.loaded_event is not None:
             panel.show_applied(desk.client.loaded_event.applied)
-        panel.adjustSize()
+        width = max(960, panel.sizeHint().width())
+        lay = panel.layout()
+        panel.resize(width, lay.totalHeightForWidth(width) if lay.hasHeightForWidth() else panel.sizeHint().height())
         panel.show()
-        wait_for(lambda: True, 1, "")
+        settle()
         written.append(_save(panel.grab(), out / "settings.png"))
         panel.close()
     finally:

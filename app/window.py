@@ -34,6 +34,9 @@ class EngineBanner(QFrame):
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.headline = QLabel("Starting the engine…")
         self.headline.setWordWrap(True)
+        bold = self.headline.font()
+        bold.setBold(True)
+        self.headline.setFont(bold)
         self.headline.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.detail = QLabel()
         self.detail.setWordWrap(True)
@@ -74,8 +77,9 @@ class EngineBanner(QFrame):
         self.log.setVisible(bool(lines))
         if lines:
             self.log.setPlainText("\n".join(lines[-STDERR_SHOWN:]))
+        # Colour only for errors: a style sheet would pin the palette and miss a theme change.
         self.setStyleSheet("EngineBanner { border: 1px solid #d1242f; }" if kind == "error" else "")
-        self.headline.setStyleSheet("color: #d1242f; font-weight: bold;" if kind == "error" else "font-weight: bold;")
+        self.headline.setStyleSheet("color: #d1242f;" if kind == "error" else "")
 
     def set_progress(self, done: int, total: int) -> None:
         if total > 0:
