@@ -92,6 +92,7 @@ class EngineBanner(QFrame):
 class MainWindow(QMainWindow):
     restart_requested = Signal()
     settings_requested = Signal()
+    models_requested = Signal()
 
     def __init__(self, store: Store, session: ChatSession, gauges: Optional[QWidget] = None, parent=None):
         super().__init__(parent)
@@ -163,6 +164,7 @@ class MainWindow(QMainWindow):
         act(chat, "&Delete chat…", lambda: self._current(self.delete_chat))
         act(chat, "Chat se&ttings…", self.edit_chat_settings, "Ctrl+Shift+P")
         engine = bar.addMenu("&Engine")
+        act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
         act(engine, "&Restart engine", self.restart_requested.emit)
         act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
         if self.gauges_dock is not None:
@@ -249,7 +251,7 @@ class MainWindow(QMainWindow):
         if state == "starting":
             self.banner.show_state("Starting the engine…", kind="busy")
         elif state == "idle" and self.loaded is None and self.banner.kind != "error":
-            self.banner.show_state(self.engine_words(), "No model loaded.")
+            self.banner.show_state(self.engine_words(), "No model loaded: pick one in Engine → Models… (Ctrl+M).")
 
     def on_ready(self, ev: Ready) -> None:
         self.ready = ev
