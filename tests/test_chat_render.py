@@ -113,3 +113,17 @@ def test_chat_settings_dialog_values_and_presets(qtbot, tmp_path):
     assert (prompt, sampling.temperature, sampling.seed, preset) == ("Be terse.", 1.25, 42, "Creative")
     dlg._delete_preset()
     assert store.presets() == [] and dlg.presets.currentText() == NO_PRESET
+
+
+def test_window_chat_and_store_modules_do_not_import_torch():
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, app.main, app.window, app.store, app.theme, app.screenshots, app.chat.view, "
+            "app.chat.session, app.chat.conversations, app.chat.panel, app.chat.settings_dialog, "
+            "app.chat.bench_scroll\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'exllamav2', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
