@@ -270,7 +270,7 @@ class MainWindow(QMainWindow):
         self.chat.set_engine_ready(True)
 
     def on_engine_error(self, request_id: str, err: WorkerError) -> None:
-        if self.session.stream is not None and request_id == self.session.stream.request_id:
+        if self.session.issued(request_id):      # shown on the answer itself
             self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
             return
         lines = err.detail.splitlines() if err.detail else None
