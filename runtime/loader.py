@@ -70,4 +70,4 @@ def open_engine(model: str, options: LoadOptions, progress: ProgressFn,
     else:
         from runtime import reference as backend
     engine, applied = backend.load(path, options, progress)
-    return engine, {"offload.backend": f"applied: {choice.backend} ({choice.note})", **applied}
+    return engine, {**applied, "offload.backend": f"applied: {choice.backend} ({choice.note})"}
