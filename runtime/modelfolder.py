@@ -296,7 +296,8 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
     def where(name: str) -> Path:
         return folder / shard_of[name]
 
-    missing_in = folder / ("model.safetensors.index.json" if len(headers) > 1 else next(iter(headers)))
+    index = folder / "model.safetensors.index.json"
+    missing_in = index if index.is_file() else folder / next(iter(headers)) if len(headers) == 1 else folder
     for name, shape in lay.plain.items():
         if name not in names:
             raise ModelFolderError(ErrorCode.MODEL_INVALID, missing_in, f"tensor {name!r} is missing")

@@ -265,3 +265,13 @@ def test_validate_does_not_import_torch(tmp_path):
             "assert 'safetensors' not in sys.modules, 'safetensors imported'")
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code, str(folder)], cwd=root, check=True)
+
+
+def test_tensor_dropped_from_single_shard_index_names_index(tmp_path):
+    folder = make_folder(tmp_path / "m", LLAMA, shards=1)
+    from safetensors.torch import load_file
+    names = list(load_file(str(folder / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names if n != "model.norm.weight"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    e = error(folder)
+    assert "model.safetensors.index.json" in e.message and "'model.norm.weight' is missing" in e.message
