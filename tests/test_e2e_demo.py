@@ -137,13 +137,14 @@ def _first_shard(folder: Path) -> Path:
     return folder / sorted(p.name for p in folder.glob("*.safetensors"))[0]
 
 
-def _missing_tensor(folder: Path) -> tuple[str, str]:
+def _missing_tensor(folder: Path) -> tuple[tuple[str, ...], str]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
         data["weight_map"].pop("model.norm.weight")
         index.write_text(json.dumps(data))
-        return index.name, "model.norm.weight"
+        # Either the index or the shard that should hold it is a fair file to name.
+        return (index.name, data["weight_map"]["model.embed_tokens.weight"]), "model.norm.weight"
     # Single file: rewrite it without one tensor.
     from safetensors.torch import load_file, save_file
     shard = _first_shard(folder)
@@ -154,29 +155,29 @@ def _missing_tensor(folder: Path) -> tuple[str, str]:
     return shard.name, "model.norm.weight"
 
 
-def _corrupt_header(folder: Path) -> tuple[str, str]:
+def _corrupt_header(folder: Path) -> tuple[tuple[str, ...], str]:
     shard = _first_shard(folder)
     data = bytearray(shard.read_bytes())
     shard.unlink()
     (n,) = struct.unpack("<Q", data[:8])
     data[8:8 + 16] = b"{{{{ not json !!"[:16]
     shard.write_bytes(bytes(data))
-    return shard.name, "header"
+    return (shard.name,), "header"
 
 
-def _truncated(folder: Path) -> tuple[str, str]:
+def _truncated(folder: Path) -> tuple[tuple[str, ...], str]:
     shard = _first_shard(folder)
     data = shard.read_bytes()
     shard.unlink()
     shard.write_bytes(data[: len(data) - 4096])
-    return shard.name, "truncated"
+    return (shard.name,), "truncated"
 
 
-def _unsupported(folder: Path) -> tuple[str, str]:
+def _unsupported(folder: Path) -> tuple[tuple[str, ...], str]:
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "config.json", "GPT2LMHeadModel"
+    return ("config.json",), "GPT2LMHeadModel"
 
 
 DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"), (_truncated, "model_invalid"),
@@ -186,11 +187,12 @@ DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"
 def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
     for damage, code in DAMAGES:             # one loop, one good reload at the end: loading is the slow part
         bad = _copy(demo_model, tmp_path / damage.__name__)
-        file, what = damage(bad)
+        files, what = damage(bad)
         with pytest.raises(P.ModelLoadError) as e:
             worker.load(str(bad))
         assert e.value.code == code, (damage.__name__, e.value.message)
-        assert file in e.value.message and what.lower() in e.value.message.lower(), e.value.message
+        msg = e.value.message
+        assert str(bad) in msg and any(f in msg for f in files) and what.lower() in msg.lower(), msg
         # Still alive, and says so: no model is loaded now.
         worker.send(P.Generate(request_id="after-bad", prompt="hi"))
         err = worker.next_event(30)
