@@ -87,6 +87,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
         got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
         raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
                                f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "num_experts" not in config and "num_local_experts" in config:
+        config["num_experts"] = config["num_local_experts"]      # the name newer transformers write
     needed = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
     if arch == "Qwen3MoeForCausalLM":
         needed += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
@@ -319,7 +321,7 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
                                        f"EXL2 tensor '{prefix}.{part}' is missing")
         perm = headers[shard_of[f"{prefix}.q_invperm"]][f"{prefix}.q_invperm"]["shape"]
         qw = headers[shard_of[f"{prefix}.q_weight"]][f"{prefix}.q_weight"]["shape"]
-        if perm != [inp] or len(qw) != 2 or qw[1] != out:
+        if perm != [inp] or len(qw) != 2 or not out <= qw[1] <= -(-out // 32) * 32:   # columns padded to 32
             raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.q_weight"),
                                    f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
                                    f"the config implies {out} outputs and {inp} inputs")
@@ -354,6 +356,7 @@ class ModelFolder:
         self.path = self.info.path
         self.config = self.info.config
         self._handles: dict[str, Any] = {}
+        self._shapes = layout(self.config, set(self.info.shard_of)).linears    # prefix -> (out, in)
 
     def has(self, name: str) -> bool:
         return name in self.info.shard_of
@@ -373,9 +376,14 @@ class ModelFolder:
         dtype = dtype or torch.float32
         if self.has(f"{prefix}.weight"):
             return self.tensor(f"{prefix}.weight").to(dtype)
-        from runtime.exl2.format import dequantize
+        from runtime.exl2.format import Exl2FormatError, dequantize
         parts = {part: self.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
-        return dequantize(parts, dtype=dtype)
+        out = self._shapes[prefix][0] if prefix in self._shapes else None
+        try:
+            return dequantize(parts, dtype=dtype, out_features=out, name=prefix)
+        except Exl2FormatError as e:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, self.path / self.info.shard_of[f"{prefix}.q_weight"],
+                                   f"invalid EXL2 tensors: {e}") from None
 
     def bias(self, prefix: str, dtype: Optional[Any] = None):
         """The bias of a linear layer, or None."""
