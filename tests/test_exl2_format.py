@@ -60,7 +60,7 @@ def test_roundtrip_each_width_and_group_size(tmp_path, bits, group_size):
 @pytest.mark.parametrize("bits,expect", [
     ([5, 4], (5, 4)), ([4, 3], (4, 3)), ([3, 2], (3, 2)), ([6, 5], (6, 5)), ([8, 6], (8, 6)),
     ([8, 4], (8, 4)), ([8, 6, 5], (8, 6, 5)), ([6, 3, 2], (6, 3, 2)), ([4, 3, 2], (4, 3, 2)),
-    (2.5, (3, 2)), (3.0, (3,)), (4.0, (4,)), (4.5, (5, 4)), (6.5, (8, 6)),
+    (2.5, (3, 2)), (3.0, (3,)), (4.0, (4,)), (4.5, (5, 4)), (6.5, (8, 6)), (7.0, (8, 6)),
 ])
 def test_bit_mixes_descend_and_round_trip(tmp_path, bits, expect):
     g = torch.Generator().manual_seed(7)

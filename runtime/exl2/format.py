@@ -88,9 +88,12 @@ def mix_for_bpw(bpw: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
 
 
 def resolve_bits(bits, bits_prop=None, name: str = "bits") -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """int (uniform), float (bpw target) or a descending list of widths (+ proportions, default equal)."""
-    if isinstance(bits, float) and not bits.is_integer():
-        return mix_for_bpw(bits)
+    """int (one width), float (bpw target: 4.0 -> [4], 2.5 -> [3, 2], 7.0 -> [8, 6]) or a descending list
+    of widths (+ proportions, default equal)."""
+    if isinstance(bits, (int, float)) and not 2 <= bits <= 8:
+        raise Exl2FormatError(name, f"{bits} bits per weight is outside EXL2's range 2..8")
+    if isinstance(bits, float) and not (bits.is_integer() and int(bits) in WIDTHS):
+        return mix_for_bpw(bits)                        # a bpw target such as 2.5 or 7.0
     if isinstance(bits, (int, float)):
         mix, props = (int(bits),), (1.0,)
     else:
@@ -228,6 +231,35 @@ def _half_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.where(low, (h.view(torch.int16) + 1).view(torch.float16), h)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive groups of one width: rows [r0, r1), groups [g0, g1), full groups of `size` rows."""
+    bits: int
+    r0: int
+    r1: int
+    g0: int
+    g1: int
+    size: int
+
+    def views(self, wt: torch.Tensor) -> list[torch.Tensor]:
+        """[k, size, N] over the full groups, plus [1, rest, N] for a short last group."""
+        full = (self.r1 - self.r0) // self.size
+        parts = [wt[self.r0:self.r0 + full * self.size].view(full, self.size, -1)] if full else []
+        if self.r0 + full * self.size < self.r1:
+            parts.append(wt[self.r0 + full * self.size:self.r1].unsqueeze(0))
+        return parts
+
+
+def _runs(groups: list[tuple[int, int]], group_size: Mapping[int, int]) -> list[_Run]:
+    runs, r, g = [], 0, 0
+    for b in dict.fromkeys(b for b, _ in groups):
+        idx = [i for i, (bb, _) in enumerate(groups) if bb == b]
+        rows = sum(groups[i][1] for i in idx)
+        runs.append(_Run(b, r, r + rows, g, g + len(idx), group_size[b]))
+        r, g = r + rows, g + len(idx)
+    return runs
+
+
 def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] = 128, *,
              bits_prop: Sequence[float] | None = None, perm: torch.Tensor | None = None,
              name: str = "weight") -> dict[str, torch.Tensor]:
@@ -246,7 +278,8 @@ def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] =
     if in_features % 32 or not 0 < in_features <= MAX_IN_FEATURES or out == 0:
         raise Exl2FormatError(name, f"in_features {in_features} must be a positive multiple of 32 "
                                     f"up to {MAX_IN_FEATURES} (out {out})")
-    if not torch.isfinite(w).all() or w.abs().max() > 60000:
+    peak = torch.maximum(w.amax(), -w.amin())          # NaN propagates
+    if not torch.isfinite(peak) or peak > 60000:
         raise Exl2FormatError(name, "weight has non-finite values or values beyond fp16 range")
     mix, props = resolve_bits(bits, bits_prop, name)
     gs = dict(group_size) if isinstance(group_size, Mapping) else {b: int(group_size) for b in mix}
@@ -262,12 +295,12 @@ def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] =
     groups = plan_groups(in_features, mix, props, gs)
     n = out + (-out % 32)
     wt = torch.nn.functional.pad(w.t()[perm], (0, n - out))                    # [in, N] packed order
-    gbits = torch.tensor([b for b, _ in groups])
-    row_group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([r for _, r in groups]))
+    runs = _runs(groups, gs)
 
     # Steps: base[g, n] is the smallest step keeping |w|/step <= (2**b - 1)/2 in that group column
-    absmax = torch.zeros((len(groups), n)).scatter_reduce_(
-        0, row_group.unsqueeze(1).expand(-1, n), wt.abs(), "amax")                # [G, N]
+    absmax = torch.cat([torch.maximum(v.amax(dim=1), -v.amin(dim=1))
+                        for run in runs for v in run.views(wt)])               # [G, N]
+    gbits = torch.tensor([b for b, _ in groups])
     base = absmax / ((2.0 ** gbits - 1) / 2).unsqueeze(1)                      # [G, N]
     mx = _half_ceil(base.amax(dim=1).clamp(min=2.0 ** -16) / 256)             # [G] fp16 = q_scale_max/256
     qscale = torch.ceil(torch.sqrt(base / (mx.float() * 256).unsqueeze(1)) * 16).clamp(1, 16)
@@ -277,19 +310,21 @@ def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] =
     qscale[:, out:] = 16                                # as exllamav2's packer leaves padded columns
     step = ((qscale * qscale).to(torch.float16) * mx.unsqueeze(1)).float()
 
-    zero = (2 ** gbits)[row_group].unsqueeze(1) // 2                           # [in, 1]
-    codes = torch.round(wt / step[row_group]).to(torch.int64) + zero
-    codes = torch.minimum(codes.clamp(min=0), 2 * zero - 1)                    # [in, N]
-
-    packed, qgroups, qrow, r0 = [], [], 0, 0
-    for b in dict.fromkeys(b for b, _ in groups):      # runs of equal width, descending
-        rows = sum(r for bb, r in groups if bb == b)
-        packed.append(pack_codes(codes[r0:r0 + rows], b))
-        for bb, r in groups:
-            if bb == b:
-                qgroups += [b, qrow]
-                qrow += r * b // 32
-        r0 += rows
+    # Codes, one run of equal widths at a time: round(w / step) + 2**(b-1), clamped to the code range
+    packed, qgroups, qrow = [], [], 0
+    for run in runs:
+        zero = 1 << (run.bits - 1)
+        codes = torch.empty((run.r1 - run.r0, n))
+        g, r = run.g0, 0
+        for v in run.views(wt):                         # [k, rows, N] full groups, then a short one
+            k, rows = v.shape[0], v.shape[1]
+            q = torch.div(v, step[g:g + k].unsqueeze(1)).round_().add_(zero).clamp_(0, 2 * zero - 1)
+            codes[r:r + k * rows] = q.view(k * rows, n)
+            g, r = g + k, r + k * rows
+        packed.append(pack_codes(codes, run.bits))
+        for gr in groups[run.g0:run.g1]:
+            qgroups += [run.bits, qrow]
+            qrow += gr[1] * run.bits // 32
     if qrow >= 2 ** 15:
         raise Exl2FormatError(name, f"{qrow} packed rows overflow q_groups' int16 offsets")
     return {
