@@ -189,6 +189,9 @@ class Tokenizer:
         """A raw prompt, with whatever special tokens the tokenizer itself adds (e.g. BOS)."""
         return self.encode(text, add_special_tokens=True)
 
+    def vocabulary(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
 
