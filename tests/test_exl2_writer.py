@@ -85,7 +85,7 @@ def _llama_state_dict(tied: bool):
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    return model.state_dict(), cfg.to_dict()
+    return model.state_dict(), {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"]}
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -97,6 +97,7 @@ def test_quantize_model_llama(tmp_path, tied):
     _, tensors = _read_folder(tmp_path / "q")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "exl2", "version": "0.3.2", "bits": 8.0, "head_bits": 6}
+    assert config["rope_theta"] == 10000.0 and config["torch_dtype"] == "float16"     # keys exllamav2 reads
     for layer in range(2):
         for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
@@ -123,7 +124,7 @@ def test_quantize_model_qwen3_moe_fused_experts(tmp_path):
                          num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     sd = Qwen3MoeForCausalLM(cfg).state_dict()
-    quantize_model(sd, cfg.to_dict(), bits=4.0, head_bits=8, out_dir=tmp_path / "q", group_size=32)
+    quantize_model(sd, {**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}, bits=4.0, head_bits=8, out_dir=tmp_path / "q", group_size=32)
     _, tensors = _read_folder(tmp_path / "q")
     fused = sd["model.layers.0.mlp.experts.gate_up_proj"]
     down = sd["model.layers.0.mlp.experts.down_proj"]
@@ -146,3 +147,10 @@ def test_full_header_area_starts_a_new_shard(tmp_path):
     assert len(res.shards) > 1
     _, tensors = _read_folder(tmp_path / "m")
     assert len(tensors) == 30
+
+
+def test_quantize_model_needs_architectures(tmp_path):
+    with pytest.raises(ValueError, match=r"'architectures' must name the model class"):
+        quantize_model({}, {"architectures": None}, 8, 8, tmp_path / "q")
+    with pytest.raises(ValueError, match=r"head_bits: bit mix \[7\] has no exllamav2 kernel"):
+        quantize_model({}, {"architectures": ["LlamaForCausalLM"]}, 8, 7, tmp_path / "q")

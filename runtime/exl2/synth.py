@@ -4,8 +4,9 @@ Weights are written straight in the quantized domain: uniformly random codes are
 bits, so q_weight is random int32 words; scales are random 4-bit qscales under a per-group maximum
 chosen so every linear has a weight standard deviation of about 0.02 (the usual init). Models above
 1B parameters reuse a small pool of generated linears per role (expert gate/up/down, q/k/v/o) across
-layers and experts, so the 121B shape writes at disk speed; small models get distinct tensors
-everywhere (tests that compare backends must see different experts). Embeddings are N(0, 0.02),
+layers and experts, and repeat a block of 8192 embedding rows, so the 121B shape writes at disk speed;
+small models get distinct tensors everywhere (tests that compare backends must see different
+experts). Embeddings are N(0, 0.02),
 norms 1, routers N(0, 0.02): routing is near-uniform.
 
     moedesk-cli synth --shape q125-a11 --bpw 3.0 --out DIR [--layers N] [--head-bits 6] [--seed 0]
@@ -26,6 +27,7 @@ from .shapes import SHAPES, Shape, TensorSpec, get_shape, hf_config, param_count
 WEIGHT_STD = 0.02
 POOL_PER_ROLE = 8                     # generated linears per role when reusing
 REUSE_ABOVE_PARAMS = 1_000_000_000
+EMBED_BLOCK = 8192                    # distinct embedding rows when reusing
 GROUP_SIZE = 128
 README = """# {name}: synthetic, random weights
 
@@ -40,6 +42,14 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _random_rows(out, make, step: int | None = None):
+    """Fill `out` a block of rows at a time (bounded temporaries for 150k-row tensors)."""
+    step = step or max(1, (1 << 24) // max(1, out[0].numel()))
+    for r in range(0, out.shape[0], step):
+        out[r:r + step] = make(min(step, out.shape[0] - r))
+    return out
+
+
 def _random_linear(out: int, inp: int, bits: float, gen) -> dict:
     """EXL2 tensors of a random linear [out, in]: random codes, scales giving std ~ WEIGHT_STD."""
     import torch
@@ -49,7 +59,8 @@ def _random_linear(out: int, inp: int, bits: float, gen) -> dict:
     mix, props = fmt.resolve_bits(bits)
     groups = fmt.plan_groups(inp, mix, props, {b: GROUP_SIZE for b in mix})
     qrows = sum(r * b // 32 for b, r in groups)
-    q_weight = torch.randint(0, 2**32, (qrows, out), generator=gen, dtype=torch.int64).to(torch.int32)
+    q_weight = _random_rows(torch.empty((qrows, out), dtype=torch.int32),
+                            lambda n: torch.randint(0, 2**32, (n, out), generator=gen).to(torch.int32))
     qscale = torch.randint(9, 17, (len(groups), out), generator=gen)
     mean_sq = sum(q * q for q in range(9, 17)) / 8 / 256          # E[(qscale)^2 / 256]
     qsm = [WEIGHT_STD / (mean_sq * math.sqrt((4 ** b - 1) / 12)) for b, _ in groups]
@@ -99,6 +110,18 @@ def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, laye
             return variants[-1]
         return variants[int(torch.randint(0, POOL_PER_ROLE, (1,), generator=gen))]
 
+    def random_fp16(shape: tuple[int, ...]) -> torch.Tensor:
+        """N(0, WEIGHT_STD) rows; large models repeat a block of EMBED_BLOCK rows (writes at disk speed)."""
+        block = None
+        if reuse and shape[0] > EMBED_BLOCK:
+            block = (torch.randn((EMBED_BLOCK, *shape[1:]), generator=gen) * WEIGHT_STD).to(torch.float16)
+
+        def rows(n: int) -> torch.Tensor:
+            if block is not None:
+                return block[:n]
+            return (torch.randn((n, *shape[1:]), generator=gen) * WEIGHT_STD).to(torch.float16)
+        return _random_rows(torch.empty(shape, dtype=torch.float16), rows, EMBED_BLOCK if block is not None else None)
+
     with ModelWriter(out, max_shard_bytes or DEFAULT_SHARD_BYTES) as w:
         for i, t in enumerate(specs):
             if t.kind in ("linear", "head"):
@@ -106,7 +129,7 @@ def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, laye
             elif t.kind == "norm":
                 w.add(t.name, torch.ones(t.shape, dtype=torch.float16))
             else:                                               # embeddings, router
-                w.add(t.name, (torch.randn(t.shape, generator=gen) * WEIGHT_STD).to(torch.float16))
+                w.add(t.name, random_fp16(t.shape))
             if progress is not None:
                 progress(i + 1, len(specs))
         config = hf_config(s)

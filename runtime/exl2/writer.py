@@ -185,6 +185,25 @@ def quantization_config(bits: float, head_bits: float) -> dict:
     return {"quant_method": "exl2", "version": EXL2_VERSION, "bits": float(bits), "head_bits": int(head_bits)}
 
 
+def exllamav2_config(hf_config: dict) -> dict:
+    """config.json for exllamav2, which reads the keys of transformers 4.x: transformers 5's
+    `to_dict()` moves rope_theta / rope scaling into `rope_parameters` and torch_dtype to `dtype`."""
+    cfg = dict(hf_config)
+    archs = cfg.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise ValueError(f"config: 'architectures' must name the model class (e.g. ['LlamaForCausalLM']), "
+                         f"got {archs!r}")
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        if "rope_theta" not in cfg and "rope_theta" in rope:
+            cfg["rope_theta"] = rope["rope_theta"]
+        if cfg.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "float16"
+    return cfg
+
+
 def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                    hf_config: dict, bits: float, head_bits: int, out_dir: str | os.PathLike,
                    progress: ProgressFn | None = None, *, group_size: int = 128, total: int | None = None,
@@ -196,7 +215,8 @@ def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     """
     fmt.resolve_bits(bits, name="bits")                 # fail before any work, not at the last tensor
     fmt.resolve_bits(head_bits, name="head_bits")
-    tied = bool(hf_config.get("tie_word_embeddings", False))
+    config = exllamav2_config(hf_config)
+    tied = bool(config.get("tie_word_embeddings", False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     if total is None:
         total = len(named_tensors) if hasattr(named_tensors, "__len__") else 0
@@ -219,7 +239,5 @@ def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
             done += 1
             if progress is not None:
                 progress(done, max(total, done))
-        config = dict(hf_config)
-        config["torch_dtype"] = "float16"
         config["quantization_config"] = quantization_config(bits, head_bits)
         return writer.finish(config)
