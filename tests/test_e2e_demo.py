@@ -14,7 +14,7 @@ import pytest
 
 from runtime import protocol as P
 from runtime.client import WorkerClient, new_id, worker_env
-from runtime.options import SamplingOptions
+from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +30,10 @@ def worker(demo_model):
         yield w
 
 
-def ask(w: WorkerClient, question: str, sampling: SamplingOptions = GREEDY, timeout: float = 300):
+def ask(w: WorkerClient, question: str, sampling: SamplingOptions = GREEDY, timeout: float = 300,
+        draft: DraftOptions | None = None):
     rid = new_id("t")
-    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", question),), sampling=sampling)
+    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", question),), sampling=sampling, draft=draft)
     text, finished, telemetry = [], None, []
     for ev in w.generate(req, timeout=timeout):
         if isinstance(ev, P.TokenDelta):
@@ -111,6 +112,14 @@ def test_cancel_stops_within_one_step_and_busy_is_refused(worker):
     # And the worker serves the next request normally.
     text, fin, _ = ask(worker, QUESTION)
     assert "Paris" in text
+
+
+def test_ngram_drafting_gives_the_same_greedy_text(worker):
+    plain, _, _ = ask(worker, "Repeat after me: one two three, one two three, one two three.")
+    drafted, fin, _ = ask(worker, "Repeat after me: one two three, one two three, one two three.",
+                          draft=DraftOptions(mode="ngram", draft_tokens=4))
+    assert drafted == plain
+    assert fin.stats.draft is not None and fin.stats.draft.mode == "ngram"
 
 
 def test_stats_while_idle_reports_engine(worker):
@@ -200,6 +209,17 @@ def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
     worker.load(str(demo_model))
     text, _, _ = ask(worker, QUESTION)
     assert "Paris" in text
+
+
+def test_draft_model_loads_and_keeps_greedy_text(worker, demo_model):
+    """The demo model drafting for itself: every draft is accepted and the text is the plain one."""
+    plain, _, _ = ask(worker, QUESTION)
+    loaded = worker.load(str(demo_model), LoadOptions(draft=DraftOptions(mode="model", model=str(demo_model))))
+    assert loaded.applied.get("draft.model") == "applied"
+    text, fin, _ = ask(worker, QUESTION)
+    assert text == plain
+    d = fin.stats.draft
+    assert d.mode == "model" and d.drafted_tokens > 0 and d.acceptance_rate > 0.5
 
 
 # ----------------------------------------------------------------------------------------------
