@@ -226,6 +226,7 @@ class Worker:
         def on_step(live) -> None:
             self._live = live
 
+        self._live = None                                      # no figures of the previous answer
         cached, self._cache_tokens = self._cache_tokens, []    # unknown if the generation fails
         ticking = threading.Event()
         ticker = threading.Thread(target=self._tick, args=(rid, ticking), name="telemetry", daemon=True)
