@@ -112,6 +112,7 @@ def transformers_model(folder: Path):
             state[f"{prefix}.weight"] = mf.linear(prefix)
         elif not any(name.endswith("." + part) for part in EXL2_PARTS):
             state[name] = mf.tensor(name).float()
+    state = _fuse_experts(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
@@ -120,6 +121,24 @@ def transformers_model(folder: Path):
     model.tie_weights()
     mf.close()
     return model.eval()
+
+
+def _fuse_experts(state: dict, wanted: set[str]) -> dict:
+    """Per-expert HF tensors (`experts.E.gate_proj.weight` ...) -> the fused ones newer transformers
+    expect: `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]."""
+    import torch
+    for key in sorted(k for k in wanted if k.endswith(".experts.gate_up_proj") and k not in state):
+        base = key[: -len("gate_up_proj")]
+        n = 0
+        while f"{base}{n}.gate_proj.weight" in state:
+            n += 1
+        gate_up, down = [], []
+        for e in range(n):
+            gate_up.append(torch.cat([state.pop(f"{base}{e}.gate_proj.weight"), state.pop(f"{base}{e}.up_proj.weight")]))
+            down.append(state.pop(f"{base}{e}.down_proj.weight"))
+        if n:
+            state[key], state[f"{base}down_proj"] = torch.stack(gate_up), torch.stack(down)
+    return state
 
 
 def measure_transformers(folder: Path, prompt: list[int], decode_tokens: int) -> Baseline:
@@ -176,7 +195,8 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": cpu, "cores_physical": psutil.cpu_count(logical=False), "cores_logical": psutil.cpu_count(),
-            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "os": platform.platform(),
+            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "load_avg_1m": round(psutil.getloadavg()[0], 2),
+            "os": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
@@ -218,6 +238,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="none", help="speculative decoding: none, ngram, or a draft model")
     p.add_argument("--draft-tokens", type=int, help="tokens drafted ahead per step")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
+    p.add_argument("--cpu-threads", type=int, help="CPU threads for the engine (and the baseline); default all physical cores")
     p.add_argument("--context", type=int, help="context length to load with (default: the option default, "
                                                "or prompt + decode tokens when larger)")
     p.add_argument("--note", action="append", default=[], help="free text for the notes field (repeatable)")
@@ -236,6 +257,8 @@ def load_options(args: argparse.Namespace):
     offload: dict[str, Any] = {"backend": args.engine}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
+    if args.cpu_threads is not None:
+        offload["cpu_threads"] = args.cpu_threads
     context = args.context or max(OffloadOptions().context_length, args.prompt_tokens + args.decode_tokens + 16)
     offload["context_length"] = context
     return LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"), draft=from_dict(DraftOptions, draft, "draft"))
@@ -247,6 +270,7 @@ def bench(args: argparse.Namespace, say=print) -> BenchResult:
     from runtime.loader import choose_backend, model_path, open_engine
     from runtime.tokenizer import Tokenizer
     options = load_options(args)
+    host = machine()                       # before measuring: the load average says how busy the machine was
     folder = model_path(args.model)
     info = modelfolder.validate(folder)
     choice = choose_backend(args.engine)
@@ -275,6 +299,14 @@ def bench(args: argparse.Namespace, say=print) -> BenchResult:
     if args.baseline == "transformers":
         say("Measuring the baseline: transformers' generate on the same weights...")
         baseline = dataclasses.asdict(measure_transformers(folder, prompt, args.decode_tokens))
+    import psutil
+    import torch
+    host["load_avg_1m_end"] = round(psutil.getloadavg()[0], 2)
+    host["torch_threads"] = torch.get_num_threads()     # as the engine set them (the baseline ran with these too)
+    busiest = max(host["load_avg_1m"], host["load_avg_1m_end"])
+    if busiest > (host["cores_logical"] or 1):
+        notes.append(f"the machine was shared while measuring: 1-minute load average up to {busiest:.1f} on "
+                     f"{host['cores_logical']} cores, so every figure here (baseline included) is below an idle machine's")
     draft = None
     if options.draft.mode != "off":
         draft = {**dataclasses.asdict(options.draft),
@@ -282,7 +314,7 @@ def bench(args: argparse.Namespace, say=print) -> BenchResult:
                  "stats": dataclasses.asdict(draft_stats) if draft_stats else None}
     return BenchResult(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit=git_commit(),
-        machine=machine(), device=choice.device, engine=engine.backend, model=info.name,
+        machine=host, device=choice.device, engine=engine.backend, model=info.name,
         bpw=info.bits_per_weight, vram_budget_gb=options.offload.vram_budget_gb,
         context=options.offload.context_length, prompt_tokens=figures.prompt_tokens,
         decode_tokens=figures.decode_tokens, prefill_tps=figures.prefill_tps, decode_tps=figures.decode_tps,
@@ -304,6 +336,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.options import OptionError
     if args.prompt_tokens < 16 or args.decode_tokens < 2:
         print("moedesk-cli bench: --prompt-tokens must be >= 16 and --decode-tokens >= 2", file=sys.stderr)
+        return 2
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        print("moedesk-cli bench: --cpu-threads must be >= 1", file=sys.stderr)
         return 2
     try:
         result = bench(args, say=lambda m: print(m, file=sys.stderr))
