@@ -19,6 +19,8 @@ from runtime.options import DraftOptions, SamplingOptions
 from runtime.speculative import make_decoder
 from runtime.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow
+
 N_TOKENS = 200
 GREEDY = SamplingOptions(temperature=0.0)
 PROMPTS = [
