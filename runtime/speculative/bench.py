@@ -35,9 +35,11 @@ PASSAGE = (
     "yard and read the newspapers that the supply boat brought once a fortnight."
 )
 PROMPTS = {
-    # name -> (user message, where lookup is expected to pay)
-    "repeat_passage": (f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}", True),
-    "free_story": ("Write a short story about a fox who learns to play the violin.", False),
+    # name -> (user message, where lookup is expected to pay, repetition penalty)
+    "repeat_passage": (f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}", True, 1.0),
+    # Greedy decoding of a small model soon loops (and lookup then pays); the penalty keeps the
+    # story from repeating itself, which is the case lookup cannot help.
+    "free_story": ("Write a short story about a fox who learns to play the violin.", False, 1.3),
 }
 
 
@@ -65,12 +67,12 @@ class VerifyCost:
 # Measurements
 
 def decode_run(engine: Any, tokenizer: Any, prompt: list[int], n_tokens: int, draft_opts: Any = None,
-               name: str = "plain") -> DecodeFigures:
+               name: str = "plain", repetition_penalty: float = 1.0) -> DecodeFigures:
     """Greedy decoding of exactly n_tokens after `prompt` (end-of-sequence ignored), through the
     generation loop, with a plain or speculative decoder."""
     from runtime import generate, speculative
     from runtime.options import SamplingOptions
-    opts = SamplingOptions(temperature=0.0, max_tokens=n_tokens)
+    opts = SamplingOptions(temperature=0.0, max_tokens=n_tokens, repetition_penalty=repetition_penalty)
     gen = generate.make_generator(0)
     decoder = None if draft_opts is None else speculative.make_decoder(engine, draft_opts, opts, gen)
     engine.reset()
@@ -200,32 +202,57 @@ def figures(f: DecodeFigures) -> dict:
 # The benchmarks as the CLI runs them
 
 def bench_lookup(engine: Any, tokenizer: Any, model: str, out: Path, n_tokens: int, k: int,
-                 say=print) -> list[Path]:
-    """Plain vs n-gram (adaptive, and fixed K) on each prompt; one JSON file per prompt and mode."""
+                 say=print, only: Optional[str] = None, rounds: int = 3) -> list[Path]:
+    """Plain vs n-gram (adaptive, and fixed K) on each prompt; one JSON file per prompt and mode.
+    The three runs alternate for `rounds` rounds and each ratio is taken within a round, so a
+    machine whose load changes between runs skews the medians less."""
     from runtime.options import DraftOptions
     paths = []
-    for name, (text, pays) in PROMPTS.items():
+    modes = {"adaptive": DraftOptions(mode="ngram", draft_tokens=k, adaptive=True),
+             f"k{k}": DraftOptions(mode="ngram", draft_tokens=k, adaptive=False)}
+    for name, (text, pays, penalty) in PROMPTS.items():
+        if only and name != only:
+            continue
         prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
         decode_run(engine, tokenizer, prompt, 8)                           # warm-up
-        plain = decode_run(engine, tokenizer, prompt, n_tokens)
-        for adaptive in (True, False):
-            opts = DraftOptions(mode="ngram", draft_tokens=k, adaptive=adaptive)
-            spec = decode_run(engine, tokenizer, prompt, n_tokens, opts, name="ngram")
-            ratio = spec.decode_tps / plain.decode_tps
-            notes = (f"greedy, {n_tokens} tokens, prompt '{name}' (lookup {'expected to pay' if pays else 'not expected to pay'}); "
-                     f"speculative output {'identical to' if spec.tokens == plain.tokens else 'DIFFERENT from'} plain; "
-                     f"decode_tps ratio ngram/plain {ratio:.3f}")
+        plains: list[DecodeFigures] = []
+        specs: dict[str, list[DecodeFigures]] = {m: [] for m in modes}
+        ratios: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(rounds):
+            plains.append(decode_run(engine, tokenizer, prompt, n_tokens, repetition_penalty=penalty))
+            for m, opts in modes.items():
+                specs[m].append(decode_run(engine, tokenizer, prompt, n_tokens, opts, name="ngram",
+                                           repetition_penalty=penalty))
+                ratios[m].append(specs[m][-1].decode_tps / plains[-1].decode_tps)
+        plain = _median_run(plains)
+        for m in modes:
+            spec = _median_run(specs[m])
+            ratio = statistics.median(ratios[m])
+            same = all(s.tokens == plain.tokens for s in specs[m])
+            in_request = [s.draft["speedup"] for s in specs[m] if s.draft["speedup"] is not None]
+            notes = (f"greedy (repetition penalty {penalty}), {n_tokens} tokens, prompt '{name}' "
+                     f"(lookup {'expected to pay' if pays else 'not expected to pay'}); {rounds} alternating "
+                     f"rounds, figures of the median run; speculative output "
+                     f"{'identical to' if same else 'DIFFERENT from'} plain; median decode_tps ratio "
+                     f"ngram/plain {ratio:.3f} (per round: {', '.join(f'{r:.3f}' for r in ratios[m])})")
             result = record(engine, model, prompt_tokens=spec.prompt_tokens, prefill_tps=spec.prefill_tps,
                             decode_tps=spec.decode_tps, ttft_s=spec.ttft_s, draft=spec.draft,
                             baseline=figures(plain), notes=notes,
                             bench={"kind": "speculative_lookup", "prompt": name, "lookup_expected_to_pay": pays,
-                                   "tokens": n_tokens, "ratio_vs_plain": ratio,
-                                   "identical_output": spec.tokens == plain.tokens})
-            paths.append(write(out, f"spec-ngram-{'adaptive' if adaptive else f'k{k}'}-{name}", result))
-            say(f"{name:15s} ngram {'adaptive' if adaptive else f'K={k}':8s} {spec.decode_tps:7.1f} tok/s  "
-                f"plain {plain.decode_tps:7.1f} tok/s  x{ratio:.3f}  acceptance "
-                f"{spec.draft['acceptance_rate'] if spec.draft['acceptance_rate'] is not None else float('nan'):.2f}")
+                                   "tokens": n_tokens, "repetition_penalty": penalty, "rounds": rounds,
+                                   "ratio_vs_plain": ratio, "ratios_per_round": ratios[m],
+                                   "in_request_speedups": in_request, "identical_output": same,
+                                   "text": tokenizer.decode(plain.tokens)})
+            paths.append(write(out, f"spec-ngram-{m}-{name}", result))
+            acc = spec.draft["acceptance_rate"]
+            say(f"{name:15s} ngram {m:8s} {spec.decode_tps:7.1f} tok/s  plain {plain.decode_tps:7.1f} tok/s  "
+                f"median ratio x{ratio:.3f} (rounds {', '.join(f'{r:.2f}' for r in ratios[m])})  acceptance "
+                f"{acc if acc is not None else float('nan'):.2f}  in-request speedup {in_request}")
     return paths
+
+
+def _median_run(runs: list[DecodeFigures]) -> DecodeFigures:
+    return sorted(runs, key=lambda r: r.decode_tps)[len(runs) // 2]
 
 
 def bench_verify(engine: Any, model: str, out: Path, context: int, forced: bool, n_tokens: int,
@@ -267,18 +294,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512, help="context tokens for the verify-cost benchmark")
     p.add_argument("--forced-acceptance", action="store_true",
                    help="also time decoding with every draft accepted (labelled in the results)")
+    p.add_argument("--prompt", choices=sorted(PROMPTS), help="run the lookup benchmark on this prompt only")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the reference engine (0 = all cores)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
 def run(args: argparse.Namespace) -> int:
     from runtime import paths
     from runtime.engine import EngineError
-    from runtime.options import LoadOptions
+    from runtime.options import LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
     loader = _backend(args.backend)
     say = lambda msg: print(msg, flush=True)                         # noqa: E731
     try:
-        engine, _ = loader.load(folder, LoadOptions(), lambda *a: None)
+        engine, _ = loader.load(folder, LoadOptions(offload=OffloadOptions(cpu_threads=args.threads)), lambda *a: None)
     except EngineError as e:
         print(f"moedesk-cli bench-spec: {e.message}", file=sys.stderr)
         return 1
@@ -287,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         if args.what in ("lookup", "all"):
             from runtime.tokenizer import Tokenizer
             written += bench_lookup(engine, Tokenizer.from_folder(folder), args.model, args.out,
-                                    args.tokens, args.draft_tokens, say)
+                                    args.tokens, args.draft_tokens, say, args.prompt)
         if args.what in ("verify", "all"):
             written.append(bench_verify(engine, args.model, args.out, args.context, args.forced_acceptance,
                                         args.tokens, say))
