@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build the Linux bundle: dist/moedesk/ (a folder with `moedesk` and `moedesk-worker`) and
+# dist/moedesk-linux-x86_64.tar.gz. Run from a checkout after `make install` (or let `make bundle` do it).
+#
+# The bundle carries the torch of the environment it is built in: built where torch is the CPU build,
+# it runs the CPU reference engine only (see README, Packaging, for the GPU build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+
+"$PY" -m pip install -q 'pyinstaller>=6.10'
+
+# Ship the imported demo model so the bundle needs neither transformers nor the GGUF package.
+DEMO_DIR=$("$PY" -c "from runtime import paths; print(paths.resolve_model(paths.DEMO_ALIAS))")
+[ -f "$DEMO_DIR/config.json" ] || "$PY" -m runtime.cli import-demo
+
+
+MOEDESK_BUNDLE_DEMO="$DEMO_DIR" "$PY" -m PyInstaller --noconfirm --log-level WARN \
+  --distpath dist --workpath build/pyinstaller packaging/moedesk.spec
+
+tar -C dist -czf dist/moedesk-linux-x86_64.tar.gz moedesk
+du -sh dist/moedesk dist/moedesk-linux-x86_64.tar.gz
+echo "Bundle ready: dist/moedesk/moedesk (install the menu entry with: dist/moedesk/moedesk --install-desktop-entry)"
