@@ -1,0 +1,79 @@
+"""The CPU reference engine: a compact pure-PyTorch Llama / Qwen3 / Qwen3-MoE for machines without a GPU.
+
+`load(path, options, progress)` validates the folder, reads and dequantizes every weight (plain or
+EXL2), and returns the engine with a note per option saying whether it was applied.
+
+Modules: weights.py (config -> Spec, weights read and fused), rope.py (position tables),
+model.py (the forward pass and KV cache), engine.py (the Engine interface).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from runtime.engine import EngineError, ModelInfo, ProgressFn
+from runtime.options import LoadOptions
+from runtime.protocol import ErrorCode
+
+# Weight precision of the reference engine. Measured on the demo model (see README, "CPU reference
+# engine"): bfloat16 decodes fastest on CPUs with native bf16 and keeps its answers unchanged.
+DEFAULT_PRECISION = "bfloat16"
+
+IGNORED = "ignored: CPU reference engine "
+
+
+def physical_cores() -> int:
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
+         precision: Optional[str] = None):
+    """-> (ReferenceEngine, {option path: "applied..." | "ignored: why"})."""
+    import torch
+
+    from runtime.modelfolder import ModelFolder
+    from runtime.reference.engine import ReferenceEngine
+    from runtime.reference.weights import Spec, load_weights
+
+    options = options or LoadOptions()
+    progress = progress or (lambda stage, message, done, total: None)
+    off = options.offload
+    precision = precision or DEFAULT_PRECISION
+
+    threads = off.cpu_threads or physical_cores()
+    torch.set_num_threads(threads)
+    progress("validate", f"Checking {Path(path).name}", 0, 1)
+    folder = ModelFolder(path)
+    spec = Spec.from_config(folder.config, str(folder.path / "config.json"))
+    progress("validate", f"Checking {folder.info.name}", 1, 1)
+    context = min(off.context_length, spec.max_positions)
+    try:
+        weights = load_weights(folder, spec, precision,
+                               lambda done, total: progress("load", f"Loading weights ({precision})", done, total))
+    except MemoryError as e:
+        raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
+                          f"not enough memory to load {folder.info.name} on the CPU", str(e)) from None
+    finally:
+        folder.close()
+    info = folder.info
+    model_info = ModelInfo(name=info.name, path=str(info.path), architecture=info.architecture,
+                           vocab_size=info.vocab_size, context_length=context, num_layers=info.num_layers,
+                           num_experts=info.num_experts, experts_per_token=info.experts_per_token,
+                           bits_per_weight=info.bits_per_weight,
+                           extra={"precision": precision, "num_params": info.num_params,
+                                  "active_params": info.active_params, "is_exl2": info.is_exl2})
+    engine = ReferenceEngine(model_info, spec, weights, context)
+
+    applied = {
+        "offload.backend": "applied" if off.backend in ("cpu", "auto") else IGNORED + "runs on the CPU",
+        "offload.context_length": "applied" if context == off.context_length else
+        f"applied: capped at {context}, the model's max_position_embeddings",
+        "offload.cpu_threads": "applied" if off.cpu_threads else f"applied: {threads} (all physical cores)",
+        "offload.vram_budget_gb": IGNORED + "uses no GPU memory",
+        "offload.ram_budget_gb": IGNORED + "keeps every weight in RAM",
+        "offload.kv_cache": IGNORED + f"keeps the cache in {str(weights.dtype).removeprefix('torch.')}",
+        "offload.placement": IGNORED + "computes every expert on the CPU",
+    }
+    return engine, applied

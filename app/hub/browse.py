@@ -1,0 +1,187 @@
+"""Browse the Hub for EXL2 quants: search repos, list their branches with bits per weight and download size.
+
+EXL2 repos keep one quant per git branch (`4.0bpw`, `6_5`, `8.0bpw-h8`...). A branch counts as a quant when
+its tree holds `.safetensors` files. Bits per weight come from config.json's `quantization_config` when
+present, otherwise from the branch name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+
+from huggingface_hub import HfApi, constants, get_session, hf_hub_download
+from huggingface_hub.errors import OfflineModeIsEnabled
+from huggingface_hub.hf_api import RepoFile
+
+from app.hub.errors import HubAccessError, HubError, translate
+from runtime import paths
+
+# Never downloaded: pickled checkpoints are never loaded (safetensors only) and GGUF is another format.
+IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", "*.gguf", "*.msgpack", "*.h5")
+
+_BRANCH_BPW = re.compile(r"^(?:b)?(\d{1,2})(?:[._](\d{1,3}))?\s*(?:bpw|b)?(?:[-_]?h(?:b)?(\d{1,2}))?$", re.I)
+
+
+def parse_branch_bpw(branch: str) -> tuple[float | None, float | None]:
+    """Bits per weight and head bits from a branch name: "4.0bpw" -> (4.0, None), "6_5" -> (6.5, None),
+    "8.0bpw-h8" -> (8.0, 8.0), "3bpw" -> (3.0, None); (None, None) for "main" or anything else."""
+    m = _BRANCH_BPW.match(branch.strip())
+    if not m:
+        return None, None
+    bpw = float(f"{m.group(1)}.{m.group(2) or 0}")
+    if not 1.0 <= bpw <= 16.0:
+        return None, None
+    return bpw, (float(m.group(3)) if m.group(3) else None)
+
+
+def endpoint() -> str:
+    """The Hub address: HF_ENDPOINT read now (huggingface_hub reads it once, at import)."""
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def is_ignored(path: str) -> bool:
+    return any(fnmatch(path.rsplit("/", 1)[-1], pat) for pat in IGNORED_PATTERNS)
+
+
+@dataclass(frozen=True)
+class RepoSummary:
+    repo_id: str
+    downloads: int
+    likes: int
+    gated: bool
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str              # as listed by the Hub: untrusted until `staging.safe_relpath` accepts it
+    size: int
+    sha256: str | None     # LFS files: the sha256 of the content
+    blob_id: str           # git blob id (sha1 of "blob <size>\0" + content) for non-LFS files
+
+
+@dataclass(frozen=True)
+class Quant:
+    repo_id: str
+    branch: str
+    commit: str
+    bpw: float | None
+    head_bits: float | None
+    files: tuple[RemoteFile, ...]
+    config: dict = field(default_factory=dict, compare=False)
+    access: str = ""           # non-empty: why the files cannot be fetched now (gated repo without a token)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def sign_in(token: str) -> str:
+    """Check `token` with the Hub and keep it in huggingface_hub's own token store; returns the user name.
+
+    Every later call (listing, downloads) picks it up from there. The token itself is never logged.
+    """
+    from huggingface_hub import login
+
+    token = token.strip()
+    try:
+        user = HfApi(endpoint=endpoint()).whoami(token=token)["name"]
+        login(token=token, add_to_git_credential=False, skip_if_logged_in=False)
+        return user
+    except ValueError as exc:
+        raise HubAccessError(f"Sign-in refused: {exc}") from None
+    except Exception as exc:
+        error = translate(exc, "checking the token")
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(error, HubAccessError) or status in (401, 403):
+            raise HubAccessError("Sign-in refused: the Hub does not accept this token. Copy a token from "
+                                 "huggingface.co/settings/tokens and try again.") from None
+        raise error from None
+
+
+class HubClient:
+    """Thin layer over `HfApi` that returns plain dataclasses and raises `HubError`s with clear messages."""
+
+    def __init__(self, token: str | bool | None = None, hub_endpoint: str | None = None):
+        self.endpoint = hub_endpoint or endpoint()
+        self.token = token            # None: huggingface_hub's own stored token (login / HF_TOKEN), if any
+        self.api = HfApi(endpoint=self.endpoint, token=token, library_name="moedesk")
+
+    def check_online(self, what: str, timeout: float = 5.0) -> None:
+        """Raise `HubOffline` at once when the Hub is unreachable (huggingface_hub would retry for ~20 s)."""
+        try:
+            if constants.is_offline_mode():
+                raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+            get_session().head(self.endpoint, timeout=timeout)
+        except Exception as exc:
+            raise translate(exc, what) from exc
+
+    def search(self, query: str = "", limit: int = 50) -> list[RepoSummary]:
+        """Repos tagged `exl2`, then repos with "exl2" in their name, most downloaded first."""
+        self.check_online(f"searching for {query!r}")
+        found: dict[str, RepoSummary] = {}
+        try:
+            for tagged in (True, False):
+                kwargs = {"filter": "exl2"} if tagged else {}
+                for m in self.api.list_models(search=query or "exl2", sort="downloads", limit=limit, **kwargs):
+                    if tagged or "exl2" in m.id.lower():
+                        found.setdefault(m.id, RepoSummary(m.id, m.downloads or 0, m.likes or 0,
+                                                           bool(m.gated), tuple(m.tags or ())))
+        except Exception as exc:
+            raise translate(exc, f"searching the Hub for {query!r}") from exc
+        return sorted(found.values(), key=lambda r: -r.downloads)[:limit]
+
+    def quants(self, repo_id: str) -> list[Quant]:
+        """Every branch of `repo_id` that holds safetensors, with its bits per weight and size."""
+        self.check_online(f"listing the branches of {repo_id}")
+        try:
+            refs = self.api.list_repo_refs(repo_id)
+        except Exception as exc:
+            raise translate(exc, f"listing the branches of {repo_id}") from exc
+        out = []
+        for ref in refs.branches:
+            quant = self.quant(repo_id, ref.name, ref.target_commit)
+            if quant is not None:
+                out.append(quant)
+        return sorted(out, key=lambda q: (q.bpw is None, q.bpw or 0.0, q.branch))
+
+    def quant(self, repo_id: str, branch: str, commit: str | None = None) -> Quant | None:
+        what = f"listing the files of {repo_id} at {branch}"
+        try:
+            if commit is None:
+                commit = self.api.model_info(repo_id, revision=branch).sha
+            tree = [f for f in self.api.list_repo_tree(repo_id, recursive=True, revision=commit)
+                    if isinstance(f, RepoFile)]
+        except Exception as exc:
+            raise translate(exc, what) from exc
+        files = tuple(RemoteFile(f.path, int(f.size), f.lfs.sha256 if f.lfs else None, f.blob_id)
+                      for f in tree if not is_ignored(f.path))
+        if not any(f.path.endswith(".safetensors") for f in files):
+            return None
+        config, access = {}, ""
+        if any(f.path == "config.json" for f in files):
+            try:
+                config = self._config(repo_id, commit)
+            except HubAccessError as exc:       # gated: the listing is public, the files are not
+                access = str(exc)
+        bpw, head_bits = parse_branch_bpw(branch)
+        qc = config.get("quantization_config") or {}
+        if isinstance(qc, dict) and qc.get("quant_method") == "exl2":
+            bpw = float(qc.get("bits") or bpw or 0) or bpw
+            head_bits = float(qc.get("head_bits") or head_bits or 0) or head_bits
+        return Quant(repo_id, branch, commit, bpw, head_bits, files, config, access)
+
+    def _config(self, repo_id: str, commit: str) -> dict:
+        try:
+            path = hf_hub_download(repo_id, "config.json", revision=commit, endpoint=self.endpoint,
+                                   token=self.token, cache_dir=paths.cache_dir() / "hub")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HubError(f"config.json of {repo_id} at {commit[:8]} is not valid JSON: {exc}") from exc
+        except Exception as exc:
+            raise translate(exc, f"reading config.json of {repo_id}") from exc
+        return config if isinstance(config, dict) else {}

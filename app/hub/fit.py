@@ -1,0 +1,192 @@
+"""Will this model fit? One function, `estimate_fit`, from config.json figures, bits per weight and memory sizes.
+
+Assumptions (what the estimate models; figures in GB = 10^9 bytes):
+- On the GPU, always: attention weights and any dense MLP at `bpw`; norms and the MoE router in FP16
+  (exllamav2 does not quantize them); the output head at `head_bits`; the KV cache for the whole context;
+  a fixed margin `OVERHEAD_BYTES` for the CUDA context, scratch buffers and fragmentation.
+- In host RAM, always: the input embedding table in FP16 (exllamav2 keeps embeddings on the CPU), plus
+  `RAM_RESERVE_BYTES` for the OS, the app and the worker process.
+- Experts (every layer is MoE, as exllamav2 assumes) are at `bpw` and fill what VRAM is left; the rest of
+  them sit in host RAM ("expert offload").
+- KV cache bytes per element: fp16 2; quantized caches 1, 0.75 or 0.5 plus one FP16 scale per 32 elements.
+- Tied embeddings still get a quantized head copy on the GPU (the EXL2 converter writes `lm_head`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+GB = 1e9
+OVERHEAD_BYTES = 1.0e9
+RAM_RESERVE_BYTES = 4.0e9
+FP16 = 2.0
+KV_BYTES_PER_ELEMENT = {"fp16": 2.0, "q8": 1.0 + 2 / 32, "q6": 0.75 + 2 / 32, "q4": 0.5 + 2 / 32}
+
+
+class FitError(ValueError):
+    """config.json lacks a field the estimate needs, or a figure is out of range."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0              # 0 = dense model
+    experts_per_token: int = 0
+    expert_size: int = 0          # intermediate size of one expert
+    intermediate: int = 0         # dense MLP intermediate size (used when experts == 0)
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelShape":
+        def need(key: str) -> int:
+            value = config.get(key)
+            if not isinstance(value, int) or value <= 0:
+                raise FitError(f"config.json: `{key}` is missing or not a positive integer (got {value!r})", key)
+            return value
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        archs = config.get("architectures") or []
+        shape = cls(
+            layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab=need("vocab_size"), experts=experts,
+            experts_per_token=need("num_experts_per_tok") if experts else 0,
+            expert_size=int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0) if experts else 0,
+            intermediate=int(config.get("intermediate_size") or 0),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=any(str(a).startswith("Qwen3") for a in archs),
+        )
+        if experts and not shape.expert_size:
+            raise FitError("config.json: MoE model without `moe_intermediate_size`", "moe_intermediate_size")
+        if not experts and not shape.intermediate:
+            raise FitError("config.json: `intermediate_size` is missing", "intermediate_size")
+        return shape
+
+    # Parameter counts (weights, not bytes)
+    def attention_params(self) -> int:
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * (self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden)
+
+    def norm_params(self) -> int:
+        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layers * per_layer + self.hidden          # + final norm
+
+    def router_params(self) -> int:
+        return self.layers * self.hidden * self.experts
+
+    def expert_params(self) -> int:
+        return self.layers * self.experts * 3 * self.hidden * self.expert_size
+
+    def dense_mlp_params(self) -> int:
+        return 0 if self.experts else self.layers * 3 * self.hidden * self.intermediate
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def total_params(self) -> int:
+        head = 0 if self.tie_embeddings else self.embedding_params()
+        return (self.attention_params() + self.norm_params() + self.router_params() + self.expert_params()
+                + self.dense_mlp_params() + self.embedding_params() + head)
+
+    def kv_elements(self, context: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * context
+
+
+class Verdict(str, Enum):
+    FITS_VRAM = "fits_vram"
+    FITS_OFFLOAD = "fits_offload"
+    DOES_NOT_FIT = "does_not_fit"
+
+
+@dataclass(frozen=True)
+class FitEstimate:
+    verdict: Verdict
+    gpu_fixed_bytes: float        # what must be on the GPU whatever happens
+    expert_bytes: float           # all experts at bpw
+    ram_fixed_bytes: float        # embeddings + reserve
+    kv_bytes: float
+    experts_in_ram_bytes: float   # 0 unless offloading
+    vram_short_bytes: float       # > 0 only when it does not fit
+    ram_short_bytes: float
+
+    @property
+    def text(self) -> str:
+        if self.verdict is Verdict.FITS_VRAM:
+            return "fits in VRAM"
+        if self.verdict is Verdict.FITS_OFFLOAD:
+            return f"fits with expert offload — {self.experts_in_ram_bytes / GB:.1f} GB of experts in RAM"
+        parts = []
+        if self.vram_short_bytes > 0:
+            parts.append(f"{self.vram_short_bytes / GB:.1f} GB more VRAM")
+        if self.ram_short_bytes > 0:
+            parts.append(f"{self.ram_short_bytes / GB:.1f} GB more RAM")
+        return "does not fit — needs " + " and ".join(parts)
+
+    @property
+    def assumptions(self) -> str:
+        return (f"GPU always holds {self.gpu_fixed_bytes / GB:.1f} GB: attention, norms, router, head, "
+                f"KV cache {self.kv_bytes / GB:.1f} GB and a {OVERHEAD_BYTES / GB:.0f} GB margin; "
+                f"experts ({self.expert_bytes / GB:.1f} GB) fill the rest of VRAM, the remainder goes to RAM; "
+                f"RAM keeps the embeddings and {RAM_RESERVE_BYTES / GB:.0f} GB for the system.")
+
+
+def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vram_bytes: float,
+                 ram_bytes: float, head_bits: float = 6.0) -> FitEstimate:
+    """Where the weights and KV cache go for `context` tokens, and whether that fits (see the module docstring)."""
+    if not 1.0 <= bpw <= 16.0:
+        raise FitError(f"bits per weight must be between 1 and 16 (got {bpw})", "bpw")
+    if kv_cache not in KV_BYTES_PER_ELEMENT:
+        raise FitError(f"KV cache type must be one of {sorted(KV_BYTES_PER_ELEMENT)} (got {kv_cache!r})", "kv_cache")
+    if context <= 0:
+        raise FitError(f"context length must be positive (got {context})", "context")
+
+    # What must stay on the GPU
+    kv = shape.kv_elements(context) * KV_BYTES_PER_ELEMENT[kv_cache]
+    quantized = (shape.attention_params() + shape.dense_mlp_params()) * bpw / 8
+    fp16_small = (shape.norm_params() + shape.router_params()) * FP16
+    head = shape.embedding_params() * head_bits / 8
+    gpu_fixed = quantized + fp16_small + head + kv + OVERHEAD_BYTES
+
+    # What lives in RAM whatever happens, and the experts that move between the two
+    ram_fixed = shape.embedding_params() * FP16 + RAM_RESERVE_BYTES
+    experts = shape.expert_params() * bpw / 8
+
+    vram_left = vram_bytes - gpu_fixed
+    if vram_left >= experts:
+        return FitEstimate(Verdict.FITS_VRAM, gpu_fixed, experts, ram_fixed, kv, 0.0, 0.0, 0.0)
+    in_ram = experts - max(vram_left, 0.0)
+    vram_short = max(-vram_left, 0.0)
+    ram_short = max(in_ram + ram_fixed - ram_bytes, 0.0)
+    if vram_short == 0 and ram_short == 0:   # (a dense model has no experts: it never gets here)
+        return FitEstimate(Verdict.FITS_OFFLOAD, gpu_fixed, experts, ram_fixed, kv, in_ram, 0.0, 0.0)
+    return FitEstimate(Verdict.DOES_NOT_FIT, gpu_fixed, experts, ram_fixed, kv, in_ram, vram_short, ram_short)
+
+
+def detect_memory() -> tuple[float, float, str]:
+    """(VRAM bytes of GPU 0, total RAM bytes, GPU name or a note). No GPU is a state: VRAM 0."""
+    import psutil
+    ram = float(psutil.virtual_memory().total)
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            return float(pynvml.nvmlDeviceGetMemoryInfo(handle).total), ram, name
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:   # no driver, no GPU: not an error for the estimate
+        return 0.0, ram, f"no NVIDIA GPU found ({exc.__class__.__name__})"

@@ -1,0 +1,466 @@
+"""The model manager: local models, the Hub's EXL2 quants with a fit verdict each, and the download queue.
+
+Self-contained: `ModelManagerDialog(parent, engine_client=None)`; it emits `load_requested(path)` when the
+user asks to load a local model. Hub calls and imports run on worker threads; their results, and download
+events from the download thread, come back to the GUI thread as queued signals. Closing the dialog hides
+it: downloads go on. Call `shutdown()` when the app quits (running downloads pause; they resume next time).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
+                               QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
+                               QVBoxLayout, QWidget)
+
+from app.hub.browse import HubClient, Quant, sign_in
+from app.hub.download import DownloadProgress, JobState
+from app.hub.errors import HubError
+from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit
+from app.hub.local import LocalModel, delete_model, import_folder, list_local_models, mark_used
+from app.hub.queue import DownloadManager
+from runtime import paths
+
+KV_TYPES = ("fp16", "q8", "q6", "q4")
+
+
+def _size(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _item(text: str, tip: str = "") -> QTableWidgetItem:
+    it = QTableWidgetItem(text)
+    it.setFlags(it.flags() & ~Qt.ItemIsEditable)
+    if tip:
+        it.setToolTip(tip)
+    return it
+
+
+def _table(headers: list[str]) -> QTableWidget:
+    t = QTableWidget(0, len(headers))
+    t.setHorizontalHeaderLabels(headers)
+    t.setSelectionBehavior(QAbstractItemView.SelectRows)
+    t.setSelectionMode(QAbstractItemView.SingleSelection)
+    t.verticalHeader().setVisible(False)
+    t.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+    t.horizontalHeader().setStretchLastSection(True)
+    return t
+
+
+class ModelManagerDialog(QDialog):
+    load_requested = Signal(str)
+    _download_event = Signal(object)            # DownloadProgress, from the download thread
+    _task_done = Signal(object, object)         # (callbacks, Future), from a worker thread
+
+    def __init__(self, parent=None, engine_client=None, models_dir: Path | None = None,
+                 manager: DownloadManager | None = None, hub: HubClient | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.resize(1000, 640)
+        self.engine_client = engine_client
+        self.models_dir = Path(models_dir or paths.models_dir())
+        self._hub = hub
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-manager")
+        self._download_event.connect(self._on_download_event)
+        self._task_done.connect(self._finish_task)
+        self.manager = manager or DownloadManager(on_event=self._download_event.emit, models_dir=self.models_dir)
+        self.vram, self.ram, self.gpu = detect_memory()
+        self._quants: list[Quant] = []
+        self._local: list[LocalModel] = []
+        self._rows: dict[str, int] = {}          # download job id -> row
+
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self._build_local(), "Local models")
+        self.tabs.addTab(self._build_hub(), "Download from the Hub")
+        split = QSplitter(Qt.Vertical)           # downloads stay in sight while browsing
+        split.addWidget(self.tabs)
+        split.addWidget(self._build_downloads())
+        split.setSizes([420, 180])
+        layout = QVBoxLayout(self)
+        layout.addWidget(split)
+        self.refresh_local()
+        for progress in self.manager.restore():
+            self._on_download_event(progress)
+
+    # ------------------------------------------------------------------------------------------
+    # Local models
+
+    def _build_local(self) -> QWidget:
+        w = QWidget()
+        self.local_table = _table(["Name", "Architecture", "Parameters", "Bits/weight", "Size", "Last used",
+                                   "Status"])
+        self.load_button = QPushButton("Load")
+        self.reveal_button = QPushButton("Reveal in file manager")
+        self.delete_button = QPushButton("Delete…")
+        self.import_button = QPushButton("Import folder…")
+        self.load_button.clicked.connect(self._load_selected)
+        self.reveal_button.clicked.connect(self._reveal_selected)
+        self.delete_button.clicked.connect(self._delete_selected)
+        self.import_button.clicked.connect(self._import_clicked)
+        self.local_table.itemSelectionChanged.connect(self._local_selection_changed)
+        self.local_table.doubleClicked.connect(lambda _: self._load_selected())
+        buttons = QHBoxLayout()
+        for b in (self.load_button, self.reveal_button, self.delete_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.addWidget(self.import_button)
+        self.local_status = QLabel("")
+        self.local_status.setWordWrap(True)
+        v = QVBoxLayout(w)
+        v.addWidget(self.local_table)
+        v.addLayout(buttons)
+        v.addWidget(self.local_status)
+        return w
+
+    def refresh_local(self) -> None:
+        self._local = list_local_models(self.models_dir)
+        t = self.local_table
+        t.setRowCount(len(self._local))
+        for r, m in enumerate(self._local):
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "never"
+            cells = [m.name, m.architecture or "—", _params(m.num_params) if m.num_params else "—",
+                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used,
+                     "ready" if m.loadable else "cannot load"]
+            for c, text in enumerate(cells):
+                t.setItem(r, c, _item(text, m.error or m.source or str(m.path)))
+        self._local_selection_changed()
+
+    def selected_local(self) -> LocalModel | None:
+        rows = self.local_table.selectionModel().selectedRows()
+        return self._local[rows[0].row()] if rows else None
+
+    def _local_selection_changed(self) -> None:
+        m = self.selected_local()
+        self.load_button.setEnabled(bool(m and m.loadable))
+        self.reveal_button.setEnabled(m is not None)
+        self.delete_button.setEnabled(m is not None)
+        if m is not None:
+            self.local_status.setText(f"Cannot load: {m.error}" if m.error else (m.source or str(m.path)))
+
+    def _load_selected(self) -> None:
+        m = self.selected_local()
+        if m and m.loadable:
+            mark_used(m.path)
+            self.load_requested.emit(str(m.path))
+            self.refresh_local()
+
+    def _reveal_selected(self) -> None:
+        m = self.selected_local()
+        if m:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(str(m.path)))
+
+    def _delete_selected(self) -> None:
+        m = self.selected_local()
+        if not m:
+            return
+        answer = QMessageBox.question(self, "Delete model",
+                                      f"Delete {m.name} ({_size(m.size_bytes)}) from disk?\n{m.path}")
+        if answer != QMessageBox.Yes:
+            return
+        try:
+            delete_model(m.path, self.models_dir)
+        except (HubError, OSError) as exc:
+            self.local_status.setText(str(exc))
+        self.refresh_local()
+
+    def _import_clicked(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Import a model folder")
+        if folder:
+            box = QMessageBox(QMessageBox.Question, "Import", f"Copy or move {folder} into the models folder?")
+            copy = box.addButton("Copy", QMessageBox.AcceptRole)
+            move = box.addButton("Move", QMessageBox.AcceptRole)
+            box.addButton(QMessageBox.Cancel)
+            box.exec()
+            if box.clickedButton() in (copy, move):
+                self.import_path(Path(folder), move=box.clickedButton() is move)
+
+    def import_path(self, folder: Path, move: bool = False) -> None:
+        self.local_status.setText(f"Importing {folder}…")
+        self._run(lambda: import_folder(folder, move, self.models_dir),
+                  lambda m: (self.refresh_local(), self.local_status.setText(f"Imported {m.name}.")),
+                  lambda exc: self.local_status.setText(str(exc)))
+
+    # ------------------------------------------------------------------------------------------
+    # The Hub: search, branches with fit verdicts, download
+
+    def _build_hub(self) -> QWidget:
+        w = QWidget()
+        self.search_edit = QLineEdit()
+        self.search_edit.setPlaceholderText("Search EXL2 models, e.g. Qwen3-30B-A3B")
+        self.search_button = QPushButton("Search")
+        self.signin_button = QPushButton("Sign in…")
+        self.search_edit.returnPressed.connect(self.search)
+        self.search_button.clicked.connect(self.search)
+        self.signin_button.clicked.connect(self._sign_in)
+        top = QHBoxLayout()
+        top.addWidget(self.search_edit, 1)
+        top.addWidget(self.search_button)
+        top.addWidget(self.signin_button)
+        self.hub_status = QLabel("Search the Hugging Face Hub for EXL2 quants.")
+        self.hub_status.setWordWrap(True)
+        self.repo_list = QListWidget()
+        self.repo_list.currentItemChanged.connect(lambda item, _: item and self.show_repo(item.data(Qt.UserRole)))
+        self.quant_table = _table(["Branch", "Bits/weight", "Download size", "Fit on this machine"])
+        self.context_spin = QSpinBox()
+        self.context_spin.setRange(512, 1 << 20)
+        self.context_spin.setSingleStep(4096)
+        self.context_spin.setValue(32768)
+        self.kv_combo = QComboBox()
+        self.kv_combo.addItems(KV_TYPES)
+        self.context_spin.valueChanged.connect(lambda _: self._fill_quants())
+        self.kv_combo.currentTextChanged.connect(lambda _: self._fill_quants())
+        self.memory_label = QLabel()
+        self.download_button = QPushButton("Download")
+        self.download_button.clicked.connect(self._download_selected)
+        opts = QHBoxLayout()
+        opts.addWidget(QLabel("Context"))
+        opts.addWidget(self.context_spin)
+        opts.addWidget(QLabel("KV cache"))
+        opts.addWidget(self.kv_combo)
+        opts.addWidget(self.memory_label, 1)
+        opts.addWidget(self.download_button)
+        body = QHBoxLayout()
+        body.addWidget(self.repo_list, 1)
+        body.addWidget(self.quant_table, 2)
+        v = QVBoxLayout(w)
+        v.addLayout(top)
+        v.addWidget(self.hub_status)
+        v.addLayout(body, 1)
+        v.addLayout(opts)
+        self.set_memory(self.vram, self.ram, self.gpu)
+        return w
+
+    def hub(self) -> HubClient:
+        if self._hub is None:
+            self._hub = HubClient()
+        return self._hub
+
+    def set_memory(self, vram: float, ram: float, gpu: str) -> None:
+        self.vram, self.ram, self.gpu = vram, ram, gpu
+        self.memory_label.setText(f"{gpu}: {vram / 1e9:.1f} GB VRAM · {ram / 1e9:.1f} GB RAM")
+        self._fill_quants()
+
+    def search(self) -> None:
+        query = self.search_edit.text().strip()
+        self.hub_status.setText(f"Searching for {query or 'EXL2 models'}…")
+        self.search_button.setEnabled(False)
+        self._run(lambda: self.hub().search(query), self._show_results, self._hub_failed)
+
+    def _show_results(self, repos) -> None:
+        self.search_button.setEnabled(True)
+        self.repo_list.clear()
+        for r in repos:
+            item = QListWidgetItem(f"{r.repo_id}   ↓{r.downloads}" + ("   (gated)" if r.gated else ""))
+            item.setData(Qt.UserRole, r.repo_id)
+            self.repo_list.addItem(item)
+        self.hub_status.setText(f"{len(repos)} repositories. Pick one to see its quants (one per branch)."
+                                if repos else "No EXL2 repositories match.")
+
+    def _hub_failed(self, exc: BaseException) -> None:
+        self.search_button.setEnabled(True)
+        self.hub_status.setText(str(exc) if isinstance(exc, HubError) else f"Unexpected error: {exc}")
+
+    def show_repo(self, repo_id: str) -> None:
+        self.hub_status.setText(f"Listing the branches of {repo_id}…")
+        self._run(lambda: self.hub().quants(repo_id), lambda qs: self.show_quants(repo_id, qs), self._hub_failed)
+
+    def show_quants(self, repo_id: str, quants: list[Quant]) -> None:
+        self._quants = quants
+        self.hub_status.setText(f"{repo_id}: {len(quants)} quants." if quants else
+                                f"{repo_id} has no branch with safetensors weights.")
+        self._fill_quants()
+
+    def fit_text(self, q: Quant) -> tuple[str, str]:
+        if q.access:
+            return "gated: sign in to download it and to see its fit", q.access
+        if not q.config or q.bpw is None:
+            return "unknown: no config.json or bits per weight", ""
+        try:
+            est = estimate_fit(ModelShape.from_config(q.config), q.bpw, self.context_spin.value(),
+                               self.kv_combo.currentText(), self.vram, self.ram, q.head_bits or 6.0)
+        except FitError as exc:
+            return f"unknown: {exc}", ""
+        return est.text, est.assumptions
+
+    def _fill_quants(self) -> None:
+        if not hasattr(self, "quant_table"):
+            return
+        t = self.quant_table
+        t.setRowCount(len(self._quants))
+        for r, q in enumerate(self._quants):
+            fit, why = self.fit_text(q)
+            bits = f"{q.bpw:g}" if q.bpw else "?"
+            if q.head_bits:
+                bits += f" (head {q.head_bits:g})"
+            for c, text in enumerate([q.branch, bits, _size(q.size_bytes), fit]):
+                t.setItem(r, c, _item(text, why if c == 3 else q.access))
+        if self._quants and not t.selectionModel().selectedRows():
+            t.selectRow(0)
+
+    def _download_selected(self) -> None:
+        rows = self.quant_table.selectionModel().selectedRows()
+        if rows:
+            self.start_download(self._quants[rows[0].row()])
+
+    def start_download(self, quant: Quant) -> None:
+        try:
+            job = self.manager.enqueue(quant)
+        except HubError as exc:                    # e.g. not enough disk space: refused before any byte
+            self.hub_status.setText(str(exc))
+            QMessageBox.warning(self, "Cannot download", str(exc))
+            return
+        self.hub_status.setText(f"Queued {job.repo_id} ({job.branch}): see Downloads.")
+
+    def _sign_in(self) -> None:
+        token, ok = QInputDialog.getText(self, "Sign in to Hugging Face",
+                                         "Access token (stored by huggingface_hub, never shown again):",
+                                         QLineEdit.Password)
+        if ok and token.strip():
+            self.hub_status.setText("Checking the token…")
+            self._run(lambda: sign_in(token),
+                      lambda user: self.hub_status.setText(f"Signed in as {user}: gated and private repositories "
+                                                           "you have access to can be downloaded now."),
+                      self._hub_failed)
+
+    # ------------------------------------------------------------------------------------------
+    # Downloads
+
+    def _build_downloads(self) -> QWidget:
+        w = QWidget()
+        self.download_table = _table(["Model", "State", "Progress", "Speed", "Time left", "Details"])
+        self.download_table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
+        self.download_table.setColumnWidth(2, 230)
+        self.pause_button = QPushButton("Pause")
+        self.resume_button = QPushButton("Resume")
+        self.cancel_button = QPushButton("Cancel")
+        self.pause_button.clicked.connect(lambda: self._with_job(self.manager.pause))
+        self.resume_button.clicked.connect(lambda: self._with_job(self.manager.resume))
+        self.cancel_button.clicked.connect(lambda: self._with_job(self.manager.cancel))
+        buttons = QHBoxLayout()
+        for b in (self.pause_button, self.resume_button, self.cancel_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.insertWidget(0, QLabel("Downloads"))
+        v = QVBoxLayout(w)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.addLayout(buttons)
+        v.addWidget(self.download_table)
+        return w
+
+    def _with_job(self, action: Callable[[str], None]) -> None:
+        rows = self.download_table.selectionModel().selectedRows()
+        if rows:
+            job_id = self.download_table.item(rows[0].row(), 0).data(Qt.UserRole)
+            action(job_id)
+
+    def _on_download_event(self, p: DownloadProgress) -> None:
+        t = self.download_table
+        row = self._rows.get(p.job_id)
+        if row is None:
+            row = self._rows[p.job_id] = t.rowCount()
+            t.insertRow(row)
+            name = _item(p.job_id)
+            name.setData(Qt.UserRole, p.job_id)
+            t.setItem(row, 0, name)
+            bar = QProgressBar()
+            bar.setRange(0, 1000)
+            t.setCellWidget(row, 2, bar)
+            if t.rowCount() == 1:
+                t.selectRow(0)
+        bar = t.cellWidget(row, 2)
+        bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
+        bar.setFormat(f"{_size(p.done_bytes)} of {_size(p.total_bytes)}")
+        running = p.state is JobState.RUNNING
+        eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
+        for c, text in ((1, p.state.value), (3, f"{p.speed_bps / 1e6:.1f} MB/s" if running else ""), (4, eta),
+                        (5, p.message)):
+            t.setItem(row, c, _item(text, p.message))
+        if p.state is JobState.DONE:
+            self.refresh_local()
+
+    # ------------------------------------------------------------------------------------------
+    # Worker threads: results come back through a queued signal
+
+    def _run(self, fn: Callable, on_done: Callable, on_error: Callable) -> Future:
+        future = self._pool.submit(fn)
+        future.add_done_callback(lambda f: self._task_done.emit((on_done, on_error), f))
+        return future
+
+    def _finish_task(self, callbacks, future: Future) -> None:
+        on_done, on_error = callbacks
+        exc = future.exception()
+        on_error(exc) if exc is not None else on_done(future.result())
+
+    def closeEvent(self, event) -> None:
+        self.hide()                     # downloads continue; the window owns this dialog
+        event.ignore()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grab_model_manager(path: str | Path) -> Path:
+    """A PNG of the model manager with a download in progress, for `make screenshots`.
+
+    Needs no network: the dialog shows a listing of a repository with the real Qwen3-30B-A3B config and a
+    download part-way, fed through the same slots a live session uses.
+    """
+    from PySide6.QtWidgets import QApplication
+
+    from app.hub.browse import RemoteFile
+
+    app = QApplication.instance() or QApplication([])
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+              "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
+    repo = "turboderp/Qwen3-30B-A3B-exl2"
+    shape = ModelShape.from_config(config)
+    emb = shape.embedding_params()
+
+    def size(bpw: float) -> int:        # what the EXL2 files of this shape weigh: body at bpw, head 6 bits, FP16 rest
+        small = shape.norm_params() + shape.router_params()
+        body = shape.total_params() - 2 * emb - small
+        return int(body * bpw / 8 + emb * 6 / 8 + (emb + small) * 2)
+    quants = [Quant(repo, f"{bpw:.1f}bpw", "0" * 40, bpw, 6.0,
+                    (RemoteFile("model.safetensors", size(bpw), "0" * 64, ""),), config)
+              for bpw in (3.0, 4.0, 6.0, 8.0)]
+    total = size(4.0)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models))
+        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+        dialog.tabs.setCurrentIndex(1)
+        dialog.search_edit.setText("Qwen3-30B-A3B")
+        item = QListWidgetItem(f"{repo}   ↓12840")
+        item.setData(Qt.UserRole, repo)
+        dialog.repo_list.addItem(item)
+        dialog.repo_list.blockSignals(True)
+        dialog.repo_list.setCurrentItem(item)
+        dialog.repo_list.blockSignals(False)
+        dialog.show_quants(repo, quants)
+        dialog.quant_table.selectRow(1)
+        dialog._on_download_event(DownloadProgress(f"{repo.replace('/', '--')}--4.0bpw", JobState.RUNNING,
+                                                   int(total * 0.41), total, 48.2e6, total * 0.59 / 48.2e6,
+                                                   "model-00002-of-00004.safetensors",
+                                                   "Downloading model-00002-of-00004.safetensors"))
+        dialog.show()
+        app.processEvents()
+        dialog.grab().save(str(out))
+        dialog.shutdown()
+        dialog.deleteLater()
+    return out

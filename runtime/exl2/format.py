@@ -1,0 +1,336 @@
+"""The EXL2 tensor format (exllamav2 0.3.x) in pure PyTorch: dequantize exactly, quantize by rounding.
+
+On-disk layout of one quantized linear layer `K` (HF weight W of shape [out, in], y = x @ W.T):
+
+    K.q_weight     int32  [sum of qrows, N]   b-bit codes, packed down each column (see bitpack.py)
+    K.q_scale      int32  [G, N/8]            4-bit per-column group scales, stored as qscale-1
+    K.q_scale_max  fp16   [G]                 per-group maximum scale
+    K.q_groups     int16  [2G]                pairs (bits of group g, first q_weight row of group g)
+    K.q_invperm    int32  [in]                inverse input permutation (q_perm = argsort(q_invperm))
+    K.bias         fp16   [N]                 optional, left to the caller
+
+N = out rounded up to a multiple of 32: padded columns hold the zero code 2**(b-1), so their weights
+dequantize to 0. Rows are input channels in "packed order" (the quantizer's activation order, here
+the identity unless a permutation is given). The rows are cut into G groups; each group has one bit
+width b in {8, 6, 5, 4, 3, 2}, widths descend from the first group to the last (exllamav2's kernels
+walk rows 8 -> 6 -> 5 -> 4 -> 3 -> 2), and a group of R rows takes R*b/32 rows of q_weight. The
+number of rows of a group follows from the next group's first qrow (the last group takes the rest).
+Every group here is a multiple of 32 rows, as exllamav2's kernels advance 32 rows at a time.
+
+Dequantization, as exllamav2 reconstructs it (q_matrix.cu reconstruct_kernel, qdq_util.cuh dq_scale,
+ext.py make_q_matrix), all in fp16 with one rounding per operation:
+
+    mx[g]      = fp16(q_scale_max[g] * 1/256)                     (may be subnormal; kept as is)
+    scale[g,n] = fp16(fp16((qscale[g,n])**2) * mx[g])             qscale in 1..16
+    Wt[k,n]    = fp16((code[k,n] - 2**(b_g-1)) * scale[g(k),n])   k a packed row in group g(k)
+    W.T        = Wt[q_invperm]                                    [in, N];  W = (W.T).T, first `out` rows
+
+Bit mixes: any descending subset of {8,6,5,4,3,2} runs (exllamav2 falls back to its general GEMM
+kernel); `SUPPORTED_MIXES` are the ones with a specialised kernel (comp_units/kernel_select.cuh)
+plus [8, 4], which exllamav2's own converter emits. The quantizer only produces those.
+
+Quantizer (round to nearest, no Hessian): per group and column the step is chosen from the absolute
+maximum so that every code is in range, q_scale_max is rounded up in fp16 and qscale rounded up,
+so for every weight  |w - deq| <= step/2 + 2**-11 * |deq| + 2**-25  (half a step, plus the fp16
+rounding of the product; `step_sizes` returns the steps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from .bitpack import pack_codes, pack_scales, unpack_codes, unpack_scales
+
+WIDTHS = (8, 6, 5, 4, 3, 2)
+SUPPORTED_MIXES = frozenset(tuple(m) for m in (
+    (2,), (3, 2), (3,), (4, 3, 2), (4, 3), (4,), (5, 4), (5,), (6, 5), (6,),
+    (8,), (6, 3, 2), (5, 3), (8, 4, 3), (8, 5, 4), (8, 6, 5), (8, 6, 4, 3), (4, 2), (6, 4), (8, 6),
+    (8, 4),
+))
+REQUIRED_KEYS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+MAX_IN_FEATURES = 65536          # q_perm is uint16 inside exllamav2
+
+
+class Exl2FormatError(ValueError):
+    """A tensor set or a request that is not valid EXL2; `name` says which tensor or layer."""
+
+    def __init__(self, name: str, problem: str):
+        super().__init__(f"{name}: {problem}")
+        self.name = name
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class Group:
+    bits: int
+    rows: int          # input rows (packed order)
+    first_row: int
+    first_qrow: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit mixes and group plans
+
+def mix_for_bpw(bpw: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Bits of the codes (excluding scale overhead, ~4/group_size bpw) -> (widths, proportions)."""
+    if not 2.0 <= bpw <= 8.0:
+        raise Exl2FormatError("bits", f"{bpw} bits per weight is outside EXL2's range 2..8")
+    if float(bpw).is_integer() and int(bpw) in WIDTHS:
+        return (int(bpw),), (1.0,)
+    asc = sorted(WIDTHS)
+    lo = max(b for b in asc if b <= bpw)
+    hi = min(b for b in asc if b > bpw)
+    p_hi = round((bpw - lo) / (hi - lo), 4)
+    return (hi, lo), (p_hi, round(1.0 - p_hi, 4))
+
+
+def resolve_bits(bits, bits_prop=None, name: str = "bits") -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """int (one width), float (bpw target: 4.0 -> [4], 2.5 -> [3, 2], 7.0 -> [8, 6]) or a descending list
+    of widths (+ proportions, default equal)."""
+    if isinstance(bits, (int, float)) and not 2 <= bits <= 8:
+        raise Exl2FormatError(name, f"{bits} bits per weight is outside EXL2's range 2..8")
+    if isinstance(bits, float) and not (bits.is_integer() and int(bits) in WIDTHS):
+        return mix_for_bpw(bits)                        # a bpw target such as 2.5 or 7.0
+    if isinstance(bits, (int, float)):
+        mix, props = (int(bits),), (1.0,)
+    else:
+        mix = tuple(int(b) for b in bits)
+        props = tuple(float(p) for p in bits_prop) if bits_prop is not None else (1.0 / len(mix),) * len(mix)
+    if mix not in SUPPORTED_MIXES:
+        raise Exl2FormatError(name, f"bit mix {list(mix)} has no exllamav2 kernel; supported (rows in "
+                                    f"descending bits): {sorted(list(m) for m in SUPPORTED_MIXES)}")
+    if len(props) != len(mix) or any(p <= 0 for p in props) or abs(sum(props) - 1) > 1e-3:
+        raise Exl2FormatError(name, f"proportions {list(props)} must be positive, one per width, sum 1")
+    return mix, props
+
+
+def plan_groups(in_features: int, mix: Sequence[int], props: Sequence[float],
+                group_size: Mapping[int, int]) -> list[tuple[int, int]]:
+    """(bits, rows) per group, as exllamav2's AdaptiveGPTQ.configure cuts them; widths left without
+    rows (tiny matrices) are dropped, the last group of the matrix may be short."""
+    remaining, groups = in_features, []
+    for b, p in zip(mix, props):
+        gsz = group_size[b]
+        for _ in range(math.ceil(min(in_features * p, remaining) / gsz)):
+            rows = min(gsz, remaining)
+            groups.append((b, rows))
+            remaining -= rows
+    if remaining > 0:                                   # float rounding of the proportions
+        b = groups[-1][0] if groups else mix[-1]
+        while remaining > 0:
+            rows = min(group_size[b], remaining)
+            groups.append((b, rows))
+            remaining -= rows
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+def read_layout(tensors: Mapping[str, torch.Tensor], name: str = "tensor") -> tuple[int, int, list[Group]]:
+    """Validate an EXL2 tensor set; return (in_features, padded out N, groups)."""
+    missing = [k for k in REQUIRED_KEYS if k not in tensors]
+    if missing:
+        raise Exl2FormatError(name, f"missing EXL2 tensors {missing}")
+    expect = {"q_weight": ((torch.int32,), 2), "q_scale": ((torch.int32,), 2), "q_scale_max": ((torch.float16,), 1),
+              "q_groups": ((torch.int16,), 1), "q_invperm": ((torch.int16, torch.int32, torch.int64), 1)}
+    for k, (dtypes, ndim) in expect.items():
+        t = tensors[k]
+        if t.dtype not in dtypes or t.dim() != ndim:
+            raise Exl2FormatError(f"{name}.{k}", f"expected {ndim}-D {'/'.join(map(str, dtypes))}, "
+                                                 f"got {t.dim()}-D {t.dtype} of shape {list(t.shape)}")
+    qw, qs, qsm, qg, inv = (tensors[k] for k in REQUIRED_KEYS)
+    in_features, n = inv.shape[0], qw.shape[1]
+    ngroups = qg.shape[0] // 2
+    if qg.shape[0] % 2 or ngroups == 0 or qs.shape[0] != ngroups or qsm.shape[0] != ngroups:
+        raise Exl2FormatError(name, f"group counts disagree: q_groups {qg.shape[0]} entries (pairs), "
+                                    f"q_scale {qs.shape[0]} rows, q_scale_max {qsm.shape[0]}")
+    if qs.shape[1] * 8 != n:
+        raise Exl2FormatError(f"{name}.q_scale", f"{qs.shape[1]} words hold {qs.shape[1] * 8} scales per group "
+                                                 f"but q_weight has {n} columns")
+    pairs = qg.to(torch.int64).view(ngroups, 2).tolist()
+    groups, row = [], 0
+    for i, (bits, qrow) in enumerate(pairs):
+        next_qrow = pairs[i + 1][1] if i + 1 < ngroups else qw.shape[0]
+        if bits not in WIDTHS or (i and bits > pairs[i - 1][0]):
+            raise Exl2FormatError(f"{name}.q_groups", f"group {i} has {bits} bits; widths must be in "
+                                                      f"{WIDTHS} and descend, got {[p[0] for p in pairs]}")
+        if (qrow != 0 if i == 0 else qrow <= pairs[i - 1][1]) or next_qrow <= qrow:
+            raise Exl2FormatError(f"{name}.q_groups", f"group {i} starts at q_weight row {qrow}: offsets must "
+                                                      f"start at 0 and increase up to {qw.shape[0]}")
+        rows = (next_qrow - qrow) * 32 // bits
+        if (next_qrow - qrow) * 32 % bits or rows % 32:
+            raise Exl2FormatError(f"{name}.q_groups", f"group {i} spans {next_qrow - qrow} packed rows at "
+                                                      f"{bits} bits: not a whole multiple of 32 input rows")
+        groups.append(Group(bits, rows, row, qrow))
+        row += rows
+    if row != in_features:
+        raise Exl2FormatError(name, f"groups cover {row} input rows but q_invperm has {in_features}")
+    if not torch.equal(torch.sort(inv.to(torch.int64)).values, torch.arange(in_features)):
+        raise Exl2FormatError(f"{name}.q_invperm", f"not a permutation of 0..{in_features - 1}")
+    return in_features, n, groups
+
+
+def _decode(tensors, name):
+    """-> (centred codes [in, N] in packed order, fp16 scale per packed row and column [in, N], invperm)."""
+    in_features, n, groups = read_layout(tensors, name)
+    qw = tensors["q_weight"]
+    codes = torch.empty((in_features, n), dtype=torch.int64)
+    i = 0
+    while i < len(groups):                              # one pass per run of equal widths (<= 6)
+        j = i
+        while j < len(groups) and groups[j].bits == groups[i].bits:
+            j += 1
+        b, r0, r1 = groups[i].bits, groups[i].first_row, groups[j - 1].first_row + groups[j - 1].rows
+        q1 = groups[j].first_qrow if j < len(groups) else qw.shape[0]
+        codes[r0:r1] = unpack_codes(qw[groups[i].first_qrow:q1], b) - (1 << (b - 1))
+        i = j
+    mx = tensors["q_scale_max"].cpu().to(torch.float16) * (1 / 256)           # [G] fp16, as make_q_matrix
+    qscale = unpack_scales(tensors["q_scale"].cpu())                            # [G, N]
+    scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)               # [G, N] fp16, as dq_scale
+    row_group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.rows for g in groups]))
+    return codes, scale[row_group], tensors["q_invperm"].to(torch.int64)
+
+
+def dequantize(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32, *,
+               out_features: int | None = None, name: str = "tensor") -> torch.Tensor:
+    """EXL2 tensors -> HF weight [out, in] (padded N rows unless out_features), values as exllamav2's fp16."""
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    codes, scale, inv = _decode(tensors, name)
+    wt = codes.to(torch.float16) * scale                                       # [in, N] fp16 product
+    w = wt[inv].t()                                                             # [N, in]
+    if out_features is not None:
+        if not 0 < out_features <= w.shape[0]:
+            raise Exl2FormatError(name, f"out_features {out_features} exceeds the {w.shape[0]} stored columns")
+        w = w[:out_features]
+    return w.to(dtype).contiguous()
+
+
+def step_sizes(tensors: Mapping[str, torch.Tensor], *, name: str = "tensor") -> torch.Tensor:
+    """Quantization step of every weight, [N, in] float32 (HF orientation, padded like dequantize)."""
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    _, scale, inv = _decode(tensors, name)
+    return scale[inv].t().float().contiguous()
+
+
+def stored_bits(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bits the tensor set takes on disk (for bits-per-weight figures)."""
+    return sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+def _half_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Smallest fp16 >= x (x >= 0, float32)."""
+    h = x.to(torch.float16)
+    low = h.float() < x
+    return torch.where(low, (h.view(torch.int16) + 1).view(torch.float16), h)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive groups of one width: rows [r0, r1), groups [g0, g1), full groups of `size` rows."""
+    bits: int
+    r0: int
+    r1: int
+    g0: int
+    g1: int
+    size: int
+
+    def views(self, wt: torch.Tensor) -> list[torch.Tensor]:
+        """[k, size, N] over the full groups, plus [1, rest, N] for a short last group."""
+        full = (self.r1 - self.r0) // self.size
+        parts = [wt[self.r0:self.r0 + full * self.size].view(full, self.size, -1)] if full else []
+        if self.r0 + full * self.size < self.r1:
+            parts.append(wt[self.r0 + full * self.size:self.r1].unsqueeze(0))
+        return parts
+
+
+def _runs(groups: list[tuple[int, int]], group_size: Mapping[int, int]) -> list[_Run]:
+    runs, r, g = [], 0, 0
+    for b in dict.fromkeys(b for b, _ in groups):
+        idx = [i for i, (bb, _) in enumerate(groups) if bb == b]
+        rows = sum(groups[i][1] for i in idx)
+        runs.append(_Run(b, r, r + rows, g, g + len(idx), group_size[b]))
+        r, g = r + rows, g + len(idx)
+    return runs
+
+
+def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] = 128, *,
+             bits_prop: Sequence[float] | None = None, perm: torch.Tensor | None = None,
+             name: str = "weight") -> dict[str, torch.Tensor]:
+    """Round-to-nearest EXL2 quantization of an HF weight [out, in].
+
+    bits: int (uniform), a fractional bpw target (mapped by mix_for_bpw) or a descending list of
+    widths with `bits_prop`. group_size: one size, or one per width; multiples of 32. perm: optional
+    input-row order (packed row k is input channel perm[k]); the first rows get the most bits.
+    """
+    if weight.dim() != 2:
+        raise Exl2FormatError(name, f"expected a 2-D weight [out, in], got shape {list(weight.shape)}")
+    if not weight.is_floating_point():
+        raise Exl2FormatError(name, f"expected a floating-point weight, got {weight.dtype}")
+    w = weight.detach().cpu().to(torch.float32)
+    out, in_features = w.shape
+    if in_features % 32 or not 0 < in_features <= MAX_IN_FEATURES or out == 0:
+        raise Exl2FormatError(name, f"in_features {in_features} must be a positive multiple of 32 "
+                                    f"up to {MAX_IN_FEATURES} (out {out})")
+    peak = torch.maximum(w.amax(), -w.amin())          # NaN propagates
+    if not torch.isfinite(peak) or peak > 60000:
+        raise Exl2FormatError(name, "weight has non-finite values or values beyond fp16 range")
+    mix, props = resolve_bits(bits, bits_prop, name)
+    gs = dict(group_size) if isinstance(group_size, Mapping) else {b: int(group_size) for b in mix}
+    if any(b not in gs or gs[b] <= 0 or gs[b] % 32 for b in mix):
+        raise Exl2FormatError(name, f"group size {group_size} must give every width in {list(mix)} a positive "
+                                    f"multiple of 32")
+    if perm is None:
+        perm = torch.arange(in_features)
+    perm = perm.to(torch.int64)
+    if perm.shape != (in_features,) or not torch.equal(torch.sort(perm).values, torch.arange(in_features)):
+        raise Exl2FormatError(name, f"perm must be a permutation of 0..{in_features - 1}")
+
+    groups = plan_groups(in_features, mix, props, gs)
+    n = out + (-out % 32)
+    wt = torch.nn.functional.pad(w.t()[perm], (0, n - out))                    # [in, N] packed order
+    runs = _runs(groups, gs)
+
+    # Steps: base[g, n] is the smallest step keeping |w|/step <= (2**b - 1)/2 in that group column
+    absmax = torch.cat([torch.maximum(v.amax(dim=1), -v.amin(dim=1))
+                        for run in runs for v in run.views(wt)])               # [G, N]
+    gbits = torch.tensor([b for b, _ in groups])
+    base = absmax / ((2.0 ** gbits - 1) / 2).unsqueeze(1)                      # [G, N]
+    mx = _half_ceil(base.amax(dim=1).clamp(min=2.0 ** -16) / 256)             # [G] fp16 = q_scale_max/256
+    qscale = torch.ceil(torch.sqrt(base / (mx.float() * 256).unsqueeze(1)) * 16).clamp(1, 16)
+    for _ in range(2):                                  # fp16 rounding may leave a step just short
+        step = ((qscale * qscale).to(torch.float16) * mx.unsqueeze(1)).float()
+        qscale = torch.where(step < base, (qscale + 1).clamp(max=16), qscale)
+    qscale[:, out:] = 16                                # as exllamav2's packer leaves padded columns
+    step = ((qscale * qscale).to(torch.float16) * mx.unsqueeze(1)).float()
+
+    # Codes, one run of equal widths at a time: round(w / step) + 2**(b-1), clamped to the code range
+    packed, qgroups, qrow = [], [], 0
+    for run in runs:
+        zero = 1 << (run.bits - 1)
+        codes = torch.empty((run.r1 - run.r0, n))
+        g, r = run.g0, 0
+        for v in run.views(wt):                         # [k, rows, N] full groups, then a short one
+            k, rows = v.shape[0], v.shape[1]
+            q = torch.div(v, step[g:g + k].unsqueeze(1)).round_().add_(zero).clamp_(0, 2 * zero - 1)
+            codes[r:r + k * rows] = q.view(k * rows, n)
+            g, r = g + k, r + k * rows
+        packed.append(pack_codes(codes, run.bits))
+        for gr in groups[run.g0:run.g1]:
+            qgroups += [run.bits, qrow]
+            qrow += gr[1] * run.bits // 32
+    if qrow >= 2 ** 15:
+        raise Exl2FormatError(name, f"{qrow} packed rows overflow q_groups' int16 offsets")
+    return {
+        "q_weight": torch.cat(packed, dim=0),
+        "q_scale": pack_scales(qscale),
+        "q_scale_max": (mx.float() * 256).to(torch.float16),
+        "q_groups": torch.tensor(qgroups, dtype=torch.int16),
+        "q_invperm": torch.argsort(perm).to(torch.int32),
+    }

@@ -1,0 +1,163 @@
+"""Model shapes for synthetic models: the real models' config.json, tensor list and parameter counts.
+
+No torch here: the shapes table and parameter counts are plain arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+QWEN_VOCAB = 151936
+QWEN_FIRST_SPECIAL = 151643          # <|endoftext|>; then <|im_start|>, <|im_end|>, ...
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    architecture: str                # "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM"
+    like: str                        # the real model whose shape this is
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int                # dense MLP width (MoE configs carry it too)
+    vocab: int = QWEN_VOCAB
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    tie_embeddings: bool = False
+    max_position: int = 40960
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def first_special(self) -> int:
+        """Id of <|endoftext|>: Qwen's own for the real vocabulary, the last 32 ids for tiny ones."""
+        return QWEN_FIRST_SPECIAL if self.vocab == QWEN_VOCAB else self.vocab - 32
+
+    def with_layers(self, layers: int | None) -> "Shape":
+        if layers is None:
+            return self
+        if layers < 1:
+            raise ValueError(f"--layers must be at least 1, got {layers}")
+        from dataclasses import replace
+        return replace(self, layers=layers)
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("tiny-moe", "Qwen3MoeForCausalLM", "a miniature Qwen3-MoE (tests)", layers=2, hidden=256, heads=4,
+          kv_heads=2, head_dim=64, intermediate=512, vocab=1024, experts=16, experts_per_token=4,
+          expert_intermediate=128, max_position=4096),
+    Shape("tiny-dense", "Qwen3ForCausalLM", "a miniature Qwen3 (tests)", layers=2, hidden=256, heads=4,
+          kv_heads=2, head_dim=64, intermediate=512, vocab=1024, tie_embeddings=True, max_position=4096),
+    Shape("qwen3-30b-a3b", "Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", layers=48, hidden=2048, heads=32,
+          kv_heads=4, head_dim=128, intermediate=6144, experts=128, experts_per_token=8, expert_intermediate=768),
+    Shape("q125-a11", "Qwen3MoeForCausalLM", "a Qwen3-MoE of ~121B total / ~11B active parameters", layers=48,
+          hidden=4096, heads=64, kv_heads=4, head_dim=128, intermediate=12288, experts=128, experts_per_token=8,
+          expert_intermediate=1536),
+    Shape("qwen3-0.6b", "Qwen3ForCausalLM", "Qwen/Qwen3-0.6B (dense draft model)", layers=28, hidden=1024,
+          heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie_embeddings=True),
+)}
+
+
+def get_shape(name: str) -> Shape:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def hf_config(s: Shape) -> dict:
+    """config.json as the real Qwen3 / Qwen3-MoE releases write it."""
+    cfg = {
+        "architectures": [s.architecture],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": s.first_special,
+        "eos_token_id": s.first_special + 2,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": s.intermediate,
+        "max_position_embeddings": s.max_position,
+        "max_window_layers": s.layers,
+        "model_type": "qwen3_moe" if s.is_moe else "qwen3",
+        "num_attention_heads": s.heads,
+        "num_hidden_layers": s.layers,
+        "num_key_value_heads": s.kv_heads,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": s.tie_embeddings,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": s.vocab,
+    }
+    if s.is_moe:
+        cfg.update({
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": s.expert_intermediate,
+            "norm_topk_prob": True,
+            "num_experts": s.experts,
+            "num_experts_per_tok": s.experts_per_token,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        })
+    return dict(sorted(cfg.items()))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str                  # full tensor name (".weight") or linear prefix (quantized)
+    shape: tuple[int, ...]     # HF shape [out, in] for linears
+    kind: str                  # "linear" | "head" | "embed" | "norm" | "router"
+    role: str = ""             # what a linear is, for reusing generated tensors: "q_proj", "expert.up_proj"...
+
+
+def tensors(s: Shape) -> Iterator[TensorSpec]:
+    """Every tensor of the model, in checkpoint order."""
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    yield TensorSpec("model.embed_tokens.weight", (s.vocab, h), "embed")
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        for proj, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+            yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
+        yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "norm")
+        yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "norm")
+        if s.is_moe:
+            yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
+            e_int = s.expert_intermediate
+            for e in range(s.experts):
+                for proj, shape in (("gate_proj", (e_int, h)), ("up_proj", (e_int, h)), ("down_proj", (h, e_int))):
+                    yield TensorSpec(f"{p}.mlp.experts.{e}.{proj}", shape, "linear", f"expert.{proj}")
+        else:
+            for proj, shape in (("gate_proj", (s.intermediate, h)), ("up_proj", (s.intermediate, h)),
+                                ("down_proj", (h, s.intermediate))):
+                yield TensorSpec(f"{p}.mlp.{proj}", shape, "linear", proj)
+        yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "norm")
+        yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "norm")
+    yield TensorSpec("model.norm.weight", (h,), "norm")
+    if not s.tie_embeddings:
+        yield TensorSpec("lm_head", (s.vocab, h), "head")
+
+
+def param_counts(s: Shape) -> tuple[int, int]:
+    """(total, active per token) parameters; active counts the embeddings, head, attention, router and
+    top-k experts, as model cards do (Qwen3-30B-A3B: 30.5B / 3.3B)."""
+    total = active = 0
+    for t in tensors(s):
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n
+        is_expert = ".mlp.experts." in t.name
+        if not is_expert or int(t.name.split(".mlp.experts.")[1].split(".")[0]) < s.experts_per_token:
+            active += n
+    return total, active

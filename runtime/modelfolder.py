@@ -1,0 +1,394 @@
+"""Model folders: validate one without torch, then read its tensors lazily.
+
+A model folder is untrusted input. `validate(path)` checks, without importing torch, everything the
+engines rely on and raises `ModelFolderError` naming the file and the problem:
+
+- config.json present, parsable, a supported architecture with the integer fields we need;
+- tokenizer.json present (unless the caller loads a tokenizer-less benchmark model);
+- weights as safetensors only (pickle files are refused, never opened);
+- each safetensors header parsed by hand: 8-byte little-endian length, JSON, known dtypes, shapes
+  whose byte size matches the offsets, offsets contiguous and within the file (a short file is
+  reported as truncated);
+- the shard index, when present, names shards that exist and tensors those shards hold;
+- every tensor the architecture needs, stored plain (`X.weight`) or as EXL2 (`X.q_weight`, ...).
+
+`ModelFolder(path)` validates, then opens shards with safetensors on demand (torch imported lazily)
+and gives `.tensor(name)` and `.linear(prefix)`: a dense float weight [out, in] either way.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from runtime.engine import EngineError
+from runtime.protocol import ErrorCode
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+EXL2_PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_HEADER_BYTES = 100 * 1024 * 1024        # the safetensors format's own limit
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+class ModelFolderError(EngineError):
+    """A model folder is missing, malformed or unsupported. `file` is the offending path."""
+
+    def __init__(self, code: ErrorCode, file: Path | str, problem: str, detail: str = ""):
+        super().__init__(code.value, f"{file}: {problem}", detail)
+        self.file = str(file)
+        self.problem = problem
+
+
+@dataclass
+class FolderInfo:
+    path: Path
+    name: str
+    architecture: str
+    model_type: str
+    num_params: int                  # parameters of the dense (dequantized) model
+    active_params: int               # per token: all but the experts a token does not use
+    bits_per_weight: float           # from quantization_config, else estimated from bytes on disk
+    size_bytes: int                  # all files in the folder
+    vocab_size: int
+    num_layers: int
+    num_experts: int                 # 0 for dense models
+    experts_per_token: int
+    is_exl2: bool
+    has_tokenizer: bool
+    config: dict[str, Any] = field(repr=False, default_factory=dict)
+    shard_of: dict[str, str] = field(repr=False, default_factory=dict)   # tensor name -> shard file
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "missing: a model folder needs config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                               f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "expected a JSON object at the top level")
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
+        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
+                               f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "num_experts" not in config and "num_local_experts" in config:
+        config["num_experts"] = config["num_local_experts"]      # the name newer transformers write
+    needed = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
+    if arch == "Qwen3MoeForCausalLM":
+        needed += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    for key in needed:
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"'{key}' must be a positive integer, got {value!r}")
+    if config["hidden_size"] % config["num_attention_heads"] and not config.get("head_dim"):
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "'hidden_size' is not a multiple of 'num_attention_heads'")
+    if config["num_attention_heads"] % kv_heads(config):
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                               "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
+    return config
+
+
+def kv_heads(config: dict) -> int:
+    return config.get("num_key_value_heads") or config["num_attention_heads"]
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def is_moe_layer(config: dict, layer: int) -> bool:
+    """Qwen3-MoE: layer uses experts unless listed in mlp_only_layers or skipped by decoder_sparse_step."""
+    if config["architectures"][0] != "Qwen3MoeForCausalLM":
+        return False
+    step = config.get("decoder_sparse_step") or 1
+    return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# What the architecture needs: plain tensors (name -> shape) and linears (prefix -> (out, in))
+
+@dataclass
+class Layout:
+    plain: dict[str, tuple[int, ...]]
+    linears: dict[str, tuple[int, int]]
+    expert_params: int = 0           # parameters of one layer's experts not used by a token, summed
+
+
+def layout(config: dict, present: set[str] | None = None) -> Layout:
+    h, v, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    hd, nh, nkv = head_dim(config), config["num_attention_heads"], kv_heads(config)
+    qk_norm = config["architectures"][0] != "LlamaForCausalLM"
+    plain: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    linears: dict[str, tuple[int, int]] = {}
+    idle = 0
+    tied = config.get("tie_word_embeddings", False)
+    if not tied or (present is not None and _linear_present("lm_head", present)):
+        linears["lm_head"] = (v, h)
+    for i in range(n):
+        p = f"model.layers.{i}"
+        plain[f"{p}.input_layernorm.weight"] = (h,)
+        plain[f"{p}.post_attention_layernorm.weight"] = (h,)
+        linears[f"{p}.self_attn.q_proj"] = (nh * hd, h)
+        linears[f"{p}.self_attn.k_proj"] = (nkv * hd, h)
+        linears[f"{p}.self_attn.v_proj"] = (nkv * hd, h)
+        linears[f"{p}.self_attn.o_proj"] = (h, nh * hd)
+        if qk_norm:
+            plain[f"{p}.self_attn.q_norm.weight"] = (hd,)
+            plain[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        if is_moe_layer(config, i):
+            e, k, m = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
+            linears[f"{p}.mlp.gate"] = (e, h)
+            for j in range(e):
+                linears[f"{p}.mlp.experts.{j}.gate_proj"] = (m, h)
+                linears[f"{p}.mlp.experts.{j}.up_proj"] = (m, h)
+                linears[f"{p}.mlp.experts.{j}.down_proj"] = (h, m)
+            idle += (e - min(k, e)) * 3 * m * h
+        else:
+            m = config["intermediate_size"]
+            linears[f"{p}.mlp.gate_proj"] = (m, h)
+            linears[f"{p}.mlp.up_proj"] = (m, h)
+            linears[f"{p}.mlp.down_proj"] = (h, m)
+    return Layout(plain, linears, idle)
+
+
+def _linear_present(prefix: str, names: set[str]) -> bool:
+    return f"{prefix}.weight" in names or f"{prefix}.q_weight" in names
+
+
+# ----------------------------------------------------------------------------------------------
+# Safetensors headers, parsed by hand (no torch, no trust)
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The tensor table of one safetensors file, checked against the file's size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                                       f"truncated: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                                       f"corrupt safetensors header: declared length {n} bytes is implausible")
+            if 8 + n > size:
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                                       f"truncated: header needs {8 + n} bytes, the file has {size}")
+            raw = f.read(n)
+    except OSError as e:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"cannot be read: {e}") from None
+    try:
+        table = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"corrupt safetensors header: not valid JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "corrupt safetensors header: not a JSON object")
+    table.pop("__metadata__", None)
+    spans = []
+    for name, entry in table.items():
+        bad = _check_entry(entry)
+        if bad:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"corrupt safetensors header: tensor {name!r} {bad}")
+        spans.append((entry["data_offsets"][0], entry["data_offsets"][1], name))
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                                   f"corrupt safetensors header: tensor {name!r} starts at byte {begin}, "
+                                   f"expected {end} (offsets overlap or leave a gap)")
+        end = stop
+    if 8 + n + end > size:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
+                               f"truncated: tensor data ends at byte {8 + n + end}, the file has {size} bytes")
+    return table
+
+
+def _check_entry(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        return f"has unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"has an invalid shape {shape!r}"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]):
+        return f"has invalid data_offsets {offsets!r}"
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        return f"has {offsets[1] - offsets[0]} bytes of data but {dtype}{shape} needs {nbytes}"
+    return ""
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder as a whole
+
+def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
+    """(tensor name -> shard file name, shard file name -> header), honouring the index if any."""
+    index = folder / "model.safetensors.index.json"
+    headers: dict[str, dict] = {}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"not a valid index: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, index, "'weight_map' must map tensor names to file names")
+        for shard in sorted(set(weight_map.values())):
+            shard_path = folder / shard
+            if Path(shard).name != shard or not shard.endswith(".safetensors"):
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"lists {shard!r}, not a safetensors file in the folder")
+            if not shard_path.is_file():
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"lists shard {shard}, which is missing")
+            headers[shard] = read_header(shard_path)
+        for name, shard in weight_map.items():
+            if name not in headers[shard]:
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / shard,
+                                       f"tensor {name!r} is listed in {index.name} but missing from this shard")
+        return dict(weight_map), headers
+    files = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
+    if not files:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / pickles[0],
+                                   "pickle weights are refused (they can run code); convert the model to safetensors")
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, folder, "no weights: no *.safetensors file in the folder")
+    shard_of: dict[str, str] = {}
+    for name in files:
+        headers[name] = read_header(folder / name)
+        for tensor in headers[name]:
+            shard_of.setdefault(tensor, name)
+    return shard_of, headers
+
+
+def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "no such model folder")
+    if not folder.is_dir():
+        raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "not a folder")
+    config = _read_config(folder)
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    if require_tokenizer and not has_tokenizer:
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / "tokenizer.json", "missing: the model has no tokenizer")
+    shard_of, headers = _weight_files(folder)
+    names = set(shard_of)
+    lay = layout(config, names)
+
+    def where(name: str) -> Path:
+        return folder / shard_of[name]
+
+    missing_in = folder / ("model.safetensors.index.json" if len(headers) > 1 else next(iter(headers)))
+    for name, shape in lay.plain.items():
+        if name not in names:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, missing_in, f"tensor {name!r} is missing")
+        got = tuple(headers[shard_of[name]][name]["shape"])
+        if got != shape:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, where(name),
+                                   f"tensor {name!r} has shape {list(got)}, the config implies {list(shape)}")
+    is_exl2 = False
+    for prefix, (out, inp) in lay.linears.items():
+        if f"{prefix}.weight" in names:
+            got = tuple(headers[shard_of[f"{prefix}.weight"]][f"{prefix}.weight"]["shape"])
+            if got != (out, inp):
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.weight"),
+                                       f"tensor '{prefix}.weight' has shape {list(got)}, the config implies {[out, inp]}")
+            continue
+        if f"{prefix}.q_weight" not in names:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, missing_in, f"tensor '{prefix}.weight' is missing")
+        is_exl2 = True
+        for part in EXL2_PARTS:
+            if f"{prefix}.{part}" not in names:
+                raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.q_weight"),
+                                       f"EXL2 tensor '{prefix}.{part}' is missing")
+        perm = headers[shard_of[f"{prefix}.q_invperm"]][f"{prefix}.q_invperm"]["shape"]
+        qw = headers[shard_of[f"{prefix}.q_weight"]][f"{prefix}.q_weight"]["shape"]
+        if perm != [inp] or len(qw) != 2 or not out <= qw[1] <= -(-out // 32) * 32:   # columns padded to 32
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.q_weight"),
+                                   f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
+                                   f"the config implies {out} outputs and {inp} inputs")
+
+    num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
+    data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())
+    moe = config["architectures"][0] == "Qwen3MoeForCausalLM"
+    qc = config.get("quantization_config") or {}
+    bits = qc.get("bits") if isinstance(qc, dict) else None
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
+        bits = 8.0 * data_bytes / max(num_params, 1)
+    return FolderInfo(
+        path=folder, name=folder.name, architecture=config["architectures"][0],
+        model_type=str(config.get("model_type", "")), num_params=num_params,
+        active_params=num_params - lay.expert_params, bits_per_weight=round(float(bits), 3),
+        size_bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
+        vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
+        num_experts=config["num_experts"] if moe else 0,
+        experts_per_token=config["num_experts_per_tok"] if moe else 0,
+        is_exl2=is_exl2 or (isinstance(qc, dict) and qc.get("quant_method") == "exl2"),
+        has_tokenizer=has_tokenizer, config=config, shard_of=shard_of)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading tensors
+
+class ModelFolder:
+    """A validated folder whose tensors are read on demand (torch and safetensors imported lazily)."""
+
+    def __init__(self, path: str | os.PathLike, require_tokenizer: bool = False):
+        self.info = validate(path, require_tokenizer=require_tokenizer)
+        self.path = self.info.path
+        self.config = self.info.config
+        self._handles: dict[str, Any] = {}
+        self._shapes = layout(self.config, set(self.info.shard_of)).linears    # prefix -> (out, in)
+
+    def has(self, name: str) -> bool:
+        return name in self.info.shard_of
+
+    def tensor(self, name: str):
+        from safetensors import safe_open
+        shard = self.info.shard_of.get(name)
+        if shard is None:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, self.path, f"tensor {name!r} is missing")
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
+        return self._handles[shard].get_tensor(name)
+
+    def linear(self, prefix: str, dtype: Optional[Any] = None):
+        """The dense weight [out, in] of a linear layer, stored plain or as EXL2 (dequantized)."""
+        import torch
+        dtype = dtype or torch.float32
+        if self.has(f"{prefix}.weight"):
+            return self.tensor(f"{prefix}.weight").to(dtype)
+        from runtime.exl2.format import Exl2FormatError, dequantize
+        parts = {part: self.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
+        out = self._shapes[prefix][0] if prefix in self._shapes else None
+        try:
+            return dequantize(parts, dtype=dtype, out_features=out, name=prefix)
+        except Exl2FormatError as e:
+            raise ModelFolderError(ErrorCode.MODEL_INVALID, self.path / self.info.shard_of[f"{prefix}.q_weight"],
+                                   f"invalid EXL2 tensors: {e}") from None
+
+    def bias(self, prefix: str, dtype: Optional[Any] = None):
+        """The bias of a linear layer, or None."""
+        import torch
+        return self.tensor(f"{prefix}.bias").to(dtype or torch.float32) if self.has(f"{prefix}.bias") else None
+
+    def close(self) -> None:
+        self._handles.clear()

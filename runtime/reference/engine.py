@@ -1,0 +1,64 @@
+"""The CPU reference engine: the `Engine` interface over the pure-PyTorch forward in model.py."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from runtime.engine import Engine, EngineError, ModelInfo
+from runtime.protocol import ErrorCode
+from runtime.reference import model, rope
+from runtime.reference.weights import Spec, Weights
+
+
+class ReferenceEngine(Engine):
+    backend = "cpu"
+
+    def __init__(self, info: ModelInfo, spec: Spec, weights: Weights, context_length: int):
+        self.info = info
+        self.spec = spec
+        self.weights = weights
+        self.context_length = context_length
+        with torch.inference_mode():
+            self.cache = model.KVCache(spec, context_length, weights.dtype)
+            self.cos, self.sin = rope.tables(spec.rope, spec.head_dim, context_length, weights.dtype)
+        self._bytes_per_token = weights.nbytes_per_token(spec)
+
+    @property
+    def position(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens at the current position; logits [T, vocab] float32."""
+        if self.weights is None:
+            raise EngineError(ErrorCode.NO_MODEL.value, "the engine was closed")
+        ids = torch.as_tensor(tokens, dtype=torch.long).view(-1)             # [T]
+        t = ids.shape[0]
+        if t == 0:
+            raise EngineError(ErrorCode.BAD_FIELD.value, "forward needs at least one token")
+        if self.cache.length + t > self.context_length:
+            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
+                              f"{self.cache.length} cached + {t} new tokens exceed the context length "
+                              f"of {self.context_length} tokens")
+        lo, hi = (int(ids[0]), int(ids[0])) if t == 1 else (int(ids.min()), int(ids.max()))
+        if lo < 0 or hi >= self.spec.vocab:
+            bad = lo if lo < 0 else hi
+            raise EngineError(ErrorCode.BAD_FIELD.value,
+                              f"token id {bad} is outside the vocabulary (0..{self.spec.vocab - 1})")
+        with torch.inference_mode():
+            return model.forward(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.cache.length:
+            raise EngineError(ErrorCode.INTERNAL.value,
+                              f"cannot truncate to {length} tokens: the cache holds {self.cache.length}")
+        self.cache.length = length
+
+    def telemetry(self) -> dict[str, Any]:
+        return {"weights": self.weights.precision if self.weights else None,
+                "weight_bytes_per_token": self._bytes_per_token,
+                "cpu_threads": torch.get_num_threads()}
+
+    def close(self) -> None:
+        self.weights = None
+        self.cache = None  # type: ignore[assignment]

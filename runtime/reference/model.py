@@ -1,0 +1,95 @@
+"""The forward pass of Llama, Qwen3 (QK-norm) and Qwen3-MoE on one sequence, with a preallocated KV cache.
+
+One function serves prefill, single-token decode and verify-K: it appends T tokens at the cache's
+current length and returns logits for all of them. Attention keeps the cache's kv heads unrepeated:
+each kv head attends for its group of G query heads at once (queries folded to [KVH, G*T, D]).
+
+T new tokens, S = cached + new positions, H hidden, V vocab, D head dim, NH query heads,
+KVH kv heads, G = NH / KVH, E experts, A active experts per token, I intermediate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.reference import rope
+from runtime.reference.weights import Layer, Spec, Weights
+
+
+class KVCache:
+    """Keys and values for every layer, allocated once: [L, KVH, S_max, D] each."""
+
+    def __init__(self, spec: Spec, length: int, dtype: torch.dtype):
+        shape = (spec.layers, spec.kv_heads, length, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.capacity = length
+        self.length = 0
+
+
+def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
+            tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [T] (int64) -> logits [T, V] float32; the cache grows by T."""
+    t, start = tokens.shape[0], cache.length
+    end = start + t
+    groups = spec.heads // spec.kv_heads
+    x = F.embedding(tokens, w.embed)                                          # [T, H]
+    rot = cos[start:end, None], sin[start:end, None]                          # [T, 1, D] each
+    mask = None                                                               # one new token sees everything
+    if t > 1:                                                                 # causal: row i sees keys <= start+i
+        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]   # [T, S]
+        mask = mask.repeat(groups, 1)                                          # [G*T, S]
+    for i, layer in enumerate(w.layers):
+        h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
+        x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
+        h = F.rms_norm(x, (spec.hidden,), layer.mlp_norm, spec.eps)
+        x = x + (_mlp(layer, h) if layer.gate_up is not None else _moe(layer, spec, h))
+    cache.length = end
+    x = F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
+    return w.lm_head(x).float()                                               # [T, V]
+
+
+def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor,
+               rot: tuple[torch.Tensor, torch.Tensor], mask, start: int, end: int) -> torch.Tensor:
+    t, d, nh, nkv = h.shape[0], spec.head_dim, spec.heads, spec.kv_heads
+    qkv = layer.qkv(h)                                                        # [T, (NH+2*KVH)*D]
+    qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)                         # q and k heads together
+    if layer.qk_norm is not None:
+        qk = F.rms_norm(qk, (d,), None, spec.eps) * layer.qk_norm
+    qk = rope.apply(qk, *rot)
+    cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)                     # [KVH, T, D]
+    cache.v[i, :, start:end] = qkv[:, (nh + nkv) * d:].view(t, nkv, d).transpose(0, 1)
+    q = qk[:, :nh].reshape(t, nkv, nh // nkv, d).permute(1, 2, 0, 3).reshape(nkv, -1, d)   # [KVH, G*T, D]
+    o = F.scaled_dot_product_attention(q, cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
+    o = o.view(nkv, nh // nkv, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)  # [T, NH*D]
+    return layer.o(o)
+
+
+def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.gate_up(h).chunk(2, dim=-1)                              # [T, I] each
+    return layer.down(F.silu(gate) * up)
+
+
+def _expert(layer: Layer, e: int, h: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.experts_gate_up[e](h).chunk(2, dim=-1)
+    return layer.experts_down[e](F.silu(gate) * up)
+
+
+def _moe(layer: Layer, spec: Spec, h: torch.Tensor) -> torch.Tensor:
+    """Router softmax in float32, top-A, optional renormalisation, SiLU-gated experts."""
+    probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)          # [T, E]
+    weight, expert = torch.topk(probs, spec.top_k, dim=-1)                    # [T, A]
+    if spec.norm_topk_prob:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    weight = weight.to(h.dtype)
+    if h.shape[0] == 1:                                                       # decode: A experts, no gathers
+        out = None
+        for a, e in enumerate(expert[0].tolist()):
+            y = _expert(layer, e, h) * weight[0, a]
+            out = y if out is None else out + y
+        return out
+    out = torch.zeros_like(h)                                                 # [T, H]
+    for e in expert.unique().tolist():
+        token, slot = (expert == e).nonzero(as_tuple=True)                    # rows routed to e
+        out.index_add_(0, token, _expert(layer, e, h[token]) * weight[token, slot, None])
+    return out

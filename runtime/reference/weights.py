@@ -1,0 +1,162 @@
+"""The reference engine's weights: read from a model folder, dequantized, fused for a lean decode step.
+
+Fusions (done once at load): q/k/v into one [Q+2K, H] matrix, gate/up into one [2I, H] matrix (per
+expert for MoE). Storage precision is chosen per load: "float32" (parity with transformers),
+"bfloat16" (half the bytes per token) or "int8" (weight-only, per-output-channel scales, bfloat16
+activations through torch's int8 weight-packed matmul).
+
+H hidden, V vocab, I intermediate, E experts, D head dim, Q = heads*D, K = kv heads*D.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from runtime.modelfolder import ModelFolder, ModelFolderError, head_dim, is_moe_layer, kv_heads
+from runtime.protocol import ErrorCode
+from runtime.reference.rope import RopeConfig, rope_config
+
+PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The numbers of a model that the forward pass needs, from config.json."""
+    architecture: str
+    hidden: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm: bool
+    max_positions: int
+    rope: RopeConfig
+    experts: int
+    top_k: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def from_config(cls, config: dict, where: str) -> "Spec":
+        arch = config["architectures"][0]
+        moe = arch == "Qwen3MoeForCausalLM"
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where,
+                                   f"activation {config['hidden_act']!r} is not supported (only silu)")
+        return cls(arch, config["hidden_size"], config["vocab_size"], config["num_hidden_layers"],
+                   config["num_attention_heads"], kv_heads(config), head_dim(config),
+                   float(config.get("rms_norm_eps", 1e-6)), arch != "LlamaForCausalLM",
+                   int(config.get("max_position_embeddings") or 2048), rope_config(config, where),
+                   config["num_experts"] if moe else 0, config["num_experts_per_tok"] if moe else 0,
+                   bool(config.get("norm_topk_prob", False)))
+
+
+class Linear:
+    """y = x @ W.T (+ b), with W stored as float, or as int8 codes [out, in] and scales [out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], precision: str):
+        self.bias = None if bias is None else bias.to(_act_dtype(precision))
+        if precision == "int8":
+            scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)            # [out]
+            self.weight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(torch.bfloat16)
+        else:
+            self.weight = weight.to(_act_dtype(precision)).contiguous()
+            self.scale = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            y = torch._weight_int8pack_mm(x, self.weight, self.scale)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + (0 if self.scale is None else self.scale.numel() * 2)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor                # [H]
+    qkv: Linear                            # [Q+2K, H]
+    o: Linear                              # [H, Q]
+    qk_norm: Optional[torch.Tensor]        # [heads+kv_heads, D]: q_norm repeated per head, then k_norm (Qwen3)
+    mlp_norm: torch.Tensor                 # [H]
+    gate_up: Optional[Linear]              # [2I, H] dense MLP
+    down: Optional[Linear]                 # [H, I]
+    router: Optional[torch.Tensor] = None  # [E, H] float32 (MoE layers)
+    experts_gate_up: Optional[list[Linear]] = None   # E x [2I, H]
+    experts_down: Optional[list[Linear]] = None      # E x [H, I]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor                    # [V, H]
+    layers: list[Layer]
+    norm: torch.Tensor                     # [H]
+    lm_head: Linear                        # [V, H]
+    dtype: torch.dtype                     # activations
+    precision: str
+
+    def nbytes_per_token(self, spec: Spec) -> int:
+        """Weight bytes one decode step reads (only the active experts of MoE layers)."""
+        total = self.lm_head.nbytes() + self.embed.shape[1] * self.embed.element_size()
+        for layer in self.layers:
+            total += layer.qkv.nbytes() + layer.o.nbytes()
+            if layer.gate_up is not None:
+                total += layer.gate_up.nbytes() + layer.down.nbytes()
+            else:
+                e = layer.experts_gate_up[0].nbytes() + layer.experts_down[0].nbytes()
+                total += layer.router.numel() * 4 + spec.top_k * e
+        return total
+
+
+def _act_dtype(precision: str) -> torch.dtype:
+    return torch.float32 if precision == "float32" else torch.bfloat16
+
+
+def load_weights(folder: ModelFolder, spec: Spec, precision: str,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> Weights:
+    """Read, dequantize and fuse every weight. `progress(done, total)` after each layer."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    dt = _act_dtype(precision)
+    f32 = torch.float32
+
+    def fused(prefixes: list[str]) -> Linear:
+        ws = [folder.linear(p, f32) for p in prefixes]
+        bs = [folder.bias(p, f32) for p in prefixes]
+        bias = None if all(b is None for b in bs) else \
+            torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)])
+        return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, precision)
+
+    layers = []
+    for i in range(spec.layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        qk_norm = None
+        if spec.qk_norm:
+            qk_norm = torch.cat([folder.tensor(f"{a}.q_norm.weight").to(dt)[None].expand(spec.heads, -1),
+                                 folder.tensor(f"{a}.k_norm.weight").to(dt)[None].expand(spec.kv_heads, -1)])
+        layer = Layer(folder.tensor(f"{p}.input_layernorm.weight").to(dt),
+                      fused([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), fused([f"{a}.o_proj"]), qk_norm,
+                      folder.tensor(f"{p}.post_attention_layernorm.weight").to(dt), None, None)
+        if is_moe_layer(folder.config, i):
+            e = f"{p}.mlp.experts"
+            layer.router = folder.linear(f"{p}.mlp.gate", f32).contiguous()
+            layer.experts_gate_up = [fused([f"{e}.{j}.gate_proj", f"{e}.{j}.up_proj"]) for j in range(spec.experts)]
+            layer.experts_down = [fused([f"{e}.{j}.down_proj"]) for j in range(spec.experts)]
+        else:
+            layer.gate_up = fused([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
+            layer.down = fused([f"{p}.mlp.down_proj"])
+        layers.append(layer)
+        progress(i + 1, spec.layers + 1)
+    embed = folder.tensor("model.embed_tokens.weight")
+    head = folder.linear("lm_head", f32) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") else embed
+    weights = Weights(embed.to(dt).contiguous(), layers, folder.tensor("model.norm.weight").to(dt),
+                      Linear(head.to(f32), None, precision), dt, precision)
+    progress(spec.layers + 1, spec.layers + 1)
+    return weights

@@ -1,0 +1,167 @@
+"""The CPU reference engine against transformers' own implementations, on tiny random models.
+
+Every step of the engine's life is compared with a cache-free transformers forward over the same
+tokens: prefill, single-token decode steps, verify 4 tokens at once, and recompute after truncate.
+Tolerance: max |logit difference| <= 1e-4 in float32 (logits of order 1-10 here).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from runtime.reference import load  # noqa: E402
+
+TOL_FP32 = 1e-4
+COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def _configs():
+    t = transformers
+    return {
+        # untied head, GQA, Llama 3.1 rope scaling (low and high frequencies both rescaled at this size)
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**COMMON, rope_theta=50000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
+        # QK-norm, tied embeddings, head_dim not hidden/heads
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True,
+                                                    rope_theta=1000000.0)),
+        # experts renormalised, one dense layer among MoE layers
+        "qwen3_moe": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32,
+                                                               num_experts=8, num_experts_per_tok=3,
+                                                               norm_topk_prob=True, mlp_only_layers=[1])),
+        # raw top-k probabilities
+        "qwen3_moe_unnormalised": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+            norm_topk_prob=False)),
+    }
+
+
+def make_model(name: str, folder, seed: int = 0):
+    """A transformers model with weights large enough that routing and attention matter; saved as safetensors."""
+    cls, config = _configs()[name]
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def oracle(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()                       # [T, V]
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    model = make_model(request.param, folder)
+    engine, _ = load(folder, precision="float32")
+    return request.param, model, engine
+
+
+def test_prefill_decode_verify_truncate_match_transformers(pair):
+    name, model, engine = pair
+    engine.reset()
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 128, (20,), generator=g).tolist()
+    ref = oracle(model, seq)
+    assert ref.abs().max() > 1.0, "logits too small for the comparison to mean anything"
+
+    def check(got, lo, hi, what):
+        diff = (got - ref[lo:hi]).abs().max().item()
+        assert got.shape == (hi - lo, 128)
+        assert diff <= TOL_FP32, f"{name} {what}: max |logit diff| {diff:.2e} > {TOL_FP32}"
+
+    check(engine.forward(seq[:9]), 0, 9, "prefill")
+    for i in range(9, 12):
+        check(engine.forward([seq[i]]), i, i + 1, f"decode at {i}")
+    check(engine.forward(seq[12:16]), 12, 16, "verify 4")
+    assert engine.position == 16
+
+    engine.truncate(13)                                   # reject the last 3 verified tokens
+    other = seq[:13] + torch.randint(0, 128, (5,), generator=g).tolist()
+    ref = oracle(model, other)
+    check(engine.forward(other[13:17]), 13, 17, "verify after truncate")
+    check(engine.forward([other[17]]), 17, 18, "decode after truncate")
+
+    engine.reset()
+    check(engine.forward(seq[:4]), 0, 4, "prefill after reset")
+
+
+def test_long_prefill_then_decode(pair):
+    """Past the llama3 original context and across many positions."""
+    name, model, engine = pair
+    engine.reset()
+    seq = torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = oracle(model, seq)
+    got = torch.cat([engine.forward(seq[:66])] + [engine.forward([t]) for t in seq[66:]])
+    assert (got - ref).abs().max().item() <= TOL_FP32
+
+
+@pytest.mark.parametrize("precision, tol", [("bfloat16", 0.15), ("int8", 0.25)])
+def test_reduced_precisions_stay_close(tmp_path, precision, tol):
+    """bf16 and int8 weights: logits close to float32's relative to their scale, same top tokens mostly."""
+    model = make_model("qwen3", tmp_path)
+    seq = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = oracle(model, seq)
+    engine, _ = load(tmp_path, precision=precision)
+    got = torch.cat([engine.forward(seq[:10]), engine.forward([seq[10]]), engine.forward([seq[11]])])
+    assert got.dtype == torch.float32
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < tol, f"{precision}: max diff {rel:.3f} of the logit scale"
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_exl2_folder_loads_and_matches_its_dequantized_weights(tmp_path):
+    """Every linear stored as EXL2 tensors: the engine equals transformers holding the dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
+    from runtime.exl2.format import dequantize, quantize
+    model = make_model("qwen3_moe", tmp_path / "plain")
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    quantized, folder = {}, tmp_path / "exl2"
+    folder.mkdir()
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, w in plain.items():
+            if w.dim() == 2 and name != "model.embed_tokens.weight":
+                prefix = name.removesuffix(".weight")
+                parts = quantize(w, bits=6 if "experts" in name else 8, group_size=32, name=prefix)
+                quantized.update({f"{prefix}.{k}": v for k, v in parts.items()})
+                deq = dequantize(parts, out_features=w.shape[0])
+                if name in params:
+                    params[name].copy_(deq)
+                else:                                     # transformers holds experts fused in 3-D tensors
+                    _set_expert(model, name, deq)
+            else:
+                quantized[name] = w
+    save_file(quantized, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text((tmp_path / "plain" / "config.json").read_text())
+    engine, _ = load(folder, precision="float32")
+    assert engine.info.extra["is_exl2"]
+    seq = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = oracle(model, seq)
+    got = torch.cat([engine.forward(seq[:8]), engine.forward(seq[8:9]), engine.forward(seq[9:])])
+    assert (got - ref).abs().max().item() <= TOL_FP32
+
+
+def _set_expert(model, name: str, weight: torch.Tensor) -> None:
+    """model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight into transformers' fused expert tensors."""
+    parts = name.split(".")
+    layer, e, proj = int(parts[2]), int(parts[5]), parts[6]
+    experts = model.model.layers[layer].mlp.experts
+    m = weight.shape[0] if proj != "down_proj" else weight.shape[1]
+    if proj == "down_proj":
+        experts.down_proj[e].copy_(weight)
+    elif proj == "gate_proj":
+        experts.gate_up_proj[e, :m].copy_(weight)
+    else:
+        experts.gate_up_proj[e, m:].copy_(weight)
