@@ -1,0 +1,143 @@
+"""The settings dialog generated from the options' metadata."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app import settings_panel as sp
+from app.settings import Settings
+from runtime import paths
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
+
+
+@pytest.fixture
+def panel(qtbot):
+    p = sp.SettingsPanel(Settings(), has_model=True)
+    qtbot.addWidget(p)
+    return p
+
+
+def test_every_option_has_an_editor_hint_and_default(panel):
+    for group, cls in (("offload", OffloadOptions), ("draft", DraftOptions)):
+        for name, default, meta in describe(cls):
+            f = panel.fields[f"{group}.{name}"]
+            assert meta["help"] in f.hint.text() and "Default:" in f.hint.text()
+            assert f.editor.toolTip() == f.hint.text()
+            assert f.value() == default
+    assert panel.settings() == Settings()
+    assert panel.needs_reload() == [] and not panel.reload_button.isEnabled()
+
+
+def test_choice_labels(panel):
+    kv = panel.fields["offload.kv_cache"].editor
+    assert [kv.itemText(i) for i in range(kv.count())] == ["FP16", "Q8", "Q6", "Q4"]
+    pl = panel.fields["offload.placement"].editor
+    assert [pl.itemText(i) for i in range(pl.count())] == ["Auto", "All in VRAM", "CPU experts", "Stream to GPU"]
+    assert panel.fields["offload.vram_budget_gb"].editor.specialValueText() == "All free VRAM"
+
+
+def test_reload_options_mark_themselves_and_apply_and_reload(panel, qtbot):
+    panel.fields["offload.kv_cache"].set_value("q8")
+    panel.fields["offload.vram_budget_gb"].set_value(10.0)
+    panel.fields["draft.draft_tokens"].set_value(6)      # not a reload option
+    assert panel.needs_reload() == ["offload.vram_budget_gb", "offload.kv_cache"]
+    assert panel.fields["offload.kv_cache"].status.text() == "needs reload"
+    assert panel.fields["draft.draft_tokens"].status.text() == ""
+    assert panel.reload_button.isEnabled()
+    with qtbot.waitSignal(panel.apply_requested) as sig:
+        panel.reload_button.click()
+    s, reload = sig.args
+    assert reload is True
+    assert s.load.offload.kv_cache == "q8" and s.load.offload.vram_budget_gb == 10.0
+    assert s.load.draft.draft_tokens == 6
+
+
+def test_apply_without_reload(panel, qtbot):
+    panel.fields["draft.adaptive"].set_value(False)
+    with qtbot.waitSignal(panel.apply_requested) as sig:
+        panel.apply_button.click()
+    assert sig.args[1] is False and sig.args[0].load.draft.adaptive is False
+
+
+def test_active_options_define_what_needs_reload(qtbot):
+    active = LoadOptions(offload=OffloadOptions(kv_cache="q4"))
+    p = sp.SettingsPanel(Settings(), active=active, has_model=True)
+    qtbot.addWidget(p)
+    assert p.needs_reload() == ["offload.kv_cache"]       # saved fp16, but the model runs q4
+    p.set_active(LoadOptions(), has_model=False)
+    assert p.needs_reload() == [] and not p.reload_button.isVisible()
+
+
+def test_optional_number_maps_lowest_value_to_none(panel):
+    f = panel.fields["offload.ram_budget_gb"]
+    f.set_value(None)
+    assert f.value() is None and f.editor.text() == "What is free"
+    f.editor.setValue(0.0 + 0.5)
+    assert f.value() == 0.5
+
+
+def test_draft_mode_enables_its_editors(panel):
+    assert not panel.fields["draft.model"].editor.isEnabled()
+    assert not panel.fields["draft.draft_tokens"].editor.isEnabled()
+    panel.fields["draft.mode"].set_value("ngram")
+    assert panel.fields["draft.draft_tokens"].editor.isEnabled()
+    assert not panel.fields["draft.model"].editor.isEnabled()
+    panel.fields["draft.mode"].set_value("model")
+    assert panel.fields["draft.model"].editor.isEnabled()
+
+
+def test_applied_report_is_shown(panel):
+    panel.show_applied({"offload.kv_cache": "ignored: the CPU engine keeps an fp16 cache",
+                        "draft.mode": "applied", "offload.extra_thing": "applied"})
+    assert panel.fields["offload.kv_cache"].status.text() == "ignored: the CPU engine keeps an fp16 cache"
+    assert panel.fields["draft.mode"].status.text() == "applied"
+    assert "offload.extra_thing: applied" in panel.applied_note.text()
+    panel.fields["offload.kv_cache"].set_value("q6")            # a pending change wins over the report
+    assert panel.fields["offload.kv_cache"].status.text() == "needs reload"
+
+
+def _model_folder(root: Path, name: str, vocab: int) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab}))
+    return d
+
+
+def test_draft_picker_lists_local_models_and_uses_the_compatibility_hook(qtbot, monkeypatch):
+    root = paths.models_dir()
+    target = _model_folder(root, "big", 1000)
+    _model_folder(root, "small", 1000)
+    _model_folder(root, "other-vocab", 2000)
+    (root / "not-a-model").mkdir()
+    monkeypatch.setattr(sp, "_validate_function", lambda: None)   # the config.json rule only
+
+    def same_vocab(t: Path, d: Path):
+        tv = json.loads((t / "config.json").read_text())["vocab_size"]
+        dv = json.loads((d / "config.json").read_text())["vocab_size"]
+        return None if tv == dv else f"vocabulary {dv} differs from the model's {tv}"
+    models = {m.name: m.problem for m in sp.list_local_models(root, target, same_vocab)}
+    assert models == {"big": "this is the loaded model", "not-a-model": "no config.json",
+                      "other-vocab": "vocabulary 2000 differs from the model's 1000", "small": None}
+
+    p = sp.SettingsPanel(Settings(), has_model=True)
+    qtbot.addWidget(p)
+    p.set_draft_compatibility(same_vocab)
+    p.set_target_model(target)
+    combo = p.fields["draft.model"].editor
+    items = {combo.itemData(i): combo.model().item(i).isEnabled() for i in range(combo.count())}
+    assert items == {None: True, "big": False, "not-a-model": False, "other-vocab": False, "small": True}
+    p.fields["draft.mode"].set_value("model")
+    p.fields["draft.model"].set_value("small")
+    assert p.settings().load.draft == DraftOptions(mode="model", model="small")
+    assert p.needs_reload() == ["draft.model"]
+
+
+def test_saved_draft_model_that_is_gone_stays_visible(qtbot):
+    s = Settings(load=LoadOptions(draft=DraftOptions(mode="model", model="vanished")))
+    p = sp.SettingsPanel(s)
+    qtbot.addWidget(p)
+    combo = p.fields["draft.model"].editor
+    assert combo.currentText() == "vanished (not found)"
+    assert p.settings().load.draft.model == "vanished"
