@@ -17,22 +17,28 @@ ends without being asked to; state_changed(state) with one of the `State` values
 A request made while no worker runs is not sent: `error` follows (code "not_running") with its id.
 
 Nothing here blocks the GUI thread: output is read from QProcess's readyRead signals (partial lines
-are buffered until their newline), commands are written without waiting. The only blocking call is
-the last resort on application quit (`shutdown(wait=True)`, wired to `aboutToQuit`).
+are buffered until their newline), commands are written without waiting, restart and shutdown
+proceed on signals and timers. The only blocking call is the last resort on application quit
+(`shutdown(wait=True)`, wired to `aboutToQuit`).
 """
 from __future__ import annotations
 
+import logging
+import os
 import signal as _signal
 import sys
 import uuid
 from collections import deque
+from pathlib import Path
 from typing import Optional, Sequence
 
-from PySide6.QtCore import QCoreApplication, QObject, QProcess, QTimer, Signal
+from PySide6.QtCore import QCoreApplication, QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 from runtime import protocol
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 from runtime.protocol import ChatMessage
+
+log = logging.getLogger("moedesk.worker")   # the worker's stderr, line by line
 
 STDERR_LINES = 50
 SHUTDOWN_GRACE_MS = 3000     # after the shutdown command, before terminate
@@ -57,6 +63,19 @@ def worker_command() -> list[str]:
     except ImportError:
         return [sys.executable, "-m", "runtime.worker"]
     return list(runtime_worker_command())
+
+
+def worker_environment() -> dict[str, str]:
+    """The worker's environment: ours, with this copy of `runtime` importable and unbuffered output."""
+    try:
+        from runtime.client import worker_env
+    except ImportError:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+    return dict(worker_env())
 
 
 def describe_exit(exit_code: int, crashed: bool) -> str:
@@ -128,6 +147,7 @@ class EngineClient(QObject):
         self.loaded_event: Optional[protocol.Loaded] = None
         self.generating: Optional[str] = None     # request id of the running generation
         self._asked_to_stop = False
+        self._restarting = False
         self._pending: list[str] = []
         app = QCoreApplication.instance()
         if app is not None:
@@ -139,6 +159,7 @@ class EngineClient(QObject):
         if self._proc is not None and self._proc.state() != QProcess.ProcessState.NotRunning:
             return
         self._out, self._err = LineBuffer(), LineBuffer()
+        self.stderr_lines.clear()       # a later death reports this process's own lines
         self.ready_event, self.loaded_event, self.generating, self._loading = None, None, None, None
         if self._proc is not None:
             self._proc.deleteLater()
@@ -146,6 +167,10 @@ class EngineClient(QObject):
         proc = self._proc = QProcess(self)
         proc.setProgram(self._command[0])
         proc.setArguments(self._command[1:])
+        env = QProcessEnvironment()
+        for key, value in worker_environment().items():
+            env.insert(key, value)
+        proc.setProcessEnvironment(env)
         proc.readyReadStandardOutput.connect(lambda p=proc: self._read_stdout(p))
         proc.readyReadStandardError.connect(lambda p=proc: self._read_stderr(p))
         proc.started.connect(lambda p=proc: self._on_started(p))
@@ -156,12 +181,19 @@ class EngineClient(QObject):
         proc.start()
 
     def restart(self) -> None:
-        """Stop the worker if it runs, start a fresh one, and reload the last model if there was one."""
+        """Stop the worker if it runs (kill), start a fresh one, and reload the last model if any."""
+        if self._restarting:
+            return
         old = self._proc
         if old is not None and old.state() != QProcess.ProcessState.NotRunning:
-            self._asked_to_stop = True
+            self._asked_to_stop = self._restarting = True
+            old.finished.connect(lambda *_: self._respawn())   # runs after _on_finished for it
             old.kill()
-            old.waitForFinished(2000)    # SIGKILL: immediate; bounded wait
+            return
+        self._respawn()
+
+    def _respawn(self) -> None:
+        self._restarting = False
         self.start()
         if self.last_load is not None:
             model, options = self.last_load
@@ -173,9 +205,10 @@ class EngineClient(QObject):
         if proc is None or proc.state() == QProcess.ProcessState.NotRunning:
             self._set_state(State.STOPPED)
             return
+        first = not self._asked_to_stop
         self._asked_to_stop = True
         self._set_state(State.STOPPING)
-        if proc.state() == QProcess.ProcessState.Running:
+        if first and proc.state() == QProcess.ProcessState.Running:
             proc.write(protocol.encode(protocol.Shutdown()).encode())
             proc.closeWriteChannel()     # EOF on stdin: a second reason to leave
         if wait:
@@ -185,7 +218,8 @@ class EngineClient(QObject):
                     proc.kill()
                     proc.waitForFinished(TERMINATE_GRACE_MS)
             return
-        QTimer.singleShot(SHUTDOWN_GRACE_MS, lambda p=proc: self._escalate(p, terminate=True))
+        if first:
+            QTimer.singleShot(SHUTDOWN_GRACE_MS, self, lambda p=proc: self._escalate(p, terminate=True))
 
     def pid(self) -> Optional[int]:
         if self._proc is None or self._proc.state() == QProcess.ProcessState.NotRunning:
@@ -244,7 +278,7 @@ class EngineClient(QObject):
             rid = getattr(command, "request_id", "") or ""
             exc = protocol.WorkerError(NOT_RUNNING, f"The engine is not running, so the {command.type} "
                                        "request was not sent. Restart the engine and try again.")
-            QTimer.singleShot(0, lambda: self.error.emit(rid, exc))
+            QTimer.singleShot(0, self, lambda: self.error.emit(rid, exc))
             return False
         if proc.state() == QProcess.ProcessState.Starting:
             self._pending.append(line)
@@ -269,7 +303,9 @@ class EngineClient(QObject):
         if proc is not self._proc:
             return
         for raw in self._err.feed(bytes(proc.readAllStandardError())):
-            self.stderr_lines.append(raw.decode("utf-8", "replace").rstrip("\r"))
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            self.stderr_lines.append(line)
+            log.info("worker: %s", line)
 
     def _handle_line(self, raw: bytes) -> None:
         if not raw.strip():
@@ -350,7 +386,7 @@ class EngineClient(QObject):
             return
         if terminate:
             proc.terminate()
-            QTimer.singleShot(TERMINATE_GRACE_MS, lambda p=proc: self._escalate(p, terminate=False))
+            QTimer.singleShot(TERMINATE_GRACE_MS, self, lambda p=proc: self._escalate(p, terminate=False))
         else:
             proc.kill()
 

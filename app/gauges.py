@@ -3,7 +3,7 @@
 Use (the window's wiring block connects it to the engine client):
 
     panel = GaugesPanel()
-    client.ready.connect(lambda ev: panel.set_worker_pid(client.pid()))
+    client.ready.connect(lambda ev: panel.set_worker_pid(ev.pid))
     client.telemetry.connect(panel.show_telemetry)     # runtime.protocol.Telemetry
     client.finished.connect(panel.show_finished)       # runtime.protocol.Finished
     client.worker_died.connect(lambda *a: panel.set_worker_pid(None))
@@ -33,6 +33,7 @@ class Sparkline(QWidget):
         super().__init__(parent)
         self.history = history
         self.from_zero = from_zero
+        self.ceiling: Optional[float] = None    # a fixed top (e.g. total memory) instead of the highest value
         self.setMinimumSize(80, 22)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
 
@@ -46,6 +47,8 @@ class Sparkline(QWidget):
         if span is None:
             return [None] * len(values)
         lo, hi = (min(0.0, span[0]), span[1]) if self.from_zero else span
+        if self.ceiling is not None:
+            hi = max(hi, self.ceiling)
         if hi <= lo:
             hi = lo + 1.0
         w, h, pad = self.width(), self.height(), 2.0
@@ -101,9 +104,13 @@ class Gauge(QFrame):
         for w in (self.title, self.value, self.note, self.spark):
             lay.addWidget(w)
 
-    def update_value(self, text: str, sample: Optional[float], note: Optional[str] = None) -> None:
-        """Show `text`, append `sample` (None = gap) to the history; `note` replaces the note line."""
+    def update_value(self, text: str, sample: Optional[float], note: Optional[str] = None,
+                     ceiling: Optional[float] = None) -> None:
+        """Show `text`, append `sample` (None = gap) to the history; `note` replaces the note line;
+        `ceiling` fixes the sparkline's top (e.g. the total, so that a full bar means full memory)."""
         self.value.setText(text)
+        if ceiling is not None:
+            self.spark.ceiling = ceiling
         if note is not None:
             self.note.setText(note)
         self.history.append(sample)
@@ -142,6 +149,9 @@ class GaugesPanel(QWidget):
 
     # -- polled: NVML and psutil only -------------------------------------------------------
     def set_worker_pid(self, pid: Optional[int]) -> None:
+        """Watch this process's memory (None: none). Repeating the same pid changes nothing."""
+        if (pid or None) == self.ram.pid:
+            return
         self.ram.set_pid(pid)
         self.poll()
 
@@ -152,10 +162,11 @@ class GaugesPanel(QWidget):
             gauge.update_value(DASH, None, self.nvml.status_text())
         else:
             gauge.update_value(fmt_used_total(vram.used, vram.total), vram.used / 2 ** 30,
-                               self.nvml.status_text())
+                               self.nvml.status_text(), ceiling=vram.total / 2 ** 30)
         ram = self.ram.sample()
         self.gauges["ram"].update_value(fmt_used_total(ram.used, ram.total), ram.used / 2 ** 30,
-                                        f"{fmt_bytes(ram.total - ram.used)} available")
+                                        f"{fmt_bytes(ram.total - ram.used)} available",
+                                        ceiling=ram.total / 2 ** 30)
         rss = ram.process_rss
         self.gauges["worker_rss"].update_value(
             fmt_bytes(rss), None if rss is None else rss / 2 ** 30,

@@ -21,6 +21,7 @@ rule lives with the model hub: pass it in through `set_draft_compatibility`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
-                               QGridLayout, QGroupBox, QLabel, QPushButton, QSpinBox,
+                               QFrame, QGridLayout, QGroupBox, QLabel, QPushButton, QScrollArea, QSpinBox,
                                QVBoxLayout, QWidget)
 
 from app.settings import AppSettings, Settings
@@ -84,7 +85,7 @@ def list_local_models(models_dir: Optional[Path] = None, target: Optional[Path] 
             try:
                 validate(folder)
             except Exception as e:   # ModelFolderError names the file and the problem
-                problem = str(e)
+                problem = str(e).replace(f"{folder}{os.sep}", "")    # the file, relative to its folder
         elif not (folder / "config.json").is_file():
             problem = "no config.json"
         if problem is None and target is not None:
@@ -113,6 +114,15 @@ def _fmt(path: str, value: Any) -> str:
     if path in SPECIAL_TEXT and value == 0:
         return SPECIAL_TEXT[path]
     return CHOICE_LABELS.get(path, {}).get(value, str(value))
+
+
+def _status_style(text: str) -> str:
+    """Colours readable on light and dark themes: changes stand out, engine reports stay quiet."""
+    if text in ("needs reload", "used at next load"):
+        return "color: #d9822b; font-weight: bold;"
+    if text == "applied":
+        return "color: #3c9a5f;"
+    return "color: gray; font-style: italic;" if text else ""
 
 
 class _Field:
@@ -211,8 +221,17 @@ class SettingsPanel(QDialog):
         self._loading = True
         self.fields: dict[str, _Field] = {}
         lay = QVBoxLayout(self)
+        body = QWidget()
+        body_lay = QVBoxLayout(body)
         for title, key, cls in GROUPS:
-            lay.addWidget(self._group(title, key, cls))
+            body_lay.addWidget(self._group(title, key, cls))
+        body_lay.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(body)
+        lay.addWidget(scroll)
+        self.resize(760, 640)
         self.applied_note = QLabel("")
         self.applied_note.setWordWrap(True)
         lay.addWidget(self.applied_note)
@@ -331,7 +350,9 @@ class SettingsPanel(QDialog):
             return
         reload = set(self.needs_reload())
         for path, f in self.fields.items():
-            f.status.setText(self._status_text(path, f, path in reload))
+            text = self._status_text(path, f, path in reload)
+            f.status.setText(text)
+            f.status.setStyleSheet(_status_style(text))
         mode = self.fields["draft.mode"].value()
         self.fields["draft.model"].editor.setEnabled(mode == "model")
         for p in ("draft.draft_tokens", "draft.adaptive"):

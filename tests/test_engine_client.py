@@ -14,6 +14,7 @@ import textwrap
 
 import psutil
 import pytest
+from PySide6.QtCore import QEventLoop, QTimer
 
 from app import engine_client as ec
 from app.engine_client import EngineClient, LineBuffer, State, describe_exit
@@ -52,6 +53,8 @@ def test_worker_command_default():
     cmd = ec.worker_command()
     assert cmd[0] == sys.executable or os.path.exists(cmd[0])
     assert "runtime.worker" in " ".join(cmd) or "moedesk-worker" in " ".join(cmd)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ec.__file__)))
+    assert ec.worker_environment()["PYTHONPATH"].split(os.pathsep)[0] == root
 
 
 # ---- scripted processes -----------------------------------------------------------------------
@@ -173,90 +176,145 @@ def test_shutdown_escalates_to_kill_for_a_stubborn_process(qtbot, clients, monke
 
 # ---- the real worker and the demo model -------------------------------------------------------
 
-needs_worker = pytest.mark.skipif(importlib.util.find_spec("runtime.worker") is None,
-                                  reason="runtime.worker is not on this branch yet")
 MESSAGES = [ChatMessage("user", "What is the capital of France?")]
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=24)
 
 
-@pytest.fixture
-def worker(qtbot, demo_model, clients):
-    c = clients()
-    with qtbot.waitSignal(c.ready, timeout=60000):
+def wait(signal, timeout_s: float, died=None):
+    """Run the event loop until `signal` fires (its arguments) or the time runs out (AssertionError)."""
+    loop, got = QEventLoop(), []
+
+    def on(*args):
+        got.append(args)
+        loop.quit()
+    signal.connect(on)
+    if died is not None:
+        died.connect(on)
+    QTimer.singleShot(int(timeout_s * 1000), loop.quit)
+    loop.exec()
+    signal.disconnect(on)
+    if died is not None:
+        died.disconnect(on)
+    assert got, f"no signal within {timeout_s} s"
+    return got[0]
+
+
+@pytest.fixture(scope="module")
+def live(qapp, demo_model, tmp_path_factory):
+    """One real worker with the demo model loaded, shared by the tests below (loading takes a while)."""
+    if importlib.util.find_spec("runtime.worker") is None:
+        pytest.skip("runtime.worker is not on this branch yet")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOEDESK_HOME", str(tmp_path_factory.mktemp("home")))
+        c = EngineClient()
+        c.progress_seen = []
+        c.progress.connect(c.progress_seen.append)
         c.start()
-    return c
-
-
-def load_demo(qtbot, c, demo_model):
-    with qtbot.waitSignal(c.loaded, timeout=300000) as sig:
+        wait(c.ready, 60, c.worker_died)
         c.load(str(demo_model), LoadOptions())
-    return sig.args[0]
+        (c.first_loaded,) = wait(c.loaded, 600, c.worker_died)
+    yield c
+    c.shutdown(wait=True)
 
 
-@needs_worker
 @pytest.mark.slow
-def test_real_worker_hello_load_generate(qtbot, worker, demo_model):
-    assert worker.ready_event.protocol_version == protocol.PROTOCOL_VERSION
-    assert worker.ready_event.pid == worker.pid()
-    progress = []
-    worker.progress.connect(progress.append)
-    loaded = load_demo(qtbot, worker, demo_model)
+def test_real_worker_hello_load_generate(qtbot, live):
+    assert live.ready_event.protocol_version == protocol.PROTOCOL_VERSION
+    assert live.ready_event.pid == live.pid()
+    assert live.progress_seen and all(p.request_id == live.first_loaded.request_id for p in live.progress_seen)
+    loaded = live.first_loaded
     assert loaded.architecture == "LlamaForCausalLM" and loaded.vocab_size == 49152
-    assert worker.state == State.IDLE and worker.loaded_event is loaded
+    assert loaded.applied, "the worker says which options it applied"
+    assert live.state == State.IDLE and live.loaded_event is loaded
     tokens = []
-    worker.token.connect(lambda t: tokens.append(t.text))
-    with qtbot.waitSignal(worker.finished, timeout=120000) as fin:
-        worker.generate("g1", MESSAGES, GREEDY)
+    live.token.connect(lambda t: tokens.append(t.text))
+    with qtbot.waitSignal(live.finished, timeout=120000) as fin:
+        live.generate("g1", MESSAGES, GREEDY)
+        assert live.state == State.GENERATING
     assert fin.args[0].request_id == "g1" and len(tokens) > 1
     assert "Paris" in "".join(tokens)
-    assert fin.args[0].stats.generated_tokens >= len(tokens)
-    with qtbot.waitSignal(worker.telemetry, timeout=30000) as tel:
-        worker.stats("s1")
-    assert isinstance(tel.args[0], protocol.Telemetry)
+    assert fin.args[0].stats.generated_tokens >= len(tokens) and live.state == State.IDLE
+    with qtbot.waitSignal(live.telemetry, timeout=30000) as tel:
+        live.stats("s1")
+    assert isinstance(tel.args[0], protocol.Telemetry) and tel.args[0].rss_bytes > 0
 
 
-@needs_worker
 @pytest.mark.slow
-def test_real_worker_cancel(qtbot, worker, demo_model):
-    load_demo(qtbot, worker, demo_model)
+def test_real_worker_cancel(qtbot, live):
     tokens = []
-    worker.token.connect(lambda t: (tokens.append(t.text), len(tokens) == 3 and worker.cancel()))
-    with qtbot.waitSignal(worker.finished, timeout=120000) as fin:
-        worker.generate("long", [ChatMessage("user", "Write a long story about a dragon.")],
-                        SamplingOptions(temperature=0.0, max_tokens=400))
+    live.token.connect(lambda t: (tokens.append(t.text), len(tokens) == 3 and live.cancel()))
+    with qtbot.waitSignal(live.finished, timeout=120000) as fin:
+        live.generate("long", [ChatMessage("user", "Write a long story about a dragon.")],
+                      SamplingOptions(temperature=0.0, max_tokens=400))
     assert fin.args[0].reason == "cancelled"
     assert fin.args[0].stats.generated_tokens < 400
-    assert worker.state == State.IDLE
+    assert live.state == State.IDLE and live.generating is None
 
 
-@needs_worker
 @pytest.mark.slow
-def test_real_worker_killed_then_restart_reloads(qtbot, worker, demo_model):
-    load_demo(qtbot, worker, demo_model)
-    pid = worker.pid()
-    with qtbot.waitSignal(worker.worker_died, timeout=30000) as died:
+def test_real_worker_killed_then_restart_reloads(qtbot, live, demo_model):
+    pid = live.pid()
+    with qtbot.waitSignal(live.worker_died, timeout=30000) as died:
         os.kill(pid, signal.SIGKILL)
     code, words, lines = died.args
-    assert code == 9 and "possibly out of memory" in words
-    assert lines, "the worker's stderr lines should come with the death"
-    assert worker.state == State.DEAD
-    with qtbot.waitSignal(worker.loaded, timeout=300000) as sig:
-        worker.restart()
-    assert worker.pid() != pid and sig.args[0].path == loaded_path(sig.args[0], demo_model)
-    with qtbot.waitSignal(worker.finished, timeout=120000):
-        worker.generate("after", MESSAGES, GREEDY)
+    assert code == signal.SIGKILL and "possibly out of memory" in words
+    assert any("moedesk-worker" in line for line in lines), lines    # its stderr came with the death
+    assert live.state == State.DEAD and live.pid() is None
+    with qtbot.waitSignal(live.loaded, timeout=600000) as sig:
+        live.restart()
+    assert live.pid() != pid
+    assert os.path.realpath(sig.args[0].path) == os.path.realpath(demo_model)
+    tokens = []
+    live.token.connect(lambda t: tokens.append(t.text))
+    with qtbot.waitSignal(live.finished, timeout=120000):
+        live.generate("after", MESSAGES, GREEDY)
+    assert "Paris" in "".join(tokens)
 
 
-def loaded_path(ev, demo_model):
-    return ev.path if os.path.realpath(ev.path) == os.path.realpath(demo_model) else str(demo_model)
-
-
-@needs_worker
 @pytest.mark.slow
-def test_real_worker_shutdown_leaves_no_process(qtbot, worker):
-    proc = psutil.Process(worker.pid())
+def test_real_worker_shutdown_leaves_no_process(qtbot, live):
+    proc = psutil.Process(live.pid())
     family = [proc] + proc.children(recursive=True)
-    with qtbot.waitSignal(worker.state_changed, timeout=10000, check_params_cb=lambda s: s == State.STOPPED):
-        worker.shutdown()
+    with qtbot.waitSignal(live.state_changed, timeout=10000, check_params_cb=lambda s: s == State.STOPPED):
+        live.shutdown()
     gone, alive = psutil.wait_procs(family, timeout=5)
     assert alive == []
+
+
+def test_app_quit_stops_the_worker(qtbot, qapp, clients):
+    c = clients(scripted("""
+        for line in sys.stdin:
+            if '"shutdown"' in line:
+                print("bye", file=sys.stderr)
+                sys.exit(0)
+    """))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.start()
+    proc = psutil.Process(c.pid())
+    died = []
+    c.worker_died.connect(lambda *a: died.append(a))
+    qapp.aboutToQuit.emit()                 # what QApplication does on quit
+    assert c.state == State.STOPPED and c.pid() is None
+    assert not proc.is_running() and died == []
+    assert list(c.stderr_lines) == ["bye"]
+
+
+def test_restart_of_a_running_worker_replaces_it_and_reloads(qtbot, clients):
+    c = clients(scripted("""
+        for line in sys.stdin:
+            print("got", line.split('"type":"')[1].split('"')[0], file=sys.stderr, flush=True)
+    """))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.start()
+    c.load("some-model")
+    first = psutil.Process(c.pid())
+    died = []
+    c.worker_died.connect(lambda *a: died.append(a))
+    with qtbot.waitSignal(c.ready, timeout=10000):
+        c.restart()
+        c.restart()                        # a double click: one restart, one reload
+    assert c.pid() != first.pid and not first.is_running()
+    assert died == [] and c.last_load[0] == "some-model"
+    qtbot.waitUntil(lambda: "got load" in c.stderr_lines, timeout=5000)
+    qtbot.wait(300)
+    assert list(c.stderr_lines) == ["got load"]

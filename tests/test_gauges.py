@@ -179,6 +179,8 @@ def test_panel_shows_no_gpu_state_and_psutil_values(panel, qtbot):
     panel.set_worker_pid(os.getpid())
     assert panel.value_text("worker_rss") != DASH and f"pid {os.getpid()}" == panel.note_text("worker_rss")
     n = len(panel.gauges["ram"].history)
+    panel.set_worker_pid(os.getpid())                  # the same pid again: no extra sample
+    assert len(panel.gauges["ram"].history) == n
     qtbot.waitUntil(lambda: len(panel.gauges["ram"].history) >= n + 2, timeout=3000)   # the timer polls
 
 
@@ -228,8 +230,19 @@ def test_sparkline_points_follow_history(panel):
 def test_gui_modules_do_not_import_torch():
     code = ("import sys, app.engine_client, app.gauges, app.telemetry, app.settings, app.settings_panel\n"
             "app.settings_panel.list_local_models()\n"
+            "app.engine_client.worker_command(), app.engine_client.worker_environment()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'exllamav2')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_memory_sparklines_are_scaled_to_the_total(panel):
+    spark = panel.gauges["ram"].spark
+    spark.resize(102, 24)
+    total_gib = psutil.virtual_memory().total / 2 ** 30
+    assert spark.ceiling == pytest.approx(total_gib)
+    used = panel.gauges["ram"].history.last()
+    pt = spark.points()[-1]
+    assert pt.y() == pytest.approx(22 - used / total_gib * 20, abs=0.01)   # height 24, padding 2

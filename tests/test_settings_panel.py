@@ -66,8 +66,11 @@ def test_active_options_define_what_needs_reload(qtbot):
     p = sp.SettingsPanel(Settings(), active=active, has_model=True)
     qtbot.addWidget(p)
     assert p.needs_reload() == ["offload.kv_cache"]       # saved fp16, but the model runs q4
+    assert not p.reload_button.isHidden() and p.reload_button.isEnabled()
     p.set_active(LoadOptions(), has_model=False)
-    assert p.needs_reload() == [] and not p.reload_button.isVisible()
+    assert p.needs_reload() == [] and p.reload_button.isHidden()
+    p.fields["offload.kv_cache"].set_value("q6")
+    assert p.fields["offload.kv_cache"].status.text() == "used at next load"
 
 
 def test_optional_number_maps_lowest_value_to_none(panel):
@@ -141,3 +144,13 @@ def test_saved_draft_model_that_is_gone_stays_visible(qtbot):
     combo = p.fields["draft.model"].editor
     assert combo.currentText() == "vanished (not found)"
     assert p.settings().load.draft.model == "vanished"
+
+
+def test_draft_picker_uses_the_model_folder_validator(demo_model, tmp_path):
+    if sp._validate_function() is None:
+        pytest.skip("runtime.modelfolder is not on this branch yet")
+    demo = {m.name: m.problem for m in sp.list_local_models(demo_model.parent)}
+    assert demo[demo_model.name] is None
+    _model_folder(tmp_path, "broken", 1000)          # config.json only: no tokenizer, no weights
+    (broken,) = sp.list_local_models(tmp_path)
+    assert broken.problem is not None and broken.problem.startswith("config.json: "), broken.problem
