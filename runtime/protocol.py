@@ -74,6 +74,7 @@ class DraftStats:
     tokens_per_forward: Optional[float] = None    # tokens produced per target forward
     speedup: Optional[float] = None               # vs plain decoding measured in the same request
     draft_tokens_now: Optional[int] = None        # current K (adaptive)
+    acceptance_histogram: tuple[int, ...] = ()     # [i]: speculative steps that kept i drafts
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""Speculative decoding over the engine interface: works the same on every backend and with offload.
+
+    make_decoder(engine, draft, sampling, generator, draft_engine=None) -> SpeculativeDecoder
+
+Modes (DraftOptions.mode): "model" (a small draft model with the target's vocabulary, in
+`draft_engine`), "ngram" (prompt lookup in the tokens so far, no model), "off" (plain steps, with the
+same stats). The step itself is `core.speculative_step`; `adaptive.DraftPolicy` picks the draft
+length; `bench` measures it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from runtime.engine import Engine
+from runtime.options import DraftOptions, SamplingOptions
+from runtime.speculative.decoder import SpeculativeDecoder
+from runtime.speculative.drafters import ModelDrafter, NgramDrafter
+
+__all__ = ["make_decoder", "SpeculativeDecoder"]
+
+
+def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions, generator=None,
+                 draft_engine: Optional[Engine] = None) -> SpeculativeDecoder:
+    """A decoder for one request. Raises ValueError naming the problem for an unusable combination."""
+    if draft.mode == "model":
+        if draft_engine is None:
+            raise ValueError("draft.mode is 'model' but no draft model is loaded (set draft.model)")
+        drafter = ModelDrafter(draft_engine, sampling, generator)
+    elif draft.mode == "ngram":
+        drafter = NgramDrafter()
+    elif draft.mode == "off":
+        drafter = None
+    else:
+        raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, ngram")
+    if draft.draft_tokens < 1:
+        raise ValueError(f"draft.draft_tokens: must be at least 1, got {draft.draft_tokens}")
+    return SpeculativeDecoder(engine, drafter, draft, sampling, generator)

@@ -1,0 +1,111 @@
+"""The speculative decoder the generation loop drives: `step(tokens) -> new tokens`, `stats()`."""
+from __future__ import annotations
+
+import time
+from typing import Optional, Union
+
+import torch
+
+from runtime.engine import Engine
+from runtime.options import DraftOptions, SamplingOptions
+from runtime.protocol import DraftStats
+from runtime.speculative.adaptive import DraftPolicy
+from runtime.speculative.core import StepResult, plain_step, speculative_step
+from runtime.speculative.drafters import ModelDrafter, NgramDrafter
+
+Drafter = Union[ModelDrafter, NgramDrafter]
+
+
+class SpeculativeDecoder:
+    """One request's decoder. Before `step` the target's cache holds `tokens[:-1]`; after it,
+    `tokens + new[:-1]` (the contract of runtime/generate.py's plain decoder)."""
+
+    def __init__(self, target: Engine, drafter: Optional[Drafter], draft: DraftOptions,
+                 opts: SamplingOptions, generator: Optional[torch.Generator]):
+        self.target = target
+        self.drafter = drafter
+        self.opts = opts
+        self.generator = generator
+        self.policy = DraftPolicy(draft.draft_tokens, adaptive=draft.adaptive)
+        # Figures for stats()
+        self.histogram = [0] * (draft.draft_tokens + 1)   # speculative steps by accepted drafts
+        self.drafted = self.accepted = 0
+        self.forwards = self.produced = 0
+        self.plain_s = 0.0
+        self.plain_tokens = 0
+        self.all_s = 0.0
+
+    def step(self, tokens: list[int], max_new: Optional[int] = None) -> list[int]:
+        """Decode at least one token after `tokens`; `max_new` (optional) caps drafting."""
+        if not tokens:
+            raise ValueError("step: tokens is empty; the prompt must hold at least one token")
+        t0 = time.perf_counter()
+
+        # How many tokens to draft: the policy's choice, within the context and the caller's limit.
+        k = self.policy.choose() if self.drafter is not None else 0
+        k = min(k, self._room(tokens), (max_new or k + 1) - 1)
+
+        # Draft and verify; or decode plainly (asking lookup, for free, what it would have drafted).
+        if k > 0:
+            result = speculative_step(self.target, self.drafter, tokens, k, self.opts, self.generator)
+        else:
+            lookup = self._shadow_proposal(tokens)
+            result = plain_step(self.target, tokens, self.opts, self.generator)
+            if lookup is not None:
+                self.policy.shadow(lookup == result.new[0])
+
+        # Learn and count.
+        step_s = time.perf_counter() - t0
+        self.policy.observe(result.drafted, result.accepted, result.rows, step_s - result.draft_s)
+        if isinstance(self.drafter, ModelDrafter):
+            self.policy.set_draft_cost(self.drafter.cost_per_token())
+        self._count(result, step_s)
+        return result.new
+
+    def stats(self) -> DraftStats:
+        spec_steps = sum(self.histogram)
+        return DraftStats(
+            mode=self.drafter.mode if self.drafter is not None else "off",
+            drafted_tokens=self.drafted,
+            accepted_tokens=self.accepted,
+            acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+            mean_accepted_length=self.accepted / spec_steps if spec_steps else None,
+            tokens_per_forward=self.produced / self.forwards if self.forwards else None,
+            speedup=self._speedup(),
+            draft_tokens_now=0 if self.policy.off else self.policy.k_now,
+            acceptance_histogram=tuple(self.histogram),
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _room(self, tokens: list[int]) -> int:
+        """Drafts that still fit the context of the target (and of the draft model)."""
+        limits = [self.target.info.context_length]
+        if isinstance(self.drafter, ModelDrafter):
+            limits.append(self.drafter.engine.info.context_length)
+        return max(min(limits) - len(tokens) - 1, 0)
+
+    def _shadow_proposal(self, tokens: list[int]) -> Optional[int]:
+        """What lookup would have drafted first, when asking costs nothing (n-gram drafting)."""
+        if not isinstance(self.drafter, NgramDrafter) or not self.policy.adaptive:
+            return None
+        first = self.drafter.propose(tokens, 1).tokens
+        return first[0] if first else None
+
+    def _count(self, result: StepResult, step_s: float) -> None:
+        self.forwards += 1
+        self.produced += len(result.new)
+        self.all_s += step_s
+        if result.drafted:
+            self.drafted += result.drafted
+            self.accepted += result.accepted
+            self.histogram[result.accepted] += 1
+        else:
+            self.plain_s += step_s
+            self.plain_tokens += 1
+
+    def _speedup(self) -> Optional[float]:
+        """Plain time per token (plain steps of this request) / time per token over all steps."""
+        if not self.plain_tokens or not self.produced or self.all_s <= 0:
+            return None
+        return (self.plain_s / self.plain_tokens) / (self.all_s / self.produced)

@@ -1,0 +1,125 @@
+"""Where draft tokens come from: a small draft model, or n-gram lookup in the tokens so far.
+
+A drafter offers `propose(tokens, k) -> Proposal` (up to k tokens, possibly none). Each call
+resynchronises from `tokens` itself, so plain steps in between, rejected drafts and a new
+conversation need no bookkeeping outside the drafter.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from runtime import sampling
+from runtime.engine import Engine
+from runtime.options import SamplingOptions
+from runtime.speculative.core import Proposal, timed_forward
+
+
+class ModelDrafter:
+    """A small model with the target's vocabulary drafts K tokens autoregressively.
+
+    Its own cache mirrors a prefix of the target's: `cached` lists the tokens in it. Before drafting
+    it rolls back to the longest common prefix with `tokens` (dropping rejected drafts) and feeds the
+    rest, so the last fed row gives the distribution of the first draft.
+    """
+
+    mode = "model"
+
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator]):
+        self.engine = engine
+        self.opts = opts
+        self.generator = generator
+        self.cached: list[int] = []
+        self.forward_s = 0.0          # time spent in draft forwards (for the cost model)
+        self.forwards = 0
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        # Resync: keep the common prefix (at least one token must be fed to get logits).
+        keep = _common_prefix(self.cached, tokens, limit=min(len(tokens) - 1, self.engine.position))
+        if self.engine.position != keep:
+            self.engine.truncate(keep)
+        self.cached = tokens[:keep]
+        feed = tokens[keep:]                                              # >= 1 token
+
+        # Draft: sample d_i from q_i, feed it, repeat; d_K is never fed (it may be rejected anyway).
+        history = list(tokens)
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            logits, dt = timed_forward(self.engine, feed)                 # [len(feed), V]
+            self.forward_s += dt
+            self.forwards += 1
+            self.cached += feed
+            row = logits[-1]
+            if self.opts.temperature == 0:
+                d = sampling.sample(row, history, self.opts)
+            else:
+                q = sampling.probabilities(row, history, self.opts)       # [V]
+                d = sampling.draw(q, self.generator)
+                qs.append(q)
+            drafts.append(d)
+            history.append(d)
+            feed = [d]
+        q = torch.stack(qs) if qs else None                               # [K, V] or None at temperature 0
+        return Proposal(drafts, q)
+
+    def rollback(self, length: int) -> None:
+        if len(self.cached) > length:
+            self.engine.truncate(length)
+            del self.cached[length:]
+
+    def cost_per_token(self) -> Optional[float]:
+        return self.forward_s / self.forwards if self.forwards else None
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the longest suffix (n = n_max..n_min) of the
+    tokens so far and propose the tokens that followed it. No model, so drafting costs ~nothing.
+
+    `index` maps each n-gram to the position right after its latest occurrence that has a follower;
+    it grows incrementally as tokens are appended and is rebuilt if the token list changes otherwise.
+    """
+
+    mode = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes: need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+        self.seen: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        self._sync(tokens)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            after = self.index.get(tuple(tokens[-n:]))
+            if after is not None:
+                return Proposal(tokens[after:after + k])
+        return Proposal([])
+
+    def _sync(self, tokens: list[int]) -> None:
+        if tokens[:len(self.seen)] != self.seen:                         # not an extension: start over
+            self.seen, self.index = [], {}
+        # Index n-grams ending at `end` for every end that has a follower (end <= len(tokens) - 1).
+        for end in range(max(len(self.seen), 1), len(tokens)):
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.index[tuple(tokens[end - n:end])] = end
+        self.seen = list(tokens)
+
+    def rollback(self, length: int) -> None:
+        pass                             # nothing cached beyond the token list itself
+
+    def cost_per_token(self) -> Optional[float]:
+        return 0.0
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,104 @@
+"""The adaptive draft-length policy and the n-gram drafter, as pure logic."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.speculative.adaptive import CALIBRATE_EVERY, CostModel, DraftPolicy
+from runtime.speculative.drafters import NgramDrafter
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    c = CostModel()
+    assert c.verify(3) is None
+    c.record(1, 1.0)
+    assert c.verify(5) == 1.0                     # one point: optimistic (flat) until a second is measured
+    c.record(5, 2.0)
+    assert c.verify(3) == pytest.approx(1.5)
+    assert c.verify(7) == pytest.approx(2.5)      # along the last slope
+    c.record(3, 1.2)
+    assert c.verify(3) == pytest.approx(1.2)      # measured beats interpolated
+    c.record(3, 2.2)
+    assert c.verify(3) == pytest.approx(0.7 * 1.2 + 0.3 * 2.2)   # moving average
+
+
+def drive(policy: DraftPolicy, accept_prob: float, cost, steps: int) -> list[int]:
+    """Run the policy against a synthetic target: verifying R rows costs cost(R); each draft is
+    accepted while a deterministic pattern with the given acceptance rate says so."""
+    ks = []
+    credit = 0.0
+    for _ in range(steps):
+        k = policy.choose()
+        ks.append(k)
+        accepted = 0
+        for _ in range(k):
+            credit += accept_prob
+            if credit >= 1.0:
+                credit -= 1.0
+                accepted += 1
+            else:
+                break
+        policy.observe(k, accepted, k + 1, cost(k + 1))
+    return ks
+
+
+def test_policy_speculates_when_it_pays():
+    p = DraftPolicy(k_max=8, adaptive=True)
+    ks = drive(p, accept_prob=0.95, cost=lambda r: 1.0 + 0.05 * (r - 1), steps=200)
+    assert not p.off
+    assert p.k_now >= 4
+    assert sum(k > 0 for k in ks[-64:]) >= 60     # speculating, bar calibration steps
+
+
+def test_policy_switches_off_when_it_does_not_pay_and_probes_rarely():
+    p = DraftPolicy(k_max=8, adaptive=True)
+    ks = drive(p, accept_prob=0.0, cost=lambda r: 1.0 + 0.3 * (r - 1), steps=400)
+    assert p.off
+    assert p.rate(p.k_now) < p.rate(0)
+    assert sum(k > 0 for k in ks[-200:]) <= 5     # a few probes, backing off
+
+
+def test_policy_prefers_short_drafts_when_verifying_is_costly():
+    p = DraftPolicy(k_max=8, adaptive=True)
+    drive(p, accept_prob=0.7, cost=lambda r: 1.0 + 0.25 * (r - 1), steps=300)
+    assert not p.off and 1 <= p.k_now <= 3
+
+
+def test_policy_comes_back_on_after_a_good_shadow_run():
+    p = DraftPolicy(k_max=4, adaptive=True)
+    drive(p, accept_prob=0.0, cost=lambda r: 1.0 + 0.1 * (r - 1), steps=100)
+    assert p.off
+    for _ in range(30):
+        p.shadow(True)
+    assert not p.off
+
+
+def test_fixed_policy_always_drafts_k():
+    p = DraftPolicy(k_max=3, adaptive=False)
+    assert drive(p, 0.0, lambda r: 1.0 + r, 50) == [3] * 50
+
+
+def test_adaptive_policy_calibrates_plain_decoding_now_and_then():
+    p = DraftPolicy(k_max=4, adaptive=True)
+    ks = drive(p, 1.0, lambda r: 1.0, CALIBRATE_EVERY * 3)
+    assert ks[0] == 0 and ks.count(0) >= 3
+
+
+# --- n-gram lookup -----------------------------------------------------------------------------
+
+def test_ngram_proposes_continuation_of_longest_suffix_match():
+    d = NgramDrafter(n_max=3, n_min=1)
+    #         0  1  2  3  4  5  6  7  8
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 5, 6, 7]
+    # suffix (5, 6, 7) occurred at 0..2 followed by 8, 9, 1; the shorter (6, 7) also at 6..7 -> 2
+    assert d.propose(tokens, 3).tokens == [8, 9, 1]
+    assert d.propose(tokens + [4], 2).tokens == []            # (.., 7, 4) never seen, nor 4
+    assert d.propose(tokens + [4, 6, 7], 2).tokens == [4, 6]  # (4, 6, 7) unseen; latest (6, 7) is at 10..11
+
+
+def test_ngram_handles_edits_and_short_inputs():
+    d = NgramDrafter()
+    assert d.propose([1], 4).tokens == []
+    assert d.propose([1, 1], 4).tokens == [1]
+    assert d.propose([3, 4, 3], 4).tokens == [4, 3]          # a different list: the index is rebuilt
+    with pytest.raises(ValueError, match="n_min"):
+        NgramDrafter(n_max=1, n_min=2)
