@@ -100,3 +100,62 @@ class WelcomeDialog(QDialog):
         elif choice == "browse":
             self.browse_requested.emit()
         self.accept()
+
+
+def load_demo(desk) -> None:
+    """"Chat with the demo model": make sure it is in the models folder (copied from the bundle when
+    frozen), then load it now, or as soon as the engine is ready."""
+    from app.demo_install import DemoMissing, ensure_demo_model
+    try:
+        ensure_demo_model()
+    except DemoMissing as e:
+        desk.window.banner.show_state("The demo model is not available", str(e), kind="error")
+        return
+    desk.model = paths.DEMO_ALIAS
+    if desk.window.ready is not None and desk.client.is_running():
+        desk.client.load(paths.DEMO_ALIAS, desk.settings.load)
+    # otherwise main's ready handler loads desk.model when the engine has started
+
+
+def open_model_manager(desk) -> QDialog:
+    """"Browse models…": the model manager, whose Load button loads into this app's engine."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.models_dialog import ModelManagerDialog
+    dialog = ModelManagerDialog(desk.window, engine_client=desk.client)
+    dialog.load_requested.connect(lambda path: desk.client.load(path, desk.settings.load))
+    QApplication.instance().aboutToQuit.connect(dialog.shutdown)   # running downloads pause, resume next time
+    dialog.setAttribute(Qt.WA_DeleteOnClose, False)
+    desk.window._model_manager = dialog                             # kept alive with the window
+    dialog.show()
+    return dialog
+
+
+def offer_welcome(desk) -> WelcomeDialog | None:
+    """Show the welcome screen once (first start), over the window, without blocking the event loop."""
+    if not should_show_welcome():
+        return None
+    dialog = WelcomeDialog(parent=desk.window)
+    dialog.demo_requested.connect(lambda: load_demo(desk))
+    dialog.browse_requested.connect(lambda: open_model_manager(desk))
+    dialog.finished.connect(lambda _r: mark_welcome_done())        # closed with the window's X too
+    dialog.open()
+    return dialog
+
+
+def grab_welcome(path, report: MachineReport | None = None) -> Path:
+    """A PNG of the welcome screen for this machine (or for `report`), for `make screenshots`."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dialog = WelcomeDialog(report)
+    dialog.resize(dialog.sizeHint().expandedTo(dialog.minimumSizeHint()))
+    dialog.show()
+    app.processEvents()
+    if not dialog.grab().save(str(out)):
+        raise OSError(f"could not write the screenshot {out}")
+    dialog.close()
+    dialog.deleteLater()
+    return out
