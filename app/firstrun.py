@@ -65,7 +65,7 @@ class WelcomeDialog(QDialog):
         for f in self.report.findings:
             sym, colour = MARK[f.level]
             row = QLabel(f"<span style='color:{colour};font-weight:bold'>{sym}</span>&nbsp; {f.title}"
-                         + (f"<br><span style='color:palette(mid)'>{f.advice}</span>" if f.advice else ""))
+                         + (f"<br><span style='color:#6b7280'>{f.advice}</span>" if f.advice else ""))
             row.setWordWrap(True)
             row.setTextFormat(Qt.RichText)
             cl.addWidget(row)

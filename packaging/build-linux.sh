@@ -8,12 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 
-"$PY" -m pip install -q 'pyinstaller>=6.10'
+"$PY" -c "import PyInstaller" 2>/dev/null || {
+  echo "PyInstaller is missing: pip install -e '.[bundle]' (or run make bundle)" >&2; exit 2; }
 
 # Ship the imported demo model so the bundle needs neither transformers nor the GGUF package.
-DEMO_DIR=$("$PY" -c "from runtime import paths; print(paths.resolve_model(paths.DEMO_ALIAS))")
+# MOEDESK_BUNDLE_DEMO may name the folder; by default it is the demo in the models folder.
+DEMO_DIR=${MOEDESK_BUNDLE_DEMO:-$("$PY" -c "from runtime import paths; print(paths.resolve_model(paths.DEMO_ALIAS))")}
 [ -f "$DEMO_DIR/config.json" ] || "$PY" -m runtime.cli import-demo
-
+[ -f "$DEMO_DIR/config.json" ] || { echo "no imported demo model at $DEMO_DIR" >&2; exit 2; }
 
 MOEDESK_BUNDLE_DEMO="$DEMO_DIR" "$PY" -m PyInstaller --noconfirm --log-level WARN \
   --distpath dist --workpath build/pyinstaller packaging/moedesk.spec
