@@ -4,7 +4,7 @@
 $ErrorActionPreference = "Stop"
 Set-Location (Join-Path $PSScriptRoot "..\..")
 $py = ".venv\Scripts\python.exe"
-& $py -m pip install -q "pyinstaller>=6.10"
+& $py -m pip install -q -e ".[bundle]"
 $demo = & $py -c "from runtime import paths; print(paths.resolve_model(paths.DEMO_ALIAS))"
 if (-not (Test-Path (Join-Path $demo "config.json"))) { & $py -m runtime.cli import-demo }
 New-Item -ItemType Directory -Force build | Out-Null
