@@ -1,0 +1,176 @@
+"""CPU-side parts of expert offload: budget accounting, routing statistics, placement, slots."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from runtime.experts.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
+from runtime.experts.placement import PathCosts, decode_roofline, plan_placement
+from runtime.experts.routing_stats import RoutingStats, drift, stats_path
+from runtime.experts.slots import SlotTable
+
+GiB_s = float(GB)
+RIG = PathCosts(pcie_bytes_per_s=51.7 * GiB_s, cpu_bytes_per_s=92 * GiB_s)  # measured H200-rig ceilings
+
+
+# -- budget ----------------------------------------------------------------------------------
+
+def test_budget_accounts_every_reservation_and_says_what_did_not_fit():
+    b = MemoryBudget(24 * GB)
+    b.reserve("attention weights", 10 * GB)
+    b.reserve("KV cache", 2 * GB)
+    assert b.free_bytes == 12 * GB and b.fits(12 * GB) and not b.fits(12 * GB + 1)
+    with pytest.raises(BudgetError) as e:
+        b.reserve("experts layer 0", 13 * GB)
+    msg = str(e.value)
+    assert "experts layer 0 needs 13.00 GB of VRAM" in msg and "only 12.00 GB of the 24.00 GB" in msg
+    assert e.value.needed - e.value.available == 1 * GB
+    assert b.release("KV cache") == 2 * GB and b.free_bytes == 14 * GB
+    with pytest.raises(ValueError):
+        b.reserve("attention weights", 1)
+    assert b.fraction_of(141 * GB) == pytest.approx(24 / 141)
+
+
+def test_vram_and_ram_budgets_from_user_settings():
+    assert vram_budget(None, 100 * GB, 141 * GB).total_bytes == 100 * GB
+    assert vram_budget(24, 100 * GB, 141 * GB).total_bytes == 24 * GB
+    assert vram_budget(24, 10 * GB, 141 * GB).total_bytes == 10 * GB      # never more than is free
+    with pytest.raises(BudgetError, match="GPU is smaller than the budget"):
+        vram_budget(200, 100 * GB, 141 * GB)
+    with pytest.raises(BudgetError, match="RAM budget of 64 GB"):
+        ram_budget(64, 16 * GB)
+    assert ram_budget(None, 16 * GB).total_bytes == 14 * GB
+
+
+# -- routing statistics ----------------------------------------------------------------------
+
+def test_stats_decay_and_frequencies():
+    s = RoutingStats.empty(2, 4, half_life_tokens=100)
+    assert np.allclose(s.frequencies(), 0.25)                              # nothing known: uniform
+    s.absorb(np.array([[10, 0, 0, 0], [0, 0, 5, 5]]), tokens=10)
+    s.absorb(np.array([[0, 10, 0, 0], [0, 0, 0, 0]]), tokens=100)          # one half-life later
+    f = s.frequencies()
+    assert f[0, 1] == pytest.approx(10 / 15) and f[0, 0] == pytest.approx(5 / 15)
+    assert np.allclose(f.sum(axis=1), 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        s.absorb(np.zeros((3, 4)), 1)
+
+
+def test_stats_persist_and_reload(tmp_path):
+    s = RoutingStats.empty(3, 8)
+    s.record(1, np.array([[1, 2], [2, 7]]))
+    p = stats_path(tmp_path, tmp_path)
+    s.save(p)
+    loaded, warning = RoutingStats.load(p, 3, 8)
+    assert warning is None and np.allclose(loaded.counts, s.counts)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "Expecting property name"),
+    (json.dumps({"version": 1, "tokens": 1, "counts": [[1, 2]]}), "shape (1, 2)"),
+    (json.dumps({"version": 9, "tokens": 1, "counts": []}), "format version 9"),
+    (json.dumps({"version": 1, "tokens": 1, "counts": [[-1] * 8] * 3}), "negative"),
+])
+def test_corrupt_stats_are_ignored_with_a_warning(tmp_path, content, needle, caplog):
+    p = tmp_path / "stats.json"
+    p.write_text(content)
+    stats, warning = RoutingStats.load(p, 3, 8)
+    assert stats is None and needle in warning and str(p) in warning
+    assert needle in caplog.text
+
+
+def test_drift_measures_lost_coverage():
+    old = np.array([[0.7, 0.1, 0.1, 0.1]])
+    new = np.array([[0.1, 0.7, 0.1, 0.1]])
+    assert drift(old, new, [[0]]) == pytest.approx(0.6)
+    assert drift(new, old, [[0, 1]]) == 0.0
+
+
+# -- placement -------------------------------------------------------------------------------
+
+def test_everything_fits_means_all_in_vram():
+    p = plan_placement(np.full((2, 8), 1 / 8), [100, 100], 1600, top_k=2, policy="auto", costs=RIG)
+    assert all(layer.cold_path == "vram" and len(layer.resident) == 8 for layer in p.layers)
+    assert p.hit_rate == 1.0
+
+
+def test_vram_policy_refuses_what_does_not_fit():
+    with pytest.raises(BudgetError, match="all experts needs"):
+        plan_placement(np.full((2, 8), 1 / 8), [100, 100], 1000, top_k=2, policy="vram", costs=RIG)
+
+
+def test_hot_experts_are_kept_first():
+    freq = np.array([[0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    p = plan_placement(freq, [10, 10], 30, top_k=1, policy="cpu", costs=RIG)
+    assert p.layers[0].resident == (0, 1) and len(p.layers[1].resident) == 1
+    assert p.layers[0].hit_share == pytest.approx(0.8) and p.vram_bytes == 30
+
+
+def test_auto_streams_when_pcie_is_cheaper_and_slots_come_out_of_the_budget():
+    freq = np.full((4, 16), 1 / 16)
+    fast_pcie = PathCosts(pcie_bytes_per_s=100e9, cpu_bytes_per_s=10e9)
+    p = plan_placement(freq, [10] * 4, 400, top_k=2, policy="auto", costs=fast_pcie)
+    assert "stream" in p.paths() and "cpu" not in p.paths()
+    assert all(layer.stream_slots == (2 if layer.cold_path == "stream" else 0) for layer in p.layers)
+    slots = sum(layer.stream_slots for layer in p.layers)
+    assert p.vram_bytes == 400 and sum(len(layer.resident) for layer in p.layers) == 40 - slots
+    slow_pcie = PathCosts(pcie_bytes_per_s=10e9, cpu_bytes_per_s=100e9)
+    slow = plan_placement(freq, [10] * 4, 400, top_k=2, policy="auto", costs=slow_pcie)
+    assert "stream" not in slow.paths() and "cpu" in slow.paths()
+    assert sum(len(layer.resident) for layer in slow.layers) == 40
+
+
+def test_q125_roofline_at_24_gb_matches_the_rig_figures():
+    # q125-a11 at 3.0 bpw: 48 layers, 128 experts of 3 x 4096 x 1536 weights.
+    L, E, top_k = 48, 128, 8
+    expert = int(3 * 4096 * 1536 * 3.0 / 8)
+    attn = int(48 * (4096 * (8192 + 512 + 512) + 8192 * 4096) * 3.0 / 8)
+    head = int(151936 * 4096 * 6.0 / 8)
+    kv = 48 * 2 * 4 * 128 * 8192 * 2
+    budget = MemoryBudget(24 * GB)
+    for what, n in (("attention", attn), ("head", head), ("KV cache 8K", kv)):
+        budget.reserve(what, n)
+    p = plan_placement(np.full((L, E), 1 / E), [expert] * L, budget.free_bytes, top_k, "cpu", RIG)
+    assert 0.45 < p.hit_rate < 0.56
+    roof = decode_roofline(p, attn + head, 3978 * GiB_s, 51.7 * GiB_s, 92 * GiB_s)
+    assert 55 < roof["overlapped_tps"] < 85          # the rig's ~65-80 tokens/s with uniform routing
+    # The same placement with 8-bit CPU copies of the 3-bit experts reads 8/3 the bytes.
+    fat = plan_placement(np.full((L, E), 1 / E), [expert] * L, budget.free_bytes, top_k, "cpu",
+                         PathCosts(RIG.pcie_bytes_per_s, RIG.cpu_bytes_per_s, cpu_bytes_ratio=8 / 3))
+    assert decode_roofline(fat, attn + head, 3978 * GiB_s, 51.7 * GiB_s, 92 * GiB_s)["overlapped_tps"] < 30
+
+
+# -- slots -----------------------------------------------------------------------------------
+
+def test_slots_hit_miss_and_evict_the_coldest():
+    t = SlotTable(num_slots=2, num_experts=8)
+    r = t.plan([3, 5])[0]
+    assert [(a.expert, a.copy) for a in r] == [(3, True), (5, True)]
+    assert [a.copy for a in t.plan([5])[0]] == [False]
+    score = np.zeros(8)
+    score[5] = 1.0                         # expert 5 is hot: 3 goes
+    r = t.plan([6], score)[0]
+    assert r[0].copy and t.slot_of == {5: t.slot_of[5], 6: r[0].slot} and 3 not in t.slot_of
+    assert t.hits == 1 and t.misses == 3 and t.hit_rate == pytest.approx(0.25)
+
+
+def test_slots_never_evict_an_expert_the_same_round_needs():
+    t = SlotTable(num_slots=2, num_experts=8)
+    t.plan([1, 2])
+    r = t.plan([2, 7])[0]
+    assert {(a.expert, a.copy) for a in r} == {(2, False), (7, True)}
+    assert t.slot_of[2] != t.slot_of[7]
+
+
+def test_more_experts_than_slots_are_split_into_rounds_each_read_once():
+    t = SlotTable(num_slots=3, num_experts=16)
+    rounds = t.plan([4, 1, 4, 9, 2, 1, 11, 15, 2])
+    assert [len(r) for r in rounds] == [3, 3]
+    seen = [a.expert for r in rounds for a in r]
+    assert sorted(seen) == [1, 2, 4, 9, 11, 15]
+    for r in rounds:
+        assert len({a.slot for a in r}) == len(r)
+    with pytest.raises(ValueError, match="out of range"):
+        t.plan([16])
