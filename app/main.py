@@ -17,6 +17,7 @@ from app import theme
 from app.chat.session import ChatSession
 from app.engine_client import EngineClient
 from app.gauges import GaugesPanel
+from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
 from app.store import Store
@@ -36,6 +37,7 @@ class Desk:
     gauges: GaugesPanel
     window: MainWindow
     model: Optional[str]       # loaded when the engine is first ready
+    models: Optional[ModelManagerDialog] = None   # made on first use; downloads outlive its window
 
 
 def startup_model(settings: Settings) -> Optional[str]:
@@ -57,7 +59,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     store.mark_interrupted(INTERRUPTED)
     session = ChatSession(store, settings.sampling)
     client = EngineClient(worker_command)
-    gauges = GaugesPanel()
+    gauges = GaugesPanel(columns=5)
     window = MainWindow(store, session, gauges)
     desk = Desk(settings, store, session, client, gauges, window,
                 startup_model(settings) if model == "auto" else model)
@@ -126,7 +128,19 @@ def wire(desk: Desk) -> None:
                                                 app=dataclasses.replace(desk.settings.app, last_model=ev.model))
             save_settings(desk.settings)
 
+    # The model manager: loading a model from it goes through the same client.
+    def open_models() -> None:
+        if desk.models is None:
+            desk.models = ModelManagerDialog(window, engine_client=client)
+            desk.models.load_requested.connect(lambda path: client.load(path, desk.settings.load))
+            app = QApplication.instance()
+            if app is not None:
+                app.aboutToQuit.connect(desk.models.shutdown)
+        desk.models.show()
+        desk.models.raise_()
+
     window.settings_requested.connect(open_settings)
+    window.models_requested.connect(open_models)
     client.loaded.connect(remember_model)
 
 

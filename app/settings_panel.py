@@ -7,7 +7,8 @@
     panel.set_target_model(path_of_loaded_model)
     panel.exec()
 
-Groups: General (`app.settings.AppSettings`), Offload (`OffloadOptions`), Draft (`DraftOptions`).
+Groups: General (`app.settings.AppSettings`), Offload (`OffloadOptions`), Draft (`DraftOptions`), and
+the default sampling for new conversations (`SamplingOptions`, stop strings excepted).
 Each option shows its label, an editor, its one-line description with its default (as a visible
 hint and as a tooltip), and a status: "needs reload" for a changed option whose metadata says
 `reload` (compared with `active`, the options the loaded model runs with), or what the worker
@@ -15,8 +16,10 @@ reported for it in the `loaded` event's `applied` dict ("applied" / "ignored: wh
 "Apply and reload" is offered when a reload is needed and a model is loaded.
 
 The draft-model picker lists folders under `runtime.paths.models_dir()` that validate
-(`runtime.modelfolder.validate` when present, else folders with a config.json); the vocabulary
-rule lives with the model hub: pass it in through `set_draft_compatibility`.
+(`runtime.modelfolder.validate` when present, else folders with a config.json). Once a target is
+set (`set_target_model`), each is checked with the vocabulary rule: by default the model hub's
+`app.hub.local.draft_compatibility`; `set_draft_compatibility` replaces it. Unusable models stay
+listed, disabled, with the reason.
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from app.settings import AppSettings, Settings
 from runtime import paths
-from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
-DraftCompatibility = Callable[[Path, Path], Optional[str]]   # (target dir, draft dir) -> None or why not
+# (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
+DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
     "app.theme": "Theme", "app.show_gauges": "Show gauges",
@@ -47,6 +51,8 @@ LABELS = {
     "offload.backend": "Engine",
     "draft.mode": "Speculative decoding", "draft.model": "Draft model",
     "draft.draft_tokens": "Draft tokens", "draft.adaptive": "Adaptive draft length",
+    "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
+    "sampling.max_tokens": "Max tokens",
 }
 CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
@@ -57,9 +63,11 @@ CHOICE_LABELS = {
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
-                "offload.cpu_threads": "All physical cores"}
-HIDDEN = {"app.last_model"}
-GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions))
+                "offload.cpu_threads": "All physical cores", "sampling.seed": "Random",
+                "sampling.top_k": "No limit"}
+HIDDEN = {"app.last_model", "sampling.stop"}
+GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions),
+          ("New conversations: sampling", "sampling", SamplingOptions))
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,26 @@ def list_local_models(models_dir: Optional[Path] = None, target: Optional[Path] 
             if folder.resolve() == Path(target).resolve():
                 problem = "this is the loaded model"
             elif compatible is not None:
-                problem = compatible(Path(target), folder)
+                problem = _problem(compatible(Path(target), folder))
         out.append(LocalModel(folder.name, folder, problem))
     return out
+
+
+def _problem(verdict: Any) -> Optional[str]:
+    """A compatibility verdict as "why not" text: None / "reason" / (ok, reason)."""
+    if isinstance(verdict, tuple):
+        ok, reason = verdict
+        return None if ok else str(reason)
+    return None if verdict is None else str(verdict)
+
+
+def default_draft_compatibility() -> Optional[DraftCompatibility]:
+    """The model hub's rule (same vocabulary size and tokenizer) when that module is present."""
+    try:
+        from app.hub.local import draft_compatibility
+    except ImportError:
+        return None
+    return draft_compatibility
 
 
 def _validate_function() -> Optional[Callable[[Path], Any]]:
@@ -163,8 +188,9 @@ class _Field:
             ed.valueChanged.connect(on_change)
         elif base is float:
             ed = QDoubleSpinBox()
-            ed.setDecimals(1)
-            ed.setSingleStep(0.5)
+            fine = meta.get("max") is not None and meta["max"] <= 5      # probabilities, temperature
+            ed.setDecimals(2 if fine else 1)
+            ed.setSingleStep(0.05 if fine else 0.5)
             lo = float(meta["min"]) if meta.get("min") is not None else 0.0
             ed.setRange(lo - 0.5 if self.optional else lo, float(meta["max"]) if meta.get("max") is not None else 4096.0)
             ed.valueChanged.connect(on_change)
@@ -216,7 +242,7 @@ class SettingsPanel(QDialog):
         self._has_model = has_model
         self._models_dir = models_dir
         self._target: Optional[Path] = None
-        self._compatible: Optional[DraftCompatibility] = None
+        self._compatible: Optional[DraftCompatibility] = default_draft_compatibility()
         self._applied: dict[str, str] = {}
         self._loading = True
         self.fields: dict[str, _Field] = {}
@@ -279,21 +305,22 @@ class SettingsPanel(QDialog):
 
     def settings(self) -> Settings:
         """The edited settings (validated by the dataclasses' types and the editors' ranges)."""
-        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}}
+        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}, "sampling": {}}
         for path, f in self.fields.items():
             group, name = path.split(".")
             groups[group][name] = f.value()
         base = self._base
         load = LoadOptions(offload=dataclasses.replace(base.load.offload, **groups["offload"]),
                            draft=dataclasses.replace(base.load.draft, **groups["draft"]))
-        return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load)
+        return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load,
+                                   sampling=dataclasses.replace(base.sampling, **groups["sampling"]))
 
     def needs_reload(self) -> list[str]:
         """Paths of changed options that take effect only after the model is reloaded."""
         out = []
         for path, f in self.fields.items():
             group, name = path.split(".")
-            if f.reload and group != "app" and f.value() != getattr(self._section_load(self._active, group), name):
+            if f.reload and group in ("offload", "draft") and f.value() != getattr(self._section_load(self._active, group), name):
                 out.append(path)
         return out
 
@@ -339,7 +366,9 @@ class SettingsPanel(QDialog):
     # -- internals ------------------------------------------------------------------------------
     @staticmethod
     def _section(settings: Settings, group: str) -> Any:
-        return settings.app if group == "app" else SettingsPanel._section_load(settings.load, group)
+        if group in ("app", "sampling"):
+            return getattr(settings, group)
+        return SettingsPanel._section_load(settings.load, group)
 
     @staticmethod
     def _section_load(load: LoadOptions, group: str) -> Any:
@@ -357,7 +386,12 @@ class SettingsPanel(QDialog):
         self.fields["draft.model"].editor.setEnabled(mode == "model")
         for p in ("draft.draft_tokens", "draft.adaptive"):
             self.fields[p].editor.setEnabled(mode != "off")
-        self.reload_button.setEnabled(bool(reload) and self._has_model)
+        missing = mode == "model" and self.fields["draft.model"].value() is None
+        if missing:
+            self.fields["draft.model"].status.setText("choose a draft model")
+            self.fields["draft.model"].status.setStyleSheet(_status_style("needs reload"))
+        self.apply_button.setEnabled(not missing)
+        self.reload_button.setEnabled(bool(reload) and self._has_model and not missing)
         self.reload_button.setVisible(self._has_model)
 
     def _status_text(self, path: str, f: _Field, needs_reload: bool) -> str:

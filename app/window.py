@@ -34,6 +34,9 @@ class EngineBanner(QFrame):
         self.setFrameShape(QFrame.Shape.StyledPanel)
         self.headline = QLabel("Starting the engine…")
         self.headline.setWordWrap(True)
+        bold = self.headline.font()
+        bold.setBold(True)
+        self.headline.setFont(bold)
         self.headline.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.detail = QLabel()
         self.detail.setWordWrap(True)
@@ -74,8 +77,9 @@ class EngineBanner(QFrame):
         self.log.setVisible(bool(lines))
         if lines:
             self.log.setPlainText("\n".join(lines[-STDERR_SHOWN:]))
+        # Colour only for errors: a style sheet would pin the palette and miss a theme change.
         self.setStyleSheet("EngineBanner { border: 1px solid #d1242f; }" if kind == "error" else "")
-        self.headline.setStyleSheet("color: #d1242f; font-weight: bold;" if kind == "error" else "font-weight: bold;")
+        self.headline.setStyleSheet("color: #d1242f;" if kind == "error" else "")
 
     def set_progress(self, done: int, total: int) -> None:
         if total > 0:
@@ -88,6 +92,7 @@ class EngineBanner(QFrame):
 class MainWindow(QMainWindow):
     restart_requested = Signal()
     settings_requested = Signal()
+    models_requested = Signal()
 
     def __init__(self, store: Store, session: ChatSession, gauges: Optional[QWidget] = None, parent=None):
         super().__init__(parent)
@@ -159,6 +164,7 @@ class MainWindow(QMainWindow):
         act(chat, "&Delete chat…", lambda: self._current(self.delete_chat))
         act(chat, "Chat se&ttings…", self.edit_chat_settings, "Ctrl+Shift+P")
         engine = bar.addMenu("&Engine")
+        act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
         act(engine, "&Restart engine", self.restart_requested.emit)
         act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
         if self.gauges_dock is not None:
@@ -245,7 +251,7 @@ class MainWindow(QMainWindow):
         if state == "starting":
             self.banner.show_state("Starting the engine…", kind="busy")
         elif state == "idle" and self.loaded is None and self.banner.kind != "error":
-            self.banner.show_state(self.engine_words(), "No model loaded.")
+            self.banner.show_state(self.engine_words(), "No model loaded: pick one in Engine → Models… (Ctrl+M).")
 
     def on_ready(self, ev: Ready) -> None:
         self.ready = ev
@@ -264,7 +270,7 @@ class MainWindow(QMainWindow):
         self.chat.set_engine_ready(True)
 
     def on_engine_error(self, request_id: str, err: WorkerError) -> None:
-        if self.session.stream is not None and request_id == self.session.stream.request_id:
+        if self.session.issued(request_id):      # shown on the answer itself
             self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
             return
         lines = err.detail.splitlines() if err.detail else None

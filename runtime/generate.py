@@ -92,8 +92,12 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
              decoder: Any = None, on_text: Optional[TextFn] = None, on_step: Optional[StepFn] = None,
              should_stop: Callable[[], bool] = lambda: False, generator: Any = None,
              cached: Sequence[int] = (), prefill_chunk: int = 512, ignore_eos: bool = False) -> GenerationResult:
-    """Generate an answer to `prompt` (token ids). `cached` is what the engine's cache holds now
-    (from the previous turn); its common prefix with the prompt is reused, not recomputed."""
+    """Generate an answer to `prompt` (token ids). `cached` is what the engine's cache holds now.
+
+    The cache is reused only when the prompt continues it (the next turn of the same conversation);
+    any other prompt is prefilled from scratch. Reusing part of a different prompt would make the
+    answer depend on what was asked before: logits of a prompt split differently between prefill
+    calls differ in the last bits, and near-ties in greedy decoding can flip on that."""
     prompt = list(prompt)
     context = engine.info.context_length
     if not prompt:
@@ -123,9 +127,9 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
                 on_text(text, pending_tokens)
             pending_tokens = 0
 
-    # Prefill: reuse the cached prefix, run the rest in chunks; the last chunk's last row gives token 1.
+    # Prefill: reuse the cache if the prompt continues it, run the rest in chunks; the last row gives token 1.
     t0 = time.perf_counter()
-    keep = min(common_prefix(cached, prompt), len(prompt) - 1)
+    keep = len(cached) if len(cached) < len(prompt) and common_prefix(cached, prompt) == len(cached) else 0
     if engine.position != keep:
         engine.truncate(keep)
     logits = None

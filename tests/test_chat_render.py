@@ -86,3 +86,44 @@ def test_delegate_links_and_height_grow_with_text(qtbot):
     h1 = d.sizeHint(opt, model.index(1)).height()
     model.append_text(1, "\n\n" + "More text. " * 200)
     assert d.sizeHint(opt, model.index(1)).height() > h1 + 50
+
+
+def test_chat_settings_dialog_values_and_presets(qtbot, tmp_path):
+    from app.chat.settings_dialog import NO_PRESET, ConversationSettingsDialog
+    from app.store import Store
+    from runtime.options import SamplingOptions
+
+    store = Store(tmp_path / "s.sqlite3")
+    start = SamplingOptions(temperature=0.3, top_k=7, seed=None, stop=("###",))
+    dlg = ConversationSettingsDialog(store, "Be terse.", start)
+    qtbot.addWidget(dlg)
+    prompt, sampling, preset = dlg.result_values()
+    assert (prompt, preset) == ("Be terse.", "")
+    assert sampling == start                       # untouched fields (stop) survive the round trip
+    dlg.form.editors["temperature"].setValue(1.25)
+    dlg.form.editors["seed"].setValue(42)
+    dlg._save_preset("Creative")
+    assert [p.name for p in store.presets()] == ["Creative"]
+    assert dlg.presets.currentText() == "Creative"
+    dlg._defaults()
+    assert dlg.result_values()[1].temperature == SamplingOptions().temperature
+    dlg.presets.setCurrentIndex(dlg.presets.findText("Creative"))
+    dlg._apply_preset(dlg.presets.currentIndex())
+    prompt, sampling, preset = dlg.result_values()
+    assert (prompt, sampling.temperature, sampling.seed, preset) == ("Be terse.", 1.25, 42, "Creative")
+    dlg._delete_preset()
+    assert store.presets() == [] and dlg.presets.currentText() == NO_PRESET
+
+
+def test_window_chat_and_store_modules_do_not_import_torch():
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, app.main, app.window, app.store, app.theme, app.screenshots, app.chat.view, "
+            "app.chat.session, app.chat.conversations, app.chat.panel, app.chat.settings_dialog, "
+            "app.chat.bench_scroll\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'exllamav2', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

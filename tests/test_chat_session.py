@@ -190,3 +190,19 @@ def test_engine_state_in_words(qtbot, make_desk):
     desk = make_desk()
     text = desk.window.banner.headline.text()
     assert "CPU reference engine — no NVIDIA GPU" in text and "demo" in text
+
+
+def test_a_refused_answer_is_shown_on_the_message_not_as_an_engine_failure(qtbot, make_desk):
+    from runtime.protocol import WorkerError
+    desk = make_desk(delay=0.05, max_tokens=300)
+    send(qtbot, desk, "Hello", wait=False)
+    rid = desk.session.stream.request_id
+    desk.client.error.emit(rid, WorkerError("context_overflow", "The conversation does not fit the context.", ""))
+    assert not desk.session.busy
+    ans = desk.session.model.items[-1]
+    assert ans.state == "error" and ans.error == "The conversation does not fit the context."
+    assert desk.window.banner.kind == "info"
+    assert "does not fit" in desk.window.statusBar().currentMessage()
+    # An error about no chat request (e.g. a failed load) goes to the banner with Restart.
+    desk.client.error.emit("load-1", WorkerError("model_invalid", "config.json is missing", "detail line"))
+    assert desk.window.banner.kind == "error" and "config.json" in desk.window.banner.headline.text()

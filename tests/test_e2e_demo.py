@@ -179,20 +179,22 @@ def _unsupported(folder: Path) -> tuple[str, str]:
     return "config.json", "GPT2LMHeadModel"
 
 
-@pytest.mark.parametrize("damage, code", [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"),
-                                          (_truncated, "model_invalid"),
-                                          (_unsupported, "unsupported_architecture")])
-def test_bad_model_folder_then_good_one(worker, demo_model, tmp_path, damage, code):
-    bad = _copy(demo_model, tmp_path / "bad-model")
-    file, what = damage(bad)
-    with pytest.raises(P.ModelLoadError) as e:
-        worker.load(str(bad))
-    assert e.value.code == code
-    assert file in e.value.message and what.lower() in e.value.message.lower(), e.value.message
-    # Still alive; generating now says no model; the good model loads and answers.
-    worker.send(P.Generate(request_id="after-bad", prompt="hi"))
-    err = worker.next_event(30)
-    assert isinstance(err, P.Error) and err.code == "no_model"
+DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"), (_truncated, "model_invalid"),
+           (_unsupported, "unsupported_architecture")]
+
+
+def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
+    for damage, code in DAMAGES:             # one loop, one good reload at the end: loading is the slow part
+        bad = _copy(demo_model, tmp_path / damage.__name__)
+        file, what = damage(bad)
+        with pytest.raises(P.ModelLoadError) as e:
+            worker.load(str(bad))
+        assert e.value.code == code, (damage.__name__, e.value.message)
+        assert file in e.value.message and what.lower() in e.value.message.lower(), e.value.message
+        # Still alive, and says so: no model is loaded now.
+        worker.send(P.Generate(request_id="after-bad", prompt="hi"))
+        err = worker.next_event(30)
+        assert isinstance(err, P.Error) and err.code == "no_model"
     worker.load(str(demo_model))
     text, _, _ = ask(worker, QUESTION)
     assert "Paris" in text

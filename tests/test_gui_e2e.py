@@ -12,6 +12,7 @@ import os
 import pytest
 from PySide6.QtCore import Qt
 
+from app.chat.model import ContentRole
 from app.main import build
 from app.settings import Settings
 from runtime.options import SamplingOptions
@@ -70,13 +71,13 @@ def test_send_stop_regenerate_and_edit(qtbot, open_app):
 
     # Send: the answer streams into the view (several token updates) and is saved.
     updates = []
-    model.dataChanged.connect(lambda a, b, roles: updates.append(a.row()))
+    model.dataChanged.connect(lambda a, b, roles: ContentRole in roles and updates.append((a.row(), b.row())))
     type_and_send(qtbot, desk, "What is the capital of France?")
     wait_idle(qtbot, desk)
     answer = model.items[-1]
     assert answer.state == "done", answer.error
     assert "Paris" in answer.content
-    assert len(updates) >= 3 and set(updates) <= {1}
+    assert len(updates) >= 3 and set(updates) == {(1, 1)}     # one row per token, nothing else
     assert answer.stats.generated_tokens <= GREEDY.max_tokens
     first_answer = answer.content
 

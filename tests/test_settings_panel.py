@@ -1,6 +1,7 @@
 """The settings dialog generated from the options' metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from app import settings_panel as sp
 from app.settings import Settings
 from runtime import paths
-from runtime.options import DraftOptions, LoadOptions, OffloadOptions, describe
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
 
 @pytest.fixture
@@ -20,8 +21,10 @@ def panel(qtbot):
 
 
 def test_every_option_has_an_editor_hint_and_default(panel):
-    for group, cls in (("offload", OffloadOptions), ("draft", DraftOptions)):
+    for group, cls in (("offload", OffloadOptions), ("draft", DraftOptions), ("sampling", SamplingOptions)):
         for name, default, meta in describe(cls):
+            if f"{group}.{name}" == "sampling.stop":
+                continue
             f = panel.fields[f"{group}.{name}"]
             assert meta["help"] in f.hint.text() and "Default:" in f.hint.text()
             assert f.editor.toolTip() == f.hint.text()
@@ -89,6 +92,10 @@ def test_draft_mode_enables_its_editors(panel):
     assert not panel.fields["draft.model"].editor.isEnabled()
     panel.fields["draft.mode"].set_value("model")
     assert panel.fields["draft.model"].editor.isEnabled()
+    assert panel.fields["draft.model"].status.text() == "choose a draft model"   # none picked yet
+    assert not panel.apply_button.isEnabled()
+    panel.fields["draft.mode"].set_value("off")
+    assert panel.apply_button.isEnabled()
 
 
 def test_applied_report_is_shown(panel):
@@ -154,3 +161,30 @@ def test_draft_picker_uses_the_model_folder_validator(demo_model, tmp_path):
     _model_folder(tmp_path, "broken", 1000)          # config.json only: no tokenizer, no weights
     (broken,) = sp.list_local_models(tmp_path)
     assert broken.problem is not None and broken.problem.startswith("config.json: "), broken.problem
+
+
+def test_hub_rule_is_the_default_and_tuple_verdicts_work(qtbot, tmp_path, monkeypatch):
+    rule = sp.default_draft_compatibility()
+    if rule is None:
+        pytest.skip("app.hub.local is not on this branch yet")
+    monkeypatch.setattr(sp, "_validate_function", lambda: None)   # the config.json rule only
+    target = _model_folder(tmp_path, "target", 1000)
+    _model_folder(tmp_path, "other-vocab", 2000)
+    models = {m.name: m.problem for m in sp.list_local_models(tmp_path, target, lambda t, d: (False, "nope"))}
+    assert models["other-vocab"] == "nope"
+    p = sp.SettingsPanel(Settings(), has_model=True)
+    qtbot.addWidget(p)
+    assert p._compatible is rule
+
+
+def test_default_sampling_is_edited_and_keeps_stop_strings(qtbot):
+    s = dataclasses.replace(Settings(), sampling=SamplingOptions(stop=("END",)))
+    p = sp.SettingsPanel(s)
+    qtbot.addWidget(p)
+    p.fields["sampling.top_p"].editor.setValue(0.95)
+    p.fields["sampling.seed"].set_value(7)
+    out = p.settings().sampling
+    assert out == SamplingOptions(top_p=0.95, seed=7, stop=("END",))
+    p.fields["sampling.seed"].set_value(None)
+    assert p.settings().sampling.seed is None and p.fields["sampling.seed"].editor.text() == "Random"
+    assert p.needs_reload() == []          # sampling never needs a reload

@@ -35,9 +35,8 @@ def palette_for(qpal: QPalette) -> markdown.Palette:
 
 class MessageDelegate(QStyledItemDelegate):
     """Rows not rendered yet get an estimated height (cheap, from the text); a row is rendered exactly
-    when painted or pre-rendered by the view, and `height_changed(row)` says when the estimate was off."""
+    when the view shows it or pre-renders it, and from then on its size hint is exact."""
     action = Signal(str, int, object)    # kind, row, payload (code text, url, section number)
-    height_changed = Signal(int)         # row whose exact height differs from what the view laid out
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -177,28 +176,19 @@ class MessageDelegate(QStyledItemDelegate):
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         d = self.document(index, self._text_width(option), option.font)
-        if int(d.doc.size().height()) + 2 * (MARGIN_Y + PAD) != option.rect.height():
-            self.height_changed.emit(index.row())
         it: ChatItem = index.data(ItemRole)
         bubble = option.rect.adjusted(MARGIN_X, MARGIN_Y, -MARGIN_X, -MARGIN_Y)
         pal = option.palette
         painter.save()
         painter.setClipRect(option.rect)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        base = pal.color(QPalette.ColorRole.Base)
         if it.role == "user":
-            fill = QColor(pal.color(QPalette.ColorRole.Highlight))
-            fill.setAlpha(38)
-            painter.setPen(Qt.PenStyle.NoPen)
-            painter.setBrush(fill)
-            painter.drawRoundedRect(QRectF(bubble), 10, 10)
+            _bubble(painter, bubble, _mix(base, pal.color(QPalette.ColorRole.Highlight), 0.15))
         elif it.state == "error":
-            painter.setPen(QColor("#d1242f"))
-            painter.setBrush(Qt.BrushStyle.NoBrush)
-            painter.drawRoundedRect(QRectF(bubble).adjusted(0.5, 0.5, -0.5, -0.5), 10, 10)
+            _bubble(painter, bubble, QColor("#d1242f"))
+            _bubble(painter, bubble.adjusted(1, 1, -1, -1), pal.color(QPalette.ColorRole.AlternateBase))
         else:
-            painter.setPen(Qt.PenStyle.NoPen)
-            painter.setBrush(QColor(pal.color(QPalette.ColorRole.AlternateBase)))
-            painter.drawRoundedRect(QRectF(bubble), 10, 10)
+            _bubble(painter, bubble, pal.color(QPalette.ColorRole.AlternateBase))
         painter.translate(bubble.topLeft() + QPointF(PAD, PAD).toPoint())
         ctx = QAbstractTextDocumentLayout.PaintContext()
         ctx.palette = pal
@@ -255,3 +245,29 @@ class MessageDelegate(QStyledItemDelegate):
             block = block.next()
         return out
 
+
+RADIUS = 10
+
+
+def _mix(a: QColor, b: QColor, t: float) -> QColor:
+    """Opaque blend of two colours (t of b)."""
+    return QColor(round(a.red() + (b.red() - a.red()) * t), round(a.green() + (b.green() - a.green()) * t),
+                  round(a.blue() + (b.blue() - a.blue()) * t))
+
+
+def _bubble(painter: QPainter, rect, colour: QColor) -> None:
+    """A filled rounded rectangle. Antialiasing a tall path is slow in the raster engine, so only the
+    two end strips are drawn as rounded shapes; the middle is a plain fill."""
+    r = RADIUS
+    if rect.height() <= 4 * r:
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(colour)
+        painter.drawRoundedRect(QRectF(rect), r, r)
+        return
+    painter.fillRect(rect.adjusted(0, r, 0, -r), colour)
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+    painter.setPen(Qt.PenStyle.NoPen)
+    painter.setBrush(colour)
+    painter.drawRoundedRect(QRectF(rect.x(), rect.y(), rect.width(), 2 * r + 2), r, r)
+    painter.drawRoundedRect(QRectF(rect.x(), rect.bottom() + 1 - 2 * r - 2, rect.width(), 2 * r + 2), r, r)

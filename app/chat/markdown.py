@@ -98,10 +98,7 @@ class _Renderer:
     def _code(self, code: str, lang: str) -> str:
         n = len(self.blocks)
         self.blocks.append(code.rstrip("\n"))
-        try:
-            lexer = get_lexer_by_name(lang) if lang else TextLexer()
-        except ClassNotFound:
-            lexer = TextLexer()
+        lexer = _lexer(lang.lower())
         body = _pygments_highlight(code.rstrip("\n"), lexer, self.formatter)
         p = self.palette
         label = html.escape(lang or "code")
@@ -114,6 +111,14 @@ class _Renderer:
 
     def markdown(self, text: str) -> str:
         return self.md.render(text)
+
+
+@lru_cache(maxsize=64)
+def _lexer(lang: str):
+    try:
+        return get_lexer_by_name(lang) if lang else TextLexer()
+    except ClassNotFound:
+        return TextLexer()
 
 
 @lru_cache(maxsize=4)

@@ -24,9 +24,9 @@ class InputBox(QPlainTextEdit):
         super().__init__(parent)
         self.setPlaceholderText("Message the model — Enter sends, Shift+Enter for a new line")
         self.setTabChangesFocus(True)
-        self.setMaximumHeight(160)
+        self.setMaximumHeight(110)
         self.setMinimumHeight(56)
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Maximum)
 
     def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (e.modifiers() & Qt.KeyboardModifier.ShiftModifier):

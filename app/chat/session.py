@@ -52,11 +52,16 @@ class ChatSession(QObject):
         self.conversation: Optional[Conversation] = None
         self.model_name = ""                    # the loaded model, recorded on each answer
         self.stream: Optional[_Stream] = None
+        self._issued: set[str] = set()           # request ids this session asked for
         self._flush = QTimer(self, interval=FLUSH_MS, timeout=self.flush)
 
     @property
     def busy(self) -> bool:
         return self.stream is not None
+
+    def issued(self, request_id: str) -> bool:
+        """Whether a request (and so an error about it) belongs to this chat."""
+        return request_id in self._issued
 
     # -- conversations --------------------------------------------------------------------------
     def open(self, conversation_id: Optional[int]) -> None:
@@ -164,6 +169,7 @@ class ChatSession(QObject):
         m = self.store.add_message(conv.id, "assistant", "", model=self.model_name, state="streaming")
         self.model.append(ChatItem.from_message(m))
         self.stream = _Stream(f"chat-{uuid.uuid4().hex[:10]}", m.id, conv.id)
+        self._issued.add(self.stream.request_id)
         self._flush.start()
         self.busy_changed.emit(True)
         self.conversations_changed.emit()
