@@ -8,6 +8,7 @@ It also prints how long the window and the loaded model took from process start 
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import psutil
 from PySide6.QtCore import QCoreApplication, QTimer
 
 DEFAULT_TIMEOUT_S = 600.0
+SMOKE_MAX_TOKENS = 48
 EXIT_OK, EXIT_ERROR, EXIT_TIMEOUT = 0, 1, 3
 
 
@@ -58,6 +60,9 @@ def start(desk, question: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> SmokeTes
     """Hook the smoke test onto a built, shown Desk whose engine client is about to start."""
     t = SmokeTest(question, timeout_s)
     client, session, window = desk.client, desk.session, desk.window
+    # Greedy and short, so the same build gives the same answer every time.
+    session.default_sampling = dataclasses.replace(session.default_sampling, temperature=0.0, seed=0,
+                                                   max_tokens=SMOKE_MAX_TOKENS)
 
     def window_up() -> None:
         t.timings["window_s"] = since_start()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the Linux bundle: dist/moedesk/ (a folder with `moedesk` and `moedesk-worker`) and
 # dist/moedesk-linux-x86_64.tar.gz. Run from a checkout after `make install` (or let `make bundle` do it).
+# `--no-tarball` skips the tarball (the bundle test needs only the folder; compressing takes minutes).
 #
 # The bundle carries the torch of the environment it is built in: built where torch is the CPU build,
 # it runs the CPU reference engine only (see README, Packaging, for the GPU build).
@@ -20,6 +21,11 @@ DEMO_DIR=${MOEDESK_BUNDLE_DEMO:-$("$PY" -c "from runtime import paths; print(pat
 MOEDESK_BUNDLE_DEMO="$DEMO_DIR" "$PY" -m PyInstaller --noconfirm --log-level WARN \
   --distpath dist --workpath build/pyinstaller packaging/moedesk.spec
 
-tar -C dist -czf dist/moedesk-linux-x86_64.tar.gz moedesk
-du -sh dist/moedesk dist/moedesk-linux-x86_64.tar.gz
+if [ "${1:-}" = "--no-tarball" ]; then
+  du -sh dist/moedesk
+else
+  rm -f dist/moedesk-linux-x86_64.tar.gz
+  tar -C dist -czf dist/moedesk-linux-x86_64.tar.gz moedesk
+  du -sh dist/moedesk dist/moedesk-linux-x86_64.tar.gz
+fi
 echo "Bundle ready: dist/moedesk/moedesk (install the menu entry with: dist/moedesk/moedesk --install-desktop-entry)"

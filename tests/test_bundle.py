@@ -52,7 +52,7 @@ def bundle(demo_model) -> Path:
         return BUNDLE
     env = dict(os.environ, PYTHON=sys.executable, MOEDESK_BUNDLE_DEMO=str(demo_model))
     try:
-        r = subprocess.run(["bash", str(ROOT / "packaging" / "build-linux.sh")], cwd=ROOT, env=env,
+        r = subprocess.run(["bash", str(ROOT / "packaging" / "build-linux.sh"), "--no-tarball"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"building the bundle took more than {BUILD_TIMEOUT_S} s:\n{(e.stderr or '')[-4000:]}")
