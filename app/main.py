@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app import theme
@@ -64,6 +65,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     desk = Desk(settings, store, session, client, gauges, window,
                 startup_model(settings) if model == "auto" else model)
     wire(desk)
+    window.gauges_dock.setVisible(settings.app.show_gauges)
     if warning:
         window.banner.show_state("Settings were reset", warning, kind="info")
     return desk
@@ -112,15 +114,9 @@ def wire(desk: Desk) -> None:
                               has_model=client.loaded_event is not None, parent=window)
         if client.loaded_event is not None:
             panel.show_applied(client.loaded_event.applied)
-        panel.apply_requested.connect(apply_settings)
-        panel.exec()
-
-    def apply_settings(settings: Settings, reload: bool) -> None:
-        desk.settings = settings
-        session.default_sampling = settings.sampling
-        save_settings(settings)
-        if reload and client.last_load is not None:
-            client.load(client.last_load[0], settings.load)
+        panel.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        panel.apply_requested.connect(lambda settings, reload: apply_settings(desk, settings, reload))
+        panel.open()
 
     def remember_model(ev) -> None:
         if desk.settings.app.last_model != ev.model and ev.model != paths.DEMO_ALIAS:
@@ -142,6 +138,19 @@ def wire(desk: Desk) -> None:
     window.settings_requested.connect(open_settings)
     window.models_requested.connect(open_models)
     client.loaded.connect(remember_model)
+
+
+def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:
+    """The settings panel's Apply: saved at once; a reload re-sends the load command with the new options."""
+    desk.settings = settings
+    desk.session.default_sampling = settings.sampling
+    desk.window.gauges_dock.setVisible(settings.app.show_gauges)
+    app = QApplication.instance()
+    if app is not None:
+        theme.apply(app, settings.app.theme)
+    save_settings(settings)
+    if reload and desk.client.last_load is not None:
+        desk.client.load(desk.client.last_load[0], settings.load)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

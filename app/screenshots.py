@@ -78,9 +78,7 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         panel = SettingsPanel(desk.settings, active=desk.settings.load, has_model=True, parent=win)
         if desk.client.loaded_event is not None:
             panel.show_applied(desk.client.loaded_event.applied)
-        width = max(960, panel.sizeHint().width())
-        lay = panel.layout()
-        panel.resize(width, lay.totalHeightForWidth(width) if lay.hasHeightForWidth() else panel.sizeHint().height())
+        panel.resize(960, _full_height(panel, 960))
         panel.show()
         settle()
         written.append(_save(panel.grab(), out / "settings.png"))
@@ -90,6 +88,18 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         desk.client.shutdown(wait=True)
         desk.store.close()
     return written
+
+
+def _full_height(dialog, width: int) -> int:
+    """The dialog's height with its scrolled content shown whole (for a picture, not for a screen)."""
+    from PySide6.QtWidgets import QScrollArea
+    area = dialog.findChild(QScrollArea)
+    if area is None or area.widget() is None:
+        return dialog.sizeHint().height()
+    content = area.widget()
+    lay = content.layout()
+    inner = lay.totalHeightForWidth(width - 40) if lay is not None and lay.hasHeightForWidth() else content.sizeHint().height()
+    return dialog.sizeHint().height() - area.sizeHint().height() + inner + 2 * area.frameWidth() + 4
 
 
 def _save(pixmap, path: Path) -> Path:

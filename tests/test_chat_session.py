@@ -206,3 +206,24 @@ def test_a_refused_answer_is_shown_on_the_message_not_as_an_engine_failure(qtbot
     # An error about no chat request (e.g. a failed load) goes to the banner with Restart.
     desk.client.error.emit("load-1", WorkerError("model_invalid", "config.json is missing", "detail line"))
     assert desk.window.banner.kind == "error" and "config.json" in desk.window.banner.headline.text()
+
+
+def test_settings_apply_saves_hides_gauges_and_reloads(qtbot, make_desk):
+    import dataclasses
+    from app.main import apply_settings
+    from app.settings import load_settings
+    desk = make_desk()
+    s = desk.settings
+    new = dataclasses.replace(s, app=dataclasses.replace(s.app, show_gauges=False),
+                              sampling=dataclasses.replace(s.sampling, temperature=0.25),
+                              load=dataclasses.replace(s.load, offload=dataclasses.replace(s.load.offload,
+                                                                                           context_length=2048)))
+    with qtbot.waitSignal(desk.client.loaded, timeout=30000):
+        apply_settings(desk, new, reload=True)
+    assert desk.client.last_load[1].offload.context_length == 2048
+    assert desk.session.default_sampling.temperature == 0.25
+    assert not desk.window.gauges_dock.isVisible()
+    assert load_settings().settings == new
+    desk.window.settings_requested.emit()                     # the panel opens without blocking
+    from app.settings_panel import SettingsPanel
+    assert any(isinstance(w, SettingsPanel) and w.isVisible() for w in desk.window.findChildren(SettingsPanel))
