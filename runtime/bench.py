@@ -112,6 +112,7 @@ def transformers_model(folder: Path):
             state[f"{prefix}.weight"] = mf.linear(prefix)
         elif not any(name.endswith("." + part) for part in EXL2_PARTS):
             state[name] = mf.tensor(name).float()
+    state = _fuse_experts(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
@@ -120,6 +121,24 @@ def transformers_model(folder: Path):
     model.tie_weights()
     mf.close()
     return model.eval()
+
+
+def _fuse_experts(state: dict, wanted: set[str]) -> dict:
+    """Per-expert HF tensors (`experts.E.gate_proj.weight` ...) -> the fused ones newer transformers
+    expect: `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]."""
+    import torch
+    for key in sorted(k for k in wanted if k.endswith(".experts.gate_up_proj") and k not in state):
+        base = key[: -len("gate_up_proj")]
+        n = 0
+        while f"{base}{n}.gate_proj.weight" in state:
+            n += 1
+        gate_up, down = [], []
+        for e in range(n):
+            gate_up.append(torch.cat([state.pop(f"{base}{e}.gate_proj.weight"), state.pop(f"{base}{e}.up_proj.weight")]))
+            down.append(state.pop(f"{base}{e}.down_proj.weight"))
+        if n:
+            state[key], state[f"{base}down_proj"] = torch.stack(gate_up), torch.stack(down)
+    return state
 
 
 def measure_transformers(folder: Path, prompt: list[int], decode_tokens: int) -> Baseline:

@@ -5,8 +5,8 @@ comes in through `should_stop()` (checked before every decode step and between p
 a cancel takes effect within one step).
 
 Cache contract (shared with runtime/speculative/): between steps the engine's cache holds every
-token of the sequence but the last, pending one. A decoder's `step(tokens) -> new` returns >= 1 new
-tokens and leaves the cache holding `tokens + new[:-1]`.
+token of the sequence but the last, pending one. A decoder's `step(tokens, max_new) -> new` returns
+1..max_new new tokens and leaves the cache holding `tokens + new[:-1]`.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class PlainDecoder:
     def __init__(self, engine: Engine, opts: SamplingOptions, generator: Any):
         self.engine, self.opts, self.generator = engine, opts, generator
 
-    def step(self, tokens: list[int]) -> list[int]:
+    def step(self, tokens: list[int], max_new: Optional[int] = None) -> list[int]:
         logits = self.engine.forward(tokens[-1:])                       # [1, V]
         return [_sampling.sample(logits[-1].float(), tokens, self.opts, self.generator)]
 
@@ -76,7 +76,10 @@ def make_decoder(engine: Engine, sampling: SamplingOptions, generator: Any,
         raise EngineError(ErrorCode.BAD_FIELD.value, "draft mode 'model' needs a draft model: load one with "
                                                      "the model (options.draft.model)")
     from runtime import speculative
-    return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine)
+    try:
+        return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine)
+    except ValueError as e:
+        raise EngineError(ErrorCode.BAD_FIELD.value, f"speculative decoding: {e}") from None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -108,7 +111,6 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
                           f"shorten it or load the model with a longer context length")
     generator = generator if generator is not None else make_generator(sampling.seed)
     decoder = decoder or PlainDecoder(engine, sampling, generator)
-    plain = decoder if isinstance(decoder, PlainDecoder) else PlainDecoder(engine, sampling, generator)
     live = LiveStats(prompt_tokens=len(prompt))
     step_hook = on_step or (lambda _live: None)
     detok = tokenizer.stream_decoder()
@@ -175,19 +177,12 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
         if should_stop():
             reason = "cancelled"
             break
-        room = context - len(tokens)                 # speculation near the end could overrun the cache
-        step = decoder if room > _draft_len(decoder) + 1 else plain
-        new = step.step(tokens)
+        new = decoder.step(tokens, max_new=limit - len(generated))   # drafting never runs past the limit
         tokens.extend(new)
 
     if reason != "stop_string":
         emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
     return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
-
-
-def _draft_len(decoder: Any) -> int:
-    stats = decoder.stats() if hasattr(decoder, "stats") else None
-    return (stats.draft_tokens_now or 16) if stats is not None else 0
 
 
 def _finish(reason: str, live: LiveStats, t0: float, t_first: Optional[float], generated: list[int],

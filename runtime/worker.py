@@ -39,7 +39,6 @@ class Worker:
         self._gen_cmd: Any = None                   # ... and its command
         self._cancel = threading.Event()
         self._live = None                           # generate.LiveStats of the running generation
-        self._last_telemetry = 0.0
         self.engine = None
         self.draft_engine = None
         self.tokenizer = None
@@ -134,25 +133,33 @@ class Worker:
             if cmd is _END or isinstance(cmd, P.Shutdown):
                 self.close()
                 return 0
-            rid = getattr(cmd, "request_id", None)
-            try:
-                if isinstance(cmd, P.Load):
-                    self.load(cmd)
-                elif isinstance(cmd, P.Unload):
-                    self.close()
-                    self.send(P.Unloaded(request_id=cmd.request_id))
-                elif isinstance(cmd, P.Generate):
-                    self.generate(cmd)
-            except EngineError as e:
-                self.error(e.code, e.message, e.detail, rid)
-            except MemoryError:
-                self.error(P.ErrorCode.OUT_OF_MEMORY.value, "host memory ran out", traceback.format_exc(), rid)
-            except Exception as e:
-                code = P.ErrorCode.OUT_OF_MEMORY.value if "out of memory" in str(e).lower() else P.ErrorCode.INTERNAL.value
-                self.error(code, f"{type(e).__name__}: {e}", traceback.format_exc(), rid)
-            finally:
-                if isinstance(cmd, P.Generate):
-                    self._done_generating(cmd)
+            failure = self.run_command(cmd)
+            if isinstance(cmd, P.Generate):
+                self._done_generating(cmd)     # before the error: the client may send the next command at once
+            if failure is not None:
+                self.send(failure)
+
+    def run_command(self, cmd: Any) -> Optional[P.Error]:
+        """Run load / unload / generate; a failure comes back as the error event to send."""
+        rid = getattr(cmd, "request_id", None)
+        try:
+            if isinstance(cmd, P.Load):
+                self.load(cmd)
+            elif isinstance(cmd, P.Unload):
+                self.close()
+                self.send(P.Unloaded(request_id=cmd.request_id))
+            elif isinstance(cmd, P.Generate):
+                self.generate(cmd)
+            return None
+        except EngineError as e:
+            return P.Error(code=str(e.code), message=e.message, detail=e.detail, request_id=rid)
+        except MemoryError:
+            return P.Error(code=P.ErrorCode.OUT_OF_MEMORY.value, message="host memory ran out",
+                           detail=traceback.format_exc(), request_id=rid)
+        except Exception as e:
+            oom = "out of memory" in str(e).lower()
+            code = P.ErrorCode.OUT_OF_MEMORY.value if oom else P.ErrorCode.INTERNAL.value
+            return P.Error(code=code, message=f"{type(e).__name__}: {e}", detail=traceback.format_exc(), request_id=rid)
 
     def load(self, cmd: P.Load) -> None:
         from runtime.loader import open_engine
@@ -218,22 +225,33 @@ class Worker:
 
         def on_step(live) -> None:
             self._live = live
-            now = time.monotonic()
-            if now - self._last_telemetry >= TELEMETRY_INTERVAL_S:
-                self._last_telemetry = now
-                self.send(self.telemetry(rid))
 
+        self._live = None                                      # no figures of the previous answer
         cached, self._cache_tokens = self._cache_tokens, []    # unknown if the generation fails
+        ticking = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(rid, ticking), name="telemetry", daemon=True)
+        ticker.start()
         try:
             result = generate(self.engine, self.tokenizer, prompt, cmd.sampling, decoder=decoder, on_text=on_text,
                               on_step=on_step, should_stop=self._cancel.is_set, generator=generator, cached=cached)
         except BaseException:
             self._reset_cache()
             raise
+        finally:
+            ticking.set()
+            ticker.join()
         self._cache_tokens = result.cache_tokens
         self._done_generating(cmd)     # before finished: the client may send the next generate at once
         self.send(P.Finished(request_id=rid, reason=result.reason, stats=result.stats))
         self.send(self.telemetry(rid))
+
+    def _tick(self, rid: str, stop: threading.Event) -> None:
+        """Telemetry about twice a second while a generation runs (also during a long prefill chunk)."""
+        while not stop.wait(TELEMETRY_INTERVAL_S):
+            try:
+                self.send(self.telemetry(rid))
+            except Exception:
+                traceback.print_exc()      # a gauge failing must not stop the answer
 
     def _done_generating(self, cmd: P.Generate) -> None:
         with self._state:

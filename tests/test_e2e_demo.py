@@ -14,7 +14,7 @@ import pytest
 
 from runtime import protocol as P
 from runtime.client import WorkerClient, new_id, worker_env
-from runtime.options import SamplingOptions
+from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +30,10 @@ def worker(demo_model):
         yield w
 
 
-def ask(w: WorkerClient, question: str, sampling: SamplingOptions = GREEDY, timeout: float = 300):
+def ask(w: WorkerClient, question: str, sampling: SamplingOptions = GREEDY, timeout: float = 300,
+        draft: DraftOptions | None = None):
     rid = new_id("t")
-    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", question),), sampling=sampling)
+    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", question),), sampling=sampling, draft=draft)
     text, finished, telemetry = [], None, []
     for ev in w.generate(req, timeout=timeout):
         if isinstance(ev, P.TokenDelta):
@@ -113,6 +114,14 @@ def test_cancel_stops_within_one_step_and_busy_is_refused(worker):
     assert "Paris" in text
 
 
+def test_ngram_drafting_gives_the_same_greedy_text(worker):
+    plain, _, _ = ask(worker, "Repeat after me: one two three, one two three, one two three.")
+    drafted, fin, _ = ask(worker, "Repeat after me: one two three, one two three, one two three.",
+                          draft=DraftOptions(mode="ngram", draft_tokens=4))
+    assert drafted == plain
+    assert fin.stats.draft is not None and fin.stats.draft.mode == "ngram"
+
+
 def test_stats_while_idle_reports_engine(worker):
     worker.send(P.Stats(request_id="st"))
     ev = worker.next_event(30)
@@ -137,13 +146,14 @@ def _first_shard(folder: Path) -> Path:
     return folder / sorted(p.name for p in folder.glob("*.safetensors"))[0]
 
 
-def _missing_tensor(folder: Path) -> tuple[str, str]:
+def _missing_tensor(folder: Path) -> tuple[tuple[str, ...], str]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
         data["weight_map"].pop("model.norm.weight")
         index.write_text(json.dumps(data))
-        return index.name, "model.norm.weight"
+        # Either the index or the shard that should hold it is a fair file to name.
+        return (index.name, data["weight_map"]["model.embed_tokens.weight"]), "model.norm.weight"
     # Single file: rewrite it without one tensor.
     from safetensors.torch import load_file, save_file
     shard = _first_shard(folder)
@@ -154,29 +164,29 @@ def _missing_tensor(folder: Path) -> tuple[str, str]:
     return shard.name, "model.norm.weight"
 
 
-def _corrupt_header(folder: Path) -> tuple[str, str]:
+def _corrupt_header(folder: Path) -> tuple[tuple[str, ...], str]:
     shard = _first_shard(folder)
     data = bytearray(shard.read_bytes())
     shard.unlink()
     (n,) = struct.unpack("<Q", data[:8])
     data[8:8 + 16] = b"{{{{ not json !!"[:16]
     shard.write_bytes(bytes(data))
-    return shard.name, "header"
+    return (shard.name,), "header"
 
 
-def _truncated(folder: Path) -> tuple[str, str]:
+def _truncated(folder: Path) -> tuple[tuple[str, ...], str]:
     shard = _first_shard(folder)
     data = shard.read_bytes()
     shard.unlink()
     shard.write_bytes(data[: len(data) - 4096])
-    return shard.name, "truncated"
+    return (shard.name,), "truncated"
 
 
-def _unsupported(folder: Path) -> tuple[str, str]:
+def _unsupported(folder: Path) -> tuple[tuple[str, ...], str]:
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    return "config.json", "GPT2LMHeadModel"
+    return ("config.json",), "GPT2LMHeadModel"
 
 
 DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"), (_truncated, "model_invalid"),
@@ -186,11 +196,12 @@ DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"
 def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
     for damage, code in DAMAGES:             # one loop, one good reload at the end: loading is the slow part
         bad = _copy(demo_model, tmp_path / damage.__name__)
-        file, what = damage(bad)
+        files, what = damage(bad)
         with pytest.raises(P.ModelLoadError) as e:
             worker.load(str(bad))
         assert e.value.code == code, (damage.__name__, e.value.message)
-        assert file in e.value.message and what.lower() in e.value.message.lower(), e.value.message
+        msg = e.value.message
+        assert str(bad) in msg and any(f in msg for f in files) and what.lower() in msg.lower(), msg
         # Still alive, and says so: no model is loaded now.
         worker.send(P.Generate(request_id="after-bad", prompt="hi"))
         err = worker.next_event(30)
@@ -198,6 +209,17 @@ def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
     worker.load(str(demo_model))
     text, _, _ = ask(worker, QUESTION)
     assert "Paris" in text
+
+
+def test_draft_model_loads_and_keeps_greedy_text(worker, demo_model):
+    """The demo model drafting for itself: every draft is accepted and the text is the plain one."""
+    plain, _, _ = ask(worker, QUESTION)
+    loaded = worker.load(str(demo_model), LoadOptions(draft=DraftOptions(mode="model", model=str(demo_model))))
+    assert loaded.applied.get("draft.model") == "applied"
+    text, fin, _ = ask(worker, QUESTION)
+    assert text == plain
+    d = fin.stats.draft
+    assert d.mode == "model" and d.drafted_tokens > 0 and d.acceptance_rate > 0.5
 
 
 # ----------------------------------------------------------------------------------------------

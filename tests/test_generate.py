@@ -52,10 +52,10 @@ class MultiTokenDecoder:
     def __init__(self, engine, opts):
         self.engine, self.opts, self.steps = engine, opts, 0
 
-    def step(self, tokens):
+    def step(self, tokens, max_new=None):
         self.steps += 1
         new = []
-        for _ in range(3):
+        for _ in range(min(3, max_new or 3)):
             logits = self.engine.forward((tokens + new)[-1:])
             new.append(int(torch.argmax(logits[-1])))
         self.engine.truncate(len(tokens) + len(new) - 1)

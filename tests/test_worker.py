@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,8 +15,11 @@ from runtime.loader import NO_CUDA_NOTE, cuda_device
 
 
 @pytest.fixture(scope="module")
-def worker():
-    with WorkerClient() as w:
+def worker(tmp_path_factory):
+    # Module scope starts before the per-test home redirection: give the worker an empty home itself.
+    env = {k: v for k, v in os.environ.items() if k != "MOEDESK_MODELS"}
+    env["MOEDESK_HOME"] = str(tmp_path_factory.mktemp("home"))
+    with WorkerClient(env=env) as w:
         yield w
 
 

@@ -1,0 +1,63 @@
+"""moedesk-cli bench on a tiny synthetic model: the JSON schema, the baseline, errors."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from runtime import bench
+
+SCHEMA = ["date", "git_commit", "machine", "device", "model", "bpw", "vram_budget_gb", "context", "prompt_tokens",
+          "prefill_tps", "decode_tps", "ttft_s", "roofline_tps", "draft", "baseline", "notes"]
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def tiny_model(request, tmp_path_factory):
+    from runtime.exl2.synth import write_synthetic
+    out = tmp_path_factory.mktemp("models") / request.param
+    write_synthetic(request.param, 4.0, out)
+    return out
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_bench_writes_one_json_with_the_schema(tiny_model, tmp_path, capsys):
+    out = tmp_path / "results"
+    code = bench.run(_args("--model", str(tiny_model), "--prompt-tokens", "24", "--decode-tokens", "6",
+                           "--draft", "ngram", "--note", "tiny synthetic model: random weights", "--out", str(out)))
+    assert code == 0, capsys.readouterr().err
+    [path] = list(out.glob("*.json"))
+    data = json.loads(path.read_text())
+    assert all(k in data for k in SCHEMA)
+    assert data["prompt_tokens"] == 24 and data["decode_tokens"] == 6 and data["device"] in ("cpu", data["device"])
+    assert data["prefill_tps"] > 0 and data["decode_tps"] > 0 and data["ttft_s"] > 0
+    assert data["machine"]["cores_logical"] >= 1 and data["machine"]["ram_gb"] > 0 and data["machine"]["cpu"]
+    assert data["roofline_tps"] is None or data["roofline_tps"] > 0
+    assert data["draft"]["mode"] == "ngram" and "acceptance_rate" in data["draft"]
+    b = data["baseline"]
+    assert b["name"] == "transformers" and b["decode_tps"] > 0 and b["prefill_tps"] > 0
+    assert "random weights" in data["notes"] and "decode speedup" in capsys.readouterr().out
+
+
+def test_transformers_baseline_matches_the_engine_logits(tiny_model):
+    """The baseline must run the same model: compare its logits with the reference engine's."""
+    import torch
+    from runtime.reference import load
+    model = bench.transformers_model(tiny_model)
+    engine, _ = load(tiny_model, precision="float32")
+    ids = list(range(1, 20))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    got = engine.forward(ids).float()
+    assert (ref - got).abs().max() < 1e-2 * ref.abs().max()
+
+
+def test_bench_errors(tmp_path, capsys):
+    assert bench.run(_args("--model", str(tmp_path / "none"), "--out", str(tmp_path))) == 1
+    assert "model_not_found" in capsys.readouterr().err
+    assert bench.run(_args("--model", "x", "--decode-tokens", "1")) == 2
