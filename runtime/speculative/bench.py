@@ -267,18 +267,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512, help="context tokens for the verify-cost benchmark")
     p.add_argument("--forced-acceptance", action="store_true",
                    help="also time decoding with every draft accepted (labelled in the results)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the reference engine (0 = all cores)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
 def run(args: argparse.Namespace) -> int:
     from runtime import paths
     from runtime.engine import EngineError
-    from runtime.options import LoadOptions
+    from runtime.options import LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
     loader = _backend(args.backend)
     say = lambda msg: print(msg, flush=True)                         # noqa: E731
     try:
-        engine, _ = loader.load(folder, LoadOptions(), lambda *a: None)
+        engine, _ = loader.load(folder, LoadOptions(offload=OffloadOptions(cpu_threads=args.threads)), lambda *a: None)
     except EngineError as e:
         print(f"moedesk-cli bench-spec: {e.message}", file=sys.stderr)
         return 1

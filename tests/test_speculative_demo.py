@@ -1,0 +1,152 @@
+"""Speculative decoding with the real demo model on the CPU reference engine.
+
+- Greedy speculative output equals plain greedy output token for token (several prompts x 200
+  tokens), with a draft model that really differs from the target (the demo model re-quantized to
+  4 bits, drafting for the 8-bit one) and with n-gram lookup.
+- Cache rollback: after rejected drafts, the next logits equal those of a fresh prefill of the
+  accepted text.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from runtime import reference, sampling
+from runtime.modelfolder import ModelFolder
+from runtime.options import DraftOptions, SamplingOptions
+from runtime.speculative import make_decoder
+from runtime.tokenizer import Tokenizer
+
+N_TOKENS = 200
+GREEDY = SamplingOptions(temperature=0.0)
+PROMPTS = [
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+]
+
+
+@pytest.fixture(scope="session")
+def target(demo_model):
+    engine, _ = reference.load(demo_model)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo_model):
+    return Tokenizer.from_folder(demo_model)
+
+
+@pytest.fixture(scope="session")
+def draft_4bit(demo_model, tmp_path_factory):
+    """The demo model re-written at 4 bits from the 8-bit folder's dequantized weights."""
+    from runtime.exl2.writer import quantize_model
+    out = tmp_path_factory.mktemp("draft") / "SmolLM2-135M-Instruct-exl2-4.0bpw"
+    folder = ModelFolder(demo_model)
+    names = sorted(folder.info.shard_of)
+    linears = sorted({n[: -len(".q_weight")] for n in names if n.endswith(".q_weight")})
+    assert linears, "the demo model should hold EXL2 linears"
+
+    def tensors():
+        for prefix in linears:
+            yield f"{prefix}.weight", folder.linear(prefix)
+        for name in names:
+            if name.rsplit(".", 1)[0] not in linears:
+                yield name, folder.tensor(name)
+
+    config = {k: v for k, v in folder.config.items() if k != "quantization_config"}
+    quantize_model(tensors(), config, 4, 8, out)
+    folder.close()
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (demo_model / extra).exists():
+            shutil.copy(demo_model / extra, out / extra)
+    engine, _ = reference.load(out)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(target, tokenizer):
+    """prompt -> 200 greedy tokens from plain decoding (computed once)."""
+    return {p: decode(target, tokenizer, p, None) for p in PROMPTS}
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def decode(target, tokenizer, text, decoder_for, n=N_TOKENS):
+    """Greedy decoding of n tokens, eos ignored; decoder_for(engine) builds a speculative decoder
+    (None: plain steps). Checks the cache contract after every step."""
+    prompt = encode(tokenizer, text)
+    target.reset()
+    logits = target.forward(prompt)                                       # [T, V]
+    tokens = prompt + [sampling.sample(logits[-1], prompt, GREEDY)]
+    dec = decoder_for(target) if decoder_for else None
+    while len(tokens) - len(prompt) < n:
+        if dec is None:
+            tokens.append(sampling.sample(target.forward(tokens[-1:])[0], tokens, GREEDY))
+        else:
+            tokens += dec.step(tokens)
+        assert target.position == len(tokens) - 1
+    return tokens[len(prompt):], dec          # may hold a few more than n (the last step's drafts)
+
+
+def test_greedy_with_4bit_draft_model_equals_plain(target, draft_4bit, tokenizer, plain_outputs):
+    accepted = drafted = 0
+    for text in PROMPTS:
+        got, dec = decode(target, tokenizer, text, lambda e: make_decoder(
+            e, DraftOptions(mode="model", draft_tokens=4, adaptive=False), GREEDY, draft_engine=draft_4bit))
+        want, _ = plain_outputs[text]
+        got = got[:N_TOKENS]
+        assert got == want, f"{text!r}: diverged at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        s = dec.stats()
+        accepted += s.accepted_tokens
+        drafted += s.drafted_tokens
+    # The draft really differs from the target (it is rejected often) and is no random guesser
+    # (measured: about 40% of its drafts accepted).
+    assert 0.1 < accepted / drafted < 0.9
+
+
+def test_greedy_with_ngram_lookup_equals_plain(target, tokenizer, plain_outputs):
+    drafted = 0
+    for text in PROMPTS:
+        got, dec = decode(target, tokenizer, text, lambda e: make_decoder(
+            e, DraftOptions(mode="ngram", draft_tokens=5, adaptive=False), GREEDY))
+        want, _ = plain_outputs[text]
+        assert got[:N_TOKENS] == want
+        drafted += dec.stats().drafted_tokens
+    assert drafted > 0
+
+
+@pytest.fixture(scope="session")
+def target_fp32(demo_model):
+    """The target in float32, so that rollback errors are not hidden by bfloat16 rounding."""
+    engine, _ = reference.load(demo_model, precision="float32")
+    yield engine
+    engine.close()
+
+
+def test_cache_after_rejections_equals_fresh_prefill(target_fp32, draft_4bit, tokenizer):
+    target = target_fp32
+    text = PROMPTS[2]
+    got, dec = decode(target, tokenizer, text, lambda e: make_decoder(
+        e, DraftOptions(mode="model", draft_tokens=6, adaptive=False), GREEDY, draft_engine=draft_4bit), n=40)
+    hist = dec.stats().acceptance_histogram
+    assert sum(hist[:-1]) > 0, "expected at least one step with rejected drafts"
+    tokens = encode(tokenizer, text) + got
+    # The cache now holds tokens[:-1] (built by verify forwards and rollbacks) ...
+    next_after_rollbacks = target.forward(tokens[-1:])[0]                 # [V]
+    # ... and must give the logits a fresh prefill of the same text gives.
+    target.reset()
+    fresh = target.forward(tokens)[-1]                                    # [V]
+    torch.testing.assert_close(next_after_rollbacks, fresh, atol=2e-3, rtol=0.0)
+    assert int(next_after_rollbacks.argmax()) == int(fresh.argmax())
+    # A stale cache (rejected drafts left in it) would be far off: the check can fail.
+    target.reset()
+    target.forward(tokens[:-1] + [tokens[-2]])
+    stale = target.forward(tokens[-1:])[0]
+    assert (stale - fresh).abs().max() > 0.5
