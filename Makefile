@@ -32,6 +32,11 @@ test-gpu: demo
 screenshots: demo
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m app.screenshots screenshots
 
+# The Linux bundle (dist/moedesk/ and dist/moedesk-linux-x86_64.tar.gz), with the imported demo model inside.
+bundle: demo
+	$(BIN)/python -m pip install -q -e '.[bundle]'
+	PYTHON=$(BIN)/python packaging/build-linux.sh
+
 bench: demo
 	$(BIN)/moedesk-cli bench --model demo --out bench/results/
 

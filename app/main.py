@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -155,7 +156,23 @@ def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="moedesk", description="MoE Desk: chat with local MoE models.")
     parser.add_argument("--model", help="model to load at start (name, folder, or 'demo'); default: the last one")
+    parser.add_argument("--install-desktop-entry", action="store_true",
+                        help="add MoE Desk to the desktop's application menu (Linux) and exit")
+    parser.add_argument("--smoke-test", metavar="QUESTION", help=argparse.SUPPRESS)  # see app/smoke.py
     args = parser.parse_args(argv)
+    if args.install_desktop_entry:
+        from app.desktop_entry import install
+        print(install())
+        return 0
+    question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
+    if question:
+        from app.demo_install import DemoMissing, ensure_demo_model
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+        try:
+            ensure_demo_model()
+        except DemoMissing as e:
+            print(f"smoke: {e}", file=sys.stderr)
+            return 1
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("MoE Desk")
     app.setOrganizationName("moedesk")
@@ -164,11 +181,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     asyncio.set_event_loop(loop)
     result = load_settings()
     theme.apply(app, result.settings.app.theme)
-    desk = build(result.settings, model=args.model or "auto")
+    desk = build(result.settings, model=paths.DEMO_ALIAS if question else args.model or "auto")
     if result.warning:
         desk.window.banner.show_state("Settings were reset", result.warning, kind="info")
     desk.window.restore_geometry()
     desk.window.show()
+    from app import firstrun, smoke
+    smoke_test = smoke.start(desk, question) if question else None
+    if smoke_test is None:
+        firstrun.offer_welcome(desk)
     desk.client.start()
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
@@ -176,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with loop:
         loop.run_until_complete(closed.wait())
     desk.store.close()
-    return 0
+    return smoke_test.exit_code if smoke_test is not None else 0
 
 
 if __name__ == "__main__":

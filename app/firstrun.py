@@ -1,0 +1,161 @@
+"""The welcome screen shown on first start: what this machine will run, and what to do about the rest.
+
+It checks the machine (app.machine), says plainly whether the GPU engine or only the CPU demo will
+work, lists each finding with advice, and offers the demo model and the model manager.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import (QDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout,
+                               QWidget)
+
+from app.machine import MachineReport, check_machine
+from runtime import paths
+
+MARK = {"ok": ("✔", "#2f9e44"), "warn": ("!", "#e67700"), "fail": ("✖", "#e03131")}
+
+
+def welcome_done_marker() -> Path:
+    return paths.config_dir() / "welcome-done"
+
+
+def should_show_welcome() -> bool:
+    return not welcome_done_marker().exists()
+
+
+def mark_welcome_done() -> None:
+    m = welcome_done_marker()
+    m.parent.mkdir(parents=True, exist_ok=True)
+    m.write_text("1\n", encoding="utf-8")
+
+
+class WelcomeDialog(QDialog):
+    """First-run screen. `choice` is "demo", "browse" or "close" after it is dismissed."""
+
+    demo_requested = Signal()
+    browse_requested = Signal()
+
+    def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.report = report or check_machine(paths.models_dir())
+        self.choice = "close"
+        self.setWindowTitle("Welcome to MoE Desk")
+        self.setObjectName("welcome")
+        self.setMinimumWidth(620)
+        try:
+            from app.resources import resource
+            self.setWindowIcon(QIcon(str(resource("icons", "moedesk.svg"))))
+        except FileNotFoundError:
+            pass
+
+        title = QLabel("<h2>Welcome to MoE Desk</h2>")
+        lead = QLabel("Large Mixture-of-Experts models on the GPU you already have. "
+                      "Here is what this computer can run:")
+        lead.setWordWrap(True)
+        verdict = QLabel(f"<b>{self.report.summary}</b>")
+        verdict.setWordWrap(True)
+        verdict.setObjectName("verdict")
+
+        checks = QFrame()
+        checks.setFrameShape(QFrame.StyledPanel)
+        cl = QVBoxLayout(checks)
+        for f in self.report.findings:
+            sym, colour = MARK[f.level]
+            row = QLabel(f"<span style='color:{colour};font-weight:bold'>{sym}</span>&nbsp; {f.title}"
+                         + (f"<br><span style='color:#6b7280'>{f.advice}</span>" if f.advice else ""))
+            row.setWordWrap(True)
+            row.setTextFormat(Qt.RichText)
+            cl.addWidget(row)
+
+        nxt = QLabel("Start with the small demo model (runs anywhere), or pick a model to download."
+                     if self.report.gpu_engine else
+                     "The demo model runs on the CPU. You can still browse models and download them for later.")
+        nxt.setWordWrap(True)
+
+        self.demo_btn = QPushButton("Chat with the demo model")
+        self.demo_btn.setDefault(True)
+        self.browse_btn = QPushButton("Browse models…")
+        self.close_btn = QPushButton("Close")
+        self.demo_btn.clicked.connect(lambda: self._finish("demo"))
+        self.browse_btn.clicked.connect(lambda: self._finish("browse"))
+        self.close_btn.clicked.connect(lambda: self._finish("close"))
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        for b in (self.close_btn, self.browse_btn, self.demo_btn):
+            buttons.addWidget(b)
+
+        lay = QVBoxLayout(self)
+        for w in (title, lead, verdict, checks, nxt):
+            lay.addWidget(w)
+        lay.addLayout(buttons)
+
+    def _finish(self, choice: str) -> None:
+        self.choice = choice
+        mark_welcome_done()
+        if choice == "demo":
+            self.demo_requested.emit()
+        elif choice == "browse":
+            self.browse_requested.emit()
+        self.accept()
+
+
+def load_demo(desk) -> None:
+    """"Chat with the demo model": make sure it is in the models folder (copied from the bundle when
+    frozen), then load it now, or as soon as the engine is ready."""
+    from app.demo_install import DemoMissing, ensure_demo_model
+    try:
+        ensure_demo_model()
+    except DemoMissing as e:
+        desk.window.banner.show_state("The demo model is not available", str(e), kind="error")
+        return
+    desk.model = paths.DEMO_ALIAS
+    if desk.window.ready is not None and desk.client.is_running():
+        desk.client.load(paths.DEMO_ALIAS, desk.settings.load)
+    # otherwise main's ready handler loads desk.model when the engine has started
+
+
+def open_model_manager(desk) -> QDialog:
+    """"Browse models…": the model manager, whose Load button loads into this app's engine."""
+    from PySide6.QtWidgets import QApplication
+
+    from app.models_dialog import ModelManagerDialog
+    dialog = ModelManagerDialog(desk.window, engine_client=desk.client)
+    dialog.load_requested.connect(lambda path: desk.client.load(path, desk.settings.load))
+    QApplication.instance().aboutToQuit.connect(dialog.shutdown)   # running downloads pause, resume next time
+    dialog.setAttribute(Qt.WA_DeleteOnClose, False)
+    desk.window._model_manager = dialog                             # kept alive with the window
+    dialog.show()
+    return dialog
+
+
+def offer_welcome(desk) -> WelcomeDialog | None:
+    """Show the welcome screen once (first start), over the window, without blocking the event loop."""
+    if not should_show_welcome():
+        return None
+    dialog = WelcomeDialog(parent=desk.window)
+    dialog.demo_requested.connect(lambda: load_demo(desk))
+    dialog.browse_requested.connect(lambda: open_model_manager(desk))
+    dialog.finished.connect(lambda _r: mark_welcome_done())        # closed with the window's X too
+    dialog.open()
+    return dialog
+
+
+def grab_welcome(path, report: MachineReport | None = None) -> Path:
+    """A PNG of the welcome screen for this machine (or for `report`), for `make screenshots`."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dialog = WelcomeDialog(report)
+    dialog.resize(dialog.sizeHint().expandedTo(dialog.minimumSizeHint()))
+    dialog.show()
+    app.processEvents()
+    if not dialog.grab().save(str(out)):
+        raise OSError(f"could not write the screenshot {out}")
+    dialog.close()
+    dialog.deleteLater()
+    return out

@@ -1,0 +1,119 @@
+"""What this machine can run, checked once at first start: NVIDIA GPU and driver (NVML), VRAM, RAM,
+free disk, and the CUDA toolkit that exllamav2 needs to build its kernels on first GPU use.
+
+Pure Python, no torch, no Qt: the welcome screen turns a `MachineReport` into words.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+GB = 1024 ** 3
+MIN_GPU_VRAM_GB = 8          # below this even small MoE quants leave little room for experts
+MIN_OFFLOAD_RAM_GB = 32      # cold experts of a 100B-class model at ~3 bpw need tens of GB
+MIN_FREE_DISK_GB = 20        # one mid-size EXL2 quant
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str      # "ok" | "warn" | "fail"
+    title: str
+    advice: str = ""
+
+
+@dataclass(frozen=True)
+class MachineReport:
+    gpu_name: Optional[str]
+    driver_version: Optional[str]
+    vram_total_bytes: Optional[int]
+    ram_total_bytes: int
+    ram_available_bytes: int
+    disk_free_bytes: int
+    nvcc: Optional[str]
+    findings: tuple[Finding, ...] = field(default_factory=tuple)
+
+    @property
+    def gpu_engine(self) -> bool:
+        return self.gpu_name is not None
+
+    @property
+    def summary(self) -> str:
+        if not self.gpu_engine:
+            return "CPU demo only: no NVIDIA GPU was found, so MoE Desk will run the small demo model on the CPU."
+        return f"GPU engine: {self.gpu_name} with {self.vram_total_bytes / GB:.0f} GB of VRAM."
+
+
+def probe_gpu() -> tuple[Optional[str], Optional[str], Optional[int], str]:
+    """(name, driver, vram bytes, problem in words) of the first NVIDIA GPU, through NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, None, None, "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # pynvml.NVMLError and OSError when the library is absent
+        return None, None, None, f"no NVIDIA driver answered ({e})"
+    try:
+        if pynvml.nvmlDeviceGetCount() == 0:
+            return None, None, None, "the NVIDIA driver reports no GPU"
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        return name, driver, int(pynvml.nvmlDeviceGetMemoryInfo(h).total), ""
+    except Exception as e:
+        return None, None, None, f"NVML failed ({e})"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def find_nvcc() -> Optional[str]:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")).exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def check_machine(models_dir: Path) -> MachineReport:
+    name, driver, vram, gpu_problem = probe_gpu()
+    vm = psutil.virtual_memory()
+    probe_dir = models_dir
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    disk_free = shutil.disk_usage(probe_dir).free
+    nvcc = find_nvcc()
+    findings = []
+    if name is None:
+        findings.append(Finding("fail", f"No NVIDIA GPU: {gpu_problem}.",
+                                "The GPU engine needs an NVIDIA GPU with a recent driver (R535 or newer). "
+                                "Until then MoE Desk runs the demo model on the CPU."))
+    else:
+        findings.append(Finding("ok", f"NVIDIA GPU: {name}, driver {driver}, {vram / GB:.0f} GB VRAM."))
+        if vram / GB < MIN_GPU_VRAM_GB:
+            findings.append(Finding("warn", f"Only {vram / GB:.0f} GB of VRAM.",
+                                    "Large MoE models will keep most experts in RAM; expect lower speed."))
+        if nvcc is None:
+            findings.append(Finding("warn", "No CUDA toolkit (nvcc) found.",
+                                    "The GPU engine compiles its kernels once, on first use, and needs the CUDA "
+                                    "toolkit for that: install it and set CUDA_HOME, then restart MoE Desk."))
+        else:
+            findings.append(Finding("ok", f"CUDA toolkit found: {nvcc}."))
+    ram_gb = vm.total / GB
+    level = "ok" if ram_gb >= MIN_OFFLOAD_RAM_GB else "warn"
+    findings.append(Finding(level, f"{ram_gb:.0f} GB of RAM ({vm.available / GB:.0f} GB free).",
+                            "" if level == "ok" else
+                            f"Expert offload of 100B-class models wants {MIN_OFFLOAD_RAM_GB} GB or more."))
+    level = "ok" if disk_free / GB >= MIN_FREE_DISK_GB else "warn"
+    findings.append(Finding(level, f"{disk_free / GB:.0f} GB free on the disk that holds models.",
+                            "" if level == "ok" else
+                            f"Model downloads are large; free at least {MIN_FREE_DISK_GB} GB."))
+    return MachineReport(name, driver, vram, vm.total, vm.available, disk_free, nvcc, tuple(findings))

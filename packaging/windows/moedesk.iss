@@ -1,0 +1,34 @@
+; Inno Setup script for MoE Desk: installs the PyInstaller bundle (dist\moedesk) per user,
+; with a Start-menu shortcut and an optional desktop icon. Built by build-windows.ps1.
+#define AppName "MoE Desk"
+#define AppVersion "0.1.0"
+
+[Setup]
+AppId={{6A0C1F3E-2B7D-4E55-9A51-5E0D6A1C7B21}
+AppName={#AppName}
+AppVersion={#AppVersion}
+AppPublisher=MoE Desk
+DefaultDirName={localappdata}\Programs\MoE Desk
+DefaultGroupName={#AppName}
+PrivilegesRequired=lowest
+OutputDir=..\..\dist
+OutputBaseFilename=MoEDesk-{#AppVersion}-setup
+SetupIconFile=..\..\build\moedesk.ico
+Compression=lzma2
+SolidCompression=yes
+ArchitecturesInstallIn64BitMode=x64compatible
+WizardStyle=modern
+
+[Tasks]
+Name: "desktopicon"; Description: "Create a desktop icon"; GroupDescription: "Additional icons:"; Flags: unchecked
+
+[Files]
+Source: "..\..\dist\moedesk\*"; DestDir: "{app}"; Flags: ignoreversion recursesubdirs createallsubdirs
+
+[Icons]
+Name: "{group}\{#AppName}"; Filename: "{app}\moedesk.exe"
+Name: "{group}\Uninstall {#AppName}"; Filename: "{uninstallexe}"
+Name: "{autodesktop}\{#AppName}"; Filename: "{app}\moedesk.exe"; Tasks: desktopicon
+
+[Run]
+Filename: "{app}\moedesk.exe"; Description: "Start {#AppName}"; Flags: nowait postinstall skipifsilent
