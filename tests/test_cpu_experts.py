@@ -12,9 +12,9 @@ from runtime.experts import cpu_experts as ce
 H, I, E, A = 256, 128, 6, 3
 # Relative max error vs the float64 forward of the fp16-dequantized weights (max |y - ref| / max |ref|):
 # bf16 and int8 round weights and activations (bf16: 8 bits of mantissa, int8: one scale per row);
-# int4 keeps 2/3/4-bit codes exactly but runs in fp16; exl2 reads the codes exactly in fp32 and differs
+# int4 keeps 2/3/4-bit codes but rounds scales and activations to bf16; exl2 reads the codes exactly in fp32 and differs
 # from the reference only by the reference's own fp16 rounding of code * scale.
-TOL = {"bf16": 2e-2, "int8": 3e-2, "int4": 3e-3, "exl2": 1e-3}
+TOL = {"bf16": 2e-2, "int8": 3e-2, "int4": 2e-2, "exl2": 1e-3}
 
 
 def _expert(gen: torch.Generator, bits) -> dict:

@@ -10,7 +10,7 @@ weight read, before scales):
   "bf16"  2     dense bf16, torch's CPU matmul (oneDNN)
   "int8"  1     weight-only int8, one bf16 scale per output row (torch._weight_int8pack_mm); requantized
   "int4"  0.5   torch's CPU int4 groupwise path, in EXL2's packed row order so its groups line up with
-                EXL2's: 2/3/4-bit groups are exact (fp16 scales), 5/6/8-bit groups are requantized
+                EXL2's: 2/3/4-bit codes are kept (scales rounded to bf16), 5/6/8-bit groups requantized
   "exl2"  b/8   the EXL2 codes themselves (3-bit stays 3-bit), repacked losslessly into column tiles
                 and read by a small C++ kernel (runtime/experts/csrc/exl2_cpu.cpp)
 Every expert used by several of the T rows is read once for all of them. The torch formats loop over
@@ -98,14 +98,15 @@ def _int4_group(groups, k: int) -> int:
 
 
 def _to_int4(t: Mapping[str, torch.Tensor], out: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """-> (packed int4 [N, K/2] uint8, scales_and_zeros fp16 [K/gs, N, 2], group size, perm) in packed order."""
+    """-> (packed int4 [N, K/2] uint8, scales_and_zeros bf16 [K/gs, N, 2], group size, perm) in packed order.
+    torch's CPU int4 kernel is fast only for bf16 (fp16 and fp32 run ~30x slower), so scales are bf16."""
     k, n, groups, perm = _layout(t, name)
     w = fmt.dequantize(t, out_features=out, name=name)[:, perm]         # [N, K] packed order
     step = fmt.step_sizes(t, name=name)[:out][:, perm]                  # [N, K]
     gs = _int4_group(groups, k)
     bits = torch.repeat_interleave(torch.tensor([g.bits for g in groups]), torch.tensor([g.rows for g in groups]))
     step = step * torch.pow(2.0, (bits - 4).clamp(min=0)).float()      # wider codes: coarser int4 steps
-    s = step[:, ::gs].to(torch.float16)                                  # [N, K/gs], exact for <= 4 bits
+    s = step[:, ::gs].to(torch.bfloat16)                                 # [N, K/gs] (fp16 exact; bf16 rounds)
     q = (w / s.float().repeat_interleave(gs, dim=1)).round().clamp(-8, 7) + 8
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 8 if k % 128 == 0 else 2)
     sz = torch.stack([s.t(), torch.zeros_like(s.t())], dim=2).contiguous()   # [K/gs, N, 2]
@@ -216,8 +217,8 @@ class CpuExperts:
                     off[j] += t[key].shape[0] if key == "grp" else t[key].numel()
         self._flat = {"qw": torch.cat(qw), "sc": torch.cat(sc), "grp": torch.cat(grp).contiguous(),
                       "perm": torch.cat(perm), "desc": torch.tensor(desc, dtype=torch.int64).view(-1, 3, 8)}
-        for ew in self.experts:                              # the flat copy is the one kept
-            ew.tensors = {k: v for k, v in ew.tensors.items() if k.endswith(".shape")}
+        self.experts = [ExpertWeights("exl2", {k: v for k, v in ew.tensors.items() if k.endswith(".shape")})
+                        for ew in self.experts]                  # the flat copy is the one kept
         self._expert_bytes = (sum(v.numel() * v.element_size() for k, v in self._flat.items() if k != "desc")
                               // len(self.experts))
 
@@ -270,7 +271,7 @@ class CpuExperts:
             h = F.silu(gu[:, :i]) * gu[:, i:]
             return torch.ops.aten._weight_int8pack_mm(h, t["down"], t["down_s"])
         def mm(v: torch.Tensor, p: str) -> torch.Tensor:                        # int4, packed row order
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(v[:, t[p + "_perm"]].half(), t[p],
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(v[:, t[p + "_perm"]].bfloat16(), t[p],
                                                               int(t[p + "_gs"]), t[p + "_sz"]).float()
         return mm(F.silu(mm(x, "gate")) * mm(x, "up"), "down")
 

@@ -57,22 +57,31 @@ static inline __attribute__((always_inline)) f16v code_at(const u16v* w) {
 }
 
 template <int T, int B, size_t... I>
-static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const float* x, int64_t K,
+static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const float* const* x, int64_t r,
                                                         f16v* a, std::index_sequence<I...>) {
   u16v wv[B];
+#pragma GCC unroll 8
   for (int j = 0; j < B; ++j) __builtin_memcpy(&wv[j], w + j * TILE, sizeof(u16v));
-  auto step = [&](auto ic) {
+  auto step = [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = decltype(ic)::value;
     f16v f = code_at<B, i>(wv);
-    for (int t = 0; t < T; ++t) a[t] += f * x[t * K + i];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) a[t] += f * x[t][r + i];
   };
   (step(std::integral_constant<int, (int)I>{}), ...);
 }
 
+// Accumulators and row pointers live in locals so they stay in registers across the unrolled chunk.
 template <int T, int B>
-static void group_sum(const uint32_t* w, const float* x, int64_t K, int64_t rows, f16v* a) {
+static void group_sum(const uint32_t* w, const float* x, int64_t K, int64_t rows, f16v* out) {
+  f16v a[T];
+  const float* xr[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) { a[t] = out[t]; xr[t] = x + t * K; }
   for (int64_t c = 0; c < rows / 32; ++c)
-    chunk<T, B>(w + c * B * TILE, x + c * 32, K, a, std::make_index_sequence<32>{});
+    chunk<T, B>(w + c * B * TILE, xr, c * 32, a, std::make_index_sequence<32>{});
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) out[t] = a[t];
 }
 
 // One tile of 16 columns of projection P for T rows: res[t][j] = sum_k W[n0 + j, k] * x[t, k].
