@@ -47,26 +47,66 @@ struct Layer {
   }
 };
 
-template <int B, int I>
-static inline __attribute__((always_inline)) f16v code_at(const u16v* w) {
-  constexpr int bit = I * B, wi = bit >> 5, s = bit & 31;
-  u16v v = w[wi] >> s;
-  if constexpr (s + B > 32) v |= w[wi + 1] << (32 - s);
-  if constexpr (s + B != 32) v &= (uint32_t)((1u << B) - 1);
-  return __builtin_convertvector((i16v)v, f16v);
+// Code of row I of a 32-row chunk as a float. A code that lies inside one word is masked in place, not
+// shifted: it converts to code * 2**s exactly, and the row's x was scaled by 2**-s when gathered
+// (see gather), which saves one instruction per 16 weights. Codes straddling two words are shifted.
+// Masks of the 32 rows of a chunk, kept in memory: the AND then reads its mask as a memory operand
+// instead of materialising 32 different constants in registers (two extra instructions a row).
+template <int B>
+struct Masks {
+  alignas(64) uint32_t m[32][TILE];
+  Masks() {
+    for (int i = 0; i < 32; ++i) {
+      const int s = (i * B) & 31;
+      const uint32_t v = s + B > 32 ? (1u << B) - 1 : (uint32_t)(((1ull << B) - 1) << s);
+      for (int j = 0; j < TILE; ++j) m[i][j] = v;
+    }
+  }
+};
+
+template <int B>
+static const Masks<B>& masks() {
+  static const Masks<B> m;
+  return m;
 }
+
+template <int B, int I>
+static inline __attribute__((always_inline)) f16v code_at(const u16v* w, const Masks<B>& M) {
+  constexpr int bit = I * B, wi = bit >> 5, s = bit & 31;
+  u16v mask;
+  __builtin_memcpy(&mask, M.m[I], sizeof(u16v));
+  if constexpr (s + B > 32) {
+    u16v v = ((w[wi] >> s) | (w[wi + 1] << (32 - s))) & mask;
+    return __builtin_convertvector((i16v)v, f16v);
+  } else {
+    u16v v = w[wi] & mask;
+    return __builtin_convertvector(v, f16v);
+  }
+}
+
+// 2**-s for a row whose code is masked in place (s its bit offset in its word), 1 for a straddling one.
+static inline float row_scale(int bits, int64_t row_in_group) {
+  const int bit = (int)(row_in_group % 32) * bits, s = bit & 31;
+  return s + bits > 32 ? 1.f : std::ldexp(1.f, -s);
+}
+
+// NA accumulators per row so that T * NA >= 4 FMA chains run in parallel (an FMA waits ~4 cycles
+// for its accumulator; one chain would cap a core at ~4 weights per cycle).
+template <int T>
+constexpr int chains() { return T >= 4 ? 1 : 4 / T; }
 
 template <int T, int B, size_t... I>
 static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const float* const* x, int64_t r,
-                                                        f16v* a, std::index_sequence<I...>) {
+                                                        f16v (*a)[chains<T>()], const Masks<B>& M,
+                                                        std::index_sequence<I...>) {
   u16v wv[B];
 #pragma GCC unroll 8
   for (int j = 0; j < B; ++j) __builtin_memcpy(&wv[j], w + j * TILE, sizeof(u16v));
   auto step = [&](auto ic) __attribute__((always_inline)) {
     constexpr int i = decltype(ic)::value;
-    f16v f = code_at<B, i>(wv);
+    f16v f = code_at<B, i>(wv, M);
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) a[t] += f * x[t][r + i];
+    for (int t = 0; t < T; ++t) a[t][i % chains<T>()] += f * x[t][r + i];
   };
   (step(std::integral_constant<int, (int)I>{}), ...);
 }
@@ -74,14 +114,20 @@ static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const
 // Accumulators and row pointers live in locals so they stay in registers across the unrolled chunk.
 template <int T, int B>
 static void group_sum(const uint32_t* w, const float* x, int64_t K, int64_t rows, f16v* out) {
-  f16v a[T];
+  constexpr int NA = chains<T>();
+  f16v a[T][NA];
   const float* xr[T];
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) { a[t] = out[t]; xr[t] = x + t * K; }
+  for (int t = 0; t < T; ++t) {
+    xr[t] = x + t * K;
+    for (int c = 0; c < NA; ++c) a[t][c] = f16v{};
+  }
+  const Masks<B>& M = masks<B>();
   for (int64_t c = 0; c < rows / 32; ++c)
-    chunk<T, B>(w + c * B * TILE, xr, c * 32, a, std::make_index_sequence<32>{});
+    chunk<T, B>(w + c * B * TILE, xr, c * 32, a, M, std::make_index_sequence<32>{});
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) out[t] = a[t];
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < NA; ++c) out[t] += a[t][c];
 }
 
 // One tile of 16 columns of projection P for T rows: res[t][j] = sum_k W[n0 + j, k] * x[t, k].
@@ -129,7 +175,8 @@ static void tile_dispatch(int R, const Layer& L, const Proj& P, int64_t tile, co
 
 static int padded_rows(int T) { return T <= 2 ? T : (T <= 4 ? 4 : 8); }
 
-// x [R, K] rows (row r is src + rows[r] * ld) -> xp [R, K] in packed order and xs [R, G] group sums.
+// x [R, K] rows (row r is src + rows[r] * ld) -> xp [R, K] in packed order, each row scaled by its
+// row_scale, and xs [R, G] the group sums of the unscaled values.
 static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, const int64_t* rows, int R,
                    float* xp, float* xs) {
   const int32_t* perm = L.perm + P.perm;
@@ -140,7 +187,11 @@ static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, 
     for (int64_t k = 0; k < P.K; ++k) d[k] = s[perm[k]];
     for (int64_t g = 0; g < P.G; ++g) {
       float acc = 0.f;
-      for (int k = grp[g * 4 + 2], e = k + grp[g * 4 + 3]; k < e; ++k) acc += d[k];
+      const int bits = grp[g * 4], r0 = grp[g * 4 + 2];
+      for (int k = r0, e = k + grp[g * 4 + 3]; k < e; ++k) {
+        acc += d[k];
+        d[k] *= row_scale(bits, k - r0);
+      }
       xs[r * P.G + g] = acc;
     }
   }
