@@ -38,6 +38,15 @@ def _dense(experts, exact: bool = False):
     return out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matrices: on a shared CI box, a thread team costs more than it gains (barrier waits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def layer():
     gen = torch.Generator().manual_seed(7)
@@ -133,3 +142,17 @@ def test_runner_overlaps_on_its_own_thread(layer):
         assert torch.equal(fut.result(timeout=60), store.forward(x, ids, w))
     finally:
         runner.close()
+
+
+def test_bench_runs_on_a_tiny_shape(tmp_path):
+    from runtime.experts import bench_cpu
+    formats = ce.FORMATS if ce.kernel_unavailable_reason() is None else ("bf16", "int8", "int4")
+    rows = bench_cpu.run_bench(["tiny-moe"], formats, rows=(1, 2), pool_mb=1, calls=2, threads=1)
+    assert [(r.format, r.rows) for r in rows] == [(f, t) for f in formats for t in (1, 2)]
+    for r in rows:
+        assert r.gb_per_s > 0 and r.ms_per_call > 0 and r.ms_per_token_layer == pytest.approx(r.ms_per_call / r.rows)
+    assert bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--rows", "1", "--calls", "1",
+                           "--pool-mb", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]) == 0
+    assert '"format": "int8"' in (tmp_path / "b.json").read_text()
+    with pytest.raises(ValueError, match="not an MoE shape"):
+        bench_cpu.run_bench(["tiny-dense"], ("int8",))

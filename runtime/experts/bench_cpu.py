@@ -5,8 +5,10 @@ experts larger than the CPU's last-level cache, so weights come from RAM as they
 Figures per (shape, format, T), medians over the timed calls:
   ms_per_call          one layer, T rows
   gb_per_s             weight bytes read (each distinct expert once) / time
+  gb_per_cpu_s         the same bytes / process CPU time: what one core sustains, robust to a loaded box
   ms_per_token_layer   ms_per_call / T
   bpw                  bits per weight the format reads (codes + scales)
+  bytes_ratio          bytes of an expert in the format / as EXL2 stores it (placement's cpu_bytes_ratio)
 The experts are synthetic EXL2 (random codes, sane scales; runtime/exl2/synth.py writes them the same way),
 converted by the same code the engine uses. Speed only depends on bytes and shapes, not on the values.
 
@@ -42,28 +44,30 @@ class BenchRow:
     rows: int
     top_k: int
     bpw: float
+    bytes_ratio: float           # bytes per expert in this format / as EXL2 stores it (PathCosts.cpu_bytes_ratio)
     pool_experts: int
     ms_per_call: float
     ms_per_call_min: float
     cpu_ms_per_call: float       # CPU time of the process per call (all threads; spin-waits included)
     gb_per_s: float
+    gb_per_cpu_s: float          # weight bytes per second of process CPU time (per-core speed, load-proof)
     ms_per_token_layer: float
     threads: int
     calls: int
 
 
-def _pool(shape: str, format: str, bits: float, pool_bytes: int, templates: int, seed: int) -> ce.CpuExperts:
+def _pool(shape: str, format: str, bits: float, pool_bytes: int, templates: int, seed: int) -> tuple[ce.CpuExperts, float]:
     """A store of distinct copies of a few synthetic experts, at least pool_bytes in `format`."""
     s = SHAPES[shape]
     h, i = s.hidden, s.expert_intermediate
     gen = torch.Generator().manual_seed(seed)
-    tmpl = [ce.convert_expert({"gate": _random_linear(i, h, bits, gen), "up": _random_linear(i, h, bits, gen),
-                               "down": _random_linear(h, i, bits, gen)}, format, f"{shape}.expert{j}")
-            for j in range(templates)]
-    per = ce.CpuExperts("int8" if format == "exl2" else format, h, i, tmpl[:1]).expert_bytes() \
-        if format != "exl2" else ce.CpuExperts("exl2", h, i, [tmpl[0].clone()]).expert_bytes()
+    src = [{"gate": _random_linear(i, h, bits, gen), "up": _random_linear(i, h, bits, gen),
+            "down": _random_linear(h, i, bits, gen)} for _ in range(templates)]
+    tmpl = [ce.convert_expert(e, format, f"{shape}.expert{j}") for j, e in enumerate(src)]
+    per = ce.CpuExperts(format, h, i, [tmpl[0].clone()]).expert_bytes()
     n = max(templates, -(-pool_bytes // per), s.experts_per_token * 2)
-    return ce.CpuExperts(format, h, i, [tmpl[j % templates].clone() for j in range(n)])
+    store = ce.CpuExperts(format, h, i, [tmpl[j % templates].clone() for j in range(n)])
+    return store, per / ce.stored_expert_bytes(src[0])
 
 
 def bench_store(store: ce.CpuExperts, rows: int, top_k: int, calls: int, seed: int = 0) -> tuple[list[float], list[int]]:
@@ -87,8 +91,16 @@ def bench_store(store: ce.CpuExperts, rows: int, top_k: int, calls: int, seed: i
 def run_bench(shapes: Sequence[str] = DEFAULT_SHAPES, formats: Sequence[str] = ce.FORMATS,
               rows: Sequence[int] = (1, 4), bits: float = 3.0, pool_mb: int = 1024, calls: int = 30,
               threads: int | None = None, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _run(shapes, formats, rows, bits, pool_mb, calls, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(shapes, formats, rows, bits, pool_mb, calls, progress) -> list[BenchRow]:
     out = []
     for shape in shapes:
         if shape not in SHAPES or not SHAPES[shape].is_moe:
@@ -100,13 +112,14 @@ def run_bench(shapes: Sequence[str] = DEFAULT_SHAPES, formats: Sequence[str] = c
                 if progress:
                     progress(f"{shape} exl2 skipped: {why}")
                 continue
-            store = _pool(shape, f, bits, pool_mb << 20, templates=2, seed=0)
+            store, ratio = _pool(shape, f, bits, pool_mb << 20, templates=2, seed=0)
             for t in rows:
                 times, cpu, nbytes = bench_store(store, t, top_k, calls)
                 med = statistics.median(times)
-                r = BenchRow(shape, store.hidden, store.inter, f, t, top_k, round(store.bits_per_weight(), 3),
+                r = BenchRow(shape, store.hidden, store.inter, f, t, top_k, round(store.bits_per_weight(), 3), round(ratio, 3),
                              store.num_experts, med * 1e3, min(times) * 1e3, statistics.median(cpu) * 1e3,
-                             statistics.median(nbytes) / med / 1e9, med * 1e3 / t, torch.get_num_threads(), calls)
+                             statistics.median(nbytes) / med / 1e9,
+                             statistics.median(nbytes) / statistics.median(cpu) / 1e9, med * 1e3 / t, torch.get_num_threads(), calls)
                 out.append(r)
                 if progress:
                     progress(format_row(r))
@@ -115,8 +128,8 @@ def run_bench(shapes: Sequence[str] = DEFAULT_SHAPES, formats: Sequence[str] = c
 
 
 def format_row(r: BenchRow) -> str:
-    return (f"{r.shape:14s} {r.format:5s} T={r.rows}  {r.bpw:5.2f} bpw  {r.ms_per_call:8.3f} ms/call "
-            f"(min {r.ms_per_call_min:7.3f}, cpu {r.cpu_ms_per_call:7.3f})  {r.gb_per_s:6.1f} GB/s  {r.ms_per_token_layer:7.3f} ms/token/layer")
+    return (f"{r.shape:14s} {r.format:5s} T={r.rows}  {r.bpw:5.2f} bpw (x{r.bytes_ratio:4.2f})  {r.ms_per_call:8.3f} ms/call "
+            f"(min {r.ms_per_call_min:7.3f}, cpu {r.cpu_ms_per_call:7.3f})  {r.gb_per_s:6.1f} GB/s ({r.gb_per_cpu_s:5.1f}/cpu-s)  {r.ms_per_token_layer:7.3f} ms/token/layer")
 
 
 def machine() -> dict:

@@ -140,6 +140,11 @@ def convert_expert(expert: ExpertTensors, format: str, name: str = "expert") -> 
     return ExpertWeights("int8", tensors)
 
 
+def stored_expert_bytes(expert: ExpertTensors) -> int:
+    """Bytes of one expert as EXL2 stores it: the denominator of PathCosts.cpu_bytes_ratio."""
+    return sum(fmt.stored_bits(expert[p]) for p in PROJS) // 8
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel extension
 
