@@ -164,8 +164,12 @@ def load_kernel():
             try:
                 from torch.utils.cpp_extension import load
                 src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
-                _EXT = load(name="moedesk_exl2_cpu", sources=[src], verbose=False,
-                            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17"])
+                march = os.environ.get("MOEDESK_CPU_KERNEL_MARCH", "native")   # e.g. haswell: AVX2 only
+                if not march.replace("-", "").replace("_", "").isalnum():
+                    raise CpuExpertsError(f"MOEDESK_CPU_KERNEL_MARCH={march!r} is not a -march value")
+                _EXT = load(name="moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_")),
+                            sources=[src], verbose=False,
+                            extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17"])
             except Exception as e:                          # compiler errors, missing headers
                 _EXT_ERROR = f"building the EXL2 CPU kernel failed: {str(e).strip()[-2000:]}"
     if _EXT is None:
