@@ -156,3 +156,19 @@ def test_bench_runs_on_a_tiny_shape(tmp_path):
     assert '"format": "int8"' in (tmp_path / "b.json").read_text()
     with pytest.raises(ValueError, match="not an MoE shape"):
         bench_cpu.run_bench(["tiny-dense"], ("int8",))
+
+
+def test_experts_from_a_model_folder(tmp_path):
+    from runtime.exl2 import synth
+    from runtime.modelfolder import ModelFolder
+    synth.write_synthetic("tiny-moe", 3.0, tmp_path / "m", layers=1)
+    folder = ModelFolder(tmp_path / "m")
+    store = ce.CpuExperts.from_exl2(ce.read_experts(folder, 0, [3, 5]), "int8")
+    assert (store.hidden, store.inter, store.num_experts) == (256, 128, 2)
+    ref = folder.linear("model.layers.0.mlp.experts.5.down_proj")
+    x, ids, w = torch.randn(1, 256), torch.tensor([[1]]), torch.ones(1, 1)
+    dense = [tuple(folder.linear(f"model.layers.0.mlp.experts.{e}.{p}_proj") for p in ce.PROJS) for e in (3, 5)]
+    assert torch.equal(dense[1][2], ref)
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(dense, x, ids, w)) < TOL["int8"]
+    with pytest.raises(ce.CpuExpertsError, match="expert 99"):
+        ce.read_experts(folder, 0, [99])
