@@ -19,7 +19,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -186,15 +188,21 @@ static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, 
     float* d = xp + r * P.K;
     for (int64_t k = 0; k < P.K; ++k) d[k] = s[perm[k]];
     for (int64_t g = 0; g < P.G; ++g) {
+      const int bits = grp[g * 4], r0 = grp[g * 4 + 2], n = grp[g * 4 + 3];
+      float tab[32];
+      for (int i = 0; i < 32; ++i) tab[i] = row_scale(bits, i);
       float acc = 0.f;
-      const int bits = grp[g * 4], r0 = grp[g * 4 + 2];
-      for (int k = r0, e = k + grp[g * 4 + 3]; k < e; ++k) {
-        acc += d[k];
-        d[k] *= row_scale(bits, k - r0);
+      for (int k = 0; k < n; ++k) {
+        acc += d[r0 + k];
+        d[r0 + k] *= tab[k & 31];
       }
       xs[r * P.G + g] = acc;
     }
   }
+  // Rows R .. padded_rows(R) - 1 are read by the kernel (its row count is rounded up): zeros.
+  const int RP = padded_rows(R);
+  std::fill(xp + (int64_t)R * P.K, xp + (int64_t)RP * P.K, 0.f);
+  std::fill(xs + (int64_t)R * P.G, xs + (int64_t)RP * P.G, 0.f);
 }
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -247,8 +255,10 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
   int64_t maxG = 0;
   for (int64_t j = 0; j < X; ++j)
     for (int p = 0; p < 3; ++p) maxG = std::max(maxG, L.proj(used[j], p).G);
-  const int TP = padded_rows(T);    // row stride of the scratch blocks below (zero-filled)
-  std::vector<float> xg(X * 2 * TP * H), xsum(X * 3 * TP * maxG), gu(X * 2 * TP * I), hp(X * TP * I);
+  const int TP = padded_rows(T);    // row stride of the scratch blocks below (not zero-filled: gather
+                                    // writes every row the kernel reads)
+  std::unique_ptr<float[]> xg(new float[X * 2 * TP * H]), xsum(new float[X * 3 * TP * maxG]),
+      gu(new float[X * 2 * TP * I]), hp(new float[X * TP * I]);
   auto out = torch::zeros({T, H}, x.options());
   float* y = out.data_ptr<float>();
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
