@@ -182,7 +182,8 @@ def load_kernel():
                     raise CpuExpertsError(f"MOEDESK_CPU_KERNEL_MARCH={march!r} is not a -march value")
                 _EXT = load(name="moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_")),
                             sources=[src], verbose=False,
-                            extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17"])
+                            extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"])
             except Exception as e:                          # compiler errors, missing headers
                 _EXT_ERROR = f"building the EXL2 CPU kernel failed: {str(e).strip()[-2000:]}"
     if _EXT is None:

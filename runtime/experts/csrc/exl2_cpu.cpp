@@ -14,9 +14,11 @@
 // A tile reads its codes once for all T rows: per group, sum_k raw_code[k, n] * x[t, perm[k]], minus
 // 2**(b-1) * sum_k x[t, perm[k]], times the group's scale. Vectors are GCC vector extensions
 // (16 lanes): AVX-512 where the compiler targets it, two AVX2 halves otherwise, scalar at worst.
-// Threads: at::parallel_for (torch's pool, torch.set_num_threads). The GIL is released by the binding.
+// Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
+// by the binding, so a dedicated Python thread runs it while others drive the GPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <cmath>
 #include <algorithm>
@@ -255,6 +257,10 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
   int64_t maxG = 0;
   for (int64_t j = 0; j < X; ++j)
     for (int p = 0; p < 3; ++p) maxG = std::max(maxG, L.proj(used[j], p).G);
+  // Built with -fopenmp; torch ships libgomp.so.1, which the dynamic linker shares with this module.
+  // Should a second runtime be loaded, this line still makes the region below use torch's thread
+  // count (torch.set_num_threads), per calling thread.
+  omp_set_num_threads(at::get_num_threads());
   const int TP = padded_rows(T);    // row stride of the scratch blocks below (not zero-filled: gather
                                     // writes every row the kernel reads)
   std::unique_ptr<float[]> xg(new float[X * 2 * TP * H]), xsum(new float[X * 3 * TP * maxG]),
@@ -263,44 +269,45 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
   float* y = out.data_ptr<float>();
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
 
-  // 1. x gathered into each gate/up's packed order.
-  at::parallel_for(0, X * 2, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
+  // One thread team for the whole call; four loops with a barrier after each. Items are handed out
+  // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
+  const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
+#pragma omp parallel
+  {
+    float res[MAX_T][TILE];
+    std::vector<float> h(T * I);
+    std::vector<int64_t> ident(T);
+    for (int r = 0; r < T; ++r) ident[r] = r;
+    // 1. x gathered into each gate/up's packed order.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n1; ++i) {
       const int64_t j = i / 2; const int p = (int)(i % 2);
       gather(L, L.proj(used[j], p), xd, H, rows[j].data(), (int)rows[j].size(), &xg[i * TP * H],
              &xsum[(j * 3 + p) * TP * maxG]);
     }
-  });
-  // 2. gate and up, one tile of 16 columns per item.
-  at::parallel_for(0, X * 2 * tiles_i, 1, [&](int64_t b, int64_t e) {
-    float res[MAX_T][TILE];
-    for (int64_t i = b; i < e; ++i) {
+    // 2. gate and up, one tile of 16 columns per item.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n2; ++i) {
       const int64_t j = i / (2 * tiles_i), p = (i / tiles_i) % 2, tile = i % tiles_i;
-      const Proj P = L.proj(used[j], (int)p);
       const int R = (int)rows[j].size();
-      tile_dispatch(R, L, P, tile, &xg[(j * 2 + p) * TP * H], &xsum[(j * 3 + p) * TP * maxG], res);
+      tile_dispatch(R, L, L.proj(used[j], (int)p), tile, &xg[(j * 2 + p) * TP * H],
+                    &xsum[(j * 3 + p) * TP * maxG], res);
       float* dst = &gu[(j * 2 + p) * TP * I];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < TILE && tile * TILE + c < I; ++c) dst[r * I + tile * TILE + c] = res[r][c];
     }
-  });
-  // 3. h = silu(gate) * up, gathered into down's packed order.
-  at::parallel_for(0, X, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> h(T * I);
-    for (int64_t j = b; j < e; ++j) {
+    // 3. h = silu(gate) * up, gathered into down's packed order.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < X; ++j) {
       const int R = (int)rows[j].size();
       const float* g = &gu[(j * 2) * TP * I];
       const float* u = &gu[(j * 2 + 1) * TP * I];
       for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
-      std::vector<int64_t> ident(R);
-      for (int r = 0; r < R; ++r) ident[r] = r;
       gather(L, L.proj(used[j], 2), h.data(), I, ident.data(), R, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG]);
     }
-  });
-  // 4. down: one tile of H per item, all experts summed into it with their routing weights.
-  at::parallel_for(0, tiles_h, 1, [&](int64_t b, int64_t e) {
-    float res[MAX_T][TILE];
-    for (int64_t tile = b; tile < e; ++tile)
+    // 4. down: one tile of H per item, all experts summed into it with their routing weights.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t tile = 0; tile < tiles_h; ++tile)
       for (int64_t j = 0; j < X; ++j) {
         const int R = (int)rows[j].size();
         tile_dispatch(R, L, L.proj(used[j], 2), tile, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG], res);
@@ -310,7 +317,7 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
           for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * res[r][c];
         }
       }
-  });
+  }
   return out;
 }
 
