@@ -1,0 +1,273 @@
+"""Paints one message: a rich-text document per row (Markdown, code, thinking, action links).
+
+Each row's QTextDocument is cached by message id and rebuilt only when what it shows changed (text,
+state, stats, folded thinking, width, theme), so scrolling a long conversation re-renders nothing.
+Links in the document are the message's buttons: `act:copy`, `act:edit`, `act:regenerate`,
+`copy:N` (code block N), `think:N` (fold/unfold), and ordinary http(s) links. A click on one emits
+`action(kind, row, payload)`; the view turns those into clipboard copies and requests.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+from PySide6.QtCore import QEvent, QModelIndex, QPointF, QRectF, QSize, Qt, Signal
+from PySide6.QtGui import QAbstractTextDocumentLayout, QColor, QFontMetrics, QPainter, QPalette, QTextDocument
+from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
+
+from app.chat import markdown
+from app.chat.model import ChatItem, IdRole, ItemRole
+
+MARGIN_X, MARGIN_Y, PAD = 14, 5, 10   # outside the bubble, and inside it
+
+
+@dataclass
+class _Doc:
+    key: tuple           # what the HTML was made from
+    doc: QTextDocument
+    rendered: markdown.Rendered
+
+
+def palette_for(qpal: QPalette) -> markdown.Palette:
+    dark = qpal.color(QPalette.ColorRole.Base).lightness() < 128
+    return markdown.DARK if dark else markdown.LIGHT
+
+
+class MessageDelegate(QStyledItemDelegate):
+    """Rows not rendered yet get an estimated height (cheap, from the text); a row is rendered exactly
+    when the view shows it or pre-renders it, and from then on its size hint is exact."""
+    action = Signal(str, int, object)    # kind, row, payload (code text, url, section number)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._docs: dict[int, _Doc] = {}
+        self._estimates: dict[int, tuple[tuple, int]] = {}
+        self._sizes: dict[int, tuple[tuple, int]] = {}     # message id -> (what decides it, height)
+        self.expanded: dict[int, set[int]] = {}     # message id -> unfolded thinking sections
+        self.palette = markdown.LIGHT
+
+    def set_palette(self, qpal: QPalette) -> None:
+        self.palette = palette_for(qpal)
+
+    def clear(self) -> None:
+        self._docs.clear()
+        self._estimates.clear()
+        self._sizes.clear()
+
+    # -- the document of a row ------------------------------------------------------------------
+    def _key(self, it: ChatItem, index: QModelIndex, font) -> tuple:
+        return (it.content, it.state, it.stats, it.error, frozenset(self.expanded.get(it.id, ())), self.palette,
+                index.row() == index.model().rowCount() - 1, font.key())
+
+    def is_rendered(self, index: QModelIndex, font) -> bool:
+        it: ChatItem = index.data(ItemRole)
+        cached = self._docs.get(it.id)
+        return cached is not None and cached.key == self._key(it, index, font)
+
+    def document(self, index: QModelIndex, width: int, font) -> _Doc:
+        it: ChatItem = index.data(ItemRole)
+        key = self._key(it, index, font)
+        width = max(50, width)
+        cached = self._docs.get(it.id)
+        if cached is not None and cached.key == key:
+            if cached.doc.textWidth() != width:
+                cached.doc.setTextWidth(width)
+            return cached
+        rendered = markdown.render(it.content, self.palette, key[4], plain=(it.role == "user"))
+        doc = cached.doc if cached is not None else QTextDocument(self)
+        doc.setDefaultFont(font)
+        doc.setDocumentMargin(0)
+        doc.setDefaultStyleSheet(f"a {{ color: {self.palette.link}; }} p {{ margin-top: 0; margin-bottom: 6px; }}")
+        doc.setHtml(self._header(it, key[6]) + (rendered.html or "<p></p>") + self._footer(it))
+        doc.setTextWidth(width)
+        entry = _Doc(key, doc, rendered)
+        self._docs[it.id] = entry
+        return entry
+
+    def estimate(self, index: QModelIndex, width: int, font) -> int:
+        """Height of the text without rendering it: wrapped lines times the line height, plus the header."""
+        it: ChatItem = index.data(ItemRole)
+        key = (len(it.content), it.state, width, font.key())
+        known = self._estimates.get(it.id)
+        if known is not None and known[0] == key:
+            return known[1]
+        fm = QFontMetrics(font)
+        per_line = max(10, width // max(1, fm.averageCharWidth()))
+        lines, in_code = 0.0, False
+        for line in it.content.splitlines() or [""]:
+            if line.startswith("```"):
+                in_code = not in_code
+                lines += 1.2
+            elif not line.strip():
+                lines += 0.0 if in_code else 0.5
+            else:
+                lines += 1 if in_code else -(-len(line) // per_line)
+        h = int((lines + 2.2) * fm.lineSpacing()) + (fm.lineSpacing() if it.state == "error" else 0)
+        self._estimates[it.id] = (key, h)
+        return h
+
+    def _header(self, it: ChatItem, is_last: bool) -> str:
+        p = self.palette
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(it.role, it.role)
+        bits = []
+        if it.role == "assistant":
+            if it.model:
+                bits.append(html.escape(Path(it.model).name or it.model))
+            if it.state == "streaming":
+                bits.append("writing…")
+            elif it.stats is not None:
+                bits.append(f"{it.stats.generated_tokens} tokens")
+                if it.stats.decode_tps:
+                    bits.append(f"{it.stats.decode_tps:.1f} tok/s")
+                if it.stats.ttft_s is not None:
+                    bits.append(f"first token {it.stats.ttft_s:.2f} s")
+            if it.state == "cancelled":
+                bits.append("stopped")
+        links = ['<a href="act:copy">Copy</a>']
+        if it.state != "streaming":
+            if it.role == "user":
+                links.append('<a href="act:edit">Edit</a>')
+            if it.role == "assistant" and is_last:
+                links.append('<a href="act:regenerate">Regenerate</a>')
+        meta = f' <span style="color:{p.muted};">· {" · ".join(bits)}</span>' if bits else ""
+        return (f'<table width="100%" cellspacing="0" cellpadding="0"><tr><td><b>{who}</b>{meta}</td>'
+                f'<td align="right" style="font-size: small;">{"&nbsp;&nbsp;".join(links)}</td></tr></table>'
+                f'<p style="margin: 0; font-size: 4px;">&nbsp;</p>')
+
+    def _footer(self, it: ChatItem) -> str:
+        if it.state == "error":
+            kept = " The text above was kept." if it.content else ""
+            return (f'<p style="color:#d1242f;">⚠ {html.escape(it.error or "The answer was interrupted.")}'
+                    f'{kept}</p>')
+        if it.state == "streaming" and not it.content:
+            return f'<p style="color:{self.palette.muted};">…</p>'
+        return ""
+
+    # -- Qt interface ---------------------------------------------------------------------------
+    def _text_width(self, option: QStyleOptionViewItem) -> int:
+        return max(50, option.rect.width() - 2 * (MARGIN_X + PAD))
+
+    def exact_height(self, option: QStyleOptionViewItem, index: QModelIndex) -> int:
+        """Renders the row if needed; later size hints for it are exact."""
+        width = self._text_width(option)
+        d = self.document(index, width, option.font)
+        h = int(d.doc.size().height()) + 2 * (MARGIN_Y + PAD)
+        it: ChatItem = index.data(ItemRole)
+        self._sizes[it.id] = ((it.content, it.state, it.stats, it.error, width,
+                               frozenset(self.expanded.get(it.id, ()))), h)
+        return h
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
+        """Exact once rendered; until then an estimate (rendering 2,000 answers up front would stall).
+        Called for every row at each layout, so the answer is cached by what decides it."""
+        it: ChatItem = index.data(ItemRole)
+        width = self._text_width(option)
+        sig = (it.content, it.state, it.stats, it.error, width, frozenset(self.expanded.get(it.id, ())))
+        known = self._sizes.get(it.id)
+        if known is not None and known[0] == sig:
+            return QSize(option.rect.width(), known[1])
+        cached = self._docs.get(it.id)
+        if cached is not None and cached.key[:5] == sig[:4] + sig[5:]:
+            h = self.exact_height(option, index)
+        else:
+            h = self.estimate(index, width, option.font) + 2 * (MARGIN_Y + PAD)
+        self._sizes[it.id] = (sig, h)
+        return QSize(option.rect.width(), h)
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
+        d = self.document(index, self._text_width(option), option.font)
+        it: ChatItem = index.data(ItemRole)
+        bubble = option.rect.adjusted(MARGIN_X, MARGIN_Y, -MARGIN_X, -MARGIN_Y)
+        pal = option.palette
+        painter.save()
+        painter.setClipRect(option.rect)
+        base = pal.color(QPalette.ColorRole.Base)
+        if it.role == "user":
+            _bubble(painter, bubble, _mix(base, pal.color(QPalette.ColorRole.Highlight), 0.15))
+        elif it.state == "error":
+            _bubble(painter, bubble, QColor("#d1242f"))
+            _bubble(painter, bubble.adjusted(1, 1, -1, -1), pal.color(QPalette.ColorRole.AlternateBase))
+        else:
+            _bubble(painter, bubble, pal.color(QPalette.ColorRole.AlternateBase))
+        painter.translate(bubble.topLeft() + QPointF(PAD, PAD).toPoint())
+        ctx = QAbstractTextDocumentLayout.PaintContext()
+        ctx.palette = pal
+        ctx.clip = QRectF(0, 0, d.doc.textWidth(), d.doc.size().height())
+        d.doc.documentLayout().draw(painter, ctx)
+        painter.restore()
+
+    def anchor_at(self, option: QStyleOptionViewItem, index: QModelIndex, pos) -> str:
+        """The link under `pos` (view coordinates), or ""."""
+        d = self.document(index, self._text_width(option), option.font)
+        origin = option.rect.topLeft() + QPointF(MARGIN_X + PAD, MARGIN_Y + PAD).toPoint()
+        return d.doc.documentLayout().anchorAt(QPointF(pos - origin))
+
+    def editorEvent(self, event, model, option, index) -> bool:  # noqa: N802
+        if event.type() != QEvent.Type.MouseButtonRelease or event.button() != Qt.MouseButton.LeftButton:
+            return False
+        href = self.anchor_at(option, index, event.position().toPoint())
+        if not href:
+            return False
+        self.activate(href, index)
+        return True
+
+    def activate(self, href: str, index: QModelIndex) -> None:
+        row = index.row()
+        scheme, _, rest = href.partition(":")
+        mid = index.data(IdRole)
+        if scheme == "act":
+            self.action.emit(rest, row, None)
+        elif scheme == "copy":
+            blocks = self._docs[mid].rendered.code_blocks if mid in self._docs else []
+            n = int(rest)
+            if 0 <= n < len(blocks):
+                self.action.emit("copy_code", row, blocks[n])
+        elif scheme == "think":
+            shown = self.expanded.setdefault(mid, set())
+            shown.symmetric_difference_update({int(rest)})
+            self.action.emit("relayout", row, None)
+        elif scheme in ("http", "https"):
+            self.action.emit("open_link", row, href)
+
+    def hyperlinks(self, index: QModelIndex, option: QStyleOptionViewItem) -> list[str]:
+        """Every link of a row's document, in order (used by tests and keyboard access)."""
+        d = self.document(index, self._text_width(option), option.font)
+        out, block = [], d.doc.begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                frag = it.fragment()
+                if frag.isValid() and frag.charFormat().isAnchor():
+                    href = frag.charFormat().anchorHref()
+                    if not out or out[-1] != href:
+                        out.append(href)
+                it += 1
+            block = block.next()
+        return out
+
+
+RADIUS = 10
+
+
+def _mix(a: QColor, b: QColor, t: float) -> QColor:
+    """Opaque blend of two colours (t of b)."""
+    return QColor(round(a.red() + (b.red() - a.red()) * t), round(a.green() + (b.green() - a.green()) * t),
+                  round(a.blue() + (b.blue() - a.blue()) * t))
+
+
+def _bubble(painter: QPainter, rect, colour: QColor) -> None:
+    """A filled rounded rectangle. Antialiasing a tall path is slow in the raster engine, so only the
+    two end strips are drawn as rounded shapes; the middle is a plain fill."""
+    r = RADIUS
+    if rect.height() <= 4 * r:
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(colour)
+        painter.drawRoundedRect(QRectF(rect), r, r)
+        return
+    painter.fillRect(rect.adjusted(0, r, 0, -r), colour)
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+    painter.setPen(Qt.PenStyle.NoPen)
+    painter.setBrush(colour)
+    painter.drawRoundedRect(QRectF(rect.x(), rect.y(), rect.width(), 2 * r + 2), r, r)
+    painter.drawRoundedRect(QRectF(rect.x(), rect.bottom() + 1 - 2 * r - 2, rect.width(), 2 * r + 2), r, r)

@@ -1,0 +1,165 @@
+"""The right side of the window: title bar, message view, and the input box with Send / Stop.
+
+Enter sends, Shift+Enter starts a new line, Esc stops the answer (or cancels an edit). Edit-and-resend
+puts a user message into the input box with a banner; sending then replaces that message.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
+                               QVBoxLayout, QWidget)
+
+from app.chat.session import ChatSession
+from app.chat.view import ChatView
+
+
+class InputBox(QPlainTextEdit):
+    submitted = Signal()
+    escape = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setPlaceholderText("Message the model — Enter sends, Shift+Enter for a new line")
+        self.setTabChangesFocus(True)
+        self.setMaximumHeight(110)
+        self.setMinimumHeight(56)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Maximum)
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
+        if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (e.modifiers() & Qt.KeyboardModifier.ShiftModifier):
+            self.submitted.emit()
+            return
+        if e.key() == Qt.Key.Key_Escape:
+            self.escape.emit()
+            return
+        super().keyPressEvent(e)
+
+
+class ChatPanel(QWidget):
+    settings_requested = Signal()
+
+    def __init__(self, session: ChatSession, parent=None):
+        super().__init__(parent)
+        self.session = session
+        self.editing: Optional[int] = None      # message id being edited
+        self.title = QLabel("New chat")
+        self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        f = self.title.font()
+        f.setPointSizeF(f.pointSizeF() * 1.15)
+        f.setBold(True)
+        self.title.setFont(f)
+        self.settings_hint = QLabel()
+        self.settings_hint.setEnabled(False)
+        self.settings_button = QPushButton("Chat settings…", toolTip="System prompt, sampling and presets for this chat")
+        self.settings_button.clicked.connect(self.settings_requested)
+        top = QHBoxLayout()
+        top.addWidget(self.title)
+        top.addWidget(self.settings_hint, 1)
+        top.addWidget(self.settings_button)
+
+        self.view = ChatView()
+        self.view.setModel(session.model)
+        self.view.edit_requested.connect(self.begin_edit)
+        self.view.regenerate_requested.connect(lambda mid: session.regenerate(mid))
+
+        self.edit_banner = QLabel()
+        self.edit_banner.setVisible(False)
+        self.edit_banner.setWordWrap(True)
+        self.input = InputBox()
+        self.input.submitted.connect(self.submit)
+        self.input.escape.connect(self.escape)
+        self.send_button = QPushButton("Send", toolTip="Send (Enter)")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self.submit)
+        self.stop_button = QPushButton("Stop", toolTip="Stop the answer (Esc)")
+        self.stop_button.clicked.connect(session.stop)
+        self.regen_button = QPushButton("Regenerate", toolTip="Write the last answer again (Ctrl+R)")
+        self.regen_button.clicked.connect(lambda: session.regenerate())
+        side = QVBoxLayout()
+        for b in (self.send_button, self.stop_button, self.regen_button):
+            side.addWidget(b)
+        side.addStretch(1)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.input, 1)
+        bottom.addLayout(side)
+
+        line = QFrame(frameShape=QFrame.Shape.HLine, frameShadow=QFrame.Shadow.Sunken)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 6, 6)
+        lay.addLayout(top)
+        lay.addWidget(line)
+        lay.addWidget(self.view, 1)
+        lay.addWidget(self.edit_banner)
+        lay.addLayout(bottom)
+
+        session.busy_changed.connect(self._on_busy)
+        session.conversation_changed.connect(self._on_conversation)
+        self.engine_ready = False
+        self._on_busy(False)
+        self._on_conversation(None)
+
+    # -- actions --------------------------------------------------------------------------------
+    def submit(self) -> None:
+        if not self.send_button.isEnabled():
+            return
+        text = self.input.toPlainText()
+        if not text.strip():
+            return
+        if self.editing is not None:
+            ok = self.session.edit_and_resend(self.editing, text)
+        else:
+            ok = self.session.send(text)
+        if ok:
+            self.input.clear()
+            self._end_edit()
+            self.view.scroll_to_end()
+
+    def escape(self) -> None:
+        if self.session.busy:
+            self.session.stop()
+        elif self.editing is not None:
+            self.input.clear()
+            self._end_edit()
+
+    def begin_edit(self, message_id: int) -> None:
+        if self.session.busy:
+            self.session.notice.emit("Stop the answer (Esc) before editing a message.")
+            return
+        row = self.session.model.row_of(message_id)
+        self.editing = message_id
+        self.input.setPlainText(self.session.model.items[row].content)
+        self.edit_banner.setText("✎ Editing a message: sending replaces it and everything after it. Esc cancels.")
+        self.edit_banner.setVisible(True)
+        self.input.setFocus()
+
+    def _end_edit(self) -> None:
+        self.editing = None
+        self.edit_banner.setVisible(False)
+
+    # -- state ----------------------------------------------------------------------------------
+    def set_engine_ready(self, ready: bool) -> None:
+        """Sending needs a loaded model that is not busy elsewhere."""
+        self.engine_ready = ready
+        self._on_busy(self.session.busy)
+
+    def _on_busy(self, busy: bool) -> None:
+        self.send_button.setEnabled(not busy and self.engine_ready)
+        self.stop_button.setEnabled(busy)
+        items = self.session.model.items
+        self.regen_button.setEnabled(not busy and self.engine_ready and bool(items) and items[-1].role == "assistant")
+
+    def _on_conversation(self, conv) -> None:
+        self.title.setText(conv.title if conv is not None else "New chat")
+        hint = []
+        if conv is not None and conv.preset:
+            hint.append(f"preset: {conv.preset}")
+        if conv is not None and conv.system_prompt:
+            hint.append("system prompt set")
+        s = self.session.sampling()
+        hint.append(f"temperature {s.temperature:g} · max {s.max_tokens} tokens")
+        self.settings_hint.setText("   " + " · ".join(hint))
+        self._end_edit()
+        self._on_busy(self.session.busy)

@@ -1,0 +1,243 @@
+"""The open conversation's logic: send, stream, stop, regenerate, edit-and-resend, save as it streams.
+
+`ChatSession` knows the store and the message model, not the engine: it asks for work through its
+`generate_requested` / `cancel_requested` signals and is told what happened through its `on_*` slots.
+`app/main.py` connects both ends to the engine client in its one wiring block.
+
+Streaming text is kept in memory and written to the store every `FLUSH_MS` while it changes, so a
+crash loses at most that much; the final text, state and stats are written at once when the answer
+ends (finished, error, or the worker dying).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.chat.markdown import strip_thinking
+from app.chat.model import ChatItem, MessageListModel
+from app.store import Conversation, Store
+from runtime.options import SamplingOptions
+from runtime.protocol import ChatMessage, Finished, TokenDelta, WorkerError
+
+FLUSH_MS = 500
+TITLE_CHARS = 48
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    message_id: int
+    conversation_id: int
+    text: str = ""
+    dirty: bool = False
+    cancelling: bool = False
+
+
+class ChatSession(QObject):
+    generate_requested = Signal(str, object, object)   # request id, tuple[ChatMessage], SamplingOptions
+    cancel_requested = Signal(str)                     # request id
+    conversation_changed = Signal(object)              # the open Conversation, or None
+    conversations_changed = Signal()                   # titles or order changed: refresh the list
+    busy_changed = Signal(bool)                        # an answer is streaming
+    notice = Signal(str)                               # a short line for the status bar
+
+    def __init__(self, store: Store, default_sampling: SamplingOptions = SamplingOptions(), parent=None):
+        super().__init__(parent)
+        self.store = store
+        self.default_sampling = default_sampling
+        self.model = MessageListModel(self)
+        self.conversation: Optional[Conversation] = None
+        self.model_name = ""                    # the loaded model, recorded on each answer
+        self.stream: Optional[_Stream] = None
+        self._issued: set[str] = set()           # request ids this session asked for
+        self._flush = QTimer(self, interval=FLUSH_MS, timeout=self.flush)
+
+    @property
+    def busy(self) -> bool:
+        return self.stream is not None
+
+    def issued(self, request_id: str) -> bool:
+        """Whether a request (and so an error about it) belongs to this chat."""
+        return request_id in self._issued
+
+    # -- conversations --------------------------------------------------------------------------
+    def open(self, conversation_id: Optional[int]) -> None:
+        self.conversation = self.store.conversation(conversation_id) if conversation_id is not None else None
+        self.model.set_messages(self.store.messages(conversation_id) if conversation_id is not None else [])
+        s = self.stream
+        if s is not None and self.conversation is not None and s.conversation_id == self.conversation.id:
+            self.model.update(self.model.row_of(s.message_id), content=s.text)
+        self.conversation_changed.emit(self.conversation)
+
+    def new_conversation(self) -> None:
+        """An empty chat; it is written to the store with its first message."""
+        self.open(None)
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self.store.rename_conversation(conversation_id, title)
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.conversation = self.store.conversation(conversation_id)
+            self.conversation_changed.emit(self.conversation)
+        self.conversations_changed.emit()
+
+    def delete(self, conversation_id: int) -> None:
+        if self.stream is not None and self.stream.conversation_id == conversation_id:
+            self.stop()
+            self._end_stream("cancelled")
+        self.store.delete_conversation(conversation_id)
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.open(None)
+        self.conversations_changed.emit()
+
+    def set_settings(self, system_prompt: str, sampling: Optional[SamplingOptions], preset: str = "") -> None:
+        if self.conversation is None:
+            self.conversation = self.store.create_conversation(system_prompt=system_prompt, sampling=sampling,
+                                                               preset=preset)
+            self.conversations_changed.emit()
+        else:
+            self.store.set_conversation_settings(self.conversation.id, system_prompt, sampling, preset)
+            self.conversation = self.store.conversation(self.conversation.id)
+        self.conversation_changed.emit(self.conversation)
+
+    def sampling(self) -> SamplingOptions:
+        c = self.conversation
+        return c.sampling if c is not None and c.sampling is not None else self.default_sampling
+
+    # -- asking for answers ---------------------------------------------------------------------
+    def send(self, text: str) -> bool:
+        text = text.strip()
+        if not text:
+            return False
+        if self.busy:
+            self.notice.emit("An answer is still being written: wait for it or press Stop (Esc).")
+            return False
+        if self.conversation is None:
+            title = text.splitlines()[0][:TITLE_CHARS].strip() or "New chat"
+            self.conversation = self.store.create_conversation(title, model=self.model_name)
+            self.conversation_changed.emit(self.conversation)
+        elif not self.model.items and self.conversation.title == "New chat":
+            self.store.rename_conversation(self.conversation.id, text.splitlines()[0][:TITLE_CHARS].strip() or "New chat")
+            self.conversation = self.store.conversation(self.conversation.id)
+            self.conversation_changed.emit(self.conversation)
+        m = self.store.add_message(self.conversation.id, "user", text)
+        self.model.append(ChatItem.from_message(m))
+        self._answer()
+        return True
+
+    def regenerate(self, message_id: Optional[int] = None) -> bool:
+        """Replace the last answer (or the answer `message_id`, with everything after it)."""
+        if self.busy or self.conversation is None or not self.model.items:
+            return False
+        if message_id is None:
+            last = self.model.items[-1]
+            if last.role != "assistant":
+                return False
+            message_id = last.id
+        row = self.model.row_of(message_id)
+        self.store.delete_messages_from(self.conversation.id, message_id)
+        self.model.truncate(row)
+        self._answer()
+        return True
+
+    def edit_and_resend(self, message_id: int, text: str) -> bool:
+        """Change a user message, drop everything after it, and ask again."""
+        text = text.strip()
+        if self.busy or self.conversation is None or not text:
+            return False
+        row = self.model.row_of(message_id)
+        if self.model.items[row].role != "user":
+            raise ValueError(f"message {message_id} is not the user's: only user messages can be edited")
+        self.store.update_message(message_id, content=text)
+        self.model.update(row, content=text)
+        if row + 1 < len(self.model.items):
+            self.store.delete_messages_from(self.conversation.id, self.model.items[row + 1].id)
+            self.model.truncate(row + 1)
+        self._answer()
+        return True
+
+    def stop(self) -> None:
+        if self.stream is not None and not self.stream.cancelling:
+            self.stream.cancelling = True
+            self.cancel_requested.emit(self.stream.request_id)
+
+    def _answer(self) -> None:
+        conv = self.conversation
+        history = self._history()
+        m = self.store.add_message(conv.id, "assistant", "", model=self.model_name, state="streaming")
+        self.model.append(ChatItem.from_message(m))
+        self.stream = _Stream(f"chat-{uuid.uuid4().hex[:10]}", m.id, conv.id)
+        self._issued.add(self.stream.request_id)
+        self._flush.start()
+        self.busy_changed.emit(True)
+        self.conversations_changed.emit()
+        self.generate_requested.emit(self.stream.request_id, history, self.sampling())
+
+    def _history(self) -> tuple[ChatMessage, ...]:
+        out = []
+        if self.conversation is not None and self.conversation.system_prompt.strip():
+            out.append(ChatMessage("system", self.conversation.system_prompt))
+        for it in self.model.items:
+            content = strip_thinking(it.content) if it.role == "assistant" else it.content
+            if content:
+                out.append(ChatMessage(it.role, content))
+        return tuple(out)
+
+    # -- what the engine says -------------------------------------------------------------------
+    def on_token(self, ev: TokenDelta) -> None:
+        s = self.stream
+        if s is None or ev.request_id != s.request_id:
+            return
+        s.text += ev.text
+        s.dirty = True
+        row = self._row()
+        if row is not None:
+            self.model.append_text(row, ev.text)
+
+    def on_finished(self, ev: Finished) -> None:
+        if self.stream is None or ev.request_id != self.stream.request_id:
+            return
+        self._end_stream("cancelled" if ev.reason == "cancelled" else "done", stats=ev.stats)
+
+    def on_error(self, request_id: str, err: WorkerError) -> None:
+        if self.stream is None or request_id != self.stream.request_id:
+            return
+        self._end_stream("error", error=err.message)
+
+    def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
+        if self.stream is not None:
+            self._end_stream("error", error=words)
+
+    def fail_request(self, request_id: str, words: str) -> None:
+        """The request could not even be sent (no engine running)."""
+        if self.stream is not None and self.stream.request_id == request_id:
+            self._end_stream("error", error=words)
+
+    def flush(self) -> None:
+        s = self.stream
+        if s is not None and s.dirty:
+            self.store.update_message(s.message_id, content=s.text)
+            s.dirty = False
+
+    def _end_stream(self, state: str, stats=None, error: str = "") -> None:
+        s, self.stream = self.stream, None
+        self._flush.stop()
+        self.store.update_message(s.message_id, content=s.text, state=state, stats=stats,
+                                  error=error if state == "error" else None)
+        if self.conversation is not None and self.conversation.id == s.conversation_id:
+            row = self.model.row_of(s.message_id)
+            self.model.update(row, content=s.text, state=state, stats=stats, error=error or None)
+        self.busy_changed.emit(False)
+        self.conversations_changed.emit()
+
+    def _row(self) -> Optional[int]:
+        s = self.stream
+        if s is None or self.conversation is None or self.conversation.id != s.conversation_id:
+            return None
+        last = len(self.model.items) - 1
+        if last >= 0 and self.model.items[last].id == s.message_id:
+            return last
+        return self.model.row_of(s.message_id)
+

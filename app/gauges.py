@@ -1,0 +1,223 @@
+"""The gauges panel: VRAM, RAM, the worker's memory, and the worker's speed figures, each with a sparkline.
+
+Use (the window's wiring block connects it to the engine client):
+
+    panel = GaugesPanel()
+    client.ready.connect(lambda ev: panel.set_worker_pid(ev.pid))
+    client.telemetry.connect(panel.show_telemetry)     # runtime.protocol.Telemetry
+    client.finished.connect(panel.show_finished)       # runtime.protocol.Finished
+    client.worker_died.connect(lambda *a: panel.set_worker_pid(None))
+
+The panel polls only NVML and psutil, on its own QTimer (`interval_ms`, 500 by default: about two
+updates a second). Every other figure comes from the worker's telemetry events and shows "—" until
+the engine reports it. No NVIDIA GPU (or no driver) shows "No NVIDIA GPU — CPU engine" in the VRAM
+gauge; NVML failures are retried by `app.telemetry.NvmlMonitor`, never raised.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from PySide6.QtCore import QPointF, QSize, QTimer
+from PySide6.QtGui import QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from app.telemetry import (DASH, History, NvmlMonitor, NvmlState, RamSampler, fmt_bytes,
+                           fmt_bytes_per_token, fmt_fraction, fmt_rate, fmt_seconds, fmt_used_total)
+from runtime.protocol import Finished, Telemetry
+
+
+class Sparkline(QWidget):
+    """A small line chart of a `History`, scaled to its own range (from 0 when `from_zero`)."""
+
+    def __init__(self, history: History, from_zero: bool = True, parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.history = history
+        self.from_zero = from_zero
+        self.ceiling: Optional[float] = None    # a fixed top (e.g. total memory) instead of the highest value
+        self.setMinimumSize(80, 22)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        return QSize(160, 26)
+
+    def points(self) -> list[Optional[QPointF]]:
+        """Widget coordinates of each sample (None for gaps); what paintEvent draws."""
+        values = self.history.values()
+        span = self.history.span()
+        if span is None:
+            return [None] * len(values)
+        lo, hi = (min(0.0, span[0]), span[1]) if self.from_zero else span
+        if self.ceiling is not None:
+            hi = max(hi, self.ceiling)
+        if hi <= lo:
+            hi = lo + 1.0
+        w, h, pad = self.width(), self.height(), 2.0
+        step = (w - 2 * pad) / max(1, self.history.size - 1)
+        x0 = w - pad - step * (len(values) - 1)     # newest sample on the right edge
+        return [None if v is None else
+                QPointF(x0 + i * step, h - pad - (v - lo) / (hi - lo) * (h - 2 * pad))
+                for i, v in enumerate(values)]
+
+    def paintEvent(self, event) -> None:  # noqa: N802 (Qt naming)
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        pal = self.palette()
+        p.fillRect(self.rect(), pal.color(QPalette.ColorRole.Base))
+        color = pal.color(QPalette.ColorRole.Highlight)
+        path, pen_down = QPainterPath(), False
+        for pt in self.points():
+            if pt is None:
+                pen_down = False
+            elif pen_down:
+                path.lineTo(pt)
+            else:
+                path.moveTo(pt)
+                pen_down = True
+        p.setPen(QPen(color, 1.5))
+        p.drawPath(path)
+        p.end()
+
+
+class Gauge(QFrame):
+    """Title, current value in words, a note line, and a sparkline of the history."""
+
+    def __init__(self, title: str, tooltip: str, from_zero: bool = True, history_size: int = 120,
+                 parent: Optional[QWidget] = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setToolTip(tooltip)
+        self.history = History(history_size)
+        self.title = QLabel(title)
+        self.value = QLabel(DASH)
+        self.value.setObjectName("gaugeValue")
+        font = self.value.font()
+        font.setPointSizeF(font.pointSizeF() * 1.3)
+        font.setBold(True)
+        self.value.setFont(font)
+        self.note = QLabel("")
+        self.note.setObjectName("gaugeNote")
+        self.note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.spark = Sparkline(self.history, from_zero)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 4, 6, 4)
+        lay.setSpacing(1)
+        for w in (self.title, self.value, self.note, self.spark):
+            lay.addWidget(w)
+
+    def update_value(self, text: str, sample: Optional[float], note: Optional[str] = None,
+                     ceiling: Optional[float] = None) -> None:
+        """Show `text`, append `sample` (None = gap) to the history; `note` replaces the note line;
+        `ceiling` fixes the sparkline's top (e.g. the total, so that a full bar means full memory)."""
+        self.value.setText(text)
+        if ceiling is not None:
+            self.spark.ceiling = ceiling
+        if note is not None:
+            self.note.setText(note)
+        self.history.append(sample)
+        self.spark.update()
+
+
+class GaugesPanel(QWidget):
+    """All gauges in a grid. Public slots: set_worker_pid, show_telemetry, show_finished, reset_speed."""
+
+    def __init__(self, parent: Optional[QWidget] = None, interval_ms: int = 500,
+                 nvml: Optional[NvmlMonitor] = None, ram: Optional[RamSampler] = None,
+                 columns: int = 3):
+        super().__init__(parent)
+        self.nvml = nvml or NvmlMonitor()
+        self.ram = ram or RamSampler()
+        g = self.gauges = {
+            "vram": Gauge("VRAM", "GPU memory used / total (NVML), all processes."),
+            "ram": Gauge("RAM", "System memory in use / total (psutil)."),
+            "worker_rss": Gauge("Engine memory", "Resident memory of the engine process (psutil)."),
+            "decode_tps": Gauge("Decode", "Tokens per second while the answer streams."),
+            "ttft": Gauge("First token", "Time from sending to the first token of the answer."),
+            "prefill_tps": Gauge("Prefill", "Prompt tokens processed per second."),
+            "draft_acceptance": Gauge("Draft acceptance", "Share of drafted tokens the model accepted."),
+            "expert_hit_rate": Gauge("Expert cache hits", "Share of expert lookups found in VRAM."),
+            "pcie": Gauge("Host↔GPU per token", "Bytes copied between host RAM and GPU per token."),
+        }
+        grid = QGridLayout(self)
+        grid.setContentsMargins(4, 4, 4, 4)
+        for i, w in enumerate(g.values()):
+            grid.addWidget(w, i // columns, i % columns)
+        self.timer = QTimer(self)
+        self.timer.setInterval(interval_ms)
+        self.timer.timeout.connect(self.poll)
+        self.timer.start()
+        self.poll()
+
+    # -- polled: NVML and psutil only -------------------------------------------------------
+    def set_worker_pid(self, pid: Optional[int]) -> None:
+        """Watch this process's memory (None: none). Repeating the same pid changes nothing."""
+        if (pid or None) == self.ram.pid:
+            return
+        self.ram.set_pid(pid)
+        self.poll()
+
+    def poll(self) -> None:
+        vram = self.nvml.poll()
+        gauge = self.gauges["vram"]
+        if vram is None:
+            gauge.update_value(DASH, None, self.nvml.status_text())
+        else:
+            gauge.update_value(fmt_used_total(vram.used, vram.total), vram.used / 2 ** 30,
+                               self.nvml.status_text(), ceiling=vram.total / 2 ** 30)
+        ram = self.ram.sample()
+        self.gauges["ram"].update_value(fmt_used_total(ram.used, ram.total), ram.used / 2 ** 30,
+                                        f"{fmt_bytes(ram.total - ram.used)} available",
+                                        ceiling=ram.total / 2 ** 30)
+        rss = ram.process_rss
+        self.gauges["worker_rss"].update_value(
+            fmt_bytes(rss), None if rss is None else rss / 2 ** 30,
+            f"pid {self.ram.pid}" if self.ram.pid else "engine not running")
+
+    @property
+    def no_gpu(self) -> bool:
+        return self.nvml.state == NvmlState.NO_GPU
+
+    # -- from the worker --------------------------------------------------------------------
+    _TELEMETRY: list[tuple[str, str, Callable[[Optional[float]], str]]] = [
+        ("decode_tps", "decode_tps", fmt_rate),
+        ("ttft", "ttft_s", fmt_seconds),
+        ("prefill_tps", "prefill_tps", fmt_rate),
+        ("draft_acceptance", "draft_acceptance", fmt_fraction),
+        ("expert_hit_rate", "expert_hit_rate", fmt_fraction),
+        ("pcie", "pcie_bytes_per_token", fmt_bytes_per_token),
+    ]
+
+    def show_telemetry(self, t: Telemetry) -> None:
+        """One telemetry event: figures it carries replace the shown ones; absent ones stay."""
+        for key, attr, fmt in self._TELEMETRY:
+            value = getattr(t, attr)
+            if value is not None:
+                self.gauges[key].update_value(fmt(value), value, "live" if t.generating else "last answer")
+
+    def show_finished(self, f: Finished) -> None:
+        """The final figures of an answer (the worker's own measurement of the whole request)."""
+        s = f.stats
+        acceptance = s.draft.acceptance_rate if s.draft is not None else None
+        for key, value, fmt in (("decode_tps", s.decode_tps, fmt_rate), ("ttft", s.ttft_s, fmt_seconds),
+                                ("prefill_tps", s.prefill_tps, fmt_rate),
+                                ("draft_acceptance", acceptance, fmt_fraction)):
+            if value is not None:
+                self.gauges[key].update_value(fmt(value), value,
+                                              f"last answer: {s.generated_tokens} tokens")
+
+    def reset_speed(self) -> None:
+        """Back to "—" for the worker's figures (e.g. after a new model is loaded)."""
+        for key, _, _ in self._TELEMETRY:
+            g = self.gauges[key]
+            g.history.clear()
+            g.update_value(DASH, None, "")
+
+    def value_text(self, key: str) -> str:
+        return self.gauges[key].value.text()
+
+    def note_text(self, key: str) -> str:
+        return self.gauges[key].note.text()
+
+    def closeEvent(self, event) -> None:  # noqa: N802
+        self.timer.stop()
+        self.nvml.close()
+        super().closeEvent(event)

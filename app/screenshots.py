@@ -1,0 +1,129 @@
+"""`make screenshots`: PNGs of the app with the real worker and the demo model, for the docs.
+
+    QT_QPA_PLATFORM=offscreen python -m app.screenshots screenshots
+
+Writes main-window.png (mid-conversation: a finished answer, then one still streaming),
+main-window-dark.png, settings.png and gauges.png. Uses a temporary data dir, so the user's
+conversations are neither shown nor touched.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QEventLoop, QTimer
+from PySide6.QtWidgets import QApplication
+
+from runtime import paths
+
+QUESTIONS = ["What is the capital of France?",
+             "Write a Python function that returns the square of a number."]
+
+
+def settle(ms: int = 500) -> None:
+    """Let queued events (palette changes, layouts, paints) run."""
+    loop = QEventLoop()
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        loop = QEventLoop()
+        QTimer.singleShot(20, loop.quit)
+        loop.exec()
+
+
+def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
+    from app import theme
+    from app.main import build
+    from app.settings import Settings
+    from app.settings_panel import SettingsPanel
+    from runtime.options import SamplingOptions
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    theme.apply(app, "light")
+    desk = build(Settings(sampling=SamplingOptions(temperature=0.0, max_tokens=120)), model=model)
+    win = desk.window
+    win.resize(1280, 900)
+    win.show()
+    written: list[Path] = []
+    try:
+        desk.client.start()
+        wait_for(lambda: win.loaded is not None, timeout_s, "the demo model to load")
+        desk.session.send(QUESTIONS[0])
+        wait_for(lambda: not desk.session.busy, timeout_s, "the first answer")
+        desk.session.send(QUESTIONS[1])
+        # Mid-conversation: grab while the second answer is still streaming.
+        wait_for(lambda: len(desk.session.model.items[-1].content) >= 110 or not desk.session.busy,
+                 timeout_s, "the second answer to get going")
+        written.append(_save(win.grab(), out / "main-window.png"))
+        theme.apply(app, "dark")
+        settle()
+        written.append(_save(win.grab(), out / "main-window-dark.png"))
+        theme.apply(app, "light")
+        settle()
+        if desk.session.busy:
+            desk.session.stop()
+            wait_for(lambda: not desk.session.busy, timeout_s, "the answer to stop")
+        written.append(_save(desk.gauges.grab(), out / "gauges.png"))
+        panel = SettingsPanel(desk.settings, active=desk.settings.load, has_model=True, parent=win)
+        if desk.client.loaded_event is not None:
+            panel.show_applied(desk.client.loaded_event.applied)
+        panel.resize(960, _full_height(panel, 960))
+        panel.show()
+        settle()
+        written.append(_save(panel.grab(), out / "settings.png"))
+        panel.close()
+    finally:
+        win.close()
+        desk.client.shutdown(wait=True)
+        desk.store.close()
+    return written
+
+
+def _full_height(dialog, width: int) -> int:
+    """The dialog's height with its scrolled content shown whole (for a picture, not for a screen)."""
+    from PySide6.QtWidgets import QScrollArea
+    area = dialog.findChild(QScrollArea)
+    if area is None or area.widget() is None:
+        return dialog.sizeHint().height()
+    content = area.widget()
+    lay = content.layout()
+    inner = lay.totalHeightForWidth(width - 40) if lay is not None and lay.hasHeightForWidth() else content.sizeHint().height()
+    return dialog.sizeHint().height() - area.sizeHint().height() + inner + 2 * area.frameWidth() + 4
+
+
+def _save(pixmap, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not pixmap.save(str(path), "PNG"):
+        raise OSError(f"could not write {path}")
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.screenshots", description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="screenshots", help="folder for the PNGs")
+    parser.add_argument("--model", default=paths.DEMO_ALIAS, help="model to chat with (default: the demo model)")
+    args = parser.parse_args(argv)
+    model = str(paths.resolve_model(args.model))        # resolved before the data dir is redirected
+    if not (Path(model) / "config.json").exists():
+        print(f"error: model {args.model!r} not found at {model}; run `moedesk-cli import-demo` first", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="moedesk-shots-") as home:
+        os.environ["MOEDESK_HOME"] = home
+        for p in shoot(Path(args.out), model):
+            print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

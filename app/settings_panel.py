@@ -1,0 +1,405 @@
+"""The settings dialog, generated from the option dataclasses' metadata (`runtime.options.describe`).
+
+    panel = SettingsPanel(settings, active=client_loaded_options, has_model=True)
+    panel.apply_requested.connect(on_apply)     # (Settings, reload: bool)
+    client.loaded.connect(lambda ev: panel.show_applied(ev.applied))
+    panel.set_draft_compatibility(check)        # check(target_dir, draft_dir) -> None | reason
+    panel.set_target_model(path_of_loaded_model)
+    panel.exec()
+
+Groups: General (`app.settings.AppSettings`), Offload (`OffloadOptions`), Draft (`DraftOptions`), and
+the default sampling for new conversations (`SamplingOptions`, stop strings excepted).
+Each option shows its label, an editor, its one-line description with its default (as a visible
+hint and as a tooltip), and a status: "needs reload" for a changed option whose metadata says
+`reload` (compared with `active`, the options the loaded model runs with), or what the worker
+reported for it in the `loaded` event's `applied` dict ("applied" / "ignored: why").
+"Apply and reload" is offered when a reload is needed and a model is loaded.
+
+The draft-model picker lists folders under `runtime.paths.models_dir()` that validate
+(`runtime.modelfolder.validate` when present, else folders with a config.json). Once a target is
+set (`set_target_model`), each is checked with the vocabulary rule: by default the model hub's
+`app.hub.local.draft_compatibility`; `set_draft_compatibility` replaces it. Unusable models stay
+listed, disabled, with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
+                               QFrame, QGridLayout, QGroupBox, QLabel, QPushButton, QScrollArea, QSpinBox,
+                               QVBoxLayout, QWidget)
+
+from app.settings import AppSettings, Settings
+from runtime import paths
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
+
+# (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
+DraftCompatibility = Callable[[Path, Path], Any]
+
+LABELS = {
+    "app.theme": "Theme", "app.show_gauges": "Show gauges",
+    "offload.vram_budget_gb": "VRAM budget (GB)", "offload.ram_budget_gb": "RAM budget (GB)",
+    "offload.cpu_threads": "CPU threads", "offload.kv_cache": "KV cache",
+    "offload.context_length": "Context length", "offload.placement": "Expert placement",
+    "offload.backend": "Engine",
+    "draft.mode": "Speculative decoding", "draft.model": "Draft model",
+    "draft.draft_tokens": "Draft tokens", "draft.adaptive": "Adaptive draft length",
+    "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
+    "sampling.max_tokens": "Max tokens",
+}
+CHOICE_LABELS = {
+    "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
+    "offload.kv_cache": {"fp16": "FP16", "q8": "Q8", "q6": "Q6", "q4": "Q4"},
+    "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
+    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU reference"},
+    "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
+}
+# Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
+SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
+                "offload.cpu_threads": "All physical cores", "sampling.seed": "Random",
+                "sampling.top_k": "No limit"}
+HIDDEN = {"app.last_model", "sampling.stop"}
+GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions),
+          ("New conversations: sampling", "sampling", SamplingOptions))
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str
+    path: Path
+    problem: Optional[str] = None     # why it cannot be used as a draft; None when it can
+
+
+def list_local_models(models_dir: Optional[Path] = None, target: Optional[Path] = None,
+                      compatible: Optional[DraftCompatibility] = None) -> list[LocalModel]:
+    """Model folders under `models_dir`, each with the reason it cannot serve as a draft (or None)."""
+    root = Path(models_dir) if models_dir is not None else paths.models_dir()
+    try:
+        folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    validate = _validate_function()
+    out = []
+    for folder in folders:
+        problem = None
+        if validate is not None:
+            try:
+                validate(folder)
+            except Exception as e:   # ModelFolderError names the file and the problem
+                problem = str(e).replace(f"{folder}{os.sep}", "")    # the file, relative to its folder
+        elif not (folder / "config.json").is_file():
+            problem = "no config.json"
+        if problem is None and target is not None:
+            if folder.resolve() == Path(target).resolve():
+                problem = "this is the loaded model"
+            elif compatible is not None:
+                problem = _problem(compatible(Path(target), folder))
+        out.append(LocalModel(folder.name, folder, problem))
+    return out
+
+
+def _problem(verdict: Any) -> Optional[str]:
+    """A compatibility verdict as "why not" text: None / "reason" / (ok, reason)."""
+    if isinstance(verdict, tuple):
+        ok, reason = verdict
+        return None if ok else str(reason)
+    return None if verdict is None else str(verdict)
+
+
+def default_draft_compatibility() -> Optional[DraftCompatibility]:
+    """The model hub's rule (same vocabulary size and tokenizer) when that module is present."""
+    try:
+        from app.hub.local import draft_compatibility
+    except ImportError:
+        return None
+    return draft_compatibility
+
+
+def _validate_function() -> Optional[Callable[[Path], Any]]:
+    """`runtime.modelfolder.validate` when that module is present, else None (config.json rule)."""
+    try:
+        from runtime.modelfolder import validate
+    except ImportError:
+        return None
+    return validate
+
+
+def _fmt(path: str, value: Any) -> str:
+    if value is None:
+        return SPECIAL_TEXT.get(path, "none")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if path in SPECIAL_TEXT and value == 0:
+        return SPECIAL_TEXT[path]
+    return CHOICE_LABELS.get(path, {}).get(value, str(value))
+
+
+def _status_style(text: str) -> str:
+    """Colours readable on light and dark themes: changes stand out, engine reports stay quiet."""
+    if text in ("needs reload", "used at next load"):
+        return "color: #d9822b; font-weight: bold;"
+    if text == "applied":
+        return "color: #3c9a5f;"
+    return "color: gray; font-style: italic;" if text else ""
+
+
+class _Field:
+    """One option's row: editor, status and hint, and how to read and write its value."""
+
+    def __init__(self, path: str, tp: Any, default: Any, meta: dict, on_change: Callable[[], None]):
+        self.path, self.default, self.meta = path, default, meta
+        self.reload = bool(meta.get("reload"))
+        self.optional = type(None) in typing.get_args(tp)
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if self.optional else tp
+        self.label = QLabel(LABELS.get(path, path.split(".")[-1].replace("_", " ").capitalize()))
+        self.status = QLabel("")
+        self.status.setObjectName("optionStatus")
+        hint = f"{meta.get('help', '')} Default: {_fmt(path, default)}."
+        self.hint = QLabel(hint)
+        self.hint.setWordWrap(True)
+        self.hint.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.editor = self._make_editor(base, meta, on_change)
+        for w in (self.label, self.editor, self.hint):
+            w.setToolTip(hint)
+
+    def _make_editor(self, base: Any, meta: dict, on_change: Callable[[], None]) -> QWidget:
+        if path_is_model(self.path):
+            ed = QComboBox()
+            ed.currentIndexChanged.connect(on_change)
+        elif meta.get("choices"):
+            ed = QComboBox()
+            for c in meta["choices"]:
+                ed.addItem(CHOICE_LABELS.get(self.path, {}).get(c, c), c)
+            ed.currentIndexChanged.connect(on_change)
+        elif base is bool:
+            ed = QCheckBox()
+            ed.toggled.connect(on_change)
+        elif base is int:
+            ed = QSpinBox()
+            lo = int(meta["min"]) if meta.get("min") is not None else 0
+            ed.setRange(lo - 1 if self.optional else lo, int(meta["max"]) if meta.get("max") is not None else 1 << 24)
+            ed.valueChanged.connect(on_change)
+        elif base is float:
+            ed = QDoubleSpinBox()
+            fine = meta.get("max") is not None and meta["max"] <= 5      # probabilities, temperature
+            ed.setDecimals(2 if fine else 1)
+            ed.setSingleStep(0.05 if fine else 0.5)
+            lo = float(meta["min"]) if meta.get("min") is not None else 0.0
+            ed.setRange(lo - 0.5 if self.optional else lo, float(meta["max"]) if meta.get("max") is not None else 4096.0)
+            ed.valueChanged.connect(on_change)
+        else:
+            raise TypeError(f"{self.path}: no editor for options of type {base!r}")
+        if isinstance(ed, (QSpinBox, QDoubleSpinBox)) and self.path in SPECIAL_TEXT:
+            ed.setSpecialValueText(SPECIAL_TEXT[self.path])
+        return ed
+
+    def value(self) -> Any:
+        ed = self.editor
+        if isinstance(ed, QComboBox):
+            return ed.currentData()
+        if isinstance(ed, QCheckBox):
+            return ed.isChecked()
+        v = ed.value()
+        if self.optional and v <= ed.minimum():
+            return None
+        lo = self.meta.get("min")
+        return max(v, type(v)(lo)) if lo is not None else v   # typed values below the minimum
+
+    def set_value(self, value: Any) -> None:
+        ed = self.editor
+        if isinstance(ed, QComboBox):
+            i = ed.findData(value)
+            if i < 0:     # a saved draft model that is gone: keep it visible, marked
+                ed.addItem(f"{value} (not found)", value)
+                i = ed.count() - 1
+            ed.setCurrentIndex(i)
+        elif isinstance(ed, QCheckBox):
+            ed.setChecked(bool(value))
+        else:
+            ed.setValue(ed.minimum() if value is None else value)
+
+
+def path_is_model(path: str) -> bool:
+    return path == "draft.model"
+
+
+class SettingsPanel(QDialog):
+    apply_requested = Signal(object, bool)   # (Settings, reload)
+
+    def __init__(self, settings: Settings, active: Optional[LoadOptions] = None, has_model: bool = False,
+                 parent: Optional[QWidget] = None, models_dir: Optional[Path] = None):
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self._base = settings
+        self._active = active if active is not None else settings.load
+        self._has_model = has_model
+        self._models_dir = models_dir
+        self._target: Optional[Path] = None
+        self._compatible: Optional[DraftCompatibility] = default_draft_compatibility()
+        self._applied: dict[str, str] = {}
+        self._loading = True
+        self.fields: dict[str, _Field] = {}
+        lay = QVBoxLayout(self)
+        body = QWidget()
+        body_lay = QVBoxLayout(body)
+        for title, key, cls in GROUPS:
+            body_lay.addWidget(self._group(title, key, cls))
+        body_lay.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(body)
+        lay.addWidget(scroll)
+        self.resize(760, 640)
+        self.applied_note = QLabel("")
+        self.applied_note.setWordWrap(True)
+        lay.addWidget(self.applied_note)
+        buttons = QDialogButtonBox()
+        self.reload_button = QPushButton("Apply and reload")
+        self.apply_button = QPushButton("Apply")
+        self.defaults_button = QPushButton("Restore defaults")
+        buttons.addButton(self.reload_button, QDialogButtonBox.ButtonRole.AcceptRole)
+        buttons.addButton(self.apply_button, QDialogButtonBox.ButtonRole.AcceptRole)
+        buttons.addButton(self.defaults_button, QDialogButtonBox.ButtonRole.ResetRole)
+        buttons.addButton(QDialogButtonBox.StandardButton.Cancel)
+        self.reload_button.clicked.connect(lambda: self._apply(reload=True))
+        self.apply_button.clicked.connect(lambda: self._apply(reload=False))
+        self.defaults_button.clicked.connect(lambda: self.set_settings(Settings()))
+        buttons.rejected.connect(self.reject)
+        lay.addWidget(buttons)
+        self.refresh_models()
+        self.set_settings(settings)
+
+    def _group(self, title: str, key: str, cls: type) -> QGroupBox:
+        box = QGroupBox(title)
+        grid = QGridLayout(box)
+        hints = typing.get_type_hints(cls)
+        row = 0
+        for name, default, meta in describe(cls):
+            path = f"{key}.{name}"
+            if path in HIDDEN:
+                continue
+            f = self.fields[path] = _Field(path, hints[name], default, meta, self._on_changed)
+            grid.addWidget(f.label, row, 0)
+            grid.addWidget(f.editor, row, 1)
+            grid.addWidget(f.status, row, 2)
+            grid.addWidget(f.hint, row + 1, 1, 1, 2)
+            row += 2
+        return box
+
+    # -- public -------------------------------------------------------------------------------
+    def set_settings(self, settings: Settings) -> None:
+        self._loading = True
+        for path, f in self.fields.items():
+            group, name = path.split(".")
+            f.set_value(getattr(self._section(settings, group), name))
+        self._loading = False
+        self._on_changed()
+
+    def settings(self) -> Settings:
+        """The edited settings (validated by the dataclasses' types and the editors' ranges)."""
+        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}, "sampling": {}}
+        for path, f in self.fields.items():
+            group, name = path.split(".")
+            groups[group][name] = f.value()
+        base = self._base
+        load = LoadOptions(offload=dataclasses.replace(base.load.offload, **groups["offload"]),
+                           draft=dataclasses.replace(base.load.draft, **groups["draft"]))
+        return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load,
+                                   sampling=dataclasses.replace(base.sampling, **groups["sampling"]))
+
+    def needs_reload(self) -> list[str]:
+        """Paths of changed options that take effect only after the model is reloaded."""
+        out = []
+        for path, f in self.fields.items():
+            group, name = path.split(".")
+            if f.reload and group in ("offload", "draft") and f.value() != getattr(self._section_load(self._active, group), name):
+                out.append(path)
+        return out
+
+    def set_active(self, active: LoadOptions, has_model: bool = True) -> None:
+        self._active, self._has_model = active, has_model
+        self._on_changed()
+
+    def show_applied(self, applied: dict[str, str]) -> None:
+        """What the worker did with each option (the `loaded` event's `applied` dict)."""
+        self._applied = dict(applied)
+        known = {p for p in self.fields} | {p.split(".", 1)[1] for p in self.fields}
+        others = [f"{k}: {v}" for k, v in sorted(applied.items()) if k not in known]
+        self.applied_note.setText(("Engine also reported — " + "; ".join(others)) if others else "")
+        self._on_changed()
+
+    def set_draft_compatibility(self, check: Optional[DraftCompatibility]) -> None:
+        self._compatible = check
+        self.refresh_models()
+
+    def set_target_model(self, path: Optional[Path]) -> None:
+        self._target = Path(path) if path is not None else None
+        self.refresh_models()
+
+    def refresh_models(self) -> None:
+        """Re-list the local models for the draft picker; unusable ones are shown disabled with the reason."""
+        f = self.fields["draft.model"]
+        combo: QComboBox = f.editor  # type: ignore[assignment]
+        current = f.value() if combo.count() else None
+        was_loading, self._loading = self._loading, True
+        combo.clear()
+        combo.addItem("(none)", None)
+        for m in list_local_models(self._models_dir, self._target, self._compatible):
+            combo.addItem(m.name if m.problem is None else f"{m.name} — {m.problem}", m.name)
+            item = combo.model().item(combo.count() - 1)
+            if m.problem is not None:
+                item.setEnabled(False)
+                item.setToolTip(m.problem)
+        f.set_value(current)
+        self._loading = was_loading
+        if not was_loading:
+            self._on_changed()
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _section(settings: Settings, group: str) -> Any:
+        if group in ("app", "sampling"):
+            return getattr(settings, group)
+        return SettingsPanel._section_load(settings.load, group)
+
+    @staticmethod
+    def _section_load(load: LoadOptions, group: str) -> Any:
+        return load.offload if group == "offload" else load.draft
+
+    def _on_changed(self, *_: Any) -> None:
+        if self._loading:
+            return
+        reload = set(self.needs_reload())
+        for path, f in self.fields.items():
+            text = self._status_text(path, f, path in reload)
+            f.status.setText(text)
+            f.status.setStyleSheet(_status_style(text))
+        mode = self.fields["draft.mode"].value()
+        self.fields["draft.model"].editor.setEnabled(mode == "model")
+        for p in ("draft.draft_tokens", "draft.adaptive"):
+            self.fields[p].editor.setEnabled(mode != "off")
+        missing = mode == "model" and self.fields["draft.model"].value() is None
+        if missing:
+            self.fields["draft.model"].status.setText("choose a draft model")
+            self.fields["draft.model"].status.setStyleSheet(_status_style("needs reload"))
+        self.apply_button.setEnabled(not missing)
+        self.reload_button.setEnabled(bool(reload) and self._has_model and not missing)
+        self.reload_button.setVisible(self._has_model)
+
+    def _status_text(self, path: str, f: _Field, needs_reload: bool) -> str:
+        if needs_reload:
+            return "needs reload" if self._has_model else "used at next load"
+        reported = self._applied.get(path, self._applied.get(path.split(".", 1)[1]))
+        return reported or ""
+
+    def _apply(self, reload: bool) -> None:
+        self.apply_requested.emit(self.settings(), reload and bool(self.needs_reload()))
+        self.accept()

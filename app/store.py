@@ -1,0 +1,443 @@
+"""Conversations in SQLite: never lost, shared safely between app instances.
+
+One database file in `runtime.paths.data_dir()`. WAL journal and a busy timeout, so two instances of
+the app (or the app and a backup tool) can read while one writes; every write is one short
+`BEGIN IMMEDIATE` transaction. The schema is versioned (`schema_version` table); `MIGRATIONS` brings
+any older file up to `SCHEMA_VERSION` in one transaction, so an upgrade never half-applies.
+
+Assistant text is written while it streams (`update_message`, called by the chat session on a timer),
+so a crash of the app or of the worker loses at most the last flush interval.
+
+Search uses an FTS5 index over message text when SQLite has FTS5 and falls back to LIKE otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from runtime import paths
+from runtime.options import OptionError, SamplingOptions, from_dict, to_dict
+from runtime.protocol import DraftStats, GenerationStats
+
+DB_NAME = "conversations.sqlite3"
+SCHEMA_VERSION = 2
+BUSY_TIMEOUT_MS = 10_000
+STATES = ("streaming", "done", "error", "cancelled")
+ROLES = ("system", "user", "assistant")
+
+
+class StoreError(RuntimeError):
+    """The database cannot be used: names the file and what is wrong."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    created: float
+    updated: float
+    model: str = ""
+    system_prompt: str = ""
+    sampling: Optional[SamplingOptions] = None   # None: the app's defaults
+    preset: str = ""                             # name of the preset the settings came from
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    role: str                    # "system" | "user" | "assistant"
+    content: str
+    created: float
+    model: str = ""
+    state: str = "done"          # "streaming" | "done" | "error" | "cancelled"
+    stats: Optional[GenerationStats] = None
+    error: str = ""              # what went wrong, in words, when state is "error"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    system_prompt: str
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    conversation_id: int
+    title: str
+    snippet: str                 # where the text matched ("" when only the title matched)
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema and migrations. Each step takes the database from version N-1 to N; never edit a
+# released step, add a new one.
+
+def _v1(fts: bool) -> list[str]:
+    steps = [
+        """CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL,
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            model TEXT NOT NULL DEFAULT '')""",
+        # AUTOINCREMENT: ids are never reused, so a regenerated answer is a new message everywhere.
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            created REAL NOT NULL,
+            model TEXT NOT NULL DEFAULT '',
+            state TEXT NOT NULL DEFAULT 'done' CHECK (state IN ('streaming', 'done', 'error', 'cancelled')),
+            stats TEXT,
+            error TEXT NOT NULL DEFAULT '')""",
+        "CREATE INDEX messages_by_conversation ON messages(conversation_id, id)",
+    ]
+    if fts:
+        steps += [
+            "CREATE VIRTUAL TABLE messages_fts USING fts5(content, content='messages', content_rowid='id')",
+            """CREATE TRIGGER messages_ai AFTER INSERT ON messages BEGIN
+                INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+            END""",
+            """CREATE TRIGGER messages_ad AFTER DELETE ON messages BEGIN
+                INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+            END""",
+            """CREATE TRIGGER messages_au AFTER UPDATE OF content ON messages BEGIN
+                INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+                INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+            END""",
+        ]
+    return steps
+
+
+def _v2(fts: bool) -> list[str]:
+    """Per-conversation system prompt and sampling, and named presets of both."""
+    return [
+        "ALTER TABLE conversations ADD COLUMN system_prompt TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE conversations ADD COLUMN sampling TEXT",
+        "ALTER TABLE conversations ADD COLUMN preset TEXT NOT NULL DEFAULT ''",
+        """CREATE TABLE presets (
+            name TEXT PRIMARY KEY,
+            system_prompt TEXT NOT NULL DEFAULT '',
+            sampling TEXT NOT NULL,
+            updated REAL NOT NULL)""",
+    ]
+
+
+# Each step: the SQL statements (run in one transaction with the version bump) for one version.
+MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2}
+
+
+def fts5_available() -> bool:
+    try:
+        sqlite3.connect(":memory:").execute("CREATE VIRTUAL TABLE t USING fts5(x)")
+        return True
+    except sqlite3.OperationalError:
+        return False
+
+
+def default_path() -> Path:
+    return paths.data_dir() / DB_NAME
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Store:
+    """All reads and writes of conversations. Only the GUI thread uses one instance."""
+
+    def __init__(self, path: Optional[Path] = None, *, target_version: int = SCHEMA_VERSION,
+                 use_fts: Optional[bool] = None):
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self.db.execute("PRAGMA foreign_keys = ON")
+            self.db.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.DatabaseError as e:
+            raise StoreError(self.path, f"not a usable SQLite database ({e})") from None
+        if mode.lower() != "wal":
+            raise StoreError(self.path, f"could not switch to WAL journal (got {mode!r})")
+        self._migrate(target_version, fts5_available() if use_fts is None else use_fts)
+        self.fts = self._has_table("messages_fts")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- migrations -----------------------------------------------------------------------------
+    def version(self) -> int:
+        if not self._has_table("schema_version"):
+            return 0
+        row = self.db.execute("SELECT version FROM schema_version").fetchone()
+        return row[0] if row else 0
+
+    def _migrate(self, target: int, fts: bool) -> None:
+        with self._write():
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            current = self.version()
+            if current > SCHEMA_VERSION:
+                raise StoreError(self.path, f"schema version {current} is newer than this app "
+                                            f"understands ({SCHEMA_VERSION}); update MoE Desk")
+            for v in range(current + 1, target + 1):
+                for statement in MIGRATIONS[v](fts):
+                    self.db.execute(statement)
+            if target > current:
+                self.db.execute("DELETE FROM schema_version")
+                self.db.execute("INSERT INTO schema_version VALUES (?)", (target,))
+
+    def _has_table(self, name: str) -> bool:
+        return self.db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
+
+    def _write(self):
+        return _Immediate(self.db)
+
+    # -- conversations --------------------------------------------------------------------------
+    def create_conversation(self, title: str = "New chat", model: str = "", system_prompt: str = "",
+                            sampling: Optional[SamplingOptions] = None, preset: str = "") -> Conversation:
+        now = time.time()
+        with self._write():
+            cur = self.db.execute(
+                "INSERT INTO conversations (title, created, updated, model, system_prompt, sampling, preset)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (title, now, now, model, system_prompt, _sampling_json(sampling), preset))
+        return self.conversation(cur.lastrowid)
+
+    def conversation(self, conversation_id: int) -> Conversation:
+        row = self.db.execute(f"SELECT {_CONV_COLS} FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no conversation {conversation_id}")
+        return _conversation(row)
+
+    def conversations(self) -> list[Conversation]:
+        """Most recently updated first."""
+        rows = self.db.execute(f"SELECT {_CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC")
+        return [_conversation(r) for r in rows]
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        title = title.strip()
+        if not title:
+            raise ValueError("a conversation title cannot be empty")
+        with self._write():
+            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def set_conversation_settings(self, conversation_id: int, system_prompt: str,
+                                  sampling: Optional[SamplingOptions], preset: str = "") -> None:
+        with self._write():
+            self.db.execute("UPDATE conversations SET system_prompt = ?, sampling = ?, preset = ? WHERE id = ?",
+                            (system_prompt, _sampling_json(sampling), preset, conversation_id))
+
+    def set_conversation_model(self, conversation_id: int, model: str) -> None:
+        with self._write():
+            self.db.execute("UPDATE conversations SET model = ? WHERE id = ?", (model, conversation_id))
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        with self._write():
+            self.db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
+            self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # -- messages -------------------------------------------------------------------------------
+    def add_message(self, conversation_id: int, role: str, content: str, *, model: str = "",
+                    state: str = "done") -> Message:
+        if role not in ROLES:
+            raise ValueError(f"message role {role!r} is not one of {', '.join(ROLES)}")
+        if state not in STATES:
+            raise ValueError(f"message state {state!r} is not one of {', '.join(STATES)}")
+        now = time.time()
+        with self._write():
+            cur = self.db.execute(
+                "INSERT INTO messages (conversation_id, role, content, created, model, state) VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, now, model, state))
+            self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return self.message(cur.lastrowid)
+
+    def update_message(self, message_id: int, *, content: Optional[str] = None, state: Optional[str] = None,
+                       stats: Optional[GenerationStats] = None, error: Optional[str] = None) -> None:
+        """Change what is given; used for the streaming flushes and for the final state."""
+        sets, args = [], []
+        if content is not None:
+            sets.append("content = ?"); args.append(content)
+        if state is not None:
+            if state not in STATES:
+                raise ValueError(f"message state {state!r} is not one of {', '.join(STATES)}")
+            sets.append("state = ?"); args.append(state)
+        if stats is not None:
+            sets.append("stats = ?"); args.append(json.dumps(dataclasses.asdict(stats)))
+        if error is not None:
+            sets.append("error = ?"); args.append(error)
+        if not sets:
+            return
+        with self._write():
+            self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*args, message_id))
+
+    def message(self, message_id: int) -> Message:
+        row = self.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no message {message_id}")
+        return _message(row)
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id",
+                               (conversation_id,))
+        return [_message(r) for r in rows]
+
+    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
+        """Delete a message and every later one of its conversation (regenerate, edit-and-resend)."""
+        with self._write():
+            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+
+    def mark_interrupted(self, reason: str) -> int:
+        """Messages left 'streaming' by a crashed instance become errors that keep their text."""
+        with self._write():
+            cur = self.db.execute("UPDATE messages SET state = 'error', error = ? WHERE state = 'streaming'", (reason,))
+        return cur.rowcount
+
+    # -- search ---------------------------------------------------------------------------------
+    def search(self, text: str, limit: int = 100) -> list[SearchHit]:
+        """Conversations whose title or message text contains every word of `text`."""
+        words = text.split()
+        if not words:
+            return []
+        hits: dict[int, SearchHit] = {}
+        like = [f"%{_like_escape(w)}%" for w in words]
+        title_sql = " AND ".join("title LIKE ? ESCAPE '\\'" for _ in words)
+        for cid, title in self.db.execute(f"SELECT id, title FROM conversations WHERE {title_sql} ORDER BY updated DESC", like):
+            hits[cid] = SearchHit(cid, title, "")
+        if self.fts:
+            query = " ".join('"' + w.replace('"', '""') + '"*' for w in words)
+            rows = self.db.execute(
+                "SELECT c.id, c.title, snippet(messages_fts, 0, '[', ']', '…', 12) FROM messages_fts"
+                " JOIN messages m ON m.id = messages_fts.rowid JOIN conversations c ON c.id = m.conversation_id"
+                " WHERE messages_fts MATCH ? ORDER BY c.updated DESC LIMIT ?", (query, limit * 5))
+        else:
+            content_sql = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in words)
+            rows = self.db.execute(
+                f"SELECT c.id, c.title, m.content FROM messages m JOIN conversations c ON c.id = m.conversation_id"
+                f" WHERE {content_sql} ORDER BY c.updated DESC LIMIT ?", (*like, limit * 5))
+            rows = [(cid, title, _snippet(content, words[0])) for cid, title, content in rows]
+        for cid, title, snip in rows:
+            if cid not in hits or not hits[cid].snippet:
+                hits[cid] = SearchHit(cid, title, snip)
+        return list(hits.values())[:limit]
+
+    # -- presets --------------------------------------------------------------------------------
+    def save_preset(self, name: str, system_prompt: str, sampling: SamplingOptions) -> Preset:
+        name = name.strip()
+        if not name:
+            raise ValueError("a preset needs a name")
+        with self._write():
+            self.db.execute("INSERT OR REPLACE INTO presets (name, system_prompt, sampling, updated) VALUES (?, ?, ?, ?)",
+                            (name, system_prompt, _sampling_json(sampling), time.time()))
+        return Preset(name, system_prompt, sampling)
+
+    def presets(self) -> list[Preset]:
+        rows = self.db.execute("SELECT name, system_prompt, sampling FROM presets ORDER BY name COLLATE NOCASE")
+        return [Preset(n, sp, _sampling_from(s) or SamplingOptions()) for n, sp, s in rows]
+
+    def delete_preset(self, name: str) -> None:
+        with self._write():
+            self.db.execute("DELETE FROM presets WHERE name = ?", (name,))
+
+    # -- export ---------------------------------------------------------------------------------
+    def export_markdown(self, conversation_id: int) -> str:
+        conv = self.conversation(conversation_id)
+        out = [f"# {conv.title}", ""]
+        if conv.system_prompt:
+            out += ["**System prompt**", "", conv.system_prompt, ""]
+        names = {"user": "You", "assistant": "Assistant", "system": "System"}
+        for m in self.messages(conversation_id):
+            who = names[m.role] + (f" ({m.model})" if m.model and m.role == "assistant" else "")
+            out += [f"## {who}", "", m.content, ""]
+            if m.state == "error":
+                out += [f"> Interrupted: {m.error}", ""]
+        return "\n".join(out).rstrip() + "\n"
+
+    def export_json(self, conversation_id: int) -> str:
+        conv = self.conversation(conversation_id)
+        data = {
+            "title": conv.title, "created": conv.created, "updated": conv.updated, "model": conv.model,
+            "system_prompt": conv.system_prompt,
+            "sampling": to_dict(conv.sampling) if conv.sampling else None,
+            "messages": [{"role": m.role, "content": m.content, "created": m.created, "model": m.model,
+                          "state": m.state, "error": m.error,
+                          "stats": dataclasses.asdict(m.stats) if m.stats else None}
+                         for m in self.messages(conversation_id)],
+        }
+        return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+class _Immediate:
+    """`with` block running one BEGIN IMMEDIATE ... COMMIT transaction (ROLLBACK on error)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb):
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        return False
+
+
+_CONV_COLS = "id, title, created, updated, model, system_prompt, sampling, preset"
+_MSG_COLS = "id, conversation_id, role, content, created, model, state, stats, error"
+
+
+def _conversation(row: tuple) -> Conversation:
+    cid, title, created, updated, model, sp, sampling, preset = row
+    return Conversation(cid, title, created, updated, model, sp, _sampling_from(sampling), preset)
+
+
+def _message(row: tuple) -> Message:
+    mid, cid, role, content, created, model, state, stats, error = row
+    return Message(mid, cid, role, content, created, model, state, _stats_from(stats), error)
+
+
+def _sampling_json(s: Optional[SamplingOptions]) -> Optional[str]:
+    return json.dumps(to_dict(s)) if s is not None else None
+
+
+def _sampling_from(text: Optional[str]) -> Optional[SamplingOptions]:
+    if not text:
+        return None
+    try:
+        return from_dict(SamplingOptions, json.loads(text), "sampling")
+    except (ValueError, OptionError):
+        return None     # a hand-edited or older value: the app's defaults apply
+
+
+def _stats_from(text: Optional[str]) -> Optional[GenerationStats]:
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+        draft = DraftStats(**d.pop("draft")) if d.get("draft") else None
+        d.pop("draft", None)
+        return GenerationStats(**d, draft=draft)
+    except (ValueError, TypeError):
+        return None
+
+
+def _like_escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _snippet(content: str, word: str, width: int = 60) -> str:
+    i = content.lower().find(word.lower())
+    if i < 0:
+        return content[:width]
+    start = max(0, i - width // 2)
+    return ("…" if start else "") + content[start:i] + "[" + content[i:i + len(word)] + "]" + content[i + len(word):i + width // 2] + "…"
+

@@ -1,0 +1,298 @@
+"""The main window: conversation list | engine banner, chat, gauges.
+
+The window knows the chat session and the store, never the engine process: it shows engine events
+through its `on_*` slots and asks for engine work through `restart_requested`. `app/main.py` wires
+both to the engine client.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (QDialog, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QInputDialog, QLabel,
+                               QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QSplitter,
+                               QVBoxLayout, QWidget)
+
+from app.chat.conversations import ConversationList
+from app.chat.panel import ChatPanel
+from app.chat.session import ChatSession
+from app.chat.settings_dialog import ConversationSettingsDialog
+from app.store import Store
+from runtime.protocol import Loaded, Progress, Ready, WorkerError
+
+STDERR_SHOWN = 12
+
+
+class EngineBanner(QFrame):
+    """The engine's state in words: what runs where, load progress, and errors with a Restart."""
+    restart_requested = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.headline = QLabel("Starting the engine…")
+        self.headline.setWordWrap(True)
+        bold = self.headline.font()
+        bold.setBold(True)
+        self.headline.setFont(bold)
+        self.headline.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.detail = QLabel()
+        self.detail.setWordWrap(True)
+        self.detail.setEnabled(False)
+        self.progress = QProgressBar(maximumHeight=14, textVisible=False)
+        self.progress.setVisible(False)
+        self.log = QPlainTextEdit(readOnly=True, maximumHeight=150)
+        self.log.setVisible(False)
+        f = self.log.font()
+        f.setFamily("monospace")
+        f.setStyleHint(f.StyleHint.Monospace)
+        self.log.setFont(f)
+        self.restart = QPushButton("Restart engine", toolTip="Start a fresh engine process and reload the last model")
+        self.restart.clicked.connect(self.restart_requested)
+        self.restart.setVisible(False)
+        top = QHBoxLayout()
+        top.addWidget(self.headline, 1)
+        top.addWidget(self.restart)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 4)
+        lay.addLayout(top)
+        lay.addWidget(self.detail)
+        lay.addWidget(self.progress)
+        lay.addWidget(self.log)
+        self.kind = "info"
+
+    def show_state(self, headline: str, detail: str = "", kind: str = "info",
+                   lines: Optional[list[str]] = None) -> None:
+        """kind: "info" | "busy" (progress bar) | "error" (red, Restart, stderr lines)."""
+        self.kind = kind
+        self.headline.setText(headline)
+        self.detail.setText(detail)
+        self.detail.setVisible(bool(detail))
+        self.progress.setVisible(kind == "busy")
+        if kind == "busy":
+            self.progress.setRange(0, 0)
+        self.restart.setVisible(kind == "error")
+        self.log.setVisible(bool(lines))
+        if lines:
+            self.log.setPlainText("\n".join(lines[-STDERR_SHOWN:]))
+        # Colour only for errors: a style sheet would pin the palette and miss a theme change.
+        self.setStyleSheet("EngineBanner { border: 1px solid #d1242f; }" if kind == "error" else "")
+        self.headline.setStyleSheet("color: #d1242f;" if kind == "error" else "")
+
+    def set_progress(self, done: int, total: int) -> None:
+        if total > 0:
+            self.progress.setRange(0, total)
+            self.progress.setValue(done)
+        else:
+            self.progress.setRange(0, 0)
+
+
+class MainWindow(QMainWindow):
+    restart_requested = Signal()
+    settings_requested = Signal()
+    models_requested = Signal()
+
+    def __init__(self, store: Store, session: ChatSession, gauges: Optional[QWidget] = None, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("MoE Desk")
+        self.store, self.session = store, session
+        self.confirm: Callable[[str, str], bool] = self._ask     # tests replace the dialogs
+        self.conversations = ConversationList(store)
+        self.banner = EngineBanner()
+        self.chat = ChatPanel(session)
+        self.ready: Optional[Ready] = None
+        self.loaded: Optional[Loaded] = None
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.setSpacing(0)
+        rl.addWidget(self.banner)
+        rl.addWidget(self.chat, 1)
+        split = QSplitter()
+        split.addWidget(self.conversations)
+        split.addWidget(right)
+        split.setStretchFactor(1, 1)
+        split.setSizes([260, 900])
+        self.setCentralWidget(split)
+        self.gauges_dock: Optional[QDockWidget] = None
+        if gauges is not None:
+            self.gauges_dock = QDockWidget("Gauges", self, objectName="gauges")
+            self.gauges_dock.setWidget(gauges)
+            self.gauges_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetClosable
+                                         | QDockWidget.DockWidgetFeature.DockWidgetMovable)
+            self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.gauges_dock)
+
+        self.conversations.new_requested.connect(self.new_chat)
+        self.conversations.open_requested.connect(session.open)
+        self.conversations.rename_requested.connect(self.rename_chat)
+        self.conversations.delete_requested.connect(self.delete_chat)
+        self.conversations.export_requested.connect(self.export_chat)
+        self.banner.restart_requested.connect(self.restart_requested)
+        self.chat.settings_requested.connect(self.edit_chat_settings)
+        self.chat.view.copied.connect(lambda words: self.statusBar().showMessage(words, 2000))
+        session.conversations_changed.connect(self._refresh_list)
+        session.conversation_changed.connect(self._on_conversation)
+        session.notice.connect(lambda words: self.statusBar().showMessage(words, 5000))
+        self._actions()
+        self.resize(1200, 800)
+
+    # -- menus and shortcuts --------------------------------------------------------------------
+    def _actions(self) -> None:
+        def act(menu, text, slot, shortcut=None, tip=""):
+            a = QAction(text, self, statusTip=tip)
+            if shortcut:
+                a.setShortcut(QKeySequence(shortcut))
+            a.triggered.connect(slot)
+            menu.addAction(a)
+            self.addAction(a)
+            return a
+
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        self.new_action = act(file, "&New chat", self.new_chat, QKeySequence.StandardKey.New)
+        act(file, "Export as &Markdown…", lambda: self._export_current("md"))
+        act(file, "Export as &JSON…", lambda: self._export_current("json"))
+        file.addSeparator()
+        act(file, "&Quit", self.close, QKeySequence.StandardKey.Quit)
+        chat = bar.addMenu("&Chat")
+        self.stop_action = act(chat, "&Stop", self.chat.escape, "Esc", "Stop the answer")
+        act(chat, "&Regenerate", lambda: self.session.regenerate(), "Ctrl+R")
+        act(chat, "S&earch chats", self.focus_search, QKeySequence.StandardKey.Find)
+        act(chat, "Re&name chat…", lambda: self._current(self.rename_chat), "F2")
+        act(chat, "&Delete chat…", lambda: self._current(self.delete_chat))
+        act(chat, "Chat se&ttings…", self.edit_chat_settings, "Ctrl+Shift+P")
+        engine = bar.addMenu("&Engine")
+        act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
+        act(engine, "&Restart engine", self.restart_requested.emit)
+        act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
+        if self.gauges_dock is not None:
+            bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
+
+    def focus_search(self) -> None:
+        self.conversations.search.setFocus()
+        self.conversations.search.selectAll()
+
+    def _current(self, fn) -> None:
+        if self.session.conversation is not None:
+            fn(self.session.conversation.id)
+
+    # -- conversations --------------------------------------------------------------------------
+    def new_chat(self) -> None:
+        self.session.new_conversation()
+        self.conversations.select(None)
+        self.chat.input.setFocus()
+
+    def rename_chat(self, conversation_id: int) -> None:
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:",
+                                         text=self.store.conversation(conversation_id).title)
+        if ok and title.strip():
+            self.session.rename(conversation_id, title)
+
+    def delete_chat(self, conversation_id: int) -> None:
+        title = self.store.conversation(conversation_id).title
+        if self.confirm("Delete chat", f"Delete “{title}” and all its messages? This cannot be undone."):
+            self.session.delete(conversation_id)
+
+    def export_chat(self, conversation_id: int, fmt: str, path: Optional[Path] = None) -> Optional[Path]:
+        conv = self.store.conversation(conversation_id)
+        if path is None:
+            safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "chat"
+            name, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{safe}.{fmt}",
+                                                  "Markdown (*.md)" if fmt == "md" else "JSON (*.json)")
+            if not name:
+                return None
+            path = Path(name)
+        text = self.store.export_markdown(conversation_id) if fmt == "md" else self.store.export_json(conversation_id)
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as e:
+            QMessageBox.warning(self, "Export failed", f"Could not write {path}: {e.strerror or e}")
+            return None
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+        return path
+
+    def _export_current(self, fmt: str) -> None:
+        if self.session.conversation is not None:
+            self.export_chat(self.session.conversation.id, fmt)
+
+    def edit_chat_settings(self) -> None:
+        conv = self.session.conversation
+        dlg = ConversationSettingsDialog(self.store, conv.system_prompt if conv else "", self.session.sampling(),
+                                         conv.preset if conv else "", self.session.default_sampling, self)
+        if dlg.exec() == QDialog.DialogCode.Accepted:
+            prompt, sampling, preset = dlg.result_values()
+            self.session.set_settings(prompt, sampling, preset)
+
+    def _refresh_list(self) -> None:
+        conv = self.session.conversation
+        self.conversations.refresh(select=conv.id if conv else None)
+
+    def _on_conversation(self, conv) -> None:
+        self.setWindowTitle(f"{conv.title} — MoE Desk" if conv else "MoE Desk")
+        self.conversations.select(conv.id if conv else None)
+
+    def _ask(self, title: str, question: str) -> bool:
+        return QMessageBox.question(self, title, question) == QMessageBox.StandardButton.Yes
+
+    # -- the engine, in words -------------------------------------------------------------------
+    def engine_words(self) -> str:
+        r = self.ready
+        if r is None:
+            return "Engine starting"
+        if r.engine == "cpu":
+            return "CPU reference engine — no NVIDIA GPU"
+        return f"GPU engine on {r.device}"
+
+    def on_engine_state(self, state: str) -> None:
+        ready = state in ("idle", "generating") and self.loaded is not None
+        self.chat.set_engine_ready(ready)
+        if state == "starting":
+            self.banner.show_state("Starting the engine…", kind="busy")
+        elif state == "idle" and self.loaded is None and self.banner.kind != "error":
+            self.banner.show_state(self.engine_words(), "No model loaded: pick one in Engine → Models… (Ctrl+M).")
+
+    def on_ready(self, ev: Ready) -> None:
+        self.ready = ev
+        self.loaded = None
+        self.banner.show_state(self.engine_words(), ev.engine_note)
+
+    def on_progress(self, ev: Progress) -> None:
+        self.banner.show_state(f"{self.engine_words()} — loading", ev.message, kind="busy")
+        self.banner.set_progress(ev.done, ev.total)
+
+    def on_loaded(self, ev: Loaded) -> None:
+        self.loaded = ev
+        self.session.model_name = ev.model
+        self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
+                               f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
+        self.chat.set_engine_ready(True)
+
+    def on_engine_error(self, request_id: str, err: WorkerError) -> None:
+        if self.session.issued(request_id):      # shown on the answer itself
+            self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
+            return
+        lines = err.detail.splitlines() if err.detail else None
+        self.banner.show_state(err.message, f"Error code: {err.code}", kind="error", lines=lines)
+
+    def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
+        self.loaded = None
+        self.chat.set_engine_ready(False)
+        kept = " The conversation and the partial answer are saved." if self.session.conversation else ""
+        self.banner.show_state(words, "Restart reloads the last model." + kept, kind="error",
+                               lines=stderr_lines or ["(the engine wrote nothing to its error log)"])
+
+    # -- window state ---------------------------------------------------------------------------
+    def restore_geometry(self) -> None:
+        s = QSettings("moedesk", "moedesk")
+        if s.value("geometry") is not None:
+            self.restoreGeometry(s.value("geometry"))
+            self.restoreState(s.value("state"))
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
+        self.session.flush()
+        s = QSettings("moedesk", "moedesk")
+        s.setValue("geometry", self.saveGeometry())
+        s.setValue("state", self.saveState())
+        super().closeEvent(event)

@@ -1,0 +1,261 @@
+"""The CUDA engine: EXL2 models on exllamav2, with the project's own MoE layer and a graph-captured decode step.
+
+`load(path, options, progress) -> (Engine, applied)`, as runtime/reference. exllamav2 is imported
+here only, inside `load`: on a machine without CUDA its import itself fails.
+
+- Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
+  (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
+- `forward(tokens)` appends at the cache position and returns fp16 logits [T, vocab] on the GPU:
+  one token with an FP16 cache replays a CUDA graph of the whole step (runtime/backends/exl2_graph.py);
+  anything else runs exllamav2's layer loop. `truncate(n)` rolls back by moving the cache position
+  (entries past it are overwritten by the next forward).
+- CUDA out-of-memory, in load or forward, frees what was taken and raises EngineError(out_of_memory)
+  saying what did not fit and how much was free, so the worker survives.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from runtime.engine import Engine, EngineError, ModelInfo, ProgressFn
+from runtime.options import LoadOptions
+from runtime.protocol import ErrorCode
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+GiB = 1024 ** 3
+
+
+def _free_vram() -> str:
+    try:
+        free, total = torch.cuda.mem_get_info()
+        return f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB"
+    except Exception:
+        return "free memory unknown"
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
+def _oom(what: str, err: BaseException) -> EngineError:
+    gc.collect()
+    torch.cuda.empty_cache()
+    return EngineError(ErrorCode.OUT_OF_MEMORY.value,
+                       f"Not enough GPU memory for {what} ({_free_vram()} after freeing what was taken). "
+                       "Try a shorter context, a quantized KV cache, or a smaller model.", str(err))
+
+
+def _extension_cached() -> bool:
+    """True when exllamav2's CUDA extension is already built (prebuilt wheel or JIT cache)."""
+    try:
+        import importlib.util
+        if importlib.util.find_spec("exllamav2_ext") is not None:
+            return True
+        from torch.utils.cpp_extension import _get_build_directory
+        d = Path(_get_build_directory("exllamav2_ext", False))
+        return any(d.glob("*.so"))
+    except Exception:
+        return False
+
+
+def build_kernels(progress: ProgressFn) -> float:
+    """Import (building on first use) exllamav2's CUDA extension; returns the seconds it took."""
+    cached = _extension_cached()
+    progress("kernels", "Loading GPU kernels" if cached else "Building GPU kernels, one time", 0, 1)
+    t0 = time.perf_counter()
+    try:
+        from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
+    except Exception as e:  # the JIT build raises RuntimeError/OSError/ImportError with the compiler's log
+        lines = [l for l in str(e).splitlines() if l.strip()]
+        raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
+                          "Could not build the GPU kernels (exllamav2's CUDA extension). It needs the CUDA "
+                          "toolkit (nvcc) matching PyTorch's CUDA version and a C++ compiler.",
+                          "\n".join(lines[-25:])) from None
+    dt = time.perf_counter() - t0
+    progress("kernels", f"GPU kernels ready ({dt:.0f} s)", 1, 1)
+    return dt
+
+
+def _cache_class(kind: str):
+    from exllamav2 import ExLlamaV2Cache, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8
+    return {"fp16": ExLlamaV2Cache, "q8": ExLlamaV2Cache_Q8, "q6": ExLlamaV2Cache_Q6, "q4": ExLlamaV2Cache_Q4}[kind]
+
+
+class Exl2Engine(Engine):
+    backend = "cuda"
+
+    def __init__(self, model, cache, info: ModelInfo, graphs: bool):
+        self.model = model
+        self.cache = cache
+        self.info = info
+        self.vocab = info.vocab_size
+        self.graphs = None
+        self.graph_error: Optional[str] = None
+        if graphs:
+            from runtime.backends.exl2_graph import DecodeGraphs
+            self.graphs = DecodeGraphs.build_if_supported(model, cache)
+        self.moe = []
+        if info.num_experts:
+            from runtime.experts.exl2_module import moe_layers
+            self.moe = moe_layers(model)
+
+    # -- Engine interface ---------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        return self.cache.current_seq_len
+
+    def forward(self, tokens: Sequence[int]):
+        T = len(tokens)
+        if T == 0:
+            raise EngineError(ErrorCode.INTERNAL.value, "forward() needs at least one token")
+        tokens = [int(t) for t in tokens]
+        bad = [t for t in tokens if not 0 <= t < self.vocab]
+        if bad:
+            raise EngineError(ErrorCode.INTERNAL.value, f"token ids outside 0..{self.vocab - 1}: {bad[:5]}")
+        if self.position + T > self.info.context_length:
+            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
+                              f"{self.position} tokens in the cache + {T} new exceed the context length "
+                              f"{self.info.context_length}")
+        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        failure, pos0 = None, self.position
+        try:
+            if T == 1 and self.graphs is not None:
+                try:
+                    logits = self.graphs.step(ids, self.position)      # [1, V'] fp16, reused next step
+                except RuntimeError as e:
+                    if _is_oom(e):
+                        raise
+                    # A capture this torch/driver refuses: run the layer loop from now on (the step is
+                    # recomputed below; its K/V row is simply written again).
+                    self.graph_error = f"{type(e).__name__}: {e}"[:500]
+                    self.graphs = None
+                    torch.cuda.synchronize()
+                else:
+                    self.cache.current_seq_len += 1
+                    return logits[:, : self.vocab].clone()
+            logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
+            return logits[0, :, : self.vocab]
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if not _is_oom(e):
+                raise
+            failure = str(e)
+        # outside the except block, so the traceback no longer holds the step's tensors
+        self.cache.current_seq_len = pos0
+        raise _oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.position:
+            raise EngineError(ErrorCode.INTERNAL.value,
+                              f"truncate({length}) outside 0..{self.position} (tokens in the cache)")
+        self.cache.current_seq_len = length
+
+    def telemetry(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"vram_allocated_bytes": torch.cuda.memory_allocated(),
+                               "decode_graphs": self.graphs is not None}
+        if self.graph_error:
+            out["graph_error"] = self.graph_error
+        if self.graphs is not None:
+            out["graph_attention"] = "sdpa" if self.graphs.sdpa else "bmm"
+            out["graph_buckets"] = self.graphs.captured()
+        return out
+
+    def routing_counts(self) -> list[list[int]]:
+        """How often each expert of each MoE layer was chosen since load: [layer][expert]."""
+        return [m.experts.counts.tolist() for m in self.moe]
+
+    def close(self) -> None:
+        if self.model is None:
+            return
+        self.graphs = None
+        try:
+            self.model.unload()
+        finally:
+            self.model = None
+            self.cache = None
+            self.moe = []
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
+         graphs: bool = True) -> tuple[Engine, dict[str, str]]:
+    """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's)."""
+    path = Path(path)
+    if not torch.cuda.is_available():
+        raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
+                          "No CUDA GPU is available to this process: use the CPU engine (backend cpu).")
+    if not (path / "config.json").is_file():
+        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: config.json missing")
+    off = options.offload
+    applied: dict[str, str] = {}
+    build_kernels(progress)
+    from exllamav2 import ExLlamaV2, ExLlamaV2Config
+
+    progress("load", "Reading model configuration", 0, 1)
+    try:
+        config = ExLlamaV2Config(str(path))
+    except Exception as e:
+        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: exllamav2 cannot read this model: {e}") from None
+    if config.architecture not in SUPPORTED:
+        raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
+                          f"{path}: architecture {config.architecture} is not supported "
+                          f"(supported: {', '.join(SUPPORTED)})")
+    config.max_seq_len = off.context_length
+    config.max_input_len = min(2048, off.context_length)
+    config.max_attention_size = config.max_input_len ** 2
+    is_moe = bool(config.arch.lm.is_moe)
+    use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
+                  and os.environ.get("MOEDESK_NO_GRAPHS") is None)
+    if use_graphs:
+        config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
+    applied["offload.context_length"] = "applied"
+    applied["offload.kv_cache"] = "applied"
+    for name in ("vram_budget_gb", "ram_budget_gb", "cpu_threads", "placement"):
+        applied[f"offload.{name}"] = "ignored: expert offload is not in this engine yet; all experts stay in VRAM"
+    applied["offload.backend"] = "applied"
+
+    model = cache = None
+    failure: Optional[tuple[bool, str]] = None
+    try:
+        model = ExLlamaV2(config)
+        if is_moe and moe == "own":
+            from runtime.experts.exl2_module import install
+            install(model)
+        n = len(model.modules)
+        model.load(callback=lambda i, total: progress("load", "Loading weights", i, total))
+        progress("load", "Allocating the KV cache", 0, 1)
+        cache = _cache_class(off.kv_cache)(model, max_seq_len=off.context_length)
+        progress("load", "Allocating the KV cache", 1, 1)
+    except Exception as e:
+        if not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
+            raise
+        failure = (_is_oom(e), f"{type(e).__name__}: {e}")
+    if failure is not None:                     # outside the except: the traceback no longer pins tensors
+        if model is not None:
+            model.unload()
+        model = cache = None
+        oom, text = failure
+        if oom:
+            raise _oom(f"the model's weights and a {off.context_length}-token {off.kv_cache} KV cache",
+                       RuntimeError(text))
+        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: could not load the model: {text}")
+
+    info = ModelInfo(
+        name=path.name, path=str(path), architecture=config.architecture, vocab_size=config.vocab_size,
+        context_length=off.context_length, num_layers=config.num_hidden_layers,
+        num_experts=(config.num_experts or 0) if is_moe else 0,
+        experts_per_token=(config.num_experts_per_token or 0) if is_moe else 0,
+        extra={"moe": moe if is_moe else "none", "modules": n})
+    try:
+        engine = Exl2Engine(model, cache, info, graphs=use_graphs)
+    except torch.cuda.OutOfMemoryError as e:
+        model.unload()
+        raise _oom("the decode graphs", e) from None
+    return engine, applied

@@ -1,0 +1,78 @@
+"""exllamav2's MoE module with the project's experts inside (imports exllamav2: CUDA machines only).
+
+`install(model)` turns every `ExLlamaV2MoEMLP` of a freshly built (not yet loaded) model into
+`OwnMoE`, before `model.load()`. exllamav2 then loads the norm and router as usual, while the experts'
+EXL2 tensors are read once and repacked into an `ExpertLayer` (runtime/experts/layer.py); exllamav2
+never builds its per-expert matrices or its fused MoE handle. The forward keeps exllamav2's module
+contract: it takes the residual stream [B, S, H] and returns it with the MoE output added.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from exllamav2.moe_mlp import ExLlamaV2MoEMLP
+
+from runtime.experts.layer import ExpertLayer
+from runtime.experts.pack import pack_experts
+
+EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
+
+
+class OwnMoE(ExLlamaV2MoEMLP):
+    experts: ExpertLayer | None = None
+
+    @torch.inference_mode()
+    def load(self):
+        self.post_attention_layernorm.load()
+        self.gate.load()
+        gate_w = self.gate.get_weight_tensor_dq().T          # [E, H], stored fp16 or EXL2
+        packs = []
+        for name, linears in (("gate_proj", self.w1), ("up_proj", self.w3), ("down_proj", self.w2)):
+            tensors = []
+            for lin in linears:
+                t = self.load_multi(lin.key, EXL2_KEYS)
+                if "q_weight" not in t:
+                    raise ValueError(f"{lin.key}: not an EXL2 tensor (q_weight missing); "
+                                     "only EXL2-quantized experts are supported")
+                tensors.append(t)
+            packs.append(pack_experts(tensors, f"{self.key}.{name}", device=self.device()))
+            del tensors
+        self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token)
+        self.q_handle = None                                 # exllamav2's fused path never runs
+
+    def unload(self):
+        self.experts = None
+        self.post_attention_layernorm.unload()
+        self.gate.unload()
+
+    def scratch_space_fixed(self) -> int:
+        return 0
+
+    def scratch_space(self) -> int:
+        return 0
+
+    def forward(self, hidden_states, cache=None, attn_params=None, past_len=None,
+                intermediates: bool = False, loras=None, **kwargs):
+        B, S, H = hidden_states.shape
+        x = self.post_attention_layernorm.forward(hidden_states.view(-1, H))     # [T, H] fp16
+        y = self.experts(x.half())                                               # [T, H] fp32
+        if os.environ.get("MOEDESK_MOE_ADD") == "plain":
+            return (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
+        out = torch.empty_like(hidden_states)
+        torch.add(hidden_states.view(-1, H), y, out=out.view(-1, H))             # one launch, rounded once
+        return out
+
+
+def install(model) -> int:
+    """Swap exllamav2's MoE modules for `OwnMoE` before loading; returns how many were swapped."""
+    n = 0
+    for m in model.modules:
+        if type(m) is ExLlamaV2MoEMLP:
+            m.__class__ = OwnMoE
+            n += 1
+    return n
+
+
+def moe_layers(model) -> list[OwnMoE]:
+    return [m for m in model.modules if isinstance(m, OwnMoE)]

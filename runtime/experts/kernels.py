@@ -1,0 +1,358 @@
+"""Fused expert kernels (Triton): dequantize packed expert weights on the fly for the selected experts.
+
+Letters: T tokens (rows), A = top-k experts per token, P = T*A (token, expert) pairs, E experts,
+H hidden size, I expert (intermediate) size, K/N a kernel's input/output features.
+
+Two regimes, both reading the expert indices on the device (no host synchronisation, so a decode
+step can be captured in a CUDA graph):
+- few pairs (decode, verify): one program per (pair, column block), a GEMV over K;
+- many pairs (prefill): pairs sorted by expert into blocks of BM rows (`align`, on the device),
+  one program per (block, column block), tensor-core dots on dequantized tiles.
+Each regime is two kernels: gate+up with SiLU(gate)*up fused, then down scaled by the routing weight.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.experts.pack import PackedExperts
+
+GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
+    PER: tl.constexpr = 32 // BITS
+    rows_w = k0 // PER + tl.arange(0, BK // PER)
+    base = e * (K // PER) * N
+    words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+    shifts = tl.arange(0, PER) * BITS
+    u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
+    u = tl.reshape(u, (BK, BN))
+    s = tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
+    return (u - (1 << (BITS - 1))).to(tl.float32) * s.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
+                  BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
+                  BK: tl.constexpr, BN: tl.constexpr):
+    p = tl.program_id(0)
+    t = p // A
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    acc1 = tl.zeros([BN], dtype=tl.float32)
+    acc3 = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + kk)).to(tl.float32)
+        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        acc1 += tl.sum(x1[:, None] * w1, axis=0)
+        x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + kk)).to(tl.float32)
+        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        acc3 += tl.sum(x3[:, None] * w3, axis=0)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
+    tl.store(h_ptr + p * N + offs_n, h.to(tl.float16), mask=mask_n)
+
+
+@triton.jit
+def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
+               BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        xh = tl.load(h_ptr + p * HS + tl.load(p2 + e * K + kk)).to(tl.float32)
+        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        acc += tl.sum(xh[:, None] * w, axis=0)
+    rw = tl.load(rw_ptr + p)
+    tl.store(y_ptr + p * N + offs_n, acc * rw, mask=mask_n)
+
+
+@triton.jit
+def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr,
+                     N: tl.constexpr, A: tl.constexpr, P,
+                     BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))                  # [BM] pair ids, P = empty
+        valid = rows < P
+        t = rows // A
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+        acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            i1 = tl.load(p1 + e * K + kk)
+            xa = tl.load(x_ptr + t[:, None] * K + i1[None, :], mask=valid[:, None], other=0.0)
+            w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+            acc1 = tl.dot(xa.to(tl.float16), w1.to(tl.float16), acc1)
+            i3 = tl.load(p3 + e * K + kk)
+            xb = tl.load(x_ptr + t[:, None] * K + i3[None, :], mask=valid[:, None], other=0.0)
+            w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+            acc3 = tl.dot(xb.to(tl.float16), w3.to(tl.float16), acc3)
+        h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
+        tl.store(h_ptr + rows[:, None] * N + offs_n[None, :], h.to(tl.float16),
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
+                  HS: tl.constexpr, P,
+                  BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  BN: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= 0:
+        rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
+        valid = rows < P
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            i2 = tl.load(p2 + e * K + kk)
+            xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
+            w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+            acc = tl.dot(xa, w.to(tl.float16), acc)
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
+        tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], acc * rw[:, None],
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _router_logits(x_ptr, w_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
+                   BH: tl.constexpr):
+    """logits[t, e] = x[t] . w[e] in fp32 (router weights fp32 [E, H]); grid (T, E / EB)."""
+    t = tl.program_id(0)
+    offs_e = tl.program_id(1) * EB + tl.arange(0, EB)
+    mask_e = offs_e < E
+    acc = tl.zeros([EB], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        xv = tl.load(x_ptr + t * H + offs_h).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :], mask=mask_e[:, None], other=0.0)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(out_ptr + t * E + offs_e, acc, mask=mask_e)
+
+
+@triton.jit
+def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.constexpr,
+                  A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr):
+    """Softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts."""
+    t = tl.program_id(0)
+    offs_e = tl.arange(0, BE)
+    mask_e = offs_e < E
+    z = tl.load(logits_ptr + t * E + offs_e, mask=mask_e, other=float("-inf"))
+    p = tl.exp(z - tl.max(z, axis=0))
+    p = tl.where(mask_e, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    offs_a = tl.arange(0, BA)
+    sel_w = tl.zeros([BA], dtype=tl.float32)
+    sel_i = tl.zeros([BA], dtype=tl.int32)
+    for j in tl.static_range(A):
+        m = tl.max(p, axis=0)
+        i = tl.min(tl.where(p == m, offs_e, BE), axis=0)
+        sel_w = tl.where(offs_a == j, m, sel_w)
+        sel_i = tl.where(offs_a == j, i, sel_i)
+        p = tl.where(offs_e == i, -1.0, p)
+    mask_a = offs_a < A
+    if RENORM:
+        sel_w = sel_w / tl.sum(tl.where(mask_a, sel_w, 0.0), axis=0)
+    tl.store(ids_ptr + t * A + offs_a, sel_i, mask=mask_a)
+    tl.store(rw_ptr + t * A + offs_a, sel_w, mask=mask_a)
+    tl.atomic_add(cnt_ptr + sel_i, tl.full([BA], 1, tl.int32), mask=mask_a)
+
+
+@triton.jit
+def _gate_up_splitk(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
+                    A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
+                    G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
+    """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller)."""
+    p = tl.program_id(0)
+    t = p // A
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    ks = tl.program_id(2) * (K // KSPLIT)
+    acc1 = tl.zeros([BN], dtype=tl.float32)
+    acc3 = tl.zeros([BN], dtype=tl.float32)
+    for kk in range(0, K // KSPLIT, BK):
+        k0 = ks + kk
+        rows = k0 + tl.arange(0, BK)
+        x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
+        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        acc1 += tl.sum(x1[:, None] * w1, axis=0)
+        x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
+        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        acc3 += tl.sum(x3[:, None] * w3, axis=0)
+    tl.atomic_add(gu_ptr + p * N + offs_n, acc1, mask=mask_n)
+    tl.atomic_add(gu_ptr + P * N + p * N + offs_n, acc3, mask=mask_n)
+
+
+@triton.jit
+def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
+                 HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
+                 G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
+    """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
+    weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller)."""
+    p = tl.program_id(0)
+    t = p // A
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    ks = tl.program_id(2) * (K // KSPLIT)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for kk in range(0, K // KSPLIT, BK):
+        k0 = ks + kk
+        idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
+        g = tl.load(gu_ptr + p * HS + idx)
+        u = tl.load(gu_ptr + P * HS + p * HS + idx)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
+        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        acc += tl.sum(h[:, None] * w, axis=0)
+    rw = tl.load(rw_ptr + p)
+    tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
+
+
+def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
+    """K tile: within one scale group, a whole number of words, at most `cap` rows."""
+    bk = cap
+    for p in packs:
+        bk = min(bk, p.group)
+    for p in packs:
+        if p.group % bk or p.in_features % bk or bk % (32 // p.bits):
+            raise ValueError(f"expert layout: group {p.group} / K {p.in_features} do not fit a K tile of {bk}")
+    return bk
+
+
+def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert, each expert's run padded to whole blocks of bm rows; all on the device.
+
+    ids: int [P] expert of each pair. Returns (pairs int32 [B*bm], P = padding; block_expert int32 [B],
+    -1 = unused block), B an upper bound that depends only on P, so no host synchronisation."""
+    P = ids.numel()
+    nblocks = (P + min(num_experts, P) * (bm - 1)) // bm
+    ids = ids.long()
+    counts = torch.bincount(ids, minlength=num_experts)                     # [E]
+    nb = (counts + bm - 1) // bm                                             # blocks per expert
+    cum_nb = torch.cumsum(nb, 0)
+    order = torch.argsort(ids, stable=True)                                  # [P]
+    se = ids[order]
+    rank = torch.arange(P, device=ids.device) - (torch.cumsum(counts, 0) - counts)[se]
+    dest = (cum_nb - nb)[se] * bm + rank
+    pairs = torch.full((nblocks * bm,), P, dtype=torch.int32, device=ids.device)
+    pairs[dest] = order.to(torch.int32)
+    bexp = torch.searchsorted(cum_nb, torch.arange(nblocks, device=ids.device), right=True)
+    bexp = torch.where(bexp < num_experts, bexp, -1).to(torch.int32)
+    return pairs, bexp
+
+
+def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
+                    w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
+    """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
+
+    Stored column counts may be padded to 32 (padding dequantizes to 0): gate/up write I' >= I
+    columns of h, down reads its first I; down's H' >= H columns are cut to H."""
+    T, H = x.shape
+    A = ids.shape[1]
+    P = T * A
+    if P <= GEMV_MAX_PAIRS and os.environ.get("MOEDESK_MOE_KERNEL") != "v1":
+        return experts_decode(x, ids, weights, w1, w3, w2)
+    I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
+    x = x.contiguous()
+    ids_f = ids.reshape(P).to(torch.int32)
+    rw = weights.reshape(P).to(torch.float32).contiguous()
+    h = torch.empty((P, I1), dtype=torch.float16, device=x.device)
+    y = torch.empty((P, H2), dtype=torch.float32, device=x.device)
+    bk1, bk2 = _bk(w1, w3), _bk(w2)
+    if P <= GEMV_MAX_PAIRS:
+        bn = 32
+        _gate_up_gemv[(P, triton.cdiv(I1, bn))](
+            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h, H, I1, A,
+            BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn, num_warps=4)
+        _down_gemv[(P, triton.cdiv(H2, bn))](
+            h, ids_f, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1,
+            BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, num_warps=4)
+    else:
+        bm, bn = (64 if P >= 4096 else 16), 64
+        pairs, bexp = align(ids_f, w1.num_experts, bm)
+        nb = bexp.numel()
+        _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
+            x, pairs, bexp, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h,
+            H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
+            BM=bm, BK=bk1, BN=bn, num_warps=4)
+        _down_grouped[(nb, triton.cdiv(H2, bn))](
+            h, pairs, bexp, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1, P,
+            BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
+    return y.view(T, A, H2)[:, :, :H].sum(dim=1)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+SM_TARGET = 528          # programs to aim for in decode (about 4 per multiprocessor of an H200)
+
+
+def _ksplit(K: int, bk: int, programs: int) -> int:
+    """Largest power-of-two split of K (in whole tiles) that brings the grid near SM_TARGET programs."""
+    ks = 1
+    while programs * ks * 2 <= SM_TARGET and K % (ks * 2 * bk) == 0:
+        ks *= 2
+    return ks
+
+
+def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
+                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp16 [T, H], gate_w fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two launches,
+    counts[e] += times chosen."""
+    T, H = x.shape
+    E = gate_w.shape[0]
+    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    eb = 2                                 # E / 2 programs per token: the 1 MB fp32 router read in parallel
+    bh = 256 if H % 256 == 0 else (64 if H % 64 == 0 else 32)
+    _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, logits, H=H, E=E, EB=eb, BH=bh, num_warps=4)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    rw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    _softmax_topk[(T,)](logits, ids, rw, counts, E=E, BE=triton.next_power_of_2(E), A=top_k,
+                        BA=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4)
+    return ids, rw
+
+
+def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
+                   w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
+    """Few rows: split-K GEMVs with atomic accumulation; x fp16 [T, H] -> fp32 [T, H]. Three launches
+    (one memset, gate+up, down); no intermediate leaves fp32."""
+    T, H = x.shape
+    A = ids.shape[1]
+    P = T * A
+    I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
+    buf = torch.zeros(2 * P * I1 + T * H, dtype=torch.float32, device=x.device)
+    gu, out = buf[: 2 * P * I1], buf[2 * P * I1:].view(T, H)
+    ids_f = ids.reshape(P).to(torch.int32)
+    rw = weights.reshape(P).to(torch.float32)
+    bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=128)
+    bn = 64
+    nb1, nb2 = triton.cdiv(I1, bn), triton.cdiv(H2, bn)
+    ks1, ks2 = _ksplit(H, bk1, P * nb1), _ksplit(I2, bk2, P * nb2)
+    _gate_up_splitk[(P, nb1, ks1)](
+        x.contiguous(), ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, gu, P,
+        K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn,
+        KSPLIT=ks1, num_warps=4)
+    _down_splitk[(P, nb2, ks2)](
+        gu, ids_f, rw, w2.qweight, w2.scales, w2.perm, out, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+        BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, KSPLIT=ks2, num_warps=4)
+    return out

@@ -1,0 +1,96 @@
+"""One MoE layer's routed experts: router in fp32, top-k with renormalisation, experts on packed weights.
+
+Letters: T tokens, H hidden, E experts, A experts per token, I expert size.
+
+`ExpertLayer` is the seam where offload plugs in: it owns the experts' weights (today all in VRAM)
+and the routing statistics; the exllamav2 module wrapper (runtime/experts/exl2_module.py) only
+calls `__call__` on the normed hidden state. Same code for any row count and any expert count;
+nothing here reads a device value on the host, so a decode step can be graph-captured.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.experts.pack import PackedExperts, dequantize_packed
+
+
+@dataclass
+class Routing:
+    ids: torch.Tensor          # int64 [T, A] chosen experts, most likely first
+    weights: torch.Tensor      # float32 [T, A], renormalised to sum 1 per token
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool = True) -> Routing:
+    """x [T, H] (any float), gate_w float32 [E, H] -> the top-k experts and their weights, in fp32."""
+    logits = x.float() @ gate_w.T                            # [T, E]
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)                # [T, A]
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return Routing(ids=ids, weights=w)
+
+
+class ExpertLayer:
+    """Routed experts of one layer with every expert resident on one device."""
+
+    def __init__(self, gate_w: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
+                 top_k: int, renormalize: bool = True):
+        E = gate_w.shape[0]
+        if not (w1.num_experts == w3.num_experts == w2.num_experts == E):
+            raise ValueError(f"router has {E} experts, weights have {w1.num_experts}/{w3.num_experts}/{w2.num_experts}")
+        if not 1 <= top_k <= E:
+            raise ValueError(f"top-k {top_k} outside 1..{E}")
+        if w1.out_features != w3.out_features or not w2.in_features <= w1.out_features < w2.in_features + 32:
+            raise ValueError(f"gate/up/down shapes do not chain: gate {w1.out_features}, up {w3.out_features}, "
+                             f"down takes {w2.in_features}")
+        self.gate_w = gate_w.float().contiguous()            # [E, H] fp32
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.num_experts = E
+        # Routing statistics (how often each expert was chosen), counted on the device (int32: the
+        # kernels add atomically; wraps after 2**31 choices of one expert).
+        self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
+        if x.is_cuda:
+            from runtime.experts.kernels import experts_forward, route_fused
+            if os.environ.get("MOEDESK_ROUTE") == "torch":        # the unfused routing, for comparisons
+                r = route(x, self.gate_w, self.top_k, self.renormalize)
+                self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
+                return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
+            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize)
+            return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
+        r = route(x, self.gate_w, self.top_k, self.renormalize)
+        self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
+        return experts_reference(x, r, self.w1, self.w3, self.w2)
+
+    def weight_bytes(self) -> int:
+        return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes() + self.gate_w.numel() * 4
+
+    def bytes_per_token(self, rows: int = 1) -> int:
+        """Weight bytes one forward of `rows` tokens reads at most (router + each chosen expert once)."""
+        experts = min(self.num_experts, rows * self.top_k)
+        per_expert = self.w1.expert_bytes() + self.w3.expert_bytes() + self.w2.expert_bytes()
+        return self.gate_w.numel() * 4 + experts * per_expert
+
+
+def experts_reference(x: torch.Tensor, r: Routing, w1: PackedExperts, w3: PackedExperts,
+                      w2: PackedExperts) -> torch.Tensor:
+    """Plain PyTorch, fp32, one expert at a time: the oracle for the kernels (and a CPU fallback)."""
+    T, H = x.shape
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in torch.unique(r.ids).tolist():
+        rows, slot = torch.nonzero(r.ids == e, as_tuple=True)
+        g = xf[rows] @ dequantize_packed(w1, e).T
+        u = xf[rows] @ dequantize_packed(w3, e).T
+        h = (F.silu(g) * u).half().float()[:, : w2.in_features]   # the kernels keep h in fp16
+        y = (h @ dequantize_packed(w2, e).T)[:, :H]
+        out.index_add_(0, rows, y * r.weights[rows, slot, None])
+    return out

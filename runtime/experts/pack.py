@@ -1,0 +1,200 @@
+"""EXL2 expert weights repacked into one uniform layout that the fused expert kernels read.
+
+An EXL2 linear (see the format notes in runtime/exl2/) stores input rows in "packed order"
+(activation order, `q_invperm`), in groups that each have their own bit width (2..8) and row count,
+every column a little-endian bitstream of b-bit codes. The kernels want one width and one group
+size per tensor, so at load each expert projection is rewritten, losslessly:
+
+    code c = q - 2**(b-1)                      (signed, |c| <= 2**(b-1))
+    stored u = c + 2**(S-1), S = 4 if every group has b <= 4 else 8   (8 or 4 codes per int32, LSB first)
+    scale[g, n] = fp16((q_scale[g, n] + 1)**2) * fp16(q_scale_max[g] / 256)   (fp16, as exllamav2;
+                                                                    groups split to one size)
+    W^T[perm[k], n] = c[k, n] * scale[k // group, n]                 (perm = argsort(q_invperm))
+
+Cost in bytes, honestly: 4-bit and 2-bit groups cost 4 bits (2-bit wastes half), 3-bit costs 4 bits
+(+33%), 5/6-bit cost 8 bits; scales add 16 / group bits per weight.
+
+Shapes: E experts, K input features (rows), N output features (columns), G = K // group.
+Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequantizer on the CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+class PackError(ValueError):
+    """An EXL2 tensor set that cannot be repacked; the message names the tensor and the problem."""
+
+
+@dataclass
+class Exl2Codes:
+    """One EXL2 linear unpacked: signed codes in packed row order, per-row-group scales, permutation."""
+    codes: torch.Tensor        # int8 [K, N], c = q - 2**(b-1)
+    scales: torch.Tensor       # float32 [G, N], one row per `group` rows of codes
+    group: int                 # rows per scale row (uniform)
+    perm: torch.Tensor         # int64 [K]: packed row k multiplies input feature perm[k]
+    max_bits: int
+
+
+@dataclass
+class PackedExperts:
+    """One projection (gate, up or down) of every expert of a layer, stacked for the kernels."""
+    qweight: torch.Tensor      # int32 [E, K // (32 // bits), N]
+    scales: torch.Tensor       # float16 [E, K // group, N]
+    perm: torch.Tensor         # int32 [E, K]
+    bits: int                  # stored bits per code: 4 or 8
+    group: int                 # rows per scale row
+    in_features: int           # K
+    out_features: int          # N
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    def expert_bytes(self) -> int:
+        """Bytes one expert's projection occupies (and a GEMV reads): codes, scales, permutation."""
+        per = self.qweight[0].numel() * 4 + self.scales[0].numel() * 2 + self.perm[0].numel() * 4
+        return per
+
+    def nbytes(self) -> int:
+        return self.expert_bytes() * self.num_experts
+
+
+_ROW_TABLES: dict = {}
+
+
+def _row_table(groups: torch.Tensor, Q: int, K: int, name: str):
+    """Per packed row: first word, bit shift, width; plus rows per group. From q_groups [G0, 2].
+    Experts of one projection share their layout, so tables are cached by it."""
+    key = (tuple(groups.flatten().tolist()), Q, K)
+    if key not in _ROW_TABLES:
+        if len(_ROW_TABLES) > 64:
+            _ROW_TABLES.clear()
+        _ROW_TABLES[key] = _build_row_table(groups, Q, K, name)
+    return _ROW_TABLES[key]
+
+
+def _build_row_table(groups: torch.Tensor, Q: int, K: int, name: str):
+    bits_l = groups[:, 0].tolist()
+    starts = groups[:, 1].tolist() + [Q]
+    if any(b not in (2, 3, 4, 5, 6, 8) for b in bits_l):
+        raise PackError(f"{name}: unsupported bit widths {sorted(set(bits_l))}")
+    word, shift, width, rows_per_group = [], [], [], []
+    for g, b in enumerate(bits_l):
+        q0, q1 = starts[g], starts[g + 1]
+        if q1 <= q0 or ((q1 - q0) * 32) % b:
+            raise PackError(f"{name}: group {g} spans qrows {q0}..{q1}, not whole {b}-bit rows")
+        rows = (q1 - q0) * 32 // b
+        bit = torch.arange(rows, dtype=torch.int64) * b
+        word.append(q0 + bit // 32)
+        shift.append(bit % 32)
+        width.append(torch.full((rows,), b, dtype=torch.int64))
+        rows_per_group.append(rows)
+    if sum(rows_per_group) != K:
+        raise PackError(f"{name}: groups hold {sum(rows_per_group)} rows, q_invperm has {K}")
+    return torch.cat(word), torch.cat(shift), torch.cat(width), rows_per_group, max(bits_l)
+
+
+def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Codes:
+    """EXL2 tensors (q_weight, q_scale, q_scale_max, q_groups, q_invperm) -> codes and scales."""
+    for key in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm"):
+        if key not in t:
+            raise PackError(f"{name}: tensor {key} missing")
+    qw = t["q_weight"].to(torch.int64) & 0xFFFFFFFF          # [Q, N] words as unsigned
+    qs = t["q_scale"].to(torch.int64) & 0xFFFFFFFF           # [G0, N // 8]
+    qsm = t["q_scale_max"]                                   # [G0] fp16
+    groups = t["q_groups"].to(torch.int64).cpu().view(-1, 2) # [G0, 2] (bits, first qrow)
+    invperm = t["q_invperm"].to(torch.int64)                 # [K]
+    Q, N = qw.shape
+    K = invperm.numel()
+    G0 = groups.shape[0]
+    if qs.shape != (G0, N // 8) or qsm.numel() != G0:
+        raise PackError(f"{name}: q_scale {tuple(qs.shape)} / q_scale_max {tuple(qsm.shape)} "
+                        f"do not match {G0} groups and {N} columns")
+    word, shift, width, rows_per_group, max_bits = _row_table(groups, Q, K, name)
+    dev = qw.device
+    word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]   # [K], [K, 1]
+    padded = torch.cat([qw, torch.zeros((1, N), dtype=torch.int64, device=dev)])
+    pair = padded[word] | (padded[word + 1] << 32)           # [K, N] 64 bits from the row's first word
+    q = (pair >> shift) & ((1 << width) - 1)
+    codes = (q - (1 << (width - 1))).to(torch.int8)          # [K, N]
+
+    # Scales per original group, then split every group into rows of one common size.
+    nib = torch.arange(8, device=dev) * 4
+    qs4 = ((qs[:, :, None] >> nib) & 15).reshape(G0, N)      # [G0, N]
+    mx = t["q_scale_max"].to(torch.float16) * (1 / 256)     # fp16 roundings as exllamav2's dq_scale
+    scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[:, None]).to(torch.float32)
+    group = math.gcd(*rows_per_group) if len(rows_per_group) > 1 else rows_per_group[0]
+    reps = torch.tensor([r // group for r in rows_per_group], device=dev)
+    scales = torch.repeat_interleave(scale0, reps, dim=0)    # [K // group, N]
+    perm = torch.argsort(invperm)
+    return Exl2Codes(codes=codes, scales=scales, group=group, perm=perm, max_bits=max_bits)
+
+
+def dequantize_codes(u: Exl2Codes) -> torch.Tensor:
+    """Dense weight in HF orientation [N, K] (float32) from unpacked codes: the oracle for the kernels."""
+    wt = u.codes.to(torch.float32) * torch.repeat_interleave(u.scales, u.group, dim=0)  # [K, N] packed order
+    w_t = torch.empty_like(wt)
+    w_t[u.perm] = wt
+    return w_t.T.contiguous()
+
+
+def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 [K, N] signed codes -> int32 [K // per, N], `per` unsigned codes per word, LSB first."""
+    per = 32 // bits
+    K, N = codes.shape
+    u = (codes.to(torch.int64) + (1 << (bits - 1))).view(K // per, per, N)
+    shifts = (torch.arange(per, device=codes.device) * bits).view(1, per, 1)
+    words = (u << shifts).sum(dim=1)                         # < 2**32, fits int64
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.to(torch.int32)
+
+
+def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
+                 device: torch.device | str | None = None) -> PackedExperts:
+    """Stack one projection of every expert into the kernels' layout (see the module docstring)."""
+    if not experts:
+        raise PackError(f"{name}: no experts")
+    first = unpack_exl2(experts[0], f"{name}[0]")
+    K, N = first.codes.shape
+    bits = 4 if first.max_bits <= 4 else 8
+    units = [first]
+    for e in range(1, len(experts)):
+        u = unpack_exl2(experts[e], f"{name}[{e}]")
+        if u.codes.shape != (K, N):
+            raise PackError(f"{name}[{e}]: shape {tuple(u.codes.shape)} differs from expert 0's {(K, N)}")
+        if u.max_bits > 4:
+            bits = 8
+        units.append(u)
+    group = math.gcd(*[u.group for u in units])
+    per = 32 // bits
+    if K % per or K % group:
+        raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
+    dev = torch.device(device) if device is not None else first.codes.device
+    E = len(units)
+    qweight = torch.empty((E, K // per, N), dtype=torch.int32, device=dev)
+    scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
+    perm = torch.empty((E, K), dtype=torch.int32, device=dev)
+    for e, u in enumerate(units):
+        qweight[e] = _pack_words(u.codes, bits).to(dev)
+        scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
+        perm[e] = u.perm.to(dev, torch.int32)
+    return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
+                         in_features=K, out_features=N)
+
+
+def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
+    """Dense weight [N, K] (float32) of expert e from the packed layout: checks the packing itself."""
+    per = 32 // p.bits
+    words = p.qweight[e].to(torch.int64) & 0xFFFFFFFF                        # [K/per, N]
+    shifts = (torch.arange(per, device=words.device) * p.bits).view(1, per, 1)
+    u = ((words[:, None, :] >> shifts) & ((1 << p.bits) - 1)).reshape(p.in_features, p.out_features)
+    wt = (u - (1 << (p.bits - 1))).to(torch.float32)
+    wt = wt * torch.repeat_interleave(p.scales[e].to(torch.float32), p.group, dim=0)
+    w_t = torch.empty_like(wt)
+    w_t[p.perm[e].long()] = wt
+    return w_t.T.contiguous()

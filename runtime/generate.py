@@ -1,0 +1,202 @@
+"""The generation loop over the engine interface: prefill, decode steps, stop conditions, stats.
+
+No protocol and no I/O here: text deltas and live figures go out through callbacks, cancellation
+comes in through `should_stop()` (checked before every decode step and between prefill chunks, so
+a cancel takes effect within one step).
+
+Cache contract (shared with runtime/speculative/): between steps the engine's cache holds every
+token of the sequence but the last, pending one. A decoder's `step(tokens) -> new` returns >= 1 new
+tokens and leaves the cache holding `tokens + new[:-1]`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from runtime import sampling as _sampling
+from runtime.engine import Engine, EngineError
+from runtime.options import DraftOptions, SamplingOptions
+from runtime.protocol import DraftStats, ErrorCode, GenerationStats
+from runtime.tokenizer import StopMatcher
+
+TextFn = Callable[[str, int], None]          # (text delta, tokens it covers)
+StepFn = Callable[["LiveStats"], None]       # called after every prefill chunk and decode step
+
+
+@dataclass
+class LiveStats:
+    """Figures of the generation in progress (what telemetry shows while it runs)."""
+    phase: str = "prefill"                   # "prefill" | "decode" | "done"
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0                # prompt tokens actually run (the rest came from the cache)
+    generated_tokens: int = 0
+    ttft_s: Optional[float] = None
+    prefill_tps: Optional[float] = None
+    decode_tps: Optional[float] = None
+    draft: Optional[DraftStats] = None
+
+
+@dataclass
+class GenerationResult:
+    reason: str                              # "eos" | "stop_string" | "length" | "cancelled"
+    text: str
+    tokens: list[int]                        # generated ids (an end-of-sequence token included)
+    stats: GenerationStats
+    cache_tokens: list[int] = field(default_factory=list)   # what the engine's cache holds afterwards
+
+
+class PlainDecoder:
+    """One token per step: forward the pending token, sample the next."""
+
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Any):
+        self.engine, self.opts, self.generator = engine, opts, generator
+
+    def step(self, tokens: list[int]) -> list[int]:
+        logits = self.engine.forward(tokens[-1:])                       # [1, V]
+        return [_sampling.sample(logits[-1].float(), tokens, self.opts, self.generator)]
+
+    def stats(self) -> Optional[DraftStats]:
+        return None
+
+
+def make_generator(seed: Optional[int]):
+    import torch
+    gen = torch.Generator()
+    gen.manual_seed(seed if seed is not None else int(torch.seed()))
+    return gen
+
+
+def make_decoder(engine: Engine, sampling: SamplingOptions, generator: Any,
+                 draft: Optional[DraftOptions] = None, draft_engine: Optional[Engine] = None):
+    """The plain decoder, or a speculative one when drafting is on."""
+    if draft is None or draft.mode == "off":
+        return PlainDecoder(engine, sampling, generator)
+    if draft.mode == "model" and draft_engine is None:
+        raise EngineError(ErrorCode.BAD_FIELD.value, "draft mode 'model' needs a draft model: load one with "
+                                                     "the model (options.draft.model)")
+    from runtime import speculative
+    return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: SamplingOptions, *,
+             decoder: Any = None, on_text: Optional[TextFn] = None, on_step: Optional[StepFn] = None,
+             should_stop: Callable[[], bool] = lambda: False, generator: Any = None,
+             cached: Sequence[int] = (), prefill_chunk: int = 512, ignore_eos: bool = False) -> GenerationResult:
+    """Generate an answer to `prompt` (token ids). `cached` is what the engine's cache holds now.
+
+    The cache is reused only when the prompt continues it (the next turn of the same conversation);
+    any other prompt is prefilled from scratch. Reusing part of a different prompt would make the
+    answer depend on what was asked before: logits of a prompt split differently between prefill
+    calls differ in the last bits, and near-ties in greedy decoding can flip on that."""
+    prompt = list(prompt)
+    context = engine.info.context_length
+    if not prompt:
+        raise EngineError(ErrorCode.BAD_FIELD.value, "the prompt is empty")
+    if len(prompt) >= context:
+        raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
+                          f"the conversation is {len(prompt)} tokens; the context holds {context}: "
+                          f"shorten it or load the model with a longer context length")
+    generator = generator if generator is not None else make_generator(sampling.seed)
+    decoder = decoder or PlainDecoder(engine, sampling, generator)
+    plain = decoder if isinstance(decoder, PlainDecoder) else PlainDecoder(engine, sampling, generator)
+    live = LiveStats(prompt_tokens=len(prompt))
+    step_hook = on_step or (lambda _live: None)
+    detok = tokenizer.stream_decoder()
+    stops = StopMatcher(sampling.stop)
+    eos = frozenset() if ignore_eos else tokenizer.eos_ids
+    limit = min(sampling.max_tokens, context - len(prompt))
+    out_text: list[str] = []
+    pending_tokens = 0
+
+    def emit(text: str, tokens: int) -> None:
+        nonlocal pending_tokens
+        pending_tokens += tokens
+        if text:
+            out_text.append(text)
+            if on_text:
+                on_text(text, pending_tokens)
+            pending_tokens = 0
+
+    # Prefill: reuse the cache if the prompt continues it, run the rest in chunks; the last row gives token 1.
+    t0 = time.perf_counter()
+    keep = len(cached) if len(cached) < len(prompt) and common_prefix(cached, prompt) == len(cached) else 0
+    if engine.position != keep:
+        engine.truncate(keep)
+    logits = None
+    for start in range(keep, len(prompt), prefill_chunk):
+        if should_stop():
+            return _finish("cancelled", live, t0, None, [], out_text, decoder, prompt[:engine.position])
+        logits = engine.forward(prompt[start:start + prefill_chunk])   # [T, V]
+        live.prefilled_tokens = start + len(prompt[start:start + prefill_chunk]) - keep
+        step_hook(live)
+    t_prefill = time.perf_counter()
+    live.prefill_tps = live.prefilled_tokens / max(t_prefill - t0, 1e-9)
+
+    # First token, from the prefill logits.
+    tokens = prompt + [_sampling.sample(logits[-1].float(), prompt, sampling, generator)]
+    t_first = time.perf_counter()
+    live.phase, live.ttft_s = "decode", t_first - t0
+    new = [tokens[-1]]
+    generated: list[int] = []
+    reason = None
+
+    # Decode: account for each new token, then ask the decoder for more.
+    while True:
+        for tok in new:
+            generated.append(tok)
+            if tok in eos:
+                reason = "eos"
+                break
+            text, stopped = stops.feed(detok.push([tok]))
+            emit(text, 1)
+            if stopped:
+                reason = "stop_string"
+                break
+            if len(generated) >= limit:
+                reason = "length"
+                break
+        live.generated_tokens = len(generated)
+        if len(generated) > 1:
+            live.decode_tps = (len(generated) - 1) / max(time.perf_counter() - t_first, 1e-9)
+        live.draft = decoder.stats()
+        step_hook(live)
+        if reason:
+            break
+        if should_stop():
+            reason = "cancelled"
+            break
+        room = context - len(tokens)                 # speculation near the end could overrun the cache
+        step = decoder if room > _draft_len(decoder) + 1 else plain
+        new = step.step(tokens)
+        tokens.extend(new)
+
+    if reason != "stop_string":
+        emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
+    return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
+
+
+def _draft_len(decoder: Any) -> int:
+    stats = decoder.stats() if hasattr(decoder, "stats") else None
+    return (stats.draft_tokens_now or 16) if stats is not None else 0
+
+
+def _finish(reason: str, live: LiveStats, t0: float, t_first: Optional[float], generated: list[int],
+            out_text: list[str], decoder: Any, cache_tokens: list[int]) -> GenerationResult:
+    t_end = time.perf_counter()
+    live.phase = "done"
+    if t_first is not None and len(generated) > 1:
+        live.decode_tps = (len(generated) - 1) / max(t_end - t_first, 1e-9)
+    stats = GenerationStats(prompt_tokens=live.prompt_tokens, generated_tokens=len(generated),
+                            ttft_s=live.ttft_s, prefill_tps=live.prefill_tps, decode_tps=live.decode_tps,
+                            total_s=t_end - t0, draft=decoder.stats() if hasattr(decoder, "stats") else None)
+    return GenerationResult(reason, "".join(out_text), generated, stats, cache_tokens)

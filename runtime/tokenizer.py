@@ -1,0 +1,269 @@
+"""A model folder's tokenizer, chat template and end-of-sequence tokens, plus streaming text pieces.
+
+- `Tokenizer.from_folder(path)`: `tokenizer.json` through `tokenizers`; special tokens and end ids from
+  tokenizer_config.json, generation_config.json and config.json; the chat template from
+  `chat_template.jinja` or tokenizer_config.json's `chat_template`, rendered in jinja2's immutable
+  sandbox (model folders are untrusted) with the helpers Hugging Face templates expect.
+- `StreamDecoder`: turns token ids into text deltas that never end inside a UTF-8 character
+  (byte-level BPE and byte-fallback tokens like <0xE2> can split one character over several tokens).
+- `StopMatcher`: finds stop strings in streamed text, holding back any tail that could still
+  become one, so a stop string is never emitted even when it arrives split over several deltas.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from runtime.engine import EngineError
+from runtime.protocol import ErrorCode
+
+REPLACEMENT = "\ufffd"   # what a decoder yields for bytes that do not (yet) form a character
+
+
+def _invalid(path: Path, problem: str) -> EngineError:
+    return EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: {problem}")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from an optional file ({} when absent)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _invalid(path, f"not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise _invalid(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """tokenizer_config.json writes special tokens as text or as {"content": text, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat template
+
+def _template_env():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateRaised(str(message))
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+class TemplateRaised(Exception):
+    """A template called raise_exception(...)."""
+
+
+@dataclass
+class ChatTemplate:
+    source: str        # where it came from, for error messages
+    text: str
+
+    def __post_init__(self):
+        import jinja2
+        try:
+            self._compiled = _template_env().from_string(self.text)
+        except jinja2.TemplateSyntaxError as e:
+            raise _invalid(Path(self.source), f"chat template is broken: line {e.lineno}: {e.message}") from None
+
+    def render(self, messages: Sequence[dict], **variables: Any) -> str:
+        import jinja2
+        try:
+            return self._compiled.render(messages=list(messages), **variables)
+        except TemplateRaised as e:
+            raise EngineError(ErrorCode.BAD_FIELD.value, f"{self.source}: the chat template refused the messages: {e}") from None
+        except jinja2.exceptions.SecurityError as e:
+            raise _invalid(Path(self.source), f"chat template tried an unsafe operation: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise _invalid(Path(self.source), f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _find_template(folder: Path, tok_config: dict) -> Optional[ChatTemplate]:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return ChatTemplate(str(jinja_file), jinja_file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise _invalid(jinja_file, f"not UTF-8 text ({e})") from None
+    value = tok_config.get("chat_template")
+    source = str(folder / "tokenizer_config.json")
+    if isinstance(value, list):   # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default") or next(iter(named.values()), None)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _invalid(Path(source), f"chat_template must be text, got {type(value).__name__}")
+    return ChatTemplate(source, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+class Tokenizer:
+    """Encode/decode plus the model's chat template and end-of-sequence ids."""
+
+    def __init__(self, folder: Path, backend: Any, tok_config: dict, gen_config: dict, model_config: dict):
+        self.folder = folder
+        self._tok = backend
+        self.bos_token = _token_text(tok_config.get("bos_token"))
+        self.eos_token = _token_text(tok_config.get("eos_token"))
+        self.pad_token = _token_text(tok_config.get("pad_token"))
+        self.unk_token = _token_text(tok_config.get("unk_token"))
+        self.template = _find_template(folder, tok_config)
+
+        eos = set(_ids(gen_config.get("eos_token_id")))
+        eos |= set(_ids(model_config.get("eos_token_id")))
+        eos |= set(_ids((model_config.get("text_config") or {}).get("eos_token_id")))
+        if self.eos_token is not None and backend.token_to_id(self.eos_token) is not None:
+            eos.add(backend.token_to_id(self.eos_token))
+        self.eos_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_folder(cls, folder: Path | str) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise _invalid(tok_file, "missing (the model folder has no tokenizer)")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:   # tokenizers raises plain Exception subclasses from Rust
+            raise _invalid(tok_file, f"cannot be read as a tokenizer: {e}") from None
+        return cls(folder, backend,
+                   _read_json(folder / "tokenizer_config.json"),
+                   _read_json(folder / "generation_config.json"),
+                   _read_json(folder / "config.json"))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise _invalid(self.folder, "the model has no chat template (neither chat_template.jinja nor "
+                                        "tokenizer_config.json's chat_template); send a raw prompt instead")
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                    pad_token=self.pad_token or "", unk_token=self.unk_token or "",
+                                    tools=None, documents=None)
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        # The rendered template already holds the special tokens (as Hugging Face's apply_chat_template).
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt, with whatever special tokens the tokenizer itself adds (e.g. BOS)."""
+        return self.encode(text, add_special_tokens=True)
+
+    def vocabulary(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming text
+
+class StreamDecoder:
+    """Token ids in, text deltas out; never emits a partial UTF-8 character.
+
+    Decodes a small window of recent tokens twice (with and without the new ones) and emits the
+    difference, so decoders that depend on context (leading-space handling, byte fusion) stay right.
+    While the new text ends in U+FFFD its bytes are incomplete: hold it back until a later token
+    completes the character, or `flush()` at the end gives up and emits what is left.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self._decode = tokenizer.decode
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0   # start of the decode window
+        self._read = 0     # tokens before this are emitted
+
+    def push(self, ids: Iterable[int]) -> str:
+        self._ids.extend(ids)
+        window = self._ids[self._prefix:]
+        before = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = self._decode(window, skip_special_tokens=self._skip)
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        before = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):]
+
+
+class StopMatcher:
+    """Stop strings over streamed text: `feed(delta) -> (text safe to emit, stopped)`."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped: Optional[str] = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped is not None:
+            return "", True
+        buf = self._held + text
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            at, stop = min(hits)
+            self._held, self.stopped = "", stop
+            return buf[:at], True
+        keep = self._longest_pending(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail when the stream ends without a stop string."""
+        out, self._held = self._held, ""
+        return "" if self.stopped is not None else out
+
+    def _longest_pending(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

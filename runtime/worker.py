@@ -1,0 +1,311 @@
+"""moedesk-worker: hosts one model and answers protocol commands (JSON lines) from its parent.
+
+Channel: commands arrive on stdin; events leave on a duplicate of the original stdout, after
+which fd 1 points at stderr, so anything a library prints lands in the log, never in the channel.
+
+Threads: a reader thread decodes commands and answers the quick ones at once (hello, stats,
+cancel, and refusals such as busy); load, unload and generate run in order on the main thread.
+Because the reader keeps reading while a generation runs, `cancel` sets a flag that the loop
+checks before every decode step. Every failure becomes an `error` event and the worker keeps
+serving; stdin closing (the parent died) or `shutdown` ends it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Optional, TextIO
+
+from runtime import protocol as P
+from runtime.engine import EngineError
+
+TELEMETRY_INTERVAL_S = 0.5
+EOF_GRACE_S = 10.0
+_END = object()          # the reader's "stdin closed" marker in the command queue
+
+
+class Worker:
+    def __init__(self, out: TextIO):
+        self._out = out
+        self._out_lock = threading.Lock()
+        self._commands: "queue.Queue[Any]" = queue.Queue()
+        self._state = threading.Lock()
+        self._generating: Optional[str] = None      # request id of the generation queued or running
+        self._gen_cmd: Any = None                   # ... and its command
+        self._cancel = threading.Event()
+        self._live = None                           # generate.LiveStats of the running generation
+        self._last_telemetry = 0.0
+        self.engine = None
+        self.draft_engine = None
+        self.tokenizer = None
+        self.load_options = None
+        self._cache_tokens: list[int] = []
+        self._backend = None                        # loader.BackendChoice, for ready
+
+    # -- output ------------------------------------------------------------------------------
+    def send(self, event: Any) -> None:
+        line = P.encode(event)
+        with self._out_lock:
+            self._out.write(line)
+            self._out.flush()
+
+    def error(self, code: str, message: str, detail: str = "", request_id: Optional[str] = None) -> None:
+        self.send(P.Error(code=str(code), message=message, detail=detail, request_id=request_id))
+
+    # -- reader thread -------------------------------------------------------------------------
+    def read_commands(self, stdin) -> None:
+        for raw in stdin:
+            if raw.strip():
+                try:
+                    self.on_line(raw)
+                except Exception:   # never let the reader die: that would deafen the worker
+                    self.error(P.ErrorCode.INTERNAL.value, "the worker failed to handle a command",
+                               traceback.format_exc())
+        self._cancel.set()
+        self._commands.put(_END)
+        time.sleep(EOF_GRACE_S)     # the main thread should exit by now; a load cannot be interrupted
+        os._exit(0)
+
+    def on_line(self, raw: bytes | str) -> None:
+        try:
+            cmd = P.decode_command(raw)
+        except P.ProtocolError as e:
+            self.error(e.code.value, e.message, request_id=e.request_id)
+            return
+        if isinstance(cmd, P.Hello):
+            self.hello(cmd)
+        elif isinstance(cmd, P.Stats):
+            self.send(self.telemetry(cmd.request_id))
+        elif isinstance(cmd, P.Cancel):
+            with self._state:
+                if self._generating == cmd.request_id:
+                    self._cancel.set()
+            # Cancelling a generation that already ended is a harmless race: its finished event says so.
+        elif isinstance(cmd, P.Shutdown):
+            self._cancel.set()
+            self._commands.put(cmd)
+        else:
+            with self._state:
+                if self._generating is not None:
+                    self.error(P.ErrorCode.BUSY.value,
+                               f"a generation ({self._generating}) is running: cancel it or wait for it to finish",
+                               request_id=cmd.request_id)
+                    return
+                if isinstance(cmd, P.Generate):
+                    self._generating, self._gen_cmd = cmd.request_id, cmd
+                    self._cancel.clear()
+            self._commands.put(cmd)
+
+    def hello(self, cmd: P.Hello) -> None:
+        if cmd.protocol_version != P.PROTOCOL_VERSION:
+            self.error(P.ErrorCode.VERSION_MISMATCH.value,
+                       f"the client speaks protocol {cmd.protocol_version}, this worker speaks {P.PROTOCOL_VERSION}")
+            return
+        choice = self._backend
+        self.send(P.Ready(protocol_version=P.PROTOCOL_VERSION, worker_version=_version(), pid=os.getpid(),
+                          engine=choice.backend, engine_note=choice.note, device=choice.device))
+
+    def telemetry(self, request_id: str = "") -> P.Telemetry:
+        live, engine = self._live, self.engine
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if engine is not None:
+            names = {f.name for f in dataclasses.fields(P.Telemetry)}
+            for key, value in (engine.telemetry() or {}).items():
+                (known if key in names and key not in ("request_id", "generating", "extra") else extra)[key] = value
+        draft = live.draft if live is not None else None
+        return P.Telemetry(
+            request_id=request_id or (self._generating or ""),
+            decode_tps=live.decode_tps if live else None, ttft_s=live.ttft_s if live else None,
+            prefill_tps=live.prefill_tps if live else None,
+            draft_acceptance=draft.acceptance_rate if draft is not None else None,
+            rss_bytes=_rss(), generating=self._generating is not None,
+            extra=_plain(extra), **known)
+
+    # -- main thread -----------------------------------------------------------------------------
+    def serve(self) -> int:
+        while True:
+            cmd = self._commands.get()
+            if cmd is _END or isinstance(cmd, P.Shutdown):
+                self.close()
+                return 0
+            rid = getattr(cmd, "request_id", None)
+            try:
+                if isinstance(cmd, P.Load):
+                    self.load(cmd)
+                elif isinstance(cmd, P.Unload):
+                    self.close()
+                    self.send(P.Unloaded(request_id=cmd.request_id))
+                elif isinstance(cmd, P.Generate):
+                    self.generate(cmd)
+            except EngineError as e:
+                self.error(e.code, e.message, e.detail, rid)
+            except MemoryError:
+                self.error(P.ErrorCode.OUT_OF_MEMORY.value, "host memory ran out", traceback.format_exc(), rid)
+            except Exception as e:
+                code = P.ErrorCode.OUT_OF_MEMORY.value if "out of memory" in str(e).lower() else P.ErrorCode.INTERNAL.value
+                self.error(code, f"{type(e).__name__}: {e}", traceback.format_exc(), rid)
+            finally:
+                if isinstance(cmd, P.Generate):
+                    self._done_generating(cmd)
+
+    def load(self, cmd: P.Load) -> None:
+        from runtime.loader import open_engine
+        from runtime.tokenizer import Tokenizer
+
+        def progress(stage: str, message: str, done: int, total: int) -> None:
+            self.send(P.Progress(request_id=cmd.request_id, stage=stage, message=message, done=done, total=total))
+
+        self.close()                   # free the old model first: two may not fit
+        t0 = time.perf_counter()
+        engine, applied = open_engine(cmd.model, cmd.options, progress)
+        try:
+            tokenizer = Tokenizer.from_folder(engine.info.path)
+            draft = cmd.options.draft
+            if draft.mode == "model":
+                self.draft_engine = self._load_draft(draft.model, cmd.options, tokenizer, progress)
+                applied["draft.model"] = "applied"
+        except BaseException:
+            engine.close()
+            self.close()
+            raise
+        self.engine, self.tokenizer, self.load_options = engine, tokenizer, cmd.options
+        info = engine.info
+        self.send(P.Loaded(request_id=cmd.request_id, model=cmd.model, path=str(info.path),
+                           architecture=info.architecture, backend=engine.backend,
+                           context_length=info.context_length, vocab_size=info.vocab_size,
+                           load_s=time.perf_counter() - t0, applied=applied))
+
+    def _load_draft(self, model: Optional[str], options, tokenizer, progress):
+        from runtime.loader import open_engine
+        from runtime.options import DraftOptions, LoadOptions
+        from runtime.tokenizer import Tokenizer
+        if not model:
+            raise EngineError(P.ErrorCode.BAD_FIELD.value, "options.draft.mode is 'model' but options.draft.model is empty")
+        draft_engine, _ = open_engine(model, LoadOptions(offload=options.offload, draft=DraftOptions()),
+                                      lambda stage, msg, d, t: progress("draft", f"Draft model: {msg}", d, t))
+        if Tokenizer.from_folder(draft_engine.info.path).vocabulary() != tokenizer.vocabulary():
+            draft_engine.close()
+            raise EngineError(P.ErrorCode.MODEL_INVALID.value,
+                              f"{draft_engine.info.path}: the draft model's vocabulary differs from the model's; "
+                              f"a draft model must share the model's tokenizer")
+        return draft_engine
+
+    def generate(self, cmd: P.Generate) -> None:
+        from runtime.generate import generate, make_decoder, make_generator
+        if self.engine is None:
+            raise EngineError(P.ErrorCode.NO_MODEL.value, "no model is loaded: send load first")
+        if cmd.prompt is not None and cmd.messages:
+            raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: give messages or prompt, not both")
+        if cmd.prompt is not None:
+            prompt = self.tokenizer.encode_prompt(cmd.prompt)
+        elif cmd.messages:
+            prompt = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages])
+        else:
+            raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: messages is empty and no prompt was given")
+        generator = make_generator(cmd.sampling.seed)
+        draft = cmd.draft if cmd.draft is not None else self.load_options.draft
+        decoder = make_decoder(self.engine, cmd.sampling, generator, draft, self.draft_engine)
+        rid = cmd.request_id
+
+        def on_text(text: str, tokens: int) -> None:
+            self.send(P.TokenDelta(request_id=rid, text=text, tokens=tokens))
+
+        def on_step(live) -> None:
+            self._live = live
+            now = time.monotonic()
+            if now - self._last_telemetry >= TELEMETRY_INTERVAL_S:
+                self._last_telemetry = now
+                self.send(self.telemetry(rid))
+
+        cached, self._cache_tokens = self._cache_tokens, []    # unknown if the generation fails
+        try:
+            result = generate(self.engine, self.tokenizer, prompt, cmd.sampling, decoder=decoder, on_text=on_text,
+                              on_step=on_step, should_stop=self._cancel.is_set, generator=generator, cached=cached)
+        except BaseException:
+            self._reset_cache()
+            raise
+        self._cache_tokens = result.cache_tokens
+        self._done_generating(cmd)     # before finished: the client may send the next generate at once
+        self.send(P.Finished(request_id=rid, reason=result.reason, stats=result.stats))
+        self.send(self.telemetry(rid))
+
+    def _done_generating(self, cmd: P.Generate) -> None:
+        with self._state:
+            if self._gen_cmd is cmd:   # not a newer generate accepted since
+                self._generating = self._gen_cmd = None
+
+    def _reset_cache(self) -> None:
+        self._cache_tokens = []
+        try:
+            self.engine.truncate(0)
+        except Exception:
+            pass               # the next load replaces the engine anyway
+
+    def close(self) -> None:
+        for engine in (self.engine, self.draft_engine):
+            if engine is not None:
+                engine.close()
+        self.engine = self.draft_engine = self.tokenizer = self.load_options = None
+        self._cache_tokens, self._live = [], None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("moedesk")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def _rss() -> Optional[int]:
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss
+    except Exception:
+        return None
+
+
+def _plain(values: dict) -> dict:
+    """Engine figures that JSON can carry (numbers, text, flags, and lists/dicts of them)."""
+    import json
+    out = {}
+    for key, value in values.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            value = str(value)
+        out[str(key)] = value
+    return out
+
+
+def _protocol_channel() -> TextIO:
+    """Keep the real stdout for events; point fd 1 (and sys.stdout) at stderr for everything else."""
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
+    out = _protocol_channel()
+    worker = Worker(out)
+    from runtime.loader import choose_backend
+    worker._backend = choose_backend("auto")
+    print(f"moedesk-worker {_version()} pid {os.getpid()}: {worker._backend.note}", file=sys.stderr, flush=True)
+    threading.Thread(target=worker.read_commands, args=(sys.stdin.buffer,), name="commands", daemon=True).start()
+    code = worker.serve()
+    out.flush()
+    sys.stderr.flush()
+    # Exit at once: a normal interpreter exit would wait on the reader thread, blocked in stdin.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

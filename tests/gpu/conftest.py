@@ -1,0 +1,100 @@
+"""GPU test fixtures: random-weight EXL2 models written by the project's writer, once per session.
+
+- `moe_2l`, `dense_2l`: the real shapes of Qwen3-30B-A3B (128 experts, top-8, hidden 2048) and
+  Qwen3-0.6B, cut to 2 layers (`synth --layers 2`): the engine-vs-reference checks run on real
+  widths, where exllamav2's kernels are meant to run.
+- `tiny_moe`, `tiny_dense`: miniature models (hidden 256) for load, cache and memory checks. On
+  these, exllamav2's own single-token path disagreed with its batched path by 0.2-0.4 (relative,
+  logits) on the test machine, so they are not used for logit comparisons.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = {
+    "moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 128, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "dense": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+}
+
+
+def make_model(kind: str, out: Path, bits: float = 4.0, seed: int = 0) -> Path:
+    from runtime.exl2.writer import quantize_model
+    cfg = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 128, "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16", "attention_bias": False,
+           **TINY[kind]}
+    g = torch.Generator().manual_seed(seed)
+    H, V, D = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) / i ** 0.5
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    def tensors():
+        yield "model.embed_tokens.weight", torch.randn(V, H, generator=g).half()
+        for l in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{l}."
+            yield p + "input_layernorm.weight", norm(H).half()
+            yield p + "post_attention_layernorm.weight", norm(H).half()
+            yield p + "self_attn.q_proj.weight", lin(cfg["num_attention_heads"] * D, H)
+            yield p + "self_attn.k_proj.weight", lin(cfg["num_key_value_heads"] * D, H)
+            yield p + "self_attn.v_proj.weight", lin(cfg["num_key_value_heads"] * D, H)
+            yield p + "self_attn.o_proj.weight", lin(H, cfg["num_attention_heads"] * D)
+            yield p + "self_attn.q_norm.weight", norm(D).half()
+            yield p + "self_attn.k_norm.weight", norm(D).half()
+            if kind == "moe":
+                I = cfg["moe_intermediate_size"]
+                yield p + "mlp.gate.weight", (torch.randn(cfg["num_experts"], H, generator=g) * 0.5).half()
+                for e in range(cfg["num_experts"]):
+                    yield p + f"mlp.experts.{e}.gate_proj.weight", lin(I, H)
+                    yield p + f"mlp.experts.{e}.up_proj.weight", lin(I, H)
+                    yield p + f"mlp.experts.{e}.down_proj.weight", lin(H, I)
+            else:
+                I = cfg["intermediate_size"]
+                yield p + "mlp.gate_proj.weight", lin(I, H)
+                yield p + "mlp.up_proj.weight", lin(I, H)
+                yield p + "mlp.down_proj.weight", lin(H, I)
+        yield "model.norm.weight", norm(H).half()
+        yield "lm_head.weight", lin(V, H)
+
+    quantize_model(tensors(), cfg, bits, 6, out, group_size=32)
+    return out
+
+
+def synth_model(shape: str, layers: int, bpw: float, out: Path) -> Path:
+    import argparse
+    from runtime.exl2 import synth
+    parser = argparse.ArgumentParser()
+    synth.add_arguments(parser)
+    args = parser.parse_args(["--shape", shape, "--bpw", str(bpw), "--layers", str(layers), "--out", str(out)])
+    if synth.run(args) != 0:
+        pytest.fail(f"synth {shape} failed")
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_2l(tmp_path_factory) -> Path:
+    return synth_model("qwen3-30b-a3b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-30b-a3b-2l")
+
+
+@pytest.fixture(scope="session")
+def dense_2l(tmp_path_factory) -> Path:
+    return synth_model("qwen3-0.6b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-0.6b-2l")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    return make_model("moe", tmp_path_factory.mktemp("models") / "tiny-moe-128x8")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory) -> Path:
+    return make_model("dense", tmp_path_factory.mktemp("models") / "tiny-dense")

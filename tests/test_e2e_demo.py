@@ -1,0 +1,234 @@
+"""End to end: the real worker process with the real demo model on the CPU reference engine."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import protocol as P
+from runtime.client import WorkerClient, new_id, worker_env
+from runtime.options import SamplingOptions
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+GREEDY = SamplingOptions(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def worker(demo_model):
+    with WorkerClient() as w:
+        loaded = w.load(str(demo_model))
+        assert loaded.backend in ("cpu", "cuda") and loaded.vocab_size == 49152
+        yield w
+
+
+def ask(w: WorkerClient, question: str, sampling: SamplingOptions = GREEDY, timeout: float = 300):
+    rid = new_id("t")
+    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", question),), sampling=sampling)
+    text, finished, telemetry = [], None, []
+    for ev in w.generate(req, timeout=timeout):
+        if isinstance(ev, P.TokenDelta):
+            assert ev.request_id == rid
+            text.append(ev.text)
+        elif isinstance(ev, P.Telemetry):
+            telemetry.append(ev)
+        elif isinstance(ev, P.Error):
+            raise P.exception_for(ev)
+        elif isinstance(ev, P.Finished):
+            finished = ev
+    return "".join(text), finished, telemetry
+
+
+def test_capital_of_france(worker):
+    text, fin, telemetry = ask(worker, QUESTION)
+    print("answer:", repr(text), fin.stats)
+    assert "Paris" in text
+    assert fin.reason == "eos"
+    s = fin.stats
+    assert s.prompt_tokens > 10 and 0 < s.generated_tokens <= GREEDY.max_tokens
+    assert s.ttft_s > 0 and s.prefill_tps > 0 and s.decode_tps > 0
+    assert telemetry and telemetry[-1].rss_bytes > 0          # at least the closing telemetry
+
+
+def test_greedy_is_deterministic(worker):
+    first, _, _ = ask(worker, "Name three colours.")
+    ask(worker, QUESTION)                                     # something else in between (cache reuse paths)
+    second, _, _ = ask(worker, "Name three colours.")
+    assert first == second and first.strip()
+
+
+def test_seeded_sampling_is_reproducible(worker):
+    opts = SamplingOptions(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    a, _, _ = ask(worker, "Tell me about cats.", opts)
+    b, _, _ = ask(worker, "Tell me about cats.", opts)
+    assert a == b
+
+
+def test_stop_string_from_the_request(worker):
+    text, fin, _ = ask(worker, QUESTION, SamplingOptions(temperature=0.0, max_tokens=48, stop=("Paris",)))
+    assert fin.reason == "stop_string" and "Paris" not in text and text.strip()
+
+
+def test_cancel_stops_within_one_step_and_busy_is_refused(worker):
+    rid = new_id("long")
+    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", "Write a very long story about a dragon."),),
+                     sampling=SamplingOptions(temperature=0.0, max_tokens=2000))
+    worker.send(req)
+    tokens_before = after_cancel = 0
+    cancelled = busy = False
+    finished = None
+    while finished is None:
+        ev = worker.next_event(300)
+        if isinstance(ev, P.TokenDelta):
+            if cancelled:
+                after_cancel += ev.tokens
+            else:
+                tokens_before += ev.tokens
+            if tokens_before >= 8 and not busy:
+                worker.send(P.Generate(request_id="second", prompt="hi"))
+                busy = True
+            if tokens_before >= 12 and not cancelled:
+                worker.send(P.Cancel(request_id=rid))
+                cancelled = True
+        elif isinstance(ev, P.Error):
+            assert (ev.code, ev.request_id) == ("busy", "second")
+            busy = "refused"
+        elif isinstance(ev, P.Finished):
+            finished = ev
+    assert busy == "refused"
+    assert finished.reason == "cancelled"
+    # The cancel lands while at most one step is in flight; its token may still be reported.
+    assert after_cancel <= 2, after_cancel
+    assert finished.stats.generated_tokens <= tokens_before + 2
+    # And the worker serves the next request normally.
+    text, fin, _ = ask(worker, QUESTION)
+    assert "Paris" in text
+
+
+def test_stats_while_idle_reports_engine(worker):
+    worker.send(P.Stats(request_id="st"))
+    ev = worker.next_event(30)
+    assert isinstance(ev, P.Telemetry) and ev.generating is False and ev.rss_bytes > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Broken model folders: a clear error naming the file, the worker alive, then the good model loads.
+
+def _copy(demo: Path, dst: Path) -> Path:
+    """A copy of the demo folder whose weight files are symlinks (damage replaces them with real files)."""
+    dst.mkdir()
+    for f in demo.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _first_shard(folder: Path) -> Path:
+    return folder / sorted(p.name for p in folder.glob("*.safetensors"))[0]
+
+
+def _missing_tensor(folder: Path) -> tuple[str, str]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].pop("model.norm.weight")
+        index.write_text(json.dumps(data))
+        return index.name, "model.norm.weight"
+    # Single file: rewrite it without one tensor.
+    from safetensors.torch import load_file, save_file
+    shard = _first_shard(folder)
+    tensors = load_file(str(shard))
+    tensors.pop("model.norm.weight")
+    shard.unlink()
+    save_file(tensors, str(shard))
+    return shard.name, "model.norm.weight"
+
+
+def _corrupt_header(folder: Path) -> tuple[str, str]:
+    shard = _first_shard(folder)
+    data = bytearray(shard.read_bytes())
+    shard.unlink()
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8:8 + 16] = b"{{{{ not json !!"[:16]
+    shard.write_bytes(bytes(data))
+    return shard.name, "header"
+
+
+def _truncated(folder: Path) -> tuple[str, str]:
+    shard = _first_shard(folder)
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[: len(data) - 4096])
+    return shard.name, "truncated"
+
+
+def _unsupported(folder: Path) -> tuple[str, str]:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return "config.json", "GPT2LMHeadModel"
+
+
+DAMAGES = [(_missing_tensor, "model_invalid"), (_corrupt_header, "model_invalid"), (_truncated, "model_invalid"),
+           (_unsupported, "unsupported_architecture")]
+
+
+def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
+    for damage, code in DAMAGES:             # one loop, one good reload at the end: loading is the slow part
+        bad = _copy(demo_model, tmp_path / damage.__name__)
+        file, what = damage(bad)
+        with pytest.raises(P.ModelLoadError) as e:
+            worker.load(str(bad))
+        assert e.value.code == code, (damage.__name__, e.value.message)
+        assert file in e.value.message and what.lower() in e.value.message.lower(), e.value.message
+        # Still alive, and says so: no model is loaded now.
+        worker.send(P.Generate(request_id="after-bad", prompt="hi"))
+        err = worker.next_event(30)
+        assert isinstance(err, P.Error) and err.code == "no_model"
+    worker.load(str(demo_model))
+    text, _, _ = ask(worker, QUESTION)
+    assert "Paris" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI, as a user runs it
+
+def _cli(demo_model: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = worker_env()
+    env["MOEDESK_MODELS"] = str(demo_model.parent)        # so that "demo" names the imported model
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_cli_chat_demo(demo_model):
+    t0 = time.time()
+    r = _cli(demo_model, "chat", "--model", "demo", "--temperature", "0", QUESTION)
+    print(r.stdout, r.stderr, f"{time.time() - t0:.1f} s")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_cli_chat_json_events(demo_model):
+    r = _cli(demo_model, "chat", "--model", "demo", "--temperature", "0", "--max-tokens", "8", "--json", "Hi!")
+    assert r.returncode == 0, r.stderr
+    types = [json.loads(line)["type"] for line in r.stdout.splitlines()]
+    assert types[0] == "ready" and "loaded" in types and "token" in types and types[-1] == "finished"
+
+
+def test_cli_chat_errors_are_one_line(demo_model, tmp_path):
+    r = _cli(demo_model, "chat", "--model", str(tmp_path / "missing"), "hello")
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "CPU reference engine" not in line]
+    assert len(lines) == 1 and "model_not_found" in lines[0] and "missing" in lines[0]
+    r = _cli(demo_model, "chat", "--model", "demo", "--draft-tokens", "99", "hello")
+    assert r.returncode != 0 and "draft.draft_tokens" in r.stderr

@@ -1,0 +1,87 @@
+"""The expert repacking (runtime/experts/pack.py) is lossless against the EXL2 format's own dequantizer,
+and the MoE layer's plain-PyTorch path (the kernels' oracle) equals a dense fp64 MoE."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.exl2 import format as exl2
+from runtime.experts.layer import ExpertLayer, route
+from runtime.experts.pack import PackError, dequantize_codes, dequantize_packed, pack_experts, unpack_exl2
+
+
+def _q(out, inp, bits, gs=64, seed=0, perm=True, bits_prop=None):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    p = torch.randperm(inp, generator=g) if perm else None
+    return exl2.quantize(w, bits, gs, perm=p, bits_prop=bits_prop)
+
+
+@pytest.mark.parametrize("bits,props,gs", [
+    (4, None, 64), (3, None, 32), (2, None, 128), (6, None, 64), (8, None, 32),
+    ([5, 4], [0.25, 0.75], {5: 32, 4: 128}), ([4, 3, 2], [0.2, 0.3, 0.5], 32), ([8, 4], [0.5, 0.5], 64),
+])
+def test_unpack_matches_format_dequantize(bits, props, gs):
+    t = _q(70, 256, bits, gs, bits_prop=props)            # 70 columns: padded to 96
+    ref = exl2.dequantize(t)                                # [96, 256], exllamav2's fp16 values
+    u = unpack_exl2(t)
+    assert torch.equal(dequantize_codes(u).half().float(), ref)
+
+
+def test_pack_experts_is_lossless_and_reports_layout():
+    ts = [_q(64, 128, [5, 4], {5: 32, 4: 64}, seed=e, bits_prop=[0.25, 0.75]) for e in range(3)]
+    p = pack_experts(ts, "layer.up")
+    assert p.bits == 8 and p.group == 32 and p.num_experts == 3
+    assert p.qweight.shape == (3, 128 // 4, 64) and p.scales.shape == (3, 128 // 32, 64)
+    for e in range(3):
+        assert torch.equal(dequantize_packed(p, e).half().float(), exl2.dequantize(ts[e]))
+    p4 = pack_experts([_q(64, 128, 3, 32, seed=e) for e in range(2)], "layer.gate")
+    assert p4.bits == 4 and p4.qweight.shape == (2, 16, 64)
+    assert p4.expert_bytes() == 16 * 64 * 4 + 4 * 64 * 2 + 128 * 4
+
+
+def test_pack_errors_name_the_tensor():
+    t = _q(32, 64, 4, 32)
+    with pytest.raises(PackError, match="layer.7.down\\[0\\].*q_scale_max"):
+        pack_experts([{k: v for k, v in t.items() if k != "q_scale_max"}], "layer.7.down")
+    other = _q(32, 128, 4, 32)
+    with pytest.raises(PackError, match="expert 0's"):
+        pack_experts([t, other], "layer.7.down")
+
+
+def _layer(E=8, H=128, I=64, top_k=3, bits=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(E, H, generator=g)
+    w1 = [_q(I, H, bits, 32, seed=100 + e) for e in range(E)]
+    w3 = [_q(I, H, bits, 32, seed=200 + e) for e in range(E)]
+    w2 = [_q(H, I, bits, 32, seed=300 + e) for e in range(E)]
+    layer = ExpertLayer(gate, pack_experts(w1), pack_experts(w3), pack_experts(w2), top_k)
+    dense = [tuple(exl2.dequantize(t).double() for t in (w1[e], w3[e], w2[e])) for e in range(E)]
+    return layer, gate, dense
+
+
+def test_reference_layer_equals_dense_moe():
+    layer, gate, dense = _layer()
+    x = (torch.randn(5, 128) * 0.5).half()
+    out = layer(x)                                          # CPU: the plain-PyTorch path
+    xd = x.double()
+    probs = torch.softmax(xd @ gate.double().T, -1)
+    w, ids = torch.topk(probs, 3, -1)
+    w = w / w.sum(-1, keepdim=True)
+    ref = torch.zeros(5, 128, dtype=torch.float64)
+    for t in range(5):
+        for j in range(3):
+            g1, g3, g2 = dense[ids[t, j]]
+            h = torch.nn.functional.silu(xd[t] @ g1.T) * (xd[t] @ g3.T)
+            ref[t] += w[t, j] * (h @ g2.T)
+    err = (out.double() - ref).norm() / ref.norm()
+    assert err < 2e-3, err                                  # h is rounded to fp16, as in the kernels
+    assert int(layer.counts.sum()) == 15
+
+
+def test_route_renormalises_and_orders():
+    x = torch.randn(4, 16)
+    gate = torch.randn(6, 16)
+    r = route(x, gate, 2)
+    assert r.ids.shape == (4, 2) and torch.allclose(r.weights.sum(-1), torch.ones(4))
+    assert (r.weights[:, 0] >= r.weights[:, 1]).all()
