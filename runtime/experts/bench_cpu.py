@@ -1,0 +1,172 @@
+"""Benchmark of the CPU expert path: weight GB/s and milliseconds per token, per format and row count.
+
+One call = one MoE layer's routed experts for T rows (top-k experts each, uniform routing over a pool of
+experts larger than the CPU's last-level cache, so weights come from RAM as they would for cold experts).
+Figures per (shape, format, T), medians over the timed calls:
+  ms_per_call          one layer, T rows
+  gb_per_s             weight bytes read (each distinct expert once) / time
+  gb_per_cpu_s         the same bytes / process CPU time: what one core sustains, robust to a loaded box
+  ms_per_token_layer   ms_per_call / T
+  bpw                  bits per weight the format reads (codes + scales)
+  bytes_ratio          bytes of an expert in the format / as EXL2 stores it (placement's cpu_bytes_ratio)
+The experts are synthetic EXL2 (random codes, sane scales; runtime/exl2/synth.py writes them the same way),
+converted by the same code the engine uses. Speed only depends on bytes and shapes, not on the values.
+
+    python -m runtime.experts.bench_cpu [--shapes q125-a11 qwen3-30b-a3b] [--formats ...] [--rows 1 4]
+                                        [--bits 3.0] [--pool-mb 1024] [--calls 30] [--threads N] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from runtime.exl2.shapes import SHAPES
+from runtime.exl2.synth import _random_linear      # synthetic EXL2 linears, written in the quantized domain
+from runtime.experts import cpu_experts as ce
+
+DEFAULT_SHAPES = ("q125-a11", "qwen3-30b-a3b")
+
+
+@dataclass
+class BenchRow:
+    shape: str
+    hidden: int
+    inter: int
+    format: str
+    rows: int
+    top_k: int
+    bpw: float
+    bytes_ratio: float           # bytes per expert in this format / as EXL2 stores it (PathCosts.cpu_bytes_ratio)
+    pool_experts: int
+    ms_per_call: float
+    ms_per_call_min: float
+    cpu_ms_per_call: float       # CPU time of the process per call (all threads; spin-waits included)
+    gb_per_s: float
+    gb_per_cpu_s: float          # weight bytes per second of process CPU time (per-core speed, load-proof)
+    ms_per_token_layer: float
+    threads: int
+    calls: int
+
+
+def _pool(shape: str, format: str, bits: float, pool_bytes: int, templates: int, seed: int) -> tuple[ce.CpuExperts, float]:
+    """A store of distinct copies of a few synthetic experts, at least pool_bytes in `format`."""
+    s = SHAPES[shape]
+    h, i = s.hidden, s.expert_intermediate
+    gen = torch.Generator().manual_seed(seed)
+    src = [{"gate": _random_linear(i, h, bits, gen), "up": _random_linear(i, h, bits, gen),
+            "down": _random_linear(h, i, bits, gen)} for _ in range(templates)]
+    tmpl = [ce.convert_expert(e, format, f"{shape}.expert{j}") for j, e in enumerate(src)]
+    per = ce.CpuExperts(format, h, i, [tmpl[0].clone()]).expert_bytes()
+    n = max(templates, -(-pool_bytes // per), s.experts_per_token * 2)
+    store = ce.CpuExperts(format, h, i, [tmpl[j % templates].clone() for j in range(n)])
+    return store, per / ce.stored_expert_bytes(src[0])
+
+
+def bench_store(store: ce.CpuExperts, rows: int, top_k: int, calls: int, seed: int = 0) -> tuple[list[float], list[int]]:
+    """Times `calls` forwards with random routing -> (wall s, process CPU s, bytes read) per call."""
+    gen = torch.Generator().manual_seed(seed)
+    times, cpu, nbytes = [], [], []
+    for c in range(calls + 3):                      # three warm-up calls
+        x = torch.randn(rows, store.hidden, generator=gen)
+        ids = torch.stack([torch.randperm(store.num_experts, generator=gen)[:top_k] for _ in range(rows)])
+        w = torch.softmax(torch.randn(rows, top_k, generator=gen), dim=1)
+        c0, t0 = time.process_time(), time.perf_counter()
+        store.forward(x, ids, w)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if c >= 3:
+            times.append(dt)
+            cpu.append(dc)
+            nbytes.append(len(torch.unique(ids)) * store.expert_bytes())
+    return times, cpu, nbytes
+
+
+def run_bench(shapes: Sequence[str] = DEFAULT_SHAPES, formats: Sequence[str] = ce.FORMATS,
+              rows: Sequence[int] = (1, 4), bits: float = 3.0, pool_mb: int = 1024, calls: int = 30,
+              threads: int | None = None, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run(shapes, formats, rows, bits, pool_mb, calls, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(shapes, formats, rows, bits, pool_mb, calls, progress) -> list[BenchRow]:
+    out = []
+    for shape in shapes:
+        if shape not in SHAPES or not SHAPES[shape].is_moe:
+            raise ValueError(f"shape {shape!r} is not an MoE shape; choose from "
+                             f"{[k for k, v in SHAPES.items() if v.is_moe]}")
+        top_k = SHAPES[shape].experts_per_token
+        for f in formats:
+            if f == "exl2" and (why := ce.kernel_unavailable_reason()):
+                if progress:
+                    progress(f"{shape} exl2 skipped: {why}")
+                continue
+            store, ratio = _pool(shape, f, bits, pool_mb << 20, templates=2, seed=0)
+            for t in rows:
+                times, cpu, nbytes = bench_store(store, t, top_k, calls)
+                med = statistics.median(times)
+                r = BenchRow(shape, store.hidden, store.inter, f, t, top_k, round(store.bits_per_weight(), 3), round(ratio, 3),
+                             store.num_experts, med * 1e3, min(times) * 1e3, statistics.median(cpu) * 1e3,
+                             statistics.median(nbytes) / med / 1e9,
+                             statistics.median(nbytes) / statistics.median(cpu) / 1e9, med * 1e3 / t, torch.get_num_threads(), calls)
+                out.append(r)
+                if progress:
+                    progress(format_row(r))
+            del store
+    return out
+
+
+def format_row(r: BenchRow) -> str:
+    return (f"{r.shape:14s} {r.format:5s} T={r.rows}  {r.bpw:5.2f} bpw (x{r.bytes_ratio:4.2f})  {r.ms_per_call:8.3f} ms/call "
+            f"(min {r.ms_per_call_min:7.3f}, cpu {r.cpu_ms_per_call:7.3f})  {r.gb_per_s:6.1f} GB/s ({r.gb_per_cpu_s:5.1f}/cpu-s)  {r.ms_per_token_layer:7.3f} ms/token/layer")
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "kernel_isa": None if ce.kernel_unavailable_reason() else ce.load_kernel().isa()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.experts.bench_cpu", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
+    p.add_argument("--formats", nargs="+", default=list(ce.FORMATS), choices=ce.FORMATS)
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--bits", type=float, default=3.0, help="EXL2 bits per weight of the experts (default 3.0)")
+    p.add_argument("--pool-mb", type=int, default=1024, help="bytes of experts per format (beyond the LLC)")
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    a = p.parse_args(argv)
+    info = machine()
+    print(f"# {info['cpu']}, {info['cores']} cores, {a.threads or torch.get_num_threads()} threads, "
+          f"load {info['load_average']}, kernel {info['kernel_isa']}", flush=True)
+    rows = run_bench(a.shapes, a.formats, a.rows, a.bits, a.pool_mb, a.calls, a.threads,
+                     progress=lambda s: print(s, flush=True))
+    if a.json:
+        from datetime import datetime, timezone
+        with open(a.json, "w") as f:
+            json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": info,
+                       "bits": a.bits, "pool_mb": a.pool_mb, "results": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,338 @@
+// Routed experts of one MoE layer on the CPU, reading EXL2 codes as stored (2..8 bits per weight).
+//
+// Letters: T rows (1..8), H hidden, I expert width, K input features of a projection, N its outputs,
+// G its groups, Q its packed rows (int32 words per column), X experts used by the T rows.
+//
+// Layout (built by runtime/experts/cpu_experts.py, lossless repack of the EXL2 tensors):
+//   qw    int32 [N/16, Q, 16]   q_weight cut into tiles of 16 columns, each tile contiguous,
+//                               so one tile is one sequential stream of Q*64 bytes
+//   sc    fp16  [N/16, G, 16]   exllamav2's scale of group g and column n (fp16, exact)
+//   grp   int32 [G, 4]          (bits, first packed row, first input row, rows) of each group
+//   perm  int32 [K]             packed row k multiplies input feature perm[k]
+//   desc  int64 [E, 3, 8]       per expert and projection (gate, up, down): offsets of the above
+//                               (qw, sc, grp, G, perm, K, N, Q)
+// A tile reads its codes once for all T rows: per group, sum_k raw_code[k, n] * x[t, perm[k]], minus
+// 2**(b-1) * sum_k x[t, perm[k]], times the group's scale. Vectors are GCC vector extensions
+// (16 lanes): AVX-512 where the compiler targets it, two AVX2 halves otherwise, scalar at worst.
+// Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
+// by the binding, so a dedicated Python thread runs it while others drive the GPU.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace {
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+constexpr int TILE = 16;
+constexpr int MAX_T = 8;
+
+struct Proj {
+  int64_t qw, sc, grp, G, perm, K, N, Q;
+};
+
+struct Layer {
+  const uint32_t* qw;
+  const at::Half* sc;
+  const int32_t* grp;
+  const int32_t* perm;
+  const int64_t* desc;
+  Proj proj(int64_t e, int p) const {
+    const int64_t* d = desc + (e * 3 + p) * 8;
+    return {d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]};
+  }
+};
+
+// Code of row I of a 32-row chunk as a float. A code that lies inside one word is masked in place, not
+// shifted: it converts to code * 2**s exactly, and the row's x was scaled by 2**-s when gathered
+// (see gather), which saves one instruction per 16 weights. Codes straddling two words are shifted.
+// Masks of the 32 rows of a chunk, kept in memory: the AND then reads its mask as a memory operand
+// instead of materialising 32 different constants in registers (two extra instructions a row).
+template <int B>
+struct Masks {
+  alignas(64) uint32_t m[32][TILE];
+  Masks() {
+    for (int i = 0; i < 32; ++i) {
+      const int s = (i * B) & 31;
+      const uint32_t v = s + B > 32 ? (1u << B) - 1 : (uint32_t)(((1ull << B) - 1) << s);
+      for (int j = 0; j < TILE; ++j) m[i][j] = v;
+    }
+  }
+};
+
+template <int B>
+static const Masks<B>& masks() {
+  static const Masks<B> m;
+  return m;
+}
+
+template <int B, int I>
+static inline __attribute__((always_inline)) f16v code_at(const u16v* w, const Masks<B>& M) {
+  constexpr int bit = I * B, wi = bit >> 5, s = bit & 31;
+  u16v mask;
+  __builtin_memcpy(&mask, M.m[I], sizeof(u16v));
+  if constexpr (s + B > 32) {
+    u16v v = ((w[wi] >> s) | (w[wi + 1] << (32 - s))) & mask;
+    return __builtin_convertvector((i16v)v, f16v);
+  } else {
+    u16v v = w[wi] & mask;
+    return __builtin_convertvector(v, f16v);
+  }
+}
+
+// 2**-s for a row whose code is masked in place (s its bit offset in its word), 1 for a straddling one.
+static inline float row_scale(int bits, int64_t row_in_group) {
+  const int bit = (int)(row_in_group % 32) * bits, s = bit & 31;
+  return s + bits > 32 ? 1.f : std::ldexp(1.f, -s);
+}
+
+// NA accumulators per row so that T * NA >= 4 FMA chains run in parallel (an FMA waits ~4 cycles
+// for its accumulator; one chain would cap a core at ~4 weights per cycle).
+template <int T>
+constexpr int chains() { return T >= 4 ? 1 : 4 / T; }
+
+template <int T, int B, size_t... I>
+static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const float* const* x, int64_t r,
+                                                        f16v (*a)[chains<T>()], const Masks<B>& M,
+                                                        std::index_sequence<I...>) {
+  u16v wv[B];
+#pragma GCC unroll 8
+  for (int j = 0; j < B; ++j) __builtin_memcpy(&wv[j], w + j * TILE, sizeof(u16v));
+  auto step = [&](auto ic) __attribute__((always_inline)) {
+    constexpr int i = decltype(ic)::value;
+    f16v f = code_at<B, i>(wv, M);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) a[t][i % chains<T>()] += f * x[t][r + i];
+  };
+  (step(std::integral_constant<int, (int)I>{}), ...);
+}
+
+// Accumulators and row pointers live in locals so they stay in registers across the unrolled chunk.
+template <int T, int B>
+static void group_sum(const uint32_t* w, const float* x, int64_t K, int64_t rows, f16v* out) {
+  constexpr int NA = chains<T>();
+  f16v a[T][NA];
+  const float* xr[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    xr[t] = x + t * K;
+    for (int c = 0; c < NA; ++c) a[t][c] = f16v{};
+  }
+  const Masks<B>& M = masks<B>();
+  for (int64_t c = 0; c < rows / 32; ++c)
+    chunk<T, B>(w + c * B * TILE, xr, c * 32, a, M, std::make_index_sequence<32>{});
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < NA; ++c) out[t] += a[t][c];
+}
+
+// One tile of 16 columns of projection P for T rows: res[t][j] = sum_k W[n0 + j, k] * x[t, k].
+// xp [T, K] holds x in packed order, xs [T, G] its sums per group.
+template <int T>
+static void tile_gemv(const Layer& L, const Proj& P, int64_t tile, const float* xp, const float* xs,
+                      float res[][TILE]) {
+  const uint32_t* tw = L.qw + P.qw + tile * P.Q * TILE;
+  const at::Half* ts = L.sc + P.sc + tile * P.G * TILE;
+  const int32_t* grp = L.grp + P.grp * 4;
+  f16v tot[T];
+  for (int t = 0; t < T; ++t) tot[t] = f16v{};
+  for (int64_t g = 0; g < P.G; ++g) {
+    const int bits = grp[g * 4], q0 = grp[g * 4 + 1], r0 = grp[g * 4 + 2], rows = grp[g * 4 + 3];
+    f16v a[T];
+    for (int t = 0; t < T; ++t) a[t] = f16v{};
+    const uint32_t* w = tw + (int64_t)q0 * TILE;
+    const float* x = xp + r0;
+    switch (bits) {
+      case 2: group_sum<T, 2>(w, x, P.K, rows, a); break;
+      case 3: group_sum<T, 3>(w, x, P.K, rows, a); break;
+      case 4: group_sum<T, 4>(w, x, P.K, rows, a); break;
+      case 5: group_sum<T, 5>(w, x, P.K, rows, a); break;
+      case 6: group_sum<T, 6>(w, x, P.K, rows, a); break;
+      case 8: group_sum<T, 8>(w, x, P.K, rows, a); break;
+      default: break;  // validated in Python
+    }
+    f16v s;
+    for (int j = 0; j < TILE; ++j) s[j] = (float)ts[g * TILE + j];
+    const float zero = (float)(1 << (bits - 1));
+    for (int t = 0; t < T; ++t) tot[t] += (a[t] - zero * xs[t * P.G + g]) * s;
+  }
+  for (int t = 0; t < T; ++t) __builtin_memcpy(res[t], &tot[t], sizeof(f16v));
+}
+
+// Row counts are rounded up to 1, 2, 4 or 8 (fewer instantiations, a quicker build); the extra rows
+// of xp and xs are zeros and their results are not used.
+static void tile_dispatch(int R, const Layer& L, const Proj& P, int64_t tile, const float* xp, const float* xs,
+                          float res[][TILE]) {
+  if (R == 1) tile_gemv<1>(L, P, tile, xp, xs, res);
+  else if (R == 2) tile_gemv<2>(L, P, tile, xp, xs, res);
+  else if (R <= 4) tile_gemv<4>(L, P, tile, xp, xs, res);
+  else tile_gemv<8>(L, P, tile, xp, xs, res);
+}
+
+static int padded_rows(int T) { return T <= 2 ? T : (T <= 4 ? 4 : 8); }
+
+// x [R, K] rows (row r is src + rows[r] * ld) -> xp [R, K] in packed order, each row scaled by its
+// row_scale, and xs [R, G] the group sums of the unscaled values.
+static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, const int64_t* rows, int R,
+                   float* xp, float* xs) {
+  const int32_t* perm = L.perm + P.perm;
+  const int32_t* grp = L.grp + P.grp * 4;
+  for (int r = 0; r < R; ++r) {
+    const float* s = src + rows[r] * ld;
+    float* d = xp + r * P.K;
+    for (int64_t k = 0; k < P.K; ++k) d[k] = s[perm[k]];
+    for (int64_t g = 0; g < P.G; ++g) {
+      const int bits = grp[g * 4], r0 = grp[g * 4 + 2], n = grp[g * 4 + 3];
+      float tab[32];
+      for (int i = 0; i < 32; ++i) tab[i] = row_scale(bits, i);
+      float acc = 0.f;
+      for (int k = 0; k < n; ++k) {
+        acc += d[r0 + k];
+        d[r0 + k] *= tab[k & 31];
+      }
+      xs[r * P.G + g] = acc;
+    }
+  }
+  // Rows R .. padded_rows(R) - 1 are read by the kernel (its row count is rounded up): zeros.
+  const int RP = padded_rows(R);
+  std::fill(xp + (int64_t)R * P.K, xp + (int64_t)RP * P.K, 0.f);
+  std::fill(xs + (int64_t)R * P.G, xs + (int64_t)RP * P.G, 0.f);
+}
+
+static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+}  // namespace
+
+// x float32 [T, H], ids int64 [T, A] (indices into the store's experts), weights float32 [T, A]
+// -> float32 [T, H] = sum_a weights[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a].
+torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor qw,
+                              torch::Tensor sc, torch::Tensor grp, torch::Tensor perm, torch::Tensor desc) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: float32 [T, H] contiguous");
+  const int T = (int)x.size(0);
+  const int64_t H = x.size(1);
+  TORCH_CHECK(T >= 1 && T <= MAX_T, "x: T must be 1..", MAX_T, ", got ", T);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kInt64, "ids: int64 [T, A]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32, "weights: float32 [T, A]");
+  const int64_t A = ids.size(1), E = desc.size(0);
+  Layer L{(const uint32_t*)qw.data_ptr<int32_t>(), sc.data_ptr<at::Half>(), grp.data_ptr<int32_t>(),
+          perm.data_ptr<int32_t>(), desc.data_ptr<int64_t>()};
+  auto idc = ids.contiguous();
+  auto wc = weights.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const float* rw = wc.data_ptr<float>();
+
+  // Experts used, and for each the rows (and routing weights) that use it: one read serves all rows.
+  std::vector<int64_t> used;
+  std::vector<std::vector<int64_t>> rows;
+  std::vector<std::vector<float>> rws;
+  for (int t = 0; t < T; ++t)
+    for (int64_t a = 0; a < A; ++a) {
+      int64_t e = id[t * A + a];
+      TORCH_CHECK(e >= 0 && e < E, "ids[", t, ", ", a, "] = ", e, " is outside the store's ", E, " experts");
+      size_t j = 0;
+      while (j < used.size() && used[j] != e) ++j;
+      if (j == used.size()) { used.push_back(e); rows.emplace_back(); rws.emplace_back(); }
+      if (!rows[j].empty() && rows[j].back() == t) { rws[j].back() += rw[t * A + a]; continue; }
+      rows[j].push_back(t);
+      rws[j].push_back(rw[t * A + a]);
+    }
+  const int64_t X = (int64_t)used.size();
+  const Proj P0 = L.proj(used[0], 0);
+  const int64_t I = P0.N;
+  for (int64_t j = 0; j < X; ++j) {
+    Proj g = L.proj(used[j], 0), u = L.proj(used[j], 1), d = L.proj(used[j], 2);
+    TORCH_CHECK(g.K == H && u.K == H && g.N == I && u.N == I && d.K == I && d.N == H,
+                "expert ", used[j], ": shapes do not chain with x [", T, ", ", H, "]");
+  }
+  const float* xd = x.data_ptr<float>();
+  // Scratch: xg/xu/xd [X, T, K] in packed order, sums [X, T, G], gate/up/h [X, T, I].
+  int64_t maxG = 0;
+  for (int64_t j = 0; j < X; ++j)
+    for (int p = 0; p < 3; ++p) maxG = std::max(maxG, L.proj(used[j], p).G);
+  // Built with -fopenmp; torch ships libgomp.so.1, which the dynamic linker shares with this module.
+  // Should a second runtime be loaded, this line still makes the region below use torch's thread
+  // count (torch.set_num_threads), per calling thread.
+  omp_set_num_threads(at::get_num_threads());
+  const int TP = padded_rows(T);    // row stride of the scratch blocks below (not zero-filled: gather
+                                    // writes every row the kernel reads)
+  std::unique_ptr<float[]> xg(new float[X * 2 * TP * H]), xsum(new float[X * 3 * TP * maxG]),
+      gu(new float[X * 2 * TP * I]), hp(new float[X * TP * I]);
+  auto out = torch::zeros({T, H}, x.options());
+  float* y = out.data_ptr<float>();
+  const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
+
+  // One thread team for the whole call; four loops with a barrier after each. Items are handed out
+  // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
+  const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
+#pragma omp parallel
+  {
+    float res[MAX_T][TILE];
+    std::vector<float> h(T * I);
+    std::vector<int64_t> ident(T);
+    for (int r = 0; r < T; ++r) ident[r] = r;
+    // 1. x gathered into each gate/up's packed order.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n1; ++i) {
+      const int64_t j = i / 2; const int p = (int)(i % 2);
+      gather(L, L.proj(used[j], p), xd, H, rows[j].data(), (int)rows[j].size(), &xg[i * TP * H],
+             &xsum[(j * 3 + p) * TP * maxG]);
+    }
+    // 2. gate and up, one tile of 16 columns per item.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n2; ++i) {
+      const int64_t j = i / (2 * tiles_i), p = (i / tiles_i) % 2, tile = i % tiles_i;
+      const int R = (int)rows[j].size();
+      tile_dispatch(R, L, L.proj(used[j], (int)p), tile, &xg[(j * 2 + p) * TP * H],
+                    &xsum[(j * 3 + p) * TP * maxG], res);
+      float* dst = &gu[(j * 2 + p) * TP * I];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < TILE && tile * TILE + c < I; ++c) dst[r * I + tile * TILE + c] = res[r][c];
+    }
+    // 3. h = silu(gate) * up, gathered into down's packed order.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < X; ++j) {
+      const int R = (int)rows[j].size();
+      const float* g = &gu[(j * 2) * TP * I];
+      const float* u = &gu[(j * 2 + 1) * TP * I];
+      for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
+      gather(L, L.proj(used[j], 2), h.data(), I, ident.data(), R, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG]);
+    }
+    // 4. down: one tile of H per item, all experts summed into it with their routing weights.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t tile = 0; tile < tiles_h; ++tile)
+      for (int64_t j = 0; j < X; ++j) {
+        const int R = (int)rows[j].size();
+        tile_dispatch(R, L, L.proj(used[j], 2), tile, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG], res);
+        for (int r = 0; r < R; ++r) {
+          float* dst = y + rows[j][r] * H + tile * TILE;
+          const float wgt = rws[j][r];
+          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * res[r][c];
+        }
+      }
+  }
+  return out;
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("experts_forward", &experts_forward, "EXL2 experts of one layer on the CPU",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &isa, "vector instruction set the kernel was compiled for");
+}

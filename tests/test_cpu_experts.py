@@ -1,0 +1,174 @@
+"""CPU expert store: every format against the dequantized EXL2 reference, T = 1..8 rows."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from runtime.exl2 import format as fmt
+from runtime.experts import cpu_experts as ce
+
+H, I, E, A = 256, 128, 6, 3
+# Relative max error vs the float64 forward of the fp16-dequantized weights (max |y - ref| / max |ref|):
+# bf16 and int8 round weights and activations (bf16: 8 bits of mantissa, int8: one scale per row);
+# int4 keeps 2/3/4-bit codes but rounds scales and activations to bf16; exl2 reads the codes exactly in fp32 and differs
+# from the reference only by the reference's own fp16 rounding of code * scale.
+TOL = {"bf16": 2e-2, "int8": 3e-2, "int4": 2e-2, "exl2": 1e-3}
+
+
+def _expert(gen: torch.Generator, bits) -> dict:
+    def lin(o, i):
+        w = torch.randn(o, i, generator=gen) * 0.05
+        return fmt.quantize(w, bits, 64, perm=torch.randperm(i, generator=gen))
+    return {"gate": lin(I, H), "up": lin(I, H), "down": lin(H, I)}
+
+
+def _dense(experts, exact: bool = False):
+    out = []
+    for e in experts:
+        mats = []
+        for p, o in (("gate", I), ("up", I), ("down", H)):
+            w = fmt.dequantize(e[p], torch.float64, out_features=o)
+            if exact:                                   # code * scale without the fp16 rounding
+                step = fmt.step_sizes(e[p])[:o].double()
+                w = torch.round(w / step) * step
+            mats.append(w)
+        out.append(tuple(mats))
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matrices: on a shared CI box, a thread team costs more than it gains (barrier waits)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def layer():
+    gen = torch.Generator().manual_seed(7)
+    experts = [_expert(gen, 3) for _ in range(E)]
+    return experts, _dense(experts), _dense(experts, exact=True)
+
+
+def _kernel_or_skip():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the exl2 CPU kernel cannot be built")
+    ce.load_kernel()                                    # a failing build fails the test
+
+
+def _routing(gen, T):
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:A] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, A, generator=gen), dim=1)
+    return x, ids, w
+
+
+def _rel(y, ref):
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("format", ce.FORMATS)
+def test_format_matches_reference(layer, format):
+    if format == "exl2":
+        _kernel_or_skip()
+    experts, dense, _ = layer
+    store = ce.CpuExperts.from_exl2(experts, format)
+    gen = torch.Generator().manual_seed(1)
+    for T in range(1, 9):
+        x, ids, w = _routing(gen, T)
+        y = store.forward(x, ids, w)
+        assert y.dtype == torch.float32 and y.shape == (T, H)
+        assert _rel(y, ce.reference_forward(dense, x, ids, w)) < TOL[format], (format, T)
+
+
+def test_exl2_kernel_is_exact_on_codes(layer):
+    _kernel_or_skip()
+    experts, _, exact = layer
+    store = ce.CpuExperts.from_exl2(experts, "exl2")
+    gen = torch.Generator().manual_seed(2)
+    for T in (1, 3, 5, 8):
+        x, ids, w = _routing(gen, T)
+        assert _rel(store.forward(x, ids, w), ce.reference_forward(exact, x, ids, w)) < 2e-6
+
+
+@pytest.mark.parametrize("bits", [[8, 6], [6, 5], [5, 4], [4, 3, 2]])
+def test_exl2_kernel_every_width(bits):
+    _kernel_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    experts = [_expert(gen, bits) for _ in range(2)]
+    store = ce.CpuExperts.from_exl2(experts, "exl2")
+    x = torch.randn(4, H, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0]])     # shared and repeated experts
+    w = torch.rand(4, 2, generator=gen)
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts, exact=True), x, ids, w)) < 2e-6
+
+
+def test_bytes_per_weight(layer):
+    experts, _, _ = layer
+    bpw = {f: ce.CpuExperts.from_exl2(experts[:1], f).bits_per_weight() for f in ("bf16", "int8", "int4")}
+    assert bpw["bf16"] == 16 and 8 < bpw["int8"] < 8.2 and 4 < bpw["int4"] < 5
+    if ce.kernel_unavailable_reason() is None:
+        assert 3 < ce.CpuExperts.from_exl2(experts[:1], "exl2").bits_per_weight() < 3.5
+
+
+def test_bad_inputs(layer):
+    experts, _, _ = layer
+    store = ce.CpuExperts.from_exl2(experts, "bf16")
+    x = torch.randn(2, H)
+    with pytest.raises(ce.CpuExpertsError, match="store indices"):
+        store.forward(x, torch.tensor([[0], [E]]), torch.ones(2, 1))
+    with pytest.raises(ce.CpuExpertsError, match="T in 1..8"):
+        store.forward(torch.randn(9, H), torch.zeros(9, 1, dtype=torch.long), torch.ones(9, 1))
+    with pytest.raises(ce.CpuExpertsError, match=r"\[T, 256\]"):
+        store.forward(torch.randn(2, H + 1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+    with pytest.raises(ce.CpuExpertsError, match="unknown CPU expert format"):
+        ce.CpuExperts.from_exl2(experts, "fp8")
+    with pytest.raises(ce.CpuExpertsError, match="missing projections"):
+        ce.CpuExperts.from_exl2([{"gate": experts[0]["gate"]}], "bf16")
+
+
+def test_runner_overlaps_on_its_own_thread(layer):
+    experts, _, _ = layer
+    fmt_ = "exl2" if ce.kernel_unavailable_reason() is None else "int8"
+    store = ce.CpuExperts.from_exl2(experts, fmt_)
+    x, ids, w = _routing(torch.Generator().manual_seed(4), 2)
+    runner = ce.CpuExpertRunner(threads=1)
+    try:
+        fut = runner.submit(store, x, ids, w)
+        assert torch.equal(fut.result(timeout=60), store.forward(x, ids, w))
+    finally:
+        runner.close()
+
+
+def test_bench_runs_on_a_tiny_shape(tmp_path):
+    from runtime.experts import bench_cpu
+    formats = ce.FORMATS if ce.kernel_unavailable_reason() is None else ("bf16", "int8", "int4")
+    rows = bench_cpu.run_bench(["tiny-moe"], formats, rows=(1, 2), pool_mb=1, calls=2, threads=1)
+    assert [(r.format, r.rows) for r in rows] == [(f, t) for f in formats for t in (1, 2)]
+    for r in rows:
+        assert r.gb_per_s > 0 and r.ms_per_call > 0 and r.ms_per_token_layer == pytest.approx(r.ms_per_call / r.rows)
+    assert bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--rows", "1", "--calls", "1",
+                           "--pool-mb", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]) == 0
+    assert '"format": "int8"' in (tmp_path / "b.json").read_text()
+    with pytest.raises(ValueError, match="not an MoE shape"):
+        bench_cpu.run_bench(["tiny-dense"], ("int8",))
+
+
+def test_experts_from_a_model_folder(tmp_path):
+    from runtime.exl2 import synth
+    from runtime.modelfolder import ModelFolder
+    synth.write_synthetic("tiny-moe", 3.0, tmp_path / "m", layers=1)
+    folder = ModelFolder(tmp_path / "m")
+    store = ce.CpuExperts.from_exl2(ce.read_experts(folder, 0, [3, 5]), "int8")
+    assert (store.hidden, store.inter, store.num_experts) == (256, 128, 2)
+    ref = folder.linear("model.layers.0.mlp.experts.5.down_proj")
+    x, ids, w = torch.randn(1, 256), torch.tensor([[1]]), torch.ones(1, 1)
+    dense = [tuple(folder.linear(f"model.layers.0.mlp.experts.{e}.{p}_proj") for p in ce.PROJS) for e in (3, 5)]
+    assert torch.equal(dense[1][2], ref)
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(dense, x, ids, w)) < TOL["int8"]
+    with pytest.raises(ce.CpuExpertsError, match="expert 99"):
+        ce.read_experts(folder, 0, [99])
