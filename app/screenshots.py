@@ -3,7 +3,8 @@
     QT_QPA_PLATFORM=offscreen python -m app.screenshots screenshots
 
 Writes main-window.png (mid-conversation: a finished answer, then one still streaming),
-main-window-dark.png, settings.png and gauges.png. Uses a temporary data dir, so the user's
+main-window-dark.png, settings.png, gauges.png, model-manager.png (a download in progress) and
+welcome.png (the first-run screen for this machine). Uses a temporary data dir, so the user's
 conversations are neither shown nor touched.
 """
 from __future__ import annotations
@@ -83,6 +84,10 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         settle()
         written.append(_save(panel.grab(), out / "settings.png"))
         panel.close()
+        from app.firstrun import grab_welcome
+        from app.models_dialog import grab_model_manager
+        written.append(grab_model_manager(out / "model-manager.png"))
+        written.append(grab_welcome(out / "welcome.png"))
     finally:
         win.close()
         desk.client.shutdown(wait=True)
