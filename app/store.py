@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from runtime import paths
 from runtime.options import OptionError, SamplingOptions, from_dict, to_dict
-from runtime.protocol import DraftStats, GenerationStats
+from runtime.protocol import GenerationStats, from_plain
 
 DB_NAME = "conversations.sqlite3"
 SCHEMA_VERSION = 2
@@ -422,11 +422,8 @@ def _stats_from(text: Optional[str]) -> Optional[GenerationStats]:
     if not text:
         return None
     try:
-        d = json.loads(text)
-        draft = DraftStats(**d.pop("draft")) if d.get("draft") else None
-        d.pop("draft", None)
-        return GenerationStats(**d, draft=draft)
-    except (ValueError, TypeError):
+        return from_plain(GenerationStats, json.loads(text))
+    except ValueError:          # OptionError is a ValueError: a hand-edited or older value
         return None
 
 

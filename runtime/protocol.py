@@ -273,6 +273,12 @@ def _decode(line: Union[str, bytes], table: dict[str, type], kind: str) -> Any:
         raise ProtocolError(ErrorCode.BAD_FIELD, str(e), rid) from None
 
 
+def from_plain(cls: type, data: Any) -> Any:
+    """A protocol record (e.g. GenerationStats) from plain JSON data, every field checked.
+    Raises OptionError naming the bad field."""
+    return _build(cls, data, cls.__name__)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     """Construct a message dataclass from plain data, checking every field's type."""
     if not isinstance(data, dict):
