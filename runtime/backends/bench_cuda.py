@@ -20,15 +20,13 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from runtime.bench import git_commit, machine
 from runtime.options import LoadOptions, OffloadOptions
 
 GB = 1e9
@@ -223,35 +221,6 @@ def stock_generator_decode(engine, decode: int, prompt: int) -> Optional[float]:
     count, t_first, t_end = run(decode + 1)
     engine.cache.current_seq_len = 0
     return (count - 1) / (t_end - t_first) if count > 1 else None
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ram = None
-    try:
-        import psutil
-        ram = round(psutil.virtual_memory().total / 2 ** 30, 1)
-    except Exception:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": ram, "python": platform.python_version(),
-            "torch": torch.__version__}
-
-
-def git_commit() -> Optional[str]:
-    if os.environ.get("MOEDESK_COMMIT"):
-        return os.environ["MOEDESK_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or None
-    except Exception:
-        return None
 
 
 def bench_one(path: str, moe: str, graphs: bool, context: int, prompts: list[int], decode: int,

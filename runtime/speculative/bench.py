@@ -16,15 +16,15 @@ import argparse
 import dataclasses
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from runtime.bench import git_commit, machine
+
 
 PASSAGE = (
     "The lighthouse stood on a narrow spit of rock at the mouth of the bay. Every evening the keeper "
@@ -136,33 +136,7 @@ def forced_acceptance_decode(engine: Any, prompt: list[int], k: int, n_tokens: i
 
 
 # ----------------------------------------------------------------------------------------------
-# Result files
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import psutil
-        ram = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        ram = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gb": ram}
-
-
-def git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
+# Result files (machine and commit as `moedesk-cli bench` records them)
 
 def device_name(engine: Any) -> str:
     if getattr(engine, "backend", "cpu") == "cuda":
