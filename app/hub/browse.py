@@ -98,7 +98,7 @@ def sign_in(token: str) -> str:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if isinstance(error, HubAccessError) or status in (401, 403):
             raise HubAccessError("Sign-in refused: the Hub does not accept this token. Copy a token from "
-                                 "huggingface.co/settings/tokens and try again.") from None
+                                 "your Hugging Face account settings (Access Tokens) and try again.") from None
         raise error from None
 
 
