@@ -242,8 +242,10 @@ class Worker:
             ticker.join()
         self._cache_tokens = result.cache_tokens
         self._done_generating(cmd)     # before finished: the client may send the next generate at once
-        self.send(P.Finished(request_id=rid, reason=result.reason, stats=result.stats))
+        # The closing figures go before `finished`: a client may stop reading at `finished`, and a short
+        # answer can end before the first tick.
         self.send(self.telemetry(rid))
+        self.send(P.Finished(request_id=rid, reason=result.reason, stats=result.stats))
 
     def _tick(self, rid: str, stop: threading.Event) -> None:
         """Telemetry about twice a second while a generation runs (also during a long prefill chunk)."""
