@@ -251,14 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_options(args: argparse.Namespace):
-    from runtime.options import DraftOptions, LoadOptions, OffloadOptions, from_dict
-    draft: dict[str, Any] = {}
-    if args.draft == "ngram":
-        draft["mode"] = "ngram"
-    elif args.draft not in ("none", "off", ""):
-        draft.update(mode="model", model=args.draft)
-    if args.draft_tokens is not None:
-        draft["draft_tokens"] = args.draft_tokens
+    from runtime.chat_cli import draft_options
+    from runtime.options import LoadOptions, OffloadOptions, from_dict
     offload: dict[str, Any] = {"backend": args.engine}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
@@ -266,7 +260,8 @@ def load_options(args: argparse.Namespace):
         offload["cpu_threads"] = args.cpu_threads
     context = args.context or max(OffloadOptions().context_length, args.prompt_tokens + args.decode_tokens + 16)
     offload["context_length"] = context
-    return LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"), draft=from_dict(DraftOptions, draft, "draft"))
+    return LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
+                       draft=draft_options(args.draft, args.draft_tokens))
 
 
 def bench(args: argparse.Namespace, say=print) -> BenchResult:

@@ -29,19 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the question")
 
 
+def draft_options(draft: str, draft_tokens: int | None) -> DraftOptions:
+    """`--draft none|ngram|DIR` and `--draft-tokens K` as validated draft options (chat and bench)."""
+    fields: dict = {}
+    if draft == "ngram":
+        fields["mode"] = "ngram"
+    elif draft not in ("none", "off", ""):
+        fields.update(mode="model", model=draft)
+    if draft_tokens is not None:
+        fields["draft_tokens"] = draft_tokens
+    return from_dict(DraftOptions, fields, "draft")
+
+
 def build_options(args: argparse.Namespace) -> tuple[LoadOptions, SamplingOptions]:
     """The flags as validated option dataclasses (an OptionError names a bad one)."""
-    draft: dict = {}
-    if args.draft == "ngram":
-        draft["mode"] = "ngram"
-    elif args.draft not in ("none", "off", ""):
-        draft.update(mode="model", model=args.draft)
-    if args.draft_tokens is not None:
-        draft["draft_tokens"] = args.draft_tokens
     offload = {"backend": args.backend}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
-    load = LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"), draft=from_dict(DraftOptions, draft, "draft"))
+    load = LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
+                       draft=draft_options(args.draft, args.draft_tokens))
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                   ("seed", args.seed)) if v is not None}
     return load, from_dict(SamplingOptions, sampling, "sampling")
