@@ -13,6 +13,8 @@ from typing import Optional
 
 import psutil
 
+from app.telemetry import NvmlMonitor
+
 GB = 1024 ** 3
 MIN_GPU_VRAM_GB = 8          # below this even small MoE quants leave little room for experts
 MIN_OFFLOAD_RAM_GB = 32      # cold experts of a 100B-class model at ~3 bpw need tens of GB
@@ -49,31 +51,15 @@ class MachineReport:
 
 
 def probe_gpu() -> tuple[Optional[str], Optional[str], Optional[int], str]:
-    """(name, driver, vram bytes, problem in words) of the first NVIDIA GPU, through NVML."""
+    """(name, driver, vram bytes, problem in words) of the first NVIDIA GPU, through the gauges' NVML reader."""
+    monitor = NvmlMonitor()
     try:
-        import pynvml
-    except ImportError:
-        return None, None, None, "nvidia-ml-py is not installed"
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # pynvml.NVMLError and OSError when the library is absent
-        return None, None, None, f"no NVIDIA driver answered ({e})"
-    try:
-        if pynvml.nvmlDeviceGetCount() == 0:
-            return None, None, None, "the NVIDIA driver reports no GPU"
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(h)
-        name = name.decode() if isinstance(name, bytes) else name
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else driver
-        return name, driver, int(pynvml.nvmlDeviceGetMemoryInfo(h).total), ""
-    except Exception as e:
-        return None, None, None, f"NVML failed ({e})"
+        sample = monitor.poll()
+        if sample is None:
+            return None, None, None, monitor.reason
+        return sample.name, monitor.driver_version(), sample.total, ""
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        monitor.close()
 
 
 def find_nvcc() -> Optional[str]:

@@ -180,6 +180,16 @@ class NvmlMonitor:
             return f"{self._name}{more}"
         return self.reason or "Reading the GPU…"
 
+    def driver_version(self) -> Optional[str]:
+        """The NVIDIA driver's version while NVML is open, else None."""
+        if self.state != NvmlState.OK:
+            return None
+        try:
+            v = self._nvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            return None
+        return v.decode() if isinstance(v, bytes) else str(v)
+
     def close(self) -> None:
         if self.state == NvmlState.OK:
             self._shutdown()
