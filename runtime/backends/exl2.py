@@ -82,6 +82,42 @@ def build_kernels(progress: ProgressFn) -> float:
     return dt
 
 
+# exllamav2's quantized GEMM times its first AT_NUM_MEASURE (200) calls of every (rows, in, out) shape
+# with cudaEventSynchronize before settling on a block size (exllamav2_ext/cuda/q_gemm.cu). A host
+# synchronisation inside a CUDA graph capture invalidates it ("operation failed due to a previous
+# error during capture"), and the lm_head shape is called once per token: 200 tokens would have to be
+# decoded before a capture could succeed. Settling every shape at load, for the row counts decode and
+# verify use, removes the timing calls from both the capture and the verify-cost measurements.
+AUTOTUNE_CALLS = 201
+AUTOTUNE_ROWS = 8          # EXL2_BLOCK_M_SIZE_MAX: larger row counts reuse the 8-row choice
+
+
+def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_ROWS + 1))) -> int:
+    """Run exllamav2's GEMM past its autotuning for every distinct quantized matrix shape; returns
+    the number of shapes settled."""
+    from exllamav2.ext import exllamav2_ext as ext_c
+    from exllamav2.linear import ExLlamaV2Linear
+    seen: dict[tuple[int, int], ExLlamaV2Linear] = {}
+
+    def visit(m):
+        if isinstance(m, ExLlamaV2Linear) and isinstance(m.q_handle, int):
+            seen.setdefault((m.in_features, m.out_features), m)
+        for sub in getattr(m, "submodules", []) or []:
+            visit(sub)
+
+    for m in model.modules:
+        visit(m)
+    for (k, n), lin in seen.items():
+        dev = lin.device()
+        for r in rows:
+            a = torch.zeros((r, k), dtype=torch.float16, device=dev)
+            c = torch.empty((r, n), dtype=torch.float16, device=dev)
+            for _ in range(AUTOTUNE_CALLS):
+                ext_c.gemm_half_q_half(a, lin.q_handle, c, False)
+    torch.cuda.synchronize()
+    return len(seen)
+
+
 def _cache_class(kind: str):
     from exllamav2 import ExLlamaV2Cache, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8
     return {"fp16": ExLlamaV2Cache, "q8": ExLlamaV2Cache_Q8, "q6": ExLlamaV2Cache_Q6, "q4": ExLlamaV2Cache_Q4}[kind]
@@ -233,6 +269,9 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         progress("load", "Allocating the KV cache", 0, 1)
         cache = _cache_class(off.kv_cache)(model, max_seq_len=off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
+        progress("load", "Tuning GPU kernels", 0, 1)
+        settle_gemm_autotune(model)
+        progress("load", "Tuning GPU kernels", 1, 1)
     except Exception as e:
         if not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
             raise

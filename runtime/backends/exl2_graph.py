@@ -148,11 +148,56 @@ class DecodeGraphs:
         # device) run instead of invalidating it. The first measured capture ran in the default
         # "global" mode; later ones failed there and in "thread_local" (see runtime/experts/NOTES.md).
         mode = os.environ.get("MOEDESK_CAPTURE_MODE", "relaxed")
-        with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode=mode):
-            out = self._step(L)
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode=mode):
+                out = self._step(L)
+        except RuntimeError as e:
+            culprit = self._find_capture_breaker(L, mode)
+            raise RuntimeError(f"{e} [capture first invalidated by: {culprit}]") from None
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[L] = (g, out)
+
+    def _find_capture_breaker(self, L: int, mode: str) -> str:
+        """After a failed capture: capture again, asking the driver after every module whether the
+        capture is still valid, and name the first module that invalidated it."""
+        import ctypes
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return "unknown (libcuda not found)"
+        s = self.stream
+        culprit = "none found: the capture failed at its end"
+
+        def status() -> int:                 # CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
+            st = ctypes.c_int(0)
+            cu.cuStreamIsCapturing(ctypes.c_void_p(s.cuda_stream), ctypes.byref(st))
+            return st.value
+
+        class Stop(Exception):
+            pass
+
+        x = self.x_in.clone()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, stream=s, capture_error_mode=mode):
+                mask = torch.where(self.arange[:L] <= self.pos64, 0.0, float("-inf"))
+                if status() == 2:
+                    culprit = "the attention mask"
+                    raise Stop
+                for m in self.body:
+                    x = self._attention(m, x, L, mask) if isinstance(m, self.Attention) else m.forward(x)
+                    if status() == 2:
+                        culprit = f"{type(m).__name__} {getattr(m, 'key', '?')}"
+                        raise Stop
+        except Exception:
+            pass
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        return culprit
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:

@@ -86,6 +86,9 @@ def test_engine_matches_reference(kind, moe_2l, dense_2l, references):
         eng = _load_exl2(path, graphs=graphs)
         try:
             errs = _script(eng, ref, toks, f"{kind} graphs={graphs}", assert_tol=True)
+            if graphs:                                     # the decode steps above really replayed a graph
+                tel = eng.telemetry()
+                assert tel["decode_graphs"] and tel["graph_buckets"], tel.get("graph_error")
             _record(test="vs_reference", model=kind, moe="own", graphs=graphs, errors=errs)
         finally:
             eng.close()
@@ -142,8 +145,6 @@ def test_moe_layer_rows_are_independent_at_real_size():
         assert e < (1e-6 if n <= 8 else TOLERANCE)
 
 
-@pytest.mark.xfail(reason="decode-graph capture regressed after the first measured run; see "
-                          "runtime/experts/NOTES.md (the engine falls back to the layer loop)", strict=False)
 def test_decode_step_is_graph_captured(moe_2l):
     eng = _load_exl2(moe_2l)
     try:
