@@ -24,12 +24,12 @@ GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
+def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
+    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]. Its codes start
+    `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host memory)."""
     PER: tl.constexpr = 32 // BITS
     rows_w = k0 // PER + tl.arange(0, BK // PER)
-    base = e * (K // PER) * N
     words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
     shifts = tl.arange(0, PER) * BITS
     u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
@@ -39,12 +39,14 @@ def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
+def _gate_up_gemv(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
                   BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                   BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb1 = tl.load(o1 + e)                                       # codes: offset table
+    wb3 = tl.load(o3 + e)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc1 = tl.zeros([BN], dtype=tl.float32)
@@ -52,40 +54,43 @@ def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + kk)).to(tl.float32)
-        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
         acc1 += tl.sum(x1[:, None] * w1, axis=0)
         x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + kk)).to(tl.float32)
-        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
         acc3 += tl.sum(x3[:, None] * w3, axis=0)
     h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
     tl.store(h_ptr + p * N + offs_n, h.to(tl.float16), mask=mask_n)
 
 
 @triton.jit
-def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
+def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
                BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb2 = tl.load(o2 + e)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         xh = tl.load(h_ptr + p * HS + tl.load(p2 + e * K + kk)).to(tl.float32)
-        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
         acc += tl.sum(xh[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
     tl.store(y_ptr + p * N + offs_n, acc * rw, mask=mask_n)
 
 
 @triton.jit
-def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr,
+def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr,
                      N: tl.constexpr, A: tl.constexpr, P,
                      BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
+        wb1 = tl.load(o1 + e)                                   # codes: offset table
+        wb3 = tl.load(o3 + e)
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))                  # [BM] pair ids, P = empty
         valid = rows < P
         t = rows // A
@@ -97,11 +102,11 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, 
             kk = k0 + tl.arange(0, BK)
             i1 = tl.load(p1 + e * K + kk)
             xa = tl.load(x_ptr + t[:, None] * K + i1[None, :], mask=valid[:, None], other=0.0)
-            w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+            w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
             acc1 = tl.dot(xa.to(tl.float16), w1.to(tl.float16), acc1)
             i3 = tl.load(p3 + e * K + kk)
             xb = tl.load(x_ptr + t[:, None] * K + i3[None, :], mask=valid[:, None], other=0.0)
-            w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+            w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
             acc3 = tl.dot(xb.to(tl.float16), w3.to(tl.float16), acc3)
         h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
         tl.store(h_ptr + rows[:, None] * N + offs_n[None, :], h.to(tl.float16),
@@ -109,13 +114,14 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, 
 
 
 @triton.jit
-def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
+def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
                   HS: tl.constexpr, P,
                   BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BN: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
+        wb2 = tl.load(o2 + e)                                   # codes: offset table
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
         valid = rows < P
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -125,7 +131,7 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.c
             kk = k0 + tl.arange(0, BK)
             i2 = tl.load(p2 + e * K + kk)
             xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
-            w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+            w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
             acc = tl.dot(xa, w.to(tl.float16), acc)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], acc * rw[:, None],
@@ -177,13 +183,15 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.
 
 
 @triton.jit
-def _gate_up_splitk(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
+def _gate_up_splitk(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
                     A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
                     G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller)."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb1 = tl.load(o1 + e)                                       # codes: offset table
+    wb3 = tl.load(o3 + e)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)
@@ -193,17 +201,17 @@ def _gate_up_splitk(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, gu_ptr, P, K: tl.con
         k0 = ks + kk
         rows = k0 + tl.arange(0, BK)
         x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
-        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
         acc1 += tl.sum(x1[:, None] * w1, axis=0)
         x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
-        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
         acc3 += tl.sum(x3[:, None] * w3, axis=0)
     tl.atomic_add(gu_ptr + p * N + offs_n, acc1, mask=mask_n)
     tl.atomic_add(gu_ptr + P * N + p * N + offs_n, acc3, mask=mask_n)
 
 
 @triton.jit
-def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
+def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
                  HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
@@ -211,6 +219,7 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexp
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb2 = tl.load(o2 + e)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)
@@ -221,7 +230,7 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexp
         g = tl.load(gu_ptr + p * HS + idx)
         u = tl.load(gu_ptr + P * HS + p * HS + idx)
         h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
-        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
         acc += tl.sum(h[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
@@ -281,21 +290,21 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if P <= GEMV_MAX_PAIRS:
         bn = 32
         _gate_up_gemv[(P, triton.cdiv(I1, bn))](
-            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h, H, I1, A,
+            x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h, H, I1, A,
             BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn, num_warps=4)
         _down_gemv[(P, triton.cdiv(H2, bn))](
-            h, ids_f, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1,
+            h, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, num_warps=4)
     else:
         bm, bn = (64 if P >= 4096 else 16), 64
         pairs, bexp = align(ids_f, w1.num_experts, bm)
         nb = bexp.numel()
         _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
-            x, pairs, bexp, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h,
+            x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
             H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
             BM=bm, BK=bk1, BN=bn, num_warps=4)
         _down_grouped[(nb, triton.cdiv(H2, bn))](
-            h, pairs, bexp, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1, P,
+            h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
             BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
     return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
@@ -349,10 +358,10 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     nb1, nb2 = triton.cdiv(I1, bn), triton.cdiv(H2, bn)
     ks1, ks2 = _ksplit(H, bk1, P * nb1), _ksplit(I2, bk2, P * nb2)
     _gate_up_splitk[(P, nb1, ks1)](
-        x.contiguous(), ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, gu, P,
+        x.contiguous(), ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, gu, P,
         K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn,
         KSPLIT=ks1, num_warps=4)
     _down_splitk[(P, nb2, ks2)](
-        gu, ids_f, rw, w2.qweight, w2.scales, w2.perm, out, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+        gu, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, out, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
         BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, KSPLIT=ks2, num_warps=4)
     return out

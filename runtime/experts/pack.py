@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -42,23 +42,50 @@ class Exl2Codes:
 
 @dataclass
 class PackedExperts:
-    """One projection (gate, up or down) of every expert of a layer, stacked for the kernels."""
-    qweight: torch.Tensor      # int32 [E, K // (32 // bits), N]
+    """One projection (gate, up or down) of every expert of a layer, stacked for the kernels.
+
+    The kernels find expert e's codes at `qweight`'s base + `woff[e]` int32 words: with every expert
+    in `qweight` (no offload) `woff[e] = e * words_per_expert`. With offload, `cold` holds every
+    expert's codes in pinned host memory (readable by GPU kernels at its own address), `qweight` is a
+    VRAM stack of S hot slots, and `woff` points each expert at its slot or at its place in `cold`
+    (runtime/experts/offload.py keeps the table). Scales and permutations stay on the device."""
+    qweight: torch.Tensor      # int32 [S, K // (32 // bits), N], S = E without offload
     scales: torch.Tensor       # float16 [E, K // group, N]
     perm: torch.Tensor         # int32 [E, K]
     bits: int                  # stored bits per code: 4 or 8
     group: int                 # rows per scale row
     in_features: int           # K
     out_features: int          # N
+    woff: Optional[torch.Tensor] = None   # int64 [E] on the scales' device; default e * words_per_expert
+    cold: Optional[torch.Tensor] = None   # int32 [E, K // (32 // bits), N] in (pinned) host memory
+
+    def __post_init__(self):
+        if self.woff is None:
+            if self.qweight.shape[0] != self.num_experts:
+                raise PackError(f"{self.qweight.shape[0]} code stacks for {self.num_experts} experts and no offset table")
+            self.woff = torch.arange(self.num_experts, dtype=torch.int64, device=self.scales.device) * self.words_per_expert
 
     @property
     def num_experts(self) -> int:
-        return self.qweight.shape[0]
+        return self.scales.shape[0]
+
+    @property
+    def words_per_expert(self) -> int:
+        return self.in_features // (32 // self.bits) * self.out_features
+
+    def codes(self, e: int) -> torch.Tensor:
+        """Expert e's code words [K // per, N], wherever they live (host copy first: it holds every expert)."""
+        if self.cold is not None:
+            return self.cold[e]
+        return self.qweight.view(-1)[int(self.woff[e]):][: self.words_per_expert].view(-1, self.out_features)
 
     def expert_bytes(self) -> int:
         """Bytes one expert's projection occupies (and a GEMV reads): codes, scales, permutation."""
-        per = self.qweight[0].numel() * 4 + self.scales[0].numel() * 2 + self.perm[0].numel() * 4
-        return per
+        return self.words_per_expert * 4 + self.scales[0].numel() * 2 + self.perm[0].numel() * 4
+
+    def code_bytes(self) -> int:
+        """Bytes of one expert's codes: what offload keeps in host memory and moves over PCIe."""
+        return self.words_per_expert * 4
 
     def nbytes(self) -> int:
         return self.expert_bytes() * self.num_experts
@@ -155,8 +182,11 @@ def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
-                 device: torch.device | str | None = None) -> PackedExperts:
-    """Stack one projection of every expert into the kernels' layout (see the module docstring)."""
+                 device: torch.device | str | None = None, host_codes: bool = False) -> PackedExperts:
+    """Stack one projection of every expert into the kernels' layout (see the module docstring).
+
+    host_codes: keep the codes in host memory (pinned where CUDA is available) as `cold`, for
+    offload; `qweight` is then that same host stack until offload gives it VRAM slots."""
     if not experts:
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
@@ -176,21 +206,24 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
     dev = torch.device(device) if device is not None else first.codes.device
     E = len(units)
-    qweight = torch.empty((E, K // per, N), dtype=torch.int32, device=dev)
+    if host_codes:
+        qweight = torch.empty((E, K // per, N), dtype=torch.int32, pin_memory=torch.cuda.is_available())
+    else:
+        qweight = torch.empty((E, K // per, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
     for e, u in enumerate(units):
-        qweight[e] = _pack_words(u.codes, bits).to(dev)
+        qweight[e] = _pack_words(u.codes, bits).to(qweight.device)
         scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
         perm[e] = u.perm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
-                         in_features=K, out_features=N)
+                         in_features=K, out_features=N, cold=qweight if host_codes else None)
 
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
     """Dense weight [N, K] (float32) of expert e from the packed layout: checks the packing itself."""
     per = 32 // p.bits
-    words = p.qweight[e].to(torch.int64) & 0xFFFFFFFF                        # [K/per, N]
+    words = p.codes(e).to(p.scales.device, torch.int64) & 0xFFFFFFFF          # [K/per, N]
     shifts = (torch.arange(per, device=words.device) * p.bits).view(1, per, 1)
     u = ((words[:, None, :] >> shifts) & ((1 << p.bits) - 1)).reshape(p.in_features, p.out_features)
     wt = (u - (1 << (p.bits - 1))).to(torch.float32)
