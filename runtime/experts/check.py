@@ -54,7 +54,7 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
     counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=device)
     ids, w = route_fused(x, layer.gate_w, layer.top_k, counts)
     r = route(x, layer.gate_w, layer.top_k)
-    probs = torch.softmax(x.float() @ layer.gate_w.T, -1).sort(-1, descending=True).values
+    probs = torch.softmax(x.float() @ layer.gate_w.float().T, -1).sort(-1, descending=True).values
     probs = torch.nn.functional.pad(probs, (0, 1))          # top_k may equal the expert count
     clear = (probs[:, layer.top_k - 1] - probs[:, layer.top_k]) > 1e-5
     same = (ids.long().sort(-1).values == r.ids.sort(-1).values).all(-1)
