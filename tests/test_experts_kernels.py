@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5,17"],
     ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3,40"],
     ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "5", "--bits", "3", "--rows", "1,13"],
+    ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
+     "--rows", "1,33"],                                     # 3-bit with tiles of >= 64 rows
 ])
 @pytest.mark.parametrize("splitk", [None])
 def test_kernels_match_oracle_in_interpreter(args, splitk):

@@ -28,13 +28,28 @@ GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
 def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
-    PER: tl.constexpr = 32 // BITS
-    rows_w = k0 // PER + tl.arange(0, BK // PER)
-    base = e * (K // PER) * N
-    words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-    shifts = tl.arange(0, PER) * BITS
-    u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
-    u = tl.reshape(u, (BK, BN))
+    base = e * (K * BITS // 32) * N
+    if BITS == 3:
+        # two planes (runtime/experts/pack.py): K/16 words of low 2-bit pairs, then K/32 of high bits
+        lo_rows = k0 // 16 + tl.arange(0, BK // 16)
+        lo = tl.load(qw_ptr + base + lo_rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        u = tl.reshape((lo[:, None, :] >> (tl.arange(0, 16) * 2)[None, :, None]) & 3, (BK, BN))
+        if BK >= 64:
+            hi_rows = K // 16 + k0 // 32 + tl.arange(0, BK // 32)
+            hi = tl.load(qw_ptr + base + hi_rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+            u |= tl.reshape(((hi[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1) << 2, (BK, BN))
+        else:                                   # one word row: gather it per code row
+            kk = k0 + tl.arange(0, BK)
+            hi = tl.load(qw_ptr + base + (K // 16 + kk // 32)[:, None] * N + offs_n[None, :],
+                         mask=mask_n[None, :], other=0)
+            u |= ((hi >> (kk % 32)[:, None]) & 1) << 2
+    else:
+        PER: tl.constexpr = 32 // BITS
+        rows_w = k0 // PER + tl.arange(0, BK // PER)
+        words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        shifts = tl.arange(0, PER) * BITS
+        u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
+        u = tl.reshape(u, (BK, BN))
     s = tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
     return (u - (1 << (BITS - 1))).to(tl.float32) * s.to(tl.float32)[None, :]
 
@@ -234,7 +249,7 @@ def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
     for p in packs:
         bk = min(bk, p.group)
     for p in packs:
-        if p.group % bk or p.in_features % bk or bk % (32 // p.bits):
+        if p.group % bk or p.in_features % bk or bk % (32 if p.bits == 3 else 32 // p.bits):
             raise ValueError(f"expert layout: group {p.group} / K {p.in_features} do not fit a K tile of {bk}")
     return bk
 
