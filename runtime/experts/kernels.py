@@ -21,7 +21,9 @@ import triton.language as tl
 
 from runtime.experts.pack import PackedExperts
 
-GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
+# Up to this many (token, expert) pairs, the split-K GEMVs (one weight read per pair); above, the grouped
+# kernels (one read per expert and block of rows). MOEDESK_GEMV_MAX_PAIRS overrides it, to compare.
+GEMV_MAX_PAIRS = int(os.environ.get("MOEDESK_GEMV_MAX_PAIRS", 64))
 
 
 @triton.jit
@@ -262,7 +264,8 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
     P = ids.numel()
     nblocks = (P + min(num_experts, P) * (bm - 1)) // bm
     ids = ids.long()
-    counts = torch.bincount(ids, minlength=num_experts)                     # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids))                                        # [E]; bincount would sync
     nb = (counts + bm - 1) // bm                                             # blocks per expert
     cum_nb = torch.cumsum(nb, 0)
     order = torch.argsort(ids, stable=True)                                  # [P]
