@@ -76,7 +76,7 @@ def _decode_attn(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, part_ptr, 
 
 
 @triton.jit
-def _combine(part_ptr, lse_ptr, pos_ptr, o_ptr, HQ: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+def _combine(part_ptr, lse_ptr, pos_ptr, o_ptr, HQ, D: tl.constexpr, C: tl.constexpr,
              NSP: tl.constexpr):
     """o[j] = sum_s w_s part[s, j] / sum_s w_s, w_s = exp(lse[s, j] - max); splits after pos skipped."""
     j = tl.program_id(0)
