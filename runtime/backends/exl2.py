@@ -236,7 +236,7 @@ class Exl2Engine(Engine):
         if self.graph_error:
             out["graph_error"] = self.graph_error
         if self.graphs is not None:
-            out["graph_attention"] = "sdpa" if self.graphs.sdpa else "bmm"
+            out["graph_attention"] = self.graphs.attention
             out["graph_buckets"] = self.graphs.captured()
         return out
 
