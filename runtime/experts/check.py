@@ -54,7 +54,7 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
     counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=device)
     ids, w = route_fused(x, layer.gate_w, layer.top_k, counts)
     r = route(x, layer.gate_w, layer.top_k)
-    probs = torch.softmax(x.float() @ layer.gate_w.T, -1).sort(-1, descending=True).values
+    probs = torch.softmax(x.float() @ layer.gate_w.float().T, -1).sort(-1, descending=True).values
     probs = torch.nn.functional.pad(probs, (0, 1))          # top_k may equal the expert count
     clear = (probs[:, layer.top_k - 1] - probs[:, layer.top_k]) > 1e-5
     same = (ids.long().sort(-1).values == r.ids.sort(-1).values).all(-1)
@@ -79,14 +79,15 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
 
 
 def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device: str,
-                  bits_prop=None) -> list[CheckResult]:
+                  bits_prop=None, group_size: int = 32) -> list[CheckResult]:
     """The kernels with about half the experts cold (host memory, read in place or staged for many
     rows) against the same layer all resident: `rel_err` is the largest absolute difference."""
     from runtime.experts.budget import MemoryBudget
     from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
     from runtime.experts.manager import OffloadManager
-    ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop)
-    off = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, host_codes=True)
+    ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
+    off = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size,
+                       host_codes=True)
     mgr = OffloadManager([off], MemoryBudget(1 << 50))
     lo = mgr.layers[0]
     mgr.apply([list(range(0, E, 2))])
@@ -116,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--bits", default="4")
     ap.add_argument("--rows", default="1,2,4,5,8,9,40")
+    ap.add_argument("--group", type=int, default=32, help="rows per scale group")
     ap.add_argument("--offload", action="store_true",
                     help="compare half the experts cold (host memory) with all resident, exactly")
     a = ap.parse_args(argv)
@@ -127,13 +129,13 @@ def main(argv=None) -> int:
         tol = 0.0 if a.device == "cpu" else 1e-4
         bad = 0
         for r in check_offload(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0],
-                               [int(x) for x in a.rows.split(",")], a.device, props):
+                               [int(x) for x in a.rows.split(",")], a.device, props, a.group):
             ok = r.rel_err <= tol
             bad += not ok
             print(f"rows {r.rows:4d}  {r.path:18s}  max abs diff {r.rel_err:.2e}  {'ok' if ok else 'FAIL'}")
         return 1 if bad else 0
     layer = random_layer(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0], a.device,
-                         bits_prop=props)
+                         bits_prop=props, group_size=a.group)
     bad = 0
     for r in check(layer, [int(x) for x in a.rows.split(",")], a.device):
         ok = r.rel_err < TOLERANCE

@@ -47,10 +47,10 @@ def _load_exl2(path, moe="own", graphs=True, **off):
 
 
 @pytest.fixture(scope="module")
-def references(moe_2l, dense_2l):
+def references(moe_2l, dense_2l, llama_2l):
     from runtime import reference
     engines = {}
-    for name, path in (("moe", moe_2l), ("dense", dense_2l)):
+    for name, path in (("moe", moe_2l), ("dense", dense_2l), ("llama", llama_2l)):
         engines[name] = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
     return engines
 
@@ -77,9 +77,9 @@ def _script(engine, ref, toks, label, assert_tol):
     return errs
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_engine_matches_reference(kind, moe_2l, dense_2l, references):
-    path = moe_2l if kind == "moe" else dense_2l
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_engine_matches_reference(kind, moe_2l, dense_2l, llama_2l, references):
+    path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     ref = references[kind]
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     for graphs in (True, False):
@@ -110,9 +110,9 @@ def _batched_vs_stepwise(engine, toks) -> float:
     return _rel(step, batched)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_batched_vs_stepwise(kind, moe_2l, dense_2l):
-    path = moe_2l if kind == "moe" else dense_2l
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_batched_vs_stepwise(kind, moe_2l, dense_2l, llama_2l):
+    path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     eng = _load_exl2(path)
     toks = torch.randint(0, eng.info.vocab_size, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     try:
