@@ -29,16 +29,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from runtime.experts.budget import MemoryBudget
+from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.layer import ExpertLayer
 from runtime.experts.offload import LayerOffload, cold_base
 from runtime.experts.pack import PackedExperts
-from runtime.experts.placement import PathCosts, plan_placement
+from runtime.experts.placement import plan_resident
 from runtime.experts.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
-PINNED_H2D = 51.4 * 1024 ** 3  # measured pinned host->device bandwidth of the rig (bytes/s)
 
 
 class OffloadManager:
@@ -94,27 +93,36 @@ class OffloadManager:
     def place(self, free_bytes: Optional[int] = None, freq: Optional[np.ndarray] = None) -> None:
         """Fill hot slots and staging from `free_bytes` of VRAM (default: what the ledger has left
         once the current slots and staging are given back). Nothing may be queued that reads the
-        current slots: load time, or a new budget after a synchronisation."""
+        current slots: load time, or a new budget after a synchronisation.
+
+        Staging for C < E experts (twice: double-buffered) needs every layer to keep at least
+        E + 1 - C resident (+ 1: a promotion in flight keeps two experts cold at once); each C is
+        planned and the one serving the most routing share from VRAM wins."""
         cb = self.code_bytes()
         freq = self.stats.frequencies() if freq is None else np.asarray(freq, dtype=np.float64)
-        costs = PathCosts(pcie_bytes_per_s=PINNED_H2D, cpu_bytes_per_s=1.0)
         for key in ("hot experts", "prefill staging"):
             self.vram.release(key)
         if free_bytes is None:
             free_bytes = self.vram.free_bytes
-        all_bytes = sum(cb) * self.E
-        capacity = 0
-        if all_bytes <= free_bytes:
-            plan = plan_placement(freq, cb, free_bytes, self.top_k, self.policy, costs, stream_slots=0)
-        else:
-            # The smallest staging capacity that holds what the plan made with the rest leaves cold
-            # (+ 1: a promotion in flight keeps its expert and the evicted one cold together).
-            for capacity in range(1, self.E + 2):
-                plan = plan_placement(freq, cb, max(0, free_bytes - 2 * capacity * max(cb)), self.top_k,
-                                      self.policy, costs, stream_slots=0)
-                if max(self.E - len(p.resident) for p in plan.layers) + 1 <= capacity:
-                    break
-        self.apply([list(p.resident) for p in plan.layers], capacity)
+        if sum(cb) * self.E <= free_bytes:
+            self.apply([list(range(self.E))] * len(self.layers), 0)
+            return
+        if self.policy == "vram":
+            raise BudgetError("VRAM", "all experts", sum(cb) * self.E, free_bytes, self.vram.total_bytes,
+                              "choose the 'auto' or 'stream' placement to keep some experts in RAM")
+        best, best_share = None, -1.0
+        for capacity in range(1, self.E + 1):
+            least = 0 if capacity == self.E else self.E + 1 - capacity      # no resident: no promotion
+            resident = plan_resident(freq, cb, free_bytes - 2 * capacity * max(cb), least)
+            if resident is None:
+                continue
+            share = sum(float(freq[i, r].sum()) for i, r in enumerate(resident))
+            if share > best_share + 1e-12:
+                best, best_share = (resident, capacity), share
+        if best is None:                      # not even staging for one layer's experts
+            raise BudgetError("VRAM", "prefill staging", 2 * max(cb), free_bytes, self.vram.total_bytes,
+                              "two experts' codes must fit beside the model; raise the VRAM budget")
+        self.apply(*best)
 
     def apply(self, resident: list[list[int]], capacity: Optional[int] = None) -> None:
         """Give each layer slots for its `resident` experts and fill them; staging for `capacity`
@@ -124,8 +132,8 @@ class OffloadManager:
         cb = self.code_bytes()
         most_cold = max(self.E - len(r) for r in resident)
         if capacity is None:
-            capacity = most_cold + 1 if most_cold else 0
-        if most_cold and capacity < most_cold + 1:
+            capacity = min(self.E, most_cold + 1) if most_cold else 0
+        if most_cold and capacity < min(self.E, most_cold + 1):
             raise ValueError(f"staging for {capacity} experts, a layer leaves {most_cold} cold (+ 1 in flight)")
         for key in ("hot experts", "prefill staging"):
             self.vram.release(key)
