@@ -260,10 +260,7 @@ class Exl2Engine(Engine):
         if self.offload is None:
             raise EngineError(ErrorCode.INTERNAL.value, "set_vram_budget needs a model loaded with expert offload")
         from runtime.experts.budget import GB, BudgetError
-        torch.cuda.synchronize()
-        if self.graphs is not None:
-            self.graphs.graphs.clear()
-            self.graphs.pool = None
+        self._drop_graphs()
         free, total = torch.cuda.mem_get_info()
         want = int(vram_budget_gb * GB)
         if want > total:
@@ -277,6 +274,20 @@ class Exl2Engine(Engine):
         except BudgetError as e:
             from runtime.backends.exl2_offload import budget_error
             raise budget_error(e) from None
+
+    def place_experts(self, resident: list[list[int]]) -> None:
+        """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
+        if self.offload is None:
+            raise EngineError(ErrorCode.INTERNAL.value, "place_experts needs a model loaded with expert offload")
+        self._drop_graphs()
+        self.offload.apply(resident)
+
+    def _drop_graphs(self) -> None:
+        """Before the slots move: wait for queued steps, drop graphs that captured the old addresses."""
+        torch.cuda.synchronize()
+        if self.graphs is not None:
+            self.graphs.graphs.clear()
+            self.graphs.pool = None
 
     def routing_counts(self) -> list[list[int]]:
         """How often each expert of each MoE layer was chosen since load: [layer][expert]."""
@@ -361,6 +372,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     except Exception as e:
         if isinstance(e, BudgetError):
             e = exl2_offload.budget_error(e)
+        elif isinstance(e, MemoryError) and not _is_oom(e):          # host memory (page-locking experts)
+            e = EngineError(ErrorCode.OUT_OF_MEMORY.value, str(e) or "out of host memory while loading experts")
         if isinstance(e, EngineError):
             e.__traceback__, e.__context__ = None, None       # keep no frames (and their tensors) alive
             failure = (False, e)

@@ -314,7 +314,8 @@ class OffloadManager:
 
     def decide(self) -> list[tuple[int, int, int]]:
         """Swap in cold experts whose decayed routing count beats the weakest resident's by the
-        margin, strongest gains first, at most `max_promotions`; one copy in flight per layer.
+        margin (and by more than counting noise), strongest gains first, at most `max_promotions`;
+        one copy in flight per layer.
         Returns (layer, evicted, promoted)."""
         score = self.stats.counts
         moves = []
@@ -325,8 +326,10 @@ class OffloadManager:
             cold = lo.cold()
             best = max(cold, key=lambda e: s[e])
             victim = min(lo.expert_slot, key=lambda e: s[e])
-            if s[best] > s[victim] * (1 + self.margin) + 1.0:
-                moves.append((s[best] - s[victim], lo.index, victim, best))
+            gain = s[best] - s[victim]
+            # a real shift, not the noise of counting: beyond the margin and 4 sigma of the counts' difference
+            if gain > max(1.0, self.margin * s[victim], 4.0 * np.sqrt(s[best] + s[victim])):
+                moves.append((gain, lo.index, victim, best))
         moves.sort(reverse=True)
         done = []
         for _, index, victim, best in moves[: self.max_promotions]:

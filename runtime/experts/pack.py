@@ -23,6 +23,7 @@ Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequa
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -210,6 +211,28 @@ def _stored_bits(max_bits: int) -> int:
     return 3 if max_bits <= 3 else 4 if max_bits <= 4 else 8
 
 
+def _unpin(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:          # interpreter shutdown: nothing left to protect
+        pass
+
+
+def host_stack(shape: tuple[int, ...]) -> torch.Tensor:
+    """int32 host memory, page-locked where CUDA is available, at its exact size: torch's pinned
+    allocator rounds every block up to a power of two (+70% for a 3-bit expert stack) and keeps freed
+    blocks. Page-locked memory is readable by GPU kernels at its own address (unified addressing);
+    it is unlocked when the tensor object goes."""
+    t = torch.empty(shape, dtype=torch.int32)
+    if torch.cuda.is_available() and t.numel():
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * 4, 0)
+        if int(rc) != 0:
+            raise MemoryError(f"could not page-lock {t.numel() * 4 / 2**30:.2f} GB of host memory for experts "
+                              f"(CUDA error {int(rc)}); lower the RAM budget or close other programs")
+        weakref.finalize(t, _unpin, t.data_ptr())
+    return t
+
+
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
                  device: torch.device | str | None = None, host_codes: bool = False) -> PackedExperts:
     """Stack one projection of every expert into the kernels' layout (see the module docstring).
@@ -234,7 +257,7 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     dev = torch.device(device) if device is not None else first.codes.device
     E = len(units)
     if host_codes:
-        qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        qweight = host_stack((E, K * bits // 32, N))
     else:
         qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
