@@ -344,6 +344,8 @@ class OffloadManager:
             raise ValueError(f"layer {index}: expert {new} is already resident or on its way")
         if victim not in lo.expert_slot:
             raise ValueError(f"layer {index}: expert {victim} is not resident")
+        if lo.pending:                        # staging holds the cold experts + one in flight, no more
+            raise ValueError(f"layer {index}: a promotion is still in flight")
         slot = lo.evict(victim)
         lo.promote(new, slot, self.side)
         self.bytes["promoted"] += lo.code_bytes
