@@ -2,7 +2,6 @@
 hit accounting, statistics persistence. (The kernels reading these tables: test_experts_kernels.py.)"""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -186,3 +185,19 @@ def test_prefill_scratch_estimate_grows_with_the_chunk():
     assert 2.0e9 < big - SCRATCH_MARGIN < 3.0e9                    # logits of 2048 rows dominate
     cfg.max_input_len = 512
     assert prefill_scratch_bytes(cfg) < big
+
+
+def test_host_arena_carves_stacks_from_few_blocks():
+    from runtime.experts.pack import HostArena
+    a = HostArena(block_bytes=1 << 16)
+    x = a.empty((3, 100))                                        # 1200 bytes, rounded to 4096 in the block
+    y = a.empty((10, 100))
+    big = a.empty((40, 1000))                                    # 160 000 bytes: a block of its own (2**18)
+    assert len(a.blocks) == 2 and a.reserved_bytes == (1 << 16) + (1 << 18)
+    assert (y.data_ptr() - x.data_ptr()) == 4096 and y.data_ptr() % 4 == 0
+    x.fill_(1), y.fill_(2), big.fill_(3)
+    assert int(x.sum()) == 300 and int(y.sum()) == 2000 and int(big.sum()) == 120000
+    with pytest.raises(ValueError):
+        HostArena(3000)
+    a.release()
+    assert a.blocks == [] and int(x.sum()) == 300                # stacks keep their memory alive

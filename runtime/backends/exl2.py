@@ -303,12 +303,12 @@ class Exl2Engine(Engine):
             self.model.unload()
         finally:
             self.offload = None
-            if self.budget is not None:
-                self.budget.release()
             self.model = None
             self.cache = None
             self.moe = []
             gc.collect()
+            if self.budget is not None:
+                self.budget.release()                 # allocator cap off, page-locked experts freed
             torch.cuda.empty_cache()
 
 
@@ -357,7 +357,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         model = ExLlamaV2(config)
         if is_moe and moe == "own":
             from runtime.experts.exl2_module import install
-            install(model, host_ram=setup.ram)
+            install(model, host_ram=setup.ram, host_arena=setup.arena)
         n = len(model.modules)
         model.load(callback=lambda i, total: progress("load", "Loading weights", i, total))
         progress("load", "Allocating the KV cache", 0, 1)
@@ -386,6 +386,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         if model is not None:
             model.unload()
         model = cache = manager = None
+        gc.collect()
         setup.release()
         oom, text = failure
         if isinstance(text, EngineError):

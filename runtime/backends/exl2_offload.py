@@ -20,6 +20,7 @@ import torch
 
 from runtime.engine import EngineError
 from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
+from runtime.experts.pack import HostArena
 from runtime.options import OffloadOptions
 from runtime.protocol import ErrorCode
 
@@ -31,6 +32,7 @@ SCRATCH_MARGIN = 512 << 20      # allocator fragmentation, graph pools, library 
 class OffloadSetup:
     vram: MemoryBudget
     ram: Optional[MemoryBudget]             # None: experts stay in VRAM
+    arena: Optional[HostArena]              # page-locked host memory for the experts' codes
     policy: str
     capped: bool                            # the allocator fraction was lowered (restore at close)
     applied: dict[str, str] = field(default_factory=dict)
@@ -41,10 +43,13 @@ class OffloadSetup:
         return self.ram is not None
 
     def release(self) -> None:
-        """Give the allocator its whole device back (at close, or when the load fails)."""
+        """Give the allocator its whole device back and the host memory to the system (after the
+        model is unloaded: at close, or when the load fails)."""
         if self.capped:
             torch.cuda.set_per_process_memory_fraction(1.0)
             self.capped = False
+        if self.arena is not None:
+            self.arena.release()
 
 
 def budget_error(e: BudgetError) -> EngineError:
@@ -110,7 +115,7 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
     else:
         applied["offload.placement"] = "applied"
     applied["offload.cpu_threads"] = "ignored: the CPU expert path is not wired into this engine yet"
-    return OffloadSetup(vram, ram, off.placement, capped, applied)
+    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied)
 
 
 def prefill_scratch_bytes(config) -> int:

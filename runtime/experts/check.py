@@ -16,7 +16,7 @@ import torch
 
 from runtime.exl2 import format as exl2
 from runtime.experts.layer import ExpertLayer, experts_reference, route
-from runtime.experts.pack import pack_experts
+from runtime.experts.pack import HostArena, pack_experts
 
 TOLERANCE = 2e-3     # fp16 operands (x, h, tile weights in the dot path) with fp32 accumulation
 
@@ -37,9 +37,10 @@ def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: in
         perm = torch.randperm(inp, generator=g)
         return exl2.quantize(w, bits, group_size, perm=perm, bits_prop=bits_prop, name=f"expert{s}")
 
-    w1 = pack_experts([q(I, H, e) for e in range(E)], "gate", device, host_codes)
-    w3 = pack_experts([q(I, H, e) for e in range(E)], "up", device, host_codes)
-    w2 = pack_experts([q(H, I, e) for e in range(E)], "down", device, host_codes)
+    host = HostArena(1 << 20) if host_codes else None
+    w1 = pack_experts([q(I, H, e) for e in range(E)], "gate", device, host)
+    w3 = pack_experts([q(I, H, e) for e in range(E)], "up", device, host)
+    w2 = pack_experts([q(H, I, e) for e in range(E)], "down", device, host)
     gate = torch.randn(E, H, generator=g).to(device)
     return ExpertLayer(gate, w1, w3, w2, top_k)
 

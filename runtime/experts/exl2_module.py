@@ -15,7 +15,7 @@ from exllamav2.moe_mlp import ExLlamaV2MoEMLP
 
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import pack_experts
+from runtime.experts.pack import HostArena, pack_experts
 
 EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 
@@ -23,6 +23,7 @@ EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 class OwnMoE(ExLlamaV2MoEMLP):
     experts: ExpertLayer | None = None
     host_ram: MemoryBudget | None = None      # offload: expert codes go to pinned host RAM, on this ledger
+    host_arena: HostArena | None = None       # ... carved from these page-locked blocks
 
     @torch.inference_mode()
     def load(self):
@@ -39,7 +40,7 @@ class OwnMoE(ExLlamaV2MoEMLP):
                                      "only EXL2-quantized experts are supported")
                 tensors.append(t)
             pack = pack_experts(tensors, f"{self.key}.{name}", device=self.device(),
-                                host_codes=self.host_ram is not None)
+                                host=self.host_arena if self.host_ram is not None else None)
             del tensors
             if self.host_ram is not None:
                 self.host_ram.reserve(f"experts of {self.key}.{name}", pack.cold.numel() * 4,
@@ -71,14 +72,17 @@ class OwnMoE(ExLlamaV2MoEMLP):
         return out
 
 
-def install(model, host_ram: MemoryBudget | None = None) -> int:
+def install(model, host_ram: MemoryBudget | None = None, host_arena: HostArena | None = None) -> int:
     """Swap exllamav2's MoE modules for `OwnMoE` before loading; returns how many were swapped.
-    host_ram: load every expert's codes into pinned host memory (offload), accounted on this ledger."""
+    host_ram: load every expert's codes into page-locked host memory from `host_arena` (offload),
+    accounted on this ledger."""
+    if host_ram is not None and host_arena is None:
+        raise ValueError("offload needs a host arena for the experts' codes")
     n = 0
     for m in model.modules:
         if type(m) is ExLlamaV2MoEMLP:
             m.__class__ = OwnMoE
-            m.host_ram = host_ram
+            m.host_ram, m.host_arena = host_ram, host_arena
             n += 1
     return n
 

@@ -23,7 +23,6 @@ Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequa
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -211,34 +210,58 @@ def _stored_bits(max_bits: int) -> int:
     return 3 if max_bits <= 3 else 4 if max_bits <= 4 else 8
 
 
-def _unpin(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:          # interpreter shutdown: nothing left to protect
-        pass
+class HostArena:
+    """Page-locked host memory for expert code stacks, carved from large blocks.
 
+    Blocks come from torch's pinned allocator (cudaHostAlloc: under unified addressing GPU kernels
+    read them at the host address itself). That allocator rounds every request up to a power of
+    two, so stacks are not allocated one by one (a 3-bit expert stack would cost +70%): blocks of
+    `block_bytes` (a power of two) hold many stacks, wasting only the end of the last block.
+    Without CUDA (tests) the memory is ordinary."""
 
-def host_stack(shape: tuple[int, ...]) -> torch.Tensor:
-    """int32 host memory, page-locked where CUDA is available, at its exact size: torch's pinned
-    allocator rounds every block up to a power of two (+70% for a 3-bit expert stack) and keeps freed
-    blocks. Page-locked memory is readable by GPU kernels at its own address (unified addressing);
-    it is unlocked when the tensor object goes."""
-    t = torch.empty(shape, dtype=torch.int32)
-    if torch.cuda.is_available() and t.numel():
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * 4, 0)
-        if int(rc) != 0:
-            raise MemoryError(f"could not page-lock {t.numel() * 4 / 2**30:.2f} GB of host memory for experts "
-                              f"(CUDA error {int(rc)}); lower the RAM budget or close other programs")
-        weakref.finalize(t, _unpin, t.data_ptr())
-    return t
+    ALIGN = 4096
+
+    def __init__(self, block_bytes: int = 4 << 30):
+        if block_bytes & (block_bytes - 1):
+            raise ValueError("block size must be a power of two")
+        self.block_bytes = block_bytes
+        self.blocks: list[torch.Tensor] = []
+        self.used = 0                      # bytes taken from the last block
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An int32 tensor of `shape` in page-locked host memory (uninitialised)."""
+        n = math.prod(shape) * 4
+        n_al = -(-n // self.ALIGN) * self.ALIGN
+        if not self.blocks or self.used + n_al > self.blocks[-1].numel():
+            size = max(self.block_bytes, 1 << (n_al - 1).bit_length())
+            try:
+                self.blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
+            except RuntimeError as e:
+                raise MemoryError(f"could not page-lock {size / 2**30:.1f} GB more host memory for experts "
+                                  f"({self.reserved_bytes / 2**30:.1f} GB so far): {e}; lower the RAM budget, "
+                                  "close other programs, or raise the VRAM budget") from None
+            self.used = 0
+        t = self.blocks[-1][self.used:self.used + n].view(torch.int32).view(shape)
+        self.used += n_al
+        return t
+
+    def release(self) -> None:
+        """Forget the blocks (freed once no stack uses them) and return cached pinned memory to the system."""
+        self.blocks, self.used = [], 0
+        if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
-                 device: torch.device | str | None = None, host_codes: bool = False) -> PackedExperts:
+                 device: torch.device | str | None = None, host: Optional[HostArena] = None) -> PackedExperts:
     """Stack one projection of every expert into the kernels' layout (see the module docstring).
 
-    host_codes: keep the codes in host memory (pinned where CUDA is available) as `cold`, for
-    offload; `qweight` is then that same host stack until offload gives it VRAM slots."""
+    host: keep the codes in this page-locked host memory as `cold`, for offload; `qweight` is then
+    that same host stack until offload gives it VRAM slots."""
     if not experts:
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
@@ -256,8 +279,8 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
     dev = torch.device(device) if device is not None else first.codes.device
     E = len(units)
-    if host_codes:
-        qweight = host_stack((E, K * bits // 32, N))
+    if host is not None:
+        qweight = host.empty((E, K * bits // 32, N))
     else:
         qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
@@ -267,7 +290,7 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
         perm[e] = u.perm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
-                         in_features=K, out_features=N, cold=qweight if host_codes else None)
+                         in_features=K, out_features=N, cold=qweight if host is not None else None)
 
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
