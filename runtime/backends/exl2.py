@@ -148,8 +148,14 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
                 return False
         return True
 
-    if causal_ok():
-        return "sdpa"
+    forced = os.environ.get("MOEDESK_PREFILL_ATTN")       # sdpa | sdpa-nocudnn | matmul: for comparisons
+    if forced == "matmul":
+        config.no_sdpa = True
+        return "matmul (forced)"
+    if forced == "sdpa-nocudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if forced or causal_ok():
+        return "sdpa" + (" (forced)" if forced else "")
     torch.backends.cuda.enable_cudnn_sdp(False)
     if causal_ok():
         return "sdpa (cuDNN backend off: it ignored the causal mask)"

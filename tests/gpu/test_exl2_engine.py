@@ -130,8 +130,10 @@ def test_batched_vs_stepwise(kind, moe_2l, dense_2l, llama_2l):
 
 
 def test_moe_layer_rows_are_independent_at_real_size():
-    """qwen3-30b-a3b's layer shape: batched rows equal the same rows one at a time (GEMV path exactly,
-    tensor-core path within fp16 rounding), and every path matches the fp32 oracle."""
+    """qwen3-30b-a3b's layer shape: batched rows equal the same rows one at a time (GEMV path to fp32
+    summation order: its launch shape is chosen per row count and it accumulates with atomics, so h
+    can round differently in fp16; tensor-core path within fp16 rounding), and every path matches
+    the fp32 oracle."""
     from runtime.experts.check import TOLERANCE, check, random_layer
     layer = random_layer(128, 2048, 768, 8, 4, "cuda", group_size=128)
     for r in check(layer, [1, 2, 3, 4, 5, 8, 9, 33, 512], "cuda"):
@@ -142,7 +144,7 @@ def test_moe_layer_rows_are_independent_at_real_size():
     for n in (8, 40):
         e = _rel(layer(x[:n]), one[:n])
         _record(test="moe_layer_batched_vs_stepwise", rows=n, rel_err=e)
-        assert e < (1e-6 if n <= 8 else TOLERANCE)
+        assert e < (1e-4 if n <= 8 else TOLERANCE)
 
 
 def test_decode_step_is_graph_captured(moe_2l):
