@@ -265,7 +265,7 @@ class Exl2Engine(Engine):
         the old slots' addresses) are dropped and recaptured at the next step."""
         if self.offload is None:
             raise EngineError(ErrorCode.INTERNAL.value, "set_vram_budget needs a model loaded with expert offload")
-        from runtime.experts.budget import GB, BudgetError
+        from runtime.experts.budget import GB
         self._drop_graphs()
         free, total = torch.cuda.mem_get_info()
         want = int(vram_budget_gb * GB)

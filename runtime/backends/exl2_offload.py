@@ -135,14 +135,16 @@ def prefill_scratch_bytes(config) -> int:
 def start(setup: OffloadSetup, model, config, path: Path):
     """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None)."""
     vram = setup.vram
+    what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
+    if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
+        if vram.fits(used):
+            vram.reserve(what, used)
+        return None
     try:
-        vram.reserve("weights, KV cache and kernel workspaces", torch.cuda.memory_allocated(),
-                     "lower the context length, quantize the KV cache, or raise the VRAM budget")
+        vram.reserve(what, used, "lower the context length, quantize the KV cache, or raise the VRAM budget")
         vram.reserve("prefill scratch", prefill_scratch_bytes(config), "lower the context length")
     except BudgetError as e:
         raise budget_error(e) from None
-    if not setup.offload:
-        return None
     from runtime.experts.exl2_module import moe_layers
     from runtime.experts.manager import OffloadManager
     from runtime.experts.routing_stats import RoutingStats, stats_path
