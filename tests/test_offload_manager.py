@@ -129,6 +129,13 @@ def test_hit_rate_splits_pairs_by_the_residency_of_their_time():
     t = m.telemetry()
     assert t["expert_hits"] == 7 and t["expert_pairs"] == 8
     assert t["expert_residents"] == [2] and t["expert_paths"] == ["stream"]
+    m.stage_min_pairs = 4                                        # a prefill-sized forward:
+    m.step_boundary(2)
+    m.begin_forward(2)
+    lo.layer.counts[5] += 4                                      # its routing
+    m.step_boundary(1)                                           # ... is left out
+    lo.layer.counts[0] += 1
+    assert m.telemetry()["expert_pairs"] == 9
 
 
 def test_staging_copies_cold_experts_in_runs_and_points_the_table_into_the_buffer():

@@ -60,6 +60,7 @@ class OffloadManager:
         self.stats_file = stats_file
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
         self.naive = False
+        self._exclude = False
         self.stage_min_pairs = STAGE_PAIRS_PER_EXPERT * self.E
         self.lock = threading.Lock()
         self.side = torch.cuda.Stream(self.device) if self.cuda else None        # promotions
@@ -174,8 +175,14 @@ class OffloadManager:
         return rows * self.top_k >= self.stage_min_pairs and self.stage_capacity > 0
 
     def begin_forward(self, rows: int) -> None:
-        """Called by the engine before a forward of `rows` tokens: start staging the first layer."""
+        """Called by the engine before a forward of `rows` tokens (after `step_boundary`): start
+        staging the first layer. Prefill-sized forwards stay out of the hit rate (their pairs are
+        accounted up to here now, and dropped at the next boundary)."""
         self._staged.clear()
+        if rows * self.top_k >= self.stage_min_pairs:
+            for lo in self.layers:
+                lo.account()
+            self._exclude = True
         if self.stage_worth(rows) and not self.naive:
             nxt = self._next_stream_layer(-1)
             if nxt is not None:
@@ -189,7 +196,6 @@ class OffloadManager:
             return self._naive(lo, rows, ids)
         if not self.stage_worth(rows):
             return tuple(lo.packs)
-        lo.account()                                   # staged rows stay out of the hit rate
         b = self._staged.pop(lo.index, None)
         if b is None:
             b = self._start_stage(lo.index)
@@ -207,7 +213,6 @@ class OffloadManager:
             if self.cuda:
                 self.free[b].record(torch.cuda.current_stream(self.device))
                 self.free_recorded[b] = True
-            lo.skip_counted()
 
     def _next_stream_layer(self, index: int) -> Optional[int]:
         for lo in self.layers[index + 1:]:
@@ -285,6 +290,10 @@ class OffloadManager:
     def step_boundary(self, rows: int) -> None:
         """Before each forward (the engine calls it): finish promotions, maybe start new ones."""
         with self.lock:
+            if self._exclude:                          # the previous forward was prefill-sized
+                for lo in self.layers:
+                    lo.skip_counted()
+                self._exclude = False
             self.tokens += rows
             self.forwards += 1
             for lo in self.layers:
