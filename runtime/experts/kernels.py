@@ -24,6 +24,9 @@ from runtime.experts.pack import PackedExperts
 # Up to this many (token, expert) pairs, the split-K GEMVs (one weight read per pair); above, the grouped
 # kernels (one read per expert and block of rows). MOEDESK_GEMV_MAX_PAIRS overrides it, to compare.
 GEMV_MAX_PAIRS = int(os.environ.get("MOEDESK_GEMV_MAX_PAIRS", 64))
+# Every entry of an expert offset table (PackedExperts.woff) is a multiple of this many int32 words
+# (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
+WALIGN: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
@@ -63,8 +66,8 @@ def _gate_up_gemv(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.c
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
-    wb1 = tl.load(o1 + e)                                       # codes: offset table
-    wb3 = tl.load(o3 + e)
+    wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
+    wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc1 = tl.zeros([BN], dtype=tl.float32)
@@ -86,7 +89,7 @@ def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N
                BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    wb2 = tl.load(o2 + e)                                       # codes: offset table
+    wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc = tl.zeros([BN], dtype=tl.float32)
@@ -107,8 +110,8 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3,
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
-        wb1 = tl.load(o1 + e)                                   # codes: offset table
-        wb3 = tl.load(o3 + e)
+        wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                   # codes: offset table
+        wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))                  # [BM] pair ids, P = empty
         valid = rows < P
         t = rows // A
@@ -139,7 +142,7 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: 
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
-        wb2 = tl.load(o2 + e)                                   # codes: offset table
+        wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                   # codes: offset table
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
         valid = rows < P
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -208,8 +211,8 @@ def _gate_up_splitk(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
-    wb1 = tl.load(o1 + e)                                       # codes: offset table
-    wb3 = tl.load(o3 + e)
+    wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
+    wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)
@@ -237,7 +240,7 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.cons
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
-    wb2 = tl.load(o2 + e)                                       # codes: offset table
+    wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)

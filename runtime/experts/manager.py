@@ -31,7 +31,7 @@ import torch
 
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.offload import LayerOffload, cold_base
+from runtime.experts.offload import LayerOffload, cold_base, word_distance
 from runtime.experts.pack import PackedExperts
 from runtime.experts.placement import plan_resident
 from runtime.experts.routing_stats import RoutingStats
@@ -264,7 +264,7 @@ class OffloadManager:
         p = lo.packs[j]
         cold = 1 - lo.mask.long()
         rank = torch.cumsum(cold, 0) - cold
-        base = (self.stage[b][j].data_ptr() - p.qweight.data_ptr()) // 4
+        base = word_distance(self.stage[b][j], p.qweight)
         tab = torch.where(lo.mask.bool(), p.woff, base + rank * p.words_per_expert)
         return dataclasses.replace(p, woff=tab)
 
@@ -275,7 +275,7 @@ class OffloadManager:
         out = []
         for j, p in enumerate(lo.packs):
             tab = lo.table(j)
-            base = (self.stage[0][j].data_ptr() - p.qweight.data_ptr()) // 4
+            base = word_distance(self.stage[0][j], p.qweight)
             for i, e in enumerate(need):
                 self.stage[0][j][i].copy_(p.cold[e], non_blocking=True)
                 tab[e] = base + i * p.words_per_expert

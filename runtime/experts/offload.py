@@ -30,9 +30,15 @@ from runtime.experts.pack import PackedExperts
 
 def cold_base(p: PackedExperts) -> int:
     """Word offset of the host stack's first expert from the slot stack's base (may be negative)."""
-    d = p.cold.data_ptr() - p.qweight.data_ptr()
-    if d % 4:
-        raise ValueError(f"host and slot stacks are not 4-byte aligned to each other ({d} bytes apart)")
+    return word_distance(p.cold, p.qweight)
+
+
+def word_distance(a: torch.Tensor, base: torch.Tensor) -> int:
+    """(a's address - base's address) in int32 words; a multiple of 16 (the kernels' WALIGN)."""
+    d = a.data_ptr() - base.data_ptr()
+    if d % 64:
+        raise ValueError(f"expert code stacks {d} bytes apart: not a multiple of 64 (allocations are "
+                         "aligned to 64 bytes or more)")
     return d // 4
 
 

@@ -63,6 +63,9 @@ class PackedExperts:
     cold: Optional[torch.Tensor] = None   # int32 [E, K * bits // 32, N] in (pinned) host memory
 
     def __post_init__(self):
+        if self.words_per_expert % 16:          # the kernels' WALIGN: table entries keep 64-byte alignment
+            raise PackError(f"{self.words_per_expert} code words per expert is not a multiple of 16 "
+                            f"(K {self.in_features}, N {self.out_features}, {self.bits} bits)")
         if self.woff is None:
             if self.qweight.shape[0] != self.num_experts:
                 raise PackError(f"{self.qweight.shape[0]} code stacks for {self.num_experts} experts and no offset table")
