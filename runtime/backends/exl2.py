@@ -272,14 +272,20 @@ class Exl2Engine(Engine):
         if want > total:
             raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
                               f"a VRAM budget of {vram_budget_gb:g} GB is more than the GPU's {total / GB:.1f} GB")
+        growing = want >= self.budget.vram.total_bytes
         self.budget.vram.total_bytes = want
-        torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
-        self.budget.capped = True
+        if growing:                                   # the new slots are allocated under the new cap
+            torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
         try:
             self.offload.place()
         except BudgetError as e:
             from runtime.backends.exl2_offload import budget_error
             raise budget_error(e) from None
+        finally:
+            if not growing:                           # the old slots are gone: the smaller cap fits
+                torch.cuda.empty_cache()
+                torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
+            self.budget.capped = True
 
     def place_experts(self, resident: list[list[int]]) -> None:
         """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
