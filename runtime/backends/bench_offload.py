@@ -223,12 +223,18 @@ def main(argv=None) -> int:
     finally:
         if engine is not None:
             engine.close()
+    head = results.get(f"{budgets[0]:g}", {})
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "machine": machine(), "device": torch.cuda.get_device_name(0),
         "engine": "cuda", "benchmark": "expert offload", "model": label, "bpw": a.bpw, "context": a.context,
         "prompt_tokens": a.prompt, "decode_tokens": a.decode, "naive_decode_tokens": a.naive_decode,
         "ceilings": {"rig": RIG, "measured": {"hbm_copy_gib_s": hbm / GiB, "pinned_h2d_gib_s": h2d / GiB}},
+        # the headline (first budget), in the fields every result file has
+        "vram_budget_gb": budgets[0], "decode_tps": head.get("decode_tps"), "ttft_s": head.get("ttft_s"),
+        "prefill_tps": head.get("prefill_tps"), "roofline_tps": (head.get("roofline") or {}).get("overlapped_tps"),
+        "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
+                                     **head["naive"]} if head.get("naive") else None),
         "budgets": results,
         "notes": ("Synthetic random-weight EXL2 model (near-uniform routing: the hit rate is about the resident "
                   "share). Batch 1, greedy argmax on the GPU. Cold experts' codes live in page-locked host RAM "
