@@ -87,9 +87,15 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     from runtime.experts.budget import MemoryBudget
     from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
     from runtime.experts.manager import OffloadManager
+    import dataclasses
     ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
-    off = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size,
-                       host_codes=True)
+    host = HostArena(1 << 20)
+
+    def to_host(p):
+        codes = host.empty(tuple(p.qweight.shape))
+        codes.copy_(p.qweight)
+        return dataclasses.replace(p, qweight=codes, cold=codes, woff=None)
+    off = ExpertLayer(ref.gate_w, to_host(ref.w1), to_host(ref.w3), to_host(ref.w2), top_k)
     mgr = OffloadManager([off], MemoryBudget(1 << 50))
     lo = mgr.layers[0]
     mgr.apply([list(range(0, E, 2))])
