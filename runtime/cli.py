@@ -25,17 +25,19 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="moedesk-cli", description="MoE Desk, headless.")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
     for name, (modname, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        mod = importlib.import_module(modname)
-        mod.add_arguments(p)
-        modules[name] = mod
+        if name == chosen:              # only the chosen subcommand's module is imported
+            module = importlib.import_module(modname)
+            module.add_arguments(p)
     args = parser.parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("moedesk-cli: interrupted", file=sys.stderr)
         return 130

@@ -18,13 +18,26 @@ ROOT = Path(__file__).resolve().parents[1]
     ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5,17"],
     ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3,40"],
     ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "5", "--bits", "3", "--rows", "1,13"],
+    ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
+     "--rows", "1,33"],                                     # 3-bit with tiles of >= 64 rows
 ])
-def test_kernels_match_oracle_in_interpreter(args):
+@pytest.mark.parametrize("splitk", [None])
+def test_kernels_match_oracle_in_interpreter(args, splitk):
     env = dict(os.environ, TRITON_INTERPRET="1")
+    if splitk:
+        env["MOEDESK_SPLITK"] = splitk
     r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == len(args[-1].split(",")) + 1        # + the routing check
+
+
+@pytest.mark.parametrize("splitk", ["32x3", "128x2", "32x1"])
+def test_decode_kernels_with_other_launch_shapes(splitk):
+    """The launch shapes the GPU may pick by timing (narrow/wide column blocks, K cut in 1, 2 or 3)
+    give the oracle's result too; a shape that does not divide K falls back to the default."""
+    test_kernels_match_oracle_in_interpreter(
+        ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
 
 
 def test_align_groups_pairs_by_expert_in_whole_blocks():

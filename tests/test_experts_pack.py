@@ -35,9 +35,19 @@ def test_pack_experts_is_lossless_and_reports_layout():
     assert p.qweight.shape == (3, 128 // 4, 64) and p.scales.shape == (3, 128 // 32, 64)
     for e in range(3):
         assert torch.equal(dequantize_packed(p, e).half().float(), exl2.dequantize(ts[e]))
-    p4 = pack_experts([_q(64, 128, 3, 32, seed=e) for e in range(2)], "layer.gate")
+    t3 = [_q(64, 128, 3, 32, seed=e) for e in range(2)]
+    p3 = pack_experts(t3, "layer.gate")                     # 3-bit: two planes, exactly 3 bits a code
+    assert p3.bits == 3 and p3.qweight.shape == (2, 128 * 3 // 32, 64)
+    assert p3.expert_bytes() == 12 * 64 * 4 + 4 * 64 * 2 + 128 * 4
+    for e in range(2):
+        assert torch.equal(dequantize_packed(p3, e).half().float(), exl2.dequantize(t3[e]))
+    t32 = [_q(64, 128, [3, 2], 32, seed=e, bits_prop=[0.5, 0.5]) for e in range(2)]
+    assert pack_experts(t32).bits == 3
+    assert torch.equal(dequantize_packed(pack_experts(t32), 1).half().float(), exl2.dequantize(t32[1]))
+    t4 = [_q(64, 128, [4, 3], 32, seed=e, bits_prop=[0.5, 0.5]) for e in range(2)]
+    p4 = pack_experts(t4)
     assert p4.bits == 4 and p4.qweight.shape == (2, 16, 64)
-    assert p4.expert_bytes() == 16 * 64 * 4 + 4 * 64 * 2 + 128 * 4
+    assert torch.equal(dequantize_packed(p4, 0).half().float(), exl2.dequantize(t4[0]))
 
 
 def test_pack_errors_name_the_tensor():

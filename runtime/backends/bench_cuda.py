@@ -76,8 +76,8 @@ def weight_bytes_per_token(engine) -> dict[str, int]:
         if isinstance(m, ExLlamaV2Attention):
             parts["attention"] += sum(lin(l) for l in (m.q_proj, m.k_proj, m.v_proj, m.o_proj))
         elif isinstance(m, OwnMoE):
-            parts["router"] += m.experts.gate_w.numel() * 4
-            parts["experts"] += m.experts.bytes_per_token(1) - m.experts.gate_w.numel() * 4
+            parts["router"] += m.experts.router_bytes()
+            parts["experts"] += m.experts.bytes_per_token(1) - m.experts.router_bytes()
         elif isinstance(m, ExLlamaV2MoEMLP):
             parts["router"] += m.gate.linear.weight.numel() * 2
             k = m.num_experts_per_token

@@ -118,6 +118,50 @@ def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_RO
     return len(seen)
 
 
+def choose_prefill_attention(config, head_dim: int = 128) -> str:
+    """Make sure exllamav2's attention for more than one row is causal on this torch and GPU.
+
+    Without flash-attn, exllamav2 runs prefill and verify attention through torch's SDPA with a
+    lower-right causal bias. On the test machine (torch 2.11, H200) the cuDNN backend SDPA picked for
+    it attended to later rows as well: every row saw the whole chunk. Check it on a small problem
+    against an explicit mask; if it is wrong, turn cuDNN's SDPA off and check again; if it is still
+    wrong, make exllamav2 use its matmul attention. Returns what runs."""
+    import torch.nn.functional as F
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:
+        return "matmul (this torch has no lower-right causal bias)"
+
+    def causal_ok() -> bool:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for q_len, kv_len in ((24, 24), (5, 29)):
+            q, k, v = (torch.randn(1, 8, n, head_dim, device="cuda", dtype=torch.float16, generator=g)
+                       for n in (q_len, kv_len, kv_len))
+            allowed = (torch.arange(kv_len, device="cuda")[None, :]
+                       <= torch.arange(q_len, device="cuda")[:, None] + (kv_len - q_len))
+            s = (q.float() @ k.float().transpose(-1, -2)) / head_dim ** 0.5
+            ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v.float()
+            got = F.scaled_dot_product_attention(q, k, v, causal_lower_right(q_len, kv_len),
+                                                 scale=1 / head_dim ** 0.5).float()
+            if ((got - ref).norm() / ref.norm()).item() > 1e-2:
+                return False
+        return True
+
+    forced = os.environ.get("MOEDESK_PREFILL_ATTN")       # sdpa | sdpa-nocudnn | matmul: for comparisons
+    if forced == "matmul":
+        config.no_sdpa = True
+        return "matmul (forced)"
+    if forced == "sdpa-nocudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if forced or causal_ok():
+        return "sdpa" + (" (forced)" if forced else "")
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    if causal_ok():
+        return "sdpa (cuDNN backend off: it ignored the causal mask)"
+    config.no_sdpa = True
+    return "matmul (SDPA ignored the causal mask)"
+
+
 def _cache_class(kind: str):
     from exllamav2 import ExLlamaV2Cache, ExLlamaV2Cache_Q4, ExLlamaV2Cache_Q6, ExLlamaV2Cache_Q8
     return {"fp16": ExLlamaV2Cache, "q8": ExLlamaV2Cache_Q8, "q6": ExLlamaV2Cache_Q6, "q4": ExLlamaV2Cache_Q4}[kind]
@@ -198,7 +242,7 @@ class Exl2Engine(Engine):
         if self.graph_error:
             out["graph_error"] = self.graph_error
         if self.graphs is not None:
-            out["graph_attention"] = "sdpa" if self.graphs.sdpa else "bmm"
+            out["graph_attention"] = self.graphs.attention
             out["graph_buckets"] = self.graphs.captured()
         return out
 
@@ -243,6 +287,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
                           f"{path}: architecture {config.architecture} is not supported "
                           f"(supported: {', '.join(SUPPORTED)})")
+    prefill_attention = choose_prefill_attention(config, config.head_dim)
     config.max_seq_len = off.context_length
     config.max_input_len = min(2048, off.context_length)
     config.max_attention_size = config.max_input_len ** 2
@@ -291,7 +336,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         context_length=off.context_length, num_layers=config.num_hidden_layers,
         num_experts=(config.num_experts or 0) if is_moe else 0,
         experts_per_token=(config.num_experts_per_token or 0) if is_moe else 0,
-        extra={"moe": moe if is_moe else "none", "modules": n})
+        extra={"moe": moe if is_moe else "none", "modules": n, "prefill_attention": prefill_attention})
     try:
         engine = Exl2Engine(model, cache, info, graphs=use_graphs)
     except torch.cuda.OutOfMemoryError as e:

@@ -4,10 +4,12 @@ exllamav2's layer loop costs a host round trip per module (Python, argument chec
 position bookkeeping), tens of microseconds each, ~100 modules per token. Here the step runs from
 device-side state only:
 - the position lives in a device tensor: RoPE reads it (exllamav2's `past_lens` with past_len = -1),
-  the new K/V row is written with `index_copy_` at that position, and the attention mask hides
-  everything after it;
-- attention attends over the first L cache rows, L = the position rounded up to a bucket of
-  `BUCKET` tokens, so one graph serves every position in its bucket (the mask does the rest);
+  and so does the attention;
+- attention runs over the first L cache rows, L = the position rounded up to a bucket of `BUCKET`
+  tokens, so one graph serves every position in its bucket. By default one Triton kernel (plus a
+  small merge) writes the new K/V row and attends rows 0..pos (`runtime/backends/attention.py`);
+  `MOEDESK_GRAPH_ATTN=bmm` selects two batched matmuls with `index_copy_` and a mask instead,
+  `=sdpa` torch's fused attention with the same mask (where it agrees with bmm);
 - MoE layers are `OwnMoE`, whose kernels read the routing on the device.
 The embedding stays on the CPU (as exllamav2 keeps it); its row is copied into the graph's input.
 
@@ -19,7 +21,10 @@ import os
 
 import torch
 
+from runtime.backends.attention import decode_attention
+
 BUCKET = 512
+ATTENTION_KINDS = ("triton", "bmm", "sdpa")
 
 
 class DecodeGraphs:
@@ -42,8 +47,13 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
+        kind = os.environ.get("MOEDESK_GRAPH_ATTN", "triton")
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"MOEDESK_GRAPH_ATTN={kind!r}: expected one of {', '.join(ATTENTION_KINDS)}")
         # SDPA inside a captured graph failed on the test machine (torch 2.11, cuDNN attention): opt-in only.
-        self.sdpa = os.environ.get("MOEDESK_GRAPH_ATTN") == "sdpa" and self._pick_attention()
+        if kind == "sdpa" and not self._pick_attention():
+            kind = "bmm"
+        self.attention = kind
 
     @classmethod
     def build_if_supported(cls, model, cache) -> "DecodeGraphs | None":
@@ -69,7 +79,7 @@ class DecodeGraphs:
 
     # -- the captured step ---------------------------------------------------------------------------
 
-    def _attention(self, a, x: torch.Tensor, L: int, mask: torch.Tensor) -> torch.Tensor:
+    def _attention(self, a, x: torch.Tensor, L: int, mask: torch.Tensor | None) -> torch.Tensor:
         Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         q = torch.empty((1, 1, Hq * D), dtype=torch.float16, device=x.device)
         k = torch.empty((1, 1, Hk * D), dtype=torch.float16, device=x.device)
@@ -80,12 +90,13 @@ class DecodeGraphs:
                                   ctx.sin[a.rope_index], ctx.cos[a.rope_index], [], self.none)
         K = self.cache.key_states[a.layer_idx]                        # [1, S, Hk, D]
         V = self.cache.value_states[a.layer_idx]
-        K.index_copy_(1, self.pos64, k.view(1, 1, Hk, D))
-        V.index_copy_(1, self.pos64, v.view(1, 1, Hk, D))
-        if self.sdpa:
-            o = self._attn_sdpa(q, K, V, L, mask, Hq, Hk, D, a.scaling)
+        if self.attention == "triton":
+            o = decode_attention(q, k, v, K, V, self.pos32, L, a.scaling)   # writes row pos of K, V
         else:
-            o = self._attn_bmm(q, K, V, L, mask, Hq, Hk, D, a.scaling)
+            K.index_copy_(1, self.pos64, k.view(1, 1, Hk, D))
+            V.index_copy_(1, self.pos64, v.view(1, 1, Hk, D))
+            attend = self._attn_sdpa if self.attention == "sdpa" else self._attn_bmm
+            o = attend(q, K, V, L, mask, Hq, Hk, D, a.scaling)
         self.ext.q_attn_forward_2(a.q_handle, x, o, 1, 1, [], self.none)
         return x
 
@@ -125,9 +136,15 @@ class DecodeGraphs:
         except Exception:
             return False
 
+    def _mask(self, L: int) -> torch.Tensor | None:
+        """fp32 additive [L] for the bmm/sdpa paths; the Triton kernel reads the position itself."""
+        if self.attention == "triton":
+            return None
+        return torch.where(self.arange[:L] <= self.pos64, 0.0, float("-inf"))
+
     def _step(self, L: int) -> torch.Tensor:
         x = self.x_in.clone()
-        mask = torch.where(self.arange[:L] <= self.pos64, 0.0, float("-inf"))      # [L] fp32
+        mask = self._mask(L)
         for m in self.body:
             if isinstance(m, self.Attention):
                 x = self._attention(m, x, L, mask)
@@ -182,7 +199,7 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, stream=s, capture_error_mode=mode):
-                mask = torch.where(self.arange[:L] <= self.pos64, 0.0, float("-inf"))
+                mask = self._mask(L)
                 if status() == 2:
                     culprit = "the attention mask"
                     raise Stop
@@ -208,7 +225,8 @@ class DecodeGraphs:
         emb = self.embed.forward(ids)                                  # [1, 1, H] on the CPU
         self.x_in.copy_(emb.view(1, 1, -1))
         self.pos32.fill_(position)
-        self.pos64.fill_(position)
+        if self.attention != "triton":
+            self.pos64.fill_(position)                             # the index_copy_ and mask paths
         L = min(self.cache.max_seq_len, (position // BUCKET + 1) * BUCKET)
         if L not in self.graphs:
             self._capture(L)

@@ -14,7 +14,7 @@ QWEN_FIRST_SPECIAL = 151643          # <|endoftext|>; then <|im_start|>, <|im_en
 @dataclass(frozen=True)
 class Shape:
     name: str
-    architecture: str                # "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM"
+    architecture: str                # "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM" | "LlamaForCausalLM"
     like: str                        # the real model whose shape this is
     layers: int
     hidden: int
@@ -28,6 +28,11 @@ class Shape:
     expert_intermediate: int = 0
     tie_embeddings: bool = False
     max_position: int = 40960
+    rope_theta: float = 1000000.0
+
+    @property
+    def is_llama(self) -> bool:
+        return self.architecture == "LlamaForCausalLM"
 
     @property
     def is_moe(self) -> bool:
@@ -60,6 +65,9 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           expert_intermediate=1536),
     Shape("qwen3-0.6b", "Qwen3ForCausalLM", "Qwen/Qwen3-0.6B (dense draft model)", layers=28, hidden=1024,
           heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie_embeddings=True),
+    Shape("smollm2-135m", "LlamaForCausalLM", "HuggingFaceTB/SmolLM2-135M-Instruct (Llama, the demo model's shape)",
+          layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152,
+          tie_embeddings=True, max_position=8192, rope_theta=100000.0),
 )}
 
 
@@ -70,7 +78,7 @@ def get_shape(name: str) -> Shape:
 
 
 def hf_config(s: Shape) -> dict:
-    """config.json as the real Qwen3 / Qwen3-MoE releases write it."""
+    """config.json as the real Qwen3 / Qwen3-MoE / Llama releases write it."""
     cfg = {
         "architectures": [s.architecture],
         "attention_bias": False,
@@ -84,13 +92,13 @@ def hf_config(s: Shape) -> dict:
         "intermediate_size": s.intermediate,
         "max_position_embeddings": s.max_position,
         "max_window_layers": s.layers,
-        "model_type": "qwen3_moe" if s.is_moe else "qwen3",
+        "model_type": "llama" if s.is_llama else "qwen3_moe" if s.is_moe else "qwen3",
         "num_attention_heads": s.heads,
         "num_hidden_layers": s.layers,
         "num_key_value_heads": s.kv_heads,
         "rms_norm_eps": 1e-06,
         "rope_scaling": None,
-        "rope_theta": 1000000.0,
+        "rope_theta": s.rope_theta,
         "sliding_window": None,
         "tie_word_embeddings": s.tie_embeddings,
         "torch_dtype": "bfloat16",
@@ -129,8 +137,9 @@ def tensors(s: Shape) -> Iterator[TensorSpec]:
         p = f"model.layers.{i}"
         for proj, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
             yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
-        yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "norm")
-        yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "norm")
+        if not s.is_llama:                                   # Qwen3's per-head query/key norms
+            yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "norm")
+            yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "norm")
         if s.is_moe:
             yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
             e_int = s.expert_intermediate

@@ -54,7 +54,7 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
     counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=device)
     ids, w = route_fused(x, layer.gate_w, layer.top_k, counts)
     r = route(x, layer.gate_w, layer.top_k)
-    probs = torch.softmax(x.float() @ layer.gate_w.T, -1).sort(-1, descending=True).values
+    probs = torch.softmax(x.float() @ layer.gate_w.float().T, -1).sort(-1, descending=True).values
     probs = torch.nn.functional.pad(probs, (0, 1))          # top_k may equal the expert count
     clear = (probs[:, layer.top_k - 1] - probs[:, layer.top_k]) > 1e-5
     same = (ids.long().sort(-1).values == r.ids.sort(-1).values).all(-1)
@@ -87,11 +87,12 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--bits", default="4")
     ap.add_argument("--rows", default="1,2,4,5,8,9,40")
+    ap.add_argument("--group", type=int, default=32, help="rows per scale group")
     a = ap.parse_args(argv)
     bits = [int(b) for b in a.bits.split(",")]
     props = None if len(bits) == 1 else [1 / len(bits)] * len(bits)
     layer = random_layer(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0], a.device,
-                         bits_prop=props)
+                         bits_prop=props, group_size=a.group)
     bad = 0
     for r in check(layer, [int(x) for x in a.rows.split(",")], a.device):
         ok = r.rel_err < TOLERANCE

@@ -13,6 +13,7 @@ Each regime is two kernels: gate+up with SiLU(gate)*up fused, then down scaled b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,20 +21,37 @@ import triton.language as tl
 
 from runtime.experts.pack import PackedExperts
 
-GEMV_MAX_PAIRS = 64          # up to 8 tokens at top-8: the GEMV path
+# Up to this many (token, expert) pairs, the split-K GEMVs (one weight read per pair); above, the grouped
+# kernels (one read per expert and block of rows). MOEDESK_GEMV_MAX_PAIRS overrides it, to compare.
+GEMV_MAX_PAIRS = int(os.environ.get("MOEDESK_GEMV_MAX_PAIRS", 64))
 
 
 @triton.jit
 def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
-    PER: tl.constexpr = 32 // BITS
-    rows_w = k0 // PER + tl.arange(0, BK // PER)
-    base = e * (K // PER) * N
-    words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-    shifts = tl.arange(0, PER) * BITS
-    u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
-    u = tl.reshape(u, (BK, BN))
+    base = e * (K * BITS // 32) * N
+    if BITS == 3:
+        # two planes (runtime/experts/pack.py): K/16 words of low 2-bit pairs, then K/32 of high bits
+        lo_rows = k0 // 16 + tl.arange(0, BK // 16)
+        lo = tl.load(qw_ptr + base + lo_rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        u = tl.reshape((lo[:, None, :] >> (tl.arange(0, 16) * 2)[None, :, None]) & 3, (BK, BN))
+        if BK >= 64:
+            hi_rows = K // 16 + k0 // 32 + tl.arange(0, BK // 32)
+            hi = tl.load(qw_ptr + base + hi_rows[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+            u |= tl.reshape(((hi[:, None, :] >> tl.arange(0, 32)[None, :, None]) & 1) << 2, (BK, BN))
+        else:                                   # one word row: gather it per code row
+            kk = k0 + tl.arange(0, BK)
+            hi = tl.load(qw_ptr + base + (K // 16 + kk // 32)[:, None] * N + offs_n[None, :],
+                         mask=mask_n[None, :], other=0)
+            u |= ((hi >> (kk % 32)[:, None]) & 1) << 2
+    else:
+        PER: tl.constexpr = 32 // BITS
+        rows_w = k0 // PER + tl.arange(0, BK // PER)
+        words = tl.load(qw_ptr + base + rows_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        shifts = tl.arange(0, PER) * BITS
+        u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
+        u = tl.reshape(u, (BK, BN))
     s = tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
     return (u - (1 << (BITS - 1))).to(tl.float32) * s.to(tl.float32)[None, :]
 
@@ -135,7 +153,7 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.c
 @triton.jit
 def _router_logits(x_ptr, w_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
                    BH: tl.constexpr):
-    """logits[t, e] = x[t] . w[e] in fp32 (router weights fp32 [E, H]); grid (T, E / EB)."""
+    """logits[t, e] = x[t] . w[e] accumulated in fp32 (router weights [E, H], fp16 or fp32); grid (T, E / EB)."""
     t = tl.program_id(0)
     offs_e = tl.program_id(1) * EB + tl.arange(0, EB)
     mask_e = offs_e < E
@@ -143,7 +161,7 @@ def _router_logits(x_ptr, w_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, EB: 
     for h0 in range(0, H, BH):
         offs_h = h0 + tl.arange(0, BH)
         xv = tl.load(x_ptr + t * H + offs_h).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :], mask=mask_e[:, None], other=0.0)
+        wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :], mask=mask_e[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(wv * xv[None, :], axis=1)
     tl.store(out_ptr + t * E + offs_e, acc, mask=mask_e)
 
@@ -233,7 +251,7 @@ def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
     for p in packs:
         bk = min(bk, p.group)
     for p in packs:
-        if p.group % bk or p.in_features % bk or bk % (32 // p.bits):
+        if p.group % bk or p.in_features % bk or bk % (32 if p.bits == 3 else 32 // p.bits):
             raise ValueError(f"expert layout: group {p.group} / K {p.in_features} do not fit a K tile of {bk}")
     return bk
 
@@ -246,7 +264,8 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
     P = ids.numel()
     nblocks = (P + min(num_experts, P) * (bm - 1)) // bm
     ids = ids.long()
-    counts = torch.bincount(ids, minlength=num_experts)                     # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids))                                        # [E]; bincount would sync
     nb = (counts + bm - 1) // bm                                             # blocks per expert
     cum_nb = torch.cumsum(nb, 0)
     order = torch.argsort(ids, stable=True)                                  # [P]
@@ -317,13 +336,13 @@ def _ksplit(K: int, bk: int, programs: int) -> int:
 
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x fp16 [T, H], gate_w fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two launches,
-    counts[e] += times chosen."""
+    """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two
+    launches, counts[e] += times chosen."""
     T, H = x.shape
     E = gate_w.shape[0]
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    eb = 2                                 # E / 2 programs per token: the 1 MB fp32 router read in parallel
-    bh = 256 if H % 256 == 0 else (64 if H % 64 == 0 else 32)
+    eb = 2                                 # E / 2 programs per token, each reading its rows in one or two loads
+    bh = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 1) if H % b == 0)   # whole rows in few loads
     _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, logits, H=H, E=E, EB=eb, BH=bh, num_warps=4)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     rw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
@@ -332,10 +351,66 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     return ids, rw
 
 
+@dataclass(frozen=True)
+class SplitK:
+    """Launch shape of a split-K GEMV: BN output columns per program, the K range cut in KSPLIT."""
+    bn: int
+    ksplit: int
+    warps: int = 4
+
+
+# Launch shapes chosen by timing on this GPU, per (kernel, shapes, pairs); filled on first use.
+_CHOSEN: dict[tuple, SplitK] = {}
+
+
+def _candidates(K: int, N: int, P: int, bk: int) -> list[SplitK]:
+    """The default first (what the interpreter and a capture use), then the shapes worth timing."""
+    default = SplitK(64, _ksplit(K, bk, P * triton.cdiv(N, 64)))
+    forced = os.environ.get("MOEDESK_SPLITK")             # "BNxKSPLIT": one shape, for tests and experiments
+    if forced:
+        bn, ks = (int(v) for v in forced.split("x"))
+        return [SplitK(bn, ks) if K % (ks * bk) == 0 else default]
+    out = [default]
+    for bn in (32, 64, 128):
+        for ks in (1, 2, 3, 4, 6, 8, 12, 16):
+            programs = P * triton.cdiv(N, bn) * ks
+            c = SplitK(bn, ks)
+            if K % (ks * bk) == 0 and 128 <= programs <= 4096 and c not in out:
+                out.append(c)          # each new shape is one more compilation on first use: keep few
+    return out
+
+
+def _choose(key: tuple, candidates: list[SplitK], launch) -> SplitK:
+    """Time each candidate launch (CUDA events, after one untimed call that compiles it) and keep the
+    fastest for `key`. Not while a graph is being captured, and not under the interpreter: there the
+    default runs. The caller's launches write to scratch buffers."""
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if len(candidates) == 1:
+        return candidates[0]
+    if interpreting() or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    best, best_t = candidates[0], float("inf")
+    for c in candidates:
+        launch(c)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            launch(c)
+        end.record()
+        end.synchronize()
+        t = start.elapsed_time(end)
+        if t < best_t:
+            best, best_t = c, t
+    _CHOSEN[key] = best
+    return best
+
+
 def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
                    w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
     """Few rows: split-K GEMVs with atomic accumulation; x fp16 [T, H] -> fp32 [T, H]. Three launches
-    (one memset, gate+up, down); no intermediate leaves fp32."""
+    (one memset, gate+up, down); no intermediate leaves fp32. Launch shapes are timed once per shape
+    on the GPU (`_choose`)."""
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
@@ -345,14 +420,27 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     ids_f = ids.reshape(P).to(torch.int32)
     rw = weights.reshape(P).to(torch.float32)
     bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=128)
-    bn = 64
-    nb1, nb2 = triton.cdiv(I1, bn), triton.cdiv(H2, bn)
-    ks1, ks2 = _ksplit(H, bk1, P * nb1), _ksplit(I2, bk2, P * nb2)
-    _gate_up_splitk[(P, nb1, ks1)](
-        x.contiguous(), ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, gu, P,
-        K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn,
-        KSPLIT=ks1, num_warps=4)
-    _down_splitk[(P, nb2, ks2)](
-        gu, ids_f, rw, w2.qweight, w2.scales, w2.perm, out, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
-        BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, KSPLIT=ks2, num_warps=4)
+    x = x.contiguous()
+
+    def gate_up(c: SplitK, dst: torch.Tensor):
+        _gate_up_splitk[(P, triton.cdiv(I1, c.bn), c.ksplit)](
+            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, dst, P,
+            K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
+            KSPLIT=c.ksplit, num_warps=c.warps)
+
+    def down(c: SplitK, dst: torch.Tensor):
+        _down_splitk[(P, triton.cdiv(H2, c.bn), c.ksplit)](
+            gu, ids_f, rw, w2.qweight, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+            BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
+
+    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
+    key2 = ("down", I2, H2, P, w2.bits, w2.group, x.device)
+    if key1 not in _CHOSEN or key2 not in _CHOSEN:
+        scratch = torch.empty_like(buf)
+        c1 = _choose(key1, _candidates(H, I1, P, bk1), lambda c: gate_up(c, scratch[: 2 * P * I1]))
+        c2 = _choose(key2, _candidates(I2, H2, P, bk2), lambda c: down(c, scratch[2 * P * I1:].view(T, H)))
+    else:
+        c1, c2 = _CHOSEN[key1], _CHOSEN[key2]
+    gate_up(c1, gu)
+    down(c2, out)
     return out

@@ -25,8 +25,8 @@ class Routing:
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool = True) -> Routing:
-    """x [T, H] (any float), gate_w float32 [E, H] -> the top-k experts and their weights, in fp32."""
-    logits = x.float() @ gate_w.T                            # [T, E]
+    """x [T, H] (any float), gate_w [E, H] -> the top-k experts and their weights, in fp32."""
+    logits = x.float() @ gate_w.float().T                    # [T, E]
     probs = torch.softmax(logits, dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)                # [T, A]
     if renormalize:
@@ -47,7 +47,9 @@ class ExpertLayer:
         if w1.out_features != w3.out_features or not w2.in_features <= w1.out_features < w2.in_features + 32:
             raise ValueError(f"gate/up/down shapes do not chain: gate {w1.out_features}, up {w3.out_features}, "
                              f"down takes {w2.in_features}")
-        self.gate_w = gate_w.float().contiguous()            # [E, H] fp32
+        # [E, H] fp16: the checkpoint stores the router in fp16 (or EXL2, dequantized to fp16), so this
+        # is exact; the logits are accumulated in fp32. Half the bytes of an fp32 copy, read every token.
+        self.gate_w = gate_w.half().contiguous()
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.top_k = top_k
         self.renormalize = renormalize
@@ -71,13 +73,16 @@ class ExpertLayer:
         return experts_reference(x, r, self.w1, self.w3, self.w2)
 
     def weight_bytes(self) -> int:
-        return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes() + self.gate_w.numel() * 4
+        return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes() + self.router_bytes()
 
     def bytes_per_token(self, rows: int = 1) -> int:
         """Weight bytes one forward of `rows` tokens reads at most (router + each chosen expert once)."""
         experts = min(self.num_experts, rows * self.top_k)
         per_expert = self.w1.expert_bytes() + self.w3.expert_bytes() + self.w2.expert_bytes()
-        return self.gate_w.numel() * 4 + experts * per_expert
+        return self.router_bytes() + experts * per_expert
+
+    def router_bytes(self) -> int:
+        return self.gate_w.numel() * self.gate_w.element_size()
 
 
 def experts_reference(x: torch.Tensor, r: Routing, w1: PackedExperts, w3: PackedExperts,

@@ -6,13 +6,16 @@ every column a little-endian bitstream of b-bit codes. The kernels want one widt
 size per tensor, so at load each expert projection is rewritten, losslessly:
 
     code c = q - 2**(b-1)                      (signed, |c| <= 2**(b-1))
-    stored u = c + 2**(S-1), S = 4 if every group has b <= 4 else 8   (8 or 4 codes per int32, LSB first)
+    stored u = c + 2**(S-1), S = 3 if every group has b <= 3, 4 if b <= 4, else 8
+    S = 4 / 8: 8 / 4 codes per int32, LSB first.
+    S = 3: two bit planes per expert, K // 16 words of the low 2 bits (16 codes per word) followed by
+           K // 32 words of the high bit (32 codes per word): exactly 3 bits per weight.
     scale[g, n] = fp16((q_scale[g, n] + 1)**2) * fp16(q_scale_max[g] / 256)   (fp16, as exllamav2;
                                                                     groups split to one size)
     W^T[perm[k], n] = c[k, n] * scale[k // group, n]                 (perm = argsort(q_invperm))
 
-Cost in bytes, honestly: 4-bit and 2-bit groups cost 4 bits (2-bit wastes half), 3-bit costs 4 bits
-(+33%), 5/6-bit cost 8 bits; scales add 16 / group bits per weight.
+Cost in bytes, honestly: 3-bit and 2-bit groups cost 3 bits (2-bit wastes a third), 4-bit 4 bits,
+5/6-bit cost 8 bits; scales add 16 / group bits per weight.
 
 Shapes: E experts, K input features (rows), N output features (columns), G = K // group.
 Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequantizer on the CPU.
@@ -43,10 +46,10 @@ class Exl2Codes:
 @dataclass
 class PackedExperts:
     """One projection (gate, up or down) of every expert of a layer, stacked for the kernels."""
-    qweight: torch.Tensor      # int32 [E, K // (32 // bits), N]
+    qweight: torch.Tensor      # int32 [E, K * bits // 32, N] (bits 3: two planes, see the module docstring)
     scales: torch.Tensor       # float16 [E, K // group, N]
     perm: torch.Tensor         # int32 [E, K]
-    bits: int                  # stored bits per code: 4 or 8
+    bits: int                  # stored bits per code: 3, 4 or 8
     group: int                 # rows per scale row
     in_features: int           # K
     out_features: int          # N
@@ -143,15 +146,41 @@ def dequantize_codes(u: Exl2Codes) -> torch.Tensor:
     return w_t.T.contiguous()
 
 
-def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 [K, N] signed codes -> int32 [K // per, N], `per` unsigned codes per word, LSB first."""
+def _words(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 [K, N] unsigned codes of `bits` bits -> int32 [K // per, N], per = 32 // bits, LSB first."""
     per = 32 // bits
-    K, N = codes.shape
-    u = (codes.to(torch.int64) + (1 << (bits - 1))).view(K // per, per, N)
-    shifts = (torch.arange(per, device=codes.device) * bits).view(1, per, 1)
-    words = (u << shifts).sum(dim=1)                         # < 2**32, fits int64
+    K, N = u.shape
+    shifts = (torch.arange(per, device=u.device) * bits).view(1, per, 1)
+    words = (u.view(K // per, per, N) << shifts).sum(dim=1)  # < 2**32, fits int64
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
     return words.to(torch.int32)
+
+
+def _unwords(words: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    """Inverse of `_words`: int32 [K // per, N] -> int64 [K, N] unsigned codes."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(per, device=w.device) * bits).view(1, per, 1)
+    return ((w[:, None, :] >> shifts) & ((1 << bits) - 1)).reshape(K, w.shape[-1])
+
+
+def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 [K, N] signed codes -> int32 [K * bits // 32, N] (bits 3: low-2-bit plane, then high bit)."""
+    u = codes.to(torch.int64) + (1 << (bits - 1))
+    if bits == 3:
+        return torch.cat([_words(u & 3, 2), _words(u >> 2, 1)])
+    return _words(u, bits)
+
+
+def _unpack_words(words: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    """int32 [K * bits // 32, N] -> int64 [K, N] unsigned codes."""
+    if bits == 3:
+        return _unwords(words[: K // 16], 2, K) | (_unwords(words[K // 16:], 1, K) << 2)
+    return _unwords(words, bits, K)
+
+
+def _stored_bits(max_bits: int) -> int:
+    return 3 if max_bits <= 3 else 4 if max_bits <= 4 else 8
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
@@ -161,22 +190,20 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
     K, N = first.codes.shape
-    bits = 4 if first.max_bits <= 4 else 8
     units = [first]
     for e in range(1, len(experts)):
         u = unpack_exl2(experts[e], f"{name}[{e}]")
         if u.codes.shape != (K, N):
             raise PackError(f"{name}[{e}]: shape {tuple(u.codes.shape)} differs from expert 0's {(K, N)}")
-        if u.max_bits > 4:
-            bits = 8
         units.append(u)
+    bits = _stored_bits(max(u.max_bits for u in units))
     group = math.gcd(*[u.group for u in units])
-    per = 32 // bits
+    per = 32 if bits == 3 else 32 // bits
     if K % per or K % group:
         raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
     dev = torch.device(device) if device is not None else first.codes.device
     E = len(units)
-    qweight = torch.empty((E, K // per, N), dtype=torch.int32, device=dev)
+    qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
     for e, u in enumerate(units):
@@ -189,10 +216,7 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
     """Dense weight [N, K] (float32) of expert e from the packed layout: checks the packing itself."""
-    per = 32 // p.bits
-    words = p.qweight[e].to(torch.int64) & 0xFFFFFFFF                        # [K/per, N]
-    shifts = (torch.arange(per, device=words.device) * p.bits).view(1, per, 1)
-    u = ((words[:, None, :] >> shifts) & ((1 << p.bits) - 1)).reshape(p.in_features, p.out_features)
+    u = _unpack_words(p.qweight[e], p.bits, p.in_features)                 # [K, N]
     wt = (u - (1 << (p.bits - 1))).to(torch.float32)
     wt = wt * torch.repeat_interleave(p.scales[e].to(torch.float32), p.group, dim=0)
     w_t = torch.empty_like(wt)

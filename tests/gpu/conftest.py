@@ -1,7 +1,7 @@
 """GPU test fixtures: random-weight EXL2 models written by the project's writer, once per session.
 
-- `moe_2l`, `dense_2l`: the real shapes of Qwen3-30B-A3B (128 experts, top-8, hidden 2048) and
-  Qwen3-0.6B, cut to 2 layers (`synth --layers 2`): the engine-vs-reference checks run on real
+- `moe_2l`, `dense_2l`, `llama_2l`: the real shapes of Qwen3-30B-A3B (128 experts, top-8, hidden
+  2048), Qwen3-0.6B and SmolLM2-135M (Llama), cut to 2 layers (`synth --layers 2`): the engine-vs-reference checks run on real
   widths, where exllamav2's kernels are meant to run.
 - `tiny_moe`, `tiny_dense`: miniature models (hidden 256) for load, cache and memory checks. On
   these, exllamav2's own single-token path disagreed with its batched path by 0.2-0.4 (relative,
@@ -88,6 +88,11 @@ def moe_2l(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dense_2l(tmp_path_factory) -> Path:
     return synth_model("qwen3-0.6b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-0.6b-2l")
+
+
+@pytest.fixture(scope="session")
+def llama_2l(tmp_path_factory) -> Path:
+    return synth_model("smollm2-135m", 2, 4.0, tmp_path_factory.mktemp("models") / "smollm2-135m-2l")
 
 
 @pytest.fixture(scope="session")

@@ -47,10 +47,10 @@ def _load_exl2(path, moe="own", graphs=True, **off):
 
 
 @pytest.fixture(scope="module")
-def references(moe_2l, dense_2l):
+def references(moe_2l, dense_2l, llama_2l):
     from runtime import reference
     engines = {}
-    for name, path in (("moe", moe_2l), ("dense", dense_2l)):
+    for name, path in (("moe", moe_2l), ("dense", dense_2l), ("llama", llama_2l)):
         engines[name] = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
     return engines
 
@@ -77,9 +77,9 @@ def _script(engine, ref, toks, label, assert_tol):
     return errs
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_engine_matches_reference(kind, moe_2l, dense_2l, references):
-    path = moe_2l if kind == "moe" else dense_2l
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_engine_matches_reference(kind, moe_2l, dense_2l, llama_2l, references):
+    path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     ref = references[kind]
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     for graphs in (True, False):
@@ -110,9 +110,9 @@ def _batched_vs_stepwise(engine, toks) -> float:
     return _rel(step, batched)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
-def test_batched_vs_stepwise(kind, moe_2l, dense_2l):
-    path = moe_2l if kind == "moe" else dense_2l
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_batched_vs_stepwise(kind, moe_2l, dense_2l, llama_2l):
+    path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     eng = _load_exl2(path)
     toks = torch.randint(0, eng.info.vocab_size, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     try:
@@ -130,8 +130,10 @@ def test_batched_vs_stepwise(kind, moe_2l, dense_2l):
 
 
 def test_moe_layer_rows_are_independent_at_real_size():
-    """qwen3-30b-a3b's layer shape: batched rows equal the same rows one at a time (GEMV path exactly,
-    tensor-core path within fp16 rounding), and every path matches the fp32 oracle."""
+    """qwen3-30b-a3b's layer shape: batched rows equal the same rows one at a time (GEMV path to fp32
+    summation order: its launch shape is chosen per row count and it accumulates with atomics, so h
+    can round differently in fp16; tensor-core path within fp16 rounding), and every path matches
+    the fp32 oracle."""
     from runtime.experts.check import TOLERANCE, check, random_layer
     layer = random_layer(128, 2048, 768, 8, 4, "cuda", group_size=128)
     for r in check(layer, [1, 2, 3, 4, 5, 8, 9, 33, 512], "cuda"):
@@ -142,7 +144,7 @@ def test_moe_layer_rows_are_independent_at_real_size():
     for n in (8, 40):
         e = _rel(layer(x[:n]), one[:n])
         _record(test="moe_layer_batched_vs_stepwise", rows=n, rel_err=e)
-        assert e < (1e-6 if n <= 8 else TOLERANCE)
+        assert e < (1e-4 if n <= 8 else TOLERANCE)
 
 
 def test_decode_step_is_graph_captured(moe_2l):
