@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         if args.what in ("verify", "all"):
             from runtime.speculative.bench_verify import verify_result
             fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say)
-            written.append(write(args.out, "spec-verify-cost", record(engine, label, **fields)))
+            written.append(write(args.out, f"spec-verify-cost-{label}", record(engine, label, **fields)))
         for p in written:
             say(f"wrote {p}")
         return 0
