@@ -1,11 +1,18 @@
 """Benchmarks of speculative decoding (not tests): `moedesk-cli bench-spec`.
 
-    lookup      tokens/s of plain greedy decoding vs n-gram drafting (adaptive, and fixed K), on a
-                prompt where lookup pays (repeat a passage) and one where it does not (a story)
-    verify      time of a target forward over K+1 rows relative to one row, K = 1..8, and from it
-                the speedup a given acceptance rate would buy; `--forced-acceptance` also decodes
-                with every draft accepted (random-weight models accept nothing useful) to time the
-                verify path end to end -- labelled as such in the results
+    lookup      decode speed of plain greedy decoding vs n-gram drafting (adaptive; fixed K with
+                --fixed-k), on a prompt where lookup pays (repeat a passage) and one where it does not
+                (a story). Built for a noisy, shared machine: each mode decodes on its own copy of the
+                model, and the modes take turns step by step (the first of each turn rotating), so a
+                change in the machine's load hits all modes alike; each mode's time is the sum of its
+                own steps. This repeats for `--rounds` rounds; the result gives per mode the median
+                ratio of time per token plain/mode over the rounds, its spread, and the same from CPU
+                time. The criterion "adaptive loses at most 5% where lookup does not pay" is judged
+                on the medians.
+    verify      time of a target forward over K+1 rows relative to the one-row step, K = 1..8, the
+                experts the rows select (MoE), and the speedup at given acceptance rates; see
+                runtime/speculative/bench_verify.py (with --forced-acceptance: decoding with every
+                draft kept, labelled as such)
 
 Each result is one JSON file in --out with the fields DESIGN.md lists (date, git_commit, machine,
 device, model, bpw, ..., draft, baseline, notes) plus the benchmark's own figures.
@@ -44,95 +51,67 @@ PROMPTS = {
 
 
 @dataclass
-class DecodeFigures:
-    name: str
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_tps: Optional[float]
-    decode_tps: Optional[float]
-    ttft_s: Optional[float]
-    draft: Optional[dict] = None
+class ModeRun:
+    """One mode's share of a lockstep run: its steps' summed time and the tokens they produced."""
+    mode: str
     tokens: list[int] = field(default_factory=list, repr=False)
+    steps: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    draft: Optional[dict] = None
 
+    @property
+    def tps(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else float("nan")
 
-@dataclass
-class VerifyCost:
-    k: int
-    rows: int
-    seconds: float                  # median time of a forward over `rows` rows
-    relative: float                 # seconds / seconds of one row
+    @property
+    def cpu_tps(self) -> float:
+        return len(self.tokens) / self.cpu_s if self.cpu_s > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------
 # Measurements
 
-def decode_run(engine: Any, tokenizer: Any, prompt: list[int], n_tokens: int, draft_opts: Any = None,
-               name: str = "plain", repetition_penalty: float = 1.0) -> DecodeFigures:
-    """Greedy decoding of exactly n_tokens after `prompt` (end-of-sequence ignored), through the
-    generation loop, with a plain or speculative decoder."""
+def lockstep(engines: dict[str, Any], modes: dict[str, Any], prompt: list[int], n_tokens: int,
+             repetition_penalty: float = 1.0) -> dict[str, ModeRun]:
+    """Greedy decoding of n_tokens after `prompt` in every mode at once, each on its own engine,
+    the modes taking turns one step each (who goes first rotates every turn). `modes` maps a name to
+    DraftOptions, or None for plain decoding. Steps run the decoders of the generation loop, under
+    its cache contract; the prompt (all but its last token) is prefilled untimed."""
     from runtime import generate, speculative
     from runtime.options import SamplingOptions
     opts = SamplingOptions(temperature=0.0, max_tokens=n_tokens, repetition_penalty=repetition_penalty)
-    gen = generate.make_generator(0)
-    decoder = None if draft_opts is None else speculative.make_decoder(engine, draft_opts, opts, gen)
-    engine.reset()
-    result = generate.generate(engine, tokenizer, prompt, opts, decoder=decoder, generator=gen, ignore_eos=True)
-    s = result.stats
-    draft = None
-    if s.draft is not None:
-        draft = dict(dataclasses.asdict(draft_opts), **dataclasses.asdict(s.draft))
-        draft["acceptance_histogram"] = list(draft["acceptance_histogram"])
-    return DecodeFigures(name, s.prompt_tokens, s.generated_tokens, s.prefill_tps, s.decode_tps, s.ttft_s,
-                         draft, list(result.tokens))
-
-
-def verify_cost(engine: Any, context: int, k_max: int = 8, repeats: int = 7, seed: int = 0) -> list[VerifyCost]:
-    """Median time of forward over K+1 rows at a context of `context` tokens, for K = 0..k_max.
-    Row counts are interleaved within each repeat so drift hits them alike."""
-    import torch
-    from runtime.speculative.core import timed_forward
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.info.vocab_size
-    engine.reset()
-    engine.forward(torch.randint(0, vocab, (context,), generator=g).tolist())
-    times: dict[int, list[float]] = {r: [] for r in range(1, k_max + 2)}
-    for rep in range(repeats + 1):                                  # the first round warms up
-        for rows in times:
-            _, dt = timed_forward(engine, torch.randint(0, vocab, (rows,), generator=g).tolist())
-            engine.truncate(context)
-            if rep:
-                times[rows].append(dt)
-    one = statistics.median(times[1])
-    return [VerifyCost(r - 1, r, statistics.median(t), statistics.median(t) / one) for r, t in times.items()]
-
-
-def speedup_at(costs: list[VerifyCost], acceptance: float, draft_cost: float = 0.0) -> dict[int, float]:
-    """Expected speedup over plain decoding for each K at a per-token acceptance rate, with a draft
-    costing `draft_cost` target-rows per drafted token: (1 + a + ... + a^K) / (rel(K+1) + K * draft_cost)."""
-    out = {}
-    for c in costs:
-        if c.k == 0:
-            continue
-        tokens = sum(acceptance ** i for i in range(c.k + 1))
-        out[c.k] = tokens / (c.relative + c.k * draft_cost)
-    return out
-
-
-def forced_acceptance_decode(engine: Any, prompt: list[int], k: int, n_tokens: int, seed: int = 0) -> float:
-    """Tokens/s of the verify path with every draft accepted (FORCED: drafts are random tokens kept
-    regardless of the target). k = 0 is plain decoding. Times forward + argmax, as a step would."""
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    engine.reset()
-    engine.forward(prompt[:-1])
-    pending, produced = prompt[-1], 0
-    t0 = time.perf_counter()
-    while produced < n_tokens:
-        drafts = torch.randint(0, engine.info.vocab_size, (k,), generator=g).tolist()
-        logits = engine.forward([pending] + drafts)                 # [k+1, V]
-        pending = int(torch.argmax(logits[-1]))
-        produced += k + 1
-    return produced / (time.perf_counter() - t0)
+    names = list(modes)
+    decoders, runs = {}, {}
+    for m in names:
+        engine = engines[m]
+        engine.reset()
+        engine.forward(prompt[:-1])
+        gen = generate.make_generator(0)
+        decoders[m] = (generate.PlainDecoder(engine, opts, gen) if modes[m] is None
+                       else speculative.make_decoder(engine, modes[m], opts, gen))
+        runs[m] = ModeRun(m)
+    turn = 0
+    while any(len(runs[m].tokens) < n_tokens for m in names):
+        for m in names[turn % len(names):] + names[:turn % len(names)]:
+            run = runs[m]
+            left = n_tokens - len(run.tokens)
+            if left <= 0:
+                continue
+            tokens = prompt + run.tokens
+            w0, c0 = time.perf_counter(), time.process_time()
+            new = decoders[m].step(tokens, max_new=left)
+            run.wall_s += time.perf_counter() - w0
+            run.cpu_s += time.process_time() - c0
+            run.steps += 1
+            run.tokens += new[:left]
+        turn += 1
+    for m in names:
+        s = decoders[m].stats()
+        if s is not None:
+            runs[m].draft = dict(dataclasses.asdict(modes[m]), **dataclasses.asdict(s))
+            runs[m].draft["acceptance_histogram"] = list(runs[m].draft["acceptance_histogram"])
+    return runs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,96 +146,98 @@ def write(out_dir: Path, stem: str, result: dict) -> Path:
     return path
 
 
-def figures(f: DecodeFigures) -> dict:
-    return {"name": f.name, "prompt_tokens": f.prompt_tokens, "generated_tokens": f.generated_tokens,
-            "prefill_tps": f.prefill_tps, "decode_tps": f.decode_tps, "ttft_s": f.ttft_s}
+def figures(r: ModeRun) -> dict:
+    return {"name": r.mode, "generated_tokens": len(r.tokens), "steps": r.steps, "decode_tps": r.tps,
+            "cpu_tps": r.cpu_tps}
 
 
 # ----------------------------------------------------------------------------------------------
 # The benchmarks as the CLI runs them
 
-def bench_lookup(engine: Any, tokenizer: Any, model: str, out: Path, n_tokens: int, k: int,
-                 say=print, only: Optional[str] = None, rounds: int = 3) -> list[Path]:
-    """Plain vs n-gram (adaptive, and fixed K) on each prompt; one JSON file per prompt and mode.
-    The three runs alternate for `rounds` rounds and each ratio is taken within a round, so a
-    machine whose load changes between runs skews the medians less."""
+def bench_lookup(engines: dict[str, Any], tokenizer: Any, model: str, out: Path, n_tokens: int, k: int,
+                 say=print, only: Optional[str] = None, rounds: int = 5) -> list[Path]:
+    """Plain vs n-gram drafting on each prompt, in lockstep (see `lockstep`), `rounds` times; one JSON
+    file per prompt and n-gram mode. `engines` maps "plain", "adaptive" and optionally f"k{k}" (fixed K)
+    to an engine each (copies of the same model); the copies rotate between the modes every round."""
     from runtime.options import DraftOptions
+    if rounds < 1:
+        raise ValueError(f"rounds: must be at least 1, got {rounds}")
+    modes: dict[str, Optional[DraftOptions]] = {"plain": None,
+                                                "adaptive": DraftOptions(mode="ngram", draft_tokens=k, adaptive=True)}
+    if f"k{k}" in engines:
+        modes[f"k{k}"] = DraftOptions(mode="ngram", draft_tokens=k, adaptive=False)
+    names = list(modes)
     paths = []
-    modes = {"adaptive": DraftOptions(mode="ngram", draft_tokens=k, adaptive=True),
-             f"k{k}": DraftOptions(mode="ngram", draft_tokens=k, adaptive=False)}
     for name, (text, pays, penalty) in PROMPTS.items():
         if only and name != only:
             continue
         prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
-        decode_run(engine, tokenizer, prompt, 8)                           # warm-up
-        plains: list[DecodeFigures] = []
-        specs: dict[str, list[DecodeFigures]] = {m: [] for m in modes}
-        ratios: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(rounds):
-            plains.append(decode_run(engine, tokenizer, prompt, n_tokens, repetition_penalty=penalty))
-            for m, opts in modes.items():
-                specs[m].append(decode_run(engine, tokenizer, prompt, n_tokens, opts, name="ngram",
-                                           repetition_penalty=penalty))
-                ratios[m].append(specs[m][-1].decode_tps / plains[-1].decode_tps)
-        plain = _median_run(plains)
-        for m in modes:
-            spec = _median_run(specs[m])
-            ratio = statistics.median(ratios[m])
-            same = all(s.tokens == plain.tokens for s in specs[m])
-            in_request = [s.draft["speedup"] for s in specs[m] if s.draft["speedup"] is not None]
+        lockstep(engines, modes, prompt, 8, penalty)                               # warm-up
+        rounds_runs = []
+        copies = [engines[m] for m in names]
+        for r in range(rounds):
+            # Each round the modes move on to the next copy, so a copy that happens to run faster
+            # (memory placement) does not favour one mode.
+            assigned = {m: copies[(i + r) % len(names)] for i, m in enumerate(names)}
+            rounds_runs.append(lockstep(assigned, modes, prompt, n_tokens, penalty))
+            say(f"{name}: round {r + 1}/{rounds}: " + ", ".join(
+                f"{m} {rounds_runs[-1][m].tps:.2f} tok/s" for m in names))
+        for m in names[1:]:
+            wall = [rr[m].tps / rr["plain"].tps for rr in rounds_runs]
+            cpu = [rr[m].cpu_tps / rr["plain"].cpu_tps for rr in rounds_runs]
+            wall_s, cpu_s = spread(wall), spread(cpu)
+            mid = sorted(range(rounds), key=lambda i: wall[i])[rounds // 2]            # the median round
+            spec, plain = rounds_runs[mid][m], rounds_runs[mid]["plain"]
+            same = all(rr[m].tokens == rr["plain"].tokens for rr in rounds_runs)
+            verdict = criterion(wall_s, cpu_s) if m == "adaptive" else None
             notes = (f"greedy (repetition penalty {penalty}), {n_tokens} tokens, prompt '{name}' "
-                     f"(lookup {'expected to pay' if pays else 'not expected to pay'}); {rounds} alternating "
-                     f"rounds, figures of the median run; speculative output "
-                     f"{'identical to' if same else 'DIFFERENT from'} plain; median decode_tps ratio "
-                     f"ngram/plain {ratio:.3f} (per round: {', '.join(f'{r:.3f}' for r in ratios[m])})")
-            result = record(engine, model, prompt_tokens=spec.prompt_tokens, prefill_tps=spec.prefill_tps,
-                            decode_tps=spec.decode_tps, ttft_s=spec.ttft_s, draft=spec.draft,
-                            baseline=figures(plain), notes=notes,
+                     f"(lookup {'expected to pay' if pays else 'not expected to pay'}); modes {', '.join(names)} "
+                     f"each on its own engine, taking turns step by step; {rounds} rounds, figures of the "
+                     f"median round; speculative output {'identical to' if same else 'DIFFERENT from'} plain; "
+                     f"ngram/plain tokens/s: median x{wall_s['median']:.3f} (quartiles {wall_s['q1']:.3f}.."
+                     f"{wall_s['q3']:.3f}, range {wall_s['min']:.3f}..{wall_s['max']:.3f}); from CPU time "
+                     f"median x{cpu_s['median']:.3f} (range {cpu_s['min']:.3f}..{cpu_s['max']:.3f})")
+            result = record(engines[m], model, decode_tps=spec.tps, draft=spec.draft, baseline=figures(plain),
+                            prompt_tokens=len(prompt), notes=notes,
                             bench={"kind": "speculative_lookup", "prompt": name, "lookup_expected_to_pay": pays,
                                    "tokens": n_tokens, "repetition_penalty": penalty, "rounds": rounds,
-                                   "ratio_vs_plain": ratio, "ratios_per_round": ratios[m],
-                                   "in_request_speedups": in_request, "identical_output": same,
-                                   "text": tokenizer.decode(plain.tokens)})
+                                   "method": "lockstep: one engine per mode (rotating between modes every round), one step "
+                                             "of each mode in turn",
+                                   "ratio_vs_plain": wall_s["median"], "ratio_spread": wall_s,
+                                   "ratios_per_round": wall, "cpu_ratio_vs_plain": cpu_s["median"],
+                                   "cpu_ratio_spread": cpu_s, "cpu_ratios_per_round": cpu,
+                                   "adaptive_criterion": verdict,
+                                   "rounds_figures": [{x: figures(rr[x]) for x in ("plain", m)} for rr in rounds_runs],
+                                   "in_request_speedups": [rr[m].draft["speedup"] for rr in rounds_runs],
+                                   "identical_output": same, "text": tokenizer.decode(plain.tokens)})
             paths.append(write(out, f"spec-ngram-{m}-{name}", result))
             acc = spec.draft["acceptance_rate"]
-            say(f"{name:15s} ngram {m:8s} {spec.decode_tps:7.1f} tok/s  plain {plain.decode_tps:7.1f} tok/s  "
-                f"median ratio x{ratio:.3f} (rounds {', '.join(f'{r:.2f}' for r in ratios[m])})  acceptance "
-                f"{acc if acc is not None else float('nan'):.2f}  in-request speedup {in_request}")
+            say(f"{name:15s} ngram {m:8s} {spec.tps:7.2f} tok/s  plain {plain.tps:7.2f} tok/s  "
+                f"ratio median x{wall_s['median']:.3f} [{wall_s['min']:.3f}..{wall_s['max']:.3f}]  "
+                f"CPU-time x{cpu_s['median']:.3f} [{cpu_s['min']:.3f}..{cpu_s['max']:.3f}]  "
+                f"acceptance {acc if acc is not None else float('nan'):.2f}"
+                + (f"  within 5%: {verdict['passes']} ({'conclusive' if verdict['conclusive'] else 'spread too wide to be sure'})"
+                   if verdict else ""))
     return paths
 
 
-def _median_run(runs: list[DecodeFigures]) -> DecodeFigures:
-    return sorted(runs, key=lambda r: r.decode_tps)[len(runs) // 2]
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and range of a list of ratios."""
+    if not values:
+        raise ValueError("spread: no values")
+    v = sorted(values)
+    q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0], v[0], v[0])
+    return {"median": statistics.median(v), "q1": q1, "q3": q3, "min": v[0], "max": v[-1], "n": len(v)}
 
 
-def bench_verify(engine: Any, model: str, out: Path, context: int, forced: bool, n_tokens: int,
-                 say=print) -> Path:
-    costs = verify_cost(engine, context)
-    rows = [dataclasses.asdict(c) for c in costs]
-    table = {f"{a:.1f}": {str(k): round(v, 3) for k, v in speedup_at(costs, a).items()}
-             for a in (0.5, 0.6, 0.7, 0.8, 0.9)}
-    for c in costs:
-        say(f"K={c.k}  rows={c.rows}  {c.seconds * 1e3:8.2f} ms  x{c.relative:.2f} of one row")
-    bench = {"kind": "speculative_verify_cost", "context_tokens": context, "verify_cost": rows,
-             "expected_speedup_by_acceptance": table}
-    notes = ("verify cost: forward over K+1 random token ids at a context of random ids; "
-             "expected speedups assume a free draft (n-gram) and independent acceptance")
-    draft = None
-    decode_tps = baseline = None
-    if forced:
-        plain_tps = forced_acceptance_decode(engine, list(range(1, context + 1)), 0, n_tokens)
-        forced_tps = {k: forced_acceptance_decode(engine, list(range(1, context + 1)), k, n_tokens)
-                      for k in (1, 2, 4, 8)}
-        best = max(forced_tps, key=forced_tps.get)
-        decode_tps, baseline = forced_tps[best], {"name": "plain", "decode_tps": plain_tps}
-        draft = {"mode": "forced_acceptance", "draft_tokens": best, "acceptance_rate": 1.0,
-                 "decode_tps_by_k": forced_tps}
-        notes += "; FORCED ACCEPTANCE: every draft kept regardless of the target, to time the verify path only"
-        for k, tps in forced_tps.items():
-            say(f"forced acceptance K={k}: {tps:.1f} tok/s (plain {plain_tps:.1f})")
-    result = record(engine, model, prompt_tokens=context, decode_tps=decode_tps, draft=draft,
-                    baseline=baseline, notes=notes, bench=bench)
-    return write(out, "spec-verify-cost", result)
+def criterion(wall: dict, cpu: Optional[dict], max_loss: float = 0.05) -> dict:
+    """"Adaptive mode loses at most `max_loss`": passes when the median ratio (wall clock, and CPU time
+    where measured) is at least 1 - max_loss; conclusive when the wall-clock quartiles lie on one side."""
+    floor = 1.0 - max_loss
+    return {"max_loss": max_loss, "wall_median_ratio": wall["median"],
+            "cpu_median_ratio": cpu["median"] if cpu else None,
+            "passes": wall["median"] >= floor and (cpu is None or cpu["median"] >= floor),
+            "conclusive": wall["q1"] >= floor or wall["q3"] < floor}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -264,7 +245,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="engine to load it with")
     p.add_argument("--what", choices=("lookup", "verify", "all"), default="all")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate per run")
-    p.add_argument("--draft-tokens", type=int, default=4, help="K for the fixed-K n-gram run")
+    p.add_argument("--draft-tokens", type=int, default=4, help="K for n-gram drafting (the adaptive maximum)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the lookup benchmark")
+    p.add_argument("--fixed-k", action="store_true", help="lookup: also run n-gram drafting with a fixed K")
+    p.add_argument("--label", help="model name for the results (default: the folder's name)")
     p.add_argument("--context", type=int, default=512, help="context tokens for the verify-cost benchmark")
     p.add_argument("--forced-acceptance", action="store_true",
                    help="also time decoding with every draft accepted (labelled in the results)")
@@ -278,27 +262,38 @@ def run(args: argparse.Namespace) -> int:
     from runtime.engine import EngineError
     from runtime.options import LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
+    label = args.label or (args.model if args.model == paths.DEMO_ALIAS else Path(folder).name)
     loader = _backend(args.backend)
     say = lambda msg: print(msg, flush=True)                         # noqa: E731
+    lookup = args.what in ("lookup", "all")
+    copies = ["plain", "adaptive"] + ([f"k{args.draft_tokens}"] if args.fixed_k else []) if lookup else ["plain"]
+    engines: dict[str, Any] = {}
     try:
-        engine, _ = loader.load(folder, LoadOptions(offload=OffloadOptions(cpu_threads=args.threads)), lambda *a: None)
+        for name in copies:                      # the lookup benchmark decodes on one copy per mode
+            engines[name], _ = loader.load(folder, LoadOptions(offload=OffloadOptions(cpu_threads=args.threads)),
+                                           lambda *a: None)
     except EngineError as e:
+        for engine in engines.values():
+            engine.close()
         print(f"moedesk-cli bench-spec: {e.message}", file=sys.stderr)
         return 1
+    engine = engines["plain"]
     try:
         written = []
-        if args.what in ("lookup", "all"):
+        if lookup:
             from runtime.tokenizer import Tokenizer
-            written += bench_lookup(engine, Tokenizer.from_folder(folder), args.model, args.out,
-                                    args.tokens, args.draft_tokens, say, args.prompt)
+            written += bench_lookup(engines, Tokenizer.from_folder(folder), label, args.out,
+                                    args.tokens, args.draft_tokens, say, args.prompt, args.rounds)
         if args.what in ("verify", "all"):
-            written.append(bench_verify(engine, args.model, args.out, args.context, args.forced_acceptance,
-                                        args.tokens, say))
+            from runtime.speculative.bench_verify import verify_result
+            fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say)
+            written.append(write(args.out, f"spec-verify-cost-{label}", record(engine, label, **fields)))
         for p in written:
             say(f"wrote {p}")
         return 0
     finally:
-        engine.close()
+        for e in engines.values():
+            e.close()
 
 
 def _backend(name: str):
