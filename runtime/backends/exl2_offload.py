@@ -78,6 +78,9 @@ def expert_code_bytes_estimate(config, path: Path) -> int:
 def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
     """Budgets and the allocator cap for a load; raises EngineError(out_of_memory) in words."""
     free, total = torch.cuda.mem_get_info()
+    # memory torch's caching allocator holds but does not use is free for this load too (a model
+    # closed a moment ago leaves its blocks cached)
+    free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     try:
         vram = vram_budget(off.vram_budget_gb, free, total)
     except BudgetError as e:

@@ -31,7 +31,7 @@ import torch
 
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.offload import LayerOffload, cold_base, word_distance
+from runtime.experts.offload import LayerOffload, cold_base, inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
 from runtime.experts.placement import plan_resident
 from runtime.experts.routing_stats import RoutingStats
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
 
 
+@inference_mode_methods
 class OffloadManager:
     def __init__(self, layers: list[ExpertLayer], vram: MemoryBudget, policy: str = "auto",
                  stats: Optional[RoutingStats] = None, stats_file: Optional[Path] = None,

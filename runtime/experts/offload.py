@@ -42,6 +42,19 @@ def word_distance(a: torch.Tensor, base: torch.Tensor) -> int:
     return d // 4
 
 
+def inference_mode_methods(cls):
+    """Run every method of `cls` under torch.inference_mode(): the tables, masks and counters these
+    classes update in place were created while exllamav2 loaded the model (inside inference mode), and
+    torch refuses in-place updates of such tensors outside it."""
+    import functools
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not isinstance(fn, (staticmethod, classmethod, type)) and (
+                not name.startswith("__") or name == "__init__"):
+            setattr(cls, name, functools.wraps(fn)(torch.inference_mode()(fn)))
+    return cls
+
+
+@inference_mode_methods
 class LayerOffload:
     """Residency of one MoE layer's experts; owns the offset tables' contents."""
 
