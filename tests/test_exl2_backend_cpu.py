@@ -169,3 +169,31 @@ def test_graphs_key_by_bucket_and_rows_and_keep_the_recent(monkeypatch):
         g.step(torch.tensor([[1] * 10]), 0)
     with pytest.raises(ValueError, match="within the 2048-token cache"):
         g.step(torch.tensor([[1] * 2]), 2047)
+
+
+def test_forwards_that_stage_offloaded_experts_run_the_loop(monkeypatch):
+    """Expert offload stages cold experts from the host for many rows (per call): those forwards stay
+    out of the graphs, however few rows that is for the model."""
+    import types
+    fake = types.ModuleType("exllamav2")
+    fake_device = types.ModuleType("exllamav2.device")
+    fake_device.set_device_streams = lambda: None
+    monkeypatch.setitem(sys.modules, "exllamav2", fake)
+    monkeypatch.setitem(sys.modules, "exllamav2.device", fake_device)
+
+    class Offload:
+        def step_boundary(self, rows):
+            pass
+
+        def begin_forward(self, rows):
+            pass
+
+        def stage_worth(self, rows):
+            return rows >= 8
+
+    g = StepGraphs()
+    eng = _engine(g)
+    eng.offload = Offload()
+    eng.forward([1] * 7)
+    eng.forward([1] * 8)
+    assert g.steps == [(0, 7)] and eng.model.calls == [(7, 8)] and eng.position == 15

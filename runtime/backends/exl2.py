@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from runtime.engine import Engine, EngineError, ModelInfo, ProgressFn
+from runtime.experts.budget import BudgetError
 from runtime.options import LoadOptions
 from runtime.protocol import ErrorCode
 
@@ -171,8 +172,10 @@ def _cache_class(kind: str):
 class Exl2Engine(Engine):
     backend = "cuda"
 
-    def __init__(self, model, cache, info: ModelInfo, graphs: bool):
+    def __init__(self, model, cache, info: ModelInfo, graphs: bool, offload=None, budget=None):
         self.model = model
+        self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all in VRAM
+        self.budget = budget            # runtime/backends/exl2_offload.OffloadSetup (VRAM ledger, cap)
         self.cache = cache
         self.info = info
         self.vocab = info.vocab_size
@@ -205,9 +208,17 @@ class Exl2Engine(Engine):
                               f"{self.position} tokens in the cache + {T} new exceed the context length "
                               f"{self.info.context_length}")
         ids = torch.tensor([list(tokens)], dtype=torch.long)
+        if self.offload is not None:
+            from exllamav2.device import set_device_streams
+            set_device_streams()                      # table writes go on the stream the step runs on
+            self.offload.step_boundary(T)             # finish promotions, maybe start new ones
+            self.offload.begin_forward(T)             # many rows: start staging the first layer
         failure, pos0 = None, self.position
         try:
-            if self.graphs is not None and T <= self.graphs.max_rows:
+            # Not where offload stages cold experts for these rows (copies scheduled from the host per
+            # call); with 128 experts it stages from 32 rows on, far above a verify.
+            if (self.graphs is not None and T <= self.graphs.max_rows
+                    and (self.offload is None or not self.offload.stage_worth(T))):
                 try:
                     logits = self.graphs.step(ids, self.position)      # [T, V'] fp16, reused next step
                 except RuntimeError as e:
@@ -252,7 +263,54 @@ class Exl2Engine(Engine):
             shapes = self.graphs.captured()                        # [(bucket L, rows T)]
             out["graph_buckets"] = sorted({L for L, _ in shapes})
             out["graph_shapes"] = [list(s) for s in shapes]
+        if self.offload is not None:
+            out.update(self.offload.telemetry())
+        elif self.budget is not None:
+            out["vram_budget_bytes"] = self.budget.vram.total_bytes
+            out["vram_budget_used_bytes"] = self.budget.vram.used_bytes
         return out
+
+    def set_vram_budget(self, vram_budget_gb: float) -> None:
+        """Re-place the offloaded experts for another VRAM budget without reloading (benchmarks):
+        the allocator cap moves, hot slots and staging are planned anew, captured graphs (which hold
+        the old slots' addresses) are dropped and recaptured at the next step."""
+        if self.offload is None:
+            raise EngineError(ErrorCode.INTERNAL.value, "set_vram_budget needs a model loaded with expert offload")
+        from runtime.experts.budget import GB
+        self._drop_graphs()
+        free, total = torch.cuda.mem_get_info()
+        want = int(vram_budget_gb * GB)
+        if want > total:
+            raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
+                              f"a VRAM budget of {vram_budget_gb:g} GB is more than the GPU's {total / GB:.1f} GB")
+        growing = want >= self.budget.vram.total_bytes
+        self.budget.vram.total_bytes = want
+        if growing:                                   # the new slots are allocated under the new cap
+            torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
+        try:
+            self.offload.place()
+        except BudgetError as e:
+            from runtime.backends.exl2_offload import budget_error
+            raise budget_error(e) from None
+        finally:
+            if not growing:                           # the old slots are gone: the smaller cap fits
+                torch.cuda.empty_cache()
+                torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
+            self.budget.capped = True
+
+    def place_experts(self, resident: list[list[int]]) -> None:
+        """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
+        if self.offload is None:
+            raise EngineError(ErrorCode.INTERNAL.value, "place_experts needs a model loaded with expert offload")
+        self._drop_graphs()
+        self.offload.apply(resident)
+
+    def _drop_graphs(self) -> None:
+        """Before the slots move: wait for queued steps, drop graphs that captured the old addresses."""
+        torch.cuda.synchronize()
+        if self.graphs is not None:
+            self.graphs.graphs.clear()
+            self.graphs.pool = None
 
     def routing_counts(self) -> list[list[int]]:
         """How often each expert of each MoE layer was chosen since load: [layer][expert]."""
@@ -263,12 +321,17 @@ class Exl2Engine(Engine):
             return
         self.graphs = None
         try:
+            if self.offload is not None:
+                self.offload.close()                  # saves the routing statistics
             self.model.unload()
         finally:
+            self.offload = None
             self.model = None
             self.cache = None
             self.moe = []
             gc.collect()
+            if self.budget is not None:
+                self.budget.release()                 # allocator cap off, page-locked experts freed
             torch.cuda.empty_cache()
 
 
@@ -306,17 +369,18 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
     applied["offload.context_length"] = "applied"
     applied["offload.kv_cache"] = "applied"
-    for name in ("vram_budget_gb", "ram_budget_gb", "cpu_threads", "placement"):
-        applied[f"offload.{name}"] = "ignored: expert offload is not in this engine yet; all experts stay in VRAM"
+    from runtime.backends import exl2_offload
+    setup = exl2_offload.prepare(path, config, off, is_moe and moe == "own")   # budgets, allocator cap
+    applied.update(setup.applied)
     applied["offload.backend"] = "applied"
 
-    model = cache = None
+    model = cache = manager = None
     failure: Optional[tuple[bool, str]] = None
     try:
         model = ExLlamaV2(config)
         if is_moe and moe == "own":
             from runtime.experts.exl2_module import install
-            install(model)
+            install(model, host_ram=setup.ram, host_arena=setup.arena)
         n = len(model.modules)
         model.load(callback=lambda i, total: progress("load", "Loading weights", i, total))
         progress("load", "Allocating the KV cache", 0, 1)
@@ -325,15 +389,31 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         progress("load", "Tuning GPU kernels", 0, 1)
         settle_gemm_autotune(model)
         progress("load", "Tuning GPU kernels", 1, 1)
+        if setup.offload:
+            progress("load", "Placing experts", 0, 1)
+        manager = exl2_offload.start(setup, model, config, path)    # VRAM ledger; hot experts
     except Exception as e:
-        if not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
+        if isinstance(e, BudgetError):
+            e = exl2_offload.budget_error(e)
+        elif isinstance(e, MemoryError) and not _is_oom(e):          # host memory (page-locking experts)
+            e = EngineError(ErrorCode.OUT_OF_MEMORY.value, str(e) or "out of host memory while loading experts")
+        if isinstance(e, EngineError):
+            e.__traceback__, e.__context__ = None, None       # keep no frames (and their tensors) alive
+            failure = (False, e)
+        elif not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
+            setup.release()
             raise
-        failure = (_is_oom(e), f"{type(e).__name__}: {e}")
+        else:
+            failure = (_is_oom(e), f"{type(e).__name__}: {e}")
     if failure is not None:                     # outside the except: the traceback no longer pins tensors
         if model is not None:
             model.unload()
-        model = cache = None
+        model = cache = manager = None
+        gc.collect()
+        setup.release()
         oom, text = failure
+        if isinstance(text, EngineError):
+            raise text
         if oom:
             raise _oom(f"the model's weights and a {off.context_length}-token {off.kv_cache} KV cache",
                        RuntimeError(text))
@@ -345,9 +425,12 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         num_experts=(config.num_experts or 0) if is_moe else 0,
         experts_per_token=(config.num_experts_per_token or 0) if is_moe else 0,
         extra={"moe": moe if is_moe else "none", "modules": n, "prefill_attention": prefill_attention})
+    if setup.stats_warning:
+        info.extra["routing_stats_warning"] = setup.stats_warning
     try:
-        engine = Exl2Engine(model, cache, info, graphs=use_graphs)
+        engine = Exl2Engine(model, cache, info, graphs=use_graphs, offload=manager, budget=setup)
     except torch.cuda.OutOfMemoryError as e:
         model.unload()
+        setup.release()
         raise _oom("the decode graphs", e) from None
     return engine, applied

@@ -13,14 +13,17 @@ import os
 import torch
 from exllamav2.moe_mlp import ExLlamaV2MoEMLP
 
+from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import pack_experts
+from runtime.experts.pack import HostArena, pack_experts
 
 EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 
 
 class OwnMoE(ExLlamaV2MoEMLP):
     experts: ExpertLayer | None = None
+    host_ram: MemoryBudget | None = None      # offload: expert codes go to pinned host RAM, on this ledger
+    host_arena: HostArena | None = None       # ... carved from these page-locked blocks
 
     @torch.inference_mode()
     def load(self):
@@ -36,8 +39,13 @@ class OwnMoE(ExLlamaV2MoEMLP):
                     raise ValueError(f"{lin.key}: not an EXL2 tensor (q_weight missing); "
                                      "only EXL2-quantized experts are supported")
                 tensors.append(t)
-            packs.append(pack_experts(tensors, f"{self.key}.{name}", device=self.device()))
+            pack = pack_experts(tensors, f"{self.key}.{name}", device=self.device(),
+                                host=self.host_arena if self.host_ram is not None else None)
             del tensors
+            if self.host_ram is not None:
+                self.host_ram.reserve(f"experts of {self.key}.{name}", pack.cold.numel() * 4,
+                                      "raise the RAM budget, close other programs, or raise the VRAM budget")
+            packs.append(pack)
         self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token)
         self.q_handle = None                                 # exllamav2's fused path never runs
 
@@ -64,12 +72,17 @@ class OwnMoE(ExLlamaV2MoEMLP):
         return out
 
 
-def install(model) -> int:
-    """Swap exllamav2's MoE modules for `OwnMoE` before loading; returns how many were swapped."""
+def install(model, host_ram: MemoryBudget | None = None, host_arena: HostArena | None = None) -> int:
+    """Swap exllamav2's MoE modules for `OwnMoE` before loading; returns how many were swapped.
+    host_ram: load every expert's codes into page-locked host memory from `host_arena` (offload),
+    accounted on this ledger."""
+    if host_ram is not None and host_arena is None:
+        raise ValueError("offload needs a host arena for the experts' codes")
     n = 0
     for m in model.modules:
         if type(m) is ExLlamaV2MoEMLP:
             m.__class__ = OwnMoE
+            m.host_ram, m.host_arena = host_ram, host_arena
             n += 1
     return n
 

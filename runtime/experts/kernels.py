@@ -24,13 +24,16 @@ from runtime.experts.pack import PackedExperts
 # Up to this many (token, expert) pairs, the split-K GEMVs (one weight read per pair); above, the grouped
 # kernels (one read per expert and block of rows). MOEDESK_GEMV_MAX_PAIRS overrides it, to compare.
 GEMV_MAX_PAIRS = int(os.environ.get("MOEDESK_GEMV_MAX_PAIRS", 64))
+# Every entry of an expert offset table (PackedExperts.woff) is a multiple of this many int32 words
+# (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
+WALIGN: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
+def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]."""
-    base = e * (K * BITS // 32) * N
+    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]. Its codes start
+    `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host memory)."""
     if BITS == 3:
         # two planes (runtime/experts/pack.py): K/16 words of low 2-bit pairs, then K/32 of high bits
         lo_rows = k0 // 16 + tl.arange(0, BK // 16)
@@ -57,12 +60,14 @@ def _dequant_tile(qw_ptr, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
+def _gate_up_gemv(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
                   BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                   BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
+    wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc1 = tl.zeros([BN], dtype=tl.float32)
@@ -70,40 +75,43 @@ def _gate_up_gemv(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + kk)).to(tl.float32)
-        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
         acc1 += tl.sum(x1[:, None] * w1, axis=0)
         x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + kk)).to(tl.float32)
-        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
         acc3 += tl.sum(x3[:, None] * w3, axis=0)
     h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
     tl.store(h_ptr + p * N + offs_n, h.to(tl.float16), mask=mask_n)
 
 
 @triton.jit
-def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
+def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
                BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc = tl.zeros([BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         xh = tl.load(h_ptr + p * HS + tl.load(p2 + e * K + kk)).to(tl.float32)
-        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
         acc += tl.sum(xh[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
     tl.store(y_ptr + p * N + offs_n, acc * rw, mask=mask_n)
 
 
 @triton.jit
-def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, K: tl.constexpr,
+def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr,
                      N: tl.constexpr, A: tl.constexpr, P,
                      BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
                      BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
+        wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                   # codes: offset table
+        wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))                  # [BM] pair ids, P = empty
         valid = rows < P
         t = rows // A
@@ -115,11 +123,11 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, 
             kk = k0 + tl.arange(0, BK)
             i1 = tl.load(p1 + e * K + kk)
             xa = tl.load(x_ptr + t[:, None] * K + i1[None, :], mask=valid[:, None], other=0.0)
-            w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+            w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
             acc1 = tl.dot(xa.to(tl.float16), w1.to(tl.float16), acc1)
             i3 = tl.load(p3 + e * K + kk)
             xb = tl.load(x_ptr + t[:, None] * K + i3[None, :], mask=valid[:, None], other=0.0)
-            w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+            w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
             acc3 = tl.dot(xb.to(tl.float16), w3.to(tl.float16), acc3)
         h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
         tl.store(h_ptr + rows[:, None] * N + offs_n[None, :], h.to(tl.float16),
@@ -127,13 +135,14 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, s1, p1, q3, s3, p3, h_ptr, 
 
 
 @triton.jit
-def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
+def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
                   HS: tl.constexpr, P,
                   BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BN: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
+        wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                   # codes: offset table
         rows = tl.load(pairs_ptr + b * BM + tl.arange(0, BM))
         valid = rows < P
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -143,7 +152,7 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, s2, p2, y_ptr, K: tl.c
             kk = k0 + tl.arange(0, BK)
             i2 = tl.load(p2 + e * K + kk)
             xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
-            w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+            w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
             acc = tl.dot(xa, w.to(tl.float16), acc)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], acc * rw[:, None],
@@ -195,13 +204,15 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.
 
 
 @triton.jit
-def _gate_up_splitk(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
+def _gate_up_splitk(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
                     A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
                     G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller)."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
+    wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)
@@ -211,17 +222,17 @@ def _gate_up_splitk(x_ptr, ids_ptr, q1, s1, p1, q3, s3, p3, gu_ptr, P, K: tl.con
         k0 = ks + kk
         rows = k0 + tl.arange(0, BK)
         x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
-        w1 = _dequant_tile(q1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
+        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
         acc1 += tl.sum(x1[:, None] * w1, axis=0)
         x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
-        w3 = _dequant_tile(q3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
+        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
         acc3 += tl.sum(x3[:, None] * w3, axis=0)
     tl.atomic_add(gu_ptr + p * N + offs_n, acc1, mask=mask_n)
     tl.atomic_add(gu_ptr + P * N + p * N + offs_n, acc3, mask=mask_n)
 
 
 @triton.jit
-def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
+def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
                  HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
@@ -229,6 +240,7 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexp
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     ks = tl.program_id(2) * (K // KSPLIT)
@@ -239,7 +251,7 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, s2, p2, out_ptr, P, K: tl.constexp
         g = tl.load(gu_ptr + p * HS + idx)
         u = tl.load(gu_ptr + P * HS + p * HS + idx)
         h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
-        w = _dequant_tile(q2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
         acc += tl.sum(h[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
@@ -300,21 +312,21 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if P <= GEMV_MAX_PAIRS:
         bn = 32
         _gate_up_gemv[(P, triton.cdiv(I1, bn))](
-            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h, H, I1, A,
+            x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h, H, I1, A,
             BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn, num_warps=4)
         _down_gemv[(P, triton.cdiv(H2, bn))](
-            h, ids_f, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1,
+            h, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, num_warps=4)
     else:
         bm, bn = (64 if P >= 4096 else 16), 64
         pairs, bexp = align(ids_f, w1.num_experts, bm)
         nb = bexp.numel()
         _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
-            x, pairs, bexp, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, h,
+            x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
             H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
             BM=bm, BK=bk1, BN=bn, num_warps=4)
         _down_grouped[(nb, triton.cdiv(H2, bn))](
-            h, pairs, bexp, rw, w2.qweight, w2.scales, w2.perm, y, I2, H2, I1, P,
+            h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
             BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
     return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
@@ -424,13 +436,13 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
     def gate_up(c: SplitK, dst: torch.Tensor):
         _gate_up_splitk[(P, triton.cdiv(I1, c.bn), c.ksplit)](
-            x, ids_f, w1.qweight, w1.scales, w1.perm, w3.qweight, w3.scales, w3.perm, dst, P,
+            x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
             KSPLIT=c.ksplit, num_warps=c.warps)
 
     def down(c: SplitK, dst: torch.Tensor):
         _down_splitk[(P, triton.cdiv(H2, c.bn), c.ksplit)](
-            gu, ids_f, rw, w2.qweight, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+            gu, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
 
     key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)

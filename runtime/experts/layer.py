@@ -2,7 +2,7 @@
 
 Letters: T tokens, H hidden, E experts, A experts per token, I expert size.
 
-`ExpertLayer` is the seam where offload plugs in: it owns the experts' weights (today all in VRAM)
+`ExpertLayer` is the seam where offload plugs in: it owns the experts' weights (offload: runtime/experts/offload.py)
 and the routing statistics; the exllamav2 module wrapper (runtime/experts/exl2_module.py) only
 calls `__call__` on the normed hidden state. Same code for any row count and any expert count;
 nothing here reads a device value on the host, so a decode step can be graph-captured.
@@ -35,7 +35,8 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool =
 
 
 class ExpertLayer:
-    """Routed experts of one layer with every expert resident on one device."""
+    """Routed experts of one layer: all in VRAM, or hot ones in VRAM and cold ones in pinned host
+    memory (`offload`, set by runtime/experts/manager.py), read by the same kernels."""
 
     def __init__(self, gate_w: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
                  top_k: int, renormalize: bool = True):
@@ -57,6 +58,7 @@ class ExpertLayer:
         # Routing statistics (how often each expert was chosen), counted on the device (int32: the
         # kernels add atomically; wraps after 2**31 choices of one expert).
         self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
+        self.offload = None          # runtime/experts/offload.LayerOffload when experts are offloaded
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
@@ -67,7 +69,12 @@ class ExpertLayer:
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
             ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize)
-            return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
+            if self.offload is None:
+                return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
+            m = self.offload.manager                          # runtime/experts/manager.py
+            y = experts_forward(x, ids, w, *m.before(self.offload, x.shape[0], ids))
+            m.after(self.offload)
+            return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)
         self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
         return experts_reference(x, r, self.w1, self.w3, self.w2)

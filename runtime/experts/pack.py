@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -45,23 +45,53 @@ class Exl2Codes:
 
 @dataclass
 class PackedExperts:
-    """One projection (gate, up or down) of every expert of a layer, stacked for the kernels."""
-    qweight: torch.Tensor      # int32 [E, K * bits // 32, N] (bits 3: two planes, see the module docstring)
+    """One projection (gate, up or down) of every expert of a layer, stacked for the kernels.
+
+    The kernels find expert e's codes at `qweight`'s base + `woff[e]` int32 words: with every expert
+    in `qweight` (no offload) `woff[e] = e * words_per_expert`. With offload, `cold` holds every
+    expert's codes in pinned host memory (readable by GPU kernels at its own address), `qweight` is a
+    VRAM stack of S hot slots, and `woff` points each expert at its slot or at its place in `cold`
+    (runtime/experts/offload.py keeps the table). Scales and permutations stay on the device."""
+    qweight: torch.Tensor      # int32 [S, K * bits // 32, N] (bits 3: two planes, see the module docstring), S = E without offload
     scales: torch.Tensor       # float16 [E, K // group, N]
     perm: torch.Tensor         # int32 [E, K]
     bits: int                  # stored bits per code: 3, 4 or 8
     group: int                 # rows per scale row
     in_features: int           # K
     out_features: int          # N
+    woff: Optional[torch.Tensor] = None   # int64 [E] on the scales' device; default e * words_per_expert
+    cold: Optional[torch.Tensor] = None   # int32 [E, K * bits // 32, N] in (pinned) host memory
+
+    def __post_init__(self):
+        if self.words_per_expert % 16:          # the kernels' WALIGN: table entries keep 64-byte alignment
+            raise PackError(f"{self.words_per_expert} code words per expert is not a multiple of 16 "
+                            f"(K {self.in_features}, N {self.out_features}, {self.bits} bits)")
+        if self.woff is None:
+            if self.qweight.shape[0] != self.num_experts:
+                raise PackError(f"{self.qweight.shape[0]} code stacks for {self.num_experts} experts and no offset table")
+            self.woff = torch.arange(self.num_experts, dtype=torch.int64, device=self.scales.device) * self.words_per_expert
 
     @property
     def num_experts(self) -> int:
-        return self.qweight.shape[0]
+        return self.scales.shape[0]
+
+    @property
+    def words_per_expert(self) -> int:
+        return self.in_features * self.bits // 32 * self.out_features
+
+    def codes(self, e: int) -> torch.Tensor:
+        """Expert e's code words [K * bits // 32, N], wherever they live (the host copy holds all)."""
+        if self.cold is not None:
+            return self.cold[e]
+        return self.qweight.view(-1)[int(self.woff[e]):][: self.words_per_expert].view(-1, self.out_features)
 
     def expert_bytes(self) -> int:
         """Bytes one expert's projection occupies (and a GEMV reads): codes, scales, permutation."""
-        per = self.qweight[0].numel() * 4 + self.scales[0].numel() * 2 + self.perm[0].numel() * 4
-        return per
+        return self.words_per_expert * 4 + self.scales[0].numel() * 2 + self.perm[0].numel() * 4
+
+    def code_bytes(self) -> int:
+        """Bytes of one expert's codes: what offload keeps in host memory and moves over PCIe."""
+        return self.words_per_expert * 4
 
     def nbytes(self) -> int:
         return self.expert_bytes() * self.num_experts
@@ -183,9 +213,58 @@ def _stored_bits(max_bits: int) -> int:
     return 3 if max_bits <= 3 else 4 if max_bits <= 4 else 8
 
 
+class HostArena:
+    """Page-locked host memory for expert code stacks, carved from large blocks.
+
+    Blocks come from torch's pinned allocator (cudaHostAlloc: under unified addressing GPU kernels
+    read them at the host address itself). That allocator rounds every request up to a power of
+    two, so stacks are not allocated one by one (a 3-bit expert stack would cost +70%): blocks of
+    `block_bytes` (a power of two) hold many stacks, wasting only the end of the last block.
+    Without CUDA (tests) the memory is ordinary."""
+
+    ALIGN = 4096
+
+    def __init__(self, block_bytes: int = 4 << 30):
+        if block_bytes & (block_bytes - 1):
+            raise ValueError("block size must be a power of two")
+        self.block_bytes = block_bytes
+        self.blocks: list[torch.Tensor] = []
+        self.used = 0                      # bytes taken from the last block
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An int32 tensor of `shape` in page-locked host memory (uninitialised)."""
+        n = math.prod(shape) * 4
+        n_al = -(-n // self.ALIGN) * self.ALIGN
+        if not self.blocks or self.used + n_al > self.blocks[-1].numel():
+            size = max(self.block_bytes, 1 << (n_al - 1).bit_length())
+            try:
+                self.blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
+            except RuntimeError as e:
+                raise MemoryError(f"could not page-lock {size / 2**30:.1f} GB more host memory for experts "
+                                  f"({self.reserved_bytes / 2**30:.1f} GB so far): {e}; lower the RAM budget, "
+                                  "close other programs, or raise the VRAM budget") from None
+            self.used = 0
+        t = self.blocks[-1][self.used:self.used + n].view(torch.int32).view(shape)
+        self.used += n_al
+        return t
+
+    def release(self) -> None:
+        """Forget the blocks (freed once no stack uses them) and return cached pinned memory to the system."""
+        self.blocks, self.used = [], 0
+        if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
-                 device: torch.device | str | None = None) -> PackedExperts:
-    """Stack one projection of every expert into the kernels' layout (see the module docstring)."""
+                 device: torch.device | str | None = None, host: Optional[HostArena] = None) -> PackedExperts:
+    """Stack one projection of every expert into the kernels' layout (see the module docstring).
+
+    host: keep the codes in this page-locked host memory as `cold`, for offload; `qweight` is then
+    that same host stack until offload gives it VRAM slots."""
     if not experts:
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
@@ -203,20 +282,23 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
     dev = torch.device(device) if device is not None else first.codes.device
     E = len(units)
-    qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
+    if host is not None:
+        qweight = host.empty((E, K * bits // 32, N))
+    else:
+        qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
     for e, u in enumerate(units):
-        qweight[e] = _pack_words(u.codes, bits).to(dev)
+        qweight[e] = _pack_words(u.codes, bits).to(qweight.device)
         scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
         perm[e] = u.perm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
-                         in_features=K, out_features=N)
+                         in_features=K, out_features=N, cold=qweight if host is not None else None)
 
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
     """Dense weight [N, K] (float32) of expert e from the packed layout: checks the packing itself."""
-    u = _unpack_words(p.qweight[e], p.bits, p.in_features)                 # [K, N]
+    u = _unpack_words(p.codes(e).to(p.scales.device), p.bits, p.in_features)   # [K, N]
     wt = (u - (1 << (p.bits - 1))).to(torch.float32)
     wt = wt * torch.repeat_interleave(p.scales[e].to(torch.float32), p.group, dim=0)
     w_t = torch.empty_like(wt)

@@ -136,6 +136,28 @@ def plan_placement(freq: np.ndarray, expert_bytes, budget_bytes: int, top_k: int
     return build(resident, paths)
 
 
+def plan_resident(freq: np.ndarray, expert_bytes, budget_bytes: int, min_per_layer: int = 0) -> list[list[int]] | None:
+    """Resident experts per layer for `budget_bytes`: every layer keeps at least `min_per_layer` (its
+    most chosen), the rest of the budget goes by routing share per byte (as `plan_placement`).
+    None when the minimum alone does not fit."""
+    freq = np.asarray(freq, dtype=np.float64)
+    L, E = freq.shape
+    eb = np.asarray(expert_bytes, dtype=np.int64).reshape(L)
+    k = min(max(0, min_per_layer), E)
+    forced_cost = int(k * eb.sum())
+    if forced_cost > budget_bytes:
+        return None
+    order = np.argsort(-freq, axis=1, kind="stable")                 # [L, E] most chosen first
+    resident = [list(order[layer, :k]) for layer in range(L)]
+    value = freq / eb[:, None]
+    value[np.arange(L)[:, None], order[:, :k]] = -np.inf              # already taken
+    flat = np.argsort(-value, axis=None, kind="stable")[: L * (E - k)]
+    cost = np.cumsum(np.repeat(eb, E)[flat])
+    for f in flat[cost <= budget_bytes - forced_cost]:
+        resident[f // E].append(int(f % E))
+    return [sorted(int(e) for e in r) for r in resident]
+
+
 def decode_roofline(placement: Placement, dense_gpu_bytes: float, hbm_bytes_per_s: float,
                     pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> dict[str, float]:
     """Tokens/s bound of one decode step: every byte read once from where it lives.
@@ -154,4 +176,5 @@ def describe(placement: Placement) -> str:
     return (f"{gb(placement.vram_bytes)} of experts in VRAM, expected hit rate {placement.hit_rate:.0%}; {paths}")
 
 
-__all__ = ["PathCosts", "LayerPlan", "Placement", "plan_placement", "decode_roofline", "describe", "GB"]
+__all__ = ["PathCosts", "LayerPlan", "Placement", "plan_placement", "plan_resident", "decode_roofline",
+           "describe", "GB"]

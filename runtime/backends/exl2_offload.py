@@ -1,0 +1,166 @@
+"""Expert offload in the CUDA engine's load: budgets, the allocator cap, and placement after load.
+
+`prepare` runs before the model is built: it turns the user's settings into a VRAM and a RAM budget
+(runtime/experts/budget.py), caps torch's allocator at the VRAM budget
+(`torch.cuda.set_per_process_memory_fraction`, so a 24 GB card is emulated for real on a larger one),
+and decides whether experts are offloaded: with a VRAM budget or a model bigger than the free VRAM,
+unless the placement is "vram". Offloaded experts are packed into pinned host RAM as they load
+(runtime/experts/exl2_module.py). `start` runs after every module and the KV cache are allocated:
+it enters them in the VRAM ledger with a reserve for prefill scratch, and places hot experts in
+what is left (runtime/experts/manager.py). Imports torch; exllamav2 objects come from the caller.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from runtime.engine import EngineError
+from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
+from runtime.experts.pack import HostArena
+from runtime.options import OffloadOptions
+from runtime.protocol import ErrorCode
+
+log = logging.getLogger(__name__)
+SCRATCH_MARGIN = 512 << 20      # allocator fragmentation, graph pools, library workspaces
+
+
+@dataclass
+class OffloadSetup:
+    vram: MemoryBudget
+    ram: Optional[MemoryBudget]             # None: experts stay in VRAM
+    arena: Optional[HostArena]              # page-locked host memory for the experts' codes
+    policy: str
+    capped: bool                            # the allocator fraction was lowered (restore at close)
+    applied: dict[str, str] = field(default_factory=dict)
+    stats_warning: Optional[str] = None
+
+    @property
+    def offload(self) -> bool:
+        return self.ram is not None
+
+    def release(self) -> None:
+        """Give the allocator its whole device back and the host memory to the system (after the
+        model is unloaded: at close, or when the load fails)."""
+        if self.capped:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            self.capped = False
+        if self.arena is not None:
+            self.arena.release()
+
+
+def budget_error(e: BudgetError) -> EngineError:
+    return EngineError(ErrorCode.OUT_OF_MEMORY.value, str(e),
+                       f"{e.label}: needed {e.needed} bytes, available {e.available} of {e.total}")
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def expert_code_bytes_estimate(config, path: Path) -> int:
+    """Lower bound of the host RAM the experts' codes take: the stored bits per weight of the folder
+    (at least 3: the packed codes never shrink below the EXL2 bits)."""
+    import json
+    L, E = config.num_hidden_layers, config.num_experts or 0
+    weights = L * E * 3 * config.hidden_size * config.intermediate_size
+    try:
+        qc = json.loads((path / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+        bits = float(qc.get("bits", 3.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        bits = 3.0
+    return int(weights * max(3.0, min(8.0, bits)) / 8)
+
+
+def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
+    """Budgets and the allocator cap for a load; raises EngineError(out_of_memory) in words."""
+    free, total = torch.cuda.mem_get_info()
+    try:
+        vram = vram_budget(off.vram_budget_gb, free, total)
+    except BudgetError as e:
+        raise budget_error(e) from None
+    capped = False
+    if off.vram_budget_gb is not None:
+        torch.cuda.set_per_process_memory_fraction(vram.fraction_of(total))
+        capped = True
+    applied = {"offload.vram_budget_gb": "applied"}
+    wants = own_moe and off.placement != "vram" and (
+        off.vram_budget_gb is not None or _folder_bytes(path) > 0.9 * vram.total_bytes)
+    ram = None
+    if wants:
+        import psutil
+        try:
+            ram = ram_budget(off.ram_budget_gb, psutil.virtual_memory().available)
+            need = expert_code_bytes_estimate(config, path)
+            if need > ram.total_bytes:
+                raise BudgetError("RAM", "the experts of this model (at least)", need, ram.total_bytes,
+                                  ram.total_bytes, "close other programs, raise the RAM budget, or "
+                                  "choose a smaller model")
+        except BudgetError as e:
+            if capped:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            raise budget_error(e) from None
+        applied["offload.ram_budget_gb"] = "applied"
+    else:
+        why = ("the 'vram' placement keeps every expert in VRAM" if own_moe and off.placement == "vram"
+               else "this model has no offloadable experts" if not own_moe
+               else "the model fits the VRAM budget: every expert stays in VRAM")
+        applied["offload.ram_budget_gb"] = f"ignored: {why}"
+    if off.placement == "cpu":
+        applied["offload.placement"] = ("ignored: the CPU expert path is not wired into this engine yet; "
+                                        "cold experts are read from host RAM by the GPU ('stream')")
+    else:
+        applied["offload.placement"] = "applied"
+    applied["offload.cpu_threads"] = "ignored: the CPU expert path is not wired into this engine yet"
+    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied)
+
+
+def prefill_scratch_bytes(config) -> int:
+    """VRAM one prefill chunk of `max_input_len` rows needs beyond the weights and the cache: MoE
+    intermediates (fp16 h, fp32 per-pair outputs), logits of every row (fp16, and a copy), exllamav2's
+    attention scores where it falls back to matmul attention, hidden states, and a margin."""
+    T = config.max_input_len
+    H, V, Hq = config.hidden_size, config.vocab_size, config.num_attention_heads
+    P = T * (config.num_experts_per_token or 0)
+    moe = P * (config.intermediate_size * 2 + H * 4 + 16)
+    logits = T * V * 2 * 2
+    attention = Hq * T * T * 2
+    hidden = T * H * 2 * 8
+    return moe + logits + attention + hidden + SCRATCH_MARGIN
+
+
+def start(setup: OffloadSetup, model, config, path: Path):
+    """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None)."""
+    vram = setup.vram
+    what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
+    if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
+        if vram.fits(used):
+            vram.reserve(what, used)
+        return None
+    try:
+        vram.reserve(what, used, "lower the context length, quantize the KV cache, or raise the VRAM budget")
+        vram.reserve("prefill scratch", prefill_scratch_bytes(config), "lower the context length")
+    except BudgetError as e:
+        raise budget_error(e) from None
+    from runtime.experts.exl2_module import moe_layers
+    from runtime.experts.manager import OffloadManager
+    from runtime.experts.routing_stats import RoutingStats, stats_path
+    from runtime.paths import cache_dir
+    layers = [m.experts for m in moe_layers(model)]
+    stats_file = stats_path(cache_dir(), path)
+    stats, warning = RoutingStats.load(stats_file, len(layers), layers[0].num_experts)
+    setup.stats_warning = warning
+    manager = OffloadManager(layers, vram, setup.policy, stats, stats_file)
+    try:
+        manager.place()
+    except BudgetError as e:
+        manager.close()
+        raise budget_error(e) from None
+    log.info("offload: %s; RAM %s", vram.report(), gb(setup.ram.used_bytes))
+    return manager
+
+
+__all__ = ["OffloadSetup", "prepare", "start", "prefill_scratch_bytes", "budget_error", "GB"]

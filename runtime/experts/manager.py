@@ -1,0 +1,413 @@
+"""Expert offload for a whole model: placement in a VRAM budget, prefill staging, re-placement, telemetry.
+
+- **Placement** (`place`): after every other allocation, the VRAM left (minus prefill scratch) is
+  split into two double-buffered staging areas and hot slots per layer, chosen by
+  runtime/experts/placement.py from the routing statistics (uniform when none are known).
+- **Decode / verify** (few rows): the kernels read hot experts from VRAM and cold ones from pinned
+  host memory in place (offload.py): nothing to schedule, graph-capturable.
+- **Prefill** (many rows, `STAGE_PAIRS_PER_EXPERT` pairs per expert or more): the grouped kernels
+  would read a cold expert over PCIe once per block of rows, so a layer's cold experts are first
+  copied into a VRAM staging buffer on a side stream (one copy per run of consecutive cold
+  experts), double-buffered: layer l+1's copy overlaps layer l's compute. The layer then runs with
+  an offset table that points cold experts into the buffer.
+- **Re-placement** (`step_boundary`, before each forward): routing counts are copied to the host
+  without waiting (read at a later boundary); an expert whose decayed count beats the weakest
+  resident's by a margin swaps in (offload.py's evict/promote/poll, never a host sync).
+- **Naive baseline** (`naive = True`, benchmark only, no graphs): every cold expert a step needs is
+  copied into VRAM on demand after a host synchronisation per layer, nothing overlapped.
+
+Letters: L MoE layers, E experts per layer, A experts per token, C staging capacity (experts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.layer import ExpertLayer
+from runtime.experts.offload import LayerOffload, cold_base, word_distance
+from runtime.experts.pack import PackedExperts
+from runtime.experts.placement import plan_resident
+from runtime.experts.routing_stats import RoutingStats
+
+log = logging.getLogger(__name__)
+STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
+
+
+class OffloadManager:
+    def __init__(self, layers: list[ExpertLayer], vram: MemoryBudget, policy: str = "auto",
+                 stats: Optional[RoutingStats] = None, stats_file: Optional[Path] = None,
+                 replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25):
+        if not layers:
+            raise ValueError("offload needs at least one MoE layer")
+        self.layers = [LayerOffload(layer, i) for i, layer in enumerate(layers)]
+        for lo in self.layers:
+            lo.layer.offload = lo
+            lo.manager = self
+        self.E = layers[0].num_experts
+        self.top_k = layers[0].top_k
+        self.device = self.layers[0].device
+        self.cuda = self.device.type == "cuda"
+        self.vram = vram
+        self.policy = "stream" if policy in ("auto", "cpu") else policy
+        self.stats = stats or RoutingStats.empty(len(layers), self.E)
+        self.stats_file = stats_file
+        self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
+        self.naive = False
+        self._exclude = False
+        self.stage_min_pairs = STAGE_PAIRS_PER_EXPERT * self.E
+        self.lock = threading.Lock()
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None        # promotions
+        self.stage_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stage: list[list[torch.Tensor]] = []          # [buffer][projection] int32 [C, K/per, N]
+        self.stage_capacity = 0
+        self.ready = [self._event(), self._event()]        # staging copy done (stage stream)
+        self.free = [self._event(), self._event()]         # buffer's last reader done (compute stream)
+        self.free_recorded = [False, False]
+        self._staged: dict[int, int] = {}                  # layer -> buffer, copies queued
+        self._next_buf = 0
+        self._using: dict[int, int] = {}                   # layer -> buffer, being computed
+        self.tokens = 0
+        self.forwards = 0
+        self.bytes = {"staged": 0, "promoted": 0, "naive": 0}
+        self._snap_host = torch.zeros((len(layers), self.E), dtype=torch.int32,
+                                      pin_memory=self.cuda)
+        self._snap_event = None
+        self._snap_tokens = 0
+        self._counts_prev = np.zeros((len(layers), self.E), dtype=np.int64)
+        self._tokens_prev = 0
+
+    def _event(self):
+        return torch.cuda.Event() if self.cuda else None
+
+    # -- placement ---------------------------------------------------------------------------------
+
+    def code_bytes(self) -> list[int]:
+        return [lo.code_bytes for lo in self.layers]
+
+    def place(self, free_bytes: Optional[int] = None, freq: Optional[np.ndarray] = None) -> None:
+        """Fill hot slots and staging from `free_bytes` of VRAM (default: what the ledger has left
+        once the current slots and staging are given back). Nothing may be queued that reads the
+        current slots: load time, or a new budget after a synchronisation.
+
+        Staging for C < E experts (twice: double-buffered) needs every layer to keep at least
+        E + 1 - C resident (+ 1: a promotion in flight keeps two experts cold at once); each C is
+        planned and the one serving the most routing share from VRAM wins."""
+        cb = self.code_bytes()
+        freq = self.stats.frequencies() if freq is None else np.asarray(freq, dtype=np.float64)
+        for key in ("hot experts", "prefill staging"):
+            self.vram.release(key)
+        if free_bytes is None:
+            free_bytes = self.vram.free_bytes
+        if sum(cb) * self.E <= free_bytes:
+            self.apply([list(range(self.E))] * len(self.layers), 0)
+            return
+        if self.policy == "vram":
+            raise BudgetError("VRAM", "all experts", sum(cb) * self.E, free_bytes, self.vram.total_bytes,
+                              "choose the 'auto' or 'stream' placement to keep some experts in RAM")
+        best, best_share = None, -1.0
+        for capacity in range(1, self.E + 1):
+            least = 0 if capacity == self.E else self.E + 1 - capacity      # no resident: no promotion
+            resident = plan_resident(freq, cb, free_bytes - 2 * capacity * max(cb), least)
+            if resident is None:
+                continue
+            share = sum(float(freq[i, r].sum()) for i, r in enumerate(resident))
+            if share > best_share + 1e-12:
+                best, best_share = (resident, capacity), share
+        if best is None:                      # not even staging for one layer's experts
+            raise BudgetError("VRAM", "prefill staging", 2 * max(cb), free_bytes, self.vram.total_bytes,
+                              "two experts' codes must fit beside the model; raise the VRAM budget")
+        self.apply(*best)
+
+    def apply(self, resident: list[list[int]], capacity: Optional[int] = None) -> None:
+        """Give each layer slots for its `resident` experts and fill them; staging for `capacity`
+        cold experts (default: the most any layer leaves cold, + 1). Reserved in the VRAM ledger."""
+        if len(resident) != len(self.layers):
+            raise ValueError(f"{len(resident)} resident lists for {len(self.layers)} MoE layers")
+        cb = self.code_bytes()
+        most_cold = max(self.E - len(r) for r in resident)
+        if capacity is None:
+            capacity = min(self.E, most_cold + 1) if most_cold else 0
+        if most_cold and capacity < min(self.E, most_cold + 1):
+            raise ValueError(f"staging for {capacity} experts, a layer leaves {most_cold} cold (+ 1 in flight)")
+        for key in ("hot experts", "prefill staging"):
+            self.vram.release(key)
+        self.stage, self.stage_capacity = [], 0
+        for lo in self.layers:
+            lo.set_slots(0)
+        if self.cuda:
+            torch.cuda.empty_cache()
+        self.vram.reserve("prefill staging", 2 * capacity * max(cb),
+                          "lower the context length or raise the VRAM budget")
+        self.vram.reserve("hot experts", sum(len(r) * b for r, b in zip(resident, cb)))
+        if capacity:
+            for lo in self.layers:
+                for p, q in zip(lo.packs, self.layers[0].packs):
+                    if p.cold.shape[1:] != q.cold.shape[1:]:
+                        raise ValueError(f"layer {lo.index}: expert shapes differ from layer 0's; "
+                                         "staging assumes one shape")
+            self.stage = [[torch.empty((capacity,) + tuple(p.cold.shape[1:]), dtype=torch.int32, device=self.device)
+                           for p in self.layers[0].packs] for _ in range(2)]
+            self.stage_capacity = capacity
+        for lo, r in zip(self.layers, resident):
+            lo.set_slots(len(r))
+            lo.fill(r, self.side)
+        self._staged.clear()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        log.info("expert placement: %s", ", ".join(f"{n} layers {k}" for k, n in self.path_counts().items()))
+
+    def path_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for lo in self.layers:
+            out[lo.path] = out.get(lo.path, 0) + 1
+        return out
+
+    # -- the layer's hook ----------------------------------------------------------------------------
+
+    def stage_worth(self, rows: int) -> bool:
+        return rows * self.top_k >= self.stage_min_pairs and self.stage_capacity > 0
+
+    def begin_forward(self, rows: int) -> None:
+        """Called by the engine before a forward of `rows` tokens (after `step_boundary`): start
+        staging the first layer. Prefill-sized forwards stay out of the hit rate (their pairs are
+        accounted up to here now, and dropped at the next boundary)."""
+        self._staged.clear()
+        if rows * self.top_k >= self.stage_min_pairs:
+            for lo in self.layers:
+                lo.account()
+            self._exclude = True
+        if self.stage_worth(rows) and not self.naive:
+            nxt = self._next_stream_layer(-1)
+            if nxt is not None:
+                self._start_stage(nxt)
+
+    def before(self, lo: LayerOffload, rows: int, ids: torch.Tensor) -> tuple[PackedExperts, ...]:
+        """The projections (with the offset tables) this layer's kernels use for this call."""
+        if lo.path == "vram":
+            return tuple(lo.packs)
+        if self.naive:
+            return self._naive(lo, rows, ids)
+        if not self.stage_worth(rows):
+            return tuple(lo.packs)
+        b = self._staged.pop(lo.index, None)
+        if b is None:
+            b = self._start_stage(lo.index)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
+        nxt = self._next_stream_layer(lo.index)
+        if nxt is not None and nxt not in self._staged:
+            self._start_stage(nxt)
+        self._using[lo.index] = b
+        return tuple(self._staged_pack(lo, j, b) for j in range(3))
+
+    def after(self, lo: LayerOffload) -> None:
+        b = self._using.pop(lo.index, None)
+        if b is not None:
+            if self.cuda:
+                self.free[b].record(torch.cuda.current_stream(self.device))
+                self.free_recorded[b] = True
+
+    def _next_stream_layer(self, index: int) -> Optional[int]:
+        for lo in self.layers[index + 1:]:
+            if lo.path != "vram":
+                return lo.index
+        return None
+
+    def _runs(self, lo: LayerOffload) -> list[tuple[int, int]]:
+        """Runs (first expert, length) of consecutive cold experts, in expert order."""
+        runs: list[tuple[int, int]] = []
+        for e in lo.cold():
+            if runs and runs[-1][0] + runs[-1][1] == e:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((e, 1))
+        return runs
+
+    def _start_stage(self, index: int) -> int:
+        """Queue the copies of layer `index`'s cold experts into the next staging buffer."""
+        lo = self.layers[index]
+        b = self._next_buf
+        self._next_buf ^= 1
+        n = len(lo.cold())
+        if n > self.stage_capacity:
+            raise RuntimeError(f"layer {index}: {n} cold experts for {self.stage_capacity} staging places")
+        if self.cuda:
+            s = self.stage_stream
+            if self.free_recorded[b]:
+                s.wait_event(self.free[b])             # the buffer's previous layer has been computed
+            with torch.cuda.stream(s):
+                self._copy_runs(lo, b)
+            self.ready[b].record(s)
+        else:
+            self._copy_runs(lo, b)
+        self._staged[index] = b
+        self.bytes["staged"] += n * lo.code_bytes
+        return b
+
+    def _copy_runs(self, lo: LayerOffload, b: int) -> None:
+        r = 0
+        for e0, n in self._runs(lo):
+            for j, p in enumerate(lo.packs):
+                self.stage[b][j][r:r + n].copy_(p.cold[e0:e0 + n], non_blocking=True)
+            r += n
+
+    def _staged_pack(self, lo: LayerOffload, j: int, b: int) -> PackedExperts:
+        """Projection j with a table pointing cold experts at their place in staging buffer b
+        (place = rank among the layer's cold experts, computed from the mask on the device)."""
+        p = lo.packs[j]
+        cold = 1 - lo.mask.long()
+        rank = torch.cumsum(cold, 0) - cold
+        base = word_distance(self.stage[b][j], p.qweight)
+        tab = torch.where(lo.mask.bool(), p.woff, base + rank * p.words_per_expert)
+        return dataclasses.replace(p, woff=tab)
+
+    def _naive(self, lo: LayerOffload, rows: int, ids: torch.Tensor) -> tuple[PackedExperts, ...]:
+        """Baseline: host sync, then copy every cold expert the rows chose into staging buffer 0."""
+        chosen = set(ids.reshape(-1).tolist())                      # the host synchronisation
+        need = [e for e in sorted(chosen) if e not in lo.expert_slot]
+        out = []
+        for j, p in enumerate(lo.packs):
+            tab = lo.table(j)
+            base = word_distance(self.stage[0][j], p.qweight)
+            for i, e in enumerate(need):
+                self.stage[0][j][i].copy_(p.cold[e], non_blocking=True)
+                tab[e] = base + i * p.words_per_expert
+            out.append(dataclasses.replace(p, woff=torch.tensor(tab, dtype=torch.int64).to(self.device)))
+        self.bytes["naive"] += len(need) * lo.code_bytes
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return tuple(out)
+
+    # -- between steps: re-placement -------------------------------------------------------------------
+
+    def step_boundary(self, rows: int) -> None:
+        """Before each forward (the engine calls it): finish promotions, maybe start new ones."""
+        with self.lock:
+            if self._exclude:                          # the previous forward was prefill-sized
+                for lo in self.layers:
+                    lo.skip_counted()
+                self._exclude = False
+            self.tokens += rows
+            self.forwards += 1
+            for lo in self.layers:
+                if lo.pending:
+                    lo.poll()
+            if self.replace_every and self.forwards % self.replace_every == 0 and not self.naive:
+                self._replace_round()
+
+    def _replace_round(self) -> None:
+        if self._snap_event is not None:
+            if self.cuda and not self._snap_event.query():
+                return
+            self._absorb(self._snap_host.numpy().astype(np.int64), self._snap_tokens)
+            self.decide()
+        counts = torch.stack([lo.layer.counts for lo in self.layers])        # [L, E] on the device
+        self._snap_host.copy_(counts, non_blocking=True)
+        self._snap_tokens = self.tokens
+        self._snap_event = self._event() or True
+        if self.cuda:
+            self._snap_event.record(torch.cuda.current_stream(self.device))
+
+    def _absorb(self, counts: np.ndarray, tokens: int) -> None:
+        window = (counts - self._counts_prev) % (1 << 32)                 # the device counters are int32
+        self._counts_prev = counts
+        self.stats.absorb(window, max(0, tokens - self._tokens_prev))
+        self._tokens_prev = tokens
+
+    def decide(self) -> list[tuple[int, int, int]]:
+        """Swap in cold experts whose decayed routing count beats the weakest resident's by the
+        margin (and by more than counting noise), strongest gains first, at most `max_promotions`;
+        one copy in flight per layer.
+        Returns (layer, evicted, promoted)."""
+        score = self.stats.counts
+        moves = []
+        for lo in self.layers:
+            if lo.pending or not lo.expert_slot or lo.path == "vram":
+                continue
+            s = score[lo.index]
+            cold = lo.cold()
+            best = max(cold, key=lambda e: s[e])
+            victim = min(lo.expert_slot, key=lambda e: s[e])
+            gain = s[best] - s[victim]
+            # a real shift, not the noise of counting: beyond the margin and 4 sigma of the counts' difference
+            if gain > max(1.0, self.margin * s[victim], 4.0 * np.sqrt(s[best] + s[victim])):
+                moves.append((gain, lo.index, victim, best))
+        moves.sort(reverse=True)
+        done = []
+        for _, index, victim, best in moves[: self.max_promotions]:
+            self.swap(index, victim, best)
+            done.append((index, victim, best))
+        return done
+
+    def swap(self, index: int, victim: int, new: int) -> None:
+        """Evict `victim` (table first), then copy `new` into its slot on the side stream."""
+        lo = self.layers[index]
+        if new in lo.expert_slot or new in lo.pending:
+            raise ValueError(f"layer {index}: expert {new} is already resident or on its way")
+        if victim not in lo.expert_slot:
+            raise ValueError(f"layer {index}: expert {victim} is not resident")
+        if lo.pending:                        # staging holds the cold experts + one in flight, no more
+            raise ValueError(f"layer {index}: a promotion is still in flight")
+        slot = lo.evict(victim)
+        lo.promote(new, slot, self.side)
+        self.bytes["promoted"] += lo.code_bytes
+
+    # -- telemetry and persistence ---------------------------------------------------------------------
+
+    def telemetry(self) -> dict[str, Any]:
+        with self.lock:
+            hp = [lo.hit_counts() for lo in self.layers]
+        hits, pairs = sum(h for h, _ in hp), sum(n for _, n in hp)
+        cold_bytes = sum((n - h) * lo.code_bytes for (h, n), lo in zip(hp, self.layers))
+        moved = cold_bytes + sum(self.bytes.values())
+        return {
+            "expert_hit_rate": hits / pairs if pairs else None,
+            "pcie_bytes_per_token": moved / self.tokens if self.tokens else None,
+            "expert_pairs": pairs, "expert_hits": hits,
+            "expert_zero_copy_bytes": cold_bytes, "expert_moved_bytes": dict(self.bytes),
+            "expert_residents": [len(lo.expert_slot) for lo in self.layers],
+            "expert_paths": [lo.path for lo in self.layers],
+            "expert_path_counts": self.path_counts(),
+            "expert_promotions": sum(lo.promotions for lo in self.layers),
+            "expert_promotions_pending": sum(len(lo.pending) for lo in self.layers),
+            "expert_staging_capacity": self.stage_capacity,
+            "vram_budget_bytes": self.vram.total_bytes, "vram_budget_used_bytes": self.vram.used_bytes,
+            "vram_budget_items": dict(self.vram.items),
+            "tokens_seen": self.tokens,
+        }
+
+    def save_stats(self) -> None:
+        """Absorb the counts since the last snapshot and write the statistics file (a sync: at close)."""
+        if self.stats_file is None:
+            return
+        counts = torch.stack([lo.layer.counts for lo in self.layers]).cpu().numpy().astype(np.int64)
+        self._absorb(counts, self.tokens)
+        try:
+            self.stats.save(self.stats_file)
+        except OSError as e:
+            log.warning("could not save routing statistics to %s: %s", self.stats_file, e)
+
+    def close(self) -> None:
+        self.save_stats()
+        for lo in self.layers:
+            lo.layer.offload = None
+        self.layers = []
+        self.stage = []
+
+
+def cold_offsets_ok(lo: LayerOffload) -> bool:
+    """Every table entry points at the expert's slot or its place in host memory (for tests)."""
+    for j, p in enumerate(lo.packs):
+        for e in range(lo.num_experts):
+            want = (lo.expert_slot[e] * p.words_per_expert if e in lo.expert_slot
+                    else cold_base(p) + e * p.words_per_expert)
+            if lo.tables_host[j][e] != want or int(p.woff[e]) != want:
+                return False
+    return True

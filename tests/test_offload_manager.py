@@ -1,0 +1,210 @@
+"""Expert offload bookkeeping on the CPU: offset tables, placement in a budget, staging, re-placement,
+hit accounting, statistics persistence. (The kernels reading these tables: test_experts_kernels.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.check import random_layer
+from runtime.experts.manager import OffloadManager, cold_offsets_ok
+from runtime.experts.offload import cold_base
+from runtime.experts.routing_stats import RoutingStats
+
+E, TOP_K = 8, 2
+
+
+def _layers(n=2):
+    return [random_layer(E, 64, 32, TOP_K, 4, "cpu", seed=i, host_codes=True) for i in range(n)]
+
+
+def _manager(n=2, **kw):
+    return OffloadManager(_layers(n), MemoryBudget(1 << 40), **kw)
+
+
+def _resident_codes_ok(lo) -> bool:
+    """Every resident slot holds its expert's codes."""
+    return all(torch.equal(p.qweight[s], p.cold[e]) for e, s in lo.expert_slot.items() for p in lo.packs)
+
+
+def test_tables_point_at_slots_or_host_memory_and_the_ledger_counts_them():
+    m = _manager()
+    m.apply([[0, 2, 5], [1]])
+    a, b = m.layers
+    assert a.resident() == [0, 2, 5] and b.resident() == [1] and a.path == b.path == "stream"
+    assert cold_offsets_ok(a) and cold_offsets_ok(b) and _resident_codes_ok(a) and _resident_codes_ok(b)
+    assert a.mask.tolist() == [1, 0, 1, 0, 0, 1, 0, 0]
+    cb = a.code_bytes
+    assert m.stage_capacity == E - 1 + 1                         # layer 1 leaves 7 cold, + 1 in flight
+    assert m.vram.items["prefill staging"] == 2 * m.stage_capacity * cb
+    assert m.vram.items["hot experts"] == 4 * cb
+    m.apply([list(range(E)), list(range(E))])                    # everything fits: no staging, "vram"
+    assert m.stage_capacity == 0 and [lo.path for lo in m.layers] == ["vram", "vram"]
+    for lo in m.layers:
+        assert all(int(p.woff[e]) == e * p.words_per_expert for p in lo.packs for e in range(E))
+
+
+def test_placement_keeps_the_most_routed_experts_within_the_budget():
+    stats = RoutingStats.empty(4, E)
+    stats.counts[0, [3, 6]] = 100.0                              # layer 0: experts 3 and 6 are hot
+    stats.counts[1:, :] = 1.0
+    m = _manager(n=4, stats=stats)
+    cb = m.layers[0].code_bytes
+    # 24 of 32 experts' worth: staging for 6 (x2) and 3 residents per layer serve the most routing
+    # share (staging for all 8 would leave 8 slots; for 7, 10 slots but fewer where they matter).
+    m.place(free_bytes=24 * cb)
+    assert {3, 6} <= set(m.layers[0].resident()) and [len(lo.expert_slot) for lo in m.layers] == [3] * 4
+    assert m.stage_capacity == 6 and m.vram.used_bytes == 24 * cb
+    assert all(cold_offsets_ok(lo) and _resident_codes_ok(lo) for lo in m.layers)
+    with pytest.raises(BudgetError, match="prefill staging needs"):
+        m.place(free_bytes=15 * cb)                              # staging for every expert (x2) does not fit
+    m.place(free_bytes=32 * cb)                                  # all fit: no staging
+    assert m.path_counts() == {"vram": 4} and m.stage_capacity == 0
+
+
+def test_swap_points_the_victim_at_host_memory_first_and_the_new_expert_after_its_copy():
+    m = _manager()
+    m.apply([[0, 1], [0]])
+    lo = m.layers[0]
+    slot = lo.expert_slot[1]
+    lo.evict(1)
+    assert int(lo.packs[0].woff[1]) == cold_base(lo.packs[0]) + lo.packs[0].words_per_expert
+    lo.promote(4, slot, None)
+    assert 4 not in lo.expert_slot and lo.pending and cold_offsets_ok(lo)   # still read from host memory
+    with pytest.raises(ValueError):
+        lo.promote(5, slot, None)                                # the slot is taken by the copy
+    assert lo.poll() == [4]
+    assert lo.expert_slot == {0: lo.expert_slot[0], 4: slot} and cold_offsets_ok(lo) and _resident_codes_ok(lo)
+    with pytest.raises(ValueError, match="already resident"):
+        m.swap(0, 0, 4)
+
+
+def test_re_placement_under_pressure_moves_the_strongest_gains_only():
+    m = _manager(n=3, max_promotions=2)
+    m.apply([[0, 1], [0, 1], [0, 1]])
+    s = m.stats.counts
+    s[:, :] = 10.0
+    s[0, 7], s[1, 6], s[2, 5] = 100.0, 50.0, 12.0                # layer 2's gain is inside the margin
+    s[0, 1] = 5.0                                                # layer 0's weakest resident
+    moves = m.decide()
+    assert moves == [(0, 1, 7), (1, 0, 6)]                       # biggest gain first; ties: lowest id evicted
+    assert m.decide() == []                                      # one copy in flight per layer; layer 2 no gain
+    for lo in m.layers:
+        lo.poll()
+        assert cold_offsets_ok(lo) and _resident_codes_ok(lo)
+    assert m.layers[0].resident() == [0, 7] and m.layers[1].resident() == [1, 6]
+    assert m.telemetry()["expert_promotions"] == 2
+    assert m.bytes["promoted"] == 2 * m.layers[0].code_bytes
+
+
+def test_routing_counts_reach_the_statistics_a_boundary_later_and_drive_promotions():
+    m = _manager(n=1, replace_every=2)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    lo.layer.counts[5] += 40                                     # the router chose expert 5 often
+    m.step_boundary(1)
+    m.step_boundary(1)                                           # round 1: counts copied out
+    assert m.stats.counts.sum() == 0
+    m.step_boundary(1)
+    m.step_boundary(1)                                           # round 2: absorbed, expert 5 promoted
+    assert m.stats.counts[0, 5] == pytest.approx(40, rel=1e-3)
+    assert 5 in lo.pending
+    m.step_boundary(1)                                           # the copy is done: its entry moves
+    assert 5 in lo.expert_slot and cold_offsets_ok(lo) and m.tokens == 5
+
+
+def test_hit_rate_splits_pairs_by_the_residency_of_their_time():
+    m = _manager(n=1)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    lo.layer.counts[0] += 3                                      # 3 hits
+    lo.layer.counts[4] += 1                                      # 1 miss
+    m.tokens = 2
+    t = m.telemetry()
+    assert t["expert_hit_rate"] == pytest.approx(0.75) and t["expert_pairs"] == 4
+    assert t["pcie_bytes_per_token"] == pytest.approx(lo.code_bytes / 2)
+    m.swap(0, 1, 4)
+    m.step_boundary(0)                                           # 4 resident from now on
+    lo.layer.counts[4] += 4
+    t = m.telemetry()
+    assert t["expert_hits"] == 7 and t["expert_pairs"] == 8
+    assert t["expert_residents"] == [2] and t["expert_paths"] == ["stream"]
+    m.stage_min_pairs = 4                                        # a prefill-sized forward:
+    m.step_boundary(2)
+    m.begin_forward(2)
+    lo.layer.counts[5] += 4                                      # its routing
+    m.step_boundary(1)                                           # ... is left out
+    lo.layer.counts[0] += 1
+    assert m.telemetry()["expert_pairs"] == 9
+
+
+def test_staging_copies_cold_experts_in_runs_and_points_the_table_into_the_buffer():
+    m = _manager(n=2)
+    m.apply([[1, 2, 6], [0]])
+    m.stage_min_pairs = 1
+    m.begin_forward(4)                                           # layer 0 staged ahead
+    a = m.layers[0]
+    assert m._runs(a) == [(0, 1), (3, 3), (7, 1)]
+    ids = torch.zeros(4, TOP_K, dtype=torch.int64)
+    packs = m.before(a, 4, ids)
+    assert 1 in m._staged                                        # the next layer's copy started
+    cold = a.cold()
+    for j, p in enumerate(packs):
+        b = m._using[0]
+        base = (m.stage[b][j].data_ptr() - a.packs[j].qweight.data_ptr()) // 4
+        for e in range(E):
+            if e in a.expert_slot:
+                assert int(p.woff[e]) == a.expert_slot[e] * p.words_per_expert
+            else:
+                r = cold.index(e)
+                assert int(p.woff[e]) == base + r * p.words_per_expert
+                assert torch.equal(m.stage[b][j][r], a.packs[j].cold[e])
+    m.after(a)
+    assert m.bytes["staged"] == (len(cold) + len(m.layers[1].cold())) * a.code_bytes
+
+
+def test_statistics_are_saved_at_close_and_read_back(tmp_path):
+    f = tmp_path / "routing" / "model.json"
+    m = _manager(n=2, stats_file=f)
+    m.apply([[0], [0]])
+    m.layers[1].layer.counts[3] += 9
+    m.tokens = 5
+    m.close()
+    stats, warning = RoutingStats.load(f, 2, E)
+    assert warning is None and stats.counts[1, 3] == pytest.approx(9) and stats.counts.sum() == pytest.approx(9)
+    f.write_text("{broken")
+    stats, warning = RoutingStats.load(f, 2, E)
+    assert stats is None and "Ignoring routing statistics" in warning
+
+
+def test_offload_needs_host_codes():
+    layer = random_layer(E, 64, 32, TOP_K, 4, "cpu")
+    with pytest.raises(ValueError, match="not loaded into host memory"):
+        OffloadManager([layer], MemoryBudget(1 << 30))
+
+
+def test_prefill_scratch_estimate_grows_with_the_chunk():
+    from types import SimpleNamespace
+    from runtime.backends.exl2_offload import SCRATCH_MARGIN, prefill_scratch_bytes
+    cfg = SimpleNamespace(max_input_len=2048, hidden_size=4096, vocab_size=151936, num_attention_heads=64,
+                          num_experts_per_token=8, intermediate_size=1536)
+    big = prefill_scratch_bytes(cfg)
+    assert 2.0e9 < big - SCRATCH_MARGIN < 3.0e9                    # logits of 2048 rows dominate
+    cfg.max_input_len = 512
+    assert prefill_scratch_bytes(cfg) < big
+
+
+def test_host_arena_carves_stacks_from_few_blocks():
+    from runtime.experts.pack import HostArena
+    a = HostArena(block_bytes=1 << 16)
+    x = a.empty((3, 100))                                        # 1200 bytes, rounded to 4096 in the block
+    y = a.empty((10, 100))
+    big = a.empty((40, 1000))                                    # 160 000 bytes: a block of its own (2**18)
+    assert len(a.blocks) == 2 and a.reserved_bytes == (1 << 16) + (1 << 18)
+    assert (y.data_ptr() - x.data_ptr()) == 4096 and y.data_ptr() % 4 == 0
+    x.fill_(1), y.fill_(2), big.fill_(3)
+    assert int(x.sum()) == 300 and int(y.sum()) == 2000 and int(big.sum()) == 120000
+    with pytest.raises(ValueError):
+        HostArena(3000)
+    a.release()
+    assert a.blocks == [] and int(x.sum()) == 300                # stacks keep their memory alive
