@@ -1,4 +1,5 @@
-"""The Triton decode-attention kernel equals a float32 torch reference, on the CPU under Triton's interpreter.
+"""The Triton decode/verify-attention kernel equals a float32 torch reference, on the CPU under Triton's
+interpreter: one new row (decode) and T rows (verify), causal within the new rows.
 
 Small shapes only (the interpreter is slow); `python -m runtime.backends.attention --check` runs the
 comparison with the bmm path at real sizes on the GPU."""
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # TRITON_INTERPRET=1 (test_kernel_in_the_interpreter), and are skipped in the parent.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
+CHILD_TESTS = 22 + 54 + 3 + 1 + 3 + 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -28,7 +30,7 @@ def test_kernel_in_the_interpreter():
     r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "22 passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
+    assert f"{CHILD_TESTS} passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +39,37 @@ def attn():
     return mod
 
 
-def make(Hq, Hk, D, S, seed=0):
+def make(Hq, Hk, D, S, seed=0, T=1):
     g = torch.Generator().manual_seed(seed)
     K = torch.randn(1, S, Hk, D, generator=g).half()                     # [1, S, Hk, D]
     V = torch.randn(1, S, Hk, D, generator=g).half()
-    q = torch.randn(1, 1, Hq * D, generator=g).half()
-    k = torch.randn(1, 1, Hk * D, generator=g).half()
-    v = torch.randn(1, 1, Hk * D, generator=g).half()
+    q = torch.randn(1, T, Hq * D, generator=g).half()
+    k = torch.randn(1, T, Hk * D, generator=g).half()
+    v = torch.randn(1, T, Hk * D, generator=g).half()
     return q, k, v, K, V
 
 
 def reference(q, k, v, K, V, pos, scale):
-    """fp32: the cache with row pos replaced by k/v, each query head over rows 0..pos of its KV head."""
+    """fp32: the cache with rows pos..pos+T-1 replaced by k/v; row t, each query head over rows
+    0..pos+t of its KV head. Returns [T*Hq*D]."""
     _, _, Hk, D = K.shape
-    Kr, Vr = K[0, :pos + 1].float().clone(), V[0, :pos + 1].float().clone()   # [pos+1, Hk, D]
-    Kr[pos], Vr[pos] = k.view(Hk, D).float(), v.view(Hk, D).float()
-    qh = q.float().view(Hk, -1, D)                                             # [Hk, R, D]
-    p = (torch.einsum("hrd,nhd->hrn", qh, Kr) * scale).softmax(-1)             # [Hk, R, pos+1]
-    return torch.einsum("hrn,nhd->hrd", p, Vr).reshape(-1)                     # [Hq*D]
+    T = q.shape[1]
+    Kr, Vr = K[0, :pos + T].float().clone(), V[0, :pos + T].float().clone()   # [pos+T, Hk, D]
+    Kr[pos:], Vr[pos:] = k.view(T, Hk, D).float(), v.view(T, Hk, D).float()
+    out = []
+    for t in range(T):
+        qh = q[0, t].float().view(Hk, -1, D)                                   # [Hk, R, D]
+        n = pos + t + 1
+        p = (torch.einsum("hrd,nhd->hrn", qh, Kr[:n]) * scale).softmax(-1)     # [Hk, R, n]
+        out.append(torch.einsum("hrn,nhd->hrd", p, Vr[:n]).reshape(-1))        # [Hq*D]
+    return torch.cat(out)
 
 
 def run(attn, q, k, v, K, V, pos, L, **kw):
     D = K.shape[-1]
     o = attn.decode_attention(q, k, v, K, V, torch.tensor([pos], dtype=torch.int32), L, D ** -0.5,
                               block_n=16, **kw)
-    assert o.shape == (1, 1, q.numel()) and o.dtype == torch.float16
+    assert o.shape == q.shape and o.dtype == torch.float16
     return o.float().view(-1)
 
 
@@ -130,3 +138,125 @@ def test_bad_shapes_are_named(attn):
         attn.decode_attention(q, k, v, K, V, pos, 64, 0.1)
     with pytest.raises(ValueError, match="fp16"):
         attn.decode_attention(q, k, v, K.float(), V, pos, 32, 0.1)
+
+
+# -- T new rows (verify) ------------------------------------------------------------------------------
+
+@interpreted
+@pytest.mark.parametrize("T", [2, 5, 9])
+@pytest.mark.parametrize("Hq,Hk,D", [(2, 2, 64), (8, 2, 128), (16, 1, 64)])     # R = 1, 4, 16
+@pytest.mark.parametrize("where", ["start", "middle", "end"])                    # pos 0, 21, L - T
+@pytest.mark.parametrize("chunk", [16, 48])                                      # 3 splits + combine; 1 launch
+def test_rows_match_reference_and_write_the_rows(attn, T, Hq, Hk, D, where, chunk):
+    S, L = 64, 48
+    pos = {"start": 0, "middle": 21, "end": L - T}[where]          # "end": the last row is the bucket's last
+    q, k, v, K, V = make(Hq, Hk, D, S, seed=T, T=T)
+    K0, V0 = K.clone(), V.clone()
+    o = run(attn, q, k, v, K, V, pos, L, chunk=chunk)
+    assert rel(o, reference(q, k, v, K0, V0, pos, D ** -0.5)) < 2e-3
+    assert torch.equal(K[0, pos:pos + T], k.view(T, Hk, D)) and torch.equal(V[0, pos:pos + T], v.view(T, Hk, D))
+    others = (torch.arange(S) < pos) | (torch.arange(S) >= pos + T)
+    assert torch.equal(K[0, others], K0[0, others]) and torch.equal(V[0, others], V0[0, others])
+
+
+@interpreted
+@pytest.mark.parametrize("T", [2, 5, 9])
+def test_rows_are_causal(attn, T):
+    """Row t sees neither the cache after pos + T - 1 (garbage: huge, inf, NaN, and stale values at
+    pos..pos+T-1) nor the new rows after t; a change before pos does change every row."""
+    Hq, Hk, D, S, L, pos = 8, 2, 64, 64, 48, 19
+    q, k, v, K, V = make(Hq, Hk, D, S, seed=10 + T, T=T)
+    base = run(attn, q, k, v, K.clone(), V.clone(), pos, L, chunk=16).view(T, -1)
+    K2, V2 = K.clone(), V.clone()
+    K2[0, pos:pos + T] = float("nan")
+    V2[0, pos:pos + T] = float("inf")
+    K2[0, pos + T] = 6e4
+    V2[0, pos + T] = float("nan")
+    K2[0, pos + T + 1:] = float("inf")
+    V2[0, pos + T + 1:] = -6e4
+    assert torch.equal(run(attn, q, k, v, K2, V2, pos, L, chunk=16).view(T, -1), base)
+    for t in range(T - 1):                       # new row t + 1 changed: rows 0..t stay, row t + 1 moves
+        k2, v2 = k.clone(), v.clone()
+        k2.view(T, -1)[t + 1] += 1.0
+        v2.view(T, -1)[t + 1] -= 1.0
+        got = run(attn, q, k2, v2, K.clone(), V.clone(), pos, L, chunk=16).view(T, -1)
+        assert torch.equal(got[:t + 1], base[:t + 1])
+        assert not torch.equal(got[t + 1], base[t + 1])
+    K3 = K.clone()
+    K3[0, pos - 1] += 1.0
+    got = run(attn, q, k, v, K3, V.clone(), pos, L, chunk=16).view(T, -1)
+    assert all(not torch.equal(got[t], base[t]) for t in range(T))
+
+
+@interpreted
+def test_rows_equal_one_row_at_a_time(attn):
+    """A verify forward of T rows gives what T decode steps at pos, pos+1, ... give (and the same cache)."""
+    Hq, Hk, D, S, L, pos, T = 8, 2, 64, 64, 48, 13, 5
+    q, k, v, K, V = make(Hq, Hk, D, S, seed=4, T=T)
+    Kb, Vb = K.clone(), V.clone()
+    batched = run(attn, q, k, v, Kb, Vb, pos, L, chunk=16).view(T, -1)
+    for t in range(T):
+        one = run(attn, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], K, V, pos + t, L, chunk=16)
+        assert rel(batched[t], one) < 2e-3
+    assert torch.equal(K, Kb) and torch.equal(V, Vb)
+
+
+@interpreted
+@pytest.mark.parametrize("T,chunk", [(9, 16), (3, 16), (9, 64)])
+def test_rows_spilling_into_the_next_chunk(attn, T, chunk):
+    """New rows straddling a split boundary: each split writes only its own rows, the merge weighs the
+    earlier split for the first rows only."""
+    Hq, Hk, D, S, L = 4, 1, 64, 64, 64
+    pos = 16 - T // 2
+    q, k, v, K, V = make(Hq, Hk, D, S, seed=5, T=T)
+    K0, V0 = K.clone(), V.clone()
+    o = run(attn, q, k, v, K, V, pos, L, chunk=chunk)
+    assert rel(o, reference(q, k, v, K0, V0, pos, D ** -0.5)) < 2e-3
+    assert torch.equal(K[0, pos:pos + T], k.view(T, Hk, D))
+
+
+@interpreted
+def test_row_shapes_are_named(attn):
+    q, k, v, K, V = make(8, 2, 64, 32, T=3)
+    pos = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k, v \[1, T, Hk\*D\] = \[1, 3, 128\]"):
+        attn.decode_attention(q, k[:, :2], v[:, :2], K, V, pos, 32, 0.1)
+    with pytest.raises(ValueError, match="outside 3..32"):
+        attn.decode_attention(q, k, v, K, V, pos, 2, 0.1)
+    q2, k2, v2, K2, V2 = make(32, 1, 16, 32, T=9)
+    with pytest.raises(ValueError, match="288 query rows"):
+        attn.decode_attention(q2, k2, v2, K2, V2, pos, 32, 0.1)
+
+
+# -- the graph's alternative attention paths (MOEDESK_GRAPH_ATTN=bmm / sdpa), plain torch --------------
+
+@pytest.mark.skipif(INTERPRETED, reason="plain torch: runs in the parent")
+@pytest.mark.parametrize("kind", ["bmm", "sdpa"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_bmm_and_sdpa_paths_match_reference(kind, T):
+    from runtime.backends.attention import _bmm_path
+    from runtime.backends.exl2_graph import DecodeGraphs
+    Hq, Hk, D, S, L, pos = 8, 2, 64, 64, 48, 21
+    q, k, v, K, V = make(Hq, Hk, D, S, seed=6, T=T)
+    K0, V0 = K.clone(), V.clone()
+    pos64 = pos + torch.arange(T)
+    mask = torch.where(torch.arange(L)[None, :] <= pos64[:, None], 0.0, float("-inf"))     # [T, L]
+    if kind == "bmm":
+        o = _bmm_path(q, k, v, K, V, pos64, mask, L, Hq, Hk, D, D ** -0.5)
+    else:
+        K.index_copy_(1, pos64, k.view(1, T, Hk, D))
+        V.index_copy_(1, pos64, v.view(1, T, Hk, D))
+        o = DecodeGraphs._attn_sdpa(q.float(), K.float(), V.float(), L, mask, Hq, Hk, D, D ** -0.5)
+    assert o.shape == q.shape
+    assert rel(o.float().view(-1), reference(q, k, v, K0, V0, pos, D ** -0.5)) < 2e-3
+    assert torch.equal(K[0, pos:pos + T], k.view(T, Hk, D))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="plain Python: runs in the parent")
+def test_graph_bucket_holds_the_last_row():
+    """The attended length is chosen from the last new row: rows spilling past a bucket take the next."""
+    from runtime.backends.exl2_graph import BUCKET, bucket
+    assert BUCKET == 512
+    assert [bucket(0, 1, 4096), bucket(511, 1, 4096), bucket(512, 1, 4096)] == [512, 512, 1024]
+    assert [bucket(503, 9, 4096), bucket(504, 9, 4096), bucket(508, 5, 4096)] == [512, 1024, 1024]
+    assert [bucket(4087, 9, 4096), bucket(0, 9, 300), bucket(291, 9, 300)] == [4096, 300, 300]

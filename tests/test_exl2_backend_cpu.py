@@ -25,3 +25,175 @@ def test_out_of_memory_recognised():
     assert _is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not _is_oom(RuntimeError("shape mismatch"))
     assert not _is_oom(ValueError("out of memory"))
+
+
+# -- which forwards replay a graph: the engine's dispatch and the graphs' bookkeeping, with stand-ins for
+# exllamav2 and the GPU (the graphs themselves are checked on the GPU: tests/gpu/test_exl2_engine.py) --
+
+V, H = 40, 8
+
+
+class Cache:
+    def __init__(self, n):
+        self.current_seq_len = 0
+        self.max_seq_len = n
+
+
+class LoopModel:
+    """exllamav2's model.forward stand-in: logits [1, T, V'] (V' > V: padded vocabulary), advances the cache."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, ids, cache):
+        T = ids.shape[1]
+        self.calls.append((cache.current_seq_len, T))
+        cache.current_seq_len += T
+        return torch.full((1, T, V + 8), -1.0, dtype=torch.float16)
+
+
+class StepGraphs:
+    """DecodeGraphs stand-in: logits row t = position + t; capture of `fail_rows` rows fails."""
+    max_rows = 9
+    attention = "triton"
+
+    def __init__(self, fail_rows=()):
+        self.fail_rows = set(fail_rows)
+        self.steps = []
+
+    def captured(self):
+        return sorted({(512, T) for _, T in self.steps})
+
+    def step(self, ids, position):
+        T = ids.shape[1]
+        if T in self.fail_rows:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.steps.append((position, T))
+        return (position + torch.arange(T, dtype=torch.float16))[:, None].expand(T, V + 8).contiguous()
+
+
+def _engine(graphs, n=64):
+    from runtime.backends.exl2 import Exl2Engine
+    from runtime.engine import ModelInfo
+    info = ModelInfo(name="stub", path="", architecture="Qwen3MoeForCausalLM", vocab_size=V,
+                     context_length=n, num_layers=1)
+    eng = Exl2Engine(LoopModel(), Cache(n), info, graphs=False)
+    eng.graphs = graphs
+    return eng
+
+
+def test_forwards_of_up_to_nine_rows_replay_a_graph(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    g = StepGraphs()
+    eng = _engine(g)
+    out = eng.forward(list(range(12)))                          # prefill: the layer loop
+    assert eng.model.calls == [(0, 12)] and eng.position == 12 and out.shape == (12, V)
+    for T in (1, 2, 5, 9):
+        pos = eng.position
+        out = eng.forward([3] * T)
+        assert out.shape == (T, V) and eng.position == pos + T
+        assert torch.equal(out[:, 0], pos + torch.arange(T, dtype=torch.float16))     # row t of the graph
+    assert g.steps == [(12, 1), (13, 2), (15, 5), (20, 9)]
+    eng.truncate(20)
+    eng.forward([1] * 10)                                       # 10 rows: the loop again
+    assert eng.model.calls[-1] == (20, 10) and eng.position == 30
+    from runtime.engine import EngineError
+    with pytest.raises(EngineError) as ei:                      # the overflow check still comes first
+        eng.forward([1] * 35)
+    assert ei.value.code == "context_overflow" and eng.position == 30
+
+
+def test_a_failed_verify_capture_keeps_the_one_row_graph(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    g = StepGraphs(fail_rows={5})
+    eng = _engine(g)
+    eng.forward([1, 2, 3])                                      # 3 rows: a graph
+    out = eng.forward([1] * 5)                                  # capture fails: recomputed by the loop
+    assert out.shape == (5, V) and eng.position == 8 and eng.model.calls == [(3, 5)]
+    assert eng.graphs is g and g.max_rows == 4
+    tel = eng.telemetry()
+    assert "5 rows" in tel["graph_error"] and tel["graph_rows"] == 4
+    eng.forward([1] * 6)                                        # above the lowered limit: the loop
+    eng.forward([1] * 4)
+    eng.forward([1])
+    assert eng.model.calls == [(3, 5), (8, 6)] and g.steps[-2:] == [(14, 4), (18, 1)]
+    g.fail_rows = {1}
+    eng.forward([1])                                            # the one-row capture fails: graphs off
+    assert eng.graphs is None and eng.model.calls[-1] == (19, 1) and eng.position == 20
+
+
+def test_graphs_key_by_bucket_and_rows_and_keep_the_recent(monkeypatch):
+    """DecodeGraphs.step: the bucket from the last row, the rows' embeddings in the input, one capture
+    per (bucket, rows), least recently used dropped beyond MAX_GRAPHS."""
+    import types
+    from runtime.backends import exl2_graph
+    from runtime.backends.exl2_graph import DecodeGraphs
+    fake = types.ModuleType("exllamav2")
+    fake_device = types.ModuleType("exllamav2.device")
+    fake_device.set_device_streams = lambda: None
+    monkeypatch.setitem(sys.modules, "exllamav2", fake)
+    monkeypatch.setitem(sys.modules, "exllamav2.device", fake_device)
+    monkeypatch.setattr(exl2_graph, "MAX_GRAPHS", 4)
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    g = object.__new__(DecodeGraphs)
+    g.embed = types.SimpleNamespace(forward=lambda ids: ids[..., None].expand(1, ids.shape[1], H).half())
+    g.cache = Cache(2048)
+    g.x_in = torch.zeros(1, exl2_graph.MAX_ROWS, H, dtype=torch.float16)
+    g.pos32 = torch.zeros(1, dtype=torch.int32)
+    g.attention = "triton"
+    g.graphs = {}
+    captures = []
+
+    def capture(L, T):
+        captures.append((L, T))
+        g.graphs[(L, T)] = (Graph(), torch.zeros(T, V))
+
+    g._capture = capture
+    g.step(torch.tensor([[7, 8, 9]]), 509)                      # rows 509..511: bucket 512
+    assert torch.equal(g.x_in[0, :3, 0], torch.tensor([7.0, 8.0, 9.0], dtype=torch.float16))
+    assert g.pos32.item() == 509
+    g.step(torch.tensor([[1] * 4]), 509)                        # rows 509..512: bucket 1024
+    g.step(torch.tensor([[1] * 3]), 100)                        # (512, 3) again: replayed, not captured
+    assert captures == [(512, 3), (1024, 4)] and Graph.replays == 3
+    for T in (1, 2, 5):
+        g.step(torch.tensor([[1] * T]), 600)
+    assert g.captured() == [(512, 3), (1024, 1), (1024, 2), (1024, 5)]     # (1024, 4): least recent
+    with pytest.raises(ValueError, match="10 rows at position 0"):
+        g.step(torch.tensor([[1] * 10]), 0)
+    with pytest.raises(ValueError, match="within the 2048-token cache"):
+        g.step(torch.tensor([[1] * 2]), 2047)
+
+
+def test_forwards_that_stage_offloaded_experts_run_the_loop(monkeypatch):
+    """Expert offload stages cold experts from the host for many rows (per call): those forwards stay
+    out of the graphs, however few rows that is for the model."""
+    import types
+    fake = types.ModuleType("exllamav2")
+    fake_device = types.ModuleType("exllamav2.device")
+    fake_device.set_device_streams = lambda: None
+    monkeypatch.setitem(sys.modules, "exllamav2", fake)
+    monkeypatch.setitem(sys.modules, "exllamav2.device", fake_device)
+
+    class Offload:
+        def step_boundary(self, rows):
+            pass
+
+        def begin_forward(self, rows):
+            pass
+
+        def stage_worth(self, rows):
+            return rows >= 8
+
+    g = StepGraphs()
+    eng = _engine(g)
+    eng.offload = Offload()
+    eng.forward([1] * 7)
+    eng.forward([1] * 8)
+    assert g.steps == [(0, 7)] and eng.model.calls == [(7, 8)] and eng.position == 15

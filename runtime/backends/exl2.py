@@ -6,8 +6,9 @@ here only, inside `load`: on a machine without CUDA its import itself fails.
 - Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
   (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
 - `forward(tokens)` appends at the cache position and returns fp16 logits [T, vocab] on the GPU:
-  one token with an FP16 cache replays a CUDA graph of the whole step (runtime/backends/exl2_graph.py);
-  anything else runs exllamav2's layer loop. `truncate(n)` rolls back by moving the cache position
+  with an FP16 cache, 1..9 tokens (the decode step, a speculative verify) replay a CUDA graph of the
+  whole forward, one per (context bucket, T) (runtime/backends/exl2_graph.py); anything else (prefill)
+  runs exllamav2's layer loop. `truncate(n)` rolls back by moving the cache position
   (entries past it are overwritten by the next forward).
 - CUDA out-of-memory, in load or forward, frees what was taken and raises EngineError(out_of_memory)
   saying what did not fit and how much was free, so the worker survives.
@@ -214,19 +215,26 @@ class Exl2Engine(Engine):
             self.offload.begin_forward(T)             # many rows: start staging the first layer
         failure, pos0 = None, self.position
         try:
-            if T == 1 and self.graphs is not None:
+            # Not where offload stages cold experts for these rows (copies scheduled from the host per
+            # call); with 128 experts it stages from 32 rows on, far above a verify.
+            if (self.graphs is not None and T <= self.graphs.max_rows
+                    and (self.offload is None or not self.offload.stage_worth(T))):
                 try:
-                    logits = self.graphs.step(ids, self.position)      # [1, V'] fp16, reused next step
+                    logits = self.graphs.step(ids, self.position)      # [T, V'] fp16, reused next step
                 except RuntimeError as e:
                     if _is_oom(e):
                         raise
-                    # A capture this torch/driver refuses: run the layer loop from now on (the step is
-                    # recomputed below; its K/V row is simply written again).
-                    self.graph_error = f"{type(e).__name__}: {e}"[:500]
-                    self.graphs = None
+                    # A capture this torch/driver refuses: run the layer loop from now on, for this and
+                    # larger row counts only when the one-row step still works (the forward is recomputed
+                    # below; its K/V rows are simply written again).
+                    self.graph_error = f"{type(e).__name__} ({T} rows): {e}"[:500]
+                    if T > 1:
+                        self.graphs.max_rows = T - 1
+                    else:
+                        self.graphs = None
                     torch.cuda.synchronize()
                 else:
-                    self.cache.current_seq_len += 1
+                    self.cache.current_seq_len += T
                     return logits[:, : self.vocab].clone()
             logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
             return logits[0, :, : self.vocab]
@@ -251,7 +259,10 @@ class Exl2Engine(Engine):
             out["graph_error"] = self.graph_error
         if self.graphs is not None:
             out["graph_attention"] = self.graphs.attention
-            out["graph_buckets"] = self.graphs.captured()
+            out["graph_rows"] = self.graphs.max_rows
+            shapes = self.graphs.captured()                        # [(bucket L, rows T)]
+            out["graph_buckets"] = sorted({L for L, _ in shapes})
+            out["graph_shapes"] = [list(s) for s in shapes]
         if self.offload is not None:
             out.update(self.offload.telemetry())
         elif self.budget is not None:

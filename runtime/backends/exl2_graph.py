@@ -1,33 +1,50 @@
-"""A whole decode step (one token, batch 1, FP16 cache) captured as one CUDA graph per context bucket.
+"""A whole forward of T = 1..9 rows (the decode step: 1; a speculative verify of K drafts: K + 1;
+batch 1, FP16 cache) captured as one CUDA graph per (context bucket, T), lazily on first use.
 
 exllamav2's layer loop costs a host round trip per module (Python, argument checks, host-side
 position bookkeeping), tens of microseconds each, ~100 modules per token. Here the step runs from
 device-side state only:
-- the position lives in a device tensor: RoPE reads it (exllamav2's `past_lens` with past_len = -1),
-  and so does the attention;
-- attention runs over the first L cache rows, L = the position rounded up to a bucket of `BUCKET`
-  tokens, so one graph serves every position in its bucket. By default one Triton kernel (plus a
-  small merge) writes the new K/V row and attends rows 0..pos (`runtime/backends/attention.py`);
-  `MOEDESK_GRAPH_ATTN=bmm` selects two batched matmuls with `index_copy_` and a mask instead,
-  `=sdpa` torch's fused attention with the same mask (where it agrees with bmm);
-- MoE layers are `OwnMoE`, whose kernels read the routing on the device.
-The embedding stays on the CPU (as exllamav2 keeps it); its row is copied into the graph's input.
+- the position `pos` of the first row lives in a device tensor: RoPE reads it (exllamav2's
+  `past_lens` with past_len = -1; row t gets position pos + t), and so does the attention;
+- attention runs over the first L cache rows, L = the last row's position pos + T - 1 rounded up to
+  a bucket of `BUCKET` tokens, so one graph serves every position in its bucket. By default one
+  Triton kernel (plus a small merge) writes the T new K/V rows and attends, causally, rows 0..pos+t
+  for row t (`runtime/backends/attention.py`); `MOEDESK_GRAPH_ATTN=bmm` selects two batched matmuls
+  with `index_copy_` and a mask instead, `=sdpa` torch's fused attention with the same mask (where it
+  agrees with bmm);
+- MoE layers are `OwnMoE`, whose kernels read the routing on the device (GEMV path up to 64
+  (row, expert) pairs, the grouped path above: both free of host synchronisation).
+The embedding stays on the CPU (as exllamav2 keeps it); its rows are copied into the graph's input.
 
-Letters: S cache length, L attended length, Hq query heads, Hk KV heads, R = Hq // Hk, D head dim.
+    python -m runtime.backends.exl2_graph --check MODEL_DIR    # GPU: graph vs layer loop, T = 1, 2, 5, 9
+
+Letters: S cache length, L attended length, T rows, Hq query heads, Hk KV heads, R = Hq // Hk, D head dim.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
+import time
 
 import torch
 
 from runtime.backends.attention import decode_attention
 
 BUCKET = 512
+MAX_ROWS = 9                 # rows a graph covers: the decode step and a verify of up to 8 drafts
+MAX_GRAPHS = 64              # captured graphs kept (least recently used dropped): 9 row counts x ~7 buckets
 ATTENTION_KINDS = ("triton", "bmm", "sdpa")
 
 
+def bucket(position: int, rows: int, max_seq_len: int) -> int:
+    """Attended length L for `rows` new rows from `position`: the last row's bucket end, capped at the cache."""
+    return min(max_seq_len, ((position + rows - 1) // BUCKET + 1) * BUCKET)
+
+
 class DecodeGraphs:
+    max_rows = MAX_ROWS          # forwards of 1..max_rows tokens replay a graph (lowered if a capture fails)
+
     def __init__(self, model, cache):
         from exllamav2.attn import ExLlamaV2Attention
         from exllamav2.ext import exllamav2_ext, none_tensor
@@ -40,11 +57,12 @@ class DecodeGraphs:
         dev = cache.key_states[0].device
         self.device = dev
         cfg = model.config
-        self.x_in = torch.zeros((1, 1, cfg.hidden_size), dtype=torch.float16, device=dev)
-        self.pos32 = torch.zeros((1,), dtype=torch.int32, device=dev)
-        self.pos64 = torch.zeros((1,), dtype=torch.int64, device=dev)
+        self.x_in = torch.zeros((1, MAX_ROWS, cfg.hidden_size), dtype=torch.float16, device=dev)
+        self.pos32 = torch.zeros((1,), dtype=torch.int32, device=dev)                  # first row's position
+        self.pos64 = torch.zeros((MAX_ROWS,), dtype=torch.int64, device=dev)           # every row's position
+        self.row = torch.arange(MAX_ROWS, device=dev)
         self.arange = torch.arange(cache.max_seq_len, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # (L, T) ->
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
         kind = os.environ.get("MOEDESK_GRAPH_ATTN", "triton")
@@ -79,56 +97,61 @@ class DecodeGraphs:
 
     # -- the captured step ---------------------------------------------------------------------------
 
-    def _attention(self, a, x: torch.Tensor, L: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, a, x: torch.Tensor, L: int, T: int, mask: torch.Tensor | None) -> torch.Tensor:
         Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        q = torch.empty((1, 1, Hq * D), dtype=torch.float16, device=x.device)
-        k = torch.empty((1, 1, Hk * D), dtype=torch.float16, device=x.device)
-        v = torch.empty((1, 1, Hk * D), dtype=torch.float16, device=x.device)
+        q = torch.empty((1, T, Hq * D), dtype=torch.float16, device=x.device)
+        k = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
+        v = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
         ctx = self.model.get_device_context(a.device_idx)
-        # Norm, Q/K/V projections, head norms, RoPE at position pos32 (past_len -1: read it on the device).
-        self.ext.q_attn_forward_1(a.q_handle, x, 1, 1, -1, self.pos32, q, k, v,
+        # Norm, Q/K/V projections, head norms, RoPE at positions pos32 + t (past_len -1: read on the device).
+        self.ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, self.pos32, q, k, v,
                                   ctx.sin[a.rope_index], ctx.cos[a.rope_index], [], self.none)
         K = self.cache.key_states[a.layer_idx]                        # [1, S, Hk, D]
         V = self.cache.value_states[a.layer_idx]
         if self.attention == "triton":
-            o = decode_attention(q, k, v, K, V, self.pos32, L, a.scaling)   # writes row pos of K, V
+            o = decode_attention(q, k, v, K, V, self.pos32, L, a.scaling)   # writes rows pos.. of K, V
         else:
-            K.index_copy_(1, self.pos64, k.view(1, 1, Hk, D))
-            V.index_copy_(1, self.pos64, v.view(1, 1, Hk, D))
+            K.index_copy_(1, self.pos64[:T], k.view(1, T, Hk, D))
+            V.index_copy_(1, self.pos64[:T], v.view(1, T, Hk, D))
             attend = self._attn_sdpa if self.attention == "sdpa" else self._attn_bmm
             o = attend(q, K, V, L, mask, Hq, Hk, D, a.scaling)
-        self.ext.q_attn_forward_2(a.q_handle, x, o, 1, 1, [], self.none)
+        self.ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], self.none)
         return x
 
     @staticmethod
     def _attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale):
-        """Two batched matmuls over the KV heads; mask: fp32 additive [L]."""
+        """Two batched matmuls over the KV heads; q [1, T, Hq*D], mask: fp32 additive [T, L]."""
+        T, R = q.shape[1], Hq // Hk
         Kl = K[0, :L].permute(1, 2, 0)                                 # [Hk, D, L] (a view)
         Vl = V[0, :L].permute(1, 0, 2)                                 # [Hk, L, D]
-        s = torch.bmm(q.view(Hk, Hq // Hk, D), Kl).float()             # [Hk, R, L]
-        p = torch.softmax(s * scale + mask, dim=-1).half()
-        return torch.bmm(p, Vl).view(1, 1, Hq * D)                     # [1, 1, Hq*D]
+        qh = q.view(T, Hk, R, D).transpose(0, 1).reshape(Hk, T * R, D)    # rows (t, r)
+        s = torch.bmm(qh, Kl).float().view(Hk, T, R, L)                # [Hk, T, R, L]
+        p = torch.softmax(s * scale + mask.view(1, T, 1, L), dim=-1).half().view(Hk, T * R, L)
+        o = torch.bmm(p, Vl)                                           # [Hk, T*R, D]
+        return o.view(Hk, T, R, D).transpose(0, 1).reshape(1, T, Hq * D)
 
     @staticmethod
     def _attn_sdpa(q, K, V, L, mask, Hq, Hk, D, scale):
-        """One fused attention call (grouped-query heads, boolean mask over the L rows)."""
+        """One fused attention call (grouped-query heads, boolean mask [T, L] over the L rows)."""
         import torch.nn.functional as F
-        qh = q.view(1, Hq, 1, D)
+        T = q.shape[1]
+        qh = q.view(1, T, Hq, D).transpose(1, 2)                       # [1, Hq, T, D]
         Kl = K[:, :L].transpose(1, 2)                                  # [1, Hk, L, D] (a view)
         Vl = V[:, :L].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qh, Kl, Vl, attn_mask=(mask == 0).view(1, 1, 1, L),
+        o = F.scaled_dot_product_attention(qh, Kl, Vl, attn_mask=(mask == 0).view(1, 1, T, L),
                                            scale=scale, enable_gqa=True)
-        return o.reshape(1, 1, Hq * D)
+        return o.transpose(1, 2).reshape(1, T, Hq * D)
 
     def _pick_attention(self) -> bool:
         """Use SDPA where this torch runs it with these shapes and it agrees with the bmm path."""
         a = next(m for m in self.body if isinstance(m, self.Attention))
         Hq, Hk, D, L = a.num_attention_heads, a.num_key_value_heads, a.head_dim, 64
         dev = self.device
-        q = torch.randn(1, 1, Hq * D, device=dev, dtype=torch.float16)
+        q = torch.randn(1, 3, Hq * D, device=dev, dtype=torch.float16)
         K = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
         V = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
-        mask = torch.where(torch.arange(L, device=dev) <= 40, 0.0, float("-inf"))
+        mask = torch.where(torch.arange(L, device=dev) <= 40 + torch.arange(3, device=dev)[:, None],
+                           0.0, float("-inf"))                         # [3, L]
         try:
             ref = self._attn_bmm(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
             got = self._attn_sdpa(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
@@ -136,27 +159,28 @@ class DecodeGraphs:
         except Exception:
             return False
 
-    def _mask(self, L: int) -> torch.Tensor | None:
-        """fp32 additive [L] for the bmm/sdpa paths; the Triton kernel reads the position itself."""
+    def _mask(self, L: int, T: int) -> torch.Tensor | None:
+        """fp32 additive [T, L] (row t: rows 0..pos+t) for the bmm/sdpa paths; the Triton kernel reads
+        the position itself."""
         if self.attention == "triton":
             return None
-        return torch.where(self.arange[:L] <= self.pos64, 0.0, float("-inf"))
+        return torch.where(self.arange[None, :L] <= self.pos64[:T, None], 0.0, float("-inf"))
 
-    def _step(self, L: int) -> torch.Tensor:
-        x = self.x_in.clone()
-        mask = self._mask(L)
+    def _step(self, L: int, T: int) -> torch.Tensor:
+        x = self.x_in[:, :T].clone()                                   # [1, T, H]
+        mask = self._mask(L, T)
         for m in self.body:
             if isinstance(m, self.Attention):
-                x = self._attention(m, x, L, mask)
+                x = self._attention(m, x, L, T, mask)
             else:
                 x = m.forward(x)
-        return x.view(1, -1)                                           # [1, V'] logits
+        return x.view(T, -1)                                           # [T, V'] logits
 
-    def _capture(self, L: int):
+    def _capture(self, L: int, T: int):
         s = self.stream
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            out = self._step(L)                                        # warm-up: compiles, runs the real step
+            out = self._step(L, T)                                     # warm-up: compiles, runs the real step
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -167,15 +191,15 @@ class DecodeGraphs:
         mode = os.environ.get("MOEDESK_CAPTURE_MODE", "relaxed")
         try:
             with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode=mode):
-                out = self._step(L)
+                out = self._step(L, T)
         except RuntimeError as e:
-            culprit = self._find_capture_breaker(L, mode)
-            raise RuntimeError(f"{e} [capture first invalidated by: {culprit}]") from None
+            culprit = self._find_capture_breaker(L, T, mode)
+            raise RuntimeError(f"{e} [capture of {T} rows first invalidated by: {culprit}]") from None
         if self.pool is None:
             self.pool = g.pool()
-        self.graphs[L] = (g, out)
+        self.graphs[(L, T)] = (g, out)
 
-    def _find_capture_breaker(self, L: int, mode: str) -> str:
+    def _find_capture_breaker(self, L: int, T: int, mode: str) -> str:
         """After a failed capture: capture again, asking the driver after every module whether the
         capture is still valid, and name the first module that invalidated it."""
         import ctypes
@@ -194,17 +218,17 @@ class DecodeGraphs:
         class Stop(Exception):
             pass
 
-        x = self.x_in.clone()
+        x = self.x_in[:, :T].clone()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, stream=s, capture_error_mode=mode):
-                mask = self._mask(L)
+                mask = self._mask(L, T)
                 if status() == 2:
                     culprit = "the attention mask"
                     raise Stop
                 for m in self.body:
-                    x = self._attention(m, x, L, mask) if isinstance(m, self.Attention) else m.forward(x)
+                    x = self._attention(m, x, L, T, mask) if isinstance(m, self.Attention) else m.forward(x)
                     if status() == 2:
                         culprit = f"{type(m).__name__} {getattr(m, 'key', '?')}"
                         raise Stop
@@ -218,21 +242,98 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, position: int) -> torch.Tensor:
-        """Run one token at `position`; the caller advances the cache position. Returns [1, V'] fp16,
-        the graph's output buffer: valid until the next step."""
+        """Run ids [1, T] (T = 1..MAX_ROWS) at positions position..position+T-1, which must fit the cache;
+        the caller advances the cache position. Returns [T, V'] fp16, the graph's output buffer: valid
+        until the next step (graphs share one memory pool)."""
         from exllamav2.device import set_device_streams
+        T = ids.shape[-1]
+        if not 1 <= T <= MAX_ROWS or position < 0 or position + T > self.cache.max_seq_len:
+            raise ValueError(f"decode graphs: {T} rows at position {position} (graphs cover 1..{MAX_ROWS} "
+                             f"rows within the {self.cache.max_seq_len}-token cache)")
         set_device_streams()                       # the stream exllamav2's own forward uses, in any thread
-        emb = self.embed.forward(ids)                                  # [1, 1, H] on the CPU
-        self.x_in.copy_(emb.view(1, 1, -1))
+        emb = self.embed.forward(ids)                                  # [1, T, H] on the CPU
+        self.x_in[:, :T].copy_(emb.view(1, T, -1))
         self.pos32.fill_(position)
         if self.attention != "triton":
-            self.pos64.fill_(position)                             # the index_copy_ and mask paths
-        L = min(self.cache.max_seq_len, (position // BUCKET + 1) * BUCKET)
-        if L not in self.graphs:
-            self._capture(L)
-        g, out = self.graphs[L]
+            torch.add(self.row, position, out=self.pos64)              # the index_copy_ and mask paths
+        L = bucket(position, T, self.cache.max_seq_len)
+        key = (L, T)
+        if key not in self.graphs:
+            while len(self.graphs) >= MAX_GRAPHS:                      # the least recently used
+                del self.graphs[next(iter(self.graphs))]
+            self._capture(L, T)
+        g, out = self.graphs[key] = self.graphs.pop(key)               # now the most recently used
         g.replay()
         return out
 
-    def captured(self) -> list[int]:
+    def captured(self) -> list[tuple[int, int]]:
+        """The (bucket L, rows T) pairs captured so far."""
         return sorted(self.graphs)
+
+
+# -- GPU check ---------------------------------------------------------------------------------------
+
+def check(model_dir: str, rows=(1, 2, 5, 9), prefix: int = 40, repeats: int = 20) -> bool:
+    """Graph forwards of T rows vs the layer loop after the same prefix: logits and time per forward."""
+    from runtime.backends import exl2
+    from runtime.options import LoadOptions, OffloadOptions
+    eng, _ = exl2.load(model_dir, LoadOptions(offload=OffloadOptions(context_length=1024)), lambda *a: None)
+    try:
+        return _compare(eng, model_dir, rows, prefix, repeats)
+    finally:
+        eng.close()
+
+
+def _compare(eng, model_dir: str, rows, prefix: int, repeats: int) -> bool:
+    graphs = eng.graphs
+    print(f"{model_dir}: {eng.info.num_layers} layers, graphs {'on' if graphs else 'OFF: nothing to compare'}")
+    if graphs is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, eng.info.vocab_size, (prefix + max(rows),), generator=g).tolist()
+    eng.forward(toks[:prefix])                                         # the layer loop (more than 9 rows)
+
+    def timed(new: list[int]) -> tuple[torch.Tensor, float]:
+        out = eng.forward(new).float()                                 # warm-up (capture), then timed
+        eng.truncate(prefix)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            eng.forward(new)
+            eng.truncate(prefix)
+        torch.cuda.synchronize()
+        return out, (time.perf_counter() - t0) / repeats
+
+    ok = True
+    for T in rows:
+        new = toks[prefix:prefix + T]
+        got, t_graph = timed(new)
+        if eng.graphs is None or not any(t == T for _, t in graphs.captured()):
+            print(f"T {T}: FAIL, no graph (the capture failed, the loop ran): {eng.graph_error}")
+            return False
+        eng.graphs = None                                              # the layer loop
+        ref, t_loop = timed(new)
+        eng.graphs = graphs
+        err = ((got - ref).norm() / ref.norm()).item()
+        good = err < 1e-2
+        ok &= good
+        print(f"T {T}: rel err {err:.1e} {'ok' if good else 'FAIL'} | graph {t_graph * 1e3:6.2f} ms, "
+              f"loop {t_loop * 1e3:6.2f} ms per forward")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runtime.backends.exl2_graph", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", metavar="MODEL_DIR", help="EXL2 model: graph forwards of 1, 2, 5, 9 rows vs the layer loop")
+    args = ap.parse_args(argv)
+    if not args.check:
+        ap.print_help()
+        return 2
+    if not torch.cuda.is_available():
+        print("--check needs CUDA", file=sys.stderr)
+        return 2
+    return 0 if check(args.check) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """The CUDA engine against the CPU reference engine, on synthetic dense and MoE models of real widths.
 
 Checks, each for our engine (asserted) and for exllamav2's stock MoE path (recorded, not asserted):
-prefill, single-token decode, verify with 1, 2, 4, 5, 8 rows after a rollback, and batched vs
-stepwise logits. Error measure: ‖exl2 − ref‖ / ‖ref‖ over the rows' logits.
+prefill, single-token decode, verify with 1, 2, 4, 5, 8 rows after a rollback (with graphs on: each
+row count through its own captured graph), and batched vs stepwise logits. Error measure: ‖exl2 − ref‖ / ‖ref‖ over the rows' logits.
 
 Tolerance: both engines dequantize the same EXL2 codes to the same fp16 weights, so the difference
 is arithmetic only: the reference runs float32 throughout (precision="float32"); exllamav2 keeps activations, attention and
@@ -86,9 +86,10 @@ def test_engine_matches_reference(kind, moe_2l, dense_2l, llama_2l, references):
         eng = _load_exl2(path, graphs=graphs)
         try:
             errs = _script(eng, ref, toks, f"{kind} graphs={graphs}", assert_tol=True)
-            if graphs:                                     # the decode steps above really replayed a graph
+            if graphs:                   # the decode steps and every verify above really replayed a graph
                 tel = eng.telemetry()
                 assert tel["decode_graphs"] and tel["graph_buckets"], tel.get("graph_error")
+                assert sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
             _record(test="vs_reference", model=kind, moe="own", graphs=graphs, errors=errs)
         finally:
             eng.close()
