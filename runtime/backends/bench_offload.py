@@ -188,6 +188,36 @@ def main(argv=None) -> int:
     print(f"measured: HBM copy {hbm / GiB:.0f} GiB/s, pinned H2D {h2d / GiB:.1f} GiB/s", flush=True)
     rig_hbm, rig_h2d = RIG["hbm_copy_gib_s"] * GiB, RIG["pinned_h2d_gib_s"] * GiB
     results: dict[str, Any] = {}
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+
+    def write() -> Path:
+        head = results.get(f"{budgets[0]:g}", {})
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "machine": machine(), "device": torch.cuda.get_device_name(0),
+            "engine": "cuda", "benchmark": "expert offload", "model": label, "bpw": a.bpw, "context": a.context,
+            "prompt_tokens": a.prompt, "decode_tokens": a.decode, "naive_decode_tokens": a.naive_decode,
+            "ceilings": {"rig": RIG, "measured": {"hbm_copy_gib_s": hbm / GiB, "pinned_h2d_gib_s": h2d / GiB}},
+            # the headline (first budget), in the fields every result file has
+            "vram_budget_gb": budgets[0], "decode_tps": head.get("decode_tps"), "ttft_s": head.get("ttft_s"),
+            "prefill_tps": head.get("prefill_tps"), "roofline_tps": (head.get("roofline") or {}).get("overlapped_tps"),
+            "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
+                                         **head["naive"]} if head.get("naive") else None),
+            "budgets": results,
+            "notes": ("Synthetic random-weight EXL2 model (near-uniform routing: the hit rate is about the resident "
+                      "share). Batch 1, greedy argmax on the GPU. Cold experts' codes live in page-locked host RAM "
+                      "and are read in place by the decode kernels (zero-copy over PCIe); prefill stages each "
+                      "layer's cold experts into VRAM, double-buffered. Roofline: HBM bytes (dense weights, expert "
+                      "scales and permutations, resident expert codes) / HBM copy bandwidth and expert codes over "
+                      "PCIe / pinned host->device bandwidth (rig ceilings; also with this run's). KV cache reads not "
+                      "counted. Naive: same placement, layer loop, host sync per layer, on-demand copies. " + a.note),
+        }
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"offload-{label}-{a.bpw or ''}bpw-{stamp}.json"
+        (out / name).write_text(json.dumps(result, indent=1, default=str))
+        return out / name
+
     engine = None
     try:
         for i, b in enumerate(budgets):
@@ -214,6 +244,7 @@ def main(argv=None) -> int:
                 "overlapped_tps": 1 / max(r["hbm_bytes_per_token"] / hbm, r["pcie_bytes_per_token"] / h2d),
                 "serial_tps": 1 / (r["hbm_bytes_per_token"] / hbm + r["pcie_bytes_per_token"] / h2d)}
             results[f"{b:g}"] = r
+            write()                                # each budget's figures survive a later failure
             nv = r.get("naive") or {}
             print(f"budget {b:g} GB: decode {r['decode_tps']:.1f} tok/s (roofline {r['roofline']['overlapped_tps']:.1f} "
                   f"overlapped, {r['roofline']['serial_tps']:.1f} serial), ttft {r['ttft_s']:.2f} s, hit rate "
@@ -223,32 +254,7 @@ def main(argv=None) -> int:
     finally:
         if engine is not None:
             engine.close()
-    head = results.get(f"{budgets[0]:g}", {})
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "machine": machine(), "device": torch.cuda.get_device_name(0),
-        "engine": "cuda", "benchmark": "expert offload", "model": label, "bpw": a.bpw, "context": a.context,
-        "prompt_tokens": a.prompt, "decode_tokens": a.decode, "naive_decode_tokens": a.naive_decode,
-        "ceilings": {"rig": RIG, "measured": {"hbm_copy_gib_s": hbm / GiB, "pinned_h2d_gib_s": h2d / GiB}},
-        # the headline (first budget), in the fields every result file has
-        "vram_budget_gb": budgets[0], "decode_tps": head.get("decode_tps"), "ttft_s": head.get("ttft_s"),
-        "prefill_tps": head.get("prefill_tps"), "roofline_tps": (head.get("roofline") or {}).get("overlapped_tps"),
-        "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
-                                     **head["naive"]} if head.get("naive") else None),
-        "budgets": results,
-        "notes": ("Synthetic random-weight EXL2 model (near-uniform routing: the hit rate is about the resident "
-                  "share). Batch 1, greedy argmax on the GPU. Cold experts' codes live in page-locked host RAM "
-                  "and are read in place by the decode kernels (zero-copy over PCIe); prefill stages each "
-                  "layer's cold experts into VRAM, double-buffered. Roofline: HBM bytes (dense weights, expert "
-                  "scales and permutations, resident expert codes) / HBM copy bandwidth and expert codes over "
-                  "PCIe / pinned host->device bandwidth (rig ceilings; also with this run's). KV cache reads not "
-                  "counted. Naive: same placement, layer loop, host sync per layer, on-demand copies. " + a.note),
-    }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"offload-{label}-{a.bpw or ''}bpw-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
-    (out / name).write_text(json.dumps(result, indent=1, default=str))
-    print("wrote", out / name)
+    print("wrote", write())
     return 0
 
 
