@@ -6,8 +6,9 @@ Two one-row baselines, both recorded and named in the result:
     step   the one-row forward plain decoding runs: on the CUDA engine a replayed CUDA graph of the
            whole step ("cuda_graph"); on the CPU engine the layer loop ("layer_loop")
     loop   the one-row forward through the layer loop (on CUDA: the graph switched off for it)
-Verify forwards (K+1 >= 2 rows) always run the layer loop, so `relative` (to step) is what speculation
-pays today over plain decoding, and `relative_to_loop` isolates the cost of the extra rows.
+On the CUDA engine verify forwards of 2..9 rows replay CUDA graphs too (runtime/backends/exl2_graph.py),
+so `relative` (to step) is what speculation pays over plain decoding; `relative_to_loop` compares with
+the layer loop that anything without a graph runs.
 
 MoE targets: the routing of each timed forward is read from the experts' selection counters (their
 change over the forward), giving per layer the number of distinct experts the rows selected: the
@@ -227,7 +228,7 @@ def verify_result(engine: Any, context: int, forced: bool, n_tokens: int, say=pr
              "moe": moe}
     notes = (f"verify cost: forward over K+1 random token ids after {context} random ids; `relative` is to "
              f"the one-row step plain decoding runs ({t.step_kind}), `relative_to_loop` to a one-row forward "
-             "through the layer loop, which verify rows run through; expected speedups assume a free draft "
+             "through the layer loop; expected speedups assume a free draft "
              "(n-gram) and independent acceptance")
     fields: dict[str, Any] = {"prompt_tokens": context, "notes": notes, "bench": bench}
     if forced:

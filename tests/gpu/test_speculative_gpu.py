@@ -6,7 +6,7 @@ draft of `dense_2l` itself (a draft that agrees with the target, so several draf
 one step). Random weights: the text is noise, and logits can be near-tied.
 
 Why logits and not only text: plain decoding runs one row per forward (a replayed CUDA graph),
-verification runs K+1 rows through the layer loop; the two round differently in fp16 (relative logit
+verification runs K+1 rows (a graph per row count); the two round differently in fp16 (relative logit
 error of batched vs stepwise measured 1.3e-3 at the full 48-layer shape; tests/gpu/test_exl2_engine.py
 asserts TOL = 1e-2). Where the plain top-2 margin is below that rounding, either token is a correct
 greedy choice. So for every generated token j, with `spec` the logits row that chose it (the verify
@@ -227,7 +227,7 @@ def test_cache_after_rejections_equals_fresh_prefill(engines):
     kv_after = kv_rows(moe, n)                                            # the cache holds tokens[:-1]
     after = moe.forward(tokens[-1:])[0].float().cpu()                     # [V], a graph step
     moe.reset()
-    fresh = moe.forward(tokens)[-1].float().cpu()                         # [V], the layer loop
+    fresh = moe.forward(tokens)[-1].float().cpu()                         # [V], a fresh prefill
     kv_fresh = kv_rows(moe, n)
     err = _rel(after, fresh)
     kv_err = _rel_rows(kv_after, kv_fresh)                                 # [n]
