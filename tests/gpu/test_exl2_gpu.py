@@ -71,6 +71,22 @@ def _disk_tensors(path):
     return out
 
 
+def _mlp_views(key: str, disk, ours_t: torch.Tensor) -> list[torch.Tensor]:
+    """The ways exllamav2 may hold a dense MLP linear: as written, or with down_proj's input permutation
+    folded out of down_proj (`unmap`) and into gate/up's output columns (exllamav2's mlp.py): then
+    gate/up's columns and down's rows appear in down's packed order. Either direction is tried; random
+    weights never match a wrong permutation exactly."""
+    views = [ours_t]
+    prefix, _, name = key.rpartition(".")
+    inv = disk.get(f"{prefix}.down_proj.q_invperm")
+    if name in ("gate_proj", "up_proj", "down_proj") and ".mlp.experts." not in key and inv is not None:
+        inv = inv.long()
+        perm = torch.argsort(inv)
+        for p in (perm, inv):
+            views.append(ours_t[p, :] if name == "down_proj" else ours_t[:, p])
+    return views
+
+
 def _check_linears(model, path, gemm: bool) -> int:
     from exllamav2.linear import ExLlamaV2Linear
     disk = _disk_tensors(path)
@@ -83,11 +99,17 @@ def _check_linears(model, path, gemm: bool) -> int:
         ours = fmt.dequantize(q, dtype=torch.float16, name=key)               # [N, in]
         theirs = module.get_weight_tensor_dq().cpu()                           # [in, N]
         assert theirs.shape == ours.t().shape, key
-        diff = (theirs.float() - ours.t().float()).abs()
-        ulp = ours.t().float().abs() * 2.0 ** -11 + 2.0 ** -24
-        exact = (diff == 0).float().mean().item()
-        assert bool((diff <= ulp).all()), f"{key}: max diff {diff.max().item():.3g}, {exact:.4%} bit-equal"
-        if gemm:
+        first = None
+        views = _mlp_views(key, disk, ours.t())
+        for view in views:
+            diff = (theirs.float() - view.float()).abs()
+            ulp = view.float().abs() * 2.0 ** -11 + 2.0 ** -24
+            if bool((diff <= ulp).all()):
+                break
+            first = first or (diff.max().item(), (diff == 0).float().mean().item())
+        else:
+            assert False, f"{key}: max diff {first[0]:.3g}, {first[1]:.4%} bit-equal"
+        if gemm and view is views[0]:          # a folded permutation changes the output order: values checked above
             for rows in (1, 5, 64):
                 x = torch.randn(rows, ours.shape[1], generator=torch.Generator().manual_seed(rows)).half()
                 y = module.forward(x.cuda()).float().cpu()                     # [rows, N]
