@@ -20,7 +20,6 @@ a small second kernel merges the splits by their log-sum-exp.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -230,16 +229,11 @@ def check(S: int = 4096) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.backends.attention", description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="compare with the bmm path on the GPU and time both")
-    args = ap.parse_args(argv)
-    if not args.check:
-        ap.print_help()
-        return 2
-    if not torch.cuda.is_available():
-        print("--check needs CUDA (the CPU tests run the kernel under TRITON_INTERPRET=1)", file=sys.stderr)
-        return 2
-    return 0 if check() else 1
+    from runtime.backends.checks import check_main
+    return check_main(argv, "python -m runtime.backends.attention", __doc__.split("\n")[0],
+                      lambda ap: ap.add_argument("--check", action="store_true",
+                                                 help="compare with the bmm path on the GPU and time both"),
+                      lambda _: check(), "the CPU tests run the kernel under TRITON_INTERPRET=1")
 
 
 if __name__ == "__main__":

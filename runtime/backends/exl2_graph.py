@@ -22,7 +22,6 @@ Letters: S cache length, L attended length, T rows, Hq query heads, Hk KV heads,
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -323,16 +322,11 @@ def _compare(eng, model_dir: str, rows, prefix: int, repeats: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.backends.exl2_graph", description=__doc__.split("\n")[0])
-    ap.add_argument("--check", metavar="MODEL_DIR", help="EXL2 model: graph forwards of 1, 2, 5, 9 rows vs the layer loop")
-    args = ap.parse_args(argv)
-    if not args.check:
-        ap.print_help()
-        return 2
-    if not torch.cuda.is_available():
-        print("--check needs CUDA", file=sys.stderr)
-        return 2
-    return 0 if check(args.check) else 1
+    from runtime.backends.checks import check_main
+    return check_main(argv, "python -m runtime.backends.exl2_graph", __doc__.split("\n")[0],
+                      lambda ap: ap.add_argument("--check", metavar="MODEL_DIR",
+                                                 help="EXL2 model: graph forwards of 1, 2, 5, 9 rows vs the layer loop"),
+                      check)
 
 
 if __name__ == "__main__":
