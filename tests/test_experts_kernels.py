@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
      "--rows", "1,33"],                                     # 3-bit with tiles of >= 64 rows
 ])
 @pytest.mark.parametrize("splitk", [None])
-def test_kernels_match_oracle_in_interpreter(args, splitk):
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
+    env = dict(os.environ, TRITON_INTERPRET="1", **(extra_env or {}))
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", *args],
@@ -38,6 +38,16 @@ def test_decode_kernels_with_other_launch_shapes(splitk):
     give the oracle's result too; a shape that does not divide K falls back to the default."""
     test_kernels_match_oracle_in_interpreter(
         ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
+
+
+@pytest.mark.parametrize("splitk", [None, "32x3"])
+def test_verify_rows_sharing_an_expert_read_it_once(splitk):
+    """The opt-in verify kernels (one weight read per run of rows that chose the same expert) give the
+    oracle's result: 4 experts and top-2 make 2..8 rows share experts heavily; 3-bit and 4-bit."""
+    for bits in ("4", "3"):
+        test_kernels_match_oracle_in_interpreter(
+            ["--experts", "4", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", bits,
+             "--rows", "2,3,5,8"], splitk, extra_env={"MOEDESK_SHARED_EXPERT_READS": "1"})
 
 
 def test_align_groups_pairs_by_expert_in_whole_blocks():
