@@ -261,6 +261,14 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.cons
 
 
 @triton.jit
+def _run_head(order_ptr, ids_ptr, u):
+    """Expert of sorted position u, and whether u starts a run of pairs with that expert."""
+    e = tl.load(ids_ptr + tl.load(order_ptr + u)).to(tl.int64)
+    prev = tl.load(ids_ptr + tl.load(order_ptr + tl.maximum(u - 1, 0))).to(tl.int64)
+    return e, (u == 0) | (prev != e)
+
+
+@triton.jit
 def _run_row(order_ptr, ids_ptr, u, j, e, P):
     """Pair index of the j-th row of the run of pairs sorted by expert that starts at position u, and
     whether that row exists (it is in range and chose the same expert e)."""
@@ -279,10 +287,8 @@ def _gate_up_shared(x_ptr, ids_ptr, order_ptr, q1, o1, s1, p1, q3, o3, s3, p3, g
     pairs that chose the same expert reads that expert's weights once for all (at most R) rows of the
     run; the other programs exit. Rows of one verify forward that share an expert share its read."""
     u = tl.program_id(0)
-    p0 = tl.load(order_ptr + u)
-    e = tl.load(ids_ptr + p0).to(tl.int64)
-    prev = tl.load(ids_ptr + tl.load(order_ptr + tl.maximum(u - 1, 0))).to(tl.int64)
-    if (u == 0) | (prev != e):
+    e, head = _run_head(order_ptr, ids_ptr, u)
+    if head:
         wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)
         wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -320,10 +326,8 @@ def _down_shared(gu_ptr, ids_ptr, order_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P,
                  R: tl.constexpr, RP: tl.constexpr):
     """As `_down_splitk`, one read of the expert's weights for the whole run (see `_gate_up_shared`)."""
     u = tl.program_id(0)
-    p0 = tl.load(order_ptr + u)
-    e = tl.load(ids_ptr + p0).to(tl.int64)
-    prev = tl.load(ids_ptr + tl.load(order_ptr + tl.maximum(u - 1, 0))).to(tl.int64)
-    if (u == 0) | (prev != e):
+    e, head = _run_head(order_ptr, ids_ptr, u)
+    if head:
         wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         mask_n = offs_n < N
