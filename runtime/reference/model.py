@@ -9,6 +9,8 @@ KVH kv heads, G = NH / KVH, E experts, A active experts per token, I intermediat
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -28,8 +30,9 @@ class KVCache:
 
 
 def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor,
-            tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [T] (int64) -> logits [T, V] float32; the cache grows by T."""
+            tokens: torch.Tensor, trace: Optional[list] = None) -> torch.Tensor:
+    """tokens [T] (int64) -> logits [T, V] float32; the cache grows by T. With `trace`, the residual
+    stream [T, H] after every attention and every MLP/MoE block is appended to it (for diagnostics)."""
     t, start = tokens.shape[0], cache.length
     end = start + t
     groups = spec.heads // spec.kv_heads
@@ -42,8 +45,12 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     for i, layer in enumerate(w.layers):
         h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
         x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
+        if trace is not None:
+            trace.append(x.clone())
         h = F.rms_norm(x, (spec.hidden,), layer.mlp_norm, spec.eps)
         x = x + (_mlp(layer, h) if layer.gate_up is not None else _moe(layer, spec, h))
+        if trace is not None:
+            trace.append(x.clone())
     cache.length = end
     x = F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
     return w.lm_head(x).float()                                               # [T, V]
