@@ -272,10 +272,10 @@ def _run_head(order_ptr, ids_ptr, u):
 def _run_row(order_ptr, ids_ptr, u, j, e, P):
     """Pair index of the j-th row of the run of pairs sorted by expert that starts at position u, and
     whether that row exists (it is in range and chose the same expert e)."""
-    inside = u + j < P
-    pj = tl.load(order_ptr + u + j, mask=inside, other=0)
-    ej = tl.load(ids_ptr + pj, mask=inside, other=-1).to(tl.int64)
-    return pj, inside & (ej == e)
+    v = u + j
+    pj = tl.load(order_ptr + tl.minimum(v, P - 1))          # clamped: a valid pair, flagged below
+    ej = tl.load(ids_ptr + pj).to(tl.int64)
+    return pj, (v < P) & (ej == e)
 
 
 @triton.jit
@@ -307,16 +307,18 @@ def _gate_up_shared(x_ptr, ids_ptr, order_ptr, q1, o1, s1, p1, q3, o3, s3, p3, g
             for j in tl.static_range(R):
                 pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
                 t = pj // A
-                x1 = tl.load(x_ptr + t * K + i1, mask=(rows < K) & ok, other=0.0).to(tl.float32)
-                x3 = tl.load(x_ptr + t * K + i3, mask=(rows < K) & ok, other=0.0).to(tl.float32)
-                acc1 = tl.where(offs_r[:, None] == j, acc1 + tl.sum(x1[:, None] * w1, axis=0)[None, :], acc1)
-                acc3 = tl.where(offs_r[:, None] == j, acc3 + tl.sum(x3[:, None] * w3, axis=0)[None, :], acc3)
+                x1 = tl.load(x_ptr + t * K + i1).to(tl.float32)
+                x3 = tl.load(x_ptr + t * K + i3).to(tl.float32)
+                sel = (offs_r[:, None] == j) & ok
+                acc1 = tl.where(sel, acc1 + tl.sum(x1[:, None] * w1, axis=0)[None, :], acc1)
+                acc3 = tl.where(sel, acc3 + tl.sum(x3[:, None] * w3, axis=0)[None, :], acc3)
         for j in tl.static_range(R):
             pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
             a1 = tl.sum(tl.where(offs_r[:, None] == j, acc1, 0.0), axis=0)
             a3 = tl.sum(tl.where(offs_r[:, None] == j, acc3, 0.0), axis=0)
-            tl.atomic_add(gu_ptr + pj * N + offs_n, a1, mask=mask_n & ok)
-            tl.atomic_add(gu_ptr + P * N + pj * N + offs_n, a3, mask=mask_n & ok)
+            keep = ok.to(tl.float32)          # a row past the run adds zeros (its pair index is clamped)
+            tl.atomic_add(gu_ptr + pj * N + offs_n, a1 * keep, mask=mask_n)
+            tl.atomic_add(gu_ptr + P * N + pj * N + offs_n, a3 * keep, mask=mask_n)
 
 
 @triton.jit
@@ -340,15 +342,17 @@ def _down_shared(gu_ptr, ids_ptr, order_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P,
             w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
             for j in tl.static_range(R):
                 pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-                g = tl.load(gu_ptr + pj * HS + idx, mask=(idx >= 0) & ok, other=0.0)
-                v = tl.load(gu_ptr + P * HS + pj * HS + idx, mask=(idx >= 0) & ok, other=0.0)
+                g = tl.load(gu_ptr + pj * HS + idx)
+                v = tl.load(gu_ptr + P * HS + pj * HS + idx)
                 h = (g / (1.0 + tl.exp(-g)) * v).to(tl.float16).to(tl.float32)
-                acc = tl.where(offs_r[:, None] == j, acc + tl.sum(h[:, None] * w, axis=0)[None, :], acc)
+                sel = (offs_r[:, None] == j) & ok
+                acc = tl.where(sel, acc + tl.sum(h[:, None] * w, axis=0)[None, :], acc)
         for j in tl.static_range(R):
             pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-            rw = tl.load(rw_ptr + pj, mask=ok, other=0.0)
+            rw = tl.load(rw_ptr + pj)
             a = tl.sum(tl.where(offs_r[:, None] == j, acc, 0.0), axis=0)
-            tl.atomic_add(out_ptr + (pj // A) * NOUT + offs_n, a * rw, mask=(offs_n < NOUT) & ok)
+            keep = ok.to(tl.float32)          # a row past the run adds zeros (its pair index is clamped)
+            tl.atomic_add(out_ptr + (pj // A) * NOUT + offs_n, a * rw * keep, mask=offs_n < NOUT)
 
 
 def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
