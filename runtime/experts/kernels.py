@@ -63,49 +63,6 @@ def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, 
 
 
 @triton.jit
-def _gate_up_gemv(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr, N: tl.constexpr, A: tl.constexpr,
-                  BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
-                  BK: tl.constexpr, BN: tl.constexpr):
-    p = tl.program_id(0)
-    t = p // A
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
-    wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    acc1 = tl.zeros([BN], dtype=tl.float32)
-    acc3 = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + kk)).to(tl.float32)
-        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
-        acc1 += tl.sum(x1[:, None] * w1, axis=0)
-        x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + kk)).to(tl.float32)
-        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
-        acc3 += tl.sum(x3[:, None] * w3, axis=0)
-    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
-    tl.store(h_ptr + p * N + offs_n, h.to(tl.float16), mask=mask_n)
-
-
-@triton.jit
-def _down_gemv(h_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr, HS: tl.constexpr,
-               BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        xh = tl.load(h_ptr + p * HS + tl.load(p2 + e * K + kk)).to(tl.float32)
-        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
-        acc += tl.sum(xh[:, None] * w, axis=0)
-    rw = tl.load(rw_ptr + p)
-    tl.store(y_ptr + p * N + offs_n, acc * rw, mask=mask_n)
-
-
-@triton.jit
 def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr,
                      N: tl.constexpr, A: tl.constexpr, P,
                      BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
@@ -398,7 +355,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
-    if P <= GEMV_MAX_PAIRS and os.environ.get("MOEDESK_MOE_KERNEL") != "v1":
+    if P <= GEMV_MAX_PAIRS:
         return experts_decode(x, ids, weights, w1, w3, w2)
     I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
     x = x.contiguous()
@@ -407,25 +364,16 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     h = torch.empty((P, I1), dtype=torch.float16, device=x.device)
     y = torch.empty((P, H2), dtype=torch.float32, device=x.device)
     bk1, bk2 = _bk(w1, w3), _bk(w2)
-    if P <= GEMV_MAX_PAIRS:
-        bn = 32
-        _gate_up_gemv[(P, triton.cdiv(I1, bn))](
-            x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h, H, I1, A,
-            BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=bn, num_warps=4)
-        _down_gemv[(P, triton.cdiv(H2, bn))](
-            h, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1,
-            BITS=w2.bits, G=w2.group, BK=bk2, BN=bn, num_warps=4)
-    else:
-        bm, bn = (64 if P >= 4096 else 16), 64
-        pairs, bexp = align(ids_f, w1.num_experts, bm)
-        nb = bexp.numel()
-        _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
-            x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
-            H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
-            BM=bm, BK=bk1, BN=bn, num_warps=4)
-        _down_grouped[(nb, triton.cdiv(H2, bn))](
-            h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
-            BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
+    bm, bn = (64 if P >= 4096 else 16), 64
+    pairs, bexp = align(ids_f, w1.num_experts, bm)
+    nb = bexp.numel()
+    _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
+        x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
+        H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
+        BM=bm, BK=bk1, BN=bn, num_warps=4)
+    _down_grouped[(nb, triton.cdiv(H2, bn))](
+        h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
+        BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
     return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
 
