@@ -123,11 +123,11 @@ def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_RO
 def choose_prefill_attention(config, head_dim: int = 128) -> str:
     """Make sure exllamav2's attention for more than one row is causal on this torch and GPU.
 
-    Without flash-attn, exllamav2 runs prefill and verify attention through torch's SDPA with a
-    lower-right causal bias. On the test machine (torch 2.11, H200) the cuDNN backend SDPA picked for
-    it attended to later rows as well: every row saw the whole chunk. Check it on a small problem
-    against an explicit mask; if it is wrong, turn cuDNN's SDPA off and check again; if it is still
-    wrong, make exllamav2 use its matmul attention. Returns what runs."""
+    Without flash-attn, exllamav2 runs prefill attention through torch's SDPA with a lower-right
+    causal bias, whose support differs between torch versions and SDPA backends. Check it on a small
+    problem against an explicit mask; if it is wrong, turn cuDNN's SDPA off and check again; if it is
+    still wrong, make exllamav2 use its matmul attention. Returns what runs. (On the H200 test machine,
+    torch 2.11, the check passed: SDPA was causal there.)"""
     import torch.nn.functional as F
     try:
         from torch.nn.attention.bias import causal_lower_right
