@@ -197,3 +197,81 @@ def test_forwards_that_stage_offloaded_experts_run_the_loop(monkeypatch):
     eng.forward([1] * 7)
     eng.forward([1] * 8)
     assert g.steps == [(0, 7)] and eng.model.calls == [(7, 8)] and eng.position == 15
+
+
+# -- exllamav2's attention over several rows: its SDPA branch passes no causal mask; the wrapper does --
+
+class _Params:
+    """What the wrapper reads of exllamav2's attention Params."""
+    def __init__(self, causal=True):
+        self.paged, self.block_diag_layers, self._causal = False, set(), causal
+
+    def is_causal(self):
+        return self._causal
+
+
+def _noncausal_attn_torch(self, batch_size, q_len, q, k, v, params, cfg, causal=True):
+    """exllamav2 0.3.2's SDPA branch in effect: GQA by repetition, no mask at all."""
+    self.calls += 1
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+    return out.transpose(1, 2).reshape(batch_size, q_len, -1)
+
+
+def _explicit_causal(q, k, v, scale):
+    """Softmax with a lower-right causal mask, one batch, float64: [rows, heads, D] inputs."""
+    q, k, v = (t[0].double().transpose(0, 1) for t in (q, k, v))
+    g = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    rows, kv = q.shape[1], k.shape[1]
+    allowed = torch.arange(kv)[None, :] <= torch.arange(rows)[:, None] + (kv - rows)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(0, 1).reshape(1, rows, -1)
+
+
+@pytest.mark.parametrize("rows,kv", [(24, 24), (5, 29), (1, 7)])
+def test_prefill_attention_wrapper_is_causal(rows, kv):
+    from types import SimpleNamespace
+    from runtime.backends.exl2 import causal_sdpa_attention
+    heads, kv_heads, D = 8, 2, 16
+    fake = SimpleNamespace(scaling=D ** -0.5, sliding_window=0, layer_idx=0, calls=0)
+    cfg = SimpleNamespace(no_sdpa=False, attn_logit_softcapping=None)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(1, rows, heads, D, generator=g)
+    k, v = (torch.randn(1, kv, kv_heads, D, generator=g) for _ in range(2))
+    want = _explicit_causal(q, k, v, fake.scaling)
+    if rows > 1:        # the stand-in really is exllamav2's bug: without a mask the first rows see the future
+        bad = _noncausal_attn_torch(fake, 1, rows, q, k, v, _Params(), cfg)
+        assert (bad.double() - want).abs().max() > 1e-2
+    fixed = causal_sdpa_attention(_noncausal_attn_torch)
+    fake.calls = 0
+    got = fixed(fake, 1, rows, q, k, v, _Params(), cfg)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert fake.calls == (1 if rows == 1 else 0)        # one row: nothing to mask, exllamav2's own path
+
+
+def test_prefill_attention_wrapper_leaves_other_cases_to_exllamav2():
+    from types import SimpleNamespace
+    from runtime.backends.exl2 import causal_sdpa_attention
+    fixed = causal_sdpa_attention(_noncausal_attn_torch)
+    assert fixed.wraps_exllamav2 is _noncausal_attn_torch
+    q = torch.randn(1, 4, 2, 8)
+    ok = SimpleNamespace(no_sdpa=False, attn_logit_softcapping=None)
+    cases = [
+        (dict(), ok, _Params(causal=False), True),                       # an input mask: exllamav2 builds it
+        (dict(sliding_window=2), ok, _Params(), True),
+        (dict(), SimpleNamespace(no_sdpa=True, attn_logit_softcapping=None), _Params(), True),
+        (dict(), SimpleNamespace(no_sdpa=False, attn_logit_softcapping=30.0), _Params(), True),
+        (dict(), ok, _Params(), False),                                    # causal=False requested
+    ]
+    for extra, cfg, params, causal in cases:
+        fake = SimpleNamespace(**{"scaling": 0.3, "sliding_window": 0, "layer_idx": 0, "calls": 0, **extra})
+        fixed(fake, 1, 4, q, q, q, params, cfg, causal)
+        assert fake.calls == 1, (extra, cfg, causal)
+    params = _Params()
+    params.block_diag_layers = {0}
+    fake = SimpleNamespace(scaling=0.3, sliding_window=0, layer_idx=0, calls=0)
+    fixed(fake, 1, 4, q, q, q, params, ok)
+    assert fake.calls == 1

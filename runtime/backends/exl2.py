@@ -120,48 +120,93 @@ def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_RO
     return len(seen)
 
 
-def choose_prefill_attention(config, head_dim: int = 128) -> str:
-    """Make sure exllamav2's attention for more than one row is causal on this torch and GPU.
+def causal_sdpa_attention(original):
+    """exllamav2's `ExLlamaV2Attention._attn_torch`, with the SDPA branch made causal.
 
-    Without flash-attn, exllamav2 runs prefill attention through torch's SDPA with a lower-right
-    causal bias, whose support differs between torch versions and SDPA backends. Check it on a small
-    problem against an explicit mask; if it is wrong, turn cuDNN's SDPA off and check again; if it is
-    still wrong, make exllamav2 use its matmul attention. Returns what runs. (On the H200 test machine,
-    torch 2.11, the check passed: SDPA was causal there.)"""
+    Without flash-attn and xformers, exllamav2 0.3.2 runs attention for more than one row in
+    `_attn_torch`. Its SDPA branch picks the mask with `if layer in block_diag_layers or causal:`
+    and so, for ordinary causal attention, passes `get_block_diag_mask()`, which is None without
+    packed sequences: SDPA then attends to every row, the future included. Prefill and multi-row
+    verify were silently non-causal (the first rows of a prompt saw the whole prompt). This wrapper
+    handles the ordinary case (causal, no input mask, no sliding window, no soft-capping) with
+    SDPA and a lower-right causal bias, and leaves every other case to exllamav2."""
     import torch.nn.functional as F
-    try:
-        from torch.nn.attention.bias import causal_lower_right
-    except ImportError:
-        return "matmul (this torch has no lower-right causal bias)"
+    from torch.nn.attention.bias import causal_lower_right
 
-    def causal_ok() -> bool:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        for q_len, kv_len in ((24, 24), (5, 29)):
-            q, k, v = (torch.randn(1, 8, n, head_dim, device="cuda", dtype=torch.float16, generator=g)
-                       for n in (q_len, kv_len, kv_len))
-            allowed = (torch.arange(kv_len, device="cuda")[None, :]
-                       <= torch.arange(q_len, device="cuda")[:, None] + (kv_len - q_len))
-            s = (q.float() @ k.float().transpose(-1, -2)) / head_dim ** 0.5
-            ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v.float()
-            got = F.scaled_dot_product_attention(q, k, v, causal_lower_right(q_len, kv_len),
-                                                 scale=1 / head_dim ** 0.5).float()
-            if ((got - ref).norm() / ref.norm()).item() > 1e-2:
-                return False
-        return True
+    def _attn_torch(self, batch_size, q_len, q_states, k_states, v_states, attn_params, cfg, causal=True):
+        if (not causal or q_len == 1 or cfg.no_sdpa or cfg.attn_logit_softcapping or self.sliding_window
+                or getattr(attn_params, "paged", False) or not attn_params.is_causal()
+                or self.layer_idx in attn_params.block_diag_layers):
+            return original(self, batch_size, q_len, q_states, k_states, v_states, attn_params, cfg, causal)
+        q, k, v = (t.transpose(1, 2) for t in (q_states, k_states, v_states))     # [B, heads, rows, D]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:                  # kv head j serves query heads j*groups .. j*groups + groups-1
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, causal_lower_right(q_len, k.shape[2]), scale=self.scaling)
+        return out.transpose(1, 2).reshape(batch_size, q_len, q.shape[1] * q.shape[3])
 
-    forced = os.environ.get("MOEDESK_PREFILL_ATTN")       # sdpa | sdpa-nocudnn | matmul: for comparisons
-    if forced == "matmul":
+    _attn_torch.wraps_exllamav2 = original
+    return _attn_torch
+
+
+def prefill_attention_is_causal(attn_torch, config, head_dim: int = 128) -> bool:
+    """Run `attn_torch` (an `_attn_torch` as above) on small problems, a fresh prompt and rows
+    appended to a cache, against softmax with an explicit causal mask, in float32."""
+    from types import SimpleNamespace
+    from exllamav2.attn_params import Params
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads = 8, 2
+    fake = SimpleNamespace(scaling=head_dim ** -0.5, sliding_window=0, layer_idx=0,
+                           num_key_value_groups=heads // kv_heads)
+    fake.repeat_kv = lambda x, n: x if n == 1 else x.repeat_interleave(n, dim=1)
+    for q_len, kv_len in ((24, 24), (5, 29)):
+        q = torch.randn(1, q_len, heads, head_dim, device="cuda", dtype=torch.float16, generator=g)
+        k, v = (torch.randn(1, kv_len, kv_heads, head_dim, device="cuda", dtype=torch.float16, generator=g)
+                for _ in range(2))
+        params = Params(1, q_len, kv_len - q_len)
+        got = attn_torch(fake, 1, q_len, q, k, v, params, config).float().view(q_len, heads, head_dim)
+        qf, kf, vf = q[0].float().transpose(0, 1), k[0].float().transpose(0, 1), v[0].float().transpose(0, 1)
+        kf, vf = kf.repeat_interleave(heads // kv_heads, 0), vf.repeat_interleave(heads // kv_heads, 0)
+        allowed = (torch.arange(kv_len, device="cuda")[None, :]
+                   <= torch.arange(q_len, device="cuda")[:, None] + (kv_len - q_len))
+        s = (qf @ kf.transpose(-1, -2)) * head_dim ** -0.5
+        ref = (torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ vf).transpose(0, 1)
+        if ((got - ref).norm() / ref.norm()).item() > 1e-2:
+            return False
+    return True
+
+
+def choose_prefill_attention(config, head_dim: int = 128) -> str:
+    """Make exllamav2's attention for more than one row causal, check it, and say what runs.
+
+    flash-attn or xformers, when installed, are exllamav2's choice and are causal. Otherwise its
+    `_attn_torch` runs, and its SDPA branch is not causal (`causal_sdpa_attention`): it is replaced,
+    once per process, by the wrapper, then checked on a small problem; if the check fails (a torch
+    whose SDPA backends mishandle the lower-right bias), cuDNN's SDPA is turned off and, failing that,
+    exllamav2's matmul attention (explicit mask) runs. `MOEDESK_PREFILL_ATTN=matmul` forces the latter."""
+    from exllamav2 import attn as xattn
+    if (xattn.has_flash_attn and not config.no_flash_attn) or (xattn.has_xformers and not config.no_xformers):
+        return "flash-attn" if xattn.has_flash_attn and not config.no_flash_attn else "xformers"
+    cls = xattn.ExLlamaV2Attention
+    if not hasattr(cls._attn_torch, "wraps_exllamav2"):
+        if not xattn.has_lower_right_sdpa:
+            config.no_sdpa = True
+            return "matmul (this torch has no lower-right causal bias)"
+        cls._attn_torch = causal_sdpa_attention(cls._attn_torch)
+    if os.environ.get("MOEDESK_PREFILL_ATTN") == "matmul":
         config.no_sdpa = True
         return "matmul (forced)"
-    if forced == "sdpa-nocudnn":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if forced or causal_ok():
-        return "sdpa" + (" (forced)" if forced else "")
+    if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
+        return "sdpa (causal)"
     torch.backends.cuda.enable_cudnn_sdp(False)
-    if causal_ok():
-        return "sdpa (cuDNN backend off: it ignored the causal mask)"
+    if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
+        return "sdpa (causal; cuDNN backend off: it mishandled the causal bias)"
     config.no_sdpa = True
-    return "matmul (SDPA ignored the causal mask)"
+    if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
+        return "matmul (SDPA mishandled the causal bias)"
+    raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
+                      "exllamav2's attention over several rows is not causal on this GPU and PyTorch, "
+                      "with SDPA or without: prompts would be read wrongly, so the model is not loaded.")
 
 
 def _cache_class(kind: str):

@@ -254,6 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time decoding with every draft accepted (labelled in the results)")
     p.add_argument("--prompt", choices=sorted(PROMPTS), help="run the lookup benchmark on this prompt only")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the reference engine (0 = all cores)")
+    p.add_argument("--vram-budget", type=float, help="cuda: VRAM budget in GB (experts beyond it offloaded)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
@@ -270,8 +271,9 @@ def run(args: argparse.Namespace) -> int:
     engines: dict[str, Any] = {}
     try:
         for name in copies:                      # the lookup benchmark decodes on one copy per mode
-            engines[name], _ = loader.load(folder, LoadOptions(offload=OffloadOptions(cpu_threads=args.threads)),
-                                           lambda *a: None)
+            off = OffloadOptions(cpu_threads=args.threads, vram_budget_gb=args.vram_budget,
+                                 context_length=max(4096, 2 * args.context))
+            engines[name], _ = loader.load(folder, LoadOptions(offload=off), lambda *a: None)
     except EngineError as e:
         for engine in engines.values():
             engine.close()
@@ -287,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         if args.what in ("verify", "all"):
             from runtime.speculative.bench_verify import verify_result
             fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say)
+            if args.vram_budget:
+                fields["vram_budget_gb"] = args.vram_budget
+                fields["offload"] = {k: v for k, v in engine.telemetry().items()
+                                     if k in ("expert_hit_rate", "pcie_bytes_per_token", "expert_residents")}
             written.append(write(args.out, f"spec-verify-cost-{label}", record(engine, label, **fields)))
         for p in written:
             say(f"wrote {p}")
