@@ -275,3 +275,14 @@ def test_prefill_attention_wrapper_leaves_other_cases_to_exllamav2():
     fake = SimpleNamespace(scaling=0.3, sliding_window=0, layer_idx=0, calls=0)
     fixed(fake, 1, 4, q, q, q, params, ok)
     assert fake.calls == 1
+
+
+def test_qwen3_head_norms_are_rms():
+    from types import SimpleNamespace
+    from runtime.backends.exl2 import rms_head_norms
+    for arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        cfg = SimpleNamespace(architecture=arch, arch=SimpleNamespace(lm=SimpleNamespace(headnorm="layernorm")))
+        assert rms_head_norms(cfg) and cfg.arch.lm.headnorm == "rmsnorm"
+        assert not rms_head_norms(cfg)                          # already right: nothing to change
+    cfg = SimpleNamespace(architecture="LlamaForCausalLM", arch=SimpleNamespace(lm=SimpleNamespace(headnorm="layernorm")))
+    assert not rms_head_norms(cfg) and cfg.arch.lm.headnorm == "layernorm"      # no head norms to fix

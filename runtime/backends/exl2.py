@@ -120,6 +120,20 @@ def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_RO
     return len(seen)
 
 
+def rms_head_norms(config) -> bool:
+    """Make exllamav2 normalise Qwen3's query/key heads with RMSNorm, as Qwen3 does; True if changed.
+
+    exllamav2 0.3.2 registers Qwen3 and Qwen3-MoE with `use_qk_norm` but leaves its architecture
+    default `headnorm = "layernorm"` (only Gemma 3 sets "rmsnorm"), so every head was mean-centred
+    before scaling: on the H200, layer 0's queries differed from the fp32 reference by 13% while
+    the q/k/v/o weights, norm weights and RoPE tables agreed to fp16 rounding."""
+    lm = config.arch.lm
+    if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and lm.headnorm != "rmsnorm":
+        lm.headnorm = "rmsnorm"
+        return True
+    return False
+
+
 def causal_sdpa_attention(original):
     """exllamav2's `ExLlamaV2Attention._attn_torch`, with the SDPA branch made causal.
 
@@ -403,6 +417,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
                           f"{path}: architecture {config.architecture} is not supported "
                           f"(supported: {', '.join(SUPPORTED)})")
+    rms_head_norms(config)
     prefill_attention = choose_prefill_attention(config, config.head_dim)
     config.max_seq_len = off.context_length
     config.max_input_len = min(2048, off.context_length)
