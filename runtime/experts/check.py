@@ -72,10 +72,13 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
     for T in rows:
         x = torch.randn(T, H, generator=g).half().to(device)
         r = route(x, layer.gate_w, layer.top_k)
-        y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
         ref = experts_reference(x, r, layer.w1, layer.w3, layer.w2)
-        err = ((y - ref).norm() / ref.norm()).item()
-        out.append(CheckResult(T, "splitk" if T * layer.top_k <= GEMV_MAX_PAIRS else "grouped", err))
+        few = T * layer.top_k <= GEMV_MAX_PAIRS
+        # few rows: the split-K GEMVs, and (verify rows of offloaded layers) the grouped kernels
+        for union in ((False, True) if few and T > 1 else (False,)):
+            y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
+            err = ((y - ref).norm() / ref.norm()).item()
+            out.append(CheckResult(T, "grouped(union)" if union else "splitk" if few else "grouped", err))
     return out
 
 
@@ -108,11 +111,14 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
         for T in rows:
             x = torch.randn(T, H, generator=g).half().to(device)
             r = route(x, ref.gate_w, top_k)
-            want = experts_forward(x, r.ids, r.weights, ref.w1, ref.w3, ref.w2)
-            got = experts_forward(x, r.ids, r.weights, *mgr.before(lo, T, r.ids))
-            mgr.after(lo)
-            path = ("splitk" if T * top_k <= GEMV_MAX_PAIRS else "grouped") + ("+staged" if stage else "+in place")
-            out.append(CheckResult(T, path, ((got - want).abs().max() / want.abs().max()).item()))
+            few = T * top_k <= GEMV_MAX_PAIRS
+            for union in ((False, True) if few and T > 1 else (False,)):
+                want = experts_forward(x, r.ids, r.weights, ref.w1, ref.w3, ref.w2, union_reads=union)
+                got = experts_forward(x, r.ids, r.weights, *mgr.before(lo, T, r.ids), union_reads=union)
+                mgr.after(lo)
+                path = ("grouped(union)" if union else "splitk" if few else "grouped") + (
+                    "+staged" if stage else "+in place")
+                out.append(CheckResult(T, path, ((got - want).abs().max() / want.abs().max()).item()))
     return out
 
 

@@ -24,9 +24,6 @@ from runtime.experts.pack import PackedExperts
 # Up to this many (token, expert) pairs, the split-K GEMVs (one weight read per pair); above, the grouped
 # kernels (one read per expert and block of rows). MOEDESK_GEMV_MAX_PAIRS overrides it, to compare.
 GEMV_MAX_PAIRS = int(os.environ.get("MOEDESK_GEMV_MAX_PAIRS", 64))
-# Verify forwards (2..8 rows) with one weight read per expert for all rows that chose it
-# (`_gate_up_shared`, `_down_shared`). Checked under the interpreter, not yet timed on a GPU: opt-in.
-SHARED_READS = os.environ.get("MOEDESK_SHARED_EXPERT_READS") == "1"
 # Every entry of an expert offset table (PackedExperts.woff) is a multiple of this many int32 words
 # (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
 WALIGN: tl.constexpr = tl.constexpr(16)
@@ -217,101 +214,6 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.cons
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
 
 
-@triton.jit
-def _run_head(order_ptr, ids_ptr, u):
-    """Expert of sorted position u, and whether u starts a run of pairs with that expert."""
-    e = tl.load(ids_ptr + tl.load(order_ptr + u)).to(tl.int64)
-    prev = tl.load(ids_ptr + tl.load(order_ptr + tl.maximum(u - 1, 0))).to(tl.int64)
-    return e, (u == 0) | (prev != e)
-
-
-@triton.jit
-def _run_row(order_ptr, ids_ptr, u, j, e, P):
-    """Pair index of the j-th row of the run of pairs sorted by expert that starts at position u, and
-    whether that row exists (it is in range and chose the same expert e)."""
-    v = u + j
-    pj = tl.load(order_ptr + tl.minimum(v, P - 1))          # clamped: a valid pair, flagged below
-    ej = tl.load(ids_ptr + pj).to(tl.int64)
-    return pj, (v < P) & (ej == e)
-
-
-@triton.jit
-def _gate_up_shared(x_ptr, ids_ptr, order_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr,
-                    N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
-                    BITS3: tl.constexpr, G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                    KSPLIT: tl.constexpr, R: tl.constexpr, RP: tl.constexpr):
-    """As `_gate_up_splitk`, over pairs sorted by expert (`order`): the program at the head of a run of
-    pairs that chose the same expert reads that expert's weights once for all (at most R) rows of the
-    run; the other programs exit. Rows of one verify forward that share an expert share its read."""
-    u = tl.program_id(0)
-    e, head = _run_head(order_ptr, ids_ptr, u)
-    if head:
-        wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)
-        wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask_n = offs_n < N
-        ks = tl.program_id(2) * (K // KSPLIT)
-        offs_r = tl.arange(0, RP)
-        acc1 = tl.zeros([RP, BN], dtype=tl.float32)
-        acc3 = tl.zeros([RP, BN], dtype=tl.float32)
-        for kk in range(0, K // KSPLIT, BK):
-            k0 = ks + kk
-            rows = k0 + tl.arange(0, BK)
-            i1 = tl.load(p1 + e * K + rows)
-            i3 = tl.load(p3 + e * K + rows)
-            w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
-            w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
-            for j in tl.static_range(R):
-                pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-                t = pj // A
-                x1 = tl.load(x_ptr + t * K + i1).to(tl.float32)
-                x3 = tl.load(x_ptr + t * K + i3).to(tl.float32)
-                sel = (offs_r[:, None] == j) & ok
-                acc1 = tl.where(sel, acc1 + tl.sum(x1[:, None] * w1, axis=0)[None, :], acc1)
-                acc3 = tl.where(sel, acc3 + tl.sum(x3[:, None] * w3, axis=0)[None, :], acc3)
-        for j in tl.static_range(R):
-            pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-            a1 = tl.sum(tl.where(offs_r[:, None] == j, acc1, 0.0), axis=0)
-            a3 = tl.sum(tl.where(offs_r[:, None] == j, acc3, 0.0), axis=0)
-            keep = ok.to(tl.float32)          # a row past the run adds zeros (its pair index is clamped)
-            tl.atomic_add(gu_ptr + pj * N + offs_n, a1 * keep, mask=mask_n)
-            tl.atomic_add(gu_ptr + P * N + pj * N + offs_n, a3 * keep, mask=mask_n)
-
-
-@triton.jit
-def _down_shared(gu_ptr, ids_ptr, order_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
-                 N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
-                 G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
-                 R: tl.constexpr, RP: tl.constexpr):
-    """As `_down_splitk`, one read of the expert's weights for the whole run (see `_gate_up_shared`)."""
-    u = tl.program_id(0)
-    e, head = _run_head(order_ptr, ids_ptr, u)
-    if head:
-        wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask_n = offs_n < N
-        ks = tl.program_id(2) * (K // KSPLIT)
-        offs_r = tl.arange(0, RP)
-        acc = tl.zeros([RP, BN], dtype=tl.float32)
-        for kk in range(0, K // KSPLIT, BK):
-            k0 = ks + kk
-            idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
-            w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
-            for j in tl.static_range(R):
-                pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-                g = tl.load(gu_ptr + pj * HS + idx)
-                v = tl.load(gu_ptr + P * HS + pj * HS + idx)
-                h = (g / (1.0 + tl.exp(-g)) * v).to(tl.float16).to(tl.float32)
-                sel = (offs_r[:, None] == j) & ok
-                acc = tl.where(sel, acc + tl.sum(h[:, None] * w, axis=0)[None, :], acc)
-        for j in tl.static_range(R):
-            pj, ok = _run_row(order_ptr, ids_ptr, u, j, e, P)
-            rw = tl.load(rw_ptr + pj)
-            a = tl.sum(tl.where(offs_r[:, None] == j, acc, 0.0), axis=0)
-            keep = ok.to(tl.float32)          # a row past the run adds zeros (its pair index is clamped)
-            tl.atomic_add(out_ptr + (pj // A) * NOUT + offs_n, a * rw * keep, mask=offs_n < NOUT)
-
-
 def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
     """K tile: within one scale group, a whole number of words, at most `cap` rows."""
     bk = cap
@@ -347,15 +249,20 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
-                    w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
+                    w3: PackedExperts, w2: PackedExperts, union_reads: bool = False) -> torch.Tensor:
     """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
+
+    union_reads: use the grouped kernels even for few pairs, so each chosen expert's weights are read
+    once per block of rows instead of once per (row, expert) pair. For offloaded layers, whose cold
+    experts are read over PCIe: on the H200 (qwen3-30b-a3b, 8 GB budget) verifying 8 rows per pair
+    cost 6.5x the one-row step, 9 rows through the grouped kernels 1.3x.
 
     Stored column counts may be padded to 32 (padding dequantizes to 0): gate/up write I' >= I
     columns of h, down reads its first I; down's H' >= H columns are cut to H."""
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
-    if P <= GEMV_MAX_PAIRS:
+    if P <= GEMV_MAX_PAIRS and not (union_reads and T > 1):
         return experts_decode(x, ids, weights, w1, w3, w2)
     I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
     x = x.contiguous()
@@ -480,20 +387,8 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=128)
     x = x.contiguous()
 
-    shared = T > 1 and SHARED_READS
-    if shared:                       # pairs sorted by expert: one weight read per run of rows sharing it
-        order = torch.argsort(ids_f, stable=True).to(torch.int32)
-        R = T                        # a token chooses an expert at most once: runs have at most T rows
-        RP = max(2, triton.next_power_of_2(R))
-
     def gate_up(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(I1, c.bn), c.ksplit)
-        if shared:
-            _gate_up_shared[grid](
-                x, ids_f, order, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales,
-                w3.perm, dst, P, K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
-                BK=bk1, BN=c.bn, KSPLIT=c.ksplit, R=R, RP=RP, num_warps=c.warps)
-            return
         _gate_up_splitk[grid](
             x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
@@ -501,18 +396,12 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
     def down(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
-        if shared:
-            _down_shared[grid](
-                gu, ids_f, order, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1,
-                NOUT=H, A=A, BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, R=R, RP=RP,
-                num_warps=c.warps)
-            return
         _down_splitk[grid](
             gu, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
 
-    key1 = ("gate_up", shared, H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
-    key2 = ("down", shared, I2, H2, P, w2.bits, w2.group, x.device)
+    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
+    key2 = ("down", I2, H2, P, w2.bits, w2.group, x.device)
     if key1 not in _CHOSEN or key2 not in _CHOSEN:
         scratch = torch.empty_like(buf)
         c1 = _choose(key1, _candidates(H, I1, P, bk1), lambda c: gate_up(c, scratch[: 2 * P * I1]))

@@ -72,7 +72,9 @@ class ExpertLayer:
             if self.offload is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
             m = self.offload.manager                          # runtime/experts/manager.py
-            y = experts_forward(x, ids, w, *m.before(self.offload, x.shape[0], ids))
+            # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.
+            union = x.shape[0] > 1 and self.offload.path != "vram"
+            y = experts_forward(x, ids, w, *m.before(self.offload, x.shape[0], ids), union_reads=union)
             m.after(self.offload)
             return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)
