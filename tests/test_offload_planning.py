@@ -174,3 +174,31 @@ def test_more_experts_than_slots_are_split_into_rounds_each_read_once():
         assert len({a.slot for a in r}) == len(r)
     with pytest.raises(ValueError, match="out of range"):
         t.plan([16])
+
+
+# -- the offload benchmark's routing figures (pure arithmetic; the benchmark itself runs on the GPU) --
+
+def test_routing_concentration_and_uniform_roofline():
+    from types import SimpleNamespace
+    import numpy as np
+    from runtime.backends.bench_offload import routing_concentration, uniform_roofline
+    uniform = np.full((3, 128), 1 / 128)
+    assert routing_concentration(uniform) == {"top8": 0.0625, "top16": 0.125, "top32": 0.25, "top64": 0.5}
+    skewed = np.zeros((2, 128))
+    skewed[:, 5:13] = 0.1                           # 8 experts take 80% of the picks, in any position
+    skewed[:, 13:] = 0.2 / 115
+    skewed[:, :5] = 0.0
+    assert abs(routing_concentration(skewed)["top8"] - 0.8) < 1e-12
+    assert routing_concentration(np.full((1, 16), 1 / 16)) == {"top8": 0.5, "top16": 1.0}   # E < 32
+
+    def layer(residents):
+        return SimpleNamespace(expert_slot=dict.fromkeys(range(residents)), code_bytes=1000,
+                               layer=SimpleNamespace(num_experts=128))
+    engine = SimpleNamespace(info=SimpleNamespace(experts_per_token=8),
+                             offload=SimpleNamespace(layers=[layer(32), layer(96)]))
+    r = uniform_roofline(engine, hbm_other=4000.0, hbm=1e6, h2d=1e4)
+    # cold shares 3/4 and 1/4 of 8 experts of 1000 bytes: 6000 + 2000 over PCIe, 2000 + 6000 from HBM
+    assert r["pcie_bytes_per_token"] == 8000
+    t_gpu, t_pcie = (4000 + 8000) / 1e6, 8000 / 1e4
+    assert abs(r["serial_tps"] - 1 / (t_gpu + t_pcie)) < 1e-9
+    assert abs(r["overlapped_tps"] - 1 / t_pcie) < 1e-9

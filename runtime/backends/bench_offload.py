@@ -2,17 +2,22 @@
 the naive baseline in the same run.
 
     python -m runtime.backends.bench_offload --model DIR --budgets 24,12,48 --context 8192 \
-        --prompt 2048 --decode 128 [--naive-decode 32] [--no-naive] [--reload] [--label q125-a11] \
-        [--bpw 3.0] [--out bench/results]
+        --prompt 2048 --decode 128 [--naive-decode 32] [--no-naive] [--reload] [--calibrate 256] \
+        [--label q125-a11] [--bpw 3.0] [--out bench/results]
 
 The model loads once, at the first budget; the others are applied with `set_vram_budget` (the same
-planner as at load, allocator cap moved) unless --reload. Per budget (batch 1, greedy argmax on the
-GPU, every shape warmed up first):
+planner as at load, allocator cap moved) unless --reload. After each load, --calibrate N tokens of a
+random stream are decoded and the placement is planned again from the routing statistics they left
+(without it the first budget runs on uniform statistics and later ones on what earlier budgets
+learned, so budgets are not comparable). Per budget (batch 1, greedy argmax on the GPU, every shape
+warmed up first):
 - time to first token for a --prompt prompt (prefill with double-buffered staging of cold experts);
 - decode tokens/s over --decode tokens (graph-captured step; cold experts read in place over PCIe);
 - expert hit rate and bytes per decoded token: expert codes over PCIe, weights from HBM;
 - the roofline for that placement: HBM bytes / HBM bandwidth + PCIe bytes / host->device bandwidth,
   serial and perfectly overlapped (ceilings measured on the rig, and measured again in this run);
+- how concentrated the routing is (share of picks taken by each layer's most-picked experts), and the
+  roofline if routing were uniform over the experts (the resident share as the hit rate);
 - the naive baseline on the same placement: layer loop, a host synchronisation per layer, every cold
   expert a step chose copied into VRAM on demand, nothing overlapped.
 """
@@ -94,6 +99,36 @@ def decode(engine, tok: int, n: int, seed: int = 5) -> tuple[float, int]:
     return n / (time.perf_counter() - t), tok
 
 
+def calibrate(engine, n: int, budget_gb: float) -> None:
+    """Decode n tokens of a random stream (routing statistics of this model), then plan the placement
+    again from them at the same budget."""
+    engine.reset()
+    engine.forward(_prompt(engine, 16, 7))
+    decode(engine, 0, n, seed=11)
+    engine.set_vram_budget(budget_gb)
+
+
+def routing_concentration(freq, tops: tuple[int, ...] = (8, 16, 32, 64)) -> dict[str, float]:
+    """freq [L, E] routing shares -> mean over layers of the share the `top` most-picked experts take
+    (uniform routing over E experts gives top / E)."""
+    import numpy as np
+    f = -np.sort(-np.asarray(freq, dtype=np.float64), axis=1)
+    return {f"top{t}": float(f[:, :t].sum(axis=1).mean()) for t in tops if t <= f.shape[1]}
+
+
+def uniform_roofline(engine, hbm_other: float, hbm: float, h2d: float) -> dict[str, float]:
+    """Tokens/s bound of this placement if every expert were picked equally often: per layer,
+    top_k * (1 - residents / E) expert codes over PCIe, the rest from HBM. hbm_other: the HBM bytes
+    per token that are not expert codes (dense weights, expert scales and permutations)."""
+    top_k, pcie, vram = engine.info.experts_per_token, 0.0, 0.0
+    for lo in engine.offload.layers:
+        hot = len(lo.expert_slot) / lo.layer.num_experts
+        pcie += top_k * (1 - hot) * lo.code_bytes
+        vram += top_k * hot * lo.code_bytes
+    t_gpu, t_pcie = (hbm_other + vram) / hbm, pcie / h2d
+    return {"pcie_bytes_per_token": pcie, "serial_tps": 1 / (t_gpu + t_pcie), "overlapped_tps": 1 / max(t_gpu, t_pcie)}
+
+
 def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float, h2d: float) -> dict[str, Any]:
     ids = _prompt(engine, prompt, 1)
     # warm-up: every kernel shape compiled, the graph buckets of the decode below captured
@@ -142,6 +177,8 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "roofline": {"serial_tps": 1 / (t_gpu + t_pcie), "overlapped_tps": 1 / max(t_gpu, t_pcie),
                      "gpu_s": t_gpu, "pcie_s": t_pcie},
         "roofline_fraction_overlapped": tps * max(t_gpu, t_pcie),
+        "routing_concentration": routing_concentration(engine.offload.stats.frequencies()),
+        "roofline_uniform_routing": uniform_roofline(engine, hbm_bytes - vram_codes, hbm, h2d),
         "telemetry": {k: v for k, v in tel.items() if k not in ("vram_budget_items",)},
     }
     if n_naive:
@@ -181,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--naive-decode", type=int, default=32, help="decode tokens for the (slow) naive baseline")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--reload", action="store_true", help="load the model again for every budget")
+    ap.add_argument("--calibrate", type=int, default=256,
+                    help="tokens decoded after each load before planning again from their routing (0: off)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -208,8 +247,12 @@ def main(argv=None) -> int:
             "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,
-            "notes": ("Synthetic random-weight EXL2 model (near-uniform routing: the hit rate is about the resident "
-                      "share). Batch 1, greedy argmax on the GPU. Cold experts' codes live in page-locked host RAM "
+            "calibration_tokens": a.calibrate,
+            "notes": ("Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
+                      "routing_concentration), so each budget also gives the roofline under uniform routing. "
+                      f"Placement planned from the routing of {a.calibrate} calibration tokens after the load"
+                      + (" (none: the first budget ran on uniform statistics)" if not a.calibrate else "")
+                      + ". Batch 1, greedy argmax on the GPU. Cold experts' codes live in page-locked host RAM "
                       "and are read in place by the decode kernels (zero-copy over PCIe); prefill stages each "
                       "layer's cold experts into VRAM, double-buffered. Roofline: HBM bytes (dense weights, expert "
                       "scales and permutations, resident expert codes) / HBM copy bandwidth and expert codes over "
@@ -235,6 +278,9 @@ def main(argv=None) -> int:
                                                           placement="stream"))
                 engine, applied = exl2.load(a.model, opts, lambda *x: None)
                 how = "load"
+                if a.calibrate:
+                    calibrate(engine, a.calibrate, b)
+                    how = f"load, {a.calibrate} calibration tokens, planned again"
             else:
                 engine.set_vram_budget(b)
                 applied, how = None, "set_vram_budget"
@@ -252,7 +298,9 @@ def main(argv=None) -> int:
             nv = r.get("naive") or {}
             print(f"budget {b:g} GB: decode {r['decode_tps']:.1f} tok/s (roofline {r['roofline']['overlapped_tps']:.1f} "
                   f"overlapped, {r['roofline']['serial_tps']:.1f} serial), ttft {r['ttft_s']:.2f} s, hit rate "
-                  f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token; naive: decode "
+                  f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token, uniform-routing roofline "
+                  f"{r['roofline_uniform_routing']['overlapped_tps']:.1f}, top-8 experts take "
+                  f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:
