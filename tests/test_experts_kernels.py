@@ -104,3 +104,19 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     top_k = int(args[args.index("--top-k") + 1])
     union = sum(1 < t and t * top_k <= 64 for t in rows)
     assert r.stdout.count(" ok") == 2 * (len(rows) + union), r.stdout     # in place and staged
+
+
+@pytest.mark.parametrize("bits,splitk", [("4", None), ("3", None), ("4", "32x3"), ("4", "128x2")])
+def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
+    """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
+    apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
+    for the default and the other launch shapes."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    if splitk:
+        env["MOEDESK_SPLITK"] = splitk
+    args = ["--experts", "6", "--hidden", "96", "--inter", "64", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
+    r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", "--skip", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count(" ok") == 6 and "FAIL" not in r.stdout, r.stdout
+    assert r.stdout.count("cpu host") in (0, 3), r.stdout                 # one row: the host function

@@ -36,6 +36,7 @@ class OffloadSetup:
     policy: str
     capped: bool                            # the allocator fraction was lowered (restore at close)
     applied: dict[str, str] = field(default_factory=dict)
+    cpu_threads: int = 0                    # the CPU expert path's threads (0: the physical cores)
     stats_warning: Optional[str] = None
 
     @property
@@ -112,13 +113,24 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
                else "this model has no offloadable experts" if not own_moe
                else "the model fits the VRAM budget: every expert stays in VRAM")
         applied["offload.ram_budget_gb"] = f"ignored: {why}"
-    if off.placement == "cpu":
-        applied["offload.placement"] = ("ignored: the CPU expert path is not wired into this engine yet; "
-                                        "cold experts are read from host RAM by the GPU ('stream')")
-    else:
-        applied["offload.placement"] = "applied"
-    applied["offload.cpu_threads"] = "ignored: the CPU expert path is not wired into this engine yet"
-    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied)
+    applied["offload.placement"] = "applied"           # the CPU path's part: settled by `start`
+    applied["offload.cpu_threads"] = ("ignored: no expert is offloaded" if ram is None else
+                                      "ignored: the CPU expert path is opt-in (placement 'cpu')")
+    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
+                        cpu_threads=off.cpu_threads)
+
+
+def cpu_path_applied(setup: OffloadSetup, manager) -> None:
+    """After placement: whether the CPU expert path runs, in `setup.applied` (placement, cpu_threads)."""
+    if manager.cpu_active:
+        setup.applied["offload.placement"] = "applied"
+        setup.applied["offload.cpu_threads"] = "applied"
+        return
+    setup.applied["offload.cpu_threads"] = f"ignored: {manager.cpu_reason}"
+    if setup.policy == "cpu":
+        setup.applied["offload.placement"] = (f"ignored: no layer computes experts on the CPU "
+                                              f"({manager.cpu_reason}); cold experts are read from host "
+                                              "RAM by the GPU ('stream')")
 
 
 def prefill_scratch_bytes(config) -> int:
@@ -156,12 +168,14 @@ def start(setup: OffloadSetup, model, config, path: Path):
     stats_file = stats_path(cache_dir(), path)
     stats, warning = RoutingStats.load(stats_file, len(layers), layers[0].num_experts)
     setup.stats_warning = warning
-    manager = OffloadManager(layers, vram, setup.policy, stats, stats_file)
+    manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
+                             cpu_threads=setup.cpu_threads, ram=setup.ram)
     try:
         manager.place()
     except BudgetError as e:
         manager.close()
         raise budget_error(e) from None
+    cpu_path_applied(setup, manager)
     log.info("offload: %s; RAM %s", vram.report(), gb(setup.ram.used_bytes))
     return manager
 

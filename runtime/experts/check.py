@@ -9,6 +9,7 @@ when any exceeds the tolerance.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -122,6 +123,43 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     return out
 
 
+def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device: str,
+               bits_prop=None, group_size: int = 32, seed: int = 3) -> list[CheckResult]:
+    """The split-K kernels with a skip mask (the CPU path's experts left out) plus those experts
+    computed apart (by the CPU path's host function when its kernel builds, else the oracle) against
+    the kernels without a mask. `rel_err`: largest difference relative to the largest output."""
+    from runtime.experts.kernels import experts_forward
+    layer = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
+    g = torch.Generator().manual_seed(seed)
+    cpu = None
+    try:
+        from runtime.experts.cpu_path import CpuPath
+        cpu = CpuPath((layer.w1, layer.w3, layer.w2), list(range(E)), top_k, threads=1, device="cpu") \
+            if device == "cpu" else None
+    except ValueError:
+        cpu = None
+    out = []
+    for T in rows:
+        for masked in ([], list(range(0, E, 2)), list(range(E))):
+            skip = torch.zeros(E, dtype=torch.uint8)
+            skip[masked] = 1
+            x = torch.randn(T, H, generator=g).half().to(device)
+            r = route(x, layer.gate_w, top_k)
+            want = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
+            got = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, skip=skip.to(device))
+            keep = skip.to(device)[r.ids].float()
+            if cpu is not None and T == 1:
+                for e in range(E):
+                    cpu.own(e, e in masked)
+                apart, how = cpu.run_host(x, r.ids.to(torch.int32), r.weights), "cpu host"
+            else:
+                apart, how = experts_reference(x, dataclasses.replace(r, weights=r.weights * keep),
+                                               layer.w1, layer.w3, layer.w2), "oracle"
+            err = ((got + apart.to(got.device) - want).abs().max() / want.abs().max()).item()
+            out.append(CheckResult(T, f"skip {len(masked)}/{E}+{how}", err))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,9 +172,19 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=32, help="rows per scale group")
     ap.add_argument("--offload", action="store_true",
                     help="compare half the experts cold (host memory) with all resident, exactly")
+    ap.add_argument("--skip", action="store_true",
+                    help="split-K kernels with a skip mask + the skipped experts computed apart vs no mask")
     a = ap.parse_args(argv)
     bits = [int(b) for b in a.bits.split(",")]
     props = None if len(bits) == 1 else [1 / len(bits)] * len(bits)
+    if a.skip:
+        bad = 0
+        for r in check_skip(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0],
+                            [int(x) for x in a.rows.split(",")], a.device, props, a.group):
+            ok = r.rel_err < TOLERANCE
+            bad += not ok
+            print(f"rows {r.rows:4d}  {r.path:22s}  max diff {r.rel_err:.2e}  {'ok' if ok else 'FAIL'}")
+        return 1 if bad else 0
     if a.offload:
         # On the CPU (the interpreter) both runs add in the same order: equal bit for bit. On the GPU
         # the split-K atomics add in any order: equal to fp32 rounding of the sums.

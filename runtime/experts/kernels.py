@@ -161,13 +161,9 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.
 
 
 @triton.jit
-def _gate_up_splitk(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr, N: tl.constexpr,
-                    A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
-                    G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
-    """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller)."""
-    p = tl.program_id(0)
-    t = p // A
-    e = tl.load(ids_ptr + p).to(tl.int64)
+def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K: tl.constexpr,
+                         N: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
+                         G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
     wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -189,14 +185,29 @@ def _gate_up_splitk(x_ptr, ids_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K
 
 
 @triton.jit
-def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr, N: tl.constexpr,
-                 HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
-                 G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
-    """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
-    weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller)."""
+def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr,
+                    N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
+                    BITS3: tl.constexpr, G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                    KSPLIT: tl.constexpr, SKIP: tl.constexpr):
+    """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller).
+    SKIP: a pair whose expert has skip_ptr[e] != 0 (uint8 [E], computed elsewhere: the CPU path)
+    reads nothing and adds nothing; without SKIP, skip_ptr is not read."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if SKIP:
+        if tl.load(skip_ptr + e) == 0:
+            _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K, N,
+                                 BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
+    else:
+        _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K, N,
+                             BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
+
+
+@triton.jit
+def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K: tl.constexpr, N: tl.constexpr,
+                      HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                      BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
@@ -212,6 +223,26 @@ def _down_splitk(gu_ptr, ids_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.cons
         acc += tl.sum(h[:, None] * w, axis=0)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
+
+
+@triton.jit
+def _down_splitk(gu_ptr, ids_ptr, skip_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
+                 N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
+                 G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
+                 SKIP: tl.constexpr):
+    """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
+    weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller).
+    SKIP: as _gate_up_splitk (a skipped pair adds nothing to out)."""
+    p = tl.program_id(0)
+    t = p // A
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if SKIP:
+        if tl.load(skip_ptr + e) == 0:
+            _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K, N, HS, NOUT,
+                              BITS, G, BK, BN, KSPLIT)
+    else:
+        _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K, N, HS, NOUT,
+                          BITS, G, BK, BN, KSPLIT)
 
 
 def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
@@ -249,8 +280,12 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
-                    w3: PackedExperts, w2: PackedExperts, union_reads: bool = False) -> torch.Tensor:
+                    w3: PackedExperts, w2: PackedExperts, union_reads: bool = False,
+                    skip: torch.Tensor | None = None) -> torch.Tensor:
     """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
+
+    skip: uint8 [E] on the device; pairs whose expert is marked are left out (their experts are
+    computed on the CPU: runtime/experts/cpu_path.py). Split-K GEMVs only (few pairs, no union_reads).
 
     union_reads: use the grouped kernels even for few pairs, so each chosen expert's weights are read
     once per block of rows instead of once per (row, expert) pair. For offloaded layers, whose cold
@@ -263,7 +298,10 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     A = ids.shape[1]
     P = T * A
     if P <= GEMV_MAX_PAIRS and not (union_reads and T > 1):
-        return experts_decode(x, ids, weights, w1, w3, w2)
+        return experts_decode(x, ids, weights, w1, w3, w2, skip)
+    if skip is not None:
+        raise ValueError(f"a skip mask needs the split-K GEMVs: {T} rows x {A} experts is more than "
+                         f"{GEMV_MAX_PAIRS} pairs, or union_reads is set")
     I1, I2, H2 = w1.out_features, w2.in_features, w2.out_features
     x = x.contiguous()
     ids_f = ids.reshape(P).to(torch.int32)
@@ -372,10 +410,17 @@ def _choose(key: tuple, candidates: list[SplitK], launch) -> SplitK:
 
 
 def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
-                   w3: PackedExperts, w2: PackedExperts) -> torch.Tensor:
+                   w3: PackedExperts, w2: PackedExperts, skip: torch.Tensor | None = None) -> torch.Tensor:
     """Few rows: split-K GEMVs with atomic accumulation; x fp16 [T, H] -> fp32 [T, H]. Three launches
     (one memset, gate+up, down); no intermediate leaves fp32. Launch shapes are timed once per shape
-    on the GPU (`_choose`)."""
+    on the GPU (`_choose`). skip: uint8 [E], see experts_forward (the launch shapes chosen without it
+    serve it too: a skipped pair's programs only return)."""
+    if skip is not None and (skip.dtype != torch.uint8 or skip.numel() != w1.num_experts
+                             or skip.device != x.device):
+        raise ValueError(f"skip mask: expected uint8 [{w1.num_experts}] on {x.device}, got "
+                         f"{skip.dtype} {list(skip.shape)} on {skip.device}")
+    has_skip = skip is not None
+    skip_t = skip if has_skip else ids          # not read without SKIP
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
@@ -390,15 +435,15 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     def gate_up(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(I1, c.bn), c.ksplit)
         _gate_up_splitk[grid](
-            x, ids_f, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
+            x, ids_f, skip_t, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
-            KSPLIT=c.ksplit, num_warps=c.warps)
+            KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
 
     def down(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
         _down_splitk[grid](
-            gu, ids_f, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
-            BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
+            gu, ids_f, skip_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+            BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
 
     key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
     key2 = ("down", I2, H2, P, w2.bits, w2.group, x.device)

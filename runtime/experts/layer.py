@@ -72,6 +72,15 @@ class ExpertLayer:
             if self.offload is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
             m = self.offload.manager                          # runtime/experts/manager.py
+            cpu = self.offload.cpu                            # runtime/experts/cpu_path.py
+            if cpu is not None and x.shape[0] == 1 and not m.naive:
+                # Decode: the CPU computes the experts it owns (host node on a side stream) while the
+                # GPU kernels skip them and read the other cold ones over PCIe.
+                stream = torch.cuda.current_stream(x.device)
+                cpu.launch(stream, x, ids, w)
+                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=cpu.skip)
+                m.after(self.offload)
+                return cpu.join(stream, y)
             # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.
             union = x.shape[0] > 1 and self.offload.path != "vram"
             y = experts_forward(x, ids, w, *m.before(self.offload, x.shape[0], ids), union_reads=union)

@@ -13,6 +13,12 @@
 - **Re-placement** (`step_boundary`, before each forward): routing counts are copied to the host
   without waiting (read at a later boundary); an expert whose decayed count beats the weakest
   resident's by a margin swaps in (offload.py's evict/promote/poll, never a host sync).
+- **CPU path** (placement "cpu", opt-in; runtime/experts/cpu_path.py): after each placement, per
+  layer the cold experts that balance the CPU's expected time against PCIe's
+  (placement.plan_cpu_split, from measured rates) get CPU copies; decode steps compute them on the
+  CPU inside the step's graph while the GPU kernels skip them. A promoted expert goes back to the
+  GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
+  at the next placement. Verify rows and prefill keep the GPU paths.
 - **Naive baseline** (`naive = True`, benchmark only, no graphs): every cold expert a step needs is
   copied into VRAM on demand after a host synchronisation per layer, nothing overlapped.
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -30,21 +37,27 @@ import numpy as np
 import torch
 
 from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.cpu_experts import CpuExpertsError
 from runtime.experts.layer import ExpertLayer
 from runtime.experts.offload import LayerOffload, cold_base, inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
-from runtime.experts.placement import plan_resident
+from runtime.experts.placement import CpuSplit, CpuSplitCosts, plan_cpu_split, plan_resident
 from runtime.experts.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
+CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, host node
+AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain on ...
+# ... once that path has been measured on a GPU; until then "auto" never takes it unless this is set.
+AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH") == "1"
 
 
 @inference_mode_methods
 class OffloadManager:
     def __init__(self, layers: list[ExpertLayer], vram: MemoryBudget, policy: str = "auto",
                  stats: Optional[RoutingStats] = None, stats_file: Optional[Path] = None,
-                 replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25):
+                 replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25,
+                 cpu_threads: int = 0, ram: Optional[MemoryBudget] = None):
         if not layers:
             raise ValueError("offload needs at least one MoE layer")
         self.layers = [LayerOffload(layer, i) for i, layer in enumerate(layers)]
@@ -57,6 +70,11 @@ class OffloadManager:
         self.cuda = self.device.type == "cuda"
         self.vram = vram
         self.policy = "stream" if policy in ("auto", "cpu") else policy
+        self.cpu_policy = policy                           # "cpu", or "auto" (with AUTO_CPU): the CPU path
+        self.cpu_threads, self.ram = cpu_threads, ram
+        self.cpu_reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
+        self.cpu_split: Optional[CpuSplit] = None
+        self.cpu_stream = None
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
@@ -140,6 +158,7 @@ class OffloadManager:
         for key in ("hot experts", "prefill staging"):
             self.vram.release(key)
         self.stage, self.stage_capacity = [], 0
+        self._drop_cpu_paths()
         for lo in self.layers:
             lo.set_slots(0)
         if self.cuda:
@@ -162,7 +181,74 @@ class OffloadManager:
         self._staged.clear()
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        self._build_cpu_paths(resident)
         log.info("expert placement: %s", ", ".join(f"{n} layers {k}" for k, n in self.path_counts().items()))
+
+    # -- the CPU path ----------------------------------------------------------------------------------
+
+    @property
+    def cpu_active(self) -> bool:
+        return any(lo.cpu is not None for lo in self.layers)
+
+    def _drop_cpu_paths(self) -> None:
+        for lo in self.layers:
+            if lo.cpu is not None:
+                lo.cpu.close()                        # its RAM back to the ledger
+                lo.cpu = None
+
+    def _build_cpu_paths(self, resident: list[list[int]]) -> None:
+        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why)."""
+        from runtime.experts import cpu_path
+        self.cpu_split = None
+        if self.cpu_policy != "cpu" and not (self.cpu_policy == "auto" and AUTO_CPU):
+            self.cpu_reason = ("the CPU expert path is opt-in (placement 'cpu') until it has been "
+                               "measured on a GPU")
+            return
+        if all(len(r) == self.E for r in resident):
+            self.cpu_reason = "every expert is in VRAM"
+            return
+        try:
+            threads = cpu_path.resolve_threads(self.cpu_threads)
+            costs = self._split_costs(resident)
+        except CpuExpertsError as e:
+            self.cpu_reason = f"the CPU expert kernel is unavailable: {e}"
+            return
+        split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs)
+        if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN:
+            self.cpu_reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
+            return
+        if not any(split.owned):
+            self.cpu_reason = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
+                               f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
+            return
+        if self.cuda and self.cpu_stream is None:
+            self.cpu_stream = torch.cuda.Stream(self.device)
+        try:
+            for lo, owned in zip(self.layers, split.owned):
+                if owned:
+                    lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
+                                              self.ram, self.device, self.cpu_stream)
+                    for e in owned:
+                        lo.cpu.own(e, True)
+        except BudgetError:
+            self._drop_cpu_paths()
+            raise
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.cpu_split, self.cpu_reason = split, ""
+        log.info("CPU expert path: %d threads, %s experts; predicted cold-expert time %.0f -> %.0f us/token",
+                 threads, sum(len(o) for o in split.owned), split.stream_s * 1e6, split.split_s * 1e6)
+
+    def _split_costs(self, resident: list[list[int]]) -> CpuSplitCosts:
+        """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
+        and, on a GPU, pinned host-to-device bandwidth."""
+        from runtime.experts import cpu_path
+        lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
+        cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
+        cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, self.cpu_threads)
+        pcie = cpu_path.pcie_bytes_per_s(self.device) if self.cuda else cpu_path.PCIE_GUESS
+        ratio = cpu_path.cpu_expert_bytes(lo.packs) / lo.code_bytes
+        return CpuSplitCosts(pcie, cpu, CPU_OVERHEAD_S, ratio)
 
     def path_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -366,9 +452,26 @@ class OffloadManager:
         with self.lock:
             hp = [lo.hit_counts() for lo in self.layers]
         hits, pairs = sum(h for h, _ in hp), sum(n for _, n in hp)
-        cold_bytes = sum((n - h) * lo.code_bytes for (h, n), lo in zip(hp, self.layers))
+        cpu = [lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0) for lo in self.layers]
+        cold_bytes = sum((n - h - c[2]) * lo.code_bytes for (h, n), c, lo in zip(hp, cpu, self.layers))
         moved = cold_bytes + sum(self.bytes.values())
-        return {
+        calls = max((c[1] for c in cpu), default=0)
+        cpu_tel = {
+            "cpu_expert_ms_per_token": sum(c[0] for c in cpu) / 1e6 / calls if calls else None,
+            "cpu_expert_pairs": sum(c[2] for c in cpu),
+            "cpu_expert_owned": [len(lo.cpu.owned_set) if lo.cpu is not None else 0 for lo in self.layers],
+            "cpu_expert_bytes_per_token": (sum(c[2] * lo.cpu.store.expert_bytes() for c, lo in zip(cpu, self.layers)
+                                               if lo.cpu is not None) / calls if calls else None),
+        }
+        if self.cpu_reason:
+            cpu_tel["cpu_expert_path"] = f"off: {self.cpu_reason}"
+        else:
+            cpu_tel["cpu_expert_path"] = "on"
+            cpu_tel["cpu_expert_predicted_gain"] = self.cpu_split.gain if self.cpu_split else None
+        bad = [f"layer {lo.index}: {c[3]}" for c, lo in zip(cpu, self.layers) if c[3]]
+        if bad:
+            cpu_tel["cpu_expert_errors"] = bad
+        return cpu_tel | {
             "expert_hit_rate": hits / pairs if pairs else None,
             "pcie_bytes_per_token": moved / self.tokens if self.tokens else None,
             "expert_pairs": pairs, "expert_hits": hits,
@@ -397,6 +500,7 @@ class OffloadManager:
 
     def close(self) -> None:
         self.save_stats()
+        self._drop_cpu_paths()
         for lo in self.layers:
             lo.layer.offload = None
         self.layers = []

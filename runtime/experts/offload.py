@@ -77,6 +77,7 @@ class LayerOffload:
         self.pairs = torch.zeros((), dtype=torch.int64, device=dev)
         self.tables_host = [[0] * E for _ in self.packs]                 # mirrors of the woff tables
         self.promotions = 0
+        self.cpu = None              # runtime/experts/cpu_path.CpuPath when the CPU computes some cold experts
         self.set_slots(0)
 
     # -- sizes -------------------------------------------------------------------------------------
@@ -98,7 +99,9 @@ class LayerOffload:
 
     @property
     def path(self) -> str:
-        return "vram" if len(self.expert_slot) == self.num_experts else "stream"
+        if len(self.expert_slot) == self.num_experts:
+            return "vram"
+        return "cpu+stream" if self.cpu is not None and self.cpu.owned_set else "stream"
 
     # -- placement (at load, or a new budget: nothing may be queued that reads the old slots) -------
 
@@ -193,6 +196,8 @@ class LayerOffload:
             self.tables_host[j][e] = v
             p.woff[e:e + 1].fill_(v)
         self.mask[e:e + 1].fill_(1 if slot is not None else 0)
+        if self.cpu is not None:            # a resident expert is the GPU's; a cold one the CPU's if it has a copy
+            self.cpu.own(e, slot is None and self.cpu.stores(e))
 
     # -- accounting ------------------------------------------------------------------------------------
 

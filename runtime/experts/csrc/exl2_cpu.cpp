@@ -16,12 +16,16 @@
 // (16 lanes): AVX-512 where the compiler targets it, two AVX2 halves otherwise, scalar at worst.
 // Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
 // by the binding, so a dedicated Python thread runs it while others drive the GPU.
+// Second entry: moedesk_cpu_experts_host(ctx), a CUDA host function (plain C, raw pointers, no torch
+// call, no Python) that a decode step enqueues between its copies to and from pinned memory; both
+// entries share run_pairs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <cmath>
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -209,70 +213,56 @@ static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, 
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-}  // namespace
-
-// x float32 [T, H], ids int64 [T, A] (indices into the store's experts), weights float32 [T, A]
-// -> float32 [T, H] = sum_a weights[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a].
-torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor qw,
-                              torch::Tensor sc, torch::Tensor grp, torch::Tensor perm, torch::Tensor desc) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: float32 [T, H] contiguous");
-  const int T = (int)x.size(0);
-  const int64_t H = x.size(1);
-  TORCH_CHECK(T >= 1 && T <= MAX_T, "x: T must be 1..", MAX_T, ", got ", T);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kInt64, "ids: int64 [T, A]");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32, "weights: float32 [T, A]");
-  const int64_t A = ids.size(1), E = desc.size(0);
-  Layer L{(const uint32_t*)qw.data_ptr<int32_t>(), sc.data_ptr<at::Half>(), grp.data_ptr<int32_t>(),
-          perm.data_ptr<int32_t>(), desc.data_ptr<int64_t>()};
-  auto idc = ids.contiguous();
-  auto wc = weights.contiguous();
-  const int64_t* id = idc.data_ptr<int64_t>();
-  const float* rw = wc.data_ptr<float>();
-
-  // Experts used, and for each the rows (and routing weights) that use it: one read serves all rows.
+// The experts the rows use, and for each the rows that use it and their routing weights (summed when
+// a row picks an expert twice): one read of an expert serves all its rows.
+struct Pairs {
   std::vector<int64_t> used;
   std::vector<std::vector<int64_t>> rows;
   std::vector<std::vector<float>> rws;
-  for (int t = 0; t < T; ++t)
-    for (int64_t a = 0; a < A; ++a) {
-      int64_t e = id[t * A + a];
-      TORCH_CHECK(e >= 0 && e < E, "ids[", t, ", ", a, "] = ", e, " is outside the store's ", E, " experts");
-      size_t j = 0;
-      while (j < used.size() && used[j] != e) ++j;
-      if (j == used.size()) { used.push_back(e); rows.emplace_back(); rws.emplace_back(); }
-      if (!rows[j].empty() && rows[j].back() == t) { rws[j].back() += rw[t * A + a]; continue; }
-      rows[j].push_back(t);
-      rws[j].push_back(rw[t * A + a]);
-    }
-  const int64_t X = (int64_t)used.size();
-  const Proj P0 = L.proj(used[0], 0);
-  const int64_t I = P0.N;
-  for (int64_t j = 0; j < X; ++j) {
-    Proj g = L.proj(used[j], 0), u = L.proj(used[j], 1), d = L.proj(used[j], 2);
-    TORCH_CHECK(g.K == H && u.K == H && g.N == I && u.N == I && d.K == I && d.N == H,
-                "expert ", used[j], ": shapes do not chain with x [", T, ", ", H, "]");
+  void add(int t, int64_t e, float w) {
+    size_t j = 0;
+    while (j < used.size() && used[j] != e) ++j;
+    if (j == used.size()) { used.push_back(e); rows.emplace_back(); rws.emplace_back(); }
+    if (!rows[j].empty() && rows[j].back() == t) { rws[j].back() += w; return; }
+    rows[j].push_back(t);
+    rws[j].push_back(w);
   }
-  const float* xd = x.data_ptr<float>();
+};
+
+// Index of the first used expert whose projections do not chain with x [T, H], or -1.
+static int64_t bad_shapes(const Layer& L, const Pairs& S, int64_t H) {
+  const int64_t I = L.proj(S.used[0], 0).N;
+  for (size_t j = 0; j < S.used.size(); ++j) {
+    Proj g = L.proj(S.used[j], 0), u = L.proj(S.used[j], 1), d = L.proj(S.used[j], 2);
+    if (!(g.K == H && u.K == H && g.N == I && u.N == I && d.K == I && d.N == H)) return (int64_t)j;
+  }
+  return -1;
+}
+
+// y [T, H] (zeroed by the caller) += sum over S's pairs of w * down(silu(gate(x)) * up(x)).
+// Shapes checked by the caller (bad_shapes); no torch, no Python, no exception: it also runs on the
+// CUDA driver's host-function thread (moedesk_cpu_experts_host).
+static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const Pairs& S, float* y, int threads) {
+  const int64_t X = (int64_t)S.used.size();
+  if (X == 0) return;
+  const auto& used = S.used;
+  const auto& rows = S.rows;
+  const auto& rws = S.rws;
+  const int64_t I = L.proj(used[0], 0).N;
   // Scratch: xg/xu/xd [X, T, K] in packed order, sums [X, T, G], gate/up/h [X, T, I].
   int64_t maxG = 0;
   for (int64_t j = 0; j < X; ++j)
     for (int p = 0; p < 3; ++p) maxG = std::max(maxG, L.proj(used[j], p).G);
-  // Built with -fopenmp; torch ships libgomp.so.1, which the dynamic linker shares with this module.
-  // Should a second runtime be loaded, this line still makes the region below use torch's thread
-  // count (torch.set_num_threads), per calling thread.
-  omp_set_num_threads(at::get_num_threads());
   const int TP = padded_rows(T);    // row stride of the scratch blocks below (not zero-filled: gather
                                     // writes every row the kernel reads)
   std::unique_ptr<float[]> xg(new float[X * 2 * TP * H]), xsum(new float[X * 3 * TP * maxG]),
       gu(new float[X * 2 * TP * I]), hp(new float[X * TP * I]);
-  auto out = torch::zeros({T, H}, x.options());
-  float* y = out.data_ptr<float>();
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
 
   // One thread team for the whole call; four loops with a barrier after each. Items are handed out
   // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
   const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
-#pragma omp parallel
+#pragma omp parallel num_threads(std::max(1, threads))
   {
     float res[MAX_T][TILE];
     std::vector<float> h(T * I);
@@ -318,8 +308,118 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
         }
       }
   }
+}
+
+}  // namespace
+
+// x float32 [T, H], ids int64 [T, A] (indices into the store's experts), weights float32 [T, A]
+// -> float32 [T, H] = sum_a weights[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a].
+torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, torch::Tensor qw,
+                              torch::Tensor sc, torch::Tensor grp, torch::Tensor perm, torch::Tensor desc) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: float32 [T, H] contiguous");
+  const int T = (int)x.size(0);
+  const int64_t H = x.size(1);
+  TORCH_CHECK(T >= 1 && T <= MAX_T, "x: T must be 1..", MAX_T, ", got ", T);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == torch::kInt64, "ids: int64 [T, A]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32, "weights: float32 [T, A]");
+  const int64_t A = ids.size(1), E = desc.size(0);
+  Layer L{(const uint32_t*)qw.data_ptr<int32_t>(), sc.data_ptr<at::Half>(), grp.data_ptr<int32_t>(),
+          perm.data_ptr<int32_t>(), desc.data_ptr<int64_t>()};
+  auto idc = ids.contiguous();
+  auto wc = weights.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const float* rw = wc.data_ptr<float>();
+  Pairs S;
+  for (int t = 0; t < T; ++t)
+    for (int64_t a = 0; a < A; ++a) {
+      int64_t e = id[t * A + a];
+      TORCH_CHECK(e >= 0 && e < E, "ids[", t, ", ", a, "] = ", e, " is outside the store's ", E, " experts");
+      S.add(t, e, rw[t * A + a]);
+    }
+  auto out = torch::zeros({T, H}, x.options());
+  if (S.used.empty()) return out;
+  const int64_t bad = bad_shapes(L, S, H);
+  TORCH_CHECK(bad < 0, "expert ", bad < 0 ? 0 : S.used[bad], ": shapes do not chain with x [", T, ", ", H, "]");
+  // Built with -fopenmp; torch ships libgomp.so.1, which the dynamic linker shares with this module.
+  // The team size is torch's thread count of the calling thread (torch.set_num_threads).
+  run_pairs(L, x.data_ptr<float>(), T, H, S, out.data_ptr<float>(), at::get_num_threads());
   return out;
 }
+
+// The cold-expert CPU path of one decode step, as a CUDA host function (runtime/experts/cpu_path.py
+// enqueues it with cuLaunchHostFunc, inside the step's CUDA graph). Every pointer is host memory the
+// caller keeps at a fixed address for the life of the layer; x, ids, weights and owned were copied from
+// the device just before, y is copied back just after. Mirrored by cpu_path.HostCtx (ctypes): keep
+// the field order and types identical.
+extern "C" {
+struct MoedeskCpuCtx {
+  const void* x;               // [T, H] float16 (x_fp16 = 1) or float32
+  const void* ids;             // [T, A] int32 (ids_int64 = 0) or int64: the layer's expert ids
+  const float* weights;        // [T, A] routing weights
+  const uint8_t* owned;        // [E] nonzero: this expert is computed here (the GPU skips it)
+  const int32_t* store_index;  // [E] the expert's index in the store, -1 when not in it
+  const uint32_t* qw;          // the store (runtime/experts/cpu_experts.CpuExperts, format exl2)
+  const uint16_t* sc;
+  const int32_t* grp;
+  const int32_t* perm;
+  const int64_t* desc;         // [store_experts, 3, 8]
+  float* y;                    // [T, H] output (zeros when no pair is owned)
+  int64_t H;
+  int64_t E;
+  int64_t store_experts;
+  int32_t T;
+  int32_t A;
+  int32_t x_fp16;
+  int32_t ids_int64;
+  int32_t threads;
+  int32_t status;              // 0 ok; 1 an owned expert is not in the store or out of range; 2 shapes
+  uint64_t ns_total;           // wall time of every call so far
+  uint64_t calls;
+  uint64_t pairs;              // (row, expert) pairs computed so far
+};
+
+void moedesk_cpu_experts_host(void* p) {
+  auto* c = static_cast<MoedeskCpuCtx*>(p);
+  const auto t0 = std::chrono::steady_clock::now();
+  const int T = c->T;
+  const int64_t H = c->H, A = c->A;
+  std::fill(c->y, c->y + (int64_t)T * H, 0.f);
+  Pairs S;
+  bool ok = T >= 1 && T <= MAX_T;
+  for (int t = 0; ok && t < T; ++t)
+    for (int64_t a = 0; a < A; ++a) {
+      const int64_t i = t * A + a;
+      const int64_t e = c->ids_int64 ? ((const int64_t*)c->ids)[i] : ((const int32_t*)c->ids)[i];
+      if (e < 0 || e >= c->E || !c->owned[e]) continue;
+      const int64_t s = c->store_index[e];
+      if (s < 0 || s >= c->store_experts) { c->status = 1; ok = false; break; }
+      S.add(t, s, c->weights[i]);
+    }
+  if (ok && !S.used.empty()) {
+    Layer L{c->qw, (const at::Half*)c->sc, c->grp, c->perm, c->desc};
+    if (bad_shapes(L, S, H) >= 0) {
+      c->status = 2;
+    } else {
+      std::vector<float> xf((size_t)T * H);
+      if (c->x_fp16) {
+        const at::Half* xh = (const at::Half*)c->x;
+        for (int64_t k = 0; k < (int64_t)T * H; ++k) xf[k] = (float)xh[k];
+      } else {
+        std::copy((const float*)c->x, (const float*)c->x + (int64_t)T * H, xf.begin());
+      }
+      run_pairs(L, xf.data(), T, H, S, c->y, c->threads);
+      for (const auto& r : S.rows) c->pairs += r.size();
+    }
+  }
+  c->ns_total += (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now() - t0).count();
+  c->calls += 1;
+}
+}
+
+int64_t host_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_experts_host; }
+
+int64_t host_ctx_size() { return (int64_t)sizeof(MoedeskCpuCtx); }
 
 std::string isa() {
 #if defined(__AVX512F__)
@@ -334,5 +434,8 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts_forward", &experts_forward, "EXL2 experts of one layer on the CPU",
         py::call_guard<py::gil_scoped_release>());
+  m.def("host_entry_address", &host_entry_address,
+        "address of moedesk_cpu_experts_host (void(*)(void*)), for cuLaunchHostFunc");
+  m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
   m.def("isa", &isa, "vector instruction set the kernel was compiled for");
 }

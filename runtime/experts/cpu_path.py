@@ -1,0 +1,323 @@
+"""The CPU path for cold experts in a decode step (one row): part of a layer's cold experts computed
+by the CPU from host RAM while the GPU reads the others over PCIe.
+
+Per offloaded layer, a `CpuPath` owns CPU-format copies (runtime/experts/cpu_experts.py, format exl2)
+of the experts it may compute, a device mask `skip` (uint8 [E]: 1 = the CPU computes this expert,
+the GPU's split-K kernels leave it out) and page-locked buffers at fixed addresses. One step:
+
+    compute stream: ─ router ─┬───────────── GPU kernels (skip mask) ──────────────┬─ y += y_cpu
+    side stream:              └ x, ids, w, skip -> pinned ─ host node ─ y -> VRAM ─┘
+
+The host node is `moedesk_cpu_experts_host(ctx)` (csrc/exl2_cpu.cpp), enqueued with the driver's
+cuLaunchHostFunc, so it is captured into the decode step's CUDA graph like the copies. It runs on
+the driver's callback thread: plain C over the pointers in `HostCtx`, no CUDA call, no Python.
+The mask itself travels with the step (copied from `skip`, a device tensor written in stream order),
+so a change of ownership between steps reaches the GPU and the CPU at the same step.
+
+Which experts a layer's CPU owns: runtime/experts/placement.plan_cpu_split. What the copies cost in
+host RAM is reserved on the RAM ledger. Letters: E experts, H hidden, A experts per token.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from runtime.experts import cpu_experts as ce
+from runtime.experts.budget import MemoryBudget
+from runtime.experts.offload import inference_mode_methods
+from runtime.experts.pack import PackedExperts, _unpack_words
+
+MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
+
+
+class HostCtx(ctypes.Structure):
+    """Mirror of MoedeskCpuCtx in csrc/exl2_cpu.cpp (same order, same types)."""
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p),
+                ("owned", ctypes.c_void_p), ("store_index", ctypes.c_void_p), ("qw", ctypes.c_void_p),
+                ("sc", ctypes.c_void_p), ("grp", ctypes.c_void_p), ("perm", ctypes.c_void_p),
+                ("desc", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("H", ctypes.c_int64), ("E", ctypes.c_int64), ("store_experts", ctypes.c_int64),
+                ("T", ctypes.c_int32), ("A", ctypes.c_int32), ("x_fp16", ctypes.c_int32),
+                ("ids_int64", ctypes.c_int32), ("threads", ctypes.c_int32), ("status", ctypes.c_int32),
+                ("ns_total", ctypes.c_uint64), ("calls", ctypes.c_uint64), ("pairs", ctypes.c_uint64)]
+
+
+HOST_STATUS = {1: "an owned expert is not in the CPU store", 2: "expert shapes do not chain with x"}
+
+
+def host_entry():
+    """(kernel module, address of the C host function); raises CpuExpertsError when it cannot be built."""
+    k = ce.load_kernel()
+    if k.host_ctx_size() != ctypes.sizeof(HostCtx):
+        raise ce.CpuExpertsError(f"the CPU kernel's context is {k.host_ctx_size()} bytes, its Python mirror "
+                                 f"{ctypes.sizeof(HostCtx)}: csrc/exl2_cpu.cpp and cpu_path.HostCtx disagree")
+    return k, int(k.host_entry_address())
+
+
+def resolve_threads(threads: int) -> int:
+    """0 = the physical cores (psutil), else `threads`."""
+    if threads < 0:
+        raise ValueError(f"cpu_threads {threads}: must be 0 (all physical cores) or more")
+    if threads:
+        return threads
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+# -- CPU-format copies from the packed layout ------------------------------------------------------
+
+def _bitstream(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 [K, N] unsigned codes -> int32 [K * bits // 32, N]: per column a little-endian stream of
+    `bits`-bit codes (EXL2's q_weight layout for one width)."""
+    K, N = u.shape
+    bit = torch.arange(K, dtype=torch.int64) * bits
+    word, shift = bit // 32, (bit % 32)[:, None]
+    out = torch.zeros((K * bits // 32 + 1, N), dtype=torch.int64)
+    out.index_add_(0, word, (u << shift) & 0xFFFFFFFF)                       # no two codes share a bit
+    over = (shift[:, 0] + bits) > 32
+    if bool(over.any()):
+        out.index_add_(0, word[over] + 1, u[over] >> (32 - shift[over]))
+    out = out[:-1]
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+
+
+def _projection(p: PackedExperts, e: int, logical_out: int, name: str) -> dict[str, torch.Tensor]:
+    """Expert e of one packed projection in cpu_experts' exl2 layout (as its _to_exl2 builds): one
+    group width (the packed one), lossless against what the GPU kernels read."""
+    K, N, b, g = p.in_features, p.out_features, p.bits, p.group
+    if g % 32 or N % 16:
+        raise ce.CpuExpertsError(f"{name}: groups of {g} rows / {N} columns do not fit the CPU kernel "
+                                 "(groups of whole 32 rows, columns in tiles of 16)")
+    u = _unpack_words(p.codes(e).cpu(), b, K)                                  # [K, N] unsigned
+    qw = _bitstream(u, b)                                                       # [Q, N]
+    Q, G = qw.shape[0], K // g
+    sc = p.scales[e].cpu().to(torch.float16)                                    # [G, N]
+    grp = torch.tensor([[b, i * g * b // 32, i * g, g] for i in range(G)], dtype=torch.int32)
+    return {"qw": qw.view(Q, N // 16, 16).permute(1, 0, 2).contiguous(),
+            "sc": sc.view(G, N // 16, 16).permute(1, 0, 2).contiguous(),
+            "grp": grp, "perm": p.perm[e].cpu().to(torch.int32).contiguous(),
+            "shape": torch.tensor([K, logical_out, Q], dtype=torch.int64)}
+
+
+def packed_to_cpu(packs: Sequence[PackedExperts], e: int, name: str = "expert") -> ce.ExpertWeights:
+    """Gate, up, down of expert e (PackedExperts of one layer) -> ExpertWeights("exl2")."""
+    w1, w3, w2 = packs
+    H, I = w1.in_features, w2.in_features
+    parts = {"gate": _projection(w1, e, I, f"{name}.gate"), "up": _projection(w3, e, I, f"{name}.up"),
+             "down": _projection(w2, e, H, f"{name}.down")}
+    return ce.ExpertWeights("exl2", {f"{p}.{k}": v for p, d in parts.items() for k, v in d.items()})
+
+
+def cpu_expert_bytes(packs: Sequence[PackedExperts]) -> int:
+    """Bytes of one expert's CPU copy (codes, scales, groups, permutations): what a forward reads."""
+    return sum(t.numel() * t.element_size() for k, t in packed_to_cpu(packs, 0).tensors.items()
+               if not k.endswith(".shape"))
+
+
+# -- one layer ------------------------------------------------------------------------------------
+
+@inference_mode_methods
+class CpuPath:
+    """The CPU side of one offloaded layer: stored experts, ownership, buffers, the host node's context."""
+
+    def __init__(self, packs: Sequence[PackedExperts], stored: Sequence[int], top_k: int, threads: int,
+                 name: str = "layer", ram: Optional[MemoryBudget] = None, device=None,
+                 side: Optional["torch.cuda.Stream"] = None):
+        w1 = packs[0]
+        self.E, self.H, self.top_k, self.name = w1.num_experts, w1.in_features, top_k, name
+        self.stored = sorted(int(e) for e in stored)
+        if not self.stored or len(set(self.stored)) != len(self.stored) or not all(
+                0 <= e < self.E for e in self.stored):
+            raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
+        self.kernel, self.fn = host_entry()
+        self.store = ce.CpuExperts("exl2", self.H, packs[2].in_features,
+                                   [packed_to_cpu(packs, e, f"{name}.experts.{e}") for e in self.stored])
+        self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.store._flat.values())
+        if ram is not None:
+            ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
+                        "raise the RAM budget, or close other programs")
+        self.device = torch.device(device) if device is not None else w1.scales.device
+        cuda = self.device.type == "cuda"
+        self.side = side if side is not None or not cuda else torch.cuda.Stream(self.device)
+        pin = dict(pin_memory=cuda)
+        A, H, E = top_k, self.H, self.E
+        self.x = torch.zeros((MAX_ROWS, H), dtype=torch.float16, **pin)      # pinned, fixed addresses
+        self.ids = torch.zeros((MAX_ROWS, A), dtype=torch.int32, **pin)
+        self.w = torch.zeros((MAX_ROWS, A), dtype=torch.float32, **pin)
+        self.owned = torch.zeros(E, dtype=torch.uint8, **pin)
+        self.y = torch.zeros((MAX_ROWS, H), dtype=torch.float32, **pin)
+        self.store_index = torch.full((E,), -1, dtype=torch.int32)
+        self.store_index[self.stored] = torch.arange(len(self.stored), dtype=torch.int32)
+        self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # the GPU kernels' mask
+        self.y_dev = torch.zeros((MAX_ROWS, H), dtype=torch.float32, device=self.device)
+        self.owned_set: set[int] = set()
+        f = self.store._flat
+        self.ctx = HostCtx(
+            x=self.x.data_ptr(), ids=self.ids.data_ptr(), weights=self.w.data_ptr(),
+            owned=self.owned.data_ptr(), store_index=self.store_index.data_ptr(), qw=f["qw"].data_ptr(),
+            sc=f["sc"].data_ptr(), grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(),
+            desc=f["desc"].data_ptr(), y=self.y.data_ptr(), H=H, E=E, store_experts=len(self.stored),
+            T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads))
+        self.ctx_addr = ctypes.addressof(self.ctx)
+
+    # -- ownership (between steps, in stream order) ------------------------------------------------
+
+    def own(self, e: int, on: bool) -> None:
+        """Let the CPU compute expert e (it must be stored) or give it back to the GPU. A device write on
+        the current stream: steps queued before it keep the old split on both sides."""
+        if on and int(self.store_index[e]) < 0:
+            raise ValueError(f"{self.name}: expert {e} has no CPU copy")
+        if on == (e in self.owned_set):
+            return
+        self.skip[e:e + 1].fill_(1 if on else 0)
+        if on:
+            self.owned_set.add(e)
+        else:
+            self.owned_set.discard(e)
+        if self.device.type != "cuda":
+            self.owned.copy_(self.skip)
+
+    def stores(self, e: int) -> bool:
+        return 0 <= e < self.E and int(self.store_index[e]) >= 0
+
+    # -- a decode step ------------------------------------------------------------------------------
+
+    def launch(self, stream: "torch.cuda.Stream", x: torch.Tensor, ids: torch.Tensor,
+               w: torch.Tensor) -> torch.Tensor:
+        """Queue the CPU part of this layer for x fp16 [1, H], ids int32 [1, A], w fp32 [1, A] (device
+        tensors written on `stream`): returns y_dev fp32 [1, H], valid on `stream` after `join`."""
+        if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
+            raise ValueError(f"{self.name}: CPU path takes x {list(self.x.shape)}, ids {list(self.ids.shape)}, "
+                             f"w {list(self.w.shape)}; got {list(x.shape)}, {list(ids.shape)}, {list(w.shape)}")
+        side = self.side
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            self.x.copy_(x, non_blocking=True)
+            self.ids.copy_(ids, non_blocking=True)
+            self.w.copy_(w, non_blocking=True)
+            self.owned.copy_(self.skip, non_blocking=True)
+            launch_host_func(side, self.fn, self.ctx_addr)
+            self.y_dev.copy_(self.y, non_blocking=True)
+        return self.y_dev
+
+    def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
+        """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part."""
+        stream.wait_stream(self.side)
+        return y.add_(self.y_dev)
+
+    def run_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The host function called directly on CPU tensors (tests, the throughput measurement):
+        the same C entry the CUDA graph calls, through its address."""
+        self.x.copy_(x)
+        self.ids.copy_(ids)
+        self.w.copy_(w)
+        self.owned.copy_(self.skip.cpu())
+        _call_host(self.fn, self.ctx_addr)
+        if self.ctx.status:
+            raise ce.CpuExpertsError(f"{self.name}: {HOST_STATUS.get(self.ctx.status, self.ctx.status)}")
+        return self.y.clone()
+
+    # -- telemetry, release ---------------------------------------------------------------------------
+
+    def counters(self) -> tuple[int, int, int, int]:
+        """(nanoseconds, calls, pairs, status) so far: host memory, read without a synchronisation."""
+        c = self.ctx
+        return int(c.ns_total), int(c.calls), int(c.pairs), int(c.status)
+
+    def close(self) -> None:
+        if self.ram is not None:
+            self.ram.release(self.ram_key)
+            self.ram = None
+
+
+@functools.lru_cache(maxsize=1)
+def _host_fn_type():
+    return ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _call_host(fn: int, ctx: int) -> None:
+    _host_fn_type()(fn)(ctypes.c_void_p(ctx))
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cu.cuLaunchHostFunc.restype = ctypes.c_int
+    cu.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return cu
+
+
+def launch_host_func(stream: "torch.cuda.Stream", fn: int, ctx: int) -> None:
+    """cuLaunchHostFunc(stream, fn, ctx): the GPU glue, on its own (capturable as a graph host node)."""
+    cu = _libcuda()
+    r = cu.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn), ctypes.c_void_p(ctx))
+    if r != 0:
+        name = ctypes.c_char_p()
+        cu.cuGetErrorName(r, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {r} ({(name.value or b'?').decode()})")
+
+
+# -- measured throughput ---------------------------------------------------------------------------
+
+PCIE_GUESS = 25e9              # bytes/s, planning without a GPU (tests): a PCIe 4.0 x16 link
+_PCIE: dict[str, float] = {}
+
+
+def pcie_bytes_per_s(device, nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Pinned host-to-device copy rate, measured once per process and device (the rate at which the
+    kernels read cold experts in place is about the same)."""
+    key = str(device)
+    if key not in _PCIE:
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        _PCIE[key] = repeats * nbytes / (start.elapsed_time(end) / 1e3)
+    return _PCIE[key]
+
+
+_THROUGHPUT: dict[tuple, float] = {}
+
+
+def cpu_bytes_per_s(packs: Sequence[PackedExperts], experts: Sequence[int], top_k: int, threads: int,
+                    max_bytes: int = 256 << 20, repeats: int = 2) -> float:
+    """Bytes per second the host function reads on this machine at one row, measured once per process
+    (and shape, widths, threads) on copies of `experts` (enough of them, up to `max_bytes`, to walk
+    memory rather than cache), `top_k` experts a call."""
+    w1, w3, w2 = packs
+    key = (w1.in_features, w2.in_features, w1.bits, w3.bits, w2.bits, w1.group, top_k, resolve_threads(threads))
+    if key in _THROUGHPUT:
+        return _THROUGHPUT[key]
+    one = packed_to_cpu(packs, int(experts[0])).tensors
+    per = sum(t.numel() * t.element_size() for k, t in one.items() if not k.endswith(".shape"))
+    n = max(1, min(len(experts), max_bytes // max(per, 1)))
+    cp = CpuPath(packs, list(experts)[:n], min(top_k, n), threads, "throughput probe", device="cpu")
+    for e in cp.stored:
+        cp.own(e, True)
+    A = cp.top_k
+    x = torch.randn(1, cp.H).half()
+    w = torch.full((1, A), 1.0 / A)
+    calls = [torch.tensor([cp.stored[i:i + A]], dtype=torch.int32) for i in range(0, n - A + 1, A)] or [
+        torch.tensor([cp.stored[:A]], dtype=torch.int32)]
+    for ids in calls:                                   # warm-up: pages, thread team
+        cp.run_host(x, ids, w)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for ids in calls:
+            cp.run_host(x, ids, w)
+    dt = time.perf_counter() - t0
+    bps = repeats * len(calls) * A * cp.store.expert_bytes() / max(dt, 1e-9)
+    _THROUGHPUT[key] = bps
+    return bps

@@ -1,0 +1,246 @@
+"""The CPU path's host function (the C entry a CUDA graph calls), called here directly through its
+address on CPU tensors, against the float64 oracle restricted to the experts the CPU owns."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from runtime.exl2 import format as fmt
+from runtime.experts import cpu_experts as ce
+from runtime.experts import cpu_path as cpath
+from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.pack import dequantize_packed, pack_experts
+
+H, I, E, A = 128, 96, 6, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the exl2 CPU kernel cannot be built")
+    ce.load_kernel()                                    # a failing build fails the tests
+
+
+def _layer(bits, seed=0, group=32):
+    """EXL2 tensors of E experts (gate, up, down) and their packed stacks (as the engine keeps them)."""
+    g = torch.Generator().manual_seed(seed)
+    props = None if isinstance(bits, int) else [1 / len(bits)] * len(bits)
+
+    def q(o, i):
+        w = torch.randn(o, i, generator=g) * (1.0 / i ** 0.5)
+        return fmt.quantize(w, bits, group, perm=torch.randperm(i, generator=g), bits_prop=props)
+    experts = [{"gate": q(I, H), "up": q(I, H), "down": q(H, I)} for _ in range(E)]
+    packs = [pack_experts([e[p] for e in experts], p) for p in ("gate", "up", "down")]
+    return experts, packs
+
+
+def _dense(packs):
+    """Per expert (gate [I, H], up [I, H], down [H, I]) as the GPU kernels read them."""
+    return [tuple(dequantize_packed(p, e)[:o, :k] for p, o, k in zip(packs, (I, I, H), (H, H, I)))
+            for e in range(E)]
+
+
+def _restricted(dense, x, ids, w, owned):
+    keep = torch.tensor([[int(e) in owned for e in row] for row in ids])
+    return ce.reference_forward(dense, x, ids, w * keep)
+
+
+def _rel(y, ref):
+    return float((y.double() - ref).abs().max() / max(float(ref.abs().max()), 1e-30))
+
+
+@pytest.mark.parametrize("bits", [3, 4, [4, 3, 2], [5, 4], [3, 2]])
+def test_host_entry_matches_oracle_for_owned_experts(bits):
+    experts, packs = _layer(bits)
+    dense = _dense(packs)
+    stored = [0, 2, 3, 5]
+    cp = cpath.CpuPath(packs, stored, A, threads=1, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    for owned in ([], [2], [0, 3, 5], stored):
+        for e in stored:
+            cp.own(e, e in owned)
+        for _ in range(4):
+            x = torch.randn(1, H, generator=gen).half()
+            ids = torch.randperm(E, generator=gen)[:A].view(1, A).to(torch.int32)
+            w = torch.softmax(torch.randn(1, A, generator=gen), dim=1)
+            y = cp.run_host(x, ids, w)
+            ref = _restricted(dense, x.float(), ids.long(), w, set(owned))
+            if not any(int(e) in owned for e in ids[0]):
+                assert torch.equal(y, torch.zeros(1, H)), "no owned pair: zeros"
+            else:
+                assert _rel(y, ref) < 1e-5, (bits, owned)
+    n, calls, pairs, status = cp.counters()
+    assert calls == 16 and status == 0 and n > 0 and pairs > 0
+
+
+def test_copies_from_the_packed_layout_equal_the_exl2_conversion():
+    """packed_to_cpu (what the engine keeps) and convert_expert (the EXL2 tensors) compute the same."""
+    experts, packs = _layer([4, 3], seed=3)
+    cp = cpath.CpuPath(packs, list(range(E)), A, threads=1, device="cpu")
+    for e in range(E):
+        cp.own(e, True)
+    store = ce.CpuExperts.from_exl2(experts, "exl2")
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(1, H, generator=gen).half()
+        ids = torch.randperm(E, generator=gen)[:A].view(1, A)
+        w = torch.rand(1, A, generator=gen)
+        got = cp.run_host(x, ids.to(torch.int32), w)
+        want = store.forward(x.float(), ids, w)
+        assert _rel(got, want.double()) < 1e-5
+
+
+def test_the_c_entry_through_its_address_with_a_hand_built_context():
+    """The host function as the driver calls it: a bare void(*)(void*) over a ctypes context."""
+    _, packs = _layer(3, seed=5)
+    dense = _dense(packs)
+    k, fn = cpath.host_entry()
+    assert k.host_ctx_size() == ctypes.sizeof(cpath.HostCtx)
+    store = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in (1, 4)])
+    f = store._flat
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(6))            # fp32, two rows
+    ids = torch.tensor([[1, 4, 0], [4, 2, 1]], dtype=torch.int64)
+    w = torch.rand(2, A, generator=torch.Generator().manual_seed(7))
+    owned = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.uint8)
+    index = torch.tensor([-1, 0, -1, -1, 1, -1], dtype=torch.int32)
+    y = torch.full((2, H), 7.0)
+    ctx = cpath.HostCtx(x=x.data_ptr(), ids=ids.data_ptr(), weights=w.data_ptr(), owned=owned.data_ptr(),
+                        store_index=index.data_ptr(), qw=f["qw"].data_ptr(), sc=f["sc"].data_ptr(),
+                        grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(), desc=f["desc"].data_ptr(),
+                        y=y.data_ptr(), H=H, E=E, store_experts=2, T=2, A=A, x_fp16=0, ids_int64=1, threads=2)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.addressof(ctx))
+    assert ctx.status == 0 and ctx.calls == 1 and ctx.pairs == 4
+    assert _rel(y, _restricted(dense, x, ids, w, {1, 4})) < 1e-5
+    owned[4] = 0
+    index[1] = -1                                # owned expert 1 fine; now mark an unstored one owned
+    owned[2] = 1
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.addressof(ctx))
+    assert ctx.status == 1                       # reported, not crashed
+    assert ctx.calls == 2
+
+
+def test_bad_setups_say_what_is_wrong():
+    _, packs = _layer(4, seed=8)
+    with pytest.raises(ValueError, match="distinct ids"):
+        cpath.CpuPath(packs, [0, 0], A, threads=1, device="cpu")
+    with pytest.raises(ValueError, match="distinct ids"):
+        cpath.CpuPath(packs, [E], A, threads=1, device="cpu")
+    cp = cpath.CpuPath(packs, [1], A, threads=1, device="cpu")
+    with pytest.raises(ValueError, match="no CPU copy"):
+        cp.own(2, True)
+    with pytest.raises(ValueError, match="CPU path takes"):
+        cp.launch(None, torch.zeros(2, H).half(), torch.zeros(2, A, dtype=torch.int32), torch.zeros(2, A))
+    ram = MemoryBudget(1000, "RAM")
+    with pytest.raises(BudgetError, match="CPU copies of layer 3"):
+        cpath.CpuPath(packs, [0, 1], A, threads=1, name="layer 3", ram=ram, device="cpu")
+    ram = MemoryBudget(1 << 30, "RAM")
+    cp = cpath.CpuPath(packs, [0, 1], A, threads=1, name="layer 3", ram=ram, device="cpu")
+    assert ram.used_bytes == cp.nbytes > 0
+    cp.close()
+    assert ram.used_bytes == 0
+    with pytest.raises(ValueError, match="cpu_threads"):
+        cpath.resolve_threads(-1)
+    assert cpath.resolve_threads(0) >= 1 and cpath.resolve_threads(3) == 3
+
+
+def test_throughput_is_measured_once_per_shape():
+    _, packs = _layer(3, seed=9)
+    cpath._THROUGHPUT.clear()
+    bps = cpath.cpu_bytes_per_s(packs, list(range(E)), A, threads=1, max_bytes=1 << 20, repeats=1)
+    assert bps > 0
+    assert cpath.cpu_bytes_per_s(packs, [0], A, threads=1) == bps           # cached for the process
+
+
+# -- the manager: who owns what, across placements and re-placements ------------------------------
+
+def _manager(policy="cpu", ram=None, n=2):
+    from runtime.experts.check import random_layer
+    from runtime.experts.manager import OffloadManager
+    layers = [random_layer(8, 64, 32, 2, 4, "cpu", seed=i, host_codes=True) for i in range(n)]
+    return OffloadManager(layers, MemoryBudget(1 << 40), policy, cpu_threads=1, ram=ram)
+
+
+@pytest.fixture
+def slow_pcie(monkeypatch):
+    """Rates that make the CPU worth it at these tiny shapes (measured CPU rate, no fixed overhead)."""
+    from runtime.experts import manager as mgr
+    monkeypatch.setattr(cpath, "PCIE_GUESS", 1e3)
+    monkeypatch.setattr(mgr, "CPU_OVERHEAD_S", 0.0)
+
+
+def test_placement_cpu_gives_layers_cpu_copies_of_cold_experts_only(slow_pcie):
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(ram=ram)
+    m.apply([[0, 2, 5], list(range(8))])
+    a, b = m.layers
+    assert m.cpu_active and m.cpu_reason == "" and b.cpu is None and b.path == "vram"
+    assert a.path == "cpu+stream" and a.cpu.owned_set and not a.cpu.owned_set & {0, 2, 5}
+    assert a.cpu.skip.tolist() == [int(e in a.cpu.owned_set) for e in range(8)]
+    assert ram.used_bytes == a.cpu.nbytes > 0
+    tel = m.telemetry()
+    assert tel["expert_paths"] == ["cpu+stream", "vram"] and tel["cpu_expert_path"] == "on"
+    assert tel["cpu_expert_owned"] == [len(a.cpu.owned_set), 0] and tel["cpu_expert_ms_per_token"] is None
+    x = torch.randn(1, 64).half()
+    owned = sorted(a.cpu.owned_set)
+    ids = torch.tensor([[owned[0], 0]], dtype=torch.int32)
+    a.cpu.run_host(x, ids, torch.tensor([[0.5, 0.5]]))           # what a step's host node does
+    tel = m.telemetry()
+    assert tel["cpu_expert_pairs"] == 1 and tel["cpu_expert_ms_per_token"] > 0
+    m.apply([[0], [1]])                                          # a new placement: new copies, same ledger
+    assert ram.used_bytes == sum(lo.cpu.nbytes for lo in m.layers if lo.cpu is not None)
+    m.close()
+    assert ram.used_bytes == 0
+
+
+def test_a_promoted_expert_goes_back_to_the_gpu_and_an_evicted_copy_to_the_cpu(slow_pcie):
+    m = _manager(n=1)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    owned = sorted(lo.cpu.owned_set)
+    e = owned[0]
+    m.swap(0, 1, e)                                              # evict 1 (no CPU copy), promote e
+    assert 1 not in lo.cpu.owned_set and e in lo.cpu.owned_set   # e stays the CPU's until resident
+    lo.poll()
+    assert e in lo.expert_slot and e not in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 0
+    m.swap(0, e, 1)                                              # e cold again: its copy is still there
+    assert e in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 1
+    assert lo.cpu.skip.tolist() == [int(i in lo.cpu.owned_set) for i in range(8)]
+
+
+def test_no_cpu_path_unless_asked_and_why(slow_pcie):
+    m = _manager(policy="auto")
+    m.apply([[0], [1]])
+    assert not m.cpu_active and "opt-in" in m.cpu_reason
+    assert m.telemetry()["cpu_expert_path"].startswith("off: ") and m.telemetry()["expert_paths"] == ["stream"] * 2
+    m = _manager(policy="cpu")
+    m.apply([list(range(8))] * 2)
+    assert not m.cpu_active and m.cpu_reason == "every expert is in VRAM"
+
+
+def test_no_expert_worth_the_cpu_at_real_overheads():
+    m = _manager()                                               # tiny experts: 30 us of overhead wins
+    m.apply([[0], [1]])
+    assert not m.cpu_active and "no cold expert is worth the CPU" in m.cpu_reason
+
+
+def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
+    m = _manager(ram=MemoryBudget(4096, "RAM"))
+    with pytest.raises(BudgetError, match="CPU copies of MoE layer 0's experts needs"):
+        m.apply([[0], [1]])
+    assert not m.cpu_active and m.ram.used_bytes == 0
+
+
+def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
+    from runtime.backends.exl2_offload import OffloadSetup, cpu_path_applied
+    for policy, layout, want in (("cpu", [[0], [1]], "applied"), ("cpu", [list(range(8))] * 2, "ignored"),
+                                 ("auto", [[0], [1]], "ignored")):
+        m = _manager(policy=policy)
+        m.apply(layout)
+        setup = OffloadSetup(m.vram, MemoryBudget(1 << 30, "RAM"), None, policy, False,
+                             {"offload.placement": "applied"})
+        cpu_path_applied(setup, m)
+        assert setup.applied["offload.cpu_threads"].startswith(want), setup.applied
+        assert setup.applied["offload.placement"].startswith(want if policy == "cpu" else "applied")

@@ -1,0 +1,62 @@
+"""Which cold experts the CPU computes per layer (placement.plan_cpu_split): a pure function."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.experts.placement import CpuSplitCosts, plan_cpu_split
+
+E, A = 16, 4
+MB = 1 << 20
+
+
+def _uniform(L=2):
+    return np.full((L, E), 1.0 / E)
+
+
+def test_no_cpu_owns_nothing():
+    resident = [[0, 1, 2, 3]] * 2
+    split = plan_cpu_split(_uniform(), resident, [MB] * 2, A, CpuSplitCosts(50e9, 0.0))
+    assert split.owned == ((), ()) and split.gain == 0.0
+    assert split.stream_s == pytest.approx(2 * A * 12 / 16 * MB / 50e9)
+
+
+def test_equal_rates_split_the_cold_share_about_in_half():
+    split = plan_cpu_split(_uniform(1), [[]], [MB], A, CpuSplitCosts(50e9, 50e9, cpu_overhead_s=0.0))
+    assert split.owned == (tuple(range(8)),)
+    assert split.gain == pytest.approx(1.0)                    # twice as fast: both sides in parallel
+
+
+def test_a_cpu_faster_than_pcie_owns_more_and_overhead_costs_experts():
+    freq = _uniform(1)
+    slow = plan_cpu_split(freq, [[]], [MB], A, CpuSplitCosts(50e9, 25e9, cpu_overhead_s=0.0))
+    fast = plan_cpu_split(freq, [[]], [MB], A, CpuSplitCosts(50e9, 100e9, cpu_overhead_s=0.0))
+    assert len(slow.owned[0]) < 8 < len(fast.owned[0]) < E
+    assert fast.gain > slow.gain > 0
+    costly = plan_cpu_split(freq, [[]], [MB], A, CpuSplitCosts(50e9, 100e9, cpu_overhead_s=20e-6))
+    assert len(costly.owned[0]) < len(fast.owned[0])
+    hopeless = plan_cpu_split(freq, [[]], [MB], A, CpuSplitCosts(50e9, 100e9, cpu_overhead_s=1.0))
+    assert hopeless.owned == ((),) and hopeless.gain == 0.0
+
+
+def test_never_a_resident_expert_and_the_most_routed_cold_ones_first():
+    rng = np.random.default_rng(0)
+    freq = rng.dirichlet(np.ones(E), size=3)
+    resident = [list(np.argsort(-freq[0])[:5]), [], list(range(E))]
+    split = plan_cpu_split(freq, resident, [MB, 2 * MB, MB], A, CpuSplitCosts(50e9, 40e9, cpu_overhead_s=5e-6))
+    for layer, owned in enumerate(split.owned):
+        assert not set(owned) & set(int(e) for e in resident[layer])
+        cold = [e for e in range(E) if e not in resident[layer]]
+        if owned:                                   # owned = the top shares among the cold experts
+            top = sorted(cold, key=lambda e: -freq[layer, e])[:len(owned)]
+            assert set(owned) == set(top)
+    assert split.owned[2] == ()                     # everything resident: nothing cold to compute
+    assert split.owned[0] and split.owned[1]
+    assert split.split_s < split.stream_s
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="resident lists"):
+        plan_cpu_split(_uniform(2), [[]], [MB, MB], A, CpuSplitCosts(50e9, 1e9))
+    with pytest.raises(ValueError, match="PCIe"):
+        plan_cpu_split(_uniform(1), [[]], [MB], A, CpuSplitCosts(0.0, 1e9))
