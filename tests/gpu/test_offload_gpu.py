@@ -174,3 +174,69 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
         _compare(_script(eng, toks), want, f"set_vram_budget({small:.2f})")
     finally:
         eng.close()
+
+
+def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch):
+    """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (host node in
+    the step's graph) while the GPU kernels skip them; verify rows and prefill keep the GPU paths.
+    The split is forced (equal CPU and PCIe rates, no overhead) so every layer owns experts whatever
+    this host measures; the measured rates are recorded."""
+    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    from runtime.experts import manager as mgr
+    from runtime.experts.placement import CpuSplitCosts
+    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref, _ = _load(moe_8l)
+    try:
+        want = _script(ref, toks)
+        codes = _code_bytes(ref)
+        others = torch.cuda.memory_allocated() - codes
+        scratch = prefill_scratch_bytes(ref.model.config)
+    finally:
+        ref.close()
+    measured = {}
+    real_costs = mgr.OffloadManager._split_costs
+
+    def forced(self, resident):
+        measured["costs"] = real_costs(self, resident)
+        return CpuSplitCosts(50e9, 50e9, 0.0, measured["costs"].cpu_bytes_ratio)
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", forced)
+    budget = others + scratch + codes // 2 + (64 << 20)
+    eng, applied = _load(moe_8l, vram_budget_gb=budget / GiB, placement="cpu", cpu_threads=4)
+    try:
+        assert applied["offload.placement"] == "applied" and applied["offload.cpu_threads"] == "applied", applied
+        tel = eng.telemetry()
+        assert tel["expert_paths"] == ["cpu+stream"] * 8 and tel["cpu_expert_path"] == "on", tel
+        assert all(n > 0 for n in tel["cpu_expert_owned"])
+        got = _script(eng, toks)
+        errs = _compare(got, want, "cpu path")
+        tel = eng.telemetry()
+        assert tel["decode_graphs"], tel.get("graph_error")
+        assert any(t == 1 for _, t in eng.graphs.captured())              # the decode step was captured
+        assert tel["cpu_expert_pairs"] > 0 and tel["cpu_expert_ms_per_token"] > 0
+        assert "cpu_expert_errors" not in tel, tel["cpu_expert_errors"]
+        c = measured["costs"]
+        _record(test="cpu_path", errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
+                cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
+                measured_cpu_gbps=c.cpu_bytes_per_s / 1e9, measured_pcie_gbps=c.pcie_bytes_per_s / 1e9)
+
+        # Promote an expert the CPU owns in every layer: it goes back to the GPU when its copy lands.
+        m = eng.offload
+        from exllamav2.device import set_device_streams
+        set_device_streams()
+        moved = {}
+        for lo in m.layers:
+            e = sorted(lo.cpu.owned_set)[0]
+            m.swap(lo.index, lo.resident()[0], e)
+            moved[lo.index] = e
+        eng.reset()
+        eng.forward(toks[:8])
+        for t in toks[8:16]:
+            eng.forward([t])
+            if not any(lo.pending for lo in m.layers):
+                break
+        eng.forward([toks[16]])
+        assert all(moved[lo.index] in lo.expert_slot and moved[lo.index] not in lo.cpu.owned_set
+                   for lo in m.layers)
+        _compare(_script(eng, toks), want, "cpu path after re-placement")
+    finally:
+        eng.close()
