@@ -244,3 +244,22 @@ def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
         cpu_path_applied(setup, m)
         assert setup.applied["offload.cpu_threads"].startswith(want), setup.applied
         assert setup.applied["offload.placement"].startswith(want if policy == "cpu" else "applied")
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_pack_tiles_keeps_every_code(bits):
+    """The GPU layout (3 bits: two planes) -> per column a stream of b-bit codes in tiles of 16 columns."""
+    from runtime.experts.pack import _pack_words, _unpack_words
+    K, N = 64, 32
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (K, N), generator=torch.Generator().manual_seed(bits))
+    words = _pack_words(codes.to(torch.int8), bits)
+    tiles = ce.load_kernel().pack_tiles(words, bits, K)                   # [N/16, Q, 16]
+    stream = tiles.permute(1, 0, 2).reshape(-1, N).to(torch.int64) & 0xFFFFFFFF   # [Q, N]
+    bit = torch.arange(K) * bits
+    pair = torch.cat([stream, torch.zeros(1, N, dtype=torch.int64)])
+    v = (pair[bit // 32] | (pair[bit // 32 + 1] << 32)) >> (bit % 32)[:, None]
+    got = (v & ((1 << bits) - 1)) - (1 << (bits - 1))
+    assert torch.equal(got, codes.to(torch.int64))
+    assert torch.equal(_unpack_words(words, bits, K) - (1 << (bits - 1)), codes.to(torch.int64))
+    with pytest.raises(RuntimeError, match="rows for K"):
+        ce.load_kernel().pack_tiles(words[:-1], bits, K)

@@ -114,8 +114,12 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
                else "the model fits the VRAM budget: every expert stays in VRAM")
         applied["offload.ram_budget_gb"] = f"ignored: {why}"
     applied["offload.placement"] = "applied"           # the CPU path's part: settled by `start`
-    applied["offload.cpu_threads"] = ("ignored: no expert is offloaded" if ram is None else
-                                      "ignored: the CPU expert path is opt-in (placement 'cpu')")
+    if ram is None:
+        applied["offload.cpu_threads"] = f"ignored: {why}"
+        if off.placement == "cpu":
+            applied["offload.placement"] = f"ignored: {why}"
+    else:
+        applied["offload.cpu_threads"] = "ignored: the CPU expert path is opt-in (placement 'cpu')"
     return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 

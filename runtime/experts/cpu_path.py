@@ -30,7 +30,7 @@ import torch
 from runtime.experts import cpu_experts as ce
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.offload import inference_mode_methods
-from runtime.experts.pack import PackedExperts, _unpack_words
+from runtime.experts.pack import PackedExperts
 
 MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
 
@@ -71,21 +71,6 @@ def resolve_threads(threads: int) -> int:
 
 # -- CPU-format copies from the packed layout ------------------------------------------------------
 
-def _bitstream(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 [K, N] unsigned codes -> int32 [K * bits // 32, N]: per column a little-endian stream of
-    `bits`-bit codes (EXL2's q_weight layout for one width)."""
-    K, N = u.shape
-    bit = torch.arange(K, dtype=torch.int64) * bits
-    word, shift = bit // 32, (bit % 32)[:, None]
-    out = torch.zeros((K * bits // 32 + 1, N), dtype=torch.int64)
-    out.index_add_(0, word, (u << shift) & 0xFFFFFFFF)                       # no two codes share a bit
-    over = (shift[:, 0] + bits) > 32
-    if bool(over.any()):
-        out.index_add_(0, word[over] + 1, u[over] >> (32 - shift[over]))
-    out = out[:-1]
-    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
-
-
 def _projection(p: PackedExperts, e: int, logical_out: int, name: str) -> dict[str, torch.Tensor]:
     """Expert e of one packed projection in cpu_experts' exl2 layout (as its _to_exl2 builds): one
     group width (the packed one), lossless against what the GPU kernels read."""
@@ -93,12 +78,11 @@ def _projection(p: PackedExperts, e: int, logical_out: int, name: str) -> dict[s
     if g % 32 or N % 16:
         raise ce.CpuExpertsError(f"{name}: groups of {g} rows / {N} columns do not fit the CPU kernel "
                                  "(groups of whole 32 rows, columns in tiles of 16)")
-    u = _unpack_words(p.codes(e).cpu(), b, K)                                  # [K, N] unsigned
-    qw = _bitstream(u, b)                                                       # [Q, N]
-    Q, G = qw.shape[0], K // g
+    qw = ce.load_kernel().pack_tiles(p.codes(e).cpu(), b, K)                   # [N/16, Q, 16]
+    Q, G = qw.shape[1], K // g
     sc = p.scales[e].cpu().to(torch.float16)                                    # [G, N]
     grp = torch.tensor([[b, i * g * b // 32, i * g, g] for i in range(G)], dtype=torch.int32)
-    return {"qw": qw.view(Q, N // 16, 16).permute(1, 0, 2).contiguous(),
+    return {"qw": qw,
             "sc": sc.view(G, N // 16, 16).permute(1, 0, 2).contiguous(),
             "grp": grp, "perm": p.perm[e].cpu().to(torch.int32).contiguous(),
             "shape": torch.tensor([K, logical_out, Q], dtype=torch.int64)}
@@ -270,21 +254,22 @@ PCIE_GUESS = 25e9              # bytes/s, planning without a GPU (tests): a PCIe
 _PCIE: dict[str, float] = {}
 
 
-def pcie_bytes_per_s(device, nbytes: int = 64 << 20, repeats: int = 5) -> float:
-    """Pinned host-to-device copy rate, measured once per process and device (the rate at which the
-    kernels read cold experts in place is about the same)."""
-    key = str(device)
+def pcie_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
+    """Pinned host-to-device copy rate (about the rate at which the kernels read cold experts in
+    place), measured once per process and device by copying `src` (pinned) into `dst` (device
+    scratch: nothing may be queued that reads it), at most 64 MB."""
+    key = str(dst.device)
     if key not in _PCIE:
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)
+        n = min(src.numel() * src.element_size(), dst.numel() * dst.element_size(), 64 << 20)
+        s, d = src.reshape(-1).view(torch.uint8)[:n], dst.reshape(-1).view(torch.uint8)[:n]
+        d.copy_(s, non_blocking=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
-            dst.copy_(src, non_blocking=True)
+            d.copy_(s, non_blocking=True)
         end.record()
         end.synchronize()
-        _PCIE[key] = repeats * nbytes / (start.elapsed_time(end) / 1e3)
+        _PCIE[key] = repeats * n / (start.elapsed_time(end) / 1e3)
     return _PCIE[key]
 
 

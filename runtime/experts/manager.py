@@ -246,7 +246,10 @@ class OffloadManager:
         lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
         cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
         cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, self.cpu_threads)
-        pcie = cpu_path.pcie_bytes_per_s(self.device) if self.cuda else cpu_path.PCIE_GUESS
+        if self.cuda and self.stage:                  # into a staging buffer: scratch between steps
+            pcie = cpu_path.pcie_bytes_per_s(lo.packs[0].cold, self.stage[0][0])
+        else:
+            pcie = cpu_path.PCIE_GUESS
         ratio = cpu_path.cpu_expert_bytes(lo.packs) / lo.code_bytes
         return CpuSplitCosts(pcie, cpu, CPU_OVERHEAD_S, ratio)
 

@@ -417,6 +417,46 @@ void moedesk_cpu_experts_host(void* p) {
 }
 }
 
+// One expert projection's codes as the GPU kernels keep them (runtime/experts/pack.py: int32 [Qp, N];
+// bits 4 and 8 a little-endian stream of codes per column, bits 3 two planes: K/16 words of low 2-bit
+// pairs then K/32 of high bits) -> this kernel's qw layout, int32 [N/16, Q, 16] with Q = K * bits / 32,
+// each column a stream of `bits`-bit codes (one group width). Lossless; at load, for the CPU path.
+torch::Tensor pack_tiles(torch::Tensor words, int64_t bits, int64_t K) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == torch::kInt32, "words: int32 [Qp, N]");
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "bits: 3, 4 or 8, got ", bits);
+  const int64_t N = words.size(1), Q = K * bits / 32;
+  TORCH_CHECK(K % 32 == 0 && N % TILE == 0, "K ", K, " must be a multiple of 32 and N ", N, " of ", TILE);
+  TORCH_CHECK(words.size(0) == Q, "words: ", words.size(0), " rows for K ", K, " at ", bits, " bits (want ", Q, ")");
+  auto wc = words.contiguous();
+  const uint32_t* w = (const uint32_t*)wc.data_ptr<int32_t>();
+  auto out = torch::empty({N / TILE, Q, TILE}, words.options());
+  uint32_t* o = (uint32_t*)out.data_ptr<int32_t>();
+  auto at_ = [&](int64_t q, int64_t n) -> uint32_t& { return o[(n / TILE) * Q * TILE + q * TILE + n % TILE]; };
+  if (bits != 3) {
+    at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q)
+        for (int64_t n = 0; n < N; ++n) at_(q, n) = w[q * N + n];
+    });
+    return out;
+  }
+  at::parallel_for(0, K / 32, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint32_t lo0 = w[(2 * c) * N + n], lo1 = w[(2 * c + 1) * N + n], hi = w[(K / 16 + c) * N + n];
+        uint32_t r[3] = {0, 0, 0};
+        for (int i = 0; i < 32; ++i) {
+          const uint32_t lo = ((i < 16 ? lo0 : lo1) >> (2 * (i & 15))) & 3u;
+          const uint32_t u = lo | (((hi >> i) & 1u) << 2);
+          const int bit = 3 * i, wi = bit >> 5, sh = bit & 31;
+          r[wi] |= u << sh;
+          if (sh + 3 > 32) r[wi + 1] |= u >> (32 - sh);
+        }
+        for (int k = 0; k < 3; ++k) at_(3 * c + k, n) = r[k];
+      }
+  });
+  return out;
+}
+
 int64_t host_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_experts_host; }
 
 int64_t host_ctx_size() { return (int64_t)sizeof(MoedeskCpuCtx); }
@@ -436,6 +476,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("host_entry_address", &host_entry_address,
         "address of moedesk_cpu_experts_host (void(*)(void*)), for cuLaunchHostFunc");
+  m.def("pack_tiles", &pack_tiles, "GPU-layout codes of one expert projection -> the CPU kernel's tiles",
+        py::call_guard<py::gil_scoped_release>());
   m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
   m.def("isa", &isa, "vector instruction set the kernel was compiled for");
 }
