@@ -218,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--naive-decode", type=int, default=32, help="decode tokens for the (slow) naive baseline")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--reload", action="store_true", help="load the model again for every budget")
+    ap.add_argument("--placement", choices=("stream", "cpu"), default="stream",
+                    help="cold experts: read over PCIe only, or partly computed on the CPU")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: physical cores)")
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
     ap.add_argument("--note", default="")
@@ -238,7 +241,7 @@ def main(argv=None) -> int:
         result = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "machine": machine(), "device": torch.cuda.get_device_name(0),
-            "engine": "cuda", "benchmark": "expert offload", "model": label, "bpw": a.bpw, "context": a.context,
+            "engine": "cuda", "benchmark": "expert offload", "placement": a.placement, "model": label, "bpw": a.bpw, "context": a.context,
             "prompt_tokens": a.prompt, "decode_tokens": a.decode, "naive_decode_tokens": a.naive_decode,
             "ceilings": {"rig": RIG, "measured": {"hbm_copy_gib_s": hbm / GiB, "pinned_h2d_gib_s": h2d / GiB}},
             # the headline (first budget), in the fields every result file has
@@ -275,7 +278,7 @@ def main(argv=None) -> int:
                     engine.close()
                     gc.collect()
                 opts = LoadOptions(offload=OffloadOptions(context_length=a.context, vram_budget_gb=b,
-                                                          placement="stream"))
+                                                          placement=a.placement, cpu_threads=a.cpu_threads))
                 engine, applied = exl2.load(a.model, opts, lambda *x: None)
                 how = "load"
                 if a.calibrate:
@@ -300,7 +303,9 @@ def main(argv=None) -> int:
                   f"overlapped, {r['roofline']['serial_tps']:.1f} serial), ttft {r['ttft_s']:.2f} s, hit rate "
                   f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token, uniform-routing roofline "
                   f"{r['roofline_uniform_routing']['overlapped_tps']:.1f}, top-8 experts take "
-                  f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks; naive: decode "
+                  f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
+                  + (f", CPU experts {r['telemetry'].get('cpu_expert_ms_per_token')} ms/token"
+                     if a.placement == "cpu" else "") + "; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:
