@@ -1,11 +1,14 @@
 """Where does the CUDA engine leave the fp32 reference? The residual stream compared block by block.
 
-    python -m runtime.backends.diag_reference MODEL_DIR [--rows 24] [--seed 3]
+    python -m runtime.backends.diag_reference MODEL_DIR [--rows 24] [--seed 3] [--layer0]
 
 Prefills the same random tokens through the reference engine (float32, runtime/reference) and the
 exl2 engine's layer loop, records the residual stream after every attention and every MLP/MoE block
 on both sides, and prints each block's relative error per row: the first block where it jumps is
-where the engines part. Needs CUDA (exllamav2); the reference side runs on the CPU.
+where the engines part. With --layer0, the first attention block is taken apart instead: exllamav2's
+weights, norm weights and RoPE tables against the reference's, then its queries after each step
+(this found exllamav2 mean-centring Qwen3's head norms). Needs CUDA (exllamav2); the reference side
+runs on the CPU.
 """
 from __future__ import annotations
 
@@ -79,17 +82,77 @@ def run(path, rows: int, seed: int) -> int:
     return 0
 
 
+def layer0(path, rows: int, seed: int) -> int:
+    """Layer 0's attention, exllamav2 against the reference, piece by piece (relative errors)."""
+    import torch.nn.functional as F
+    from exllamav2.attn import ExLlamaV2Attention
+    from exllamav2.attn_params import Params
+    from runtime import reference
+    from runtime.backends import exl2
+    from runtime.options import LoadOptions, OffloadOptions
+    from runtime.reference import model
+
+    def rel(a, b) -> float:
+        a, b = a.float().cpu(), b.float().cpu()
+        return ((a - b).norm() / b.norm()).item()
+
+    ref = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
+    eng = exl2.load(path, LoadOptions(offload=OffloadOptions(context_length=max(512, rows))),
+                    lambda *a: None, graphs=False)[0]
+    try:
+        spec, w0 = ref.spec, ref.weights.layers[0]
+        nh, nkv, d, T = spec.heads, spec.kv_heads, spec.head_dim, rows
+        att = next(m for m in eng.model.modules if isinstance(m, ExLlamaV2Attention))
+        W = w0.qkv.weight.float()
+        ours = {"q": W[:nh * d], "k": W[nh * d:(nh + nkv) * d], "v": W[(nh + nkv) * d:], "o": w0.o.weight.float()}
+        for name, lin in (("q", att.q_proj), ("k", att.k_proj), ("v", att.v_proj), ("o", att.o_proj)):
+            print(f"weight {name}_proj: {rel(lin.get_weight_tensor_dq().T, ours[name]):.1e}")
+        print(f"attention norm weight: {rel(att.pre_layernorm.weight, w0.attn_norm):.1e}")
+        if att.q_norm is not None:
+            print(f"head norm weights: q {rel(att.q_norm.weight, w0.qk_norm[:nh]):.1e}, "
+                  f"k {rel(att.k_norm.weight, w0.qk_norm[nh:]):.1e} (exllamav2 head norm: "
+                  f"{att.archparams.headnorm})")
+        ctx = eng.model.get_device_context(att.device_idx, scratch=False)
+        cos = ctx.cos[att.rope_index].reshape(-1, d)[:T]
+        print(f"RoPE tables: cos {rel(cos, ref.cos.reshape(-1, d)[:T]):.1e}, "
+              f"sin {rel(ctx.sin[att.rope_index].reshape(-1, d)[:T], ref.sin.reshape(-1, d)[:T]):.1e}")
+        toks = torch.randint(0, spec.vocab, (T,), generator=torch.Generator().manual_seed(seed))
+        x = F.embedding(toks, ref.weights.embed).float()                                   # [T, H]
+        h = F.rms_norm(x, (spec.hidden,), w0.attn_norm, spec.eps)
+        mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None]).repeat(nh // nkv, 1)
+        cache = model.KVCache(spec, T, torch.float32)
+        want = x + model._attention(w0, spec, cache, 0, h, (ref.cos[:T, None], ref.sin[:T, None]), mask, 0, T)
+        xg = x.half().cuda()[None]
+        with torch.inference_mode():
+            post = att.pre_layernorm.forward(xg.clone())
+            q = att.q_proj.forward(post).view(1, T, nh, d)
+            print(f"after the attention norm: {rel(post[0], h):.1e}; q_proj: {rel(q[0].reshape(T, -1), h @ ours['q'].T):.1e}")
+            q_ref = (h @ ours["q"].T).view(T, nh, d)
+            if att.q_norm is not None:
+                q_ref = F.rms_norm(q_ref, (d,), None, spec.eps) * w0.qk_norm[:nh]
+                print(f"queries after the head norm: {rel(att.q_norm.forward(q.clone())[0], q_ref):.1e}")
+            out = att.forward(xg.clone(), cache=None, attn_params=Params(1, T, 0), past_len=0)[0]
+        per_row = (out.float().cpu() - want).norm(dim=-1) / want.norm(dim=-1)
+        print(f"attention block, {T} rows: {rel(out, want):.1e} (rows: "
+              + " ".join(f"{e:.0e}" for e in per_row.tolist()) + ")")
+    finally:
+        eng.close()
+        ref.close()
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.backends.diag_reference",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("model", help="EXL2 model folder")
     ap.add_argument("--rows", type=int, default=24)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--layer0", action="store_true", help="take layer 0's attention apart instead")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA (the exl2 engine runs on exllamav2)", file=sys.stderr)
         return 2
-    return run(a.model, a.rows, a.seed)
+    return layer0(a.model, a.rows, a.seed) if a.layer0 else run(a.model, a.rows, a.seed)
 
 
 if __name__ == "__main__":
