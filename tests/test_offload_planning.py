@@ -196,9 +196,33 @@ def test_routing_concentration_and_uniform_roofline():
                                layer=SimpleNamespace(num_experts=128))
     engine = SimpleNamespace(info=SimpleNamespace(experts_per_token=8),
                              offload=SimpleNamespace(layers=[layer(32), layer(96)]))
-    r = uniform_roofline(engine, hbm_other=4000.0, hbm=1e6, h2d=1e4)
+    r = uniform_roofline(engine, hbm_other=4000.0, hbm=1e6, h2d=1e4, ram=1e4)
     # cold shares 3/4 and 1/4 of 8 experts of 1000 bytes: 6000 + 2000 over PCIe, 2000 + 6000 from HBM
     assert r["pcie_bytes_per_token"] == 8000
     t_gpu, t_pcie = (4000 + 8000) / 1e6, 8000 / 1e4
     assert abs(r["serial_tps"] - 1 / (t_gpu + t_pcie)) < 1e-9
     assert abs(r["overlapped_tps"] - 1 / t_pcie) < 1e-9
+
+
+def test_uniform_routing_draws_distinct_experts_and_counts_them():
+    import torch
+    from runtime.experts.layer import uniform_routing
+    counts = torch.zeros(16, dtype=torch.int32)
+    torch.manual_seed(0)
+    ids, w = uniform_routing(200, 16, 4, counts)
+    assert ids.dtype == torch.int32 and ids.shape == (200, 4) and w.shape == (200, 4)
+    assert all(len(set(r)) == 4 for r in ids.tolist())            # distinct experts per row
+    assert torch.allclose(w, torch.full((200, 4), 0.25))
+    assert int(counts.sum()) == 800 and torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=16).int())
+    assert int(counts.min()) > 20                                 # 50 expected per expert: every one drawn
+
+
+def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():
+    from types import SimpleNamespace
+    from runtime.backends.bench_offload import uniform_roofline
+    lo = SimpleNamespace(expert_slot={e: e for e in range(4)}, layer=SimpleNamespace(num_experts=8), code_bytes=100.0)
+    eng = SimpleNamespace(info=SimpleNamespace(experts_per_token=2), offload=SimpleNamespace(layers=[lo, lo]))
+    r = uniform_roofline(eng, hbm_other=0.0, hbm=1e12, h2d=50.0, ram=50.0)
+    assert r["pcie_bytes_per_token"] == 200.0                    # 2 layers x 2 picks x half cold x 100
+    assert abs(r["overlapped_tps"] - 50.0 / 200.0) < 1e-9        # PCIe alone
+    assert abs(r["pcie_and_cpu_overlapped_tps"] - 100.0 / 200.0) < 1e-9   # both channels, equal shares

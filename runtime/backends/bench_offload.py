@@ -59,14 +59,20 @@ def pinned_h2d_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 def _counts(engine) -> dict[str, float]:
     """Expert traffic so far: pairs, hits, code bytes read from VRAM and over PCIe (all layers)."""
     m = engine.offload
-    hits = pairs = vram_b = pcie_b = 0
+    torch.cuda.synchronize()                             # the CPU path's counters are host memory
+    hits = pairs = vram_b = pcie_b = cpu_pairs = cpu_b = cpu_ns = 0
     for lo in m.layers:
         h, n = lo.hit_counts()
-        hits, pairs = hits + h, pairs + n
+        c = lo.cpu.counters()[2] if lo.cpu is not None else 0     # misses the CPU computed
+        hits, pairs, cpu_pairs = hits + h, pairs + n, cpu_pairs + c
         vram_b += h * lo.code_bytes
-        pcie_b += (n - h) * lo.code_bytes
+        pcie_b += (n - h - c) * lo.code_bytes
+        if lo.cpu is not None:
+            cpu_b += c * lo.cpu.store.expert_bytes()
+            cpu_ns += lo.cpu.counters()[0]
     moved = m.bytes
     return {"hits": hits, "pairs": pairs, "vram_code_bytes": vram_b, "zero_copy_bytes": pcie_b,
+            "cpu_pairs": cpu_pairs, "cpu_bytes": cpu_b, "cpu_ns": cpu_ns,
             "staged": moved["staged"], "promoted": moved["promoted"], "naive": moved["naive"]}
 
 
@@ -99,6 +105,13 @@ def decode(engine, tok: int, n: int, seed: int = 5) -> tuple[float, int]:
     return n / (time.perf_counter() - t), tok
 
 
+def force_uniform_routing(engine) -> None:
+    """Every MoE layer picks its experts uniformly at random from now on (graphs captured again)."""
+    for m in engine.moe:
+        m.experts.forced_uniform_routing = True
+    engine._drop_graphs()
+
+
 def calibrate(engine, n: int, budget_gb: float) -> None:
     """Decode n tokens of a random stream (routing statistics of this model), then plan the placement
     again from them at the same budget."""
@@ -116,20 +129,25 @@ def routing_concentration(freq, tops: tuple[int, ...] = (8, 16, 32, 64)) -> dict
     return {f"top{t}": float(f[:, :t].sum(axis=1).mean()) for t in tops if t <= f.shape[1]}
 
 
-def uniform_roofline(engine, hbm_other: float, hbm: float, h2d: float) -> dict[str, float]:
+def uniform_roofline(engine, hbm_other: float, hbm: float, h2d: float, ram: float) -> dict[str, float]:
     """Tokens/s bound of this placement if every expert were picked equally often: per layer,
-    top_k * (1 - residents / E) expert codes over PCIe, the rest from HBM. hbm_other: the HBM bytes
-    per token that are not expert codes (dense weights, expert scales and permutations)."""
-    top_k, pcie, vram = engine.info.experts_per_token, 0.0, 0.0
+    top_k * (1 - residents / E) cold expert codes, the rest from HBM. hbm_other: the HBM bytes per
+    token that are not expert codes (dense weights, expert scales and permutations). Two bounds: cold
+    codes all over PCIe, and cold codes split between PCIe and the CPU reading RAM (at `ram` bytes/s)
+    in the proportion that makes both take the same time (the issue's "perfectly overlapped")."""
+    top_k, cold, vram = engine.info.experts_per_token, 0.0, 0.0
     for lo in engine.offload.layers:
         hot = len(lo.expert_slot) / lo.layer.num_experts
-        pcie += top_k * (1 - hot) * lo.code_bytes
+        cold += top_k * (1 - hot) * lo.code_bytes
         vram += top_k * hot * lo.code_bytes
-    t_gpu, t_pcie = (hbm_other + vram) / hbm, pcie / h2d
-    return {"pcie_bytes_per_token": pcie, "serial_tps": 1 / (t_gpu + t_pcie), "overlapped_tps": 1 / max(t_gpu, t_pcie)}
+    t_gpu, t_pcie, t_split = (hbm_other + vram) / hbm, cold / h2d, cold / (h2d + ram)
+    return {"pcie_bytes_per_token": cold, "serial_tps": 1 / (t_gpu + t_pcie), "overlapped_tps": 1 / max(t_gpu, t_pcie),
+            "pcie_and_cpu_overlapped_tps": 1 / max(t_gpu, t_split),
+            "pcie_and_cpu_serial_tps": 1 / (t_gpu + t_split)}
 
 
-def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float, h2d: float) -> dict[str, Any]:
+def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float, h2d: float,
+                   ram: float) -> dict[str, Any]:
     ids = _prompt(engine, prompt, 1)
     # warm-up: every kernel shape compiled, the graph buckets of the decode below captured
     engine.reset()
@@ -151,6 +169,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     parts = weight_bytes_per_token(engine)
     pairs = max(1, d["pairs"])
     pcie = (d["zero_copy_bytes"] + d["promoted"]) / n_decode
+    cpu_bytes = d["cpu_bytes"] / n_decode
     vram_codes = d["vram_code_bytes"] / n_decode
     code_all = sum(lo.code_bytes for lo in engine.offload.layers) / len(engine.offload.layers)
     expert_parts = parts["experts"]                       # top-k experts incl. scales and permutation
@@ -158,7 +177,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     n_layers = len(engine.offload.layers)
     scales_perm = expert_parts - top_k * n_layers * code_all  # per token, always from VRAM
     hbm_bytes = parts["total"] - expert_parts + scales_perm + vram_codes
-    t_gpu, t_pcie = hbm_bytes / hbm, pcie / h2d
+    t_gpu, t_pcie, t_cpu = hbm_bytes / hbm, pcie / h2d, cpu_bytes / ram
     staged = after_prefill["staged"] - before["staged"]
     out = {
         "vram_budget_gb": tel["vram_budget_bytes"] / GiB,
@@ -173,12 +192,15 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "decode_tps": tps, "decode_ms_per_token": 1e3 / tps,
         "hit_rate": d["hits"] / pairs,
         "pcie_bytes_per_token": pcie, "hbm_bytes_per_token": hbm_bytes,
+        "cpu_bytes_per_token": cpu_bytes, "cpu_pairs_per_token": d["cpu_pairs"] / n_decode,
+        "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
+        "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1),
         "promotions_during_decode": d["promoted"] / max(1, engine.offload.layers[0].code_bytes),
-        "roofline": {"serial_tps": 1 / (t_gpu + t_pcie), "overlapped_tps": 1 / max(t_gpu, t_pcie),
-                     "gpu_s": t_gpu, "pcie_s": t_pcie},
-        "roofline_fraction_overlapped": tps * max(t_gpu, t_pcie),
+        "roofline": {"serial_tps": 1 / (t_gpu + t_pcie + t_cpu), "overlapped_tps": 1 / max(t_gpu, t_pcie, t_cpu),
+                     "gpu_s": t_gpu, "pcie_s": t_pcie, "cpu_s": t_cpu},
+        "roofline_fraction_overlapped": tps * max(t_gpu, t_pcie, t_cpu),
         "routing_concentration": routing_concentration(engine.offload.stats.frequencies()),
-        "roofline_uniform_routing": uniform_roofline(engine, hbm_bytes - vram_codes, hbm, h2d),
+        "roofline_uniform_routing": uniform_roofline(engine, hbm_bytes - vram_codes, hbm, h2d, ram),
         "telemetry": {k: v for k, v in tel.items() if k not in ("vram_budget_items",)},
     }
     if n_naive:
@@ -221,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--placement", choices=("stream", "cpu"), default="stream",
                     help="cold experts: read over PCIe only, or partly computed on the CPU")
     ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: physical cores)")
+    ap.add_argument("--routing", choices=("router", "uniform"), default="router",
+                    help="uniform: every token picks top-k distinct experts at random (speed of the placement "
+                         "under the routing the roofline assumes; the output is meaningless)")
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
     ap.add_argument("--note", default="")
@@ -233,6 +258,11 @@ def main(argv=None) -> int:
     h2d = pinned_h2d_bandwidth()
     print(f"measured: HBM copy {hbm / GiB:.0f} GiB/s, pinned H2D {h2d / GiB:.1f} GiB/s", flush=True)
     rig_hbm, rig_h2d = RIG["hbm_copy_gib_s"] * GiB, RIG["pinned_h2d_gib_s"] * GiB
+    rig_ram = RIG["host_ram_read_gib_s"] * GiB
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
     results: dict[str, Any] = {}
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
@@ -250,8 +280,9 @@ def main(argv=None) -> int:
             "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,
-            "calibration_tokens": a.calibrate,
-            "notes": ("Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
+            "calibration_tokens": a.calibrate, "routing": a.routing,
+            "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
+                       if a.routing == "uniform" else "") + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
                       "routing_concentration), so each budget also gives the roofline under uniform routing. "
                       f"Placement planned from the routing of {a.calibrate} calibration tokens after the load"
                       + (" (none: the first budget ran on uniform statistics)" if not a.calibrate else "")
@@ -279,10 +310,15 @@ def main(argv=None) -> int:
                     gc.collect()
                 opts = LoadOptions(offload=OffloadOptions(context_length=a.context, vram_budget_gb=b,
                                                           placement=a.placement, cpu_threads=a.cpu_threads))
+                progress(f"loading at {b:g} GB")
                 engine, applied = exl2.load(a.model, opts, lambda *x: None)
+                progress("loaded")
                 how = "load"
+                if a.routing == "uniform":
+                    force_uniform_routing(engine)
                 if a.calibrate:
                     calibrate(engine, a.calibrate, b)
+                    progress("calibrated and planned again")
                     how = f"load, {a.calibrate} calibration tokens, planned again"
             else:
                 engine.set_vram_budget(b)
@@ -290,12 +326,16 @@ def main(argv=None) -> int:
             setup_s = time.perf_counter() - t
             if engine.offload is None:
                 raise SystemExit(f"{a.model} at {b} GB: experts were not offloaded")
-            r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d)
+            r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
+                               rig_ram)
+            progress("measured")
             r["setup"], r["setup_s"], r["applied"] = how, setup_s, applied
             # the same placement's roofline with this run's measured ceilings
             r["roofline_measured_ceilings"] = {
-                "overlapped_tps": 1 / max(r["hbm_bytes_per_token"] / hbm, r["pcie_bytes_per_token"] / h2d),
-                "serial_tps": 1 / (r["hbm_bytes_per_token"] / hbm + r["pcie_bytes_per_token"] / h2d)}
+                "overlapped_tps": 1 / max(r["hbm_bytes_per_token"] / hbm, r["pcie_bytes_per_token"] / h2d,
+                                          r["cpu_bytes_per_token"] / rig_ram),
+                "serial_tps": 1 / (r["hbm_bytes_per_token"] / hbm + r["pcie_bytes_per_token"] / h2d
+                                   + r["cpu_bytes_per_token"] / rig_ram)}
             results[f"{b:g}"] = r
             write()                                # each budget's figures survive a later failure
             nv = r.get("naive") or {}
@@ -304,8 +344,9 @@ def main(argv=None) -> int:
                   f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token, uniform-routing roofline "
                   f"{r['roofline_uniform_routing']['overlapped_tps']:.1f}, top-8 experts take "
                   f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
-                  + (f", CPU experts {r['telemetry'].get('cpu_expert_ms_per_token')} ms/token"
-                     if a.placement == "cpu" else "") + "; naive: decode "
+                  + (f" (with the CPU path {r['roofline_uniform_routing']['pcie_and_cpu_overlapped_tps']:.1f})"
+                     f", CPU experts {r['cpu_ms_per_token']:.2f} ms/token, {r['cpu_bytes_per_token'] / 1e9:.2f} GB/token "
+                     f"at {r['cpu_gb_per_s']:.1f} GB/s" if a.placement == "cpu" else "") + "; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:
