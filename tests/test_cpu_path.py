@@ -93,11 +93,13 @@ def test_copies_from_the_packed_layout_equal_the_exl2_conversion():
         assert _rel(got, want.double()) < 1e-5
 
 
-def test_the_c_entry_through_its_address_with_a_hand_built_context():
-    """The host function as the driver calls it: a bare void(*)(void*) over a ctypes context."""
+def test_the_c_entries_through_their_addresses_with_a_hand_built_context():
+    """The host functions as the driver calls them: bare void(*)(void*) over a ctypes context; submit
+    hands it to the worker thread and returns, wait returns once the worker is done."""
     _, packs = _layer(3, seed=5)
     dense = _dense(packs)
-    k, fn = cpath.host_entry()
+    k, submit, wait = cpath.host_entries()
+    fn = k.host_entry_address()
     assert k.host_ctx_size() == ctypes.sizeof(cpath.HostCtx)
     store = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in (1, 4)])
     f = store._flat
@@ -111,15 +113,50 @@ def test_the_c_entry_through_its_address_with_a_hand_built_context():
                         store_index=index.data_ptr(), qw=f["qw"].data_ptr(), sc=f["sc"].data_ptr(),
                         grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(), desc=f["desc"].data_ptr(),
                         y=y.data_ptr(), H=H, E=E, store_experts=2, T=2, A=A, x_fp16=0, ids_int64=1, threads=2)
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.addressof(ctx))
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    call(submit)(ctypes.addressof(ctx))
+    call(wait)(ctypes.addressof(ctx))
+    assert ctx.submitted == ctx.done == 1
     assert ctx.status == 0 and ctx.calls == 1 and ctx.pairs == 4
     assert _rel(y, _restricted(dense, x, ids, w, {1, 4})) < 1e-5
     owned[4] = 0
     index[1] = -1                                # owned expert 1 fine; now mark an unstored one owned
     owned[2] = 1
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(ctypes.addressof(ctx))
+    call(fn)(ctypes.addressof(ctx))              # the computing entry itself, on this thread
     assert ctx.status == 1                       # reported, not crashed
     assert ctx.calls == 2
+
+
+def _fill(cp, x, ids, w):
+    cp.x.copy_(x)
+    cp.ids.copy_(ids.to(torch.int32))
+    cp.w.copy_(w)
+    cp.owned.copy_(cp.skip)
+
+
+def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
+    """Layers of a step submit one after another; each wait returns its own layer's finished result."""
+    _, packs = _layer(3, seed=11)
+    store = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in range(E)])
+    paths = [cpath.CpuPath(packs, list(range(E)), A, threads=2, device="cpu") for _ in range(3)]
+    gen = torch.Generator().manual_seed(12)
+    xs = [torch.randn(1, H, generator=gen).half() for _ in paths]
+    ids = [torch.randperm(E, generator=gen)[:A].view(1, A) for _ in paths]
+    ws = [torch.rand(1, A, generator=gen) for _ in paths]
+    for cp, x, i, w in zip(paths, xs, ids, ws):
+        for e in range(E):
+            cp.own(e, True)
+        with torch.inference_mode():             # the buffers were made in inference mode
+            _fill(cp, x, i, w)
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    for _ in range(3):                           # three steps, each submitting every layer first
+        for cp in paths:
+            call(cp.submit_fn)(cp.ctx_addr)
+        for cp in reversed(paths):
+            call(cp.wait_fn)(cp.ctx_addr)
+    for cp, x, i, w in zip(paths, xs, ids, ws):
+        assert cp.ctx.submitted == cp.ctx.done == 3 and cp.ctx.status == 0
+        assert _rel(cp.y.clone(), store.forward(x.float(), i, w).double()) < 1e-5
 
 
 def test_bad_setups_say_what_is_wrong():

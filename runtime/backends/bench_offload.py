@@ -208,6 +208,25 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     return out
 
 
+def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
+    """The same placement with every cold expert read over PCIe (the CPU paths set aside, graphs
+    captured again): the CPU path's gain measured side by side, in one process."""
+    m = engine.offload
+    kept = [lo.cpu for lo in m.layers]
+    for lo in m.layers:
+        lo.cpu = None
+    engine._drop_graphs()
+    try:
+        r = measure_budget(engine, prompt, n_decode, 0, hbm, h2d, ram)
+    finally:
+        engine._drop_graphs()
+        for lo, cpu in zip(m.layers, kept):
+            lo.cpu = cpu
+    keep = ("decode_tps", "decode_ms_per_token", "hit_rate", "pcie_bytes_per_token", "roofline",
+            "roofline_fraction_overlapped", "ttft_s")
+    return {k: r[k] for k in keep}
+
+
 def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
     """The baseline on the same placement: layer loop, host sync per layer, on-demand copies."""
     graphs, engine.graphs = engine.graphs, None
@@ -329,6 +348,9 @@ def main(argv=None) -> int:
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
             progress("measured")
+            if a.placement == "cpu" and any(lo.cpu is not None for lo in engine.offload.layers):
+                r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
+                progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")
             r["setup"], r["setup_s"], r["applied"] = how, setup_s, applied
             # the same placement's roofline with this run's measured ceilings
             r["roofline_measured_ceilings"] = {

@@ -3,14 +3,17 @@ by the CPU from host RAM while the GPU reads the others over PCIe.
 
 Per offloaded layer, a `CpuPath` owns CPU-format copies (runtime/experts/cpu_experts.py, format exl2)
 of the experts it may compute, a device mask `skip` (uint8 [E]: 1 = the CPU computes this expert,
-the GPU's split-K kernels leave it out) and page-locked buffers at fixed addresses. One step:
+the GPU's split-K kernels leave it out) and page-locked buffers at fixed addresses. One step, all on
+the compute stream (so all of it is captured into the decode step's CUDA graph):
 
-    compute stream: ─ router ─┬───────────── GPU kernels (skip mask) ──────────────┬─ y += y_cpu
-    side stream:              └ x, ids, w, skip -> pinned ─ host node ─ y -> VRAM ─┘
+    router ─ x, ids, w, skip -> pinned ─ submit ─ GPU kernels (skip mask) ─ wait ─ y -> VRAM ─ y += y_cpu
+                                            └──── worker thread: the owned experts ────┘
 
-The host node is `moedesk_cpu_experts_host(ctx)` (csrc/exl2_cpu.cpp), enqueued with the driver's
-cuLaunchHostFunc, so it is captured into the decode step's CUDA graph like the copies. It runs on
-the driver's callback thread: plain C over the pointers in `HostCtx`, no CUDA call, no Python.
+`submit` and `wait` are host nodes (cuLaunchHostFunc, driver API through ctypes) calling
+moedesk_cpu_submit / moedesk_cpu_wait (csrc/exl2_cpu.cpp): submit hands the context to a persistent
+worker thread and returns at once, wait holds the stream until the worker is done. So the GPU's
+kernels and the CPU's work overlap on one stream, whatever the driver does with graph branches. The
+host functions are plain C over the pointers in `HostCtx`: no CUDA call, no Python.
 The mask itself travels with the step (copied from `skip`, a device tensor written in stream order),
 so a change of ownership between steps reaches the GPU and the CPU at the same step.
 
@@ -44,19 +47,21 @@ class HostCtx(ctypes.Structure):
                 ("H", ctypes.c_int64), ("E", ctypes.c_int64), ("store_experts", ctypes.c_int64),
                 ("T", ctypes.c_int32), ("A", ctypes.c_int32), ("x_fp16", ctypes.c_int32),
                 ("ids_int64", ctypes.c_int32), ("threads", ctypes.c_int32), ("status", ctypes.c_int32),
-                ("ns_total", ctypes.c_uint64), ("calls", ctypes.c_uint64), ("pairs", ctypes.c_uint64)]
+                ("ns_total", ctypes.c_uint64), ("calls", ctypes.c_uint64), ("pairs", ctypes.c_uint64),
+                ("submitted", ctypes.c_uint64), ("done", ctypes.c_uint64)]
 
 
 HOST_STATUS = {1: "an owned expert is not in the CPU store", 2: "expert shapes do not chain with x"}
 
 
-def host_entry():
-    """(kernel module, address of the C host function); raises CpuExpertsError when it cannot be built."""
+def host_entries():
+    """(kernel module, address of moedesk_cpu_submit, of moedesk_cpu_wait); raises CpuExpertsError when
+    the kernel cannot be built."""
     k = ce.load_kernel()
     if k.host_ctx_size() != ctypes.sizeof(HostCtx):
         raise ce.CpuExpertsError(f"the CPU kernel's context is {k.host_ctx_size()} bytes, its Python mirror "
                                  f"{ctypes.sizeof(HostCtx)}: csrc/exl2_cpu.cpp and cpu_path.HostCtx disagree")
-    return k, int(k.host_entry_address())
+    return k, int(k.submit_entry_address()), int(k.wait_entry_address())
 
 
 def resolve_threads(threads: int) -> int:
@@ -110,15 +115,14 @@ class CpuPath:
     """The CPU side of one offloaded layer: stored experts, ownership, buffers, the host node's context."""
 
     def __init__(self, packs: Sequence[PackedExperts], stored: Sequence[int], top_k: int, threads: int,
-                 name: str = "layer", ram: Optional[MemoryBudget] = None, device=None,
-                 side: Optional["torch.cuda.Stream"] = None):
+                 name: str = "layer", ram: Optional[MemoryBudget] = None, device=None):
         w1 = packs[0]
         self.E, self.H, self.top_k, self.name = w1.num_experts, w1.in_features, top_k, name
         self.stored = sorted(int(e) for e in stored)
         if not self.stored or len(set(self.stored)) != len(self.stored) or not all(
                 0 <= e < self.E for e in self.stored):
             raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
-        self.kernel, self.fn = host_entry()
+        self.kernel, self.submit_fn, self.wait_fn = host_entries()
         self.store = ce.CpuExperts("exl2", self.H, packs[2].in_features,
                                    [packed_to_cpu(packs, e, f"{name}.experts.{e}") for e in self.stored])
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
@@ -127,9 +131,7 @@ class CpuPath:
             ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
                         "raise the RAM budget, or close other programs")
         self.device = torch.device(device) if device is not None else w1.scales.device
-        cuda = self.device.type == "cuda"
-        self.side = side if side is not None or not cuda else torch.cuda.Stream(self.device)
-        pin = dict(pin_memory=cuda)
+        pin = dict(pin_memory=self.device.type == "cuda")
         A, H, E = top_k, self.H, self.E
         self.x = torch.zeros((MAX_ROWS, H), dtype=torch.float16, **pin)      # pinned, fixed addresses
         self.ids = torch.zeros((MAX_ROWS, A), dtype=torch.int32, **pin)
@@ -173,36 +175,34 @@ class CpuPath:
     # -- a decode step ------------------------------------------------------------------------------
 
     def launch(self, stream: "torch.cuda.Stream", x: torch.Tensor, ids: torch.Tensor,
-               w: torch.Tensor) -> torch.Tensor:
-        """Queue the CPU part of this layer for x fp16 [1, H], ids int32 [1, A], w fp32 [1, A] (device
-        tensors written on `stream`): returns y_dev fp32 [1, H], valid on `stream` after `join`."""
+               w: torch.Tensor) -> None:
+        """Hand the CPU part of this layer to the worker for x fp16 [1, H], ids int32 [1, A], w fp32
+        [1, A] (device tensors written on `stream`, the current stream): the GPU kernels queued next run
+        while the CPU computes; `join` collects the result."""
         if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
             raise ValueError(f"{self.name}: CPU path takes x {list(self.x.shape)}, ids {list(self.ids.shape)}, "
                              f"w {list(self.w.shape)}; got {list(x.shape)}, {list(ids.shape)}, {list(w.shape)}")
-        side = self.side
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            self.x.copy_(x, non_blocking=True)
-            self.ids.copy_(ids, non_blocking=True)
-            self.w.copy_(w, non_blocking=True)
-            self.owned.copy_(self.skip, non_blocking=True)
-            launch_host_func(side, self.fn, self.ctx_addr)
-            self.y_dev.copy_(self.y, non_blocking=True)
-        return self.y_dev
+        self.x.copy_(x, non_blocking=True)
+        self.ids.copy_(ids, non_blocking=True)
+        self.w.copy_(w, non_blocking=True)
+        self.owned.copy_(self.skip, non_blocking=True)
+        launch_host_func(stream, self.submit_fn, self.ctx_addr)
 
     def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
-        """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part."""
-        stream.wait_stream(self.side)
+        """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part, once the worker is done."""
+        launch_host_func(stream, self.wait_fn, self.ctx_addr)
+        self.y_dev.copy_(self.y, non_blocking=True)
         return y.add_(self.y_dev)
 
     def run_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The host function called directly on CPU tensors (tests, the throughput measurement):
-        the same C entry the CUDA graph calls, through its address."""
+        """The host functions called directly on CPU tensors (tests, the throughput measurement):
+        the same C entries (submit, then wait) the CUDA graph calls, through their addresses."""
         self.x.copy_(x)
         self.ids.copy_(ids)
         self.w.copy_(w)
         self.owned.copy_(self.skip.cpu())
-        _call_host(self.fn, self.ctx_addr)
+        _call_host(self.submit_fn, self.ctx_addr)          # the worker thread, as in a decode step
+        _call_host(self.wait_fn, self.ctx_addr)
         if self.ctx.status:
             raise ce.CpuExpertsError(f"{self.name}: {HOST_STATUS.get(self.ctx.status, self.ctx.status)}")
         return self.y.clone()

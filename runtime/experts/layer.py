@@ -89,8 +89,8 @@ class ExpertLayer:
             m = self.offload.manager                          # runtime/experts/manager.py
             cpu = self.offload.cpu                            # runtime/experts/cpu_path.py
             if cpu is not None and x.shape[0] == 1 and not m.naive:
-                # Decode: the CPU computes the experts it owns (host node on a side stream) while the
-                # GPU kernels skip them and read the other cold ones over PCIe.
+                # Decode: the CPU computes the experts it owns (handed to its worker by a host node)
+                # while the GPU kernels skip them and read the other cold ones over PCIe.
                 stream = torch.cuda.current_stream(x.device)
                 cpu.launch(stream, x, ids, w)
                 y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=cpu.skip)

@@ -74,7 +74,6 @@ class OffloadManager:
         self.cpu_threads, self.ram = cpu_threads, ram
         self.cpu_reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
         self.cpu_split: Optional[CpuSplit] = None
-        self.cpu_stream = None
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
@@ -221,13 +220,11 @@ class OffloadManager:
             self.cpu_reason = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
-        if self.cuda and self.cpu_stream is None:
-            self.cpu_stream = torch.cuda.Stream(self.device)
         try:
             for lo, owned in zip(self.layers, split.owned):
                 if owned:
                     lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
-                                              self.ram, self.device, self.cpu_stream)
+                                              self.ram, self.device)
                     for e in owned:
                         lo.cpu.own(e, True)
         except BudgetError:

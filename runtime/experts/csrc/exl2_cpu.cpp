@@ -16,16 +16,21 @@
 // (16 lanes): AVX-512 where the compiler targets it, two AVX2 halves otherwise, scalar at worst.
 // Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
 // by the binding, so a dedicated Python thread runs it while others drive the GPU.
-// Second entry: moedesk_cpu_experts_host(ctx), a CUDA host function (plain C, raw pointers, no torch
-// call, no Python) that a decode step enqueues between its copies to and from pinned memory; both
-// entries share run_pairs.
+// Second entry: moedesk_cpu_experts_host(ctx) (plain C, raw pointers, no torch call, no Python), run
+// by a worker thread that a decode step's host nodes feed (moedesk_cpu_submit / moedesk_cpu_wait,
+// between its copies to and from pinned memory); both entries share run_pairs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -376,6 +381,8 @@ struct MoedeskCpuCtx {
   uint64_t ns_total;           // wall time of every call so far
   uint64_t calls;
   uint64_t pairs;              // (row, expert) pairs computed so far
+  uint64_t submitted;          // calls handed to the worker (moedesk_cpu_submit) ...
+  uint64_t done;               // ... and finished by it (moedesk_cpu_wait waits for done == submitted)
 };
 
 void moedesk_cpu_experts_host(void* p) {
@@ -414,6 +421,81 @@ void moedesk_cpu_experts_host(void* p) {
   c->ns_total += (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now() - t0).count();
   c->calls += 1;
+}
+
+void moedesk_cpu_submit(void* p);
+void moedesk_cpu_wait(void* p);
+}
+
+// A decode step enqueues two host nodes per layer on its one stream: moedesk_cpu_submit hands the
+// context to the worker thread and returns at once, the GPU's kernels for the other cold experts run,
+// then moedesk_cpu_wait holds the stream until the worker is done (the pattern of KTransformers'
+// CPUInfer). A host node that computed the experts itself would leave the GPU idle whenever the
+// driver does not run the graph's other branch beside it. The worker is one persistent thread (the
+// master of its OpenMP team), contexts run one at a time in submission order; it spins a while when
+// idle (layers follow each other within a millisecond), then sleeps.
+namespace {
+struct Worker {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<MoedeskCpuCtx*> q;
+  std::atomic<int64_t> pending{0};
+};
+
+Worker* worker() {
+  static Worker* w = [] {
+    auto* nw = new Worker();                       // never destroyed: the thread outlives static destructors
+    std::thread([nw] {
+      for (;;) {
+        const auto idle = std::chrono::steady_clock::now();
+        while (nw->pending.load(std::memory_order_acquire) == 0 &&
+               std::chrono::steady_clock::now() - idle < std::chrono::milliseconds(20)) {
+#if defined(__x86_64__)
+          __builtin_ia32_pause();
+#endif
+        }
+        MoedeskCpuCtx* c;
+        {
+          std::unique_lock<std::mutex> lk(nw->m);
+          nw->cv.wait(lk, [nw] { return !nw->q.empty(); });
+          c = nw->q.front();
+          nw->q.pop_front();
+        }
+        const uint64_t seq = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
+        moedesk_cpu_experts_host(c);
+        nw->pending.fetch_sub(1, std::memory_order_acq_rel);
+        __atomic_store_n(&c->done, seq, __ATOMIC_RELEASE);
+      }
+    }).detach();
+    return nw;
+  }();
+  return w;
+}
+}  // namespace
+
+extern "C" {
+void moedesk_cpu_submit(void* p) {
+  auto* c = static_cast<MoedeskCpuCtx*>(p);
+  Worker* w = worker();
+  __atomic_store_n(&c->submitted, c->submitted + 1, __ATOMIC_RELEASE);
+  w->pending.fetch_add(1, std::memory_order_acq_rel);    // before the push: pending >= queued
+  {
+    std::lock_guard<std::mutex> lk(w->m);
+    w->q.push_back(c);
+  }
+  w->cv.notify_one();
+}
+
+void moedesk_cpu_wait(void* p) {
+  auto* c = static_cast<MoedeskCpuCtx*>(p);
+  const uint64_t want = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
+  while (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < want) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
 }
 }
 
@@ -458,6 +540,8 @@ torch::Tensor pack_tiles(torch::Tensor words, int64_t bits, int64_t K) {
 }
 
 int64_t host_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_experts_host; }
+int64_t submit_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_submit; }
+int64_t wait_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_wait; }
 
 int64_t host_ctx_size() { return (int64_t)sizeof(MoedeskCpuCtx); }
 
@@ -476,6 +560,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("host_entry_address", &host_entry_address,
         "address of moedesk_cpu_experts_host (void(*)(void*)), for cuLaunchHostFunc");
+  m.def("submit_entry_address", &submit_entry_address,
+        "address of moedesk_cpu_submit (void(*)(void*)): hand a context to the worker thread");
+  m.def("wait_entry_address", &wait_entry_address,
+        "address of moedesk_cpu_wait (void(*)(void*)): return when the worker has finished the context");
   m.def("pack_tiles", &pack_tiles, "GPU-layout codes of one expert projection -> the CPU kernel's tiles",
         py::call_guard<py::gil_scoped_release>());
   m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
