@@ -63,7 +63,7 @@ CHOICE_LABELS = {
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
-                "offload.cpu_threads": "All physical cores", "sampling.seed": "Random",
+                "offload.cpu_threads": "Automatic", "sampling.seed": "Random",
                 "sampling.top_k": "No limit"}
 HIDDEN = {"app.last_model", "sampling.stop"}
 GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions),

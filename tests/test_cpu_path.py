@@ -300,3 +300,13 @@ def test_pack_tiles_keeps_every_code(bits):
     assert torch.equal(_unpack_words(words, bits, K) - (1 << (bits - 1)), codes.to(torch.int64))
     with pytest.raises(RuntimeError, match="rows for K"):
         ce.load_kernel().pack_tiles(words[:-1], bits, K)
+
+
+def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
+    import psutil
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if not logical else 32)
+    assert cpath.resolve_threads(0) == 14 and cpath.resolve_threads(5) == 5
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    assert cpath.resolve_threads(0) == 1                          # never fewer than one
+    with pytest.raises(ValueError, match="0 \\(automatic\\) or more"):
+        cpath.resolve_threads(-1)

@@ -489,12 +489,11 @@ void moedesk_cpu_submit(void* p) {
 void moedesk_cpu_wait(void* p) {
   auto* c = static_cast<MoedeskCpuCtx*>(p);
   const uint64_t want = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
-  while (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < want) {
+  for (uint32_t spins = 1; __atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < want; ++spins) {
 #if defined(__x86_64__)
     __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
 #endif
+    if (spins % 64 == 0) std::this_thread::yield();   // give the core up if the team needs it
   }
 }
 }
