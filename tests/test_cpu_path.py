@@ -310,3 +310,76 @@ def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
     assert cpath.resolve_threads(0) == 1                          # never fewer than one
     with pytest.raises(ValueError, match="0 \\(automatic\\) or more"):
         cpath.resolve_threads(-1)
+
+
+def _words(rows, n, seed):
+    """Random int32 words with the edge patterns in the first columns: all zeros, all ones, alternating
+    bits, one bit set, every bit but one, in every plane (3 bits: low pairs and high bits)."""
+    w = torch.randint(-(1 << 31), 1 << 31, (rows, n), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
+    edges = [0, -1, 0x55555555, 0xAAAAAAAA - (1 << 32), 1, -(1 << 31), 0x7FFFFFFF, -2]
+    for c, v in enumerate(edges):
+        w[:, c] = v
+    return w.to(torch.int32)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_the_fast_retiling_equals_the_one_code_at_a_time_loop(bits):
+    k = ce.load_kernel()
+    K, N = 256, 48
+    words = _words(K * bits // 32, N, seed=bits)
+    fast = k.pack_tiles(words, bits, K)
+    assert torch.equal(fast, k.pack_tiles(words, bits, K, plain=True))
+    for q in range(K * bits // 32):                    # each word alone (edge patterns per plane)
+        one = torch.zeros_like(words)
+        one[q] = words[q]
+        assert torch.equal(k.pack_tiles(one, bits, K), k.pack_tiles(one, bits, K, plain=True)), q
+
+
+def test_retiling_into_strided_rows_of_one_buffer():
+    k = ce.load_kernel()
+    K, N, S = 128, 32, 3
+    words = [_words(K * 3 // 32, N, seed=20 + j) for j in range(S)]
+    buf = torch.full((S, 5 + K * 3 // 32 * N + 7), -9, dtype=torch.int32)
+    k.pack_tiles_into(words, 3, K, buf[:, 5:-7])
+    for j in range(S):
+        assert torch.equal(buf[j, 5:-7], k.pack_tiles(words[j], 3, K).reshape(-1))
+    assert bool((buf[:, :5] == -9).all() and (buf[:, -7:] == -9).all())          # nothing outside its slice
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        k.pack_tiles_into(words, 3, K, buf[:, 5:-7].t().contiguous().t())
+    with pytest.raises(RuntimeError, match=r"words\[1\]: 11 rows for K 128"):
+        k.pack_tiles_into([words[0], words[1][:-1], words[2]], 3, K, buf[:, 5:-7])
+
+
+@pytest.mark.parametrize("bits", [3, 4, [4, 3, 2]])
+def test_a_layers_store_is_the_per_expert_copies_flattened(bits):
+    """cpu_store writes the flat buffers directly: the same bytes as flattening packed_to_cpu's copies."""
+    _, packs = _layer(bits, seed=13)
+    stored = [5, 1, 3]
+    store = cpath.cpu_store(packs, stored)
+    ref = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in stored])
+    assert store._flat.keys() == ref._flat.keys()
+    for key in ref._flat:
+        assert store._flat[key].dtype == ref._flat[key].dtype and torch.equal(store._flat[key], ref._flat[key]), key
+    assert store.num_experts == 3 and store.expert_bytes() == ref.expert_bytes() == cpath.cpu_expert_bytes(packs)
+
+
+def test_a_uniform_3_bit_layers_store_is_byte_for_byte_the_exl2_conversion():
+    """Same codes, scales, groups, permutations and table as converting the EXL2 tensors themselves."""
+    experts, packs = _layer(3, seed=14)
+    store = cpath.cpu_store(packs, list(range(E)))
+    want = ce.CpuExperts.from_exl2(experts, "exl2")
+    for key in want._flat:
+        assert torch.equal(store._flat[key], want._flat[key]), key
+
+
+def test_flat_buffers_that_do_not_fit_say_which():
+    with pytest.raises(ce.CpuExpertsError, match="'sc' must be a contiguous CPU torch.float16"):
+        ce.CpuExperts.from_flat(H, I, {"qw": torch.zeros(4, dtype=torch.int32), "sc": torch.zeros(4),
+                                       "grp": torch.zeros(1, 4, dtype=torch.int32),
+                                       "perm": torch.zeros(4, dtype=torch.int32),
+                                       "desc": torch.zeros(1, 3, 8, dtype=torch.int64)})
+    with pytest.raises(ce.CpuExpertsError, match=r"desc must be \[E >= 1, 3, 8\]"):
+        ce.CpuExperts.from_flat(H, I, {"qw": torch.zeros(4, dtype=torch.int32), "sc": torch.zeros(4).half(),
+                                       "grp": torch.zeros(1, 4, dtype=torch.int32),
+                                       "perm": torch.zeros(4, dtype=torch.int32),
+                                       "desc": torch.zeros(1, 3, 4, dtype=torch.int64)})

@@ -222,28 +222,58 @@ class CpuExperts:
         conv = [convert_expert(e, format, f"{name}.experts.{j}") for j, e in enumerate(experts)]
         return cls(format, h, i, conv)
 
+    @classmethod
+    def from_flat(cls, hidden: int, inter: int, flat: Mapping[str, torch.Tensor],
+                  name: str = "layer") -> "CpuExperts":
+        """An exl2 store over ready flat buffers laid out as `_flatten` lays them: qw int32, sc fp16,
+        grp int32 [*, 4], perm int32, desc int64 [E, 3, 8] (runtime/experts/cpu_path.cpu_store)."""
+        want = {"qw": torch.int32, "sc": torch.float16, "grp": torch.int32, "perm": torch.int32, "desc": torch.int64}
+        for key, dtype in want.items():
+            t = flat.get(key)
+            if t is None or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+                raise CpuExpertsError(f"{name}: flat buffer {key!r} must be a contiguous CPU {dtype} tensor, got "
+                                      f"{None if t is None else (t.dtype, t.device.type, t.is_contiguous())}")
+        desc = flat["desc"]
+        if desc.dim() != 3 or desc.shape[1:] != (3, 8) or desc.shape[0] == 0:
+            raise CpuExpertsError(f"{name}: desc must be [E >= 1, 3, 8], got {list(desc.shape)}")
+        experts = [ExpertWeights("exl2", {f"{p}.shape": desc[e, j, 5:8] for j, p in enumerate(PROJS)})
+                   for e in range(desc.shape[0])]
+        store = cls("exl2", hidden, inter, experts, dict(flat))
+        store._expert_bytes = store._flat_bytes()
+        return store
+
     def __post_init__(self):
-        if self.format == "exl2":
+        if self.format == "exl2" and not self._flat:
             self._flatten()
 
+    def _flat_bytes(self) -> int:
+        return (sum(v.numel() * v.element_size() for k, v in self._flat.items() if k != "desc")
+                // len(self.experts))
+
     def _flatten(self) -> None:
-        """Concatenate every expert's tiles into flat buffers with a descriptor table [E, 3, 8]."""
-        qw, sc, grp, perm, desc = [], [], [], [], []
-        off = [0, 0, 0, 0]
-        for ew in self.experts:
-            for p in PROJS:
-                t = {k.split(".", 1)[1]: v for k, v in ew.tensors.items() if k.startswith(p + ".")}
+        """Copy every expert's tiles into flat buffers (one allocation each) with a descriptor table
+        [E, 3, 8] of per expert and projection offsets."""
+        parts = [[{k.split(".", 1)[1]: v for k, v in ew.tensors.items() if k.startswith(p + ".")} for p in PROJS]
+                 for ew in self.experts]
+        desc, off = [], [0, 0, 0, 0]
+        for expert in parts:
+            for t in expert:
                 k, n, q = t["shape"].tolist()
                 desc.append([off[0], off[1], off[2], t["grp"].shape[0], off[3], k, n, q])
-                for lst, key, j in ((qw, "qw", 0), (sc, "sc", 1), (grp, "grp", 2), (perm, "perm", 3)):
-                    lst.append(t[key].reshape(-1) if key != "grp" else t[key])
-                    off[j] += t[key].shape[0] if key == "grp" else t[key].numel()
-        self._flat = {"qw": torch.cat(qw), "sc": torch.cat(sc), "grp": torch.cat(grp).contiguous(),
-                      "perm": torch.cat(perm), "desc": torch.tensor(desc, dtype=torch.int64).view(-1, 3, 8)}
+                off = [off[0] + t["qw"].numel(), off[1] + t["sc"].numel(), off[2] + t["grp"].shape[0],
+                       off[3] + t["perm"].numel()]
+        first = parts[0][0]
+        flat = {"qw": torch.empty(off[0], dtype=first["qw"].dtype), "sc": torch.empty(off[1], dtype=first["sc"].dtype),
+                "grp": torch.empty((off[2], 4), dtype=first["grp"].dtype),
+                "perm": torch.empty(off[3], dtype=first["perm"].dtype)}
+        for d, t in zip(desc, (t for expert in parts for t in expert)):
+            for key, o in (("qw", d[0]), ("sc", d[1]), ("grp", d[2]), ("perm", d[4])):
+                src = t[key] if key == "grp" else t[key].reshape(-1)
+                flat[key][o:o + src.shape[0]] = src
+        self._flat = flat | {"desc": torch.tensor(desc, dtype=torch.int64).view(-1, 3, 8)}
         self.experts = [ExpertWeights("exl2", {k: v for k, v in ew.tensors.items() if k.endswith(".shape")})
                         for ew in self.experts]                  # the flat copy is the one kept
-        self._expert_bytes = (sum(v.numel() * v.element_size() for k, v in self._flat.items() if k != "desc")
-                              // len(self.experts))
+        self._expert_bytes = self._flat_bytes()
 
     @property
     def num_experts(self) -> int:

@@ -111,10 +111,65 @@ def packed_to_cpu(packs: Sequence[PackedExperts], e: int, name: str = "expert") 
     return ce.ExpertWeights("exl2", {f"{p}.{k}": v for p, d in parts.items() for k, v in d.items()})
 
 
+def _projections(packs: Sequence[PackedExperts], name: str):
+    """(projection, its logical outputs, name) of gate, up, down, checked against the CPU kernel's tiles."""
+    w1, w3, w2 = packs
+    H, I = w1.in_features, w2.in_features
+    out = [(w1, I, f"{name}.gate"), (w3, I, f"{name}.up"), (w2, H, f"{name}.down")]
+    for p, _, pname in out:
+        if p.group % 32 or p.out_features % 16:
+            raise ce.CpuExpertsError(f"{pname}: groups of {p.group} rows / {p.out_features} columns do not fit "
+                                     "the CPU kernel (groups of whole 32 rows, columns in tiles of 16)")
+    return out
+
+
 def cpu_expert_bytes(packs: Sequence[PackedExperts]) -> int:
     """Bytes of one expert's CPU copy (codes, scales, groups, permutations): what a forward reads."""
-    return sum(t.numel() * t.element_size() for k, t in packed_to_cpu(packs, 0).tensors.items()
-               if not k.endswith(".shape"))
+    total = 0
+    for p, _, _ in _projections(packs, "expert"):
+        K, N, G = p.in_features, p.out_features, p.in_features // p.group
+        total += K * p.bits // 32 * N * 4 + G * N * 2 + G * 4 * 4 + K * 4
+    return total
+
+
+def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str = "layer") -> ce.CpuExperts:
+    """CPU copies of experts `stored` (store index j = stored[j]) of one layer, in the layout that
+    CpuExperts' exl2 store flattens to (the same bytes as packed_to_cpu per expert), written straight
+    into the store's flat buffers: one allocation per buffer, codes retiled by the C++ kernel in one
+    call per projection (threads over experts and tiles), scales and permutations one copy each.
+
+    Per expert j the buffers hold gate, up, down one after the other; qw [S, Wq], sc [S, Ws], grp
+    [S, Gt, 4], perm [S, Kt] are flattened, desc [S, 3, 8] holds the offsets."""
+    projs = _projections(packs, name)
+    S, kernel = len(stored), ce.load_kernel()
+    if S == 0:
+        raise ce.CpuExpertsError(f"{name}: no experts to copy")
+    Q = [p.in_features * p.bits // 32 for p, _, _ in projs]
+    G = [p.in_features // p.group for p, _, _ in projs]
+    N = [p.out_features for p, _, _ in projs]
+    K = [p.in_features for p, _, _ in projs]
+    per = [sum(q * n for q, n in zip(Q, N)), sum(g * n for g, n in zip(G, N)), sum(G), sum(K)]
+    qw = torch.empty((S, per[0]), dtype=torch.int32)
+    sc = torch.empty((S, per[1]), dtype=torch.float16)
+    grp = torch.empty((S, per[2], 4), dtype=torch.int32)
+    perm = torch.empty((S, per[3]), dtype=torch.int32)
+    desc = torch.empty((S, 3, 8), dtype=torch.int64)
+    base = torch.arange(S, dtype=torch.int64)[:, None] * torch.tensor([per[0], per[1], per[2], 0, per[3], 0, 0, 0])
+    experts = [int(e) for e in stored]
+    ids = torch.tensor(experts, dtype=torch.int64)
+    o = [0, 0, 0, 0]                                                            # qw, sc, grp, perm
+    for j, ((p, out, _), q, g, n, k) in enumerate(zip(projs, Q, G, N, K)):
+        kernel.pack_tiles_into([p.codes(e).cpu() for e in experts], p.bits, k, qw[:, o[0]:o[0] + q * n])
+        dev_ids = ids.to(p.scales.device)
+        sc[:, o[1]:o[1] + g * n].view(S, n // 16, g, 16).copy_(                # [S, N/16, G, 16]
+            p.scales[dev_ids].cpu().view(S, g, n // 16, 16).permute(0, 2, 1, 3))
+        grp[:, o[2]:o[2] + g] = torch.tensor([[p.bits, i * p.group * p.bits // 32, i * p.group, p.group]
+                                              for i in range(g)], dtype=torch.int32)
+        perm[:, o[3]:o[3] + k] = p.perm[dev_ids].cpu()
+        desc[:, j] = base + torch.tensor([o[0], o[1], o[2], g, o[3], k, out, q])
+        o = [o[0] + q * n, o[1] + g * n, o[2] + g, o[3] + k]
+    flat = {"qw": qw.view(-1), "sc": sc.view(-1), "grp": grp.view(-1, 4), "perm": perm.view(-1), "desc": desc}
+    return ce.CpuExperts.from_flat(packs[0].in_features, packs[2].in_features, flat, name)
 
 
 # -- one layer ------------------------------------------------------------------------------------
@@ -132,8 +187,7 @@ class CpuPath:
                 0 <= e < self.E for e in self.stored):
             raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
         self.kernel, self.submit_fn, self.wait_fn = host_entries()
-        self.store = ce.CpuExperts("exl2", self.H, packs[2].in_features,
-                                   [packed_to_cpu(packs, e, f"{name}.experts.{e}") for e in self.stored])
+        self.store = cpu_store(packs, self.stored, name)
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
         self.nbytes = sum(t.numel() * t.element_size() for t in self.store._flat.values())
         if ram is not None:
@@ -294,8 +348,7 @@ def cpu_bytes_per_s(packs: Sequence[PackedExperts], experts: Sequence[int], top_
     key = (w1.in_features, w2.in_features, w1.bits, w3.bits, w2.bits, w1.group, top_k, resolve_threads(threads))
     if key in _THROUGHPUT:
         return _THROUGHPUT[key]
-    one = packed_to_cpu(packs, int(experts[0])).tensors
-    per = sum(t.numel() * t.element_size() for k, t in one.items() if not k.endswith(".shape"))
+    per = cpu_expert_bytes(packs)
     n = max(1, min(len(experts), max_bytes // max(per, 1)))
     cp = CpuPath(packs, list(experts)[:n], min(top_k, n), threads, "throughput probe", device="cpu")
     for e in cp.stored:

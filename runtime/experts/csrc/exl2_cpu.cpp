@@ -32,6 +32,7 @@
 #include <mutex>
 #include <thread>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -502,39 +503,132 @@ void moedesk_cpu_wait(void* p) {
 // bits 4 and 8 a little-endian stream of codes per column, bits 3 two planes: K/16 words of low 2-bit
 // pairs then K/32 of high bits) -> this kernel's qw layout, int32 [N/16, Q, 16] with Q = K * bits / 32,
 // each column a stream of `bits`-bit codes (one group width). Lossless; at load, for the CPU path.
-torch::Tensor pack_tiles(torch::Tensor words, int64_t bits, int64_t K) {
+// The work goes tile by tile, so every tile's Q * 64 bytes are written in order; pack_tiles_into
+// hands out (expert, tile) items of a whole layer to torch's thread pool.
+namespace {
+
+// Masks for moving fields of `width` bits from position width * i to 3 * i, one bit of i per step
+// (step s moves the fields whose i has bit 3 - s by (3 - width) << (3 - s)); fields only move up and
+// keep a gap of at least `width` bits, so no step overlaps another field.
+struct Spread {
+  uint64_t mask[4];
+  int shift[4];
+  constexpr Spread(int width) : mask{}, shift{} {
+    for (int s = 0; s < 4; ++s) {
+      const int b = 3 - s;
+      shift[s] = (3 - width) << b;
+      for (int i = 0; i < 16; ++i) {
+        if (!((i >> b) & 1)) continue;
+        int pos = width * i;                              // where field i is before step s
+        for (int d = 3; d > b; --d) pos += ((i >> d) & 1) * ((3 - width) << d);
+        for (int k = 0; k < width; ++k) mask[s] |= 1ull << (pos + k);
+      }
+    }
+  }
+};
+constexpr Spread LO2(2), HI1(1);
+
+template <const Spread& S>
+static inline uint64_t spread(uint64_t x) {
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) x = (x & ~S.mask[s]) | ((x & S.mask[s]) << S.shift[s]);
+  return x;
+}
+
+// 32 3-bit codes of one column from the GPU's planes (lo0: low bits of codes 0..15, lo1: of 16..31,
+// hi: high bits of all 32) -> r[0..2], a little-endian stream of 3-bit codes.
+static inline void pack3(uint32_t lo0, uint32_t lo1, uint32_t hi, uint32_t* r0, uint32_t* r1, uint32_t* r2) {
+  const uint64_t a = spread<LO2>(lo0) | (spread<HI1>(hi & 0xFFFFu) << 2);     // codes 0..15, 48 bits
+  const uint64_t b = spread<LO2>(lo1) | (spread<HI1>(hi >> 16) << 2);         // codes 16..31
+  *r0 = (uint32_t)a;
+  *r1 = (uint32_t)(a >> 32) | (uint32_t)(b << 16);
+  *r2 = (uint32_t)(b >> 16);
+}
+
+// The same, one code at a time: the reference the tests hold pack3 to.
+static inline void pack3_plain(uint32_t lo0, uint32_t lo1, uint32_t hi, uint32_t* r0, uint32_t* r1, uint32_t* r2) {
+  uint32_t r[3] = {0, 0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const uint32_t lo = ((i < 16 ? lo0 : lo1) >> (2 * (i & 15))) & 3u;
+    const uint32_t u = lo | (((hi >> i) & 1u) << 2);
+    const int bit = 3 * i, wi = bit >> 5, sh = bit & 31;
+    r[wi] |= u << sh;
+    if (sh + 3 > 32) r[wi + 1] |= u >> (32 - sh);
+  }
+  *r0 = r[0]; *r1 = r[1]; *r2 = r[2];
+}
+
+// Tile `tile` of one projection: words w [Qp, N] -> o [Q, 16] (the tile's place in the output).
+template <bool PLAIN>
+static void pack_tile(const uint32_t* w, int64_t bits, int64_t K, int64_t N, int64_t tile, uint32_t* o) {
+  const int64_t n0 = tile * TILE;
+  if (bits != 3) {
+    for (int64_t q = 0; q < K * bits / 32; ++q) std::memcpy(o + q * TILE, w + q * N + n0, TILE * sizeof(uint32_t));
+    return;
+  }
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const uint32_t* lo0 = w + (2 * c) * N + n0;
+    const uint32_t* lo1 = lo0 + N;
+    const uint32_t* hi = w + (K / 16 + c) * N + n0;
+    uint32_t* r = o + 3 * c * TILE;
+    for (int j = 0; j < TILE; ++j) {
+      if constexpr (PLAIN) pack3_plain(lo0[j], lo1[j], hi[j], r + j, r + TILE + j, r + 2 * TILE + j);
+      else pack3(lo0[j], lo1[j], hi[j], r + j, r + TILE + j, r + 2 * TILE + j);
+    }
+  }
+}
+
+static void check_words(const torch::Tensor& words, int64_t bits, int64_t K, int64_t N, int64_t j) {
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == torch::kInt32 && words.device().is_cpu(),
+              "words[", j, "]: int32 [Qp, N] on the CPU");
+  TORCH_CHECK(words.size(1) == N, "words[", j, "]: ", words.size(1), " columns, words[0] has ", N);
+  TORCH_CHECK(words.size(0) == K * bits / 32, "words[", j, "]: ", words.size(0), " rows for K ", K, " at ",
+              bits, " bits (want ", K * bits / 32, ")");
+}
+
+}  // namespace
+
+// words: S projections, each int32 [Qp, N] (CPU) -> out int32 [S, Q * N] (rows may be strided, e.g.
+// a column slice of a layer's flat buffer): row j holds words[j] as tiles [N/16, Q, 16].
+void pack_tiles_into(std::vector<torch::Tensor> words, int64_t bits, int64_t K, torch::Tensor out, bool plain) {
+  TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "bits: 3, 4 or 8, got ", bits);
+  TORCH_CHECK(!words.empty(), "words: no projections");
+  TORCH_CHECK(words[0].dim() == 2, "words[0]: int32 [Qp, N], got ", words[0].dim(), " dimensions");
+  const int64_t S = (int64_t)words.size(), N = words[0].size(1), Q = K * bits / 32;
+  TORCH_CHECK(K > 0 && K % 32 == 0 && N > 0 && N % TILE == 0, "K ", K, " must be a multiple of 32 and N ", N,
+              " of ", TILE);
+  std::vector<torch::Tensor> wc(S);
+  std::vector<const uint32_t*> src(S);
+  for (int64_t j = 0; j < S; ++j) {
+    check_words(words[j], bits, K, N, j);
+    wc[j] = words[j].contiguous();
+    src[j] = (const uint32_t*)wc[j].data_ptr<int32_t>();
+  }
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kInt32 && out.device().is_cpu() && out.size(0) == S &&
+              out.size(1) == Q * N && out.stride(1) == 1,
+              "out: int32 [", S, ", ", Q * N, "] on the CPU with unit column stride, got ", out.sizes(), " ",
+              out.scalar_type());
+  uint32_t* dst = (uint32_t*)out.data_ptr<int32_t>();
+  const int64_t ld = out.stride(0), tiles = N / TILE;
+  at::parallel_for(0, S * tiles, 4, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t j = i / tiles, t = i % tiles;
+      uint32_t* o = dst + j * ld + t * Q * TILE;
+      if (plain) pack_tile<true>(src[j], bits, K, N, t, o);
+      else pack_tile<false>(src[j], bits, K, N, t, o);
+    }
+  });
+}
+
+// One projection -> a new int32 [N/16, Q, 16].
+torch::Tensor pack_tiles(torch::Tensor words, int64_t bits, int64_t K, bool plain) {
   TORCH_CHECK(words.dim() == 2 && words.scalar_type() == torch::kInt32, "words: int32 [Qp, N]");
   TORCH_CHECK(bits == 3 || bits == 4 || bits == 8, "bits: 3, 4 or 8, got ", bits);
   const int64_t N = words.size(1), Q = K * bits / 32;
   TORCH_CHECK(K % 32 == 0 && N % TILE == 0, "K ", K, " must be a multiple of 32 and N ", N, " of ", TILE);
   TORCH_CHECK(words.size(0) == Q, "words: ", words.size(0), " rows for K ", K, " at ", bits, " bits (want ", Q, ")");
-  auto wc = words.contiguous();
-  const uint32_t* w = (const uint32_t*)wc.data_ptr<int32_t>();
   auto out = torch::empty({N / TILE, Q, TILE}, words.options());
-  uint32_t* o = (uint32_t*)out.data_ptr<int32_t>();
-  auto at_ = [&](int64_t q, int64_t n) -> uint32_t& { return o[(n / TILE) * Q * TILE + q * TILE + n % TILE]; };
-  if (bits != 3) {
-    at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) {
-      for (int64_t q = q0; q < q1; ++q)
-        for (int64_t n = 0; n < N; ++n) at_(q, n) = w[q * N + n];
-    });
-    return out;
-  }
-  at::parallel_for(0, K / 32, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t n = 0; n < N; ++n) {
-        const uint32_t lo0 = w[(2 * c) * N + n], lo1 = w[(2 * c + 1) * N + n], hi = w[(K / 16 + c) * N + n];
-        uint32_t r[3] = {0, 0, 0};
-        for (int i = 0; i < 32; ++i) {
-          const uint32_t lo = ((i < 16 ? lo0 : lo1) >> (2 * (i & 15))) & 3u;
-          const uint32_t u = lo | (((hi >> i) & 1u) << 2);
-          const int bit = 3 * i, wi = bit >> 5, sh = bit & 31;
-          r[wi] |= u << sh;
-          if (sh + 3 > 32) r[wi + 1] |= u >> (32 - sh);
-        }
-        for (int k = 0; k < 3; ++k) at_(3 * c + k, n) = r[k];
-      }
-  });
+  pack_tiles_into({words}, bits, K, out.view({1, Q * N}), plain);
   return out;
 }
 
@@ -564,6 +658,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wait_entry_address", &wait_entry_address,
         "address of moedesk_cpu_wait (void(*)(void*)): return when the worker has finished the context");
   m.def("pack_tiles", &pack_tiles, "GPU-layout codes of one expert projection -> the CPU kernel's tiles",
+        py::arg("words"), py::arg("bits"), py::arg("K"), py::arg("plain") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_tiles_into", &pack_tiles_into, "pack_tiles of several projections into rows of one buffer",
+        py::arg("words"), py::arg("bits"), py::arg("K"), py::arg("out"), py::arg("plain") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
   m.def("isa", &isa, "vector instruction set the kernel was compiled for");
