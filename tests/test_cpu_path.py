@@ -383,3 +383,15 @@ def test_flat_buffers_that_do_not_fit_say_which():
                                        "grp": torch.zeros(1, 4, dtype=torch.int32),
                                        "perm": torch.zeros(4, dtype=torch.int32),
                                        "desc": torch.zeros(1, 3, 4, dtype=torch.int64)})
+
+
+def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
+    from runtime.experts.budget import BudgetError, MemoryBudget
+    _, packs = _layer(3, seed=21)
+    ram = MemoryBudget(10 ** 9, "RAM")
+    cp = cpath.CpuPath(packs, [0, 2, 4], A, threads=1, device="cpu", ram=ram)
+    assert cp.nbytes == sum(t.numel() * t.element_size() for t in cp.store._flat.values())
+    cp.close()
+    tight = MemoryBudget(cp.nbytes - 1, "RAM")
+    with pytest.raises(BudgetError):
+        cpath.CpuPath(packs, [0, 2, 4], A, threads=1, device="cpu", ram=tight)

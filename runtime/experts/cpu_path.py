@@ -187,12 +187,16 @@ class CpuPath:
                 0 <= e < self.E for e in self.stored):
             raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
         self.kernel, self.submit_fn, self.wait_fn = host_entries()
-        self.store = cpu_store(packs, self.stored, name)
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.store._flat.values())
-        if ram is not None:
+        self.nbytes = len(self.stored) * (cpu_expert_bytes(packs) + 3 * 8 * 8)      # + desc rows
+        if ram is not None:                    # on the ledger before gigabytes are allocated
             ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
                         "raise the RAM budget, or close other programs")
+        try:
+            self.store = cpu_store(packs, self.stored, name)
+        except BaseException:
+            self.close()
+            raise
         self.device = torch.device(device) if device is not None else w1.scales.device
         pin = dict(pin_memory=self.device.type == "cuda")
         A, H, E = top_k, self.H, self.E
