@@ -14,6 +14,14 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _results(args: list[str]) -> int:
+    """Lines `runtime.experts.check` prints for these arguments: one per row count, plus one more for
+    2+ rows of at most 64 (token, expert) pairs (the split-K GEMVs and the grouped kernels)."""
+    rows = [int(t) for t in args[-1].split(",")]
+    top_k = int(args[args.index("--top-k") + 1])
+    return len(rows) + sum(1 < t and t * top_k <= 64 for t in rows)
+
+
 @pytest.mark.parametrize("args", [
     ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5,17"],
     ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3,40"],
@@ -29,10 +37,7 @@ def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
     r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    rows = [int(t) for t in args[-1].split(",")]
-    top_k = int(args[args.index("--top-k") + 1])
-    union = sum(1 < t and t * top_k <= 64 for t in rows)                # few rows: GEMVs and grouped
-    assert r.stdout.count(" ok") == len(rows) + union + 1, r.stdout      # + the routing check
+    assert r.stdout.count(" ok") == _results(args) + 1, r.stdout            # + the routing check
 
 
 @pytest.mark.parametrize("splitk", ["32x3", "128x2", "32x1"])
@@ -100,10 +105,7 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", "--offload", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    rows = [int(t) for t in args[-1].split(",")]
-    top_k = int(args[args.index("--top-k") + 1])
-    union = sum(1 < t and t * top_k <= 64 for t in rows)
-    assert r.stdout.count(" ok") == 2 * (len(rows) + union), r.stdout     # in place and staged
+    assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
 @pytest.mark.parametrize("bits,splitk", [("4", None), ("3", None), ("4", "32x3"), ("4", "128x2")])

@@ -19,6 +19,11 @@ from typing import Optional
 import torch
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ over whole tensors (any device, any float type)."""
+    return _rel_rows(a.reshape(1, -1), b.reshape(1, -1)).item()
+
+
 def _rel_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row ‖a − b‖ / ‖b‖ of two [T, H] tensors."""
     a, b = a.float().cpu(), b.float().cpu()
@@ -91,10 +96,6 @@ def layer0(path, rows: int, seed: int) -> int:
     from runtime.backends import exl2
     from runtime.options import LoadOptions, OffloadOptions
     from runtime.reference import model
-
-    def rel(a, b) -> float:
-        a, b = a.float().cpu(), b.float().cpu()
-        return ((a - b).norm() / b.norm()).item()
 
     ref = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
     eng = exl2.load(path, LoadOptions(offload=OffloadOptions(context_length=max(512, rows))),

@@ -65,8 +65,17 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
     return CheckResult(rows, "routing", (w[clear] - r.weights[clear]).abs().max().item() if clear.any() else 0.0)
 
 
+def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
+    """(union_reads, name) of every kernel path `experts_forward` takes for this many rows: few rows
+    run the split-K GEMVs and, as verify rows of offloaded layers do, the grouped kernels."""
+    from runtime.experts.kernels import GEMV_MAX_PAIRS
+    if rows * top_k > GEMV_MAX_PAIRS:
+        return [(False, "grouped")]
+    return [(False, "splitk")] + ([(True, "grouped(union)")] if rows > 1 else [])
+
+
 def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> list[CheckResult]:
-    from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
+    from runtime.experts.kernels import experts_forward
     g = torch.Generator().manual_seed(seed)
     H = layer.gate_w.shape[1]
     out = [check_routing(layer, max(rows), device)]
@@ -74,12 +83,9 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
         x = torch.randn(T, H, generator=g).half().to(device)
         r = route(x, layer.gate_w, layer.top_k)
         ref = experts_reference(x, r, layer.w1, layer.w3, layer.w2)
-        few = T * layer.top_k <= GEMV_MAX_PAIRS
-        # few rows: the split-K GEMVs, and (verify rows of offloaded layers) the grouped kernels
-        for union in ((False, True) if few and T > 1 else (False,)):
+        for union, path in kernel_paths(T, layer.top_k):
             y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
-            err = ((y - ref).norm() / ref.norm()).item()
-            out.append(CheckResult(T, "grouped(union)" if union else "splitk" if few else "grouped", err))
+            out.append(CheckResult(T, path, ((y - ref).norm() / ref.norm()).item()))
     return out
 
 
@@ -89,7 +95,7 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     rows) against the same layer all resident: `rel_err` is the largest difference
     relative to the largest output."""
     from runtime.experts.budget import MemoryBudget
-    from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
+    from runtime.experts.kernels import experts_forward
     from runtime.experts.manager import OffloadManager
     import dataclasses
     ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
@@ -112,13 +118,11 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
         for T in rows:
             x = torch.randn(T, H, generator=g).half().to(device)
             r = route(x, ref.gate_w, top_k)
-            few = T * top_k <= GEMV_MAX_PAIRS
-            for union in ((False, True) if few and T > 1 else (False,)):
+            for union, name in kernel_paths(T, top_k):
                 want = experts_forward(x, r.ids, r.weights, ref.w1, ref.w3, ref.w2, union_reads=union)
                 got = experts_forward(x, r.ids, r.weights, *mgr.before(lo, T, r.ids), union_reads=union)
                 mgr.after(lo)
-                path = ("grouped(union)" if union else "splitk" if few else "grouped") + (
-                    "+staged" if stage else "+in place")
+                path = name + ("+staged" if stage else "+in place")
                 out.append(CheckResult(T, path, ((got - want).abs().max() / want.abs().max()).item()))
     return out
 
