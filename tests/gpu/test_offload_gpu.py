@@ -83,10 +83,12 @@ def _code_bytes(eng) -> int:
     return sum(p.qweight.numel() * 4 for m in eng.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
 
 
-def test_offload_matches_all_in_vram(moe_8l):
+def _all_in_vram(path, seed: int):
+    """The reference run, every expert in VRAM: (tokens, its outputs, expert code bytes, other VRAM in
+    use, prefill scratch), for sizing a budget that forces offload."""
     from runtime.backends.exl2_offload import prefill_scratch_bytes
-    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref, applied = _load(moe_8l)
+    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref, applied = _load(path)
     try:
         assert ref.offload is None and applied["offload.ram_budget_gb"].startswith("ignored")
         want = _script(ref, toks)
@@ -95,6 +97,11 @@ def test_offload_matches_all_in_vram(moe_8l):
         scratch = prefill_scratch_bytes(ref.model.config)
     finally:
         ref.close()
+    return toks, want, codes, others, scratch
+
+
+def test_offload_matches_all_in_vram(moe_8l):
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4)
     # Half the experts' codes beside everything else: every layer keeps some, staging the rest.
     budget = others + scratch + codes // 2 + (64 << 20)
     torch.cuda.reset_peak_memory_stats()
@@ -177,22 +184,13 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
 
 
 def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch):
-    """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (host node in
-    the step's graph) while the GPU kernels skip them; verify rows and prefill keep the GPU paths.
+    """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (a worker
+    thread fed by host nodes in the step's graph) while the GPU kernels skip them; verify rows and prefill keep the GPU paths.
     The split is forced (equal CPU and PCIe rates, no overhead) so every layer owns experts whatever
     this host measures; the measured rates are recorded."""
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
-    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(8)).tolist()
-    ref, _ = _load(moe_8l)
-    try:
-        want = _script(ref, toks)
-        codes = _code_bytes(ref)
-        others = torch.cuda.memory_allocated() - codes
-        scratch = prefill_scratch_bytes(ref.model.config)
-    finally:
-        ref.close()
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
     measured = {}
     real_costs = mgr.OffloadManager._split_costs
 
