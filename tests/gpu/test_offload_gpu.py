@@ -100,6 +100,19 @@ def _all_in_vram(path, seed: int):
     return toks, want, codes, others, scratch
 
 
+def _finish_swaps(eng, toks) -> None:
+    """Decode until every layer's promotion copy is done, then one step: the boundary that points the
+    tables at the new slots."""
+    m = eng.offload
+    eng.reset()
+    eng.forward(toks[:8])
+    for t in toks[8:16]:
+        eng.forward([t])
+        if not any(lo.pending for lo in m.layers):
+            break
+    eng.forward([toks[16]])
+
+
 def test_offload_matches_all_in_vram(moe_8l):
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4)
     # Half the experts' codes beside everything else: every layer keeps some, staging the rest.
@@ -131,13 +144,7 @@ def test_offload_matches_all_in_vram(moe_8l):
         set_device_streams()                              # table writes on the stream the steps run on
         for lo in m.layers:
             m.swap(lo.index, lo.resident()[0], lo.cold()[0])
-        eng.reset()
-        eng.forward(toks[:8])
-        for t in toks[8:16]:
-            eng.forward([t])
-            if not any(lo.pending for lo in m.layers):
-                break
-        eng.forward([toks[16]])                          # the boundary that points the tables
+        _finish_swaps(eng, toks)
         assert not any(lo.pending for lo in m.layers)
         assert eng.telemetry()["expert_promotions"] >= 8
         _compare(_script(eng, toks), want, "after re-placement")
@@ -226,13 +233,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch):
             e = sorted(lo.cpu.owned_set)[0]
             m.swap(lo.index, lo.resident()[0], e)
             moved[lo.index] = e
-        eng.reset()
-        eng.forward(toks[:8])
-        for t in toks[8:16]:
-            eng.forward([t])
-            if not any(lo.pending for lo in m.layers):
-                break
-        eng.forward([toks[16]])
+        _finish_swaps(eng, toks)
         assert all(moved[lo.index] in lo.expert_slot and moved[lo.index] not in lo.cpu.owned_set
                    for lo in m.layers)
         _compare(_script(eng, toks), want, "cpu path after re-placement")
