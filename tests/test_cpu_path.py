@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from typing import Sequence
 
 import pytest
 import torch
@@ -12,9 +13,34 @@ from runtime.exl2 import format as fmt
 from runtime.experts import cpu_experts as ce
 from runtime.experts import cpu_path as cpath
 from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.pack import dequantize_packed, pack_experts
+from runtime.experts.pack import PackedExperts, dequantize_packed, pack_experts
 
 H, I, E, A = 128, 96, 6, 3
+
+
+def _reference_projection(p: PackedExperts, e: int, logical_out: int, name: str) -> dict[str, torch.Tensor]:
+    """Expert e of one packed projection in cpu_experts' exl2 layout (as its _to_exl2 builds): one
+    group width (the packed one), lossless against what the GPU kernels read."""
+    K, N, b, g = p.in_features, p.out_features, p.bits, p.group
+    qw = ce.load_kernel().pack_tiles(p.codes(e).cpu(), b, K)                   # [N/16, Q, 16]
+    Q, G = qw.shape[1], K // g
+    sc = p.scales[e].cpu().to(torch.float16)                                    # [G, N]
+    grp = torch.tensor([[b, i * g * b // 32, i * g, g] for i in range(G)], dtype=torch.int32)
+    return {"qw": qw,
+            "sc": sc.view(G, N // 16, 16).permute(1, 0, 2).contiguous(),
+            "grp": grp, "perm": p.perm[e].cpu().to(torch.int32).contiguous(),
+            "shape": torch.tensor([K, logical_out, Q], dtype=torch.int64)}
+
+
+def _packed_to_cpu(packs: Sequence[PackedExperts], e: int, name: str = "expert") -> ce.ExpertWeights:
+    """Gate, up, down of expert e (PackedExperts of one layer) -> ExpertWeights("exl2"), one expert at a
+    time through pack_tiles: the reference the engine's flat build (cpu_path.cpu_store) must equal."""
+    w1, w3, w2 = packs
+    H, I = w1.in_features, w2.in_features
+    parts = {"gate": _reference_projection(w1, e, I, f"{name}.gate"),
+             "up": _reference_projection(w3, e, I, f"{name}.up"),
+             "down": _reference_projection(w2, e, H, f"{name}.down")}
+    return ce.ExpertWeights("exl2", {f"{p}.{k}": v for p, d in parts.items() for k, v in d.items()})
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -101,7 +127,7 @@ def test_the_c_entries_through_their_addresses_with_a_hand_built_context():
     k, submit, wait = cpath.host_entries()
     fn = k.host_entry_address()
     assert k.host_ctx_size() == ctypes.sizeof(cpath.HostCtx)
-    store = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in (1, 4)])
+    store = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in (1, 4)])
     f = store._flat
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(6))            # fp32, two rows
     ids = torch.tensor([[1, 4, 0], [4, 2, 1]], dtype=torch.int64)
@@ -137,7 +163,7 @@ def _fill(cp, x, ids, w):
 def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
     """Layers of a step submit one after another; each wait returns its own layer's finished result."""
     _, packs = _layer(3, seed=11)
-    store = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in range(E)])
+    store = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in range(E)])
     paths = [cpath.CpuPath(packs, list(range(E)), A, threads=2, device="cpu") for _ in range(3)]
     gen = torch.Generator().manual_seed(12)
     xs = [torch.randn(1, H, generator=gen).half() for _ in paths]
@@ -356,7 +382,7 @@ def test_a_layers_store_is_the_per_expert_copies_flattened(bits):
     _, packs = _layer(bits, seed=13)
     stored = [5, 1, 3]
     store = cpath.cpu_store(packs, stored)
-    ref = ce.CpuExperts("exl2", H, I, [cpath.packed_to_cpu(packs, e) for e in stored])
+    ref = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in stored])
     assert store._flat.keys() == ref._flat.keys()
     for key in ref._flat:
         assert store._flat[key].dtype == ref._flat[key].dtype and torch.equal(store._flat[key], ref._flat[key]), key

@@ -85,32 +85,6 @@ def resolve_threads(threads: int) -> int:
 
 # -- CPU-format copies from the packed layout ------------------------------------------------------
 
-def _projection(p: PackedExperts, e: int, logical_out: int, name: str) -> dict[str, torch.Tensor]:
-    """Expert e of one packed projection in cpu_experts' exl2 layout (as its _to_exl2 builds): one
-    group width (the packed one), lossless against what the GPU kernels read."""
-    K, N, b, g = p.in_features, p.out_features, p.bits, p.group
-    if g % 32 or N % 16:
-        raise ce.CpuExpertsError(f"{name}: groups of {g} rows / {N} columns do not fit the CPU kernel "
-                                 "(groups of whole 32 rows, columns in tiles of 16)")
-    qw = ce.load_kernel().pack_tiles(p.codes(e).cpu(), b, K)                   # [N/16, Q, 16]
-    Q, G = qw.shape[1], K // g
-    sc = p.scales[e].cpu().to(torch.float16)                                    # [G, N]
-    grp = torch.tensor([[b, i * g * b // 32, i * g, g] for i in range(G)], dtype=torch.int32)
-    return {"qw": qw,
-            "sc": sc.view(G, N // 16, 16).permute(1, 0, 2).contiguous(),
-            "grp": grp, "perm": p.perm[e].cpu().to(torch.int32).contiguous(),
-            "shape": torch.tensor([K, logical_out, Q], dtype=torch.int64)}
-
-
-def packed_to_cpu(packs: Sequence[PackedExperts], e: int, name: str = "expert") -> ce.ExpertWeights:
-    """Gate, up, down of expert e (PackedExperts of one layer) -> ExpertWeights("exl2")."""
-    w1, w3, w2 = packs
-    H, I = w1.in_features, w2.in_features
-    parts = {"gate": _projection(w1, e, I, f"{name}.gate"), "up": _projection(w3, e, I, f"{name}.up"),
-             "down": _projection(w2, e, H, f"{name}.down")}
-    return ce.ExpertWeights("exl2", {f"{p}.{k}": v for p, d in parts.items() for k, v in d.items()})
-
-
 def _projections(packs: Sequence[PackedExperts], name: str):
     """(projection, its logical outputs, name) of gate, up, down, checked against the CPU kernel's tiles."""
     w1, w3, w2 = packs
@@ -134,7 +108,7 @@ def cpu_expert_bytes(packs: Sequence[PackedExperts]) -> int:
 
 def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str = "layer") -> ce.CpuExperts:
     """CPU copies of experts `stored` (store index j = stored[j]) of one layer, in the layout that
-    CpuExperts' exl2 store flattens to (the same bytes as packed_to_cpu per expert), written straight
+    CpuExperts' exl2 store flattens to (per expert, what its conversion of the EXL2 tensors builds), written straight
     into the store's flat buffers: one allocation per buffer, codes retiled by the C++ kernel in one
     call per projection (threads over experts and tiles), scales and permutations one copy each.
 
