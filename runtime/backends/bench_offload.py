@@ -63,13 +63,12 @@ def _counts(engine) -> dict[str, float]:
     hits = pairs = vram_b = pcie_b = cpu_pairs = cpu_b = cpu_ns = 0
     for lo in m.layers:
         h, n = lo.hit_counts()
-        c = lo.cpu.counters()[2] if lo.cpu is not None else 0     # misses the CPU computed
-        hits, pairs, cpu_pairs = hits + h, pairs + n, cpu_pairs + c
+        ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)   # c: misses the CPU computed
+        hits, pairs, cpu_pairs, cpu_ns = hits + h, pairs + n, cpu_pairs + c, cpu_ns + ns
         vram_b += h * lo.code_bytes
         pcie_b += (n - h - c) * lo.code_bytes
         if lo.cpu is not None:
             cpu_b += c * lo.cpu.store.expert_bytes()
-            cpu_ns += lo.cpu.counters()[0]
     moved = m.bytes
     return {"hits": hits, "pairs": pairs, "vram_code_bytes": vram_b, "zero_copy_bytes": pcie_b,
             "cpu_pairs": cpu_pairs, "cpu_bytes": cpu_b, "cpu_ns": cpu_ns,
@@ -261,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reload", action="store_true", help="load the model again for every budget")
     ap.add_argument("--placement", choices=("stream", "cpu"), default="stream",
                     help="cold experts: read over PCIe only, or partly computed on the CPU")
-    ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: physical cores)")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: automatic, the physical cores less two)")
     ap.add_argument("--routing", choices=("router", "uniform"), default="router",
                     help="uniform: every token picks top-k distinct experts at random (speed of the placement "
                          "under the routing the roofline assumes; the output is meaningless)")
@@ -348,7 +347,7 @@ def main(argv=None) -> int:
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
             progress("measured")
-            if a.placement == "cpu" and any(lo.cpu is not None for lo in engine.offload.layers):
+            if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")
             r["setup"], r["setup_s"], r["applied"] = how, setup_s, applied
