@@ -158,6 +158,14 @@ def test_bench_runs_on_a_tiny_shape(tmp_path):
         bench_cpu.run_bench(["tiny-dense"], ("int8",))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_bench_pcie_load_without_a_gpu_says_so(capsys):
+    from runtime.experts import bench_cpu
+    with pytest.raises(SystemExit):
+        bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--pcie-load"])
+    assert "--pcie-load needs a CUDA device" in capsys.readouterr().err
+
+
 def test_experts_from_a_model_folder(tmp_path):
     from runtime.exl2 import synth
     from runtime.modelfolder import ModelFolder

@@ -183,6 +183,11 @@ def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
     for cp, x, i, w in zip(paths, xs, ids, ws):
         assert cp.ctx.submitted == cp.ctx.done == 3 and cp.ctx.status == 0
         assert _rel(cp.y.clone(), store.forward(x.float(), i, w).double()) < 1e-5
+    # the timeline: the last layer is waited for first, right after its submit, so the caller stalls for
+    # about its compute time; every figure is a sum over the three steps
+    tl = paths[-1].timeline()
+    assert tl["wake"] > 0 and tl["gpu"] > 0 and tl["stall"] > 0
+    assert tl["gpu"] + tl["stall"] >= paths[-1].ctx.ns_total // 2
 
 
 def test_bad_setups_say_what_is_wrong():

@@ -48,6 +48,39 @@ def test_decode_kernels_with_other_launch_shapes(splitk):
         ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
 
 
+@pytest.mark.parametrize("bits", ["3", "4"])
+@pytest.mark.parametrize("grouped", ["16,16,32,64,4,0", "32,32,64,128,8,2"])
+def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
+    """The prefill kernels' K tile may span several scale groups (groups of 32 rows, tiles of 64 and
+    128: each row of the tile takes its own group's scales); other block shapes too."""
+    test_kernels_match_oracle_in_interpreter(
+        ["--experts", "5", "--hidden", "128", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "40"],
+        None, {"MOEDESK_GROUPED": grouped})
+
+
+def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
+    from runtime.experts.kernels import Grouped
+    assert Grouped.parse("16,64,64,32,4,0") == Grouped()
+    with pytest.raises(ValueError, match="six integers"):
+        Grouped.parse("16,64")
+    with pytest.raises(ValueError, match="bn 48 is not a power of two"):
+        Grouped.parse("16,64,48,32,4,0")
+    with pytest.raises(ValueError, match="at least 16"):
+        Grouped.parse("8,64,64,32,4,0")
+
+
+def test_grouped_benchmark_refuses_bad_shapes_and_a_missing_gpu(capsys):
+    import torch
+    from runtime.experts import bench_grouped
+    with pytest.raises(SystemExit):
+        bench_grouped.main(["--configs", "16,64,48,32,4,0"])
+    assert "bn 48 is not a power of two" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench_grouped.main([])
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
 def test_verify_rows_read_through_the_grouped_kernels():
     """Verify rows of offloaded layers take the grouped kernels (each chosen expert read once per block
     of rows): 4 experts and top-2 make 2..8 rows share experts heavily; 3-bit and 4-bit, against the

@@ -24,6 +24,7 @@ warmed up first):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -35,6 +36,7 @@ import torch
 
 from runtime.backends.bench_cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
 from runtime.bench import git_commit, machine
+from runtime.experts import kernels as expert_kernels
 from runtime.options import LoadOptions, OffloadOptions
 
 GiB = 1024 ** 3
@@ -61,6 +63,7 @@ def _counts(engine) -> dict[str, float]:
     m = engine.offload
     torch.cuda.synchronize()                             # the CPU path's counters are host memory
     hits = pairs = vram_b = pcie_b = cpu_pairs = cpu_b = cpu_ns = 0
+    tl = {"wake": 0, "gpu": 0, "stall": 0}
     for lo in m.layers:
         h, n = lo.hit_counts()
         ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)   # c: misses the CPU computed
@@ -69,9 +72,12 @@ def _counts(engine) -> dict[str, float]:
         pcie_b += (n - h - c) * lo.code_bytes
         if lo.cpu is not None:
             cpu_b += c * lo.cpu.store.expert_bytes()
+            for k, v in lo.cpu.timeline().items():
+                tl[k] += v
     moved = m.bytes
     return {"hits": hits, "pairs": pairs, "vram_code_bytes": vram_b, "zero_copy_bytes": pcie_b,
             "cpu_pairs": cpu_pairs, "cpu_bytes": cpu_b, "cpu_ns": cpu_ns,
+            "cpu_wake_ns": tl["wake"], "cpu_gpu_ns": tl["gpu"], "cpu_stall_ns": tl["stall"],
             "staged": moved["staged"], "promoted": moved["promoted"], "naive": moved["naive"]}
 
 
@@ -194,6 +200,9 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "cpu_bytes_per_token": cpu_bytes, "cpu_pairs_per_token": d["cpu_pairs"] / n_decode,
         "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
         "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1),
+        # per token, summed over layers: submit -> worker start; submit -> wait called (the GPU's kernels
+        # meanwhile); the stream held in wait for the CPU. Overlap is good when stall is small.
+        "cpu_timeline_ms_per_token": {k: d[f"cpu_{k}_ns"] / 1e6 / n_decode for k in ("wake", "gpu", "stall")},
         "promotions_during_decode": d["promoted"] / max(1, engine.offload.layers[0].code_bytes),
         "roofline": {"serial_tps": 1 / (t_gpu + t_pcie + t_cpu), "overlapped_tps": 1 / max(t_gpu, t_pcie, t_cpu),
                      "gpu_s": t_gpu, "pcie_s": t_pcie, "cpu_s": t_cpu},
@@ -299,6 +308,7 @@ def main(argv=None) -> int:
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,
             "calibration_tokens": a.calibrate, "routing": a.routing,
+            "grouped_kernels": dataclasses.asdict(expert_kernels.GROUPED),    # prefill launch shape
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
                        if a.routing == "uniform" else "") + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
                       "routing_concentration), so each budget also gives the roofline under uniform routing. "
@@ -367,7 +377,10 @@ def main(argv=None) -> int:
                   f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
                   + (f" (with the CPU path {r['roofline_uniform_routing']['pcie_and_cpu_overlapped_tps']:.1f})"
                      f", CPU experts {r['cpu_ms_per_token']:.2f} ms/token, {r['cpu_bytes_per_token'] / 1e9:.2f} GB/token "
-                     f"at {r['cpu_gb_per_s']:.1f} GB/s" if a.placement == "cpu" else "") + "; naive: decode "
+                     f"at {r['cpu_gb_per_s']:.1f} GB/s (per token: worker wake-up "
+                     f"{r['cpu_timeline_ms_per_token']['wake']:.2f} ms, GPU kernels beside it "
+                     f"{r['cpu_timeline_ms_per_token']['gpu']:.2f} ms, stream held for the CPU "
+                     f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if a.placement == "cpu" else "") + "; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:

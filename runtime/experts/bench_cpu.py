@@ -9,11 +9,16 @@ Figures per (shape, format, T), medians over the timed calls:
   ms_per_token_layer   ms_per_call / T
   bpw                  bits per weight the format reads (codes + scales)
   bytes_ratio          bytes of an expert in the format / as EXL2 stores it (placement's cpu_bytes_ratio)
+With --pcie-load (a GPU machine), a thread keeps page-locked host -> device copies running the whole time,
+as the decode kernels' reads of cold experts over PCIe do beside the CPU path; the rows then also give the
+copies' rate during the run (pcie_gb_per_s), and the JSON the rate alone. Both read host RAM: the pair of
+figures against each alone says whether they share its bandwidth.
 The experts are synthetic EXL2 (random codes, sane scales; runtime/exl2/synth.py writes them the same way),
 converted by the same code the engine uses. Speed only depends on bytes and shapes, not on the values.
 
     python -m runtime.experts.bench_cpu [--shapes q125-a11 qwen3-30b-a3b] [--formats ...] [--rows 1 4]
                                         [--bits 3.0] [--pool-mb 1024] [--calls 30] [--threads N] [--json OUT]
+                                        [--pcie-load]
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -54,6 +60,7 @@ class BenchRow:
     ms_per_token_layer: float
     threads: int
     calls: int
+    pcie_gb_per_s: float | None = None   # --pcie-load: the host -> device copies' rate during these calls
 
 
 def _pool(shape: str, format: str, bits: float, pool_bytes: int, templates: int, seed: int) -> tuple[ce.CpuExperts, float]:
@@ -88,19 +95,77 @@ def bench_store(store: ce.CpuExperts, rows: int, top_k: int, calls: int, seed: i
     return times, cpu, nbytes
 
 
+class PcieLoad:
+    """Page-locked host -> device copies of `nbytes`, back to back on a side stream, from a thread,
+    while the block runs; `gb_per_s()` is their rate over a window (`mark()` starts one)."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--pcie-load needs a CUDA device")
+        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.bytes = 0
+        self.t0 = self.b0 = 0.0
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream):
+                while not self.stop.is_set():
+                    for _ in range(4):
+                        self.dst.copy_(self.src, non_blocking=True)
+                    self.stream.synchronize()            # releases the GIL while the copies run
+                    with self.lock:
+                        self.bytes += 4 * self.src.numel()
+        except BaseException as e:                       # reported by gb_per_s
+            self.error = e
+
+    def mark(self) -> None:
+        with self.lock:
+            self.t0, self.b0 = time.perf_counter(), self.bytes
+
+    def gb_per_s(self) -> float:
+        if self.error is not None:
+            raise RuntimeError(f"PCIe load failed: {self.error}")
+        with self.lock:
+            return (self.bytes - self.b0) / max(time.perf_counter() - self.t0, 1e-9) / 1e9
+
+    def __enter__(self) -> "PcieLoad":
+        self.thread = threading.Thread(target=self._run, name="pcie-load", daemon=True)
+        self.thread.start()
+        time.sleep(0.5)                                  # past the first copies
+        self.mark()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def pcie_alone(seconds: float = 2.0) -> float:
+    """The copies' rate with nothing else running (GB/s)."""
+    with PcieLoad() as load:
+        time.sleep(seconds)
+        return load.gb_per_s()
+
+
 def run_bench(shapes: Sequence[str] = DEFAULT_SHAPES, formats: Sequence[str] = ce.FORMATS,
               rows: Sequence[int] = (1, 4), bits: float = 3.0, pool_mb: int = 1024, calls: int = 30,
-              threads: int | None = None, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+              threads: int | None = None, progress: Callable[[str], None] | None = None,
+              load: PcieLoad | None = None) -> list[BenchRow]:
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run(shapes, formats, rows, bits, pool_mb, calls, progress)
+        return _run(shapes, formats, rows, bits, pool_mb, calls, progress, load)
     finally:
         torch.set_num_threads(before)
 
 
-def _run(shapes, formats, rows, bits, pool_mb, calls, progress) -> list[BenchRow]:
+def _run(shapes, formats, rows, bits, pool_mb, calls, progress, load=None) -> list[BenchRow]:
     out = []
     for shape in shapes:
         if shape not in SHAPES or not SHAPES[shape].is_moe:
@@ -114,12 +179,15 @@ def _run(shapes, formats, rows, bits, pool_mb, calls, progress) -> list[BenchRow
                 continue
             store, ratio = _pool(shape, f, bits, pool_mb << 20, templates=2, seed=0)
             for t in rows:
+                if load is not None:
+                    load.mark()
                 times, cpu, nbytes = bench_store(store, t, top_k, calls)
                 med = statistics.median(times)
                 r = BenchRow(shape, store.hidden, store.inter, f, t, top_k, round(store.bits_per_weight(), 3), round(ratio, 3),
                              store.num_experts, med * 1e3, min(times) * 1e3, statistics.median(cpu) * 1e3,
                              statistics.median(nbytes) / med / 1e9,
-                             statistics.median(nbytes) / statistics.median(cpu) / 1e9, med * 1e3 / t, torch.get_num_threads(), calls)
+                             statistics.median(nbytes) / statistics.median(cpu) / 1e9, med * 1e3 / t, torch.get_num_threads(), calls,
+                             load.gb_per_s() if load is not None else None)
                 out.append(r)
                 if progress:
                     progress(format_row(r))
@@ -154,12 +222,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    p.add_argument("--pcie-load", action="store_true",
+                   help="keep host -> device copies running beside the CPU kernel (needs a CUDA device)")
     a = p.parse_args(argv)
     info = machine()
     print(f"# {info['cpu']}, {info['cores']} cores, {a.threads or torch.get_num_threads()} threads, "
           f"load {info['load_average']}, kernel {info['kernel_isa']}", flush=True)
-    rows = run_bench(a.shapes, a.formats, a.rows, a.bits, a.pool_mb, a.calls, a.threads,
-                     progress=lambda s: print(s, flush=True))
+    say = lambda s: print(s, flush=True)                 # noqa: E731
+    if a.pcie_load:
+        if not torch.cuda.is_available():
+            p.error("--pcie-load needs a CUDA device")
+        info["pcie_alone_gb_per_s"] = pcie_alone()
+        say(f"# host -> device copies alone: {info['pcie_alone_gb_per_s']:.1f} GB/s")
+        with PcieLoad() as load:
+            rows = run_bench(a.shapes, a.formats, a.rows, a.bits, a.pool_mb, a.calls, a.threads, say, load)
+    else:
+        rows = run_bench(a.shapes, a.formats, a.rows, a.bits, a.pool_mb, a.calls, a.threads, say)
     if a.json:
         from datetime import datetime, timezone
         with open(a.json, "w") as f:

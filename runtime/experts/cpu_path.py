@@ -48,7 +48,8 @@ class HostCtx(ctypes.Structure):
                 ("T", ctypes.c_int32), ("A", ctypes.c_int32), ("x_fp16", ctypes.c_int32),
                 ("ids_int64", ctypes.c_int32), ("threads", ctypes.c_int32), ("status", ctypes.c_int32),
                 ("ns_total", ctypes.c_uint64), ("calls", ctypes.c_uint64), ("pairs", ctypes.c_uint64),
-                ("submitted", ctypes.c_uint64), ("done", ctypes.c_uint64)]
+                ("submitted", ctypes.c_uint64), ("done", ctypes.c_uint64), ("t_submit", ctypes.c_uint64),
+                ("ns_wake", ctypes.c_uint64), ("ns_gpu", ctypes.c_uint64), ("ns_stall", ctypes.c_uint64)]
 
 
 HOST_STATUS = {1: "an owned expert is not in the CPU store", 2: "expert shapes do not chain with x"}
@@ -254,6 +255,14 @@ class CpuPath:
         """(nanoseconds, calls, pairs, status) so far: host memory, read without a synchronisation."""
         c = self.ctx
         return int(c.ns_total), int(c.calls), int(c.pairs), int(c.status)
+
+    def timeline(self) -> dict[str, int]:
+        """Nanoseconds summed over the steps so far (host memory, read without a synchronisation):
+        wake, from submit until the worker starts; gpu, from submit until wait is called (the GPU's
+        own kernels for the layer, plus the host nodes' latency); stall, the stream held in wait for
+        the CPU. gpu + stall against the worker's own time tells how well the two overlap."""
+        c = self.ctx
+        return {"wake": int(c.ns_wake), "gpu": int(c.ns_gpu), "stall": int(c.ns_stall)}
 
     def close(self) -> None:
         if self.ram is not None:

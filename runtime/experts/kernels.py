@@ -33,7 +33,9 @@ WALIGN: tl.constexpr = tl.constexpr(16)
 def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                   BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]. Its codes start
-    `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host memory)."""
+    `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host memory).
+    A tile lies within one scale group (GROUP a multiple of BK) or spans whole groups (BK a multiple
+    of GROUP, both powers of two)."""
     if BITS == 3:
         # two planes (runtime/experts/pack.py): K/16 words of low 2-bit pairs, then K/32 of high bits
         lo_rows = k0 // 16 + tl.arange(0, BK // 16)
@@ -55,6 +57,13 @@ def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, 
         shifts = tl.arange(0, PER) * BITS
         u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
         u = tl.reshape(u, (BK, BN))
+    if BK > GROUP:                              # several scale groups in the tile (grouped kernels)
+        NG: tl.constexpr = BK // GROUP
+        g_rows = k0 // GROUP + tl.arange(0, NG)
+        s = tl.load(sc_ptr + e * (K // GROUP) * N + g_rows[:, None] * N + offs_n[None, :],
+                    mask=mask_n[None, :], other=0.0)
+        w = tl.reshape((u - (1 << (BITS - 1))).to(tl.float32), (NG, GROUP, BN)) * s.to(tl.float32)[:, None, :]
+        return tl.reshape(w, (BK, BN))
     s = tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
     return (u - (1 << (BITS - 1))).to(tl.float32) * s.to(tl.float32)[None, :]
 
@@ -256,6 +265,50 @@ def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
     return bk
 
 
+def _bk_span(*packs: PackedExperts, want: int) -> int:
+    """K tile of the grouped kernels: `want` rows when that spans whole scale groups of every
+    projection (powers of two, dividing K), else the tile within one group (`_bk`)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+    if pow2(want) and all(pow2(p.group) and want % p.group == 0 and p.in_features % want == 0 for p in packs):
+        return want
+    return _bk(*packs)
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """Launch shape of the grouped (prefill) kernels: rows per block (below / from 4096 pairs), columns
+    per block, K tile (it may span several scale groups), warps, pipeline stages (0: Triton's default)."""
+    bm_small: int = 16
+    bm_large: int = 64
+    bn: int = 64
+    bk: int = 32
+    warps: int = 4
+    stages: int = 0
+
+    @staticmethod
+    def parse(text: str) -> "Grouped":
+        """'bm_small,bm_large,bn,bk,warps,stages', e.g. '16,64,64,32,4,0' (MOEDESK_GROUPED)."""
+        try:
+            v = [int(t) for t in text.split(",")]
+            if len(v) != 6:
+                raise ValueError
+            g = Grouped(*v)
+        except (TypeError, ValueError):
+            raise ValueError(f"grouped kernel shape {text!r}: want six integers "
+                             "bm_small,bm_large,bn,bk,warps,stages, e.g. 16,64,64,32,4,0") from None
+        for name in ("bm_small", "bm_large", "bn", "bk", "warps"):
+            n = getattr(g, name)
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"grouped kernel shape {text!r}: {name} {n} is not a power of two")
+        if g.bm_small < 16 or g.bm_large < 16 or g.bn < 16 or g.bk < 16:
+            raise ValueError(f"grouped kernel shape {text!r}: blocks and tiles of at least 16 (tensor-core dots)")
+        return g
+
+
+GROUPED = Grouped.parse(os.environ["MOEDESK_GROUPED"]) if os.environ.get("MOEDESK_GROUPED") else Grouped()
+
+
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert, each expert's run padded to whole blocks of bm rows; all on the device.
 
@@ -308,17 +361,19 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     rw = weights.reshape(P).to(torch.float32).contiguous()
     h = torch.empty((P, I1), dtype=torch.float16, device=x.device)
     y = torch.empty((P, H2), dtype=torch.float32, device=x.device)
-    bk1, bk2 = _bk(w1, w3), _bk(w2)
-    bm, bn = (64 if P >= 4096 else 16), 64
+    g = GROUPED
+    bk1, bk2 = _bk_span(w1, w3, want=g.bk), _bk_span(w2, want=g.bk)
+    bm, bn = (g.bm_large if P >= 4096 else g.bm_small), g.bn
+    launch = dict(num_warps=g.warps, **({"num_stages": g.stages} if g.stages else {}))
     pairs, bexp = align(ids_f, w1.num_experts, bm)
     nb = bexp.numel()
     _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
         x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
         H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
-        BM=bm, BK=bk1, BN=bn, num_warps=4)
+        BM=bm, BK=bk1, BN=bn, **launch)
     _down_grouped[(nb, triton.cdiv(H2, bn))](
         h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
-        BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, num_warps=4)
+        BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, **launch)
     return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
 

@@ -384,6 +384,10 @@ struct MoedeskCpuCtx {
   uint64_t pairs;              // (row, expert) pairs computed so far
   uint64_t submitted;          // calls handed to the worker (moedesk_cpu_submit) ...
   uint64_t done;               // ... and finished by it (moedesk_cpu_wait waits for done == submitted)
+  uint64_t t_submit;           // steady-clock ns of the last submit
+  uint64_t ns_wake;            // sums over calls: submit -> the worker starts the context,
+  uint64_t ns_gpu;             // submit -> wait is called (the GPU's kernels in between, host-node latency),
+  uint64_t ns_stall;           // wait called -> returns (the stream held for the CPU)
 };
 
 void moedesk_cpu_experts_host(void* p) {
@@ -436,6 +440,11 @@ void moedesk_cpu_wait(void* p);
 // master of its OpenMP team), contexts run one at a time in submission order; it spins a while when
 // idle (layers follow each other within a millisecond), then sleeps.
 namespace {
+inline uint64_t steady_ns() {
+  return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 struct Worker {
   std::mutex m;
   std::condition_variable cv;
@@ -463,6 +472,7 @@ Worker* worker() {
           nw->q.pop_front();
         }
         const uint64_t seq = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
+        c->ns_wake += steady_ns() - c->t_submit;
         moedesk_cpu_experts_host(c);
         nw->pending.fetch_sub(1, std::memory_order_acq_rel);
         __atomic_store_n(&c->done, seq, __ATOMIC_RELEASE);
@@ -478,6 +488,7 @@ extern "C" {
 void moedesk_cpu_submit(void* p) {
   auto* c = static_cast<MoedeskCpuCtx*>(p);
   Worker* w = worker();
+  c->t_submit = steady_ns();
   __atomic_store_n(&c->submitted, c->submitted + 1, __ATOMIC_RELEASE);
   w->pending.fetch_add(1, std::memory_order_acq_rel);    // before the push: pending >= queued
   {
@@ -490,12 +501,15 @@ void moedesk_cpu_submit(void* p) {
 void moedesk_cpu_wait(void* p) {
   auto* c = static_cast<MoedeskCpuCtx*>(p);
   const uint64_t want = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
+  const uint64_t t0 = steady_ns();
+  c->ns_gpu += t0 - c->t_submit;
   for (uint32_t spins = 1; __atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < want; ++spins) {
 #if defined(__x86_64__)
     __builtin_ia32_pause();
 #endif
     if (spins % 64 == 0) std::this_thread::yield();   // give the core up if the team needs it
   }
+  c->ns_stall += steady_ns() - t0;
 }
 }
 

@@ -1,0 +1,131 @@
+"""Benchmark of the grouped (prefill) expert kernels over launch shapes, on one MoE layer of a real shape.
+
+A prompt's rows through one layer's routed experts (uniform random routing, as a long prompt spreads over
+all experts), timed for each launch shape `kernels.Grouped` (rows per block, columns per block, K tile,
+warps, stages) and checked against the first shape's output. Speed depends on shapes and bytes, not on
+the values: the layer holds a few synthetic EXL2 experts (runtime/exl2/synth.py) repeated to the shape's
+expert count. Needs a CUDA device.
+
+    python -m runtime.experts.bench_grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
+        [--configs 16,64,64,32,4,0 16,128,128,64,8,0 ...] [--json OUT]
+
+Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), relative difference to the
+first shape. The default shape (MOEDESK_GROUPED unset) is always measured first.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+import torch
+
+from runtime.exl2.shapes import SHAPES
+from runtime.exl2.synth import _random_linear
+from runtime.experts import kernels
+from runtime.experts.pack import PackedExperts, pack_experts
+
+SWEEP = ["16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
+         "16,128,64,64,4,0", "16,128,64,64,8,0", "16,128,128,64,8,0", "16,128,128,128,8,0",
+         "16,128,128,64,8,3", "16,64,128,64,8,3", "16,64,64,64,4,3", "16,128,64,128,8,0", "16,64,128,128,4,0"]
+
+
+def _repeat(p: PackedExperts, experts: int) -> PackedExperts:
+    """The few packed experts of `p` repeated to `experts` (codes, scales, permutations)."""
+    reps = -(-experts // p.num_experts)
+
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(reps, *([1] * (t.dim() - 1)))[:experts].contiguous()
+    return dataclasses.replace(p, qweight=rep(p.qweight), scales=rep(p.scales), perm=rep(p.perm), woff=None)
+
+
+def layer(shape: str, bits: float, templates: int = 4, seed: int = 0) -> tuple[PackedExperts, ...]:
+    s = SHAPES[shape]
+    if not s.is_moe:
+        raise ValueError(f"shape {shape!r} is not an MoE shape")
+    gen = torch.Generator().manual_seed(seed)
+    h, i = s.hidden, s.expert_intermediate
+    packs = []
+    for name, (out, inp) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        few = pack_experts([_random_linear(out, inp, bits, gen) for _ in range(templates)], name, "cuda")
+        packs.append(_repeat(few, s.experts))
+    return tuple(packs)
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 10, say=print) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the grouped kernels' benchmark needs a CUDA device")
+    s = SHAPES[shape]
+    w1, w3, w2 = layer(shape, bits)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(rows, s.hidden, device="cuda", generator=gen) * 0.5).half()
+    ids = torch.rand(rows, s.experts, device="cuda", generator=gen).topk(s.experts_per_token, dim=1).indices
+    w = torch.full((rows, s.experts_per_token), 1.0 / s.experts_per_token, device="cuda")
+    flops = rows * s.experts_per_token * 6 * s.hidden * s.expert_intermediate
+    before, out, ref = kernels.GROUPED, [], None
+    try:
+        for text in [dataclasses.astuple(before)] + [c for c in configs]:
+            g = kernels.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
+            kernels.GROUPED = g
+            try:
+                y = kernels.experts_forward(x, ids, w, w1, w3, w2)
+                ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2), reps)
+            except Exception as e:                         # a shape the compiler or the device refuses
+                say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                out.append({"config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
+                continue
+            if ref is None:
+                ref = y
+            diff = ((y - ref).abs().max() / ref.abs().max()).item()
+            r = {"config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9, "rel_diff": diff}
+            out.append(r)
+            say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
+                f"diff {diff:.1e}")
+    finally:
+        kernels.GROUPED = before
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.experts.bench_grouped", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="q125-a11")
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--bits", type=float, default=3.0)
+    p.add_argument("--configs", nargs="*", default=SWEEP, help="bm_small,bm_large,bn,bk,warps,stages each")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.shape not in SHAPES:
+        p.error(f"unknown shape {a.shape!r}; choose from {sorted(SHAPES)}")
+    for c in a.configs:
+        try:
+            kernels.Grouped.parse(c)
+        except ValueError as e:
+            p.error(str(e))
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    print(f"# {torch.cuda.get_device_name()}, {a.shape}, {a.rows} rows, {a.bits} bits", flush=True)
+    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"shape": a.shape, "rows": a.rows, "bits": a.bits, "device": torch.cuda.get_device_name(),
+                       "results": res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
