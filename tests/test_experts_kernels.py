@@ -60,7 +60,7 @@ def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
 
 def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
     from runtime.experts.kernels import Grouped
-    assert Grouped.parse("16,64,64,32,4,0") == Grouped()
+    assert Grouped.parse("16,64,128,64,4,0") == Grouped()
     with pytest.raises(ValueError, match="six integers"):
         Grouped.parse("16,64")
     with pytest.raises(ValueError, match="bn 48 is not a power of two"):

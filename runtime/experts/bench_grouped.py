@@ -27,9 +27,10 @@ from runtime.exl2.synth import _random_linear
 from runtime.experts import kernels
 from runtime.experts.pack import PackedExperts, pack_experts
 
-SWEEP = ["16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
+SWEEP = ["16,64,64,32,4,0", "16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
          "16,128,64,64,4,0", "16,128,64,64,8,0", "16,128,128,64,8,0", "16,128,128,128,8,0",
-         "16,128,128,64,8,3", "16,64,128,64,8,3", "16,64,64,64,4,3", "16,128,64,128,8,0", "16,64,128,128,4,0"]
+         "16,128,128,64,8,3", "16,64,128,64,8,3", "16,64,64,64,4,3", "16,128,64,128,8,0", "16,64,128,128,4,0",
+         "16,64,128,32,4,0", "16,32,128,64,4,0", "16,64,256,64,8,0", "32,64,128,64,4,0"]
 
 
 def _repeat(p: PackedExperts, experts: int) -> PackedExperts:
@@ -78,7 +79,7 @@ def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 
     flops = rows * s.experts_per_token * 6 * s.hidden * s.expert_intermediate
     before, out, ref = kernels.GROUPED, [], None
     try:
-        for text in [dataclasses.astuple(before)] + [c for c in configs]:
+        for text in [dataclasses.astuple(before)] + [c for c in configs if kernels.Grouped.parse(c) != before]:
             g = kernels.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
             kernels.GROUPED = g
             try:
