@@ -11,6 +11,10 @@ through the layers. Measured at the Qwen3-30B-A3B shape (48 layers): our engine'
 stepwise logits differ by 1.3e-3 and agree with exllamav2's unfused (>= 5 rows) MoE path to 1.2e-3.
 TOL = 1e-2 leaves headroom over that accumulation for 2 layers while still catching any real error
 (a wrong expert, row or position gives errors of order 1e-1 to 1).
+Prefill rows go through exllamav2's multi-row GEMMs, whose error varies between runs of the same
+code: a 24-row prefill of the dense 2-layer model measured 6.0e-3 and 7.8e-3 in one run, 3.0e-3 and
+1.13e-2 in a later one (graphs on and off). TOL_PREFILL = 2e-2 covers that spread and stays an
+order of magnitude under the faults these tests caught (0.3 to 2.0: a wrong mask, a wrong head norm).
 With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
 """
 from __future__ import annotations
@@ -25,7 +29,12 @@ from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
+TOL_PREFILL = 2e-2
 ROWS = (1, 2, 4, 5, 8)
+
+
+def _tol(check: str) -> float:
+    return TOL_PREFILL if check.startswith("prefill") else TOL
 
 
 def _record(**kw):
@@ -88,8 +97,8 @@ def test_engine_matches_reference(kind, moe_2l, dense_2l, llama_2l, references):
             errs = _script(eng, ref, toks)
             _record(test="vs_reference", model=kind, moe="own", graphs=graphs, errors=errs,
                     prefill_attention=eng.info.extra.get("prefill_attention"))
-            failures += [f"{kind} graphs={graphs} {k}: relative error {e:.2e} >= {TOL}"
-                         for k, e in errs.items() if not e < TOL]
+            failures += [f"{kind} graphs={graphs} {k}: relative error {e:.2e} >= {_tol(k)}"
+                         for k, e in errs.items() if not e < _tol(k)]
             if graphs:                   # the decode steps and every verify above really replayed a graph
                 tel = eng.telemetry()
                 assert tel["decode_graphs"] and tel["graph_buckets"], tel.get("graph_error")
