@@ -241,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         from datetime import datetime, timezone
         with open(a.json, "w") as f:
-            json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": info,
+            from runtime.bench import git_commit
+            json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+                       "machine": info,
                        "bits": a.bits, "pool_mb": a.pool_mb, "results": [asdict(r) for r in rows]}, f, indent=1)
     return 0
 

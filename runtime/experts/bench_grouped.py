@@ -123,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": a.shape, "rows": a.rows, "bits": a.bits, "device": torch.cuda.get_device_name(),
-                       "results": res}, f, indent=1)
+            from runtime.bench import git_commit
+            json.dump({"git_commit": git_commit(), "shape": a.shape, "rows": a.rows, "bits": a.bits,
+                       "device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
     return 0
 
 
