@@ -58,6 +58,14 @@ def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
         None, {"MOEDESK_GROUPED": grouped})
 
 
+def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
+    from runtime.experts.check import random_layer
+    from runtime.experts.kernels import _bk_span
+    lay = random_layer(4, 256, 128, 2, 4, "cpu", group_size=128)          # K 256 (gate, up), 128 (down)
+    assert [_bk_span(lay.w1, lay.w3, want=w) for w in (32, 64, 128, 256)] == [32, 64, 128, 256]
+    assert _bk_span(lay.w2, want=256) == 128         # more than down's K (128): one whole group
+
+
 def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
     from runtime.experts.kernels import Grouped
     assert Grouped.parse("16,64,128,64,4,0") == Grouped()

@@ -7,7 +7,7 @@ the values: the layer holds a few synthetic EXL2 experts (runtime/exl2/synth.py)
 expert count. Needs a CUDA device.
 
     python -m runtime.experts.bench_grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
-        [--configs 16,64,64,32,4,0 16,128,128,64,8,0 ...] [--json OUT]
+        [--configs 16,64,64,64,4,0 16,128,128,64,8,0 ...] [--json OUT]
 
 Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), relative difference to the
 first shape. The default shape (MOEDESK_GROUPED unset) is always measured first.
@@ -27,7 +27,7 @@ from runtime.exl2.synth import _random_linear
 from runtime.experts import kernels
 from runtime.experts.pack import PackedExperts, pack_experts
 
-SWEEP = ["16,64,64,32,4,0", "16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
+SWEEP = ["16,64,64,64,4,0", "16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
          "16,128,64,64,4,0", "16,128,64,64,8,0", "16,128,128,64,8,0", "16,128,128,128,8,0",
          "16,128,128,64,8,3", "16,64,128,64,8,3", "16,64,64,64,4,3", "16,128,64,128,8,0", "16,64,128,128,4,0",
          "16,64,128,32,4,0", "16,32,128,64,4,0", "16,64,256,64,8,0", "32,64,128,64,4,0"]

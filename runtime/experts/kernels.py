@@ -267,12 +267,12 @@ def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
 
 def _bk_span(*packs: PackedExperts, want: int) -> int:
     """K tile of the grouped kernels: `want` rows when that spans whole scale groups of every
-    projection (powers of two, dividing K), else the tile within one group (`_bk`)."""
+    projection (powers of two, dividing K), else a tile of at most `want` rows within one group (`_bk`)."""
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
     if pow2(want) and all(pow2(p.group) and want % p.group == 0 and p.in_features % want == 0 for p in packs):
         return want
-    return _bk(*packs)
+    return _bk(*packs, cap=want)
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ class Grouped:
 
     The default is the fastest of 14 shapes that runtime.experts.bench_grouped timed on the H200 for
     q125-a11 at 3 bits, 2048 rows: 16.6 ms per layer (37 TFLOP/s) against 32.5 ms for the shape
-    before it (16,64,64,32,4,0; K tiles of 64 rows in groups of 128)."""
+    before it (16,64,64,64,4,0: 64 columns per block)."""
     bm_small: int = 16
     bm_large: int = 64
     bn: int = 128
