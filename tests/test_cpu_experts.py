@@ -1,6 +1,7 @@
 """CPU expert store: every format against the dequantized EXL2 reference, T = 1..8 rows."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -151,6 +152,9 @@ def test_bench_runs_on_a_tiny_shape(tmp_path):
     assert [(r.format, r.rows) for r in rows] == [(f, t) for f in formats for t in (1, 2)]
     for r in rows:
         assert r.gb_per_s > 0 and r.ms_per_call > 0 and r.ms_per_token_layer == pytest.approx(r.ms_per_call / r.rows)
+        assert r.pcie_gb_per_s is None and "PCIe" not in bench_cpu.format_row(r)
+    beside = dataclasses.replace(rows[0], pcie_gb_per_s=52.8)
+    assert bench_cpu.format_row(beside).endswith("PCIe copies beside it  52.8 GB/s")
     assert bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--rows", "1", "--calls", "1",
                            "--pool-mb", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]) == 0
     assert '"format": "int8"' in (tmp_path / "b.json").read_text()

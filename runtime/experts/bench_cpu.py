@@ -197,7 +197,8 @@ def _run(shapes, formats, rows, bits, pool_mb, calls, progress, load=None) -> li
 
 def format_row(r: BenchRow) -> str:
     return (f"{r.shape:14s} {r.format:5s} T={r.rows}  {r.bpw:5.2f} bpw (x{r.bytes_ratio:4.2f})  {r.ms_per_call:8.3f} ms/call "
-            f"(min {r.ms_per_call_min:7.3f}, cpu {r.cpu_ms_per_call:7.3f})  {r.gb_per_s:6.1f} GB/s ({r.gb_per_cpu_s:5.1f}/cpu-s)  {r.ms_per_token_layer:7.3f} ms/token/layer")
+            f"(min {r.ms_per_call_min:7.3f}, cpu {r.cpu_ms_per_call:7.3f})  {r.gb_per_s:6.1f} GB/s ({r.gb_per_cpu_s:5.1f}/cpu-s)  {r.ms_per_token_layer:7.3f} ms/token/layer"
+            + (f"  PCIe copies beside it {r.pcie_gb_per_s:5.1f} GB/s" if r.pcie_gb_per_s is not None else ""))
 
 
 def machine() -> dict:
