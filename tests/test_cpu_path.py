@@ -426,3 +426,29 @@ def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
     tight = MemoryBudget(cp.nbytes - 1, "RAM")
     with pytest.raises(BudgetError):
         cpath.CpuPath(packs, [0, 2, 4], A, threads=1, device="cpu", ram=tight)
+
+
+def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkeypatch):
+    from runtime.experts import manager as mgr
+    from runtime.experts.kernels import SHARE_DEN
+    from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0))
+    static = _manager(n=1)
+    static.apply([[0]])
+    monkeypatch.setattr(mgr, "CPU_BALANCE", 1.5)
+    wide = _manager(n=1)
+    wide.apply([[0]])
+    a, b = static.layers[0].cpu, wide.layers[0].cpu
+    assert a.share is None and b.share is not None                       # static: every owned pick
+    assert len(a.owned_set) == 3 and len(b.owned_set) == 5 and a.owned_set < b.owned_set   # ceil(1.5 x 3) of 7 cold
+    assert b.share == round(wide.cpu_split.shares[0] * SHARE_DEN) == round(3 * SHARE_DEN / 7)  # 3 of 7 cold picks
+    with pytest.raises(ValueError, match="CPU share 1.5 outside 0..1"):
+        b.set_share(1.5)
+    b.set_share(None)
+    assert b.share is None
+    static.close()
+    wide.close()
+    assert mgr._cpu_balance("") == 0.0 and mgr._cpu_balance("1.5") == 1.5
+    for bad in ("yes", "0.5", "-1"):
+        with pytest.raises(ValueError, match="MOEDESK_CPU_BALANCE"):
+            mgr._cpu_balance(bad)

@@ -60,3 +60,19 @@ def test_bad_inputs():
         plan_cpu_split(_uniform(2), [[]], [MB, MB], A, CpuSplitCosts(50e9, 1e9))
     with pytest.raises(ValueError, match="PCIe"):
         plan_cpu_split(_uniform(1), [[]], [MB], A, CpuSplitCosts(0.0, 1e9))
+
+
+def test_oversubscribed_split_stores_more_experts_and_says_the_cpus_share():
+    costs = CpuSplitCosts(50e9, 50e9, cpu_overhead_s=0.0)
+    plain = plan_cpu_split(_uniform(1), [[0, 1, 2, 3]], [MB], A, costs)
+    wide = plan_cpu_split(_uniform(1), [[0, 1, 2, 3]], [MB], A, costs, oversubscribe=1.5)
+    assert plain.owned == ((4, 5, 6, 7, 8, 9),)                   # half of the 12 cold experts
+    assert wide.owned == (tuple(range(4, 13)),)                   # 1.5 times as many copies
+    assert plain.shares == wide.shares == (pytest.approx(0.5),)   # the planned share of the cold picks
+    assert wide.split_s == plain.split_s                          # planned for the same balance
+    every = plan_cpu_split(_uniform(1), [[0, 1, 2, 3]], [MB], A, costs, oversubscribe=10.0)
+    assert every.owned == (tuple(range(4, 16)),)                  # at most every cold expert
+    none = plan_cpu_split(_uniform(1), [[]], [MB], A, CpuSplitCosts(50e9, 0.0), oversubscribe=2.0)
+    assert none.owned == ((),) and none.shares == (0.0,)
+    with pytest.raises(ValueError, match="oversubscribe 0.5"):
+        plan_cpu_split(_uniform(1), [[]], [MB], A, costs, oversubscribe=0.5)

@@ -163,3 +163,48 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == 6 and "FAIL" not in r.stdout, r.stdout
     assert r.stdout.count("cpu host") in (0, 3), r.stdout                 # one row: the host function
+
+
+_SHARE_MASK_CHECK = """
+import torch
+from runtime.experts.kernels import SHARE_DEN, cpu_share_mask
+g = torch.Generator().manual_seed(0)
+E, A = 12, 5
+cases = [(int(s), i) for i, s in enumerate(torch.randint(0, SHARE_DEN + 1, (60,), generator=g))]
+cases += [(0, 60), (SHARE_DEN, 61), (SHARE_DEN // 2, 62)]
+for share, i in cases:
+    ids = torch.randperm(E, generator=g)[:A].view(1, A).to(torch.int32)
+    resident = (torch.rand(E, generator=g) < 0.3).to(torch.int32)
+    owned = ((torch.rand(E, generator=g) < 0.6) & (resident == 0)).to(torch.uint8)
+    out = torch.full((E,), 7, dtype=torch.uint8)
+    cpu_share_mask(ids, owned, resident, share, out)
+    cold = [e for e in ids[0].tolist() if resident[e] == 0]
+    target = (len(cold) * share + SHARE_DEN // 2) // SHARE_DEN
+    want, k = [0] * E, 0
+    for e in ids[0].tolist():                        # the owned cold picks, in pick order, up to the target
+        if resident[e] == 0 and owned[e] and k < target:
+            want[e], k = 1, k + 1
+    assert out.tolist() == want, (i, ids.tolist(), resident.tolist(), owned.tolist(), share, out.tolist(), want)
+print("share mask ok", len(cases))
+"""
+
+
+def test_cpu_share_mask_gives_the_cpu_its_share_of_each_tokens_cold_picks():
+    """The balanced split's per-token mask (one Triton program, in the interpreter) against a plain
+    loop: of a token's cold picks, those the CPU has copies of, in pick order, up to round(share x cold
+    picks); never a resident or uncopied expert; every other entry 0."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _SHARE_MASK_CHECK], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "share mask ok 63" in r.stdout
+
+
+def test_cpu_share_mask_refuses_bad_arguments():
+    import torch
+    from runtime.experts.kernels import cpu_share_mask
+    owned, resident, out = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one row of expert ids"):
+        cpu_share_mask(torch.zeros(2, 2, dtype=torch.int32), owned, resident, 512, out)
+    with pytest.raises(ValueError, match="share 2000 outside 0..1024"):
+        cpu_share_mask(torch.zeros(1, 2, dtype=torch.int32), owned, resident, 2000, out)

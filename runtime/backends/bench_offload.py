@@ -37,6 +37,7 @@ import torch
 from runtime.backends.bench_cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
 from runtime.bench import git_commit, machine
 from runtime.experts import kernels as expert_kernels
+from runtime.experts import manager as expert_manager
 from runtime.options import LoadOptions, OffloadOptions
 
 GiB = 1024 ** 3
@@ -309,6 +310,7 @@ def main(argv=None) -> int:
             "budgets": results,
             "calibration_tokens": a.calibrate, "routing": a.routing,
             "grouped_kernels": dataclasses.asdict(expert_kernels.GROUPED),    # prefill launch shape
+            "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
                        if a.routing == "uniform" else "") + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
                       "routing_concentration), so each budget also gives the roofline under uniform routing. "

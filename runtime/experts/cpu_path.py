@@ -182,7 +182,11 @@ class CpuPath:
         self.y = torch.zeros((MAX_ROWS, H), dtype=torch.float32, **pin)
         self.store_index = torch.full((E,), -1, dtype=torch.int32)
         self.store_index[self.stored] = torch.arange(len(self.stored), dtype=torch.int32)
-        self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # the GPU kernels' mask
+        self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # experts the CPU may compute
+        # Balanced split (set_share): per step, the experts of `skip` the CPU computes for this token,
+        # at most its share of the token's cold picks (kernels.cpu_share_mask); None: all of `skip`.
+        self.share: Optional[int] = None
+        self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
         self.y_dev = torch.zeros((MAX_ROWS, H), dtype=torch.float32, device=self.device)
         self.owned_set: set[int] = set()
         f = self.store._flat
@@ -211,24 +215,40 @@ class CpuPath:
         if self.device.type != "cuda":
             self.owned.copy_(self.skip)
 
+    def set_share(self, share: Optional[float]) -> None:
+        """Balanced split: the CPU takes at most `share` (0..1) of each token's cold picks, from the
+        experts it owns; None: every owned pick (the static split)."""
+        from runtime.experts.kernels import SHARE_DEN
+        if share is not None and not 0.0 <= share <= 1.0:
+            raise ValueError(f"{self.name}: CPU share {share} outside 0..1")
+        self.share = None if share is None else int(round(share * SHARE_DEN))
+
     def stores(self, e: int) -> bool:
         return 0 <= e < self.E and int(self.store_index[e]) >= 0
 
     # -- a decode step ------------------------------------------------------------------------------
 
     def launch(self, stream: "torch.cuda.Stream", x: torch.Tensor, ids: torch.Tensor,
-               w: torch.Tensor) -> None:
+               w: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hand the CPU part of this layer to the worker for x fp16 [1, H], ids int32 [1, A], w fp32
         [1, A] (device tensors written on `stream`, the current stream): the GPU kernels queued next run
-        while the CPU computes; `join` collects the result."""
+        while the CPU computes; `join` collects the result. Returns the mask the GPU kernels skip;
+        with a share set, `resident` (int32 [E], 1 = in a VRAM slot) says which picks are cold."""
         if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
             raise ValueError(f"{self.name}: CPU path takes x {list(self.x.shape)}, ids {list(self.ids.shape)}, "
                              f"w {list(self.w.shape)}; got {list(x.shape)}, {list(ids.shape)}, {list(w.shape)}")
+        mask = self.skip
+        if self.share is not None:
+            if resident is None:
+                raise ValueError(f"{self.name}: a balanced split needs the layer's resident mask")
+            from runtime.experts.kernels import cpu_share_mask
+            mask = cpu_share_mask(ids, self.skip, resident, self.share, self.step_mask)
         self.x.copy_(x, non_blocking=True)
         self.ids.copy_(ids, non_blocking=True)
         self.w.copy_(w, non_blocking=True)
-        self.owned.copy_(self.skip, non_blocking=True)
+        self.owned.copy_(mask, non_blocking=True)
         launch_host_func(stream, self.submit_fn, self.ctx_addr)
+        return mask
 
     def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
         """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part, once the worker is done."""

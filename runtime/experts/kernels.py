@@ -396,6 +396,44 @@ def _ksplit(K: int, bk: int, programs: int) -> int:
     return ks
 
 
+SHARE_DEN = 1024       # cpu_share_mask: the CPU's share of a token's cold picks in 1/1024ths
+
+
+@triton.jit
+def _cpu_share_mask(ids_ptr, owned_ptr, resident_ptr, out_ptr, share, E: tl.constexpr, BE: tl.constexpr,
+                    A: tl.constexpr, BA: tl.constexpr, DEN: tl.constexpr):
+    a = tl.arange(0, BA)
+    am = a < A
+    ids = tl.load(ids_ptr + a, mask=am, other=0)
+    cold = am & (tl.load(resident_ptr + ids, mask=am, other=1) == 0)
+    cand = cold & (tl.load(owned_ptr + ids, mask=am, other=0) != 0)
+    n_cold = tl.sum(cold.to(tl.int32), axis=0)
+    target = (n_cold * share + DEN // 2) // DEN
+    rank = tl.cumsum(cand.to(tl.int32), axis=0)
+    keep = cand & (rank <= target)
+    e = tl.arange(0, BE)
+    hit = (e[:, None] == ids[None, :]) & keep[None, :]
+    tl.store(out_ptr + e, tl.max(hit.to(tl.int32), axis=1).to(tl.uint8), mask=e < E)
+
+
+def cpu_share_mask(ids: torch.Tensor, owned: torch.Tensor, resident: torch.Tensor, share: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """The experts the CPU computes for one token (one decode row), on the device: of the token's
+    cold picks (resident[e] == 0), those the CPU has copies of (owned[e] != 0), in pick order, up to
+    round(share / SHARE_DEN * cold picks); the rest go over PCIe. So every layer's split follows the
+    token's own picks instead of only the average (runtime/experts/cpu_path.py, balanced split).
+
+    ids int32 [1, A]; owned uint8 [E]; resident int32 [E]; out uint8 [E] (written whole)."""
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"cpu_share_mask: one row of expert ids, got shape {list(ids.shape)}")
+    if not 0 <= share <= SHARE_DEN:
+        raise ValueError(f"cpu_share_mask: share {share} outside 0..{SHARE_DEN}")
+    E, A = owned.numel(), ids.shape[1]
+    _cpu_share_mask[(1,)](ids.contiguous(), owned, resident, out, share, E=E, BE=triton.next_power_of_2(E),
+                          A=A, BA=triton.next_power_of_2(A), DEN=SHARE_DEN)
+    return out
+
+
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two

@@ -92,8 +92,8 @@ class ExpertLayer:
                 # Decode: the CPU computes the experts it owns (handed to its worker by a host node)
                 # while the GPU kernels skip them and read the other cold ones over PCIe.
                 stream = torch.cuda.current_stream(x.device)
-                cpu.launch(stream, x, ids, w)
-                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=cpu.skip)
+                skip = cpu.launch(stream, x, ids, w, self.offload.mask)
+                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=skip)
                 m.after(self.offload)
                 return cpu.join(stream, y)
             # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.

@@ -54,6 +54,20 @@ AUTO_CPU_MIN_GAIN = 0.10       # with MOEDESK_AUTO_CPU_PATH=1, "auto" takes the 
 # predicted gain (72% at 24 GB) does not yet account for PCIe and the CPU sharing host RAM
 # (runtime/experts/NOTES.md). Placement "cpu" asks for it.
 AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH") == "1"
+# The balanced split (not yet measured on a GPU, so off unless this is set): CPU copies of this many
+# times the experts the static split would own, and each decode step gives the CPU its planned share
+# of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
+def _cpu_balance(text: str) -> float:
+    try:
+        v = float(text or 0)
+    except ValueError:
+        v = -1.0
+    if not (v == 0 or v >= 1):
+        raise ValueError(f"MOEDESK_CPU_BALANCE={text!r}: want 0 (off) or the copies' factor, at least 1 (e.g. 1.5)")
+    return v
+
+
+CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", ""))
 
 
 @inference_mode_methods
@@ -215,7 +229,8 @@ class OffloadManager:
         except CpuExpertsError as e:
             self.cpu_reason = f"the CPU expert kernel is unavailable: {e}"
             return
-        split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs)
+        split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs,
+                               oversubscribe=max(1.0, CPU_BALANCE))
         if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN:
             self.cpu_reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
@@ -224,12 +239,14 @@ class OffloadManager:
                                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
         try:
-            for lo, owned in zip(self.layers, split.owned):
+            for lo, owned, share in zip(self.layers, split.owned, split.shares):
                 if owned:
                     lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
                                               self.ram, self.device)
                     for e in owned:
                         lo.cpu.own(e, True)
+                    if CPU_BALANCE:
+                        lo.cpu.set_share(share)
         except BudgetError:
             self._drop_cpu_paths()
             raise

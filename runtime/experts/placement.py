@@ -169,9 +169,10 @@ class CpuSplitCosts:
 
 @dataclass(frozen=True)
 class CpuSplit:
-    owned: tuple[tuple[int, ...], ...]   # per layer: cold experts the CPU computes
+    owned: tuple[tuple[int, ...], ...]   # per layer: cold experts the CPU computes (may compute: balanced)
     stream_s: float                      # expected cold-expert seconds per token, all over PCIe
     split_s: float                       # the same with the split (per layer the slower side)
+    shares: tuple[float, ...] = ()       # per layer: the CPU's planned share of the cold picks
 
     @property
     def gain(self) -> float:
@@ -180,17 +181,24 @@ class CpuSplit:
 
 
 def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_k: int,
-                   costs: CpuSplitCosts) -> CpuSplit:
+                   costs: CpuSplitCosts, oversubscribe: float = 1.0) -> CpuSplit:
     """Per layer, the cold experts the CPU computes so that its expected time per token (fixed
     overhead + top_k * owned share * bytes / CPU rate) about equals PCIe's for the rest (top_k * share
     * bytes / PCIe rate): experts taken greedily by routing share, keeping the count that makes the
-    slower side fastest. Never a resident expert; nothing without a CPU rate."""
+    slower side fastest. Never a resident expert; nothing without a CPU rate.
+
+    oversubscribe > 1 (the balanced split): the CPU gets copies of that many times the experts, and
+    `shares` says what part of a token's cold picks it should compute, so that a step can give it
+    that part of each token's own picks (kernels.cpu_share_mask) rather than whatever the static set
+    happens to catch."""
+    if oversubscribe < 1.0:
+        raise ValueError(f"oversubscribe {oversubscribe}: at least 1")
     freq = np.asarray(freq, dtype=np.float64)
     L, E = freq.shape
     cb = np.asarray(code_bytes, dtype=np.float64).reshape(L)
     if len(resident) != L:
         raise ValueError(f"{len(resident)} resident lists for {L} layers")
-    owned, stream_s, split_s = [], 0.0, 0.0
+    owned, shares, stream_s, split_s = [], [], 0.0, 0.0
     for layer in range(L):
         res = set(int(e) for e in resident[layer])
         cold = sorted((e for e in range(E) if e not in res), key=lambda e: (-freq[layer, e], e))
@@ -199,7 +207,7 @@ def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_
             raise ValueError("PCIe bandwidth must be positive")
         total = top_k * share.sum() * cb[layer]
         pcie_all = total / costs.pcie_bytes_per_s
-        best_k, best_t = 0, pcie_all
+        best_k, best_t, f = 0, pcie_all, 0.0
         if costs.cpu_bytes_per_s > 0 and len(cold):
             cum = top_k * np.cumsum(share) * cb[layer]                 # bytes the CPU reads owning k
             cpu_t = costs.cpu_overhead_s + cum * costs.cpu_bytes_ratio / costs.cpu_bytes_per_s
@@ -208,10 +216,13 @@ def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_
             k = int(np.argmin(t))
             if t[k] < best_t * (1 - 1e-9):
                 best_k, best_t = k + 1, float(t[k])
-        owned.append(tuple(sorted(cold[:best_k])))
+                f = float(cum[k] / total) if total > 0 else 0.0
+        stored = min(len(cold), int(np.ceil(best_k * oversubscribe))) if best_k else 0
+        owned.append(tuple(sorted(cold[:stored])))
+        shares.append(f)
         stream_s += pcie_all
         split_s += best_t
-    return CpuSplit(tuple(owned), stream_s, split_s)
+    return CpuSplit(tuple(owned), stream_s, split_s, tuple(shares))
 
 
 def decode_roofline(placement: Placement, dense_gpu_bytes: float, hbm_bytes_per_s: float,

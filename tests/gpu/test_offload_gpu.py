@@ -190,13 +190,16 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
         eng.close()
 
 
-def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch):
+@pytest.mark.parametrize("balance", [0.0, 1.5], ids=["static", "balanced"])
+def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance):
     """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (a worker
     thread fed by host nodes in the step's graph) while the GPU kernels skip them; verify rows and prefill keep the GPU paths.
     The split is forced (equal CPU and PCIe rates, no overhead) so every layer owns experts whatever
-    this host measures; the measured rates are recorded."""
+    this host measures; the measured rates are recorded. Balanced: copies of 1.5x the experts, each
+    step's mask computed on the device from the token's picks (MOEDESK_CPU_BALANCE)."""
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
     measured = {}
     real_costs = mgr.OffloadManager._split_costs
@@ -220,7 +223,9 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch):
         assert tel["cpu_expert_pairs"] > 0 and tel["cpu_expert_ms_per_token"] > 0
         assert "cpu_expert_errors" not in tel, tel["cpu_expert_errors"]
         c = measured["costs"]
-        _record(test="cpu_path", errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
+        if balance:
+            assert all(lo.cpu.share is not None for lo in eng.offload.layers)
+        _record(test="cpu_path", balance=balance, errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
                 measured_cpu_gbps=c.cpu_bytes_per_s / 1e9, measured_pcie_gbps=c.pcie_bytes_per_s / 1e9)
 
