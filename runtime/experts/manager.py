@@ -54,10 +54,10 @@ AUTO_CPU_MIN_GAIN = 0.10       # with MOEDESK_AUTO_CPU_PATH=1, "auto" takes the 
 # predicted gain (72% at 24 GB) does not yet account for PCIe and the CPU sharing host RAM
 # (runtime/experts/NOTES.md). Placement "cpu" asks for it.
 AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH") == "1"
-# The balanced split (not yet measured on a GPU, so off unless this is set): CPU copies of this many
-# times the experts the static split would own, and each decode step gives the CPU its planned share
-# of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
+
+
 def _cpu_balance(text: str) -> float:
+    """MOEDESK_CPU_BALANCE: 0 (off) or the factor of CPU copies for the balanced split (>= 1)."""
     try:
         v = float(text or 0)
     except ValueError:
@@ -67,6 +67,9 @@ def _cpu_balance(text: str) -> float:
     return v
 
 
+# The balanced split (not yet measured on a GPU, so off unless this is set): CPU copies of this many
+# times the experts the static split would own, and each decode step gives the CPU its planned share
+# of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
 CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", ""))
 
 
