@@ -51,6 +51,12 @@ class Engine(abc.ABC):
     def forward(self, tokens: Sequence[int]):
         """Append `tokens` at the current position; return logits for each of them, shape [T, vocab]."""
 
+    def prefill(self, tokens: Sequence[int]):
+        """Append `tokens` like `forward`, returning the last row's logits only, shape [1, vocab]. An
+        engine may skip the other rows' logits (the CUDA engine does: for a 2048-token chunk they are
+        hundreds of MB of VRAM that the offload budget would otherwise keep for them)."""
+        return self.forward(tokens)[-1:]
+
     @abc.abstractmethod
     def truncate(self, length: int) -> None:
         """Roll the cache back so that it holds only the first `length` tokens."""

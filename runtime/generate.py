@@ -138,7 +138,7 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     for start in range(keep, len(prompt), prefill_chunk):
         if should_stop():
             return _finish("cancelled", live, t0, None, [], out_text, decoder, prompt[:engine.position])
-        logits = engine.forward(prompt[start:start + prefill_chunk])   # [T, V]
+        logits = engine.prefill(prompt[start:start + prefill_chunk])   # [1, V]
         live.prefilled_tokens = start + len(prompt[start:start + prefill_chunk]) - keep
         step_hook(live)
     t_prefill = time.perf_counter()

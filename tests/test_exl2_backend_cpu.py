@@ -45,11 +45,14 @@ class LoopModel:
     def __init__(self):
         self.calls = []
 
-    def forward(self, ids, cache):
+    def forward(self, ids, cache, last_id_only=False):
         T = ids.shape[1]
         self.calls.append((cache.current_seq_len, T))
+        self.last_id_only = last_id_only
         cache.current_seq_len += T
-        return torch.full((1, T, V + 8), -1.0, dtype=torch.float16)
+        rows = (cache.current_seq_len - T + torch.arange(T, dtype=torch.float16))[-1:] if last_id_only else \
+            cache.current_seq_len - T + torch.arange(T, dtype=torch.float16)
+        return rows[None, :, None].expand(1, len(rows), V + 8).contiguous()
 
 
 class StepGraphs:
@@ -101,6 +104,21 @@ def test_forwards_of_up_to_nine_rows_replay_a_graph(monkeypatch):
     with pytest.raises(EngineError) as ei:                      # the overflow check still comes first
         eng.forward([1] * 35)
     assert ei.value.code == "context_overflow" and eng.position == 30
+
+
+def test_prefill_asks_exllamav2_for_the_last_row_only(monkeypatch):
+    """`prefill` returns [1, V], the last row, through exllamav2's last_id_only (no [T, V'] logits in
+    VRAM); `forward` keeps every row; a graph-sized prefill slices the graph's rows."""
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    g = StepGraphs()
+    eng = _engine(g)
+    out = eng.prefill(list(range(12)))
+    assert out.shape == (1, V) and eng.model.last_id_only and eng.position == 12
+    assert out[0, 0].item() == 11                                # the last row's position
+    out = eng.forward(list(range(12)))
+    assert out.shape == (12, V) and not eng.model.last_id_only and out[-1, 0].item() == 23
+    out = eng.prefill([1, 2, 3])                                 # 3 rows: a graph, its last row
+    assert out.shape == (1, V) and out[0, 0].item() == 26 and g.steps[-1] == (24, 3)
 
 
 def test_a_failed_verify_capture_keeps_the_one_row_graph(monkeypatch):

@@ -183,15 +183,23 @@ def test_offload_needs_host_codes():
         OffloadManager([layer], MemoryBudget(1 << 30))
 
 
-def test_prefill_scratch_estimate_grows_with_the_chunk():
+def test_prefill_scratch_estimate_grows_with_the_chunk_and_the_context():
     from types import SimpleNamespace
     from runtime.backends.exl2_offload import SCRATCH_MARGIN, prefill_scratch_bytes
-    cfg = SimpleNamespace(max_input_len=2048, hidden_size=4096, vocab_size=151936, num_attention_heads=64,
+    cfg = SimpleNamespace(max_input_len=2048, max_seq_len=8192, hidden_size=4096, vocab_size=151936,
+                          num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                           num_experts_per_token=8, intermediate_size=1536)
     big = prefill_scratch_bytes(cfg)
-    assert 2.0e9 < big - SCRATCH_MARGIN < 3.0e9                    # logits of 2048 rows dominate
+    # q125-a11's chunk: MoE 319 MB, K/V expanded to 64 heads over 8192 rows 268 MB, hidden 134 MB,
+    # attention output 67 MB, logits of 16 rows 10 MB: no [2048, vocab] logits (prefill asks for one row)
+    assert 0.75e9 < big - SCRATCH_MARGIN < 0.85e9
+    assert prefill_scratch_bytes(cfg, matmul_attention=True) - big == 2 * 64 * 2048 * 8192 * 2
+    cfg.max_seq_len = 4096
+    assert prefill_scratch_bytes(cfg) == big - 2 * 64 * 4096 * 128 * 2
     cfg.max_input_len = 512
     assert prefill_scratch_bytes(cfg) < big
+    cfg.num_key_value_heads = 64                                   # no GQA: nothing to expand
+    assert prefill_scratch_bytes(cfg) < big - 2 * 64 * 4096 * 128 * 2
 
 
 def test_host_arena_carves_stacks_from_few_blocks():

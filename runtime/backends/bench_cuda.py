@@ -5,7 +5,8 @@
         [--profile DIR] [--ceilings FILE] [--out bench/results/]
 
 Figures (batch 1, greedy argmax on the GPU each step, one warm-up first):
-- prefill tokens/s for each prompt length (one forward of the whole prompt, cache empty);
+- prefill tokens/s for each prompt length (one `prefill` of the whole prompt, cache empty: the
+  last row's logits only, as the app asks for);
 - time to first token: prefill of the first prompt length + the argmax of its last row;
 - decode tokens/s over --decode tokens after the first prompt (each step: forward, argmax, .item());
 - peak VRAM (torch's allocator peak, from load to end);
@@ -108,7 +109,7 @@ def measure(engine, prompts: list[int], decode: int, seed: int = 0) -> dict[str,
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         engine.reset()
         box = {}
-        dt = _sync_time(lambda: box.update(tok=int(engine.forward(ids)[-1].argmax())))
+        dt = _sync_time(lambda: box.update(tok=int(engine.prefill(ids)[-1].argmax())))
         out["prefill_s"][n] = dt
         out["prefill_tps"][n] = n / dt
         if n == prompts[0]:
@@ -116,7 +117,7 @@ def measure(engine, prompts: list[int], decode: int, seed: int = 0) -> dict[str,
     # decode after the first prompt
     engine.reset()
     ids = torch.randint(0, vocab, (prompts[0],), generator=g).tolist()
-    tok = int(engine.forward(ids)[-1].argmax())
+    tok = int(engine.prefill(ids)[-1].argmax())
     for _ in range(8):                                    # capture the bucket(s) ahead, outside the clock
         tok = int(engine.forward([tok])[-1].argmax())
     engine.truncate(prompts[0])

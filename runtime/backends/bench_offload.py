@@ -94,7 +94,7 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
 def ttft(engine, ids: list[int]) -> tuple[float, int]:
     engine.reset()
     box = {}
-    dt = _sync_time(lambda: box.update(tok=int(engine.forward(ids)[-1].argmax())))
+    dt = _sync_time(lambda: box.update(tok=int(engine.prefill(ids)[-1].argmax())))
     return dt, box["tok"]
 
 
@@ -217,6 +217,48 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     return out
 
 
+def vram_breakdown(engine) -> dict[str, float]:
+    """GiB of VRAM in use after load, by what holds it (the ledger's first item, taken apart)."""
+    model, cache = engine.model, engine.cache
+    kv = sum(t.numel() * t.element_size() for ts in (cache.key_states, cache.value_states) for t in ts if t is not None)
+    scratch = sum(getattr(c, "scratch_bytes", 0) for c in (model.device_context or []) if c is not None)
+    experts = codes = 0
+    for m in engine.moe:
+        x = m.experts
+        for p in (x.w1, x.w3, x.w2):
+            experts += p.scales.numel() * p.scales.element_size() + p.perm.numel() * p.perm.element_size()
+            if p.qweight.is_cuda:
+                codes += p.qweight.numel() * 4
+        experts += x.router_bytes()
+    total = torch.cuda.memory_allocated()
+    return {"allocated": total / GiB, "kv_cache": kv / GiB, "exllamav2_scratch": scratch / GiB,
+            "expert_scales_perm_router": experts / GiB, "expert_codes_in_vram": codes / GiB,
+            "other_weights_and_buffers": (total - kv - scratch - experts - codes) / GiB}
+
+
+def context_peak(engine) -> dict[str, Any]:
+    """Fill the whole context with prefill chunks, then decode a step: the peak VRAM the allocator
+    reserved against the budget (the prefill-scratch estimate is for the last chunk, which attends
+    to the most rows)."""
+    n = engine.info.context_length - 8
+    ids = _prompt(engine, n, 9)
+    chunk = 2048
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    engine.reset()
+    for i in range(0, n, chunk):
+        engine.prefill(ids[i:i + chunk])
+    engine.forward([1])
+    torch.cuda.synchronize()
+    tel = engine.telemetry()
+    out = {"tokens": n + 1, "peak_reserved_gb": torch.cuda.max_memory_reserved() / GiB,
+           "peak_allocated_gb": torch.cuda.max_memory_allocated() / GiB,
+           "budget_gb": tel["vram_budget_bytes"] / GiB,
+           "ledger_prefill_scratch_gb": tel["vram_budget_items"].get("prefill scratch", 0) / GiB}
+    engine.reset()
+    return out
+
+
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
     """The same placement with every cold expert read over PCIe (the CPU paths set aside, graphs
     captured again): the CPU path's gain measured side by side, in one process."""
@@ -276,6 +318,7 @@ def main(argv=None) -> int:
                          "under the routing the roofline assumes; the output is meaningless)")
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
+    ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -359,6 +402,19 @@ def main(argv=None) -> int:
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
             progress("measured")
+            if i == 0:
+                r["vram_breakdown_gb"] = vram_breakdown(engine)
+                r["context_peak"] = context_peak(engine)
+                progress(f"whole context: peak reserved {r['context_peak']['peak_reserved_gb']:.2f} GiB of "
+                         f"{r['context_peak']['budget_gb']:.2f}")
+            if a.profile:
+                from runtime.backends.bench_cuda import profile_decode
+                prof = Path(a.profile)
+                prof.mkdir(parents=True, exist_ok=True)
+                engine.reset()
+                engine.prefill(_prompt(engine, a.prompt, 1))
+                r["profile"] = profile_decode(engine, prof / f"offload-{label}-{b:g}gb-{stamp}.txt")
+                progress(f"profiled: {r['profile']}")
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")

@@ -30,6 +30,7 @@ from runtime.protocol import ErrorCode
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GiB = 1024 ** 3
+MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
 
 
 def _free_vram() -> str:
@@ -255,6 +256,12 @@ class Exl2Engine(Engine):
         return self.cache.current_seq_len
 
     def forward(self, tokens: Sequence[int]):
+        return self._forward(tokens, last_only=False)
+
+    def prefill(self, tokens: Sequence[int]):
+        return self._forward(tokens, last_only=True)
+
+    def _forward(self, tokens: Sequence[int], last_only: bool):
         T = len(tokens)
         if T == 0:
             raise EngineError(ErrorCode.INTERNAL.value, "forward() needs at least one token")
@@ -294,8 +301,9 @@ class Exl2Engine(Engine):
                     torch.cuda.synchronize()
                 else:
                     self.cache.current_seq_len += T
-                    return logits[:, : self.vocab].clone()
-            logits = self.model.forward(ids, self.cache)               # [1, T, V'] fp16
+                    return logits[-1:, : self.vocab].clone() if last_only else logits[:, : self.vocab].clone()
+            # last_only: exllamav2 runs the head on the last row only (no [T, V'] logits in VRAM)
+            logits = self.model.forward(ids, self.cache, last_id_only=last_only)   # [1, T or 1, V'] fp16
             return logits[0, :, : self.vocab]
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
             if not _is_oom(e):
@@ -422,6 +430,11 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     config.max_seq_len = off.context_length
     config.max_input_len = min(2048, off.context_length)
     config.max_attention_size = config.max_input_len ** 2
+    # exllamav2 sizes its fixed scratch for dequantizing the largest linear whole, up to max_dq_size
+    # elements: the head (vocab x hidden, ~600M for Qwen3 at hidden 4096) would take its 1 GiB default
+    # for a prefill's all-row logits, which `prefill` never asks for. Linears above this are
+    # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
+    config.max_dq_size = MAX_DQ_ELEMENTS
     is_moe = bool(config.arch.lm.is_moe)
     use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
                   and os.environ.get("MOEDESK_NO_GRAPHS") is None)
@@ -451,7 +464,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         progress("load", "Tuning GPU kernels", 1, 1)
         if setup.offload:
             progress("load", "Placing experts", 0, 1)
-        manager = exl2_offload.start(setup, model, config, path)    # VRAM ledger; hot experts
+        manager = exl2_offload.start(setup, model, config, path,     # VRAM ledger; hot experts
+                                     matmul_attention=prefill_attention.startswith("matmul"))
         applied.update(setup.applied)                               # the CPU expert path, settled
     except Exception as e:
         if isinstance(e, BudgetError):

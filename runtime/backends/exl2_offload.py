@@ -26,6 +26,7 @@ from runtime.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 SCRATCH_MARGIN = 512 << 20      # allocator fragmentation, graph pools, library workspaces
+LOGIT_ROWS = 16                 # rows of logits a forward under offload is budgeted for (a verify: <= 9)
 
 
 @dataclass
@@ -137,21 +138,31 @@ def cpu_path_applied(setup: OffloadSetup, manager) -> None:
                                               "RAM by the GPU ('stream')")
 
 
-def prefill_scratch_bytes(config) -> int:
-    """VRAM one prefill chunk of `max_input_len` rows needs beyond the weights and the cache: MoE
-    intermediates (fp16 h, fp32 per-pair outputs), logits of every row (fp16, and a copy), exllamav2's
-    attention scores where it falls back to matmul attention, hidden states, and a margin."""
-    T = config.max_input_len
+def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:
+    """VRAM one prefill chunk of `max_input_len` rows needs beyond the weights, the cache and
+    exllamav2's fixed scratch, at the end of the context (`max_seq_len` rows attended): MoE
+    intermediates (fp16 h, fp32 per-pair outputs), the logits of the rows a forward may return
+    (`prefill` asks for the last only; graph-sized forwards up to LOGIT_ROWS), the attention's
+    temporaries, hidden states, and a margin.
+
+    Attention: SDPA (or flash-attn) takes K and V expanded to every query head (GQA), over the whole
+    attended length, and writes an output per head; exllamav2's matmul attention (`matmul_attention`)
+    also writes fp16 scores and probabilities for every head, row and attended row."""
+    T, S = config.max_input_len, getattr(config, "max_seq_len", config.max_input_len)
     H, V, Hq = config.hidden_size, config.vocab_size, config.num_attention_heads
+    Hk = getattr(config, "num_key_value_heads", Hq) or Hq
+    D = getattr(config, "head_dim", None) or H // Hq
     P = T * (config.num_experts_per_token or 0)
     moe = P * (config.intermediate_size * 2 + H * 4 + 16)
-    logits = T * V * 2 * 2
-    attention = Hq * T * T * 2
+    logits = LOGIT_ROWS * V * 2 * 2
+    attention = (2 * Hq * S * D * 2 if Hk != Hq else 0) + 2 * T * Hq * D * 2
+    if matmul_attention:
+        attention += 2 * Hq * T * S * 2
     hidden = T * H * 2 * 8
     return moe + logits + attention + hidden + SCRATCH_MARGIN
 
 
-def start(setup: OffloadSetup, model, config, path: Path):
+def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool = False):
     """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None)."""
     vram = setup.vram
     what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
@@ -161,7 +172,7 @@ def start(setup: OffloadSetup, model, config, path: Path):
         return None
     try:
         vram.reserve(what, used, "lower the context length, quantize the KV cache, or raise the VRAM budget")
-        vram.reserve("prefill scratch", prefill_scratch_bytes(config), "lower the context length")
+        vram.reserve("prefill scratch", prefill_scratch_bytes(config, matmul_attention), "lower the context length")
     except BudgetError as e:
         raise budget_error(e) from None
     from runtime.experts.exl2_module import moe_layers

@@ -86,7 +86,7 @@ def lockstep(engines: dict[str, Any], modes: dict[str, Any], prompt: list[int], 
     for m in names:
         engine = engines[m]
         engine.reset()
-        engine.forward(prompt[:-1])
+        engine.prefill(prompt[:-1])
         gen = generate.make_generator(0)
         decoders[m] = (generate.PlainDecoder(engine, opts, gen) if modes[m] is None
                        else speculative.make_decoder(engine, modes[m], opts, gen))

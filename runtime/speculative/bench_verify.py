@@ -117,7 +117,7 @@ def verify_cost(engine: Any, context: int, k_max: int = 8, repeats: int = 7, see
         return dt, union
 
     engine.reset()
-    engine.forward(rand(context))
+    engine.prefill(rand(context))
     had_graph = getattr(engine, "graphs", None) is not None
     samples: dict[str, list[tuple[float, Optional[float]]]] = {}
     for rep in range(repeats + 1):
@@ -187,7 +187,7 @@ def forced_acceptance_decode(engine: Any, prompt: list[int], k: int, n_tokens: i
     import torch
     g = torch.Generator().manual_seed(seed)
     engine.reset()
-    engine.forward(prompt[:-1])
+    engine.prefill(prompt[:-1])
     pending, produced = prompt[-1], 0
     t0 = time.perf_counter()
     while produced < n_tokens:

@@ -65,12 +65,15 @@ def references(moe_2l, dense_2l, llama_2l):
 
 
 def _script(engine, ref, toks) -> dict[str, float]:
-    """Prefill, decode, verify-R with rollback, then decode again; each forward's error against ref."""
+    """Prefill (the last row only, then every row), decode, verify-R with rollback, then decode again;
+    each forward's error against ref."""
     errs = {}
 
     def cmp(name, a, b):
         errs[name] = _rel(a, b)
 
+    engine.reset(), ref.reset()
+    cmp("prefill_last_24", engine.prefill(toks[:24]), ref.forward(toks[:24])[-1:])   # the head on one row
     engine.reset(), ref.reset()
     cmp("prefill_24", engine.forward(toks[:24]), ref.forward(toks[:24]))
     for i in range(24, 27):
