@@ -190,6 +190,66 @@ def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
     assert tl["gpu"] + tl["stall"] >= paths[-1].ctx.ns_total // 2
 
 
+_WORDS = []          # doorbells handed to the worker stay allocated: it may read one last time
+
+
+def test_the_worker_answers_the_doorbell_layer_after_layer():
+    """The doorbell protocol a decode step's stream follows ("memops": write the layer's value, wait
+    for done == 1, clear it), played by this thread on ordinary host memory: every layer of three
+    steps computed once, in order, each bell cleared by the worker; after a pause of more than the
+    20 ms the worker spins, still answered; a released slot's value is answered (the stream must
+    not hang) without computing."""
+    import time
+    _, packs = _layer(3, seed=13)
+    store = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in range(E)])
+    paths = [cpath.CpuPath(packs, list(range(E)), A, threads=2, device="cpu") for _ in range(3)]
+    gen = torch.Generator().manual_seed(14)
+    xs = [torch.randn(1, H, generator=gen).half() for _ in paths]
+    ids = [torch.randperm(E, generator=gen)[:A].view(1, A) for _ in paths]
+    ws = [torch.rand(1, A, generator=gen) for _ in paths]
+    for cp, x, i, w in zip(paths, xs, ids, ws):
+        for e in range(E):
+            cp.own(e, True)
+        with torch.inference_mode():
+            _fill(cp, x, i, w)
+    k = ce.load_kernel()
+    words = torch.zeros(32, dtype=torch.int32)
+    _WORDS.append(words)
+    values = [k.register_slot(cp.ctx_addr) for cp in paths]
+    assert len(set(values)) == 3 and min(values) >= 1
+
+    def ring(v):
+        words[0] = v
+        t0 = time.perf_counter()
+        while int(words[16]) != 1:
+            assert time.perf_counter() - t0 < 10, f"doorbell {v}: no answer"
+        assert int(words[0]) == 0                    # the worker cleared the bell before answering
+        words[16] = 0
+
+    k.set_doorbell(words.data_ptr(), words.data_ptr() + 64)
+    try:
+        for step in range(3):
+            if step == 2:
+                time.sleep(0.05)                     # idle: the worker polls once a millisecond
+            for v in values:
+                ring(v)
+        for cp, x, i, w in zip(paths, xs, ids, ws):
+            assert cp.ctx.submitted == cp.ctx.done == 3 and cp.ctx.status == 0
+            assert _rel(cp.y.clone(), store.forward(x.float(), i, w).double()) < 1e-5
+        k.release_slot(values[0])
+        ring(values[0])                              # answered, nothing computed
+        assert paths[0].ctx.calls == 3
+        k.kick()
+        ring(values[1])
+        assert paths[1].ctx.calls == 4
+    finally:
+        k.set_doorbell(0, 0)
+        for v in values[1:]:
+            k.release_slot(v)
+    with pytest.raises(RuntimeError, match="aligned 32-bit words"):
+        k.set_doorbell(words.data_ptr(), 0)
+
+
 def test_bad_setups_say_what_is_wrong():
     _, packs = _layer(4, seed=8)
     with pytest.raises(ValueError, match="distinct ids"):

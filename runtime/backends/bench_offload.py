@@ -204,6 +204,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         # per token, summed over layers: submit -> worker start; submit -> wait called (the GPU's kernels
         # meanwhile); the stream held in wait for the CPU. Overlap is good when stall is small.
         "cpu_timeline_ms_per_token": {k: d[f"cpu_{k}_ns"] / 1e6 / n_decode for k in ("wake", "gpu", "stall")},
+        "cpu_signal": tel.get("cpu_expert_signal"),      # memops: no host code at submit/wait, no timeline
         "promotions_during_decode": d["promoted"] / max(1, engine.offload.layers[0].code_bytes),
         "roofline": {"serial_tps": 1 / (t_gpu + t_pcie + t_cpu), "overlapped_tps": 1 / max(t_gpu, t_pcie, t_cpu),
                      "gpu_s": t_gpu, "pcie_s": t_pcie, "cpu_s": t_cpu},
@@ -435,7 +436,7 @@ def main(argv=None) -> int:
                   f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
                   + (f" (with the CPU path {r['roofline_uniform_routing']['pcie_and_cpu_overlapped_tps']:.1f})"
                      f", CPU experts {r['cpu_ms_per_token']:.2f} ms/token, {r['cpu_bytes_per_token'] / 1e9:.2f} GB/token "
-                     f"at {r['cpu_gb_per_s']:.1f} GB/s (per token: worker wake-up "
+                     f"at {r['cpu_gb_per_s']:.1f} GB/s, signal {(r['cpu_signal'] or '?').split(':')[0]} (per token: worker wake-up "
                      f"{r['cpu_timeline_ms_per_token']['wake']:.2f} ms, GPU kernels beside it "
                      f"{r['cpu_timeline_ms_per_token']['gpu']:.2f} ms, stream held for the CPU "
                      f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if a.placement == "cpu" else "") + "; naive: decode "

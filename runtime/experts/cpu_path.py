@@ -9,11 +9,17 @@ the compute stream (so all of it is captured into the decode step's CUDA graph):
     router ─ x, ids, w, skip -> pinned ─ submit ─ GPU kernels (skip mask) ─ wait ─ y -> VRAM ─ y += y_cpu
                                             └──── worker thread: the owned experts ────┘
 
-`submit` and `wait` are host nodes (cuLaunchHostFunc, driver API through ctypes) calling
-moedesk_cpu_submit / moedesk_cpu_wait (csrc/exl2_cpu.cpp): submit hands the context to a persistent
-worker thread and returns at once, wait holds the stream until the worker is done. So the GPU's
-kernels and the CPU's work overlap on one stream, whatever the driver does with graph branches. The
-host functions are plain C over the pointers in `HostCtx`: no CUDA call, no Python.
+`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`signal_kind`):
+- "memops" (the default where the driver takes them and a captured graph replays them): the stream
+  writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
+  orders the copies before it) and later waits for the worker's `done` word (cuStreamWaitValue32,
+  polled by the GPU), then clears it. A persistent worker thread polls the doorbell.
+- "hostfunc": host nodes (cuLaunchHostFunc) calling moedesk_cpu_submit / moedesk_cpu_wait: submit
+  hands the context to the worker and returns at once, wait holds the stream until it is done. Each
+  host node is a round trip through the driver's callback thread: at q125-a11's 24 GB budget on the
+  H200, four per layer cost ~9 ms of a 33.6 ms step (runtime/experts/NOTES.md).
+Either way the GPU's kernels and the CPU's work overlap on one stream, whatever the driver does with
+graph branches, and the worker runs plain C over the pointers in `HostCtx`: no CUDA call, no Python.
 The mask itself travels with the step (copied from `skip`, a device tensor written in stream order),
 so a change of ownership between steps reaches the GPU and the CPU at the same step.
 
@@ -63,6 +69,106 @@ def host_entries():
         raise ce.CpuExpertsError(f"the CPU kernel's context is {k.host_ctx_size()} bytes, its Python mirror "
                                  f"{ctypes.sizeof(HostCtx)}: csrc/exl2_cpu.cpp and cpu_path.HostCtx disagree")
     return k, int(k.submit_entry_address()), int(k.wait_entry_address())
+
+
+# -- how the stream signals the worker ---------------------------------------------------------------
+
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+SIGNAL_KINDS = ("memops", "hostfunc")
+
+
+class Doorbell:
+    """Two 32-bit words of page-locked memory, on separate cache lines: `bell` (the stream writes a
+    context's doorbell value, the worker reads and clears it) and `done` (the worker writes 1 when
+    that context is computed, the stream waits for it and writes 0). One per process: a step's
+    layers run one after the other on one stream, so one pair serves them all."""
+
+    def __init__(self):
+        self.mem = torch.zeros(32, dtype=torch.int32, pin_memory=True)
+        self.bell = self.mem.data_ptr()
+        self.done = self.mem.data_ptr() + 64
+
+    def ring(self, stream: "torch.cuda.Stream", value: int) -> None:
+        _memop("cuStreamWriteValue32", stream, self.bell, value, 0)
+
+    def wait(self, stream: "torch.cuda.Stream") -> None:
+        _memop("cuStreamWaitValue32", stream, self.done, 1, CU_STREAM_WAIT_VALUE_EQ)
+        _memop("cuStreamWriteValue32", stream, self.done, 0, 0)
+
+
+_DOORBELL: Optional[Doorbell] = None
+_SIGNAL: Optional[tuple[str, str]] = None         # (kind, why), decided once per process
+
+
+def signal_kind(device: torch.device) -> tuple[str, str]:
+    """("memops" or "hostfunc", why): MOEDESK_CPU_SIGNAL forces one; otherwise "memops" where
+    `memops_work` passes on this device, else "hostfunc"."""
+    global _SIGNAL, _DOORBELL
+    if device.type != "cuda":                     # CPU-only contexts (tests, the throughput probe)
+        return ("hostfunc", "no GPU")
+    if _SIGNAL is None:
+        forced = os.environ.get("MOEDESK_CPU_SIGNAL", "")
+        if forced and forced not in SIGNAL_KINDS:
+            raise ValueError(f"MOEDESK_CPU_SIGNAL={forced!r}: expected one of {', '.join(SIGNAL_KINDS)}")
+        if forced == "hostfunc":
+            _SIGNAL = ("hostfunc", "MOEDESK_CPU_SIGNAL=hostfunc")
+        else:
+            ok, why = memops_work(device)
+            if not ok and forced == "memops":
+                raise RuntimeError(f"MOEDESK_CPU_SIGNAL=memops, but stream memory operations fail here: {why}")
+            _SIGNAL = ("memops", why) if ok else ("hostfunc", f"stream memory operations fail here: {why}")
+        if _SIGNAL[0] == "memops":
+            _DOORBELL = Doorbell()
+            ce.load_kernel().set_doorbell(_DOORBELL.bell, _DOORBELL.done)
+    return _SIGNAL
+
+
+def memops_work(device: torch.device, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """Whether a stream's write and wait on page-locked words work here, eagerly and replayed from a
+    captured CUDA graph, with this thread playing the worker on two probe words."""
+    words = torch.zeros(32, dtype=torch.int32, pin_memory=True)
+    bell, done = words.data_ptr(), words.data_ptr() + 64
+    stream = torch.cuda.Stream(device)
+
+    def enqueue():
+        _memop("cuStreamWriteValue32", stream, bell, 7, 0)
+        _memop("cuStreamWaitValue32", stream, done, 1, CU_STREAM_WAIT_VALUE_EQ)
+        _memop("cuStreamWriteValue32", stream, done, 0, 0)
+
+    def answer(what: str) -> Optional[str]:
+        t0 = time.perf_counter()
+        while int(words[0]) != 7:
+            if time.perf_counter() - t0 > timeout_s:
+                words[16] = 1                                   # release the stream if it is waiting
+                return f"{what}: the stream's write never arrived"
+        words[0] = 0
+        words[16] = 1
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        t0 = time.perf_counter()
+        while not ev.query():
+            if time.perf_counter() - t0 > timeout_s:
+                return f"{what}: the stream did not see the answer"
+        return None if int(words[16]) == 0 else f"{what}: the stream did not clear the answer"
+
+    try:
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            enqueue()
+        bad = answer("eager")
+        if bad:
+            return False, bad
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            enqueue()
+        for i in range(2):
+            graph.replay()
+            bad = answer(f"graph replay {i + 1}")
+            if bad:
+                return False, bad
+        return True, "stream memory operations checked, eagerly and in a captured graph"
+    except Exception as e:                   # a driver without them, a capture that refuses them
+        return False, f"{type(e).__name__}: {e}"[:300]
 
 
 RESERVED_CORES = 2
@@ -197,6 +303,8 @@ class CpuPath:
             desc=f["desc"].data_ptr(), y=self.y.data_ptr(), H=H, E=E, store_experts=len(self.stored),
             T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads))
         self.ctx_addr = ctypes.addressof(self.ctx)
+        self.signal, _ = signal_kind(self.device)
+        self.slot = self.kernel.register_slot(self.ctx_addr) if self.signal == "memops" else 0
 
     # -- ownership (between steps, in stream order) ------------------------------------------------
 
@@ -247,12 +355,18 @@ class CpuPath:
         self.ids.copy_(ids, non_blocking=True)
         self.w.copy_(w, non_blocking=True)
         self.owned.copy_(mask, non_blocking=True)
-        launch_host_func(stream, self.submit_fn, self.ctx_addr)
+        if self.slot:
+            _DOORBELL.ring(stream, self.slot)
+        else:
+            launch_host_func(stream, self.submit_fn, self.ctx_addr)
         return mask
 
     def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
         """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part, once the worker is done."""
-        launch_host_func(stream, self.wait_fn, self.ctx_addr)
+        if self.slot:
+            _DOORBELL.wait(stream)
+        else:
+            launch_host_func(stream, self.wait_fn, self.ctx_addr)
         self.y_dev.copy_(self.y, non_blocking=True)
         return y.add_(self.y_dev)
 
@@ -280,11 +394,17 @@ class CpuPath:
         """Nanoseconds summed over the steps so far (host memory, read without a synchronisation):
         wake, from submit until the worker starts; gpu, from submit until wait is called (the GPU's
         own kernels for the layer, plus the host nodes' latency); stall, the stream held in wait for
-        the CPU. gpu + stall against the worker's own time tells how well the two overlap."""
+        the CPU. gpu + stall against the worker's own time tells how well the two overlap. Host nodes
+        only ("hostfunc"): with the doorbell no host code runs at submit or wait ({})."""
         c = self.ctx
+        if self.slot:
+            return {}
         return {"wake": int(c.ns_wake), "gpu": int(c.ns_gpu), "stall": int(c.ns_stall)}
 
     def close(self) -> None:
+        if getattr(self, "slot", 0):
+            self.kernel.release_slot(self.slot)
+            self.slot = 0
         if self.ram is not None:
             self.ram.release(self.ram_key)
             self.ram = None
@@ -306,6 +426,43 @@ def _libcuda():
     cu.cuLaunchHostFunc.restype = ctypes.c_int
     cu.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return cu
+
+
+def signal_status() -> Optional[str]:
+    """How decode steps signal the worker in this process ("memops: why" / "hostfunc: why"), or None
+    before the first CPU path on a device."""
+    return None if _SIGNAL is None else f"{_SIGNAL[0]}: {_SIGNAL[1]}"
+
+
+def kick() -> None:
+    """A forward is starting: the worker polls the doorbell continuously again."""
+    if _SIGNAL is not None and _SIGNAL[0] == "memops":
+        ce.load_kernel().kick()
+
+
+@functools.lru_cache(maxsize=None)
+def _memop_fn(name: str):
+    """The driver's entry for a stream memory operation: the _v2 symbol (CUDA 11.7+, always
+    available), else the original one."""
+    cu = _libcuda()
+    for sym in (name + "_v2", name):
+        fn = getattr(cu, sym, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    raise RuntimeError(f"the CUDA driver has no {name}")
+
+
+def _memop(name: str, stream: "torch.cuda.Stream", addr: int, value: int, flags: int) -> None:
+    """cuStreamWriteValue32 / cuStreamWaitValue32 (stream, address, value, flags); capturable."""
+    r = _memop_fn(name)(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
+                        ctypes.c_uint(flags))
+    if r != 0:
+        cu = _libcuda()
+        err = ctypes.c_char_p()
+        cu.cuGetErrorName(r, ctypes.byref(err))
+        raise RuntimeError(f"{name} failed: CUDA error {r} ({(err.value or b'?').decode()})")
 
 
 def launch_host_func(stream: "torch.cuda.Stream", fn: int, ctx: int) -> None:

@@ -406,6 +406,9 @@ class OffloadManager:
                 self._exclude = False
             self.tokens += rows
             self.forwards += 1
+            if self.cpu_split is not None:
+                from runtime.experts import cpu_path
+                cpu_path.kick()                         # the worker polls its doorbell without pause again
             for lo in self.layers:
                 if lo.pending:
                     lo.poll()
@@ -490,6 +493,8 @@ class OffloadManager:
             cpu_tel["cpu_expert_path"] = f"off: {self.cpu_reason}"
         else:
             cpu_tel["cpu_expert_path"] = "on"
+            from runtime.experts import cpu_path
+            cpu_tel["cpu_expert_signal"] = cpu_path.signal_status()
             cpu_tel["cpu_expert_predicted_gain"] = self.cpu_split.gain if self.cpu_split else None
         bad = [f"layer {lo.index}: {c[3]}" for c, lo in zip(cpu, self.layers) if c[3]]
         if bad:

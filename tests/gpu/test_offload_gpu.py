@@ -190,16 +190,22 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
         eng.close()
 
 
-@pytest.mark.parametrize("balance", [0.0, 1.5], ids=["static", "balanced"])
-def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance):
+@pytest.mark.parametrize("balance,signal", [(0.0, "memops"), (1.5, "memops"), (0.0, "hostfunc")],
+                         ids=["static", "balanced", "static-hostfunc"])
+def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance, signal):
     """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (a worker
-    thread fed by host nodes in the step's graph) while the GPU kernels skip them; verify rows and prefill keep the GPU paths.
-    The split is forced (equal CPU and PCIe rates, no overhead) so every layer owns experts whatever
-    this host measures; the measured rates are recorded. Balanced: copies of 1.5x the experts, each
-    step's mask computed on the device from the token's picks (MOEDESK_CPU_BALANCE)."""
+    thread the step's stream signals: a doorbell written and waited for by stream memory operations,
+    which must work on this GPU, or host nodes) while the GPU kernels skip them; verify rows and
+    prefill keep the GPU paths. The split is forced (equal CPU and PCIe rates, no overhead) so every
+    layer owns experts whatever this host measures; the measured rates are recorded. Balanced: copies
+    of 1.5x the experts, each step's mask computed on the device from the token's picks
+    (MOEDESK_CPU_BALANCE)."""
+    from runtime.experts import cpu_path
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
+    if signal == "hostfunc":
+        monkeypatch.setattr(cpu_path, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
     measured = {}
     real_costs = mgr.OffloadManager._split_costs
@@ -214,6 +220,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance):
         assert applied["offload.placement"] == "applied" and applied["offload.cpu_threads"] == "applied", applied
         tel = eng.telemetry()
         assert tel["expert_paths"] == ["cpu+stream"] * 8 and tel["cpu_expert_path"] == "on", tel
+        assert tel["cpu_expert_signal"].startswith(signal), tel["cpu_expert_signal"]
         assert all(n > 0 for n in tel["cpu_expert_owned"])
         got = _script(eng, toks)
         errs = _compare(got, want, "cpu path")
@@ -225,7 +232,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance):
         c = measured["costs"]
         if balance:
             assert all(lo.cpu.share is not None for lo in eng.offload.layers)
-        _record(test="cpu_path", balance=balance, errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
+        _record(test="cpu_path", balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
                 measured_cpu_gbps=c.cpu_bytes_per_s / 1e9, measured_pcie_gbps=c.pcie_bytes_per_s / 1e9)
 

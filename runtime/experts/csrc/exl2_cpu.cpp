@@ -17,8 +17,8 @@
 // Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
 // by the binding, so a dedicated Python thread runs it while others drive the GPU.
 // Second entry: moedesk_cpu_experts_host(ctx) (plain C, raw pointers, no torch call, no Python), run
-// by a worker thread that a decode step's host nodes feed (moedesk_cpu_submit / moedesk_cpu_wait,
-// between its copies to and from pinned memory); both entries share run_pairs.
+// by a worker thread that a decode step feeds, through a doorbell in pinned memory or host nodes
+// (below), between its copies to and from pinned memory; both entries share run_pairs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -432,44 +432,96 @@ void moedesk_cpu_submit(void* p);
 void moedesk_cpu_wait(void* p);
 }
 
-// A decode step enqueues two host nodes per layer on its one stream: moedesk_cpu_submit hands the
-// context to the worker thread and returns at once, the GPU's kernels for the other cold experts run,
-// then moedesk_cpu_wait holds the stream until the worker is done (the pattern of KTransformers'
-// CPUInfer). A host node that computed the experts itself would leave the GPU idle whenever the
-// driver does not run the graph's other branch beside it. The worker is one persistent thread (the
-// master of its OpenMP team), contexts run one at a time in submission order; it spins a while when
-// idle (layers follow each other within a millisecond), then sleeps.
+// Two ways a decode step hands a layer to the worker (runtime/experts/cpu_path.py picks one):
+// - Stream memory operations (the default where the driver takes them): after its copies into pinned
+//   memory, the step's stream writes the context's slot + 1 into the doorbell (cuStreamWriteValue32,
+//   whose memory barrier orders the copies before it), runs the GPU's kernels for the other cold
+//   experts, then waits until `done` reads 1 (cuStreamWaitValue32, polled by the GPU) and writes 0
+//   back. The worker polls the doorbell. Nothing in the step calls back into the host.
+// - Host nodes: moedesk_cpu_submit hands the context to the worker and returns at once, the GPU's
+//   kernels run, moedesk_cpu_wait holds the stream until the worker is done (the pattern of
+//   KTransformers' CPUInfer). Each host node costs the stream a round trip through the driver's
+//   callback thread (~45 us measured on the H200 machine, four per layer), hence the doorbell.
+// The worker is one persistent thread (the master of its OpenMP team); contexts run one at a time in
+// order. It spins while work keeps coming (layers follow each other within a millisecond); after
+// 20 ms without any it polls the doorbell once a millisecond until kicked (moedesk_cpu_kick, at the
+// start of a forward) or fed a context.
 namespace {
 inline uint64_t steady_ns() {
   return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+constexpr uint32_t MAX_SLOTS = 4096;
+std::atomic<MoedeskCpuCtx*> g_slots[MAX_SLOTS];      // doorbell value v -> context of slot v - 1
+std::atomic<uint32_t*> g_bell{nullptr};               // written by the stream, cleared by the worker
+std::atomic<uint32_t*> g_done{nullptr};               // written 1 by the worker, 0 by the stream
+
 struct Worker {
   std::mutex m;
   std::condition_variable cv;
   std::deque<MoedeskCpuCtx*> q;
   std::atomic<int64_t> pending{0};
+  bool kicked = false;
 };
+
+inline void cpu_pause() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The next context: from the host nodes' queue, or rung at the doorbell (*rung = true; may be null if
+// the slot was released while a captured step still rang it: answered all the same).
+MoedeskCpuCtx* next_context(Worker* nw, bool* rung) {
+  auto idle = std::chrono::steady_clock::now();
+  for (;;) {
+    if (nw->pending.load(std::memory_order_acquire) > 0) {
+      std::lock_guard<std::mutex> lk(nw->m);
+      if (!nw->q.empty()) {
+        MoedeskCpuCtx* c = nw->q.front();
+        nw->q.pop_front();
+        *rung = false;
+        return c;
+      }
+    }
+    if (uint32_t* b = g_bell.load(std::memory_order_acquire)) {
+      const uint32_t v = __atomic_load_n(b, __ATOMIC_ACQUIRE);
+      if (v) {
+        __atomic_store_n(b, 0u, __ATOMIC_RELAXED);       // the stream rings again only after `done`
+        *rung = true;
+        return v <= MAX_SLOTS ? g_slots[v - 1].load(std::memory_order_acquire) : nullptr;
+      }
+    }
+    if (std::chrono::steady_clock::now() - idle < std::chrono::milliseconds(20)) {
+      cpu_pause();
+    } else {
+      std::unique_lock<std::mutex> lk(nw->m);
+      nw->cv.wait_for(lk, std::chrono::milliseconds(1));
+      if (nw->kicked || !nw->q.empty()) {
+        nw->kicked = false;
+        idle = std::chrono::steady_clock::now();
+      }
+    }
+  }
+}
 
 Worker* worker() {
   static Worker* w = [] {
     auto* nw = new Worker();                       // never destroyed: the thread outlives static destructors
     std::thread([nw] {
       for (;;) {
-        const auto idle = std::chrono::steady_clock::now();
-        while (nw->pending.load(std::memory_order_acquire) == 0 &&
-               std::chrono::steady_clock::now() - idle < std::chrono::milliseconds(20)) {
-#if defined(__x86_64__)
-          __builtin_ia32_pause();
-#endif
-        }
-        MoedeskCpuCtx* c;
-        {
-          std::unique_lock<std::mutex> lk(nw->m);
-          nw->cv.wait(lk, [nw] { return !nw->q.empty(); });
-          c = nw->q.front();
-          nw->q.pop_front();
+        bool rung = false;
+        MoedeskCpuCtx* c = next_context(nw, &rung);
+        if (rung) {
+          if (c) {
+            c->t_submit = steady_ns();
+            c->submitted += 1;
+            moedesk_cpu_experts_host(c);
+            c->done = c->submitted;
+          }
+          __atomic_store_n(g_done.load(std::memory_order_acquire), 1u, __ATOMIC_RELEASE);
+          continue;
         }
         const uint64_t seq = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
         c->ns_wake += steady_ns() - c->t_submit;
@@ -504,14 +556,51 @@ void moedesk_cpu_wait(void* p) {
   const uint64_t t0 = steady_ns();
   c->ns_gpu += t0 - c->t_submit;
   for (uint32_t spins = 1; __atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < want; ++spins) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
+    cpu_pause();
     if (spins % 64 == 0) std::this_thread::yield();   // give the core up if the team needs it
   }
   c->ns_stall += steady_ns() - t0;
 }
 }
+
+namespace {
+// The doorbell's two words (page-locked host memory the stream writes and polls), once per process;
+// (0, 0): none (the worker stops reading the old words before this returns... on its next poll: keep
+// them allocated).
+void set_doorbell(int64_t bell, int64_t done) {
+  TORCH_CHECK((bell == 0) == (done == 0) && bell % 4 == 0 && done % 4 == 0,
+              "doorbell: two aligned 32-bit words, or (0, 0)");
+  worker();
+  g_done.store((uint32_t*)(uintptr_t)done, std::memory_order_release);
+  g_bell.store((uint32_t*)(uintptr_t)bell, std::memory_order_release);
+}
+
+// A context's doorbell value (its slot + 1); released with release_slot when its layer goes.
+int64_t register_slot(int64_t ctx) {
+  TORCH_CHECK(ctx, "register_slot: null context");
+  for (uint32_t i = 0; i < MAX_SLOTS; ++i) {
+    MoedeskCpuCtx* expected = nullptr;
+    if (g_slots[i].compare_exchange_strong(expected, (MoedeskCpuCtx*)(uintptr_t)ctx)) return (int64_t)i + 1;
+  }
+  TORCH_CHECK(false, "register_slot: all ", MAX_SLOTS, " doorbell slots are taken");
+  return 0;
+}
+
+void release_slot(int64_t value) {
+  TORCH_CHECK(value >= 1 && value <= (int64_t)MAX_SLOTS, "release_slot: ", value, " is not a doorbell value");
+  g_slots[value - 1].store(nullptr, std::memory_order_release);
+}
+
+// A forward is starting: the worker spins again (it polls once a millisecond after 20 ms idle).
+void kick() {
+  Worker* w = worker();
+  {
+    std::lock_guard<std::mutex> lk(w->m);
+    w->kicked = true;
+  }
+  w->cv.notify_one();
+}
+}  // namespace
 
 // One expert projection's codes as the GPU kernels keep them (runtime/experts/pack.py: int32 [Qp, N];
 // bits 4 and 8 a little-endian stream of codes per column, bits 3 two planes: K/16 words of low 2-bit
@@ -677,6 +766,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_tiles_into", &pack_tiles_into, "pack_tiles of several projections into rows of one buffer",
         py::arg("words"), py::arg("bits"), py::arg("K"), py::arg("out"), py::arg("plain") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_doorbell", &set_doorbell, "addresses of the doorbell's words (bell, done), page-locked",
+        py::arg("bell"), py::arg("done"));
+  m.def("register_slot", &register_slot, "a context's doorbell value (slot + 1)", py::arg("ctx"));
+  m.def("release_slot", &release_slot, "free a doorbell value", py::arg("value"));
+  m.def("kick", &kick, "wake the worker into spinning (a forward is starting)");
   m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
   m.def("isa", &isa, "vector instruction set the kernel was compiled for");
 }
