@@ -338,10 +338,23 @@ def test_a_promoted_expert_goes_back_to_the_gpu_and_an_evicted_copy_to_the_cpu(s
     assert lo.cpu.skip.tolist() == [int(i in lo.cpu.owned_set) for i in range(8)]
 
 
-def test_no_cpu_path_unless_asked_and_why(slow_pcie):
+def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slow_pcie, monkeypatch):
+    from runtime.experts import manager as mgr
     m = _manager(policy="auto")
     m.apply([[0], [1]])
-    assert not m.cpu_active and "opt-in" in m.cpu_reason
+    assert m.cpu_active and m.cpu_reason == "" and m.telemetry()["cpu_expert_path"] == "on"
+    m = _manager(policy="stream")
+    m.apply([[0], [1]])
+    assert not m.cpu_active and m.cpu_reason == "placement 'stream'"
+    monkeypatch.setattr(mgr, "AUTO_CPU", False)
+    m = _manager(policy="auto")
+    m.apply([[0], [1]])
+    assert not m.cpu_active and "MOEDESK_AUTO_CPU_PATH=0" in m.cpu_reason
+    monkeypatch.setattr(mgr, "AUTO_CPU", True)
+    short = MemoryBudget(1000, "RAM")                            # "auto": stream, and say why
+    m = _manager(policy="auto", ram=short)
+    m.apply([[0], [1]])
+    assert not m.cpu_active and "host RAM is short for the CPU copies" in m.cpu_reason and short.used_bytes == 0
     assert m.telemetry()["cpu_expert_path"].startswith("off: ") and m.telemetry()["expert_paths"] == ["stream"] * 2
     m = _manager(policy="cpu")
     m.apply([list(range(8))] * 2)
@@ -364,7 +377,7 @@ def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
 def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
     from runtime.backends.exl2_offload import OffloadSetup, cpu_path_applied
     for policy, layout, want in (("cpu", [[0], [1]], "applied"), ("cpu", [list(range(8))] * 2, "ignored"),
-                                 ("auto", [[0], [1]], "ignored")):
+                                 ("auto", [[0], [1]], "applied"), ("stream", [[0], [1]], "ignored")):
         m = _manager(policy=policy)
         m.apply(layout)
         setup = OffloadSetup(m.vram, MemoryBudget(1 << 30, "RAM"), None, policy, False,
@@ -493,6 +506,8 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     from runtime.experts.kernels import SHARE_DEN
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0))
+    assert mgr.CPU_BALANCE == 1.5                                         # the default
+    monkeypatch.setattr(mgr, "CPU_BALANCE", 0.0)
     static = _manager(n=1)
     static.apply([[0]])
     monkeypatch.setattr(mgr, "CPU_BALANCE", 1.5)

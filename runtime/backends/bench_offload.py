@@ -260,6 +260,30 @@ def context_peak(engine) -> dict[str, Any]:
     return out
 
 
+def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
+    """Decode again on the same placement and CPU copies with the CPU path's team at `threads`
+    (each layer's context says how many; read by the worker per call), then back."""
+    m = engine.offload
+    kept = [lo.cpu.ctx.threads for lo in m.layers if lo.cpu is not None]
+    for lo in m.layers:
+        if lo.cpu is not None:
+            lo.cpu.ctx.threads = threads
+    try:
+        engine.reset()
+        engine.prefill(_prompt(engine, 64, 2))
+        tok = 1
+        for _ in range(8):
+            tok = int(engine.forward([tok])[-1].argmax())
+        c0 = _counts(engine)
+        tps, _ = decode(engine, tok, n_decode)
+        d = _delta(c0, _counts(engine))
+    finally:
+        for lo, t in zip([lo for lo in m.layers if lo.cpu is not None], kept):
+            lo.cpu.ctx.threads = t
+    return {"threads": threads, "decode_tps": tps, "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
+            "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1)}
+
+
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
     """The same placement with every cold expert read over PCIe (the CPU paths set aside, graphs
     captured again): the CPU path's gain measured side by side, in one process."""
@@ -311,8 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--naive-decode", type=int, default=32, help="decode tokens for the (slow) naive baseline")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--reload", action="store_true", help="load the model again for every budget")
-    ap.add_argument("--placement", choices=("stream", "cpu"), default="stream",
-                    help="cold experts: read over PCIe only, or partly computed on the CPU")
+    ap.add_argument("--placement", choices=("stream", "cpu", "auto"), default="stream",
+                    help="cold experts: read over PCIe only, partly computed on the CPU, or the app's default "
+                         "(the CPU path where the planner predicts a gain)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: automatic, the physical cores less two)")
     ap.add_argument("--routing", choices=("router", "uniform"), default="router",
                     help="uniform: every token picks top-k distinct experts at random (speed of the placement "
@@ -320,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
     ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget")
+    ap.add_argument("--try-threads", default="", help="CPU path team sizes to decode with again on the same "
+                    "placement, e.g. 12,15 (the placement's split stays as planned)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -416,6 +443,10 @@ def main(argv=None) -> int:
                 engine.prefill(_prompt(engine, a.prompt, 1))
                 r["profile"] = profile_decode(engine, prof / f"offload-{label}-{b:g}gb-{stamp}.txt")
                 progress(f"profiled: {r['profile']}")
+            if engine.offload.cpu_active and a.try_threads:
+                r["other_threads"] = [measure_threads(engine, int(t), a.decode) for t in a.try_threads.split(",")]
+                progress("other team sizes: " + ", ".join(f"{x['threads']}: {x['decode_tps']:.1f} tok/s"
+                                                          for x in r["other_threads"]))
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")
@@ -439,7 +470,7 @@ def main(argv=None) -> int:
                      f"at {r['cpu_gb_per_s']:.1f} GB/s, signal {(r['cpu_signal'] or '?').split(':')[0]} (per token: worker wake-up "
                      f"{r['cpu_timeline_ms_per_token']['wake']:.2f} ms, GPU kernels beside it "
                      f"{r['cpu_timeline_ms_per_token']['gpu']:.2f} ms, stream held for the CPU "
-                     f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if a.placement == "cpu" else "") + "; naive: decode "
+                     f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if engine.offload.cpu_active else "") + "; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:

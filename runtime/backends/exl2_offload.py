@@ -120,7 +120,7 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
         if off.placement == "cpu":
             applied["offload.placement"] = f"ignored: {why}"
     else:
-        applied["offload.cpu_threads"] = "ignored: the CPU expert path is opt-in (placement 'cpu')"
+        applied["offload.cpu_threads"] = "applied"          # settled after placement (cpu_path_applied)
     return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 

@@ -13,9 +13,10 @@
 - **Re-placement** (`step_boundary`, before each forward): routing counts are copied to the host
   without waiting (read at a later boundary); an expert whose decayed count beats the weakest
   resident's by a margin swaps in (offload.py's evict/promote/poll, never a host sync).
-- **CPU path** (placement "cpu", opt-in; runtime/experts/cpu_path.py): after each placement, per
-  layer the cold experts that balance the CPU's expected time against PCIe's
-  (placement.plan_cpu_split, from measured rates) get CPU copies; decode steps compute them on the
+- **CPU path** (placements "auto" and "cpu"; runtime/experts/cpu_path.py): after each placement,
+  per layer the cold experts that balance the CPU's expected time against PCIe's
+  (placement.plan_cpu_split, from measured rates) get CPU copies ("auto": where the predicted gain
+  is worth it and host RAM holds them); decode steps compute them on the
   CPU inside the step's graph while the GPU kernels skip them. A promoted expert goes back to the
   GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
   at the next placement. Verify rows and prefill keep the GPU paths.
@@ -46,14 +47,13 @@ from runtime.experts.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
-CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, host node
-AUTO_CPU_MIN_GAIN = 0.10       # with MOEDESK_AUTO_CPU_PATH=1, "auto" takes the CPU path from this predicted gain
-# "auto" leaves the CPU path out unless this is set: on the H200 (q125-a11, uniform routing) it decoded
-# 6-8% faster at 24 GB and 23% at 12 GB than streaming, for CPU copies of the owned experts in host RAM
-# (~12 GB at 24 GB), a longer load and all but two cores busy while generating; and the planner's
-# predicted gain (72% at 24 GB) does not yet account for PCIe and the CPU sharing host RAM
-# (runtime/experts/NOTES.md). Placement "cpu" asks for it.
-AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH") == "1"
+CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
+AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
+# "auto" takes the CPU path where the planner predicts this gain and host RAM holds the copies; on the
+# H200 (q125-a11, uniform routing, doorbell signalling) it decoded 37.0 tok/s at 24 GB against 27.0
+# streaming, 27.7 against 18.9 at 12 GB, for CPU copies in host RAM, a longer load and all but two
+# cores busy while generating (runtime/experts/NOTES.md). MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH", "1") != "0"
 
 
 def _cpu_balance(text: str) -> float:
@@ -67,10 +67,10 @@ def _cpu_balance(text: str) -> float:
     return v
 
 
-# The balanced split (not yet measured on a GPU, so off unless this is set): CPU copies of this many
-# times the experts the static split would own, and each decode step gives the CPU its planned share
-# of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
-CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", ""))
+# The balanced split (the measured default; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
+# of this many times the experts the static split would own, and each decode step gives the CPU its
+# planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
+CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", "1.5"))
 
 
 @inference_mode_methods
@@ -221,7 +221,8 @@ class OffloadManager:
         from runtime.experts import cpu_path
         self.cpu_split = None
         if self.cpu_policy != "cpu" and not (self.cpu_policy == "auto" and AUTO_CPU):
-            self.cpu_reason = "the CPU expert path is opt-in (placement 'cpu')"
+            self.cpu_reason = ("MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
+                               if self.cpu_policy == "auto" else f"placement '{self.cpu_policy}'")
             return
         if all(len(r) == self.E for r in resident):
             self.cpu_reason = "every expert is in VRAM"
@@ -250,9 +251,13 @@ class OffloadManager:
                         lo.cpu.own(e, True)
                     if CPU_BALANCE:
                         lo.cpu.set_share(share)
-        except BudgetError:
+        except BudgetError as e:
             self._drop_cpu_paths()
-            raise
+            if self.cpu_policy == "cpu":
+                raise
+            self.cpu_reason = f"host RAM is short for the CPU copies ({e})"      # "auto": stream them
+            log.warning("CPU expert path left out: %s", self.cpu_reason)
+            return
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.cpu_split, self.cpu_reason = split, ""

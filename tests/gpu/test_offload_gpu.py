@@ -118,7 +118,7 @@ def test_offload_matches_all_in_vram(moe_8l):
     # Half the experts' codes beside everything else: every layer keeps some, staging the rest.
     budget = others + scratch + codes // 2 + (64 << 20)
     torch.cuda.reset_peak_memory_stats()
-    eng, applied = _load(moe_8l, vram_budget_gb=budget / GiB)
+    eng, applied = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")   # GPU paths only
     try:
         for k in ("vram_budget_gb", "ram_budget_gb", "placement"):
             assert applied[f"offload.{k}"] == "applied", applied
