@@ -160,12 +160,13 @@ def _fill(cp, x, ids, w):
     cp.owned.copy_(cp.skip)
 
 
-def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
-    """Layers of a step submit one after another; each wait returns its own layer's finished result."""
-    _, packs = _layer(3, seed=11)
+def _three_layers(seed):
+    """Three CPU paths owning every expert of one 3-bit layer, each filled with its own row: (store,
+    paths, xs, ids, ws)."""
+    _, packs = _layer(3, seed=seed)
     store = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in range(E)])
     paths = [cpath.CpuPath(packs, list(range(E)), A, threads=2, device="cpu") for _ in range(3)]
-    gen = torch.Generator().manual_seed(12)
+    gen = torch.Generator().manual_seed(seed + 1)
     xs = [torch.randn(1, H, generator=gen).half() for _ in paths]
     ids = [torch.randperm(E, generator=gen)[:A].view(1, A) for _ in paths]
     ws = [torch.rand(1, A, generator=gen) for _ in paths]
@@ -174,6 +175,12 @@ def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
             cp.own(e, True)
         with torch.inference_mode():             # the buffers were made in inference mode
             _fill(cp, x, i, w)
+    return store, paths, xs, ids, ws
+
+
+def test_the_worker_runs_contexts_submitted_back_to_back_in_order():
+    """Layers of a step submit one after another; each wait returns its own layer's finished result."""
+    store, paths, xs, ids, ws = _three_layers(11)
     call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
     for _ in range(3):                           # three steps, each submitting every layer first
         for cp in paths:
@@ -200,18 +207,7 @@ def test_the_worker_answers_the_doorbell_layer_after_layer():
     20 ms the worker spins, still answered; a released slot's value is answered (the stream must
     not hang) without computing."""
     import time
-    _, packs = _layer(3, seed=13)
-    store = ce.CpuExperts("exl2", H, I, [_packed_to_cpu(packs, e) for e in range(E)])
-    paths = [cpath.CpuPath(packs, list(range(E)), A, threads=2, device="cpu") for _ in range(3)]
-    gen = torch.Generator().manual_seed(14)
-    xs = [torch.randn(1, H, generator=gen).half() for _ in paths]
-    ids = [torch.randperm(E, generator=gen)[:A].view(1, A) for _ in paths]
-    ws = [torch.rand(1, A, generator=gen) for _ in paths]
-    for cp, x, i, w in zip(paths, xs, ids, ws):
-        for e in range(E):
-            cp.own(e, True)
-        with torch.inference_mode():
-            _fill(cp, x, i, w)
+    store, paths, xs, ids, ws = _three_layers(13)
     k = ce.load_kernel()
     words = torch.zeros(32, dtype=torch.int32)
     _WORDS.append(words)

@@ -111,6 +111,15 @@ def decode(engine, tok: int, n: int, seed: int = 5) -> tuple[float, int]:
     return n / (time.perf_counter() - t), tok
 
 
+def decode_counted(engine, tok: int, n: int, warm: int) -> tuple[float, int, dict]:
+    """`warm` untimed steps from `tok`, then `decode` of n: (tokens/s, last token, expert traffic of the n)."""
+    for _ in range(warm):
+        tok = int(engine.forward([tok])[-1].argmax())
+    c0 = _counts(engine)
+    tps, tok = decode(engine, tok, n)
+    return tps, tok, _delta(c0, _counts(engine))
+
+
 def force_uniform_routing(engine) -> None:
     """Every MoE layer picks its experts uniformly at random from now on (graphs captured again)."""
     for m in engine.moe:
@@ -166,11 +175,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     before = _counts(engine)
     t_first, tok = ttft(engine, ids)
     after_prefill = _counts(engine)
-    for _ in range(4):
-        tok = int(engine.forward([tok])[-1].argmax())
-    c0 = _counts(engine)
-    tps, tok = decode(engine, tok, n_decode)
-    d = _delta(c0, _counts(engine))
+    tps, tok, d = decode_counted(engine, tok, n_decode, warm=4)
     tel = engine.telemetry()
     parts = weight_bytes_per_token(engine)
     pairs = max(1, d["pairs"])
@@ -271,12 +276,7 @@ def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
     try:
         engine.reset()
         engine.prefill(_prompt(engine, 64, 2))
-        tok = 1
-        for _ in range(8):
-            tok = int(engine.forward([tok])[-1].argmax())
-        c0 = _counts(engine)
-        tps, _ = decode(engine, tok, n_decode)
-        d = _delta(c0, _counts(engine))
+        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
     finally:
         for lo, t in zip([lo for lo in m.layers if lo.cpu is not None], kept):
             lo.cpu.ctx.threads = t
@@ -311,11 +311,7 @@ def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
     try:
         engine.forward([1])                                  # warm the layer loop's shapes
         t_first, tok = ttft(engine, ids)
-        for _ in range(2):
-            tok = int(engine.forward([tok])[-1].argmax())
-        c0 = _counts(engine)
-        tps, tok = decode(engine, tok, n)
-        d = _delta(c0, _counts(engine))
+        tps, tok, d = decode_counted(engine, tok, n, warm=2)
     finally:
         m.naive = False
         engine.graphs = graphs
