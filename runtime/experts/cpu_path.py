@@ -126,14 +126,13 @@ def signal_kind(device: torch.device) -> tuple[str, str]:
 def memops_work(device: torch.device, timeout_s: float = 2.0) -> tuple[bool, str]:
     """Whether a stream's write and wait on page-locked words work here, eagerly and replayed from a
     captured CUDA graph, with this thread playing the worker on two probe words."""
-    words = torch.zeros(32, dtype=torch.int32, pin_memory=True)
-    bell, done = words.data_ptr(), words.data_ptr() + 64
+    probe = Doorbell()
+    words = probe.mem
     stream = torch.cuda.Stream(device)
 
     def enqueue():
-        _memop("cuStreamWriteValue32", stream, bell, 7, 0)
-        _memop("cuStreamWaitValue32", stream, done, 1, CU_STREAM_WAIT_VALUE_EQ)
-        _memop("cuStreamWriteValue32", stream, done, 0, 0)
+        probe.ring(stream, 7)
+        probe.wait(stream)
 
     def answer(what: str) -> Optional[str]:
         t0 = time.perf_counter()
@@ -459,10 +458,13 @@ def _memop(name: str, stream: "torch.cuda.Stream", addr: int, value: int, flags:
     r = _memop_fn(name)(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
                         ctypes.c_uint(flags))
     if r != 0:
-        cu = _libcuda()
-        err = ctypes.c_char_p()
-        cu.cuGetErrorName(r, ctypes.byref(err))
-        raise RuntimeError(f"{name} failed: CUDA error {r} ({(err.value or b'?').decode()})")
+        raise RuntimeError(f"{name} failed: {_cuda_error(r)}")
+
+
+def _cuda_error(r: int) -> str:
+    name = ctypes.c_char_p()
+    _libcuda().cuGetErrorName(r, ctypes.byref(name))
+    return f"CUDA error {r} ({(name.value or b'?').decode()})"
 
 
 def launch_host_func(stream: "torch.cuda.Stream", fn: int, ctx: int) -> None:
@@ -470,9 +472,7 @@ def launch_host_func(stream: "torch.cuda.Stream", fn: int, ctx: int) -> None:
     cu = _libcuda()
     r = cu.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn), ctypes.c_void_p(ctx))
     if r != 0:
-        name = ctypes.c_char_p()
-        cu.cuGetErrorName(r, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchHostFunc failed: CUDA error {r} ({(name.value or b'?').decode()})")
+        raise RuntimeError(f"cuLaunchHostFunc failed: {_cuda_error(r)}")
 
 
 # -- measured throughput ---------------------------------------------------------------------------
