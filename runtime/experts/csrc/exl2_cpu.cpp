@@ -444,8 +444,8 @@ void moedesk_cpu_wait(void* p);
 //   callback thread (~45 us measured on the H200 machine, four per layer), hence the doorbell.
 // The worker is one persistent thread (the master of its OpenMP team); contexts run one at a time in
 // order. It spins while work keeps coming (layers follow each other within a millisecond); after
-// 20 ms without any it polls the doorbell once a millisecond until kicked (moedesk_cpu_kick, at the
-// start of a forward) or fed a context.
+// 20 ms without any it polls the doorbell once a millisecond until kicked (`kick`, at the start of a
+// forward) or fed a context.
 namespace {
 inline uint64_t steady_ns() {
   return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -565,8 +565,7 @@ void moedesk_cpu_wait(void* p) {
 
 namespace {
 // The doorbell's two words (page-locked host memory the stream writes and polls), once per process;
-// (0, 0): none (the worker stops reading the old words before this returns... on its next poll: keep
-// them allocated).
+// (0, 0): none. The worker may still read the old words once after this returns: keep them allocated.
 void set_doorbell(int64_t bell, int64_t done) {
   TORCH_CHECK((bell == 0) == (done == 0) && bell % 4 == 0 && done % 4 == 0,
               "doorbell: two aligned 32-bit words, or (0, 0)");
