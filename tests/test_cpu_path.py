@@ -246,6 +246,46 @@ def test_the_worker_answers_the_doorbell_layer_after_layer():
         k.set_doorbell(words.data_ptr(), 0)
 
 
+def test_the_worker_counts_which_side_finished_first():
+    """With the `arrive` word, the stream (played here) writes the layer's value on reaching its wait.
+    Written before the worker is done: the GPU was first (it waited). Written a while after done: the
+    CPU was first, and the worker counts the time it waited for it."""
+    import time
+    store, paths, xs, ids, ws = _three_layers(17)
+    k = ce.load_kernel()
+    words = torch.zeros(48, dtype=torch.int32)
+    _WORDS.append(words)
+    v = k.register_slot(paths[0].ctx_addr)
+    cp = paths[0]
+
+    def step(arrive_early: bool):
+        if arrive_early:
+            words[32] = v                            # the stream is at its wait before the CPU is done
+        words[0] = v
+        t0 = time.perf_counter()
+        while int(words[16]) != 1:
+            assert time.perf_counter() - t0 < 10, "no answer"
+        words[16] = 0
+        if not arrive_early:
+            time.sleep(0.002)                        # the GPU's kernels take 2 ms longer
+            words[32] = v
+        t0 = time.perf_counter()
+        while int(words[32]) != 0:                   # the worker clears it once seen
+            assert time.perf_counter() - t0 < 10, "arrive never cleared"
+
+    k.set_doorbell(words.data_ptr(), words.data_ptr() + 64, words.data_ptr() + 128)
+    try:
+        step(True)
+        step(True)
+        step(False)
+        cpu_first, gpu_first, idle_ns = cp.balance()
+        assert (cpu_first, gpu_first) == (1, 2) and 1_000_000 <= idle_ns < 1_000_000_000
+        assert cp.ctx.calls == 3 and cp.ctx.status == 0
+    finally:
+        k.set_doorbell(0, 0, 0)
+        k.release_slot(v)
+
+
 def test_bad_setups_say_what_is_wrong():
     _, packs = _layer(4, seed=8)
     with pytest.raises(ValueError, match="distinct ids"):
@@ -523,3 +563,113 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     for bad in ("yes", "0.5", "-1"):
         with pytest.raises(ValueError, match="MOEDESK_CPU_BALANCE"):
             mgr._cpu_balance(bad)
+
+
+def _aligned_layer(inter=128):
+    """A 3-bit layer (groups of 64 rows) in down's intermediate order, wide enough for two cuts."""
+    from runtime.experts.check import random_layer
+    from runtime.experts.pack import align_intermediate
+    layer = random_layer(6, 64, inter, 3, 3, "cpu", seed=5, group_size=64)
+    align_intermediate(layer.w1, layer.w3, layer.w2)
+    return layer
+
+
+def test_a_cut_computes_the_first_intermediate_rows_and_moves_within_its_copies():
+    """CPU copies of each expert's first 128 of 192 intermediate rows: at cut 128 the host function
+    equals the oracle over those rows; moved to 64 (set_cut), it equals copies of 64 rows. Cuts off
+    the steps, beyond the copies, or on whole-expert copies are refused."""
+    layer = _aligned_layer(192)
+    packs = (layer.w1, layer.w3, layer.w2)
+    wide = cpath.CpuPath(packs, list(range(6)), 3, threads=2, device="cpu", width=128)
+    narrow = cpath.CpuPath(packs, list(range(6)), 3, threads=2, device="cpu", width=64)
+    assert wide.cut == 128 and int(wide.cut_dev) == 128 and wide.ctx.cut == 128
+    assert cpath.cpu_expert_bytes(packs, 64) < cpath.cpu_expert_bytes(packs, 128) < cpath.cpu_expert_bytes(packs)
+    for cp in (wide, narrow):
+        for e in range(6):
+            cp.own(e, True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 64, generator=g).half()
+    ids = torch.tensor([[4, 1, 2]], dtype=torch.int32)
+    w = torch.rand(1, 3, generator=g)
+    # the oracle over the first `rows` intermediate features of each picked expert
+    def part(rows):
+        y = torch.zeros(1, 64, dtype=torch.float64)
+        for e, we in zip(ids[0].tolist(), w[0].tolist()):
+            g1 = x.double() @ dequantize_packed(layer.w1, e)[:rows].double().T
+            u = x.double() @ dequantize_packed(layer.w3, e)[:rows].double().T
+            h = (torch.nn.functional.silu(g1) * u)
+            y += we * (h @ dequantize_packed(layer.w2, e)[:, :rows].double().T)
+        return y
+    assert _rel(wide.run_host(x, ids, w), part(128)) < 1e-4
+    wide.set_cut(64)
+    assert int(wide.cut_dev) == 64 and wide.ctx.cut == 64
+    assert _rel(wide.run_host(x, ids, w), part(64)) < 1e-4
+    assert torch.equal(wide.run_host(x, ids, w), narrow.run_host(x, ids, w))
+    for bad in (0, 32, 192):
+        with pytest.raises(ValueError, match="want a multiple of 64 in 64..128"):
+            wide.set_cut(bad)
+    whole = cpath.CpuPath(packs, [0], 3, threads=1, device="cpu")
+    with pytest.raises(ValueError, match="whole experts"):
+        whole.set_cut(64)
+    with pytest.raises(ValueError, match="want a multiple of 64 in 64..192"):
+        cpath.CpuPath(packs, [0], 3, threads=1, device="cpu", width=96)
+
+
+def test_copies_cut_from_experts_not_in_down_order_are_refused():
+    from runtime.experts.check import random_layer
+    layer = random_layer(6, 64, 128, 3, 3, "cpu", seed=5, group_size=64)
+    with pytest.raises(ValueError, match="intermediate in down's order"):
+        cpath.CpuPath((layer.w1, layer.w3, layer.w2), [0], 3, threads=1, device="cpu", width=64)
+
+
+def _cut_manager(n=2):
+    from runtime.experts.manager import OffloadManager
+    from runtime.experts.check import random_layer
+    from runtime.experts.pack import align_intermediate
+    layers = [random_layer(8, 64, 256, 2, 3, "cpu", seed=i, group_size=64, host_codes=True) for i in range(n)]
+    for la in layers:
+        align_intermediate(la.w1, la.w3, la.w2)
+    return OffloadManager(layers, MemoryBudget(1 << 40), "cpu", cpu_threads=1)
+
+
+def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance(monkeypatch):
+    """MOEDESK_CPU_SPLIT=cut (the default): every cold expert gets a copy of its first rows, one cut
+    for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
+    moves one step toward the side the worker saw finishing first, and not straight back on a
+    share inside the band."""
+    from runtime.experts import manager as mgr
+    from runtime.experts.placement import CpuSplitCosts
+    assert mgr.CPU_SPLIT == "cut"
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0))
+    m = _cut_manager()
+    m.apply([[0, 1], [2]])
+    a, b = (lo.cpu for lo in m.layers)
+    assert a.owned_set == set(range(2, 8)) and b.owned_set == set(range(8)) - {2}
+    assert m.cut == a.cut == b.cut == 128 and a.width == b.width == 256         # half of 256 at equal rates
+    tel = m.telemetry()["cpu_expert_cut"]
+    assert tel["rows"] == 128 and tel["of"] == 256 and tel["copied"] == 256
+    counts = {"a": (0, 0, 0), "b": (0, 0, 0)}
+    monkeypatch.setattr(cpath.CpuPath, "balance", lambda self: counts["a" if self is a else "b"])
+    counts.update(a=(30, 2, 0), b=(28, 4, 0))                                   # the CPU first 90%: more to it
+    m._rebalance()
+    assert m.cut == a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
+    counts.update(a=(40, 4, 0), b=(38, 6, 0))                                   # 20 of 24 calls CPU first: 256
+    m._rebalance()
+    assert m.cut == 256
+    counts.update(a=(43, 11, 0), b=(41, 13, 0))                                 # 6 of 20 (30%): not straight back
+    m._rebalance()
+    assert m.cut == 256
+    counts.update(a=(44, 26, 0), b=(42, 28, 0))                                 # 2 of 32 (6%): back to 192
+    m._rebalance()
+    assert m.cut == 192 and [c for _, c, _ in m.cut_log] == [192, 256, 192]
+    counts.update(a=(45, 26, 0), b=(42, 28, 0))                                 # too few calls: nothing
+    m._rebalance()
+    assert m.cut == 192
+    m.close()
+
+
+def test_the_cut_split_mode_is_checked(monkeypatch):
+    from runtime.experts import manager as mgr
+    assert mgr._cpu_split_mode("experts") == "experts"
+    with pytest.raises(ValueError, match="MOEDESK_CPU_SPLIT='halves'"):
+        mgr._cpu_split_mode("halves")

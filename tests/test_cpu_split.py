@@ -76,3 +76,24 @@ def test_oversubscribed_split_stores_more_experts_and_says_the_cpus_share():
     assert none.owned == ((),) and none.shares == (0.0,)
     with pytest.raises(ValueError, match="oversubscribe 0.5"):
         plan_cpu_split(_uniform(1), [[]], [MB], A, costs, oversubscribe=0.5)
+
+
+def test_cut_split_owns_every_cold_expert_and_balances_the_two_sides():
+    """Experts cut between CPU and GPU: the CPU owns every cold expert and its part of each pick makes
+    the expected times equal (CPU twice as fast: two thirds), whatever the routing shares."""
+    rng = np.random.default_rng(1)
+    freq = rng.dirichlet(np.ones(E), size=2)
+    resident = [[0, 1, 2], list(range(E))]
+    costs = CpuSplitCosts(25e9, 50e9, cpu_overhead_s=0.0)
+    split = plan_cpu_split(freq, resident, [MB, MB], A, costs, cut=True)
+    assert split.owned[0] == tuple(range(3, E)) and split.owned[1] == ()
+    assert split.shares[0] == pytest.approx(2 / 3)
+    cold = A * freq[0, 3:].sum() * MB
+    assert split.split_s == pytest.approx(cold * (1 / 3) / 25e9)            # both sides take this long
+    assert split.gain == pytest.approx(2.0)                                 # three times as fast
+    # an overhead per layer call leaves the CPU a little less
+    slower = plan_cpu_split(freq, resident, [MB, MB], A, CpuSplitCosts(25e9, 50e9, cpu_overhead_s=5e-6), cut=True)
+    assert slower.shares[0] < split.shares[0] and slower.split_s > split.split_s
+    # an overhead that eats all of PCIe's time: nothing for the CPU
+    none = plan_cpu_split(freq, resident, [MB, MB], A, CpuSplitCosts(25e9, 50e9, cpu_overhead_s=1.0), cut=True)
+    assert none.owned == ((), ()) and none.gain == 0.0

@@ -153,16 +153,21 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
 def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
-    for the default and the other launch shapes."""
+    for the default and the other launch shapes; also with experts cut between the two (the CPU's
+    host function computes the first 64 of 128 intermediate features, the kernels the rest), after
+    the layer is put in down's intermediate order (bit for bit the same output)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
-    args = ["--experts", "6", "--hidden", "96", "--inter", "64", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
+    args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
     r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", "--skip", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count(" ok") == 6 and "FAIL" not in r.stdout, r.stdout
-    assert r.stdout.count("cpu host") in (0, 3), r.stdout                 # one row: the host function
+    assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout
+    host = r.stdout.count("cpu host")
+    assert host in (0, 6), r.stdout          # one row: the host function, whole and cut (none without a kernel)
+    assert r.stdout.count(" ok") == 7 + (3 if host else 0) and "FAIL" not in r.stdout, r.stdout
+    assert r.stdout.count("cut 64/128+cpu host") == (3 if host else 0), r.stdout
 
 
 _SHARE_MASK_CHECK = """

@@ -70,9 +70,10 @@ def _counts(engine) -> dict[str, float]:
         ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)   # c: misses the CPU computed
         hits, pairs, cpu_pairs, cpu_ns = hits + h, pairs + n, cpu_pairs + c, cpu_ns + ns
         vram_b += h * lo.code_bytes
-        pcie_b += (n - h - c) * lo.code_bytes
+        part = lo.cpu.cpu_part() if lo.cpu is not None else 1.0         # cut experts: the GPU reads the rest
+        pcie_b += (n - h - c * part) * lo.code_bytes
         if lo.cpu is not None:
-            cpu_b += c * lo.cpu.store.expert_bytes()
+            cpu_b += c * lo.cpu.pick_bytes()
             for k, v in lo.cpu.timeline().items():
                 tl[k] += v
     moved = m.bytes
@@ -284,6 +285,28 @@ def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
             "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1)}
 
 
+def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
+    """Decode again with every layer's CPU part held at `rows` intermediate rows (re-balancing off),
+    then back to the cut the run had: the speed against the cut, side by side in one process."""
+    m = engine.offload
+    kept = m.cut
+    m.rebalance_cut = False
+    try:
+        m.set_cut(rows)
+        engine.reset()
+        engine.prefill(_prompt(engine, 64, 2))
+        before = m._balance_totals()
+        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
+        after = m._balance_totals()
+    finally:
+        m.set_cut(kept)
+        m.rebalance_cut = True
+    first = after[0] - before[0]
+    return {"cut_rows": rows, "decode_tps": tps, "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
+            "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1),
+            "cpu_first_share": first / max(1, first + after[1] - before[1])}
+
+
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
     """The same placement with every cold expert read over PCIe (the CPU paths set aside, graphs
     captured again): the CPU path's gain measured side by side, in one process."""
@@ -343,6 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget")
     ap.add_argument("--try-threads", default="", help="CPU path team sizes to decode with again on the same "
                     "placement, e.g. 12,15 (the placement's split stays as planned)")
+    ap.add_argument("--try-cuts", default="", help="experts cut between CPU and GPU: decode again with the "
+                    "CPU's part held at these intermediate rows, e.g. 640,704,768 (within its copies)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -378,6 +403,7 @@ def main(argv=None) -> int:
             "calibration_tokens": a.calibrate, "routing": a.routing,
             "grouped_kernels": dataclasses.asdict(expert_kernels.GROUPED),    # prefill launch shape
             "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
+            "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
                        if a.routing == "uniform" else "") + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
                       "routing_concentration), so each budget also gives the roofline under uniform routing. "
@@ -443,6 +469,12 @@ def main(argv=None) -> int:
                 r["other_threads"] = [measure_threads(engine, int(t), a.decode) for t in a.try_threads.split(",")]
                 progress("other team sizes: " + ", ".join(f"{x['threads']}: {x['decode_tps']:.1f} tok/s"
                                                           for x in r["other_threads"]))
+            if engine.offload.cpu_active and engine.offload.cut is not None and a.try_cuts:
+                width = min(lo.cpu.width for lo in engine.offload.layers if lo.cpu is not None)
+                r["other_cuts"] = [measure_cut(engine, int(c), a.decode) for c in a.try_cuts.split(",")
+                                   if int(c) <= width]
+                progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
+                                                    f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")
@@ -461,6 +493,7 @@ def main(argv=None) -> int:
                   f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token, uniform-routing roofline "
                   f"{r['roofline_uniform_routing']['overlapped_tps']:.1f}, top-8 experts take "
                   f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
+                  + (f", cut {r['telemetry'].get('cpu_expert_cut')}" if engine.offload.cut is not None else "")
                   + (f" (with the CPU path {r['roofline_uniform_routing']['pcie_and_cpu_overlapped_tps']:.1f})"
                      f", CPU experts {r['cpu_ms_per_token']:.2f} ms/token, {r['cpu_bytes_per_token'] / 1e9:.2f} GB/token "
                      f"at {r['cpu_gb_per_s']:.1f} GB/s, signal {(r['cpu_signal'] or '?').split(':')[0]} (per token: worker wake-up "

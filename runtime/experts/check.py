@@ -129,39 +129,55 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
 
 def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device: str,
                bits_prop=None, group_size: int = 32, seed: int = 3) -> list[CheckResult]:
-    """The split-K kernels with a skip mask (the CPU path's experts left out) plus those experts
-    computed apart (by the CPU path's host function when its kernel builds, else the oracle) against
-    the kernels without a mask. `rel_err`: largest difference relative to the largest output."""
-    from runtime.experts.kernels import GEMV_MAX_PAIRS, experts_forward
+    """The split-K kernels with a skip mask (the CPU path's experts left out, whole or up to a cut)
+    plus those parts computed apart (by the CPU path's host function when its kernel builds, else,
+    for whole experts, the oracle) against the kernels without a mask. The layer is first put in
+    down's intermediate order (pack.align_intermediate), checked against the layer before.
+    `rel_err`: largest difference relative to the largest output."""
+    from runtime.experts.kernels import CUT_ALIGN, GEMV_MAX_PAIRS, experts_forward
+    from runtime.experts.pack import align_intermediate
     rows = [T for T in rows if T * top_k <= GEMV_MAX_PAIRS]        # the mask is for the split-K GEMVs
     layer = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     g = torch.Generator().manual_seed(seed)
-    cpu = None
-    try:
-        from runtime.experts.cpu_path import CpuPath
-        cpu = CpuPath((layer.w1, layer.w3, layer.w2), list(range(E)), top_k, threads=1, device="cpu") \
-            if device == "cpu" else None
-    except ValueError:
-        cpu = None
     out = []
-    for T in rows:
-        for masked in ([], list(range(0, E, 2)), list(range(E))):
-            skip = torch.zeros(E, dtype=torch.uint8)
-            skip[masked] = 1
-            x = torch.randn(T, H, generator=g).half().to(device)
-            r = route(x, layer.gate_w, top_k)
-            want = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
-            got = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, skip=skip.to(device))
-            keep = skip.to(device)[r.ids].float()
-            if cpu is not None and T == 1:
-                for e in range(E):
-                    cpu.own(e, e in masked)
-                apart, how = cpu.run_host(x, r.ids.to(torch.int32), r.weights), "cpu host"
-            else:
-                apart, how = experts_reference(x, dataclasses.replace(r, weights=r.weights * keep),
-                                               layer.w1, layer.w3, layer.w2), "oracle"
-            err = ((got + apart.to(got.device) - want).abs().max() / want.abs().max()).item()
-            out.append(CheckResult(T, f"skip {len(masked)}/{E}+{how}", err))
+    x = torch.randn(max(rows), H, generator=g).half().to(device)
+    r = route(x, layer.gate_w, top_k)
+    before = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
+    align_intermediate(layer.w1, layer.w3, layer.w2)
+    after = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
+    out.append(CheckResult(max(rows), "aligned intermediate", ((after - before).abs().max() / before.abs().max()).item()))
+    cuts = [None] + list(range(CUT_ALIGN, I, CUT_ALIGN))               # None: whole experts
+    for cut in cuts:
+        cpu = None
+        try:
+            from runtime.experts.cpu_path import WHOLE, CpuPath
+            cpu = CpuPath((layer.w1, layer.w3, layer.w2), list(range(E)), top_k, threads=1, device="cpu",
+                          width=cut) if device == "cpu" else None
+        except ValueError:
+            cpu = None
+        cut_t = torch.tensor([cut or WHOLE], dtype=torch.int32, device=device)
+        for T in rows:
+            if cut is not None and (cpu is None or T != 1):
+                continue                                             # a cut's part: the host function only
+            for masked in ([], list(range(0, E, 2)), list(range(E))):
+                skip = torch.zeros(E, dtype=torch.uint8)
+                skip[masked] = 1
+                x = torch.randn(T, H, generator=g).half().to(device)
+                r = route(x, layer.gate_w, top_k)
+                want = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
+                got = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, skip=skip.to(device),
+                                      cut=cut_t)
+                keep = skip.to(device)[r.ids].float()
+                if cpu is not None and T == 1:
+                    for e in range(E):
+                        cpu.own(e, e in masked)
+                    apart, how = cpu.run_host(x, r.ids.to(torch.int32), r.weights), "cpu host"
+                else:
+                    apart, how = experts_reference(x, dataclasses.replace(r, weights=r.weights * keep),
+                                                   layer.w1, layer.w3, layer.w2), "oracle"
+                err = ((got + apart.to(got.device) - want).abs().max() / want.abs().max()).item()
+                what = "whole" if cut is None else f"cut {cut}/{I}"
+                out.append(CheckResult(T, f"skip {len(masked)}/{E} {what}+{how}", err))
     return out
 
 

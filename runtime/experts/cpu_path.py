@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -39,9 +41,10 @@ import torch
 from runtime.experts import cpu_experts as ce
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.offload import inference_mode_methods
-from runtime.experts.pack import PackedExperts
+from runtime.experts.pack import PackedExperts, intermediate_aligned
 
 MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
+WHOLE = 1 << 30       # the GPU kernels' cut for whole experts: past any expert's width
 
 
 class HostCtx(ctypes.Structure):
@@ -53,9 +56,11 @@ class HostCtx(ctypes.Structure):
                 ("H", ctypes.c_int64), ("E", ctypes.c_int64), ("store_experts", ctypes.c_int64),
                 ("T", ctypes.c_int32), ("A", ctypes.c_int32), ("x_fp16", ctypes.c_int32),
                 ("ids_int64", ctypes.c_int32), ("threads", ctypes.c_int32), ("status", ctypes.c_int32),
+                ("cut", ctypes.c_int32), ("pad", ctypes.c_int32),
                 ("ns_total", ctypes.c_uint64), ("calls", ctypes.c_uint64), ("pairs", ctypes.c_uint64),
                 ("submitted", ctypes.c_uint64), ("done", ctypes.c_uint64), ("t_submit", ctypes.c_uint64),
-                ("ns_wake", ctypes.c_uint64), ("ns_gpu", ctypes.c_uint64), ("ns_stall", ctypes.c_uint64)]
+                ("ns_wake", ctypes.c_uint64), ("ns_gpu", ctypes.c_uint64), ("ns_stall", ctypes.c_uint64),
+                ("cpu_first", ctypes.c_uint64), ("gpu_first", ctypes.c_uint64), ("ns_cpu_idle", ctypes.c_uint64)]
 
 
 HOST_STATUS = {1: "an owned expert is not in the CPU store", 2: "expert shapes do not chain with x"}
@@ -78,20 +83,24 @@ SIGNAL_KINDS = ("memops", "hostfunc")
 
 
 class Doorbell:
-    """Two 32-bit words of page-locked memory, on separate cache lines: `bell` (the stream writes a
-    context's doorbell value, the worker reads and clears it) and `done` (the worker writes 1 when
-    that context is computed, the stream waits for it and writes 0). One per process: a step's
-    layers run one after the other on one stream, so one pair serves them all."""
+    """Three 32-bit words of page-locked memory, on separate cache lines: `bell` (the stream writes a
+    context's doorbell value, the worker reads and clears it), `done` (the worker writes 1 when
+    that context is computed, the stream waits for it and writes 0) and `arrive` (the stream writes
+    the context's value on reaching its wait, so the worker can count which side finished first).
+    One per process: a step's layers run one after the other on one stream, so one set serves them all."""
 
     def __init__(self):
-        self.mem = torch.zeros(32, dtype=torch.int32, pin_memory=True)
+        self.mem = torch.zeros(48, dtype=torch.int32, pin_memory=True)
         self.bell = self.mem.data_ptr()
         self.done = self.mem.data_ptr() + 64
+        self.arrive = self.mem.data_ptr() + 128
 
     def ring(self, stream: "torch.cuda.Stream", value: int) -> None:
         _memop("cuStreamWriteValue32", stream, self.bell, value, 0)
 
-    def wait(self, stream: "torch.cuda.Stream") -> None:
+    def wait(self, stream: "torch.cuda.Stream", value: int = 0) -> None:
+        if value:
+            _memop("cuStreamWriteValue32", stream, self.arrive, value, 0)
         _memop("cuStreamWaitValue32", stream, self.done, 1, CU_STREAM_WAIT_VALUE_EQ)
         _memop("cuStreamWriteValue32", stream, self.done, 0, 0)
 
@@ -119,7 +128,7 @@ def signal_kind(device: torch.device) -> tuple[str, str]:
             _SIGNAL = ("memops", why) if ok else ("hostfunc", f"stream memory operations fail here: {why}")
         if _SIGNAL[0] == "memops":
             _DOORBELL = Doorbell()
-            ce.load_kernel().set_doorbell(_DOORBELL.bell, _DOORBELL.done)
+            ce.load_kernel().set_doorbell(_DOORBELL.bell, _DOORBELL.done, _DOORBELL.arrive)
     return _SIGNAL
 
 
@@ -193,43 +202,92 @@ def resolve_threads(threads: int) -> int:
 
 # -- CPU-format copies from the packed layout ------------------------------------------------------
 
-def _projections(packs: Sequence[PackedExperts], name: str):
-    """(projection, its logical outputs, name) of gate, up, down, checked against the CPU kernel's tiles."""
+@dataclass(frozen=True)
+class _Proj:
+    """One projection as the CPU copy holds it: the whole expert, or its first `width` intermediate
+    features (gate/up: their first columns; down: its first packed rows, the intermediate in down's
+    order, pack.align_intermediate)."""
+    pack: PackedExperts
+    name: str
+    K: int                  # input rows kept
+    N: int                  # output columns kept
+    group: int              # rows per scale row in the copy (down when cut: a divisor of CUT_ALIGN)
+    out: int                # logical outputs (desc)
+
+    def codes(self, e: int) -> torch.Tensor:
+        """Expert e's code words [K * bits / 32, N] (CPU), in pack.py's layout for K rows."""
+        p = self.pack
+        c = p.codes(e)
+        if self.N < p.out_features:
+            c = c[:, :self.N]
+        if self.K < p.in_features:
+            if p.bits == 3:       # two planes: low pairs (K/16 words), then high bits (K/32)
+                c = torch.cat([c[:self.K // 16], c[p.in_features // 16:p.in_features // 16 + self.K // 32]])
+            else:
+                c = c[:self.K * p.bits // 32]
+        return c.cpu().contiguous()
+
+    def scales(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp16 [S, K / group, N] of experts `ids`."""
+        p = self.pack
+        s = p.scales[ids.to(p.scales.device)][:, : -(-self.K // p.group), :self.N].cpu()
+        return torch.repeat_interleave(s, p.group // self.group, dim=1)[:, :self.K // self.group]
+
+
+def _projections(packs: Sequence[PackedExperts], name: str, width: Optional[int] = None) -> list[_Proj]:
+    """Gate, up, down as the CPU copies hold them (width: the first `width` intermediate features
+    only, a multiple of kernels.CUT_ALIGN), checked against the CPU kernel's tiles."""
+    from runtime.experts.kernels import CUT_ALIGN
     w1, w3, w2 = packs
     H, I = w1.in_features, w2.in_features
-    out = [(w1, I, f"{name}.gate"), (w3, I, f"{name}.up"), (w2, H, f"{name}.down")]
-    for p, _, pname in out:
-        if p.group % 32 or p.out_features % 16:
-            raise ce.CpuExpertsError(f"{pname}: groups of {p.group} rows / {p.out_features} columns do not fit "
+    if width is None:
+        out = [_Proj(w1, f"{name}.gate", H, w1.out_features, w1.group, I),
+               _Proj(w3, f"{name}.up", H, w3.out_features, w3.group, I),
+               _Proj(w2, f"{name}.down", I, w2.out_features, w2.group, H)]
+    else:
+        if width <= 0 or width % CUT_ALIGN or width > I:
+            raise ValueError(f"{name}: CPU copies of {width} intermediate rows; want a multiple of {CUT_ALIGN} "
+                             f"in {CUT_ALIGN}..{I}")
+        if not intermediate_aligned(w2):
+            raise ValueError(f"{name}: experts cut between CPU and GPU need the intermediate in down's order "
+                             "(pack.align_intermediate)")
+        out = [_Proj(w1, f"{name}.gate", H, width, w1.group, width),
+               _Proj(w3, f"{name}.up", H, width, w3.group, width),
+               _Proj(w2, f"{name}.down", width, w2.out_features, math.gcd(w2.group, CUT_ALIGN), H)]
+    for p in out:
+        if p.group % 32 or p.N % 16:
+            raise ce.CpuExpertsError(f"{p.name}: groups of {p.group} rows / {p.N} columns do not fit "
                                      "the CPU kernel (groups of whole 32 rows, columns in tiles of 16)")
     return out
 
 
-def cpu_expert_bytes(packs: Sequence[PackedExperts]) -> int:
+def cpu_expert_bytes(packs: Sequence[PackedExperts], width: Optional[int] = None) -> int:
     """Bytes of one expert's CPU copy (codes, scales, groups, permutations): what a forward reads."""
     total = 0
-    for p, _, _ in _projections(packs, "expert"):
-        K, N, G = p.in_features, p.out_features, p.in_features // p.group
-        total += K * p.bits // 32 * N * 4 + G * N * 2 + G * 4 * 4 + K * 4
+    for p in _projections(packs, "expert", width):
+        G = p.K // p.group
+        total += p.K * p.pack.bits // 32 * p.N * 4 + G * p.N * 2 + G * 4 * 4 + p.K * 4
     return total
 
 
-def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str = "layer") -> ce.CpuExperts:
+def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str = "layer",
+              width: Optional[int] = None) -> ce.CpuExperts:
     """CPU copies of experts `stored` (store index j = stored[j]) of one layer, in the layout that
     CpuExperts' exl2 store flattens to (per expert, what its conversion of the EXL2 tensors builds), written straight
     into the store's flat buffers: one allocation per buffer, codes retiled by the C++ kernel in one
     call per projection (threads over experts and tiles), scales and permutations one copy each.
+    width: copies of the first `width` intermediate features only (`_projections`).
 
     Per expert j the buffers hold gate, up, down one after the other; qw [S, Wq], sc [S, Ws], grp
     [S, Gt, 4], perm [S, Kt] are flattened, desc [S, 3, 8] holds the offsets."""
-    projs = _projections(packs, name)
+    projs = _projections(packs, name, width)
     S, kernel = len(stored), ce.load_kernel()
     if S == 0:
         raise ce.CpuExpertsError(f"{name}: no experts to copy")
-    Q = [p.in_features * p.bits // 32 for p, _, _ in projs]
-    G = [p.in_features // p.group for p, _, _ in projs]
-    N = [p.out_features for p, _, _ in projs]
-    K = [p.in_features for p, _, _ in projs]
+    Q = [p.K * p.pack.bits // 32 for p in projs]
+    G = [p.K // p.group for p in projs]
+    N = [p.N for p in projs]
+    K = [p.K for p in projs]
     per = [sum(q * n for q, n in zip(Q, N)), sum(g * n for g, n in zip(G, N)), sum(G), sum(K)]
     qw = torch.empty((S, per[0]), dtype=torch.int32)
     sc = torch.empty((S, per[1]), dtype=torch.float16)
@@ -240,18 +298,18 @@ def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str =
     experts = [int(e) for e in stored]
     ids = torch.tensor(experts, dtype=torch.int64)
     o = [0, 0, 0, 0]                                                            # qw, sc, grp, perm
-    for j, ((p, out, _), q, g, n, k) in enumerate(zip(projs, Q, G, N, K)):
-        kernel.pack_tiles_into([p.codes(e).cpu() for e in experts], p.bits, k, qw[:, o[0]:o[0] + q * n])
-        dev_ids = ids.to(p.scales.device)
+    for j, (p, q, g, n, k) in enumerate(zip(projs, Q, G, N, K)):
+        bits = p.pack.bits
+        kernel.pack_tiles_into([p.codes(e) for e in experts], bits, k, qw[:, o[0]:o[0] + q * n])
         sc[:, o[1]:o[1] + g * n].view(S, n // 16, g, 16).copy_(                # [S, N/16, G, 16]
-            p.scales[dev_ids].cpu().view(S, g, n // 16, 16).permute(0, 2, 1, 3))
-        grp[:, o[2]:o[2] + g] = torch.tensor([[p.bits, i * p.group * p.bits // 32, i * p.group, p.group]
+            p.scales(ids).view(S, g, n // 16, 16).permute(0, 2, 1, 3))
+        grp[:, o[2]:o[2] + g] = torch.tensor([[bits, i * p.group * bits // 32, i * p.group, p.group]
                                               for i in range(g)], dtype=torch.int32)
-        perm[:, o[3]:o[3] + k] = p.perm[dev_ids].cpu()
-        desc[:, j] = base + torch.tensor([o[0], o[1], o[2], g, o[3], k, out, q])
+        perm[:, o[3]:o[3] + k] = p.pack.perm[ids.to(p.pack.perm.device)][:, :k].cpu()
+        desc[:, j] = base + torch.tensor([o[0], o[1], o[2], g, o[3], k, p.out, q])
         o = [o[0] + q * n, o[1] + g * n, o[2] + g, o[3] + k]
     flat = {"qw": qw.view(-1), "sc": sc.view(-1), "grp": grp.view(-1, 4), "perm": perm.view(-1), "desc": desc}
-    return ce.CpuExperts.from_flat(packs[0].in_features, packs[2].in_features, flat, name)
+    return ce.CpuExperts.from_flat(packs[0].in_features, projs[2].K, flat, name)
 
 
 # -- one layer ------------------------------------------------------------------------------------
@@ -261,7 +319,11 @@ class CpuPath:
     """The CPU side of one offloaded layer: stored experts, ownership, buffers, the host node's context."""
 
     def __init__(self, packs: Sequence[PackedExperts], stored: Sequence[int], top_k: int, threads: int,
-                 name: str = "layer", ram: Optional[MemoryBudget] = None, device=None):
+                 name: str = "layer", ram: Optional[MemoryBudget] = None, device=None,
+                 width: Optional[int] = None):
+        """width: the copies hold each expert's first `width` intermediate features (a multiple of
+        kernels.CUT_ALIGN): the CPU computes that part of every owned pick (up to `set_cut`) and the
+        GPU the rest. None: whole experts, each owned pick computed by the CPU alone."""
         w1 = packs[0]
         self.E, self.H, self.top_k, self.name = w1.num_experts, w1.in_features, top_k, name
         self.stored = sorted(int(e) for e in stored)
@@ -270,12 +332,14 @@ class CpuPath:
             raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
         self.kernel, self.submit_fn, self.wait_fn = host_entries()
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
-        self.nbytes = len(self.stored) * (cpu_expert_bytes(packs) + 3 * 8 * 8)      # + desc rows
+        self.I = I = packs[2].in_features
+        self.width = I if width is None else int(width)
+        self.nbytes = len(self.stored) * (cpu_expert_bytes(packs, width) + 3 * 8 * 8)      # + desc rows
         if ram is not None:                    # on the ledger before gigabytes are allocated
             ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
                         "raise the RAM budget, or close other programs")
         try:
-            self.store = cpu_store(packs, self.stored, name)
+            self.store = cpu_store(packs, self.stored, name, width)
         except BaseException:
             self.close()
             raise
@@ -295,6 +359,11 @@ class CpuPath:
         self.share: Optional[int] = None
         self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
         self.y_dev = torch.zeros((MAX_ROWS, H), dtype=torch.float32, device=self.device)
+        # The cut (set_cut): intermediate rows of an owned pick the CPU computes, the GPU the rest;
+        # on the device for the GPU's kernels, in the context for the worker. Whole experts: a cut
+        # past any width on the device, 0 (all) in the context.
+        self.cut = self.width if width is not None else None
+        self.cut_dev = torch.full((1,), self.cut or WHOLE, dtype=torch.int32, device=self.device)
         self.owned_set: set[int] = set()
         f = self.store._flat
         self.ctx = HostCtx(
@@ -302,7 +371,7 @@ class CpuPath:
             owned=self.owned.data_ptr(), store_index=self.store_index.data_ptr(), qw=f["qw"].data_ptr(),
             sc=f["sc"].data_ptr(), grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(),
             desc=f["desc"].data_ptr(), y=self.y.data_ptr(), H=H, E=E, store_experts=len(self.stored),
-            T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads))
+            T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads), cut=self.cut or 0)
         self.ctx_addr = ctypes.addressof(self.ctx)
         self.signal, _ = signal_kind(self.device)
         self.slot = self.kernel.register_slot(self.ctx_addr) if self.signal == "memops" else 0
@@ -332,6 +401,34 @@ class CpuPath:
             raise ValueError(f"{self.name}: CPU share {share} outside 0..1")
         self.share = None if share is None else int(round(share * SHARE_DEN))
 
+    def set_cut(self, rows: int) -> None:
+        """Experts cut between CPU and GPU: the CPU computes the first `rows` intermediate features
+        of each owned pick (a multiple of kernels.CUT_ALIGN, 1..width). The device value is written
+        in stream order, the worker's at once: call it with no step queued (the stream synchronised)."""
+        from runtime.experts.kernels import CUT_ALIGN
+        if self.cut is None:
+            raise ValueError(f"{self.name}: the CPU copies are whole experts; there is no cut to move")
+        if rows <= 0 or rows > self.width or rows % CUT_ALIGN:
+            raise ValueError(f"{self.name}: cut {rows}: want a multiple of {CUT_ALIGN} in {CUT_ALIGN}..{self.width}")
+        self.cut = int(rows)
+        self.cut_dev.fill_(self.cut)
+        self.ctx.cut = self.cut
+
+    def cpu_part(self) -> float:
+        """The part of an owned pick's expert the CPU computes (1.0: whole experts)."""
+        return 1.0 if self.cut is None else self.cut / self.I
+
+    def pick_bytes(self) -> int:
+        """Bytes the CPU reads for one owned pick at the current cut."""
+        b = self.store.expert_bytes()
+        return b if self.cut is None else b * self.cut // self.width
+
+    def balance(self) -> tuple[int, int, int]:
+        """(CPU first, GPU first, ns the worker waited for the GPU when it was first), counted by the
+        worker over the steps so far (doorbell signalling only; zeros otherwise)."""
+        c = self.ctx
+        return int(c.cpu_first), int(c.gpu_first), int(c.ns_cpu_idle)
+
     def stores(self, e: int) -> bool:
         return 0 <= e < self.E and int(self.store_index[e]) >= 0
 
@@ -341,8 +438,9 @@ class CpuPath:
                w: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hand the CPU part of this layer to the worker for x fp16 [1, H], ids int32 [1, A], w fp32
         [1, A] (device tensors written on `stream`, the current stream): the GPU kernels queued next run
-        while the CPU computes; `join` collects the result. Returns the mask the GPU kernels skip;
-        with a share set, `resident` (int32 [E], 1 = in a VRAM slot) says which picks are cold."""
+        while the CPU computes; `join` collects the result. Returns the mask and the cut the GPU
+        kernels take (kernels.experts_forward); with a share set, `resident` (int32 [E], 1 = in a VRAM
+        slot) says which picks are cold."""
         if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
             raise ValueError(f"{self.name}: CPU path takes x {list(self.x.shape)}, ids {list(self.ids.shape)}, "
                              f"w {list(self.w.shape)}; got {list(x.shape)}, {list(ids.shape)}, {list(w.shape)}")
@@ -360,12 +458,12 @@ class CpuPath:
             _DOORBELL.ring(stream, self.slot)
         else:
             launch_host_func(stream, self.submit_fn, self.ctx_addr)
-        return mask
+        return mask, self.cut_dev
 
     def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
         """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part, once the worker is done."""
         if self.slot:
-            _DOORBELL.wait(stream)
+            _DOORBELL.wait(stream, self.slot)
         else:
             launch_host_func(stream, self.wait_fn, self.ctx_addr)
         self.y_dev.copy_(self.y, non_blocking=True)

@@ -15,7 +15,7 @@ from exllamav2.moe_mlp import ExLlamaV2MoEMLP
 
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import HostArena, pack_experts
+from runtime.experts.pack import HostArena, align_intermediate, pack_experts
 
 EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 
@@ -46,6 +46,9 @@ class OwnMoE(ExLlamaV2MoEMLP):
                 self.host_ram.reserve(f"experts of {self.key}.{name}", pack.cold.numel() * 4,
                                       "raise the RAM budget, close other programs, or raise the VRAM budget")
             packs.append(pack)
+        # down's packed order for the intermediate: a cold expert can then be cut between the CPU
+        # and the GPU by ranges (runtime/experts/cpu_path.py); the same function either way
+        align_intermediate(*packs, device=self.device())
         self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token)
         self.q_handle = None                                 # exllamav2's fused path never runs
 

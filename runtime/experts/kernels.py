@@ -170,13 +170,13 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.
 
 
 @triton.jit
-def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K: tl.constexpr,
+def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K: tl.constexpr,
                          N: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
                          G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
     wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
     wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
+    mask_n = (offs_n < N) & (offs_n >= lo)          # columns below lo: the CPU's (masked lanes read nothing)
     ks = tl.program_id(2) * (K // KSPLIT)
     acc1 = tl.zeros([BN], dtype=tl.float32)
     acc3 = tl.zeros([BN], dtype=tl.float32)
@@ -194,64 +194,80 @@ def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t,
 
 
 @triton.jit
-def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, K: tl.constexpr,
-                    N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
+def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P,
+                    K: tl.constexpr, N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
                     BITS3: tl.constexpr, G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                     KSPLIT: tl.constexpr, SKIP: tl.constexpr):
     """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller).
-    SKIP: a pair whose expert has skip_ptr[e] != 0 (uint8 [E], computed elsewhere: the CPU path)
-    reads nothing and adds nothing; without SKIP, skip_ptr is not read."""
+    SKIP: a pair whose expert has skip_ptr[e] != 0 (uint8 [E]) leaves its first cut_ptr[0] columns
+    (int32 [1]) to the CPU path, which computes them elsewhere: a cut of N or more leaves the whole
+    expert. Without SKIP, skip_ptr and cut_ptr are not read."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
     if SKIP:
-        if tl.load(skip_ptr + e) == 0:
-            _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K, N,
+        lo = tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0)
+        if lo < (tl.program_id(1) + 1) * BN:
+            _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K, N,
                                  BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
     else:
-        _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, K, N,
+        _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, 0, K, N,
                              BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
 
 
 @triton.jit
-def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K: tl.constexpr, N: tl.constexpr,
-                      HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                      BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
+def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
+               HS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
+    g = tl.load(gu_ptr + p * HS + idx)
+    u = tl.load(gu_ptr + P * HS + p * HS + idx)
+    h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
+    w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+    return acc + tl.sum(h[:, None] * w, axis=0)
+
+
+@triton.jit
+def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K: tl.constexpr,
+                      N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                      BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr, CUT: tl.constexpr):
     wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    ks = tl.program_id(2) * (K // KSPLIT)
     acc = tl.zeros([BN], dtype=tl.float32)
+    ks = tl.program_id(2) * (K // KSPLIT)
     for kk in range(0, K // KSPLIT, BK):
-        k0 = ks + kk
-        idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
-        g = tl.load(gu_ptr + p * HS + idx)
-        u = tl.load(gu_ptr + P * HS + p * HS + idx)
-        h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
-        w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
-        acc += tl.sum(h[:, None] * w, axis=0)
+        if CUT:          # tiles below k_start (known at run time) are the CPU's
+            if ks + kk >= k_start:
+                acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
+                                 BITS, G, BK, BN)
+        else:
+            acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
+                             BITS, G, BK, BN)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
 
 
 @triton.jit
-def _down_splitk(gu_ptr, ids_ptr, skip_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
+def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
                  N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
                  SKIP: tl.constexpr):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
     weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller).
-    SKIP: as _gate_up_splitk (a skipped pair adds nothing to out)."""
+    SKIP: as _gate_up_splitk: a marked pair's first cut_ptr[0] rows of K (a multiple of BK) are the
+    CPU's; a cut of K or more leaves the whole expert."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
+    ks = tl.program_id(2) * (K // KSPLIT)
     if SKIP:
-        if tl.load(skip_ptr + e) == 0:
-            _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K, N, HS, NOUT,
-                              BITS, G, BK, BN, KSPLIT)
+        k_start = tl.maximum(ks, tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0))
+        if k_start < ks + K // KSPLIT:
+            _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K, N, HS, NOUT,
+                              BITS, G, BK, BN, KSPLIT, True)
     else:
-        _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, K, N, HS, NOUT,
-                          BITS, G, BK, BN, KSPLIT)
+        _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, ks, K, N, HS, NOUT,
+                          BITS, G, BK, BN, KSPLIT, False)
 
 
 def _bk(*packs: PackedExperts, cap: int = 64) -> int:  # noqa: C901
@@ -338,11 +354,14 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
                     w3: PackedExperts, w2: PackedExperts, union_reads: bool = False,
-                    skip: torch.Tensor | None = None) -> torch.Tensor:
+                    skip: torch.Tensor | None = None, cut: torch.Tensor | None = None) -> torch.Tensor:
     """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
 
-    skip: uint8 [E] on the device; pairs whose expert is marked are left out (their experts are
-    computed on the CPU: runtime/experts/cpu_path.py). Split-K GEMVs only (few pairs, no union_reads).
+    skip: uint8 [E] on the device, with cut: int32 [1] on the device. A pair whose expert is marked
+    leaves the first `cut` rows of its intermediate (gate/up columns, down rows; a multiple of
+    CUT_ALIGN) to the CPU (runtime/experts/cpu_path.py), which adds its part elsewhere; a cut of the
+    expert's width or more leaves the whole expert. The intermediate must then be in down's packed
+    order (pack.align_intermediate). Split-K GEMVs only (few pairs, no union_reads).
 
     union_reads: use the grouped kernels even for few pairs, so each chosen expert's weights are read
     once per block of rows instead of once per (row, expert) pair. For offloaded layers, whose cold
@@ -355,7 +374,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     A = ids.shape[1]
     P = T * A
     if P <= GEMV_MAX_PAIRS and not (union_reads and T > 1):
-        return experts_decode(x, ids, weights, w1, w3, w2, skip)
+        return experts_decode(x, ids, weights, w1, w3, w2, skip, cut)
     if skip is not None:
         raise ValueError(f"a skip mask needs the split-K GEMVs: {T} rows x {A} experts is more than "
                          f"{GEMV_MAX_PAIRS} pairs, or union_reads is set")
@@ -396,6 +415,9 @@ def _ksplit(K: int, bk: int, programs: int) -> int:
     return ks
 
 
+# A CPU cut (experts_forward) is a multiple of this many rows of the intermediate: down's K tile
+# where a cut is given, and whole 32-row words and 16-column tiles on the CPU's side.
+CUT_ALIGN = 64
 SHARE_DEN = 1024       # cpu_share_mask: the CPU's share of a token's cold picks in 1/1024ths
 
 
@@ -507,17 +529,23 @@ def _choose(key: tuple, candidates: list[SplitK], launch) -> SplitK:
 
 
 def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
-                   w3: PackedExperts, w2: PackedExperts, skip: torch.Tensor | None = None) -> torch.Tensor:
+                   w3: PackedExperts, w2: PackedExperts, skip: torch.Tensor | None = None,
+                   cut: torch.Tensor | None = None) -> torch.Tensor:
     """Few rows: split-K GEMVs with atomic accumulation; x fp16 [T, H] -> fp32 [T, H]. Three launches
     (one memset, gate+up, down); no intermediate leaves fp32. Launch shapes are timed once per shape
-    on the GPU (`_choose`). skip: uint8 [E], see experts_forward (the launch shapes chosen without it
-    serve it too: a skipped pair's programs only return)."""
+    on the GPU (`_choose`). skip, cut: see experts_forward (the launch shapes chosen without them
+    serve them too: a pair's programs for the CPU's part only return)."""
     if skip is not None and (skip.dtype != torch.uint8 or skip.numel() != w1.num_experts
                              or skip.device != x.device):
         raise ValueError(f"skip mask: expected uint8 [{w1.num_experts}] on {x.device}, got "
                          f"{skip.dtype} {list(skip.shape)} on {skip.device}")
+    if (skip is None) != (cut is None) or cut is not None and (
+            cut.dtype != torch.int32 or cut.numel() != 1 or cut.device != x.device):
+        raise ValueError("a skip mask comes with its cut, int32 [1] on the same device"
+                         + ("" if cut is None else f"; got {cut.dtype} {list(cut.shape)} on {cut.device}"))
     has_skip = skip is not None
     skip_t = skip if has_skip else ids          # not read without SKIP
+    cut_t = cut if has_skip else ids
     T, H = x.shape
     A = ids.shape[1]
     P = T * A
@@ -526,24 +554,25 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     gu, out = buf[: 2 * P * I1], buf[2 * P * I1:].view(T, H)
     ids_f = ids.reshape(P).to(torch.int32)
     rw = weights.reshape(P).to(torch.float32)
-    bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=128)
+    # with a cut, down's K tile divides CUT_ALIGN, so the GPU's part of a split expert starts on a tile
+    bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=CUT_ALIGN if has_skip else 128)
     x = x.contiguous()
 
     def gate_up(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(I1, c.bn), c.ksplit)
         _gate_up_splitk[grid](
-            x, ids_f, skip_t, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
+            x, ids_f, skip_t, cut_t, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
             KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
 
     def down(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
         _down_splitk[grid](
-            gu, ids_f, skip_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
+            gu, ids_f, skip_t, cut_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
 
     key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
-    key2 = ("down", I2, H2, P, w2.bits, w2.group, x.device)
+    key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, x.device)
     if key1 not in _CHOSEN or key2 not in _CHOSEN:
         scratch = torch.empty_like(buf)
         c1 = _choose(key1, _candidates(H, I1, P, bk1), lambda c: gate_up(c, scratch[: 2 * P * I1]))

@@ -89,11 +89,12 @@ class ExpertLayer:
             m = self.offload.manager                          # runtime/experts/manager.py
             cpu = self.offload.cpu                            # runtime/experts/cpu_path.py
             if cpu is not None and x.shape[0] == 1 and not m.naive:
-                # Decode: the CPU computes the experts it owns (handed to its worker by a host node)
-                # while the GPU kernels skip them and read the other cold ones over PCIe.
+                # Decode: the CPU computes the experts it owns, or the first part of each (its cut),
+                # handed to its worker by a doorbell or host node, while the GPU kernels skip that
+                # and read the rest of the cold experts over PCIe.
                 stream = torch.cuda.current_stream(x.device)
-                skip = cpu.launch(stream, x, ids, w, self.offload.mask)
-                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=skip)
+                skip, cut = cpu.launch(stream, x, ids, w, self.offload.mask)
+                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=skip, cut=cut)
                 m.after(self.offload)
                 return cpu.join(stream, y)
             # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.

@@ -67,7 +67,24 @@ def _cpu_balance(text: str) -> float:
     return v
 
 
-# The balanced split (the measured default; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
+def _cpu_split_mode(text: str) -> str:
+    if text not in ("cut", "experts"):
+        raise ValueError(f"MOEDESK_CPU_SPLIT={text!r}: want 'cut' (each cold expert cut between CPU and GPU) "
+                         "or 'experts' (whole experts to either side)")
+    return text
+
+
+# How a layer's cold picks are shared: "cut" (the default where the layout allows it) gives the CPU the
+# first part of every cold pick's intermediate features and the GPU the rest, in the ratio of their
+# rates, re-balanced while decoding (`_rebalance`); "experts" gives each pick whole to one side (the
+# balanced or static split below).
+CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
+CUT_HEADROOM = 2          # "cut": CPU copies this many CUT_ALIGN steps wider than the planned cut
+REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
+REBALANCE_MIN = 0.35      # ... the share of layer calls the CPU finished first, outside which the cut moves
+REBALANCE_BACK = 0.2      # ... and outside which it moves straight back where it came from
+
+# The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
 # of this many times the experts the static split would own, and each decode step gives the CPU its
 # planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
 CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", "1.5"))
@@ -95,6 +112,11 @@ class OffloadManager:
         self.cpu_threads, self.ram = cpu_threads, ram
         self.cpu_reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
         self.cpu_split: Optional[CpuSplit] = None
+        self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
+        self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
+        self._balance_prev = (0, 0, 0)
+        self._last_move = 0
+        self.rebalance_cut = True                          # False: the cut stays (benchmarks of fixed cuts)
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
@@ -233,8 +255,13 @@ class OffloadManager:
         except CpuExpertsError as e:
             self.cpu_reason = f"the CPU expert kernel is unavailable: {e}"
             return
+        from runtime.experts.kernels import CUT_ALIGN
+        from runtime.experts.pack import intermediate_aligned
+        I = self.layers[0].packs[2].in_features
+        cut_mode = (CPU_SPLIT == "cut" and I % CUT_ALIGN == 0 and I >= 2 * CUT_ALIGN
+                    and all(intermediate_aligned(lo.packs[2]) for lo in self.layers))
         split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs,
-                               oversubscribe=max(1.0, CPU_BALANCE))
+                               oversubscribe=1.0 if cut_mode else max(1.0, CPU_BALANCE), cut=cut_mode)
         if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN:
             self.cpu_reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
@@ -242,14 +269,21 @@ class OffloadManager:
             self.cpu_reason = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
+        cut = width = None
+        if cut_mode:                          # one cut for all layers: their ratio of rates is the same
+            f = float(np.mean([s for s, o in zip(split.shares, split.owned) if o]))
+            cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
+            width = min(I, cut + CUT_HEADROOM * CUT_ALIGN)
         try:
             for lo, owned, share in zip(self.layers, split.owned, split.shares):
                 if owned:
                     lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
-                                              self.ram, self.device)
+                                              self.ram, self.device, width=width)
                     for e in owned:
                         lo.cpu.own(e, True)
-                    if CPU_BALANCE:
+                    if cut is not None:
+                        lo.cpu.set_cut(cut)
+                    elif CPU_BALANCE:
                         lo.cpu.set_share(share)
         except BudgetError as e:
             self._drop_cpu_paths()
@@ -261,8 +295,58 @@ class OffloadManager:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.cpu_split, self.cpu_reason = split, ""
-        log.info("CPU expert path: %d threads, %s experts; predicted cold-expert time %.0f -> %.0f us/token",
-                 threads, sum(len(o) for o in split.owned), split.stream_s * 1e6, split.split_s * 1e6)
+        self.cut, self.cut_log, self._last_move = cut, [], 0
+        self._balance_prev = self._balance_totals()
+        log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
+                 threads, sum(len(o) for o in split.owned),
+                 f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
+                 split.stream_s * 1e6, split.split_s * 1e6)
+
+    def _balance_totals(self) -> tuple[int, int, int]:
+        """(CPU first, GPU first, ns of CPU idle) summed over the layers' CPU paths so far."""
+        t = [lo.cpu.balance() for lo in self.layers if lo.cpu is not None]
+        return tuple(int(sum(v)) for v in zip(*t)) if t else (0, 0, 0)
+
+    def set_cut(self, rows: int) -> None:
+        """Every layer's cut to `rows` (a multiple of CUT_ALIGN within the copies), the stream
+        synchronised first; "cut" only."""
+        if self.cut is None:
+            raise ValueError("the CPU path does not cut experts here (MOEDESK_CPU_SPLIT, placement, layout)")
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        for lo in self.layers:
+            if lo.cpu is not None:
+                lo.cpu.set_cut(rows)
+        self.cut = int(rows)
+
+    def _rebalance(self) -> None:
+        """"cut": move the cut one CUT_ALIGN step toward the side that keeps finishing first.
+
+        The worker counts, per layer call, whether the CPU's part was done before the stream reached
+        its wait (the GPU's part was the longer one) or not. Outside [REBALANCE_MIN, 1 - REBALANCE_MIN]
+        the cut moves (more to the CPU when it is first most of the time); a move that undoes the
+        previous one needs the share beyond REBALANCE_BACK, so two neighbouring cuts on either side of
+        the balance do not alternate. Between forwards, with the stream synchronised (the worker's
+        copy of the cut changes at once)."""
+        from runtime.experts.kernels import CUT_ALIGN
+        now = self._balance_totals()
+        cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
+        n = cpu_first + gpu_first
+        if n < 8 * len(self.layers):                     # too few calls (or no counts: host nodes)
+            return
+        self._balance_prev = now
+        share = cpu_first / n
+        move = CUT_ALIGN if share > 1 - REBALANCE_MIN else -CUT_ALIGN if share < REBALANCE_MIN else 0
+        if move and move == -self._last_move and REBALANCE_BACK <= share <= 1 - REBALANCE_BACK:
+            return
+        width = min(lo.cpu.width for lo in self.layers if lo.cpu is not None)
+        new = min(width, max(CUT_ALIGN, self.cut + move))
+        if new == self.cut:
+            return
+        self.set_cut(new)
+        self._last_move = move
+        self.cut_log.append((self.forwards, new, round(share, 3)))
+        self._balance_prev = self._balance_totals()
 
     def _split_costs(self, resident: list[list[int]]) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
@@ -413,6 +497,9 @@ class OffloadManager:
             self.forwards += 1
             if self.cpu_split is not None:
                 from runtime.experts import cpu_path
+                if (self.cut is not None and self.rebalance_cut and self.forwards % REBALANCE_EVERY == 0
+                        and not self.naive):
+                    self._rebalance()
                 cpu_path.kick()                         # the worker polls its doorbell without pause again
             for lo in self.layers:
                 if lo.pending:
@@ -484,16 +571,26 @@ class OffloadManager:
             hp = [lo.hit_counts() for lo in self.layers]
         hits, pairs = sum(h for h, _ in hp), sum(n for _, n in hp)
         cpu = [lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0) for lo in self.layers]
-        cold_bytes = sum((n - h - c[2]) * lo.code_bytes for (h, n), c, lo in zip(hp, cpu, self.layers))
+        # over PCIe: the cold picks the CPU left alone, and the GPU's part of those it was cut into
+        cold_bytes = sum((n - h - c[2] * (lo.cpu.cpu_part() if lo.cpu is not None else 1.0)) * lo.code_bytes
+                         for (h, n), c, lo in zip(hp, cpu, self.layers))
         moved = cold_bytes + sum(self.bytes.values())
         calls = max((c[1] for c in cpu), default=0)
         cpu_tel = {
             "cpu_expert_ms_per_token": sum(c[0] for c in cpu) / 1e6 / calls if calls else None,
             "cpu_expert_pairs": sum(c[2] for c in cpu),
             "cpu_expert_owned": [len(lo.cpu.owned_set) if lo.cpu is not None else 0 for lo in self.layers],
-            "cpu_expert_bytes_per_token": (sum(c[2] * lo.cpu.store.expert_bytes() for c, lo in zip(cpu, self.layers)
+            "cpu_expert_bytes_per_token": (sum(c[2] * lo.cpu.pick_bytes() for c, lo in zip(cpu, self.layers)
                                                if lo.cpu is not None) / calls if calls else None),
         }
+        if self.cut is not None:
+            first = self._balance_totals()
+            cpu_tel["cpu_expert_cut"] = {
+                "rows": self.cut, "of": self.layers[0].packs[2].in_features,
+                "copied": min(lo.cpu.width for lo in self.layers if lo.cpu is not None),
+                "cpu_first_share": first[0] / max(1, first[0] + first[1]),
+                "cpu_idle_ms_per_token": first[2] / 1e6 / calls if calls else None,
+                "moves": list(self.cut_log[-8:])}
         if self.cpu_reason:
             cpu_tel["cpu_expert_path"] = f"off: {self.cpu_reason}"
         else:

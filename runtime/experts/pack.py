@@ -304,3 +304,37 @@ def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
     w_t = torch.empty_like(wt)
     w_t[p.perm[e].long()] = wt
     return w_t.T.contiguous()
+
+
+def intermediate_aligned(w2: PackedExperts) -> bool:
+    """Whether down's packed rows are the intermediate in order (perm[e] = 0..I-1 for every expert)."""
+    ident = torch.arange(w2.in_features, dtype=w2.perm.dtype, device=w2.perm.device)
+    return bool((w2.perm == ident).all())
+
+
+@torch.inference_mode()
+def align_intermediate(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
+                       device: torch.device | str | None = None) -> None:
+    """Put each expert's intermediate features in down's packed order, in place: gate and up columns
+    n move to where down reads them (new column j = old column perm2[e][j]), and down's permutation
+    becomes the identity. The expert computes the same function (the intermediate's order is
+    internal to it); what changes is that a range of down's packed rows is a range of gate/up
+    columns, so an expert can be cut into two parts computed in two places (runtime/experts/cpu_path.py).
+
+    Codes in host memory (`cold`) are permuted through `device` when given (a GPU: one expert
+    at a time there and back), else where they are."""
+    I, N = w2.in_features, w1.out_features
+    if w3.out_features != N or N < I:
+        raise PackError(f"gate/up have {N}/{w3.out_features} columns, down takes {I}: they do not chain")
+    if intermediate_aligned(w2):
+        return
+    dev = torch.device(device) if device is not None else None
+    pad = torch.arange(I, N, device=w2.perm.device)
+    for e in range(w2.num_experts):
+        idx = torch.cat([w2.perm[e].long(), pad])                              # [N] old column of new j
+        for p in (w1, w3):
+            p.scales[e] = p.scales[e][:, idx.to(p.scales.device)]
+            codes = p.codes(e)                                                 # a view of its stack
+            work = dev if dev is not None and codes.device != dev else codes.device
+            codes.copy_(codes.to(work, non_blocking=True)[:, idx.to(work)])
+    w2.perm.copy_(torch.arange(I, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm))

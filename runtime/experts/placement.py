@@ -181,7 +181,7 @@ class CpuSplit:
 
 
 def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_k: int,
-                   costs: CpuSplitCosts, oversubscribe: float = 1.0) -> CpuSplit:
+                   costs: CpuSplitCosts, oversubscribe: float = 1.0, cut: bool = False) -> CpuSplit:
     """Per layer, the cold experts the CPU computes so that its expected time per token (fixed
     overhead + top_k * owned share * bytes / CPU rate) about equals PCIe's for the rest (top_k * share
     * bytes / PCIe rate): experts taken greedily by routing share, keeping the count that makes the
@@ -190,7 +190,12 @@ def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_
     oversubscribe > 1 (the balanced split): the CPU gets copies of that many times the experts, and
     `shares` says what part of a token's cold picks it should compute, so that a step can give it
     that part of each token's own picks (kernels.cpu_share_mask) rather than whatever the static set
-    happens to catch."""
+    happens to catch.
+
+    cut (experts cut between the two): the CPU owns every cold expert and computes the same part
+    `shares[l]` of each cold pick, the GPU the rest, the part that makes both sides' expected time
+    equal (overhead included); per layer, and whatever the token picks, the two sides then finish
+    together up to the noise of the rates."""
     if oversubscribe < 1.0:
         raise ValueError(f"oversubscribe {oversubscribe}: at least 1")
     freq = np.asarray(freq, dtype=np.float64)
@@ -208,7 +213,19 @@ def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_
         total = top_k * share.sum() * cb[layer]
         pcie_all = total / costs.pcie_bytes_per_s
         best_k, best_t, f = 0, pcie_all, 0.0
-        if costs.cpu_bytes_per_s > 0 and len(cold):
+        if cut and costs.cpu_bytes_per_s > 0 and len(cold) and total > 0:
+            a = costs.cpu_bytes_ratio / costs.cpu_bytes_per_s
+            b = 1.0 / costs.pcie_bytes_per_s
+            f = min(1.0, max(0.0, (total * b - costs.cpu_overhead_s) / (total * (a + b))))
+            t = max(costs.cpu_overhead_s + total * f * a, total * (1 - f) * b)
+            if f > 0 and t < pcie_all * (1 - 1e-9):
+                owned.append(tuple(sorted(cold)))
+                shares.append(f)
+                stream_s += pcie_all
+                split_s += t
+                continue
+            f = 0.0
+        elif costs.cpu_bytes_per_s > 0 and len(cold):
             cum = top_k * np.cumsum(share) * cb[layer]                 # bytes the CPU reads owning k
             cpu_t = costs.cpu_overhead_s + cum * costs.cpu_bytes_ratio / costs.cpu_bytes_per_s
             pcie_t = (total - cum) / costs.pcie_bytes_per_s

@@ -190,20 +190,24 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
         eng.close()
 
 
-@pytest.mark.parametrize("balance,signal", [(0.0, "memops"), (1.5, "memops"), (0.0, "hostfunc")],
-                         ids=["static", "balanced", "static-hostfunc"])
-def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance, signal):
+@pytest.mark.parametrize("split,balance,signal", [("experts", 0.0, "memops"), ("experts", 1.5, "memops"),
+                                                  ("experts", 0.0, "hostfunc"), ("cut", 0.0, "memops"),
+                                                  ("cut", 0.0, "hostfunc")],
+                         ids=["static", "balanced", "static-hostfunc", "cut", "cut-hostfunc"])
+def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signal):
     """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (a worker
     thread the step's stream signals: a doorbell written and waited for by stream memory operations,
     which must work on this GPU, or host nodes) while the GPU kernels skip them; verify rows and
     prefill keep the GPU paths. The split is forced (equal CPU and PCIe rates, no overhead) so every
     layer owns experts whatever this host measures; the measured rates are recorded. Balanced: copies
     of 1.5x the experts, each step's mask computed on the device from the token's picks
-    (MOEDESK_CPU_BALANCE)."""
+    (MOEDESK_CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
+    the planned cut and at one set while the decode graphs stay captured (MOEDESK_CPU_SPLIT)."""
     from runtime.experts import cpu_path
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
+    monkeypatch.setattr(mgr, "CPU_SPLIT", split)
     if signal == "hostfunc":
         monkeypatch.setattr(cpu_path, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
@@ -232,7 +236,14 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, balance, signal):
         c = measured["costs"]
         if balance:
             assert all(lo.cpu.share is not None for lo in eng.offload.layers)
-        _record(test="cpu_path", balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
+        if split == "cut":
+            m = eng.offload
+            assert m.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 512 for lo in m.layers)   # of 768
+            m.rebalance_cut = False
+            m.set_cut(128)
+            _compare(_script(eng, toks), want, "cpu path, cut 128 of 768")
+            m.rebalance_cut = True
+        _record(test="cpu_path", split=split, balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
                 measured_cpu_gbps=c.cpu_bytes_per_s / 1e9, measured_pcie_gbps=c.pcie_bytes_per_s / 1e9)
 

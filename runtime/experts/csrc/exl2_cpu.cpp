@@ -47,6 +47,7 @@ constexpr int MAX_T = 8;
 
 struct Proj {
   int64_t qw, sc, grp, G, perm, K, N, Q;
+  int64_t Gu;  // groups used: G, or fewer for a cut down projection (G stays the scales' tile stride)
 };
 
 struct Layer {
@@ -57,7 +58,7 @@ struct Layer {
   const int64_t* desc;
   Proj proj(int64_t e, int p) const {
     const int64_t* d = desc + (e * 3 + p) * 8;
-    return {d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]};
+    return {d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[3]};
   }
 };
 
@@ -154,7 +155,7 @@ static void tile_gemv(const Layer& L, const Proj& P, int64_t tile, const float* 
   const int32_t* grp = L.grp + P.grp * 4;
   f16v tot[T];
   for (int t = 0; t < T; ++t) tot[t] = f16v{};
-  for (int64_t g = 0; g < P.G; ++g) {
+  for (int64_t g = 0; g < P.Gu; ++g) {
     const int bits = grp[g * 4], q0 = grp[g * 4 + 1], r0 = grp[g * 4 + 2], rows = grp[g * 4 + 3];
     f16v a[T];
     for (int t = 0; t < T; ++t) a[t] = f16v{};
@@ -199,7 +200,7 @@ static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, 
     const float* s = src + rows[r] * ld;
     float* d = xp + r * P.K;
     for (int64_t k = 0; k < P.K; ++k) d[k] = s[perm[k]];
-    for (int64_t g = 0; g < P.G; ++g) {
+    for (int64_t g = 0; g < P.Gu; ++g) {
       const int bits = grp[g * 4], r0 = grp[g * 4 + 2], n = grp[g * 4 + 3];
       float tab[32];
       for (int i = 0; i < 32; ++i) tab[i] = row_scale(bits, i);
@@ -248,13 +249,28 @@ static int64_t bad_shapes(const Layer& L, const Pairs& S, int64_t H) {
 // y [T, H] (zeroed by the caller) += sum over S's pairs of w * down(silu(gate(x)) * up(x)).
 // Shapes checked by the caller (bad_shapes); no torch, no Python, no exception: it also runs on the
 // CUDA driver's host-function thread (moedesk_cpu_experts_host).
-static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const Pairs& S, float* y, int threads) {
+// cut > 0: only the first `cut` intermediate features of every expert (gate/up columns, down rows; a
+// multiple of down's groups in the store), the rest being computed elsewhere (the GPU).
+static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const Pairs& S, float* y, int threads,
+                      int64_t cut = 0) {
   const int64_t X = (int64_t)S.used.size();
   if (X == 0) return;
   const auto& used = S.used;
   const auto& rows = S.rows;
   const auto& rws = S.rws;
-  const int64_t I = L.proj(used[0], 0).N;
+  const int64_t I = cut > 0 ? std::min(cut, L.proj(used[0], 0).N) : L.proj(used[0], 0).N;
+  // down limited to its first I rows: whole groups (the store cuts its groups at every possible cut)
+  auto down = [&](int64_t e) {
+    Proj d = L.proj(e, 2);
+    if (I < d.K) {
+      const int32_t* grp = L.grp + d.grp * 4;
+      int64_t g = 0;
+      while (g < d.G && grp[g * 4 + 2] < I) ++g;
+      d.K = I;
+      d.Gu = g;
+    }
+    return d;
+  };
   // Scratch: xg/xu/xd [X, T, K] in packed order, sums [X, T, G], gate/up/h [X, T, I].
   int64_t maxG = 0;
   for (int64_t j = 0; j < X; ++j)
@@ -299,14 +315,14 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
       const float* g = &gu[(j * 2) * TP * I];
       const float* u = &gu[(j * 2 + 1) * TP * I];
       for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
-      gather(L, L.proj(used[j], 2), h.data(), I, ident.data(), R, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG]);
+      gather(L, down(used[j]), h.data(), I, ident.data(), R, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG]);
     }
     // 4. down: one tile of H per item, all experts summed into it with their routing weights.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t tile = 0; tile < tiles_h; ++tile)
       for (int64_t j = 0; j < X; ++j) {
         const int R = (int)rows[j].size();
-        tile_dispatch(R, L, L.proj(used[j], 2), tile, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG], res);
+        tile_dispatch(R, L, down(used[j]), tile, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG], res);
         for (int r = 0; r < R; ++r) {
           float* dst = y + rows[j][r] * H + tile * TILE;
           const float wgt = rws[j][r];
@@ -379,6 +395,8 @@ struct MoedeskCpuCtx {
   int32_t ids_int64;
   int32_t threads;
   int32_t status;              // 0 ok; 1 an owned expert is not in the store or out of range; 2 shapes
+  int32_t cut;                 // > 0: the first `cut` intermediate features of each owned expert only
+  int32_t pad;
   uint64_t ns_total;           // wall time of every call so far
   uint64_t calls;
   uint64_t pairs;              // (row, expert) pairs computed so far
@@ -388,6 +406,9 @@ struct MoedeskCpuCtx {
   uint64_t ns_wake;            // sums over calls: submit -> the worker starts the context,
   uint64_t ns_gpu;             // submit -> wait is called (the GPU's kernels in between, host-node latency),
   uint64_t ns_stall;           // wait called -> returns (the stream held for the CPU)
+  uint64_t cpu_first;          // doorbell only: contexts the CPU finished before the stream reached its
+  uint64_t gpu_first;          // wait (the GPU's kernels took longer), and after it (the CPU took longer)
+  uint64_t ns_cpu_idle;        // the worker waiting for the stream to reach the wait, when the CPU was first
 };
 
 void moedesk_cpu_experts_host(void* p) {
@@ -419,7 +440,7 @@ void moedesk_cpu_experts_host(void* p) {
       } else {
         std::copy((const float*)c->x, (const float*)c->x + (int64_t)T * H, xf.begin());
       }
-      run_pairs(L, xf.data(), T, H, S, c->y, c->threads);
+      run_pairs(L, xf.data(), T, H, S, c->y, c->threads, c->cut);
       for (const auto& r : S.rows) c->pairs += r.size();
     }
   }
@@ -456,6 +477,8 @@ constexpr uint32_t MAX_SLOTS = 4096;
 std::atomic<MoedeskCpuCtx*> g_slots[MAX_SLOTS];      // doorbell value v -> context of slot v - 1
 std::atomic<uint32_t*> g_bell{nullptr};               // written by the stream, cleared by the worker
 std::atomic<uint32_t*> g_done{nullptr};               // written 1 by the worker, 0 by the stream
+std::atomic<uint32_t*> g_arrive{nullptr};             // the stream writes the context's value on reaching
+                                                      // its wait; the worker reads and clears it
 
 struct Worker {
   std::mutex m;
@@ -473,7 +496,28 @@ inline void cpu_pause() {
 
 // The next context: from the host nodes' queue, or rung at the doorbell (*rung = true; may be null if
 // the slot was released while a captured step still rang it: answered all the same).
-MoedeskCpuCtx* next_context(Worker* nw, bool* rung) {
+// Which side of a rung context finished first: the stream writes the context's doorbell value into
+// `arrive` just before its wait. Seen already: the GPU waited for the CPU. Not yet: the worker waits
+// for it (it has nothing else to do: the next doorbell comes after that wait), at most 5 ms or until
+// the doorbell rings again, and counts the time as CPU idle. The balance the CPU path's cut is tuned by.
+void balance(MoedeskCpuCtx* c, uint32_t value) {
+  uint32_t* a = g_arrive.load(std::memory_order_acquire);
+  if (!a) return;
+  if (__atomic_load_n(a, __ATOMIC_ACQUIRE) == value) {
+    c->gpu_first += 1;
+  } else {
+    const uint64_t t0 = steady_ns();
+    uint32_t* b = g_bell.load(std::memory_order_acquire);
+    while (__atomic_load_n(a, __ATOMIC_ACQUIRE) != value && !(b && __atomic_load_n(b, __ATOMIC_ACQUIRE)) &&
+           steady_ns() - t0 < 5000000ull)
+      cpu_pause();
+    c->cpu_first += 1;
+    c->ns_cpu_idle += steady_ns() - t0;
+  }
+  __atomic_store_n(a, 0u, __ATOMIC_RELAXED);
+}
+
+MoedeskCpuCtx* next_context(Worker* nw, bool* rung, uint32_t* value) {
   auto idle = std::chrono::steady_clock::now();
   for (;;) {
     if (nw->pending.load(std::memory_order_acquire) > 0) {
@@ -490,6 +534,7 @@ MoedeskCpuCtx* next_context(Worker* nw, bool* rung) {
       if (v) {
         __atomic_store_n(b, 0u, __ATOMIC_RELAXED);       // the stream rings again only after `done`
         *rung = true;
+        *value = v;
         return v <= MAX_SLOTS ? g_slots[v - 1].load(std::memory_order_acquire) : nullptr;
       }
     }
@@ -512,7 +557,8 @@ Worker* worker() {
     std::thread([nw] {
       for (;;) {
         bool rung = false;
-        MoedeskCpuCtx* c = next_context(nw, &rung);
+        uint32_t value = 0;
+        MoedeskCpuCtx* c = next_context(nw, &rung, &value);
         if (rung) {
           if (c) {
             c->t_submit = steady_ns();
@@ -521,6 +567,7 @@ Worker* worker() {
             c->done = c->submitted;
           }
           __atomic_store_n(g_done.load(std::memory_order_acquire), 1u, __ATOMIC_RELEASE);
+          if (c) balance(c, value);
           continue;
         }
         const uint64_t seq = __atomic_load_n(&c->submitted, __ATOMIC_ACQUIRE);
@@ -564,12 +611,13 @@ void moedesk_cpu_wait(void* p) {
 }
 
 namespace {
-// The doorbell's two words (page-locked host memory the stream writes and polls), once per process;
-// (0, 0): none. The worker may still read the old words once after this returns: keep them allocated.
-void set_doorbell(int64_t bell, int64_t done) {
-  TORCH_CHECK((bell == 0) == (done == 0) && bell % 4 == 0 && done % 4 == 0,
-              "doorbell: two aligned 32-bit words, or (0, 0)");
+// The doorbell's words (page-locked host memory the stream writes and polls), once per process;
+// (0, 0, 0): none; arrive 0: no balance counts. The worker may still read the old words once after this returns: keep them allocated.
+void set_doorbell(int64_t bell, int64_t done, int64_t arrive) {
+  TORCH_CHECK((bell == 0) == (done == 0) && bell % 4 == 0 && done % 4 == 0 && arrive % 4 == 0,
+              "doorbell: aligned 32-bit words, or (0, 0, 0)");
   worker();
+  g_arrive.store((uint32_t*)(uintptr_t)arrive, std::memory_order_release);
   g_done.store((uint32_t*)(uintptr_t)done, std::memory_order_release);
   g_bell.store((uint32_t*)(uintptr_t)bell, std::memory_order_release);
 }
@@ -765,8 +813,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_tiles_into", &pack_tiles_into, "pack_tiles of several projections into rows of one buffer",
         py::arg("words"), py::arg("bits"), py::arg("K"), py::arg("out"), py::arg("plain") = false,
         py::call_guard<py::gil_scoped_release>());
-  m.def("set_doorbell", &set_doorbell, "addresses of the doorbell's words (bell, done), page-locked",
-        py::arg("bell"), py::arg("done"));
+  m.def("set_doorbell", &set_doorbell, "addresses of the doorbell's words (bell, done, arrive; 0: none), page-locked",
+        py::arg("bell"), py::arg("done"), py::arg("arrive") = 0);
   m.def("register_slot", &register_slot, "a context's doorbell value (slot + 1)", py::arg("ctx"));
   m.def("release_slot", &release_slot, "free a doorbell value", py::arg("value"));
   m.def("kick", &kick, "wake the worker into spinning (a forward is starting)");
