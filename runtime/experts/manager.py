@@ -317,6 +317,8 @@ class OffloadManager:
         for lo in self.layers:
             if lo.cpu is not None:
                 lo.cpu.set_cut(rows)
+        if self.cuda:                                   # the device values written before any stream reads them
+            torch.cuda.current_stream(self.device).synchronize()
         self.cut = int(rows)
 
     def _rebalance(self) -> None:
