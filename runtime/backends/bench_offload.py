@@ -451,7 +451,9 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{a.model} at {b} GB: experts were not offloaded")
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
-            progress("measured")
+            progress(f"measured: decode {r['decode_tps']:.1f} tok/s, ttft {r['ttft_s']:.2f} s, hit rate "
+                     f"{r['hit_rate']:.1%}" + (f", cut {r['telemetry'].get('cpu_expert_cut')}"
+                                               if engine.offload.cut is not None else ""))
             if i == 0:
                 r["vram_breakdown_gb"] = vram_breakdown(engine)
                 r["context_peak"] = context_peak(engine)

@@ -334,7 +334,7 @@ class OffloadManager:
         now = self._balance_totals()
         cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
         n = cpu_first + gpu_first
-        if n < 8 * len(self.layers):                     # too few calls (or no counts: host nodes)
+        if n < 8 * len(self.layers) or not self.cpu_active:    # too few calls (or no counts: host nodes)
             return
         self._balance_prev = now
         share = cpu_first / n
@@ -585,7 +585,7 @@ class OffloadManager:
             "cpu_expert_bytes_per_token": (sum(c[2] * lo.cpu.pick_bytes() for c, lo in zip(cpu, self.layers)
                                                if lo.cpu is not None) / calls if calls else None),
         }
-        if self.cut is not None:
+        if self.cut is not None and self.cpu_active:
             first = self._balance_totals()
             cpu_tel["cpu_expert_cut"] = {
                 "rows": self.cut, "of": self.layers[0].packs[2].in_features,
