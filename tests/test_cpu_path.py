@@ -635,8 +635,8 @@ def _cut_manager(n=2):
 def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance(monkeypatch):
     """MOEDESK_CPU_SPLIT=cut (the default): every cold expert gets a copy of its first rows, one cut
     for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
-    moves one step toward the side the worker saw finishing first, and not straight back on a
-    share inside the band."""
+    moves one step toward the side the worker saw finishing first, but not to a neighbour whose
+    decode steps were measured slower (until that measurement is old)."""
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     assert mgr.CPU_SPLIT == "cut"
@@ -648,23 +648,27 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     assert m.cut == a.cut == b.cut == 128 and a.width == b.width == 256         # half of 256 at equal rates
     tel = m.telemetry()["cpu_expert_cut"]
     assert tel["rows"] == 128 and tel["of"] == 256 and tel["copied"] == 256
-    counts = {"a": (0, 0, 0), "b": (0, 0, 0)}
-    monkeypatch.setattr(cpath.CpuPath, "balance", lambda self: counts["a" if self is a else "b"])
-    counts.update(a=(30, 2, 0), b=(28, 4, 0))                                   # the CPU first 90%: more to it
-    m._rebalance()
-    assert m.cut == a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
-    counts.update(a=(40, 4, 0), b=(38, 6, 0))                                   # 20 of 24 calls CPU first: 256
-    m._rebalance()
-    assert m.cut == 256
-    counts.update(a=(43, 11, 0), b=(41, 13, 0))                                 # 6 of 20 (30%): not straight back
-    m._rebalance()
-    assert m.cut == 256
-    counts.update(a=(44, 26, 0), b=(42, 28, 0))                                 # 2 of 32 (6%): back to 192
-    m._rebalance()
-    assert m.cut == 192 and [c for _, c, _ in m.cut_log] == [192, 256, 192]
-    counts.update(a=(45, 26, 0), b=(42, 28, 0))                                 # too few calls: nothing
-    m._rebalance()
-    assert m.cut == 192
+    state = {"a": [0, 0], "b": [0, 0]}
+    monkeypatch.setattr(cpath.CpuPath, "balance", lambda self: (*state["a" if self is a else "b"], 0))
+
+    def window(cpu_first, gpu_first, ms):          # one look: 16 decode steps of `ms`, the counts split evenly
+        for k in "ab":
+            state[k][0] += cpu_first // 2
+            state[k][1] += gpu_first // 2
+        m._window = [16 * ms / 1e3, 16]
+        m.forwards += 16
+        m._rebalance()
+        return m.cut
+    assert window(28, 4, 30.0) == 192 and a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
+    assert window(6, 14, 25.0) == 192               # CPU first 30%: 128 was measured slower, stay
+    assert window(2, 30, 25.0) == 192
+    assert window(30, 2, 25.0) == 256               # 256 not measured yet
+    assert window(30, 2, 27.5) == 256               # at the copies' width
+    assert window(2, 30, 27.5) == 192               # 192 was faster: back
+    m.forwards += mgr.REBALANCE_KEEP                # old measurements: 128 worth a new look
+    assert window(2, 30, 25.0) == 128
+    assert window(1, 1, 25.0) == 128                # too few calls: nothing
+    assert [c for _, c, _ in m.cut_log] == [192, 256, 192, 128]
     m.close()
 
 

@@ -82,7 +82,7 @@ CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
 CUT_HEADROOM = 2          # "cut": CPU copies this many CUT_ALIGN steps wider than the planned cut
 REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
 REBALANCE_MIN = 0.35      # ... the share of layer calls the CPU finished first, outside which the cut moves
-REBALANCE_BACK = 0.2      # ... and outside which it moves straight back where it came from
+REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
 
 # The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
 # of this many times the experts the static split would own, and each decode step gives the CPU its
@@ -115,8 +115,10 @@ class OffloadManager:
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
-        self._last_move = 0
         self.rebalance_cut = True                          # False: the cut stays (benchmarks of fixed cuts)
+        self._cut_ms: dict[int, tuple[float, int]] = {}    # cut -> (ms per decode step there, at forward)
+        self._window = [0.0, 0]                            # seconds and decode steps since the last look
+        self._t_prev: Optional[float] = None               # when the previous forward started, if one row
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
@@ -295,7 +297,7 @@ class OffloadManager:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.cpu_split, self.cpu_reason = split, ""
-        self.cut, self.cut_log, self._last_move = cut, [], 0
+        self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, [0.0, 0]
         self._balance_prev = self._balance_totals()
         log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
                  threads, sum(len(o) for o in split.owned),
@@ -322,15 +324,21 @@ class OffloadManager:
         self.cut = int(rows)
 
     def _rebalance(self) -> None:
-        """"cut": move the cut one CUT_ALIGN step toward the side that keeps finishing first.
+        """"cut": move the cut one CUT_ALIGN step toward the side that keeps finishing first, unless
+        that neighbour was measured slower.
 
         The worker counts, per layer call, whether the CPU's part was done before the stream reached
         its wait (the GPU's part was the longer one) or not. Outside [REBALANCE_MIN, 1 - REBALANCE_MIN]
-        the cut moves (more to the CPU when it is first most of the time); a move that undoes the
-        previous one needs the share beyond REBALANCE_BACK, so two neighbouring cuts on either side of
-        the balance do not alternate. Between forwards, with the stream synchronised (the worker's
-        copy of the cut changes at once)."""
+        the cut moves (more to the CPU when it is first most of the time). The optimum often lies
+        between two steps (each a 24th of q125-a11's experts), where the share jumps from one side of
+        the band to the other: so each cut's decode step time is kept (for REBALANCE_KEEP forwards),
+        and a move to a neighbour measured slower than the current cut is not made. Between
+        forwards, with the stream synchronised (the worker's copy of the cut changes at once)."""
         from runtime.experts.kernels import CUT_ALIGN
+        secs, steps = self._window
+        self._window = [0.0, 0]
+        if steps >= REBALANCE_EVERY // 2:
+            self._cut_ms[self.cut] = (secs / steps * 1e3, self.forwards)
         now = self._balance_totals()
         cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
         n = cpu_first + gpu_first
@@ -339,16 +347,25 @@ class OffloadManager:
         self._balance_prev = now
         share = cpu_first / n
         move = CUT_ALIGN if share > 1 - REBALANCE_MIN else -CUT_ALIGN if share < REBALANCE_MIN else 0
-        if move and move == -self._last_move and REBALANCE_BACK <= share <= 1 - REBALANCE_BACK:
-            return
         width = min(lo.cpu.width for lo in self.layers if lo.cpu is not None)
         new = min(width, max(CUT_ALIGN, self.cut + move))
         if new == self.cut:
             return
+        fresh = {c: ms for c, (ms, at) in self._cut_ms.items() if self.forwards - at <= REBALANCE_KEEP}
+        if new in fresh and self.cut in fresh and fresh[new] >= fresh[self.cut]:
+            return
         self.set_cut(new)
-        self._last_move = move
         self.cut_log.append((self.forwards, new, round(share, 3)))
         self._balance_prev = self._balance_totals()
+
+    def _time_step(self, rows: int) -> None:
+        """Decode step times for _rebalance: the time from one one-row forward's start to the next's."""
+        import time
+        t = time.perf_counter()
+        if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
+            self._window[0] += t - self._t_prev
+            self._window[1] += 1
+        self._t_prev = t if rows == 1 else None
 
     def _split_costs(self, resident: list[list[int]]) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
@@ -499,9 +516,11 @@ class OffloadManager:
             self.forwards += 1
             if self.cpu_split is not None:
                 from runtime.experts import cpu_path
-                if (self.cut is not None and self.rebalance_cut and self.forwards % REBALANCE_EVERY == 0
-                        and not self.naive):
-                    self._rebalance()
+                if self.cut is not None and self.rebalance_cut and not self.naive:
+                    if self.forwards % REBALANCE_EVERY == 0:
+                        self._rebalance()
+                        self._t_prev = None             # a move synchronises: not part of a step's time
+                    self._time_step(rows)
                 cpu_path.kick()                         # the worker polls its doorbell without pause again
             for lo in self.layers:
                 if lo.pending:
