@@ -170,7 +170,8 @@ def memops_work(device: torch.device, timeout_s: float = 2.0) -> tuple[bool, str
         with torch.cuda.graph(graph, stream=stream):
             enqueue()
         for i in range(2):
-            graph.replay()
+            with torch.cuda.stream(stream):          # replay() launches on the current stream: the one
+                graph.replay()                       # answer()'s event follows
             bad = answer(f"graph replay {i + 1}")
             if bad:
                 return False, bad
