@@ -1,19 +1,23 @@
 """The CPU path for cold experts in a decode step (one row): part of a layer's cold experts computed
-by the CPU from host RAM while the GPU reads the others over PCIe.
+by the CPU from host RAM while the GPU reads the rest over PCIe.
 
 Per offloaded layer, a `CpuPath` owns CPU-format copies (runtime/experts/cpu_experts.py, format exl2)
-of the experts it may compute, a device mask `skip` (uint8 [E]: 1 = the CPU computes this expert,
-the GPU's split-K kernels leave it out) and page-locked buffers at fixed addresses. One step, all on
-the compute stream (so all of it is captured into the decode step's CUDA graph):
+of the experts it may compute, a device mask `skip` (uint8 [E]: 1 = the CPU computes this expert's
+part), the cut (`width` given: the CPU's part of such an expert is its first `cut` intermediate
+features, the copies holding `width` of them, the GPU's kernels computing the rest; whole experts
+otherwise) and page-locked buffers at fixed addresses. One step, all on the compute stream (so all of
+it is captured into the decode step's CUDA graph):
 
-    router ─ x, ids, w, skip -> pinned ─ submit ─ GPU kernels (skip mask) ─ wait ─ y -> VRAM ─ y += y_cpu
-                                            └──── worker thread: the owned experts ────┘
+    router ─ x, ids, w, skip -> pinned ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y -> VRAM ─ y += y_cpu
+                                            └──── worker thread: the owned experts' part ────┘
 
 `submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`signal_kind`):
 - "memops" (the default where the driver takes them and a captured graph replays them): the stream
   writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
-  orders the copies before it) and later waits for the worker's `done` word (cuStreamWaitValue32,
-  polled by the GPU), then clears it. A persistent worker thread polls the doorbell.
+  orders the copies before it), and after its kernels writes the same value into `arrive` and waits
+  for the worker's `done` word (cuStreamWaitValue32, polled by the GPU), then clears it. A persistent
+  worker thread polls the doorbell, and counts whether `arrive` came before it was done (the balance
+  the manager moves the cut by).
 - "hostfunc": host nodes (cuLaunchHostFunc) calling moedesk_cpu_submit / moedesk_cpu_wait: submit
   hands the context to the worker and returns at once, wait holds the stream until it is done. Each
   host node is a round trip through the driver's callback thread: at q125-a11's 24 GB budget on the
@@ -23,7 +27,8 @@ graph branches, and the worker runs plain C over the pointers in `HostCtx`: no C
 The mask itself travels with the step (copied from `skip`, a device tensor written in stream order),
 so a change of ownership between steps reaches the GPU and the CPU at the same step.
 
-Which experts a layer's CPU owns: runtime/experts/placement.plan_cpu_split. What the copies cost in
+Which experts a layer's CPU owns and the first cut: runtime/experts/placement.plan_cpu_split; the cut
+moves between steps (`set_cut`, runtime/experts/manager._rebalance). What the copies cost in
 host RAM is reserved on the RAM ledger. Letters: E experts, H hidden, A experts per token.
 """
 from __future__ import annotations

@@ -14,10 +14,11 @@
   without waiting (read at a later boundary); an expert whose decayed count beats the weakest
   resident's by a margin swaps in (offload.py's evict/promote/poll, never a host sync).
 - **CPU path** (placements "auto" and "cpu"; runtime/experts/cpu_path.py): after each placement,
-  per layer the cold experts that balance the CPU's expected time against PCIe's
-  (placement.plan_cpu_split, from measured rates) get CPU copies ("auto": where the predicted gain
-  is worth it and host RAM holds them); decode steps compute them on the
-  CPU inside the step's graph while the GPU kernels skip them. A promoted expert goes back to the
+  the CPU gets copies of the first rows of every cold expert ("cut", the default: the part that
+  balances its expected time against PCIe's for the rest, placement.plan_cpu_split, from measured
+  rates; moved while decoding by `_rebalance`), or of whole experts ("experts"); "auto" takes it where
+  the predicted gain is worth it and host RAM holds the copies. Decode steps compute the CPU's part
+  inside the step's graph while the GPU kernels compute the rest. A promoted expert goes back to the
   GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
   at the next placement. Verify rows and prefill keep the GPU paths.
 - **Naive baseline** (`naive = True`, benchmark only, no graphs): every cold expert a step needs is
@@ -50,9 +51,9 @@ STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k 
 CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
 AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
 # "auto" takes the CPU path where the planner predicts this gain and host RAM holds the copies; on the
-# H200 (q125-a11, uniform routing, doorbell signalling) it decoded 37.0 tok/s at 24 GB against 27.0
-# streaming, 27.7 against 18.9 at 12 GB, for CPU copies in host RAM, a longer load and all but two
-# cores busy while generating (runtime/experts/NOTES.md). MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+# H200 (q125-a11, uniform routing, doorbell signalling, experts cut) it decoded 37.4-38.2 tok/s at 24 GB
+# against 27.7-28.2 streaming, 29.5 against 19.2 at 12 GB, for CPU copies in host RAM, a longer load and
+# all but two cores busy while generating (runtime/experts/NOTES.md). MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
 AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH", "1") != "0"
 
 
