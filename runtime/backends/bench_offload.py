@@ -295,9 +295,9 @@ def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
         m.set_cut(rows)
         engine.reset()
         engine.prefill(_prompt(engine, 64, 2))
-        before = m._balance_totals()
+        before = m.balance_totals()
         tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
-        after = m._balance_totals()
+        after = m.balance_totals()
     finally:
         m.set_cut(kept)
         m.rebalance_cut = True

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -299,13 +300,13 @@ class OffloadManager:
             torch.cuda.synchronize(self.device)
         self.cpu_split, self.cpu_reason = split, ""
         self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, [0.0, 0]
-        self._balance_prev = self._balance_totals()
+        self._balance_prev = self.balance_totals()
         log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
                  threads, sum(len(o) for o in split.owned),
                  f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
                  split.stream_s * 1e6, split.split_s * 1e6)
 
-    def _balance_totals(self) -> tuple[int, int, int]:
+    def balance_totals(self) -> tuple[int, int, int]:
         """(CPU first, GPU first, ns of CPU idle) summed over the layers' CPU paths so far."""
         t = [lo.cpu.balance() for lo in self.layers if lo.cpu is not None]
         return tuple(int(sum(v)) for v in zip(*t)) if t else (0, 0, 0)
@@ -340,7 +341,7 @@ class OffloadManager:
         self._window = [0.0, 0]
         if steps >= REBALANCE_EVERY // 2:
             self._cut_ms[self.cut] = (secs / steps * 1e3, self.forwards)
-        now = self._balance_totals()
+        now = self.balance_totals()
         cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
         n = cpu_first + gpu_first
         if n < 8 * len(self.layers) or not self.cpu_active:    # too few calls (or no counts: host nodes)
@@ -357,11 +358,10 @@ class OffloadManager:
             return
         self.set_cut(new)
         self.cut_log.append((self.forwards, new, round(share, 3)))
-        self._balance_prev = self._balance_totals()
+        self._balance_prev = self.balance_totals()
 
     def _time_step(self, rows: int) -> None:
         """Decode step times for _rebalance: the time from one one-row forward's start to the next's."""
-        import time
         t = time.perf_counter()
         if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
             self._window[0] += t - self._t_prev
@@ -606,7 +606,7 @@ class OffloadManager:
                                                if lo.cpu is not None) / calls if calls else None),
         }
         if self.cut is not None and self.cpu_active:
-            first = self._balance_totals()
+            first = self.balance_totals()
             cpu_tel["cpu_expert_cut"] = {
                 "rows": self.cut, "of": self.layers[0].packs[2].in_features,
                 "copied": min(lo.cpu.width for lo in self.layers if lo.cpu is not None),
