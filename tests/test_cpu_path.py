@@ -266,12 +266,17 @@ def test_the_worker_counts_which_side_finished_first():
         while int(words[16]) != 1:
             assert time.perf_counter() - t0 < 10, "no answer"
         words[16] = 0
-        if not arrive_early:
+        if arrive_early:
+            t0 = time.perf_counter()
+            while int(words[32]) != 0:               # the worker clears it once seen
+                assert time.perf_counter() - t0 < 10, "arrive never cleared"
+        else:
+            before = cp.ctx.cpu_first
             time.sleep(0.002)                        # the GPU's kernels take 2 ms longer
-            words[32] = v
-        t0 = time.perf_counter()
-        while int(words[32]) != 0:                   # the worker clears it once seen
-            assert time.perf_counter() - t0 < 10, "arrive never cleared"
+            words[32] = v                            # (a worker slowed past its 5 ms wait has stopped waiting)
+            t0 = time.perf_counter()
+            while cp.ctx.cpu_first == before:
+                assert time.perf_counter() - t0 < 10, "the CPU's lead never counted"
 
     k.set_doorbell(words.data_ptr(), words.data_ptr() + 64, words.data_ptr() + 128)
     try:
