@@ -149,14 +149,16 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
-@pytest.mark.parametrize("bits,splitk", [("4", None), ("3", None), ("4", "32x3"), ("4", "128x2")])
-def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
+@pytest.mark.parametrize("bits,splitk,align", [("4", None, "64"), ("3", None, "64"), ("4", "32x3", "64"),
+                                               ("4", "128x2", "64"), ("3", None, "32")])
+def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
     for the default and the other launch shapes; also with experts cut between the two (the CPU's
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
-    the layer is put in down's intermediate order (bit for bit the same output)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    the layer is put in down's intermediate order (bit for bit the same output). Cut steps of 32
+    rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align)
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
@@ -164,10 +166,12 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout
+    cuts = [c for c in (32, 64, 96) if c % int(align) == 0]
     host = r.stdout.count("cpu host")
-    assert host in (0, 6), r.stdout          # one row: the host function, whole and cut (none without a kernel)
-    assert r.stdout.count(" ok") == 7 + (3 if host else 0) and "FAIL" not in r.stdout, r.stdout
-    assert r.stdout.count("cut 64/128+cpu host") == (3 if host else 0), r.stdout
+    assert host in (0, 3 + 3 * len(cuts)), r.stdout    # one row: the host function, whole and cut (none without a kernel)
+    assert r.stdout.count(" ok") == 7 + (3 * len(cuts) if host else 0) and "FAIL" not in r.stdout, r.stdout
+    for c in cuts:
+        assert r.stdout.count(f"cut {c}/128+cpu host") == (3 if host else 0), r.stdout
 
 
 _SHARE_MASK_CHECK = """

@@ -415,9 +415,17 @@ def _ksplit(K: int, bk: int, programs: int) -> int:
     return ks
 
 
+def _cut_align(text: str) -> int:
+    if text not in ("32", "64", "128"):
+        raise ValueError(f"MOEDESK_CUT_ALIGN={text!r}: want 32, 64 or 128 (rows of a cut's step)")
+    return int(text)
+
+
 # A CPU cut (experts_forward) is a multiple of this many rows of the intermediate: down's K tile
-# where a cut is given, and whole 32-row words and 16-column tiles on the CPU's side.
-CUT_ALIGN = 64
+# where a cut is given, and whole 32-row words and 16-column tiles on the CPU's side. 64 was measured
+# (runtime/experts/NOTES.md); MOEDESK_CUT_ALIGN=32 gives finer steps (a 32-row tile reads a 3-bit
+# expert's high-bit plane row by row: not measured yet).
+CUT_ALIGN = _cut_align(os.environ.get("MOEDESK_CUT_ALIGN", "64"))
 SHARE_DEN = 1024       # cpu_share_mask: the CPU's share of a token's cold picks in 1/1024ths
 
 

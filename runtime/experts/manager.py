@@ -81,7 +81,7 @@ def _cpu_split_mode(text: str) -> str:
 # rates, re-balanced while decoding (`_rebalance`); "experts" gives each pick whole to one side (the
 # balanced or static split below).
 CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
-CUT_HEADROOM = 2          # "cut": CPU copies this many CUT_ALIGN steps wider than the planned cut
+CUT_HEADROOM = 128        # "cut": CPU copies this many rows wider than the planned cut
 REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
 REBALANCE_MIN = 0.35      # ... the share of layer calls the CPU finished first, outside which the cut moves
 REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
@@ -277,7 +277,7 @@ class OffloadManager:
         if cut_mode:                          # one cut for all layers: their ratio of rates is the same
             f = float(np.mean([s for s, o in zip(split.shares, split.owned) if o]))
             cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
-            width = min(I, cut + CUT_HEADROOM * CUT_ALIGN)
+            width = min(I, cut + max(CUT_HEADROOM, CUT_ALIGN))
         try:
             for lo, owned, share in zip(self.layers, split.owned, split.shares):
                 if owned:
