@@ -472,9 +472,8 @@ def main(argv=None) -> int:
                 progress("other team sizes: " + ", ".join(f"{x['threads']}: {x['decode_tps']:.1f} tok/s"
                                                           for x in r["other_threads"]))
             if engine.offload.cpu_active and engine.offload.cut is not None and a.try_cuts:
-                width = min(lo.cpu.width for lo in engine.offload.layers if lo.cpu is not None)
                 r["other_cuts"] = [measure_cut(engine, int(c), a.decode) for c in a.try_cuts.split(",")
-                                   if int(c) <= width]
+                                   if int(c) <= engine.offload.cut_width]
                 progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
                                                     f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
             if engine.offload.cpu_active:

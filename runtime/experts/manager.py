@@ -311,6 +311,11 @@ class OffloadManager:
         t = [lo.cpu.balance() for lo in self.layers if lo.cpu is not None]
         return tuple(int(sum(v)) for v in zip(*t)) if t else (0, 0, 0)
 
+    @property
+    def cut_width(self) -> int:
+        """"cut": the intermediate rows every layer's CPU copies hold, the most the cut can be."""
+        return min(lo.cpu.width for lo in self.layers if lo.cpu is not None)
+
     def set_cut(self, rows: int) -> None:
         """Every layer's cut to `rows` (a multiple of CUT_ALIGN within the copies), the stream
         synchronised first; "cut" only."""
@@ -349,8 +354,7 @@ class OffloadManager:
         self._balance_prev = now
         share = cpu_first / n
         move = CUT_ALIGN if share > 1 - REBALANCE_MIN else -CUT_ALIGN if share < REBALANCE_MIN else 0
-        width = min(lo.cpu.width for lo in self.layers if lo.cpu is not None)
-        new = min(width, max(CUT_ALIGN, self.cut + move))
+        new = min(self.cut_width, max(CUT_ALIGN, self.cut + move))
         if new == self.cut:
             return
         fresh = {c: ms for c, (ms, at) in self._cut_ms.items() if self.forwards - at <= REBALANCE_KEEP}
@@ -609,7 +613,7 @@ class OffloadManager:
             first = self.balance_totals()
             cpu_tel["cpu_expert_cut"] = {
                 "rows": self.cut, "of": self.layers[0].packs[2].in_features,
-                "copied": min(lo.cpu.width for lo in self.layers if lo.cpu is not None),
+                "copied": self.cut_width,
                 "cpu_first_share": first[0] / max(1, first[0] + first[1]),
                 "cpu_idle_ms_per_token": first[2] / 1e6 / calls if calls else None,
                 "moves": list(self.cut_log[-8:])}
