@@ -379,6 +379,23 @@ def test_a_promoted_expert_goes_back_to_the_gpu_and_an_evicted_copy_to_the_cpu(s
     assert lo.cpu.skip.tolist() == [int(i in lo.cpu.owned_set) for i in range(8)]
 
 
+def test_a_lent_expert_is_the_gpus_until_its_page_is_taken_back(slow_pcie):
+    m = _manager(n=1)
+    m.lend_staging = True
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    owned = set(lo.cpu.owned_set)
+    assert owned and m.stage_capacity * 2 >= 6
+    m.step_boundary(1)
+    assert lo.cpu.owned_set == owned                             # copies queued: still the CPU's
+    m.step_boundary(1)
+    assert set(lo.lent) == set(range(2, 8)) and not lo.cpu.owned_set
+    assert lo.cpu.skip.tolist() == [0] * 8 and lo.path == "stream"
+    m.begin_forward(64)                                          # a prefill: the pages go back
+    assert lo.cpu.owned_set == owned and lo.cpu.skip.tolist() == [int(i in owned) for i in range(8)]
+    assert lo.path == "cpu+stream"
+
+
 def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slow_pcie, monkeypatch):
     from runtime.experts import manager as mgr
     m = _manager(policy="auto")

@@ -163,6 +163,90 @@ def test_staging_copies_cold_experts_in_runs_and_points_the_table_into_the_buffe
     assert m.bytes["staged"] == (len(cold) + len(m.layers[1].cold())) * a.code_bytes
 
 
+def _page_of(m, lo, e, j) -> torch.Tensor:
+    """The staging page expert e's table entry j points at (it must point into a staging buffer)."""
+    p = lo.packs[j]
+    addr = p.qweight.data_ptr() + int(p.woff[e]) * 4
+    for buf in m.stage:
+        t = buf[j]
+        off = addr - t.data_ptr()
+        if 0 <= off < t.numel() * 4:
+            assert off % (p.words_per_expert * 4) == 0
+            return t[off // (p.words_per_expert * 4)]
+    raise AssertionError(f"layer {lo.index} expert {e}: entry {j} points outside the staging buffers")
+
+
+def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_before_one():
+    m = _manager(n=2)
+    m.lend_staging = True                                        # on a GPU by default; CPU tensors here
+    m.apply([[0, 2, 5], [1]])
+    a, b = m.layers
+    assert 2 * m.stage_capacity >= len(a.cold()) + len(b.cold())  # pages enough for every cold expert
+    m.step_boundary(1)                                           # a decode step: the copies are queued
+    assert m.telemetry()["expert_lent_pending"] == 12 and not a.lent
+    m.step_boundary(1)                                           # the next boundary points the tables
+    tel = m.telemetry()
+    assert tel["expert_lent"] == 12 and tel["expert_lent_pending"] == 0
+    assert tel["expert_residents"] == [3, 1]                     # lent pages are no slots
+    for lo in (a, b):
+        assert lo.mask.tolist() == [1] * E and cold_offsets_ok(lo) and _resident_codes_ok(lo)
+        assert sorted(lo.lent) == lo.cold()                       # still cold for the placement
+        for e in lo.lent:
+            for j, p in enumerate(lo.packs):
+                assert torch.equal(_page_of(m, lo, e, j), p.cold[e])
+    assert m.bytes["lent"] == 12 * a.code_bytes
+    assert m.decide() == []                                      # re-placement leaves lent experts alone
+    e = a.cold()[0]                                              # promoted by hand while lent: the page
+    m.swap(0, 0, e)                                              # serves until the slot's copy lands
+    assert e in a.lent and cold_offsets_ok(a)
+    a.poll()
+    assert e in a.expert_slot and e not in a.lent and 0 not in a.lent and cold_offsets_ok(a)   # 0: host memory
+    m.swap(0, e, 0)
+    a.poll()
+    assert 0 in a.expert_slot and 0 not in a.lent and cold_offsets_ok(a)
+    # A forward that stages takes every page back first: host memory again, then the staging copies.
+    m.stage_min_pairs = 1
+    m.begin_forward(4)
+    assert not a.lent and not b.lent and cold_offsets_ok(a) and cold_offsets_ok(b)
+    assert a.mask.tolist() == [int(e in a.expert_slot) for e in range(E)] and len(a.expert_slot) == 3
+    packs = m.before(a, 4, torch.zeros(4, TOP_K, dtype=torch.int64))
+    cold = a.cold()
+    for e in cold:
+        assert torch.equal(m.stage[m._using[0]][0][cold.index(e)], a.packs[0].cold[e])
+        assert int(packs[0].woff[e]) != int(a.packs[0].woff[e])   # the staged table, not the lent one
+    m.after(a)
+    m.stage_min_pairs = 2 * E                                    # back to the default: 8+ rows stage
+    m.step_boundary(64)                                          # another prefill-sized forward: nothing lent
+    assert m.telemetry()["expert_lent_pending"] == 0
+    m.step_boundary(1)
+    m.step_boundary(1)
+    assert len(a.lent) == 5 and len(b.lent) == 7 and cold_offsets_ok(a)
+    m.naive = True                                               # the baseline copies into staging too
+    m.begin_forward(1)
+    assert not a.lent and not b.lent and cold_offsets_ok(b)
+    m.step_boundary(1)
+    assert m.telemetry()["expert_lent_pending"] == 0             # no lending under the baseline
+
+
+def test_lent_pages_go_to_the_experts_routed_most_spread_over_layers():
+    stats = RoutingStats.empty(4, E)
+    stats.counts[:, :] = 1.0
+    stats.counts[3, [6, 7]] = 50.0                               # layer 3's cold experts are routed most
+    m = _manager(n=4, stats=stats)
+    m.lend_staging = True
+    m.apply([list(range(6))] * 4)                                # 2 cold per layer, staging for 3 (x2)
+    assert 2 * m.stage_capacity == 6
+    plan = m.lend_plan()
+    assert len(plan) == 6 and {(3, 6), (3, 7)} <= set(plan)
+    per_layer = [sum(1 for l, _ in plan if l == i) for i in range(4)]
+    assert per_layer == [2, 1, 1, 2]                             # equal shares: rank 0 of each layer first
+    m.step_boundary(1)
+    m.step_boundary(1)
+    assert sum(len(lo.lent) for lo in m.layers) == 6 and all(cold_offsets_ok(lo) for lo in m.layers)
+    m.apply([list(range(6))] * 4)                                # a new placement drops what was lent
+    assert not any(lo.lent for lo in m.layers) and all(cold_offsets_ok(lo) for lo in m.layers)
+
+
 def test_statistics_are_saved_at_close_and_read_back(tmp_path):
     f = tmp_path / "routing" / "model.json"
     m = _manager(n=2, stats_file=f)

@@ -191,11 +191,12 @@ def test_routing_concentration_and_uniform_roofline():
     assert abs(routing_concentration(skewed)["top8"] - 0.8) < 1e-12
     assert routing_concentration(np.full((1, 16), 1 / 16)) == {"top8": 0.5, "top16": 1.0}   # E < 32
 
-    def layer(residents):
+    def layer(residents, lent=0):
         return SimpleNamespace(expert_slot=dict.fromkeys(range(residents)), code_bytes=1000,
+                               lent=dict.fromkeys(range(residents, residents + lent)),
                                layer=SimpleNamespace(num_experts=128))
     engine = SimpleNamespace(info=SimpleNamespace(experts_per_token=8),
-                             offload=SimpleNamespace(layers=[layer(32), layer(96)]))
+                             offload=SimpleNamespace(layers=[layer(32), layer(64, lent=32)]))   # lent pages: in VRAM
     r = uniform_roofline(engine, hbm_other=4000.0, hbm=1e6, h2d=1e4, ram=1e4)
     # cold shares 3/4 and 1/4 of 8 experts of 1000 bytes: 6000 + 2000 over PCIe, 2000 + 6000 from HBM
     assert r["pcie_bytes_per_token"] == 8000
@@ -220,7 +221,8 @@ def test_uniform_routing_draws_distinct_experts_and_counts_them():
 def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():
     from types import SimpleNamespace
     from runtime.backends.bench_offload import uniform_roofline
-    lo = SimpleNamespace(expert_slot={e: e for e in range(4)}, layer=SimpleNamespace(num_experts=8), code_bytes=100.0)
+    lo = SimpleNamespace(expert_slot={e: e for e in range(4)}, layer=SimpleNamespace(num_experts=8), code_bytes=100.0,
+                         lent={})
     eng = SimpleNamespace(info=SimpleNamespace(experts_per_token=2), offload=SimpleNamespace(layers=[lo, lo]))
     r = uniform_roofline(eng, hbm_other=0.0, hbm=1e12, h2d=50.0, ram=50.0)
     assert r["pcie_bytes_per_token"] == 200.0                    # 2 layers x 2 picks x half cold x 100

@@ -153,7 +153,7 @@ def uniform_roofline(engine, hbm_other: float, hbm: float, h2d: float, ram: floa
     in the proportion that makes both take the same time (the issue's "perfectly overlapped")."""
     top_k, cold, vram = engine.info.experts_per_token, 0.0, 0.0
     for lo in engine.offload.layers:
-        hot = len(lo.expert_slot) / lo.layer.num_experts
+        hot = (len(lo.expert_slot) + len(lo.lent)) / lo.layer.num_experts      # slots and lent staging pages
         cold += top_k * (1 - hot) * lo.code_bytes
         vram += top_k * hot * lo.code_bytes
     t_gpu, t_pcie, t_split = (hbm_other + vram) / hbm, cold / h2d, cold / (h2d + ram)
@@ -197,6 +197,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "vram_budget_items_gb": {k: v / GiB for k, v in tel["vram_budget_items"].items()},
         "peak_vram_reserved_gb": torch.cuda.max_memory_reserved() / GiB,
         "residents_per_layer": tel["expert_residents"], "paths": tel["expert_path_counts"],
+        "lent_experts": tel["expert_lent"],                # in staging pages between prefills, beside the slots
         "staging_capacity": tel["expert_staging_capacity"],
         "ttft_s": t_first, "prefill_tps": prompt / t_first,
         "prefill_staged_gb": staged / GiB,
@@ -305,6 +306,23 @@ def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
     return {"cut_rows": rows, "decode_tps": tps, "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
             "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1),
             "cpu_first_share": first / max(1, first + after[1] - before[1])}
+
+
+def measure_without_lending(engine, n_decode: int) -> dict[str, Any]:
+    """Decode again with the staging pages left empty between prefills (a prefill takes back what
+    was lent), then lending on again: what lending gains, side by side in one process."""
+    m = engine.offload
+    m.lend_staging = False
+    try:
+        engine.reset()
+        engine.prefill(_prompt(engine, 64, 2))
+        if any(lo.lent for lo in m.layers):
+            raise RuntimeError("the prefill did not take the lent staging pages back")
+        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
+    finally:
+        m.lend_staging = True
+    return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
+            "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode, "pcie_bytes_per_token": d["zero_copy_bytes"] / n_decode}
 
 
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
@@ -476,6 +494,10 @@ def main(argv=None) -> int:
                                    if int(c) <= engine.offload.cut_width]
                 progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
                                                     f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
+            if engine.offload.lend_staging and engine.offload.stage_capacity:
+                r["without_lending"] = measure_without_lending(engine, a.decode)
+                progress(f"without lending staging pages: decode {r['without_lending']['decode_tps']:.1f} tok/s, "
+                         f"hit rate {r['without_lending']['hit_rate']:.1%} (with: {r['lent_experts']} experts lent)")
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")

@@ -10,6 +10,11 @@
   copied into a VRAM staging buffer on a side stream (one copy per run of consecutive cold
   experts), double-buffered: layer l+1's copy overlaps layer l's compute. The layer then runs with
   an offset table that points cold experts into the buffer.
+- **Staging lent between prefills** (`MOEDESK_LEND_STAGING`, on by default): the staging buffers
+  are idle while decoding, so after a prefill their pages are filled with the cold experts routed most
+  (side stream) and the tables point at them: more picks read from VRAM, fewer over PCIe or by the
+  CPU. They stay cold for the placement and the CPU keeps their copies; before the next forward
+  that stages (or the naive baseline) every one goes back to host memory first (`_reclaim_staging`).
 - **Re-placement** (`step_boundary`, before each forward): routing counts are copied to the host
   without waiting (read at a later boundary); an expert whose decayed count beats the weakest
   resident's by a margin swaps in (offload.py's evict/promote/poll, never a host sync).
@@ -28,6 +33,7 @@ Letters: L MoE layers, E experts per layer, A experts per token, C staging capac
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -91,6 +97,9 @@ REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
 # planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
 CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", "1.5"))
 
+# Staging pages lent to cold experts between prefills (0: off, to compare).
+LEND_STAGING = os.environ.get("MOEDESK_LEND_STAGING", "1") != "0"
+
 
 @inference_mode_methods
 class OffloadManager:
@@ -138,9 +147,12 @@ class OffloadManager:
         self._staged: dict[int, int] = {}                  # layer -> buffer, copies queued
         self._next_buf = 0
         self._using: dict[int, int] = {}                   # layer -> buffer, being computed
+        self.lend_staging = LEND_STAGING and self.cuda      # the pages are VRAM only on a GPU (tests set it)
+        self._lending: list[tuple[int, int, int]] = []     # (layer, expert, page): copies queued, not yet pointed
+        self._lend_event = None                            # those copies done (side stream)
         self.tokens = 0
         self.forwards = 0
-        self.bytes = {"staged": 0, "promoted": 0, "naive": 0}
+        self.bytes = {"staged": 0, "promoted": 0, "naive": 0, "lent": 0}
         self._snap_host = torch.zeros((len(layers), self.E), dtype=torch.int32,
                                       pin_memory=self.cuda)
         self._snap_event = None
@@ -203,6 +215,9 @@ class OffloadManager:
             raise ValueError(f"staging for {capacity} experts, a layer leaves {most_cold} cold (+ 1 in flight)")
         for key in ("hot experts", "prefill staging"):
             self.vram.release(key)
+        if self.cuda:                                   # lending copies may still write the old pages
+            torch.cuda.synchronize(self.device)
+        self._lending, self._lend_event = [], None
         self.stage, self.stage_capacity = [], 0
         self._drop_cpu_paths()
         for lo in self.layers:
@@ -402,6 +417,8 @@ class OffloadManager:
         staging the first layer. Prefill-sized forwards stay out of the hit rate (their pairs are
         accounted up to here now, and dropped at the next boundary)."""
         self._staged.clear()
+        if self.stage_worth(rows) or self.naive:
+            self._reclaim_staging()
         if rows * self.top_k >= self.stage_min_pairs:
             for lo in self.layers:
                 lo.account()
@@ -530,8 +547,90 @@ class OffloadManager:
             for lo in self.layers:
                 if lo.pending:
                     lo.poll()
+            if self._lending:
+                self._finish_lending()
+            elif (self.lend_staging and self.stage_capacity and not self.naive and not self.stage_worth(rows)
+                  and not any(lo.lent for lo in self.layers)):
+                self._start_lending()
             if self.replace_every and self.forwards % self.replace_every == 0 and not self.naive:
                 self._replace_round()
+
+    # -- staging pages lent to cold experts between prefills -------------------------------------------
+
+    def _page(self, k: int) -> list[torch.Tensor]:
+        """Page k of the staging buffers (2 x C of them): one expert's place, one tensor per projection."""
+        b, r = divmod(k, self.stage_capacity)
+        return [self.stage[b][j][r] for j in range(3)]
+
+    def lend_plan(self) -> list[tuple[int, int]]:
+        """(layer, expert) for each page: the cold experts routed most per byte, in rank order within
+        each layer so that equal shares (uniform statistics) spread over the layers evenly."""
+        freq = self.stats.frequencies()
+        busy = {(l, e) for l, e, _ in self._lending}
+        items = []
+        for lo in self.layers:
+            cold = [e for e in lo.cold() if e not in lo.pending and e not in lo.lent and (lo.index, e) not in busy]
+            cold.sort(key=lambda e: -freq[lo.index, e])
+            items += [(-float(freq[lo.index, e]) / lo.code_bytes, rank, lo.index, e) for rank, e in enumerate(cold)]
+        items.sort()
+        return [(l, e) for _, _, l, e in items[: 2 * self.stage_capacity]]
+
+    def _start_lending(self) -> None:
+        """Copy the planned experts into the pages on the side stream, after the work queued so far
+        (the last forward that staged read them); their entries move at a later boundary."""
+        plan = self.lend_plan()
+        if not plan:
+            return
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.side.wait_event(done)
+            self.side.wait_stream(self.stage_stream)
+        with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
+            for k, (l, e) in enumerate(plan):
+                for t, p in zip(self._page(k), self.layers[l].packs):
+                    t.copy_(p.cold[e], non_blocking=True)
+        if self.cuda:
+            self._lend_event = torch.cuda.Event()
+            self._lend_event.record(self.side)
+        self._lending = [(l, e, k) for k, (l, e) in enumerate(plan)]
+        self.bytes["lent"] += sum(self.layers[l].code_bytes for l, _ in plan)
+
+    def _finish_lending(self) -> None:
+        """Point the lent experts at their pages once the copies are done (never waited for)."""
+        if self._lend_event is not None and not self._lend_event.query():
+            return
+        by_layer: dict[int, dict[int, list[torch.Tensor]]] = {}
+        for l, e, k in self._lending:
+            by_layer.setdefault(l, {})[e] = self._page(k)
+        for l, pages in by_layer.items():
+            self.layers[l].lend(pages)
+        self._lending, self._lend_event = [], None
+
+    def _reclaim_staging(self) -> None:
+        """Before a forward that stages (or the naive baseline, which copies into staging too): every
+        lent expert back to host memory, and the staging copies ordered after the steps that read the
+        pages and after the copies that filled them."""
+        back = sum(len(lo.unlend()) for lo in self.layers)
+        if not back and not self._lending:
+            return
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            if self._lend_event is not None:
+                cur.wait_event(self._lend_event)
+            done = torch.cuda.Event()
+            done.record(cur)
+            self.stage_stream.wait_event(done)
+        self._lending, self._lend_event = [], None
+
+    def settle_lending(self) -> None:
+        """Wait for lending copies in flight and point their experts (tests, benchmarks)."""
+        if self._lending:
+            if self._lend_event is not None:
+                self._lend_event.synchronize()
+            self._finish_lending()
+
+    # -- re-placement ----------------------------------------------------------------------------------
 
     def _replace_round(self) -> None:
         if self._snap_event is not None:
@@ -563,7 +662,10 @@ class OffloadManager:
             if lo.pending or not lo.expert_slot or lo.path == "vram":
                 continue
             s = score[lo.index]
-            cold = lo.cold()
+            lending = {e for l, e, _ in self._lending if l == lo.index}
+            cold = [e for e in lo.cold() if e not in lo.lent and e not in lending]      # lent: in VRAM already
+            if not cold:
+                continue
             best = max(cold, key=lambda e: s[e])
             victim = min(lo.expert_slot, key=lambda e: s[e])
             gain = s[best] - s[victim]
@@ -633,6 +735,8 @@ class OffloadManager:
             "expert_pairs": pairs, "expert_hits": hits,
             "expert_zero_copy_bytes": cold_bytes, "expert_moved_bytes": dict(self.bytes),
             "expert_residents": [len(lo.expert_slot) for lo in self.layers],
+            "expert_lent": sum(len(lo.lent) for lo in self.layers),
+            "expert_lent_pending": len(self._lending),
             "expert_paths": [lo.path for lo in self.layers],
             "expert_path_counts": self.path_counts(),
             "expert_promotions": sum(lo.promotions for lo in self.layers),
@@ -664,11 +768,11 @@ class OffloadManager:
 
 
 def cold_offsets_ok(lo: LayerOffload) -> bool:
-    """Every table entry points at the expert's slot or its place in host memory (for tests)."""
+    """Every table entry points at the expert's slot, its lent page, or its place in host memory (for tests)."""
     for j, p in enumerate(lo.packs):
         for e in range(lo.num_experts):
             want = (lo.expert_slot[e] * p.words_per_expert if e in lo.expert_slot
-                    else cold_base(p) + e * p.words_per_expert)
+                    else lo.lent[e][j] if e in lo.lent else cold_base(p) + e * p.words_per_expert)
             if lo.tables_host[j][e] != want or int(p.woff[e]) != want:
                 return False
     return True

@@ -13,6 +13,11 @@ Rules that keep queued steps safe (all table writes go on the compute stream, in
 - promoting: the new expert's entry points at the slot only once the copy's event has completed
   (polled with `event.query()` at a step boundary, never waited for).
 
+Lent experts (`lend`, `unlend`): between prefills the manager lends the staging buffers' pages to cold
+experts; their entries point into the pages like a slot's, but they are no slot of the layer: they
+stay cold for the placement, re-placement leaves them alone, and every one goes back to host memory
+before a forward that stages (manager.py orders the pages' reuse after that).
+
 Hit accounting on the device: the router kernel counts every chosen expert in `layer.counts`; at each
 residency change (in stream order) the pairs counted since the last change are split into hits and
 misses with the residency mask of that interval. Telemetry reads the sums (one sync, at its time).
@@ -70,6 +75,7 @@ class LayerOffload:
         self.slot_expert: list[int] = []                # slot -> expert, -1 while a copy fills it
         self.expert_slot: dict[int, int] = {}           # resident experts (their entry points at the slot)
         self.pending: dict[int, tuple[int, Optional[torch.cuda.Event]]] = {}   # expert -> (slot, copy done)
+        self.lent: dict[int, list[int]] = {}            # cold experts in lent VRAM pages -> their table words
         dev = self.device
         self.mask = torch.zeros(E, dtype=torch.int32, device=dev)        # 1 = entry points at a slot
         self.snap = torch.zeros(E, dtype=torch.int32, device=dev)        # counts at the last change
@@ -117,6 +123,7 @@ class LayerOffload:
         self.slot_expert = [-1] * num_slots
         self.expert_slot = {}
         self.pending = {}
+        self.lent = {}
         self.mask.zero_()
         for j, p in enumerate(self.packs):
             base, W = cold_base(p), p.words_per_expert
@@ -186,9 +193,55 @@ class LayerOffload:
             s, _ = self.pending.pop(e)
             self.slot_expert[s] = e
             self.expert_slot[e] = s
+            self.lent.pop(e, None)                  # promoted while lent: its page until now
             self._point(e, s)
             self.promotions += 1
         return done
+
+    # -- lent pages (between prefills) ----------------------------------------------------------------
+
+    def lend(self, pages: dict[int, Sequence[torch.Tensor]]) -> None:
+        """Point cold experts at VRAM pages that hold their codes ({expert: one page per projection});
+        the caller has ordered the copies before the next step. One table write per projection."""
+        for e, pg in pages.items():
+            if e in self.expert_slot or e in self.pending or e in self.lent or not 0 <= e < self.num_experts:
+                raise ValueError(f"layer {self.index}: expert {e} is resident, on its way or lent already")
+            if len(pg) != len(self.packs) or any(t.shape != p.cold.shape[1:] for t, p in zip(pg, self.packs)):
+                raise ValueError(f"layer {self.index}: pages for expert {e} do not match its projections")
+        if not pages:
+            return
+        self.account()
+        for e, pg in pages.items():
+            self.lent[e] = [word_distance(t, p.qweight) for t, p in zip(pg, self.packs)]
+        self._write_entries(list(pages))
+
+    def unlend(self) -> list[int]:
+        """Point every lent expert back at host memory (compute stream); returns them. Their pages
+        may be overwritten by work ordered after this (the steps queued so far may still read them)."""
+        back = list(self.lent)
+        if back:
+            self.account()
+            self.lent = {}
+            self._write_entries(back)
+        return back
+
+    def _words(self, e: int) -> Optional[list[int]]:
+        """Table words of expert e: its slot's, its lent page's, or None (host memory)."""
+        if e in self.expert_slot:
+            return [self.expert_slot[e] * p.words_per_expert for p in self.packs]
+        return self.lent.get(e)
+
+    def _write_entries(self, experts: list[int]) -> None:
+        """Rewrite several entries from `_words` with one copy per table (and per mask)."""
+        for j, p in enumerate(self.packs):
+            for e in experts:
+                w = self._words(e)
+                self.tables_host[j][e] = w[j] if w is not None else cold_base(p) + e * p.words_per_expert
+            _upload(p.woff, self.tables_host[j], torch.int64)
+        _upload(self.mask, [int(self._words(e) is not None) for e in range(self.num_experts)], torch.int32)
+        if self.cpu is not None:
+            for e in experts:
+                self.cpu.own(e, self._words(e) is None and self.cpu.stores(e))
 
     def _point(self, e: int, slot: Optional[int]) -> None:
         for j, p in enumerate(self.packs):
@@ -221,6 +274,16 @@ class LayerOffload:
 
     def table(self, j: int) -> list[int]:
         return list(self.tables_host[j])
+
+
+def _upload(dst: torch.Tensor, values: list[int], dtype: torch.dtype) -> None:
+    """dst[:] = values in stream order, without a host synchronisation on a GPU (from page-locked
+    memory, which torch's host allocator keeps until the copy is done)."""
+    src = torch.tensor(values, dtype=dtype)
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 class _nullcontext:

@@ -56,12 +56,20 @@ def _load(path, **off):
     return exl2.load(path, opts, lambda *a: None)
 
 
-def _script(eng, toks) -> dict[str, torch.Tensor]:
+def _script(eng, toks, lend: bool = False) -> dict[str, torch.Tensor]:
+    """Prefill, decode, verify, rows, rollback. lend: after the first decode step, wait for the
+    staging pages lent to cold experts (copies started at that step) and point them, so the steps
+    after read those experts from the pages."""
     out = {}
     eng.reset()
     out["prefill_40"] = eng.forward(toks[:40])
     for i in range(40, 44):
         out[f"decode_{i}"] = eng.forward([toks[i]])
+        if lend and i == 40:
+            from exllamav2.device import set_device_streams
+            set_device_streams()                          # table writes on the stream the steps run on
+            eng.offload.settle_lending()
+            assert eng.telemetry()["expert_lent"] > 0
     for R in (2, 5, 8):
         out[f"verify_{R}"] = eng.forward(toks[44:44 + R])
         eng.truncate(44)
@@ -128,12 +136,12 @@ def test_offload_matches_all_in_vram(moe_8l):
         assert all(0 < r < 128 for r in res), res
         assert tel["expert_paths"] == ["stream"] * 8 and tel["expert_staging_capacity"] > 0
         assert tel["vram_budget_used_bytes"] <= tel["vram_budget_bytes"]
-        got = _script(eng, toks)
+        got = _script(eng, toks, lend=True)
         errs = _compare(got, want, "placed at load")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert 0 < tel["expert_hit_rate"] < 1 and tel["pcie_bytes_per_token"] > 0
-        assert tel["expert_moved_bytes"]["staged"] > 0
+        assert tel["expert_moved_bytes"]["staged"] > 0 and tel["expert_moved_bytes"]["lent"] > 0
         assert torch.cuda.max_memory_reserved() <= tel["vram_budget_bytes"] * 1.02 + (256 << 20)
         _record(test="offload_telemetry", residents=res, hit_rate=tel["expert_hit_rate"],
                 pcie_bytes_per_token=tel["pcie_bytes_per_token"], budget_gb=budget / GiB, errors=errs)
@@ -226,7 +234,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         assert tel["expert_paths"] == ["cpu+stream"] * 8 and tel["cpu_expert_path"] == "on", tel
         assert tel["cpu_expert_signal"].startswith(signal), tel["cpu_expert_signal"]
         assert all(n > 0 for n in tel["cpu_expert_owned"])
-        got = _script(eng, toks)
+        got = _script(eng, toks, lend=True)
         errs = _compare(got, want, "cpu path")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
