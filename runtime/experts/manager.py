@@ -89,7 +89,6 @@ def _cpu_split_mode(text: str) -> str:
 CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
 CUT_HEADROOM = 128        # "cut": CPU copies this many rows wider than the planned cut
 REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
-REBALANCE_MIN = 0.35      # ... the share of layer calls the CPU finished first, outside which the cut moves
 REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
 
 # The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
@@ -128,7 +127,7 @@ class OffloadManager:
         self._balance_prev = (0, 0, 0)
         self.rebalance_cut = True                          # False: the cut stays (benchmarks of fixed cuts)
         self._cut_ms: dict[int, tuple[float, int]] = {}    # cut -> (ms per decode step there, at forward)
-        self._window = [0.0, 0]                            # seconds and decode steps since the last look
+        self._window: list[float] = []                     # decode step times (s) since the last look
         self._t_prev: Optional[float] = None               # when the previous forward started, if one row
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
@@ -314,7 +313,7 @@ class OffloadManager:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.cpu_split, self.cpu_reason = split, ""
-        self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, [0.0, 0]
+        self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, []
         self._balance_prev = self.balance_totals()
         log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
                  threads, sum(len(o) for o in split.owned),
@@ -346,21 +345,21 @@ class OffloadManager:
         self.cut = int(rows)
 
     def _rebalance(self) -> None:
-        """"cut": move the cut one CUT_ALIGN step toward the side that keeps finishing first, unless
-        that neighbour was measured slower.
+        """"cut": move the cut one CUT_ALIGN step toward the side that finishes first more often,
+        unless that neighbour's decode steps were measured no faster than the current cut's.
 
         The worker counts, per layer call, whether the CPU's part was done before the stream reached
-        its wait (the GPU's part was the longer one) or not. Outside [REBALANCE_MIN, 1 - REBALANCE_MIN]
-        the cut moves (more to the CPU when it is first most of the time). The optimum often lies
-        between two steps (each a 24th of q125-a11's experts), where the share jumps from one side of
-        the band to the other: so each cut's decode step time is kept (for REBALANCE_KEEP forwards),
-        and a move to a neighbour measured slower than the current cut is not made. Between
-        forwards, with the stream synchronised (the worker's copy of the cut changes at once)."""
+        its wait (the GPU's part was the longer one) or not: that gives the direction. Each cut's
+        step time is kept (the median of the window's steps: a graph capture or a lending copy in the
+        window does not move it) for REBALANCE_KEEP forwards, and a move to a neighbour measured no
+        faster is not made: the cut climbs to the fastest cut the counts point at and stays there
+        (the optimum often lies between two steps, each a 24th of q125-a11's experts, where the
+        counts swing from one side to the other). Between forwards, with the stream synchronised
+        (the worker's copy of the cut changes at once)."""
         from runtime.experts.kernels import CUT_ALIGN
-        secs, steps = self._window
-        self._window = [0.0, 0]
-        if steps >= REBALANCE_EVERY // 2:
-            self._cut_ms[self.cut] = (secs / steps * 1e3, self.forwards)
+        steps, self._window = sorted(self._window), []
+        if len(steps) >= REBALANCE_EVERY // 2:
+            self._cut_ms[self.cut] = (steps[len(steps) // 2] * 1e3, self.forwards)
         now = self.balance_totals()
         cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
         n = cpu_first + gpu_first
@@ -368,7 +367,7 @@ class OffloadManager:
             return
         self._balance_prev = now
         share = cpu_first / n
-        move = CUT_ALIGN if share > 1 - REBALANCE_MIN else -CUT_ALIGN if share < REBALANCE_MIN else 0
+        move = CUT_ALIGN if share > 0.5 else -CUT_ALIGN if share < 0.5 else 0
         new = min(self.cut_width, max(CUT_ALIGN, self.cut + move))
         if new == self.cut:
             return
@@ -383,8 +382,7 @@ class OffloadManager:
         """Decode step times for _rebalance: the time from one one-row forward's start to the next's."""
         t = time.perf_counter()
         if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
-            self._window[0] += t - self._t_prev
-            self._window[1] += 1
+            self._window.append(t - self._t_prev)
         self._t_prev = t if rows == 1 else None
 
     def _split_costs(self, resident: list[list[int]]) -> CpuSplitCosts:
