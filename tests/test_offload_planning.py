@@ -205,17 +205,49 @@ def test_routing_concentration_and_uniform_roofline():
     assert abs(r["overlapped_tps"] - 1 / t_pcie) < 1e-9
 
 
-def test_uniform_routing_draws_distinct_experts_and_counts_them():
-    import torch
-    from runtime.experts.layer import uniform_routing
-    counts = torch.zeros(16, dtype=torch.int32)
-    torch.manual_seed(0)
-    ids, w = uniform_routing(200, 16, 4, counts)
-    assert ids.dtype == torch.int32 and ids.shape == (200, 4) and w.shape == (200, 4)
-    assert all(len(set(r)) == 4 for r in ids.tolist())            # distinct experts per row
-    assert torch.allclose(w, torch.full((200, 4), 0.25))
-    assert int(counts.sum()) == 800 and torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=16).int())
-    assert int(counts.min()) > 20                                 # 50 expected per expert: every one drawn
+_FORCED_ROUTING_CHECK = """
+import torch
+from runtime.experts.kernels import UniformPicks, route_fused
+torch.manual_seed(0)
+E, A, H = 16, 4, 64
+picks = UniformPicks.draw(E, A, "cpu", rows=1000, seed=3)
+assert picks.table.shape == (1000, A) and all(len(set(r)) == A for r in picks.table.tolist())
+assert torch.bincount(picks.table.reshape(-1).long(), minlength=E).min() > 150      # 250 expected each
+a, b = picks.for_layer(0), picks.for_layer(1)
+assert int(a.step) != int(b.step) and a.table is b.table
+x, gate = torch.randn(7, H).half(), torch.randn(E, H).half()
+counts = torch.zeros(E, dtype=torch.int32)
+start = int(b.step)
+ids, w = route_fused(x, gate, A, counts, forced=b)
+want = picks.table[[(start + t) % 1000 for t in range(7)]]
+assert sorted(map(tuple, ids.tolist())) == sorted(map(tuple, want.tolist()))       # one set per row, any order
+assert int(b.step) == start + 7 and torch.allclose(w, torch.full((7, A), 1 / A))
+assert torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=E).int())
+real, _ = route_fused(x, gate, A, torch.zeros(E, dtype=torch.int32))
+assert not torch.equal(real, ids)                                                   # not the router's picks
+try:
+    route_fused(x, gate, 3, counts, forced=b)
+except ValueError as e:
+    assert "pick sets of 4 experts for top-k 3" in str(e)
+else:
+    raise AssertionError("top-k mismatch accepted")
+print("forced routing ok")
+"""
+
+
+def test_uniform_routing_replaces_the_routers_picks_after_it_ran():
+    """Benchmarks' uniform routing (in the interpreter): the router's kernels run as always, then
+    each row takes the next of a table's sets of distinct experts (a counter per layer, on the
+    device), equal weights, counted like the router's picks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _FORCED_ROUTING_CHECK], cwd=Path(__file__).resolve().parents[1],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "forced routing ok" in r.stdout
 
 
 def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():

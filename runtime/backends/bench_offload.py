@@ -122,9 +122,13 @@ def decode_counted(engine, tok: int, n: int, warm: int) -> tuple[float, int, dic
 
 
 def force_uniform_routing(engine) -> None:
-    """Every MoE layer picks its experts uniformly at random from now on (graphs captured again)."""
-    for m in engine.moe:
-        m.experts.forced_uniform_routing = True
+    """Every MoE layer picks its experts uniformly at random from now on, after its router has run as
+    always (graphs captured again). The pick sets (2 MB for 128 experts, top-8) are outside the ledger."""
+    from runtime.experts.kernels import UniformPicks
+    first = engine.moe[0].experts
+    picks = UniformPicks.draw(first.num_experts, first.top_k, first.gate_w.device)
+    for i, m in enumerate(engine.moe):
+        m.experts.uniform = picks.for_layer(i)
     engine._drop_graphs()
 
 
@@ -321,8 +325,8 @@ def measure_without_lending(engine, n_decode: int) -> dict[str, Any]:
         tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
     finally:
         m.lend_staging = True
-    return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
-            "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode, "pcie_bytes_per_token": d["zero_copy_bytes"] / n_decode}
+    return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]), "cut_rows": m.cut,
+            "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode}
 
 
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:

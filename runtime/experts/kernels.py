@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -142,9 +143,12 @@ def _router_logits(x_ptr, w_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, EB: 
 
 
 @triton.jit
-def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.constexpr,
-                  A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr):
-    """Softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts."""
+def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, E: tl.constexpr,
+                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr,
+                  FORCED: tl.constexpr):
+    """Softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts.
+    FORCED (benchmarks): the same work, then the picks replaced by the next of N rows of `table`
+    (A distinct experts each; the row taken by an atomic counter at `step_ptr`), weights 1 / A."""
     t = tl.program_id(0)
     offs_e = tl.arange(0, BE)
     mask_e = offs_e < E
@@ -164,6 +168,10 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, E: tl.constexpr, BE: tl.
     mask_a = offs_a < A
     if RENORM:
         sel_w = sel_w / tl.sum(tl.where(mask_a, sel_w, 0.0), axis=0)
+    if FORCED:
+        row = tl.atomic_add(step_ptr, 1) % N
+        sel_i = tl.load(table_ptr + row * A + offs_a, mask=mask_a, other=0)
+        sel_w = tl.where(mask_a, 1.0 / A, 0.0)
     tl.store(ids_ptr + t * A + offs_a, sel_i, mask=mask_a)
     tl.store(rw_ptr + t * A + offs_a, sel_w, mask=mask_a)
     tl.atomic_add(cnt_ptr + sel_i, tl.full([BA], 1, tl.int32), mask=mask_a)
@@ -465,9 +473,10 @@ def cpu_share_mask(ids: torch.Tensor, owned: torch.Tensor, resident: torch.Tenso
 
 
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
-                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalize: bool = True, forced: Optional["UniformPicks"] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two
-    launches, counts[e] += times chosen."""
+    launches, counts[e] += times chosen. forced (benchmarks): the router runs as always, then each
+    row takes the next pick set of `forced` instead (equal weights)."""
     T, H = x.shape
     E = gate_w.shape[0]
     logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
@@ -476,9 +485,34 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, logits, H=H, E=E, EB=eb, BH=bh, num_warps=4)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     rw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    _softmax_topk[(T,)](logits, ids, rw, counts, E=E, BE=triton.next_power_of_2(E), A=top_k,
-                        BA=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=4)
+    if forced is not None and forced.table.shape[1] != top_k:
+        raise ValueError(f"route_fused: pick sets of {forced.table.shape[1]} experts for top-k {top_k}")
+    table, step = (forced.table, forced.step) if forced is not None else (ids, ids)
+    _softmax_topk[(T,)](logits, ids, rw, counts, table, step, table.shape[0], E=E, BE=triton.next_power_of_2(E),
+                        A=top_k, BA=triton.next_power_of_2(top_k), RENORM=renormalize,
+                        FORCED=forced is not None, num_warps=4)
     return ids, rw
+
+
+@dataclass
+class UniformPicks:
+    """Benchmarks only: `rows` sets of A distinct experts drawn uniformly at random (int32 [rows, A],
+    on the device), and a counter (int64 [1]) that hands each routed row the next set; a layer's
+    counter starts at its own offset, so layers draw independently. Graph-capturable: the counter
+    lives on the device."""
+    table: torch.Tensor
+    step: torch.Tensor
+
+    @staticmethod
+    def draw(E: int, top_k: int, device, rows: int = 1 << 16, seed: int = 0) -> "UniformPicks":
+        g = torch.Generator().manual_seed(seed)
+        table = torch.rand((rows, E), generator=g).topk(top_k, dim=-1).indices.to(torch.int32)
+        return UniformPicks(table.to(device), torch.zeros(1, dtype=torch.int64, device=device))
+
+    def for_layer(self, index: int) -> "UniformPicks":
+        """The same sets, read from an offset of its own (a counter per layer)."""
+        start = (index * 7919 * 97) % self.table.shape[0]
+        return UniformPicks(self.table, torch.full((1,), start, dtype=torch.int64, device=self.table.device))
 
 
 @dataclass(frozen=True)

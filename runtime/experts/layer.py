@@ -34,14 +34,6 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool =
     return Routing(ids=ids, weights=w)
 
 
-def uniform_routing(T: int, E: int, top_k: int, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int32 [T, A], weights fp32 [T, A]): top_k distinct experts per row drawn uniformly on the
-    device (graph-capturable: the default generator), weights 1 / top_k; counted in `counts`."""
-    ids = torch.rand((T, E), device=counts.device).topk(top_k, dim=-1).indices
-    counts.index_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int32, device=counts.device))
-    return ids.to(torch.int32), torch.full((T, top_k), 1.0 / top_k, device=counts.device)
-
-
 class ExpertLayer:
     """Routed experts of one layer: all in VRAM, or hot ones in VRAM and cold ones in pinned host
     memory (`offload`, set by runtime/experts/manager.py), read by the same kernels."""
@@ -67,10 +59,10 @@ class ExpertLayer:
         # kernels add atomically; wraps after 2**31 choices of one expert).
         self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
         self.offload = None          # runtime/experts/offload.LayerOffload when experts are offloaded
-        # Benchmarks only (bench_offload --routing uniform): pick top_k distinct experts uniformly at
-        # random per token, equal weights, instead of the router. It measures a placement under the
-        # routing the roofline assumes; what the model then outputs means nothing.
-        self.forced_uniform_routing = False
+        # Benchmarks only (bench_offload --routing uniform): the router runs, then each token takes
+        # top_k distinct experts drawn uniformly at random (kernels.UniformPicks), equal weights. It
+        # measures a placement under the routing the roofline assumes; what the model outputs means nothing.
+        self.uniform = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
@@ -80,10 +72,7 @@ class ExpertLayer:
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
-            if self.forced_uniform_routing:
-                ids, w = uniform_routing(x.shape[0], self.num_experts, self.top_k, self.counts)
-            else:
-                ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize)
+            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.uniform)
             if self.offload is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
             m = self.offload.manager                          # runtime/experts/manager.py
