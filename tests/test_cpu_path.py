@@ -701,3 +701,40 @@ def test_the_cut_split_mode_is_checked(monkeypatch):
     assert mgr._cpu_split_mode("experts") == "experts"
     with pytest.raises(ValueError, match="MOEDESK_CPU_SPLIT='halves'"):
         mgr._cpu_split_mode("halves")
+
+
+_PINNED_IO_CHECK = """
+import torch
+from runtime.experts.kernels import add_from_host, cpu_inputs
+H, A, E = 96, 3, 10
+x, ids = torch.randn(1, H).half(), torch.tensor([[7, 2, 5]], dtype=torch.int32)
+w, mask = torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([0, 1, 0, 0, 0, 1, 0, 1, 0, 0], dtype=torch.uint8)
+bufs = [torch.zeros_like(t) for t in (x, ids, w, mask)]
+cpu_inputs(x, ids, w, mask, *bufs)
+assert all(torch.equal(a, b) for a, b in zip((x, ids, w, mask), bufs))
+y, part = torch.randn(1, 2500), torch.randn(1, 2500)                    # more than one block
+want = y + part
+assert torch.equal(add_from_host(y, part), want) and torch.equal(y, want)
+try:
+    cpu_inputs(x, ids, w.double(), mask, *bufs)
+except ValueError as e:
+    assert "torch.float64" in str(e)
+else:
+    raise AssertionError("a dtype mismatch was accepted")
+print("pinned io ok")
+"""
+
+
+def test_a_steps_inputs_go_to_the_cpu_in_one_launch_and_its_part_comes_back_in_one():
+    """The CPU path's device glue (in the interpreter): x, ids, weights and mask written into the
+    worker's buffers by one kernel through their addresses; the CPU's part added from its buffer in
+    place by one kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _PINNED_IO_CHECK], cwd=Path(__file__).resolve().parents[1], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "pinned io ok" in r.stdout

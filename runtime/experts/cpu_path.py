@@ -364,7 +364,6 @@ class CpuPath:
         # at most its share of the token's cold picks (kernels.cpu_share_mask); None: all of `skip`.
         self.share: Optional[int] = None
         self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
-        self.y_dev = torch.zeros((MAX_ROWS, H), dtype=torch.float32, device=self.device)
         # The cut (set_cut): intermediate rows of an owned pick the CPU computes, the GPU the rest;
         # on the device for the GPU's kernels, in the context for the worker. Whole experts: a cut
         # past any width on the device, 0 (all) in the context.
@@ -456,10 +455,8 @@ class CpuPath:
                 raise ValueError(f"{self.name}: a balanced split needs the layer's resident mask")
             from runtime.experts.kernels import cpu_share_mask
             mask = cpu_share_mask(ids, self.skip, resident, self.share, self.step_mask)
-        self.x.copy_(x, non_blocking=True)
-        self.ids.copy_(ids, non_blocking=True)
-        self.w.copy_(w, non_blocking=True)
-        self.owned.copy_(mask, non_blocking=True)
+        from runtime.experts.kernels import cpu_inputs
+        cpu_inputs(x, ids, w, mask, self.x, self.ids, self.w, self.owned)   # one launch into pinned memory
         if self.slot:
             _DOORBELL.ring(stream, self.slot)
         else:
@@ -472,8 +469,8 @@ class CpuPath:
             _DOORBELL.wait(stream, self.slot)
         else:
             launch_host_func(stream, self.wait_fn, self.ctx_addr)
-        self.y_dev.copy_(self.y, non_blocking=True)
-        return y.add_(self.y_dev)
+        from runtime.experts.kernels import add_from_host
+        return add_from_host(y, self.y)                       # read in place over PCIe, one launch
 
     def run_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The host functions called directly on CPU tensors (tests, the throughput measurement):

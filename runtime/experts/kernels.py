@@ -472,6 +472,57 @@ def cpu_share_mask(ids: torch.Tensor, owned: torch.Tensor, resident: torch.Tenso
     return out
 
 
+@triton.jit
+def _cpu_inputs(x_ptr, ids_ptr, w_ptr, m_ptr, dx, di, dw, dm, H, A, E, BH: tl.constexpr, BA: tl.constexpr,
+                BE: tl.constexpr):
+    h = tl.arange(0, BH)
+    tl.store(x_ptr + dx + h, tl.load(x_ptr + h, mask=h < H), mask=h < H)
+    a = tl.arange(0, BA)
+    tl.store(ids_ptr + di + a, tl.load(ids_ptr + a, mask=a < A), mask=a < A)
+    tl.store(w_ptr + dw + a, tl.load(w_ptr + a, mask=a < A), mask=a < A)
+    e = tl.arange(0, BE)
+    tl.store(m_ptr + dm + e, tl.load(m_ptr + e, mask=e < E), mask=e < E)
+
+
+def _elements_apart(dst: torch.Tensor, src: torch.Tensor) -> int:
+    d = dst.data_ptr() - src.data_ptr()
+    if d % src.element_size():
+        raise ValueError(f"buffers {d} bytes apart: not a whole number of {src.dtype} elements")
+    return d // src.element_size()
+
+
+def cpu_inputs(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, x_h: torch.Tensor,
+               ids_h: torch.Tensor, w_h: torch.Tensor, mask_h: torch.Tensor) -> None:
+    """One launch instead of four copies: a decode row's x fp16 [1, H], ids int32 [1, A], weights fp32
+    [1, A] and mask uint8 [E] (device) written into the CPU path's page-locked buffers of the same
+    shapes, through their addresses (unified addressing: stores over PCIe). The stream operation
+    that rings the worker after it fences them (cpu_path.py)."""
+    for src, dst in ((x, x_h), (ids, ids_h), (w, w_h), (mask, mask_h)):
+        if src.dtype != dst.dtype or src.numel() != dst.numel() or not src.is_contiguous():
+            raise ValueError(f"cpu_inputs: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")
+    H, A, E = x.numel(), ids.numel(), mask.numel()
+    _cpu_inputs[(1,)](x, ids, w, mask, _elements_apart(x_h, x), _elements_apart(ids_h, ids), _elements_apart(w_h, w),
+                      _elements_apart(mask_h, mask), H, A, E, BH=triton.next_power_of_2(H),
+                      BA=triton.next_power_of_2(A), BE=triton.next_power_of_2(E))
+
+
+@triton.jit
+def _add_from_host(y_ptr, dy, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    part = tl.load(y_ptr + dy + i, mask=i < N, cache_modifier=".cv")      # fetched again, never a cached line
+    tl.store(y_ptr + i, tl.load(y_ptr + i, mask=i < N) + part, mask=i < N)
+
+
+def add_from_host(y: torch.Tensor, y_h: torch.Tensor) -> torch.Tensor:
+    """y (device fp32) += y_h (page-locked fp32, same shape) read in place over PCIe: one launch
+    instead of a copy and an add. Stream-ordered after the wait for the CPU that wrote y_h."""
+    if y.dtype != y_h.dtype or y.numel() != y_h.numel() or not y.is_contiguous():
+        raise ValueError(f"add_from_host: {y_h.dtype} {list(y_h.shape)} into {y.dtype} {list(y.shape)}")
+    N, BLOCK = y.numel(), 1024
+    _add_from_host[(triton.cdiv(N, BLOCK),)](y, _elements_apart(y_h, y), N, BLOCK=BLOCK)
+    return y
+
+
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
                 renormalize: bool = True, forced: Optional["UniformPicks"] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two
