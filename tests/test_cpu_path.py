@@ -657,8 +657,8 @@ def _cut_manager(n=2):
 def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance(monkeypatch):
     """MOEDESK_CPU_SPLIT=cut (the default): every cold expert gets a copy of its first rows, one cut
     for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
-    moves one step toward the side the worker saw finishing first more often, but not to a neighbour
-    whose decode steps were measured no faster (until that measurement is old)."""
+    climbs by measured decode step times: to a neighbour measured 1% faster, else to one not measured
+    lately (the worker's counts say which first), else it stays."""
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     assert mgr.CPU_SPLIT == "cut"
@@ -682,17 +682,18 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
         m._rebalance()
         return m.cut
     assert window(28, 4, 30.0) == 192 and a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
-    assert window(6, 14, 25.0) == 192               # CPU first 30%: 128 was measured slower, stay
-    assert window(2, 30, 25.0) == 192
-    assert window(30, 2, 25.0) == 256               # 256 not measured yet
-    assert window(30, 2, 27.5) == 256               # at the copies' width
-    assert window(2, 30, 27.5) == 192               # 192 was faster: back
-    m.forwards += mgr.REBALANCE_KEEP                # old measurements: 128 worth a new look
-    assert window(2, 30, 25.0) == 128
-    assert window(12, 8, 27.0) == 192               # CPU first 60%, and 192 was measured faster: back
-    assert window(8, 12, 25.0) == 192               # 128 measured slower
-    assert window(1, 1, 25.0) == 192                # too few calls: nothing
-    assert [c for _, c, _ in m.cut_log] == [192, 256, 192, 128, 192]
+    assert window(6, 14, 25.0) == 256               # 128 measured slower; 256 not tried yet
+    assert window(30, 2, 27.5) == 192               # 192 measured faster: back
+    assert window(2, 30, 25.0) == 192               # both neighbours measured slower: stay
+    m.forwards += mgr.REBALANCE_KEEP                # old measurements: worth a new look
+    assert window(2, 30, 25.0) == 128               # the counts say fewer rows to the CPU first
+    assert window(12, 8, 27.0) == 192               # 192 measured faster: back
+    assert window(8, 12, 25.2) == 256               # 256's measurement is old: tried again
+    assert window(30, 2, 25.0) == 256               # 192 (25.1 on average) is not 1% faster: stay
+    m._window = [0.02] * 4                          # too few steps (a prefill in the window): nothing
+    m.forwards += 16
+    m._rebalance()
+    assert m.cut == 256 and [c for _, c, _ in m.cut_log] == [192, 256, 192, 128, 192, 256]
     m.close()
 
 
