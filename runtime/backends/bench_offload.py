@@ -271,7 +271,16 @@ def context_peak(engine) -> dict[str, Any]:
     return out
 
 
-def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
+def decode_after_prompt(engine, prompt: int, n_decode: int) -> tuple[float, dict]:
+    """Prefill the main measurement's prompt (same length, same tokens: the decode then attends to
+    as many rows), 8 untimed steps, then n_decode timed: (tokens/s, expert traffic)."""
+    engine.reset()
+    engine.prefill(_prompt(engine, prompt, 1))
+    tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
+    return tps, d
+
+
+def measure_threads(engine, threads: int, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again on the same placement and CPU copies with the CPU path's team at `threads`
     (each layer's context says how many; read by the worker per call), then back."""
     m = engine.offload
@@ -280,9 +289,7 @@ def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
         if lo.cpu is not None:
             lo.cpu.ctx.threads = threads
     try:
-        engine.reset()
-        engine.prefill(_prompt(engine, 64, 2))
-        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
+        tps, d = decode_after_prompt(engine, prompt, n_decode)
     finally:
         for lo, t in zip([lo for lo in m.layers if lo.cpu is not None], kept):
             lo.cpu.ctx.threads = t
@@ -290,7 +297,7 @@ def measure_threads(engine, threads: int, n_decode: int) -> dict[str, Any]:
             "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1)}
 
 
-def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
+def measure_cut(engine, rows: int, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again with every layer's CPU part held at `rows` intermediate rows (re-balancing off),
     then back to the cut the run had: the speed against the cut, side by side in one process."""
     m = engine.offload
@@ -298,10 +305,8 @@ def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
     m.rebalance_cut = False
     try:
         m.set_cut(rows)
-        engine.reset()
-        engine.prefill(_prompt(engine, 64, 2))
         before = m.balance_totals()
-        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
+        tps, d = decode_after_prompt(engine, prompt, n_decode)
         after = m.balance_totals()
     finally:
         m.set_cut(kept)
@@ -312,17 +317,15 @@ def measure_cut(engine, rows: int, n_decode: int) -> dict[str, Any]:
             "cpu_first_share": first / max(1, first + after[1] - before[1])}
 
 
-def measure_without_lending(engine, n_decode: int) -> dict[str, Any]:
+def measure_without_lending(engine, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again with the staging pages left empty between prefills (a prefill takes back what
     was lent), then lending on again: what lending gains, side by side in one process."""
     m = engine.offload
     m.lend_staging = False
     try:
-        engine.reset()
-        engine.prefill(_prompt(engine, 64, 2))
+        tps, d = decode_after_prompt(engine, prompt, n_decode)
         if any(lo.lent for lo in m.layers):
             raise RuntimeError("the prefill did not take the lent staging pages back")
-        tps, _, d = decode_counted(engine, 1, n_decode, warm=8)
     finally:
         m.lend_staging = True
     return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]), "cut_rows": m.cut,
@@ -490,16 +493,16 @@ def main(argv=None) -> int:
                 r["profile"] = profile_decode(engine, prof / f"offload-{label}-{b:g}gb-{stamp}.txt")
                 progress(f"profiled: {r['profile']}")
             if engine.offload.cpu_active and a.try_threads:
-                r["other_threads"] = [measure_threads(engine, int(t), a.decode) for t in a.try_threads.split(",")]
+                r["other_threads"] = [measure_threads(engine, int(t), a.prompt, a.decode) for t in a.try_threads.split(",")]
                 progress("other team sizes: " + ", ".join(f"{x['threads']}: {x['decode_tps']:.1f} tok/s"
                                                           for x in r["other_threads"]))
             if engine.offload.cpu_active and engine.offload.cut is not None and a.try_cuts:
-                r["other_cuts"] = [measure_cut(engine, int(c), a.decode) for c in a.try_cuts.split(",")
+                r["other_cuts"] = [measure_cut(engine, int(c), a.prompt, a.decode) for c in a.try_cuts.split(",")
                                    if int(c) <= engine.offload.cut_width]
                 progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
                                                     f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
             if engine.offload.lend_staging and engine.offload.stage_capacity:
-                r["without_lending"] = measure_without_lending(engine, a.decode)
+                r["without_lending"] = measure_without_lending(engine, a.prompt, a.decode)
                 progress(f"without lending staging pages: decode {r['without_lending']['decode_tps']:.1f} tok/s, "
                          f"hit rate {r['without_lending']['hit_rate']:.1%} (with: {r['lent_experts']} experts lent)")
             if engine.offload.cpu_active:
