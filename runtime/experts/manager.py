@@ -58,9 +58,10 @@ STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k 
 CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
 AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
 # "auto" takes the CPU path where the planner predicts this gain and host RAM holds the copies; on the
-# H200 (q125-a11, uniform routing, doorbell signalling, experts cut) it decoded 37.4-38.2 tok/s at 24 GB
-# against 27.7-28.2 streaming, 29.5 against 19.2 at 12 GB, for CPU copies in host RAM, a longer load and
-# all but two cores busy while generating (runtime/experts/NOTES.md). MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+# H200 (q125-a11, uniform routing, doorbell signalling, experts cut) it decoded 40.0-40.6 tok/s at 24 GB
+# against 27.4-30.1 without it in the same runs, 30.1 against 20.3 at 12 GB, for CPU copies in host RAM, a
+# longer load and all but two cores busy while generating (runtime/experts/NOTES.md).
+# MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
 AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH", "1") != "0"
 
 
@@ -760,6 +761,9 @@ class OffloadManager:
             log.warning("could not save routing statistics to %s: %s", self.stats_file, e)
 
     def close(self) -> None:
+        if self.cuda:          # promotions and lending copies may still write slots and pages freed below
+            torch.cuda.synchronize(self.device)
+        self._lending, self._lend_event = [], None
         self.save_stats()
         self._drop_cpu_paths()
         for lo in self.layers:
