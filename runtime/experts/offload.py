@@ -150,7 +150,7 @@ class LayerOffload:
         for s, e in enumerate(experts):
             self.slot_expert[s] = e
             self.expert_slot[e] = s
-            self._point(e, s)
+        self._write_entries(experts)
 
     # -- re-placement between steps ------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class LayerOffload:
         s = self.expert_slot.pop(e)
         self.account()
         self.slot_expert[s] = -1
-        self._point(e, None)
+        self._write_entries([e])
         return s
 
     def promote(self, e: int, slot: int, side: Optional[torch.cuda.Stream]) -> None:
@@ -194,8 +194,8 @@ class LayerOffload:
             self.slot_expert[s] = e
             self.expert_slot[e] = s
             self.lent.pop(e, None)                  # promoted while lent: its page until now
-            self._point(e, s)
             self.promotions += 1
+        self._write_entries(done)
         return done
 
     # -- lent pages (between prefills) ----------------------------------------------------------------
@@ -232,7 +232,11 @@ class LayerOffload:
         return self.lent.get(e)
 
     def _write_entries(self, experts: list[int]) -> None:
-        """Rewrite several entries from `_words` with one copy per table (and per mask)."""
+        """Rewrite the entries of `experts` from `_words` (slot, lent page or host memory), one copy per
+        table and one for the mask, in stream order. A resident or lent expert is the GPU's; a cold one
+        the CPU's if it has a copy."""
+        if not experts:
+            return
         for j, p in enumerate(self.packs):
             for e in experts:
                 w = self._words(e)
@@ -242,15 +246,6 @@ class LayerOffload:
         if self.cpu is not None:
             for e in experts:
                 self.cpu.own(e, self._words(e) is None and self.cpu.stores(e))
-
-    def _point(self, e: int, slot: Optional[int]) -> None:
-        for j, p in enumerate(self.packs):
-            v = slot * p.words_per_expert if slot is not None else cold_base(p) + e * p.words_per_expert
-            self.tables_host[j][e] = v
-            p.woff[e:e + 1].fill_(v)
-        self.mask[e:e + 1].fill_(1 if slot is not None else 0)
-        if self.cpu is not None:            # a resident expert is the GPU's; a cold one the CPU's if it has a copy
-            self.cpu.own(e, slot is None and self.cpu.stores(e))
 
     # -- accounting ------------------------------------------------------------------------------------
 
