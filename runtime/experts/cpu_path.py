@@ -8,13 +8,13 @@ features, the copies holding `width` of them, the GPU's kernels computing the re
 otherwise) and page-locked buffers at fixed addresses. One step, all on the compute stream (so all of
 it is captured into the decode step's CUDA graph):
 
-    router ─ x, ids, w, skip -> pinned ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y -> VRAM ─ y += y_cpu
-                                            └──── worker thread: the owned experts' part ────┘
+    router ─ x, ids, w, mask -> pinned (one kernel) ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y += y_cpu (read in place)
+                                                     └──── worker thread: the owned experts' part ────┘
 
 `submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`signal_kind`):
 - "memops" (the default where the driver takes them and a captured graph replays them): the stream
   writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
-  orders the copies before it), and after its kernels writes the same value into `arrive` and waits
+  orders the inputs written before it), and after its kernels writes the same value into `arrive` and waits
   for the worker's `done` word (cuStreamWaitValue32, polled by the GPU), then clears it. A persistent
   worker thread polls the doorbell, and counts whether `arrive` came before it was done (the balance
   the manager moves the cut by).

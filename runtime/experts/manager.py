@@ -566,12 +566,12 @@ class OffloadManager:
 
     def lend_plan(self) -> list[tuple[int, int]]:
         """(layer, expert) for each page: the cold experts routed most per byte, in rank order within
-        each layer so that equal shares (uniform statistics) spread over the layers evenly."""
+        each layer so that equal shares (uniform statistics) spread over the layers evenly. Planned
+        when nothing is lent or on its way; experts on their way to a slot are left out."""
         freq = self.stats.frequencies()
-        busy = {(l, e) for l, e, _ in self._lending}
         items = []
         for lo in self.layers:
-            cold = [e for e in lo.cold() if e not in lo.pending and e not in lo.lent and (lo.index, e) not in busy]
+            cold = [e for e in lo.cold() if e not in lo.pending]
             cold.sort(key=lambda e: -freq[lo.index, e])
             items += [(-float(freq[lo.index, e]) / lo.code_bytes, rank, lo.index, e) for rank, e in enumerate(cold)]
         items.sort()
@@ -584,9 +584,7 @@ class OffloadManager:
         if not plan:
             return
         if self.cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self.side.wait_event(done)
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
             self.side.wait_stream(self.stage_stream)
         with torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext():
             for k, (l, e) in enumerate(plan):
@@ -620,9 +618,7 @@ class OffloadManager:
             cur = torch.cuda.current_stream(self.device)
             if self._lend_event is not None:
                 cur.wait_event(self._lend_event)
-            done = torch.cuda.Event()
-            done.record(cur)
-            self.stage_stream.wait_event(done)
+            self.stage_stream.wait_stream(cur)
         self._lending, self._lend_event = [], None
 
     def settle_lending(self) -> None:
