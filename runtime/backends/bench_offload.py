@@ -65,6 +65,11 @@ def _counts(engine) -> dict[str, float]:
     torch.cuda.synchronize()                             # the CPU path's counters are host memory
     hits = pairs = vram_b = pcie_b = cpu_pairs = cpu_b = cpu_ns = 0
     tl = {"wake": 0, "gpu": 0, "stall": 0}
+    pf = [0, 0, 0, 0]                                    # prefetch: candidates, picked; copies, picked
+    score = m.prefetch.score.tolist() if m.prefetch is not None else [[0] * 4] * len(m.layers)
+    for lo, sc in zip(m.layers, score):
+        pf = [a + b for a, b in zip(pf, sc)]
+        pcie_b += (sc[2] - sc[3]) * lo.code_bytes       # copies not picked (those picked are misses below)
     for lo in m.layers:
         h, n = lo.hit_counts()
         ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)   # c: misses the CPU computed
@@ -80,7 +85,8 @@ def _counts(engine) -> dict[str, float]:
     return {"hits": hits, "pairs": pairs, "vram_code_bytes": vram_b, "zero_copy_bytes": pcie_b,
             "cpu_pairs": cpu_pairs, "cpu_bytes": cpu_b, "cpu_ns": cpu_ns,
             "cpu_wake_ns": tl["wake"], "cpu_gpu_ns": tl["gpu"], "cpu_stall_ns": tl["stall"],
-            "staged": moved["staged"], "promoted": moved["promoted"], "naive": moved["naive"]}
+            "staged": moved["staged"], "promoted": moved["promoted"], "naive": moved["naive"],
+            "pf_candidates": pf[0], "pf_candidates_picked": pf[1], "pf_copies": pf[2], "pf_copies_picked": pf[3]}
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -223,6 +229,9 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "routing_concentration": routing_concentration(engine.offload.stats.frequencies()),
         "roofline_uniform_routing": uniform_roofline(engine, hbm_bytes - vram_codes, hbm, h2d, ram),
         "telemetry": {k: v for k, v in tel.items() if k not in ("vram_budget_items",)},
+        "prefetch": ({"mode": engine.offload.prefetch.mode, "copying_at_end": engine.offload.prefetch.copying,
+                      "oracle": engine.offload.prefetch.oracle, **prefetch_figures(d, n_decode)}
+                     if engine.offload.prefetch is not None else None),
     }
     if n_naive:
         out["naive"] = measure_naive(engine, ids, n_naive)
@@ -332,6 +341,26 @@ def measure_without_lending(engine, prompt: int, n_decode: int) -> dict[str, Any
             "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode}
 
 
+def prefetch_figures(d: dict, n_decode: int) -> dict[str, Any]:
+    """The decode prefetch over a measured stretch (a `_counts` delta)."""
+    return {"accuracy": d["pf_candidates_picked"] / d["pf_candidates"] if d["pf_candidates"] else None,
+            "copies_per_token": d["pf_copies"] / n_decode, "copies_picked_per_token": d["pf_copies_picked"] / n_decode}
+
+
+def measure_prefetch(engine, mode: str, prompt: int, n_decode: int) -> dict[str, Any]:
+    """Decode again with the prefetch held in `mode` ("on": copying whatever the score; "off": the
+    prediction runs, nothing is copied), then back to the run's mode: its effect side by side."""
+    pf = engine.offload.prefetch
+    kept = pf.mode
+    pf.set_mode(mode)
+    try:
+        tps, d = decode_after_prompt(engine, prompt, n_decode)
+    finally:
+        pf.set_mode(kept)
+    return {"mode": mode, "decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
+            "pcie_bytes_per_token": d["zero_copy_bytes"] / n_decode, **prefetch_figures(d, n_decode)}
+
+
 def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d: float, ram: float) -> dict[str, Any]:
     """The same placement with every cold expert read over PCIe (the CPU paths set aside, graphs
     captured again): the CPU path's gain measured side by side, in one process."""
@@ -367,6 +396,22 @@ def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
             "pcie_bytes_per_token": d["naive"] / n, "hit_rate": d["hits"] / max(1, d["pairs"])}
 
 
+def _oracles(text: str) -> list:
+    out = []
+    for v in text.split(","):
+        if v.strip() in ("none", ""):
+            out.append(None)
+            continue
+        try:
+            q = float(v)
+        except ValueError:
+            q = -1.0
+        if not 0.0 <= q <= 1.0:
+            raise argparse.ArgumentTypeError(f"{v!r}: want 'none' or a probability in 0..1")
+        out.append(q)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Expert-offload benchmark (with the naive baseline)")
     ap.add_argument("--model", required=True)
@@ -393,6 +438,13 @@ def main(argv=None) -> int:
                     "placement, e.g. 12,15 (the placement's split stays as planned)")
     ap.add_argument("--try-cuts", default="", help="experts cut between CPU and GPU: decode again with the "
                     "CPU's part held at these intermediate rows, e.g. 640,704,768 (within its copies)")
+    ap.add_argument("--prefetch-modes", default="off,on", help="decode prefetch: decode again with it held in "
+                    "these modes (off: predicted, nothing copied; on: always copying), beside the run's (auto)")
+    ap.add_argument("--prefetch-oracle", type=_oracles, default=[None], help="with --routing uniform, "
+                    "comma-separated: the decode prefetch is handed each next layer's forced picks, each kept with "
+                    "this probability (what a given prediction accuracy buys; real models' accuracy cannot be "
+                    "measured here); 'none': the router's prediction. The first is the run's, the others are "
+                    "measured after it in --prefetch-modes")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
@@ -425,12 +477,17 @@ def main(argv=None) -> int:
             "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,
-            "calibration_tokens": a.calibrate, "routing": a.routing,
+            "calibration_tokens": a.calibrate, "routing": a.routing, "prefetch_oracles": a.prefetch_oracle,
+            "prefetch_pages": expert_manager.decode_prefetch.PAGES,
             "grouped_kernels": dataclasses.asdict(expert_kernels.GROUPED),    # prefill launch shape
             "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
             "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
-                       if a.routing == "uniform" else "") + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
+                       if a.routing == "uniform" else "")
+                      + ("Decode prefetch handed the forced picks where an oracle probability is given (an assumed "
+                         "prediction accuracy, not a measured one): " + ", ".join(map(str, a.prefetch_oracle))
+                         + " (the first is the run's). " if any(q is not None for q in a.prefetch_oracle) else "")
+                      + "Synthetic random-weight EXL2 model; its routing is not uniform (see each budget's "
                       "routing_concentration), so each budget also gives the roofline under uniform routing. "
                       f"Placement planned from the routing of {a.calibrate} calibration tokens after the load"
                       + (" (none: the first budget ran on uniform statistics)" if not a.calibrate else "")
@@ -474,6 +531,11 @@ def main(argv=None) -> int:
             setup_s = time.perf_counter() - t
             if engine.offload is None:
                 raise SystemExit(f"{a.model} at {b} GB: experts were not offloaded")
+            if any(q is not None for q in a.prefetch_oracle) and a.routing != "uniform":
+                raise SystemExit("--prefetch-oracle needs --routing uniform (the forced picks it hands over)")
+            if a.prefetch_oracle[0] is not None and engine.offload.prefetch is not None:
+                engine.offload.prefetch.oracle = a.prefetch_oracle[0]
+                engine._drop_graphs()                      # captured again with the oracle's plan
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
             progress(f"measured: decode {r['decode_tps']:.1f} tok/s, ttft {r['ttft_s']:.2f} s, hit rate "
@@ -505,6 +567,26 @@ def main(argv=None) -> int:
                 r["without_lending"] = measure_without_lending(engine, a.prompt, a.decode)
                 progress(f"without lending staging pages: decode {r['without_lending']['decode_tps']:.1f} tok/s, "
                          f"hit rate {r['without_lending']['hit_rate']:.1%} (with: {r['lent_experts']} experts lent)")
+            if engine.offload.prefetch is not None and a.prefetch_modes:
+                r["prefetch_modes"] = [measure_prefetch(engine, mode, a.prompt, a.decode)
+                                       for mode in a.prefetch_modes.split(",")]
+                progress("prefetch: " + ", ".join(
+                    f"{x['mode']}: {x['decode_tps']:.1f} tok/s (accuracy {x['accuracy'] or 0:.0%}, "
+                    f"{x['copies_picked_per_token']:.1f} of {x['copies_per_token']:.1f} copies/token picked)"
+                    for x in r["prefetch_modes"]) + f"; the run's: {r['prefetch']}")
+                pf = engine.offload.prefetch
+                r["prefetch_oracles"] = []
+                for q in a.prefetch_oracle[1:]:
+                    pf.oracle = q
+                    engine._drop_graphs()
+                    r["prefetch_oracles"].append({"oracle": q, "modes": [
+                        measure_prefetch(engine, mode, a.prompt, a.decode) for mode in a.prefetch_modes.split(",")]})
+                    progress(f"prefetch, oracle {q}: " + ", ".join(
+                        f"{x['mode']}: {x['decode_tps']:.1f} tok/s (accuracy {x['accuracy'] or 0:.0%})"
+                        for x in r["prefetch_oracles"][-1]["modes"]))
+                if pf.oracle != a.prefetch_oracle[0]:
+                    pf.oracle = a.prefetch_oracle[0]
+                    engine._drop_graphs()
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")

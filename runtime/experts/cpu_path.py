@@ -440,21 +440,23 @@ class CpuPath:
     # -- a decode step ------------------------------------------------------------------------------
 
     def launch(self, stream: "torch.cuda.Stream", x: torch.Tensor, ids: torch.Tensor,
-               w: torch.Tensor, resident: Optional[torch.Tensor] = None) -> torch.Tensor:
+               w: torch.Tensor, resident: Optional[torch.Tensor] = None,
+               owned: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hand the CPU part of this layer to the worker for x fp16 [1, H], ids int32 [1, A], w fp32
         [1, A] (device tensors written on `stream`, the current stream): the GPU kernels queued next run
         while the CPU computes; `join` collects the result. Returns the mask and the cut the GPU
         kernels take (kernels.experts_forward); with a share set, `resident` (int32 [E], 1 = in a VRAM
-        slot) says which picks are cold."""
+        slot) says which picks are cold. owned: this step's mask instead of `skip` (uint8 [E] on the
+        device: the decode prefetch's, without the experts it copied into VRAM for this layer)."""
         if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
             raise ValueError(f"{self.name}: CPU path takes x {list(self.x.shape)}, ids {list(self.ids.shape)}, "
                              f"w {list(self.w.shape)}; got {list(x.shape)}, {list(ids.shape)}, {list(w.shape)}")
-        mask = self.skip
+        mask = self.skip if owned is None else owned
         if self.share is not None:
             if resident is None:
                 raise ValueError(f"{self.name}: a balanced split needs the layer's resident mask")
             from runtime.experts.kernels import cpu_share_mask
-            mask = cpu_share_mask(ids, self.skip, resident, self.share, self.step_mask)
+            mask = cpu_share_mask(ids, mask, resident, self.share, self.step_mask)
         from runtime.experts.kernels import cpu_inputs
         cpu_inputs(x, ids, w, mask, self.x, self.ids, self.w, self.owned)   # one launch into pinned memory
         if self.slot:

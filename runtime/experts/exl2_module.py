@@ -50,6 +50,7 @@ class OwnMoE(ExLlamaV2MoEMLP):
         # and the GPU by ranges (runtime/experts/cpu_path.py); the same function either way
         align_intermediate(*packs, device=self.device())
         self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token)
+        self.experts.norm_w = getattr(self.post_attention_layernorm, "weight", None)   # RMSNorm's, or None
         self.q_handle = None                                 # exllamav2's fused path never runs
 
     def unload(self):
@@ -69,9 +70,11 @@ class OwnMoE(ExLlamaV2MoEMLP):
         x = self.post_attention_layernorm.forward(hidden_states.view(-1, H))     # [T, H] fp16
         y = self.experts(x.half())                                               # [T, H] fp32
         if os.environ.get("MOEDESK_MOE_ADD") == "plain":
-            return (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
-        out = torch.empty_like(hidden_states)
-        torch.add(hidden_states.view(-1, H), y, out=out.view(-1, H))             # one launch, rounded once
+            out = (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
+        else:
+            out = torch.empty_like(hidden_states)
+            torch.add(hidden_states.view(-1, H), y, out=out.view(-1, H))         # one launch, rounded once
+        self.experts.after_residual(out.view(-1, H))            # decode prefetch of the next layer's experts
         return out
 
 

@@ -63,37 +63,58 @@ class ExpertLayer:
         # top_k distinct experts drawn uniformly at random (kernels.UniformPicks), equal weights. It
         # measures a placement under the routing the roofline assumes; what the model outputs means nothing.
         self.uniform = None
+        # The RMSNorm weight applied before the router (set by the model wrapper): the decode prefetch
+        # (runtime/experts/prefetch.py) predicts this layer's picks from the residual stream with it.
+        self.norm_w: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None       # the last forward's picks (device), for the prefetch's score
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
         if x.is_cuda:
             from runtime.experts.kernels import experts_forward, route_fused
+            self._ids = None
             if os.environ.get("MOEDESK_ROUTE") == "torch":        # the unfused routing, for comparisons
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
+            lo = self.offload
+            m = lo.manager if lo is not None else None                     # runtime/experts/manager.py
+            pf = m.prefetch if m is not None and x.shape[0] == 1 and not m.naive else None
+            planned = pf is not None and pf.planned(lo)       # experts copied ahead for this layer
             ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.uniform)
-            if self.offload is None:
+            self._ids = ids
+            if lo is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
-            m = self.offload.manager                          # runtime/experts/manager.py
-            cpu = self.offload.cpu                            # runtime/experts/cpu_path.py
+            cpu = lo.cpu                                      # runtime/experts/cpu_path.py
             if cpu is not None and x.shape[0] == 1 and not m.naive:
                 # Decode: the CPU computes the experts it owns, or the first part of each (its cut),
                 # handed to its worker by a doorbell or host node, while the GPU kernels skip that
-                # and read the rest of the cold experts over PCIe.
+                # and read the rest of the cold experts over PCIe (and the prefetched ones from VRAM).
                 stream = torch.cuda.current_stream(x.device)
-                skip, cut = cpu.launch(stream, x, ids, w, self.offload.mask)
-                y = experts_forward(x, ids, w, *m.before(self.offload, 1, ids), skip=skip, cut=cut)
-                m.after(self.offload)
+                skip, cut = cpu.launch(stream, x, ids, w, lo.mask, owned=pf.skip(lo) if planned else None)
+                packs = m.before(lo, 1, ids)
+                y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), skip=skip, cut=cut)
+                m.after(lo)
                 return cpu.join(stream, y)
             # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.
-            union = x.shape[0] > 1 and self.offload.path != "vram"
-            y = experts_forward(x, ids, w, *m.before(self.offload, x.shape[0], ids), union_reads=union)
-            m.after(self.offload)
+            union = x.shape[0] > 1 and lo.path != "vram"
+            packs = m.before(lo, x.shape[0], ids)
+            y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), union_reads=union)
+            m.after(lo)
             return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)
         self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
         return experts_reference(x, r, self.w1, self.w3, self.w2)
+
+    def after_residual(self, h: torch.Tensor) -> None:
+        """The model wrapper's call after this layer's output joined the residual stream h [T, H]: a
+        decode step's prefetch scores this layer's prediction and predicts the next layer's picks."""
+        lo = self.offload
+        if lo is None or h.shape[0] != 1 or self._ids is None:
+            return
+        m = lo.manager
+        if m.prefetch is not None and not m.naive:
+            m.prefetch.after_layer(lo, h, self._ids)
 
     def weight_bytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes() + self.router_bytes()

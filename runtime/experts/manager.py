@@ -26,6 +26,10 @@
   inside the step's graph while the GPU kernels compute the rest. A promoted expert goes back to the
   GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
   at the next placement. Verify rows and prefill keep the GPU paths.
+- **Decode prefetch** (runtime/experts/prefetch.py, `MOEDESK_PREFETCH` pages, 1 by default on a GPU):
+  after each MoE layer of a decode step, the next layer's router applied to the residual stream
+  predicts its picks, and the likeliest cold one is copied into a VRAM page on a side stream while
+  host RAM is idle (that layer's attention); copying stops while too few predictions come true.
 - **Naive baseline** (`naive = True`, benchmark only, no graphs): every cold expert a step needs is
   copied into VRAM on demand after a host synchronisation per layer, nothing overlapped.
 
@@ -51,6 +55,7 @@ from runtime.experts.layer import ExpertLayer
 from runtime.experts.offload import LayerOffload, cold_base, inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
 from runtime.experts.placement import CpuSplit, CpuSplitCosts, plan_cpu_split, plan_resident
+from runtime.experts import prefetch as decode_prefetch
 from runtime.experts.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
@@ -107,7 +112,8 @@ class OffloadManager:
     def __init__(self, layers: list[ExpertLayer], vram: MemoryBudget, policy: str = "auto",
                  stats: Optional[RoutingStats] = None, stats_file: Optional[Path] = None,
                  replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25,
-                 cpu_threads: int = 0, ram: Optional[MemoryBudget] = None):
+                 cpu_threads: int = 0, ram: Optional[MemoryBudget] = None,
+                 prefetch_pages: Optional[int] = None):
         if not layers:
             raise ValueError("offload needs at least one MoE layer")
         self.layers = [LayerOffload(layer, i) for i, layer in enumerate(layers)]
@@ -151,6 +157,9 @@ class OffloadManager:
         self.lend_staging = LEND_STAGING and self.cuda      # the pages are VRAM only on a GPU (tests set it)
         self._lending: list[tuple[int, int, int]] = []     # (layer, expert, page): copies queued, not yet pointed
         self._lend_event = None                            # those copies done (side stream)
+        # Decode prefetch (runtime/experts/prefetch.py): pages per layer, on a GPU by default.
+        self.prefetch_pages = (decode_prefetch.PAGES if self.cuda else 0) if prefetch_pages is None else prefetch_pages
+        self.prefetch: Optional[decode_prefetch.DecodePrefetch] = None
         self.tokens = 0
         self.forwards = 0
         self.bytes = {"staged": 0, "promoted": 0, "naive": 0, "lent": 0}
@@ -179,13 +188,14 @@ class OffloadManager:
         planned and the one serving the most routing share from VRAM wins."""
         cb = self.code_bytes()
         freq = self.stats.frequencies() if freq is None else np.asarray(freq, dtype=np.float64)
-        for key in ("hot experts", "prefill staging"):
+        for key in ("hot experts", "prefill staging", "decode prefetch"):
             self.vram.release(key)
         if free_bytes is None:
             free_bytes = self.vram.free_bytes
         if sum(cb) * self.E <= free_bytes:
             self.apply([list(range(self.E))] * len(self.layers), 0)
             return
+        free_bytes -= self.prefetch_pages * max(cb)              # the decode prefetch's pages
         if self.policy == "vram":
             raise BudgetError("VRAM", "all experts", sum(cb) * self.E, free_bytes, self.vram.total_bytes,
                               "choose the 'auto' or 'stream' placement to keep some experts in RAM")
@@ -214,11 +224,12 @@ class OffloadManager:
             capacity = min(self.E, most_cold + 1) if most_cold else 0
         if most_cold and capacity < min(self.E, most_cold + 1):
             raise ValueError(f"staging for {capacity} experts, a layer leaves {most_cold} cold (+ 1 in flight)")
-        for key in ("hot experts", "prefill staging"):
+        for key in ("hot experts", "prefill staging", "decode prefetch"):
             self.vram.release(key)
         if self.cuda:                                   # lending copies may still write the old pages
             torch.cuda.synchronize(self.device)
         self._lending, self._lend_event = [], None
+        self.prefetch = None
         self.stage, self.stage_capacity = [], 0
         self._drop_cpu_paths()
         for lo in self.layers:
@@ -228,6 +239,9 @@ class OffloadManager:
         self.vram.reserve("prefill staging", 2 * capacity * max(cb),
                           "lower the context length or raise the VRAM budget")
         self.vram.reserve("hot experts", sum(len(r) * b for r, b in zip(resident, cb)))
+        if most_cold and self.prefetch_pages:
+            self.vram.reserve("decode prefetch", self.prefetch_pages * max(cb),
+                              "set MOEDESK_PREFETCH=0, or raise the VRAM budget")
         if capacity:
             for lo in self.layers:
                 for p, q in zip(lo.packs, self.layers[0].packs):
@@ -241,6 +255,9 @@ class OffloadManager:
             lo.set_slots(len(r))
             lo.fill(r, self.side)
         self._staged.clear()
+        if most_cold and self.prefetch_pages:
+            self.prefetch = decode_prefetch.DecodePrefetch(self, self.prefetch_pages)
+            self.prefetch.place()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._build_cpu_paths(resident)
@@ -419,6 +436,8 @@ class OffloadManager:
         staging the first layer. Prefill-sized forwards stay out of the hit rate (their pairs are
         accounted up to here now, and dropped at the next boundary)."""
         self._staged.clear()
+        if self.prefetch is not None:
+            self.prefetch.begin()
         if self.stage_worth(rows) or self.naive:
             self._reclaim_staging()
         if rows * self.top_k >= self.stage_min_pairs:
@@ -556,6 +575,8 @@ class OffloadManager:
                 self._start_lending()
             if self.replace_every and self.forwards % self.replace_every == 0 and not self.naive:
                 self._replace_round()
+            if self.prefetch is not None and not self.naive:
+                self.prefetch.boundary(self.forwards)
 
     # -- staging pages lent to cold experts between prefills -------------------------------------------
 
@@ -700,7 +721,11 @@ class OffloadManager:
         # over PCIe: the cold picks the CPU left alone, and the GPU's part of those it was cut into
         cold_bytes = sum((n - h - c[2] * (lo.cpu.cpu_part() if lo.cpu is not None else 1.0)) * lo.code_bytes
                          for (h, n), c, lo in zip(hp, cpu, self.layers))
-        moved = cold_bytes + sum(self.bytes.values())
+        # the decode prefetch: a copy picked is one of the misses above (its expert came over PCIe once);
+        # a copy not picked moved its bytes for nothing
+        pf = self.prefetch.score.tolist() if self.prefetch is not None else [[0] * 4] * len(self.layers)
+        wasted = sum((s[2] - s[3]) * lo.code_bytes for s, lo in zip(pf, self.layers))
+        moved = cold_bytes + wasted + sum(self.bytes.values())
         calls = max((c[1] for c in cpu), default=0)
         cpu_tel = {
             "cpu_expert_ms_per_token": sum(c[0] for c in cpu) / 1e6 / calls if calls else None,
@@ -735,6 +760,8 @@ class OffloadManager:
             "expert_residents": [len(lo.expert_slot) for lo in self.layers],
             "expert_lent": sum(len(lo.lent) for lo in self.layers),
             "expert_lent_pending": len(self._lending),
+            "expert_prefetch": self.prefetch.telemetry() if self.prefetch is not None else None,
+            "expert_prefetch_wasted_bytes": wasted,
             "expert_paths": [lo.path for lo in self.layers],
             "expert_path_counts": self.path_counts(),
             "expert_promotions": sum(lo.promotions for lo in self.layers),
@@ -760,6 +787,7 @@ class OffloadManager:
         if self.cuda:          # promotions and lending copies may still write slots and pages freed below
             torch.cuda.synchronize(self.device)
         self._lending, self._lend_event = [], None
+        self.prefetch = None
         self.save_stats()
         self._drop_cpu_paths()
         for lo in self.layers:

@@ -270,3 +270,64 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         _compare(_script(eng, toks), want, "cpu path after re-placement")
     finally:
         eng.close()
+
+
+def _uniform(eng) -> None:
+    """Forced uniform routing (the benchmark's; the same pick sets in every engine), graphs dropped."""
+    from runtime.backends.bench_offload import force_uniform_routing
+    force_uniform_routing(eng)
+
+
+@pytest.mark.parametrize("placement", ["stream", "cpu"])
+def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
+    """Decode prefetch, copying on every step: each layer's likely cold experts copied into VRAM pages
+    on a side stream inside the captured decode step, read from there by the GPU kernels (and left
+    out of the CPU's part). Under forced uniform routing with the oracle keeping every forced pick,
+    every copy is an expert the layer then picks, so the pages are read; the logits still equal the
+    all-in-VRAM run's under the same forced picks. Then the router's own prediction (scored, copied
+    or not) keeps them equal too."""
+    from runtime.experts import manager as mgr
+    from runtime.experts import prefetch as pfm
+    from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setattr(pfm, "PAGES", 4)
+    if placement == "cpu":
+        monkeypatch.setattr(mgr.OffloadManager, "_split_costs",
+                            lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0, 1.0))
+    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(10)).tolist()
+    ref, _ = _load(moe_8l)
+    try:
+        _uniform(ref)
+        want = _script(ref, toks)
+        codes = _code_bytes(ref)
+        from runtime.backends.exl2_offload import prefill_scratch_bytes
+        others = torch.cuda.memory_allocated() - codes
+        scratch = prefill_scratch_bytes(ref.model.config)
+    finally:
+        ref.close()
+    budget = others + scratch + codes // 2 + (64 << 20)
+    eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement=placement, cpu_threads=4)
+    try:
+        m = eng.offload
+        pf = m.prefetch
+        assert pf is not None and pf.P == 4 and eng.telemetry()["vram_budget_items"]["decode prefetch"] > 0
+        pf.set_mode("on")
+        pf.oracle = 1.0
+        _uniform(eng)
+        got = _script(eng, toks)
+        errs = _compare(got, want, f"prefetch, oracle, {placement}")
+        tel = eng.telemetry()
+        assert tel["decode_graphs"], tel.get("graph_error")
+        c, ch, k, kh = pf.totals()
+        assert k > 0 and kh == k and ch == c, (c, ch, k, kh)          # every copy picked, and read
+        if placement == "cpu":
+            assert tel["cpu_expert_path"] == "on" and tel["cpu_expert_pairs"] > 0
+        _record(test="decode_prefetch", placement=placement, errors=errs, score=[c, ch, k, kh])
+        # the router's own prediction of the forced picks: scored (near chance), still exact
+        pf.oracle = None
+        _uniform(eng)                                  # the same pick sets from the start again
+        _compare(_script(eng, toks), want, f"prefetch, router, {placement}")
+        c2, ch2, k2, kh2 = pf.totals()
+        assert c2 > c and k2 > k
+        _record(test="decode_prefetch_router", placement=placement, score=[c2 - c, ch2 - ch, k2 - k, kh2 - kh])
+    finally:
+        eng.close()

@@ -1,0 +1,199 @@
+"""Decode prefetch (runtime/experts/prefetch.py): the plan and copy kernels in Triton's interpreter, the
+pages in the VRAM ledger, and the switch that stops copying when predictions do not come true.
+(On the GPU, tests/gpu/test_offload_gpu.py runs it inside captured decode steps against all-in-VRAM.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.experts import prefetch as pfm
+from runtime.experts.budget import MemoryBudget
+from runtime.experts.check import random_layer
+from runtime.experts.manager import OffloadManager
+from runtime.experts.offload import word_distance
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_KERNELS = r"""
+import torch
+from runtime.experts.kernels import UniformPicks, predict_logits, prefetch_copy, prefetch_plan
+torch.manual_seed(0)
+E, A, H, P = 8, 3, 64, 2
+W = [48, 48, 32]                                       # words per expert of gate, up, down
+qw = [torch.zeros(2, w, dtype=torch.int32) for w in W]             # two slots
+cold = [torch.randint(-2 ** 31, 2 ** 31 - 1, (E, w), dtype=torch.int32) for w in W]
+pages = [[torch.zeros(w, dtype=torch.int32) for w in W] for _ in range(P)]
+d = lambda a, b: (a.data_ptr() - b.data_ptr()) // 4
+resident = {1: 0, 4: 1}                                 # expert -> slot
+tables = [torch.tensor([resident[e] * W[j] if e in resident else d(cold[j], qw[j]) + e * W[j] for e in range(E)])
+          for j in range(3)]
+mask = torch.tensor([int(e in resident) for e in range(E)], dtype=torch.int32)
+page_words = torch.tensor([[d(pages[k][j], qw[j]) for k in range(P)] for j in range(3)])
+desc = torch.tensor([[d(cold[j], qw[0]), W[j]] + [d(pages[k][j], qw[0]) for k in range(P)] for j in range(3)])
+skip = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1], dtype=torch.uint8)
+steps = [torch.zeros(E, dtype=torch.int64) for _ in range(3)]
+step_skip = torch.zeros(E, dtype=torch.uint8)
+cand, copy = torch.zeros(P, dtype=torch.int32), torch.zeros(P, dtype=torch.int32)
+score, on = torch.zeros(4, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+
+# the next layer's router on the residual stream, scaled by its norm weight
+h, nw, gate = torch.randn(1, H).half(), (torch.rand(H) + 0.5).half(), torch.randn(E, H).half()
+logits = predict_logits(h, nw, gate, torch.zeros(E))
+want = (h.float() * nw.float()) @ gate.float().T
+assert torch.allclose(logits, want[0], rtol=1e-4, atol=1e-3), (logits, want)
+top = torch.argsort(logits, descending=True)[:A].tolist()
+want_cand = [e for e in top if e not in resident][:P]
+want_cand += [-1] * (P - len(want_cand))
+
+def plan(on_value, ids=None, prev=None, oracle=None):
+    on.fill_(on_value)
+    prefetch_plan(logits, mask, tables, steps, page_words, skip, step_skip, cand, copy, on, ids,
+                  prev[0] if prev else None, prev[1] if prev else None, score, top_k=A, plan=True, oracle=oracle)
+
+plan(1)
+assert cand.tolist() == want_cand and copy.tolist() == want_cand, (cand, want_cand)
+for j in range(3):
+    exp = tables[j].clone()
+    for k, e in enumerate(want_cand):
+        if e >= 0:
+            exp[e] = page_words[j, k]
+    assert torch.equal(steps[j], exp), (j, steps[j], exp)
+exp_skip = skip.clone()
+exp_skip[[e for e in want_cand if e >= 0]] = 0
+assert torch.equal(step_skip, exp_skip)
+prefetch_copy(qw[0], desc, copy, max(W))
+for k, e in enumerate(want_cand):
+    for j in range(3):
+        assert torch.equal(pages[k][j], cold[j][e]), (k, j)
+assert all(torch.equal(q, torch.zeros_like(q)) for q in qw)            # the slots untouched
+
+# the score of that prediction against the picks the layer then made (one of two candidates picked)
+prev = (cand.clone(), copy.clone())
+ids = torch.tensor([[want_cand[0], 1, 4]], dtype=torch.int32)
+plan(0, ids=ids, prev=prev)
+assert score.tolist() == [2, 1, 2, 1], score
+assert copy.tolist() == [-1] * P and cand.tolist() == want_cand                # off: predicted, not copied
+assert all(torch.equal(steps[j], tables[j]) for j in range(3)) and torch.equal(step_skip, skip)
+
+# the last layer scores only
+prefetch_plan(None, mask, None, None, None, None, None, cand, copy, on, ids, prev[0], prev[1], score, top_k=A, plan=False)
+assert score.tolist() == [4, 2, 4, 2], score
+
+# benchmarks: the next layer's forced picks, kept with probability 1 (0: pseudo-random experts)
+picks = UniformPicks.draw(E, A, "cpu", rows=16, seed=3)
+picks.step.fill_(5)
+plan(1, oracle=(picks, 1.0))
+truth = [e for e in picks.table[5].tolist() if e not in resident][:P]
+assert cand.tolist()[:len(truth)] == truth, (cand, truth)
+plan(1, oracle=(picks, 0.0))
+assert all(-1 <= e < E for e in cand.tolist())
+print("prefetch kernels ok")
+"""
+
+
+def test_plan_and_copy_kernels_in_the_interpreter():
+    """The next layer's router on the residual stream (norm weight applied) gives its top-k; the first
+    P of them that are cold there are copied into pages, its step tables point them there and its
+    step mask leaves them to the GPU; switched off, nothing is copied and the tables are the layer's
+    own; each prediction is scored against the picks the layer made; the benchmark oracle hands over
+    the forced picks."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _KERNELS], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "prefetch kernels ok" in r.stdout
+
+
+E, TOP_K = 8, 2
+
+
+def _manager(pages: int, n: int = 3) -> OffloadManager:
+    layers = [random_layer(E, 64, 32, TOP_K, 4, "cpu", seed=i, host_codes=True) for i in range(n)]
+    return OffloadManager(layers, MemoryBudget(1 << 40), prefetch_pages=pages)
+
+
+def test_pages_come_out_of_the_budget_and_point_from_every_layer():
+    m = _manager(2)
+    cb = m.layers[0].code_bytes
+    m.place(free_bytes=20 * cb)
+    pf = m.prefetch
+    assert pf is not None and m.vram.items["decode prefetch"] == 2 * cb
+    assert m.vram.used_bytes <= 20 * cb                             # planned with the pages set aside
+    for lo in m.layers:
+        for j, p in enumerate(lo.packs):
+            assert pf.page_words[lo.index, j].tolist() == [word_distance(pg[j], p.qweight) for pg in pf.pages]
+            base = lo.packs[0].qweight
+            assert pf.desc[lo.index, j].tolist() == ([word_distance(p.cold, base), p.words_per_expert]
+                                                     + [word_distance(pg[j], base) for pg in pf.pages])
+    m.apply([list(range(E))] * 3)                                   # everything in VRAM: nothing to fetch
+    assert m.prefetch is None and "decode prefetch" not in m.vram.items
+    none = _manager(0)
+    none.place(free_bytes=20 * cb)
+    assert none.prefetch is None and "decode prefetch" not in none.vram.items
+
+
+def test_copying_stops_while_predictions_fail_and_resumes_when_they_come_true():
+    m = _manager(1)
+    m.place(free_bytes=20 * m.layers[0].code_bytes)
+    pf = m.prefetch
+    assert pf.copying and int(pf.on) == 1
+    w = pfm.WINDOW
+
+    def window(cands, picked):
+        with torch.inference_mode():
+            pf.score[0] += torch.tensor([cands, picked, cands, picked])
+        for f in range(1, w + 1):
+            m.forwards += 1
+            pf.boundary(m.forwards)
+    # each look decides by the score copied out at the look before (read without waiting)
+    window(0, 0)
+    window(100, 5)
+    window(0, 0)                                 # 5% of the candidates came true: stop copying
+    assert not pf.copying and int(pf.on) == 0 and pf.window_use == pytest.approx(0.05)
+    window(8, 8)
+    window(0, 0)                                 # too few candidates to judge: unchanged
+    assert not pf.copying
+    window(100, 60)
+    window(0, 0)
+    assert pf.copying and int(pf.on) == 1
+    pf.set_mode("off")
+    window(100, 100)
+    window(0, 0)
+    assert not pf.copying                        # held off
+    pf.set_mode("on")
+    assert pf.copying and int(pf.on) == 1
+    with pytest.raises(ValueError, match="prefetch mode 'sometimes'"):
+        pf.set_mode("sometimes")
+    tel = m.telemetry()["expert_prefetch"]
+    assert tel["pages"] == 1 and tel["mode"] == "on" and tel["candidates"] == 308 and tel["copies_used"] == 173
+
+
+def test_the_page_count_is_checked():
+    assert pfm._pages("2") == 2 and pfm._pages("0") == 0
+    for bad in ("-1", "9", "one"):
+        with pytest.raises(ValueError, match="MOEDESK_PREFETCH="):
+            pfm._pages(bad)
+
+
+def test_telemetry_counts_unpicked_copies_as_wasted_pcie_bytes():
+    m = _manager(1)
+    m.place(free_bytes=20 * m.layers[0].code_bytes)
+    with torch.inference_mode():
+        m.prefetch.score[1] += torch.tensor([10, 4, 10, 4])
+    tel = m.telemetry()
+    assert tel["expert_prefetch_wasted_bytes"] == 6 * m.layers[1].code_bytes
+    assert np.isclose(tel["expert_prefetch"]["accuracy"], 0.4)
+
+
+def test_the_benchmarks_oracle_list_is_checked():
+    import argparse
+    from runtime.backends.bench_offload import _oracles
+    assert _oracles("none,1.0,0.6") == [None, 1.0, 0.6]
+    with pytest.raises(argparse.ArgumentTypeError, match="'1.5': want 'none' or a probability"):
+        _oracles("none,1.5")
