@@ -278,6 +278,13 @@ def _uniform(eng) -> None:
     force_uniform_routing(eng)
 
 
+def _one_row(out: dict) -> dict:
+    """The one-row forwards of a script. Under forced routing a forward of several rows hands the pick
+    sets to its rows in the order their programs take the counter, which differs from run to run (the
+    sets and the counter after the forward do not); one row is exact. The prefetch runs in those only."""
+    return {k: v for k, v in out.items() if k.startswith("decode")}
+
+
 @pytest.mark.parametrize("placement", ["stream", "cpu"])
 def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
     """Decode prefetch, copying on every step: each layer's likely cold experts copied into VRAM pages
@@ -314,7 +321,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
         pf.oracle = 1.0
         _uniform(eng)
         got = _script(eng, toks)
-        errs = _compare(got, want, f"prefetch, oracle, {placement}")
+        errs = _compare(_one_row(got), _one_row(want), f"prefetch, oracle, {placement}")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         c, ch, k, kh = pf.totals()
@@ -325,7 +332,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
         # the router's own prediction of the forced picks: scored (near chance), still exact
         pf.oracle = None
         _uniform(eng)                                  # the same pick sets from the start again
-        _compare(_script(eng, toks), want, f"prefetch, router, {placement}")
+        _compare(_one_row(_script(eng, toks)), _one_row(want), f"prefetch, router, {placement}")
         c2, ch2, k2, kh2 = pf.totals()
         assert c2 > c and k2 > k
         _record(test="decode_prefetch_router", placement=placement, score=[c2 - c, ch2 - ch, k2 - k, kh2 - kh])
