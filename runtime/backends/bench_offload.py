@@ -349,14 +349,24 @@ def prefetch_figures(d: dict, n_decode: int) -> dict[str, Any]:
 
 def measure_prefetch(engine, mode: str, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again with the prefetch held in `mode` ("on": copying whatever the score; "off": the
-    prediction runs, nothing is copied), then back to the run's mode: its effect side by side."""
-    pf = engine.offload.prefetch
+    prediction runs, nothing is copied; "none": not in the decode step at all, graphs captured again),
+    then back to the run's mode: its effect side by side."""
+    m = engine.offload
+    pf = m.prefetch
     kept = pf.mode
-    pf.set_mode(mode)
+    if mode == "none":
+        m.prefetch = None
+        engine._drop_graphs()
+    else:
+        pf.set_mode(mode)
     try:
         tps, d = decode_after_prompt(engine, prompt, n_decode)
     finally:
-        pf.set_mode(kept)
+        if mode == "none":
+            m.prefetch = pf
+            engine._drop_graphs()
+        else:
+            pf.set_mode(kept)
     return {"mode": mode, "decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
             "pcie_bytes_per_token": d["zero_copy_bytes"] / n_decode, **prefetch_figures(d, n_decode)}
 
@@ -438,8 +448,9 @@ def main(argv=None) -> int:
                     "placement, e.g. 12,15 (the placement's split stays as planned)")
     ap.add_argument("--try-cuts", default="", help="experts cut between CPU and GPU: decode again with the "
                     "CPU's part held at these intermediate rows, e.g. 640,704,768 (within its copies)")
-    ap.add_argument("--prefetch-modes", default="off,on", help="decode prefetch: decode again with it held in "
-                    "these modes (off: predicted, nothing copied; on: always copying), beside the run's (auto)")
+    ap.add_argument("--prefetch-modes", default="none,off,on", help="decode prefetch: decode again with it held "
+                    "in these modes (none: left out of the step; off: predicted, nothing copied; on: always "
+                    "copying), beside the run's (auto)")
     ap.add_argument("--prefetch-oracle", type=_oracles, default=[None], help="with --routing uniform, "
                     "comma-separated: the decode prefetch is handed each next layer's forced picks, each kept with "
                     "this probability (what a given prediction accuracy buys; real models' accuracy cannot be "
