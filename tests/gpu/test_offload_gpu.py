@@ -91,14 +91,16 @@ def _code_bytes(eng) -> int:
     return sum(p.qweight.numel() * 4 for m in eng.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
 
 
-def _all_in_vram(path, seed: int):
+def _all_in_vram(path, seed: int, uniform: bool = False):
     """The reference run, every expert in VRAM: (tokens, its outputs, expert code bytes, other VRAM in
-    use, prefill scratch), for sizing a budget that forces offload."""
+    use, prefill scratch), for sizing a budget that forces offload. uniform: under forced uniform routing."""
     from runtime.backends.exl2_offload import prefill_scratch_bytes
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref, applied = _load(path)
     try:
         assert ref.offload is None and applied["offload.ram_budget_gb"].startswith("ignored")
+        if uniform:
+            _uniform(ref)
         want = _script(ref, toks)
         codes = _code_bytes(ref)
         others = torch.cuda.memory_allocated() - codes
@@ -300,17 +302,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
     if placement == "cpu":
         monkeypatch.setattr(mgr.OffloadManager, "_split_costs",
                             lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0, 1.0))
-    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(10)).tolist()
-    ref, _ = _load(moe_8l)
-    try:
-        _uniform(ref)
-        want = _script(ref, toks)
-        codes = _code_bytes(ref)
-        from runtime.backends.exl2_offload import prefill_scratch_bytes
-        others = torch.cuda.memory_allocated() - codes
-        scratch = prefill_scratch_bytes(ref.model.config)
-    finally:
-        ref.close()
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=10, uniform=True)
     budget = others + scratch + codes // 2 + (64 << 20)
     eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement=placement, cpu_threads=4)
     try:
