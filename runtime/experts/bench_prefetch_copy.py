@@ -13,18 +13,11 @@ import argparse
 import torch
 
 from runtime.experts import kernels as K
+from runtime.experts.bench_grouped import _time
 
 
 def _time_us(fn, n: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n * 1e3
+    return _time(fn, n) * 1e3
 
 
 def main(argv=None) -> int:

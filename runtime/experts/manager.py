@@ -29,7 +29,7 @@
 - **Decode prefetch** (runtime/experts/prefetch.py, `MOEDESK_PREFETCH` pages, 1 by default on a GPU):
   after each MoE layer of a decode step, the next layer's router applied to the residual stream
   predicts its picks, and the likeliest cold one is copied into a VRAM page on a side stream while
-  host RAM is idle (that layer's attention); copying stops while too few predictions come true.
+  host RAM is idle (that layer's attention); copying runs only while 90% of the predictions come true.
 - **Naive baseline** (`naive = True`, benchmark only, no graphs): every cold expert a step needs is
   copied into VRAM on demand after a host synchronisation per layer, nothing overlapped.
 
