@@ -70,7 +70,6 @@ def _counts(engine) -> dict[str, float]:
     for lo, sc in zip(m.layers, score):
         pf = [a + b for a, b in zip(pf, sc)]
         pcie_b += (sc[2] - sc[3]) * lo.code_bytes       # copies not picked (those picked are misses below)
-    for lo in m.layers:
         h, n = lo.hit_counts()
         ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)   # c: misses the CPU computed
         hits, pairs, cpu_pairs, cpu_ns = hits + h, pairs + n, cpu_pairs + c, cpu_ns + ns

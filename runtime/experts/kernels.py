@@ -526,6 +526,18 @@ def add_from_host(y: torch.Tensor, y_h: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def router_logits(x: torch.Tensor, gate_w: torch.Tensor, out: torch.Tensor,
+                  norm_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out fp32 [T, E] = (x [T, H], times norm_w [H] if given) . gate_w[e], one launch."""
+    T, H = x.shape
+    E = gate_w.shape[0]
+    eb = 2                                 # E / 2 programs per token, each reading its rows in one or two loads
+    bh = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 1) if H % b == 0)   # whole rows in few loads
+    _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, out, norm_w if norm_w is not None else x, H=H, E=E, EB=eb,
+                                            BH=bh, NW=norm_w is not None, num_warps=4)
+    return out
+
+
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
                 renormalize: bool = True, forced: Optional["UniformPicks"] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two
@@ -533,10 +545,7 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     row takes the next pick set of `forced` instead (equal weights)."""
     T, H = x.shape
     E = gate_w.shape[0]
-    logits = torch.empty((T, E), dtype=torch.float32, device=x.device)
-    eb = 2                                 # E / 2 programs per token, each reading its rows in one or two loads
-    bh = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 1) if H % b == 0)   # whole rows in few loads
-    _router_logits[(T, triton.cdiv(E, eb))](x, gate_w, logits, x, H=H, E=E, EB=eb, BH=bh, NW=False, num_warps=4)
+    logits = router_logits(x, gate_w, torch.empty((T, E), dtype=torch.float32, device=x.device))
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     rw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
     if forced is not None and forced.table.shape[1] != top_k:
@@ -782,10 +791,7 @@ def predict_logits(h: torch.Tensor, norm_w: Optional[torch.Tensor], gate_w: torc
     if h.numel() != H or out.numel() != E or out.dtype != torch.float32:
         raise ValueError(f"predict_logits: one row of {H} into fp32 [{E}], got {list(h.shape)} into "
                          f"{out.dtype} {list(out.shape)}")
-    bh = next(b for b in (2048, 1024, 512, 256, 128, 64, 32, 1) if H % b == 0)
-    _router_logits[(1, triton.cdiv(E, 2))](h, gate_w, out, norm_w if norm_w is not None else h, H=H, E=E, EB=2,
-                                           BH=bh, NW=norm_w is not None, num_warps=4)
-    return out
+    return router_logits(h.reshape(1, H), gate_w, out, norm_w)
 
 
 def prefetch_plan(logits, mask, tables, steps, pages, skip, step_skip, cand, copy, on, ids, prev_cand,

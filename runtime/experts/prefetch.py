@@ -98,21 +98,15 @@ class DecodePrefetch:
 
     # -- placement ------------------------------------------------------------------------------------
 
-    def nbytes(self) -> int:
-        return self.P * max(self.m.code_bytes())
-
     def place(self) -> None:
         """After the slots are set: pages (reserved by the manager) and the addresses of each layer's
-        cold stacks and pages, relative to its slot stacks."""
+        cold stacks and pages, relative to its slot stacks. One expert shape for all layers (the manager
+        checked it for staging)."""
         first = self.m.layers[0].packs
         self.pages = [[torch.empty(p.cold.shape[1:], dtype=torch.int32, device=self.m.device) for p in first]
                       for _ in range(self.P)]
         pw, desc = [], []
         for lo in self.m.layers:
-            for p, q in zip(lo.packs, first):
-                if p.cold.shape[1:] != q.cold.shape[1:]:
-                    raise ValueError(f"layer {lo.index}: expert shapes differ from layer 0's; the prefetch "
-                                     "pages assume one shape")
             base = lo.packs[0].qweight
             pw.append([[word_distance(pg[j], p.qweight) for pg in self.pages] for j, p in enumerate(lo.packs)])
             desc.append([[word_distance(p.cold, base), p.words_per_expert]
@@ -153,7 +147,7 @@ class DecodePrefetch:
         with ctx:
             args = dict(ids=ids if scored else None, prev_cand=self.cand[i], prev_copy=self.copy[i], score=self.score[i])
             if nxt is None:
-                prefetch_plan(None, self.m.layers[i].mask, None, None, None, None, None, self.cand[i],
+                prefetch_plan(None, lo.mask, None, None, None, None, None, self.cand[i],
                               self.copy[i], self.on, top_k=self.m.top_k, plan=False, **args)
                 return
             nl = self.m.layers[nxt]
