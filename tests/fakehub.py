@@ -15,7 +15,7 @@ The server logs every request (`FakeHub.log`) so tests can check Range headers a
 
 A hostile hub: `Branch(commit=...)` may be any string (a traversal such as `../../x`), and
 `FakeHub.lie_headers` overrides response headers of file routes (ETag, X-Repo-Commit...) with any value,
-`FakeHub.lie_sizes` makes the tree listing claim other sizes than the files served,
+`FakeHub.lie_sizes` and `FakeHub.lie_oids` make the tree listing claim other sizes and hashes than the files served,
 `Fault(kind="flood")` streams `at` bytes with no Content-Length whatever the file's size.
 """
 from __future__ import annotations
@@ -89,6 +89,7 @@ class FakeHub:
         self.lock = threading.Lock()
         self.lie_headers: dict[str, str] = {}   # headers of file answers replaced with these (a hostile hub)
         self.lie_sizes: dict[str, int] = {}     # file path -> the size the tree listing claims instead of the truth
+        self.lie_oids: dict[str, object] = {}   # file path -> the git blob id (or LFS sha256) the listing claims
         self.valid_tokens: set[str] = set()  # tokens /api/whoami-v2 accepts (login checks them there)
         self.connections: set = set()       # open client sockets, closed by stop() like a vanished host
         self.server: ThreadingHTTPServer | None = None
@@ -251,9 +252,11 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             data = b.files[path]
             size = self.hub.lie_sizes.get(path, len(data))
-            entry = {"type": "file", "path": path, "size": size, "oid": git_blob_id(data)}
+            oid = self.hub.lie_oids.get(path)
+            entry = {"type": "file", "path": path, "size": size, "oid": oid if oid is not None else git_blob_id(data)}
             if len(data) >= LFS_MIN_SIZE:
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": size, "pointerSize": 134}
+                entry["lfs"] = {"oid": oid if oid is not None else hashlib.sha256(data).hexdigest(), "size": size,
+                                "pointerSize": 134}
             entries.append(entry)
             for i in range(1, path.count("/") + 1):
                 dirs.add("/".join(path.split("/")[:i]))

@@ -102,6 +102,14 @@ def test_an_oversized_config_is_not_read(hub):
         HubClient().quant("tester/Tiny-MoE-exl2", "4.0bpw")
 
 
+@pytest.mark.parametrize("path, oid", [("README.md", "../../x"), ("model.safetensors", "abc"),
+                                       ("config.json", 12), ("config.json", "F" * 40)])
+def test_a_listing_whose_hashes_are_not_hashes_is_refused(hub, path, oid):
+    hub.lie_oids[path] = oid
+    with pytest.raises(HubError, match=f"{path}.* not a hash"):
+        HubClient().quant("tester/Tiny-MoE-exl2", "4.0bpw")
+
+
 # -- sizes: the listing is the bound
 
 def test_a_server_that_never_stops_sending_is_cut_off_at_the_listed_size(hub, outside):

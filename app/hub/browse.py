@@ -29,7 +29,8 @@ from app.hub.errors import HubAccessError, HubError, TooLargeError, translate
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", "*.gguf", "*.msgpack", "*.h5")
 
 CONFIG_MAX_BYTES = 4 << 20        # a config.json is kilobytes; more is not read
-_COMMIT = re.compile(r"[0-9a-f]{40}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")          # a git commit id, or a git blob id
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _BRANCH_BPW = re.compile(r"^(?:b)?(\d{1,2})(?:[._](\d{1,3}))?\s*(?:bpw|b)?(?:[-_]?h(?:b)?(\d{1,2}))?$", re.I)
 
 
@@ -202,6 +203,11 @@ class HubClient:
             raise HubError(f"The Hub listed a file size that is not a byte count while {what}. Refusing the listing.")
         files = tuple(RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else None, f.blob_id)
                       for f in tree if not is_ignored(f.path))
+        for f in files:                         # what each file is checked against once downloaded
+            digest, pattern = (f.sha256, _SHA256) if f.sha256 is not None else (f.blob_id, _COMMIT)
+            if not isinstance(digest, str) or not pattern.fullmatch(digest):
+                raise HubError(f"The Hub listed {str(digest)[:80]!r} as the hash of {f.path} while {what}: not a "
+                               "hash. Refusing the listing.")
         if not any(f.path.endswith(".safetensors") for f in files):
             return None
         config, access = {}, ""
