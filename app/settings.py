@@ -12,7 +12,8 @@ default sampling for new conversations (`runtime.options.SamplingOptions`). Ever
 by `runtime.options.from_dict`; unknown keys are errors too.
 
 A missing file means defaults (no warning). A file that is not JSON (or nested too deep to parse), that
-fails validation, or that makes parsing fail in any other way, is renamed to `settings.json.bak-<YYYYmmdd-HHMMSS>`, the defaults are used, and `LoadResult.warning` says
+fails validation, or that makes parsing fail in any other way, is renamed to
+`settings.json.bak-<YYYYmmdd-HHMMSS>`, the defaults are used, and `LoadResult.warning` says
 what was wrong and where the old file went. Writes are atomic: a temporary file in the same folder,
 fsync, then `os.replace`, so a crash mid-write leaves the old file whole.
 """

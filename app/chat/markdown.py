@@ -134,7 +134,8 @@ class _Renderer:
         return (f'<table width="100%" cellspacing="0" cellpadding="6" bgcolor="{p.code_bg}" '
                 f'style="border: 1px solid {p.border}; margin-top: 4px; margin-bottom: 4px;">'
                 f'<tr><td><span style="color:{p.muted}; font-size: small;">{label}</span>&nbsp;&nbsp;'
-                f'<a href="{app_link("code", n)}" style="color:{p.link}; text-decoration: none; font-size: small;">Copy</a>'
+                f'<a href="{app_link("code", n)}" style="color:{p.link}; text-decoration: none; '
+                f'font-size: small;">Copy</a>'
                 f'<pre style="margin: 0;">{body}</pre></td></tr></table>\n')
 
     def markdown(self, text: str) -> str:

@@ -13,8 +13,8 @@ from typing import Callable
 
 from app.hub.browse import Quant
 from app.hub.download import DownloadProgress, Interrupted, JobState, RetryPolicy, progress_for, run_job
-from app.hub.staging import (MANIFEST, MANIFEST_ERRORS, DownloadJob, bytes_on_disk, check_disk_space, plan, read_manifest,
-                             remove_staging, staged_jobs, staging_dir, write_manifest)
+from app.hub.staging import (MANIFEST, MANIFEST_ERRORS, DownloadJob, bytes_on_disk, check_disk_space, plan,
+                             read_manifest, remove_staging, staged_jobs, staging_dir, write_manifest)
 from app.hub.errors import HubError
 from runtime import paths
 
