@@ -22,6 +22,7 @@ from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
 from app.store import Store
+from app.store_recovery import open_store
 from app.window import MainWindow
 from runtime import paths
 
@@ -56,7 +57,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     if settings is None:
         result = load_settings()
         settings, warning = result.settings, result.warning
-    store = Store()
+    store, store_notice = open_store()
     store.mark_interrupted(INTERRUPTED)
     session = ChatSession(store, settings.sampling)
     client = EngineClient(worker_command)
@@ -66,8 +67,10 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
                 startup_model(settings) if model == "auto" else model)
     wire(desk)
     window.gauges_dock.setVisible(settings.app.show_gauges)
+    if store_notice:
+        window.notice.add("Conversations", store_notice)
     if warning:
-        window.banner.show_state("Settings were reset", warning, kind="info")
+        window.notice.add("Settings were reset", warning)
     return desk
 
 
@@ -183,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     theme.apply(app, result.settings.app.theme)
     desk = build(result.settings, model=paths.DEMO_ALIAS if question else args.model or "auto")
     if result.warning:
-        desk.window.banner.show_state("Settings were reset", result.warning, kind="info")
+        desk.window.notice.add("Settings were reset", result.warning)
     desk.window.restore_geometry()
     desk.window.show()
     from app import firstrun, smoke

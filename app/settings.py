@@ -11,8 +11,9 @@ The file holds `{"version": 1, "app": {...}, "load": {...}, "sampling": {...}}`:
 default sampling for new conversations (`runtime.options.SamplingOptions`). Every value is validated
 by `runtime.options.from_dict`; unknown keys are errors too.
 
-A missing file means defaults (no warning). A file that is not JSON, or that fails validation, is
-renamed to `settings.json.bak-<YYYYmmdd-HHMMSS>`, the defaults are used, and `LoadResult.warning` says
+A missing file means defaults (no warning). A file that is not JSON (or nested too deep to parse), that
+fails validation, or that makes parsing fail in any other way, is renamed to
+`settings.json.bak-<YYYYmmdd-HHMMSS>`, the defaults are used, and `LoadResult.warning` says
 what was wrong and where the old file went. Writes are atomic: a temporary file in the same folder,
 fsync, then `os.replace`, so a crash mid-write leaves the old file whole.
 """
@@ -87,10 +88,14 @@ def load_settings(path: Optional[Path] = None) -> LoadResult:
         data = json.loads(text)
     except ValueError as e:
         return _recover(path, f"it is not valid JSON ({e})")
+    except (RecursionError, MemoryError) as e:
+        return _recover(path, f"it is nested too deeply or too large to read ({type(e).__name__})")
     try:
         return LoadResult(parse_settings(data))
     except OptionError as e:
         return _recover(path, f"the setting {e.path} is wrong: {e.problem}")
+    except Exception as e:            # any other failure on a file we did not write: never stop the app
+        return _recover(path, f"it could not be understood ({type(e).__name__}: {e})")
 
 
 def save_settings(settings: Settings, path: Optional[Path] = None) -> Path:

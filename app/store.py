@@ -6,7 +6,13 @@ the app (or the app and a backup tool) can read while one writes; every write is
 any older file up to `SCHEMA_VERSION` in one transaction, so an upgrade never half-applies.
 
 Assistant text is written while it streams (`update_message`, called by the chat session on a timer),
-so a crash of the app or of the worker loses at most the last flush interval.
+so a crash of the app or of the worker loses at most the last flush interval. Each open store holds an OS
+file lock of its own (`<file>.writers/<id>.lock`, released by the OS when the process dies, however it dies)
+and tags the answers it streams with that id: at start-up `mark_interrupted` marks only answers whose
+writer's lock is free, so a second app instance leaves the first one's streaming answer alone.
+
+A file that cannot be opened or read (damaged, not SQLite, a schema version from a newer app) is handled by
+`open_store` (`app/store_recovery.py`): the app always starts.
 
 Search uses an FTS5 index over message text when SQLite has FTS5 and falls back to LIKE otherwise.
 """
@@ -14,18 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sqlite3
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from filelock import FileLock, Timeout
 
 from runtime import paths
 from runtime.options import OptionError, SamplingOptions, from_dict, to_dict
 from runtime.protocol import GenerationStats, from_plain
 
 DB_NAME = "conversations.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_MS = 10_000
 STATES = ("streaming", "done", "error", "cancelled")
 ROLES = ("system", "user", "assistant")
@@ -38,6 +48,15 @@ class StoreError(RuntimeError):
         super().__init__(f"{path}: {problem}")
         self.path = path
         self.problem = problem
+
+
+class FutureSchemaError(StoreError):
+    """The file was written by a newer app (a schema version above `SCHEMA_VERSION`)."""
+
+    def __init__(self, path: Path, version: int):
+        super().__init__(path, f"schema version {version} is newer than this app understands "
+                               f"({SCHEMA_VERSION}); update MoE Desk")
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -135,8 +154,15 @@ def _v2(fts: bool) -> list[str]:
     ]
 
 
+def _v3(fts: bool) -> list[str]:
+    """Which app instance streams an answer (its writer lock's id), so another instance can tell whether
+    that writer is still alive."""
+    return ["ALTER TABLE messages ADD COLUMN writer TEXT NOT NULL DEFAULT ''"]
+
+
 # Each step: the SQL statements (run in one transaction with the version bump) for one version.
-MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2}
+MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2, 3: _v3}
+_WRITER_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def fts5_available() -> bool:
@@ -160,36 +186,47 @@ class Store:
                  use_fts: Optional[bool] = None):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         try:
-            self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
             self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             mode = self.db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             self.db.execute("PRAGMA foreign_keys = ON")
             self.db.execute("PRAGMA synchronous = NORMAL")
-        except sqlite3.DatabaseError as e:
-            raise StoreError(self.path, f"not a usable SQLite database ({e})") from None
-        if mode.lower() != "wal":
-            raise StoreError(self.path, f"could not switch to WAL journal (got {mode!r})")
-        self._migrate(target_version, fts5_available() if use_fts is None else use_fts)
-        self.fts = self._has_table("messages_fts")
+            if mode.lower() != "wal":
+                raise StoreError(self.path, f"could not switch to WAL journal (got {mode!r})")
+            self._migrate(target_version, fts5_available() if use_fts is None else use_fts)
+            self.fts = self._has_table("messages_fts")
+        except BaseException as e:
+            self.db.close()                 # nothing of ours keeps the file open: it may be set aside
+            if isinstance(e, sqlite3.DatabaseError):
+                raise StoreError(self.path, f"not a usable SQLite database ({e})") from None
+            raise
+        # This instance's writer lock: held while the store is open, released by the OS if the process dies.
+        self.writer = uuid.uuid4().hex
+        self._lock = FileLock(self._writer_lock_path(self.writer))
+        self._lock.acquire()
 
     def close(self) -> None:
         self.db.close()
+        self._lock.release()
+        Path(self._lock.lock_file).unlink(missing_ok=True)
 
     # -- migrations -----------------------------------------------------------------------------
     def version(self) -> int:
         if not self._has_table("schema_version"):
             return 0
         row = self.db.execute("SELECT version FROM schema_version").fetchone()
-        return row[0] if row else 0
+        version = row[0] if row else 0
+        if not isinstance(version, int) or version < 0:
+            raise StoreError(self.path, f"its schema version {version!r} is not a version number")
+        return version
 
     def _migrate(self, target: int, fts: bool) -> None:
         with self._write():
             self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             current = self.version()
             if current > SCHEMA_VERSION:
-                raise StoreError(self.path, f"schema version {current} is newer than this app "
-                                            f"understands ({SCHEMA_VERSION}); update MoE Desk")
+                raise FutureSchemaError(self.path, current)
             for v in range(current + 1, target + 1):
                 for statement in MIGRATIONS[v](fts):
                     self.db.execute(statement)
@@ -257,8 +294,8 @@ class Store:
         now = time.time()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, model, state) VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, now, model, state))
+                "INSERT INTO messages (conversation_id, role, content, created, model, state, writer)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)", (conversation_id, role, content, now, model, state, self.writer))
             self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         return self.message(cur.lastrowid)
 
@@ -298,10 +335,33 @@ class Store:
             self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
 
     def mark_interrupted(self, reason: str) -> int:
-        """Messages left 'streaming' by a crashed instance become errors that keep their text."""
+        """Messages left 'streaming' by an instance that is gone (closed, crashed, killed) become errors that
+        keep their text; those of a live instance (its writer lock held) are left alone."""
         with self._write():
-            cur = self.db.execute("UPDATE messages SET state = 'error', error = ? WHERE state = 'streaming'", (reason,))
+            writers = [w for (w,) in self.db.execute("SELECT DISTINCT writer FROM messages WHERE state = 'streaming'")]
+            gone = [w for w in writers if w != self.writer and not self._writer_alive(w)]
+            marks = ",".join("?" * len(gone))
+            cur = self.db.execute(f"UPDATE messages SET state = 'error', error = ? WHERE state = 'streaming'"
+                                  f" AND writer IN ({marks})", (reason, *gone))
         return cur.rowcount
+
+    def _writer_lock_path(self, writer: str) -> Path:
+        folder = self.path.with_name(self.path.name + ".writers")
+        folder.mkdir(exist_ok=True)
+        return folder / f"{writer}.lock"
+
+    def _writer_alive(self, writer: str) -> bool:
+        """Whether the instance `writer` still holds its lock (ids that are not ours to parse: gone)."""
+        if not _WRITER_ID.fullmatch(writer or ""):
+            return False
+        lock = FileLock(self._writer_lock_path(writer), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return True
+        lock.release()
+        Path(lock.lock_file).unlink(missing_ok=True)      # the writer is gone: its lock file is litter
+        return False
 
     # -- search ---------------------------------------------------------------------------------
     def search(self, text: str, limit: int = 100) -> list[SearchHit]:

@@ -89,6 +89,33 @@ class EngineBanner(QFrame):
             self.progress.setRange(0, 0)
 
 
+class NoticeBar(QFrame):
+    """Something the user must know that the engine banner would soon overwrite (a damaged conversations
+    file set aside, settings reset): stays until dismissed; several notices stack as paragraphs."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.text = QLabel(wordWrap=True)
+        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        dismiss = QPushButton("Dismiss")
+        dismiss.clicked.connect(self.clear)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 4)
+        lay.addWidget(self.text, 1)
+        lay.addWidget(dismiss, 0, Qt.AlignmentFlag.AlignTop)
+        self.setVisible(False)
+
+    def add(self, headline: str, detail: str) -> None:
+        shown = self.text.text()
+        self.text.setText((shown + "\n\n" if shown else "") + f"{headline}: {detail}")
+        self.setVisible(True)
+
+    def clear(self) -> None:
+        self.text.clear()
+        self.setVisible(False)
+
+
 class MainWindow(QMainWindow):
     restart_requested = Signal()
     settings_requested = Signal()
@@ -101,6 +128,7 @@ class MainWindow(QMainWindow):
         self.confirm: Callable[[str, str], bool] = self._ask     # tests replace the dialogs
         self.conversations = ConversationList(store)
         self.banner = EngineBanner()
+        self.notice = NoticeBar()
         self.chat = ChatPanel(session)
         self.ready: Optional[Ready] = None
         self.loaded: Optional[Loaded] = None
@@ -108,6 +136,7 @@ class MainWindow(QMainWindow):
         rl = QVBoxLayout(right)
         rl.setContentsMargins(0, 0, 0, 0)
         rl.setSpacing(0)
+        rl.addWidget(self.notice)
         rl.addWidget(self.banner)
         rl.addWidget(self.chat, 1)
         split = QSplitter()

@@ -10,7 +10,13 @@ Faults (`FakeHub.faults`), applied to GETs of a file, each used `times` times:
   error   — answer HTTP `status` (500) instead of the file
   stall   — send the bytes before `at`, wait `seconds`, then drop the connection
   corrupt — flip the byte at offset `at`
+  flood   — no Content-Length, then `at` bytes of b"A" (the file's listed size means nothing to it)
 The server logs every request (`FakeHub.log`) so tests can check Range headers and what was fetched.
+
+A hostile hub: `Branch(commit=...)` may be any string (a traversal such as `../../x`), and
+`FakeHub.lie_headers` overrides response headers of file routes (ETag, X-Repo-Commit...) with any value,
+`FakeHub.lie_sizes` and `FakeHub.lie_oids` make the tree listing claim other sizes and hashes than the files served,
+`Fault(kind="flood")` streams `at` bytes with no Content-Length whatever the file's size.
 """
 from __future__ import annotations
 
@@ -59,11 +65,12 @@ class Repo:
 @dataclass
 class Fault:
     path: str
-    kind: str                          # close | error | stall | corrupt
+    kind: str                          # close | error | stall | corrupt | flood
     at: int = 0
     times: int = 1
     status: int = 500
     seconds: float = 0.0
+    sent: list[int] = field(default_factory=list)    # flood: bytes written per request before the client left
 
 
 @dataclass
@@ -80,6 +87,9 @@ class FakeHub:
         self.faults: list[Fault] = []
         self.log: list[Request] = []
         self.lock = threading.Lock()
+        self.lie_headers: dict[str, str] = {}   # headers of file answers replaced with these (a hostile hub)
+        self.lie_sizes: dict[str, int] = {}     # file path -> the size the tree listing claims instead of the truth
+        self.lie_oids: dict[str, object] = {}   # file path -> the git blob id (or LFS sha256) the listing claims
         self.valid_tokens: set[str] = set()  # tokens /api/whoami-v2 accepts (login checks them there)
         self.connections: set = set()       # open client sockets, closed by stop() like a vanished host
         self.server: ThreadingHTTPServer | None = None
@@ -241,9 +251,12 @@ class _Handler(BaseHTTPRequestHandler):
             if prefix and not path.startswith(prefix.rstrip("/") + "/"):
                 continue
             data = b.files[path]
-            entry = {"type": "file", "path": path, "size": len(data), "oid": git_blob_id(data)}
+            size = self.hub.lie_sizes.get(path, len(data))
+            oid = self.hub.lie_oids.get(path)
+            entry = {"type": "file", "path": path, "size": size, "oid": oid if oid is not None else git_blob_id(data)}
             if len(data) >= LFS_MIN_SIZE:
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                entry["lfs"] = {"oid": oid if oid is not None else hashlib.sha256(data).hexdigest(), "size": size,
+                                "pointerSize": 134}
             entries.append(entry)
             for i in range(1, path.count("/") + 1):
                 dirs.add("/".join(path.split("/")[:i]))
@@ -267,9 +280,12 @@ class _Handler(BaseHTTPRequestHandler):
                    "Content-Type": "application/octet-stream"}
         if lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))})
+        headers.update(self.hub.lie_headers)
         fault = None if head else self.hub.take_fault(path)
         if fault and fault.kind == "error":
             return self._error(fault.status, "ServerError", "injected failure")
+        if fault and fault.kind == "flood":
+            return self._flood(fault, headers)
         start = 0
         rng = self.headers.get("Range")
         status = 200
@@ -303,6 +319,23 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.wfile.write(body)
+
+    def _flood(self, fault: Fault, headers: dict):
+        """`fault.at` bytes with no Content-Length (the end is where the server closes the connection); the
+        bytes written before the client hung up are appended to `fault.sent`."""
+        self.send_response(200)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.close_connection = True
+        block, sent = b"A" * (1 << 16), 0
+        try:
+            while sent < fault.at:
+                self.wfile.write(block[:fault.at - sent])
+                sent += min(len(block), fault.at - sent)
+        except OSError:
+            pass                              # the client hung up: what a client that stops in time does
+        fault.sent.append(sent)
 
 
 # ------------------------------------------------------------------------------------------------

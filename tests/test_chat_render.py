@@ -14,7 +14,7 @@ def test_markdown_code_blocks_are_highlighted_and_copyable():
     text = "Use this:\n\n```python\ndef f(x):\n    return x < 1\n```\n\nand `inline` code.\n\n    indented = 1\n"
     r = markdown.render(text)
     assert r.code_blocks == ["def f(x):\n    return x < 1", "indented = 1"]
-    assert 'href="copy:0"' in r.html and 'href="copy:1"' in r.html
+    assert f'href="{markdown.app_link("code", 0)}"' in r.html and f'href="{markdown.app_link("code", 1)}"' in r.html
     assert "<code>inline</code>" in r.html
     assert 'style="color: #' in r.html          # pygments colours, inline for QTextDocument
     assert "&lt; 1" in r.html or "&lt;" in r.html
@@ -30,7 +30,7 @@ def test_raw_html_in_a_message_is_text():
 def test_thinking_sections_fold():
     text = "<think>Paris is in France.\nSo...</think>The capital is **Paris**."
     folded = markdown.render(text)
-    assert folded.thinks == 1 and 'href="think:0"' in folded.html
+    assert folded.thinks == 1 and f'href="{markdown.app_link("think", 0)}"' in folded.html
     assert "Paris is in France" not in folded.html and "<strong>Paris</strong>" in folded.html
     open_ = markdown.render(text, expanded=frozenset({0}))
     assert "Paris is in France" in open_.html
@@ -76,12 +76,13 @@ def test_delegate_links_and_height_grow_with_text(qtbot):
     d = MessageDelegate()
     opt = QStyleOptionViewItem()
     opt.rect.setSize(QSize(600, 100))
-    assert d.hyperlinks(model.index(0), opt) == ["act:copy", "act:edit"]
-    assert d.hyperlinks(model.index(1), opt) == ["act:copy", "act:regenerate", "copy:0"]
+    link = markdown.app_link
+    assert d.hyperlinks(model.index(0), opt) == [link("copy"), link("edit")]
+    assert d.hyperlinks(model.index(1), opt) == [link("copy"), link("regenerate"), link("code", 0)]
     got = []
     d.action.connect(lambda kind, row, payload: got.append((kind, row, payload)))
-    d.activate("copy:0", model.index(1))
-    d.activate("act:regenerate", model.index(1))
+    d.activate(link("code", 0), model.index(1))
+    d.activate(link("regenerate"), model.index(1))
     assert got == [("copy_code", 1, "ls"), ("regenerate", 1, None)]
     h1 = d.sizeHint(opt, model.index(1)).height()
     model.append_text(1, "\n\n" + "More text. " * 200)

@@ -95,3 +95,31 @@ def test_parse_settings_names_the_field():
     with pytest.raises(OptionError) as e:
         st.parse_settings({"app": {"theme": "neon"}})
     assert e.value.path == "app.theme" and "neon" in e.value.problem
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 100_000 + "]" * 100_000,                                  # RecursionError in the JSON parser
+    '{"app": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001,
+    '{"app": [1, 2]}', '{"app": "dark"}', '{"load": 3}', '{"sampling": null}',
+    '{"app": {"theme": ["dark"]}}', '{"app": {"last_model": {"x": 1}}}', '{"app": {"show_gauges": "yes"}}',
+    '{"sampling": {"temperature": 1e999}}', '{"sampling": {"seed": "' + "9" * 100_000 + '"}}',
+    '{"sampling": {"stop": [1, {"a": []}]}}', '{"load": {"offload": {"vram_budget_gb": -1e308}}}',
+    '{"version": [1]}', '{"version": {"a": 1}}',
+])
+def test_any_hostile_settings_file_is_backed_up_and_defaults_used(body):
+    path = st.settings_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(body)
+    r = st.load_settings()
+    assert r.settings == st.Settings() or r.warning is None        # accepted only where it is valid
+    if r.warning is not None:
+        assert "Default settings are in use" in r.warning and r.backup.read_text() == body
+
+
+def test_any_exception_while_parsing_is_a_warning(monkeypatch):
+    path = st.settings_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"app": {}}')
+    monkeypatch.setattr(st, "parse_settings", lambda data: (_ for _ in ()).throw(MemoryError()))
+    r = st.load_settings()
+    assert r.settings == st.Settings() and "MemoryError" in r.warning

@@ -50,7 +50,7 @@ def test_migrates_a_v1_database_with_data_intact(db_path):
     v1.close()
 
     s = Store(db_path)
-    assert s.version() == 2
+    assert s.version() == SCHEMA_VERSION
     conv = s.conversation(1)
     assert (conv.title, conv.model, conv.system_prompt, conv.sampling) == ("Old chat", "demo", "", None)
     msgs = s.messages(1)
@@ -112,7 +112,9 @@ def test_streaming_text_is_on_disk_before_the_answer_finishes(db_path):
     other = sqlite3.connect(db_path)
     assert other.execute("SELECT content, state FROM messages WHERE id = ?", (a.id,)).fetchone() == (
         "partial answer", "streaming")
-    # A later start turns what a crash left streaming into an error that keeps the text.
+    # A later start turns what a crash left streaming into an error that keeps the text (once its writer is
+    # gone: a live instance's answer is left alone, tests/test_store_damage.py).
+    s.close()
     s2 = Store(db_path)
     assert s2.mark_interrupted("The app closed while this answer was being written.") == 1
     m = s2.message(a.id)

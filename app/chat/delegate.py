@@ -2,9 +2,10 @@
 
 Each row's QTextDocument is cached by message id and rebuilt only when what it shows changed (text,
 state, stats, folded thinking, width, theme), so scrolling a long conversation re-renders nothing.
-Links in the document are the message's buttons: `act:copy`, `act:edit`, `act:regenerate`,
-`copy:N` (code block N), `think:N` (fold/unfold), and ordinary http(s) links. A click on one emits
-`action(kind, row, payload)`; the view turns those into clipboard copies and requests.
+The app's buttons are links of the per-process scheme `markdown.app_link` makes (copy, edit, regenerate,
+code block N, thinking section N); any other link is the message's own and only http(s) ones open, in the
+browser. A click on one emits `action(kind, row, payload)`; the view turns those into clipboard copies and
+requests. A link written in a message can never be a button, and no href raises.
 """
 from __future__ import annotations
 
@@ -123,12 +124,13 @@ class MessageDelegate(QStyledItemDelegate):
                     bits.append(f"first token {it.stats.ttft_s:.2f} s")
             if it.state == "cancelled":
                 bits.append("stopped")
-        links = ['<a href="act:copy">Copy</a>']
+        link = markdown.app_link
+        links = [f'<a href="{link("copy")}">Copy</a>']
         if it.state != "streaming":
             if it.role == "user":
-                links.append('<a href="act:edit">Edit</a>')
+                links.append(f'<a href="{link("edit")}">Edit</a>')
             if it.role == "assistant" and is_last:
-                links.append('<a href="act:regenerate">Regenerate</a>')
+                links.append(f'<a href="{link("regenerate")}">Regenerate</a>')
         meta = f' <span style="color:{p.muted};">· {" · ".join(bits)}</span>' if bits else ""
         return (f'<table width="100%" cellspacing="0" cellpadding="0"><tr><td><b>{who}</b>{meta}</td>'
                 f'<td align="right" style="font-size: small;">{"&nbsp;&nbsp;".join(links)}</td></tr></table>'
@@ -212,22 +214,23 @@ class MessageDelegate(QStyledItemDelegate):
         return True
 
     def activate(self, href: str, index: QModelIndex) -> None:
-        row = index.row()
-        scheme, _, rest = href.partition(":")
-        mid = index.data(IdRole)
-        if scheme == "act":
-            self.action.emit(rest, row, None)
-        elif scheme == "copy":
+        row, mid = index.row(), index.data(IdRole)
+        action = markdown.app_action(href)
+        if action is None:                                  # a link from the message's text
+            if href.partition(":")[0].lower() in markdown.MESSAGE_LINK_SCHEMES:
+                self.action.emit("open_link", row, href)
+            return
+        kind, n = action
+        if kind in ("copy", "edit", "regenerate") and n is None:
+            self.action.emit(kind, row, None)
+        elif kind == "code" and n is not None:
             blocks = self._docs[mid].rendered.code_blocks if mid in self._docs else []
-            n = int(rest)
-            if 0 <= n < len(blocks):
+            if n < len(blocks):
                 self.action.emit("copy_code", row, blocks[n])
-        elif scheme == "think":
+        elif kind == "think" and n is not None:
             shown = self.expanded.setdefault(mid, set())
-            shown.symmetric_difference_update({int(rest)})
+            shown.symmetric_difference_update({n})
             self.action.emit("relayout", row, None)
-        elif scheme in ("http", "https"):
-            self.action.emit("open_link", row, href)
 
     def hyperlinks(self, index: QModelIndex, option: QStyleOptionViewItem) -> list[str]:
         """Every link of a row's document, in order (used by tests and keyboard access)."""

@@ -1,16 +1,20 @@
 """Message text to the HTML subset that QTextDocument renders: Markdown, highlighted code, thinking.
 
 `render(text, ...)` returns a `Rendered`: the HTML, the source of each code block (for its Copy
-link), and how many `<think>` sections there are. Links inside the HTML use private schemes that
-the chat delegate handles: `copy:N` (copy code block N), `think:N` (fold/unfold thinking section N).
+link), and how many `<think>` sections there are.
 
-Raw HTML in a message is shown as text (markdown-it with `html=False`): a model's answer can never
+The app's own links (a message's Copy / Edit / Regenerate, a code block's Copy, a thinking fold) use a
+scheme drawn at random once per process, `app_link(kind, n)`, which `app_action(href)` reads back: message
+text (written by the model, or pasted by the user) cannot name it, so no link in a message is ever an app
+button. Links in message text are kept only for http(s); any other Markdown link or autolink stays text.
+Raw HTML in a message is shown as text too (markdown-it with `html=False`): a model's answer can never
 inject markup. A `<think>` without its closing tag (still streaming) runs to the end of the text.
 """
 from __future__ import annotations
 
 import html
 import re
+import secrets
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -21,6 +25,29 @@ from pygments.lexers import TextLexer, get_lexer_by_name
 from pygments.util import ClassNotFound
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+APP_SCHEME = f"moedesk-{secrets.token_hex(16)}"      # the app's own links; unknown to anything that writes text
+MESSAGE_LINK_SCHEMES = ("http", "https")             # links a message may carry (opened in the browser)
+_INDEX = re.compile(r"[0-9]{1,6}")
+
+
+def app_link(kind: str, n: int | None = None) -> str:
+    """The href of one of the app's own buttons: kind copy | edit | regenerate | code (n) | think (n)."""
+    return f"{APP_SCHEME}:{kind}" + ("" if n is None else f"/{n}")
+
+
+def app_action(href: str) -> tuple[str, int | None] | None:
+    """(kind, n) of an app link; None for any other href (a message's link), malformed ones included."""
+    scheme, _, rest = href.partition(":")
+    if scheme != APP_SCHEME:
+        return None
+    kind, slash, n = rest.partition("/")
+    if not slash:
+        return kind, None
+    return (kind, int(n)) if _INDEX.fullmatch(n) else None
+
+
+def _message_link(url: str) -> bool:
+    return url.partition(":")[0].strip().lower() in MESSAGE_LINK_SCHEMES and ":" in url
 
 
 @dataclass(frozen=True)
@@ -86,6 +113,7 @@ class _Renderer:
         self.formatter = HtmlFormatter(style=palette.pygments_style, noclasses=True, nowrap=True)
         self.md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
         self.md.enable("table").enable("strikethrough")
+        self.md.validateLink = _message_link          # other schemes: the link stays text
 
         def fence(renderer, tokens, idx, options, env) -> str:
             token = tokens[idx]
@@ -106,7 +134,8 @@ class _Renderer:
         return (f'<table width="100%" cellspacing="0" cellpadding="6" bgcolor="{p.code_bg}" '
                 f'style="border: 1px solid {p.border}; margin-top: 4px; margin-bottom: 4px;">'
                 f'<tr><td><span style="color:{p.muted}; font-size: small;">{label}</span>&nbsp;&nbsp;'
-                f'<a href="copy:{n}" style="color:{p.link}; text-decoration: none; font-size: small;">Copy</a>'
+                f'<a href="{app_link("code", n)}" style="color:{p.link}; text-decoration: none; '
+                f'font-size: small;">Copy</a>'
                 f'<pre style="margin: 0;">{body}</pre></td></tr></table>\n')
 
     def markdown(self, text: str) -> str:
@@ -146,7 +175,7 @@ def render(text: str, palette: Palette = LIGHT, expanded: frozenset[int] = froze
         words = len(seg.text.split())
         state = "thinking…" if not seg.closed else f"thought for {words} words"
         arrow = "▾" if n in expanded else "▸"
-        parts.append(f'<p><a href="think:{n}" style="color:{palette.muted}; text-decoration: none;">'
+        parts.append(f'<p><a href="{app_link("think", n)}" style="color:{palette.muted}; text-decoration: none;">'
                      f'{arrow} {state}</a></p>')
         if n in expanded:
             inner = r.markdown(seg.text)

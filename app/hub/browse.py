@@ -3,25 +3,34 @@
 EXL2 repos keep one quant per git branch (`4.0bpw`, `6_5`, `8.0bpw-h8`...). A branch counts as a quant when
 its tree holds `.safetensors` files. Bits per weight come from config.json's `quantization_config` when
 present, otherwise from the branch name.
+
+Hub answers are untrusted: a commit id must be 40 hex digits (it goes into URLs and the download manifest),
+file sizes must be whole numbers, and config.json is read into memory, never through huggingface_hub's cache
+(whose paths come from the revision, the X-Repo-Commit header and the ETag the endpoint sends).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
-from huggingface_hub import HfApi, constants, get_session, hf_hub_download
+from huggingface_hub import HfApi, constants, get_session, hf_hub_url
 from huggingface_hub.errors import OfflineModeIsEnabled
+from huggingface_hub.file_download import http_get
 from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import build_hf_headers
 
-from app.hub.errors import HubAccessError, HubError, translate
-from runtime import paths
+from app.hub.errors import HubAccessError, HubError, TooLargeError, translate
 
 # Never downloaded: pickled checkpoints are never loaded (safetensors only) and GGUF is another format.
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", "*.gguf", "*.msgpack", "*.h5")
 
+CONFIG_MAX_BYTES = 4 << 20        # a config.json is kilobytes; more is not read
+_COMMIT = re.compile(r"[0-9a-f]{40}")          # a git commit id, or a git blob id
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _BRANCH_BPW = re.compile(r"^(?:b)?(\d{1,2})(?:[._](\d{1,3}))?\s*(?:bpw|b)?(?:[-_]?h(?:b)?(\d{1,2}))?$", re.I)
 
 
@@ -40,6 +49,38 @@ def parse_branch_bpw(branch: str) -> tuple[float | None, float | None]:
 def endpoint() -> str:
     """The Hub address: HF_ENDPOINT read now (huggingface_hub reads it once, at import)."""
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def checked_commit(commit: object, where: str) -> str:
+    """`commit` when it is a git commit id (40 lowercase hex digits), else a `HubError` naming `where`."""
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
+        raise HubError(f"The Hub returned {str(commit)[:80]!r} as the commit of {where}: not a commit id. "
+                       "Refusing the listing.")
+    return commit
+
+
+class LimitedWriter:
+    """A binary file stand-in for `http_get` that refuses to grow past `limit` bytes: the bytes the Hub lists
+    for the file. Raises `TooLargeError` before writing the chunk that would pass it."""
+
+    def __init__(self, fh, limit: int, path: str):
+        self.fh, self.limit, self.path = fh, limit, path
+
+    def write(self, chunk: bytes) -> int:
+        if self.fh.tell() + len(chunk) > self.limit:
+            raise TooLargeError(f"{self.path}: the server sent more than the {self.limit} bytes the Hub lists. "
+                                "Stopped and discarded.", self.path, str(self.limit),
+                                f"more than {self.limit}")
+        return self.fh.write(chunk)
+
+    def __getattr__(self, name):               # tell, seek, truncate: the file's own
+        return getattr(self.fh, name)
+
+
+def ended_short(exc: BaseException) -> bool:
+    """True for `http_get`'s own size check: the response ended, complete by its own framing, short of the
+    expected size (a plain OSError with no errno; the disk's errors carry one, HTTP errors are subclasses)."""
+    return type(exc) is OSError and exc.errno is None
 
 
 def is_ignored(path: str) -> bool:
@@ -143,7 +184,7 @@ class HubClient:
             raise translate(exc, f"listing the branches of {repo_id}") from exc
         out = []
         for ref in refs.branches:
-            quant = self.quant(repo_id, ref.name, ref.target_commit)
+            quant = self.quant(repo_id, ref.name, checked_commit(ref.target_commit, f"{repo_id} at {ref.name}"))
             if quant is not None:
                 out.append(quant)
         return sorted(out, key=lambda q: (q.bpw is None, q.bpw or 0.0, q.branch))
@@ -153,35 +194,56 @@ class HubClient:
         try:
             if commit is None:
                 commit = self.api.model_info(repo_id, revision=branch).sha
+            checked_commit(commit, f"{repo_id} at {branch}")
             tree = [f for f in self.api.list_repo_tree(repo_id, recursive=True, revision=commit)
                     if isinstance(f, RepoFile)]
         except Exception as exc:
             raise translate(exc, what) from exc
-        files = tuple(RemoteFile(f.path, int(f.size), f.lfs.sha256 if f.lfs else None, f.blob_id)
+        if any(not isinstance(f.size, int) or f.size < 0 for f in tree):
+            raise HubError(f"The Hub listed a file size that is not a byte count while {what}. Refusing the listing.")
+        files = tuple(RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else None, f.blob_id)
                       for f in tree if not is_ignored(f.path))
+        for f in files:                         # what each file is checked against once downloaded
+            digest, pattern = (f.sha256, _SHA256) if f.sha256 is not None else (f.blob_id, _COMMIT)
+            if not isinstance(digest, str) or not pattern.fullmatch(digest):
+                raise HubError(f"The Hub listed {str(digest)[:80]!r} as the hash of {f.path} while {what}: not a "
+                               "hash. Refusing the listing.")
         if not any(f.path.endswith(".safetensors") for f in files):
             return None
         config, access = {}, ""
-        if any(f.path == "config.json" for f in files):
+        listed = next((f for f in files if f.path == "config.json"), None)
+        if listed is not None:
             try:
-                config = self._config(repo_id, commit)
+                config = self._config(repo_id, commit, listed.size)
             except HubAccessError as exc:       # gated: the listing is public, the files are not
                 access = str(exc)
         bpw, head_bits = parse_branch_bpw(branch)
         qc = config.get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("quant_method") == "exl2":
-            bpw = float(qc.get("bits") or bpw or 0) or bpw
-            head_bits = float(qc.get("head_bits") or head_bits or 0) or head_bits
+            try:
+                bpw = float(qc.get("bits") or bpw or 0) or bpw
+                head_bits = float(qc.get("head_bits") or head_bits or 0) or head_bits
+            except (TypeError, ValueError):
+                pass                            # not numbers: the branch name's figures stand
         return Quant(repo_id, branch, commit, bpw, head_bits, files, config, access)
 
-    def _config(self, repo_id: str, commit: str) -> dict:
+    def _config(self, repo_id: str, commit: str, size: int) -> dict:
+        """config.json at `commit`, read into memory (at most its listed `size`, itself bounded)."""
+        where = f"config.json of {repo_id} at {commit[:8]}"
+        if size > CONFIG_MAX_BYTES:
+            raise HubError(f"{where} is listed at {size} bytes: too large for a config, not read.")
+        buffer = io.BytesIO()
         try:
-            path = hf_hub_download(repo_id, "config.json", revision=commit, endpoint=self.endpoint,
-                                   token=self.token, cache_dir=paths.cache_dir() / "hub")
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HubError(f"config.json of {repo_id} at {commit[:8]} is not valid JSON: {exc}") from exc
+            http_get(hf_hub_url(repo_id, "config.json", revision=commit, endpoint=self.endpoint),
+                     LimitedWriter(buffer, size, "config.json"), expected_size=size,
+                     headers=build_hf_headers(token=self.token, library_name="moedesk"))
+            config = json.loads(buffer.getvalue().decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise HubError(f"{where} is not valid JSON: {exc}") from exc
+        except HubError as exc:
+            raise HubError(f"{where}: {exc}") from exc
         except Exception as exc:
+            if ended_short(exc):
+                raise HubError(f"{where} is shorter than the Hub lists ({size} bytes).") from exc
             raise translate(exc, f"reading config.json of {repo_id}") from exc
         return config if isinstance(config, dict) else {}

@@ -9,6 +9,11 @@ A download lives in `<models>/.staging/<name>/` (layout in `app/hub/staging.py`)
 `.partial/`, each file moved beside them once its size and hash (sha256 for LFS files, the git blob id
 otherwise) match the listing, and the whole folder renamed to `<models>/<name>/` when every file is there.
 The model list skips `.staging`, so nothing half-downloaded ever looks loadable.
+
+The listing's size bounds every file: a server that sends more (with or without a Content-Length) is cut off
+before the first byte past it. Partial bytes stay only where a resume can use them (a pause, a dropped
+connection, a 5xx, a full disk); bytes that cannot be the file (too many, a hash that does not match,
+or a response that ended short of the listed size as if complete) are deleted before the error is reported.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 
-from app.hub.browse import RemoteFile, endpoint as hub_endpoint
+from app.hub.browse import LimitedWriter, RemoteFile, ended_short, endpoint as hub_endpoint
 from app.hub.errors import DiskFullError, HubError, IntegrityError, is_disk_full, translate
 from app.hub.staging import (MANIFEST, PARTIAL, SOURCE, DownloadJob, bytes_on_disk, check_disk_space, file_digest,
                              gb, inside, partial_total, safe_relpath, staging_dir, write_manifest)
@@ -182,7 +187,6 @@ def _run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgres
                 tracker.publish(force=True, message=f"Verifying {f.path}")
                 expected, actual = file_digest(part, f)
                 if expected != actual:
-                    part.unlink()
                     raise IntegrityError(f"{f.path} arrived corrupted: its hash is {actual[:12]}…, the Hub lists "
                                          f"{expected[:12]}…", f.path, expected, actual)
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +195,8 @@ def _run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgres
                 break
             except Interrupted:
                 raise
-            except IntegrityError as exc:
+            except IntegrityError as exc:            # these bytes cannot be the file: never kept for a resume
+                part.unlink(missing_ok=True)
                 if attempt == retry.attempts:
                     raise IntegrityError(f"{exc} ({attempt} times). The download stopped; press Resume to try "
                                          "again.", exc.path, exc.expected, exc.actual) from None
@@ -223,10 +228,19 @@ def _fetch(job: DownloadJob, f: RemoteFile, part: Path, tracker: _Tracker, hub: 
         resume = fh.tell()
         tracker.start_file(f.path, resume)
         if resume < f.size:
-            http_get(url, fh, resume_size=resume, headers=headers, expected_size=f.size,
-                     displayed_filename=f.path, tqdm_class=tracker.bar_class())
-    if part.stat().st_size != f.size:
-        raise OSError(f"{f.path}: received {part.stat().st_size} bytes, expected {f.size}")
+            try:
+                http_get(url, LimitedWriter(fh, f.size, f.path), resume_size=resume, headers=headers,
+                         expected_size=f.size, displayed_filename=f.path, tqdm_class=tracker.bar_class())
+            except HfHubHTTPError as exc:
+                if exc.response is None or exc.response.status_code != 416:
+                    raise                         # 416: the server's file ends before the bytes we hold
+            except OSError as exc:
+                if not ended_short(exc):
+                    raise                         # the disk's own errors (full, permissions): kept for a resume
+    received = part.stat().st_size
+    if received != f.size:
+        raise IntegrityError(f"{f.path} is shorter than the Hub lists: the server sent {received} of {f.size} "
+                             "bytes", f.path, str(f.size), str(received))
 
 
 def _classify(exc: Exception, job: DownloadJob, f: RemoteFile, models_dir: Path) -> HubError | None:

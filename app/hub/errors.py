@@ -53,6 +53,10 @@ class IntegrityError(HubError):
         self.path, self.expected, self.actual = path, expected, actual
 
 
+class TooLargeError(IntegrityError):
+    """The server sent more bytes than the Hub lists for the file."""
+
+
 class LocalModelError(HubError):
     """A local model folder cannot be imported, listed or deleted; the message names the folder and the problem."""
 

@@ -13,8 +13,8 @@ from typing import Callable
 
 from app.hub.browse import Quant
 from app.hub.download import DownloadProgress, Interrupted, JobState, RetryPolicy, progress_for, run_job
-from app.hub.staging import (MANIFEST, DownloadJob, bytes_on_disk, check_disk_space, plan, read_manifest,
-                             remove_staging, staged_jobs, staging_dir, write_manifest)
+from app.hub.staging import (MANIFEST, MANIFEST_ERRORS, DownloadJob, bytes_on_disk, check_disk_space, plan,
+                             read_manifest, remove_staging, staged_jobs, staging_dir, write_manifest)
 from app.hub.errors import HubError
 from runtime import paths
 
@@ -58,7 +58,7 @@ class DownloadManager:
             if (self.models_dir / job.id).exists():
                 raise HubError(f"{job.repo_id} ({job.branch}) is already downloaded: {self.models_dir / job.id}")
             stage = staging_dir(self.models_dir, job.id)
-            if (stage / MANIFEST).is_file() and read_manifest(stage).commit != job.commit:
+            if (stage / MANIFEST).is_file() and _staged_commit(stage) != job.commit:
                 remove_staging(self.models_dir, job.id)     # the branch moved on: old bytes are not its files
             check_disk_space(job, self.models_dir, self.margin_bytes)
             write_manifest(job, self.models_dir)
@@ -182,3 +182,11 @@ class DownloadManager:
         except Exception:                     # a broken listener must not kill the download
             log.exception("download listener failed")
         return progress
+
+
+def _staged_commit(stage: Path) -> str | None:
+    """The commit an earlier download in `stage` was for; None when its manifest cannot be read (or trusted)."""
+    try:
+        return read_manifest(stage).commit
+    except MANIFEST_ERRORS:
+        return None

@@ -14,8 +14,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from app.hub.browse import Quant, RemoteFile
-from app.hub.errors import NotEnoughDiskSpace, UnsafePathError
+from app.hub.browse import Quant, RemoteFile, checked_commit
+from app.hub.errors import HubError, NotEnoughDiskSpace, UnsafePathError
 
 STAGING = ".staging"
 MANIFEST = ".moedesk-download.json"
@@ -70,6 +70,7 @@ def plan(quant: Quant) -> DownloadJob:
     """A job for `quant`, with every listed path checked."""
     for f in quant.files:
         safe_relpath(f.path)
+    checked_commit(quant.commit, f"{quant.repo_id} at {quant.branch}")
     return DownloadJob(safe_name(quant.repo_id, quant.branch), quant.repo_id, quant.branch, quant.commit,
                        quant.files, quant.bpw)
 
@@ -82,12 +83,16 @@ def write_manifest(job: DownloadJob, models_dir: Path) -> None:
     (stage / MANIFEST).write_text(json.dumps(data, indent=1))
 
 
+MANIFEST_ERRORS = (ValueError, KeyError, TypeError, RecursionError, HubError)   # what an unreadable manifest raises
+
+
 def read_manifest(stage: Path) -> DownloadJob:
     data = json.loads((stage / MANIFEST).read_text())
     files = tuple(RemoteFile(**f) for f in data["files"])
     for f in files:
         safe_relpath(f.path)
-    return DownloadJob(stage.name, data["repo_id"], data["branch"], data["commit"], files, data.get("bpw"))
+    commit = checked_commit(data["commit"], f"the download manifest in {stage}")
+    return DownloadJob(stage.name, data["repo_id"], data["branch"], commit, files, data.get("bpw"))
 
 
 def bytes_on_disk(job: DownloadJob, models_dir: Path) -> int:
@@ -156,6 +161,6 @@ def staged_jobs(models_dir: Path) -> list[DownloadJob]:
         if (stage / MANIFEST).is_file():
             try:
                 jobs.append(read_manifest(stage))
-            except (ValueError, KeyError, TypeError, UnsafePathError):
+            except MANIFEST_ERRORS:
                 continue                              # unreadable manifest: leave the folder alone
     return jobs
