@@ -20,7 +20,7 @@ from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
 from app.chat.settings_dialog import ConversationSettingsDialog
 from app.store import Store
-from runtime.protocol import Loaded, Progress, Ready, WorkerError
+from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 
 STDERR_SHOWN = 12
 
@@ -265,11 +265,24 @@ class MainWindow(QMainWindow):
     def on_loaded(self, ev: Loaded) -> None:
         self.loaded = ev
         self.session.model_name = ev.model
+        self.chat.picker.set_loaded(ev.model)
+        self.chat.meter.set_model_context(ev.context_length)
         self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
                                f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
         self.chat.set_engine_ready(True)
 
+    def on_unloaded(self, _ev: Optional[Unloaded] = None) -> None:
+        self.loaded = None
+        self.chat.set_engine_ready(False)
+        self.chat.picker.set_loaded(None)
+        self.chat.meter.set_model_context(None)
+        self.banner.show_state(self.engine_words(), "No model loaded: pick one in the chat's model list or in "
+                                                    "Engine → Models… (Ctrl+M).")
+
     def on_engine_error(self, request_id: str, err: WorkerError) -> None:
+        if self.chat.meter.owns(request_id):     # a count the meter asked for: it shows "—" meanwhile
+            self.chat.meter.on_error(request_id)
+            return
         if self.session.issued(request_id):      # shown on the answer itself
             self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
             return
@@ -279,6 +292,8 @@ class MainWindow(QMainWindow):
     def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
         self.loaded = None
         self.chat.set_engine_ready(False)
+        self.chat.picker.set_loaded(None)
+        self.chat.meter.set_model_context(None)
         kept = " The conversation and the partial answer are saved." if self.session.conversation else ""
         self.banner.show_state(words, "Restart reloads the last model." + kept, kind="error",
                                lines=stderr_lines or ["(the engine wrote nothing to its error log)"])

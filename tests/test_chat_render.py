@@ -76,8 +76,8 @@ def test_delegate_links_and_height_grow_with_text(qtbot):
     d = MessageDelegate()
     opt = QStyleOptionViewItem()
     opt.rect.setSize(QSize(600, 100))
-    assert d.hyperlinks(model.index(0), opt) == ["act:copy", "act:edit"]
-    assert d.hyperlinks(model.index(1), opt) == ["act:copy", "act:regenerate", "copy:0"]
+    assert d.hyperlinks(model.index(0), opt) == ["act:copy", "act:edit", "act:fork"]
+    assert d.hyperlinks(model.index(1), opt) == ["act:copy", "act:regenerate", "act:fork", "copy:0"]
     got = []
     d.action.connect(lambda kind, row, payload: got.append((kind, row, payload)))
     d.activate("copy:0", model.index(1))

@@ -3,6 +3,7 @@
 Each row's QTextDocument is cached by message id and rebuilt only when what it shows changed (text,
 state, stats, folded thinking, width, theme), so scrolling a long conversation re-renders nothing.
 Links in the document are the message's buttons: `act:copy`, `act:edit`, `act:regenerate`,
+`act:continue`, `act:fork`, `act:older` / `act:newer` (its versions),
 `copy:N` (code block N), `think:N` (fold/unfold), and ordinary http(s) links. A click on one emits
 `action(kind, row, payload)`; the view turns those into clipboard copies and requests.
 """
@@ -57,7 +58,7 @@ class MessageDelegate(QStyledItemDelegate):
     # -- the document of a row ------------------------------------------------------------------
     def _key(self, it: ChatItem, index: QModelIndex, font) -> tuple:
         return (it.content, it.state, it.stats, it.error, frozenset(self.expanded.get(it.id, ())), self.palette,
-                index.row() == index.model().rowCount() - 1, font.key())
+                index.row() == index.model().rowCount() - 1, font.key(), it.version, it.versions)
 
     def is_rendered(self, index: QModelIndex, font) -> bool:
         it: ChatItem = index.data(ItemRole)
@@ -123,12 +124,20 @@ class MessageDelegate(QStyledItemDelegate):
                     bits.append(f"first token {it.stats.ttft_s:.2f} s")
             if it.state == "cancelled":
                 bits.append("stopped")
-        links = ['<a href="act:copy">Copy</a>']
+        links = []
+        if it.versions > 1 and it.state != "streaming":
+            older = '<a href="act:older">‹</a>' if it.version > 1 else '<span>‹</span>'
+            newer = '<a href="act:newer">›</a>' if it.version < it.versions else '<span>›</span>'
+            links.append(f'{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}')
+        links.append('<a href="act:copy">Copy</a>')
         if it.state != "streaming":
             if it.role == "user":
                 links.append('<a href="act:edit">Edit</a>')
             if it.role == "assistant" and is_last:
+                if it.state in ("cancelled", "error") and it.content:
+                    links.append('<a href="act:continue">Continue</a>')
                 links.append('<a href="act:regenerate">Regenerate</a>')
+            links.append('<a href="act:fork">Fork</a>')
         meta = f' <span style="color:{p.muted};">· {" · ".join(bits)}</span>' if bits else ""
         return (f'<table width="100%" cellspacing="0" cellpadding="0"><tr><td><b>{who}</b>{meta}</td>'
                 f'<td align="right" style="font-size: small;">{"&nbsp;&nbsp;".join(links)}</td></tr></table>'
