@@ -12,6 +12,7 @@ when the chat outgrows the context (`SamplingOptions.context_overflow`).
 """
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +59,7 @@ def same_model(a: Optional[str], b: Optional[str]) -> bool:
     """Whether two model references (names, "demo", folders) name the same folder."""
     if not a or not b:
         return False
-    try:
-        return paths.resolve_model(a).resolve() == paths.resolve_model(b).resolve()
-    except OSError:
-        return a == b
+    return os.path.abspath(paths.resolve_model(a)) == os.path.abspath(paths.resolve_model(b))   # links are names too
 
 
 class _Combo(QComboBox):
