@@ -102,6 +102,8 @@ def wire(desk: Desk) -> None:
     client.telemetry.connect(gauges.show_telemetry)
     client.finished.connect(gauges.show_finished)
     client.loaded.connect(lambda _ev: gauges.reset_speed())
+    client.ready.connect(lambda ev: gauges.set_engine(ev.engine))
+    client.loaded.connect(lambda ev: gauges.set_engine(ev.backend))
     client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()))
 
     # Chat and window -> engine.

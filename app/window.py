@@ -23,6 +23,8 @@ from app.store import Store
 from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 
 STDERR_SHOWN = 12
+MIN_SIZE = (640, 420)      # the chat stays usable down to this (tests/test_window_size.py)
+CHATS_MIN_WIDTH = 170
 
 
 class EngineBanner(QFrame):
@@ -114,7 +116,8 @@ class MainWindow(QMainWindow):
         split.addWidget(self.conversations)
         split.addWidget(right)
         split.setStretchFactor(1, 1)
-        split.setSizes([260, 900])
+        split.setSizes([240, 900])
+        self.conversations.setMinimumWidth(CHATS_MIN_WIDTH)   # the list narrows so the chat keeps its room
         self.setCentralWidget(split)
         self.gauges_dock: Optional[QDockWidget] = None
         if gauges is not None:
@@ -122,6 +125,7 @@ class MainWindow(QMainWindow):
             self.gauges_dock.setWidget(gauges)
             self.gauges_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetClosable
                                          | QDockWidget.DockWidgetFeature.DockWidgetMovable)
+            self.gauges_dock.setTitleBarWidget(QWidget())     # the compact line is its own title: no bar
             self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.gauges_dock)
 
         self.conversations.new_requested.connect(self.new_chat)
@@ -136,7 +140,8 @@ class MainWindow(QMainWindow):
         session.conversation_changed.connect(self._on_conversation)
         session.notice.connect(lambda words: self.statusBar().showMessage(words, 5000))
         self._actions()
-        self.resize(1200, 800)
+        self.setMinimumSize(*MIN_SIZE)
+        self.resize(1280, 800)
 
     # -- menus and shortcuts --------------------------------------------------------------------
     def _actions(self) -> None:

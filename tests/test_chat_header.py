@@ -14,13 +14,13 @@ from tests.test_chat_session import make_desk, send  # noqa: F401  (fixture)
 def test_meter_counts_the_chat_and_the_typed_message(qtbot, make_desk):
     desk = make_desk(max_tokens=5)
     meter, panel = desk.window.chat.meter, desk.window.chat
-    qtbot.waitUntil(lambda: meter.text() == "Context 0 / 2,048", timeout=5000)
+    qtbot.waitUntil(lambda: meter.text() == "0 / 2,048 tokens", timeout=5000)
     panel.input.setPlainText("one two three")
-    qtbot.waitUntil(lambda: "(message 7)" in meter.text(), timeout=5000)     # 4 + 3 words, by the worker
+    qtbot.waitUntil(lambda: "(+7 typed)" in meter.text(), timeout=5000)     # 4 + 3 words, by the worker
     send(qtbot, desk, "one two three")
     # The chat now holds the question and the answer ("You said: one two three." + 4 words).
     history = 4 + 3 + 4 + len(desk.session.model.items[1].content.split())
-    qtbot.waitUntil(lambda: meter.text() == f"Context {history:,} / 2,048", timeout=5000)
+    qtbot.waitUntil(lambda: meter.text() == f"{history:,} / 2,048 tokens", timeout=5000)
 
 
 def test_a_full_chat_is_refused_under_stop_and_sent_under_rolling(qtbot, make_desk):
@@ -82,4 +82,4 @@ def test_picker_loads_marks_remembers_per_chat_and_ejects(qtbot, make_desk, two_
         picker.eject_button.click()
     assert desk.window.loaded is None and not desk.window.chat.send_button.isEnabled()
     assert not any(picker.combo.itemText(i).startswith("● ") for i in range(picker.combo.count()))
-    assert desk.window.chat.meter.text() == "Context —"
+    assert desk.window.chat.meter.text() == "— tokens"

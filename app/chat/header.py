@@ -82,7 +82,7 @@ class ModelPicker(QWidget):
         self.wanted: Optional[str] = None       # the open chat's model
         self.combo = _Combo(toolTip="The model for this chat: pick one to load it (● marks the loaded one)")
         self.combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.combo.setMinimumContentsLength(12)
+        self.combo.setMinimumContentsLength(8)
         self.combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.combo.about_to_open.connect(self.refresh)
         self.combo.activated.connect(self._picked)
@@ -254,18 +254,18 @@ class ContextMeter(QToolButton):
 
     def _show(self) -> None:
         if self.context is None:
-            self.setText("Context —")
+            self.setText("— tokens")
             self.setToolTip("Tokens used out of the model's context: load a model to count them.")
             return
         used = self.used
         typed = (self.total_tokens - self.history_tokens
                  if self._typed and self.total_tokens is not None and self.history_tokens is not None else None)
-        text = f"Context {used:,} / {self.context:,}" if used is not None else f"Context … / {self.context:,}"
+        text = f"{used:,} / {self.context:,} tokens" if used is not None else f"… / {self.context:,} tokens"
         if typed:
-            text += f" (message {typed:,})"
+            text += f" (+{typed:,} typed)"
         words = dict(OVERFLOW_CHOICES)[self.policy]
         if self.full():
-            text = "⚠ " + text + " — full"
+            text = "⚠ full: " + text
             tip = (f"The chat and room for the answer ({answer_room(self.context, self.max_tokens):,} tokens) do not "
                    f"fit the context. Now: {words.lower()}. Click to choose.")
         else:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QToolButton,
                                QVBoxLayout, QWidget)
 
 from app.chat.header import ContextMeter, ModelPicker, local_entries
@@ -30,6 +30,9 @@ class InputBox(QPlainTextEdit):
         self.setMaximumHeight(110)
         self.setMinimumHeight(56)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Maximum)
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return QSize(256, 80)       # three lines: the messages get the rest of the height
 
     def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (e.modifiers() & Qt.KeyboardModifier.ShiftModifier):
@@ -58,7 +61,8 @@ class ChatPanel(QWidget):
         self.settings_hint = QLabel()
         self.settings_hint.setEnabled(False)
         self.settings_hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.settings_button = QPushButton("Chat settings…", toolTip="System prompt, sampling and presets for this chat")
+        self.settings_button = QToolButton(text="Chat settings…", autoRaise=True,
+                                           toolTip="System prompt, sampling and presets for this chat (Ctrl+Shift+P)")
         self.settings_button.clicked.connect(self.settings_requested)
         self.picker = ModelPicker(model_entries)
         self.meter = ContextMeter()
@@ -66,9 +70,9 @@ class ChatPanel(QWidget):
         top.addWidget(self.title, 2)
         top.addWidget(self.picker, 2)
         top.addWidget(self.meter)
-        top.addWidget(self.settings_button)
         sub = QHBoxLayout()
         sub.addWidget(self.settings_hint, 1)
+        sub.addWidget(self.settings_button)
 
         self.view = ChatView()
         self.view.setModel(session.model)
@@ -180,6 +184,8 @@ class ChatPanel(QWidget):
             self._count_again()
         self.send_button.setEnabled(not busy and self.engine_ready)
         self.stop_button.setEnabled(busy)
+        self.send_button.setVisible(not busy)       # one place for Send / Stop: the box keeps its height
+        self.stop_button.setVisible(busy)
         items = self.session.model.items
         self.regen_button.setEnabled(not busy and self.engine_ready and bool(items) and items[-1].role == "assistant")
 
