@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (QDialog, QDockWidget, QFileDialog, QFrame, QHBoxL
                                QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QSplitter,
                                QVBoxLayout, QWidget)
 
+from app import help as help_windows
 from app.chat.conversations import ConversationList
 from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
@@ -174,6 +175,17 @@ class MainWindow(QMainWindow):
         act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
         if self.gauges_dock is not None:
             bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
+        helpm = bar.addMenu("&Help")
+        act(helpm, "&Keyboard shortcuts", lambda: self._show(help_windows.shortcuts_dialog(self, self.actions())),
+            "Ctrl+/")
+        act(helpm, "&User guide", lambda: self._show(help_windows.guide_dialog(self)), QKeySequence.StandardKey.HelpContents)
+        helpm.addSeparator()
+        act(helpm, "&About MoE Desk", lambda: self._show(help_windows.about_dialog(self, self.ready, self.loaded)))
+
+    def _show(self, dialog: QDialog) -> None:
+        self.help_dialog = dialog          # kept for tests and so that it is not collected while shown
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
 
     def focus_search(self) -> None:
         self.conversations.search.setFocus()
