@@ -83,3 +83,13 @@ def test_picker_loads_marks_remembers_per_chat_and_ejects(qtbot, make_desk, two_
     assert desk.window.loaded is None and not desk.window.chat.send_button.isEnabled()
     assert not any(picker.combo.itemText(i).startswith("● ") for i in range(picker.combo.count()))
     assert desk.window.chat.meter.text() == "— tokens"
+
+
+def test_a_model_loaded_from_outside_the_models_folder_is_listed_and_marked(qtbot, demo_model):
+    from app.chat.header import ModelPicker
+    picker = ModelPicker(entries=lambda: [])
+    qtbot.addWidget(picker)
+    assert picker.combo.itemText(0).startswith("No local models")
+    picker.set_loaded(str(demo_model))
+    assert picker.combo.count() == 1 and picker.combo.itemText(0) == "● " + demo_model.name
+    assert picker.eject_button.isEnabled() and not picker.load_button.isVisibleTo(picker)

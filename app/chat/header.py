@@ -77,7 +77,8 @@ class ModelPicker(QWidget):
     def __init__(self, entries: Callable[[], Sequence[ModelEntry]] = local_entries, parent=None):
         super().__init__(parent)
         self._provider = entries
-        self.entries: list[ModelEntry] = []
+        self._listed: list[ModelEntry] = []      # from the provider
+        self.entries: list[ModelEntry] = []      # what the list shows
         self.loaded: Optional[str] = None       # the loaded model's reference (Loaded.model)
         self.wanted: Optional[str] = None       # the open chat's model
         self.combo = _Combo(toolTip="The model for this chat: pick one to load it (● marks the loaded one)")
@@ -99,7 +100,7 @@ class ModelPicker(QWidget):
         self.refresh()
 
     def refresh(self) -> None:
-        self.entries = list(self._provider())
+        self._listed = list(self._provider())
         self._fill()
 
     def set_loaded(self, model: Optional[str]) -> None:
@@ -117,6 +118,13 @@ class ModelPicker(QWidget):
         return next((i for i, e in enumerate(self.entries) if same_model(e.key, model)), -1)
 
     def _fill(self) -> None:
+        # The loaded model and the chat's own are offered even from outside the models folder.
+        self.entries = list(self._listed)
+        for ref in (self.loaded, self.wanted):
+            if ref and self._index_of(ref) < 0:
+                folder = paths.resolve_model(ref)
+                if folder.is_dir():
+                    self.entries.append(ModelEntry("local", ref, folder.name or ref, str(folder)))
         combo = self.combo
         combo.blockSignals(True)
         combo.clear()
