@@ -25,7 +25,7 @@ from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 
 STDERR_SHOWN = 12
 MIN_SIZE = (640, 420)      # the chat stays usable down to this (tests/test_window_size.py)
-CHATS_MIN_WIDTH = 170
+CHATS_MIN_WIDTH = 190
 
 
 class EngineBanner(QFrame):
@@ -116,8 +116,9 @@ class MainWindow(QMainWindow):
         split = QSplitter()
         split.addWidget(self.conversations)
         split.addWidget(right)
-        split.setStretchFactor(1, 1)
-        split.setSizes([240, 900])
+        split.setStretchFactor(0, 1)         # narrowing the window narrows the list too, to its minimum
+        split.setStretchFactor(1, 4)
+        split.setSizes([240, 1040])
         self.conversations.setMinimumWidth(CHATS_MIN_WIDTH)   # the list narrows so the chat keeps its room
         self.setCentralWidget(split)
         self.gauges_dock: Optional[QDockWidget] = None

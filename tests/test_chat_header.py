@@ -16,7 +16,7 @@ def test_meter_counts_the_chat_and_the_typed_message(qtbot, make_desk):
     meter, panel = desk.window.chat.meter, desk.window.chat
     qtbot.waitUntil(lambda: meter.text() == "0 / 2,048 tokens", timeout=5000)
     panel.input.setPlainText("one two three")
-    qtbot.waitUntil(lambda: "(+7 typed)" in meter.text(), timeout=5000)     # 4 + 3 words, by the worker
+    qtbot.waitUntil(lambda: meter.text() == "0 (+7) / 2,048 tokens", timeout=5000)   # 4 + 3 words, by the worker
     send(qtbot, desk, "one two three")
     # The chat now holds the question and the answer ("You said: one two three." + 4 words).
     history = 4 + 3 + 4 + len(desk.session.model.items[1].content.split())

@@ -128,7 +128,7 @@ class MessageDelegate(QStyledItemDelegate):
         if it.versions > 1 and it.state != "streaming":
             older = '<a href="act:older">‹</a>' if it.version > 1 else '<span>‹</span>'
             newer = '<a href="act:newer">›</a>' if it.version < it.versions else '<span>›</span>'
-            links.append(f'{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}')
+            links.append(f'<span style="font-size: medium;">{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}</span>')
         links.append('<a href="act:copy">Copy</a>')
         if it.state != "streaming":
             if it.role == "user":

@@ -85,6 +85,7 @@ class ModelPicker(QWidget):
         self.combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.combo.setMinimumContentsLength(8)
         self.combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMaximumWidth(360)
         self.combo.about_to_open.connect(self.refresh)
         self.combo.activated.connect(self._picked)
         self.load_button = QToolButton(text="Load", toolTip="Load the model this chat used")
@@ -268,9 +269,8 @@ class ContextMeter(QToolButton):
         used = self.used
         typed = (self.total_tokens - self.history_tokens
                  if self._typed and self.total_tokens is not None and self.history_tokens is not None else None)
-        text = f"{used:,} / {self.context:,} tokens" if used is not None else f"… / {self.context:,} tokens"
-        if typed:
-            text += f" (+{typed:,} typed)"
+        shown = "…" if used is None else f"{used:,}" if not typed else f"{used - typed:,} (+{typed:,})"
+        text = f"{shown} / {self.context:,} tokens"
         words = dict(OVERFLOW_CHOICES)[self.policy]
         if self.full():
             text = "⚠ full: " + text
@@ -278,7 +278,8 @@ class ContextMeter(QToolButton):
                    f"fit the context. Now: {words.lower()}. Click to choose.")
         else:
             tip = (f"Tokens this chat takes as the model sees it (template included), out of its context of "
-                   f"{self.context:,}. When full: {words.lower()} — click to choose.")
+                   f"{self.context:,}; (+N): what the message being typed adds. When full: {words.lower()} "
+                   f"— click to choose.")
         self.setText(text)
         self.setToolTip(tip)
         self.setStyleSheet("color: #d1242f;" if self.full() else "")

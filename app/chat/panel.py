@@ -53,7 +53,8 @@ class ChatPanel(QWidget):
         self.editing: Optional[int] = None      # message id being edited
         self.title = QLabel("New chat")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)   # elided by width
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)   # cut by width
+        self.title.setMinimumWidth(80)
         f = self.title.font()
         f.setPointSizeF(f.pointSizeF() * 1.15)
         f.setBold(True)
