@@ -93,3 +93,18 @@ def test_a_model_loaded_from_outside_the_models_folder_is_listed_and_marked(qtbo
     picker.set_loaded(str(demo_model))
     assert picker.combo.count() == 1 and picker.combo.itemText(0) == "● " + demo_model.name
     assert picker.eject_button.isEnabled() and not picker.load_button.isVisibleTo(picker)
+
+
+def test_a_refused_count_stays_with_the_meter(qtbot, make_desk):
+    """A count that meets no model (e.g. during a reload) leaves the banner alone; the meter shows its last."""
+    desk = make_desk(max_tokens=5)
+    meter, banner = desk.window.chat.meter, desk.window.banner
+    with qtbot.waitSignal(desk.client.unloaded, timeout=10000):
+        desk.client.unload()
+    meter.set_model_context(2048)                 # as if the next model's figure had arrived first
+    errors = []
+    desk.client.error.connect(lambda rid, err: errors.append((rid, err.code)))
+    desk.window.chat.input.setPlainText("hello")
+    qtbot.waitUntil(lambda: bool(errors), timeout=5000)
+    assert errors[0][0].startswith("count-") and errors[0][1] == "no_model"
+    assert banner.kind != "error" and not meter.owns(errors[0][0])
