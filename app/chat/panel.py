@@ -188,7 +188,8 @@ class ChatPanel(QWidget):
         self.send_button.setVisible(not busy)       # one place for Send / Stop: the box keeps its height
         self.stop_button.setVisible(busy)
         items = self.session.model.items
-        self.regen_button.setEnabled(not busy and self.engine_ready and bool(items) and items[-1].role == "assistant")
+        self.regen_button.setEnabled(not busy and self.engine_ready and bool(items)   # a fork may end in a question
+                                     and items[-1].role in ("assistant", "user"))
 
     def _on_conversation(self, conv) -> None:
         self.title.setText(conv.title if conv is not None else "New chat")
