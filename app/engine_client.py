@@ -10,7 +10,7 @@
     client.shutdown()                        # shutdown command, terminate, kill: never an orphan
 
 Signals carry the protocol's own dataclasses: ready(Ready), progress(Progress), loaded(Loaded),
-unloaded(Unloaded), token(TokenDelta), finished(Finished), telemetry(Telemetry);
+unloaded(Unloaded), token(TokenDelta), finished(Finished), telemetry(Telemetry), token_count(TokenCount);
 error(request_id, WorkerError) where the exception comes from `runtime.protocol.exception_for` (code,
 message, detail); worker_died(exit_code, description in words, last stderr lines) when the process
 ends without being asked to; state_changed(state) with one of the `State` values.
@@ -127,6 +127,7 @@ class EngineClient(QObject):
     token = Signal(object)
     finished = Signal(object)
     telemetry = Signal(object)
+    token_count = Signal(object)           # runtime.protocol.TokenCount
     error = Signal(str, object)            # request_id ("" when none), protocol.WorkerError
     worker_died = Signal(int, str, list)   # exit code or signal number, words, last stderr lines
     state_changed = Signal(str)
@@ -249,12 +250,14 @@ class EngineClient(QObject):
         return request_id
 
     def generate(self, request_id: str, messages: Sequence[ChatMessage],
-                 sampling: Optional[SamplingOptions] = None, draft: Optional[DraftOptions] = None) -> str:
+                 sampling: Optional[SamplingOptions] = None, draft: Optional[DraftOptions] = None,
+                 answer_prefix: str = "") -> str:
         for i, m in enumerate(messages):
             if not isinstance(m, ChatMessage):
                 raise TypeError(f"messages[{i}] is a {type(m).__name__}, expected runtime.protocol.ChatMessage")
         if self._send(protocol.Generate(request_id=request_id, messages=tuple(messages),
-                                        sampling=sampling or SamplingOptions(), draft=draft)):
+                                        sampling=sampling or SamplingOptions(), draft=draft,
+                                        answer_prefix=answer_prefix)):
             self.generating = request_id
             self._set_state(State.GENERATING)
         return request_id
@@ -264,6 +267,10 @@ class EngineClient(QObject):
         rid = request_id or self.generating
         if rid and self.is_running():
             self._send(protocol.Cancel(request_id=rid))
+
+    def count(self, request_id: str, messages: Sequence[ChatMessage]) -> None:
+        """Ask how many tokens `messages` take as a prompt; `token_count` (or `error`) answers."""
+        self._send(protocol.CountTokens(request_id=request_id, messages=tuple(messages)))
 
     def stats(self, request_id: str = "") -> None:
         """Ask for one telemetry event now."""
@@ -344,6 +351,8 @@ class EngineClient(QObject):
             self.finished.emit(ev)
         elif kind == "telemetry":
             self.telemetry.emit(ev)
+        elif kind == "token_count":
+            self.token_count.emit(ev)
         elif kind == "error":
             self._on_error_event(ev)
 

@@ -8,6 +8,11 @@ Use (the window's wiring block connects it to the engine client):
     client.finished.connect(panel.show_finished)       # runtime.protocol.Finished
     client.worker_died.connect(lambda *a: panel.set_worker_pid(None))
 
+By default the panel is one compact line (decode speed, first token, RAM, and VRAM where there is an
+NVIDIA GPU); "Details" opens the tiles with their sparklines. Tiles that can never have a value are
+hidden: VRAM without an NVIDIA GPU, and expert cache hits and host↔GPU traffic on the CPU engine
+(`set_engine`).
+
 The panel polls only NVML and psutil, on its own QTimer (`interval_ms`, 500 by default: about two
 updates a second). Every other figure comes from the worker's telemetry events and shows "—" until
 the engine reports it. No NVIDIA GPU (or no driver) shows "No NVIDIA GPU — CPU engine" in the VRAM
@@ -17,9 +22,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from PySide6.QtCore import QPointF, QSize, QTimer
+from PySide6.QtCore import QPointF, QSize, Qt, QTimer
 from PySide6.QtGui import QPainter, QPainterPath, QPalette, QPen
-from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from app.telemetry import (DASH, History, NvmlMonitor, NvmlState, RamSampler, fmt_bytes,
                            fmt_bytes_per_token, fmt_fraction, fmt_rate, fmt_seconds, fmt_used_total)
@@ -117,8 +123,13 @@ class Gauge(QFrame):
         self.spark.update()
 
 
+STRIP = (("decode_tps", "Decode"), ("ttft", "First token"), ("ram", "RAM"), ("vram", "VRAM"))
+GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU engine
+
+
 class GaugesPanel(QWidget):
-    """All gauges in a grid. Public slots: set_worker_pid, show_telemetry, show_finished, reset_speed."""
+    """A compact line, and the gauges in a grid on demand. Public slots: set_worker_pid, show_telemetry,
+    show_finished, reset_speed, set_engine, set_expanded."""
 
     def __init__(self, parent: Optional[QWidget] = None, interval_ms: int = 500,
                  nvml: Optional[NvmlMonitor] = None, ram: Optional[RamSampler] = None,
@@ -137,15 +148,83 @@ class GaugesPanel(QWidget):
             "expert_hit_rate": Gauge("Expert cache hits", "Share of expert lookups found in VRAM."),
             "pcie": Gauge("Host↔GPU per token", "Bytes copied between host RAM and GPU per token."),
         }
-        grid = QGridLayout(self)
-        grid.setContentsMargins(4, 4, 4, 4)
-        for i, w in enumerate(g.values()):
-            grid.addWidget(w, i // columns, i % columns)
+        self.columns = columns
+        self.engine: Optional[str] = None          # "cpu" | "cuda" once known
+        self.strip_labels: dict[str, QLabel] = {}
+        strip = QHBoxLayout()
+        strip.setContentsMargins(6, 2, 6, 2)
+        for key, title in STRIP:
+            label = QLabel(toolTip=g[key].toolTip())
+            label.setTextFormat(Qt.TextFormat.RichText)
+            self.strip_labels[key] = label
+            strip.addWidget(label)
+        strip.addStretch(1)
+        self.details_button = QToolButton(text="Details ▸", checkable=True, autoRaise=True,
+                                          toolTip="Show every gauge with its history")
+        self.details_button.toggled.connect(self.set_expanded)
+        strip.addWidget(self.details_button)
+        tiles = QWidget()
+        self.grid = QGridLayout(tiles)
+        self.grid.setContentsMargins(4, 0, 4, 4)
+        self.details = QScrollArea(widgetResizable=True, frameShape=QFrame.Shape.NoFrame)
+        self.details.setWidget(tiles)
+        self.details.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.details.setVisible(False)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        lay.addLayout(strip)
+        lay.addWidget(self.details, 1)
+        self._layout_tiles()
         self.timer = QTimer(self)
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self.poll)
         self.timer.start()
         self.poll()
+
+    # -- compact line and details -----------------------------------------------------------
+    def set_expanded(self, expanded: bool) -> None:
+        self.details_button.blockSignals(True)
+        self.details_button.setChecked(expanded)
+        self.details_button.blockSignals(False)
+        self.details_button.setText("Details ▾" if expanded else "Details ▸")
+        self.details.setVisible(expanded)
+        if expanded:
+            tiles = self.details.widget()
+            self.details.setMinimumHeight(min(tiles.sizeHint().height(), 260))
+        self.updateGeometry()
+
+    @property
+    def expanded(self) -> bool:
+        return self.details.isVisible() or self.details_button.isChecked()
+
+    def set_engine(self, engine: Optional[str]) -> None:
+        """"cpu" hides the tiles only a GPU engine fills."""
+        self.engine = engine
+        self._layout_tiles()
+
+    def shown(self, key: str) -> bool:
+        """Whether a gauge can ever have a value here (and so is shown)."""
+        if key == "vram":
+            return not self.no_gpu
+        if key in GPU_ONLY:
+            return self.engine != "cpu" and not self.no_gpu
+        return True
+
+    def _layout_tiles(self) -> None:
+        visible = [(k, w) for k, w in self.gauges.items() if self.shown(k)]
+        for k, w in self.gauges.items():
+            self.grid.removeWidget(w)
+            w.setVisible(self.shown(k))
+        for i, (_, w) in enumerate(visible):
+            self.grid.addWidget(w, i // self.columns, i % self.columns)
+        self._refresh_strip()
+
+    def _refresh_strip(self) -> None:
+        for key, title in STRIP:
+            label = self.strip_labels[key]
+            label.setVisible(self.shown(key))
+            label.setText(f"{title} <b>{self.gauges[key].value.text()}</b>&nbsp;&nbsp;")
 
     # -- polled: NVML and psutil only -------------------------------------------------------
     def set_worker_pid(self, pid: Optional[int]) -> None:
@@ -171,6 +250,10 @@ class GaugesPanel(QWidget):
         self.gauges["worker_rss"].update_value(
             fmt_bytes(rss), None if rss is None else rss / 2 ** 30,
             f"pid {self.ram.pid}" if self.ram.pid else "engine not running")
+        if self.gauges["vram"].isHidden() != self.no_gpu:     # NVML's state is known after a poll
+            self._layout_tiles()
+        else:
+            self._refresh_strip()
 
     @property
     def no_gpu(self) -> bool:
@@ -192,6 +275,7 @@ class GaugesPanel(QWidget):
             value = getattr(t, attr)
             if value is not None:
                 self.gauges[key].update_value(fmt(value), value, "live" if t.generating else "last answer")
+        self._refresh_strip()
 
     def show_finished(self, f: Finished) -> None:
         """The final figures of an answer (the worker's own measurement of the whole request)."""
@@ -203,6 +287,7 @@ class GaugesPanel(QWidget):
             if value is not None:
                 self.gauges[key].update_value(fmt(value), value,
                                               f"last answer: {s.generated_tokens} tokens")
+        self._refresh_strip()
 
     def reset_speed(self) -> None:
         """Back to "—" for the worker's figures (e.g. after a new model is loaded)."""
@@ -210,6 +295,7 @@ class GaugesPanel(QWidget):
             g = self.gauges[key]
             g.history.clear()
             g.update_value(DASH, None, "")
+        self._refresh_strip()
 
     def value_text(self, key: str) -> str:
         return self.gauges[key].value.text()

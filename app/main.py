@@ -92,15 +92,26 @@ def wire(desk: Desk) -> None:
     client.loaded.connect(window.on_loaded)
     client.error.connect(window.on_engine_error)
     client.worker_died.connect(window.on_worker_died)
+    client.unloaded.connect(window.on_unloaded)
+
+    # The chat header: token counts for the context meter, loads and unloads from the model picker.
+    chat = window.chat
+    chat.meter.count_requested.connect(client.count)
+    client.token_count.connect(chat.meter.on_count)
+    chat.picker.load_requested.connect(lambda model: client.load(model, desk.settings.load))
+    chat.picker.eject_requested.connect(lambda: client.unload())
 
     # Engine -> gauges.
     client.telemetry.connect(gauges.show_telemetry)
     client.finished.connect(gauges.show_finished)
     client.loaded.connect(lambda _ev: gauges.reset_speed())
+    client.ready.connect(lambda ev: gauges.set_engine(ev.engine))
+    client.loaded.connect(lambda ev: gauges.set_engine(ev.backend))
     client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()))
 
     # Chat and window -> engine.
-    session.generate_requested.connect(lambda rid, msgs, sampling: client.generate(rid, msgs, sampling))
+    session.generate_requested.connect(
+        lambda rid, msgs, sampling, prefix: client.generate(rid, msgs, sampling, answer_prefix=prefix))
     session.cancel_requested.connect(client.cancel)
     window.restart_requested.connect(client.restart)
 

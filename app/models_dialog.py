@@ -23,9 +23,10 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialo
 from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
-from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit
+from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
 from app.hub.local import LocalModel, delete_model, import_folder, list_local_models, mark_used
 from app.hub.queue import DownloadManager
+from app.hub.recommend import recommend
 from runtime import paths
 
 KV_TYPES = ("fp16", "q8", "q6", "q4")
@@ -198,6 +199,8 @@ class ModelManagerDialog(QDialog):
 
     def _build_hub(self) -> QWidget:
         w = QWidget()
+        self._searched = False                   # until then the list shows the recommended models
+        self._suggested: dict[str, str] = {}     # repo id -> the branch recommended for this machine
         self.search_edit = QLineEdit()
         self.search_edit.setPlaceholderText("Search EXL2 models, e.g. Qwen3-30B-A3B")
         self.search_button = QPushButton("Search")
@@ -252,8 +255,31 @@ class ModelManagerDialog(QDialog):
         self.vram, self.ram, self.gpu = vram, ram, gpu
         self.memory_label.setText(f"{gpu}: {vram / 1e9:.1f} GB VRAM · {ram / 1e9:.1f} GB RAM")
         self._fill_quants()
+        if not self._searched:
+            self.show_recommended()
+
+    def show_recommended(self) -> None:
+        """Before any search: the models of the shipped list that fit this machine, best first."""
+        try:
+            recs = recommend(self.vram, self.ram, self.context_spin.value(), self.kv_combo.currentText())
+        except (OSError, ValueError) as exc:       # a damaged installation: say so, search still works
+            self.hub_status.setText(f"No recommendations: {exc}")
+            return
+        self.repo_list.clear()
+        self._suggested = {r.candidate.repo: r.candidate.branch for r in recs}
+        for r in recs:
+            item = QListWidgetItem(f"★ {r.text}")
+            item.setData(Qt.UserRole, r.candidate.repo)
+            item.setToolTip(f"{r.candidate.repo} (branch {r.candidate.branch}); size estimated from the model's "
+                            f"shape. {r.estimate.assumptions if r.estimate else ''}")
+            self.repo_list.addItem(item)
+        where = (f"{self.vram / 1e9:.0f} GB VRAM and {self.ram / 1e9:.0f} GB RAM" if self.vram > 0
+                 else f"the CPU engine and {self.ram / 1e9:.0f} GB RAM")
+        self.hub_status.setText(f"Recommended for this machine ({where}): pick one to see its quants, or search."
+                                if recs else "None of the recommended models fits this machine: search the Hub.")
 
     def search(self) -> None:
+        self._searched = True
         query = self.search_edit.text().strip()
         self.hub_status.setText(f"Searching for {query or 'EXL2 models'}…")
         self.search_button.setEnabled(False)
@@ -282,6 +308,10 @@ class ModelManagerDialog(QDialog):
         self.hub_status.setText(f"{repo_id}: {len(quants)} quants." if quants else
                                 f"{repo_id} has no branch with safetensors weights.")
         self._fill_quants()
+        suggested = self._suggested.get(repo_id)
+        rows = [i for i, q in enumerate(quants) if q.branch == suggested]
+        if rows:
+            self.quant_table.selectRow(rows[0])
 
     def fit_text(self, q: Quant) -> tuple[str, str]:
         if q.access:
@@ -429,12 +459,9 @@ def grab_model_manager(path: str | Path) -> Path:
               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
     repo = "turboderp/Qwen3-30B-A3B-exl2"
     shape = ModelShape.from_config(config)
-    emb = shape.embedding_params()
 
-    def size(bpw: float) -> int:        # what the EXL2 files of this shape weigh: body at bpw, head 6 bits, FP16 rest
-        small = shape.norm_params() + shape.router_params()
-        body = shape.total_params() - 2 * emb - small
-        return int(body * bpw / 8 + emb * 6 / 8 + (emb + small) * 2)
+    def size(bpw: float) -> int:
+        return exl2_size_bytes(shape, bpw, 6.0)
     quants = [Quant(repo, f"{bpw:.1f}bpw", "0" * 40, bpw, 6.0,
                     (RemoteFile("model.safetensors", size(bpw), "0" * 64, ""),), config)
               for bpw in (3.0, 4.0, 6.0, 8.0)]
@@ -446,6 +473,8 @@ def grab_model_manager(path: str | Path) -> Path:
         dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
         dialog.tabs.setCurrentIndex(1)
         dialog.search_edit.setText("Qwen3-30B-A3B")
+        dialog._searched = True                 # a search's results replace the recommendations
+        dialog.repo_list.clear()
         item = QListWidgetItem(f"{repo}   ↓12840")
         item.setData(Qt.UserRole, repo)
         dialog.repo_list.addItem(item)

@@ -2,9 +2,12 @@
 
     QT_QPA_PLATFORM=offscreen python -m app.screenshots screenshots
 
-Writes main-window.png (mid-conversation: a finished answer, then one still streaming),
-main-window-dark.png, settings.png, gauges.png, model-manager.png (a download in progress) and
-welcome.png (the first-run screen for this machine). Uses a temporary data dir, so the user's
+Writes main-window.png (1280x800, mid-conversation: an answer regenerated once, so "‹ 2/2 ›", then one
+still streaming; the chat header's model picker and context meter; the compact gauges),
+main-window-dark.png, main-window-min.png (the window at its minimum size), message-versions.png (the
+chat with a regenerated answer and a stopped one offering Continue), settings.png, gauges.png (every
+gauge: the details opened), model-manager.png (a download in progress) and welcome.png (the first-run
+screen for this machine). Uses a temporary data dir, so the user's
 conversations are neither shown nor touched.
 """
 from __future__ import annotations
@@ -52,9 +55,12 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     theme.apply(app, "light")
-    desk = build(Settings(sampling=SamplingOptions(temperature=0.0, max_tokens=120)), model=model)
+    from app.window import MIN_SIZE
+
+    greedy = SamplingOptions(temperature=0.0, max_tokens=120)
+    desk = build(Settings(sampling=greedy), model=model)
     win = desk.window
-    win.resize(1280, 900)
+    win.resize(1280, 800)
     win.show()
     written: list[Path] = []
     try:
@@ -62,6 +68,10 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         wait_for(lambda: win.loaded is not None, timeout_s, "the demo model to load")
         desk.session.send(QUESTIONS[0])
         wait_for(lambda: not desk.session.busy, timeout_s, "the first answer")
+        desk.session.default_sampling = SamplingOptions(temperature=0.8, seed=7, max_tokens=60)
+        desk.session.regenerate()                 # a second version of the answer: "‹ 2/2 ›"
+        wait_for(lambda: not desk.session.busy, timeout_s, "the regenerated answer")
+        desk.session.default_sampling = greedy
         desk.session.send(QUESTIONS[1])
         # Mid-conversation: grab while the second answer is still streaming.
         wait_for(lambda: len(desk.session.model.items[-1].content) >= 110 or not desk.session.busy,
@@ -75,7 +85,18 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         if desk.session.busy:
             desk.session.stop()
             wait_for(lambda: not desk.session.busy, timeout_s, "the answer to stop")
+        win.chat.input.setPlainText("And in JavaScript?")      # the meter counts what is typed
+        settle(900)
+        written.append(_save(win.chat.grab(), out / "message-versions.png"))
+        win.resize(100, 100)                                     # held at the minimum size
+        settle()
+        assert (win.width(), win.height()) == MIN_SIZE, (win.width(), win.height())
+        written.append(_save(win.grab(), out / "main-window-min.png"))
+        win.resize(1280, 800)
+        desk.gauges.set_expanded(True)
+        settle()
         written.append(_save(desk.gauges.grab(), out / "gauges.png"))
+        desk.gauges.set_expanded(False)
         panel = SettingsPanel(desk.settings, active=desk.settings.load, has_model=True, parent=win)
         if desk.client.loaded_event is not None:
             panel.show_applied(desk.client.loaded_event.applied)

@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QVBoxLayout, QWidget)
 
 from app.settings import AppSettings, Settings
+from app.chat.header import OVERFLOW_CHOICES
 from runtime import paths
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
@@ -52,7 +53,7 @@ LABELS = {
     "draft.mode": "Speculative decoding", "draft.model": "Draft model",
     "draft.draft_tokens": "Draft tokens", "draft.adaptive": "Adaptive draft length",
     "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
-    "sampling.max_tokens": "Max tokens",
+    "sampling.max_tokens": "Max tokens", "sampling.context_overflow": "When the chat is full",
 }
 CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
@@ -60,6 +61,7 @@ CHOICE_LABELS = {
     "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
     "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU reference"},
     "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
+    "sampling.context_overflow": dict(OVERFLOW_CHOICES),
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",

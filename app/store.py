@@ -14,6 +14,12 @@ writer's lock is free, so a second app instance leaves the first one's streaming
 A file that cannot be opened or read (damaged, not SQLite, a schema version from a newer app) is handled by
 `open_store` (`app/store_recovery.py`): the app always starts.
 
+Messages keep their versions: Regenerate and Edit do not delete the message they replace, they
+*supersede* it: it and every later message of the chat become inactive (the later ones remember which
+version they followed, `tail_of`), and the new message takes the same `slot`. Showing an older version
+swaps the tails back. `messages()` returns the visible (active) ones, each with its place among the
+versions of its slot.
+
 Search uses an FTS5 index over message text when SQLite has FTS5 and falls back to LIKE otherwise.
 """
 from __future__ import annotations
@@ -35,7 +41,7 @@ from runtime.options import OptionError, SamplingOptions, from_dict, to_dict
 from runtime.protocol import GenerationStats, from_plain
 
 DB_NAME = "conversations.sqlite3"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 10_000
 STATES = ("streaming", "done", "error", "cancelled")
 ROLES = ("system", "user", "assistant")
@@ -82,6 +88,9 @@ class Message:
     state: str = "done"          # "streaming" | "done" | "error" | "cancelled"
     stats: Optional[GenerationStats] = None
     error: str = ""              # what went wrong, in words, when state is "error"
+    slot: int = 0                # the first version's id: every version of this message shares it
+    version: int = 1             # 1-based place among the versions of the slot (oldest first)
+    versions: int = 1
 
 
 @dataclass(frozen=True)
@@ -160,8 +169,18 @@ def _v3(fts: bool) -> list[str]:
     return ["ALTER TABLE messages ADD COLUMN writer TEXT NOT NULL DEFAULT ''"]
 
 
+def _v4(fts: bool) -> list[str]:
+    """Message versions (Regenerate, Edit): superseded messages stay, inactive, in their slot."""
+    return [
+        "ALTER TABLE messages ADD COLUMN slot INTEGER",             # NULL: the message's own id
+        "ALTER TABLE messages ADD COLUMN active INTEGER NOT NULL DEFAULT 1",
+        "ALTER TABLE messages ADD COLUMN tail_of INTEGER",          # inactive: the version it followed
+        "CREATE INDEX messages_visible ON messages(conversation_id, active, id)",
+    ]
+
+
 # Each step: the SQL statements (run in one transaction with the version bump) for one version.
-MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2, 3: _v3}
+MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2, 3: _v3, 4: _v4}
 _WRITER_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -286,7 +305,8 @@ class Store:
 
     # -- messages -------------------------------------------------------------------------------
     def add_message(self, conversation_id: int, role: str, content: str, *, model: str = "",
-                    state: str = "done") -> Message:
+                    state: str = "done", slot: Optional[int] = None) -> Message:
+        """A new visible message at the end; `slot`: it is a new version of that slot's message."""
         if role not in ROLES:
             raise ValueError(f"message role {role!r} is not one of {', '.join(ROLES)}")
         if state not in STATES:
@@ -294,8 +314,9 @@ class Store:
         now = time.time()
         with self._write():
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created, model, state, writer)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)", (conversation_id, role, content, now, model, state, self.writer))
+                "INSERT INTO messages (conversation_id, role, content, created, model, state, writer, slot)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, now, model, state, self.writer, slot))
             self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
         return self.message(cur.lastrowid)
 
@@ -325,14 +346,70 @@ class Store:
         return _message(row)
 
     def messages(self, conversation_id: int) -> list[Message]:
-        rows = self.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? ORDER BY id",
-                               (conversation_id,))
-        return [_message(r) for r in rows]
+        """The visible messages, oldest first, each with its place among its slot's versions."""
+        rows = self.db.execute(f"SELECT {_MSG_COLS} FROM messages WHERE conversation_id = ? AND active = 1"
+                               f" ORDER BY id", (conversation_id,)).fetchall()
+        slots = self._slots(conversation_id)
+        out = []
+        for r in rows:
+            m = _message(r)
+            ids = slots.get(m.slot, [m.id])
+            out.append(dataclasses.replace(m, version=ids.index(m.id) + 1, versions=len(ids)))
+        return out
 
-    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
-        """Delete a message and every later one of its conversation (regenerate, edit-and-resend)."""
+    def versions(self, conversation_id: int, slot: int) -> list[int]:
+        """The ids of every version of a message, oldest first."""
+        return self._slots(conversation_id).get(slot, [])
+
+    def _slots(self, conversation_id: int) -> dict[int, list[int]]:
+        slots: dict[int, list[int]] = {}
+        for slot, mid in self.db.execute("SELECT COALESCE(slot, id), id FROM messages WHERE conversation_id = ?"
+                                         " ORDER BY id", (conversation_id,)):
+            slots.setdefault(slot, []).append(mid)
+        return slots
+
+    def supersede(self, conversation_id: int, message_id: int) -> int:
+        """Hide a message and everything after it, kept as the version they were; returns its slot, for
+        the new version (`add_message(..., slot=)`)."""
+        m = self.message(message_id)
         with self._write():
-            self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+            self._hide_from(conversation_id, message_id)
+        return m.slot
+
+    def show_version(self, conversation_id: int, message_id: int, version_id: int) -> None:
+        """Show `version_id` (another version of the visible `message_id`) with what followed it."""
+        shown, wanted = self.message(message_id), self.message(version_id)
+        if shown.slot != wanted.slot or shown.conversation_id != conversation_id:
+            raise ValueError(f"message {version_id} is not a version of message {message_id}")
+        with self._write():
+            self._hide_from(conversation_id, message_id)
+            self.db.execute("UPDATE messages SET active = 1, tail_of = NULL WHERE conversation_id = ?"
+                            " AND (id = ? OR tail_of = ?)", (conversation_id, version_id, version_id))
+
+    def _hide_from(self, conversation_id: int, message_id: int) -> None:
+        self.db.execute("UPDATE messages SET active = 0, tail_of = ? WHERE conversation_id = ? AND active = 1"
+                        " AND id > ?", (message_id, conversation_id, message_id))
+        self.db.execute("UPDATE messages SET active = 0 WHERE id = ?", (message_id,))
+
+    def fork_conversation(self, conversation_id: int, up_to_message_id: int) -> Conversation:
+        """A new chat with the same settings and the visible messages up to and including the given one."""
+        conv = self.conversation(conversation_id)
+        kept = [m for m in self.messages(conversation_id) if m.id <= up_to_message_id]
+        now = time.time()
+        with self._write():
+            cur = self.db.execute(
+                "INSERT INTO conversations (title, created, updated, model, system_prompt, sampling, preset)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (f"{conv.title} (fork)", now, now, conv.model, conv.system_prompt, _sampling_json(conv.sampling),
+                 conv.preset))
+            for m in kept:
+                self.db.execute(
+                    "INSERT INTO messages (conversation_id, role, content, created, model, state, stats, error)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (cur.lastrowid, m.role, m.content, m.created, m.model,
+                     "cancelled" if m.state == "streaming" else m.state,
+                     json.dumps(dataclasses.asdict(m.stats)) if m.stats else None, m.error))
+        return self.conversation(cur.lastrowid)
 
     def mark_interrupted(self, reason: str) -> int:
         """Messages left 'streaming' by an instance that is gone (closed, crashed, killed) become errors that
@@ -452,7 +529,7 @@ class _Immediate:
 
 
 _CONV_COLS = "id, title, created, updated, model, system_prompt, sampling, preset"
-_MSG_COLS = "id, conversation_id, role, content, created, model, state, stats, error"
+_MSG_COLS = "id, conversation_id, role, content, created, model, state, stats, error, COALESCE(slot, id)"
 
 
 def _conversation(row: tuple) -> Conversation:
@@ -461,8 +538,8 @@ def _conversation(row: tuple) -> Conversation:
 
 
 def _message(row: tuple) -> Message:
-    mid, cid, role, content, created, model, state, stats, error = row
-    return Message(mid, cid, role, content, created, model, state, _stats_from(stats), error)
+    mid, cid, role, content, created, model, state, stats, error, slot = row
+    return Message(mid, cid, role, content, created, model, state, _stats_from(stats), error, slot)
 
 
 def _sampling_json(s: Optional[SamplingOptions]) -> Optional[str]:

@@ -31,7 +31,8 @@ SIDE_FILES = ("-wal", "-shm")
 # Tables copied back, with the columns the fresh store takes (any the damaged file lacks keep their default).
 TABLES = {
     "conversations": ("id", "title", "created", "updated", "model", "system_prompt", "sampling", "preset"),
-    "messages": ("id", "conversation_id", "role", "content", "created", "model", "state", "stats", "error"),
+    "messages": ("id", "conversation_id", "role", "content", "created", "model", "state", "stats", "error",
+                 "slot", "active", "tail_of"),
     "presets": ("name", "system_prompt", "sampling", "updated"),
 }
 RECOVERED_NOTE = "Recovered from a damaged conversations file; it may be incomplete."

@@ -15,14 +15,17 @@ from PySide6.QtWidgets import (QDialog, QDockWidget, QFileDialog, QFrame, QHBoxL
                                QMainWindow, QMessageBox, QPlainTextEdit, QProgressBar, QPushButton, QSplitter,
                                QVBoxLayout, QWidget)
 
+from app import help as help_windows
 from app.chat.conversations import ConversationList
 from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
 from app.chat.settings_dialog import ConversationSettingsDialog
 from app.store import Store
-from runtime.protocol import Loaded, Progress, Ready, WorkerError
+from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 
 STDERR_SHOWN = 12
+MIN_SIZE = (640, 420)      # the chat stays usable down to this (tests/test_window_size.py)
+CHATS_MIN_WIDTH = 190
 
 
 class EngineBanner(QFrame):
@@ -142,8 +145,10 @@ class MainWindow(QMainWindow):
         split = QSplitter()
         split.addWidget(self.conversations)
         split.addWidget(right)
-        split.setStretchFactor(1, 1)
-        split.setSizes([260, 900])
+        split.setStretchFactor(0, 1)         # narrowing the window narrows the list too, to its minimum
+        split.setStretchFactor(1, 4)
+        split.setSizes([240, 1040])
+        self.conversations.setMinimumWidth(CHATS_MIN_WIDTH)   # the list narrows so the chat keeps its room
         self.setCentralWidget(split)
         self.gauges_dock: Optional[QDockWidget] = None
         if gauges is not None:
@@ -151,6 +156,7 @@ class MainWindow(QMainWindow):
             self.gauges_dock.setWidget(gauges)
             self.gauges_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetClosable
                                          | QDockWidget.DockWidgetFeature.DockWidgetMovable)
+            self.gauges_dock.setTitleBarWidget(QWidget())     # the compact line is its own title: no bar
             self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, self.gauges_dock)
 
         self.conversations.new_requested.connect(self.new_chat)
@@ -165,7 +171,8 @@ class MainWindow(QMainWindow):
         session.conversation_changed.connect(self._on_conversation)
         session.notice.connect(lambda words: self.statusBar().showMessage(words, 5000))
         self._actions()
-        self.resize(1200, 800)
+        self.setMinimumSize(*MIN_SIZE)
+        self.resize(1280, 800)
 
     # -- menus and shortcuts --------------------------------------------------------------------
     def _actions(self) -> None:
@@ -198,6 +205,17 @@ class MainWindow(QMainWindow):
         act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
         if self.gauges_dock is not None:
             bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
+        helpm = bar.addMenu("&Help")
+        act(helpm, "&Keyboard shortcuts", lambda: self._show(help_windows.shortcuts_dialog(self, self.actions())),
+            "Ctrl+/")
+        act(helpm, "&User guide", lambda: self._show(help_windows.guide_dialog(self)), QKeySequence.StandardKey.HelpContents)
+        helpm.addSeparator()
+        act(helpm, "&About MoE Desk", lambda: self._show(help_windows.about_dialog(self, self.ready, self.loaded)))
+
+    def _show(self, dialog: QDialog) -> None:
+        self.help_dialog = dialog          # kept for tests and so that it is not collected while shown
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.show()
 
     def focus_search(self) -> None:
         self.conversations.search.setFocus()
@@ -294,11 +312,24 @@ class MainWindow(QMainWindow):
     def on_loaded(self, ev: Loaded) -> None:
         self.loaded = ev
         self.session.model_name = ev.model
+        self.chat.picker.set_loaded(ev.model)
+        self.chat.meter.set_model_context(ev.context_length)
         self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
                                f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
         self.chat.set_engine_ready(True)
 
+    def on_unloaded(self, _ev: Optional[Unloaded] = None) -> None:
+        self.loaded = None
+        self.chat.set_engine_ready(False)
+        self.chat.picker.set_loaded(None)
+        self.chat.meter.set_model_context(None)
+        self.banner.show_state(self.engine_words(), "No model loaded: pick one in the chat's model list or in "
+                                                    "Engine → Models… (Ctrl+M).")
+
     def on_engine_error(self, request_id: str, err: WorkerError) -> None:
+        if self.chat.meter.owns(request_id):     # a count the meter asked for: it shows "—" meanwhile
+            self.chat.meter.on_error(request_id)
+            return
         if self.session.issued(request_id):      # shown on the answer itself
             self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
             return
@@ -308,6 +339,8 @@ class MainWindow(QMainWindow):
     def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
         self.loaded = None
         self.chat.set_engine_ready(False)
+        self.chat.picker.set_loaded(None)
+        self.chat.meter.set_model_context(None)
         kept = " The conversation and the partial answer are saved." if self.session.conversation else ""
         self.banner.show_state(words, "Restart reloads the last model." + kept, kind="error",
                                lines=stderr_lines or ["(the engine wrote nothing to its error log)"])

@@ -94,11 +94,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: SamplingOptions, *,
              decoder: Any = None, on_text: Optional[TextFn] = None, on_step: Optional[StepFn] = None,
              should_stop: Callable[[], bool] = lambda: False, generator: Any = None,
-             cached: Sequence[int] = (), prefill_chunk: int = 512, ignore_eos: bool = False) -> GenerationResult:
+             cached: Sequence[int] = (), prefill_chunk: int = 512, ignore_eos: bool = False,
+             answer_prefix_tokens: int = 0) -> GenerationResult:
     """Generate an answer to `prompt` (token ids). `cached` is what the engine's cache holds now.
 
     The cache is reused only when the prompt continues it (the next turn of the same conversation);
-    any other prompt is prefilled from scratch. Reusing part of a different prompt would make the
+    any other prompt is prefilled from scratch. `answer_prefix_tokens`: the prompt ends with that many
+    tokens of an answer begun earlier (Continue); the text streamed out continues it. Reusing part of a different prompt would make the
     answer depend on what was asked before: logits of a prompt split differently between prefill
     calls differ in the last bits, and near-ties in greedy decoding can flip on that."""
     prompt = list(prompt)
@@ -114,6 +116,8 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     live = LiveStats(prompt_tokens=len(prompt))
     step_hook = on_step or (lambda _live: None)
     detok = tokenizer.stream_decoder()
+    if answer_prefix_tokens:
+        detok.push(prompt[len(prompt) - answer_prefix_tokens:])   # context for the first new token's text
     stops = StopMatcher(sampling.stop)
     eos = frozenset() if ignore_eos else tokenizer.eos_ids
     limit = min(sampling.max_tokens, context - len(prompt))

@@ -42,6 +42,9 @@ class SamplingOptions:
     max_tokens: int = opt(1024, "Longest answer, in tokens.", min=1)
     seed: Optional[int] = opt(None, "Random seed for reproducible sampling (empty = random).", min=0)
     stop: tuple[str, ...] = opt((), "Extra strings that end the answer.")
+    context_overflow: str = opt("rolling", "When the chat no longer fits the context: drop the oldest turns (rolling), "
+                                "keep the first exchange and drop the turns after it (keep_first), or stop and say so.",
+                                choices=("rolling", "keep_first", "stop"))
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,12 @@ The worker reads commands on its stdin and writes events on a dedicated file des
 duplicates from its original stdout at start-up, before pointing fd 1 at stderr; so libraries that
 print (exllamav2 does) can never corrupt the channel. See `runtime/worker.py`.
 
-Commands (client -> worker): hello, load, unload, generate, cancel, stats, shutdown.
-Events (worker -> client): ready, progress, loaded, unloaded, token, finished, telemetry, error.
+Commands (client -> worker): hello, load, unload, generate, cancel, stats, count, shutdown.
+Events (worker -> client): ready, progress, loaded, unloaded, token, finished, telemetry, token_count, error.
+
+Version 2 added `count` / `token_count` (tokens of a conversation as the model's chat template renders
+it), `Generate.answer_prefix` (continue a stopped answer), `GenerationStats.dropped_messages` (turns
+left out to fit the context) and `Ready.libraries`.
 
 Errors carry a stable `code` (the `ErrorCode` values below) plus a message in words and a detail
 (e.g. the last lines of a compiler log); `exception_for` maps an error event back to an exception.
@@ -25,7 +29,7 @@ from typing import Any, Optional, Union
 from runtime import options as _options
 from runtime.options import DraftOptions, LoadOptions, OptionError, SamplingOptions
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ErrorCode(str, Enum):
@@ -86,6 +90,7 @@ class GenerationStats:
     decode_tps: Optional[float]        # generated tokens per second after the first
     total_s: float
     draft: Optional[DraftStats] = None
+    dropped_messages: int = 0          # oldest messages left out so the conversation fits the context
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +125,7 @@ class Generate:
     prompt: Optional[str] = None             # raw text instead of messages (benchmarks)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     draft: Optional[DraftOptions] = None     # None: keep what the load command set
+    answer_prefix: str = ""                  # the answer so far: generation continues it (Continue)
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,14 @@ class Cancel:
 class Stats:
     type: typing.ClassVar[str] = "stats"
     request_id: str = ""
+
+
+@dataclass(frozen=True)
+class CountTokens:
+    """How many tokens `messages` take as the prompt of the next answer (chat template applied)."""
+    type: typing.ClassVar[str] = "count"
+    request_id: str
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,7 @@ class Ready:
     engine: str                  # "cuda" or "cpu": what a load with backend "auto" would use
     engine_note: str             # in words, e.g. "No CUDA device: using the CPU reference engine."
     device: str                  # GPU name, or "cpu"
+    libraries: dict[str, str] = field(default_factory=dict)   # e.g. {"torch": "2.11.0"}: the engine's own
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,14 @@ class Telemetry:
 
 
 @dataclass(frozen=True)
+class TokenCount:
+    type: typing.ClassVar[str] = "token_count"
+    request_id: str
+    tokens: int
+    context_length: int          # of the loaded model
+
+
+@dataclass(frozen=True)
 class Error:
     type: typing.ClassVar[str] = "error"
     code: str
@@ -225,11 +248,12 @@ class Error:
     request_id: Optional[str] = None
 
 
-Command = Union[Hello, Load, Unload, Generate, Cancel, Stats, Shutdown]
-Event = Union[Ready, Progress, Loaded, Unloaded, TokenDelta, Finished, Telemetry, Error]
+Command = Union[Hello, Load, Unload, Generate, Cancel, Stats, CountTokens, Shutdown]
+Event = Union[Ready, Progress, Loaded, Unloaded, TokenDelta, Finished, Telemetry, TokenCount, Error]
 
-COMMANDS: dict[str, type] = {c.type: c for c in (Hello, Load, Unload, Generate, Cancel, Stats, Shutdown)}
-EVENTS: dict[str, type] = {e.type: e for e in (Ready, Progress, Loaded, Unloaded, TokenDelta, Finished, Telemetry, Error)}
+COMMANDS: dict[str, type] = {c.type: c for c in (Hello, Load, Unload, Generate, Cancel, Stats, CountTokens, Shutdown)}
+EVENTS: dict[str, type] = {e.type: e for e in (Ready, Progress, Loaded, Unloaded, TokenDelta, Finished, Telemetry,
+                                               TokenCount, Error)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ class Worker:
             self.hello(cmd)
         elif isinstance(cmd, P.Stats):
             self.send(self.telemetry(cmd.request_id))
+        elif isinstance(cmd, P.CountTokens):
+            self.count(cmd)      # here, not queued: the message box asks while an answer streams
         elif isinstance(cmd, P.Cancel):
             with self._state:
                 if self._generating == cmd.request_id:
@@ -107,7 +109,21 @@ class Worker:
             return
         choice = self._backend
         self.send(P.Ready(protocol_version=P.PROTOCOL_VERSION, worker_version=_version(), pid=os.getpid(),
-                          engine=choice.backend, engine_note=choice.note, device=choice.device))
+                          engine=choice.backend, engine_note=choice.note, device=choice.device,
+                          libraries=_libraries()))
+
+    def count(self, cmd: P.CountTokens) -> None:
+        tokenizer, engine = self.tokenizer, self.engine     # a load may replace them meanwhile
+        if tokenizer is None or engine is None:
+            self.error(P.ErrorCode.NO_MODEL.value, "no model is loaded: tokens are counted with its tokenizer",
+                       request_id=cmd.request_id)
+            return
+        try:
+            n = len(tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages]))
+        except EngineError as e:
+            self.error(str(e.code), e.message, e.detail, cmd.request_id)
+            return
+        self.send(P.TokenCount(request_id=cmd.request_id, tokens=n, context_length=engine.info.context_length))
 
     def telemetry(self, request_id: str = "") -> P.Telemetry:
         live, engine = self._live, self.engine
@@ -204,17 +220,23 @@ class Worker:
         return draft_engine
 
     def generate(self, cmd: P.Generate) -> None:
+        from runtime.context import FittedPrompt, fit_prompt
         from runtime.generate import generate, make_decoder, make_generator
         if self.engine is None:
             raise EngineError(P.ErrorCode.NO_MODEL.value, "no model is loaded: send load first")
         if cmd.prompt is not None and cmd.messages:
             raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: give messages or prompt, not both")
         if cmd.prompt is not None:
-            prompt = self.tokenizer.encode_prompt(cmd.prompt)
+            if cmd.answer_prefix:
+                raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: answer_prefix needs messages, not a prompt")
+            fitted = FittedPrompt(self.tokenizer.encode_prompt(cmd.prompt), 0, 0)
         elif cmd.messages:
-            prompt = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages])
+            fitted = fit_prompt(self.tokenizer, [{"role": m.role, "content": m.content} for m in cmd.messages],
+                                self.engine.info.context_length, cmd.sampling.max_tokens,
+                                cmd.sampling.context_overflow, cmd.answer_prefix)
         else:
             raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: messages is empty and no prompt was given")
+        prompt = fitted.tokens
         generator = make_generator(cmd.sampling.seed)
         draft = cmd.draft if cmd.draft is not None else self.load_options.draft
         decoder = make_decoder(self.engine, cmd.sampling, generator, draft, self.draft_engine)
@@ -233,7 +255,8 @@ class Worker:
         ticker.start()
         try:
             result = generate(self.engine, self.tokenizer, prompt, cmd.sampling, decoder=decoder, on_text=on_text,
-                              on_step=on_step, should_stop=self._cancel.is_set, generator=generator, cached=cached)
+                              on_step=on_step, should_stop=self._cancel.is_set, generator=generator, cached=cached,
+                              answer_prefix_tokens=fitted.prefix_tokens)
         except BaseException:
             self._reset_cache()
             raise
@@ -245,7 +268,8 @@ class Worker:
         # The closing figures go before `finished`: a client may stop reading at `finished`, and a short
         # answer can end before the first tick.
         self.send(self.telemetry(rid))
-        self.send(P.Finished(request_id=rid, reason=result.reason, stats=result.stats))
+        stats = dataclasses.replace(result.stats, dropped_messages=fitted.dropped_messages)
+        self.send(P.Finished(request_id=rid, reason=result.reason, stats=stats))
 
     def _tick(self, rid: str, stop: threading.Event) -> None:
         """Telemetry about twice a second while a generation runs (also during a long prefill chunk)."""
@@ -281,6 +305,20 @@ def _version() -> str:
         return version("moedesk")
     except PackageNotFoundError:
         return "dev"
+
+
+def _libraries() -> dict[str, str]:
+    """Versions of the engine's libraries, from their installed metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for name in ("torch", "exllamav2", "tokenizers", "triton"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    import platform
+    out["python"] = platform.python_version()
+    return out
 
 
 def _rss() -> Optional[int]:

@@ -1,8 +1,9 @@
 """A scripted worker for fast GUI tests: speaks the real protocol, answers with canned text.
 
 The answer to a user message is "You said: <message>." followed by numbered filler words, one token
-every FAKE_WORKER_DELAY seconds (default 0.02) up to max_tokens. Cancel ends it with reason
-"cancelled". Used only by tests; the end-to-end tests use the real worker and the demo model.
+every FAKE_WORKER_DELAY seconds (default 0.02) up to max_tokens; with an answer prefix (Continue) the
+words go on after the prefix's. Cancel ends it with reason "cancelled". `count` answers 4 tokens per
+message plus one per word; the context is 2048. Used only by tests; the end-to-end tests use the real worker and the demo model.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import threading
 import time
 
 from runtime import protocol
-from runtime.protocol import (Cancel, Error, Finished, GenerationStats, Generate, Hello, Load, Loaded, Progress,
-                              Ready, Shutdown, Telemetry, TokenDelta)
+from runtime.protocol import (Cancel, CountTokens, Error, Finished, GenerationStats, Generate, Hello, Load, Loaded,
+                              Progress, Ready, Shutdown, Telemetry, TokenCount, TokenDelta, Unload, Unloaded)
+
+CONTEXT = 2048
 
 DELAY = float(os.environ.get("FAKE_WORKER_DELAY", "0.02"))
 out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
@@ -35,6 +38,8 @@ def reader(q: "queue.Queue") -> None:
 def answer_tokens(g: Generate) -> list[str]:
     last = next((m.content for m in reversed(g.messages) if m.role == "user"), "")
     words = [f"You said: {last}."] + [f" word{i}" for i in range(1, 10_000)]
+    if g.answer_prefix:
+        words = words[1 + g.answer_prefix.count(" word"):]
     return words[:g.sampling.max_tokens]
 
 
@@ -53,7 +58,15 @@ def main() -> None:
         elif isinstance(cmd, Load):
             send(Progress(cmd.request_id, "loading", "Reading weights", 1, 2))
             model = cmd.model
-            send(Loaded(cmd.request_id, cmd.model, "/models/" + cmd.model, "LlamaForCausalLM", "cpu", 2048, 100, 0.1))
+            send(Loaded(cmd.request_id, cmd.model, "/models/" + cmd.model, "LlamaForCausalLM", "cpu", CONTEXT, 100, 0.1))
+        elif isinstance(cmd, Unload):
+            model = None
+            send(Unloaded(cmd.request_id))
+        elif isinstance(cmd, CountTokens):
+            if model is None:
+                send(Error("no_model", "No model is loaded.", request_id=cmd.request_id))
+            else:
+                send(TokenCount(cmd.request_id, sum(4 + len(m.content.split()) for m in cmd.messages), CONTEXT))
         elif isinstance(cmd, Generate):
             if model is None:
                 send(Error("no_model", "No model is loaded.", request_id=cmd.request_id))

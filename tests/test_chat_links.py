@@ -32,7 +32,7 @@ def test_links_in_message_text_are_not_app_actions(qtbot, role):
     for href in d.hyperlinks(model.index(0), opt):
         d.activate(href, model.index(0))
     kinds = {kind for kind, _ in got}
-    assert kinds <= {"copy", "copy_code", "open_link", "edit"}
+    assert kinds <= {"copy", "copy_code", "open_link", "edit", "fork"}   # the row's own buttons
     assert "regenerate" not in kinds                     # only the last answer's own button regenerates
     if role == "assistant":
         assert "edit" not in kinds                       # answers have no Edit button

@@ -77,8 +77,8 @@ def test_delegate_links_and_height_grow_with_text(qtbot):
     opt = QStyleOptionViewItem()
     opt.rect.setSize(QSize(600, 100))
     link = markdown.app_link
-    assert d.hyperlinks(model.index(0), opt) == [link("copy"), link("edit")]
-    assert d.hyperlinks(model.index(1), opt) == [link("copy"), link("regenerate"), link("code", 0)]
+    assert d.hyperlinks(model.index(0), opt) == [link("copy"), link("edit"), link("fork")]
+    assert d.hyperlinks(model.index(1), opt) == [link("copy"), link("regenerate"), link("fork"), link("code", 0)]
     got = []
     d.action.connect(lambda kind, row, payload: got.append((kind, row, payload)))
     d.activate(link("code", 0), model.index(1))

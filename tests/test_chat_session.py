@@ -14,6 +14,7 @@ import sys
 import pytest
 from PySide6.QtCore import Qt
 
+from app.chat.markdown import app_link
 from app.main import build
 from app.settings import Settings
 from app.store import Store
@@ -118,8 +119,18 @@ def test_stop_regenerate_and_edit_and_resend(qtbot, make_desk):
     qtbot.waitUntil(lambda: not desk.session.busy, timeout=10000)
     assert [(i.role, i.content.split(" word")[0]) for i in model.items] == [
         ("user", "First, edited"), ("assistant", "You said: First, edited.")]
-    assert model.items[0].id == first_id and not panel.edit_banner.isVisible()
+    edited = model.items[0]
+    assert edited.id != first_id and (edited.slot, edited.version, edited.versions) == (first_id, 2, 2)
+    assert not panel.edit_banner.isVisible()
     assert len(desk.store.messages(desk.session.conversation.id)) == 2
+
+    # The old version comes back with everything that followed it (‹ 1/2 ›), and goes again.
+    panel.view.version_requested.emit(edited.id, -1)
+    assert [i.content.split(" word")[0] for i in model.items] == [
+        "First", "You said: First.", "Second", "You said: Second."]
+    assert (model.items[1].version, model.items[1].versions) == (2, 2)     # the regenerated answer
+    panel.view.version_requested.emit(model.items[0].id, +1)
+    assert [i.content.split(" word")[0] for i in model.items] == ["First, edited", "You said: First, edited."]
 
 
 def test_killed_worker_keeps_partial_answer_and_restart_works(qtbot, make_desk):
@@ -227,3 +238,48 @@ def test_settings_apply_saves_hides_gauges_and_reloads(qtbot, make_desk):
     desk.window.settings_requested.emit()                     # the panel opens without blocking
     from app.settings_panel import SettingsPanel
     assert any(isinstance(w, SettingsPanel) and w.isVisible() for w in desk.window.findChildren(SettingsPanel))
+
+
+def _links(desk, row: int) -> list[str]:
+    view = desk.window.chat.view
+    return view.delegate.hyperlinks(desk.session.model.index(row, 0), view._option())
+
+
+def test_versions_continue_and_fork_from_the_message_links(qtbot, make_desk):
+    desk = make_desk(delay=0.03, max_tokens=300)
+    model, panel = desk.session.model, desk.window.chat
+    send(qtbot, desk, "Tell", wait=False)
+    qtbot.waitUntil(lambda: "word5" in model.items[-1].content, timeout=10000)
+    panel.escape()
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=10000)
+    stopped = model.items[-1]
+    assert app_link("continue") in _links(desk, 1) and app_link("fork") in _links(desk, 1)
+
+    # Continue: the same message goes on where it stopped.
+    desk.session.default_sampling = SamplingOptions(max_tokens=3)
+    n = stopped.content.count(" word")
+    panel.view.continue_requested.emit(stopped.id)
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=10000)
+    assert model.rowCount() == 2 and model.items[-1].id == stopped.id and model.items[-1].state == "done"
+    assert model.items[-1].content.endswith(f" word{n + 1} word{n + 2} word{n + 3}")
+    assert desk.store.message(stopped.id).content == model.items[-1].content
+    assert app_link("continue") not in _links(desk, 1)
+
+    # Regenerate keeps the old answer as version 1 of 2, with its arrows.
+    panel.regen_button.click()
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=10000)
+    assert (model.items[-1].version, model.items[-1].versions) == (2, 2)
+    assert app_link("older") in _links(desk, 1) and app_link("newer") not in _links(desk, 1)
+    panel.view.version_requested.emit(model.items[-1].id, -1)
+    assert model.items[-1].id == stopped.id and app_link("newer") in _links(desk, 1)
+
+    # Fork from the question: a new chat holding it, which Regenerate answers.
+    original = desk.session.conversation.id
+    panel.view.fork_requested.emit(model.items[0].id)
+    assert desk.session.conversation.id != original and desk.session.conversation.title.endswith("(fork)")
+    assert [i.content for i in model.items] == ["Tell"]
+    assert panel.regen_button.isEnabled()
+    panel.regen_button.click()
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=10000)
+    assert model.items[-1].content.startswith("You said: Tell.")
+    assert len(desk.store.messages(original)) == 2

@@ -1,6 +1,7 @@
 """End to end: the real worker process with the real demo model on the CPU reference engine."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -254,3 +255,44 @@ def test_cli_chat_errors_are_one_line(demo_model, tmp_path):
     assert len(lines) == 1 and "model_not_found" in lines[0] and "missing" in lines[0]
     r = _cli(demo_model, "chat", "--model", "demo", "--draft-tokens", "99", "hello")
     assert r.returncode != 0 and "draft.draft_tokens" in r.stderr
+
+
+def test_count_tokens_as_the_chat_template_renders_them(worker, demo_model):
+    from runtime.tokenizer import Tokenizer
+    msgs = (P.ChatMessage("system", "Be brief."), P.ChatMessage("user", QUESTION))
+    worker.send(P.CountTokens(request_id="c1", messages=msgs))
+    ev = worker.next_event(30)
+    while isinstance(ev, P.Telemetry):
+        ev = worker.next_event(30)
+    expected = len(Tokenizer.from_folder(demo_model).encode_chat([{"role": m.role, "content": m.content} for m in msgs]))
+    assert isinstance(ev, P.TokenCount) and (ev.request_id, ev.tokens) == ("c1", expected)
+    assert ev.context_length == LoadOptions().offload.context_length      # the default, below the model's own
+
+
+def test_continue_a_stopped_answer_gives_the_uninterrupted_text(worker):
+    whole, _, _ = ask(worker, QUESTION)
+    part, fin, _ = ask(worker, QUESTION, SamplingOptions(temperature=0.0, max_tokens=4))
+    assert fin.reason == "length" and part and whole.startswith(part)
+    rid = new_id("cont")
+    req = P.Generate(request_id=rid, messages=(P.ChatMessage("user", QUESTION),), sampling=GREEDY_REST,
+                     answer_prefix=part)
+    rest = "".join(ev.text for ev in worker.generate(req) if isinstance(ev, P.TokenDelta))
+    assert part + rest == whole
+
+
+GREEDY_REST = SamplingOptions(temperature=0.0, max_tokens=GREEDY.max_tokens - 4)
+
+
+def test_a_chat_longer_than_the_context_drops_its_oldest_turns(worker):
+    long = "tell me more about the weather in the mountains " * 180      # ~1,600 tokens a message
+    msgs = (P.ChatMessage("system", "Be brief."), P.ChatMessage("user", long), P.ChatMessage("assistant", long),
+            P.ChatMessage("user", long), P.ChatMessage("assistant", long), P.ChatMessage("user", QUESTION))
+    sampling = SamplingOptions(temperature=0.0, max_tokens=2048)       # room for the answer: half of 4,096
+    events = list(worker.generate(P.Generate(request_id="long", messages=msgs, sampling=sampling)))
+    fin = events[-1]
+    assert isinstance(fin, P.Finished), fin
+    assert fin.stats.dropped_messages == 4 and fin.stats.prompt_tokens < 100
+    assert "Paris" in "".join(ev.text for ev in events if isinstance(ev, P.TokenDelta))
+    stop = dataclasses.replace(sampling, context_overflow="stop", max_tokens=8)
+    events = list(worker.generate(P.Generate(request_id="full", messages=msgs, sampling=stop)))
+    assert isinstance(events[-1], P.Error) and events[-1].code == "context_overflow"

@@ -261,3 +261,31 @@ def test_repainting_does_not_leak_references_to_none(panel):
         for g in panel.gauges.values():
             g.spark.grab()
     assert sys.getrefcount(None) >= before - 100
+
+
+def test_compact_line_and_tiles_that_can_never_have_a_value_are_hidden(panel, qtbot):
+    """No GPU: no VRAM tile or strip entry; the CPU engine: no expert hits or host↔GPU traffic."""
+    panel.show()
+    assert not panel.details.isVisible()
+    assert not panel.strip_labels["vram"].isVisible() and panel.strip_labels["ram"].isVisible()
+    panel.show_telemetry(Telemetry(request_id="r", decode_tps=31.25, ttft_s=0.4, generating=True))
+    assert "31.2 T/s" in panel.strip_labels["decode_tps"].text() and "400 ms" in panel.strip_labels["ttft"].text()
+    panel.set_expanded(True)
+    assert panel.details.isVisible()
+    assert not panel.gauges["vram"].isVisible() and not panel.gauges["pcie"].isVisible()
+    assert panel.gauges["decode_tps"].isVisible() and panel.gauges["draft_acceptance"].isVisible()
+
+
+def test_with_a_gpu_the_cpu_engine_still_hides_expert_tiles(qtbot):
+    from app.gauges import GaugesPanel
+    p = GaugesPanel(nvml=NvmlMonitor(fake_nvml()))
+    qtbot.addWidget(p)
+    p.show()
+    p.set_expanded(True)
+    assert p.strip_labels["vram"].isVisible() and "2.0 / 24.0 GiB" in p.strip_labels["vram"].text()
+    assert p.gauges["expert_hit_rate"].isVisible() and p.gauges["pcie"].isVisible()
+    p.set_engine("cpu")
+    assert not p.gauges["expert_hit_rate"].isVisible() and not p.gauges["pcie"].isVisible()
+    assert p.gauges["vram"].isVisible()
+    p.set_engine("cuda")
+    assert p.gauges["expert_hit_rate"].isVisible()

@@ -97,7 +97,7 @@ def test_conversation_and_message_round_trip(db_path):
         s.rename_conversation(c.id, "  ")
     with pytest.raises(ValueError, match="role 'robot'"):
         s.add_message(c.id, "robot", "x")
-    s.delete_messages_from(c.id, a.id)
+    s.supersede(c.id, a.id)
     assert [m.id for m in s.messages(c.id)] == [u.id]
     s.delete_conversation(c.id)
     assert s.conversations() == []
@@ -217,3 +217,55 @@ def test_hand_broken_sampling_json_falls_back_to_defaults(db_path):
     c = s.create_conversation()
     s.db.execute("UPDATE conversations SET sampling = '{\"temperature\": \"hot\"}' WHERE id = ?", (c.id,))
     assert s.conversation(c.id).sampling is None
+
+
+def test_migrates_a_v2_database_and_its_messages_get_versions(db_path):
+    v2 = Store(db_path, target_version=2)
+    v2.db.execute("INSERT INTO conversations (id, title, created, updated) VALUES (1, 'Old chat', 1.0, 2.0)")
+    v2.db.execute("INSERT INTO messages (conversation_id, role, content, created) VALUES (1, 'user', 'hi', 1.5)")
+    v2.db.execute("INSERT INTO messages (conversation_id, role, content, created) VALUES (1, 'assistant', 'old', 1.6)")
+    v2.close()
+    s = Store(db_path)
+    assert s.version() == SCHEMA_VERSION
+    u, a = s.messages(1)
+    assert (a.content, a.slot, a.version, a.versions) == ("old", a.id, 1, 1)
+    b = s.add_message(1, "assistant", "new", slot=s.supersede(1, a.id))
+    assert [(m.content, m.version, m.versions) for m in s.messages(1)] == [("hi", 1, 1), ("new", 2, 2)]
+    assert s.versions(1, a.id) == [a.id, b.id]
+
+
+def test_versions_keep_what_followed_them(db_path):
+    """Edit the first question: the old question and its whole answer come back with the old version."""
+    s = Store(db_path)
+    c = s.create_conversation("Versions")
+    q1 = s.add_message(c.id, "user", "first question")
+    s.add_message(c.id, "assistant", "first answer")
+    s.add_message(c.id, "user", "follow-up")
+    a2 = s.add_message(c.id, "assistant", "follow-up answer")
+    r2 = s.add_message(c.id, "assistant", "follow-up answer, again", slot=s.supersede(c.id, a2.id))   # Regenerate
+    q1b = s.add_message(c.id, "user", "edited question", slot=s.supersede(c.id, q1.id))              # Edit
+    s.add_message(c.id, "assistant", "answer to the edit")
+    texts = lambda: [m.content for m in s.messages(c.id)]
+    assert texts() == ["edited question", "answer to the edit"]
+    assert [(m.version, m.versions) for m in s.messages(c.id)][0] == (2, 2)
+    s.show_version(c.id, q1b.id, q1.id)
+    assert texts() == ["first question", "first answer", "follow-up", "follow-up answer, again"]
+    s.show_version(c.id, r2.id, a2.id)
+    assert texts() == ["first question", "first answer", "follow-up", "follow-up answer"]
+    s.show_version(c.id, q1.id, q1b.id)
+    assert texts() == ["edited question", "answer to the edit"]
+    with pytest.raises(ValueError, match="not a version"):
+        s.show_version(c.id, q1b.id, a2.id)
+    assert "follow-up answer" not in s.export_markdown(c.id)       # exports show what is visible
+
+
+def test_fork_copies_the_visible_messages_up_to_one(db_path):
+    s = Store(db_path)
+    c = s.create_conversation("Trip", model="demo", system_prompt="Be brief.", sampling=SamplingOptions(top_k=3))
+    s.add_message(c.id, "user", "q1")
+    a1 = s.add_message(c.id, "assistant", "a1")
+    s.add_message(c.id, "user", "q2")
+    f = s.fork_conversation(c.id, a1.id)
+    assert (f.title, f.model, f.system_prompt, f.sampling.top_k) == ("Trip (fork)", "demo", "Be brief.", 3)
+    assert [m.content for m in s.messages(f.id)] == ["q1", "a1"]
+    assert len(s.messages(c.id)) == 3

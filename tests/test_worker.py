@@ -141,3 +141,13 @@ def test_stdin_eof_ends_the_worker():
     assert proc.wait(30) == 0
     lines = proc.stdout.read().decode().splitlines()
     assert json.loads(lines[0])["type"] == "ready"
+
+
+def test_count_without_a_model_says_so(worker):
+    worker.send(P.CountTokens(request_id="c", messages=(P.ChatMessage("user", "Hi"),)))
+    err = _error(worker)
+    assert (err.code, err.request_id) == ("no_model", "c")
+
+
+def test_ready_reports_the_engine_libraries(worker):
+    assert worker.ready.libraries["python"] and "tokenizers" in worker.ready.libraries

@@ -3,9 +3,10 @@
 Each row's QTextDocument is cached by message id and rebuilt only when what it shows changed (text,
 state, stats, folded thinking, width, theme), so scrolling a long conversation re-renders nothing.
 The app's buttons are links of the per-process scheme `markdown.app_link` makes (copy, edit, regenerate,
-code block N, thinking section N); any other link is the message's own and only http(s) ones open, in the
-browser. A click on one emits `action(kind, row, payload)`; the view turns those into clipboard copies and
-requests. A link written in a message can never be a button, and no href raises.
+continue, fork, older / newer (its versions), code block N, thinking section N); any other link is the
+message's own and only http(s) ones open, in the browser. A click on one emits `action(kind, row, payload)`;
+the view turns those into clipboard copies and requests. A link written in a message can never be a button,
+and no href raises.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class MessageDelegate(QStyledItemDelegate):
     # -- the document of a row ------------------------------------------------------------------
     def _key(self, it: ChatItem, index: QModelIndex, font) -> tuple:
         return (it.content, it.state, it.stats, it.error, frozenset(self.expanded.get(it.id, ())), self.palette,
-                index.row() == index.model().rowCount() - 1, font.key())
+                index.row() == index.model().rowCount() - 1, font.key(), it.version, it.versions)
 
     def is_rendered(self, index: QModelIndex, font) -> bool:
         it: ChatItem = index.data(ItemRole)
@@ -125,12 +126,20 @@ class MessageDelegate(QStyledItemDelegate):
             if it.state == "cancelled":
                 bits.append("stopped")
         link = markdown.app_link
-        links = [f'<a href="{link("copy")}">Copy</a>']
+        links = []
+        if it.versions > 1 and it.state != "streaming":
+            older = f'<a href="{link("older")}">‹</a>' if it.version > 1 else '<span>‹</span>'
+            newer = f'<a href="{link("newer")}">›</a>' if it.version < it.versions else '<span>›</span>'
+            links.append(f'<span style="font-size: medium;">{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}</span>')
+        links.append(f'<a href="{link("copy")}">Copy</a>')
         if it.state != "streaming":
             if it.role == "user":
                 links.append(f'<a href="{link("edit")}">Edit</a>')
             if it.role == "assistant" and is_last:
+                if it.state in ("cancelled", "error") and it.content:
+                    links.append(f'<a href="{link("continue")}">Continue</a>')
                 links.append(f'<a href="{link("regenerate")}">Regenerate</a>')
+            links.append(f'<a href="{link("fork")}">Fork</a>')
         meta = f' <span style="color:{p.muted};">· {" · ".join(bits)}</span>' if bits else ""
         return (f'<table width="100%" cellspacing="0" cellpadding="0"><tr><td><b>{who}</b>{meta}</td>'
                 f'<td align="right" style="font-size: small;">{"&nbsp;&nbsp;".join(links)}</td></tr></table>'
@@ -221,7 +230,7 @@ class MessageDelegate(QStyledItemDelegate):
                 self.action.emit("open_link", row, href)
             return
         kind, n = action
-        if kind in ("copy", "edit", "regenerate") and n is None:
+        if kind in ("copy", "edit", "regenerate", "continue", "fork", "older", "newer") and n is None:
             self.action.emit(kind, row, None)
         elif kind == "code" and n is not None:
             blocks = self._docs[mid].rendered.code_blocks if mid in self._docs else []

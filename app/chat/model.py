@@ -35,10 +35,14 @@ class ChatItem:
     model: str = ""
     stats: Optional[GenerationStats] = None
     error: str = ""
+    slot: int = 0                 # shared by every version of this message (the store's)
+    version: int = 1              # shown as "‹ version/versions ›" when there are several
+    versions: int = 1
 
     @classmethod
     def from_message(cls, m: Message) -> "ChatItem":
-        return cls(m.id, m.role, m.content, m.state, m.model, m.stats, m.error)
+        return cls(m.id, m.role, m.content, m.state, m.model, m.stats, m.error, m.slot or m.id, m.version,
+                   m.versions)
 
 
 class MessageListModel(QAbstractListModel):

@@ -1,17 +1,20 @@
-"""The right side of the window: title bar, message view, and the input box with Send / Stop.
+"""The right side of the window: the header (title, model picker, context meter, chat settings), the
+message view, and the input box with Send / Stop.
 
 Enter sends, Shift+Enter starts a new line, Esc stops the answer (or cancels an edit). Edit-and-resend
 puts a user message into the input box with a banner; sending then replaces that message.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QToolButton,
                                QVBoxLayout, QWidget)
 
+from app.chat.header import ContextMeter, ModelPicker, local_entries
 from app.chat.session import ChatSession
 from app.chat.view import ChatView
 
@@ -28,6 +31,9 @@ class InputBox(QPlainTextEdit):
         self.setMinimumHeight(56)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Maximum)
 
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return QSize(256, 80)       # three lines: the messages get the rest of the height
+
     def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (e.modifiers() & Qt.KeyboardModifier.ShiftModifier):
             self.submitted.emit()
@@ -41,29 +47,41 @@ class InputBox(QPlainTextEdit):
 class ChatPanel(QWidget):
     settings_requested = Signal()
 
-    def __init__(self, session: ChatSession, parent=None):
+    def __init__(self, session: ChatSession, parent=None, model_entries=local_entries):
         super().__init__(parent)
         self.session = session
         self.editing: Optional[int] = None      # message id being edited
         self.title = QLabel("New chat")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)   # cut by width
+        self.title.setMinimumWidth(80)
         f = self.title.font()
         f.setPointSizeF(f.pointSizeF() * 1.15)
         f.setBold(True)
         self.title.setFont(f)
         self.settings_hint = QLabel()
         self.settings_hint.setEnabled(False)
-        self.settings_button = QPushButton("Chat settings…", toolTip="System prompt, sampling and presets for this chat")
+        self.settings_hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.settings_button = QToolButton(text="Chat settings…", autoRaise=True,
+                                           toolTip="System prompt, sampling and presets for this chat (Ctrl+Shift+P)")
         self.settings_button.clicked.connect(self.settings_requested)
+        self.picker = ModelPicker(model_entries)
+        self.meter = ContextMeter()
         top = QHBoxLayout()
-        top.addWidget(self.title)
-        top.addWidget(self.settings_hint, 1)
-        top.addWidget(self.settings_button)
+        top.addWidget(self.title, 2)
+        top.addWidget(self.picker, 2)
+        top.addWidget(self.meter)
+        sub = QHBoxLayout()
+        sub.addWidget(self.settings_hint, 1)
+        sub.addWidget(self.settings_button)
 
         self.view = ChatView()
         self.view.setModel(session.model)
         self.view.edit_requested.connect(self.begin_edit)
         self.view.regenerate_requested.connect(lambda mid: session.regenerate(mid))
+        self.view.continue_requested.connect(lambda mid: session.continue_answer(mid))
+        self.view.fork_requested.connect(session.fork)
+        self.view.version_requested.connect(session.show_version)
 
         self.edit_banner = QLabel()
         self.edit_banner.setVisible(False)
@@ -90,6 +108,7 @@ class ChatPanel(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 6, 6)
         lay.addLayout(top)
+        lay.addLayout(sub)
         lay.addWidget(line)
         lay.addWidget(self.view, 1)
         lay.addWidget(self.edit_banner)
@@ -97,6 +116,8 @@ class ChatPanel(QWidget):
 
         session.busy_changed.connect(self._on_busy)
         session.conversation_changed.connect(self._on_conversation)
+        self.input.textChanged.connect(lambda: self.meter.set_typed(self.input.toPlainText()))
+        self.meter.policy_chosen.connect(self.set_overflow_policy)
         self.engine_ready = False
         self._on_busy(False)
         self._on_conversation(None)
@@ -107,6 +128,10 @@ class ChatPanel(QWidget):
             return
         text = self.input.toPlainText()
         if not text.strip():
+            return
+        if self.meter.full() and self.session.sampling().context_overflow == "stop" and self.editing is None:
+            self.session.notice.emit("This chat is full: start a new chat, fork an earlier message, or let the "
+                                     "oldest turns go (click the context meter).")
             return
         if self.editing is not None:
             ok = self.session.edit_and_resend(self.editing, text)
@@ -145,11 +170,26 @@ class ChatPanel(QWidget):
         self.engine_ready = ready
         self._on_busy(self.session.busy)
 
+    def set_overflow_policy(self, policy: str) -> None:
+        """What this chat does when it outgrows the context (kept with its other settings)."""
+        conv = self.session.conversation
+        sampling = dataclasses.replace(self.session.sampling(), context_overflow=policy)
+        self.session.set_settings(conv.system_prompt if conv else "", sampling, conv.preset if conv else "")
+
+    def _count_again(self) -> None:
+        s = self.session.sampling()
+        self.meter.set_conversation(self.session.history(), s.max_tokens, s.context_overflow)
+
     def _on_busy(self, busy: bool) -> None:
+        if not busy:
+            self._count_again()
         self.send_button.setEnabled(not busy and self.engine_ready)
         self.stop_button.setEnabled(busy)
+        self.send_button.setVisible(not busy)       # one place for Send / Stop: the box keeps its height
+        self.stop_button.setVisible(busy)
         items = self.session.model.items
-        self.regen_button.setEnabled(not busy and self.engine_ready and bool(items) and items[-1].role == "assistant")
+        self.regen_button.setEnabled(not busy and self.engine_ready and bool(items)   # a fork may end in a question
+                                     and items[-1].role in ("assistant", "user"))
 
     def _on_conversation(self, conv) -> None:
         self.title.setText(conv.title if conv is not None else "New chat")
@@ -160,6 +200,8 @@ class ChatPanel(QWidget):
             hint.append("system prompt set")
         s = self.session.sampling()
         hint.append(f"temperature {s.temperature:g} · max {s.max_tokens} tokens")
-        self.settings_hint.setText("   " + " · ".join(hint))
+        self.settings_hint.setText(" · ".join(hint))
+        self.settings_hint.setToolTip(" · ".join(hint))
+        self.picker.set_chat_model(conv.model if conv is not None else None)
         self._end_edit()
         self._on_busy(self.session.busy)

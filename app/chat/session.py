@@ -1,4 +1,5 @@
-"""The open conversation's logic: send, stream, stop, regenerate, edit-and-resend, save as it streams.
+"""The open conversation's logic: send, stream, stop, regenerate, edit-and-resend, continue, versions,
+fork, save as it streams.
 
 `ChatSession` knows the store and the message model, not the engine: it asks for work through its
 `generate_requested` / `cancel_requested` signals and is told what happened through its `on_*` slots.
@@ -10,6 +11,7 @@ ends (finished, error, or the worker dying).
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Optional
@@ -37,7 +39,8 @@ class _Stream:
 
 
 class ChatSession(QObject):
-    generate_requested = Signal(str, object, object)   # request id, tuple[ChatMessage], SamplingOptions
+    generate_requested = Signal(str, object, object, str)  # request id, tuple[ChatMessage], SamplingOptions,
+                                                           # the answer so far (Continue) or ""
     cancel_requested = Signal(str)                     # request id
     conversation_changed = Signal(object)              # the open Conversation, or None
     conversations_changed = Signal()                   # titles or order changed: refresh the list
@@ -128,18 +131,22 @@ class ChatSession(QObject):
         return True
 
     def regenerate(self, message_id: Optional[int] = None) -> bool:
-        """Replace the last answer (or the answer `message_id`, with everything after it)."""
+        """A new version of the last answer (or of the answer `message_id`); the old one stays a version.
+        A chat that ends with a question (e.g. a fork) gets its answer."""
         if self.busy or self.conversation is None or not self.model.items:
             return False
         if message_id is None:
             last = self.model.items[-1]
+            if last.role == "user":
+                self._answer()
+                return True
             if last.role != "assistant":
                 return False
             message_id = last.id
         row = self.model.row_of(message_id)
-        self.store.delete_messages_from(self.conversation.id, message_id)
+        slot = self.store.supersede(self.conversation.id, message_id)
         self.model.truncate(row)
-        self._answer()
+        self._answer(slot)
         return True
 
     def edit_and_resend(self, message_id: int, text: str) -> bool:
@@ -150,32 +157,81 @@ class ChatSession(QObject):
         row = self.model.row_of(message_id)
         if self.model.items[row].role != "user":
             raise ValueError(f"message {message_id} is not the user's: only user messages can be edited")
-        self.store.update_message(message_id, content=text)
-        self.model.update(row, content=text)
-        if row + 1 < len(self.model.items):
-            self.store.delete_messages_from(self.conversation.id, self.model.items[row + 1].id)
-            self.model.truncate(row + 1)
+        slot = self.store.supersede(self.conversation.id, message_id)
+        m = self.store.add_message(self.conversation.id, "user", text, slot=slot)
+        self.model.truncate(row)
+        self.model.append(ChatItem.from_message(self._with_versions(m)))
         self._answer()
         return True
+
+    def continue_answer(self, message_id: Optional[int] = None) -> bool:
+        """Let the model go on writing a stopped answer (the last one) in the same message."""
+        items = self.model.items
+        if self.busy or self.conversation is None or not items:
+            return False
+        last = items[-1]
+        if last.role != "assistant" or (message_id is not None and last.id != message_id) \
+                or last.state not in ("cancelled", "error", "done") or not last.content:
+            return False
+        history = self.history()[:-1]              # up to the question; the answer so far is the prefix
+        self.store.update_message(last.id, state="streaming", error="")
+        self.model.update(len(items) - 1, state="streaming", error="")
+        self._start_stream(last.id, last.content)
+        self.generate_requested.emit(self.stream.request_id, history, self.sampling(), last.content)
+        return True
+
+    def show_version(self, message_id: int, step: int) -> bool:
+        """Show the previous (step -1) or next (+1) version of a message, with what followed it."""
+        if self.busy or self.conversation is None:
+            return False
+        it = self.model.items[self.model.row_of(message_id)]
+        ids = self.store.versions(self.conversation.id, it.slot)
+        i = ids.index(message_id) + step
+        if not 0 <= i < len(ids):
+            return False
+        self.store.show_version(self.conversation.id, message_id, ids[i])
+        self.model.set_messages(self.store.messages(self.conversation.id))
+        self.conversation_changed.emit(self.conversation)
+        return True
+
+    def fork(self, message_id: int) -> None:
+        """A new chat with this chat's messages up to and including `message_id`, opened."""
+        if self.conversation is None:
+            return
+        fork = self.store.fork_conversation(self.conversation.id, message_id)
+        self.open(fork.id)
+        self.conversations_changed.emit()
+        self.notice.emit(f"Forked into “{fork.title}”.")
+
+    def _with_versions(self, m):
+        """`m` with its place among its slot's versions (add_message does not count them)."""
+        ids = self.store.versions(m.conversation_id, m.slot)
+        return dataclasses.replace(m, version=ids.index(m.id) + 1, versions=len(ids))
 
     def stop(self) -> None:
         if self.stream is not None and not self.stream.cancelling:
             self.stream.cancelling = True
             self.cancel_requested.emit(self.stream.request_id)
 
-    def _answer(self) -> None:
+    def _answer(self, slot: Optional[int] = None) -> None:
         conv = self.conversation
-        history = self._history()
-        m = self.store.add_message(conv.id, "assistant", "", model=self.model_name, state="streaming")
-        self.model.append(ChatItem.from_message(m))
-        self.stream = _Stream(f"chat-{uuid.uuid4().hex[:10]}", m.id, conv.id)
+        if self.model_name and conv.model != self.model_name:       # a chat remembers its model
+            self.store.set_conversation_model(conv.id, self.model_name)
+            self.conversation = conv = self.store.conversation(conv.id)
+        history = self.history()
+        m = self.store.add_message(conv.id, "assistant", "", model=self.model_name, state="streaming", slot=slot)
+        self.model.append(ChatItem.from_message(self._with_versions(m) if slot is not None else m))
+        self._start_stream(m.id, "")
+        self.generate_requested.emit(self.stream.request_id, history, self.sampling(), "")
+
+    def _start_stream(self, message_id: int, text: str) -> None:
+        self.stream = _Stream(f"chat-{uuid.uuid4().hex[:10]}", message_id, self.conversation.id, text)
         self._issued.add(self.stream.request_id)
         self._flush.start()
         self.busy_changed.emit(True)
         self.conversations_changed.emit()
-        self.generate_requested.emit(self.stream.request_id, history, self.sampling())
 
-    def _history(self) -> tuple[ChatMessage, ...]:
+    def history(self) -> tuple[ChatMessage, ...]:
         out = []
         if self.conversation is not None and self.conversation.system_prompt.strip():
             out.append(ChatMessage("system", self.conversation.system_prompt))
@@ -199,6 +255,9 @@ class ChatSession(QObject):
     def on_finished(self, ev: Finished) -> None:
         if self.stream is None or ev.request_id != self.stream.request_id:
             return
+        if ev.stats.dropped_messages:
+            self.notice.emit(f"The chat outgrew the model's context: the oldest {ev.stats.dropped_messages} "
+                             f"messages were left out of this answer's prompt.")
         self._end_stream("cancelled" if ev.reason == "cancelled" else "done", stats=ev.stats)
 
     def on_error(self, request_id: str, err: WorkerError) -> None:

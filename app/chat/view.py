@@ -47,6 +47,9 @@ def _outward(top: int, bottom: int, n: int, around: int):
 class ChatView(QAbstractScrollArea):
     edit_requested = Signal(int)         # message id
     regenerate_requested = Signal(int)   # message id of the answer to replace
+    continue_requested = Signal(int)     # message id of the stopped answer to go on with
+    fork_requested = Signal(int)         # message id: a new chat up to it
+    version_requested = Signal(int, int) # message id, -1 (older) or +1 (newer)
     copied = Signal(str)                 # what went to the clipboard, for the status line
 
     def __init__(self, parent=None):
@@ -275,6 +278,12 @@ class ChatView(QAbstractScrollArea):
             self.edit_requested.emit(idx.data(IdRole))
         elif kind == "regenerate":
             self.regenerate_requested.emit(idx.data(IdRole))
+        elif kind == "continue":
+            self.continue_requested.emit(idx.data(IdRole))
+        elif kind == "fork":
+            self.fork_requested.emit(idx.data(IdRole))
+        elif kind in ("older", "newer"):
+            self.version_requested.emit(idx.data(IdRole), -1 if kind == "older" else 1)
         elif kind == "relayout":
             self._changed(idx, idx)
         elif kind == "open_link":

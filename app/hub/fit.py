@@ -174,6 +174,15 @@ def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vra
     return FitEstimate(Verdict.DOES_NOT_FIT, gpu_fixed, experts, ram_fixed, kv, in_ram, vram_short, ram_short)
 
 
+def exl2_size_bytes(shape: ModelShape, bpw: float, head_bits: float = 6.0) -> int:
+    """What an EXL2 quant of this shape weighs on disk: attention, MLP and experts at `bpw`, the head at
+    `head_bits`, the input embeddings, norms and router in FP16 (the converter's layout; an estimate)."""
+    emb = shape.embedding_params()
+    body = shape.attention_params() + shape.expert_params() + shape.dense_mlp_params()
+    small = shape.norm_params() + shape.router_params()
+    return int(body * bpw / 8 + emb * head_bits / 8 + (emb + small) * FP16)
+
+
 def detect_memory() -> tuple[float, float, str]:
     """(VRAM bytes of GPU 0, total RAM bytes, GPU name or a note). No GPU is a state: VRAM 0."""
     import psutil
