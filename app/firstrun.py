@@ -38,7 +38,8 @@ class WelcomeDialog(QDialog):
     demo_requested = Signal()
     browse_requested = Signal()
 
-    def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None):
+    def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None,
+                 build_kernels: bool = True):
         super().__init__(parent)
         self.report = report or check_machine(paths.models_dir())
         self.choice = "close"
@@ -90,7 +91,25 @@ class WelcomeDialog(QDialog):
         lay = QVBoxLayout(self)
         for w in (title, lead, verdict, checks, nxt):
             lay.addWidget(w)
+        self.kernels, self.kernel_job = self._kernel_panel(build_kernels)
+        if self.kernels is not None:
+            lay.insertWidget(lay.indexOf(checks) + 1, self.kernels)
         lay.addLayout(buttons)
+
+    def _kernel_panel(self, build: bool):
+        """With a GPU whose kernels are not prebuilt: their one-time build, started now in the background
+        (kept by the main window, so it goes on after this screen closes)."""
+        import sys
+        k = self.report.kernels
+        if k is None or k.state not in ("buildable", "building", "failed", "cached"):
+            return None, None
+        from app.kernel_build import KernelBuildPanel, start_background_build
+        panel = KernelBuildPanel()
+        panel.show_status(k)
+        job = None
+        if build and k.state == "buildable" and not getattr(sys, "frozen", False):
+            job = start_background_build(panel, self.parent() or self)
+        return panel, job
 
     def _finish(self, choice: str) -> None:
         self.choice = choice
@@ -143,14 +162,17 @@ def offer_welcome(desk) -> WelcomeDialog | None:
     return dialog
 
 
-def grab_welcome(path, report: MachineReport | None = None) -> Path:
-    """A PNG of the welcome screen for this machine (or for `report`), for `make screenshots`."""
+def grab_welcome(path, report: MachineReport | None = None, setup=None) -> Path:
+    """A PNG of the welcome screen for this machine (or for `report`; `setup(dialog)` may set a state
+    first), for `make screenshots`."""
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([])
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    dialog = WelcomeDialog(report)
+    dialog = WelcomeDialog(report, build_kernels=False)
+    if setup is not None:
+        setup(dialog)
     dialog.resize(dialog.sizeHint().expandedTo(dialog.minimumSizeHint()))
     dialog.show()
     app.processEvents()

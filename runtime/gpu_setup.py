@@ -367,8 +367,8 @@ def kernel_status(archs: Optional[Sequence[str]] = None) -> KernelStatus:
     failed = build_dir / "failed.log"
     if failed.is_file():
         tail = "\n".join(failed.read_text(encoding="utf-8", errors="replace").splitlines()[-TAIL_LINES:])
-        return KernelStatus("failed", "Building the GPU kernels failed last time.",
-                            "MoE Desk keeps working on the CPU. " + failure_advice(tail, choice.toolchain),
+        return KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.",
+                            failure_advice(tail, choice.toolchain),
                             build_dir, choice.toolchain, tail)
     if choice.toolchain is None:
         return KernelStatus("no_toolchain", choice.note,

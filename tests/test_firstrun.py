@@ -91,3 +91,34 @@ def test_install_desktop_entry_flag_prints_the_entry(tmp_path, monkeypatch, caps
     printed = capsys.readouterr().out.strip()
     assert printed == str(tmp_path / "xdg" / "applications" / "moedesk.desktop")
     assert "Exec=" in (tmp_path / "xdg" / "applications" / "moedesk.desktop").read_text()
+
+
+def test_welcome_shows_the_gpu_kernel_build_states(qtbot):
+    """A GPU machine whose kernels can be built from NVIDIA's wheels: the panel follows the build's events."""
+    from app.kernel_build import KernelBuild
+    from runtime.gpu_setup import KernelStatus, Toolchain
+    wheels = Toolchain("wheels", paths.cache_dir(), "13.0.88")
+    status = KernelStatus("buildable", "GPU kernels: built once.", "No CUDA toolkit needed.", toolchain=wheels)
+    report = MachineReport("NVIDIA GeForce RTX 4090", "570.133", 24 * 1024 ** 3, 64 * 1024 ** 3, 48 * 1024 ** 3,
+                           500 * 1024 ** 3, None, (Finding("ok", "NVIDIA GPU"),), status)
+    d = firstrun.WelcomeDialog(report, build_kernels=False)
+    qtbot.addWidget(d)
+    panel = d.kernels
+    assert panel.state == "building" and "No CUDA toolkit needed" in panel.title.text()
+    job = KernelBuild(d)
+    job.progress.connect(panel.show_progress)
+    job.done.connect(panel.show_ready)
+    job.failed.connect(panel.show_failed)
+    job.handle_line("Building exllamav2's CUDA extension ...")        # stray output is not an event
+    job.handle_line('{"event": "progress", "done": 23, "total": 47}')
+    assert (panel.bar.value(), panel.bar.maximum()) == (23, 47)
+    job.handle_line('{"event": "failed", "message": "Install g++.", "detail": "c++: not found"}')
+    assert panel.state == "failed" and "Install g++." in panel.title.text() and panel.log.text() == "c++: not found"
+    job.handle_line('{"event": "done", "seconds": 171.0}')
+    assert panel.state == "ready" and "171 s" in panel.title.text()
+
+
+def test_welcome_without_a_gpu_has_no_kernel_panel(qtbot):
+    d = firstrun.WelcomeDialog(REPORT)
+    qtbot.addWidget(d)
+    assert d.kernels is None and d.kernel_job is None

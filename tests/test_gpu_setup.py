@@ -188,7 +188,7 @@ def test_kernel_states(machine, monkeypatch):
     assert g.kernel_status(["8.9"]).state == "buildable"
     touch(st.build_dir / "failed.log", "\n".join(f"l{i}" for i in range(40)) + "\nfatal error: x.h: No such file\n")
     failed = g.kernel_status(["8.9"])
-    assert failed.state == "failed" and failed.log_tail.endswith("No such file") and "CPU" in failed.advice
+    assert failed.state == "failed" and failed.log_tail.endswith("No such file") and "CPU" in failed.title
     touch(st.build_dir / "exllamav2_ext" / "exllamav2_ext.so")
     assert g.kernel_status(["8.9"]).state == "cached" and g.kernel_status(["8.9"]).ready
     assert g.kernel_status(["9.0"]).state == "failed" or g.kernel_status(["9.0"]).state == "buildable"
