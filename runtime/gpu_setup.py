@@ -163,14 +163,16 @@ def toolkit_version(home: Path) -> Optional[str]:
 def wheel_toolchain(search: Iterable[str] = tuple(sys.path)) -> Optional[Toolchain]:
     """NVIDIA's PyPI toolchain in an import folder: CUDA 13's packages share nvidia/cu13/; CUDA 12's have
     one folder each (nvidia/cuda_nvcc/, nvidia/cuda_runtime/, nvidia/cublas/, ...)."""
-    for entry in search:
-        nv = Path(entry or ".") / "nvidia"
+    folders = [Path(entry or ".") / "nvidia" for entry in search]
+    for nv in folders:
         if not nv.is_dir():
             continue
         for sub in sorted(nv.glob("cu[0-9]*"), reverse=True):               # nvidia/cu13
             if (sub / "bin" / NVCC).is_file():
                 version = package_version("nvidia-cuda-nvcc") or f"{sub.name[2:]}.0"
-                return Toolchain("wheels", sub, version, (sub,))
+                # the same tree in other import folders (torch's runtime wheels) adds headers and libraries
+                more = tuple(o / sub.name for o in folders if o != nv and (o / sub.name).is_dir())
+                return Toolchain("wheels", sub, version, (sub, *more))
         if (nv / "cuda_nvcc" / "bin" / NVCC).is_file():                      # CUDA 12 naming
             others = sorted(p for p in nv.iterdir() if p.is_dir() and p.name != "cuda_nvcc"
                             and ((p / "include").is_dir() or (p / "lib").is_dir()))
@@ -201,9 +203,12 @@ def choose_toolchain(cuda_major: Optional[int], systems: Sequence[Toolchain],
 
 
 def find_toolchain(torch: Optional[TorchInfo] = None) -> ToolchainChoice:
+    """MOEDESK_CUDA_TOOLCHAIN=wheels (or =system) leaves the other kind out."""
     torch = torch or torch_info()
-    systems = [Toolchain("system", h, toolkit_version(h)) for h in system_toolkits()]
-    return choose_toolchain(torch.cuda_major if torch else None, systems, wheel_toolchain())
+    only = os.environ.get("MOEDESK_CUDA_TOOLCHAIN", "")
+    systems = [] if only == "wheels" else [Toolchain("system", h, toolkit_version(h)) for h in system_toolkits()]
+    return choose_toolchain(torch.cuda_major if torch else None, systems,
+                            None if only == "system" else wheel_toolchain())
 
 
 def assemble_cuda_home(tc: Toolchain, dest: Path) -> Path:
@@ -248,9 +253,9 @@ def ninja_dir() -> Optional[Path]:
         return Path(found).parent
     try:
         import ninja
-        return Path(ninja.BIN_DIR)
-    except (ImportError, AttributeError):
+    except ImportError:
         return None
+    return Path(ninja.BIN_DIR) if getattr(ninja, "BIN_DIR", "") else None      # "" where it found none
 
 
 def find_compiler(env: Mapping[str, str] = os.environ,
@@ -417,12 +422,26 @@ def failure_message(lines: Sequence[str], toolchain: Optional[Toolchain]) -> Ker
                             + failure_advice(tail, toolchain), tail)
 
 
-def build_environment(tc: Toolchain, build_dir: Path, archs: Sequence[str],
+def cuda_home_for(tc: Toolchain) -> Path:
+    """The toolchain's CUDA_HOME: the system toolkit, or the wheels' links under the kernel cache."""
+    return assemble_cuda_home(tc, kernels_root() / f"cuda-home-{tc.version}")
+
+
+def nvcc_archs(home: Path) -> set[str]:
+    """The architectures this nvcc compiles for ("8.0", "12.0", ...), from `nvcc --list-gpu-arch`."""
+    try:
+        out = subprocess.run([str(home / "bin" / NVCC), "--list-gpu-arch"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {f"{int(m) // 10}.{int(m) % 10}" for m in re.findall(r"^compute_(\d+)$", out, re.M)}
+
+
+def build_environment(home: Path, build_dir: Path, archs: Sequence[str],
                       base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The environment of a build (or of exllamav2's own JIT build): CUDA_HOME, ninja on PATH, the cache as
     TORCH_EXTENSIONS_DIR, the architectures."""
     env = dict(base)
-    home = assemble_cuda_home(tc, build_dir / "cuda-home")
     env["CUDA_HOME"] = str(home)
     env.pop("CUDA_PATH", None)
     extra = [str(home / "bin")] + ([str(ninja_dir())] if ninja_dir() else [])
@@ -452,13 +471,20 @@ def build(progress: ProgressFn = lambda done, total, line: None, archs: Optional
         raise KernelBuildError(choice.note + " Install MoE Desk's GPU dependencies: pip install 'moedesk[gpu]'.")
     if find_compiler() is None:
         raise KernelBuildError("No C++ compiler found. " + compiler_advice())
-    build_dir = kernels_root() / cache_key(exl2, torch, archs)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    env = build_environment(choice.toolchain, build_dir, archs)
-    lacking = missing_pieces(Path(env["CUDA_HOME"]))
+    home = cuda_home_for(choice.toolchain)
+    lacking = missing_pieces(home)
     if lacking:
         raise KernelBuildError(f"The {choice.toolchain.describe()} lacks {', '.join(lacking)}: "
                                "install the complete GPU dependencies: pip install 'moedesk[gpu]'.")
+    supported = nvcc_archs(home)
+    if supported and any(a not in supported for a in archs):
+        echo(f"Left out (this nvcc cannot compile for them): {', '.join(a for a in archs if a not in supported)}")
+        archs = [a for a in archs if a in supported]
+        if not archs:
+            raise KernelBuildError(f"This nvcc compiles for {arch_list(supported)} only.")
+    build_dir = kernels_root() / cache_key(exl2, torch, archs)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    env = build_environment(home, build_dir, archs)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent)]
                                         + [p for p in [env.get("PYTHONPATH")] if p])
     echo(f"Building exllamav2's CUDA extension for {env['TORCH_CUDA_ARCH_LIST']} "
@@ -517,7 +543,7 @@ def prepare_import(archs: Optional[Sequence[str]] = None) -> bool:
         return True
     if status.build_dir is not None and status.toolchain is not None:
         status.build_dir.mkdir(parents=True, exist_ok=True)
-        env = build_environment(status.toolchain, status.build_dir, archs or gpu_archs())
+        env = build_environment(cuda_home_for(status.toolchain), status.build_dir, archs or gpu_archs())
         for name in ("CUDA_HOME", "PATH", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"):
             os.environ[name] = env[name]
         os.environ.pop("CUDA_PATH", None)

@@ -76,6 +76,21 @@ def test_wheel_layouts_cuda13_and_cuda12(tmp_path):
     assert tc12.major == 12 and tc12.roots[0] == nv / "cuda_nvcc"
     assert set(tc12.roots[1:]) == {nv / "cuda_runtime", nv / "cublas"}
     assert g.wheel_toolchain([str(tmp_path / "empty")]) is None
+    torch_site = tmp_path / "torch-site"                      # torch's own cu13 wheels: headers, no nvcc
+    touch(torch_site / "nvidia" / "cu13" / "include" / "cublas_v2.h")
+    merged = g.wheel_toolchain([str(tmp_path / "site13"), str(torch_site)])
+    assert merged.roots == (cu, torch_site / "nvidia" / "cu13")
+    assert (g.assemble_cuda_home(merged, tmp_path / "home") / "include" / "cublas_v2.h").exists()
+
+
+def test_the_toolchain_kind_can_be_forced(tmp_path, monkeypatch):
+    home = system_toolkit(tmp_path / "cuda", "13.0.88")
+    cu = cu13_wheels(tmp_path / "site")
+    monkeypatch.setattr(g, "system_toolkits", lambda: [home])
+    monkeypatch.setattr(g, "wheel_toolchain", lambda: g.Toolchain("wheels", cu, "13.0.88", (cu,)))
+    assert g.find_toolchain(TORCH_13).toolchain.kind == "system"
+    monkeypatch.setenv("MOEDESK_CUDA_TOOLCHAIN", "wheels")
+    assert g.find_toolchain(TORCH_13).toolchain.kind == "wheels"
 
 
 def test_choice_prefers_a_matching_system_toolkit_then_wheels(tmp_path):
@@ -134,6 +149,13 @@ def test_compiler_advice_names_the_distributions_package(release, package):
 
 def test_compiler_advice_for_an_unknown_distribution():
     assert "g++" in g.compiler_advice("ID=plan9\n") and "package " not in g.compiler_advice("")
+
+
+def test_nvcc_architectures_are_read_from_its_list(tmp_path):
+    nvcc = touch(tmp_path / "bin" / "nvcc", "#!/bin/sh\nprintf 'compute_75\\ncompute_80\\ncompute_90\\ncompute_120\\n'\n")
+    nvcc.chmod(0o755)
+    assert g.nvcc_archs(tmp_path) == {"7.5", "8.0", "9.0", "12.0"}
+    assert g.nvcc_archs(tmp_path / "none") == set()
 
 
 def test_ninja_progress_lines():
@@ -213,8 +235,9 @@ def test_prepare_import_points_the_fallback_jit_build_at_the_cache(machine, monk
     assert g.prepare_import(["9.0"]) is False
     build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)
-    assert os.environ["CUDA_HOME"] == str(build_dir / "cuda-home") and "CUDA_PATH" not in os.environ
-    assert os.environ["PATH"].split(os.pathsep)[:2] == [str(build_dir / "cuda-home" / "bin"), str(machine)]
+    home = g.kernels_root() / "cuda-home-13.0.88"
+    assert os.environ["CUDA_HOME"] == str(home) and "CUDA_PATH" not in os.environ and not g.missing_pieces(home)
+    assert os.environ["PATH"].split(os.pathsep)[:2] == [str(home / "bin"), str(machine)]
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
 
 
