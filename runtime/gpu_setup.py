@@ -38,6 +38,8 @@ EXT = "exllamav2_ext"
 TAIL_LINES = 25                              # compiler lines kept with a failure
 BUNDLE_ARCH_LIST = "8.0;8.6;8.9;9.0;12.0"    # the GPU bundle's prebuilt architectures (Ampere..Blackwell)
 IS_WINDOWS = os.name == "nt"
+WINDOWS_TOOLKIT = ("On Windows the kernels are built with the CUDA toolkit of PyTorch's CUDA version (its installer "
+                   "sets CUDA_PATH) and Visual Studio Build Tools; or use the GPU installer, which ships them built.")
 NVCC = "nvcc.exe" if IS_WINDOWS else "nvcc"
 
 
@@ -207,8 +209,8 @@ def find_toolchain(torch: Optional[TorchInfo] = None) -> ToolchainChoice:
     torch = torch or torch_info()
     only = os.environ.get("MOEDESK_CUDA_TOOLCHAIN", "")
     systems = [] if only == "wheels" else [Toolchain("system", h, toolkit_version(h)) for h in system_toolkits()]
-    return choose_toolchain(torch.cuda_major if torch else None, systems,
-                            None if only == "system" else wheel_toolchain())
+    wheels = None if only == "system" or IS_WINDOWS else wheel_toolchain()   # Windows: a toolkit only, for now
+    return choose_toolchain(torch.cuda_major if torch else None, systems, wheels)
 
 
 def assemble_cuda_home(tc: Toolchain, dest: Path) -> Path:
@@ -376,10 +378,10 @@ def kernel_status(archs: Optional[Sequence[str]] = None) -> KernelStatus:
                             failure_advice(tail, choice.toolchain),
                             build_dir, choice.toolchain, tail)
     if choice.toolchain is None:
-        return KernelStatus("no_toolchain", choice.note,
+        return KernelStatus("no_toolchain", choice.note, WINDOWS_TOOLKIT if IS_WINDOWS else
                             "Install MoE Desk's GPU dependencies (no CUDA toolkit needed): "
                             "pip install 'moedesk[gpu]', or run `make run` from a checkout.", build_dir)
-    if find_compiler() is None:
+    if not IS_WINDOWS and find_compiler() is None:          # exllamav2 finds Visual Studio's cl.exe itself
         return KernelStatus("no_compiler", "No C++ compiler found: the GPU kernels cannot be built.",
                             compiler_advice(), build_dir, choice.toolchain)
     if ninja_dir() is None:
@@ -469,7 +471,7 @@ def build(progress: ProgressFn = lambda done, total, line: None, archs: Optional
     choice = find_toolchain(torch)
     if choice.toolchain is None:
         raise KernelBuildError(choice.note + " Install MoE Desk's GPU dependencies: pip install 'moedesk[gpu]'.")
-    if find_compiler() is None:
+    if not IS_WINDOWS and find_compiler() is None:
         raise KernelBuildError("No C++ compiler found. " + compiler_advice())
     home = cuda_home_for(choice.toolchain)
     lacking = missing_pieces(home)
