@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "import-demo": ("runtime.demo", "Import the demo model (SmolLM2-135M-Instruct) into the models folder."),
     "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
     "bench": ("runtime.bench", "Measure prefill and decode speed; write JSON to bench/results/."),
-    "setup-gpu": ("runtime.gpu_setup", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
+    "setup-gpu": ("runtime.setup_gpu", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
                                       "with a CUDA toolkit or NVIDIA's Python packages."),
     "bench-spec": ("runtime.speculative.bench", "Measure speculative decoding (n-gram lookup, verify cost); "
                                                 "write JSON to bench/results/."),

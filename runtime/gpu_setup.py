@@ -15,7 +15,7 @@ compiler. A built `exllamav2_ext` module found on sys.path is imported instead. 
   there is none, points exllamav2's own JIT build at the toolchain and the cache (the fallback).
 
 Torch-free except inside the child (`_child`): the GUI imports it to decide what the welcome screen says.
-`moedesk-cli setup-gpu` is its command line.
+`moedesk-cli setup-gpu` (runtime/setup_gpu.py) is its command line.
 """
 from __future__ import annotations
 
@@ -552,56 +552,7 @@ def prepare_import(archs: Optional[Sequence[str]] = None) -> bool:
     return False
 
 
-# ---------------------------------------------------------------- moedesk-cli setup-gpu
-
-def add_arguments(p) -> None:
-    p.add_argument("--check", action="store_true", help="only say what would happen; build nothing")
-    p.add_argument("--arch-list", help='architectures to build for, e.g. "8.6;9.0" (default: this machine\'s GPUs)')
-    p.add_argument("--json", action="store_true", help="one JSON object per line (for the app)")
-    p.add_argument("--verbose", action="store_true", help="print the whole compiler output")
-
-
-def run(args) -> int:
-    def emit(**event) -> None:
-        print(json.dumps(event), flush=True)
-
-    archs = args.arch_list.replace(",", ";").replace(" ", ";").split(";") if args.arch_list else None
-    archs = [a for a in archs if a] if archs else None
-    status = kernel_status(archs)
-    if args.json:
-        emit(event="status", state=status.state, title=status.title, advice=status.advice)
-    else:
-        print(status.title + (f" {status.advice}" if status.advice else ""))
-    if args.check or (status.ready and not archs) or status.state in ("no_gpu", "cpu_torch", "no_exllamav2"):
-        return 0 if status.state not in ("failed",) else 1
-    if args.json:
-        def progress(done, total, line):
-            emit(event="progress", done=done, total=total)
-        echo = lambda line: None                                   # noqa: E731
-    else:
-        def progress(done, total, line):
-            if not args.verbose:
-                print(f"\r  compiling {done}/{total}", end="", flush=True)
-        echo = print if args.verbose else (lambda line: None)
-    try:
-        module, seconds = build(progress, archs, echo)
-    except KernelBuildError as e:
-        if args.json:
-            emit(event="failed", message=e.message, detail=e.detail)
-        else:
-            print(f"\n{e.message}\n{e.detail}", file=sys.stderr)
-        return 1
-    if args.json:
-        emit(event="done", module=str(module), seconds=round(seconds, 1))
-    else:
-        print(f"\nGPU kernels built in {seconds:.0f} s: {module}")
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--child"]:
+    if sys.argv[1:] == ["--child"]:                     # the build's own process, started by build()
         sys.exit(_child())
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m runtime.gpu_setup")
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    sys.exit("usage: moedesk-cli setup-gpu [--check] [--arch-list LIST] [--json]")

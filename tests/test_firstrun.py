@@ -122,3 +122,20 @@ def test_welcome_without_a_gpu_has_no_kernel_panel(qtbot):
     d = firstrun.WelcomeDialog(REPORT)
     qtbot.addWidget(d)
     assert d.kernels is None and d.kernel_job is None
+
+
+def test_the_background_build_process_is_followed_to_its_end(qtbot):
+    """KernelBuild runs a real child process: JSON events become signals; an exit without a final event is a
+    failure carrying the stray output."""
+    import sys
+
+    from app.kernel_build import KernelBuild
+    script = ("import json; print(json.dumps({'event': 'progress', 'done': 1, 'total': 2}), flush=True); "
+              "print('nvcc fatal: something', flush=True); raise SystemExit(1)")
+    job = KernelBuild(command=[sys.executable, "-c", script])
+    seen = []
+    job.progress.connect(lambda d, t: seen.append((d, t)))
+    with qtbot.waitSignal(job.failed, timeout=20000) as blocker:
+        job.start()
+    assert seen == [(1, 2)]
+    assert "exit status 1" in blocker.args[0] and "nvcc fatal: something" in blocker.args[1]

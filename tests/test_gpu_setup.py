@@ -262,3 +262,43 @@ def test_setup_gpu_check_says_what_would_happen(machine, capsys):
     assert cli.main(["setup-gpu", "--check", "--arch-list", "8.6", "--json"]) == 0
     event = json.loads(capsys.readouterr().out.splitlines()[0])
     assert event["event"] == "status" and event["state"] == "no_toolchain"
+
+
+def test_the_cuda_backend_imports_the_cached_build_and_reports_a_failed_fallback(machine, monkeypatch):
+    """exl2.build_kernels: a cached build loads ("Loading GPU kernels"); without one, exllamav2's own JIT
+    build runs at import, and its failure becomes kernel_build_failed with the last lines, kept in failed.log."""
+    import types
+
+    from runtime.backends import exl2
+    from runtime.engine import EngineError
+    monkeypatch.setattr(g, "gpu_archs", lambda: ["9.0"])
+    build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
+    touch(build_dir / "exllamav2_ext" / "exllamav2_ext.so")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    package = types.ModuleType("exllamav2")                  # exllamav2 itself is never imported here
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "exllamav2", package)
+    monkeypatch.setitem(sys.modules, "exllamav2.ext", types.SimpleNamespace(exllamav2_ext=object()))
+    steps = []
+    exl2.build_kernels(lambda stage, text, done, total: steps.append(text))
+    assert steps[0] == "Loading GPU kernels" and steps[-1].startswith("GPU kernels ready")
+    assert sys.path[0] == str(build_dir / "exllamav2_ext")
+
+    (build_dir / "exllamav2_ext" / "exllamav2_ext.so").unlink()
+    cu = cu13_wheels(machine / "site")
+    monkeypatch.setattr(g, "wheel_toolchain", lambda: g.Toolchain("wheels", cu, "13.0.88", (cu,)))
+    monkeypatch.setenv("PATH", os.environ["PATH"])
+    for name in ("CUDA_HOME", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.delenv(name, raising=False)
+
+    class FailingExt(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("Error building extension 'exllamav2_ext'\nq_gemm.cu(12): error: boom")
+    monkeypatch.setitem(sys.modules, "exllamav2.ext", FailingExt("exllamav2.ext"))
+    steps.clear()
+    with pytest.raises(EngineError) as info:
+        exl2.build_kernels(lambda stage, text, done, total: steps.append(text))
+    assert steps == ["Building GPU kernels, one time"]
+    assert info.value.code == "kernel_build_failed" and info.value.detail.endswith("error: boom")
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)
+    assert g.kernel_status(["9.0"]).state == "failed"
