@@ -262,8 +262,8 @@ def ninja_dir() -> Optional[Path]:
 
 def find_compiler(env: Mapping[str, str] = os.environ,
                   which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
-    names = [env["CXX"]] if env.get("CXX") else (["cl"] if IS_WINDOWS else ["c++", "g++", "clang++"])
-    return next((p for p in map(which, names) if p), None)
+    """The C++ compiler torch's builds run: CXX, else `c++` (`cl` on Windows)."""
+    return which(env.get("CXX") or ("cl" if IS_WINDOWS else "c++"))
 
 
 # Distribution family (os-release ID / ID_LIKE) -> the package and command that install a C++ compiler.
@@ -549,6 +549,9 @@ def prepare_import(archs: Optional[Sequence[str]] = None) -> bool:
         for name in ("CUDA_HOME", "PATH", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"):
             os.environ[name] = env[name]
         os.environ.pop("CUDA_PATH", None)
+        cpp_extension = sys.modules.get("torch.utils.cpp_extension")
+        if cpp_extension is not None:       # imported already (the CPU expert kernel): it read CUDA_HOME then
+            cpp_extension.CUDA_HOME = env["CUDA_HOME"]
     return False
 
 

@@ -158,6 +158,13 @@ def test_nvcc_architectures_are_read_from_its_list(tmp_path):
     assert g.nvcc_archs(tmp_path / "none") == set()
 
 
+def test_the_compiler_is_the_one_torch_runs():
+    which = {"c++": "/usr/bin/c++", "clang++": "/usr/bin/clang++"}.get
+    assert g.find_compiler({}, which) == "/usr/bin/c++"
+    assert g.find_compiler({"CXX": "clang++"}, which) == "/usr/bin/clang++"
+    assert g.find_compiler({}, {"g++": "/usr/bin/g++"}.get) is None          # torch calls c++, not g++
+
+
 def test_ninja_progress_lines():
     assert g.parse_progress("[3/47] /usr/local/cuda/bin/nvcc --generate-dependencies-with-compile ...") == (3, 47)
     assert g.parse_progress("[47/47] c++ ext_bindings.o ... -shared -o exllamav2_ext.so") == (47, 47)
