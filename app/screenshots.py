@@ -118,7 +118,7 @@ def grab_kernel_states(out: Path) -> list[Path]:
                      lambda d: d.kernels.show_progress(23, 47)),
         "failed": (KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.",
                                 "Your C++ compiler is newer than this CUDA "
-                                "compiler supports: install an older g++ and point NVCC_CCBIN at it.",
+                                "compiler supports: install an older gcc and name it in CC.",
                                 toolchain=wheels, log_tail=log), None),
         "ready": (KernelStatus("cached", "GPU kernels: built for this GPU."), lambda d: d.kernels.show_ready(212)),
     }

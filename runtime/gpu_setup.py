@@ -407,8 +407,8 @@ def failure_advice(log_tail: str, toolchain: Optional[Toolchain]) -> str:
     """What to do about a failed build, from the compiler's last lines."""
     low = log_tail.lower()
     if "unsupported gnu version" in low or "unsupported host compiler" in low:
-        return ("Your C++ compiler is newer than this CUDA compiler supports: install an older g++ and point "
-                "NVCC_CCBIN at it (e.g. NVCC_CCBIN=/usr/bin/g++-13), then run `moedesk-cli setup-gpu`.")
+        return ("Your C++ compiler is newer than this CUDA compiler supports: install an older gcc and name "
+                "it in CC (e.g. CC=/usr/bin/gcc-13: torch hands it to nvcc as -ccbin), then run `moedesk-cli setup-gpu`.")
     if re.search(r"(?:^|[\s/])(?:c\+\+|g\+\+|gcc|cl)(?:\.exe)?: (?:command )?not found", low, re.M) or \
             "failed to preprocess host compiler properties" in low:
         return compiler_advice()

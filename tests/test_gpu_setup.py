@@ -180,7 +180,7 @@ def test_failure_message_keeps_the_compilers_last_lines_and_says_what_to_do(tmp_
     assert len(tail) == g.TAIL_LINES and tail[-1].endswith("is undefined") and tail[0] == "line 76"
     assert err.message.startswith("Could not build the GPU kernels") and "13.0.88" in err.message
     gcc = g.failure_message(["#error -- unsupported GNU version! gcc versions later than 14 are not supported!"], tc)
-    assert "NVCC_CCBIN" in gcc.message
+    assert "CC=/usr/bin/gcc-13" in gcc.message
     no_cxx = g.failure_message(["/bin/sh: 1: c++: not found"], tc)
     assert "C++ compiler" in no_cxx.message
 
