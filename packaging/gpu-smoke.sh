@@ -23,8 +23,13 @@ LOG="$LOGDIR/gpu-smoke.log"
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
 run() { say "\$ $*"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
-export MOEDESK_HOME=${MOEDESK_HOME:-$PWD/build/gpu-smoke-home}    # its own cache and models folder
-export PYTHONPATH="$PWD/build/gpu-toolchain:$PWD"
+# The demo model to ship in the bundle: the machine's imported one, if any (asked before MOEDESK_HOME moves).
+DEMO=$("$PY" -c "from runtime import paths; print(paths.resolve_model(paths.DEMO_ALIAS))" 2>/dev/null || true)
+export MOEDESK_HOME=$PWD/build/gpu-smoke-home                      # its own cache (no earlier build) and models
+# PYTHONPATH keeps its folders except any holding a built exllamav2_ext: this run must build its own.
+KEEP=$(echo "${PYTHONPATH:-}" | tr ':' '\n' | while read -r d; do
+  [ -n "$d" ] && ! ls "$d"/exllamav2_ext* >/dev/null 2>&1 && echo "$d"; done | paste -sd: -)
+export PYTHONPATH="$PWD/build/gpu-toolchain:$PWD${KEEP:+:$KEEP}"
 export MOEDESK_CUDA_TOOLCHAIN=wheels
 unset CUDA_HOME CUDA_PATH
 PATH=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -n "$d" ] && [ ! -x "$d/nvcc" ] && echo "$d"; done | paste -sd: -)
@@ -32,7 +37,11 @@ export PATH="$PWD/build/gpu-toolchain/bin:$PATH"                 # ninja's scrip
 say "gpu-smoke $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
 say "nvcc on PATH: $(command -v nvcc || echo none)"
 run nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader
-run "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+run "$PY" -c "
+import importlib.util as u, sys, torch
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)
+print('prebuilt exllamav2_ext importable:', u.find_spec('exllamav2_ext') is not None, '(must be False)')
+print('PySide6:', u.find_spec('PySide6') is not None, ' PyInstaller:', u.find_spec('PyInstaller') is not None)"
 FAILED=0
 stage() { say "== $1: $2"; [ "$2" = PASS ] || { [ "$FAILED" != 0 ] || FAILED=$3; }; }
 want() { [ "$STAGES" = all ] || [ "$STAGES" = "$1" ]; }
@@ -49,7 +58,7 @@ if want build; then
   command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || say "ninja missing: carry ninja-1.13.2"
   run "$PY" -m runtime.cli setup-gpu --check
   T0=$(date +%s)
-  if run "$PY" -m runtime.cli setup-gpu; then stage build PASS; else stage build FAIL 1; fi
+  if run "$PY" -m runtime.cli setup-gpu --verbose; then stage build PASS; else stage build FAIL 1; fi
   say "build seconds: $(( $(date +%s) - T0 ))"
 fi
 
@@ -66,11 +75,12 @@ if want bundle; then
   "$PY" -c "import PyInstaller" 2>/dev/null || run "$PY" -m pip install -q --no-index --find-links "$WHEELS" pyinstaller
   T0=$(date +%s)
   ARCH=$("$PY" -c "from runtime.gpu_setup import arch_list, gpu_archs; print(arch_list(gpu_archs()))")
+  if [ -f "$DEMO/config.json" ]; then export MOEDESK_BUNDLE_DEMO=$DEMO
+  else export MOEDESK_BUNDLE_DEMO=$PWD/$MODEL; say "no imported demo model here: the bundle carries the synthetic one"; fi
   if TORCH_CUDA_ARCH_LIST=$ARCH PYTHON=$PY run packaging/build-linux.sh --gpu --no-tarball; then
     say "bundle seconds: $(( $(date +%s) - T0 )) (kernels for $ARCH only, to keep this run short)"
     run du -sh dist/moedesk
-    run ls dist/moedesk/_internal/ -d
-    find dist/moedesk -name 'exllamav2_ext*' | tee -a "$LOG"
+    find dist/moedesk -name 'exllamav2_ext*' -o -name 'libcudart*' -o -name 'libtorch_cuda*' | tee -a "$LOG"
     # The bundle runs with no toolchain at all: no PYTHONPATH, no wheels, no nvcc.
     if (cd /tmp && env -u PYTHONPATH MOEDESK_HOME="$MOEDESK_HOME" "$OLDPWD/dist/moedesk/moedesk" \
           --smoke-test "Hello" --model "$OLDPWD/$MODEL") 2>&1 | tee -a "$LOG" | grep -q "smoke: answered"; then
