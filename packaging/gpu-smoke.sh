@@ -58,7 +58,10 @@ if want build; then
   command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || say "ninja missing: carry ninja-1.13.2"
   run "$PY" -m runtime.cli setup-gpu --check
   T0=$(date +%s)
-  if run "$PY" -m runtime.cli setup-gpu --verbose; then stage build PASS; else stage build FAIL 1; fi
+  run "$PY" -m runtime.cli setup-gpu --verbose
+  # PASS only when the cache now holds this GPU's build (setup-gpu also exits 0 where nothing is to be done)
+  if "$PY" -m runtime.cli setup-gpu --check --json | tee -a "$LOG" | grep -q '"state": "cached"'; then
+    stage build PASS; else stage build FAIL 1; fi
   say "build seconds: $(( $(date +%s) - T0 ))"
 fi
 
