@@ -309,3 +309,15 @@ def test_the_cuda_backend_imports_the_cached_build_and_reports_a_failed_fallback
     assert info.value.code == "kernel_build_failed" and info.value.detail.endswith("error: boom")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)
     assert g.kernel_status(["9.0"]).state == "failed"
+
+
+def test_auto_stays_on_the_cpu_while_the_kernels_build(monkeypatch):
+    from runtime import loader
+    monkeypatch.setattr(loader, "cuda_device", lambda: "NVIDIA H200")
+    state = {"s": "building"}
+    monkeypatch.setattr(g, "kernel_status", lambda archs=None: g.KernelStatus(state["s"], ""))
+    choice = loader.choose_backend("auto")
+    assert choice.backend == "cpu" and "being built" in choice.note
+    assert loader.choose_backend("cuda").backend == "cuda"        # asked for: waits for (or runs) the build
+    state["s"] = "cached"
+    assert loader.choose_backend("auto").backend == "cuda"
