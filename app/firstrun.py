@@ -107,8 +107,13 @@ class WelcomeDialog(QDialog):
         panel = KernelBuildPanel()
         panel.show_status(k)
         job = None
-        if build and k.state == "buildable" and not getattr(sys, "frozen", False):
+        can_build = build and not getattr(sys, "frozen", False)
+        if can_build and k.state == "buildable":
             job = start_background_build(panel, self.parent() or self)
+        if can_build:
+            panel.retry_requested.connect(lambda: setattr(self, "kernel_job",
+                                                          start_background_build(panel, self.parent() or self)))
+        panel.retry.setEnabled(can_build)
         return panel, job
 
     def _finish(self, choice: str) -> None:

@@ -12,7 +12,7 @@ import sys
 
 from PySide6.QtCore import QObject, QProcess, Qt, Signal
 from PySide6.QtGui import QFontDatabase
-from PySide6.QtWidgets import QFrame, QLabel, QProgressBar, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from runtime.gpu_setup import KernelStatus
 
@@ -86,7 +86,10 @@ class KernelBuild(QObject):
 
 
 class KernelBuildPanel(QFrame):
-    """The build's state in words, with a progress bar while it runs."""
+    """The build's state in words, with a progress bar while it runs; after a failure, "Build again"
+    (once the compiler or the GPU dependencies are installed) asks for another build."""
+
+    retry_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -103,9 +106,15 @@ class KernelBuildPanel(QFrame):
         self.log.setWordWrap(True)
         self.log.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.log.setFont(QFontDatabase.systemFont(QFontDatabase.FixedFont))
+        self.retry = QPushButton("Build again")
+        self.retry.clicked.connect(self.retry_requested)
         lay = QVBoxLayout(self)
         for w in (self.title, self.bar, self.log):
             lay.addWidget(w)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(self.retry)
+        lay.addLayout(row)
 
     def _show(self, state: str, title: str, bar: bool = False, log: str = "") -> None:
         self.state = state
@@ -113,6 +122,7 @@ class KernelBuildPanel(QFrame):
         self.bar.setVisible(bar)
         self.log.setText(log)
         self.log.setVisible(bool(log))
+        self.retry.setVisible(state == "failed")
 
     def show_waiting(self, status: KernelStatus) -> None:
         self._show("building", "<b>Building the GPU kernels, one time</b> — in the background; "

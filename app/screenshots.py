@@ -119,7 +119,7 @@ def grab_kernel_states(out: Path) -> list[Path]:
         "failed": (KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.",
                                 "Your C++ compiler is newer than this CUDA "
                                 "compiler supports: install an older gcc and name it in CC.",
-                                toolchain=wheels, log_tail=log), None),
+                                toolchain=wheels, log_tail=log), lambda d: d.kernels.retry.setEnabled(True)),
         "ready": (KernelStatus("cached", "GPU kernels: built for this GPU."), lambda d: d.kernels.show_ready(212)),
     }
     written = []

@@ -114,6 +114,7 @@ def test_welcome_shows_the_gpu_kernel_build_states(qtbot):
     assert (panel.bar.value(), panel.bar.maximum()) == (23, 47)
     job.handle_line('{"event": "failed", "message": "Install g++.", "detail": "c++: not found"}')
     assert panel.state == "failed" and "Install g++." in panel.title.text() and panel.log.text() == "c++: not found"
+    assert not panel.retry.isHidden() and not panel.retry.isEnabled()     # build_kernels=False: no builds here
     job.handle_line('{"event": "done", "seconds": 171.0}')
     assert panel.state == "ready" and "171 s" in panel.title.text()
 
