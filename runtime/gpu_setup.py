@@ -93,7 +93,7 @@ def package_version(name: str) -> Optional[str]:
 
 def gpu_archs() -> list[str]:
     """Compute capabilities ("8.6", ...) of the NVIDIA GPUs: through torch where the worker has it
-    imported, else NVML (the GUI, the CLI). Empty without a GPU or driver."""
+    imported, else NVML (the GUI, the CLI), else nvidia-smi. Empty without a GPU or driver."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
@@ -102,13 +102,23 @@ def gpu_archs() -> list[str]:
         import pynvml
         pynvml.nvmlInit()
     except Exception:
-        return []
+        return smi_archs()
     try:
         caps = {pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
                 for i in range(pynvml.nvmlDeviceGetCount())}
         return sorted(f"{a}.{b}" for a, b in caps)
     finally:
         pynvml.nvmlShutdown()
+
+
+def smi_archs() -> list[str]:
+    """Compute capabilities from `nvidia-smi` (where NVML's Python binding is missing)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return sorted({line.strip() for line in out.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())})
 
 
 def nvidia_driver_present(proc: Path = Path("/proc/driver/nvidia/version")) -> bool:

@@ -165,6 +165,21 @@ def test_the_compiler_is_the_one_torch_runs():
     assert g.find_compiler({}, {"g++": "/usr/bin/g++"}.get) is None          # torch calls c++, not g++
 
 
+def test_gpu_architectures_from_nvidia_smi_without_nvml(tmp_path, monkeypatch):
+    import pynvml
+
+    def no_nvml():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    monkeypatch.setattr(pynvml, "nvmlInit", no_nvml)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    smi = touch(tmp_path / "nvidia-smi", "#!/bin/sh\nprintf '9.0\\n9.0\\n8.6\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert g.gpu_archs() == ["8.6", "9.0"]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert g.gpu_archs() == []
+
+
 def test_ninja_progress_lines():
     assert g.parse_progress("[3/47] /usr/local/cuda/bin/nvcc --generate-dependencies-with-compile ...") == (3, 47)
     assert g.parse_progress("[47/47] c++ ext_bindings.o ... -shared -o exllamav2_ext.so") == (47, 47)
