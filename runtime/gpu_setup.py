@@ -538,7 +538,12 @@ def _child() -> int:
         return load(*args, **kwargs)
 
     cpp_extension.load = verbose_load        # exllamav2.ext calls it at import, with verbose=False
-    import exllamav2.ext  # noqa: F401
+    try:
+        import exllamav2.ext
+    except Exception as e:       # the compiler's output is above; a traceback would push it out of the tail
+        last = [line for line in str(e).splitlines() if line.strip()][-1:] or [""]
+        print(f"error: {type(e).__name__}: {last[0]}", flush=True)
+        return 1
     print(f"built: {exllamav2.ext.exllamav2_ext.__file__}", flush=True)
     return 0
 
