@@ -80,13 +80,17 @@ if want bundle; then
   ARCH=$("$PY" -c "from runtime.gpu_setup import arch_list, gpu_archs; print(arch_list(gpu_archs()))")
   if [ -f "$DEMO/config.json" ]; then export MOEDESK_BUNDLE_DEMO=$DEMO
   else export MOEDESK_BUNDLE_DEMO=$PWD/$MODEL; say "no imported demo model here: the bundle carries the synthetic one"; fi
-  if TORCH_CUDA_ARCH_LIST=$ARCH PYTHON=$PY run packaging/build-linux.sh --gpu --no-tarball; then
+  if [ -z "$ARCH" ]; then
+    say "no GPU architecture found (NVML, nvidia-smi)"; stage bundle FAIL 3
+  elif run env TORCH_CUDA_ARCH_LIST="$ARCH" PYTHON="$PY" packaging/build-linux.sh --gpu --no-tarball; then
     say "bundle seconds: $(( $(date +%s) - T0 )) (kernels for $ARCH only, to keep this run short)"
     run du -sh dist/moedesk
     find dist/moedesk -name 'exllamav2_ext*' -o -name 'libcudart*' -o -name 'libtorch_cuda*' | tee -a "$LOG"
     # The bundle runs with no toolchain at all: no PYTHONPATH, no wheels, no nvcc.
-    if (cd /tmp && env -u PYTHONPATH MOEDESK_HOME="$MOEDESK_HOME" "$OLDPWD/dist/moedesk/moedesk" \
-          --smoke-test "Hello" --model "$OLDPWD/$MODEL") 2>&1 | tee -a "$LOG" | grep -q "smoke: answered"; then
+    (cd /tmp && env -u PYTHONPATH -u MOEDESK_CUDA_TOOLCHAIN MOEDESK_HOME="$MOEDESK_HOME" \
+       "$OLDPWD/dist/moedesk/moedesk" --smoke-test "Hello" --model "$OLDPWD/$MODEL") > build/bundle-smoke.log 2>&1
+    tee -a "$LOG" < build/bundle-smoke.log
+    if grep -q "on the cuda engine" build/bundle-smoke.log && grep -q "smoke: answered" build/bundle-smoke.log; then
       stage bundle PASS
     else stage bundle FAIL 3; fi
   else stage bundle FAIL 3; fi
