@@ -77,7 +77,8 @@ KERNEL_LEVEL = {"prebuilt": "ok", "cached": "ok", "buildable": "ok", "building":
 
 
 def kernel_finding(k: KernelStatus) -> Finding:
-    return Finding(KERNEL_LEVEL.get(k.state, "warn"), k.title, k.advice)
+    level = "warn" if k.ready and k.advice else KERNEL_LEVEL.get(k.state, "warn")   # ready, but no C compiler
+    return Finding(level, k.title, k.advice)
 
 
 def check_machine(models_dir: Path) -> MachineReport:

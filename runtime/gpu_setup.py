@@ -276,6 +276,15 @@ def find_compiler(env: Mapping[str, str] = os.environ,
     return which(env.get("CXX") or ("cl" if IS_WINDOWS else "c++"))
 
 
+def triton_advice(env: Mapping[str, str] = os.environ,
+                  which: Callable[[str], Optional[str]] = shutil.which) -> str:
+    """Triton (the GPU engine's MoE and attention kernels) compiles a small C launcher at first use with
+    CC, gcc or clang: what to do where none exists (empty when one does)."""
+    if IS_WINDOWS or env.get("CC") or which("gcc") or which("clang"):
+        return ""
+    return "Triton, which runs the GPU engine's MoE kernels, needs a C compiler at first use. " + compiler_advice()
+
+
 # Distribution family (os-release ID / ID_LIKE) -> the package and command that install a C++ compiler.
 COMPILER_PACKAGES = (
     (("debian", "ubuntu"), "build-essential", "sudo apt install build-essential"),
@@ -366,7 +375,7 @@ def kernel_status(archs: Optional[Sequence[str]] = None) -> KernelStatus:
     if not archs:
         return KernelStatus("no_gpu", "No NVIDIA GPU: the GPU kernels are not needed.")
     if prebuilt_importable():
-        return KernelStatus("prebuilt", "GPU kernels: prebuilt, nothing to build.")
+        return KernelStatus("prebuilt", "GPU kernels: prebuilt, nothing to build.", triton_advice())
     torch, exl2 = torch_info(), package_version("exllamav2")
     if torch is None or torch.cuda is None:
         return KernelStatus("cpu_torch", "This install has the CPU build of PyTorch.",
@@ -376,7 +385,7 @@ def kernel_status(archs: Optional[Sequence[str]] = None) -> KernelStatus:
         return KernelStatus("no_exllamav2", "exllamav2 is not installed.", "Install MoE Desk again: pip install moedesk.")
     build_dir = kernels_root() / cache_key(exl2, torch, archs)
     if built_module(build_dir):
-        return KernelStatus("cached", "GPU kernels: built for this GPU.", build_dir=build_dir)
+        return KernelStatus("cached", "GPU kernels: built for this GPU.", triton_advice(), build_dir)
     choice = find_toolchain(torch)
     if build_running(build_dir):
         return KernelStatus("building", "GPU kernels: being built now, one time.",

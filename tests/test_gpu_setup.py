@@ -180,6 +180,12 @@ def test_gpu_architectures_from_nvidia_smi_without_nvml(tmp_path, monkeypatch):
     assert g.gpu_archs() == []
 
 
+def test_triton_needs_a_c_compiler_at_first_use():
+    assert g.triton_advice({}, {"gcc": "/usr/bin/gcc"}.get) == ""
+    assert g.triton_advice({"CC": "cc"}, lambda n: None) == ""
+    assert "C compiler" in g.triton_advice({}, lambda n: None)
+
+
 def test_ninja_progress_lines():
     assert g.parse_progress("[3/47] /usr/local/cuda/bin/nvcc --generate-dependencies-with-compile ...") == (3, 47)
     assert g.parse_progress("[47/47] c++ ext_bindings.o ... -shared -o exllamav2_ext.so") == (47, 47)
@@ -234,6 +240,7 @@ def test_kernel_states(machine, monkeypatch):
     failed = g.kernel_status(["8.9"])
     assert failed.state == "failed" and failed.log_tail.endswith("No such file") and "CPU" in failed.title
     touch(st.build_dir / "exllamav2_ext" / "exllamav2_ext.so")
+    monkeypatch.setattr(g, "triton_advice", lambda: "")
     assert g.kernel_status(["8.9"]).state == "cached" and g.kernel_status(["8.9"]).ready
     assert g.kernel_status(["9.0"]).state == "failed" or g.kernel_status(["9.0"]).state == "buildable"
     monkeypatch.setattr(g, "prebuilt_importable", lambda: True)

@@ -6,7 +6,7 @@
 # exllamav2's extension is built here first (`moedesk-cli setup-gpu`, with the CUDA toolkit of torch's major
 # version in CUDA_PATH and Visual Studio Build Tools) for the architectures in TORCH_CUDA_ARCH_LIST (default
 # runtime.gpu_setup.BUNDLE_ARCH_LIST), and the bundle ships it as exllamav2_ext*.pyd, so the user's machine
-# needs only the NVIDIA driver.
+# needs no CUDA toolkit (Triton, the GPU engine's MoE kernels, still wants a C compiler at first use).
 param([switch]$Gpu)
 $ErrorActionPreference = "Stop"
 Set-Location (Join-Path $PSScriptRoot "..\..")
