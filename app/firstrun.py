@@ -5,6 +5,7 @@ work, lists each finding with advice, and offers the demo model and the model ma
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -99,7 +100,6 @@ class WelcomeDialog(QDialog):
     def _kernel_panel(self, build: bool):
         """With a GPU whose kernels are not prebuilt: their one-time build, started now in the background
         (kept by the main window, so it goes on after this screen closes)."""
-        import sys
         k = self.report.kernels
         if k is None or k.state not in ("buildable", "building", "failed", "cached"):
             return None, None
