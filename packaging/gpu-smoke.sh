@@ -2,7 +2,7 @@
 # The GPU path with no CUDA toolkit, end to end, on a machine with an NVIDIA GPU, a CUDA torch and exllamav2
 # (and no network). Run from the repository root:
 #
-#   packaging/gpu-smoke.sh [WHEELS_DIR] [build|chat|bundle|all]     (log: $OUT/gpu-smoke.log, else build/)
+#   packaging/gpu-smoke.sh [WHEELS_DIR] [build|chat|bundle|all]     (log: $OUT/gpu-smoke-STAGE.log, else build/)
 #
 # 1. build:  hides every system nvcc (PATH, CUDA_HOME/CUDA_PATH, MOEDESK_CUDA_TOOLCHAIN=wheels), installs
 #            NVIDIA's toolchain wheels (or a trimmed copy, see gpu-toolchain-pack.sh) and ninja from WHEELS_DIR
@@ -19,7 +19,7 @@ STAGES=${2:-all}
 PY=${PYTHON:-python3}
 LOGDIR=${OUT:-build}
 mkdir -p "$LOGDIR" build
-LOG="$LOGDIR/gpu-smoke.log"
+LOG="$LOGDIR/gpu-smoke-$STAGES.log"
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
 run() { say "\$ $*"; "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
@@ -46,7 +46,7 @@ FAILED=0
 stage() { say "== $1: $2"; [ "$2" = PASS ] || { [ "$FAILED" != 0 ] || FAILED=$3; }; }
 want() { [ "$STAGES" = all ] || [ "$STAGES" = "$1" ]; }
 
-if want build; then
+toolchain() {
   # Toolchain wheels (or their trimmed archive) go into their own folder, like a venv's site-packages.
   rm -rf build/gpu-toolchain && mkdir -p build/gpu-toolchain
   if ls "$WHEELS"/*.tar.xz >/dev/null 2>&1; then
@@ -56,6 +56,10 @@ if want build; then
   WHLS=$(ls "$WHEELS"/nvidia_*.whl "$WHEELS"/ninja-*.whl 2>/dev/null || true)
   [ -z "$WHLS" ] || run "$PY" -m pip install -q --no-index --no-deps --target build/gpu-toolchain $WHLS
   command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || say "ninja missing: carry ninja-1.13.2"
+}
+
+if want build; then
+  toolchain
   run "$PY" -m runtime.cli setup-gpu --check
   T0=$(date +%s)
   run "$PY" -m runtime.cli setup-gpu --verbose
@@ -75,6 +79,7 @@ if want chat; then
 fi
 
 if want bundle; then
+  [ -d build/gpu-toolchain/nvidia ] || toolchain                 # a fresh machine: the bundle builds the kernels
   "$PY" -c "import PyInstaller" 2>/dev/null || run "$PY" -m pip install -q --no-index --find-links "$WHEELS" pyinstaller
   T0=$(date +%s)
   ARCH=$("$PY" -c "from runtime.gpu_setup import arch_list, gpu_archs; print(arch_list(gpu_archs()))")
