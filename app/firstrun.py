@@ -38,6 +38,7 @@ class WelcomeDialog(QDialog):
 
     demo_requested = Signal()
     browse_requested = Signal()
+    kernels_ready = Signal()          # the background build of the GPU kernels finished
 
     def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None,
                  build_kernels: bool = True):
@@ -103,18 +104,22 @@ class WelcomeDialog(QDialog):
         k = self.report.kernels
         if k is None or k.state not in ("buildable", "building", "failed", "cached"):
             return None, None
-        from app.kernel_build import KernelBuildPanel, start_background_build
+        from app.kernel_build import KernelBuildPanel
         panel = KernelBuildPanel()
         panel.show_status(k)
-        job = None
+        self.kernels = panel
         can_build = build and not getattr(sys, "frozen", False)
-        if can_build and k.state == "buildable":
-            job = start_background_build(panel, self.parent() or self)
+        job = self.start_kernel_build() if can_build and k.state == "buildable" else None
         if can_build:
-            panel.retry_requested.connect(lambda: setattr(self, "kernel_job",
-                                                          start_background_build(panel, self.parent() or self)))
+            panel.retry_requested.connect(self.start_kernel_build)
         panel.retry.setEnabled(can_build)
         return panel, job
+
+    def start_kernel_build(self, command: list[str] | None = None):
+        from app.kernel_build import start_background_build
+        self.kernel_job = start_background_build(self.kernels, self.parent() or self, command)
+        self.kernel_job.done.connect(lambda _seconds: self.kernels_ready.emit())
+        return self.kernel_job
 
     def _finish(self, choice: str) -> None:
         self.choice = choice
@@ -162,9 +167,20 @@ def offer_welcome(desk) -> WelcomeDialog | None:
     dialog = WelcomeDialog(parent=desk.window)
     dialog.demo_requested.connect(lambda: load_demo(desk))
     dialog.browse_requested.connect(lambda: open_model_manager(desk))
+    dialog.kernels_ready.connect(lambda: switch_to_gpu(desk))
     dialog.finished.connect(lambda _r: mark_welcome_done())        # closed with the window's X too
     dialog.open()
     return dialog
+
+
+def switch_to_gpu(desk) -> bool:
+    """The GPU kernels were just built: an idle engine running on the CPU restarts (on the GPU now) and
+    reloads its model. A busy one is left alone; its next start takes the GPU."""
+    ready = desk.window.ready
+    if ready is None or ready.engine != "cpu" or desk.session.busy:
+        return False
+    desk.client.restart()
+    return True
 
 
 def grab_welcome(path, report: MachineReport | None = None, setup=None) -> Path:

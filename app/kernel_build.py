@@ -141,7 +141,8 @@ class KernelBuildPanel(QFrame):
 
     def show_ready(self, seconds: float = 0.0) -> None:
         took = f" (built in {seconds:.0f} s)" if seconds else ""
-        self._show("ready", f"<b>GPU engine ready</b>{took}: models load on the GPU from now on.")
+        self._show("ready", f"<b>GPU engine ready</b>{took}: models load on the GPU from now on "
+                   "(an idle engine on the CPU restarts on the GPU).")
 
     def show_failed(self, message: str, detail: str) -> None:
         self._show("failed", f"<b>The GPU kernels did not build.</b> MoE Desk keeps working on the CPU. {message}",
@@ -157,10 +158,11 @@ class KernelBuildPanel(QFrame):
             self.show_waiting(status)
 
 
-def start_background_build(panel: KernelBuildPanel, owner: QObject) -> KernelBuild:
+def start_background_build(panel: KernelBuildPanel, owner: QObject,
+                           command: list[str] | None = None) -> KernelBuild:
     """Start the build now; the panel follows it. `owner` keeps it alive (the main window: the build goes
     on after the welcome screen closes)."""
-    job = KernelBuild(owner)
+    job = KernelBuild(owner, command)
     job.progress.connect(panel.show_progress)
     job.done.connect(panel.show_ready)
     job.failed.connect(panel.show_failed)

@@ -140,3 +140,28 @@ def test_the_background_build_process_is_followed_to_its_end(qtbot):
         job.start()
     assert seen == [(1, 2)]
     assert "exit status 1" in blocker.args[0] and "nvcc fatal: something" in blocker.args[1]
+
+
+def test_a_finished_build_moves_an_idle_cpu_engine_to_the_gpu(qtbot):
+    import sys
+    from types import SimpleNamespace
+
+    from runtime.gpu_setup import KernelStatus
+    status = KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.")
+    report = MachineReport("NVIDIA GeForce RTX 4090", "570.133", 24 * 1024 ** 3, 64 * 1024 ** 3, 48 * 1024 ** 3,
+                           500 * 1024 ** 3, None, (Finding("ok", "NVIDIA GPU"),), status)
+    d = firstrun.WelcomeDialog(report, build_kernels=False)
+    qtbot.addWidget(d)
+    done = "import json; print(json.dumps({'event': 'done', 'module': 'x.so', 'seconds': 3.0}))"
+    with qtbot.waitSignal(d.kernels_ready, timeout=20000):
+        d.start_kernel_build([sys.executable, "-c", done])            # what "Build again" starts
+    assert d.kernels.state == "ready"
+
+    restarts = []
+    desk = SimpleNamespace(window=SimpleNamespace(ready=SimpleNamespace(engine="cpu")),
+                           session=SimpleNamespace(busy=False), client=SimpleNamespace(restart=lambda: restarts.append(1)))
+    assert firstrun.switch_to_gpu(desk) and restarts == [1]
+    desk.session.busy = True                                            # mid-answer: left alone
+    assert not firstrun.switch_to_gpu(desk)
+    desk.session.busy, desk.window.ready.engine = False, "cuda"         # already on the GPU
+    assert not firstrun.switch_to_gpu(desk) and restarts == [1]
