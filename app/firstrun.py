@@ -5,6 +5,7 @@ work, lists each finding with advice, and offers the demo model and the model ma
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -37,8 +38,10 @@ class WelcomeDialog(QDialog):
 
     demo_requested = Signal()
     browse_requested = Signal()
+    kernels_ready = Signal()          # the background build of the GPU kernels finished
 
-    def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None):
+    def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None,
+                 build_kernels: bool = True):
         super().__init__(parent)
         self.report = report or check_machine(paths.models_dir())
         self.choice = "close"
@@ -90,7 +93,33 @@ class WelcomeDialog(QDialog):
         lay = QVBoxLayout(self)
         for w in (title, lead, verdict, checks, nxt):
             lay.addWidget(w)
+        self.kernels, self.kernel_job = self._kernel_panel(build_kernels)
+        if self.kernels is not None:
+            lay.insertWidget(lay.indexOf(checks) + 1, self.kernels)
         lay.addLayout(buttons)
+
+    def _kernel_panel(self, build: bool):
+        """With a GPU whose kernels are not prebuilt: their one-time build, started now in the background
+        (kept by the main window, so it goes on after this screen closes)."""
+        k = self.report.kernels
+        if k is None or k.state not in ("buildable", "building", "failed", "cached"):
+            return None, None
+        from app.kernel_build import KernelBuildPanel
+        panel = KernelBuildPanel()
+        panel.show_status(k)
+        self.kernels = panel
+        can_build = build and not getattr(sys, "frozen", False)
+        job = self.start_kernel_build() if can_build and k.state == "buildable" else None
+        if can_build:
+            panel.retry_requested.connect(self.start_kernel_build)
+        panel.retry.setEnabled(can_build)
+        return panel, job
+
+    def start_kernel_build(self, command: list[str] | None = None):
+        from app.kernel_build import start_background_build
+        self.kernel_job = start_background_build(self.kernels, self.parent() or self, command)
+        self.kernel_job.done.connect(lambda _seconds: self.kernels_ready.emit())
+        return self.kernel_job
 
     def _finish(self, choice: str) -> None:
         self.choice = choice
@@ -138,19 +167,33 @@ def offer_welcome(desk) -> WelcomeDialog | None:
     dialog = WelcomeDialog(parent=desk.window)
     dialog.demo_requested.connect(lambda: load_demo(desk))
     dialog.browse_requested.connect(lambda: open_model_manager(desk))
+    dialog.kernels_ready.connect(lambda: switch_to_gpu(desk))
     dialog.finished.connect(lambda _r: mark_welcome_done())        # closed with the window's X too
     dialog.open()
     return dialog
 
 
-def grab_welcome(path, report: MachineReport | None = None) -> Path:
-    """A PNG of the welcome screen for this machine (or for `report`), for `make screenshots`."""
+def switch_to_gpu(desk) -> bool:
+    """The GPU kernels were just built: an idle engine running on the CPU restarts (on the GPU now) and
+    reloads its model. A busy one is left alone; its next start takes the GPU."""
+    ready = desk.window.ready
+    if ready is None or ready.engine != "cpu" or desk.session.busy:
+        return False
+    desk.client.restart()
+    return True
+
+
+def grab_welcome(path, report: MachineReport | None = None, setup=None) -> Path:
+    """A PNG of the welcome screen for this machine (or for `report`; `setup(dialog)` may set a state
+    first), for `make screenshots`."""
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([])
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    dialog = WelcomeDialog(report)
+    dialog = WelcomeDialog(report, build_kernels=False)
+    if setup is not None:
+        setup(dialog)
     dialog.resize(dialog.sizeHint().expandedTo(dialog.minimumSizeHint()))
     dialog.show()
     app.processEvents()

@@ -1,5 +1,6 @@
 """What this machine can run, checked once at first start: NVIDIA GPU and driver (NVML), VRAM, RAM,
-free disk, and the CUDA toolkit that exllamav2 needs to build its kernels on first GPU use.
+free disk, and where the GPU engine's kernels stand (runtime.gpu_setup: prebuilt, built, buildable without
+a CUDA toolkit, or what is missing).
 
 Pure Python, no torch, no Qt: the welcome screen turns a `MachineReport` into words.
 """
@@ -14,6 +15,7 @@ from typing import Optional
 import psutil
 
 from app.telemetry import NvmlMonitor
+from runtime.gpu_setup import KernelStatus, kernel_status
 
 GB = 1024 ** 3
 MIN_GPU_VRAM_GB = 8          # below this even small MoE quants leave little room for experts
@@ -38,6 +40,7 @@ class MachineReport:
     disk_free_bytes: int
     nvcc: Optional[str]
     findings: tuple[Finding, ...] = field(default_factory=tuple)
+    kernels: Optional[KernelStatus] = None      # with a GPU: where the GPU engine's kernels stand
 
     @property
     def gpu_engine(self) -> bool:
@@ -69,6 +72,15 @@ def find_nvcc() -> Optional[str]:
     return shutil.which("nvcc")
 
 
+# Kernel states the welcome screen only reports; "buildable" and "building" show the build's own panel.
+KERNEL_LEVEL = {"prebuilt": "ok", "cached": "ok", "buildable": "ok", "building": "ok", "no_gpu": "ok"}
+
+
+def kernel_finding(k: KernelStatus) -> Finding:
+    level = "warn" if k.ready and k.advice else KERNEL_LEVEL.get(k.state, "warn")   # ready, but no C compiler
+    return Finding(level, k.title, k.advice)
+
+
 def check_machine(models_dir: Path) -> MachineReport:
     name, driver, vram, gpu_problem = probe_gpu()
     vm = psutil.virtual_memory()
@@ -77,6 +89,7 @@ def check_machine(models_dir: Path) -> MachineReport:
         probe_dir = probe_dir.parent
     disk_free = shutil.disk_usage(probe_dir).free
     nvcc = find_nvcc()
+    kernels = None
     findings = []
     if name is None:
         findings.append(Finding("fail", f"No NVIDIA GPU: {gpu_problem}.",
@@ -87,12 +100,8 @@ def check_machine(models_dir: Path) -> MachineReport:
         if vram / GB < MIN_GPU_VRAM_GB:
             findings.append(Finding("warn", f"Only {vram / GB:.0f} GB of VRAM.",
                                     "Large MoE models will keep most experts in RAM; expect lower speed."))
-        if nvcc is None:
-            findings.append(Finding("warn", "No CUDA toolkit (nvcc) found.",
-                                    "The GPU engine compiles its kernels once, on first use, and needs the CUDA "
-                                    "toolkit for that: install it and set CUDA_HOME, then restart MoE Desk."))
-        else:
-            findings.append(Finding("ok", f"CUDA toolkit found: {nvcc}."))
+        kernels = kernel_status()
+        findings.append(kernel_finding(kernels))
     ram_gb = vm.total / GB
     level = "ok" if ram_gb >= MIN_OFFLOAD_RAM_GB else "warn"
     findings.append(Finding(level, f"{ram_gb:.0f} GB of RAM ({vm.available / GB:.0f} GB free).",
@@ -102,4 +111,4 @@ def check_machine(models_dir: Path) -> MachineReport:
     findings.append(Finding(level, f"{disk_free / GB:.0f} GB free on the disk that holds models.",
                             "" if level == "ok" else
                             f"Model downloads are large; free at least {MIN_FREE_DISK_GB} GB."))
-    return MachineReport(name, driver, vram, vm.total, vm.available, disk_free, nvcc, tuple(findings))
+    return MachineReport(name, driver, vram, vm.total, vm.available, disk_free, nvcc, tuple(findings), kernels)

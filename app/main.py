@@ -179,14 +179,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(install())
         return 0
     question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
-    if question:
+    smoke_model = args.model or paths.DEMO_ALIAS          # --smoke-test --model DIR: another model (GPU bundles)
+    if question and smoke_model == paths.DEMO_ALIAS:
         from app.demo_install import DemoMissing, ensure_demo_model
-        os.environ["QT_QPA_PLATFORM"] = "offscreen"
         try:
             ensure_demo_model()
         except DemoMissing as e:
             print(f"smoke: {e}", file=sys.stderr)
             return 1
+    if question:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("MoE Desk")
     app.setOrganizationName("moedesk")
@@ -195,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     asyncio.set_event_loop(loop)
     result = load_settings()
     theme.apply(app, result.settings.app.theme)
-    desk = build(result.settings, model=paths.DEMO_ALIAS if question else args.model or "auto")
+    desk = build(result.settings, model=smoke_model if question else args.model or "auto")
     if result.warning:
         desk.window.notice.add("Settings were reset", result.warning)
     desk.window.restore_geometry()

@@ -7,12 +7,15 @@ still streaming; the chat header's model picker and context meter; the compact g
 main-window-dark.png, main-window-min.png (the window at its minimum size), message-versions.png (the
 chat with a regenerated answer and a stopped one offering Continue), settings.png, gauges.png (every
 gauge: the details opened), model-manager.png (a download in progress) and welcome.png (the first-run
-screen for this machine). Uses a temporary data dir, so the user's
+screen for this machine), and the first-run screen on a staged GPU machine in the GPU kernels' states:
+welcome-gpu-toolkit-not-needed.png, welcome-gpu-building.png, welcome-gpu-failed.png,
+welcome-gpu-ready.png. Uses a temporary data dir, so the user's
 conversations are neither shown nor touched.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace as dataclasses_replace
 import os
 import sys
 import tempfile
@@ -109,10 +112,45 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         from app.models_dialog import grab_model_manager
         written.append(grab_model_manager(out / "model-manager.png"))
         written.append(grab_welcome(out / "welcome.png"))
+        written.extend(grab_kernel_states(out))
     finally:
         win.close()
         desk.client.shutdown(wait=True)
         desk.store.close()
+    return written
+
+
+def grab_kernel_states(out: Path) -> list[Path]:
+    """The welcome screen of a staged GPU machine (an RTX 4090 with NVIDIA's toolchain wheels installed),
+    in each state of the GPU kernels' one-time build."""
+    from app.firstrun import grab_welcome
+    from app.machine import GB, Finding, MachineReport, kernel_finding
+    from runtime.gpu_setup import KernelStatus, Toolchain
+
+    wheels = Toolchain("wheels", Path("site-packages/nvidia/cu13"), "13.0.88")
+    buildable = KernelStatus("buildable", "GPU kernels: built once on this machine with the "
+                             f"{wheels.describe()}.", "No CUDA toolkit needed.", toolchain=wheels)
+    log = ("[31/47] nvcc -c cuda/q_gemm.cu -o q_gemm.cuda.o ...\n"
+           "/usr/include/c++/15/bits/c++config.h:2: error: unsupported GNU version! gcc versions later "
+           "than 14 are not supported!\nninja: build stopped: subcommand failed.")
+    states = {
+        "toolkit-not-needed": (buildable, None),
+        "building": (dataclasses_replace(buildable, state="building", title="GPU kernels: being built now, one time."),
+                     lambda d: d.kernels.show_progress(23, 47)),
+        "failed": (KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.",
+                                "Your C++ compiler is newer than this CUDA "
+                                "compiler supports: install an older gcc and name it in CC.",
+                                toolchain=wheels, log_tail=log), lambda d: d.kernels.retry.setEnabled(True)),
+        "ready": (KernelStatus("cached", "GPU kernels: built for this GPU."), lambda d: d.kernels.show_ready(212)),
+    }
+    written = []
+    for name, (status, setup) in states.items():
+        report = MachineReport("NVIDIA GeForce RTX 4090", "570.133", 24 * GB, 64 * GB, 48 * GB, 500 * GB,
+                               None, (Finding("ok", "NVIDIA GPU: NVIDIA GeForce RTX 4090, driver 570.133, 24 GB VRAM."),
+                                      kernel_finding(status),
+                                      Finding("ok", "64 GB of RAM (48 GB free)."),
+                                      Finding("ok", "500 GB free on the disk that holds models.")), status)
+        written.append(grab_welcome(out / f"welcome-gpu-{name}.png", report, setup))
     return written
 
 

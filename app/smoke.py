@@ -90,7 +90,9 @@ def start(desk, question: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> SmokeTes
             t.finish(EXIT_ERROR, f"smoke: the answer ended as {last.state}: {last.error or '(no message)'}")
         else:
             t.timings["answered_s"] = since_start()
-            t.finish(EXIT_OK, f"smoke: answered after {t.timings['answered_s']:.2f} s\n{last.content}")
+            ttft = getattr(last.stats, "ttft_s", None) if getattr(last, "stats", None) else None
+            first = f" (first token after {ttft:.2f} s)" if ttft is not None else ""
+            t.finish(EXIT_OK, f"smoke: answered after {t.timings['answered_s']:.2f} s{first}\n{last.content}")
 
     def on_error(request_id: str, err) -> None:
         detail = f"\n{err.detail}" if getattr(err, "detail", "") else ""

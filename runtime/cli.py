@@ -5,6 +5,7 @@
     moedesk-cli import-demo [--bits B] [--force]
     moedesk-cli synth --shape NAME --bpw B --out DIR
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
+    moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ SUBCOMMANDS = {
     "import-demo": ("runtime.demo", "Import the demo model (SmolLM2-135M-Instruct) into the models folder."),
     "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
     "bench": ("runtime.bench", "Measure prefill and decode speed; write JSON to bench/results/."),
+    "setup-gpu": ("runtime.setup_gpu", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
+                                      "with a CUDA toolkit or NVIDIA's Python packages."),
     "bench-spec": ("runtime.speculative.bench", "Measure speculative decoding (n-gram lookup, verify cost); "
                                                 "write JSON to bench/results/."),
 }

@@ -34,10 +34,19 @@ def cuda_device() -> str | None:
     return torch.cuda.get_device_name(0)
 
 
+def kernels_building() -> bool:
+    """The GPU kernels are being built right now (by `moedesk-cli setup-gpu` or the welcome screen)."""
+    from runtime import gpu_setup
+    return gpu_setup.kernel_status().state == "building"
+
+
 def choose_backend(requested: str = "auto") -> BackendChoice:
     gpu = cuda_device()
     if requested == "cpu":
         return BackendChoice("cpu", "Using the CPU reference engine (asked for).", "cpu")
+    if gpu is not None and requested == "auto" and kernels_building():
+        return BackendChoice("cpu", "The GPU kernels are being built in the background: the CPU reference "
+                                    "engine runs until they are ready.", "cpu")
     if gpu is not None:
         return BackendChoice("cuda", f"Using the GPU engine on {gpu}.", gpu)
     if requested == "cuda":

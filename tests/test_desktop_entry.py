@@ -46,12 +46,14 @@ def test_no_gpu_is_a_state_not_a_crash(tmp_path, monkeypatch):
     assert report.ram_total_bytes > 0 and report.disk_free_bytes > 0
 
 
-def test_gpu_without_toolkit_warns(tmp_path, monkeypatch):
+def test_gpu_without_a_toolchain_says_how_to_get_one(tmp_path, monkeypatch):
+    from runtime.gpu_setup import KernelStatus
     monkeypatch.setattr(machine, "probe_gpu", lambda: ("NVIDIA GeForce RTX 4090", "560.35", 24 * machine.GB, ""))
-    monkeypatch.setattr(machine, "find_nvcc", lambda: None)
+    monkeypatch.setattr(machine, "kernel_status", lambda: KernelStatus(
+        "no_toolchain", "No CUDA compiler (nvcc) found.", "pip install 'moedesk[gpu]'"))
     report = machine.check_machine(tmp_path)
-    assert report.gpu_engine and "RTX 4090" in report.summary
-    assert any(f.level == "warn" and "nvcc" in f.title for f in report.findings)
+    assert report.gpu_engine and "RTX 4090" in report.summary and report.kernels.state == "no_toolchain"
+    assert any(f.level == "warn" and "nvcc" in f.title and "moedesk[gpu]" in f.advice for f in report.findings)
 
 
 def test_welcome_dialog_offers_demo_and_marks_done(qtbot, tmp_path, monkeypatch):

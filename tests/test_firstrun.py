@@ -91,3 +91,77 @@ def test_install_desktop_entry_flag_prints_the_entry(tmp_path, monkeypatch, caps
     printed = capsys.readouterr().out.strip()
     assert printed == str(tmp_path / "xdg" / "applications" / "moedesk.desktop")
     assert "Exec=" in (tmp_path / "xdg" / "applications" / "moedesk.desktop").read_text()
+
+
+def test_welcome_shows_the_gpu_kernel_build_states(qtbot):
+    """A GPU machine whose kernels can be built from NVIDIA's wheels: the panel follows the build's events."""
+    from app.kernel_build import KernelBuild
+    from runtime.gpu_setup import KernelStatus, Toolchain
+    wheels = Toolchain("wheels", paths.cache_dir(), "13.0.88")
+    status = KernelStatus("buildable", "GPU kernels: built once.", "No CUDA toolkit needed.", toolchain=wheels)
+    report = MachineReport("NVIDIA GeForce RTX 4090", "570.133", 24 * 1024 ** 3, 64 * 1024 ** 3, 48 * 1024 ** 3,
+                           500 * 1024 ** 3, None, (Finding("ok", "NVIDIA GPU"),), status)
+    d = firstrun.WelcomeDialog(report, build_kernels=False)
+    qtbot.addWidget(d)
+    panel = d.kernels
+    assert panel.state == "building" and "No CUDA toolkit needed" in panel.title.text()
+    job = KernelBuild(d)
+    job.progress.connect(panel.show_progress)
+    job.done.connect(panel.show_ready)
+    job.failed.connect(panel.show_failed)
+    job.handle_line("Building exllamav2's CUDA extension ...")        # stray output is not an event
+    job.handle_line('{"event": "progress", "done": 23, "total": 47}')
+    assert (panel.bar.value(), panel.bar.maximum()) == (23, 47)
+    job.handle_line('{"event": "failed", "message": "Install g++.", "detail": "c++: not found"}')
+    assert panel.state == "failed" and "Install g++." in panel.title.text() and panel.log.text() == "c++: not found"
+    assert not panel.retry.isHidden() and not panel.retry.isEnabled()     # build_kernels=False: no builds here
+    job.handle_line('{"event": "done", "seconds": 171.0}')
+    assert panel.state == "ready" and "171 s" in panel.title.text()
+
+
+def test_welcome_without_a_gpu_has_no_kernel_panel(qtbot):
+    d = firstrun.WelcomeDialog(REPORT)
+    qtbot.addWidget(d)
+    assert d.kernels is None and d.kernel_job is None
+
+
+def test_the_background_build_process_is_followed_to_its_end(qtbot):
+    """KernelBuild runs a real child process: JSON events become signals; an exit without a final event is a
+    failure carrying the stray output."""
+    import sys
+
+    from app.kernel_build import KernelBuild
+    script = ("import json; print(json.dumps({'event': 'progress', 'done': 1, 'total': 2}), flush=True); "
+              "print('nvcc fatal: something', flush=True); raise SystemExit(1)")
+    job = KernelBuild(command=[sys.executable, "-c", script])
+    seen = []
+    job.progress.connect(lambda d, t: seen.append((d, t)))
+    with qtbot.waitSignal(job.failed, timeout=20000) as blocker:
+        job.start()
+    assert seen == [(1, 2)]
+    assert "exit status 1" in blocker.args[0] and "nvcc fatal: something" in blocker.args[1]
+
+
+def test_a_finished_build_moves_an_idle_cpu_engine_to_the_gpu(qtbot):
+    import sys
+    from types import SimpleNamespace
+
+    from runtime.gpu_setup import KernelStatus
+    status = KernelStatus("failed", "Building the GPU kernels failed last time; MoE Desk works on the CPU.")
+    report = MachineReport("NVIDIA GeForce RTX 4090", "570.133", 24 * 1024 ** 3, 64 * 1024 ** 3, 48 * 1024 ** 3,
+                           500 * 1024 ** 3, None, (Finding("ok", "NVIDIA GPU"),), status)
+    d = firstrun.WelcomeDialog(report, build_kernels=False)
+    qtbot.addWidget(d)
+    done = "import json; print(json.dumps({'event': 'done', 'module': 'x.so', 'seconds': 3.0}))"
+    with qtbot.waitSignal(d.kernels_ready, timeout=20000):
+        d.start_kernel_build([sys.executable, "-c", done])            # what "Build again" starts
+    assert d.kernels.state == "ready"
+
+    restarts = []
+    desk = SimpleNamespace(window=SimpleNamespace(ready=SimpleNamespace(engine="cpu")),
+                           session=SimpleNamespace(busy=False), client=SimpleNamespace(restart=lambda: restarts.append(1)))
+    assert firstrun.switch_to_gpu(desk) and restarts == [1]
+    desk.session.busy = True                                            # mid-answer: left alone
+    assert not firstrun.switch_to_gpu(desk)
+    desk.session.busy, desk.window.ready.engine = False, "cuda"         # already on the GPU
+    assert not firstrun.switch_to_gpu(desk) and restarts == [1]

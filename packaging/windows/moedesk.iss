@@ -12,7 +12,13 @@ DefaultDirName={localappdata}\Programs\MoE Desk
 DefaultGroupName={#AppName}
 PrivilegesRequired=lowest
 OutputDir=..\..\dist
+#ifdef Gpu
+; The GPU bundle (CUDA torch, prebuilt exllamav2 kernels) is over 2 GB: split into setup-1.bin, ...
+OutputBaseFilename=MoEDesk-{#AppVersion}-cuda-setup
+DiskSpanning=yes
+#else
 OutputBaseFilename=MoEDesk-{#AppVersion}-setup
+#endif
 SetupIconFile=..\..\build\moedesk.ico
 Compression=lzma2
 SolidCompression=yes

@@ -54,32 +54,23 @@ def _oom(what: str, err: BaseException) -> EngineError:
                        "Try a shorter context, a quantized KV cache, or a smaller model.", str(err))
 
 
-def _extension_cached() -> bool:
-    """True when exllamav2's CUDA extension is already built (prebuilt wheel or JIT cache)."""
-    try:
-        import importlib.util
-        if importlib.util.find_spec("exllamav2_ext") is not None:
-            return True
-        from torch.utils.cpp_extension import _get_build_directory
-        d = Path(_get_build_directory("exllamav2_ext", False))
-        return any(d.glob("*.so"))
-    except Exception:
-        return False
-
-
 def build_kernels(progress: ProgressFn) -> float:
-    """Import (building on first use) exllamav2's CUDA extension; returns the seconds it took."""
-    cached = _extension_cached()
+    """Import exllamav2's CUDA extension; returns the seconds it took. A prebuilt or cached build
+    (runtime.gpu_setup: `moedesk-cli setup-gpu`, the welcome screen's background build) is imported as it is;
+    without one, exllamav2 builds it here, at import, into the same cache (the slow fallback)."""
+    from runtime import gpu_setup
+    archs = gpu_setup.gpu_archs()
+    cached = gpu_setup.prepare_import(archs)
     progress("kernels", "Loading GPU kernels" if cached else "Building GPU kernels, one time", 0, 1)
     t0 = time.perf_counter()
     try:
         from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
     except Exception as e:  # the JIT build raises RuntimeError/OSError/ImportError with the compiler's log
-        lines = [l for l in str(e).splitlines() if l.strip()]
-        raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
-                          "Could not build the GPU kernels (exllamav2's CUDA extension). It needs the CUDA "
-                          "toolkit (nvcc) matching PyTorch's CUDA version and a C++ compiler.",
-                          "\n".join(lines[-25:])) from None
+        status = gpu_setup.kernel_status(archs)
+        err = gpu_setup.failure_message(str(e).splitlines(), status.toolchain)
+        if status.build_dir is not None and status.build_dir.is_dir():
+            (status.build_dir / "failed.log").write_text(str(e), encoding="utf-8")
+        raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value, err.message, err.detail) from None
     dt = time.perf_counter() - t0
     progress("kernels", f"GPU kernels ready ({dt:.0f} s)", 1, 1)
     return dt

@@ -170,9 +170,10 @@ def load_kernel():
     global _EXT, _EXT_ERROR
     if _EXT is None and _EXT_ERROR is None:
         import os
-        import shutil
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
-            _EXT_ERROR = "no C++ compiler on PATH (set CXX or install g++)"
+
+        from runtime.gpu_setup import compiler_advice, find_compiler
+        if find_compiler() is None:
+            _EXT_ERROR = "no C++ compiler on PATH (or in CXX). " + compiler_advice()
         else:
             try:
                 from torch.utils.cpp_extension import load
