@@ -30,6 +30,11 @@ from runtime.protocol import ErrorCode
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GiB = 1024 ** 3
+# Prefill chunk sizes run at load so that their kernels are compiled before the first answer: the
+# generation loop's chunk (512), a staged and an unstaged tail whose row counts Triton specializes
+# apart (not multiples of 16), and a multiple of 16.
+PREFILL_WARM_ROWS = (512, 203, 37, 12, 64)
+MAX_WARM_ROWS = 9               # decode graphs cover 1..9 rows (exl2_graph.MAX_ROWS)
 MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
 
 
@@ -244,6 +249,7 @@ class Exl2Engine(Engine):
         if graphs:
             from runtime.backends.exl2_graph import DecodeGraphs
             self.graphs = DecodeGraphs.build_if_supported(model, cache)
+        self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
         self.moe = []
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
@@ -274,6 +280,8 @@ class Exl2Engine(Engine):
                               f"{self.position} tokens in the cache + {T} new exceed the context length "
                               f"{self.info.context_length}")
         ids = torch.tensor([list(tokens)], dtype=torch.long)
+        if 1 < T <= MAX_WARM_ROWS:
+            self.note_rows(T)
         if self.offload is not None:
             from exllamav2.device import set_device_streams
             set_device_streams()                      # table writes go on the stream the step runs on
@@ -312,6 +320,78 @@ class Exl2Engine(Engine):
         # outside the except block, so the traceback no longer holds the step's tensors
         self.cache.current_seq_len = pos0
         raise _oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
+
+    # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
+
+    def warm_up(self, progress: ProgressFn, draft_rows: int = 1) -> None:
+        """At load: compile the prefill kernels (chunk sizes of both kinds: staged and not, row counts
+        Triton specializes apart) and capture the decode graphs of the first buckets, decode and
+        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after."""
+        self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
+        plan = []
+        if self.graphs is not None:
+            from runtime.backends.exl2_graph import warm_plan
+            plan = warm_plan(0, self.warm_rows, self.info.context_length, self.graphs.captured(), ahead=1,
+                             max_rows=self.warm_rows)
+        chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
+        total = len(chunks) + len(plan)
+        g = torch.Generator().manual_seed(0)
+        done = 0
+        for n in chunks:
+            progress("warmup", f"Preparing GPU kernels {done + 1}/{total}", done, total)
+            self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
+            self.truncate(0)
+            done += 1
+        for L, T in plan:
+            progress("warmup", f"Preparing GPU kernels {done + 1}/{total}", done, total)
+            self._prepare_graph(L, T)
+            done += 1
+        torch.cuda.synchronize()
+        progress("warmup", f"GPU kernels ready ({total} prepared)", total, total)
+
+    def _prepare_graph(self, L: int, T: int) -> bool:
+        if self.graphs is None or T > self.graphs.max_rows:
+            return False
+        if self.offload is not None:
+            from exllamav2.device import set_device_streams
+            set_device_streams()
+            self.offload.begin_forward(T)
+        try:
+            return self.graphs.prepare(L, T, self.position)
+        except RuntimeError as e:
+            if _is_oom(e):
+                raise
+            self.graph_error = f"{type(e).__name__} ({T} rows, ahead of need): {e}"[:500]
+            if T > 1:
+                self.graphs.max_rows = T - 1
+            else:
+                self.graphs = None
+            return False
+
+    def idle_work(self) -> bool:
+        """One step of warm-up while the worker waits for a command (one graph captured for the
+        buckets at and after the cache position); False when nothing is left to do."""
+        if self.graphs is None:
+            return False
+        from runtime.backends.exl2_graph import warm_plan
+        plan = warm_plan(self.position, self.warm_rows, self.info.context_length, self.graphs.captured(),
+                         max_rows=self.graphs.max_rows)
+        for L, T in plan:
+            if self._prepare_graph(L, T):
+                return True
+        return False
+
+    def prepare_decode(self) -> None:
+        """After a prefill, before the first token is sent: the one-row graph of the bucket the
+        decode starts in (a prompt may jump past the buckets prepared while idle), so that no capture
+        falls between two tokens of the answer."""
+        if self.graphs is not None:
+            from runtime.backends.exl2_graph import bucket
+            self._prepare_graph(bucket(self.position, 1, self.info.context_length), 1)
+
+    def note_rows(self, rows: int) -> None:
+        """A forward of `rows` rows ran (a verify): keep graphs ready for that many from now on."""
+        self.warm_rows = max(self.warm_rows, min(rows, MAX_WARM_ROWS))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.position:
@@ -403,8 +483,10 @@ class Exl2Engine(Engine):
 
 
 def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
-         graphs: bool = True) -> tuple[Engine, dict[str, str]]:
-    """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's)."""
+         graphs: bool = True, warm: bool = True) -> tuple[Engine, dict[str, str]]:
+    """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's).
+    warm: compile kernels and capture the first decode graphs at load (Exl2Engine.warm_up), and
+    settle the CPU expert path by measured decode steps ("auto" placement)."""
     path = Path(path)
     if not torch.cuda.is_available():
         raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
@@ -508,4 +590,15 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         model.unload()
         setup.release()
         raise _oom("the decode graphs", e) from None
+    draft = options.draft
+    try:
+        if warm and os.environ.get("MOEDESK_NO_WARMUP") is None:
+            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1)
+            if manager is not None:
+                from runtime.backends.exl2_placement import settle_cpu_path
+                settle_cpu_path(engine, progress)
+                applied.update(setup.applied)
+    except BaseException:
+        engine.close()
+        raise
     return engine, applied
