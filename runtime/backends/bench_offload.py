@@ -538,6 +538,9 @@ def main(argv=None) -> int:
             else:
                 engine.set_vram_budget(b)
                 applied, how = None, "set_vram_budget"
+            if a.placement == "auto" and engine.offload is not None:
+                engine.recheck_placement()                 # under this run's routing and budget
+                progress(f"expert path: {engine.path_judge.summary()}")
             setup_s = time.perf_counter() - t
             if engine.offload is None:
                 raise SystemExit(f"{a.model} at {b} GB: experts were not offloaded")

@@ -250,6 +250,9 @@ class Exl2Engine(Engine):
             from runtime.backends.exl2_graph import DecodeGraphs
             self.graphs = DecodeGraphs.build_if_supported(model, cache)
         self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
+        self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
+        self._trial = None              # its measurement in progress (idle time): a generator of steps
+        self._t_step: Optional[float] = None     # when the last one-row forward started
         self.moe = []
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
@@ -282,6 +285,7 @@ class Exl2Engine(Engine):
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         if 1 < T <= MAX_WARM_ROWS:
             self.note_rows(T)
+        self._time_step(T)
         if self.offload is not None:
             from exllamav2.device import set_device_streams
             set_device_streams()                      # table writes go on the stream the step runs on
@@ -328,24 +332,31 @@ class Exl2Engine(Engine):
         Triton specializes apart) and capture the decode graphs of the first buckets, decode and
         verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after."""
         self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
-        plan = []
-        if self.graphs is not None:
-            from runtime.backends.exl2_graph import warm_plan
-            plan = warm_plan(0, self.warm_rows, self.info.context_length, self.graphs.captured(), ahead=1,
-                             max_rows=self.warm_rows)
         chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
+        plan = self._load_plan()
         total = len(chunks) + len(plan)
         g = torch.Generator().manual_seed(0)
-        done = 0
-        for n in chunks:
-            progress("warmup", f"Preparing GPU kernels {done + 1}/{total}", done, total)
+        for i, n in enumerate(chunks):
+            progress("warmup", f"Preparing GPU kernels {i + 1}/{total}", i, total)
             self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
             self.truncate(0)
-            done += 1
-        for L, T in plan:
-            progress("warmup", f"Preparing GPU kernels {done + 1}/{total}", done, total)
+        self.prepare_graphs(progress, len(chunks), total)
+
+    def _load_plan(self) -> list[tuple[int, int]]:
+        """The graphs captured at load: the first two buckets, decode and verify rows (1 + drafts)."""
+        if self.graphs is None:
+            return []
+        from runtime.backends.exl2_graph import warm_plan
+        return warm_plan(self.position, self.warm_rows, self.info.context_length, self.graphs.captured(),
+                         ahead=1, max_rows=self.warm_rows)
+
+    def prepare_graphs(self, progress: ProgressFn, done: int = 0, total: Optional[int] = None) -> None:
+        """Capture the load's graphs not captured yet (at load; again after a switch of the expert path)."""
+        plan = self._load_plan()
+        total = done + len(plan) if total is None else total
+        for i, (L, T) in enumerate(plan):
+            progress("warmup", f"Preparing GPU kernels {done + i + 1}/{total}", done + i, total)
             self._prepare_graph(L, T)
-            done += 1
         torch.cuda.synchronize()
         progress("warmup", f"GPU kernels ready ({total} prepared)", total, total)
 
@@ -369,8 +380,19 @@ class Exl2Engine(Engine):
             return False
 
     def idle_work(self) -> bool:
-        """One step of warm-up while the worker waits for a command (one graph captured for the
-        buckets at and after the cache position); False when nothing is left to do."""
+        """One step of work while the worker waits for a command: a step of measuring the expert
+        paths again (when the live decode steps drifted from the choice), else one graph captured for
+        the buckets at and after the cache position; False when nothing is left to do."""
+        if self._trial is not None:
+            try:
+                next(self._trial)
+            except StopIteration:
+                self._trial = None
+            return True
+        if self.path_judge is not None and self.path_judge.wants_recheck():
+            from runtime.backends.exl2_placement import trial
+            self._trial = trial(self, self.path_judge)
+            return True
         if self.graphs is None:
             return False
         from runtime.backends.exl2_graph import warm_plan
@@ -388,6 +410,14 @@ class Exl2Engine(Engine):
         if self.graphs is not None:
             from runtime.backends.exl2_graph import bucket
             self._prepare_graph(bucket(self.position, 1, self.info.context_length), 1)
+
+    def _time_step(self, rows: int) -> None:
+        """One-row decode steps' wall time (start to next start, pauses over 1 s left out) for the
+        expert-path judge's drift check."""
+        t = time.perf_counter()
+        if self.path_judge is not None and self._t_step is not None and t - self._t_step < 1.0:
+            self.path_judge.observe_step(t - self._t_step)
+        self._t_step = t if rows == 1 else None
 
     def note_rows(self, rows: int) -> None:
         """A forward of `rows` rows ran (a verify): keep graphs ready for that many from now on."""
@@ -412,6 +442,8 @@ class Exl2Engine(Engine):
             out["graph_shapes"] = [list(s) for s in shapes]
         if self.offload is not None:
             out.update(self.offload.telemetry())
+            if self.path_judge is not None:
+                out["placement_decision"] = self.path_judge.telemetry()
         elif self.budget is not None:
             out["vram_budget_bytes"] = self.budget.vram.total_bytes
             out["vram_budget_used_bytes"] = self.budget.vram.used_bytes
@@ -444,6 +476,16 @@ class Exl2Engine(Engine):
                 torch.cuda.empty_cache()
                 torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
             self.budget.capped = True
+        from runtime.backends.exl2_placement import make_judge
+        self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
+        self.path_judge.decide()
+
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None) -> None:
+        """Decide the CPU expert path again now, timing both paths where the prediction is close
+        (benchmarks, after the routing or the budget changed; the worker does it while idle)."""
+        if self.offload is not None:
+            from runtime.backends.exl2_placement import settle_cpu_path
+            settle_cpu_path(self, progress)
 
     def place_experts(self, resident: list[list[int]]) -> None:
         """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""

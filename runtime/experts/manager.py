@@ -130,6 +130,8 @@ class OffloadManager:
         self.cpu_threads, self.ram = cpu_threads, ram
         self.cpu_reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
         self.cpu_split: Optional[CpuSplit] = None
+        self.cpu_predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
+        self.cpu_unavailable = ""                          # why no CPU path can run at all ("" when one can)
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
@@ -275,22 +277,38 @@ class OffloadManager:
                 lo.cpu.close()                        # its RAM back to the ledger
                 lo.cpu = None
 
-    def _build_cpu_paths(self, resident: list[list[int]]) -> None:
-        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why)."""
+    def set_cpu_path(self, on: bool, reason: str = "measured slower") -> bool:
+        """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
+        sets, whatever the predicted gain, or off; True if it runs afterwards."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._drop_cpu_paths()
+        self.cpu_split, self.cut = None, None
+        if on:
+            self._build_cpu_paths([sorted(lo.expert_slot) for lo in self.layers], force=True)
+        else:
+            self.cpu_reason = reason
+        return self.cpu_active
+
+    def _build_cpu_paths(self, resident: list[list[int]], force: bool = False) -> None:
+        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why).
+        force: whatever gain the rates predict ("auto" measuring both paths)."""
         from runtime.experts import cpu_path
         self.cpu_split = None
+        self.cpu_predicted_gain, self.cpu_unavailable = None, ""
         if self.cpu_policy != "cpu" and not (self.cpu_policy == "auto" and AUTO_CPU):
-            self.cpu_reason = ("MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
-                               if self.cpu_policy == "auto" else f"placement '{self.cpu_policy}'")
+            self.cpu_reason = self.cpu_unavailable = (
+                "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
+                if self.cpu_policy == "auto" else f"placement '{self.cpu_policy}'")
             return
         if all(len(r) == self.E for r in resident):
-            self.cpu_reason = "every expert is in VRAM"
+            self.cpu_reason = self.cpu_unavailable = "every expert is in VRAM"
             return
         try:
             threads = cpu_path.resolve_threads(self.cpu_threads)
             costs = self._split_costs(resident)
         except CpuExpertsError as e:
-            self.cpu_reason = f"the CPU expert kernel is unavailable: {e}"
+            self.cpu_reason = self.cpu_unavailable = f"the CPU expert kernel is unavailable: {e}"
             return
         from runtime.experts.kernels import CUT_ALIGN
         from runtime.experts.pack import intermediate_aligned
@@ -299,11 +317,12 @@ class OffloadManager:
                     and all(intermediate_aligned(lo.packs[2]) for lo in self.layers))
         split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs,
                                oversubscribe=1.0 if cut_mode else max(1.0, CPU_BALANCE), cut=cut_mode)
-        if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN:
+        self.cpu_predicted_gain = split.gain
+        if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
             self.cpu_reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
         if not any(split.owned):
-            self.cpu_reason = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
+            self.cpu_reason = self.cpu_unavailable = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
         cut = width = None
@@ -326,7 +345,7 @@ class OffloadManager:
             self._drop_cpu_paths()
             if self.cpu_policy == "cpu":
                 raise
-            self.cpu_reason = f"host RAM is short for the CPU copies ({e})"      # "auto": stream them
+            self.cpu_reason = self.cpu_unavailable = f"host RAM is short for the CPU copies ({e})"   # "auto": stream
             log.warning("CPU expert path left out: %s", self.cpu_reason)
             return
         if self.cuda:
