@@ -280,6 +280,8 @@ class OffloadManager:
     def set_cpu_path(self, on: bool, reason: str = "measured slower") -> bool:
         """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
         sets, whatever the predicted gain, or off; True if it runs afterwards."""
+        # Lent experts back to host memory first: measuring PCIe for the split writes a staging page.
+        self._reclaim_staging()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._drop_cpu_paths()
