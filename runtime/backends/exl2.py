@@ -480,12 +480,13 @@ class Exl2Engine(Engine):
         self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
         self.path_judge.decide()
 
-    def recheck_placement(self, progress: ProgressFn = lambda *a: None) -> None:
-        """Decide the CPU expert path again now, timing both paths where the prediction is close
-        (benchmarks, after the routing or the budget changed; the worker does it while idle)."""
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = False) -> None:
+        """Decide the CPU expert path again now, timing both paths where the prediction is close or
+        with `measure` (benchmarks, after the routing or the budget changed; the worker does it while
+        idle when decode steps drift)."""
         if self.offload is not None:
             from runtime.backends.exl2_placement import settle_cpu_path
-            settle_cpu_path(self, progress)
+            settle_cpu_path(self, progress, measure)
 
     def place_experts(self, resident: list[list[int]]) -> None:
         """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""

@@ -72,11 +72,13 @@ def trial(engine, judge: PathJudge) -> Iterator[str]:
         manager.cpu_reason = judge.reason
 
 
-def settle_cpu_path(engine, progress: ProgressFn) -> None:
-    """At load, after the warm-up: decide the CPU path (measuring both where the prediction is
-    close), then capture again the graphs a switch dropped."""
+def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None:
+    """At load, after the warm-up: decide the CPU path (timing both where the prediction is close,
+    or always with `measure`), then capture again the graphs a switch dropped."""
     from runtime.backends.exl2_offload import cpu_path_applied
     judge = engine.path_judge = make_judge(engine.offload)
+    if measure:
+        judge.ask_again()
     if judge.plan():
         n = 2 * len(judge.plan()) + 3
         for i, msg in enumerate(trial(engine, judge)):

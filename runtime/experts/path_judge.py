@@ -51,6 +51,10 @@ class PathJudge:
             return []
         return ["cpu", "stream"] if self._again or abs(self.predicted_gain) <= CLOSE else []
 
+    def ask_again(self) -> None:
+        """Time both paths at the next decision, whatever the prediction (benchmarks; drift)."""
+        self._again = self.measurable
+
     def record(self, path: str, step_seconds: Optional[Sequence[float]]) -> None:
         """The timed decode steps of one path (None: it could not run)."""
         if step_seconds:
