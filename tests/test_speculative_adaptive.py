@@ -22,13 +22,14 @@ def test_cost_model_interpolates_and_extrapolates():
     assert c.verify(3) == pytest.approx(0.7 * 1.2 + 0.3 * 2.2)   # moving average
 
 
-def drive(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambda rows: 0.0) -> list[int]:
+def run(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambda rows: 0.0) -> tuple[list[int], float]:
     """Run the policy against a synthetic target on an injected clock: verifying R rows costs
     cost(R) seconds of forward; `after(R)` seconds more land in the step's wall time outside the
     forward (what the K model cannot see: copies in flight, re-placement after a wide verify).
-    Each draft is accepted while a deterministic pattern with the given acceptance rate says so."""
+    Each draft is accepted while a deterministic pattern with the given acceptance rate says so.
+    Returns the K of each step and the emitted tokens per second of the clock."""
     ks = []
-    credit = 0.0
+    credit = clock = tokens = 0.0
     for _ in range(steps):
         k = policy.choose()
         ks.append(k)
@@ -41,29 +42,18 @@ def drive(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambd
             else:
                 break
         forward = cost(k + 1)
-        policy.observe(k, accepted, k + 1, forward, forward + after(k + 1))
-    return ks
-
-
-def tokens_per_second(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambda rows: 0.0) -> float:
-    """Emitted tokens per second of the injected clock over a run of `steps` steps."""
-    clock = tokens = 0.0
-    credit = 0.0
-    for _ in range(steps):
-        k = policy.choose()
-        accepted = 0
-        for _ in range(k):
-            credit += accept_prob
-            if credit >= 1.0:
-                credit -= 1.0
-                accepted += 1
-            else:
-                break
-        forward = cost(k + 1)
         clock += forward + after(k + 1)
         tokens += accepted + 1
         policy.observe(k, accepted, k + 1, forward, forward + after(k + 1))
-    return tokens / clock
+    return ks, tokens / clock
+
+
+def drive(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambda rows: 0.0) -> list[int]:
+    return run(policy, accept_prob, cost, steps, after)[0]
+
+
+def tokens_per_second(policy: DraftPolicy, accept_prob: float, cost, steps: int, after=lambda rows: 0.0) -> float:
+    return run(policy, accept_prob, cost, steps, after)[1]
 
 
 def test_policy_speculates_when_it_pays():

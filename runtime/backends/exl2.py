@@ -300,16 +300,8 @@ class Exl2Engine(Engine):
                 try:
                     logits = self.graphs.step(ids, self.position)      # [T, V'] fp16, reused next step
                 except RuntimeError as e:
-                    if _is_oom(e):
-                        raise
-                    # A capture this torch/driver refuses: run the layer loop from now on, for this and
-                    # larger row counts only when the one-row step still works (the forward is recomputed
-                    # below; its K/V rows are simply written again).
-                    self.graph_error = f"{type(e).__name__} ({T} rows): {e}"[:500]
-                    if T > 1:
-                        self.graphs.max_rows = T - 1
-                    else:
-                        self.graphs = None
+                    # (the forward is recomputed below by the layer loop; its K/V rows are simply written again)
+                    self._graph_failed(e, T)
                     torch.cuda.synchronize()
                 else:
                     self.cache.current_seq_len += T
@@ -370,14 +362,19 @@ class Exl2Engine(Engine):
         try:
             return self.graphs.prepare(L, T, self.position)
         except RuntimeError as e:
-            if _is_oom(e):
-                raise
-            self.graph_error = f"{type(e).__name__} ({T} rows, ahead of need): {e}"[:500]
-            if T > 1:
-                self.graphs.max_rows = T - 1
-            else:
-                self.graphs = None
+            self._graph_failed(e, T, ", ahead of need")
             return False
+
+    def _graph_failed(self, e: RuntimeError, T: int, when: str = "") -> None:
+        """A capture this torch/driver refuses: the layer loop runs from now on, for this and larger
+        row counts only when the one-row step still works. Out of memory is re-raised."""
+        if _is_oom(e):
+            raise e
+        self.graph_error = f"{type(e).__name__} ({T} rows{when}): {e}"[:500]
+        if T > 1:
+            self.graphs.max_rows = T - 1
+        else:
+            self.graphs = None
 
     def idle_work(self) -> bool:
         """One step of work while the worker waits for a command: a step of measuring the expert
