@@ -762,3 +762,18 @@ def test_a_steps_inputs_go_to_the_cpu_in_one_launch_and_its_part_comes_back_in_o
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "pinned io ok" in r.stdout
+
+
+def test_warm_up_traffic_is_forgotten_by_the_figures(slow_pcie):
+    """After the load's warm-up the hit counts and moved bytes start from zero (answers' figures)."""
+    m = _manager(policy="stream", n=1)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    lo.layer.counts += torch.tensor([3, 0, 2, 0, 0, 0, 0, 1], dtype=lo.layer.counts.dtype)   # routed rows
+    m.bytes["staged"] = 123
+    assert m.telemetry()["expert_pairs"] == 6
+    m.forget_warmup()
+    tel = m.telemetry()
+    assert tel["expert_pairs"] == 0 and tel["expert_hits"] == 0 and tel["expert_moved_bytes"]["staged"] == 0
+    lo.layer.counts += torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=lo.layer.counts.dtype)
+    assert m.telemetry()["expert_pairs"] == 2 and m.telemetry()["expert_hits"] == 1

@@ -638,6 +638,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
                 from runtime.backends.exl2_placement import settle_cpu_path
                 settle_cpu_path(engine, progress)
                 applied.update(setup.applied)
+                manager.forget_warmup()
     except BaseException:
         engine.close()
         raise

@@ -793,6 +793,19 @@ class OffloadManager:
             "tokens_seen": self.tokens,
         }
 
+    def forget_warmup(self) -> None:
+        """After the load's warm-up (random tokens): the hit counts, moved bytes and prefetch scores
+        start from zero, so the figures say what answers did (routing statistics keep what was seen)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for lo in self.layers:
+            lo.skip_counted()
+            lo.hits.zero_()
+            lo.pairs.zero_()
+        self.bytes = {k: 0 for k in self.bytes}
+        if self.prefetch is not None:
+            self.prefetch.reset_score()
+
     def save_stats(self) -> None:
         """Absorb the counts since the last snapshot and write the statistics file (a sync: at close)."""
         if self.stats_file is None:
