@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions
