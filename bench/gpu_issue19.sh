@@ -28,8 +28,10 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 log "synth done ($(du -sh "$MODEL" 2>/dev/null | cut -f1))"
 
-log "worker benchmark at 24 GB"
-timeout $(( $(left) - 130 )) $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
+budget=$(( $(left) - 130 ))                # leave time for at least one placement load
+[ "$budget" -lt 120 ] && budget=$(( $(left) - 10 ))
+log "worker benchmark at 24 GB (at most $budget s)"
+timeout "$budget" $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
     --label q125-a11-24gb --max-tokens 160 --draft both --out bench/results 2>&1 | tee -a "$OUT/gpu_issue19.log"
 log "worker benchmark: exit ${PIPESTATUS[0]}"
 
