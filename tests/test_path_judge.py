@@ -132,3 +132,10 @@ def test_trial_when_the_cpu_path_cannot_be_built(monkeypatch):
     judge = xp.make_judge(manager)
     list(xp.trial(engine, judge))
     assert judge.path == "stream" and not manager.cpu_active and "could not be built" in judge.reason
+
+
+def test_an_untimed_decision_says_what_the_prediction_placed():
+    """After a new budget (set_vram_budget) the manager placed by the prediction; until timed the
+    judge reports that path, not one of its own."""
+    j = PathJudge("auto", predicted_gain=0.15, running="cpu")
+    assert j.decide() == "cpu" and "not timed" in j.reason

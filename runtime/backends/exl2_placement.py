@@ -18,7 +18,7 @@ from runtime.experts.path_judge import TRIAL_STEPS, PathJudge
 def make_judge(manager) -> PathJudge:
     """The judge for a manager just placed: its policy, its predicted gain, what rules the path out."""
     return PathJudge(policy=manager.cpu_policy, predicted_gain=manager.cpu_predicted_gain,
-                     unavailable=manager.cpu_unavailable)
+                     unavailable=manager.cpu_unavailable, running=current_path(manager))
 
 
 def current_path(manager) -> str:

@@ -30,6 +30,7 @@ class PathJudge:
     policy: str                           # the user's placement: "auto", "cpu", "stream"
     predicted_gain: Optional[float]       # the planner's, None when no CPU path can run
     unavailable: str = ""                 # why no CPU path can run ("" when one can)
+    running: str = ""                     # the path the manager placed by the prediction ("" unknown)
     step_ms: dict[str, float] = field(default_factory=dict)     # path -> median decode step, measured
     path: str = ""                        # "cpu" or "stream": what runs
     reason: str = ""
@@ -81,10 +82,10 @@ class PathJudge:
                                + (f" (within {TIE:.0%}: the path that keeps the CPU free)" if cpu < stream else ""))
         elif "stream" in self.step_ms and self.plan():       # the CPU path was tried and could not run
             self.path, self.reason = "stream", "the CPU path could not be built (host RAM)"
-        else:
+        else:                                                 # not timed: the prediction's path
             g = self.predicted_gain or 0.0
-            self.path = "cpu" if g > CLOSE else "stream"
-            self.reason = f"predicted gain {g:+.0%} from the measured rates (beyond +-{CLOSE:.0%}: not timed)"
+            self.path = self.running or ("cpu" if g > CLOSE else "stream")
+            self.reason = f"predicted gain {g:+.0%} from the measured rates (not timed)"
         self._baseline_ms = self.step_ms.get(self.path)
         self._again = False
         self._live.clear()
