@@ -442,6 +442,27 @@ def test_the_cpu_path_switched_off_and_on_again_between_forwards(slow_pcie, monk
     m.close()
 
 
+def test_the_cpu_path_set_aside_comes_back_at_once_with_its_ownership_synced(slow_pcie):
+    """Timing the GPU-only path keeps the CPU copies (keep=True); turning the path on again reuses
+    them, with each expert's owner as the promotions made while it was set aside left it."""
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram, n=1)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    cpu, used = lo.cpu, ram.used_bytes
+    e = sorted(cpu.owned_set)[0]
+    assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
+    assert lo.cpu is None and lo.path == "stream" and ram.used_bytes == used       # copies kept
+    m.swap(0, 1, e)                                              # a promotion while set aside
+    lo.poll()
+    assert m.set_cpu_path(True)
+    assert lo.cpu is cpu and e not in cpu.owned_set and (1 in cpu.owned_set) == cpu.stores(1)
+    assert cpu.skip.tolist() == [int(i in cpu.owned_set) for i in range(8)]
+    assert not m.set_cpu_path(False, "measured slower")          # off for good: the copies freed
+    assert ram.used_bytes == 0 and m._parked is None
+    m.close()
+
+
 def test_no_expert_worth_the_cpu_at_real_overheads():
     m = _manager()                                               # tiny experts: 30 us of overhead wins
     m.apply([[0], [1]])

@@ -84,7 +84,7 @@ class FakeManager:
         self.cpu_policy, self.cpu_unavailable, self.cpu_reason = "auto", "", ""
         self.switches = 0
 
-    def set_cpu_path(self, on: bool, reason: str = "") -> bool:
+    def set_cpu_path(self, on: bool, reason: str = "", keep: bool = False) -> bool:
         self.switches += 1
         self.cpu_active = on and self.buildable
         return self.cpu_active

@@ -53,7 +53,7 @@ def trial(engine, judge: PathJudge) -> Iterator[str]:
     for path in paths:
         if current_path(manager) != path:
             engine._drop_graphs()
-            if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path"):
+            if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
                 if path == "cpu":
                     judge.record("cpu", None)
                     yield "the CPU path could not be built"

@@ -132,6 +132,7 @@ class OffloadManager:
         self.cpu_split: Optional[CpuSplit] = None
         self.cpu_predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
         self.cpu_unavailable = ""                          # why no CPU path can run at all ("" when one can)
+        self._parked = None          # CPU paths set aside while the GPU-only path is timed: (paths, split, cut)
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
@@ -272,25 +273,51 @@ class OffloadManager:
         return any(lo.cpu is not None for lo in self.layers)
 
     def _drop_cpu_paths(self) -> None:
+        self._close_parked()
         for lo in self.layers:
             if lo.cpu is not None:
                 lo.cpu.close()                        # its RAM back to the ledger
                 lo.cpu = None
 
-    def set_cpu_path(self, on: bool, reason: str = "measured slower") -> bool:
+    def set_cpu_path(self, on: bool, reason: str = "measured slower", keep: bool = False) -> bool:
         """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
-        sets, whatever the predicted gain, or off; True if it runs afterwards."""
+        sets, whatever the predicted gain, or off; True if it runs afterwards. keep: off, with the
+        CPU copies set aside (not freed), so that turning it on again is immediate (measuring both)."""
         # Lent experts back to host memory first: measuring PCIe for the split writes a staging page.
         self._reclaim_staging()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self._drop_cpu_paths()
-        self.cpu_split, self.cut = None, None
-        if on:
-            self._build_cpu_paths([sorted(lo.expert_slot) for lo in self.layers], force=True)
+        if on and self._parked is not None:
+            paths, self.cpu_split, self.cut = self._parked
+            self._parked = None
+            for lo, cpu in zip(self.layers, paths):
+                lo.cpu = cpu
+                if cpu is not None:            # ownership after promotions and lending while set aside
+                    lo._write_entries(list(range(self.E)))
+            self.cpu_reason = ""
+        elif not on and keep and self.cpu_active:
+            self._close_parked()
+            self._parked = ([lo.cpu for lo in self.layers], self.cpu_split, self.cut)
+            for lo in self.layers:
+                lo.cpu = None
+            self.cpu_split, self.cut, self.cpu_reason = None, None, reason
         else:
-            self.cpu_reason = reason
+            self._drop_cpu_paths()
+            self.cpu_split, self.cut = None, None
+            if on:
+                self._build_cpu_paths([sorted(lo.expert_slot) for lo in self.layers], force=True)
+            else:
+                self.cpu_reason = reason
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         return self.cpu_active
+
+    def _close_parked(self) -> None:
+        if self._parked is not None:
+            for cpu in self._parked[0]:
+                if cpu is not None:
+                    cpu.close()
+            self._parked = None
 
     def _build_cpu_paths(self, resident: list[list[int]], force: bool = False) -> None:
         """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why).
