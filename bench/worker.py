@@ -82,6 +82,8 @@ class Answer:
     draft_speedup: Optional[float] = None
     placement: Optional[str] = None
     placement_reason: Optional[str] = None
+    graphs_captured: Optional[int] = None      # decode graphs held at the answer's end (CUDA engine)
+    graph_error: Optional[str] = None
     reason: str = ""
     text: str = field(default="", repr=False)
 
@@ -128,6 +130,9 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
         span = arrivals[-1][0] - arrivals[0][0]
         a.decode_tps = after_first / span if after_first and span > 0 else None
     a.placement, a.placement_reason = placement_of(extra)
+    if "graph_shapes" in extra:
+        a.graphs_captured = len(extra["graph_shapes"])
+    a.graph_error = extra.get("graph_error")
     return a
 
 
