@@ -128,6 +128,7 @@ def wire(desk: Desk) -> None:
                               has_model=client.loaded_event is not None, parent=window)
         if client.loaded_event is not None:
             panel.show_applied(client.loaded_event.applied)
+        client.telemetry.connect(panel.show_telemetry)       # which expert path runs, and why (live)
         panel.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         panel.apply_requested.connect(lambda settings, reload: apply_settings(desk, settings, reload))
         panel.open()

@@ -246,6 +246,7 @@ class SettingsPanel(QDialog):
         self._target: Optional[Path] = None
         self._compatible: Optional[DraftCompatibility] = default_draft_compatibility()
         self._applied: dict[str, str] = {}
+        self._placement_note = ""                  # the engine's live word on the expert path (telemetry)
         self._loading = True
         self.fields: dict[str, _Field] = {}
         lay = QVBoxLayout(self)
@@ -338,6 +339,15 @@ class SettingsPanel(QDialog):
         self.applied_note.setText(("Engine also reported — " + "; ".join(others)) if others else "")
         self._on_changed()
 
+    def show_telemetry(self, event: Any) -> None:
+        """Live engine figures (a `telemetry` event): which expert path runs and why, beside the
+        placement option (the CUDA engine's `placement_decision`, in the event's `extra`)."""
+        decision = (getattr(event, "extra", None) or {}).get("placement_decision")
+        summary = decision.get("summary") if isinstance(decision, dict) else None
+        if summary and summary != self._placement_note:
+            self._placement_note = summary
+            self._on_changed()
+
     def set_draft_compatibility(self, check: Optional[DraftCompatibility]) -> None:
         self._compatible = check
         self.refresh_models()
@@ -400,6 +410,8 @@ class SettingsPanel(QDialog):
         if needs_reload:
             return "needs reload" if self._has_model else "used at next load"
         reported = self._applied.get(path, self._applied.get(path.split(".", 1)[1]))
+        if path == "offload.placement" and self._placement_note:
+            return f"applied: {self._placement_note}"       # live: it may change while the model runs
         return reported or ""
 
     def _apply(self, reload: bool) -> None:

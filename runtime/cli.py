@@ -7,6 +7,7 @@
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
     moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
+    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none] --out bench/results/
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ SUBCOMMANDS = {
                                       "with a CUDA toolkit or NVIDIA's Python packages."),
     "bench-spec": ("runtime.speculative.bench", "Measure speculative decoding (n-gram lookup, verify cost); "
                                                 "write JSON to bench/results/."),
+    "bench-worker": ("bench.worker", "Hold a conversation through a real worker process as the GUI does; "
+                                     "per answer TTFT, decode speed, longest token gap; JSON to bench/results/."),
 }
 
 

@@ -69,6 +69,15 @@ class Engine(abc.ABC):
     def reset(self) -> None:
         self.truncate(0)
 
+    def idle_work(self) -> bool:
+        """One bounded step of work done ahead of need while the worker waits for a command (the
+        CUDA engine captures decode graphs); False when nothing is left to do."""
+        return False
+
+    def prepare_decode(self) -> None:
+        """Called after a prefill, before the first token is sent: whatever the first decode step
+        would otherwise compile or capture between two tokens of the answer."""
+
     def telemetry(self) -> dict[str, Any]:
         """Engine figures for the gauges (expert cache hit rate, bytes per token, ...); {} when none."""
         return {}

@@ -146,6 +146,9 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
         live.prefilled_tokens = start + len(prompt[start:start + prefill_chunk]) - keep
         step_hook(live)
     t_prefill = time.perf_counter()
+    prepare = getattr(engine, "prepare_decode", None)
+    if prepare is not None:        # what the first decode step would compile or capture: before token 1
+        prepare()
     live.prefill_tps = live.prefilled_tokens / max(t_prefill - t0, 1e-9)
 
     # First token, from the prefill logits.

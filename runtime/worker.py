@@ -6,7 +6,9 @@ which fd 1 points at stderr, so anything a library prints lands in the log, neve
 Threads: a reader thread decodes commands and answers the quick ones at once (hello, stats,
 cancel, and refusals such as busy); load, unload and generate run in order on the main thread.
 Because the reader keeps reading while a generation runs, `cancel` sets a flag that the loop
-checks before every decode step. Every failure becomes an `error` event and the worker keeps
+checks before every decode step. While no command waits, the main thread runs the engine's idle
+work one bounded step at a time (`Engine.idle_work`: decode graphs captured ahead of need), looking
+at the queue between steps, so a command waits for one step at most. Every failure becomes an `error` event and the worker keeps
 serving; stdin closing (the parent died) or `shutdown` ends it.
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Worker:
         self.load_options = None
         self._cache_tokens: list[int] = []
         self._backend = None                        # loader.BackendChoice, for ready
+        self._idle_ok = True                        # the engine's idle work has not failed since the last command
 
     # -- output ------------------------------------------------------------------------------
     def send(self, event: Any) -> None:
@@ -145,15 +148,42 @@ class Worker:
     # -- main thread -----------------------------------------------------------------------------
     def serve(self) -> int:
         while True:
-            cmd = self._commands.get()
+            cmd = self._next_command()
             if cmd is _END or isinstance(cmd, P.Shutdown):
                 self.close()
                 return 0
+            self._idle_ok = True
             failure = self.run_command(cmd)
             if isinstance(cmd, P.Generate):
                 self._done_generating(cmd)     # before the error: the client may send the next command at once
             if failure is not None:
                 self.send(failure)
+
+    def _next_command(self) -> Any:
+        """The next command; while none is waiting, the engine's idle work (graphs captured ahead
+        of need, a placement re-measured), one bounded step at a time, so that a command that arrives
+        waits for one step at most."""
+        while True:
+            try:
+                return self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            if not self._idle_step():
+                return self._commands.get()
+
+    def _idle_step(self) -> bool:
+        """One step of the engine's idle work; False when there is none (or it failed: logged, and
+        not tried again until the next command)."""
+        engine = self.engine
+        work = getattr(engine, "idle_work", None)
+        if work is None or not self._idle_ok:
+            return False
+        try:
+            return bool(work())
+        except Exception:
+            self._idle_ok = False
+            traceback.print_exc()          # warm-up is an optimisation: the answer captures on demand
+            return False
 
     def run_command(self, cmd: Any) -> Optional[P.Error]:
         """Run load / unload / generate; a failure comes back as the error event to send."""

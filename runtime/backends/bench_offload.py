@@ -137,6 +137,18 @@ def force_uniform_routing(engine) -> None:
     engine._drop_graphs()
 
 
+def force_trace_routing(engine, profile: str, tokens: int = 8192) -> None:
+    """Every MoE layer takes its picks from a routing trace with the statistics published for real
+    Qwen-family models (bench/routing_traces.py: popularity skew per layer, reuse between nearby
+    tokens), after its router has run as always (graphs captured again)."""
+    from bench.routing_traces import forced_picks
+    first = engine.moe[0].experts
+    for m, picks in zip(engine.moe, forced_picks(len(engine.moe), first.num_experts, first.top_k,
+                                                 first.gate_w.device, tokens, profile)):
+        m.experts.uniform = picks
+    engine._drop_graphs()
+
+
 def calibrate(engine, n: int, budget_gb: float) -> None:
     """Decode n tokens of a random stream (routing statistics of this model), then plan the placement
     again from them at the same budget."""
@@ -288,6 +300,33 @@ def decode_after_prompt(engine, prompt: int, n_decode: int) -> tuple[float, dict
     return tps, d
 
 
+def set_routing(engine, mode: str, profile: str) -> None:
+    """The run's routing: the model's own router ("router"), "uniform" or "trace" forced picks."""
+    if mode == "uniform":
+        force_uniform_routing(engine)
+    elif mode == "trace":
+        force_trace_routing(engine, profile)
+    else:
+        for m in engine.moe:
+            m.experts.uniform = None
+        engine._drop_graphs()
+
+
+def measure_routing(engine, mode: str, profile: str, prompt: int, n_decode: int, run_mode: str) -> dict[str, Any]:
+    """Decode again under another routing mode (the CPU path decided again for it where "auto"),
+    then back to the run's: the three modes side by side on one load."""
+    try:
+        set_routing(engine, mode, profile)
+        if engine.path_judge is not None and engine.path_judge.policy == "auto":
+            engine.recheck_placement()
+        tps, d = decode_after_prompt(engine, prompt, n_decode)
+        decision = engine.path_judge.telemetry() if engine.path_judge is not None else None
+    finally:
+        set_routing(engine, run_mode, profile)
+    return {"routing": mode, "decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
+            "placement_decision": decision}
+
+
 def measure_threads(engine, threads: int, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again on the same placement and CPU copies with the CPU path's team at `threads`
     (each layer's context says how many; read by the worker per call), then back."""
@@ -437,9 +476,14 @@ def main(argv=None) -> int:
                     help="cold experts: read over PCIe only, partly computed on the CPU, or the app's default "
                          "(the CPU path where the planner predicts a gain)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="threads of the CPU path (0: automatic, the physical cores less two)")
-    ap.add_argument("--routing", choices=("router", "uniform"), default="router",
+    ap.add_argument("--routing", choices=("router", "uniform", "trace"), default="router",
                     help="uniform: every token picks top-k distinct experts at random (speed of the placement "
-                         "under the routing the roofline assumes; the output is meaningless)")
+                         "under the routing the roofline assumes; the output is meaningless); trace: picks from a "
+                         "trace with real models' published statistics (bench/routing_traces.py)")
+    ap.add_argument("--other-routing", default="", help="comma-separated routing modes also measured on each "
+                    "load (e.g. router,uniform,trace: all three side by side)")
+    ap.add_argument("--trace-profile", default="qwen3-30b-a3b",
+                    help="--routing trace: the profile of bench/routing_traces.PROFILES")
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
     ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget")
@@ -493,7 +537,10 @@ def main(argv=None) -> int:
             "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
             "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
-                       if a.routing == "uniform" else "")
+                       if a.routing == "uniform" else
+                       f"Routing forced from a trace (profile {a.trace_profile}: popularity skew and reuse between "
+                       "nearby tokens as published for real Qwen-family MoEs, bench/routing_traces.py). "
+                       if a.routing == "trace" else "")
                       + ("Decode prefetch handed the forced picks where an oracle probability is given (an assumed "
                          "prediction accuracy, not a measured one): " + ", ".join(map(str, a.prefetch_oracle))
                          + " (the first is the run's). " if any(q is not None for q in a.prefetch_oracle) else "")
@@ -529,8 +576,8 @@ def main(argv=None) -> int:
                 engine, applied = exl2.load(a.model, opts, lambda *x: None)
                 progress("loaded")
                 how = "load"
-                if a.routing == "uniform":
-                    force_uniform_routing(engine)
+                if a.routing != "router":
+                    set_routing(engine, a.routing, a.trace_profile)
                 if a.calibrate:
                     calibrate(engine, a.calibrate, b)
                     progress("calibrated and planned again")
@@ -538,6 +585,9 @@ def main(argv=None) -> int:
             else:
                 engine.set_vram_budget(b)
                 applied, how = None, "set_vram_budget"
+            if a.placement == "auto" and engine.offload is not None:
+                engine.recheck_placement()                 # under this run's routing and budget
+                progress(f"expert path: {engine.path_judge.summary()}")
             setup_s = time.perf_counter() - t
             if engine.offload is None:
                 raise SystemExit(f"{a.model} at {b} GB: experts were not offloaded")
@@ -597,6 +647,13 @@ def main(argv=None) -> int:
                 if pf.oracle != a.prefetch_oracle[0]:
                     pf.oracle = a.prefetch_oracle[0]
                     engine._drop_graphs()
+            if a.other_routing:
+                r["other_routing"] = [measure_routing(engine, mode, a.trace_profile, a.prompt, a.decode, a.routing)
+                                      for mode in a.other_routing.split(",") if mode != a.routing]
+                if a.placement == "auto":
+                    engine.recheck_placement()          # the run's routing again
+                progress("other routing: " + ", ".join(f"{x['routing']}: {x['decode_tps']:.1f} tok/s, hit rate "
+                                                       f"{x['hit_rate']:.1%}" for x in r["other_routing"]))
             if engine.offload.cpu_active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")

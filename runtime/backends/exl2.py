@@ -30,6 +30,11 @@ from runtime.protocol import ErrorCode
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GiB = 1024 ** 3
+# Prefill chunk sizes run at load so that their kernels are compiled before the first answer: the
+# generation loop's chunk (512), a staged and an unstaged tail whose row counts Triton specializes
+# apart (not multiples of 16), and a multiple of 16.
+PREFILL_WARM_ROWS = (512, 203, 37, 12, 64)
+MAX_WARM_ROWS = 9               # decode graphs cover 1..9 rows (exl2_graph.MAX_ROWS)
 MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
 
 
@@ -235,6 +240,10 @@ class Exl2Engine(Engine):
         if graphs:
             from runtime.backends.exl2_graph import DecodeGraphs
             self.graphs = DecodeGraphs.build_if_supported(model, cache)
+        self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
+        self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
+        self._trial = None              # its measurement in progress (idle time): a generator of steps
+        self._t_step: Optional[float] = None     # when the last one-row forward started
         self.moe = []
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
@@ -265,6 +274,9 @@ class Exl2Engine(Engine):
                               f"{self.position} tokens in the cache + {T} new exceed the context length "
                               f"{self.info.context_length}")
         ids = torch.tensor([list(tokens)], dtype=torch.long)
+        if 1 < T <= MAX_WARM_ROWS:
+            self.note_rows(T)
+        self._time_step(T)
         if self.offload is not None:
             from exllamav2.device import set_device_streams
             set_device_streams()                      # table writes go on the stream the step runs on
@@ -279,16 +291,8 @@ class Exl2Engine(Engine):
                 try:
                     logits = self.graphs.step(ids, self.position)      # [T, V'] fp16, reused next step
                 except RuntimeError as e:
-                    if _is_oom(e):
-                        raise
-                    # A capture this torch/driver refuses: run the layer loop from now on, for this and
-                    # larger row counts only when the one-row step still works (the forward is recomputed
-                    # below; its K/V rows are simply written again).
-                    self.graph_error = f"{type(e).__name__} ({T} rows): {e}"[:500]
-                    if T > 1:
-                        self.graphs.max_rows = T - 1
-                    else:
-                        self.graphs = None
+                    # (the forward is recomputed below by the layer loop; its K/V rows are simply written again)
+                    self._graph_failed(e, T)
                     torch.cuda.synchronize()
                 else:
                     self.cache.current_seq_len += T
@@ -303,6 +307,109 @@ class Exl2Engine(Engine):
         # outside the except block, so the traceback no longer holds the step's tensors
         self.cache.current_seq_len = pos0
         raise _oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
+
+    # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
+
+    def warm_up(self, progress: ProgressFn, draft_rows: int = 1) -> None:
+        """At load: compile the prefill kernels (chunk sizes of both kinds: staged and not, row counts
+        Triton specializes apart) and capture the decode graphs of the first buckets, decode and
+        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after."""
+        self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
+        chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
+        plan = self._load_plan()
+        total = len(chunks) + len(plan)
+        g = torch.Generator().manual_seed(0)
+        for i, n in enumerate(chunks):
+            progress("warmup", f"Preparing GPU kernels {i + 1}/{total}", i, total)
+            self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
+            self.truncate(0)
+        self.prepare_graphs(progress, len(chunks), total)
+
+    def _load_plan(self) -> list[tuple[int, int]]:
+        """The graphs captured at load: the first two buckets, decode and verify rows (1 + drafts)."""
+        if self.graphs is None:
+            return []
+        from runtime.backends.exl2_graph import warm_plan
+        return warm_plan(self.position, self.warm_rows, self.info.context_length, self.graphs.captured(),
+                         ahead=1, max_rows=self.warm_rows)
+
+    def prepare_graphs(self, progress: ProgressFn, done: int = 0, total: Optional[int] = None) -> None:
+        """Capture the load's graphs not captured yet (at load; again after a switch of the expert path)."""
+        plan = self._load_plan()
+        total = done + len(plan) if total is None else total
+        for i, (L, T) in enumerate(plan):
+            progress("warmup", f"Preparing GPU kernels {done + i + 1}/{total}", done + i, total)
+            self._prepare_graph(L, T)
+        torch.cuda.synchronize()
+        progress("warmup", f"GPU kernels ready ({total} prepared)", total, total)
+
+    def _prepare_graph(self, L: int, T: int) -> bool:
+        if self.graphs is None or T > self.graphs.max_rows:
+            return False
+        if self.offload is not None:
+            from exllamav2.device import set_device_streams
+            set_device_streams()
+            self.offload.begin_forward(T)
+        try:
+            return self.graphs.prepare(L, T, self.position)
+        except RuntimeError as e:
+            self._graph_failed(e, T, ", ahead of need")
+            return False
+
+    def _graph_failed(self, e: RuntimeError, T: int, when: str = "") -> None:
+        """A capture this torch/driver refuses: the layer loop runs from now on, for this and larger
+        row counts only when the one-row step still works. Out of memory is re-raised."""
+        if _is_oom(e):
+            raise e
+        self.graph_error = f"{type(e).__name__} ({T} rows{when}): {e}"[:500]
+        if T > 1:
+            self.graphs.max_rows = T - 1
+        else:
+            self.graphs = None
+
+    def idle_work(self) -> bool:
+        """One step of work while the worker waits for a command: a step of measuring the expert
+        paths again (when the live decode steps drifted from the choice), else one graph captured for
+        the buckets at and after the cache position; False when nothing is left to do."""
+        if self._trial is not None:
+            try:
+                next(self._trial)
+            except StopIteration:
+                self._trial = None
+            return True
+        if self.path_judge is not None and self.path_judge.wants_recheck():
+            from runtime.backends.exl2_placement import trial
+            self._trial = trial(self, self.path_judge)
+            return True
+        if self.graphs is None:
+            return False
+        from runtime.backends.exl2_graph import warm_plan
+        plan = warm_plan(self.position, self.warm_rows, self.info.context_length, self.graphs.captured(),
+                         max_rows=self.graphs.max_rows)
+        for L, T in plan:
+            if self._prepare_graph(L, T):
+                return True
+        return False
+
+    def prepare_decode(self) -> None:
+        """After a prefill, before the first token is sent: the one-row graph of the bucket the
+        decode starts in (a prompt may jump past the buckets prepared while idle), so that no capture
+        falls between two tokens of the answer."""
+        if self.graphs is not None:
+            from runtime.backends.exl2_graph import bucket
+            self._prepare_graph(bucket(self.position, 1, self.info.context_length), 1)
+
+    def _time_step(self, rows: int) -> None:
+        """One-row decode steps' wall time (start to next start, pauses over 1 s left out) for the
+        expert-path judge's drift check."""
+        t = time.perf_counter()
+        if self.path_judge is not None and self._t_step is not None and t - self._t_step < 1.0:
+            self.path_judge.observe_step(t - self._t_step)
+        self._t_step = t if rows == 1 else None
+
+    def note_rows(self, rows: int) -> None:
+        """A forward of `rows` rows ran (a verify): keep graphs ready for that many from now on."""
+        self.warm_rows = max(self.warm_rows, min(rows, MAX_WARM_ROWS))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.position:
@@ -323,6 +430,8 @@ class Exl2Engine(Engine):
             out["graph_shapes"] = [list(s) for s in shapes]
         if self.offload is not None:
             out.update(self.offload.telemetry())
+            if self.path_judge is not None:
+                out["placement_decision"] = self.path_judge.telemetry()
         elif self.budget is not None:
             out["vram_budget_bytes"] = self.budget.vram.total_bytes
             out["vram_budget_used_bytes"] = self.budget.vram.used_bytes
@@ -355,6 +464,17 @@ class Exl2Engine(Engine):
                 torch.cuda.empty_cache()
                 torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
             self.budget.capped = True
+        from runtime.backends.exl2_placement import make_judge
+        self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
+        self.path_judge.decide()
+
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = False) -> None:
+        """Decide the CPU expert path again now, timing both paths where the prediction is close or
+        with `measure` (benchmarks, after the routing or the budget changed; the worker does it while
+        idle when decode steps drift)."""
+        if self.offload is not None:
+            from runtime.backends.exl2_placement import settle_cpu_path
+            settle_cpu_path(self, progress, measure)
 
     def place_experts(self, resident: list[list[int]]) -> None:
         """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
@@ -394,8 +514,10 @@ class Exl2Engine(Engine):
 
 
 def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
-         graphs: bool = True) -> tuple[Engine, dict[str, str]]:
-    """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's)."""
+         graphs: bool = True, warm: bool = True) -> tuple[Engine, dict[str, str]]:
+    """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's).
+    warm: compile kernels and capture the first decode graphs at load (Exl2Engine.warm_up), and
+    settle the CPU expert path by measured decode steps ("auto" placement)."""
     path = Path(path)
     if not torch.cuda.is_available():
         raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
@@ -499,4 +621,16 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         model.unload()
         setup.release()
         raise _oom("the decode graphs", e) from None
+    draft = options.draft
+    try:
+        if warm and os.environ.get("MOEDESK_NO_WARMUP") is None:
+            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1)
+            if manager is not None:
+                from runtime.backends.exl2_placement import settle_cpu_path
+                settle_cpu_path(engine, progress)
+                applied.update(setup.applied)
+                manager.forget_warmup()
+    except BaseException:
+        engine.close()
+        raise
     return engine, applied

@@ -33,12 +33,41 @@ from runtime.backends.attention import decode_attention
 BUCKET = 512
 MAX_ROWS = 9                 # rows a graph covers: the decode step and a verify of up to 8 drafts
 MAX_GRAPHS = 64              # captured graphs kept (least recently used dropped): 9 row counts x ~7 buckets
+AHEAD_BUCKETS = 2            # buckets past the current one whose graphs are captured ahead of need
 ATTENTION_KINDS = ("triton", "bmm", "sdpa")
 
 
 def bucket(position: int, rows: int, max_seq_len: int) -> int:
     """Attended length L for `rows` new rows from `position`: the last row's bucket end, capped at the cache."""
     return min(max_seq_len, ((position + rows - 1) // BUCKET + 1) * BUCKET)
+
+
+def capture_position(L: int, rows: int, first_free: int, max_seq_len: int) -> int | None:
+    """Where a graph of (L, rows) can be captured ahead of need without touching the cache's
+    tokens: a position >= first_free whose step attends L rows (its warm-up run writes K/V rows
+    there, past the cache's end, where the next forward overwrites them); None if no such position."""
+    pos = max(first_free, L - BUCKET)
+    if pos + rows > min(L, max_seq_len) or bucket(pos, rows, max_seq_len) != L:
+        return None
+    return pos
+
+
+def warm_plan(position: int, rows: int, max_seq_len: int, captured, ahead: int = AHEAD_BUCKETS,
+              max_rows: int = MAX_ROWS) -> list[tuple[int, int]]:
+    """The (L, T) graphs to capture ahead of need, most urgent first: one-row steps (decode) of the
+    bucket at `position` and the `ahead` buckets after it, then verify rows 2..`rows` (drafting) of
+    the same buckets, then the other row counts up to `max_rows` of the current bucket."""
+    first = bucket(position, 1, max_seq_len)
+    buckets = sorted({min(max_seq_len, first + i * BUCKET) for i in range(ahead + 1)})
+    order = [(L, 1) for L in buckets]
+    order += [(L, t) for L in buckets for t in range(2, min(rows, max_rows) + 1)]
+    order += [(first, t) for t in range(2, max_rows + 1)]
+    seen, plan = set(captured), []
+    for L, t in order:
+        if (L, t) not in seen and capture_position(L, t, position, max_seq_len) is not None:
+            seen.add((L, t))
+            plan.append((L, t))
+    return plan
 
 
 class DecodeGraphs:
@@ -264,6 +293,23 @@ class DecodeGraphs:
         g, out = self.graphs[key] = self.graphs.pop(key)               # now the most recently used
         g.replay()
         return out
+
+    @torch.inference_mode()
+    def prepare(self, L: int, T: int, first_free: int) -> bool:
+        """Capture the graph of (L, T) ahead of need (load, idle time), its warm-up run writing K/V
+        rows past `first_free` only; False if it is captured already or cannot be reached from there."""
+        from exllamav2.device import set_device_streams
+        pos = capture_position(L, T, first_free, self.cache.max_seq_len)
+        if (L, T) in self.graphs or pos is None or T > self.max_rows:
+            return False
+        set_device_streams()
+        self.pos32.fill_(pos)
+        if self.attention != "triton":
+            torch.add(self.row, pos, out=self.pos64)
+        while len(self.graphs) >= MAX_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
+        self._capture(L, T)
+        return True
 
     def captured(self) -> list[tuple[int, int]]:
         """The (bucket L, rows T) pairs captured so far."""

@@ -125,13 +125,16 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
                         cpu_threads=off.cpu_threads)
 
 
-def cpu_path_applied(setup: OffloadSetup, manager) -> None:
-    """After placement: whether the CPU expert path runs, in `setup.applied` (placement, cpu_threads)."""
-    if manager.cpu_active:
-        setup.applied["offload.placement"] = "applied"
+def cpu_path_applied(setup: OffloadSetup, manager, decision: str = "") -> None:
+    """After placement: whether the CPU expert path runs, in `setup.applied` (placement, cpu_threads);
+    `decision`: how that was decided (runtime/experts/path_judge.py), in words."""
+    if manager.cpu_active:       # "auto" says how it decided; "cpu" is just applied
+        setup.applied["offload.placement"] = f"applied: {decision}" if decision and setup.policy == "auto" else "applied"
         setup.applied["offload.cpu_threads"] = "applied"
         return
     setup.applied["offload.cpu_threads"] = f"ignored: {manager.cpu_reason}"
+    if decision and setup.policy == "auto":
+        setup.applied["offload.placement"] = f"applied: {decision}"
     if setup.policy == "cpu":
         setup.applied["offload.placement"] = (f"ignored: no layer computes experts on the CPU "
                                               f"({manager.cpu_reason}); cold experts are read from host "

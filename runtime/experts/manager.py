@@ -130,6 +130,9 @@ class OffloadManager:
         self.cpu_threads, self.ram = cpu_threads, ram
         self.cpu_reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
         self.cpu_split: Optional[CpuSplit] = None
+        self.cpu_predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
+        self.cpu_unavailable = ""                          # why no CPU path can run at all ("" when one can)
+        self._parked = None          # CPU paths set aside while the GPU-only path is timed: (paths, split, cut)
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
@@ -270,27 +273,71 @@ class OffloadManager:
         return any(lo.cpu is not None for lo in self.layers)
 
     def _drop_cpu_paths(self) -> None:
+        self._close_parked()
         for lo in self.layers:
             if lo.cpu is not None:
                 lo.cpu.close()                        # its RAM back to the ledger
                 lo.cpu = None
 
-    def _build_cpu_paths(self, resident: list[list[int]]) -> None:
-        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why)."""
+    def set_cpu_path(self, on: bool, reason: str = "measured slower", keep: bool = False) -> bool:
+        """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
+        sets, whatever the predicted gain, or off; True if it runs afterwards. keep: off, with the
+        CPU copies set aside (not freed), so that turning it on again is immediate (measuring both)."""
+        # Lent experts back to host memory first: measuring PCIe for the split writes a staging page.
+        self._reclaim_staging()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if on and self._parked is not None:
+            paths, self.cpu_split, self.cut = self._parked
+            self._parked = None
+            for lo, cpu in zip(self.layers, paths):
+                lo.cpu = cpu
+                if cpu is not None:            # ownership after promotions and lending while set aside
+                    lo._write_entries(list(range(self.E)))
+            self.cpu_reason = ""
+        elif not on and keep and self.cpu_active:
+            self._close_parked()
+            self._parked = ([lo.cpu for lo in self.layers], self.cpu_split, self.cut)
+            for lo in self.layers:
+                lo.cpu = None
+            self.cpu_split, self.cut, self.cpu_reason = None, None, reason
+        else:
+            self._drop_cpu_paths()
+            self.cpu_split, self.cut = None, None
+            if on:
+                self._build_cpu_paths([sorted(lo.expert_slot) for lo in self.layers], force=True)
+            else:
+                self.cpu_reason = reason
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return self.cpu_active
+
+    def _close_parked(self) -> None:
+        if self._parked is not None:
+            for cpu in self._parked[0]:
+                if cpu is not None:
+                    cpu.close()
+            self._parked = None
+
+    def _build_cpu_paths(self, resident: list[list[int]], force: bool = False) -> None:
+        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why).
+        force: whatever gain the rates predict ("auto" measuring both paths)."""
         from runtime.experts import cpu_path
         self.cpu_split = None
+        self.cpu_predicted_gain, self.cpu_unavailable = None, ""
         if self.cpu_policy != "cpu" and not (self.cpu_policy == "auto" and AUTO_CPU):
-            self.cpu_reason = ("MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
-                               if self.cpu_policy == "auto" else f"placement '{self.cpu_policy}'")
+            self.cpu_reason = self.cpu_unavailable = (
+                "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
+                if self.cpu_policy == "auto" else f"placement '{self.cpu_policy}'")
             return
         if all(len(r) == self.E for r in resident):
-            self.cpu_reason = "every expert is in VRAM"
+            self.cpu_reason = self.cpu_unavailable = "every expert is in VRAM"
             return
         try:
             threads = cpu_path.resolve_threads(self.cpu_threads)
             costs = self._split_costs(resident)
         except CpuExpertsError as e:
-            self.cpu_reason = f"the CPU expert kernel is unavailable: {e}"
+            self.cpu_reason = self.cpu_unavailable = f"the CPU expert kernel is unavailable: {e}"
             return
         from runtime.experts.kernels import CUT_ALIGN
         from runtime.experts.pack import intermediate_aligned
@@ -299,11 +346,12 @@ class OffloadManager:
                     and all(intermediate_aligned(lo.packs[2]) for lo in self.layers))
         split = plan_cpu_split(self.stats.frequencies(), resident, self.code_bytes(), self.top_k, costs,
                                oversubscribe=1.0 if cut_mode else max(1.0, CPU_BALANCE), cut=cut_mode)
-        if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN:
+        self.cpu_predicted_gain = split.gain
+        if self.cpu_policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
             self.cpu_reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
         if not any(split.owned):
-            self.cpu_reason = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
+            self.cpu_reason = self.cpu_unavailable = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
         cut = width = None
@@ -326,7 +374,7 @@ class OffloadManager:
             self._drop_cpu_paths()
             if self.cpu_policy == "cpu":
                 raise
-            self.cpu_reason = f"host RAM is short for the CPU copies ({e})"      # "auto": stream them
+            self.cpu_reason = self.cpu_unavailable = f"host RAM is short for the CPU copies ({e})"   # "auto": stream
             log.warning("CPU expert path left out: %s", self.cpu_reason)
             return
         if self.cuda:
@@ -771,6 +819,19 @@ class OffloadManager:
             "vram_budget_items": dict(self.vram.items),
             "tokens_seen": self.tokens,
         }
+
+    def forget_warmup(self) -> None:
+        """After the load's warm-up (random tokens): the hit counts, moved bytes and prefetch scores
+        start from zero, so the figures say what answers did (routing statistics keep what was seen)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for lo in self.layers:
+            lo.skip_counted()
+            lo.hits.zero_()
+            lo.pairs.zero_()
+        self.bytes = {k: 0 for k in self.bytes}
+        if self.prefetch is not None:
+            self.prefetch.reset_score()
 
     def save_stats(self) -> None:
         """Absorb the counts since the last snapshot and write the statistics file (a sync: at close)."""

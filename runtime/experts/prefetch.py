@@ -222,6 +222,12 @@ class DecodePrefetch:
         if self.m.cuda:
             self._snap_event.record(torch.cuda.current_stream(self.m.device))
 
+    def reset_score(self) -> None:
+        """Scores from zero (after the load's warm-up), the window's reference with them."""
+        self.score.zero_()
+        self._score_prev = self._score_prev * 0
+        self._snap_event = None
+
     def totals(self) -> tuple[int, int, int, int]:
         """(candidates, candidates picked, copies, copies picked) so far (a device read)."""
         return tuple(int(v) for v in self.score.sum(dim=0).tolist())

@@ -1,28 +1,48 @@
-"""Adaptive draft length: pick K for the next step to maximise expected tokens per second.
+"""Adaptive drafting: draft only while it pays in wall time, and pick K for the steps that draft.
 
-Model, per request, all from measurements made while decoding:
+Two questions, answered from measurements made while decoding:
+
+1. **Draft at all?** Judged by wall time per emitted token, measured, never modelled: the policy
+   keeps a window of recent plain steps and one of recent drafting steps (seconds of the whole step,
+   drafting included, and the tokens it emitted) and drafts only while drafting's seconds per token
+   beat plain decoding's by `KEEP_MARGIN`. Plain decoding is re-measured now and then while drafting
+   (`REBASE_EVERY`: a few plain steps), and drafting is probed again now and then while off (backing
+   off while probes keep failing). With offload, a verify over R rows touches the union of the rows'
+   experts and may pull cold ones over PCIe; the cost may even land in later steps (copies in flight,
+   re-placement): only the windows' wall time sees all of it. On the H200 the acceptance-based
+   model below claimed speedups of 3.11 while n-gram drafting decoded 54.0 tokens/s against plain
+   84.6 (runtime/experts/NOTES.md, issue "What the user runs is what we measure").
+2. **How many drafts (K)?** From the model, per request:
     alpha        chance that a draft token is accepted, from recent steps (decayed counts)
     E(K)         tokens per speculative step = 1 + alpha + ... + alpha^K
     cost(K)      verify(K+1) + K * draft_token, where verify(R) is the measured time of a target
-                 step over R rows (forward + acceptance) and draft_token the draft model's time per
-                 token (0 for n-gram lookup)
-    rate(K)      E(K) / cost(K);  plain decoding is rate(0) = 1 / verify(1)
-For MoE targets verify(R) grows with the union of the experts the R rows select (and, with offload,
-the cold experts they pull in); nothing is assumed about it, it is timed as it runs.
+                 step over R rows and draft_token the draft model's time per token (0 for n-gram lookup)
+    rate(K)      E(K) / cost(K);   K = argmax rate(K), K in 1..k_max
+   While off, the model also says when a probe is worth trying early (n-gram lookup's free shadow
+   guesses raise alpha).
 
-K = argmax rate(K) for K in 1..k_max; if even that does not beat plain decoding, drafting is off,
-and the policy probes again after a while (backing off while probes keep failing). A plain step now
-and then keeps verify(1) fresh and gives the speedup figure something to compare with.
+A step that takes far longer than its window's median (a stall: a graph captured, the machine busy)
+is left out of the window's rate.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 DECAY = 0.9              # weight of older acceptance observations per new one
-TIME_EMA = 0.3           # weight of the newest timing sample
-CALIBRATE_EVERY = 32     # a plain step this often (while speculating) to keep verify(1) measured
-PROBE_FIRST = 8          # plain steps before the first probe once drafting was switched off
-PROBE_MAX = 128          # longest wait between probes
+TIME_EMA = 0.3           # weight of the newest timing sample (the K model)
+WINDOW = 16              # steps per mode in the wall-time windows
+BASELINE_STEPS = 4       # plain steps measured before drafting starts, and at each re-measurement
+TRIAL_STEPS = 8          # drafting steps before judging drafting against plain decoding
+REBASE_EVERY = 64        # drafting steps between re-measurements of plain decoding
+KEEP_MARGIN = 0.02       # drafting must be this much faster per token to stay on
+EARLY_STEPS = 2          # a trial judged after this many steps already ...
+EARLY_FACTOR = 1.5       # ... when drafting is this many times slower per token than plain decoding
+SHADOW_RISE = 0.25       # while off: lookup's shadow acceptance this much above what it was at the switch
+STALL_FACTOR = 4.0       # a step this many times its window's median is a stall, not a rate
+PROBE_FIRST = 16         # plain steps before the first probe once drafting was switched off
+PROBE_MAX = 256          # longest wait between probes
+CALIBRATE_EVERY = REBASE_EVERY   # (the name older callers use)
 
 
 class CostModel:
@@ -58,6 +78,29 @@ class CostModel:
         return s[b] + slope * (rows - b)
 
 
+class WallWindow:
+    """The last `WINDOW` steps of one mode: (wall seconds, tokens emitted)."""
+
+    def __init__(self) -> None:
+        self.steps: deque[tuple[float, int]] = deque(maxlen=WINDOW)
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.steps.append((seconds, tokens))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def seconds_per_token(self) -> Optional[float]:
+        """Wall seconds per emitted token over the window, stalls left out; None when empty."""
+        if not self.steps:
+            return None
+        times = sorted(s for s, _ in self.steps)
+        limit = STALL_FACTOR * times[len(times) // 2]
+        kept = [(s, n) for s, n in self.steps if s <= limit]
+        tokens = sum(n for _, n in kept)
+        return sum(s for s, _ in kept) / tokens if tokens else None
+
+
 class DraftPolicy:
     """Chooses K (0 = a plain step) before each step and learns from each step's outcome."""
 
@@ -68,42 +111,107 @@ class DraftPolicy:
         self.draft_token_s = 0.0          # draft model time per drafted token (0 for lookup)
         self.hits, self.misses = 1.0, 1.0  # decayed counts of accepted / rejected drafts (a prior)
         self.k_now = k_max
-        self.off = False
-        self._steps = 0
+        self.off = False                  # drafting judged not to pay (plain steps, probes now and then)
+        self.plain = WallWindow()
+        self.drafting = WallWindow()
+        self.reason = "measuring plain decoding"
+        self._plain_left = BASELINE_STEPS  # plain steps before the next drafting steps
+        self._trial_left = TRIAL_STEPS     # drafting steps before the next judgement
+        self._since_rebase = 0
         self._wait = 0                    # plain steps left before the next probe while off
         self._backoff = PROBE_FIRST
+        self._last: Optional[int] = None  # K chosen for the step in progress
+        self._probing = False
+        self._alpha_off = 1.0             # alpha when drafting was last switched off
 
     # -- before a step -------------------------------------------------------------------------
 
     def choose(self) -> int:
-        self._steps += 1
         if not self.adaptive:
+            self._last = self.k_max
             return self.k_max
-        if self.costs.verify(1) is None or self._steps % CALIBRATE_EVERY == 0:
-            return 0
-        if self.off:
+        if self._plain_left > 0:
+            k = 0
+        elif self.off:
             self._wait -= 1
-            if self._wait > 0:
-                return 0
-            return max(self.k_now, 1)     # probe
-        return self.k_now
+            k = max(self.k_now, 1) if self._wait <= 0 or self._worth_probing() else 0
+        else:
+            k = max(self.k_now, 1)
+        self._last = k
+        return k
+
+    def _worth_probing(self) -> bool:
+        """While off: lookup's free shadow guesses now match far more often than when drafting was
+        switched off, and the K model predicts a clear gain."""
+        if self.alpha < self._alpha_off + SHADOW_RISE:
+            return False
+        plain = self.rate(0)
+        best = max((self.rate(k) or 0.0) for k in range(1, self.k_max + 1))
+        return plain is not None and best > 1.5 * plain and self._wait <= self._backoff // 2
 
     # -- after a step --------------------------------------------------------------------------
 
-    def observe(self, drafted: int, accepted: int, rows: int, target_s: float) -> None:
-        """One step's outcome: drafts offered and kept, rows verified, and the step's time
-        excluding drafting."""
+    def observe(self, drafted: int, accepted: int, rows: int, target_s: float,
+                step_s: Optional[float] = None) -> None:
+        """One step's outcome: drafts offered and kept, rows verified, the target forward's time,
+        and the whole step's wall time (drafting included; default: the forward's)."""
+        step_s = target_s if step_s is None else step_s
         self.costs.record(rows, target_s)
         if drafted:
             self.observe_acceptance(accepted, rejected=accepted < drafted)
-            if self.off:                  # that was a probe
-                self._decide()
-                if self.off:
-                    self._backoff = min(self._backoff * 2, PROBE_MAX)
-                    self._wait = self._backoff
-                return
-        if self.adaptive and not self.off:
-            self._decide()
+        if not self.adaptive:
+            return
+        if self._last == 0:
+            self.plain.add(step_s, 1)
+            if self._plain_left > 0:
+                self._plain_left -= 1
+                if self._plain_left == 0 and len(self.drafting) >= TRIAL_STEPS:   # re-measured while on
+                    self._trial_left = 0
+                    self._judge()
+            return
+        # A drafting step (a probe while off, or one of a trial): tokens = accepted drafts + 1.
+        if self.off:                              # a probe: it goes on as a trial of its own
+            self.off, self._probing = False, True
+            self.drafting = WallWindow()
+            self._trial_left = TRIAL_STEPS
+            self.reason = "probing drafting again"
+        self.drafting.add(step_s, accepted + 1)
+        self._pick_k()
+        self._trial_left -= 1
+        self._since_rebase += 1
+        if self._trial_left <= 0 or self._clearly_slower():
+            self._trial_left = 0
+            self._judge()
+        if not self.off and self._since_rebase >= REBASE_EVERY:
+            self._since_rebase = 0
+            self._plain_left = BASELINE_STEPS      # measure plain decoding again, then judge
+
+    def _clearly_slower(self) -> bool:
+        """A trial cut short: after EARLY_STEPS drafting steps, already EARLY_FACTOR times slower."""
+        if len(self.drafting) < EARLY_STEPS or TRIAL_STEPS - self._trial_left < EARLY_STEPS:
+            return False
+        plain, draft = self.plain.seconds_per_token(), self.drafting.seconds_per_token()
+        return plain is not None and draft is not None and draft > EARLY_FACTOR * plain
+
+    def _judge(self) -> None:
+        """Drafting on or off, by the windows' seconds per token."""
+        plain, draft = self.plain.seconds_per_token(), self.drafting.seconds_per_token()
+        if plain is None or draft is None or self._trial_left > 0:
+            return
+        if draft < plain * (1 - KEEP_MARGIN):
+            self.off = False
+            self._backoff = PROBE_FIRST
+            self.reason = f"drafting pays: {plain / draft:.2f}x plain decoding's tokens/s (measured)"
+        else:
+            if self._probing:                     # probes keep failing: wait longer
+                self._backoff = min(self._backoff * 2, PROBE_MAX)
+            self.off = True
+            self._wait = self._backoff
+            self._alpha_off = self.alpha
+            self.reason = (f"drafting off: {plain / draft:.2f}x plain decoding's tokens/s (measured; "
+                           f"kept only above {1 / (1 - KEEP_MARGIN):.2f}x)")
+        self._probing = False
+        self._trial_left = TRIAL_STEPS
 
     def observe_acceptance(self, accepted: int, rejected: bool) -> None:
         self.hits = DECAY * self.hits + accepted
@@ -111,23 +219,21 @@ class DraftPolicy:
 
     def shadow(self, accepted: bool) -> None:
         """A free observation: what lookup would have proposed vs the token a plain step produced.
-        Lets n-gram drafting switch itself back on without paying for a probe."""
+        Lets n-gram drafting come back sooner (a probe) without paying for blind probes."""
         self.observe_acceptance(int(accepted), rejected=not accepted)
-        if self.adaptive and self.off:
-            self._decide()
 
     def set_draft_cost(self, seconds_per_token: Optional[float]) -> None:
         if seconds_per_token is not None:
             self.draft_token_s = seconds_per_token
 
-    # -- the model -----------------------------------------------------------------------------
+    # -- the K model ---------------------------------------------------------------------------
 
     @property
     def alpha(self) -> float:
         return self.hits / (self.hits + self.misses)
 
     def rate(self, k: int) -> Optional[float]:
-        """Expected tokens per second with K drafts (K = 0: plain decoding)."""
+        """Expected tokens per second with K drafts (K = 0: plain decoding), by the model."""
         verify = self.costs.verify(k + 1)
         if verify is None:
             return None
@@ -135,15 +241,13 @@ class DraftPolicy:
         tokens = float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
         return tokens / (verify + k * self.draft_token_s)
 
-    def _decide(self) -> None:
-        plain = self.rate(0)
-        if plain is None:
-            return
-        best_k, best = max(((k, self.rate(k) or 0.0) for k in range(1, self.k_max + 1)), key=lambda kv: kv[1])
-        self.k_now = best_k
-        was_off = self.off
-        self.off = best <= plain
-        if was_off and not self.off:
-            self._backoff = PROBE_FIRST
-        if self.off and not was_off:
-            self._wait = self._backoff
+    def _pick_k(self) -> None:
+        rates = [(k, self.rate(k) or 0.0) for k in range(1, self.k_max + 1)]
+        self.k_now = max(rates, key=lambda kv: kv[1])[0]
+
+    def measured(self) -> dict:
+        """The windows' figures (telemetry, benchmarks)."""
+        plain, draft = self.plain.seconds_per_token(), self.drafting.seconds_per_token()
+        return {"plain_s_per_token": plain, "draft_s_per_token": draft,
+                "measured_speedup": plain / draft if plain and draft else None,
+                "drafting": not self.off and self._plain_left == 0, "reason": self.reason}

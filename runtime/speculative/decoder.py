@@ -56,7 +56,7 @@ class SpeculativeDecoder:
 
         # Learn and count.
         step_s = time.perf_counter() - t0
-        self.policy.observe(result.drafted, result.accepted, result.rows, step_s - result.draft_s)
+        self.policy.observe(result.drafted, result.accepted, result.rows, step_s - result.draft_s, step_s)
         if isinstance(self.drafter, ModelDrafter):
             self.policy.set_draft_cost(self.drafter.cost_per_token())
         self._count(result, step_s)
@@ -105,7 +105,11 @@ class SpeculativeDecoder:
             self.plain_tokens += 1
 
     def _speedup(self) -> Optional[float]:
-        """Plain time per token (plain steps of this request) / time per token over all steps."""
+        """Plain decoding's wall time per token / drafting's, from the policy's windows of recent
+        steps (stalls left out); without them (a fixed K), plain steps of this request against all."""
+        measured = self.policy.measured()["measured_speedup"]
+        if measured is not None:
+            return measured
         if not self.plain_tokens or not self.produced or self.all_s <= 0:
             return None
         return (self.plain_s / self.plain_tokens) / (self.all_s / self.produced)

@@ -1,0 +1,293 @@
+"""Worker benchmark: the real worker process, loaded and driven as the GUI drives it.
+
+    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none]
+                             [--max-tokens N] [--turns N] [--out bench/results/]
+    python -m bench.worker ...                          (the same)
+
+The options take the GUI's path: the app's settings (defaults, or the user's settings file with
+--settings) with the flags applied, and their `load` group sent in the load command; each answer is
+a generate command with the conversation so far, as a chat session sends it. Measured on the client
+side from event arrival times: time to first token, the longest gap between two token deltas after
+the first (`max_token_gap_s`), decode tokens/s (tokens after the first / time from the first delta to
+the last); the worker's own figures (its finished event) and the expert placement in force (its
+telemetry) beside them.
+
+The conversation: the very first answer after load, prompts of different lengths, a repetitive one
+(a code edit: the answer quotes the code back) where n-gram drafting should pay, and one where drafts
+rarely match. With --draft both the conversation runs twice in the same worker, plain decoding
+first (the first answer after load is plain), then n-gram drafting, each as a new chat; the result
+gives each mode's figures and the other as its baseline. Greedy sampling: both modes write the same
+text, so their speeds compare like for like.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+CODE = '''def summarize(orders):
+    total = 0
+    count = 0
+    for order in orders:
+        if order.status == "cancelled":
+            continue
+        total += order.amount
+        count += 1
+    average = total / count if count else 0
+    return {"total": total, "count": count, "average": average}
+'''
+NOTES = ("Meeting notes, Tuesday. Present: Ana, Bo, Chen, Dara. The release slipped a week because the "
+         "installer failed on machines without a GPU driver; Bo fixed the check and added a test. Chen "
+         "measured the new cache: first answers are faster, long conversations unchanged. Dara asked for "
+         "a dark theme in the settings window and for the download list to show the remaining time. Ana "
+         "will write the release notes; the team agreed to freeze features on Friday and to spend next "
+         "week on bugs reported by the beta testers, starting with the crash when a download is paused "
+         "twice and the wrong token count in the gauges after a model is unloaded. ") * 3
+
+# (name, user message, what it is for)
+CONVERSATION = [
+    ("first_answer", "Write a long story about a lighthouse keeper.", "the first answer after load (short prompt)"),
+    ("summary", f"Summarise these notes in five bullet points:\n\n{NOTES}", "a long prompt"),
+    ("code_edit", "Rename the variable `total` to `amount_sum` in this function and give back the whole "
+                  f"function, nothing else:\n\n```python\n{CODE}```", "repetitive: the answer quotes the code back"),
+    ("animals", "Name twenty different animals, each with one unusual fact about it.",
+     "drafts rarely match: new text"),
+    ("short", "Thanks! In one sentence: which of those animals would make the best lighthouse keeper?",
+     "a short follow-up"),
+]
+
+
+@dataclass
+class Answer:
+    mode: str
+    turn: int
+    prompt_name: str
+    after_load: bool
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: Optional[float] = None             # client side: send -> first token delta
+    decode_tps: Optional[float] = None         # client side: tokens after the first / first delta -> last
+    max_token_gap_s: Optional[float] = None    # client side: longest gap between deltas after the first
+    worker_ttft_s: Optional[float] = None
+    worker_decode_tps: Optional[float] = None
+    prefill_tps: Optional[float] = None
+    acceptance_rate: Optional[float] = None
+    draft_speedup: Optional[float] = None
+    placement: Optional[str] = None
+    placement_reason: Optional[str] = None
+    graphs_captured: Optional[int] = None      # decode graphs held at the answer's end (CUDA engine)
+    graph_error: Optional[str] = None
+    reason: str = ""
+    text: str = field(default="", repr=False)
+
+
+def placement_of(extra: dict) -> tuple[str, Optional[str]]:
+    """The expert placement in force, from a telemetry event's engine figures."""
+    decision = extra.get("placement_decision")
+    if isinstance(decision, dict):
+        return ("cpu path" if decision.get("path") == "cpu" else "gpu only"), decision.get("summary")
+    if "cpu_expert_path" in extra:
+        return ("cpu path" if extra["cpu_expert_path"] == "on" else "gpu only"), extra["cpu_expert_path"]
+    if "expert_hit_rate" in extra:
+        return "offload", None
+    return "all on one device", None
+
+
+def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> Answer:
+    """Send one generate command; time its events as they arrive."""
+    from runtime import protocol as P
+    a = Answer(mode, turn, name, after_load)
+    arrivals: list[tuple[float, int]] = []
+    extra: dict = {}
+    t0 = time.perf_counter()
+    for ev in client.generate(request):
+        now = time.perf_counter()
+        if isinstance(ev, P.TokenDelta) and ev.request_id == request.request_id:
+            arrivals.append((now, ev.tokens))
+            a.text += ev.text
+        elif isinstance(ev, P.Telemetry):
+            extra = ev.extra or extra
+        elif isinstance(ev, P.Error):
+            raise P.exception_for(ev)
+        elif isinstance(ev, P.Finished):
+            s = ev.stats
+            a.reason, a.prompt_tokens, a.generated_tokens = ev.reason, s.prompt_tokens, s.generated_tokens
+            a.worker_ttft_s, a.worker_decode_tps, a.prefill_tps = s.ttft_s, s.decode_tps, s.prefill_tps
+            if s.draft is not None:
+                a.acceptance_rate, a.draft_speedup = s.draft.acceptance_rate, s.draft.speedup
+    if arrivals:
+        a.ttft_s = arrivals[0][0] - t0
+        gaps = [b[0] - x[0] for x, b in zip(arrivals, arrivals[1:])]
+        a.max_token_gap_s = max(gaps) if gaps else None
+        after_first = sum(n for _, n in arrivals[1:])
+        span = arrivals[-1][0] - arrivals[0][0]
+        a.decode_tps = after_first / span if after_first and span > 0 else None
+    a.placement, a.placement_reason = placement_of(extra)
+    if "graph_shapes" in extra:
+        a.graphs_captured = len(extra["graph_shapes"])
+    a.graph_error = extra.get("graph_error")
+    return a
+
+
+def converse(client, mode: str, draft, sampling, turns: int, first: bool) -> list[Answer]:
+    """One chat of `turns` answers, each request carrying the conversation so far."""
+    from runtime import protocol as P
+    from runtime.client import new_id
+    messages: list = []
+    out = []
+    for turn, (name, text, _) in enumerate(CONVERSATION[:turns]):
+        messages.append(P.ChatMessage("user", text))
+        req = P.Generate(request_id=new_id("bench"), messages=tuple(messages), sampling=sampling, draft=draft)
+        a = ask(client, req, mode, turn, name, first and turn == 0)
+        messages.append(P.ChatMessage("assistant", a.text))
+        out.append(a)
+        print(f"  {mode:5s} {name:13s} prompt {a.prompt_tokens:5d}  ttft {a.ttft_s or 0:6.2f} s  decode "
+              f"{a.decode_tps or 0:7.1f} tok/s  max gap {1e3 * (a.max_token_gap_s or 0):7.1f} ms  "
+              f"acceptance {a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}", flush=True)
+    return out
+
+
+def summary(answers: list[Answer]) -> dict[str, Any]:
+    """A mode's figures: medians over its answers (the first after load counted like the rest)."""
+    def med(key):
+        vals = [getattr(a, key) for a in answers if getattr(a, key) is not None]
+        return statistics.median(vals) if vals else None
+    drafted = [a.acceptance_rate for a in answers if a.acceptance_rate is not None]
+    return {"decode_tps": med("decode_tps"), "ttft_s": med("ttft_s"), "prefill_tps": med("prefill_tps"),
+            "max_token_gap_s": max((a.max_token_gap_s for a in answers if a.max_token_gap_s is not None),
+                                   default=None),
+            "acceptance_rate": statistics.mean(drafted) if drafted else None,
+            "decode_tps_by_prompt": {a.prompt_name: a.decode_tps for a in answers}}
+
+
+def model_bpw(path: str) -> Optional[float]:
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+        return float(qc["bits"]) if "bits" in qc else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def settings_for(args: argparse.Namespace):
+    """The app's settings (its file with --settings, else defaults) with the flags applied: what the
+    GUI would hold after the user set them in the settings panel."""
+    from app.settings import Settings, load_settings
+    from runtime.chat_cli import draft_options
+    settings = load_settings(args.settings).settings if args.settings else Settings()
+    off = {"backend": args.backend}
+    if args.vram_budget is not None:
+        off["vram_budget_gb"] = args.vram_budget
+    if args.placement:
+        off["placement"] = args.placement
+    load = dataclasses.replace(settings.load, offload=dataclasses.replace(settings.load.offload, **off),
+                               draft=draft_options("none" if args.draft == "none" else "ngram", args.draft_tokens))
+    return dataclasses.replace(settings, load=load)
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime import protocol as P
+    from runtime.bench import git_commit, machine
+    from runtime.client import WorkerClient
+    from runtime.options import DraftOptions, from_dict
+    if args.turns < 1 or args.turns > len(CONVERSATION):
+        print(f"bench-worker: --turns must be 1..{len(CONVERSATION)}", file=sys.stderr)
+        return 2
+    settings = settings_for(args)
+    sampling = dataclasses.replace(settings.sampling, temperature=0.0, max_tokens=args.max_tokens, seed=0)
+    modes = {"both": ["none", "ngram"], "none": ["none"], "ngram": ["ngram"]}[args.draft]
+    ngram = settings.load.draft
+    drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": ngram}
+    progress: list[dict] = []
+    t_start = time.perf_counter()
+
+    def on_progress(ev: P.Progress) -> None:
+        progress.append({"t_s": round(time.perf_counter() - t_start, 3), "stage": ev.stage, "message": ev.message})
+        if ev.stage == "warmup" or ev.done in (0, ev.total):
+            print(f"  load: {ev.message}", flush=True)
+
+    with WorkerClient(client_name="moedesk-cli bench-worker") as client:
+        ready = client.start()
+        t0 = time.perf_counter()
+        loaded = client.load(args.model, settings.load, on_progress=on_progress)
+        load_s = time.perf_counter() - t0
+        print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device})", flush=True)
+        answers: list[Answer] = []
+        for i, mode in enumerate(modes):
+            answers += converse(client, mode, drafts[mode], sampling, args.turns, first=i == 0)
+    by_mode = {m: summary([a for a in answers if a.mode == m]) for m in modes}
+    main_mode = modes[-1]
+    main, base = by_mode[main_mode], (by_mode[modes[0]] if len(modes) > 1 else None)
+    first = answers[0]
+    result = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
+        "machine": machine(), "device": ready.device, "model": args.label or loaded.model,
+        "bpw": model_bpw(loaded.path), "vram_budget_gb": args.vram_budget, "context": loaded.context_length,
+        "prompt_tokens": first.prompt_tokens, "prefill_tps": main["prefill_tps"], "decode_tps": main["decode_tps"],
+        "ttft_s": first.ttft_s, "roofline_tps": None,
+        "draft": (dict(dataclasses.asdict(ngram), acceptance_rate=main["acceptance_rate"]) if main_mode == "ngram"
+                  else None),
+        "baseline": dict(name=modes[0], **base) if base is not None else None,
+        "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the app's "
+                  f"settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the flags applied, "
+                  f"sent in the load command as the GUI does. Greedy, at most {args.max_tokens} tokens per answer, "
+                  f"{args.turns} turns per mode ({', '.join(modes)}; each mode a new chat in the same worker, the "
+                  "first answer after load in the first mode). Timings on the client side from event arrival. "
+                  + (args.note or "")),
+        "worker": True,
+        "load_s": load_s, "worker_load_s": loaded.load_s, "load_progress": progress, "applied": loaded.applied,
+        "modes": by_mode,
+        "speedup_ngram_vs_none": ({n: (by_mode["ngram"]["decode_tps_by_prompt"].get(n) or 0)
+                                   / by_mode["none"]["decode_tps_by_prompt"][n]
+                                   for n in by_mode["none"]["decode_tps_by_prompt"]
+                                   if by_mode["none"]["decode_tps_by_prompt"][n]} if len(modes) == 2 else None),
+        "first_answer_vs_steady": _first_vs_steady(answers),
+        "answers": [dataclasses.asdict(a) for a in answers],
+        "prompts": {name: why for name, _, why in CONVERSATION[:args.turns]},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.out / f"worker-{args.label or Path(loaded.path).name}-{ready.device.replace(' ', '_')}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+def _first_vs_steady(answers: list[Answer]) -> Optional[float]:
+    """The first answer's decode tokens/s over the median of the same mode's later answers."""
+    later = [a.decode_tps for a in answers[1:] if a.mode == answers[0].mode and a.decode_tps]
+    if not answers or not answers[0].decode_tps or not later:
+        return None
+    return answers[0].decode_tps / statistics.median(later)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model name, 'demo', or folder")
+    p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
+    p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
+    p.add_argument("--placement", choices=("auto", "vram", "cpu", "stream"), help="expert placement")
+    p.add_argument("--draft", choices=("both", "ngram", "none"), default="both",
+                   help="both: the conversation with plain decoding, then with n-gram drafting (side by side)")
+    p.add_argument("--draft-tokens", type=int, help="n-gram drafts per step")
+    p.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens")
+    p.add_argument("--turns", type=int, default=len(CONVERSATION), help="answers per conversation")
+    p.add_argument("--settings", type=Path, help="the app's settings file to start from (default: defaults)")
+    p.add_argument("--label", help="model name for the results")
+    p.add_argument("--note", help="added to the result's notes")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Warm-up at load and in idle time, and the CPU-path decision by measured steps, on the GPU.
+
+Model: the Qwen3-30B-A3B shape cut to 2 layers (conftest's moe_2l). An answer's decode must capture
+nothing (the graphs of its buckets were captured at load or in idle time), graphs captured ahead of
+need must leave the logits alone (their warm-up runs write K/V rows past the cache's end only), and
+"auto" placement with a prediction close to even must time both expert paths and keep the faster.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions
+
+GiB = 1024 ** 3
+
+
+def _load(path, draft: str = "off", **off):
+    from runtime.backends import exl2
+    opts = LoadOptions(offload=OffloadOptions(context_length=off.pop("context_length", 2048), **off),
+                       draft=DraftOptions(mode=draft))
+    stages = []
+    eng, applied = exl2.load(path, opts, lambda stage, msg, d, t: stages.append((stage, msg)))
+    return eng, applied, stages
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_an_answer_captures_nothing_after_load_and_idle_time(moe_2l):
+    eng, _, stages = _load(moe_2l, draft="ngram")
+    try:
+        assert any(s == "warmup" and "Preparing GPU kernels" in m for s, m in stages), stages
+        shapes = set(eng.graphs.captured())
+        assert {(512, t) for t in range(1, 6)} | {(1024, 1)} <= shapes, shapes      # decode + verify of K=4
+        toks = torch.randint(0, 151936, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+        eng.prefill(toks[:40])
+        eng.prepare_decode()
+        before = set(eng.graphs.captured())
+        gaps = []
+        for t in toks[40:640]:                                  # crosses from bucket 512 into 1024
+            t0 = time.perf_counter()
+            eng.forward([t])[-1].argmax().item()
+            gaps.append(time.perf_counter() - t0)
+        assert set(eng.graphs.captured()) == before             # nothing captured inside the "answer"
+        assert max(gaps) < 0.25, max(gaps)
+        steps = 0
+        while eng.idle_work():                                  # idle: the buckets ahead
+            steps += 1
+            assert steps < 64
+        assert (1536, 1) in eng.graphs.captured() and (2048, 1) in eng.graphs.captured()
+    finally:
+        eng.close()
+
+
+def test_graphs_captured_ahead_leave_the_logits_alone(moe_2l):
+    eng, _, _ = _load(moe_2l, draft="off", context_length=1024)
+    try:
+        toks = torch.randint(0, 151936, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+        eng.prefill(toks[:40])
+        want = eng.forward([toks[40]]).clone()
+        eng.truncate(40)
+        while eng.idle_work():                                  # captures (warm-up runs) at 40 and after
+            pass
+        got = eng.forward([toks[40]])
+        assert _rel(got, want) < 1e-3
+    finally:
+        eng.close()
+
+
+def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, monkeypatch, tmp_path):
+    """Rates forced so the planner predicts ~20% (within +-25%): both paths are timed at load and the
+    faster runs; the decision is in telemetry and in `applied`."""
+    from runtime.experts import manager as mgr
+    from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
+    real_costs = mgr.OffloadManager._split_costs
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs",
+                        lambda self, r: CpuSplitCosts(50e9, 10e9, 0.0, real_costs(self, r).cpu_bytes_ratio))
+    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    ref, _, _ = _load(moe_2l, context_length=512)
+    codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
+    others = torch.cuda.memory_allocated() - codes
+    scratch = prefill_scratch_bytes(ref.model.config)
+    ref.close()
+    eng, applied, stages = _load(moe_2l, context_length=512, placement="auto", cpu_threads=4,
+                                 vram_budget_gb=(others + scratch + codes // 2 + (64 << 20)) / GiB)
+    try:
+        d = eng.telemetry()["placement_decision"]
+        assert abs(d["predicted_gain"]) <= 0.25 and set(d["step_ms"]) == {"cpu", "stream"}, d
+        faster = min(d["step_ms"], key=d["step_ms"].get)
+        assert d["path"] in (faster, "stream")                  # "stream" also on a tie (within 5%)
+        assert (d["path"] == "cpu") == eng.offload.cpu_active
+        assert applied["offload.placement"].startswith("applied: CPU expert path"), applied
+        assert any("Choosing the expert path" in m for _, m in stages)
+        assert (512, 1) in eng.graphs.captured()                # captured again after the switches
+        print("placement decision:", d)
+    finally:
+        eng.close()

@@ -1,0 +1,104 @@
+"""Warm-up ahead of need: which decode graphs are captured where, and the worker's idle loop."""
+from __future__ import annotations
+
+import threading
+import time
+
+from runtime import protocol as P
+from runtime.backends.exl2_graph import BUCKET, bucket, capture_position, warm_plan
+from runtime.worker import Worker
+
+
+def test_capture_position_stays_past_the_cache_and_in_the_bucket():
+    assert capture_position(512, 1, 0, 4096) == 0
+    assert capture_position(1024, 1, 0, 4096) == 512              # the next bucket, ahead of need
+    assert capture_position(1024, 9, 700, 4096) == 700
+    assert capture_position(512, 9, 505, 4096) is None           # 9 rows from 505 reach the next bucket
+    assert capture_position(512, 1, 600, 4096) is None           # behind the cache's end
+    for L, T, first in ((512, 3, 10), (1536, 5, 1100), (4096, 2, 4000)):
+        pos = capture_position(L, T, first, 4096)
+        assert pos >= first and bucket(pos, T, 4096) == L
+
+
+def test_warm_plan_puts_decode_steps_of_the_next_buckets_first():
+    plan = warm_plan(100, 5, 4096, captured=[])
+    assert plan[:3] == [(512, 1), (1024, 1), (1536, 1)]          # decode, now and two buckets ahead
+    assert plan[3:7] == [(512, 2), (512, 3), (512, 4), (512, 5)]  # then verify rows of the drafting K
+    assert (512, 9) in plan and (1536, 9) not in plan
+    assert len(plan) == len(set(plan))
+    done = warm_plan(100, 5, 4096, captured=plan)
+    assert done == []                                             # nothing left: the worker idles
+    assert warm_plan(4000, 1, 4096, captured=[])[:1] == [(4096, 1)]   # capped at the cache
+    assert all(L % BUCKET == 0 for L, _ in warm_plan(1300, 9, 8192, captured=[]))
+
+
+class Lines:
+    """The worker's event channel, each line with its arrival time."""
+
+    def __init__(self):
+        self.events: list[tuple[float, object]] = []
+
+    def write(self, line: str) -> None:
+        self.events.append((time.perf_counter(), P.decode_event(line)))
+
+    def flush(self) -> None:
+        pass
+
+
+class IdleEngine:
+    """Idle work of STEP seconds a step, `left` steps of it."""
+    STEP = 0.05
+
+    def __init__(self, left: int):
+        self.left, self.done, self.closed = left, 0, False
+        self.starts: list[float] = []
+
+    def idle_work(self) -> bool:
+        if self.left == 0:
+            return False
+        self.starts.append(time.perf_counter())
+        time.sleep(self.STEP)
+        self.left -= 1
+        self.done += 1
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_idle_work_runs_between_commands_and_yields_within_one_step():
+    out = Lines()
+    w = Worker(out)
+    engine = w.engine = IdleEngine(left=1000)
+    serving = threading.Thread(target=w.serve, daemon=True)
+    serving.start()
+    time.sleep(0.3)
+    assert engine.done >= 3                                       # idle: the engine works ahead
+    w.on_line(P.encode(P.Unload(request_id="u")))                 # queued when on_line returns
+    t0 = time.perf_counter()
+    deadline = time.time() + 5
+    while not any(isinstance(e, P.Unloaded) for _, e in out.events) and time.time() < deadline:
+        time.sleep(0.005)
+    assert any(isinstance(e, P.Unloaded) for _, e in out.events)
+    assert sum(t > t0 for t in engine.starts) == 0                # no step started once the command waited
+    assert engine.closed and engine.left > 0
+    w.on_line(P.encode(P.Shutdown()))
+    serving.join(5)
+    assert not serving.is_alive()
+
+
+def test_failing_idle_work_is_logged_and_left_alone(capsys):
+    class Broken(IdleEngine):
+        def idle_work(self):
+            self.done += 1
+            raise RuntimeError("capture refused")
+
+    out = Lines()
+    w = Worker(out)
+    w.engine = engine = Broken(left=5)
+    serving = threading.Thread(target=w.serve, daemon=True)
+    serving.start()
+    time.sleep(0.2)
+    w.on_line(P.encode(P.Shutdown()))
+    serving.join(5)
+    assert engine.done == 1 and "capture refused" in capsys.readouterr().err
