@@ -487,6 +487,9 @@ def build(progress: ProgressFn = lambda done, total, line: None, archs: Optional
         raise KernelBuildError("The GPU build needs PyTorch's CUDA build and exllamav2 installed.")
     if getattr(sys, "frozen", False):
         raise KernelBuildError("This bundle cannot build GPU kernels; the GPU bundle ships them prebuilt.")
+    cached = built_module(kernels_root() / cache_key(exl2, torch, archs))
+    if cached is not None:                      # built before for exactly these: nothing to compile
+        return cached, 0.0
     choice = find_toolchain(torch)
     if choice.toolchain is None:
         raise KernelBuildError(choice.note + " Install MoE Desk's GPU dependencies: pip install 'moedesk[gpu]'.")

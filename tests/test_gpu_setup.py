@@ -286,6 +286,19 @@ def test_a_failed_build_leaves_its_log_and_raises_with_the_last_lines(machine, m
     assert g.kernel_status(["9.0"]).state == "failed"
 
 
+def test_a_build_for_architectures_already_cached_needs_no_toolchain(machine, capsys):
+    """make bundle-gpu asks for an explicit architecture list: a cached build of exactly those is shipped
+    as it is, with no compiler on the machine (wheel_toolchain and system_toolkits find nothing here)."""
+    from runtime import cli
+    module = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"]) / "exllamav2_ext" / "exllamav2_ext.so"
+    touch(module)
+    assert g.build(archs=["9.0"]) == (module, 0.0)
+    assert cli.main(["setup-gpu", "--arch-list", "9.0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"event": "done", "module": str(module), "seconds": 0.0}
+    with pytest.raises(g.KernelBuildError):
+        g.build(archs=["8.9"])                  # not cached, and nothing to build it with
+
+
 def test_setup_gpu_check_says_what_would_happen(machine, capsys):
     from runtime import cli
     assert cli.main(["setup-gpu", "--check", "--arch-list", "8.6", "--json"]) == 0
