@@ -356,3 +356,25 @@ def test_auto_stays_on_the_cpu_while_the_kernels_build(monkeypatch):
     assert loader.choose_backend("cuda").backend == "cuda"        # asked for: waits for (or runs) the build
     state["s"] = "cached"
     assert loader.choose_backend("auto").backend == "cuda"
+
+
+def test_a_package_missing_beside_exllamav2_is_named_not_blamed_on_the_toolchain(machine, monkeypatch):
+    """The GPU bundle once left Pillow out: importing exllamav2 failed with ModuleNotFoundError('PIL'), and the
+    engine said to install the CUDA toolchain. It names the missing package instead."""
+    import builtins
+
+    from runtime.backends import exl2
+    from runtime.engine import EngineError
+    monkeypatch.setattr(g, "gpu_archs", lambda: ["9.0"])
+    monkeypatch.delitem(sys.modules, "exllamav2.ext", raising=False)
+    real_import = builtins.__import__
+
+    def no_pil(name, *args, **kwargs):
+        if name == "exllamav2.ext":
+            raise ModuleNotFoundError("No module named 'PIL'", name="PIL")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_pil)
+    with pytest.raises(EngineError) as info:
+        exl2.build_kernels(lambda *a: None)
+    assert "'PIL'" in info.value.message and "toolchain" not in info.value.message
+    assert "nvcc" not in info.value.message and "gpu]" not in info.value.message

@@ -70,15 +70,29 @@ def build_kernels(progress: ProgressFn) -> float:
     t0 = time.perf_counter()
     try:
         from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] not in ("exllamav2", "exllamav2_ext"):
+            # a package exllamav2 imports is missing from this install (not a build problem)
+            raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
+                              f"exllamav2 cannot be imported: the package '{e.name}' it needs is missing from "
+                              "this install. Install MoE Desk again (pip install moedesk), or report the bundle.",
+                              str(e)) from None
+        raise _kernel_failure(e, archs) from None
     except Exception as e:  # the JIT build raises RuntimeError/OSError/ImportError with the compiler's log
-        status = gpu_setup.kernel_status(archs)
-        err = gpu_setup.failure_message(str(e).splitlines(), status.toolchain)
-        if status.build_dir is not None and status.build_dir.is_dir():
-            (status.build_dir / "failed.log").write_text(str(e), encoding="utf-8")
-        raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value, err.message, err.detail) from None
+        raise _kernel_failure(e, archs) from None
     dt = time.perf_counter() - t0
     progress("kernels", f"GPU kernels ready ({dt:.0f} s)", 1, 1)
     return dt
+
+
+def _kernel_failure(e: Exception, archs) -> EngineError:
+    """kernel_build_failed for a failed import of exllamav2's extension, with the compiler's last lines."""
+    from runtime import gpu_setup
+    status = gpu_setup.kernel_status(archs)
+    err = gpu_setup.failure_message(str(e).splitlines(), status.toolchain)
+    if status.build_dir is not None and status.build_dir.is_dir():
+        (status.build_dir / "failed.log").write_text(str(e), encoding="utf-8")
+    return EngineError(ErrorCode.KERNEL_BUILD_FAILED.value, err.message, err.detail)
 
 
 # exllamav2's quantized GEMM times its first AT_NUM_MEASURE (200) calls of every (rows, in, out) shape
