@@ -125,6 +125,7 @@ class GaugesPanel(QWidget):
                  columns: int = 3):
         super().__init__(parent)
         self.nvml = nvml or NvmlMonitor()
+        self.remote: Optional[str] = None       # the address of a remote engine in use, if any
         self.ram = ram or RamSampler()
         g = self.gauges = {
             "vram": Gauge("VRAM", "GPU memory used / total (NVML), all processes."),
@@ -155,7 +156,16 @@ class GaugesPanel(QWidget):
         self.ram.set_pid(pid)
         self.poll()
 
+    def set_remote(self, url: Optional[str]) -> None:
+        """A remote engine (its address) or None: this computer's memory says nothing about a remote engine."""
+        self.remote = url
+        self.poll()
+
     def poll(self) -> None:
+        if self.remote:
+            for key in ("vram", "ram", "worker_rss"):
+                self.gauges[key].update_value(DASH, None, "not available for a remote engine")
+            return
         vram = self.nvml.poll()
         gauge = self.gauges["vram"]
         if vram is None:

@@ -6,9 +6,10 @@
     settings = result.settings           # a frozen `Settings`
     save_settings(dataclasses.replace(settings, app=dataclasses.replace(settings.app, theme="dark")))
 
-The file holds `{"version": 1, "app": {...}, "load": {...}, "sampling": {...}}`: app-level settings
-(`AppSettings`), the model options (`runtime.options.LoadOptions`: offload and draft groups) and the
-default sampling for new conversations (`runtime.options.SamplingOptions`). Every value is validated
+The file holds `{"version": 1, "app": {...}, "load": {...}, "sampling": {...}, "server": {...}}`: app-level
+settings (`AppSettings`), the model options (`runtime.options.LoadOptions`: offload and draft groups), the
+default sampling for new conversations (`runtime.options.SamplingOptions`) and the local OpenAI-compatible
+server (`runtime.options.ServeOptions`; its API key lives in `app.secrets`, never here). Every value is validated
 by `runtime.options.from_dict`; unknown keys are errors too.
 
 A missing file means defaults (no warning). A file that is not JSON, or that fails validation, is
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runtime import paths
-from runtime.options import LoadOptions, OptionError, SamplingOptions, from_dict, opt, to_dict
+from runtime.options import LoadOptions, OptionError, SamplingOptions, ServeOptions, from_dict, opt, to_dict
 
 SETTINGS_VERSION = 1
 FILE_NAME = "settings.json"
@@ -39,6 +40,9 @@ class AppSettings:
     theme: str = opt("system", "Colours: follow the system, or always light or dark.",
                      choices=("system", "light", "dark"))
     show_gauges: bool = opt(True, "Show the VRAM / RAM / speed gauges under the chat.")
+    remote_url: Optional[str] = opt(None, "The remote OpenAI-compatible server last chatted with (its key is kept "
+                                          "in secrets.json).")
+    remote_model: Optional[str] = opt(None, "The model chosen on that server.")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Settings:
     app: AppSettings = field(default_factory=AppSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    server: ServeOptions = field(default_factory=ServeOptions)
 
 
 @dataclass(frozen=True)

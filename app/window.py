@@ -243,6 +243,8 @@ class MainWindow(QMainWindow):
             return "Engine starting"
         if r.engine == "cpu":
             return "CPU reference engine — no NVIDIA GPU"
+        if r.engine == "remote":
+            return f"Remote server {r.device}"
         return f"GPU engine on {r.device}"
 
     def on_engine_state(self, state: str) -> None:
@@ -265,8 +267,12 @@ class MainWindow(QMainWindow):
     def on_loaded(self, ev: Loaded) -> None:
         self.loaded = ev
         self.session.model_name = ev.model
-        self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
-                               f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
+        if ev.backend == "remote":
+            self.banner.show_state(f"{ev.model} · {self.engine_words()}",
+                                   "Answers stream from that server; memory gauges are not available for it.")
+        else:
+            self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
+                                   f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
         self.chat.set_engine_ready(True)
 
     def on_engine_error(self, request_id: str, err: WorkerError) -> None:

@@ -165,3 +165,57 @@ def test_queue_refuses_beyond_its_bound():
         await asyncio.gather(first, second)
         assert order == ["a", "b"] and q.waiting == 0
     asyncio.run(scenario())
+
+
+# ---- the app's remote engine against this server, through the GUI --------------------------------
+
+def test_the_app_chats_with_a_remote_server_through_the_gui(qtbot, server):
+    from PySide6.QtCore import Qt
+
+    from app.main import build, use_remote
+    from app.serve.remote import RemoteConfig
+    from app.settings import Settings
+    from runtime.options import SamplingOptions
+
+    url, _, model = server
+    desk = build(Settings(sampling=SamplingOptions(temperature=0.0, max_tokens=12)), model=None)
+    qtbot.addWidget(desk.window)
+    try:
+        use_remote(desk, RemoteConfig(url, model, "wrong-key"))
+        qtbot.waitUntil(lambda: "refused the API key" in desk.window.banner.headline.text(), timeout=30000)
+
+        use_remote(desk, RemoteConfig(url, model, KEY))
+        qtbot.waitUntil(lambda: desk.window.loaded is not None, timeout=30000)
+        assert "Remote server" in desk.window.banner.headline.text()
+        assert desk.gauges.note_text("vram") == "not available for a remote engine"
+
+        desk.window.chat.input.setPlainText("What is the capital of France?")
+        qtbot.keyClick(desk.window.chat.input, Qt.Key.Key_Return)
+        qtbot.waitUntil(lambda: not desk.session.busy, timeout=120000)
+        answer = desk.session.model.items[-1]
+        assert answer.state == "done" and "Paris" in answer.content, answer.error
+        assert answer.stats.ttft_s > 0 and answer.stats.generated_tokens > 3
+        assert desk.gauges.value_text("ttft") != "—"
+
+        assert desk.session.regenerate()
+        qtbot.waitUntil(lambda: not desk.session.busy, timeout=120000)
+        assert desk.session.model.items[-1].content == answer.content       # greedy: the same again
+
+        desk.session.default_sampling = SamplingOptions(temperature=0.0, max_tokens=400)
+        desk.session.send("Tell me a long story about a dragon.")
+        qtbot.waitUntil(lambda: len(desk.session.model.items[-1].content) > 10, timeout=120000)
+        desk.window.chat.escape()                                            # Stop
+        qtbot.waitUntil(lambda: not desk.session.busy, timeout=30000)
+        stopped = desk.session.model.items[-1]
+        assert stopped.state == "cancelled" and stopped.content
+        exported = desk.store.export_markdown(desk.session.conversation.id)
+        assert answer.content in exported and stopped.content in exported
+        # The server cancelled that generation and answers the next question.
+        desk.session.default_sampling = SamplingOptions(temperature=0.0, max_tokens=12)
+        desk.session.send("What is the capital of France?")
+        qtbot.waitUntil(lambda: not desk.session.busy, timeout=120000)
+        assert "Paris" in desk.session.model.items[-1].content
+    finally:
+        desk.window.close()
+        desk.gauges.timer.stop()
+        desk.store.close()
