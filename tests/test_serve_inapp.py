@@ -1,0 +1,90 @@
+"""The local server inside the app (Settings → Local server), against the app's own engine client and the
+scripted worker: API requests and chat answers share one worker (each waits for the other), the key is
+checked and kept in a 0600 file, other devices need a key, and the settings page shows key and address."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import stat
+import sys
+import threading
+
+import httpx
+import pytest
+
+from app.main import apply_settings, build
+from app.secrets import get_secret, secrets_path, set_secret
+from app.settings import Settings, settings_path
+from app.settings_panel import SERVER_KEY, SettingsPanel
+from runtime.options import SamplingOptions, ServeOptions
+
+FAKE = [sys.executable, "-m", "tests.fake_worker"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def desk(qtbot, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_DELAY", "0.02")
+    set_secret(SERVER_KEY, "k1")
+    settings = Settings(sampling=SamplingOptions(max_tokens=30), server=ServeOptions(enabled=True, port=free_port()))
+    d = build(settings, worker_command=FAKE, model="m")
+    qtbot.addWidget(d.window)
+    with qtbot.waitSignal(d.client.loaded, timeout=30000):
+        d.client.start()
+    yield d
+    d.server.stop()
+    d.client.shutdown(wait=True)
+    d.gauges.timer.stop()
+    d.store.close()
+
+
+def in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()), daemon=True)
+    t.start()
+    return out
+
+
+def test_api_and_chat_share_the_worker(qtbot, desk):
+    url = desk.server.url
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    ask = {"model": "m", "messages": [{"role": "user", "content": "from the api"}], "max_tokens": 5}
+    desk.session.send("from the chat")                                 # the chat's answer streams first...
+    got = in_thread(lambda: httpx.post(f"{url}/chat/completions", json=ask, timeout=30,
+                                       headers={"Authorization": "Bearer k1"}))
+    qtbot.waitUntil(lambda: "r" in got and not desk.session.busy, timeout=30000)
+    assert desk.session.model.items[-1].state == "done"                # ...and neither is refused as busy
+    r = got["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("You said: from the api.")
+
+    denied = in_thread(lambda: httpx.get(f"{url}/models", timeout=30))
+    qtbot.waitUntil(lambda: "r" in denied, timeout=30000)
+    assert denied["r"].status_code == 401
+
+
+def test_key_file_other_devices_and_the_settings_page(qtbot, desk):
+    set_secret(SERVER_KEY, "k1")
+    assert stat.S_IMODE(os.stat(secrets_path()).st_mode) == 0o600
+    set_secret(SERVER_KEY, None)
+    other = dataclasses.replace(desk.settings, server=dataclasses.replace(desk.settings.server,
+                                                                          allow_other_devices=True))
+    apply_settings(desk, other, reload=False)
+    assert desk.server.url is None and "needs an API key" in desk.window.banner.detail.text()
+    assert "k1" not in settings_path().read_text()                    # keys never go to settings.json
+
+    panel = SettingsPanel(desk.settings)
+    qtbot.addWidget(panel)
+    assert not panel.apply_button.isEnabled() and panel.key_status.text() == "needed for other devices"
+    panel.key_edit.setText("k2")
+    assert panel.apply_button.isEnabled()
+    panel.set_server_address("http://127.0.0.1:1/v1")
+    with qtbot.waitSignal(panel.apply_requested) as applied:
+        panel.apply_button.click()
+    assert get_secret(SERVER_KEY) == "k2" and applied.args[0].server.allow_other_devices
