@@ -122,7 +122,10 @@ class LineBuffer:
         return [rest] if rest else []
 
 
-class EngineClient(QObject):
+class EngineSignals(QObject):
+    """What the window, the chat and the gauges hear from an engine: this client's local worker, or a remote
+    server (`app.serve.remote.RemoteEngine`). Both also offer start, load, generate, cancel, restart and
+    shutdown, and the attributes state, ready_event, loaded_event and generating."""
     ready = Signal(object)
     progress = Signal(object)
     loaded = Signal(object)
@@ -133,6 +136,9 @@ class EngineClient(QObject):
     error = Signal(str, object)            # request_id ("" when none), protocol.WorkerError
     worker_died = Signal(int, str, list)   # exit code or signal number, words, last stderr lines
     state_changed = Signal(str)
+
+
+class EngineClient(EngineSignals):
 
     def __init__(self, command: Optional[Sequence[str]] = None, parent: Optional[QObject] = None,
                  client_name: str = "moedesk-gui"):

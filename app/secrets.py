@@ -6,17 +6,16 @@ the user (`secrets.json`, mode 0600, in `runtime.paths.config_dir()`), never in 
     set_secret("remote:https://host/v1", key)
 
 A system keyring is not available everywhere (headless servers, some desktops), so the file is the
-one store. Writes are atomic (temporary file created 0600, then `os.replace`).
+one store. Writes are atomic (`app.settings.write_atomic`: a temporary file created 0600, then a rename).
 """
 from __future__ import annotations
 
 import json
-import os
 import secrets as _secrets
-import tempfile
 from pathlib import Path
 from typing import Optional
 
+from app.settings import write_atomic
 from runtime import paths
 
 FILE_NAME = "secrets.json"
@@ -46,22 +45,7 @@ def set_secret(name: str, value: Optional[str]) -> None:
         data[name] = value
     else:
         data.pop(name, None)
-    path = secrets_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".secrets.", suffix=".tmp", dir=path.parent)   # mkstemp: mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(secrets_path(), json.dumps(data))     # mkstemp's file is mode 0600 from the start
 
 
 def new_api_key() -> str:

@@ -101,12 +101,17 @@ def load_settings(path: Optional[Path] = None) -> LoadResult:
 def save_settings(settings: Settings, path: Optional[Path] = None) -> Path:
     """Write atomically (temp file, fsync, rename). Raises OSError if the folder is not writable."""
     path = Path(path) if path is not None else settings_path()
+    write_atomic(path, json.dumps(settings_to_data(settings), indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A temporary file in the same folder (created readable only by the user), fsync, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps(settings_to_data(settings), indent=2, ensure_ascii=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -117,7 +122,6 @@ def save_settings(settings: Settings, path: Optional[Path] = None) -> Path:
             pass
         raise
     _fsync_dir(path.parent)
-    return path
 
 
 def _recover(path: Path, problem: str) -> LoadResult:

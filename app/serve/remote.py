@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from app.engine_client import EngineSignals
 from runtime import protocol as P
 from runtime.options import DraftOptions, SamplingOptions
 
@@ -205,18 +206,8 @@ class _Stream:
         return P.Telemetry(request_id=self.rid, decode_tps=decode, ttft_s=t_first - t0, generating=True)
 
 
-class RemoteEngine(QObject):
+class RemoteEngine(EngineSignals):
     """The EngineClient interface over a remote OpenAI-compatible server."""
-    ready = Signal(object)
-    progress = Signal(object)
-    loaded = Signal(object)
-    unloaded = Signal(object)
-    token = Signal(object)
-    finished = Signal(object)
-    telemetry = Signal(object)
-    error = Signal(str, object)
-    worker_died = Signal(int, str, list)
-    state_changed = Signal(str)
     _post = Signal(str, str, object)        # (kind, request id, event) from a stream thread
 
     def __init__(self, config: RemoteConfig, parent: Optional[QObject] = None):
