@@ -26,6 +26,7 @@ from app.window import MainWindow
 from runtime import paths
 
 INTERRUPTED = "The app closed while this answer was being written; the text so far was kept."
+SWITCHED = "The engine was switched while this answer was being written; the text so far was kept."
 
 
 @dataclass
@@ -160,15 +161,17 @@ def use_engine(desk: Desk, engine) -> None:
     """Chat with `engine` from now on: the local EngineClient, or a RemoteEngine (app.serve.remote)."""
     if engine is desk.engine:
         return
-    if desk.session.busy:
-        desk.session.stop()
+    stream = desk.session.stream
+    if stream is not None:                       # the old engine's answer ends here, its text kept
+        desk.engine.cancel(stream.request_id)
+        desk.session.fail_request(stream.request_id, SWITCHED)
     for link in desk.engine_links:
         QObject.disconnect(link)
     old, desk.engine = desk.engine, engine
     if old is not desk.client:
         old.shutdown()
-        old.deleteLater()
     desk.engine_links = connect_engine(desk, engine)
+    desk.window.loaded = None
     remote = engine is not desk.client
     desk.gauges.set_remote(engine.config.base_url if remote else None)
     if not remote:

@@ -88,3 +88,31 @@ def test_key_file_other_devices_and_the_settings_page(qtbot, desk):
     with qtbot.waitSignal(panel.apply_requested) as applied:
         panel.apply_button.click()
     assert get_secret(SERVER_KEY) == "k2" and applied.args[0].server.allow_other_devices
+
+
+def test_switching_engines_mid_answer_and_back(qtbot, desk):
+    """The chat moves to a remote engine (here the app's own server) and back; an answer cut by the switch
+    keeps its text, the window and gauges follow the engine in use."""
+    from app.main import SWITCHED, use_engine, use_remote
+    from app.serve.remote import RemoteConfig
+
+    desk.session.default_sampling = SamplingOptions(max_tokens=400)
+    desk.session.send("long one")
+    qtbot.waitUntil(lambda: len(desk.session.model.items[-1].content) > 12, timeout=10000)
+    use_remote(desk, RemoteConfig(desk.server.url, "m", "k1"))
+    cut = desk.session.model.items[-1]
+    assert cut.state == "error" and cut.error == SWITCHED and cut.content.startswith("You said: long one.")
+    qtbot.waitUntil(lambda: desk.window.loaded is not None, timeout=10000)
+    assert "Remote server http://127.0.0.1" in desk.window.banner.headline.text()
+    assert desk.gauges.note_text("ram") == "not available for a remote engine"
+    desk.session.default_sampling = SamplingOptions(max_tokens=5)
+    desk.session.send("over http")
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=30000)
+    assert desk.session.model.items[-1].content.startswith("You said: over http.")
+
+    use_engine(desk, desk.client)
+    assert desk.window.loaded is desk.client.loaded_event and desk.gauges.note_text("ram") != \
+        "not available for a remote engine"
+    desk.session.send("local again")
+    qtbot.waitUntil(lambda: not desk.session.busy, timeout=30000)
+    assert desk.session.model.items[-1].content.startswith("You said: local again.")

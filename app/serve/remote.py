@@ -147,8 +147,12 @@ class _Stream:
     """One request's stream, on its own thread. Posts ("token"|"telemetry"|"finished"|"error", event)."""
 
     def __init__(self, config: RemoteConfig, request_id: str, body: dict, post):
-        self.config, self.rid, self.body, self.post = config, request_id, body, post
+        self.config, self.rid, self.body, self._post = config, request_id, body, post
         self.cancelled = threading.Event()
+
+    def post(self, kind: str, ev) -> None:
+        if not self.cancelled.is_set():       # a stopped answer says nothing more
+            self._post(kind, ev)
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -191,8 +195,7 @@ class _Stream:
                 raise RemoteError("remote_dropped", f"The server at {urlsplit(self.config.base_url).netloc} ended "
                                                     "the stream before the answer was complete.")
         except Exception as e:  # noqa: BLE001 - every failure becomes an error event in words
-            if not self.cancelled.is_set():
-                self.post("error", describe(e, self.config.base_url, partial=text))
+            self.post("error", describe(e, self.config.base_url, partial=text))
             return
         t_end = time.perf_counter()
         prompt = int((usage or {}).get("prompt_tokens") or 0)
