@@ -72,6 +72,14 @@ class Server:
         self.log.close()
 
 
+def log_path(name: str) -> Path:
+    """Where the server's log goes (a temporary file: results folders hold results only)."""
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix=f"moedesk-{name}-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
 def stream_one(client, model: str, max_tokens: int, prompt: str = PROMPT, temperature: float = 0.0) -> Answer:
     t0 = time.perf_counter()
     first = last = None
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
     fields = common_fields(args.model, args.backend, args.vram_budget)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = Server(args.model, engine_args(args), max_queue=args.clients, log=out / ".serve_load.log")
+    server = Server(args.model, engine_args(args), max_queue=args.clients, log=log_path("serve-load"))
     try:
         stream_one(server.client(), server.model, 4)           # warm-up, not counted
         answers, wall = run_load(server, args.clients, args.requests, args.max_tokens)

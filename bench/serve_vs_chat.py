@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.serve_load import ROOT, Server, add_engine_arguments, common_fields, engine_args, shared_note, stream_one, write
+from bench.serve_load import (ROOT, Server, add_engine_arguments, common_fields, engine_args, log_path, shared_note,
+                              stream_one, write)
 
 PROMPT = "Explain how a mixture-of-experts language model decides which experts to use for each token."
 
@@ -73,7 +74,7 @@ def cli_once(args: argparse.Namespace) -> dict:
 
 
 def through_api(args: argparse.Namespace, out: Path) -> list[dict]:
-    server = Server(args.model, engine_args(args), max_queue=1, log=out / ".serve_vs_chat.log")
+    server = Server(args.model, engine_args(args), max_queue=1, log=log_path("serve-vs-chat"))
     try:
         client = server.client(timeout=3600)
         answers = []
