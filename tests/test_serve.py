@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -118,14 +118,12 @@ def test_client_leaving_mid_stream_cancels_and_the_worker_answers_the_next(serve
     got = [next(iter(stream)) for _ in range(3)]
     assert got
     stream.close()
-    t0 = time.monotonic()
-    again = ask(client, model, max_tokens=12)
+    again = ask(client, model, max_tokens=12)          # the worker is free again and answers
     assert "Paris" in again.choices[0].message.content
-    deadline = time.monotonic() + 30
-    while "client went away" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert "client went away; cancelling" in log.read_text()
-    assert time.monotonic() - t0 < 120
+    text = log.read_text()
+    assert "client went away; cancelling" in text
+    stopped = re.search(r"the engine stopped \(cancelled\) after (\d+) tokens", text)
+    assert stopped and int(stopped.group(1)) < 400, text
 
 
 def test_concurrent_clients_are_queued_and_none_lost(server, client):

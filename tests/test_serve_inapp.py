@@ -116,3 +116,12 @@ def test_switching_engines_mid_answer_and_back(qtbot, desk):
     desk.session.send("local again")
     qtbot.waitUntil(lambda: not desk.session.busy, timeout=30000)
     assert desk.session.model.items[-1].content.startswith("You said: local again.")
+
+
+def test_moedesk_serve_imports_neither_qt_nor_torch():
+    import subprocess
+    code = ("import sys; from app.launch import main; import app.serve.cli, app.serve.api, app.serve.worker_backend; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('PySide6', 'torch')])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

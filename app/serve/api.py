@@ -224,8 +224,12 @@ class Api:
                     log.info("%s: the client went away; cancelling its generation", request.request_id)
                     self.backend.cancel(request.request_id)
                     with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_WAIT_S):
-                        while not isinstance(await events.get(), (P.Finished, P.Error)):
-                            pass
+                        ev = None
+                        while not isinstance(ev, (P.Finished, P.Error)):
+                            ev = await events.get()
+                        if isinstance(ev, P.Finished):
+                            log.info("%s: the engine stopped (%s) after %d tokens", request.request_id, ev.reason,
+                                     ev.stats.generated_tokens)
 
     async def _run(self, raw: Request, kind: str) -> Response:
         self._check_key(raw)
