@@ -125,3 +125,27 @@ def test_moedesk_serve_imports_neither_qt_nor_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_full_queue_answers_503_with_retry_after(qtbot, desk):
+    full = dataclasses.replace(desk.settings, server=dataclasses.replace(desk.settings.server, max_queue=0))
+    apply_settings(desk, full, reload=False)
+    url, auth = desk.server.url, {"Authorization": "Bearer k1"}
+    ask = {"model": "m", "messages": [{"role": "user", "content": "long"}], "max_tokens": 300, "stream": True}
+    started, release = threading.Event(), threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", f"{url}/chat/completions", json=ask, headers=auth, timeout=30) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if release.is_set():
+                    return "left"
+    first = in_thread(long_stream)
+    qtbot.waitUntil(started.is_set, timeout=30000)
+    second = in_thread(lambda: httpx.post(f"{url}/chat/completions", json={**ask, "stream": False},
+                                          headers=auth, timeout=30))
+    qtbot.waitUntil(lambda: "r" in second, timeout=30000)
+    release.set()
+    r = second["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    qtbot.waitUntil(lambda: "r" in first, timeout=30000)
