@@ -124,7 +124,7 @@ class Gauge(QFrame):
 
 
 STRIP = (("decode_tps", "Decode"), ("ttft", "First token"), ("ram", "RAM"), ("vram", "VRAM"))
-GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU engine
+GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU or a remote engine
 
 
 class GaugesPanel(QWidget):
@@ -136,6 +136,7 @@ class GaugesPanel(QWidget):
                  columns: int = 3):
         super().__init__(parent)
         self.nvml = nvml or NvmlMonitor()
+        self.remote: Optional[str] = None       # the address of a remote engine in use, if any
         self.ram = ram or RamSampler()
         g = self.gauges = {
             "vram": Gauge("VRAM", "GPU memory used / total (NVML), all processes."),
@@ -199,7 +200,7 @@ class GaugesPanel(QWidget):
         return self.details.isVisible() or self.details_button.isChecked()
 
     def set_engine(self, engine: Optional[str]) -> None:
-        """"cpu" hides the tiles only a GPU engine fills."""
+        """"cpu" (and "remote": its GPU is not ours to see) hides the tiles only a local GPU engine fills."""
         self.engine = engine
         self._layout_tiles()
 
@@ -208,7 +209,7 @@ class GaugesPanel(QWidget):
         if key == "vram":
             return not self.no_gpu
         if key in GPU_ONLY:
-            return self.engine != "cpu" and not self.no_gpu
+            return self.engine not in ("cpu", "remote") and not self.no_gpu
         return True
 
     def _layout_tiles(self) -> None:
@@ -234,7 +235,16 @@ class GaugesPanel(QWidget):
         self.ram.set_pid(pid)
         self.poll()
 
+    def set_remote(self, url: Optional[str]) -> None:
+        """A remote engine (its address) or None: this computer's memory says nothing about a remote engine."""
+        self.remote = url
+        self.poll()
+
     def poll(self) -> None:
+        if self.remote:
+            for key in ("vram", "ram", "worker_rss"):
+                self.gauges[key].update_value(DASH, None, "not available for a remote engine")
+            return
         vram = self.nvml.poll()
         gauge = self.gauges["vram"]
         if vram is None:

@@ -15,7 +15,8 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QGridLayout, QHBoxLayout,
+                               QHeaderView,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
                                QVBoxLayout, QWidget)
@@ -63,11 +64,12 @@ def _table(headers: list[str]) -> QTableWidget:
 
 class ModelManagerDialog(QDialog):
     load_requested = Signal(str)
+    remote_requested = Signal(object)           # app.serve.remote.RemoteConfig: chat with that server
     _download_event = Signal(object)            # DownloadProgress, from the download thread
     _task_done = Signal(object, object)         # (callbacks, Future), from a worker thread
 
     def __init__(self, parent=None, engine_client=None, models_dir: Path | None = None,
-                 manager: DownloadManager | None = None, hub: HubClient | None = None):
+                 manager: DownloadManager | None = None, hub: HubClient | None = None, remote=None):
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.resize(1000, 640)
@@ -86,6 +88,7 @@ class ModelManagerDialog(QDialog):
         self.tabs = QTabWidget()
         self.tabs.addTab(self._build_local(), "Local models")
         self.tabs.addTab(self._build_hub(), "Download from the Hub")
+        self.tabs.addTab(self._build_remote(remote), "Remote server…")
         split = QSplitter(Qt.Vertical)           # downloads stay in sight while browsing
         split.addWidget(self.tabs)
         split.addWidget(self._build_downloads())
@@ -364,6 +367,80 @@ class ModelManagerDialog(QDialog):
                       lambda user: self.hub_status.setText(f"Signed in as {user}: gated and private repositories "
                                                            "you have access to can be downloaded now."),
                       self._hub_failed)
+
+    # ------------------------------------------------------------------------------------------
+    # A remote OpenAI-compatible server (vLLM, SGLang, TabbyAPI, llama.cpp, moedesk serve)
+
+    def _build_remote(self, remote) -> QWidget:
+        w = QWidget()
+        self.remote_url = QLineEdit(remote.base_url if remote else "")
+        self.remote_url.setPlaceholderText("http://gpu-box:8000/v1")
+        self.remote_key = QLineEdit(remote.api_key or "" if remote else "", echoMode=QLineEdit.Password)
+        self.remote_key.setPlaceholderText("API key, if the server needs one")
+        self.remote_list_button = QPushButton("List models")
+        self.remote_model = QComboBox(editable=True)
+        if remote and remote.model:
+            self.remote_model.addItem(remote.model)
+        self.remote_use_button = QPushButton("Chat with this server")
+        self.remote_status = QLabel("Chats stream from an OpenAI-compatible server instead of this computer's "
+                                    "engine. Enter its address and list its models.")
+        self.remote_status.setWordWrap(True)
+        self.remote_list_button.clicked.connect(self.list_remote_models)
+        self.remote_url.returnPressed.connect(self.list_remote_models)
+        self.remote_use_button.clicked.connect(self._use_remote)
+        grid = QGridLayout()
+        for r, (label, widget) in enumerate((("Address", self.remote_url), ("API key", self.remote_key),
+                                             ("Model", self.remote_model))):
+            grid.addWidget(QLabel(label), r, 0)
+            grid.addWidget(widget, r, 1)
+        grid.addWidget(self.remote_list_button, 0, 2)
+        grid.addWidget(self.remote_use_button, 2, 2)
+        v = QVBoxLayout(w)
+        v.addLayout(grid)
+        v.addWidget(self.remote_status)
+        v.addStretch(1)
+        return w
+
+    def list_remote_models(self) -> None:
+        from app.serve.remote import list_models, normalise_url
+        try:
+            url = normalise_url(self.remote_url.text())
+        except ValueError as exc:
+            self.remote_status.setText(str(exc))
+            return
+        self.remote_url.setText(url)
+        self.remote_status.setText(f"Asking {url} for its models…")
+        self.remote_list_button.setEnabled(False)
+        self._run(lambda: list_models(url, self.remote_key.text().strip() or None), self._show_remote_models,
+                  self._remote_failed)
+
+    def _show_remote_models(self, models: list) -> None:
+        self.remote_list_button.setEnabled(True)
+        current = self.remote_model.currentText()
+        self.remote_model.clear()
+        self.remote_model.addItems(models)
+        if current in models:
+            self.remote_model.setCurrentText(current)
+        self.remote_status.setText(f"{len(models)} model(s) on this server. Pick one and press "
+                                   "'Chat with this server'." if models else "The server lists no models.")
+
+    def _remote_failed(self, exc: BaseException) -> None:
+        self.remote_list_button.setEnabled(True)
+        self.remote_status.setText(getattr(exc, "message", None) or str(exc))
+
+    def _use_remote(self) -> None:
+        from app.serve.remote import RemoteConfig, normalise_url
+        try:
+            url = normalise_url(self.remote_url.text())
+        except ValueError as exc:
+            self.remote_status.setText(str(exc))
+            return
+        model = self.remote_model.currentText().strip()
+        if not model:
+            self.remote_status.setText("Pick a model first: 'List models' shows what the server has.")
+            return
+        self.remote_status.setText(f"Chats now stream from {model} at {url}.")
+        self.remote_requested.emit(RemoteConfig(url, model, self.remote_key.text().strip() or None))
 
     # ------------------------------------------------------------------------------------------
     # Downloads

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QDialog, QDockWidget, QFileDialog, QFrame, QHBoxL
 
 from app import help as help_windows
 from app.chat.conversations import ConversationList
+from app.chat.header import REMOTE_COUNT
 from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
 from app.chat.settings_dialog import ConversationSettingsDialog
@@ -290,6 +291,8 @@ class MainWindow(QMainWindow):
             return "Engine starting"
         if r.engine == "cpu":
             return "CPU reference engine — no NVIDIA GPU"
+        if r.engine == "remote":
+            return f"Remote server {r.device}"
         return f"GPU engine on {r.device}"
 
     def on_engine_state(self, state: str) -> None:
@@ -313,9 +316,14 @@ class MainWindow(QMainWindow):
         self.loaded = ev
         self.session.model_name = ev.model
         self.chat.picker.set_loaded(ev.model)
-        self.chat.meter.set_model_context(ev.context_length)
-        self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
-                               f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
+        if ev.backend == "remote":
+            self.chat.meter.set_model_context(None, unknown=REMOTE_COUNT)
+            self.banner.show_state(f"{ev.model} · {self.engine_words()}",
+                                   "Answers stream from that server; memory gauges are not available for it.")
+        else:
+            self.chat.meter.set_model_context(ev.context_length)
+            self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
+                                   f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
         self.chat.set_engine_ready(True)
 
     def on_unloaded(self, _ev: Optional[Unloaded] = None) -> None:

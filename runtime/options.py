@@ -75,6 +75,15 @@ class LoadOptions:
     draft: DraftOptions = field(default_factory=DraftOptions, metadata={"help": "Speculative decoding."})
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """The OpenAI-compatible local server (`moedesk serve`, and Settings → Local server in the app)."""
+    enabled: bool = opt(False, "Run the OpenAI-compatible server while the app is open.")
+    port: int = opt(8642, "TCP port of the server.", min=1, max=65535)
+    allow_other_devices: bool = opt(False, "Listen on every network address (needs an API key), not only this computer.")
+    max_queue: int = opt(8, "Requests that may wait for the engine; one more is refused with 503.", min=0, max=1024)
+
+
 T = TypeVar("T")
 
 

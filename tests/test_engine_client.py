@@ -318,3 +318,21 @@ def test_restart_of_a_running_worker_replaces_it_and_reloads(qtbot, clients):
     qtbot.waitUntil(lambda: "got load" in c.stderr_lines, timeout=5000)
     qtbot.wait(300)
     assert list(c.stderr_lines) == ["got load"]
+
+
+def test_a_second_generate_waits_for_the_first_and_a_waiting_one_cancels_at_once(qtbot, clients):
+    """The chat and the local server share one worker: generates queue in the client, never 'busy'."""
+    c = clients([sys.executable, "-m", "tests.fake_worker"])
+    with qtbot.waitSignal(c.loaded, timeout=10000):
+        c.start()
+        c.load("m")
+    done, errors = [], []
+    c.finished.connect(lambda ev: done.append((ev.request_id, ev.reason)))
+    c.error.connect(lambda rid, e: errors.append((rid, e.code)))
+    say = [protocol.ChatMessage("user", "hi")]
+    c.generate("a", say, SamplingOptions(max_tokens=5))
+    c.generate("b", say, SamplingOptions(max_tokens=5))
+    c.generate("c", say, SamplingOptions(max_tokens=5))
+    c.cancel("c")
+    qtbot.waitUntil(lambda: len(done) == 3, timeout=10000)
+    assert done == [("c", "cancelled"), ("a", "length"), ("b", "length")] and errors == []

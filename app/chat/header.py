@@ -27,6 +27,8 @@ from runtime.context import answer_room
 from runtime.protocol import ChatMessage, TokenCount
 
 COUNT_DEBOUNCE_MS = 300
+NO_MODEL_COUNT = "Tokens used out of the model's context: load a model to count them."
+REMOTE_COUNT = "A remote server does not say how many tokens a chat takes or how long its context is."
 LOADED_MARK = "● "
 OVERFLOW_CHOICES = (("rolling", "Drop the oldest turns"),
                     ("keep_first", "Keep the first exchange, drop the turns after it"),
@@ -166,6 +168,7 @@ class ContextMeter(QToolButton):
         self.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.setAutoRaise(True)
         self.context: Optional[int] = None
+        self._unknown = NO_MODEL_COUNT               # why there is no count (context None)
         self.history_tokens: Optional[int] = None
         self.total_tokens: Optional[int] = None      # history plus the typed message
         self.max_tokens = 1024
@@ -189,9 +192,9 @@ class ContextMeter(QToolButton):
         self._show()
 
     # -- what to count ----------------------------------------------------------------------------
-    def set_model_context(self, context: Optional[int]) -> None:
-        """The loaded model's context length (None: no model, nothing to count with)."""
-        self.context = context
+    def set_model_context(self, context: Optional[int], unknown: str = NO_MODEL_COUNT) -> None:
+        """The loaded model's context length (None: nothing to count with; `unknown` says why)."""
+        self.context, self._unknown = context, unknown
         self._counted_history = None
         self.history_tokens = self.total_tokens = None
         self._schedule()
@@ -264,7 +267,7 @@ class ContextMeter(QToolButton):
     def _show(self) -> None:
         if self.context is None:
             self.setText("— tokens")
-            self.setToolTip("Tokens used out of the model's context: load a model to count them.")
+            self.setToolTip(self._unknown)
             return
         used = self.used
         typed = (self.total_tokens - self.history_tokens
