@@ -89,6 +89,13 @@ class QtBackend(QObject):
         if sink is not None:
             sink(ev)
 
+    def close(self, words: str) -> None:
+        """End every open request now (the engine is told to stop them), so the server can shut down
+        without waiting on this (GUI) thread."""
+        for rid in list(self._sinks):
+            self.client.cancel(rid)
+            self._end(rid, P.Error(code="server_stopped", message=words, request_id=rid))
+
 
 class LocalServer(QObject):
     status = Signal(str)          # the address, or what went wrong, in words
@@ -141,6 +148,7 @@ class LocalServer(QObject):
 
     def stop(self) -> None:
         if self._server is not None:
+            self.backend.close("The local server was stopped.")
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(10)
