@@ -1,7 +1,7 @@
 """moedesk-cli chat: ask a model one question through a real worker process, streaming the answer.
 
     moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
-                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
+                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--cpu-threads N] [--json] PROMPT
 
 Exit status 0 on success; otherwise one line on stderr saying what went wrong, and status 1
 (2 for bad arguments, as argparse does).
@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, help="tokens drafted ahead per step")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
+    p.add_argument("--cpu-threads", type=int, help="CPU threads of the engine (default 0: automatic)")
     p.add_argument("--system", help="a system message before the question")
     p.add_argument("--json", action="store_true", help="print every worker event as a JSON line instead of text")
     p.add_argument("prompt", help="the question")
@@ -46,6 +47,8 @@ def build_options(args: argparse.Namespace) -> tuple[LoadOptions, SamplingOption
     offload = {"backend": args.backend}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
+    if args.cpu_threads is not None:
+        offload["cpu_threads"] = args.cpu_threads
     load = LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
                        draft=draft_options(args.draft, args.draft_tokens))
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
