@@ -21,6 +21,8 @@ from PySide6.QtCore import QPointF, QSize, QTimer
 from PySide6.QtGui import QPainter, QPainterPath, QPalette, QPen
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from runtime.cpu_load import CONTENDED_CPUS, physical_cores
+
 from app.telemetry import (DASH, History, NvmlMonitor, NvmlState, RamSampler, fmt_bytes,
                            fmt_bytes_per_token, fmt_fraction, fmt_rate, fmt_seconds, fmt_used_total)
 from runtime.protocol import Finished, Telemetry
@@ -141,6 +143,9 @@ class GaugesPanel(QWidget):
         grid.setContentsMargins(4, 4, 4, 4)
         for i, w in enumerate(g.values()):
             grid.addWidget(w, i // columns, i % columns)
+        # Said only while other programs hold CPU cores the engine would use (runtime.cpu_load).
+        self.cpu_note = QLabel(wordWrap=True, visible=False)
+        grid.addWidget(self.cpu_note, (len(g) + columns - 1) // columns, 0, 1, columns)
         self.timer = QTimer(self)
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self.poll)
@@ -191,7 +196,28 @@ class GaugesPanel(QWidget):
         for key, attr, fmt in self._TELEMETRY:
             value = getattr(t, attr)
             if value is not None:
+                self.gauges[key].value.setEnabled(True)
                 self.gauges[key].update_value(fmt(value), value, "live" if t.generating else "last answer")
+        if t.cpu_busy_others is not None:
+            self.show_cpu_load(t.cpu_busy_others, t.cpu_threads)
+
+    def show_cpu_load(self, others: float, threads: Optional[int]) -> None:
+        """A line while other programs keep CPU cores busy: the engine's speed depends on them."""
+        contended = others >= CONTENDED_CPUS
+        if contended:
+            team = f"; the engine uses {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+            self.cpu_note.setText(f"⚠ The machine is busy: other programs keep {others:.1f} of "
+                                  f"{physical_cores()} CPU cores busy{team}. Answers come slower.")
+        self.cpu_note.setVisible(contended)
+
+    def engine_gone(self) -> None:
+        """The engine process ended: its figures stay for reference, greyed and marked as not live."""
+        for key, _, _ in self._TELEMETRY:
+            g = self.gauges[key]
+            if g.value.text() != DASH:
+                g.value.setEnabled(False)
+                g.note.setText("engine stopped: not live")
+        self.cpu_note.setVisible(False)
 
     def show_finished(self, f: Finished) -> None:
         """The final figures of an answer (the worker's own measurement of the whole request)."""
@@ -201,6 +227,7 @@ class GaugesPanel(QWidget):
                                 ("prefill_tps", s.prefill_tps, fmt_rate),
                                 ("draft_acceptance", acceptance, fmt_fraction)):
             if value is not None:
+                self.gauges[key].value.setEnabled(True)
                 self.gauges[key].update_value(fmt(value), value,
                                               f"last answer: {s.generated_tokens} tokens")
 
@@ -209,6 +236,7 @@ class GaugesPanel(QWidget):
         for key, _, _ in self._TELEMETRY:
             g = self.gauges[key]
             g.history.clear()
+            g.value.setEnabled(True)
             g.update_value(DASH, None, "")
 
     def value_text(self, key: str) -> str:

@@ -79,7 +79,7 @@ def check_machine(models_dir: Path) -> MachineReport:
     nvcc = find_nvcc()
     findings = []
     if name is None:
-        findings.append(Finding("fail", f"No NVIDIA GPU: {gpu_problem}.",
+        findings.append(Finding("fail", f"No NVIDIA GPU found ({gpu_problem}).",
                                 "The GPU engine needs an NVIDIA GPU with a recent driver (R535 or newer). "
                                 "Until then MoE Desk runs the demo model on the CPU."))
     else:

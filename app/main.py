@@ -9,6 +9,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 from PySide6.QtCore import Qt
@@ -18,6 +19,7 @@ from app import theme
 from app.chat.session import ChatSession
 from app.engine_client import EngineClient
 from app.gauges import GaugesPanel
+from app.hub.local import mark_used
 from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
@@ -94,6 +96,7 @@ def wire(desk: Desk) -> None:
     client.telemetry.connect(gauges.show_telemetry)
     client.finished.connect(gauges.show_finished)
     client.loaded.connect(lambda _ev: gauges.reset_speed())
+    client.worker_died.connect(lambda *_: gauges.engine_gone())
     client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()))
 
     # Chat and window -> engine.
@@ -104,7 +107,7 @@ def wire(desk: Desk) -> None:
     def load_first_model(_ready) -> None:
         # Only the first start loads here; restart() reloads what was loaded itself.
         if desk.model and client.last_load is None:
-            client.load(desk.model, desk.settings.load)
+            load_model(desk, desk.model)
 
     client.ready.connect(load_first_model)
 
@@ -124,20 +127,29 @@ def wire(desk: Desk) -> None:
                                                 app=dataclasses.replace(desk.settings.app, last_model=ev.model))
             save_settings(desk.settings)
 
-    # The model manager: loading a model from it goes through the same client.
-    def open_models() -> None:
-        if desk.models is None:
-            desk.models = ModelManagerDialog(window, engine_client=client)
-            desk.models.load_requested.connect(lambda path: client.load(path, desk.settings.load))
-            app = QApplication.instance()
-            if app is not None:
-                app.aboutToQuit.connect(desk.models.shutdown)
-        desk.models.show()
-        desk.models.raise_()
-
     window.settings_requested.connect(open_settings)
-    window.models_requested.connect(open_models)
+    window.models_requested.connect(lambda: open_models(desk))
     client.loaded.connect(remember_model)
+    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
+
+
+def load_model(desk: Desk, model: str) -> None:
+    """Load `model` with the settings' options, unless it is loaded (or loading) with them already."""
+    if desk.client.load(model, desk.settings.load) is None:
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already.", 4000)
+
+
+def open_models(desk: Desk) -> ModelManagerDialog:
+    """The model manager (one per app: downloads outlive its window); its Load goes through `load_model`."""
+    if desk.models is None:
+        desk.models = ModelManagerDialog(desk.window, engine_client=desk.client)
+        desk.models.load_requested.connect(lambda path: load_model(desk, path))
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(desk.models.shutdown)
+    desk.models.show()
+    desk.models.raise_()
+    return desk.models
 
 
 def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:

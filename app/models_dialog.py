@@ -24,8 +24,9 @@ from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit
-from app.hub.local import LocalModel, delete_model, import_folder, list_local_models, mark_used
+from app.hub.local import LocalModel, delete_model, import_folder, list_local_models
 from app.hub.queue import DownloadManager
+from app.wheel import scroll_past_inputs
 from runtime import paths
 
 KV_TYPES = ("fp16", "q8", "q6", "q4")
@@ -94,6 +95,10 @@ class ModelManagerDialog(QDialog):
         self.refresh_local()
         for progress in self.manager.restore():
             self._on_download_event(progress)
+        if engine_client is not None:        # the loaded model is marked, its "Last used" now
+            for sig in (engine_client.loaded, engine_client.unloaded, engine_client.worker_died):
+                sig.connect(lambda *_: self.refresh_local())
+        scroll_past_inputs(self)
 
     # ------------------------------------------------------------------------------------------
     # Local models
@@ -131,12 +136,24 @@ class ModelManagerDialog(QDialog):
         t.setRowCount(len(self._local))
         for r, m in enumerate(self._local):
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "never"
-            cells = [m.name, m.architecture or "—", _params(m.num_params) if m.num_params else "—",
-                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used,
-                     "ready" if m.loadable else "cannot load"]
+            loaded = self.is_loaded(m)
+            status = "loaded — in use" if loaded else "ready" if m.loadable else "cannot load"
+            cells = [("● " if loaded else "") + m.name, m.architecture or "—",
+                     _params(m.num_params) if m.num_params else "—",
+                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used, status]
             for c, text in enumerate(cells):
-                t.setItem(r, c, _item(text, m.error or m.source or str(m.path)))
+                item = _item(text, m.error or m.source or str(m.path))
+                if loaded:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                t.setItem(r, c, item)
         self._local_selection_changed()
+
+    def is_loaded(self, m: LocalModel) -> bool:
+        """Whether the engine holds this model now."""
+        ev = self.engine_client.loaded_event if self.engine_client is not None else None
+        return ev is not None and Path(ev.path).resolve() == m.path.resolve()
 
     def selected_local(self) -> LocalModel | None:
         rows = self.local_table.selectionModel().selectedRows()
@@ -144,7 +161,9 @@ class ModelManagerDialog(QDialog):
 
     def _local_selection_changed(self) -> None:
         m = self.selected_local()
-        self.load_button.setEnabled(bool(m and m.loadable))
+        loaded = m is not None and self.is_loaded(m)
+        self.load_button.setEnabled(bool(m and m.loadable) and not loaded)
+        self.load_button.setText("Loaded" if loaded else "Load")
         self.reveal_button.setEnabled(m is not None)
         self.delete_button.setEnabled(m is not None)
         if m is not None:
@@ -152,10 +171,8 @@ class ModelManagerDialog(QDialog):
 
     def _load_selected(self) -> None:
         m = self.selected_local()
-        if m and m.loadable:
-            mark_used(m.path)
+        if m and m.loadable and not self.is_loaded(m):
             self.load_requested.emit(str(m.path))
-            self.refresh_local()
 
     def _reveal_selected(self) -> None:
         m = self.selected_local()

@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QVBoxLayout, QWidget)
 
 from app.settings import AppSettings, Settings
+from app.wheel import scroll_past_inputs
 from runtime import paths
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
 
@@ -58,7 +59,7 @@ CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
     "offload.kv_cache": {"fp16": "FP16", "q8": "Q8", "q6": "Q6", "q4": "Q4"},
     "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
-    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU reference"},
+    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU"},
     "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
@@ -200,6 +201,10 @@ class _Field:
             ed.setSpecialValueText(SPECIAL_TEXT[self.path])
         return ed
 
+    def set_shown(self, shown: bool) -> None:
+        for w in (self.label, self.editor, self.status, self.hint):
+            w.setVisible(shown)
+
     def value(self) -> Any:
         ed = self.editor
         if isinstance(ed, QComboBox):
@@ -276,6 +281,7 @@ class SettingsPanel(QDialog):
         lay.addWidget(buttons)
         self.refresh_models()
         self.set_settings(settings)
+        scroll_past_inputs(self)
 
     def _group(self, title: str, key: str, cls: type) -> QGroupBox:
         box = QGroupBox(title)
@@ -333,7 +339,17 @@ class SettingsPanel(QDialog):
         self._applied = dict(applied)
         known = {p for p in self.fields} | {p.split(".", 1)[1] for p in self.fields}
         others = [f"{k}: {v}" for k, v in sorted(applied.items()) if k not in known]
-        self.applied_note.setText(("Engine also reported — " + "; ".join(others)) if others else "")
+        # Options that do not apply to the loaded model on this engine are not shown (changing one
+        # would do nothing); the note names them.
+        unused = []
+        for path, f in self.fields.items():
+            reported = applied.get(path, applied.get(path.split(".", 1)[1], ""))
+            f.set_shown(not reported.startswith("ignored"))
+            if reported.startswith("ignored"):
+                unused.append(f.label.text())
+        notes = (["Not shown, as they do not apply to this model on this engine: " + ", ".join(unused) + "."]
+                 if unused else []) + (["Engine also reported — " + "; ".join(others)] if others else [])
+        self.applied_note.setText("\n".join(notes))
         self._on_changed()
 
     def set_draft_compatibility(self, check: Optional[DraftCompatibility]) -> None:

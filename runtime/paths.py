@@ -50,3 +50,10 @@ def resolve_model(name_or_dir: str) -> Path:
     if p.is_dir() or os.sep in name_or_dir or name_or_dir.startswith("."):
         return p
     return models_dir() / name_or_dir
+
+
+def display_name(model: str) -> str:
+    """The one name the app shows for a model: its folder's name ('demo' is the demo model's folder)."""
+    if model == DEMO_ALIAS:
+        return DEMO_MODEL_NAME
+    return Path(model).name or model

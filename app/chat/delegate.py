@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
 
 from app.chat import markdown
 from app.chat.model import ChatItem, IdRole, ItemRole
+from runtime import paths
 
 MARGIN_X, MARGIN_Y, PAD = 14, 5, 10   # outside the bubble, and inside it
 
@@ -112,7 +113,7 @@ class MessageDelegate(QStyledItemDelegate):
         bits = []
         if it.role == "assistant":
             if it.model:
-                bits.append(html.escape(Path(it.model).name or it.model))
+                bits.append(html.escape(paths.display_name(it.model)))
             if it.state == "streaming":
                 bits.append("writing…")
             elif it.stats is not None:
