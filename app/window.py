@@ -179,7 +179,8 @@ class MainWindow(QMainWindow):
         engine = bar.addMenu("&Engine")
         act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
         act(engine, "&Restart engine", self.restart_requested.emit)
-        act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
+        # Ctrl+, everywhere (Qt's Preferences key is empty on Linux and Windows).
+        settings = act(engine, "&Settings…", self.settings_requested.emit, "Ctrl+,")
         if self.gauges_dock is not None:
             bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
 
@@ -310,6 +311,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()
+        self.chat.save_draft()
         s = QSettings("moedesk", "moedesk")
         s.setValue("geometry", self.saveGeometry())
         s.setValue("state", self.saveState())

@@ -337,8 +337,15 @@ def _protocol_channel() -> TextIO:
     return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
 
 
+def name_process() -> None:
+    """Show as `moedesk-worker` in process lists (ps, top, the task manager), not as `python -m ...`."""
+    import setproctitle
+    setproctitle.setproctitle("moedesk-worker")
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
+    name_process()
     out = _protocol_channel()
     worker = Worker(out)
     from runtime.loader import choose_backend
