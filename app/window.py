@@ -180,7 +180,7 @@ class MainWindow(QMainWindow):
         act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
         act(engine, "&Restart engine", self.restart_requested.emit)
         # Ctrl+, everywhere (Qt's Preferences key is empty on Linux and Windows).
-        settings = act(engine, "&Settings…", self.settings_requested.emit, "Ctrl+,")
+        act(engine, "&Settings…", self.settings_requested.emit, "Ctrl+,")
         if self.gauges_dock is not None:
             bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from runtime import protocol
+from runtime import paths, protocol
 from runtime.protocol import (Cancel, Error, Finished, GenerationStats, Generate, Hello, Load, Loaded, Progress,
                               Ready, Shutdown, Telemetry, TokenDelta)
 
@@ -53,7 +53,8 @@ def main() -> None:
         elif isinstance(cmd, Load):
             send(Progress(cmd.request_id, "loading", "Reading weights", 1, 2))
             model = cmd.model
-            send(Loaded(cmd.request_id, cmd.model, "/models/" + cmd.model, "LlamaForCausalLM", "cpu", 2048, 100, 0.1))
+            send(Loaded(cmd.request_id, cmd.model, str(paths.resolve_model(cmd.model)), "LlamaForCausalLM", "cpu",
+                        2048, 100, 0.1))
         elif isinstance(cmd, Generate):
             if model is None:
                 send(Error("no_model", "No model is loaded.", request_id=cmd.request_id))
