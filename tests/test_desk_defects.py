@@ -10,9 +10,7 @@ from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QGuiApplication, QKeySequence, QWheelEvent
 from PySide6.QtWidgets import QComboBox, QSpinBox
 
-from app.chat.drafts import Drafts
 from app.hub.local import last_used_map
-from app.store import HIT_END, HIT_START
 from runtime import paths
 from runtime.protocol import Telemetry, WorkerError
 from tests.test_chat_session import make_desk, send  # noqa: F401 (make_desk is a fixture)
@@ -72,13 +70,15 @@ def _demo_in_models_folder(demo_model) -> None:
 
 def test_what_is_loaded_is_not_loaded_again(qtbot, make_desk, demo_model):
     from app import firstrun
-    from app.main import load_model
     _demo_in_models_folder(demo_model)
     desk = make_desk()
     loads = []
     desk.client.loaded.connect(loads.append)
     firstrun.load_demo(desk)                     # the welcome screen's "Chat with the demo model"
-    load_model(desk, str(paths.models_dir() / paths.DEMO_MODEL_NAME))    # the same folder by its path
+    assert desk.client.state == "idle" and desk.client._loading is None
+    desk.window.models_requested.emit()          # Models → Load on the same folder, by its path
+    desk.models.load_requested.emit(str(paths.models_dir() / paths.DEMO_MODEL_NAME))
+    desk.models.shutdown()
     assert desk.client.state == "idle" and desk.client._loading is None
     assert "is loaded already" in desk.window.statusBar().currentMessage()
     from runtime.options import LoadOptions, OffloadOptions
@@ -165,6 +165,7 @@ def test_each_chat_keeps_its_own_draft(qtbot, make_desk):
     assert box.toPlainText() == ""                            # the sent text is no draft
     desk.session.open(first)
     w.close()                                                 # saved with the app
+    from app.chat.drafts import Drafts
     assert Drafts().get(first) == "half a thought for the first chat"
 
 
@@ -186,13 +187,15 @@ def test_message_text_is_selectable_and_copied_with_ctrl_c(qtbot, make_desk):
 
 
 def test_search_hits_show_no_brackets_and_new_chats_stay_listed(qtbot, make_desk):
+    HIT_START, HIT_END = "\x02", "\x03"         # app.store's markers of a hit in a snippet
     desk = make_desk(max_tokens=2)
     send(qtbot, desk, "The capital is Paris")
     lst = desk.window.conversations
     lst.search.setText("paris")
-    qtbot.waitUntil(lambda: lst.list.count() == 1 and "\n" in lst.list.item(0).text(), timeout=3000)
+    qtbot.waitUntil(lambda: not lst._search_timer.isActive(), timeout=3000)
+    assert lst.list.count() == 1
     item = lst.list.item(0)
-    assert "[" not in item.text() and HIT_START not in item.text() and "Paris" in item.text()
+    assert "[" not in item.text() and HIT_START not in item.text() and item.text().count("Paris") == 2
     lst.list.setCurrentRow(0)
     lst.list.setFocus()
     QGuiApplication.clipboard().clear()

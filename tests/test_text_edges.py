@@ -5,10 +5,12 @@ import time
 
 import pytest
 
-from app.chat.conversations import entry_html, plain, when
-from app.chat.session import TITLE_CHARS, title_from
-from app.store import HIT_END, HIT_START, Store, close_fences
+from app.chat import conversations, session
+from app.chat.conversations import when
+from app.store import Store
 from runtime import paths
+
+HIT_START, HIT_END = "\x02", "\x03"         # app.store's markers of a hit in a snippet
 
 
 @pytest.mark.parametrize("text, closed", [
@@ -18,11 +20,13 @@ from runtime import paths
     ("```\nnested ```` inside\n```` not closing", "```\nnested ```` inside\n```` not closing\n`````"),
 ])
 def test_an_open_fence_is_closed_by_a_longer_one(text, closed):
+    from app.store import close_fences
     assert close_fences(text) == closed
 
 
 @pytest.mark.parametrize("text", ["plain", "```\ncode\n```\nafter", "a ``` b", "````\nx\n````", ""])
 def test_closed_or_no_fences_are_left_alone(text):
+    from app.store import close_fences
     assert close_fences(text) == text
 
 
@@ -39,6 +43,7 @@ def test_markdown_export_of_a_stopped_code_block_keeps_later_messages_out_of_it(
 
 
 def test_titles_are_cut_at_a_word_with_an_ellipsis():
+    title_from, TITLE_CHARS = session.title_from, session.TITLE_CHARS
     long = "Explain how the expert offload of mixture models decides which experts stay in VRAM"
     title = title_from(long)
     assert title.endswith("…") and len(title) <= TITLE_CHARS
@@ -59,6 +64,7 @@ def test_list_dates_say_the_date_when_not_today():
 
 
 def test_search_hits_render_bold_and_copy_without_markers():
+    entry_html, plain = conversations.entry_html, conversations.plain
     sub = f"…the capital is {HIT_START}Paris{HIT_END}, a city…"
     assert entry_html("Capitals <1>", sub) == ("Capitals &lt;1&gt;<br><small>…the capital is <b><u>Paris</u></b>, "
                                                "a city…</small>")
