@@ -177,6 +177,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(install())
         return 0
     question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
+    if not question:
+        from app import display_check
+        words = display_check.advice(display_check.missing_for_display()) if display_check.uses_xcb() else None
+        if words:
+            print(words, file=sys.stderr)
+            return 1
     if question:
         from app.demo_install import DemoMissing, ensure_demo_model
         os.environ["QT_QPA_PLATFORM"] = "offscreen"

@@ -85,3 +85,24 @@ def test_one_name_per_model():
     assert paths.display_name(paths.DEMO_ALIAS) == paths.DEMO_MODEL_NAME
     assert paths.display_name(str(paths.models_dir() / paths.DEMO_MODEL_NAME)) == paths.DEMO_MODEL_NAME
     assert paths.display_name("Qwen3-30B-A3B-exl2") == "Qwen3-30B-A3B-exl2"
+
+
+def test_missing_x11_libraries_are_named_with_the_install_command():
+    from app import display_check as dc
+    assert dc.uses_xcb({"DISPLAY": ":0"}, "linux")
+    assert not dc.uses_xcb({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"}, "linux")
+    assert not dc.uses_xcb({"DISPLAY": ":0", "WAYLAND_DISPLAY": "wayland-0"}, "linux")
+    assert dc.uses_xcb({"QT_QPA_PLATFORM": "xcb"}, "linux") and not dc.uses_xcb({"DISPLAY": ":0"}, "win32")
+    missing = dc.missing_for_display(lambda soname: soname not in ("libxcb-icccm.so.4", "libxcb-keysyms.so.1"))
+    assert missing == ["libxcb-icccm4", "libxcb-keysyms1"]
+    assert "sudo apt-get install libxcb-icccm4 libxcb-keysyms1" in dc.advice(missing)
+    assert dc.advice(dc.missing_for_display(lambda soname: True)) is None
+
+
+def test_moedesk_says_what_to_install_instead_of_qts_abort(monkeypatch, capsys):
+    from app import display_check as dc
+    from app.main import main
+    monkeypatch.setattr(dc, "uses_xcb", lambda: True)
+    monkeypatch.setattr(dc, "_loads", lambda soname: soname != "libxcb-cursor.so.0")
+    assert main([]) == 1
+    assert "sudo apt-get install libxcb-cursor0" in capsys.readouterr().err
