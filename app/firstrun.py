@@ -109,7 +109,7 @@ def load_demo(desk) -> None:
     try:
         ensure_demo_model()
     except DemoMissing as e:
-        desk.window.banner.show_state("The demo model is not available", str(e), kind="error")
+        desk.window.banner.show_state("The demo model is not available", str(e), kind="error", choose_model=True)
         return
     desk.model = paths.DEMO_ALIAS
     if desk.window.ready is not None and desk.client.is_running():
