@@ -26,6 +26,7 @@ from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit
 from app.hub.local import LocalModel, delete_model, import_folder, list_local_models
 from app.hub.queue import DownloadManager
+from app.telemetry import fmt_bytes
 from app.wheel import scroll_past_inputs
 from runtime import paths
 
@@ -33,9 +34,7 @@ KV_TYPES = ("fp16", "q8", "q6", "q4")
 
 
 def _size(n: float) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
+    return fmt_bytes(n)                  # GiB, as everywhere in the app
 
 
 def _params(n: int) -> str:
@@ -267,7 +266,7 @@ class ModelManagerDialog(QDialog):
 
     def set_memory(self, vram: float, ram: float, gpu: str) -> None:
         self.vram, self.ram, self.gpu = vram, ram, gpu
-        self.memory_label.setText(f"{gpu}: {vram / 1e9:.1f} GB VRAM · {ram / 1e9:.1f} GB RAM")
+        self.memory_label.setText(f"{gpu}: {fmt_bytes(vram)} VRAM · {fmt_bytes(ram)} RAM")
         self._fill_quants()
 
     def search(self) -> None:
@@ -402,7 +401,7 @@ class ModelManagerDialog(QDialog):
         bar.setFormat(f"{_size(p.done_bytes)} of {_size(p.total_bytes)}")
         running = p.state is JobState.RUNNING
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
-        for c, text in ((1, p.state.value), (3, f"{p.speed_bps / 1e6:.1f} MB/s" if running else ""), (4, eta),
+        for c, text in ((1, p.state.value), (3, f"{fmt_bytes(p.speed_bps)}/s" if running else ""), (4, eta),
                         (5, p.message)):
             t.setItem(row, c, _item(text, p.message))
         if p.state is JobState.DONE:

@@ -46,7 +46,7 @@ DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
     "app.theme": "Theme", "app.show_gauges": "Show gauges",
-    "offload.vram_budget_gb": "VRAM budget (GB)", "offload.ram_budget_gb": "RAM budget (GB)",
+    "offload.vram_budget_gb": "VRAM budget (GiB)", "offload.ram_budget_gb": "RAM budget (GiB)",
     "offload.cpu_threads": "CPU threads", "offload.kv_cache": "KV cache",
     "offload.context_length": "Context length", "offload.placement": "Expert placement",
     "offload.backend": "Engine",

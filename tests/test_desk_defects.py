@@ -242,3 +242,17 @@ def test_no_gpu_in_words_a_user_knows(problem, words):
             raise problem
     m = NvmlMonitor(Refusing())
     assert m.poll() is None and m.reason == words
+
+
+def test_settings_show_only_options_that_apply(qtbot):
+    from app.settings import Settings
+    from app.settings_panel import SettingsPanel
+    panel = SettingsPanel(Settings(), has_model=True)
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.show_applied({"offload.vram_budget_gb": "ignored: the CPU engine uses no GPU memory",
+                        "offload.cpu_threads": "applied", "offload.placement": "ignored: no experts"})
+    assert panel.fields["offload.vram_budget_gb"].editor.isHidden()
+    assert panel.fields["offload.placement"].label.isHidden()
+    assert not panel.fields["offload.cpu_threads"].editor.isHidden()
+    assert "VRAM budget (GiB)" in panel.applied_note.text() and "Expert placement" in panel.applied_note.text()

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from app.hub.browse import Quant, RemoteFile
 from app.hub.errors import NotEnoughDiskSpace, UnsafePathError
+from app.telemetry import fmt_bytes
 
 STAGING = ".staging"
 MANIFEST = ".moedesk-download.json"
@@ -116,7 +117,7 @@ def check_disk_space(job: DownloadJob, models_dir: Path, margin_bytes: int) -> N
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return fmt_bytes(n)
 
 
 
