@@ -407,7 +407,7 @@ class EngineClient(QObject):
         self._read_stderr(proc)
         for raw in self._err.flush():
             self.stderr_lines.append(raw.decode("utf-8", "replace"))
-        self.generating, self._loading = None, None
+        self.generating, self._loading, self.loaded_event = None, None, None     # nothing is loaded any more
         if self._asked_to_stop:
             self._set_state(State.STOPPED)
             return

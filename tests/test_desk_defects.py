@@ -117,6 +117,7 @@ def test_a_dead_engine_leaves_no_live_figures_and_no_guesses(qtbot, make_desk):
         assert not gauges.gauges[key].value.isEnabled()
     words = desk.window.banner.headline.text()
     assert "SIGKILL" in words and "possibly" not in words
+    assert not desk.client.holds(paths.DEMO_ALIAS, desk.settings.load)     # nothing is loaded now
     with qtbot.waitSignal(desk.client.loaded, timeout=30000):
         desk.window.banner.restart.click()
     assert gauges.gauges["decode_tps"].value.isEnabled()
