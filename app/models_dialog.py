@@ -33,10 +33,6 @@ from runtime import paths
 KV_TYPES = ("fp16", "q8", "q6", "q4")
 
 
-def _size(n: float) -> str:
-    return fmt_bytes(n)                  # GiB, as everywhere in the app
-
-
 def _params(n: int) -> str:
     return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
@@ -139,7 +135,7 @@ class ModelManagerDialog(QDialog):
             status = "loaded — in use" if loaded else "ready" if m.loadable else "cannot load"
             cells = [("● " if loaded else "") + m.name, m.architecture or "—",
                      _params(m.num_params) if m.num_params else "—",
-                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used, status]
+                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", fmt_bytes(m.size_bytes), used, status]
             for c, text in enumerate(cells):
                 item = _item(text, m.error or m.source or str(m.path))
                 if loaded:
@@ -183,7 +179,7 @@ class ModelManagerDialog(QDialog):
         if not m:
             return
         answer = QMessageBox.question(self, "Delete model",
-                                      f"Delete {m.name} ({_size(m.size_bytes)}) from disk?\n{m.path}")
+                                      f"Delete {m.name} ({fmt_bytes(m.size_bytes)}) from disk?\n{m.path}")
         if answer != QMessageBox.Yes:
             return
         try:
@@ -321,7 +317,7 @@ class ModelManagerDialog(QDialog):
             bits = f"{q.bpw:g}" if q.bpw else "?"
             if q.head_bits:
                 bits += f" (head {q.head_bits:g})"
-            for c, text in enumerate([q.branch, bits, _size(q.size_bytes), fit]):
+            for c, text in enumerate([q.branch, bits, fmt_bytes(q.size_bytes), fit]):
                 t.setItem(r, c, _item(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
             t.selectRow(0)
@@ -398,7 +394,7 @@ class ModelManagerDialog(QDialog):
                 t.selectRow(0)
         bar = t.cellWidget(row, 2)
         bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
-        bar.setFormat(f"{_size(p.done_bytes)} of {_size(p.total_bytes)}")
+        bar.setFormat(f"{fmt_bytes(p.done_bytes)} of {fmt_bytes(p.total_bytes)}")
         running = p.state is JobState.RUNNING
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
         for c, text in ((1, p.state.value), (3, f"{fmt_bytes(p.speed_bps)}/s" if running else ""), (4, eta),

@@ -111,13 +111,9 @@ def check_disk_space(job: DownloadJob, models_dir: Path, margin_bytes: int) -> N
     free = shutil.disk_usage(models_dir).free
     if free < needed + margin_bytes:
         raise NotEnoughDiskSpace(
-            f"Not enough disk space for {job.repo_id} ({job.branch}): it needs {gb(needed + margin_bytes)}, "
-            f"and {models_dir} has {gb(free)} free. Free some space or choose a smaller quant.",
+            f"Not enough disk space for {job.repo_id} ({job.branch}): it needs {fmt_bytes(needed + margin_bytes)}, "
+            f"and {models_dir} has {fmt_bytes(free)} free. Free some space or choose a smaller quant.",
             needed + margin_bytes, free)
-
-
-def gb(n: float) -> str:
-    return fmt_bytes(n)
 
 
 
