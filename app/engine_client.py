@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from PySide6.QtCore import QCoreApplication, QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-from runtime import protocol
+from runtime import paths, protocol
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 from runtime.protocol import ChatMessage
 
@@ -81,8 +81,22 @@ def worker_environment() -> dict[str, str]:
     return dict(worker_env())
 
 
-def describe_exit(exit_code: int, crashed: bool) -> str:
-    """How the worker ended, in words. `crashed`: killed by signal number `exit_code`."""
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has killed since boot (Linux's /proc/vmstat
+    `oom_kill`, which counts container limits too); None where the system does not say."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def describe_exit(exit_code: int, crashed: bool, oom_killed: Optional[bool] = None) -> str:
+    """How the worker ended, in words: only what is known. `crashed`: killed by signal number `exit_code`;
+    `oom_killed`: whether the system's out-of-memory killer acted meanwhile (None: not known)."""
     if not crashed:
         if exit_code == 0:
             return "The engine stopped unexpectedly (exit code 0)."
@@ -92,8 +106,13 @@ def describe_exit(exit_code: int, crashed: bool) -> str:
     except ValueError:
         name = f"signal {exit_code}"
     if exit_code == getattr(_signal, "SIGKILL", -1):
-        return (f"The engine was killed (signal {exit_code}, {name}) — possibly out of memory: "
-                "the system kills the largest process when RAM runs out.")
+        if oom_killed:
+            return (f"The system's out-of-memory killer stopped the engine (signal {exit_code}, {name}): "
+                    "RAM ran out.")
+        if oom_killed is False:
+            return (f"The engine was killed (signal {exit_code}, {name}) by another program or a user; "
+                    "the system's out-of-memory killer did not act.")
+        return f"The engine was killed (signal {exit_code}, {name})."
     if exit_code == getattr(_signal, "SIGSEGV", -1):
         return f"The engine crashed with a segmentation fault (signal {exit_code}, {name})."
     if exit_code == getattr(_signal, "SIGABRT", -1):
@@ -160,6 +179,7 @@ class EngineClient(EngineSignals):
         self._restarting = False
         self._pending: list[str] = []
         self._queued: deque[protocol.Generate] = deque()   # generates waiting for the running one
+        self._oom_kills_at_start: Optional[int] = None
         app = QCoreApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self._on_about_to_quit)
@@ -176,6 +196,7 @@ class EngineClient(EngineSignals):
         if self._proc is not None:
             self._proc.deleteLater()
         self._asked_to_stop = False
+        self._oom_kills_at_start = oom_kills()
         proc = self._proc = QProcess(self)
         proc.setProgram(self._command[0])
         proc.setArguments(self._command[1:])
@@ -242,8 +263,19 @@ class EngineClient(EngineSignals):
         return self.pid() is not None
 
     # -- commands ---------------------------------------------------------------------------
-    def load(self, model: str, options: Optional[LoadOptions] = None, request_id: Optional[str] = None) -> str:
+    def holds(self, model: str, options: Optional[LoadOptions] = None) -> bool:
+        """Whether `model` (a name, 'demo' or a folder) with `options` is loaded or being loaded now."""
+        if self.last_load is None or (self.loaded_event is None and self._loading is None):
+            return False
+        current, current_options = self.last_load
+        return current_options == (options or LoadOptions()) and paths.same_model(current, model)
+
+    def load(self, model: str, options: Optional[LoadOptions] = None,
+             request_id: Optional[str] = None) -> Optional[str]:
+        """Ask for `model`; None (and nothing sent) when it is loaded, or loading, with these options already."""
         options = options or LoadOptions()
+        if self.holds(model, options):
+            return None
         request_id = request_id or f"load-{uuid.uuid4().hex[:8]}"
         if not self._send(protocol.Load(request_id=request_id, model=model, options=options)):
             self.last_load = (model, options)     # what a restart will load
@@ -396,6 +428,7 @@ class EngineClient(EngineSignals):
         if rid and rid == self._loading:
             self._loading = None
             self.last_load = self._previous_load     # restart() must not retry a load that failed
+            self.loaded_event = None                 # the worker let the old model go before trying
         if self.state in (State.LOADING, State.GENERATING) and not (self.generating or self._loading):
             self._set_state(State.IDLE)
         self.error.emit(rid, protocol.exception_for(ev))
@@ -409,14 +442,16 @@ class EngineClient(EngineSignals):
         self._read_stderr(proc)
         for raw in self._err.flush():
             self.stderr_lines.append(raw.decode("utf-8", "replace"))
-        self.generating, self._loading = None, None
+        self.generating, self._loading, self.loaded_event = None, None, None     # nothing is loaded any more
         self._fail_queued()
         if self._asked_to_stop:
             self._set_state(State.STOPPED)
             return
         crashed = status == QProcess.ExitStatus.CrashExit
+        before, now = self._oom_kills_at_start, oom_kills()
+        oom_killed = None if before is None or now is None else now > before
         self._set_state(State.DEAD)
-        self.worker_died.emit(int(code), describe_exit(int(code), crashed), list(self.stderr_lines))
+        self.worker_died.emit(int(code), describe_exit(int(code), crashed, oom_killed), list(self.stderr_lines))
 
     def _on_error(self, proc: QProcess, err: QProcess.ProcessError) -> None:
         if proc is not self._proc or err != QProcess.ProcessError.FailedToStart:

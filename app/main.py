@@ -9,6 +9,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from PySide6.QtCore import QObject, Qt
@@ -18,6 +19,7 @@ from app import theme
 from app.chat.session import ChatSession
 from app.engine_client import EngineClient
 from app.gauges import GaugesPanel
+from app.hub.local import mark_used
 from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
@@ -96,13 +98,13 @@ def wire(desk: Desk) -> None:
     # The chat header: token counts for the context meter; the model picker loads local models and ejects.
     chat = window.chat
     chat.meter.count_requested.connect(lambda rid, msgs: desk.engine.count(rid, msgs))
-    chat.picker.load_requested.connect(lambda model: load_local(model))
+    chat.picker.load_requested.connect(lambda model: load_local(desk, model))
     chat.picker.eject_requested.connect(lambda: desk.engine.unload())
 
     def load_first_model(_ready) -> None:
         # Only the first start loads here; restart() reloads what was loaded itself.
         if desk.model and client.last_load is None:
-            client.load(desk.model, desk.settings.load)
+            load_model(desk, desk.model)
 
     client.ready.connect(load_first_model)
 
@@ -124,25 +126,37 @@ def wire(desk: Desk) -> None:
                                                 app=dataclasses.replace(desk.settings.app, last_model=ev.model))
             save_settings(desk.settings)
 
-    # The model manager: a local model loads through the local client; a remote server replaces it.
-    def load_local(path: str) -> None:
-        use_engine(desk, client)
-        client.load(path, desk.settings.load)
-
-    def open_models() -> None:
-        if desk.models is None:
-            desk.models = ModelManagerDialog(window, engine_client=client, remote=remote_settings(desk.settings))
-            desk.models.load_requested.connect(load_local)
-            desk.models.remote_requested.connect(lambda config: use_remote(desk, config))
-            app = QApplication.instance()
-            if app is not None:
-                app.aboutToQuit.connect(desk.models.shutdown)
-        desk.models.show()
-        desk.models.raise_()
-
     window.settings_requested.connect(open_settings)
-    window.models_requested.connect(open_models)
+    window.models_requested.connect(lambda: open_models(desk))
     client.loaded.connect(remember_model)
+    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
+
+
+def load_local(desk: Desk, model: str) -> None:
+    """Chat with the local engine again (if a remote one was in use) and load `model` there."""
+    use_engine(desk, desk.client)
+    load_model(desk, model)
+
+
+def load_model(desk: Desk, model: str) -> None:
+    """Load `model` with the settings' options, unless it is loaded (or loading) with them already."""
+    if desk.client.load(model, desk.settings.load) is None:
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already.", 4000)
+
+
+def open_models(desk: Desk) -> ModelManagerDialog:
+    """The model manager (one per app: downloads outlive its window): its Load goes to the local engine
+    (`load_local`), its remote server replaces it (`use_remote`)."""
+    if desk.models is None:
+        desk.models = ModelManagerDialog(desk.window, engine_client=desk.client, remote=remote_settings(desk.settings))
+        desk.models.load_requested.connect(lambda path: load_local(desk, path))
+        desk.models.remote_requested.connect(lambda config: use_remote(desk, config))
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(desk.models.shutdown)
+    desk.models.show()
+    desk.models.raise_()
+    return desk.models
 
 
 def connect_engine(desk: Desk, engine) -> list:
@@ -161,6 +175,7 @@ def connect_engine(desk: Desk, engine) -> list:
         engine.loaded.connect(window.on_loaded),
         engine.error.connect(window.on_engine_error),
         engine.worker_died.connect(window.on_worker_died),
+        engine.worker_died.connect(lambda *_: gauges.engine_gone()),
         engine.unloaded.connect(window.on_unloaded),
         # Engine -> the chat header's context meter.
         engine.token_count.connect(window.chat.meter.on_count),
@@ -268,6 +283,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(install())
         return 0
     question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
+    if not question:
+        from app import display_check
+        words = display_check.advice(display_check.missing_for_display()) if display_check.uses_xcb() else None
+        if words:
+            print(words, file=sys.stderr)
+            return 1
     smoke_model = args.model or paths.DEMO_ALIAS          # --smoke-test --model DIR: another model (GPU bundles)
     if question and smoke_model == paths.DEMO_ALIAS:
         from app.demo_install import DemoMissing, ensure_demo_model

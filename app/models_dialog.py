@@ -25,18 +25,14 @@ from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
-from app.hub.local import LocalModel, delete_model, import_folder, list_local_models, mark_used
+from app.hub.local import LocalModel, delete_model, import_folder, list_local_models
 from app.hub.queue import DownloadManager
 from app.hub.recommend import recommend
+from app.telemetry import fmt_bytes
+from app.wheel import scroll_past_inputs
 from runtime import paths
 
 KV_TYPES = ("fp16", "q8", "q6", "q4")
-
-
-def _size(n: float) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
 def _params(n: int) -> str:
@@ -98,6 +94,10 @@ class ModelManagerDialog(QDialog):
         self.refresh_local()
         for progress in self.manager.restore():
             self._on_download_event(progress)
+        if engine_client is not None:        # the loaded model is marked, its "Last used" now
+            for sig in (engine_client.loaded, engine_client.unloaded, engine_client.worker_died):
+                sig.connect(lambda *_: self.refresh_local())
+        scroll_past_inputs(self)
 
     # ------------------------------------------------------------------------------------------
     # Local models
@@ -135,12 +135,24 @@ class ModelManagerDialog(QDialog):
         t.setRowCount(len(self._local))
         for r, m in enumerate(self._local):
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "never"
-            cells = [m.name, m.architecture or "—", _params(m.num_params) if m.num_params else "—",
-                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used,
-                     "ready" if m.loadable else "cannot load"]
+            loaded = self.is_loaded(m)
+            status = "loaded — in use" if loaded else "ready" if m.loadable else "cannot load"
+            cells = [("● " if loaded else "") + m.name, m.architecture or "—",
+                     _params(m.num_params) if m.num_params else "—",
+                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", fmt_bytes(m.size_bytes), used, status]
             for c, text in enumerate(cells):
-                t.setItem(r, c, _item(text, m.error or m.source or str(m.path)))
+                item = _item(text, m.error or m.source or str(m.path))
+                if loaded:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                t.setItem(r, c, item)
         self._local_selection_changed()
+
+    def is_loaded(self, m: LocalModel) -> bool:
+        """Whether the engine holds this model now."""
+        ev = self.engine_client.loaded_event if self.engine_client is not None else None
+        return ev is not None and Path(ev.path).resolve() == m.path.resolve()
 
     def selected_local(self) -> LocalModel | None:
         rows = self.local_table.selectionModel().selectedRows()
@@ -148,7 +160,9 @@ class ModelManagerDialog(QDialog):
 
     def _local_selection_changed(self) -> None:
         m = self.selected_local()
-        self.load_button.setEnabled(bool(m and m.loadable))
+        loaded = m is not None and self.is_loaded(m)
+        self.load_button.setEnabled(bool(m and m.loadable) and not loaded)
+        self.load_button.setText("Loaded" if loaded else "Load")
         self.reveal_button.setEnabled(m is not None)
         self.delete_button.setEnabled(m is not None)
         if m is not None:
@@ -156,10 +170,8 @@ class ModelManagerDialog(QDialog):
 
     def _load_selected(self) -> None:
         m = self.selected_local()
-        if m and m.loadable:
-            mark_used(m.path)
+        if m and m.loadable and not self.is_loaded(m):
             self.load_requested.emit(str(m.path))
-            self.refresh_local()
 
     def _reveal_selected(self) -> None:
         m = self.selected_local()
@@ -171,7 +183,7 @@ class ModelManagerDialog(QDialog):
         if not m:
             return
         answer = QMessageBox.question(self, "Delete model",
-                                      f"Delete {m.name} ({_size(m.size_bytes)}) from disk?\n{m.path}")
+                                      f"Delete {m.name} ({fmt_bytes(m.size_bytes)}) from disk?\n{m.path}")
         if answer != QMessageBox.Yes:
             return
         try:
@@ -256,7 +268,7 @@ class ModelManagerDialog(QDialog):
 
     def set_memory(self, vram: float, ram: float, gpu: str) -> None:
         self.vram, self.ram, self.gpu = vram, ram, gpu
-        self.memory_label.setText(f"{gpu}: {vram / 1e9:.1f} GB VRAM · {ram / 1e9:.1f} GB RAM")
+        self.memory_label.setText(f"{gpu}: {fmt_bytes(vram)} VRAM · {fmt_bytes(ram)} RAM")
         self._fill_quants()
         if not self._searched:
             self.show_recommended()
@@ -276,8 +288,8 @@ class ModelManagerDialog(QDialog):
             item.setToolTip(f"{r.candidate.repo} (branch {r.candidate.branch}); size estimated from the model's "
                             f"shape. {r.estimate.assumptions if r.estimate else ''}")
             self.repo_list.addItem(item)
-        where = (f"{self.vram / 1e9:.0f} GB VRAM and {self.ram / 1e9:.0f} GB RAM" if self.vram > 0
-                 else f"the CPU engine and {self.ram / 1e9:.0f} GB RAM")
+        where = (f"{fmt_bytes(self.vram)} VRAM and {fmt_bytes(self.ram)} RAM" if self.vram > 0
+                 else f"the CPU engine and {fmt_bytes(self.ram)} RAM")
         self.hub_status.setText(f"Recommended for this machine ({where}): pick one to see its quants, or search."
                                 if recs else "None of the recommended models fits this machine: search the Hub.")
 
@@ -338,7 +350,7 @@ class ModelManagerDialog(QDialog):
             bits = f"{q.bpw:g}" if q.bpw else "?"
             if q.head_bits:
                 bits += f" (head {q.head_bits:g})"
-            for c, text in enumerate([q.branch, bits, _size(q.size_bytes), fit]):
+            for c, text in enumerate([q.branch, bits, fmt_bytes(q.size_bytes), fit]):
                 t.setItem(r, c, _item(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
             t.selectRow(0)
@@ -489,10 +501,10 @@ class ModelManagerDialog(QDialog):
                 t.selectRow(0)
         bar = t.cellWidget(row, 2)
         bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
-        bar.setFormat(f"{_size(p.done_bytes)} of {_size(p.total_bytes)}")
+        bar.setFormat(f"{fmt_bytes(p.done_bytes)} of {fmt_bytes(p.total_bytes)}")
         running = p.state is JobState.RUNNING
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
-        for c, text in ((1, p.state.value), (3, f"{p.speed_bps / 1e6:.1f} MB/s" if running else ""), (4, eta),
+        for c, text in ((1, p.state.value), (3, f"{fmt_bytes(p.speed_bps)}/s" if running else ""), (4, eta),
                         (5, p.message)):
             t.setItem(row, c, _item(text, p.message))
         if p.state is JobState.DONE:

@@ -38,6 +38,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDia
 
 from app.settings import AppSettings, Settings
 from app.chat.header import OVERFLOW_CHOICES
+from app.wheel import scroll_past_inputs
 from runtime import paths
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, ServeOptions, describe
 
@@ -46,7 +47,7 @@ DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
     "app.theme": "Theme", "app.show_gauges": "Show gauges",
-    "offload.vram_budget_gb": "VRAM budget (GB)", "offload.ram_budget_gb": "RAM budget (GB)",
+    "offload.vram_budget_gb": "VRAM budget (GiB)", "offload.ram_budget_gb": "RAM budget (GiB)",
     "offload.cpu_threads": "CPU threads", "offload.kv_cache": "KV cache",
     "offload.context_length": "Context length", "offload.placement": "Expert placement",
     "offload.backend": "Engine",
@@ -61,7 +62,7 @@ CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
     "offload.kv_cache": {"fp16": "FP16", "q8": "Q8", "q6": "Q6", "q4": "Q4"},
     "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
-    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU reference"},
+    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU"},
     "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
     "sampling.context_overflow": dict(OVERFLOW_CHOICES),
 }
@@ -206,6 +207,10 @@ class _Field:
             ed.setSpecialValueText(SPECIAL_TEXT[self.path])
         return ed
 
+    def set_shown(self, shown: bool) -> None:
+        for w in (self.label, self.editor, self.status, self.hint):
+            w.setVisible(shown)
+
     def value(self) -> Any:
         ed = self.editor
         if isinstance(ed, QComboBox):
@@ -283,6 +288,7 @@ class SettingsPanel(QDialog):
         lay.addWidget(buttons)
         self.refresh_models()
         self.set_settings(settings)
+        scroll_past_inputs(self)
 
     def _group(self, title: str, key: str, cls: type) -> QGroupBox:
         box = QGroupBox(title)
@@ -380,7 +386,17 @@ class SettingsPanel(QDialog):
         self._applied = dict(applied)
         known = {p for p in self.fields} | {p.split(".", 1)[1] for p in self.fields}
         others = [f"{k}: {v}" for k, v in sorted(applied.items()) if k not in known]
-        self.applied_note.setText(("Engine also reported — " + "; ".join(others)) if others else "")
+        # Options that do not apply to the loaded model on this engine are not shown (changing one
+        # would do nothing); the note names them.
+        unused = []
+        for path, f in self.fields.items():
+            reported = applied.get(path, applied.get(path.split(".", 1)[1], ""))
+            f.set_shown(not reported.startswith("ignored"))
+            if reported.startswith("ignored"):
+                unused.append(f.label.text())
+        notes = (["Not shown, as they do not apply to this model on this engine: " + ", ".join(unused) + "."]
+                 if unused else []) + (["Engine also reported — " + "; ".join(others)] if others else [])
+        self.applied_note.setText("\n".join(notes))
         self._on_changed()
 
     def show_telemetry(self, event: Any) -> None:

@@ -1,7 +1,7 @@
 """moedesk-cli chat: ask a model one question through a real worker process, streaming the answer.
 
     moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
-                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
+                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--cpu-threads N] [--json] PROMPT
 
 Exit status 0 on success; otherwise one line on stderr saying what went wrong, and status 1
 (2 for bad arguments, as argparse does).
@@ -22,6 +22,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, help="tokens drafted ahead per step")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
+    p.add_argument("--cpu-threads", type=int, help="CPU threads of the engine (default 0: automatic)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,8 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
     offload = {"backend": args.backend}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
+    if args.cpu_threads is not None:
+        offload["cpu_threads"] = args.cpu_threads
     return LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
                        draft=draft_options(args.draft, args.draft_tokens))
 

@@ -12,7 +12,6 @@ when the chat outgrows the context (`SamplingOptions.context_overflow`).
 """
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +54,6 @@ def local_entries(models_dir: Optional[Path] = None) -> list[ModelEntry]:
         detail = m.error if not m.loadable else f"{m.architecture or 'model'} · {m.size_bytes / 1e9:.2f} GB · {m.path}"
         out.append(ModelEntry("local", str(m.path), m.name, detail, m.loadable))
     return sorted(out, key=lambda e: (not e.loadable, e.label.lower()))
-
-
-def same_model(a: Optional[str], b: Optional[str]) -> bool:
-    """Whether two model references (names, "demo", folders) name the same folder."""
-    if not a or not b:
-        return False
-    return os.path.abspath(paths.resolve_model(a)) == os.path.abspath(paths.resolve_model(b))   # links are names too
 
 
 class _Combo(QComboBox):
@@ -118,7 +110,7 @@ class ModelPicker(QWidget):
         self._fill()
 
     def _index_of(self, model: Optional[str]) -> int:
-        return next((i for i, e in enumerate(self.entries) if same_model(e.key, model)), -1)
+        return next((i for i, e in enumerate(self.entries) if paths.same_model(e.key, model)), -1)
 
     def _fill(self) -> None:
         # The loaded model and the chat's own are offered even from outside the models folder.
@@ -132,7 +124,7 @@ class ModelPicker(QWidget):
         combo.blockSignals(True)
         combo.clear()
         for e in self.entries:
-            mark = LOADED_MARK if same_model(e.key, self.loaded) else ""
+            mark = LOADED_MARK if paths.same_model(e.key, self.loaded) else ""
             combo.addItem(mark + e.label + ("" if e.loadable else " (cannot load)"), e.key)
             combo.setItemData(combo.count() - 1, e.detail, 3)    # Qt.ToolTipRole
         if not self.entries:
@@ -140,7 +132,7 @@ class ModelPicker(QWidget):
         wanted = self._index_of(self.wanted)
         combo.setCurrentIndex(wanted if wanted >= 0 else max(0, self._index_of(self.loaded)))
         combo.blockSignals(False)
-        self.load_button.setVisible(wanted >= 0 and not same_model(self.wanted, self.loaded))
+        self.load_button.setVisible(wanted >= 0 and not paths.same_model(self.wanted, self.loaded))
         self.eject_button.setEnabled(self.loaded is not None)
 
     def _picked(self, index: int) -> None:
@@ -151,7 +143,7 @@ class ModelPicker(QWidget):
             self.combo.setToolTip(entry.detail)
             return
         self.wanted = entry.key
-        if not same_model(entry.key, self.loaded):
+        if not paths.same_model(entry.key, self.loaded):
             self.load_requested.emit(entry.key)
         self._fill()
 
