@@ -15,6 +15,9 @@ error(request_id, WorkerError) where the exception comes from `runtime.protocol.
 message, detail); worker_died(exit_code, description in words, last stderr lines) when the process
 ends without being asked to; state_changed(state) with one of the `State` values.
 A request made while no worker runs is not sent: `error` follows (code "not_running") with its id.
+A generate made while another generation runs waits in the client (in order) and is sent when that one
+ends, so the chat and the local server share one worker; cancelling a waiting one ends it at once
+(`finished` with reason "cancelled").
 
 Nothing here blocks the GUI thread: output is read from QProcess's readyRead signals (partial lines
 are buffered until their newline), commands are written without waiting, restart and shutdown
@@ -34,7 +37,7 @@ from typing import Optional, Sequence
 
 from PySide6.QtCore import QCoreApplication, QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-from runtime import protocol
+from runtime import paths, protocol
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
 from runtime.protocol import ChatMessage
 
@@ -78,8 +81,22 @@ def worker_environment() -> dict[str, str]:
     return dict(worker_env())
 
 
-def describe_exit(exit_code: int, crashed: bool) -> str:
-    """How the worker ended, in words. `crashed`: killed by signal number `exit_code`."""
+def oom_kills() -> Optional[int]:
+    """How many processes the kernel's out-of-memory killer has killed since boot (Linux's /proc/vmstat
+    `oom_kill`, which counts container limits too); None where the system does not say."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def describe_exit(exit_code: int, crashed: bool, oom_killed: Optional[bool] = None) -> str:
+    """How the worker ended, in words: only what is known. `crashed`: killed by signal number `exit_code`;
+    `oom_killed`: whether the system's out-of-memory killer acted meanwhile (None: not known)."""
     if not crashed:
         if exit_code == 0:
             return "The engine stopped unexpectedly (exit code 0)."
@@ -89,8 +106,13 @@ def describe_exit(exit_code: int, crashed: bool) -> str:
     except ValueError:
         name = f"signal {exit_code}"
     if exit_code == getattr(_signal, "SIGKILL", -1):
-        return (f"The engine was killed (signal {exit_code}, {name}) — possibly out of memory: "
-                "the system kills the largest process when RAM runs out.")
+        if oom_killed:
+            return (f"The system's out-of-memory killer stopped the engine (signal {exit_code}, {name}): "
+                    "RAM ran out.")
+        if oom_killed is False:
+            return (f"The engine was killed (signal {exit_code}, {name}) by another program or a user; "
+                    "the system's out-of-memory killer did not act.")
+        return f"The engine was killed (signal {exit_code}, {name})."
     if exit_code == getattr(_signal, "SIGSEGV", -1):
         return f"The engine crashed with a segmentation fault (signal {exit_code}, {name})."
     if exit_code == getattr(_signal, "SIGABRT", -1):
@@ -119,7 +141,10 @@ class LineBuffer:
         return [rest] if rest else []
 
 
-class EngineClient(QObject):
+class EngineSignals(QObject):
+    """What the window, the chat and the gauges hear from an engine: this client's local worker, or a remote
+    server (`app.serve.remote.RemoteEngine`). Both also offer start, load, generate, cancel, restart and
+    shutdown, and the attributes state, ready_event, loaded_event and generating."""
     ready = Signal(object)
     progress = Signal(object)
     loaded = Signal(object)
@@ -131,6 +156,9 @@ class EngineClient(QObject):
     error = Signal(str, object)            # request_id ("" when none), protocol.WorkerError
     worker_died = Signal(int, str, list)   # exit code or signal number, words, last stderr lines
     state_changed = Signal(str)
+
+
+class EngineClient(EngineSignals):
 
     def __init__(self, command: Optional[Sequence[str]] = None, parent: Optional[QObject] = None,
                  client_name: str = "moedesk-gui"):
@@ -150,6 +178,8 @@ class EngineClient(QObject):
         self._asked_to_stop = False
         self._restarting = False
         self._pending: list[str] = []
+        self._queued: deque[protocol.Generate] = deque()   # generates waiting for the running one
+        self._oom_kills_at_start: Optional[int] = None
         app = QCoreApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self._on_about_to_quit)
@@ -162,9 +192,11 @@ class EngineClient(QObject):
         self._out, self._err = LineBuffer(), LineBuffer()
         self.stderr_lines.clear()       # a later death reports this process's own lines
         self.ready_event, self.loaded_event, self.generating, self._loading = None, None, None, None
+        self._fail_queued()
         if self._proc is not None:
             self._proc.deleteLater()
         self._asked_to_stop = False
+        self._oom_kills_at_start = oom_kills()
         proc = self._proc = QProcess(self)
         proc.setProgram(self._command[0])
         proc.setArguments(self._command[1:])
@@ -231,8 +263,19 @@ class EngineClient(QObject):
         return self.pid() is not None
 
     # -- commands ---------------------------------------------------------------------------
-    def load(self, model: str, options: Optional[LoadOptions] = None, request_id: Optional[str] = None) -> str:
+    def holds(self, model: str, options: Optional[LoadOptions] = None) -> bool:
+        """Whether `model` (a name, 'demo' or a folder) with `options` is loaded or being loaded now."""
+        if self.last_load is None or (self.loaded_event is None and self._loading is None):
+            return False
+        current, current_options = self.last_load
+        return current_options == (options or LoadOptions()) and paths.same_model(current, model)
+
+    def load(self, model: str, options: Optional[LoadOptions] = None,
+             request_id: Optional[str] = None) -> Optional[str]:
+        """Ask for `model`; None (and nothing sent) when it is loaded, or loading, with these options already."""
         options = options or LoadOptions()
+        if self.holds(model, options):
+            return None
         request_id = request_id or f"load-{uuid.uuid4().hex[:8]}"
         if not self._send(protocol.Load(request_id=request_id, model=model, options=options)):
             self.last_load = (model, options)     # what a restart will load
@@ -255,22 +298,43 @@ class EngineClient(QObject):
         for i, m in enumerate(messages):
             if not isinstance(m, ChatMessage):
                 raise TypeError(f"messages[{i}] is a {type(m).__name__}, expected runtime.protocol.ChatMessage")
-        if self._send(protocol.Generate(request_id=request_id, messages=tuple(messages),
-                                        sampling=sampling or SamplingOptions(), draft=draft,
-                                        answer_prefix=answer_prefix)):
-            self.generating = request_id
+        return self.submit(protocol.Generate(request_id=request_id, messages=tuple(messages),
+                                             sampling=sampling or SamplingOptions(), draft=draft,
+                                             answer_prefix=answer_prefix))
+
+    def submit(self, command: protocol.Generate) -> str:
+        """Send a generate command, or keep it until the running generation ends."""
+        if self.generating is not None and self.is_running():
+            self._queued.append(command)
+        elif self._send(command):
+            self.generating = command.request_id
             self._set_state(State.GENERATING)
-        return request_id
+        return command.request_id
 
     def cancel(self, request_id: Optional[str] = None) -> None:
         """Stop a generation (the running one when `request_id` is None); `finished` follows."""
         rid = request_id or self.generating
-        if rid and self.is_running():
+        waiting = next((c for c in self._queued if c.request_id == rid), None)
+        if waiting is not None:
+            self._queued.remove(waiting)
+            ev = protocol.Finished(rid, "cancelled", protocol.GenerationStats(0, 0, None, None, None, 0.0))
+            QTimer.singleShot(0, self, lambda: self.finished.emit(ev))
+        elif rid and self.is_running():
             self._send(protocol.Cancel(request_id=rid))
 
     def count(self, request_id: str, messages: Sequence[ChatMessage]) -> None:
         """Ask how many tokens `messages` take as a prompt; `token_count` (or `error`) answers."""
         self._send(protocol.CountTokens(request_id=request_id, messages=tuple(messages)))
+
+    def _send_queued(self) -> None:
+        if self._queued and self.generating is None:
+            self.submit(self._queued.popleft())
+
+    def _fail_queued(self) -> None:
+        waiting, self._queued = list(self._queued), deque()
+        for cmd in waiting:
+            self.error.emit(cmd.request_id, protocol.WorkerError(
+                NOT_RUNNING, "The engine stopped before this request's turn came; send it again."))
 
     def stats(self, request_id: str = "") -> None:
         """Ask for one telemetry event now."""
@@ -349,6 +413,7 @@ class EngineClient(QObject):
                 self.generating = None
                 self._set_state(State.IDLE)
             self.finished.emit(ev)
+            self._send_queued()
         elif kind == "telemetry":
             self.telemetry.emit(ev)
         elif kind == "token_count":
@@ -363,9 +428,11 @@ class EngineClient(QObject):
         if rid and rid == self._loading:
             self._loading = None
             self.last_load = self._previous_load     # restart() must not retry a load that failed
+            self.loaded_event = None                 # the worker let the old model go before trying
         if self.state in (State.LOADING, State.GENERATING) and not (self.generating or self._loading):
             self._set_state(State.IDLE)
         self.error.emit(rid, protocol.exception_for(ev))
+        self._send_queued()
 
     def _on_finished(self, proc: QProcess, code: int, status: QProcess.ExitStatus) -> None:
         if proc is not self._proc:
@@ -375,13 +442,16 @@ class EngineClient(QObject):
         self._read_stderr(proc)
         for raw in self._err.flush():
             self.stderr_lines.append(raw.decode("utf-8", "replace"))
-        self.generating, self._loading = None, None
+        self.generating, self._loading, self.loaded_event = None, None, None     # nothing is loaded any more
+        self._fail_queued()
         if self._asked_to_stop:
             self._set_state(State.STOPPED)
             return
         crashed = status == QProcess.ExitStatus.CrashExit
+        before, now = self._oom_kills_at_start, oom_kills()
+        oom_killed = None if before is None or now is None else now > before
         self._set_state(State.DEAD)
-        self.worker_died.emit(int(code), describe_exit(int(code), crashed), list(self.stderr_lines))
+        self.worker_died.emit(int(code), describe_exit(int(code), crashed, oom_killed), list(self.stderr_lines))
 
     def _on_error(self, proc: QProcess, err: QProcess.ProcessError) -> None:
         if proc is not self._proc or err != QProcess.ProcessError.FailedToStart:

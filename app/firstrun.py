@@ -138,26 +138,19 @@ def load_demo(desk) -> None:
     try:
         ensure_demo_model()
     except DemoMissing as e:
-        desk.window.banner.show_state("The demo model is not available", str(e), kind="error")
+        desk.window.banner.show_state("The demo model is not available", str(e), kind="error", choose_model=True)
         return
     desk.model = paths.DEMO_ALIAS
     if desk.window.ready is not None and desk.client.is_running():
-        desk.client.load(paths.DEMO_ALIAS, desk.settings.load)
+        from app.main import load_model
+        load_model(desk, paths.DEMO_ALIAS)
     # otherwise main's ready handler loads desk.model when the engine has started
 
 
 def open_model_manager(desk) -> QDialog:
-    """"Browse models…": the model manager, whose Load button loads into this app's engine."""
-    from PySide6.QtWidgets import QApplication
-
-    from app.models_dialog import ModelManagerDialog
-    dialog = ModelManagerDialog(desk.window, engine_client=desk.client)
-    dialog.load_requested.connect(lambda path: desk.client.load(path, desk.settings.load))
-    QApplication.instance().aboutToQuit.connect(dialog.shutdown)   # running downloads pause, resume next time
-    dialog.setAttribute(Qt.WA_DeleteOnClose, False)
-    desk.window._model_manager = dialog                             # kept alive with the window
-    dialog.show()
-    return dialog
+    """"Browse models…": the app's model manager, whose Load button loads into this app's engine."""
+    from app.main import open_models
+    return open_models(desk)
 
 
 def offer_welcome(desk) -> WelcomeDialog | None:

@@ -27,6 +27,8 @@ from PySide6.QtGui import QPainter, QPainterPath, QPalette, QPen
 from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
                                QVBoxLayout, QWidget)
 
+from runtime.cpu_load import CONTENDED_CPUS, physical_cores
+
 from app.telemetry import (DASH, History, NvmlMonitor, NvmlState, RamSampler, fmt_bytes,
                            fmt_bytes_per_token, fmt_fraction, fmt_rate, fmt_seconds, fmt_used_total)
 from runtime.protocol import Finished, Telemetry
@@ -124,7 +126,7 @@ class Gauge(QFrame):
 
 
 STRIP = (("decode_tps", "Decode"), ("ttft", "First token"), ("ram", "RAM"), ("vram", "VRAM"))
-GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU engine
+GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU or a remote engine
 
 
 class GaugesPanel(QWidget):
@@ -136,6 +138,7 @@ class GaugesPanel(QWidget):
                  columns: int = 3):
         super().__init__(parent)
         self.nvml = nvml or NvmlMonitor()
+        self.remote: Optional[str] = None       # the address of a remote engine in use, if any
         self.ram = ram or RamSampler()
         g = self.gauges = {
             "vram": Gauge("VRAM", "GPU memory used / total (NVML), all processes."),
@@ -174,6 +177,10 @@ class GaugesPanel(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         lay.addLayout(strip)
+        # Said only while other programs hold CPU cores the engine would use (runtime.cpu_load).
+        self.cpu_note = QLabel(wordWrap=True, visible=False)
+        self.cpu_note.setContentsMargins(6, 0, 6, 2)
+        lay.addWidget(self.cpu_note)
         lay.addWidget(self.details, 1)
         self._layout_tiles()
         self.timer = QTimer(self)
@@ -199,7 +206,7 @@ class GaugesPanel(QWidget):
         return self.details.isVisible() or self.details_button.isChecked()
 
     def set_engine(self, engine: Optional[str]) -> None:
-        """"cpu" hides the tiles only a GPU engine fills."""
+        """"cpu" (and "remote": its GPU is not ours to see) hides the tiles only a local GPU engine fills."""
         self.engine = engine
         self._layout_tiles()
 
@@ -208,7 +215,7 @@ class GaugesPanel(QWidget):
         if key == "vram":
             return not self.no_gpu
         if key in GPU_ONLY:
-            return self.engine != "cpu" and not self.no_gpu
+            return self.engine not in ("cpu", "remote") and not self.no_gpu
         return True
 
     def _layout_tiles(self) -> None:
@@ -234,7 +241,16 @@ class GaugesPanel(QWidget):
         self.ram.set_pid(pid)
         self.poll()
 
+    def set_remote(self, url: Optional[str]) -> None:
+        """A remote engine (its address) or None: this computer's memory says nothing about a remote engine."""
+        self.remote = url
+        self.poll()
+
     def poll(self) -> None:
+        if self.remote:
+            for key in ("vram", "ram", "worker_rss"):
+                self.gauges[key].update_value(DASH, None, "not available for a remote engine")
+            return
         vram = self.nvml.poll()
         gauge = self.gauges["vram"]
         if vram is None:
@@ -274,7 +290,29 @@ class GaugesPanel(QWidget):
         for key, attr, fmt in self._TELEMETRY:
             value = getattr(t, attr)
             if value is not None:
+                self.gauges[key].value.setEnabled(True)
                 self.gauges[key].update_value(fmt(value), value, "live" if t.generating else "last answer")
+        if t.cpu_busy_others is not None:
+            self.show_cpu_load(t.cpu_busy_others, t.cpu_threads)
+        self._refresh_strip()
+
+    def show_cpu_load(self, others: float, threads: Optional[int]) -> None:
+        """A line while other programs keep CPU cores busy: the engine's speed depends on them."""
+        contended = others >= CONTENDED_CPUS
+        if contended:
+            team = f"; the engine uses {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+            self.cpu_note.setText(f"⚠ The machine is busy: other programs keep {others:.1f} of "
+                                  f"{physical_cores()} CPU cores busy{team}. Answers come slower.")
+        self.cpu_note.setVisible(contended)
+
+    def engine_gone(self) -> None:
+        """The engine process ended: its figures stay for reference, greyed and marked as not live."""
+        for key, _, _ in self._TELEMETRY:
+            g = self.gauges[key]
+            if g.value.text() != DASH:
+                g.value.setEnabled(False)
+                g.note.setText("engine stopped: not live")
+        self.cpu_note.setVisible(False)
         self._refresh_strip()
 
     def show_finished(self, f: Finished) -> None:
@@ -285,6 +323,7 @@ class GaugesPanel(QWidget):
                                 ("prefill_tps", s.prefill_tps, fmt_rate),
                                 ("draft_acceptance", acceptance, fmt_fraction)):
             if value is not None:
+                self.gauges[key].value.setEnabled(True)
                 self.gauges[key].update_value(fmt(value), value,
                                               f"last answer: {s.generated_tokens} tokens")
         self._refresh_strip()
@@ -294,6 +333,7 @@ class GaugesPanel(QWidget):
         for key, _, _ in self._TELEMETRY:
             g = self.gauges[key]
             g.history.clear()
+            g.value.setEnabled(True)
             g.update_value(DASH, None, "")
         self._refresh_strip()
 

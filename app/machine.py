@@ -17,7 +17,7 @@ import psutil
 from app.telemetry import NvmlMonitor
 from runtime.gpu_setup import KernelStatus, kernel_status
 
-GB = 1024 ** 3
+GB = 1024 ** 3                # the app speaks GiB everywhere (app/telemetry.fmt_bytes)
 MIN_GPU_VRAM_GB = 8          # below this even small MoE quants leave little room for experts
 MIN_OFFLOAD_RAM_GB = 32      # cold experts of a 100B-class model at ~3 bpw need tens of GB
 MIN_FREE_DISK_GB = 20        # one mid-size EXL2 quant
@@ -50,7 +50,7 @@ class MachineReport:
     def summary(self) -> str:
         if not self.gpu_engine:
             return "CPU demo only: no NVIDIA GPU was found, so MoE Desk will run the small demo model on the CPU."
-        return f"GPU engine: {self.gpu_name} with {self.vram_total_bytes / GB:.0f} GB of VRAM."
+        return f"GPU engine: {self.gpu_name} with {self.vram_total_bytes / GB:.0f} GiB of VRAM."
 
 
 def probe_gpu() -> tuple[Optional[str], Optional[str], Optional[int], str]:
@@ -92,23 +92,23 @@ def check_machine(models_dir: Path) -> MachineReport:
     kernels = None
     findings = []
     if name is None:
-        findings.append(Finding("fail", f"No NVIDIA GPU: {gpu_problem}.",
+        findings.append(Finding("fail", f"No NVIDIA GPU found ({gpu_problem}).",
                                 "The GPU engine needs an NVIDIA GPU with a recent driver (R535 or newer). "
                                 "Until then MoE Desk runs the demo model on the CPU."))
     else:
-        findings.append(Finding("ok", f"NVIDIA GPU: {name}, driver {driver}, {vram / GB:.0f} GB VRAM."))
+        findings.append(Finding("ok", f"NVIDIA GPU: {name}, driver {driver}, {vram / GB:.0f} GiB VRAM."))
         if vram / GB < MIN_GPU_VRAM_GB:
-            findings.append(Finding("warn", f"Only {vram / GB:.0f} GB of VRAM.",
+            findings.append(Finding("warn", f"Only {vram / GB:.0f} GiB of VRAM.",
                                     "Large MoE models will keep most experts in RAM; expect lower speed."))
         kernels = kernel_status()
         findings.append(kernel_finding(kernels))
     ram_gb = vm.total / GB
     level = "ok" if ram_gb >= MIN_OFFLOAD_RAM_GB else "warn"
-    findings.append(Finding(level, f"{ram_gb:.0f} GB of RAM ({vm.available / GB:.0f} GB free).",
+    findings.append(Finding(level, f"{ram_gb:.0f} GiB of RAM ({vm.available / GB:.0f} GiB free).",
                             "" if level == "ok" else
-                            f"Expert offload of 100B-class models wants {MIN_OFFLOAD_RAM_GB} GB or more."))
+                            f"Expert offload of 100B-class models wants {MIN_OFFLOAD_RAM_GB} GiB or more."))
     level = "ok" if disk_free / GB >= MIN_FREE_DISK_GB else "warn"
-    findings.append(Finding(level, f"{disk_free / GB:.0f} GB free on the disk that holds models.",
+    findings.append(Finding(level, f"{disk_free / GB:.0f} GiB free on the disk that holds models.",
                             "" if level == "ok" else
-                            f"Model downloads are large; free at least {MIN_FREE_DISK_GB} GB."))
+                            f"Model downloads are large; free at least {MIN_FREE_DISK_GB} GiB."))
     return MachineReport(name, driver, vram, vm.total, vm.available, disk_free, nvcc, tuple(findings), kernels)

@@ -9,15 +9,17 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QObject, Qt
 from PySide6.QtWidgets import QApplication
 
 from app import theme
 from app.chat.session import ChatSession
 from app.engine_client import EngineClient
 from app.gauges import GaugesPanel
+from app.hub.local import mark_used
 from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
@@ -27,6 +29,7 @@ from app.window import MainWindow
 from runtime import paths
 
 INTERRUPTED = "The app closed while this answer was being written; the text so far was kept."
+SWITCHED = "The engine was switched while this answer was being written; the text so far was kept."
 
 
 @dataclass
@@ -40,6 +43,9 @@ class Desk:
     window: MainWindow
     model: Optional[str]       # loaded when the engine is first ready
     models: Optional[ModelManagerDialog] = None   # made on first use; downloads outlive its window
+    engine: Any = None         # the engine the chat uses: `client`, or a remote one (use_engine)
+    engine_links: list = dataclasses.field(default_factory=list)
+    server: Any = None         # the local OpenAI-compatible server (app.serve.inapp.LocalServer)
 
 
 def startup_model(settings: Settings) -> Optional[str]:
@@ -66,6 +72,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     desk = Desk(settings, store, session, client, gauges, window,
                 startup_model(settings) if model == "auto" else model)
     wire(desk)
+    apply_server(desk)
     window.gauges_dock.setVisible(settings.app.show_gauges)
     if store_notice:
         window.notice.add("Conversations", store_notice)
@@ -78,47 +85,26 @@ def wire(desk: Desk) -> None:
     """The one place where the engine process meets the views. QProcess delivers its output on the
     GUI thread, so every connection here runs there; the views never see the process."""
     client, session, window, gauges = desk.client, desk.session, desk.window, desk.gauges
+    desk.engine = client
+    desk.engine_links = connect_engine(desk, client)
 
-    # Engine -> chat: the streamed answer and how it ended.
-    client.token.connect(session.on_token)
-    client.finished.connect(session.on_finished)
-    client.error.connect(session.on_error)
-    client.worker_died.connect(session.on_worker_died)
-
-    # Engine -> window: state in words, load progress, errors with the worker's stderr.
-    client.state_changed.connect(window.on_engine_state)
-    client.ready.connect(window.on_ready)
-    client.progress.connect(window.on_progress)
-    client.loaded.connect(window.on_loaded)
-    client.error.connect(window.on_engine_error)
-    client.worker_died.connect(window.on_worker_died)
-    client.unloaded.connect(window.on_unloaded)
-
-    # The chat header: token counts for the context meter, loads and unloads from the model picker.
-    chat = window.chat
-    chat.meter.count_requested.connect(client.count)
-    client.token_count.connect(chat.meter.on_count)
-    chat.picker.load_requested.connect(lambda model: client.load(model, desk.settings.load))
-    chat.picker.eject_requested.connect(lambda: client.unload())
-
-    # Engine -> gauges.
-    client.telemetry.connect(gauges.show_telemetry)
-    client.finished.connect(gauges.show_finished)
-    client.loaded.connect(lambda _ev: gauges.reset_speed())
-    client.ready.connect(lambda ev: gauges.set_engine(ev.engine))
-    client.loaded.connect(lambda ev: gauges.set_engine(ev.backend))
-    client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()))
-
-    # Chat and window -> engine.
+    # Chat and window -> the engine in use (the local worker, or a remote server).
     session.generate_requested.connect(
-        lambda rid, msgs, sampling, prefix: client.generate(rid, msgs, sampling, answer_prefix=prefix))
-    session.cancel_requested.connect(client.cancel)
-    window.restart_requested.connect(client.restart)
+        lambda rid, msgs, sampling, prefix: desk.engine.generate(rid, msgs, sampling, answer_prefix=prefix))
+    session.cancel_requested.connect(lambda rid: desk.engine.cancel(rid))
+    window.restart_requested.connect(lambda: desk.engine.restart())
+    client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()) if desk.engine is client else None)
+
+    # The chat header: token counts for the context meter; the model picker loads local models and ejects.
+    chat = window.chat
+    chat.meter.count_requested.connect(lambda rid, msgs: desk.engine.count(rid, msgs))
+    chat.picker.load_requested.connect(lambda model: load_local(desk, model))
+    chat.picker.eject_requested.connect(lambda: desk.engine.unload())
 
     def load_first_model(_ready) -> None:
         # Only the first start loads here; restart() reloads what was loaded itself.
         if desk.model and client.last_load is None:
-            client.load(desk.model, desk.settings.load)
+            load_model(desk, desk.model)
 
     client.ready.connect(load_first_model)
 
@@ -128,7 +114,8 @@ def wire(desk: Desk) -> None:
                               has_model=client.loaded_event is not None, parent=window)
         if client.loaded_event is not None:
             panel.show_applied(client.loaded_event.applied)
-        client.telemetry.connect(panel.show_telemetry)       # which expert path runs, and why (live)
+        desk.engine.telemetry.connect(panel.show_telemetry)  # which expert path runs, and why (live)
+        panel.set_server_address(desk.server.words if desk.server is not None else "The local server is off.")
         panel.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         panel.apply_requested.connect(lambda settings, reload: apply_settings(desk, settings, reload))
         panel.open()
@@ -139,20 +126,117 @@ def wire(desk: Desk) -> None:
                                                 app=dataclasses.replace(desk.settings.app, last_model=ev.model))
             save_settings(desk.settings)
 
-    # The model manager: loading a model from it goes through the same client.
-    def open_models() -> None:
-        if desk.models is None:
-            desk.models = ModelManagerDialog(window, engine_client=client)
-            desk.models.load_requested.connect(lambda path: client.load(path, desk.settings.load))
-            app = QApplication.instance()
-            if app is not None:
-                app.aboutToQuit.connect(desk.models.shutdown)
-        desk.models.show()
-        desk.models.raise_()
-
     window.settings_requested.connect(open_settings)
-    window.models_requested.connect(open_models)
+    window.models_requested.connect(lambda: open_models(desk))
     client.loaded.connect(remember_model)
+    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
+
+
+def load_local(desk: Desk, model: str) -> None:
+    """Chat with the local engine again (if a remote one was in use) and load `model` there."""
+    use_engine(desk, desk.client)
+    load_model(desk, model)
+
+
+def load_model(desk: Desk, model: str) -> None:
+    """Load `model` with the settings' options, unless it is loaded (or loading) with them already."""
+    if desk.client.load(model, desk.settings.load) is None:
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already.", 4000)
+
+
+def open_models(desk: Desk) -> ModelManagerDialog:
+    """The model manager (one per app: downloads outlive its window): its Load goes to the local engine
+    (`load_local`), its remote server replaces it (`use_remote`)."""
+    if desk.models is None:
+        desk.models = ModelManagerDialog(desk.window, engine_client=desk.client, remote=remote_settings(desk.settings))
+        desk.models.load_requested.connect(lambda path: load_local(desk, path))
+        desk.models.remote_requested.connect(lambda config: use_remote(desk, config))
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(desk.models.shutdown)
+    desk.models.show()
+    desk.models.raise_()
+    return desk.models
+
+
+def connect_engine(desk: Desk, engine) -> list:
+    """The engine's events to the chat, the window and the gauges; returns the links (to undo them)."""
+    session, window, gauges = desk.session, desk.window, desk.gauges
+    return [
+        # Engine -> chat: the streamed answer and how it ended.
+        engine.token.connect(session.on_token),
+        engine.finished.connect(session.on_finished),
+        engine.error.connect(session.on_error),
+        engine.worker_died.connect(session.on_worker_died),
+        # Engine -> window: state in words, load progress, errors with the worker's stderr.
+        engine.state_changed.connect(window.on_engine_state),
+        engine.ready.connect(window.on_ready),
+        engine.progress.connect(window.on_progress),
+        engine.loaded.connect(window.on_loaded),
+        engine.error.connect(window.on_engine_error),
+        engine.worker_died.connect(window.on_worker_died),
+        engine.worker_died.connect(lambda *_: gauges.engine_gone()),
+        engine.unloaded.connect(window.on_unloaded),
+        # Engine -> the chat header's context meter.
+        engine.token_count.connect(window.chat.meter.on_count),
+        # Engine -> gauges.
+        engine.telemetry.connect(gauges.show_telemetry),
+        engine.finished.connect(gauges.show_finished),
+        engine.loaded.connect(lambda _ev: gauges.reset_speed()),
+        engine.ready.connect(lambda ev: gauges.set_engine(ev.engine)),
+        engine.loaded.connect(lambda ev: gauges.set_engine(ev.backend)),
+    ]
+
+
+def use_engine(desk: Desk, engine) -> None:
+    """Chat with `engine` from now on: the local EngineClient, or a RemoteEngine (app.serve.remote)."""
+    if engine is desk.engine:
+        return
+    stream = desk.session.stream
+    if stream is not None:                       # the old engine's answer ends here, its text kept
+        desk.engine.cancel(stream.request_id)
+        desk.session.fail_request(stream.request_id, SWITCHED)
+    for link in desk.engine_links:
+        QObject.disconnect(link)
+    old, desk.engine = desk.engine, engine
+    if old is not desk.client:
+        old.shutdown()
+    desk.engine_links = connect_engine(desk, engine)
+    desk.window.loaded = None
+    remote = engine is not desk.client
+    desk.gauges.set_remote(engine.config.base_url if remote else None)
+    if not remote:
+        desk.gauges.set_worker_pid(desk.client.pid())
+    if engine.ready_event is not None:           # what the window shows: this engine's own state
+        desk.window.on_ready(engine.ready_event)
+        desk.gauges.set_engine(engine.ready_event.engine)
+    if engine.loaded_event is not None:
+        desk.window.on_loaded(engine.loaded_event)
+        desk.gauges.set_engine(engine.loaded_event.backend)
+    else:
+        desk.window.on_unloaded()
+    desk.window.on_engine_state(engine.state)
+
+
+def use_remote(desk: Desk, config) -> None:
+    """Chat with a remote OpenAI-compatible server; its address and model are remembered, its key kept secret."""
+    from app.secrets import set_secret
+    from app.serve.remote import RemoteEngine
+    engine = RemoteEngine(config)
+    set_secret(f"remote:{engine.config.base_url}", config.api_key)
+    desk.settings = dataclasses.replace(desk.settings, app=dataclasses.replace(
+        desk.settings.app, remote_url=engine.config.base_url, remote_model=config.model))
+    save_settings(desk.settings)
+    use_engine(desk, engine)
+    engine.start()
+
+
+def remote_settings(settings: Settings):
+    """The remote server last used (address, model, key), to fill in the model manager's form."""
+    from app.secrets import get_secret
+    from app.serve.remote import RemoteConfig
+    url = settings.app.remote_url
+    return RemoteConfig(url, settings.app.remote_model or "", get_secret(f"remote:{url}")) if url else None
 
 
 def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:
@@ -164,8 +248,27 @@ def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:
     if app is not None:
         theme.apply(app, settings.app.theme)
     save_settings(settings)
+    apply_server(desk)
     if reload and desk.client.last_load is not None:
         desk.client.load(desk.client.last_load[0], settings.load)
+
+
+def apply_server(desk: Desk) -> None:
+    """Start, restart or stop the local OpenAI-compatible server to match the settings."""
+    if desk.server is None:
+        if not desk.settings.server.enabled:
+            return
+        from app.serve.inapp import LocalServer
+        desk.server = LocalServer(desk.client, desk.window)
+        desk.server.status.connect(lambda words: desk.window.statusBar().showMessage(words, 8000))
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(desk.server.stop)
+    from app.secrets import get_secret
+    from app.settings_panel import SERVER_KEY
+    problem = desk.server.apply(desk.settings.server, get_secret(SERVER_KEY))
+    if problem:
+        desk.window.banner.show_state("The local server is not running", problem, kind="info")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -180,6 +283,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(install())
         return 0
     question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
+    if not question:
+        from app import display_check
+        words = display_check.advice(display_check.missing_for_display()) if display_check.uses_xcb() else None
+        if words:
+            print(words, file=sys.stderr)
+            return 1
     smoke_model = args.model or paths.DEMO_ALIAS          # --smoke-test --model DIR: another model (GPU bundles)
     if question and smoke_model == paths.DEMO_ALIAS:
         from app.demo_install import DemoMissing, ensure_demo_model

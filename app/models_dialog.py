@@ -15,7 +15,8 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QHBoxLayout, QHeaderView,
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QGridLayout, QHBoxLayout,
+                               QHeaderView,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
                                QVBoxLayout, QWidget)
@@ -24,18 +25,14 @@ from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
-from app.hub.local import LocalModel, delete_model, import_folder, list_local_models, mark_used
+from app.hub.local import LocalModel, delete_model, import_folder, list_local_models
 from app.hub.queue import DownloadManager
 from app.hub.recommend import recommend
+from app.telemetry import fmt_bytes
+from app.wheel import scroll_past_inputs
 from runtime import paths
 
 KV_TYPES = ("fp16", "q8", "q6", "q4")
-
-
-def _size(n: float) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
 def _params(n: int) -> str:
@@ -63,11 +60,12 @@ def _table(headers: list[str]) -> QTableWidget:
 
 class ModelManagerDialog(QDialog):
     load_requested = Signal(str)
+    remote_requested = Signal(object)           # app.serve.remote.RemoteConfig: chat with that server
     _download_event = Signal(object)            # DownloadProgress, from the download thread
     _task_done = Signal(object, object)         # (callbacks, Future), from a worker thread
 
     def __init__(self, parent=None, engine_client=None, models_dir: Path | None = None,
-                 manager: DownloadManager | None = None, hub: HubClient | None = None):
+                 manager: DownloadManager | None = None, hub: HubClient | None = None, remote=None):
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.resize(1000, 640)
@@ -86,6 +84,7 @@ class ModelManagerDialog(QDialog):
         self.tabs = QTabWidget()
         self.tabs.addTab(self._build_local(), "Local models")
         self.tabs.addTab(self._build_hub(), "Download from the Hub")
+        self.tabs.addTab(self._build_remote(remote), "Remote server…")
         split = QSplitter(Qt.Vertical)           # downloads stay in sight while browsing
         split.addWidget(self.tabs)
         split.addWidget(self._build_downloads())
@@ -95,6 +94,10 @@ class ModelManagerDialog(QDialog):
         self.refresh_local()
         for progress in self.manager.restore():
             self._on_download_event(progress)
+        if engine_client is not None:        # the loaded model is marked, its "Last used" now
+            for sig in (engine_client.loaded, engine_client.unloaded, engine_client.worker_died):
+                sig.connect(lambda *_: self.refresh_local())
+        scroll_past_inputs(self)
 
     # ------------------------------------------------------------------------------------------
     # Local models
@@ -132,12 +135,24 @@ class ModelManagerDialog(QDialog):
         t.setRowCount(len(self._local))
         for r, m in enumerate(self._local):
             used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "never"
-            cells = [m.name, m.architecture or "—", _params(m.num_params) if m.num_params else "—",
-                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", _size(m.size_bytes), used,
-                     "ready" if m.loadable else "cannot load"]
+            loaded = self.is_loaded(m)
+            status = "loaded — in use" if loaded else "ready" if m.loadable else "cannot load"
+            cells = [("● " if loaded else "") + m.name, m.architecture or "—",
+                     _params(m.num_params) if m.num_params else "—",
+                     f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", fmt_bytes(m.size_bytes), used, status]
             for c, text in enumerate(cells):
-                t.setItem(r, c, _item(text, m.error or m.source or str(m.path)))
+                item = _item(text, m.error or m.source or str(m.path))
+                if loaded:
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                t.setItem(r, c, item)
         self._local_selection_changed()
+
+    def is_loaded(self, m: LocalModel) -> bool:
+        """Whether the engine holds this model now."""
+        ev = self.engine_client.loaded_event if self.engine_client is not None else None
+        return ev is not None and Path(ev.path).resolve() == m.path.resolve()
 
     def selected_local(self) -> LocalModel | None:
         rows = self.local_table.selectionModel().selectedRows()
@@ -145,7 +160,9 @@ class ModelManagerDialog(QDialog):
 
     def _local_selection_changed(self) -> None:
         m = self.selected_local()
-        self.load_button.setEnabled(bool(m and m.loadable))
+        loaded = m is not None and self.is_loaded(m)
+        self.load_button.setEnabled(bool(m and m.loadable) and not loaded)
+        self.load_button.setText("Loaded" if loaded else "Load")
         self.reveal_button.setEnabled(m is not None)
         self.delete_button.setEnabled(m is not None)
         if m is not None:
@@ -153,10 +170,8 @@ class ModelManagerDialog(QDialog):
 
     def _load_selected(self) -> None:
         m = self.selected_local()
-        if m and m.loadable:
-            mark_used(m.path)
+        if m and m.loadable and not self.is_loaded(m):
             self.load_requested.emit(str(m.path))
-            self.refresh_local()
 
     def _reveal_selected(self) -> None:
         m = self.selected_local()
@@ -168,7 +183,7 @@ class ModelManagerDialog(QDialog):
         if not m:
             return
         answer = QMessageBox.question(self, "Delete model",
-                                      f"Delete {m.name} ({_size(m.size_bytes)}) from disk?\n{m.path}")
+                                      f"Delete {m.name} ({fmt_bytes(m.size_bytes)}) from disk?\n{m.path}")
         if answer != QMessageBox.Yes:
             return
         try:
@@ -253,7 +268,7 @@ class ModelManagerDialog(QDialog):
 
     def set_memory(self, vram: float, ram: float, gpu: str) -> None:
         self.vram, self.ram, self.gpu = vram, ram, gpu
-        self.memory_label.setText(f"{gpu}: {vram / 1e9:.1f} GB VRAM · {ram / 1e9:.1f} GB RAM")
+        self.memory_label.setText(f"{gpu}: {fmt_bytes(vram)} VRAM · {fmt_bytes(ram)} RAM")
         self._fill_quants()
         if not self._searched:
             self.show_recommended()
@@ -273,8 +288,8 @@ class ModelManagerDialog(QDialog):
             item.setToolTip(f"{r.candidate.repo} (branch {r.candidate.branch}); size estimated from the model's "
                             f"shape. {r.estimate.assumptions if r.estimate else ''}")
             self.repo_list.addItem(item)
-        where = (f"{self.vram / 1e9:.0f} GB VRAM and {self.ram / 1e9:.0f} GB RAM" if self.vram > 0
-                 else f"the CPU engine and {self.ram / 1e9:.0f} GB RAM")
+        where = (f"{fmt_bytes(self.vram)} VRAM and {fmt_bytes(self.ram)} RAM" if self.vram > 0
+                 else f"the CPU engine and {fmt_bytes(self.ram)} RAM")
         self.hub_status.setText(f"Recommended for this machine ({where}): pick one to see its quants, or search."
                                 if recs else "None of the recommended models fits this machine: search the Hub.")
 
@@ -335,7 +350,7 @@ class ModelManagerDialog(QDialog):
             bits = f"{q.bpw:g}" if q.bpw else "?"
             if q.head_bits:
                 bits += f" (head {q.head_bits:g})"
-            for c, text in enumerate([q.branch, bits, _size(q.size_bytes), fit]):
+            for c, text in enumerate([q.branch, bits, fmt_bytes(q.size_bytes), fit]):
                 t.setItem(r, c, _item(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
             t.selectRow(0)
@@ -364,6 +379,80 @@ class ModelManagerDialog(QDialog):
                       lambda user: self.hub_status.setText(f"Signed in as {user}: gated and private repositories "
                                                            "you have access to can be downloaded now."),
                       self._hub_failed)
+
+    # ------------------------------------------------------------------------------------------
+    # A remote OpenAI-compatible server (vLLM, SGLang, TabbyAPI, llama.cpp, moedesk serve)
+
+    def _build_remote(self, remote) -> QWidget:
+        w = QWidget()
+        self.remote_url = QLineEdit(remote.base_url if remote else "")
+        self.remote_url.setPlaceholderText("http://gpu-box:8000/v1")
+        self.remote_key = QLineEdit(remote.api_key or "" if remote else "", echoMode=QLineEdit.Password)
+        self.remote_key.setPlaceholderText("API key, if the server needs one")
+        self.remote_list_button = QPushButton("List models")
+        self.remote_model = QComboBox(editable=True)
+        if remote and remote.model:
+            self.remote_model.addItem(remote.model)
+        self.remote_use_button = QPushButton("Chat with this server")
+        self.remote_status = QLabel("Chats stream from an OpenAI-compatible server instead of this computer's "
+                                    "engine. Enter its address and list its models.")
+        self.remote_status.setWordWrap(True)
+        self.remote_list_button.clicked.connect(self.list_remote_models)
+        self.remote_url.returnPressed.connect(self.list_remote_models)
+        self.remote_use_button.clicked.connect(self._use_remote)
+        grid = QGridLayout()
+        for r, (label, widget) in enumerate((("Address", self.remote_url), ("API key", self.remote_key),
+                                             ("Model", self.remote_model))):
+            grid.addWidget(QLabel(label), r, 0)
+            grid.addWidget(widget, r, 1)
+        grid.addWidget(self.remote_list_button, 0, 2)
+        grid.addWidget(self.remote_use_button, 2, 2)
+        v = QVBoxLayout(w)
+        v.addLayout(grid)
+        v.addWidget(self.remote_status)
+        v.addStretch(1)
+        return w
+
+    def list_remote_models(self) -> None:
+        from app.serve.remote import list_models, normalise_url
+        try:
+            url = normalise_url(self.remote_url.text())
+        except ValueError as exc:
+            self.remote_status.setText(str(exc))
+            return
+        self.remote_url.setText(url)
+        self.remote_status.setText(f"Asking {url} for its models…")
+        self.remote_list_button.setEnabled(False)
+        self._run(lambda: list_models(url, self.remote_key.text().strip() or None), self._show_remote_models,
+                  self._remote_failed)
+
+    def _show_remote_models(self, models: list) -> None:
+        self.remote_list_button.setEnabled(True)
+        current = self.remote_model.currentText()
+        self.remote_model.clear()
+        self.remote_model.addItems(models)
+        if current in models:
+            self.remote_model.setCurrentText(current)
+        self.remote_status.setText(f"{len(models)} model(s) on this server. Pick one and press "
+                                   "'Chat with this server'." if models else "The server lists no models.")
+
+    def _remote_failed(self, exc: BaseException) -> None:
+        self.remote_list_button.setEnabled(True)
+        self.remote_status.setText(getattr(exc, "message", None) or str(exc))
+
+    def _use_remote(self) -> None:
+        from app.serve.remote import RemoteConfig, normalise_url
+        try:
+            url = normalise_url(self.remote_url.text())
+        except ValueError as exc:
+            self.remote_status.setText(str(exc))
+            return
+        model = self.remote_model.currentText().strip()
+        if not model:
+            self.remote_status.setText("Pick a model first: 'List models' shows what the server has.")
+            return
+        self.remote_status.setText(f"Chats now stream from {model} at {url}.")
+        self.remote_requested.emit(RemoteConfig(url, model, self.remote_key.text().strip() or None))
 
     # ------------------------------------------------------------------------------------------
     # Downloads
@@ -412,10 +501,10 @@ class ModelManagerDialog(QDialog):
                 t.selectRow(0)
         bar = t.cellWidget(row, 2)
         bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
-        bar.setFormat(f"{_size(p.done_bytes)} of {_size(p.total_bytes)}")
+        bar.setFormat(f"{fmt_bytes(p.done_bytes)} of {fmt_bytes(p.total_bytes)}")
         running = p.state is JobState.RUNNING
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
-        for c, text in ((1, p.state.value), (3, f"{p.speed_bps / 1e6:.1f} MB/s" if running else ""), (4, eta),
+        for c, text in ((1, p.state.value), (3, f"{fmt_bytes(p.speed_bps)}/s" if running else ""), (4, eta),
                         (5, p.message)):
             t.setItem(row, c, _item(text, p.message))
         if p.state is JobState.DONE:

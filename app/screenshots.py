@@ -9,7 +9,9 @@ chat with a regenerated answer and a stopped one offering Continue), settings.pn
 gauge: the details opened), model-manager.png (a download in progress) and welcome.png (the first-run
 screen for this machine), and the first-run screen on a staged GPU machine in the GPU kernels' states:
 welcome-gpu-toolkit-not-needed.png, welcome-gpu-building.png, welcome-gpu-failed.png,
-welcome-gpu-ready.png. Uses a temporary data dir, so the user's
+welcome-gpu-ready.png; then local-server.png (Settings → Local server, running) and remote-server.png
+(the model manager's "Remote server…" tab). `--only server` writes just the last two (no worker
+needed). Uses a temporary data dir, so the user's
 conversations are neither shown nor touched.
 """
 from __future__ import annotations
@@ -113,6 +115,7 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         written.append(grab_model_manager(out / "model-manager.png"))
         written.append(grab_welcome(out / "welcome.png"))
         written.extend(grab_kernel_states(out))
+        written += shoot_server(out)
     finally:
         win.close()
         desk.client.shutdown(wait=True)
@@ -154,6 +157,51 @@ def grab_kernel_states(out: Path) -> list[Path]:
     return written
 
 
+def shoot_server(out: Path) -> list[Path]:
+    """Settings → Local server with the server running (a real one, on a free port), and the remote-server form."""
+    import dataclasses
+
+    from PySide6.QtWidgets import QGroupBox
+
+    from app import theme
+    from app.engine_client import EngineClient
+    from app.models_dialog import ModelManagerDialog
+    from app.secrets import new_api_key, set_secret
+    from app.serve.inapp import LocalServer
+    from app.serve.remote import RemoteConfig
+    from app.settings import Settings
+    from app.settings_panel import SERVER_KEY, SettingsPanel
+    from runtime.options import ServeOptions
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    theme.apply(app, "light")
+    settings = Settings(server=dataclasses.replace(ServeOptions(), enabled=True))
+    set_secret(SERVER_KEY, new_api_key())
+    server = LocalServer(EngineClient())     # the address is what this picture shows: no engine is started
+    problem = server.apply(settings.server, None)
+    panel = SettingsPanel(settings)
+    panel.set_server_address(problem or server.words)
+    panel.resize(960, _full_height(panel, 960))
+    panel.show()
+    settle()
+    box = next(b for b in panel.findChildren(QGroupBox) if b.title().startswith("Local server"))
+    written = [_save(box.grab(), out / "local-server.png")]
+    server.stop()
+    panel.close()
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models),
+                                    remote=RemoteConfig("http://gpu-box:8000/v1", "Qwen/Qwen3-30B-A3B", "key"))
+        dialog._show_remote_models(["Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-0.6B"])
+        dialog.tabs.setCurrentIndex(2)
+        dialog.resize(900, 360)
+        dialog.show()
+        settle()
+        written.append(_save(dialog.tabs.grab(), out / "remote-server.png"))
+        dialog.shutdown()
+        dialog.deleteLater()
+    return written
+
+
 def _full_height(dialog, width: int) -> int:
     """The dialog's height with its scrolled content shown whole (for a picture, not for a screen)."""
     from PySide6.QtWidgets import QScrollArea
@@ -177,7 +225,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.screenshots", description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="screenshots", help="folder for the PNGs")
     parser.add_argument("--model", default=paths.DEMO_ALIAS, help="model to chat with (default: the demo model)")
+    parser.add_argument("--only", choices=("server",), help="just the local-server and remote-server pictures")
     args = parser.parse_args(argv)
+    if args.only == "server":
+        with tempfile.TemporaryDirectory(prefix="moedesk-shots-") as home:
+            os.environ["MOEDESK_HOME"] = home
+            for p in shoot_server(Path(args.out)):
+                print(p)
+        return 0
     model = str(paths.resolve_model(args.model))        # resolved before the data dir is redirected
     if not (Path(model) / "config.json").exists():
         print(f"error: model {args.model!r} not found at {model}; run `moedesk-cli import-demo` first", file=sys.stderr)

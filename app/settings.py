@@ -6,9 +6,10 @@
     settings = result.settings           # a frozen `Settings`
     save_settings(dataclasses.replace(settings, app=dataclasses.replace(settings.app, theme="dark")))
 
-The file holds `{"version": 1, "app": {...}, "load": {...}, "sampling": {...}}`: app-level settings
-(`AppSettings`), the model options (`runtime.options.LoadOptions`: offload and draft groups) and the
-default sampling for new conversations (`runtime.options.SamplingOptions`). Every value is validated
+The file holds `{"version": 1, "app": {...}, "load": {...}, "sampling": {...}, "server": {...}}`: app-level
+settings (`AppSettings`), the model options (`runtime.options.LoadOptions`: offload and draft groups), the
+default sampling for new conversations (`runtime.options.SamplingOptions`) and the local OpenAI-compatible
+server (`runtime.options.ServeOptions`; its API key lives in `app.secrets`, never here). Every value is validated
 by `runtime.options.from_dict`; unknown keys are errors too.
 
 A missing file means defaults (no warning). A file that is not JSON (or nested too deep to parse), that
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runtime import paths
-from runtime.options import LoadOptions, OptionError, SamplingOptions, from_dict, opt, to_dict
+from runtime.options import LoadOptions, OptionError, SamplingOptions, ServeOptions, from_dict, opt, to_dict
 
 SETTINGS_VERSION = 1
 FILE_NAME = "settings.json"
@@ -40,6 +41,9 @@ class AppSettings:
     theme: str = opt("system", "Colours: follow the system, or always light or dark.",
                      choices=("system", "light", "dark"))
     show_gauges: bool = opt(True, "Show the VRAM / RAM / speed gauges under the chat.")
+    remote_url: Optional[str] = opt(None, "The remote OpenAI-compatible server last chatted with (its key is kept "
+                                          "in secrets.json).")
+    remote_model: Optional[str] = opt(None, "The model chosen on that server.")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Settings:
     app: AppSettings = field(default_factory=AppSettings)
     load: LoadOptions = field(default_factory=LoadOptions)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    server: ServeOptions = field(default_factory=ServeOptions)
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,17 @@ def load_settings(path: Optional[Path] = None) -> LoadResult:
 def save_settings(settings: Settings, path: Optional[Path] = None) -> Path:
     """Write atomically (temp file, fsync, rename). Raises OSError if the folder is not writable."""
     path = Path(path) if path is not None else settings_path()
+    write_atomic(path, json.dumps(settings_to_data(settings), indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A temporary file in the same folder (created readable only by the user), fsync, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps(settings_to_data(settings), indent=2, ensure_ascii=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -117,7 +127,6 @@ def save_settings(settings: Settings, path: Optional[Path] = None) -> Path:
             pass
         raise
     _fsync_dir(path.parent)
-    return path
 
 
 def _recover(path: Path, problem: str) -> LoadResult:

@@ -30,23 +30,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
-                               QFrame, QGridLayout, QGroupBox, QLabel, QPushButton, QScrollArea, QSpinBox,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
+                               QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+                               QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from app.settings import AppSettings, Settings
 from app.chat.header import OVERFLOW_CHOICES
+from app.wheel import scroll_past_inputs
 from runtime import paths
-from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, describe
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, ServeOptions, describe
 
 # (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
 DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
     "app.theme": "Theme", "app.show_gauges": "Show gauges",
-    "offload.vram_budget_gb": "VRAM budget (GB)", "offload.ram_budget_gb": "RAM budget (GB)",
+    "offload.vram_budget_gb": "VRAM budget (GiB)", "offload.ram_budget_gb": "RAM budget (GiB)",
     "offload.cpu_threads": "CPU threads", "offload.kv_cache": "KV cache",
     "offload.context_length": "Context length", "offload.placement": "Expert placement",
     "offload.backend": "Engine",
@@ -54,12 +55,14 @@ LABELS = {
     "draft.draft_tokens": "Draft tokens", "draft.adaptive": "Adaptive draft length",
     "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
     "sampling.max_tokens": "Max tokens", "sampling.context_overflow": "When the chat is full",
+    "server.enabled": "Local server", "server.port": "Port", "server.allow_other_devices": "Allow other devices",
+    "server.max_queue": "Queue length",
 }
 CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
     "offload.kv_cache": {"fp16": "FP16", "q8": "Q8", "q6": "Q6", "q4": "Q4"},
     "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
-    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU reference"},
+    "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU"},
     "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
     "sampling.context_overflow": dict(OVERFLOW_CHOICES),
 }
@@ -67,9 +70,11 @@ CHOICE_LABELS = {
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
                 "offload.cpu_threads": "Automatic", "sampling.seed": "Random",
                 "sampling.top_k": "No limit"}
-HIDDEN = {"app.last_model", "sampling.stop"}
+SERVER_KEY = "server_api_key"      # the local server's key, in app.secrets
+HIDDEN = {"app.last_model", "app.remote_url", "app.remote_model", "sampling.stop"}
 GROUPS = (("General", "app", AppSettings), ("Offload", "offload", OffloadOptions), ("Draft", "draft", DraftOptions),
-          ("New conversations: sampling", "sampling", SamplingOptions))
+          ("New conversations: sampling", "sampling", SamplingOptions),
+          ("Local server (OpenAI-compatible API)", "server", ServeOptions))
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,10 @@ class _Field:
             ed.setSpecialValueText(SPECIAL_TEXT[self.path])
         return ed
 
+    def set_shown(self, shown: bool) -> None:
+        for w in (self.label, self.editor, self.status, self.hint):
+            w.setVisible(shown)
+
     def value(self) -> Any:
         ed = self.editor
         if isinstance(ed, QComboBox):
@@ -279,6 +288,7 @@ class SettingsPanel(QDialog):
         lay.addWidget(buttons)
         self.refresh_models()
         self.set_settings(settings)
+        scroll_past_inputs(self)
 
     def _group(self, title: str, key: str, cls: type) -> QGroupBox:
         box = QGroupBox(title)
@@ -295,7 +305,46 @@ class SettingsPanel(QDialog):
             grid.addWidget(f.status, row, 2)
             grid.addWidget(f.hint, row + 1, 1, 1, 2)
             row += 2
+        if key == "server":
+            self._server_rows(grid, row)
         return box
+
+    def _server_rows(self, grid: QGridLayout, row: int) -> None:
+        """The server's API key (kept in app.secrets, not in settings.json) and its address, with Copy."""
+        from app.secrets import get_secret, new_api_key
+        self.key_edit = QLineEdit(get_secret(SERVER_KEY) or "", echoMode=QLineEdit.EchoMode.Password,
+                                  placeholderText="no key: only this computer can connect")
+        self.key_edit.textChanged.connect(self._on_changed)
+        new_key = QPushButton("New key")
+        new_key.clicked.connect(lambda: (self.key_edit.setText(new_api_key()),
+                                         self.key_edit.setEchoMode(QLineEdit.EchoMode.Normal)))
+        copy_key = QPushButton("Copy key")
+        copy_key.clicked.connect(lambda: QApplication.clipboard().setText(self.key_edit.text()))
+        self.key_status = QLabel("")
+        line = QHBoxLayout()
+        for w in (self.key_edit, new_key, copy_key):
+            line.addWidget(w)
+        grid.addWidget(QLabel("API key"), row, 0)
+        grid.addLayout(line, row, 1)
+        grid.addWidget(self.key_status, row, 2)
+        hint = QLabel("Clients send it as 'Authorization: Bearer KEY'. Required when other devices are allowed. "
+                      "Kept in the app's secrets file, readable only by you.")
+        hint.setWordWrap(True)
+        hint.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        grid.addWidget(hint, row + 1, 1, 1, 2)
+        self.address = QLabel("The local server is off.")
+        self.address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        copy_address = QPushButton("Copy address")
+        copy_address.clicked.connect(lambda: QApplication.clipboard().setText(self.address.text()))
+        line = QHBoxLayout()
+        line.addWidget(self.address, 1)
+        line.addWidget(copy_address)
+        grid.addWidget(QLabel("Address"), row + 2, 0)
+        grid.addLayout(line, row + 2, 1)
+
+    def set_server_address(self, text: str) -> None:
+        """What the running server says: its address (base URL for clients), or why it is not running."""
+        self.address.setText(text)
 
     # -- public -------------------------------------------------------------------------------
     def set_settings(self, settings: Settings) -> None:
@@ -308,7 +357,7 @@ class SettingsPanel(QDialog):
 
     def settings(self) -> Settings:
         """The edited settings (validated by the dataclasses' types and the editors' ranges)."""
-        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}, "sampling": {}}
+        groups: dict[str, dict[str, Any]] = {"app": {}, "offload": {}, "draft": {}, "sampling": {}, "server": {}}
         for path, f in self.fields.items():
             group, name = path.split(".")
             groups[group][name] = f.value()
@@ -316,7 +365,8 @@ class SettingsPanel(QDialog):
         load = LoadOptions(offload=dataclasses.replace(base.load.offload, **groups["offload"]),
                            draft=dataclasses.replace(base.load.draft, **groups["draft"]))
         return dataclasses.replace(base, app=dataclasses.replace(base.app, **groups["app"]), load=load,
-                                   sampling=dataclasses.replace(base.sampling, **groups["sampling"]))
+                                   sampling=dataclasses.replace(base.sampling, **groups["sampling"]),
+                                   server=dataclasses.replace(base.server, **groups["server"]))
 
     def needs_reload(self) -> list[str]:
         """Paths of changed options that take effect only after the model is reloaded."""
@@ -336,7 +386,17 @@ class SettingsPanel(QDialog):
         self._applied = dict(applied)
         known = {p for p in self.fields} | {p.split(".", 1)[1] for p in self.fields}
         others = [f"{k}: {v}" for k, v in sorted(applied.items()) if k not in known]
-        self.applied_note.setText(("Engine also reported — " + "; ".join(others)) if others else "")
+        # Options that do not apply to the loaded model on this engine are not shown (changing one
+        # would do nothing); the note names them.
+        unused = []
+        for path, f in self.fields.items():
+            reported = applied.get(path, applied.get(path.split(".", 1)[1], ""))
+            f.set_shown(not reported.startswith("ignored"))
+            if reported.startswith("ignored"):
+                unused.append(f.label.text())
+        notes = (["Not shown, as they do not apply to this model on this engine: " + ", ".join(unused) + "."]
+                 if unused else []) + (["Engine also reported — " + "; ".join(others)] if others else [])
+        self.applied_note.setText("\n".join(notes))
         self._on_changed()
 
     def show_telemetry(self, event: Any) -> None:
@@ -378,7 +438,7 @@ class SettingsPanel(QDialog):
     # -- internals ------------------------------------------------------------------------------
     @staticmethod
     def _section(settings: Settings, group: str) -> Any:
-        if group in ("app", "sampling"):
+        if group in ("app", "sampling", "server"):
             return getattr(settings, group)
         return SettingsPanel._section_load(settings.load, group)
 
@@ -402,6 +462,10 @@ class SettingsPanel(QDialog):
         if missing:
             self.fields["draft.model"].status.setText("choose a draft model")
             self.fields["draft.model"].status.setStyleSheet(_status_style("needs reload"))
+        no_key = self.fields["server.allow_other_devices"].value() and not self.key_edit.text().strip()
+        self.key_status.setText("needed for other devices" if no_key else "")
+        self.key_status.setStyleSheet(_status_style("needs reload") if no_key else "")
+        missing = missing or no_key
         self.apply_button.setEnabled(not missing)
         self.reload_button.setEnabled(bool(reload) and self._has_model and not missing)
         self.reload_button.setVisible(self._has_model)
@@ -415,5 +479,9 @@ class SettingsPanel(QDialog):
         return reported or ""
 
     def _apply(self, reload: bool) -> None:
+        from app.secrets import get_secret, set_secret
+        key = self.key_edit.text().strip() or None
+        if key != get_secret(SERVER_KEY):
+            set_secret(SERVER_KEY, key)
         self.apply_requested.emit(self.settings(), reload and bool(self.needs_reload()))
         self.accept()

@@ -104,7 +104,11 @@ class Preset:
 class SearchHit:
     conversation_id: int
     title: str
-    snippet: str                 # where the text matched ("" when only the title matched)
+    snippet: str                 # where the text matched, words between HIT_START and HIT_END ("": the title)
+
+
+# Around each matched word in a search hit's snippet: control characters no message contains as text.
+HIT_START, HIT_END = "\x02", "\x03"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -454,9 +458,9 @@ class Store:
         if self.fts:
             query = " ".join('"' + w.replace('"', '""') + '"*' for w in words)
             rows = self.db.execute(
-                "SELECT c.id, c.title, snippet(messages_fts, 0, '[', ']', '…', 12) FROM messages_fts"
+                "SELECT c.id, c.title, snippet(messages_fts, 0, ?, ?, '…', 12) FROM messages_fts"
                 " JOIN messages m ON m.id = messages_fts.rowid JOIN conversations c ON c.id = m.conversation_id"
-                " WHERE messages_fts MATCH ? ORDER BY c.updated DESC LIMIT ?", (query, limit * 5))
+                " WHERE messages_fts MATCH ? ORDER BY c.updated DESC LIMIT ?", (HIT_START, HIT_END, query, limit * 5))
         else:
             content_sql = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in words)
             rows = self.db.execute(
@@ -495,7 +499,7 @@ class Store:
         names = {"user": "You", "assistant": "Assistant", "system": "System"}
         for m in self.messages(conversation_id):
             who = names[m.role] + (f" ({m.model})" if m.model and m.role == "assistant" else "")
-            out += [f"## {who}", "", m.content, ""]
+            out += [f"## {who}", "", close_fences(m.content), ""]
             if m.state == "error":
                 out += [f"> Interrupted: {m.error}", ""]
         return "\n".join(out).rstrip() + "\n"
@@ -512,6 +516,30 @@ class Store:
                          for m in self.messages(conversation_id)],
         }
         return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def close_fences(text: str) -> str:
+    """`text` with a code fence it leaves open (an answer stopped inside a code block) closed, so that
+    what follows it in an exported file is not code. The closing fence is longer than any run of its
+    character at a line start inside the block, so no line of the code can be read as closing it."""
+    open_char, open_len, longest = "", 0, 0
+    for line in text.splitlines():
+        m = _FENCE.match(line)
+        if not open_char:
+            if m and not (m.group(1)[0] == "`" and "`" in m.group(2)):     # CommonMark: no ` in a ``` info
+                open_char, open_len, longest = m.group(1)[0], len(m.group(1)), 0
+            continue
+        if m and m.group(1)[0] == open_char:
+            if len(m.group(1)) >= open_len and not m.group(2).strip():
+                open_char = ""
+                continue
+            longest = max(longest, len(m.group(1)))
+    if not open_char:
+        return text
+    return text.rstrip("\n") + "\n" + open_char * max(open_len, longest + 1)
 
 
 class _Immediate:
@@ -573,5 +601,6 @@ def _snippet(content: str, word: str, width: int = 60) -> str:
     if i < 0:
         return content[:width]
     start = max(0, i - width // 2)
-    return ("…" if start else "") + content[start:i] + "[" + content[i:i + len(word)] + "]" + content[i + len(word):i + width // 2] + "…"
+    return (("…" if start else "") + content[start:i] + HIT_START + content[i:i + len(word)] + HIT_END
+            + content[i + len(word):i + width // 2] + "…")
 

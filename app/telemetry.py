@@ -204,7 +204,7 @@ class NvmlMonitor:
         try:
             nvml.nvmlInit()
         except Exception as e:
-            self._fail(NvmlState.NO_GPU, f"NVML unavailable: {e}")
+            self._fail(NvmlState.NO_GPU, _no_driver_words(e))
             return False
         try:
             self._count = int(nvml.nvmlDeviceGetCount())
@@ -234,6 +234,18 @@ class NvmlMonitor:
             self._nvml.nvmlShutdown()
         except Exception:
             pass   # already gone: nothing left to release
+
+
+def _no_driver_words(e: Exception) -> str:
+    """NVML's refusal in a user's words ("NVML Shared Library Not Found" means no NVIDIA driver)."""
+    text = str(e)
+    if "Library Not Found" in text or "Function Not Found" in text:
+        return "no NVIDIA driver is installed"
+    if "Driver Not Loaded" in text:
+        return "the NVIDIA driver is installed but not running"
+    if "Insufficient Permissions" in text or "No Permission" in text:
+        return "this user may not read the NVIDIA GPU"
+    return f"the NVIDIA driver did not answer ({text})"
 
 
 # ----------------------------------------------------------------------------------------------

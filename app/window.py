@@ -17,20 +17,25 @@ from PySide6.QtWidgets import (QDialog, QDockWidget, QFileDialog, QFrame, QHBoxL
 
 from app import help as help_windows
 from app.chat.conversations import ConversationList
+from app.chat.header import REMOTE_COUNT
 from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
 from app.chat.settings_dialog import ConversationSettingsDialog
 from app.store import Store
+from runtime import paths
 from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 
 STDERR_SHOWN = 12
-MIN_SIZE = (640, 420)      # the chat stays usable down to this (tests/test_window_size.py)
+LOAD_ERRORS = ("model_not_found", "model_invalid", "unsupported_architecture")   # "Choose a model…" helps
+MIN_SIZE = (640, 440)      # the chat stays usable down to this, status bar included (tests/test_window_size.py)
 CHATS_MIN_WIDTH = 190
 
 
 class EngineBanner(QFrame):
-    """The engine's state in words: what runs where, load progress, and errors with a Restart."""
+    """The engine's state in words: what runs where, load progress, and errors with a Restart (and,
+    when a model could not be loaded, a way to another one)."""
     restart_requested = Signal()
+    choose_model_requested = Signal()
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -55,8 +60,12 @@ class EngineBanner(QFrame):
         self.restart = QPushButton("Restart engine", toolTip="Start a fresh engine process and reload the last model")
         self.restart.clicked.connect(self.restart_requested)
         self.restart.setVisible(False)
+        self.choose_model = QPushButton("Choose a model…", toolTip="Open the model manager (Ctrl+M)")
+        self.choose_model.clicked.connect(self.choose_model_requested)
+        self.choose_model.setVisible(False)
         top = QHBoxLayout()
         top.addWidget(self.headline, 1)
+        top.addWidget(self.choose_model)
         top.addWidget(self.restart)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 4, 8, 4)
@@ -67,9 +76,11 @@ class EngineBanner(QFrame):
         self.kind = "info"
 
     def show_state(self, headline: str, detail: str = "", kind: str = "info",
-                   lines: Optional[list[str]] = None) -> None:
-        """kind: "info" | "busy" (progress bar) | "error" (red, Restart, stderr lines)."""
+                   lines: Optional[list[str]] = None, choose_model: bool = False) -> None:
+        """kind: "info" | "busy" (progress bar) | "error" (red, Restart, stderr lines);
+        `choose_model` offers the model manager (a model that could not be loaded)."""
         self.kind = kind
+        self.choose_model.setVisible(choose_model)
         self.headline.setText(headline)
         self.detail.setText(detail)
         self.detail.setVisible(bool(detail))
@@ -165,12 +176,15 @@ class MainWindow(QMainWindow):
         self.conversations.delete_requested.connect(self.delete_chat)
         self.conversations.export_requested.connect(self.export_chat)
         self.banner.restart_requested.connect(self.restart_requested)
+        self.banner.choose_model_requested.connect(self.models_requested)
         self.chat.settings_requested.connect(self.edit_chat_settings)
         self.chat.view.copied.connect(lambda words: self.statusBar().showMessage(words, 2000))
         session.conversations_changed.connect(self._refresh_list)
         session.conversation_changed.connect(self._on_conversation)
         session.notice.connect(lambda words: self.statusBar().showMessage(words, 5000))
         self._actions()
+        # The status bar is there from the start: a first message must not push the window's content up.
+        self.statusBar().setSizeGripEnabled(True)
         self.setMinimumSize(*MIN_SIZE)
         self.resize(1280, 800)
 
@@ -202,7 +216,8 @@ class MainWindow(QMainWindow):
         engine = bar.addMenu("&Engine")
         act(engine, "&Models…", self.models_requested.emit, "Ctrl+M", "Local models, the Hub's EXL2 quants, downloads")
         act(engine, "&Restart engine", self.restart_requested.emit)
-        act(engine, "&Settings…", self.settings_requested.emit, QKeySequence.StandardKey.Preferences)
+        # Ctrl+, everywhere (Qt's Preferences key is empty on Linux and Windows).
+        act(engine, "&Settings…", self.settings_requested.emit, "Ctrl+,")
         if self.gauges_dock is not None:
             bar.addMenu("&View").addAction(self.gauges_dock.toggleViewAction())
         helpm = bar.addMenu("&Help")
@@ -289,7 +304,9 @@ class MainWindow(QMainWindow):
         if r is None:
             return "Engine starting"
         if r.engine == "cpu":
-            return "CPU reference engine — no NVIDIA GPU"
+            return "CPU (no NVIDIA GPU found)"
+        if r.engine == "remote":
+            return f"Remote server {r.device}"
         return f"GPU engine on {r.device}"
 
     def on_engine_state(self, state: str) -> None:
@@ -311,11 +328,17 @@ class MainWindow(QMainWindow):
 
     def on_loaded(self, ev: Loaded) -> None:
         self.loaded = ev
-        self.session.model_name = ev.model
+        remote = ev.backend == "remote"
+        self.session.model_name = ev.model      # what a chat remembers (loadable); shown by its one name
         self.chat.picker.set_loaded(ev.model)
-        self.chat.meter.set_model_context(ev.context_length)
-        self.banner.show_state(f"{Path(ev.path).name or ev.model} · {self.engine_words()}",
-                               f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
+        if remote:
+            self.chat.meter.set_model_context(None, unknown=REMOTE_COUNT)
+            self.banner.show_state(f"{ev.model} · {self.engine_words()}",
+                                   "Answers stream from that server; memory gauges are not available for it.")
+        else:
+            self.chat.meter.set_model_context(ev.context_length)
+            self.banner.show_state(f"{paths.display_name(ev.path or ev.model)} · {self.engine_words()}",
+                                   f"{ev.architecture}, context {ev.context_length} tokens, loaded in {ev.load_s:.1f} s")
         self.chat.set_engine_ready(True)
 
     def on_unloaded(self, _ev: Optional[Unloaded] = None) -> None:
@@ -334,7 +357,14 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(f"The answer stopped: {err.message}", 8000)
             return
         lines = err.detail.splitlines() if err.detail else None
-        self.banner.show_state(err.message, f"Error code: {err.code}", kind="error", lines=lines)
+        load_failed = request_id.startswith("load") or err.code in LOAD_ERRORS
+        if load_failed:                          # the engine let the old model go before trying
+            self.loaded = None
+            self.chat.set_engine_ready(False)
+            self.chat.picker.set_loaded(None)
+            self.chat.meter.set_model_context(None)
+        self.banner.show_state(err.message, f"Error code: {err.code}", kind="error", lines=lines,
+                               choose_model=load_failed)
 
     def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
         self.loaded = None
@@ -354,6 +384,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()
+        self.chat.save_draft()
         s = QSettings("moedesk", "moedesk")
         s.setValue("geometry", self.saveGeometry())
         s.setValue("state", self.saveState())

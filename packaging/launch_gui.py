@@ -1,6 +1,6 @@
 """Bundle entry point: the desktop app (moedesk)."""
 import sys
 
-from app.main import main
+from app.launch import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """moedesk-cli chat: ask a model one question through a real worker process, streaming the answer.
 
     moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
-                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
+                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--cpu-threads N] [--json] PROMPT
 
 Exit status 0 on success; otherwise one line on stderr saying what went wrong, and status 1
 (2 for bad arguments, as argparse does).
@@ -15,15 +15,21 @@ from runtime import protocol as P
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, OptionError, SamplingOptions, from_dict
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and how to load it (shared with `moedesk serve`)."""
     p.add_argument("--model", required=True, help="model name in the models folder, 'demo', or a folder path")
-    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
-    p.add_argument("--max-tokens", type=int, help="longest answer in tokens")
-    p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     p.add_argument("--draft", default="none", help="speculative decoding: none, ngram, or a draft model folder/name")
     p.add_argument("--draft-tokens", type=int, help="tokens drafted ahead per step")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
+    p.add_argument("--cpu-threads", type=int, help="CPU threads of the engine (default 0: automatic)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-tokens", type=int, help="longest answer in tokens")
+    p.add_argument("--seed", type=int, help="random seed for reproducible sampling")
     p.add_argument("--system", help="a system message before the question")
     p.add_argument("--json", action="store_true", help="print every worker event as a JSON line instead of text")
     p.add_argument("prompt", help="the question")
@@ -41,13 +47,20 @@ def draft_options(draft: str, draft_tokens: int | None) -> DraftOptions:
     return from_dict(DraftOptions, fields, "draft")
 
 
-def build_options(args: argparse.Namespace) -> tuple[LoadOptions, SamplingOptions]:
-    """The flags as validated option dataclasses (an OptionError names a bad one)."""
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """The engine flags (`add_engine_arguments`) as validated load options."""
     offload = {"backend": args.backend}
     if args.vram_budget is not None:
         offload["vram_budget_gb"] = args.vram_budget
-    load = LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
+    if args.cpu_threads is not None:
+        offload["cpu_threads"] = args.cpu_threads
+    return LoadOptions(offload=from_dict(OffloadOptions, offload, "offload"),
                        draft=draft_options(args.draft, args.draft_tokens))
+
+
+def build_options(args: argparse.Namespace) -> tuple[LoadOptions, SamplingOptions]:
+    """The flags as validated option dataclasses (an OptionError names a bad one)."""
+    load = load_options(args)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens),
                                   ("seed", args.seed)) if v is not None}
     return load, from_dict(SamplingOptions, sampling, "sampling")

@@ -27,9 +27,10 @@ _EOF = object()
 
 
 def worker_command() -> list[str]:
-    """How to start a worker: the bundled executable when frozen, else this Python with -m runtime.worker."""
-    if getattr(sys, "frozen", False):
-        exe = Path(sys.executable).with_name("moedesk-worker" + (".exe" if os.name == "nt" else ""))
+    """How to start a worker: the `moedesk-worker` program beside this Python (the bundle's, or the
+    install's entry point), else this Python with -m runtime.worker."""
+    exe = Path(sys.executable).with_name("moedesk-worker" + (".exe" if os.name == "nt" else ""))
+    if getattr(sys, "frozen", False) or exe.is_file():     # the bundle's program, or the install's entry point
         return [str(exe)]
     return [sys.executable, "-m", "runtime.worker"]
 

@@ -46,6 +46,7 @@ class Engine(abc.ABC):
 
     info: ModelInfo
     backend: str               # "cpu" | "cuda"
+    adapts_threads = False     # True: its CPU team size follows other programs' load (set_cpu_threads)
 
     @abc.abstractmethod
     def forward(self, tokens: Sequence[int]):
@@ -81,6 +82,10 @@ class Engine(abc.ABC):
     def telemetry(self) -> dict[str, Any]:
         """Engine figures for the gauges (expert cache hit rate, bytes per token, ...); {} when none."""
         return {}
+
+    def set_cpu_threads(self, threads: int) -> None:
+        """Resize the CPU compute team between two forwards (engines with `adapts_threads` only)."""
+        raise NotImplementedError(f"the {self.backend} engine keeps its CPU threads")
 
     def close(self) -> None:
         """Free what the engine holds (GPU memory, pinned buffers)."""

@@ -16,7 +16,7 @@ from runtime.engine import Engine, EngineError, ProgressFn
 from runtime.options import LoadOptions
 from runtime.protocol import ErrorCode
 
-NO_CUDA_NOTE = "No CUDA device: using the CPU reference engine."
+NO_CUDA_NOTE = "No NVIDIA GPU found: models run on the CPU."
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def kernels_building() -> bool:
 def choose_backend(requested: str = "auto") -> BackendChoice:
     gpu = cuda_device()
     if requested == "cpu":
-        return BackendChoice("cpu", "Using the CPU reference engine (asked for).", "cpu")
+        return BackendChoice("cpu", "Models run on the CPU (as the settings ask).", "cpu")
     if gpu is not None and requested == "auto" and kernels_building():
         return BackendChoice("cpu", "The GPU kernels are being built in the background: the CPU reference "
                                     "engine runs until they are ready.", "cpu")

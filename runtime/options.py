@@ -49,14 +49,14 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class OffloadOptions:
-    vram_budget_gb: Optional[float] = opt(None, "GPU memory the engine may use, in GB (empty = all free VRAM).", min=0.5, reload=True)
-    ram_budget_gb: Optional[float] = opt(None, "Host memory for offloaded experts, in GB (empty = what is free).", min=0.5, reload=True)
-    cpu_threads: int = opt(0, "CPU threads for experts computed on the CPU (0 = automatic: the physical cores, two fewer beside a GPU).", min=0, reload=True)
+    vram_budget_gb: Optional[float] = opt(None, "GPU memory the engine may use, in GiB (empty = all free VRAM).", min=0.5, reload=True)
+    ram_budget_gb: Optional[float] = opt(None, "Host memory for offloaded experts, in GiB (empty = what is free).", min=0.5, reload=True)
+    cpu_threads: int = opt(0, "CPU threads the engine computes with: the whole model on the CPU engine, cold experts beside a GPU (0 = automatic: the physical cores less those other programs keep busy, two fewer beside a GPU).", min=0, reload=True)
     kv_cache: str = opt("fp16", "Precision of the attention cache; lower fits longer context.", choices=("fp16", "q8", "q6", "q4"), reload=True)
     context_length: int = opt(4096, "Longest conversation the model can see, in tokens.", min=256, reload=True)
     placement: str = opt("auto", "Where cold experts go: auto, all in VRAM, computed on the CPU, or streamed to the GPU.",
                          choices=("auto", "vram", "cpu", "stream"), reload=True)
-    backend: str = opt("auto", "Engine: auto (GPU when available), cuda, or cpu (reference engine).",
+    backend: str = opt("auto", "Engine: auto (the NVIDIA GPU when there is one), the GPU (CUDA), or the CPU.",
                        choices=("auto", "cuda", "cpu"), reload=True)
 
 
@@ -73,6 +73,15 @@ class DraftOptions:
 class LoadOptions:
     offload: OffloadOptions = field(default_factory=OffloadOptions, metadata={"help": "Memory and placement."})
     draft: DraftOptions = field(default_factory=DraftOptions, metadata={"help": "Speculative decoding."})
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The OpenAI-compatible local server (`moedesk serve`, and Settings → Local server in the app)."""
+    enabled: bool = opt(False, "Run the OpenAI-compatible server while the app is open.")
+    port: int = opt(8642, "TCP port of the server.", min=1, max=65535)
+    allow_other_devices: bool = opt(False, "Listen on every network address (needs an API key), not only this computer.")
+    max_queue: int = opt(8, "Requests that may wait for the engine; one more is refused with 503.", min=0, max=1024)
 
 
 T = TypeVar("T")

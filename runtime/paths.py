@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import platformdirs
 
@@ -50,3 +51,17 @@ def resolve_model(name_or_dir: str) -> Path:
     if p.is_dir() or os.sep in name_or_dir or name_or_dir.startswith("."):
         return p
     return models_dir() / name_or_dir
+
+
+def same_model(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether two model references (names, "demo", folders) name the same folder; a link is a name of its own."""
+    if not a or not b:
+        return False
+    return os.path.abspath(resolve_model(a)) == os.path.abspath(resolve_model(b))
+
+
+def display_name(model: str) -> str:
+    """The one name the app shows for a model: its folder's name ('demo' is the demo model's folder)."""
+    if model == DEMO_ALIAS:
+        return DEMO_MODEL_NAME
+    return Path(model).name or model

@@ -227,6 +227,8 @@ class Telemetry:
     cpu_expert_ms_per_token: Optional[float] = None
     rss_bytes: Optional[int] = None
     vram_allocated_bytes: Optional[int] = None
+    cpu_threads: Optional[int] = None            # the engine's CPU compute team
+    cpu_busy_others: Optional[float] = None      # CPUs other programs keep busy (runtime.cpu_load)
     generating: bool = False
     extra: dict[str, Any] = field(default_factory=dict)   # engine specifics, e.g. per-layer paths
 

@@ -205,7 +205,7 @@ class StreamDecoder:
     Decodes a small window of recent tokens twice (with and without the new ones) and emits the
     difference, so decoders that depend on context (leading-space handling, byte fusion) stay right.
     While the new text ends in U+FFFD its bytes are incomplete: hold it back until a later token
-    completes the character, or `flush()` at the end gives up and emits what is left.
+    completes the character; `flush()` at the end emits what is left but such an incomplete character.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
@@ -226,10 +226,12 @@ class StreamDecoder:
         return after[len(before):]
 
     def flush(self) -> str:
+        """What is left at the end of the answer, less a last character whose bytes never all came
+        (an answer stopped inside a multi-byte character): U+FFFD would be saved in its place."""
         before = self._decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
         after = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         self._prefix = self._read = len(self._ids)
-        return after[len(before):]
+        return after[len(before):].rstrip(REPLACEMENT)
 
 
 class StopMatcher:

@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Optional, TextIO
 
 from runtime import protocol as P
+from runtime.cpu_load import ThreadGovernor, physical_cores
 from runtime.engine import EngineError
 
 TELEMETRY_INTERVAL_S = 0.5
@@ -48,6 +49,8 @@ class Worker:
         self._cache_tokens: list[int] = []
         self._backend = None                        # loader.BackendChoice, for ready
         self._idle_ok = True                        # the engine's idle work has not failed since the last command
+        self.governor = None                        # cpu_load.ThreadGovernor of the loaded engine
+        self._threads_due: Optional[int] = None     # a team size the governor chose mid-answer
 
     # -- output ------------------------------------------------------------------------------
     def send(self, event: Any) -> None:
@@ -143,6 +146,7 @@ class Worker:
             prefill_tps=live.prefill_tps if live else None,
             draft_acceptance=draft.acceptance_rate if draft is not None else None,
             rss_bytes=_rss(), generating=self._generating is not None,
+            cpu_busy_others=self.governor.others if self.governor is not None else None,
             extra=_plain(extra), **known)
 
     # -- main thread -----------------------------------------------------------------------------
@@ -216,6 +220,7 @@ class Worker:
 
         self.close()                   # free the old model first: two may not fit
         t0 = time.perf_counter()
+        governor = ThreadGovernor(physical_cores(), fixed=cmd.options.offload.cpu_threads)
         engine, applied = open_engine(cmd.model, cmd.options, progress)
         try:
             tokenizer = Tokenizer.from_folder(engine.info.path)
@@ -228,11 +233,14 @@ class Worker:
             self.close()
             raise
         self.engine, self.tokenizer, self.load_options = engine, tokenizer, cmd.options
+        self.governor = governor
+        self._adapt_threads()          # other programs' load, measured over the load
         info = engine.info
         self.send(P.Loaded(request_id=cmd.request_id, model=cmd.model, path=str(info.path),
                            architecture=info.architecture, backend=engine.backend,
                            context_length=info.context_length, vocab_size=info.vocab_size,
                            load_s=time.perf_counter() - t0, applied=applied))
+        self.send(self.telemetry(cmd.request_id))
 
     def _load_draft(self, model: Optional[str], options, tokenizer, progress):
         from runtime.loader import open_engine
@@ -277,7 +285,11 @@ class Worker:
 
         def on_step(live) -> None:
             self._live = live
+            if self._threads_due is not None:        # chosen by the ticker; applied between two steps
+                self.engine.set_cpu_threads(self._threads_due)
+                self._threads_due = None
 
+        self._adapt_threads()          # other programs' load since the last answer
         self._live = None                                      # no figures of the previous answer
         cached, self._cache_tokens = self._cache_tokens, []    # unknown if the generation fails
         ticking = threading.Event()
@@ -294,6 +306,7 @@ class Worker:
             ticking.set()
             ticker.join()
         self._cache_tokens = result.cache_tokens
+        self._adapt_threads()
         self._done_generating(cmd)     # before finished: the client may send the next generate at once
         # The closing figures go before `finished`: a client may stop reading at `finished`, and a short
         # answer can end before the first tick.
@@ -305,9 +318,21 @@ class Worker:
         """Telemetry about twice a second while a generation runs (also during a long prefill chunk)."""
         while not stop.wait(TELEMETRY_INTERVAL_S):
             try:
+                due = self.governor.observe() if self.governor is not None else None
+                if due is not None and self.engine is not None and self.engine.adapts_threads:
+                    self._threads_due = due
                 self.send(self.telemetry(rid))
             except Exception:
                 traceback.print_exc()      # a gauge failing must not stop the answer
+
+    def _adapt_threads(self) -> None:
+        """A new reading of other programs' CPU use; an automatic team follows it (cpu_load)."""
+        self._threads_due = None
+        if self.governor is None or self.engine is None:
+            return
+        threads = self.governor.observe()
+        if threads is not None and self.engine.adapts_threads:
+            self.engine.set_cpu_threads(threads)
 
     def _done_generating(self, cmd: P.Generate) -> None:
         with self._state:
@@ -325,7 +350,7 @@ class Worker:
         for engine in (self.engine, self.draft_engine):
             if engine is not None:
                 engine.close()
-        self.engine = self.draft_engine = self.tokenizer = self.load_options = None
+        self.engine = self.draft_engine = self.tokenizer = self.load_options = self.governor = None
         self._cache_tokens, self._live = [], None
 
 
@@ -380,8 +405,15 @@ def _protocol_channel() -> TextIO:
     return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
 
 
+def name_process() -> None:
+    """Show as `moedesk-worker` in process lists (ps, top, the task manager), not as `python -m ...`."""
+    import setproctitle
+    setproctitle.setproctitle("moedesk-worker")
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
+    name_process()
     out = _protocol_channel()
     worker = Worker(out)
     from runtime.loader import choose_backend

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from runtime import protocol
+from runtime import paths, protocol
 from runtime.protocol import (Cancel, CountTokens, Error, Finished, GenerationStats, Generate, Hello, Load, Loaded,
                               Progress, Ready, Shutdown, Telemetry, TokenCount, TokenDelta, Unload, Unloaded)
 
@@ -58,7 +58,8 @@ def main() -> None:
         elif isinstance(cmd, Load):
             send(Progress(cmd.request_id, "loading", "Reading weights", 1, 2))
             model = cmd.model
-            send(Loaded(cmd.request_id, cmd.model, "/models/" + cmd.model, "LlamaForCausalLM", "cpu", CONTEXT, 100, 0.1))
+            send(Loaded(cmd.request_id, cmd.model, str(paths.resolve_model(cmd.model)), "LlamaForCausalLM", "cpu",
+                        CONTEXT, 100, 0.1))
         elif isinstance(cmd, Unload):
             model = None
             send(Unloaded(cmd.request_id))

@@ -512,6 +512,7 @@ def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
     import psutil
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if not logical else 32)
     assert cpath.resolve_threads(0) == 14 and cpath.resolve_threads(5) == 5
+    assert cpath.resolve_threads(0, others=2.0) == 12 and cpath.resolve_threads(5, others=2.0) == 5
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
     assert cpath.resolve_threads(0) == 1                          # never fewer than one
     with pytest.raises(ValueError, match="0 \\(automatic\\) or more"):
@@ -607,7 +608,7 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     from runtime.experts import manager as mgr
     from runtime.experts.kernels import SHARE_DEN
     from runtime.experts.placement import CpuSplitCosts
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0))
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     assert mgr.CPU_BALANCE == 1.5                                         # the default
     monkeypatch.setattr(mgr, "CPU_BALANCE", 0.0)
     static = _manager(n=1)
@@ -706,7 +707,7 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     assert mgr.CPU_SPLIT == "cut"
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0))
+    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     m = _cut_manager()
     m.apply([[0, 1], [2]])
     a, b = (lo.cpu for lo in m.layers)

@@ -251,7 +251,7 @@ def test_cli_chat_json_events(demo_model):
 def test_cli_chat_errors_are_one_line(demo_model, tmp_path):
     r = _cli(demo_model, "chat", "--model", str(tmp_path / "missing"), "hello")
     assert r.returncode != 0
-    lines = [line for line in r.stderr.splitlines() if line.strip() and "CPU reference engine" not in line]
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "run on the CPU" not in line]
     assert len(lines) == 1 and "model_not_found" in lines[0] and "missing" in lines[0]
     r = _cli(demo_model, "chat", "--model", "demo", "--draft-tokens", "99", "hello")
     assert r.returncode != 0 and "draft.draft_tokens" in r.stderr

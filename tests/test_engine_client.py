@@ -41,7 +41,9 @@ def test_line_buffer_any_split_point():
 
 
 def test_describe_exit_in_words():
-    assert "killed (signal 9, SIGKILL) — possibly out of memory" in describe_exit(9, True)
+    assert describe_exit(9, True) == "The engine was killed (signal 9, SIGKILL)."     # nothing guessed
+    assert "out-of-memory killer stopped the engine (signal 9" in describe_exit(9, True, oom_killed=True)
+    assert "out-of-memory killer did not act" in describe_exit(9, True, oom_killed=False)
     assert "segmentation fault (signal 11" in describe_exit(11, True)
     assert "aborted (signal 6" in describe_exit(6, True)
     assert "exit code 3" in describe_exit(3, False)
@@ -106,6 +108,20 @@ def test_partial_lines_stray_stderr_and_segfault(qtbot, clients):
     assert len(lines) == ec.STDERR_LINES and lines[-1] == "log line 59" and lines[0] == "log line 10"
     assert [t.text for t in tokens] == ["héllo"]
     assert c.state == State.DEAD and c.pid() is None
+
+
+@pytest.mark.parametrize("kills, words", [((4, 5), "out-of-memory killer stopped the engine"),
+                                          ((4, 4), "out-of-memory killer did not act"),
+                                          ((None, None), "The engine was killed (signal 9, SIGKILL).")])
+def test_a_killed_engine_is_blamed_on_memory_only_when_the_oom_killer_acted(qtbot, clients, monkeypatch,
+                                                                              kills, words):
+    readings = iter(kills)
+    monkeypatch.setattr(ec, "oom_kills", lambda: next(readings))
+    c = clients(scripted("os.kill(os.getpid(), signal.SIGKILL)"))
+    with qtbot.waitSignal(c.worker_died, timeout=10000) as died:
+        c.start()
+    assert died.args[0] == signal.SIGKILL and words in died.args[1]
+    assert ("memory" in died.args[1]) == (kills == (4, 5)) or "did not act" in died.args[1]
 
 
 def test_exit_code_and_unreadable_line(qtbot, clients):
@@ -257,7 +273,7 @@ def test_real_worker_killed_then_restart_reloads(qtbot, live, demo_model):
     with qtbot.waitSignal(live.worker_died, timeout=30000) as died:
         os.kill(pid, signal.SIGKILL)
     code, words, lines = died.args
-    assert code == signal.SIGKILL and "possibly out of memory" in words
+    assert code == signal.SIGKILL and "memory" not in words.replace("out-of-memory killer did not act", "")
     assert any("moedesk-worker" in line for line in lines), lines    # its stderr came with the death
     assert live.state == State.DEAD and live.pid() is None
     with qtbot.waitSignal(live.loaded, timeout=600000) as sig:
@@ -318,3 +334,21 @@ def test_restart_of_a_running_worker_replaces_it_and_reloads(qtbot, clients):
     qtbot.waitUntil(lambda: "got load" in c.stderr_lines, timeout=5000)
     qtbot.wait(300)
     assert list(c.stderr_lines) == ["got load"]
+
+
+def test_a_second_generate_waits_for_the_first_and_a_waiting_one_cancels_at_once(qtbot, clients):
+    """The chat and the local server share one worker: generates queue in the client, never 'busy'."""
+    c = clients([sys.executable, "-m", "tests.fake_worker"])
+    with qtbot.waitSignal(c.loaded, timeout=10000):
+        c.start()
+        c.load("m")
+    done, errors = [], []
+    c.finished.connect(lambda ev: done.append((ev.request_id, ev.reason)))
+    c.error.connect(lambda rid, e: errors.append((rid, e.code)))
+    say = [protocol.ChatMessage("user", "hi")]
+    c.generate("a", say, SamplingOptions(max_tokens=5))
+    c.generate("b", say, SamplingOptions(max_tokens=5))
+    c.generate("c", say, SamplingOptions(max_tokens=5))
+    c.cancel("c")
+    qtbot.waitUntil(lambda: len(done) == 3, timeout=10000)
+    assert done == [("c", "cancelled"), ("a", "length"), ("b", "length")] and errors == []

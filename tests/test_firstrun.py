@@ -11,7 +11,7 @@ from app.machine import Finding, MachineReport
 from runtime import paths
 
 REPORT = MachineReport(None, None, None, 16 * 1024 ** 3, 8 * 1024 ** 3, 100 * 1024 ** 3, None,
-                       (Finding("fail", "No NVIDIA GPU: no NVIDIA driver answered.", "Runs the demo on the CPU."),))
+                       (Finding("fail", "No NVIDIA GPU found (no NVIDIA driver is installed).", "Runs the demo on the CPU."),))
 
 
 def fake_bundle_demo(tmp_path):

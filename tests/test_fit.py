@@ -61,8 +61,8 @@ def test_qwen3_30b_a3b_at_4bpw():
     est = estimate_fit(s, 4.0, 32768, "fp16", vram_bytes=12 * GiB, ram_bytes=32 * GiB, head_bits=6)
     assert est.verdict is Verdict.FITS_OFFLOAD
     assert est.experts_in_ram_bytes == pytest.approx(6_543_784_448)
-    assert est.text == "fits with expert offload — 6.5 GB of experts in RAM"
-    assert "KV cache 3.2 GB" in est.assumptions
+    assert est.text == "fits with expert offload — 6.1 GiB of experts in RAM"
+    assert "KV cache 3.0 GiB" in est.assumptions
 
 
 def test_qwen3_235b_a22b_at_3bpw_q4_cache():
@@ -81,17 +81,17 @@ def test_qwen3_235b_a22b_at_3bpw_q4_cache():
     # 24 GiB = 25,769,803,776 -> 19,915,266,560 for experts -> 65,245,881,856 in RAM; RAM needs 70,490,541,568
     assert est.verdict is Verdict.FITS_OFFLOAD
     assert est.experts_in_ram_bytes == pytest.approx(65_245_881_856)
-    assert est.text == "fits with expert offload — 65.2 GB of experts in RAM"
+    assert est.text == "fits with expert offload — 60.8 GiB of experts in RAM"
     # 64 GiB RAM = 68,719,476,736 < 70,490,541,568: short by 1,771,064,832
     est = estimate_fit(b, 3.0, 32768, "q4", vram_bytes=24 * GiB, ram_bytes=64 * GiB, head_bits=6)
     assert est.verdict is Verdict.DOES_NOT_FIT
     assert est.ram_short_bytes == pytest.approx(1_771_064_832)
-    assert est.text == "does not fit — needs 1.8 GB more RAM"
+    assert est.text == "does not fit — needs 1.6 GiB more RAM"
     # 4 GiB VRAM = 4,294,967,296 < 5,854,537,216: 1,559,569,920 short; all experts (85.2 GB) to RAM
     est = estimate_fit(b, 3.0, 32768, "q4", vram_bytes=4 * GiB, ram_bytes=256 * GiB, head_bits=6)
     assert est.verdict is Verdict.DOES_NOT_FIT
     assert est.vram_short_bytes == pytest.approx(1_559_569_920)
-    assert est.text == "does not fit — needs 1.6 GB more VRAM"
+    assert est.text == "does not fit — needs 1.5 GiB more VRAM"
 
 
 def test_dense_model_cannot_offload():

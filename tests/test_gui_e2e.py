@@ -67,7 +67,7 @@ def wait_idle(qtbot, desk) -> None:
 def test_send_stop_regenerate_and_edit(qtbot, open_app):
     desk = open_app()
     model, panel = desk.session.model, desk.window.chat
-    assert "CPU reference engine" in desk.window.banner.headline.text()
+    assert "CPU (no NVIDIA GPU found)" in desk.window.banner.headline.text()
 
     # Send: the answer streams into the view (several token updates) and is saved.
     updates = []

@@ -25,7 +25,7 @@ def test_budget_accounts_every_reservation_and_says_what_did_not_fit():
     with pytest.raises(BudgetError) as e:
         b.reserve("experts layer 0", 13 * GB)
     msg = str(e.value)
-    assert "experts layer 0 needs 13.00 GB of VRAM" in msg and "only 12.00 GB of the 24.00 GB" in msg
+    assert "experts layer 0 needs 13.00 GiB of VRAM" in msg and "only 12.00 GiB of the 24.00 GiB" in msg
     assert e.value.needed - e.value.available == 1 * GB
     assert b.release("KV cache") == 2 * GB and b.free_bytes == 14 * GB
     with pytest.raises(ValueError):
@@ -39,7 +39,7 @@ def test_vram_and_ram_budgets_from_user_settings():
     assert vram_budget(24, 10 * GB, 141 * GB).total_bytes == 10 * GB      # never more than is free
     with pytest.raises(BudgetError, match="GPU is smaller than the budget"):
         vram_budget(200, 100 * GB, 141 * GB)
-    with pytest.raises(BudgetError, match="RAM budget of 64 GB"):
+    with pytest.raises(BudgetError, match="RAM budget of 64 GiB"):
         ram_budget(64, 16 * GB)
     assert ram_budget(None, 16 * GB).total_bytes == 14 * GB
 

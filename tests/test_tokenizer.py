@@ -98,13 +98,13 @@ def test_stream_in_chunks_of_every_split_point(tokenizer, text):
         assert all(REPLACEMENT not in d for d in deltas)
 
 
-def test_incomplete_character_is_held_then_flushed_as_replacement(tokenizer):
+def test_an_answer_stopped_inside_a_character_ends_before_it(tokenizer):
     ids = tokenizer.encode("a日")
     dec = StreamDecoder(tokenizer)
     # Every byte of 日 but the last: the character is not complete, nothing of it may come out.
     got = "".join(dec.push([i]) for i in ids[:-1])
     assert got == "a"
-    assert REPLACEMENT in dec.flush()   # the stream ended mid-character: say so, do not drop it silently
+    assert dec.flush() == ""            # stopped mid-character: no U+FFFD saved in its place
 
 
 def test_special_tokens_are_skipped_in_stream(tmp_path):

@@ -38,6 +38,14 @@ def test_ready_says_which_engine(worker):
         assert (r.engine, r.device, r.engine_note) == ("cpu", "cpu", NO_CUDA_NOTE)
 
 
+def test_the_worker_is_named_in_process_lists(worker):
+    import psutil
+    proc = psutil.Process(worker.ready.pid)
+    assert " ".join(proc.cmdline()).split() == ["moedesk-worker"]
+    if sys.platform == "linux":
+        assert proc.name() == "moedesk-worker"
+
+
 @pytest.mark.parametrize("line, code", [
     ("this is not json\n", "bad_json"),
     ("[1, 2, 3]\n", "bad_json"),

@@ -8,26 +8,72 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtWidgets import (QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QMenu, QPushButton,
-                               QVBoxLayout, QWidget)
+import html
 
-from app.store import Store
+from PySide6.QtCore import QPoint, QPointF, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QPalette, QTextDocument
+from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QMenu,
+                               QPushButton, QStyle, QStyledItemDelegate, QVBoxLayout, QWidget)
+
+from app.store import HIT_END, HIT_START, Store
 
 IdRole = Qt.ItemDataRole.UserRole + 1
+HtmlRole = Qt.ItemDataRole.UserRole + 2      # the entry as HTML: search hits in bold
 
 
 def when(ts: float, now: Optional[float] = None) -> str:
-    """A short, human date for the list: "14:05", "Mon", "3 Nov", "3 Nov 2025"."""
+    """A short, human date for the list: "14:05" today, else with its date: "Mon 24 Nov", "3 Nov",
+    "3 Nov 2025"."""
     now = now or time.time()
     lt, ln = time.localtime(ts), time.localtime(now)
     if lt[:3] == ln[:3]:
         return time.strftime("%H:%M", lt)
     if now - ts < 6 * 86400:
-        return time.strftime("%a", lt)
+        return f"{time.strftime('%a', lt)} {lt.tm_mday} {time.strftime('%b', lt)}"
     if lt.tm_year == ln.tm_year:
         return f"{lt.tm_mday} {time.strftime('%b', lt)}"
     return f"{lt.tm_mday} {time.strftime('%b %Y', lt)}"
+
+
+def entry_html(title: str, sub: str) -> str:
+    """A list entry as HTML: the title, and under it the date or the search snippet with its hits in bold."""
+    snippet = html.escape(sub).replace(HIT_START, "<b><u>").replace(HIT_END, "</u></b>")
+    return f"{html.escape(title)}<br><small>{snippet}</small>" if sub else html.escape(title)
+
+
+def plain(text: str) -> str:
+    return text.replace(HIT_START, "").replace(HIT_END, "")
+
+
+class _EntryDelegate(QStyledItemDelegate):
+    """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets)."""
+
+    def _doc(self, option, index, colour: str = "") -> QTextDocument:
+        doc = QTextDocument()
+        doc.setDefaultFont(option.font)
+        doc.setDocumentMargin(4)
+        if colour:
+            doc.setDefaultStyleSheet(f"body {{ color: {colour}; }}")
+        doc.setHtml(index.data(HtmlRole) or html.escape(index.data(Qt.ItemDataRole.DisplayRole) or ""))
+        doc.setTextWidth(max(40, option.rect.width()))
+        return doc
+
+    def paint(self, painter, option, index) -> None:
+        self.initStyleOption(option, index)
+        option.text = ""
+        style = option.widget.style() if option.widget else QApplication.style()
+        style.drawControl(QStyle.ControlElement.CE_ItemViewItem, option, painter, option.widget)
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        role = QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text
+        doc = self._doc(option, index, option.palette.color(role).name())
+        painter.save()
+        painter.translate(QPointF(option.rect.topLeft()))
+        doc.drawContents(painter)
+        painter.restore()
+
+    def sizeHint(self, option, index) -> QSize:  # noqa: N802
+        doc = self._doc(option, index)
+        return QSize(int(doc.idealWidth()), int(doc.size().height()))
 
 
 class ConversationList(QWidget):
@@ -44,7 +90,8 @@ class ConversationList(QWidget):
         self.new_button.setToolTip("Start a new conversation (Ctrl+N)")
         self.new_button.clicked.connect(self.new_requested)
         self.search = QLineEdit(placeholderText="Search chats  (Ctrl+F)", clearButtonEnabled=True)
-        self.search.textChanged.connect(lambda _: self._search_timer.start())
+        self.search.textChanged.connect(lambda _: (self._pinned.clear(), self._search_timer.start()))
+        self._pinned: set[int] = set()         # chats made during this search, listed though they do not match
         self._search_timer = QTimer(self, singleShot=True, interval=150, timeout=self.refresh)
         self.list = QListWidget()
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
@@ -52,6 +99,7 @@ class ConversationList(QWidget):
         self.list.currentItemChanged.connect(self._on_current)
         self.list.setWordWrap(True)
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setItemDelegate(_EntryDelegate(self.list))
         buttons = QHBoxLayout()
         for label, tip, fn in (("Rename", "Rename the selected chat (F2)", self.rename_requested),
                                ("Export", "Save the selected chat as Markdown or JSON", None),
@@ -81,13 +129,23 @@ class ConversationList(QWidget):
         query = self.search.text().strip()
         if query:
             rows = [(h.conversation_id, h.title, h.snippet) for h in self.store.search(query)]
+            listed = {self.list.item(i).data(IdRole) for i in range(self.list.count())}
+            if select is not None and select not in listed:      # a chat made while searching stays in sight
+                self._pinned.add(select)
+            found = {cid for cid, _, _ in rows}
+            for cid in sorted(self._pinned - found, reverse=True):
+                try:
+                    rows.insert(0, (cid, self.store.conversation(cid).title, "open chat"))
+                except KeyError:
+                    self._pinned.discard(cid)                    # deleted meanwhile
         else:
             rows = [(c.id, c.title, when(c.updated)) for c in self.store.conversations()]
         self._selecting = True
         try:
             self.list.clear()
             for cid, title, sub in rows:
-                item = QListWidgetItem(f"{title}\n{sub}" if sub else title)
+                item = QListWidgetItem(plain(f"{title}\n{sub}" if sub else title))   # what Ctrl+C copies
+                item.setData(HtmlRole, entry_html(title, sub))
                 item.setData(IdRole, cid)
                 item.setToolTip(title)
                 self.list.addItem(item)

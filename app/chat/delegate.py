@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Optional
 from PySide6.QtCore import QEvent, QModelIndex, QPointF, QRectF, QSize, Qt, Signal
-from PySide6.QtGui import QAbstractTextDocumentLayout, QColor, QFontMetrics, QPainter, QPalette, QTextDocument
+from PySide6.QtGui import (QAbstractTextDocumentLayout, QColor, QFontMetrics, QPainter, QPalette, QTextCharFormat,
+                           QTextCursor, QTextDocument)
 from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
 
 from app.chat import markdown
 from app.chat.model import ChatItem, IdRole, ItemRole
+from runtime import paths
 
 MARGIN_X, MARGIN_Y, PAD = 14, 5, 10   # outside the bubble, and inside it
 
@@ -47,6 +49,7 @@ class MessageDelegate(QStyledItemDelegate):
         self._sizes: dict[int, tuple[tuple, int]] = {}     # message id -> (what decides it, height)
         self.expanded: dict[int, set[int]] = {}     # message id -> unfolded thinking sections
         self.palette = markdown.LIGHT
+        self.selection: Optional[tuple[int, int, int]] = None   # (message id, anchor, cursor) in its document
 
     def set_palette(self, qpal: QPalette) -> None:
         self.palette = palette_for(qpal)
@@ -114,7 +117,7 @@ class MessageDelegate(QStyledItemDelegate):
         bits = []
         if it.role == "assistant":
             if it.model:
-                bits.append(html.escape(Path(it.model).name or it.model))
+                bits.append(html.escape(paths.display_name(it.model)))
             if it.state == "streaming":
                 bits.append("writing…")
             elif it.stats is not None:
@@ -204,8 +207,49 @@ class MessageDelegate(QStyledItemDelegate):
         ctx = QAbstractTextDocumentLayout.PaintContext()
         ctx.palette = pal
         ctx.clip = QRectF(0, 0, d.doc.textWidth(), d.doc.size().height())
+        if self.selection is not None and self.selection[0] == it.id:
+            sel = QAbstractTextDocumentLayout.Selection()
+            sel.cursor = self._cursor(d.doc, self.selection[1], self.selection[2])
+            fmt = QTextCharFormat()
+            fmt.setBackground(pal.color(QPalette.ColorRole.Highlight))
+            fmt.setForeground(pal.color(QPalette.ColorRole.HighlightedText))
+            sel.format = fmt
+            ctx.selections = [sel]
         d.doc.documentLayout().draw(painter, ctx)
         painter.restore()
+
+    # -- text selection (within one message) ----------------------------------------------------
+    @staticmethod
+    def _cursor(doc: QTextDocument, anchor: int, position: int) -> QTextCursor:
+        last = max(0, doc.characterCount() - 1)
+        c = QTextCursor(doc)
+        c.setPosition(min(max(anchor, 0), last))
+        c.setPosition(min(max(position, 0), last), QTextCursor.MoveMode.KeepAnchor)
+        return c
+
+    def position_at(self, option: QStyleOptionViewItem, index: QModelIndex, pos) -> int:
+        """The character position in a row's document nearest to `pos` (view coordinates)."""
+        d = self.document(index, self._text_width(option), option.font)
+        origin = option.rect.topLeft() + QPointF(MARGIN_X + PAD, MARGIN_Y + PAD).toPoint()
+        return d.doc.documentLayout().hitTest(QPointF(pos - origin), Qt.HitTestAccuracy.FuzzyHit)
+
+    def end_position(self, option: QStyleOptionViewItem, index: QModelIndex) -> int:
+        return max(0, self.document(index, self._text_width(option), option.font).doc.characterCount() - 1)
+
+    def word_at(self, option: QStyleOptionViewItem, index: QModelIndex, pos) -> tuple[int, int]:
+        d = self.document(index, self._text_width(option), option.font)
+        c = self._cursor(d.doc, self.position_at(option, index, pos), self.position_at(option, index, pos))
+        c.select(QTextCursor.SelectionType.WordUnderCursor)
+        return c.selectionStart(), c.selectionEnd()
+
+    def selected_text(self, option: QStyleOptionViewItem, index: QModelIndex) -> str:
+        """The selected text of the row `index`, as plain text ("" when it holds no selection)."""
+        it: ChatItem = index.data(ItemRole)
+        if self.selection is None or self.selection[0] != it.id:
+            return ""
+        d = self.document(index, self._text_width(option), option.font)
+        text = self._cursor(d.doc, self.selection[1], self.selection[2]).selectedText()
+        return text.replace("\u2029", "\n").replace("\u2028", "\n").replace("\xa0", " ")
 
     def anchor_at(self, option: QStyleOptionViewItem, index: QModelIndex, pos) -> str:
         """The link under `pos` (view coordinates), or ""."""

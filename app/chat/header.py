@@ -12,7 +12,6 @@ when the chat outgrows the context (`SamplingOptions.context_overflow`).
 """
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ from runtime.context import answer_room
 from runtime.protocol import ChatMessage, TokenCount
 
 COUNT_DEBOUNCE_MS = 300
+NO_MODEL_COUNT = "Tokens used out of the model's context: load a model to count them."
+REMOTE_COUNT = "A remote server does not say how many tokens a chat takes or how long its context is."
 LOADED_MARK = "● "
 OVERFLOW_CHOICES = (("rolling", "Drop the oldest turns"),
                     ("keep_first", "Keep the first exchange, drop the turns after it"),
@@ -53,13 +54,6 @@ def local_entries(models_dir: Optional[Path] = None) -> list[ModelEntry]:
         detail = m.error if not m.loadable else f"{m.architecture or 'model'} · {m.size_bytes / 1e9:.2f} GB · {m.path}"
         out.append(ModelEntry("local", str(m.path), m.name, detail, m.loadable))
     return sorted(out, key=lambda e: (not e.loadable, e.label.lower()))
-
-
-def same_model(a: Optional[str], b: Optional[str]) -> bool:
-    """Whether two model references (names, "demo", folders) name the same folder."""
-    if not a or not b:
-        return False
-    return os.path.abspath(paths.resolve_model(a)) == os.path.abspath(paths.resolve_model(b))   # links are names too
 
 
 class _Combo(QComboBox):
@@ -116,7 +110,7 @@ class ModelPicker(QWidget):
         self._fill()
 
     def _index_of(self, model: Optional[str]) -> int:
-        return next((i for i, e in enumerate(self.entries) if same_model(e.key, model)), -1)
+        return next((i for i, e in enumerate(self.entries) if paths.same_model(e.key, model)), -1)
 
     def _fill(self) -> None:
         # The loaded model and the chat's own are offered even from outside the models folder.
@@ -130,7 +124,7 @@ class ModelPicker(QWidget):
         combo.blockSignals(True)
         combo.clear()
         for e in self.entries:
-            mark = LOADED_MARK if same_model(e.key, self.loaded) else ""
+            mark = LOADED_MARK if paths.same_model(e.key, self.loaded) else ""
             combo.addItem(mark + e.label + ("" if e.loadable else " (cannot load)"), e.key)
             combo.setItemData(combo.count() - 1, e.detail, 3)    # Qt.ToolTipRole
         if not self.entries:
@@ -138,7 +132,7 @@ class ModelPicker(QWidget):
         wanted = self._index_of(self.wanted)
         combo.setCurrentIndex(wanted if wanted >= 0 else max(0, self._index_of(self.loaded)))
         combo.blockSignals(False)
-        self.load_button.setVisible(wanted >= 0 and not same_model(self.wanted, self.loaded))
+        self.load_button.setVisible(wanted >= 0 and not paths.same_model(self.wanted, self.loaded))
         self.eject_button.setEnabled(self.loaded is not None)
 
     def _picked(self, index: int) -> None:
@@ -149,7 +143,7 @@ class ModelPicker(QWidget):
             self.combo.setToolTip(entry.detail)
             return
         self.wanted = entry.key
-        if not same_model(entry.key, self.loaded):
+        if not paths.same_model(entry.key, self.loaded):
             self.load_requested.emit(entry.key)
         self._fill()
 
@@ -166,6 +160,7 @@ class ContextMeter(QToolButton):
         self.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.setAutoRaise(True)
         self.context: Optional[int] = None
+        self._unknown = NO_MODEL_COUNT               # why there is no count (context None)
         self.history_tokens: Optional[int] = None
         self.total_tokens: Optional[int] = None      # history plus the typed message
         self.max_tokens = 1024
@@ -189,9 +184,9 @@ class ContextMeter(QToolButton):
         self._show()
 
     # -- what to count ----------------------------------------------------------------------------
-    def set_model_context(self, context: Optional[int]) -> None:
-        """The loaded model's context length (None: no model, nothing to count with)."""
-        self.context = context
+    def set_model_context(self, context: Optional[int], unknown: str = NO_MODEL_COUNT) -> None:
+        """The loaded model's context length (None: nothing to count with; `unknown` says why)."""
+        self.context, self._unknown = context, unknown
         self._counted_history = None
         self.history_tokens = self.total_tokens = None
         self._schedule()
@@ -264,7 +259,7 @@ class ContextMeter(QToolButton):
     def _show(self) -> None:
         if self.context is None:
             self.setText("— tokens")
-            self.setToolTip("Tokens used out of the model's context: load a model to count them.")
+            self.setToolTip(self._unknown)
             return
         used = self.used
         typed = (self.total_tokens - self.history_tokens

@@ -14,6 +14,7 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QToolButton,
                                QVBoxLayout, QWidget)
 
+from app.chat.drafts import Drafts
 from app.chat.header import ContextMeter, ModelPicker, local_entries
 from app.chat.session import ChatSession
 from app.chat.view import ChatView
@@ -47,10 +48,13 @@ class InputBox(QPlainTextEdit):
 class ChatPanel(QWidget):
     settings_requested = Signal()
 
-    def __init__(self, session: ChatSession, parent=None, model_entries=local_entries):
+    def __init__(self, session: ChatSession, parent=None, model_entries=local_entries,
+                 drafts: Optional[Drafts] = None):
         super().__init__(parent)
         self.session = session
         self.editing: Optional[int] = None      # message id being edited
+        self.drafts = drafts if drafts is not None else Drafts()
+        self._draft_of: Optional[int] = None    # the conversation whose draft the input box holds
         self.title = QLabel("New chat")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)   # cut by width
@@ -121,6 +125,7 @@ class ChatPanel(QWidget):
         self.engine_ready = False
         self._on_busy(False)
         self._on_conversation(None)
+        self.input.setPlainText(self.drafts.get(None))
 
     # -- actions --------------------------------------------------------------------------------
     def submit(self) -> None:
@@ -191,7 +196,28 @@ class ChatPanel(QWidget):
         self.regen_button.setEnabled(not busy and self.engine_ready and bool(items)   # a fork may end in a question
                                      and items[-1].role in ("assistant", "user"))
 
+    def _switch_draft(self, conv) -> None:
+        """Each chat keeps its own unsent text: the input box's goes with the chat being left."""
+        new = conv.id if conv is not None else None
+        if new == self._draft_of:
+            return
+        if self._draft_of is None and new is not None and not self.session.model.items:
+            self.drafts.put(None, "")            # the new chat got its id (first message or settings)
+        else:
+            if self.editing is None:             # an edit in progress is not a draft
+                self.drafts.put(self._draft_of, self.input.toPlainText())
+            self.input.setPlainText(self.drafts.get(new))
+        self._draft_of = new
+        self.drafts.save()
+
+    def save_draft(self) -> None:
+        """Keep the open chat's unsent text (the app is closing)."""
+        if self.editing is None:
+            self.drafts.put(self._draft_of, self.input.toPlainText())
+        self.drafts.save()
+
     def _on_conversation(self, conv) -> None:
+        self._switch_draft(conv)
         self.title.setText(conv.title if conv is not None else "New chat")
         hint = []
         if conv is not None and conv.preset:

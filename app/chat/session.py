@@ -28,6 +28,17 @@ FLUSH_MS = 500
 TITLE_CHARS = 48
 
 
+def title_from(text: str) -> str:
+    """A chat's title from its first message: the first line, cut at a word boundary with "…" when long."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if len(line) <= TITLE_CHARS:
+        return line or "New chat"
+    cut = line[:TITLE_CHARS - 1]
+    if not line[TITLE_CHARS - 1].isspace() and " " in cut:     # do not end inside a word
+        cut = cut[:cut.rindex(" ")]
+    return cut.rstrip(" ,;:.-") + "…"
+
+
 @dataclass
 class _Stream:
     request_id: str
@@ -118,11 +129,11 @@ class ChatSession(QObject):
             self.notice.emit("An answer is still being written: wait for it or press Stop (Esc).")
             return False
         if self.conversation is None:
-            title = text.splitlines()[0][:TITLE_CHARS].strip() or "New chat"
+            title = title_from(text)
             self.conversation = self.store.create_conversation(title, model=self.model_name)
             self.conversation_changed.emit(self.conversation)
         elif not self.model.items and self.conversation.title == "New chat":
-            self.store.rename_conversation(self.conversation.id, text.splitlines()[0][:TITLE_CHARS].strip() or "New chat")
+            self.store.rename_conversation(self.conversation.id, title_from(text))
             self.conversation = self.store.conversation(self.conversation.id)
             self.conversation_changed.emit(self.conversation)
         m = self.store.add_message(self.conversation.id, "user", text)

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QVBoxLayout, QWidget)
 
 from app.store import Store
+from app.wheel import scroll_past_inputs
 from runtime.options import OptionError, SamplingOptions, describe, from_dict
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed")
@@ -94,6 +95,7 @@ class ConversationSettingsDialog(QDialog):
         lay.addWidget(self.form)
         lay.addWidget(buttons)
         self._fill_presets(preset)
+        scroll_past_inputs(self)
 
     def result_values(self) -> tuple[str, SamplingOptions, str]:
         """(system prompt, sampling, preset name or "")."""

@@ -17,7 +17,7 @@ from itertools import accumulate
 from typing import Optional
 
 from PySide6.QtCore import QElapsedTimer, QModelIndex, QPoint, QRect, QTimer, QUrl, Qt, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QPainter
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QPainter
 from PySide6.QtWidgets import QAbstractScrollArea, QFrame, QStyleOptionViewItem
 
 from app.chat.delegate import MessageDelegate
@@ -61,7 +61,8 @@ class ChatView(QAbstractScrollArea):
         self._follow = True
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.setFocusPolicy(Qt.FocusPolicy.ClickFocus)     # a click focuses it, for Ctrl+C of a selection
+        self._selecting: Optional[int] = None                # the row a mouse drag selects in
         self.viewport().setMouseTracking(True)
         self.verticalScrollBar().setSingleStep(24)
         self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
@@ -85,6 +86,7 @@ class ChatView(QAbstractScrollArea):
 
     def _reset(self) -> None:
         self.delegate.clear()
+        self.delegate.selection, self._selecting = None, None
         opt = self._option()
         n = self._model.rowCount()
         self.heights = [self.delegate.sizeHint(opt, self._model.index(r, 0)).height() for r in range(n)]
@@ -257,14 +259,79 @@ class ChatView(QAbstractScrollArea):
     def viewportEvent(self, event) -> bool:  # noqa: N802
         t = event.type()
         if t == event.Type.MouseMove:
-            _, href = self._href_at(event.position().toPoint())
-            self.viewport().setCursor(Qt.CursorShape.PointingHandCursor if href else Qt.CursorShape.ArrowCursor)
-        elif t == event.Type.MouseButtonRelease and event.button() == Qt.MouseButton.LeftButton:
+            pos = event.position().toPoint()
+            if self._selecting is not None and event.buttons() & Qt.MouseButton.LeftButton:
+                self._drag_to(pos)
+                return True
+            _, href = self._href_at(pos)
+            self.viewport().setCursor(Qt.CursorShape.PointingHandCursor if href else Qt.CursorShape.IBeamCursor)
+        elif t == event.Type.MouseButtonPress and event.button() == Qt.MouseButton.LeftButton:
             idx, href = self._href_at(event.position().toPoint())
-            if href:
+            self._select(idx, event.position().toPoint(), start=not href)
+        elif t == event.Type.MouseButtonDblClick and event.button() == Qt.MouseButton.LeftButton:
+            idx = self.indexAt(event.position().toPoint())
+            if idx.isValid():
+                opt = self._option()
+                opt.rect = self.visualRect(idx)
+                self.delegate.selection = (idx.data(IdRole), *self.delegate.word_at(opt, idx, event.position().toPoint()))
+                self.viewport().update()
+                return True
+        elif t == event.Type.MouseButtonRelease and event.button() == Qt.MouseButton.LeftButton:
+            self._selecting = None
+            idx, href = self._href_at(event.position().toPoint())
+            if href and not self.selected_text():
                 self.delegate.activate(href, idx)
                 return True
         return super().viewportEvent(event)
+
+    # -- selecting text with the mouse, copying it with Ctrl+C ----------------------------------
+    def _select(self, idx: QModelIndex, pos: QPoint, start: bool) -> None:
+        """A press: a selection starts in the row under the pointer (none on a link or outside rows)."""
+        self.delegate.selection, self._selecting = None, None
+        if start and idx.isValid():
+            opt = self._option()
+            opt.rect = self.visualRect(idx)
+            at = self.delegate.position_at(opt, idx, pos)
+            self.delegate.selection, self._selecting = (idx.data(IdRole), at, at), idx.row()
+        self.viewport().update()
+
+    def _drag_to(self, pos: QPoint) -> None:
+        """Extend the selection; past the row's top or bottom it runs to the row's start or end."""
+        row = self._selecting
+        if row is None or row >= len(self.heights) or self.delegate.selection is None:
+            return
+        idx = self._model.index(row, 0)
+        opt = self._option()
+        opt.rect = self.visualRect(idx)
+        if pos.y() < opt.rect.top():
+            at = 0
+        elif pos.y() > opt.rect.bottom():
+            at = self.delegate.end_position(opt, idx)
+        else:
+            at = self.delegate.position_at(opt, idx, pos)
+        mid, anchor, _ = self.delegate.selection
+        self.delegate.selection = (mid, anchor, at)
+        self.viewport().update()
+
+    def selected_text(self) -> str:
+        sel = self.delegate.selection
+        if sel is None or self._model is None or sel[1] == sel[2]:
+            return ""
+        try:
+            row = self._model.row_of(sel[0])
+        except KeyError:             # the message is gone (another chat opened, regenerated)
+            return ""
+        idx = self._model.index(row, 0)
+        opt = self._option()
+        opt.rect = self.visualRect(idx)
+        return self.delegate.selected_text(opt, idx)
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802
+        if event.matches(QKeySequence.StandardKey.Copy) and self.selected_text():
+            QGuiApplication.clipboard().setText(self.selected_text())
+            self.copied.emit("Copied")
+            return
+        super().keyPressEvent(event)
 
     def _on_action(self, kind: str, row: int, payload) -> None:
         idx = self._model.index(row, 0)

@@ -35,7 +35,8 @@ from huggingface_hub.utils import build_hf_headers
 from app.hub.browse import LimitedWriter, RemoteFile, ended_short, endpoint as hub_endpoint
 from app.hub.errors import DiskFullError, HubError, IntegrityError, is_disk_full, translate
 from app.hub.staging import (MANIFEST, PARTIAL, SOURCE, DownloadJob, bytes_on_disk, check_disk_space, file_digest,
-                             gb, inside, partial_total, safe_relpath, staging_dir, write_manifest)
+                             inside, partial_total, safe_relpath, staging_dir, write_manifest)
+from app.telemetry import fmt_bytes
 
 CHUNK_BYTES = 1 << 20                # huggingface_hub streams 10 MB chunks; 1 MiB keeps pause/cancel prompt
 PROGRESS_INTERVAL_S = 0.2
@@ -156,7 +157,7 @@ def run_job(job: DownloadJob, models_dir: Path, emit: Callable[[DownloadProgress
         return _run_job(job, models_dir, emit, check, wait, retry, margin_bytes, hub)
     except OSError as exc:             # the manifest, a rename, the source note: any write can meet a full disk
         if is_disk_full(exc):
-            raise DiskFullError(f"The disk holding {models_dir} is full ({gb(shutil.disk_usage(models_dir).free)} "
+            raise DiskFullError(f"The disk holding {models_dir} is full ({fmt_bytes(shutil.disk_usage(models_dir).free)} "
                                 "free). Free some space, then press Resume: the download continues where it "
                                 "stopped.", str(models_dir)) from exc
         raise HubError(f"Cannot write the download of {job.repo_id} ({job.branch}) into {models_dir}: "
@@ -247,7 +248,7 @@ def _classify(exc: Exception, job: DownloadJob, f: RemoteFile, models_dir: Path)
     """The error to show for `exc`, or None when it is worth retrying (network, 5xx, short file)."""
     if is_disk_full(exc):
         return DiskFullError(f"The disk holding {models_dir} is full: {f.path} could not be written "
-                             f"({gb(shutil.disk_usage(models_dir).free)} free). Free some space, then press "
+                             f"({fmt_bytes(shutil.disk_usage(models_dir).free)} free). Free some space, then press "
                              "Resume: the download continues where it stopped.", str(models_dir))
     if isinstance(exc, OfflineModeIsEnabled):
         return translate(exc, f"downloading {f.path}")

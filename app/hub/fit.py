@@ -1,6 +1,6 @@
 """Will this model fit? One function, `estimate_fit`, from config.json figures, bits per weight and memory sizes.
 
-Assumptions (what the estimate models; figures in GB = 10^9 bytes):
+Assumptions (what the estimate models; figures in GiB = 2^30 bytes, as everywhere in the app):
 - On the GPU, always: attention weights and any dense MLP at `bpw`; norms and the MoE router in FP16
   (exllamav2 does not quantize them); the output head at `head_bits`; the KV cache for the whole context;
   a fixed margin `OVERHEAD_BYTES` for the CUDA context, scratch buffers and fragmentation.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-GB = 1e9
+GB = 1024 ** 3
 OVERHEAD_BYTES = 1.0e9
 RAM_RESERVE_BYTES = 4.0e9
 FP16 = 2.0
@@ -126,20 +126,20 @@ class FitEstimate:
         if self.verdict is Verdict.FITS_VRAM:
             return "fits in VRAM"
         if self.verdict is Verdict.FITS_OFFLOAD:
-            return f"fits with expert offload — {self.experts_in_ram_bytes / GB:.1f} GB of experts in RAM"
+            return f"fits with expert offload — {self.experts_in_ram_bytes / GB:.1f} GiB of experts in RAM"
         parts = []
         if self.vram_short_bytes > 0:
-            parts.append(f"{self.vram_short_bytes / GB:.1f} GB more VRAM")
+            parts.append(f"{self.vram_short_bytes / GB:.1f} GiB more VRAM")
         if self.ram_short_bytes > 0:
-            parts.append(f"{self.ram_short_bytes / GB:.1f} GB more RAM")
+            parts.append(f"{self.ram_short_bytes / GB:.1f} GiB more RAM")
         return "does not fit — needs " + " and ".join(parts)
 
     @property
     def assumptions(self) -> str:
-        return (f"GPU always holds {self.gpu_fixed_bytes / GB:.1f} GB: attention, norms, router, head, "
-                f"KV cache {self.kv_bytes / GB:.1f} GB and a {OVERHEAD_BYTES / GB:.0f} GB margin; "
-                f"experts ({self.expert_bytes / GB:.1f} GB) fill the rest of VRAM, the remainder goes to RAM; "
-                f"RAM keeps the embeddings and {RAM_RESERVE_BYTES / GB:.0f} GB for the system.")
+        return (f"GPU always holds {self.gpu_fixed_bytes / GB:.1f} GiB: attention, norms, router, head, "
+                f"KV cache {self.kv_bytes / GB:.1f} GiB and a {OVERHEAD_BYTES / GB:.0f} GiB margin; "
+                f"experts ({self.expert_bytes / GB:.1f} GiB) fill the rest of VRAM, the remainder goes to RAM; "
+                f"RAM keeps the embeddings and {RAM_RESERVE_BYTES / GB:.0f} GiB for the system.")
 
 
 def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vram_bytes: float,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from app.hub.errors import LocalModelError
 from app.hub.staging import SOURCE
+from app.telemetry import fmt_bytes
 from runtime import paths
 from runtime.modelfolder import FolderInfo, ModelFolderError, validate
 
@@ -138,8 +139,8 @@ def import_folder(src: Path, move: bool = False, models_dir: Path | None = None)
         else:
             free = shutil.disk_usage(root).free
             if free < info.size_bytes:
-                raise LocalModelError(f"Cannot import {src}: it needs {info.size_bytes / 1e9:.2f} GB and "
-                                      f"{root} has {free / 1e9:.2f} GB free")
+                raise LocalModelError(f"Cannot import {src}: it needs {fmt_bytes(info.size_bytes)} and "
+                                      f"{root} has {fmt_bytes(free)} free")
             shutil.copytree(src, staging)
         staging.rename(dest)
     except OSError as exc:

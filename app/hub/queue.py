@@ -16,6 +16,7 @@ from app.hub.download import DownloadProgress, Interrupted, JobState, RetryPolic
 from app.hub.staging import (MANIFEST, MANIFEST_ERRORS, DownloadJob, bytes_on_disk, check_disk_space, plan,
                              read_manifest, remove_staging, staged_jobs, staging_dir, write_manifest)
 from app.hub.errors import HubError
+from app.telemetry import fmt_bytes
 from runtime import paths
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class DownloadManager:
                                               message="Cancelled; its files were deleted.")
                 else:
                     result = progress_for(job, self.models_dir, JobState.PAUSED,
-                                          f"Paused at {bytes_on_disk(job, self.models_dir) / 1e6:.1f} MB")
+                                          f"Paused at {fmt_bytes(bytes_on_disk(job, self.models_dir))}")
             except HubError as exc:
                 log.warning("download %s failed: %s", job_id, exc)
                 result = progress_for(job, self.models_dir, JobState.FAILED, str(exc))

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from app.hub.browse import Quant, RemoteFile, checked_commit
 from app.hub.errors import HubError, NotEnoughDiskSpace, UnsafePathError
+from app.telemetry import fmt_bytes
 
 STAGING = ".staging"
 MANIFEST = ".moedesk-download.json"
@@ -115,13 +116,9 @@ def check_disk_space(job: DownloadJob, models_dir: Path, margin_bytes: int) -> N
     free = shutil.disk_usage(models_dir).free
     if free < needed + margin_bytes:
         raise NotEnoughDiskSpace(
-            f"Not enough disk space for {job.repo_id} ({job.branch}): it needs {gb(needed + margin_bytes)}, "
-            f"and {models_dir} has {gb(free)} free. Free some space or choose a smaller quant.",
+            f"Not enough disk space for {job.repo_id} ({job.branch}): it needs {fmt_bytes(needed + margin_bytes)}, "
+            f"and {models_dir} has {fmt_bytes(free)} free. Free some space or choose a smaller quant.",
             needed + margin_bytes, free)
-
-
-def gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 

@@ -463,7 +463,7 @@ class Exl2Engine(Engine):
         want = int(vram_budget_gb * GB)
         if want > total:
             raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
-                              f"a VRAM budget of {vram_budget_gb:g} GB is more than the GPU's {total / GB:.1f} GB")
+                              f"a VRAM budget of {vram_budget_gb:g} GiB is more than the GPU's {total / GB:.1f} GiB")
         growing = want >= self.budget.vram.total_bytes
         self.budget.vram.total_bytes = want
         if growing:                                   # the new slots are allocated under the new cap

@@ -15,7 +15,7 @@ GB = 1024 ** 3
 
 
 def gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.2f} GB"
+    return f"{nbytes / GB:.2f} GiB"
 
 
 class BudgetError(MemoryError):
@@ -77,7 +77,7 @@ def vram_budget(requested_gb: Optional[float], device_free_bytes: int, device_to
         return MemoryBudget(device_free_bytes, "VRAM")
     want = int(requested_gb * GB)
     if want > device_total_bytes:
-        raise BudgetError("VRAM", f"a VRAM budget of {requested_gb:g} GB", want, device_free_bytes,
+        raise BudgetError("VRAM", f"a VRAM budget of {requested_gb:g} GiB", want, device_free_bytes,
                           device_total_bytes, "the GPU is smaller than the budget; lower it in Settings")
     return MemoryBudget(min(want, device_free_bytes), "VRAM")
 
@@ -88,6 +88,6 @@ def ram_budget(requested_gb: Optional[float], available_bytes: int, keep_free_by
         return MemoryBudget(max(0, available_bytes - keep_free_bytes), "RAM")
     want = int(requested_gb * GB)
     if want > available_bytes:
-        raise BudgetError("RAM", f"a RAM budget of {requested_gb:g} GB", want, available_bytes, available_bytes,
+        raise BudgetError("RAM", f"a RAM budget of {requested_gb:g} GiB", want, available_bytes, available_bytes,
                           "close other programs or lower the RAM budget in Settings")
     return MemoryBudget(want, "RAM")

@@ -188,8 +188,9 @@ def memops_work(device: torch.device, timeout_s: float = 2.0) -> tuple[bool, str
 RESERVED_CORES = 2
 
 
-def resolve_threads(threads: int) -> int:
-    """0 = automatic: the physical cores (psutil) less RESERVED_CORES, at least 1; else `threads`.
+def resolve_threads(threads: int, others: Optional[float] = None) -> int:
+    """0 = automatic: the physical cores (psutil) less RESERVED_CORES and less the CPUs other programs keep
+    busy (`others`, cpu_load.choose_threads), at least 1; else `threads`.
 
     Two cores stay free during a decode step: the thread feeding the GPU spins in its
     synchronisation, and with host nodes ("hostfunc") the driver's callback thread spins in
@@ -201,9 +202,10 @@ def resolve_threads(threads: int) -> int:
         raise ValueError(f"cpu_threads {threads}: must be 0 (automatic) or more")
     if threads:
         return threads
-    import psutil
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    return max(1, cores - RESERVED_CORES)
+    from runtime import cpu_load
+    # A core another program keeps busy stalls the team the same way: it is left out too (measured now,
+    # at load, over cpu_load.MIN_WINDOW_S).
+    return cpu_load.choose_threads(max(1, cpu_load.physical_cores() - RESERVED_CORES), others)
 
 
 # -- CPU-format copies from the packed layout ------------------------------------------------------

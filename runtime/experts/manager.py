@@ -334,8 +334,10 @@ class OffloadManager:
             self.cpu_reason = self.cpu_unavailable = "every expert is in VRAM"
             return
         try:
-            threads = cpu_path.resolve_threads(self.cpu_threads)
-            costs = self._split_costs(resident)
+            from runtime import cpu_load
+            threads = cpu_path.resolve_threads(self.cpu_threads,
+                                               None if self.cpu_threads else cpu_load.measure_others())
+            costs = self._split_costs(resident, threads)
         except CpuExpertsError as e:
             self.cpu_reason = self.cpu_unavailable = f"the CPU expert kernel is unavailable: {e}"
             return
@@ -454,13 +456,13 @@ class OffloadManager:
             self._window.append(t - self._t_prev)
         self._t_prev = t if rows == 1 else None
 
-    def _split_costs(self, resident: list[list[int]]) -> CpuSplitCosts:
+    def _split_costs(self, resident: list[list[int]], threads: int) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
         and, on a GPU, pinned host-to-device bandwidth."""
         from runtime.experts import cpu_path
         lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
         cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
-        cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, self.cpu_threads)
+        cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, threads)
         if self.cuda and self.stage:                  # into a staging buffer: scratch between steps
             pcie = cpu_path.pcie_bytes_per_s(lo.packs[0].cold, self.stage[0][0])
         else:

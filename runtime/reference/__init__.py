@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from runtime.cpu_load import physical_cores
 from runtime.engine import EngineError, ModelInfo, ProgressFn
 from runtime.options import LoadOptions
 from runtime.protocol import ErrorCode
@@ -22,11 +23,6 @@ from runtime.protocol import ErrorCode
 DEFAULT_PRECISION = "int8"
 
 IGNORED = "ignored: CPU reference engine "
-
-
-def physical_cores() -> int:
-    import psutil
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
@@ -65,13 +61,14 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
                            bits_per_weight=info.bits_per_weight,
                            extra={"precision": precision, "num_params": info.num_params,
                                   "active_params": info.active_params, "is_exl2": info.is_exl2})
-    engine = ReferenceEngine(model_info, spec, weights, context)
+    engine = ReferenceEngine(model_info, spec, weights, context, adapts_threads=not off.cpu_threads)
 
     applied = {
         "offload.backend": "applied" if off.backend in ("cpu", "auto") else IGNORED + "runs on the CPU",
         "offload.context_length": "applied" if context == off.context_length else
         f"applied: capped at {context}, the model's max_position_embeddings",
-        "offload.cpu_threads": "applied" if off.cpu_threads else f"applied: {threads} (all physical cores)",
+        "offload.cpu_threads": "applied" if off.cpu_threads else
+        f"applied: automatic, up to {threads} (the physical cores less those other programs keep busy)",
         "offload.vram_budget_gb": IGNORED + "uses no GPU memory",
         "offload.ram_budget_gb": IGNORED + "keeps every weight in RAM",
         "offload.kv_cache": IGNORED + f"keeps the cache in {str(weights.dtype).removeprefix('torch.')}",

@@ -14,7 +14,9 @@ from runtime.reference.weights import Spec, Weights
 class ReferenceEngine(Engine):
     backend = "cpu"
 
-    def __init__(self, info: ModelInfo, spec: Spec, weights: Weights, context_length: int):
+    def __init__(self, info: ModelInfo, spec: Spec, weights: Weights, context_length: int,
+                 adapts_threads: bool = False):
+        self.adapts_threads = adapts_threads     # automatic threads: the worker resizes the team
         self.info = info
         self.spec = spec
         self.weights = weights
@@ -53,6 +55,9 @@ class ReferenceEngine(Engine):
             raise EngineError(ErrorCode.INTERNAL.value,
                               f"cannot truncate to {length} tokens: the cache holds {self.cache.length}")
         self.cache.length = length
+
+    def set_cpu_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
 
     def telemetry(self) -> dict[str, Any]:
         return {"weights": self.weights.precision if self.weights else None,

@@ -1,0 +1,114 @@
+"""How busy other programs keep the CPU, and how many compute threads the engine should run beside them.
+
+A team of N threads on N cores stalls at each of its barriers when another program holds one of the
+cores (the team waits a scheduler time slice for its last member): on a 2-core machine with one
+`yes >/dev/null` running, the demo model decoded ~1 token/s with 2 threads against ~30 with 1. So an
+automatic thread count is the physical cores less the CPUs other processes keep busy.
+
+The measure costs no waiting: the system's busy CPU time less this process's own, between two samples
+(`CpuSample`), divided by the wall time between them. The worker samples at load, between answers (the
+engine idle: the others' demand in full) and while an answer streams, and `ThreadGovernor` turns the
+readings into a team size. `choose_threads` is the whole decision, tested with injected readings.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+# Readings over less wall time than this are noise (the kernel counts CPU time in ticks of 1-10 ms).
+MIN_WINDOW_S = 0.25
+# Other programs may keep this much of a CPU busy before the team gives a core up: a desktop's
+# background (a browser tab, the compositor) should not halve the engine on a 2-core machine.
+SLACK_CPUS = 0.3
+# The machine is "contended" (said in the gauges) from this much of a CPU used by others.
+CONTENDED_CPUS = 0.5
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    wall: float        # monotonic seconds
+    busy: float        # CPU-seconds every CPU spent busy (all processes, the kernel, a hypervisor's steal)
+    own: float         # CPU-seconds this process spent (all its threads)
+
+
+def physical_cores() -> int:
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def sample() -> CpuSample:
+    import psutil
+    t = psutil.cpu_times()
+    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)   # guest time is in user too
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    mine = psutil.Process().cpu_times()
+    return CpuSample(wall=time.monotonic(), busy=total - idle, own=mine.user + mine.system)
+
+
+def others_busy(before: CpuSample, after: CpuSample) -> Optional[float]:
+    """CPUs other processes kept busy on average between two samples; None when too close together."""
+    wall = after.wall - before.wall
+    if wall < MIN_WINDOW_S:
+        return None
+    return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+
+
+def choose_threads(cores: int, others: Optional[float]) -> int:
+    """The team size for `cores` cores when other programs keep `others` CPUs busy (None: unknown):
+    one core fewer for each CPU of theirs beyond SLACK_CPUS, never fewer than 1."""
+    if cores < 1:
+        raise ValueError(f"cores {cores}: must be at least 1")
+    if others is None:
+        return cores
+    return max(1, min(cores, cores - math.ceil(others - SLACK_CPUS)))
+
+
+def measure_others(window_s: float = MIN_WINDOW_S) -> Optional[float]:
+    """Others' CPUs over a short wait (for a one-off decision at load, where no earlier sample exists)."""
+    first = sample()
+    time.sleep(window_s)
+    return others_busy(first, sample())
+
+
+class ThreadGovernor:
+    """The engine's thread count when it is automatic: `observe()` after each window (load, the idle time
+    between answers, half a second of an answer) returns the new count when it should change.
+
+    With `fixed` threads (the user's setting) it only reports the readings. `sampler` is injectable:
+    tests give it readings instead of the machine's."""
+
+    def __init__(self, cores: int, fixed: int = 0, sampler: Callable[[], CpuSample] = sample):
+        self.cores, self.fixed, self._sampler = cores, fixed, sampler
+        self.threads = fixed or cores
+        self.others: Optional[float] = None      # the last reading, CPUs
+        self._last = sampler()
+
+    def observe(self) -> Optional[int]:
+        now = self._sampler()
+        reading = others_busy(self._last, now)
+        if reading is None:
+            return None
+        self._last, self.others = now, reading
+        if self.fixed:
+            return None
+        threads = choose_threads(self.cores, reading)
+        if threads == self.threads:
+            return None
+        self.threads = threads
+        return threads
+
+    def restart_window(self) -> None:
+        """Start the next reading from now (e.g. after a stretch that should not count)."""
+        self._last = self._sampler()
+
+    @property
+    def contended(self) -> bool:
+        return self.others is not None and self.others >= CONTENDED_CPUS
+
+    def figures(self) -> dict:
+        """For the telemetry event."""
+        return {"cpu_threads": self.threads, "cpu_cores": self.cores,
+                "cpu_busy_others": None if self.others is None else round(self.others, 2)}

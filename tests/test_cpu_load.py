@@ -1,0 +1,97 @@
+"""The automatic CPU team size under other programs' load: the decision from injected readings (no timing)."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from runtime import cpu_load
+from runtime.cpu_load import CpuSample, ThreadGovernor, choose_threads, others_busy
+from runtime.worker import Worker
+
+
+@pytest.mark.parametrize("cores, others, threads", [
+    (2, None, 2),        # no reading yet: all cores
+    (2, 0.0, 2),         # quiet
+    (2, 0.3, 2),         # a desktop's background fits in the slack
+    (2, 0.6, 1),         # one busy program (`yes`) as the team shares the cores with it
+    (2, 1.0, 1),         # ... and when the team has left it a core
+    (2, 7.5, 1),         # a build on every core: never fewer than one
+    (16, 0.2, 16),
+    (16, 2.5, 13),
+])
+def test_the_team_leaves_the_cores_other_programs_use(cores, others, threads):
+    assert choose_threads(cores, others) == threads
+
+
+def test_others_are_the_busy_time_less_our_own():
+    a = CpuSample(wall=10.0, busy=100.0, own=40.0)
+    assert others_busy(a, CpuSample(wall=11.0, busy=102.0, own=41.0)) == pytest.approx(1.0)
+    assert others_busy(a, CpuSample(wall=11.0, busy=101.0, own=41.0)) == 0.0     # ours alone
+    assert others_busy(a, CpuSample(wall=10.1, busy=100.2, own=40.0)) is None    # too short to tell
+
+
+def _readings(*others_per_second: float):
+    """A sampler giving one sample per second in which other programs used the given CPUs."""
+    samples, busy = [CpuSample(0.0, 0.0, 0.0)], 0.0
+    for i, o in enumerate(others_per_second, 1):
+        busy += o + 1.0                     # the engine itself used one CPU each second too
+        samples.append(CpuSample(float(i), busy, float(i)))
+    it = iter(samples)
+    return lambda: next(it)
+
+
+def test_governor_follows_load_and_quiet_and_reports_contention():
+    g = ThreadGovernor(2, sampler=_readings(0.1, 1.0, 1.0, 0.0))
+    assert g.threads == 2 and g.others is None and not g.contended
+    assert g.observe() is None and g.threads == 2                 # quiet: no change
+    assert g.observe() == 1 and g.contended                      # `yes` started
+    assert g.observe() is None and g.threads == 1                # still there: no change
+    assert g.observe() == 2 and not g.contended                  # gone
+    assert g.figures() == {"cpu_threads": 2, "cpu_cores": 2, "cpu_busy_others": 0.0}
+
+
+def test_governor_keeps_the_users_thread_count_but_still_measures():
+    g = ThreadGovernor(2, fixed=2, sampler=_readings(1.0))
+    assert g.observe() is None and g.threads == 2 and g.contended
+
+
+class _Engine:
+    """Just enough engine for the worker's thread decisions."""
+    adapts_threads = True
+
+    def __init__(self):
+        self.resized: list[int] = []
+
+    def set_cpu_threads(self, threads: int) -> None:
+        self.resized.append(threads)
+
+    def telemetry(self):
+        return {"cpu_threads": self.resized[-1] if self.resized else 2}
+
+    def close(self):
+        pass
+
+
+def test_worker_resizes_an_automatic_team_and_says_so_in_telemetry():
+    w = Worker(io.StringIO())
+    w.engine, w.governor = _Engine(), ThreadGovernor(2, sampler=_readings(1.2, 0.0))
+    w._adapt_threads()
+    t = w.telemetry()
+    assert w.engine.resized == [1] and (t.cpu_threads, t.cpu_busy_others) == (1, pytest.approx(1.2))
+    w._adapt_threads()
+    assert w.engine.resized == [1, 2] and w.telemetry().cpu_busy_others == 0.0
+
+
+def test_worker_leaves_a_fixed_team_alone():
+    w = Worker(io.StringIO())
+    w.engine = _Engine()
+    w.engine.adapts_threads = False
+    w.governor = ThreadGovernor(2, sampler=_readings(1.5))
+    w._adapt_threads()
+    assert w.engine.resized == [] and w.telemetry().cpu_busy_others == pytest.approx(1.5)
+
+
+def test_the_machines_own_reading_is_a_number_of_cpus():
+    others = cpu_load.measure_others()
+    assert others is not None and 0.0 <= others <= (cpu_load.physical_cores() * 4)
