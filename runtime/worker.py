@@ -48,7 +48,12 @@ class Worker:
 
     # -- output ------------------------------------------------------------------------------
     def send(self, event: Any) -> None:
-        line = P.encode(event)
+        try:
+            line = P.encode(event)
+        except Exception:          # a bug in an event's data must not silence the channel
+            traceback.print_exc()
+            line = P.encode(P.Error(code=P.ErrorCode.INTERNAL.value, message=f"the worker could not encode "
+                                    f"a {event.type!r} event (see the worker log)"))
         with self._out_lock:
             self._out.write(line)
             self._out.flush()
@@ -63,8 +68,11 @@ class Worker:
                 try:
                     self.on_line(raw)
                 except Exception:   # never let the reader die: that would deafen the worker
-                    self.error(P.ErrorCode.INTERNAL.value, "the worker failed to handle a command",
-                               traceback.format_exc())
+                    try:
+                        self.error(P.ErrorCode.INTERNAL.value, "the worker failed to handle a command",
+                                   traceback.format_exc())
+                    except Exception:
+                        traceback.print_exc()
         self._cancel.set()
         self._commands.put(_END)
         time.sleep(EOF_GRACE_S)     # the main thread should exit by now; a load cannot be interrupted
@@ -309,7 +317,7 @@ def _protocol_channel() -> TextIO:
     sys.stdout.flush()
     fd = os.dup(1)
     os.dup2(2, 1)
-    return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+    return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="\n")
 
 
 def main() -> int:
