@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from runtime.engine import EngineError
+from runtime.modelfolder import inside, read_json
 from runtime.protocol import ErrorCode
 
 REPLACEMENT = "\ufffd"   # what a decoder yields for bytes that do not (yet) form a character
@@ -27,14 +28,12 @@ def _invalid(path: Path, problem: str) -> EngineError:
     return EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: {problem}")
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from an optional file ({} when absent)."""
+def _read_json(folder: Path, name: str) -> dict:
+    """A JSON object from an optional file of the folder ({} when absent); no link out of the folder."""
+    path = inside(folder, folder / name)
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _invalid(path, f"not valid JSON ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise _invalid(path, f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -109,7 +108,7 @@ class ChatTemplate:
 
 
 def _find_template(folder: Path, tok_config: dict) -> Optional[ChatTemplate]:
-    jinja_file = folder / "chat_template.jinja"
+    jinja_file = inside(folder, folder / "chat_template.jinja")
     if jinja_file.is_file():
         try:
             return ChatTemplate(str(jinja_file), jinja_file.read_text(encoding="utf-8"))
@@ -154,17 +153,15 @@ class Tokenizer:
     def from_folder(cls, folder: Path | str) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
         folder = Path(folder)
-        tok_file = folder / "tokenizer.json"
+        tok_file = inside(folder, folder / "tokenizer.json")
         if not tok_file.is_file():
             raise _invalid(tok_file, "missing (the model folder has no tokenizer)")
         try:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as e:   # tokenizers raises plain Exception subclasses from Rust
             raise _invalid(tok_file, f"cannot be read as a tokenizer: {e}") from None
-        return cls(folder, backend,
-                   _read_json(folder / "tokenizer_config.json"),
-                   _read_json(folder / "generation_config.json"),
-                   _read_json(folder / "config.json"))
+        return cls(folder, backend, _read_json(folder, "tokenizer_config.json"),
+                   _read_json(folder, "generation_config.json"), _read_json(folder, "config.json"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
