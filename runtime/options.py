@@ -40,6 +40,10 @@ MAX_MEMORY_GB = 16384.0               # 16 TB of GPU or host memory
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000                 # one stop string's length
 
+# Chat templates (code from untrusted model folders) run under these bounds: see runtime/chat_template.py.
+TEMPLATE_TIMEOUT_S = 5.0              # to compile or render once (MOEDESK_TEMPLATE_TIMEOUT_S overrides it)
+MAX_PROMPT_CHARS = 1 << 23            # a rendered or raw prompt, before it reaches the tokenizer (8,388,608)
+
 
 @dataclass(frozen=True)
 class SamplingOptions:

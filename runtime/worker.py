@@ -6,8 +6,9 @@ which fd 1 points at stderr, so anything a library prints lands in the log, neve
 Threads: a reader thread decodes commands and answers the quick ones at once (hello, stats,
 cancel, and refusals such as busy); load, unload and generate run in order on the main thread.
 Because the reader keeps reading while a generation runs, `cancel` sets a flag that the loop
-checks before every decode step. Every failure becomes an `error` event and the worker keeps
-serving; stdin closing (the parent died) or `shutdown` ends it.
+checks before every decode step (and that stops a chat template still rendering in its helper
+process). Every failure becomes an `error` event and the worker keeps serving; stdin closing (the
+parent died) or `shutdown` ends it.
 """
 from __future__ import annotations
 
@@ -212,6 +213,7 @@ class Worker:
         return draft_engine
 
     def generate(self, cmd: P.Generate) -> None:
+        from runtime.chat_template import TemplateCancelled
         from runtime.generate import generate, make_decoder, make_generator
         if self.engine is None:
             raise EngineError(P.ErrorCode.NO_MODEL.value, "no model is loaded: send load first")
@@ -220,7 +222,15 @@ class Worker:
         if cmd.prompt is not None:
             prompt = self.tokenizer.encode_prompt(cmd.prompt)
         elif cmd.messages:
-            prompt = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages])
+            t0 = time.perf_counter()
+            try:
+                prompt = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages],
+                                                    should_stop=self._cancel.is_set)
+            except TemplateCancelled:     # cancelled while the chat template rendered: nothing was generated
+                self._done_generating(cmd)
+                self.send(P.Finished(request_id=cmd.request_id, reason="cancelled", stats=P.GenerationStats(
+                    0, 0, None, None, None, time.perf_counter() - t0)))
+                return
         else:
             raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: messages is empty and no prompt was given")
         generator = make_generator(cmd.sampling.seed)
@@ -321,6 +331,9 @@ def _protocol_channel() -> TextIO:
 
 
 def main() -> int:
+    from runtime import chat_template
+    if chat_template.HELPER_FLAG in sys.argv[1:]:    # the same executable serves as the template helper
+        return chat_template.serve()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
     out = _protocol_channel()
     worker = Worker(out)

@@ -1,19 +1,25 @@
 """The real worker against hostile lines: every line gets a proper event, and the worker stays alive."""
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import time
 
 import pytest
+from test_hostile_template import FOREVER
 
 from runtime import protocol as P
 from runtime.client import WorkerClient
+from runtime.options import LoadOptions, OffloadOptions, SamplingOptions
+
+TEMPLATE_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "MOEDESK_MODELS"}
     env["MOEDESK_HOME"] = str(tmp_path_factory.mktemp("home"))
+    env["MOEDESK_TEMPLATE_TIMEOUT_S"] = str(TEMPLATE_TIMEOUT_S)
     with WorkerClient(env=env) as w:
         yield w
 
@@ -76,3 +82,53 @@ def test_event_lines_are_always_valid_utf8(worker):
     ev = _answer(worker)
     assert ev.code == "bad_field"
     _still_serving(worker)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile chat templates: the worker stops them, answers the next command, and a normal model still chats
+
+CPU = LoadOptions(offload=OffloadOptions(backend="cpu"))
+ASK = (P.ChatMessage("user", "Hi"),)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny synthetic model that chats (its own ChatML template), and a copy whose template loops for ever."""
+    from runtime.exl2.synth import write_synthetic
+    root = tmp_path_factory.mktemp("tiny")
+    write_synthetic("tiny-dense", 4.0, root / "normal")
+    shutil.copytree(root / "normal", root / "looping")
+    (root / "looping" / "chat_template.jinja").write_text(FOREVER)
+    return root / "normal", root / "looping"
+
+
+def _until(w: WorkerClient, rid: str, timeout: float = 60):
+    while True:
+        ev = w.next_event(timeout)
+        if isinstance(ev, (P.Finished, P.Error)) and ev.request_id == rid:
+            return ev
+
+
+def test_a_template_that_loops_for_ever_is_stopped_and_the_worker_chats_on(worker, tiny_models):
+    normal, looping = tiny_models
+    worker.load(str(looping), CPU)
+    t0 = time.perf_counter()
+    worker.send(P.Generate(request_id="loop", messages=ASK))
+    ev = _until(worker, "loop")
+    assert isinstance(ev, P.Error) and ev.code == "model_invalid" and "chat_template.jinja" in ev.message, ev
+    assert time.perf_counter() - t0 < TEMPLATE_TIMEOUT_S + 10
+    worker.send(P.Stats(request_id="s-after"))
+    assert worker.next_event(30).request_id == "s-after"
+    worker.load(str(normal), CPU)
+    worker.send(P.Generate(request_id="chat", messages=ASK, sampling=SamplingOptions(temperature=0.0, max_tokens=3)))
+    ev = _until(worker, "chat")
+    assert isinstance(ev, P.Finished) and ev.stats.generated_tokens >= 1, ev
+
+
+def test_cancel_stops_a_template_still_rendering(worker, tiny_models):
+    worker.load(str(tiny_models[1]), CPU)
+    worker.send(P.Generate(request_id="slow", messages=ASK))
+    time.sleep(0.2)
+    worker.send(P.Cancel(request_id="slow"))
+    ev = _until(worker, "slow")
+    assert isinstance(ev, P.Finished) and ev.reason == "cancelled", ev
