@@ -7,6 +7,7 @@ import time
 
 import pytest
 from test_hostile_template import FOREVER
+from test_modelfolder import LLAMA, make_folder
 
 from runtime import protocol as P
 from runtime.client import WorkerClient
@@ -132,3 +133,14 @@ def test_cancel_stops_a_template_still_rendering(worker, tiny_models):
     worker.send(P.Cancel(request_id="slow"))
     ev = _until(worker, "slow")
     assert isinstance(ev, P.Finished) and ev.reason == "cancelled", ev
+
+
+def test_a_model_of_odd_widths_chats_instead_of_crashing_the_worker(worker, tmp_path, demo_model):
+    """Widths not a multiple of 16 (intermediate 24 here) once sent torch's int8 kernel past its rows."""
+    folder = make_folder(tmp_path / "odd", {**LLAMA, "vocab_size": 49152})
+    (folder / "tokenizer.json").write_bytes((demo_model / "tokenizer.json").read_bytes())
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}:")
+    worker.load(str(folder), CPU)
+    worker.send(P.Generate(request_id="odd", messages=ASK, sampling=SamplingOptions(temperature=0.0, max_tokens=3)))
+    ev = _until(worker, "odd")
+    assert isinstance(ev, P.Finished), ev
