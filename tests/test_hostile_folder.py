@@ -190,3 +190,23 @@ def test_draft_pairing_survives_a_deeply_nested_tokenizer(tmp_path):
     (b / "tokenizer.json").write_text(DEEP)
     ok, why = draft_compatibility(a, b)
     assert not ok and "tokenizer.json" in why
+
+
+def test_the_model_manager_opens_with_a_broken_folder_and_can_delete_it(qtbot, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.models_dialog import ModelManagerDialog
+    models = tmp_path / "models"
+    deep = make_folder(models / "deep", LLAMA)
+    (deep / "config.json").write_text(DEEP)
+    (deep / "moedesk-source.json").write_text(DEEP)
+    d = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(d)
+    try:
+        assert d.local_table.rowCount() == 1
+        monkeypatch.setattr("app.models_dialog.QMessageBox.question", lambda *a: QMessageBox.Yes)
+        d.local_table.selectRow(0)
+        d.delete_button.click()
+        assert not deep.exists() and d.local_table.rowCount() == 0
+    finally:
+        d.shutdown()

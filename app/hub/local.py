@@ -85,7 +85,7 @@ def describe(folder: Path, last_used: dict[str, float] | None = None) -> LocalMo
     try:
         src = json.loads((folder / SOURCE).read_text())
         source = f"{src['repo_id']} @ {src['branch']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     try:
         info: FolderInfo = validate(folder)
