@@ -39,7 +39,10 @@ START_TIMEOUT_S = 60.0                 # starting the helper (not counted in the
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("MOEDESK_TEMPLATE_TIMEOUT_S") or TEMPLATE_TIMEOUT_S)
+    try:
+        return float(os.environ.get("MOEDESK_TEMPLATE_TIMEOUT_S") or TEMPLATE_TIMEOUT_S)
+    except ValueError:
+        return TEMPLATE_TIMEOUT_S
 
 
 class TemplateCancelled(EngineError):
@@ -60,7 +63,9 @@ class _Helper:
         self.lines: "queue.Queue[Optional[bytes]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name="chat-template-helper").start()
         if self._answer(time.monotonic() + START_TIMEOUT_S, lambda: False) != {"ready": True}:
-            raise RuntimeError("the chat template helper did not start")
+            self.kill()
+            raise EngineError(ErrorCode.INTERNAL.value, "the chat template helper process did not start "
+                                                        "(see the log above)")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
