@@ -42,6 +42,8 @@ from app.wheel import scroll_past_inputs
 from runtime import paths
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, ServeOptions, describe
 
+SPIN_MAX = 2**31 - 1        # QSpinBox's range is a 32-bit int; a larger option bound (the seed's) is cut to it
+
 # (target dir, draft dir) -> None or the reason it cannot draft; `(ok, reason)` tuples are accepted too
 DraftCompatibility = Callable[[Path, Path], Any]
 
@@ -191,7 +193,8 @@ class _Field:
         elif base is int:
             ed = QSpinBox()
             lo = int(meta["min"]) if meta.get("min") is not None else 0
-            ed.setRange(lo - 1 if self.optional else lo, int(meta["max"]) if meta.get("max") is not None else 1 << 24)
+            hi = int(meta["max"]) if meta.get("max") is not None else 1 << 24
+            ed.setRange(lo - 1 if self.optional else lo, min(hi, SPIN_MAX))     # a spin box holds 32 bits
             ed.valueChanged.connect(on_change)
         elif base is float:
             ed = QDoubleSpinBox()

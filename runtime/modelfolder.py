@@ -36,6 +36,16 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
+# Every size in config.json is bounded before anything is built from it (a hostile config of 10^9 layers
+# must fail at once, not after gigabytes). Ceilings are far above any released model.
+CONFIG_BOUNDS = {"hidden_size": 1 << 17, "num_hidden_layers": 1024, "num_attention_heads": 1024,
+                 "num_key_value_heads": 1024, "head_dim": 1 << 12, "vocab_size": 1 << 22,
+                 "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "num_experts": 4096,
+                 "num_local_experts": 4096, "num_experts_per_tok": 4096, "max_position_embeddings": 1 << 24,
+                 "decoder_sparse_step": 1024}
+MAX_JSON_BYTES = 64 * 1024 * 1024       # a JSON file of a model folder (tokenizer.json included)
+
+
 class ModelFolderError(EngineError):
     """A model folder is missing, malformed or unsupported. `file` is the offending path."""
 
@@ -43,6 +53,45 @@ class ModelFolderError(EngineError):
         super().__init__(code.value, f"{file}: {problem}", detail)
         self.file = str(file)
         self.problem = problem
+
+
+def _invalid(file: Path | str, problem: str) -> ModelFolderError:
+    return ModelFolderError(ErrorCode.MODEL_INVALID, file, problem)
+
+
+# ----------------------------------------------------------------------------------------------
+# Files of an untrusted folder: no link out of it, bounded JSON
+
+def inside(folder: Path, path: Path) -> Path:
+    """`path` (a file of `folder`) unless it is a link that leads out of the folder: a model folder must not
+    make us read /etc/passwd into a prompt, or copy it into the models folder."""
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.is_relative_to(Path(folder).resolve()):
+            raise _invalid(path, f"is a link to {target}, outside the model folder: refused "
+                                 f"(copy the file into the folder instead)")
+    return path
+
+
+def _check_links(folder: Path) -> None:
+    """No entry of the folder (the files we and exllamav2 open live there) may link outside it."""
+    for entry in sorted(folder.iterdir()):
+        inside(folder, entry)
+
+
+def read_json(path: Path, what: str = "JSON") -> Any:
+    """A JSON file of a model folder: bounded in size, and every way it can fail is a named model_invalid."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise _invalid(path, f"{size} bytes, more than the {MAX_JSON_BYTES} a model folder's JSON file may have")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise _invalid(path, f"not valid {what} at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise _invalid(path, f"not valid {what}: nested too deeply") from None
+    except (UnicodeDecodeError, OSError, ValueError) as e:      # ValueError: e.g. an integer of 5000 digits
+        raise _invalid(path, f"cannot be read: {e}") from None
 
 
 @dataclass
@@ -72,13 +121,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "missing: a model folder needs config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                               f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except (UnicodeDecodeError, OSError) as e:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"cannot be read: {e}") from None
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "expected a JSON object at the top level")
     archs = config.get("architectures")
@@ -93,15 +136,68 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if arch == "Qwen3MoeForCausalLM":
         needed += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
     for key in needed:
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"'{key}' must be a positive integer, got {value!r}")
+        config_int(config, key, path)
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"):
+        if config.get(key) is not None:
+            config_int(config, key, path)
+    if arch == "Qwen3MoeForCausalLM" and config["num_experts_per_tok"] > config["num_experts"]:
+        raise _invalid(path, f"'num_experts_per_tok' ({config['num_experts_per_tok']}) is more than "
+                             f"'num_experts' ({config['num_experts']})")
+    only = config.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list) and all(type(i) is int for i in only)):
+        raise _invalid(path, f"'mlp_only_layers' must be a list of layer numbers, got {only!r}")
+    _check_number(config, "rms_norm_eps", path, 0.0, 1.0)
+    _check_number(config, "rope_theta", path, 0.0, 1e12)
+    check_rope(config, path)
     if config["hidden_size"] % config["num_attention_heads"] and not config.get("head_dim"):
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "'hidden_size' is not a multiple of 'num_attention_heads'")
     if config["num_attention_heads"] % kv_heads(config):
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
                                "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
     return config
+
+
+def config_int(config: dict, key: str, path: Path | str) -> int:
+    """config[key] as a positive integer within CONFIG_BOUNDS, or a named error."""
+    value, top = config.get(key), CONFIG_BOUNDS[key]
+    if type(value) is not int or not 0 < value <= top:
+        raise _invalid(path, f"'{key}' must be a positive integer of at most {top}, got {value!r}")
+    return value
+
+
+def _check_number(params: dict, key: str, path: Path | str, low: float, high: float, where: str = "") -> None:
+    """An optional number: low < value <= high (a string or a negative epsilon is refused by name)."""
+    value = params.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise _invalid(path, f"'{where}{key}' must be a number above {low:g} and at most {high:g}, got {value!r}")
+
+
+def check_rope(config: dict, path: Path | str) -> dict:
+    """The rope scaling parameters (`rope_scaling` merged over `rope_parameters`), each field the known
+    types use present and in range; which types an engine supports is the engine's business."""
+    params: dict = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise _invalid(path, f"'{key}' must be an object, got {value!r}")
+        params.update(value or {})
+    where = "rope_scaling." if isinstance(config.get("rope_scaling"), dict) else "rope_parameters."
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if not isinstance(rope_type, str):
+        raise _invalid(path, f"'{where}rope_type' must be text, got {rope_type!r}")
+    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for key in needed.get(rope_type, ()):
+        if key not in params:
+            raise _invalid(path, f"'{where}{key}' is missing: rope type {rope_type!r} needs it")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        _check_number(params, key, path, 0.0, 1e9, where)
+    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise _invalid(path, f"'{where}high_freq_factor' must be above low_freq_factor")
+    _check_number(params, "rope_theta", path, 0.0, 1e12, where)
+    return params
 
 
 def kv_heads(config: dict) -> int:
@@ -167,6 +263,15 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
     return Layout(plain, linears, idle)
 
 
+def implied_tensors(config: dict) -> int:
+    """How many entries `layout` makes (each one at least one stored tensor), counted without building it."""
+    n = config["num_hidden_layers"]
+    per_layer = 2 + 4 + (2 if config["architectures"][0] != "LlamaForCausalLM" else 0)
+    moe_layers = sum(is_moe_layer(config, i) for i in range(n))
+    experts = 1 + 3 * config["num_experts"] if moe_layers else 0
+    return 2 + n * per_layer + moe_layers * experts + (n - moe_layers) * 3
+
+
 def _linear_present(prefix: str, names: set[str]) -> bool:
     return f"{prefix}.weight" in names or f"{prefix}.q_weight" in names
 
@@ -195,8 +300,10 @@ def read_header(path: Path) -> dict[str, dict]:
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"cannot be read: {e}") from None
     try:
         table = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError) as e:
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"corrupt safetensors header: not valid JSON ({e})") from None
+    except RecursionError:
+        raise _invalid(path, "corrupt safetensors header: not valid JSON (nested too deeply)") from None
     if not isinstance(table, dict):
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "corrupt safetensors header: not a JSON object")
     table.pop("__metadata__", None)
@@ -246,10 +353,8 @@ def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
     index = folder / "model.safetensors.index.json"
     headers: dict[str, dict] = {}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"not a valid index: {e}") from None
+        data = read_json(index, "JSON index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelFolderError(ErrorCode.MODEL_INVALID, index, "'weight_map' must map tensor names to file names")
         for shard in sorted(set(weight_map.values())):
@@ -285,12 +390,17 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "no such model folder")
     if not folder.is_dir():
         raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "not a folder")
+    _check_links(folder)
     config = _read_config(folder)
     has_tokenizer = (folder / "tokenizer.json").is_file()
     if require_tokenizer and not has_tokenizer:
         raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / "tokenizer.json", "missing: the model has no tokenizer")
     shard_of, headers = _weight_files(folder)
     names = set(shard_of)
+    implied = implied_tensors(config)
+    if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
+        raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
+                                               f"tensors; the weights hold only {len(names)}")
     lay = layout(config, names)
 
     def where(name: str) -> Path:

@@ -32,15 +32,28 @@ def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | N
     return field(default=default, metadata=meta)
 
 
+# Upper bounds: every number arrives from an untrusted line, so each has a sane ceiling (checked in from_dict).
+MAX_TOKENS = 1 << 22                  # longest answer and longest context, in tokens (4,194,304)
+MAX_SEED = (1 << 63) - 1              # a signed 64-bit integer: what torch's generator and SQLite both hold
+MAX_CPU_THREADS = 512                 # beyond any CPU's physical cores today
+MAX_MEMORY_GB = 16384.0               # 16 TB of GPU or host memory
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000                 # one stop string's length
+
+# Chat templates (code from untrusted model folders) run under these bounds: see runtime/chat_template.py.
+TEMPLATE_TIMEOUT_S = 5.0              # to compile or render once (MOEDESK_TEMPLATE_TIMEOUT_S overrides it)
+MAX_PROMPT_CHARS = 1 << 23            # a rendered or raw prompt, before it reaches the tokenizer (8,388,608)
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = opt(0.7, "Randomness of sampling; 0 always picks the most likely token.", min=0.0, max=5.0)
     top_p: float = opt(0.9, "Sample only from the most likely tokens whose probabilities add up to this.", min=0.0, max=1.0)
-    top_k: int = opt(40, "Sample only from this many most likely tokens (0 = no limit).", min=0)
+    top_k: int = opt(40, "Sample only from this many most likely tokens (0 = no limit).", min=0, max=MAX_TOKENS)
     min_p: float = opt(0.0, "Drop tokens less likely than this fraction of the most likely one.", min=0.0, max=1.0)
     repetition_penalty: float = opt(1.0, "Penalise tokens already in the conversation (1 = off).", min=0.5, max=3.0)
-    max_tokens: int = opt(1024, "Longest answer, in tokens.", min=1)
-    seed: Optional[int] = opt(None, "Random seed for reproducible sampling (empty = random).", min=0)
+    max_tokens: int = opt(1024, "Longest answer, in tokens.", min=1, max=MAX_TOKENS)
+    seed: Optional[int] = opt(None, "Random seed for reproducible sampling (empty = random).", min=0, max=MAX_SEED)
     stop: tuple[str, ...] = opt((), "Extra strings that end the answer.")
     context_overflow: str = opt("rolling", "When the chat no longer fits the context: drop the oldest turns (rolling), "
                                 "keep the first exchange and drop the turns after it (keep_first), or stop and say so.",
@@ -49,11 +62,15 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class OffloadOptions:
-    vram_budget_gb: Optional[float] = opt(None, "GPU memory the engine may use, in GiB (empty = all free VRAM).", min=0.5, reload=True)
-    ram_budget_gb: Optional[float] = opt(None, "Host memory for offloaded experts, in GiB (empty = what is free).", min=0.5, reload=True)
-    cpu_threads: int = opt(0, "CPU threads the engine computes with: the whole model on the CPU engine, cold experts beside a GPU (0 = automatic: the physical cores less those other programs keep busy, two fewer beside a GPU).", min=0, reload=True)
+    vram_budget_gb: Optional[float] = opt(None, "GPU memory the engine may use, in GiB (empty = all free VRAM).", min=0.5,
+                                          max=MAX_MEMORY_GB, reload=True)
+    ram_budget_gb: Optional[float] = opt(None, "Host memory for offloaded experts, in GiB (empty = what is free).", min=0.5,
+                                         max=MAX_MEMORY_GB, reload=True)
+    cpu_threads: int = opt(0, "CPU threads the engine computes with: the whole model on the CPU engine, cold experts beside a GPU (0 = automatic: the physical cores less those other programs keep busy, two fewer beside a GPU).", min=0,
+                      max=MAX_CPU_THREADS, reload=True)
     kv_cache: str = opt("fp16", "Precision of the attention cache; lower fits longer context.", choices=("fp16", "q8", "q6", "q4"), reload=True)
-    context_length: int = opt(4096, "Longest conversation the model can see, in tokens.", min=256, reload=True)
+    context_length: int = opt(4096, "Longest conversation the model can see, in tokens.", min=256, max=MAX_TOKENS,
+                              reload=True)
     placement: str = opt("auto", "Where cold experts go: auto, all in VRAM, computed on the CPU, or streamed to the GPU.",
                          choices=("auto", "vram", "cpu", "stream"), reload=True)
     backend: str = opt("auto", "Engine: auto (the NVIDIA GPU when there is one), the GPU (CUDA), or the CPU.",
@@ -120,7 +137,7 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise OptionError(where, f"unknown option(s) {', '.join(unknown)}")
+        raise OptionError(where, f"unknown option(s) {', '.join(map(shown, unknown))}")
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -128,6 +145,22 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
         fpath = f"{path}.{f.name}" if path else f.name
         kwargs[f.name] = _coerce(hints[f.name], data[f.name], fpath, f.metadata)
     return cls(**kwargs)
+
+
+def check_text(value: str, path: str) -> str:
+    """Text from JSON may hold lone surrogates ("\\udcff" escapes): valid JSON, but not Unicode that
+    UTF-8 (the tokenizer, the event channel, SQLite) can carry. Refuse them by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OptionError(path, f"not valid Unicode text: a lone surrogate {value[e.start]!a} "
+                                f"at character {e.start}") from None
+    return value
+
+
+def shown(name: str) -> str:
+    """A name from untrusted data, safe to put into a message (lone surrogates escaped)."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _coerce(tp: Any, value: Any, path: str, meta: Any) -> Any:
@@ -143,6 +176,10 @@ def _coerce(tp: Any, value: Any, path: str, meta: Any) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise OptionError(path, "expected a list of strings")
+        if len(value) > MAX_STOP_STRINGS or any(len(v) > MAX_STOP_CHARS for v in value):
+            raise OptionError(path, f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
+        for i, v in enumerate(value):
+            check_text(v, f"{path}[{i}]")
         return tuple(value)
     if tp is bool:
         if not isinstance(value, bool):
@@ -163,6 +200,7 @@ def _coerce(tp: Any, value: Any, path: str, meta: Any) -> Any:
     elif tp is str:
         if not isinstance(value, str):
             raise OptionError(path, f"expected text, got {value!r}")
+        check_text(value, path)
     if meta:
         if meta.get("choices") and value not in meta["choices"]:
             raise OptionError(path, f"{value!r} is not one of {', '.join(meta['choices'])}")

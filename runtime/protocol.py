@@ -262,10 +262,16 @@ EVENTS: dict[str, type] = {e.type: e for e in (Ready, Progress, Loaded, Unloaded
 # JSON lines
 
 def encode(msg: Any) -> str:
-    """One message as one JSON line (with the trailing newline)."""
+    """One message as one JSON line (with the trailing newline), always encodable as UTF-8: text that
+    holds lone surrogates (from a hostile line echoed back) is written with JSON's \\u escapes instead."""
     body = {"v": PROTOCOL_VERSION, "type": msg.type}
     body.update(_options.json_ready(dataclasses.asdict(msg)))
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n"
+    line = json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n"
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(body, ensure_ascii=True, separators=(",", ":")) + "\n"
+    return line
 
 
 def decode_command(line: Union[str, bytes]) -> Command:
@@ -281,9 +287,13 @@ def _decode(line: Union[str, bytes], table: dict[str, type], kind: str) -> Any:
         data = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(ErrorCode.BAD_JSON, f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_JSON, "not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.BAD_JSON, f"expected a JSON object, got {type(data).__name__}")
     rid = data.get("request_id") if isinstance(data.get("request_id"), str) else None
+    if rid is not None and rid != _options.shown(rid):
+        rid = None        # not valid Unicode: the error says so, and cannot be addressed to it
     name = data.pop("type", None)
     version = data.pop("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
@@ -316,7 +326,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     names = {f.name for f in fields}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise OptionError(path, f"unknown field(s) {', '.join(unknown)}")
+        raise OptionError(path, f"unknown field(s) {', '.join(map(_options.shown, unknown))}")
     kwargs = {}
     for f in fields:
         fpath = f"{path}.{f.name}"
@@ -347,7 +357,7 @@ def _value(tp: Any, value: Any, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise OptionError(path, f"expected an object, got {type(value).__name__}")
-        return {str(k): _value(args[1], v, f"{path}.{k}") for k, v in value.items()}
+        return {_options.check_text(k, f"{path} key"): _value(args[1], v, f"{path}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise OptionError(path, f"expected true or false, got {value!r}")
@@ -363,7 +373,7 @@ def _value(tp: Any, value: Any, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise OptionError(path, f"expected text, got {value!r}")
-        return value
+        return _options.check_text(value, path)
     raise OptionError(path, f"unsupported field type {tp!r}")
 
 

@@ -3,7 +3,9 @@
 - `Tokenizer.from_folder(path)`: `tokenizer.json` through `tokenizers`; special tokens and end ids from
   tokenizer_config.json, generation_config.json and config.json; the chat template from
   `chat_template.jinja` or tokenizer_config.json's `chat_template`, rendered in jinja2's immutable
-  sandbox (model folders are untrusted) with the helpers Hugging Face templates expect.
+  sandbox with the helpers Hugging Face templates expect, in a helper process bounded in time, output
+  and memory (model folders are untrusted: see runtime/chat_template.py). No file linked out of the
+  folder is read.
 - `StreamDecoder`: turns token ids into text deltas that never end inside a UTF-8 character
   (byte-level BPE and byte-fallback tokens like <0xE2> can split one character over several tokens).
 - `StopMatcher`: finds stop strings in streamed text, holding back any tail that could still
@@ -11,30 +13,30 @@
 """
 from __future__ import annotations
 
-import datetime
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
+from runtime import chat_template
 from runtime.engine import EngineError
+from runtime.modelfolder import MAX_JSON_BYTES, inside, read_json
+from runtime.options import MAX_PROMPT_CHARS
 from runtime.protocol import ErrorCode
 
 REPLACEMENT = "\ufffd"   # what a decoder yields for bytes that do not (yet) form a character
+MAX_TEMPLATE_CHARS = 1 << 20   # a chat template's source (real ones are a few kB)
 
 
 def _invalid(path: Path, problem: str) -> EngineError:
     return EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: {problem}")
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from an optional file ({} when absent)."""
+def _read_json(folder: Path, name: str) -> dict:
+    """A JSON object from an optional file of the folder ({} when absent); no link out of the folder."""
+    path = inside(folder, folder / name)
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _invalid(path, f"not valid JSON ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise _invalid(path, f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -60,56 +62,27 @@ def _ids(value: Any) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 # Chat template
 
-def _template_env():
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateRaised(str(message))
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
-
-
-class TemplateRaised(Exception):
-    """A template called raise_exception(...)."""
-
-
 @dataclass
 class ChatTemplate:
+    """A model's chat template; compiled and rendered in runtime.chat_template's helper process, under bounds."""
     source: str        # where it came from, for error messages
     text: str
 
     def __post_init__(self):
-        import jinja2
-        try:
-            self._compiled = _template_env().from_string(self.text)
-        except jinja2.TemplateSyntaxError as e:
-            raise _invalid(Path(self.source), f"chat template is broken: line {e.lineno}: {e.message}") from None
+        if len(self.text) > MAX_TEMPLATE_CHARS:
+            raise _invalid(Path(self.source), f"chat template of {len(self.text)} characters; at most "
+                                              f"{MAX_TEMPLATE_CHARS} are accepted")
+        chat_template.run({"template": self.text}, self.source)        # syntax errors at load, by name
 
-    def render(self, messages: Sequence[dict], **variables: Any) -> str:
-        import jinja2
-        try:
-            return self._compiled.render(messages=list(messages), **variables)
-        except TemplateRaised as e:
-            raise EngineError(ErrorCode.BAD_FIELD.value, f"{self.source}: the chat template refused the messages: {e}") from None
-        except jinja2.exceptions.SecurityError as e:
-            raise _invalid(Path(self.source), f"chat template tried an unsafe operation: {e}") from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            raise _invalid(Path(self.source), f"chat template failed: {type(e).__name__}: {e}") from None
+    def render(self, messages: Sequence[dict], should_stop: Callable[[], bool] = lambda: False,
+               **variables: Any) -> str:
+        chars = sum(len(str(m.get("content", ""))) for m in messages)
+        return chat_template.run({"template": self.text, "conversation_chars": chars,
+                                  "variables": {"messages": list(messages), **variables}}, self.source, should_stop)
 
 
 def _find_template(folder: Path, tok_config: dict) -> Optional[ChatTemplate]:
-    jinja_file = folder / "chat_template.jinja"
+    jinja_file = inside(folder, folder / "chat_template.jinja")
     if jinja_file.is_file():
         try:
             return ChatTemplate(str(jinja_file), jinja_file.read_text(encoding="utf-8"))
@@ -154,17 +127,17 @@ class Tokenizer:
     def from_folder(cls, folder: Path | str) -> "Tokenizer":
         from tokenizers import Tokenizer as HFTokenizer
         folder = Path(folder)
-        tok_file = folder / "tokenizer.json"
+        tok_file = inside(folder, folder / "tokenizer.json")
         if not tok_file.is_file():
             raise _invalid(tok_file, "missing (the model folder has no tokenizer)")
+        if tok_file.stat().st_size > MAX_JSON_BYTES:
+            raise _invalid(tok_file, f"more than the {MAX_JSON_BYTES} bytes a model folder's JSON file may have")
         try:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as e:   # tokenizers raises plain Exception subclasses from Rust
             raise _invalid(tok_file, f"cannot be read as a tokenizer: {e}") from None
-        return cls(folder, backend,
-                   _read_json(folder / "tokenizer_config.json"),
-                   _read_json(folder / "generation_config.json"),
-                   _read_json(folder / "config.json"))
+        return cls(folder, backend, _read_json(folder, "tokenizer_config.json"),
+                   _read_json(folder, "generation_config.json"), _read_json(folder, "config.json"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -172,21 +145,25 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    should_stop: Callable[[], bool] = lambda: False) -> str:
         if self.template is None:
             raise _invalid(self.folder, "the model has no chat template (neither chat_template.jinja nor "
                                         "tokenizer_config.json's chat_template); send a raw prompt instead")
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
+        return self.template.render(messages, should_stop, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                     pad_token=self.pad_token or "", unk_token=self.unk_token or "",
                                     tools=None, documents=None)
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], should_stop: Callable[[], bool] = lambda: False) -> list[int]:
         # The rendered template already holds the special tokens (as Hugging Face's apply_chat_template).
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, should_stop=should_stop), add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt, with whatever special tokens the tokenizer itself adds (e.g. BOS)."""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
+                              f"the prompt is {len(text)} characters; at most {MAX_PROMPT_CHARS} are accepted")
         return self.encode(text, add_special_tokens=True)
 
     def vocabulary(self) -> dict[str, int]:

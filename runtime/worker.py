@@ -6,9 +6,10 @@ which fd 1 points at stderr, so anything a library prints lands in the log, neve
 Threads: a reader thread decodes commands and answers the quick ones at once (hello, stats,
 cancel, and refusals such as busy); load, unload and generate run in order on the main thread.
 Because the reader keeps reading while a generation runs, `cancel` sets a flag that the loop
-checks before every decode step. While no command waits, the main thread runs the engine's idle
-work one bounded step at a time (`Engine.idle_work`: decode graphs captured ahead of need), looking
-at the queue between steps, so a command waits for one step at most. Every failure becomes an `error` event and the worker keeps
+checks before every decode step (and that stops a chat template still rendering in its helper
+process). While no command waits, the main thread runs the engine's idle work one bounded step at a
+time (`Engine.idle_work`: decode graphs captured ahead of need), looking at the queue between steps,
+so a command waits for one step at most. Every failure becomes an `error` event and the worker keeps
 serving; stdin closing (the parent died) or `shutdown` ends it.
 """
 from __future__ import annotations
@@ -54,7 +55,12 @@ class Worker:
 
     # -- output ------------------------------------------------------------------------------
     def send(self, event: Any) -> None:
-        line = P.encode(event)
+        try:
+            line = P.encode(event)
+        except Exception:          # a bug in an event's data must not silence the channel
+            traceback.print_exc()
+            line = P.encode(P.Error(code=P.ErrorCode.INTERNAL.value, message=f"the worker could not encode "
+                                    f"a {event.type!r} event (see the worker log)"))
         with self._out_lock:
             self._out.write(line)
             self._out.flush()
@@ -69,8 +75,11 @@ class Worker:
                 try:
                     self.on_line(raw)
                 except Exception:   # never let the reader die: that would deafen the worker
-                    self.error(P.ErrorCode.INTERNAL.value, "the worker failed to handle a command",
-                               traceback.format_exc())
+                    try:
+                        self.error(P.ErrorCode.INTERNAL.value, "the worker failed to handle a command",
+                                   traceback.format_exc())
+                    except Exception:
+                        traceback.print_exc()
         self._cancel.set()
         self._commands.put(_END)
         time.sleep(EOF_GRACE_S)     # the main thread should exit by now; a load cannot be interrupted
@@ -258,6 +267,7 @@ class Worker:
         return draft_engine
 
     def generate(self, cmd: P.Generate) -> None:
+        from runtime.chat_template import TemplateCancelled
         from runtime.context import FittedPrompt, fit_prompt
         from runtime.generate import generate, make_decoder, make_generator
         if self.engine is None:
@@ -269,9 +279,16 @@ class Worker:
                 raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: answer_prefix needs messages, not a prompt")
             fitted = FittedPrompt(self.tokenizer.encode_prompt(cmd.prompt), 0, 0)
         elif cmd.messages:
-            fitted = fit_prompt(self.tokenizer, [{"role": m.role, "content": m.content} for m in cmd.messages],
-                                self.engine.info.context_length, cmd.sampling.max_tokens,
-                                cmd.sampling.context_overflow, cmd.answer_prefix)
+            t0 = time.perf_counter()
+            try:
+                fitted = fit_prompt(self.tokenizer, [{"role": m.role, "content": m.content} for m in cmd.messages],
+                                    self.engine.info.context_length, cmd.sampling.max_tokens,
+                                    cmd.sampling.context_overflow, cmd.answer_prefix, should_stop=self._cancel.is_set)
+            except TemplateCancelled:     # cancelled while the chat template rendered: nothing was generated
+                self._done_generating(cmd)
+                self.send(P.Finished(request_id=cmd.request_id, reason="cancelled", stats=P.GenerationStats(
+                    0, 0, None, None, None, time.perf_counter() - t0)))
+                return
         else:
             raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: messages is empty and no prompt was given")
         prompt = fitted.tokens
@@ -402,7 +419,7 @@ def _protocol_channel() -> TextIO:
     sys.stdout.flush()
     fd = os.dup(1)
     os.dup2(2, 1)
-    return os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+    return os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="\n")
 
 
 def name_process() -> None:
@@ -412,6 +429,9 @@ def name_process() -> None:
 
 
 def main() -> int:
+    from runtime import chat_template
+    if chat_template.HELPER_FLAG in sys.argv[1:]:    # the same executable serves as the template helper
+        return chat_template.serve()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
     name_process()
     out = _protocol_channel()

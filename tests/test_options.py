@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -50,3 +51,21 @@ def test_nested_paths_in_errors():
 def test_options_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         O.SamplingOptions().temperature = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", [O.SamplingOptions, O.OffloadOptions, O.DraftOptions])
+def test_every_numeric_option_has_both_bounds(cls):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if tp in (int, float, typing.Optional[int], typing.Optional[float]):
+            assert f.metadata["min"] is not None and f.metadata["max"] is not None, f.name
+            with pytest.raises(O.OptionError, match=f"{f.name}: .* above the maximum"):
+                O.from_dict(cls, {f.name: f.metadata["max"] + 1})
+
+
+def test_stop_strings_are_bounded_and_valid_text():
+    with pytest.raises(O.OptionError, match="stop: at most"):
+        O.from_dict(O.SamplingOptions, {"stop": ["x"] * (O.MAX_STOP_STRINGS + 1)})
+    with pytest.raises(O.OptionError, match=r"stop\[1\]: not valid Unicode"):
+        O.from_dict(O.SamplingOptions, {"stop": ["ok", "\udcff"]})

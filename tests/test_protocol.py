@@ -88,3 +88,21 @@ def test_protocol_and_options_do_not_import_torch():
     code = "import runtime.protocol, runtime.options, runtime.paths, runtime.engine, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_encode_always_gives_utf8_even_for_lone_surrogates():
+    """Text echoed from a hostile line may hold lone surrogates: escaped, never an encoding failure."""
+    line = P.encode(P.Error(code="bad_field", message="unknown \udcff", request_id="\ud800"))
+    line.encode("utf-8")
+    body = json.loads(line)
+    assert body["message"] == "unknown \udcff" and body["request_id"] == "\ud800"
+
+
+def test_deep_nesting_and_surrogates_are_named_errors():
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_command('{"type": "hello", "client": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert e.value.code == P.ErrorCode.BAD_JSON and "nested" in e.value.message
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_command('{"type": "cancel", "request_id": "\\udcff"}')
+    assert e.value.code == P.ErrorCode.BAD_FIELD and "cancel.request_id" in e.value.message
+    assert e.value.request_id is None

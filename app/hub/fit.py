@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from runtime.modelfolder import CONFIG_BOUNDS
+
 GB = 1024 ** 3
 OVERHEAD_BYTES = 1.0e9
 RAM_RESERVE_BYTES = 4.0e9
@@ -49,22 +51,27 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
         def need(key: str) -> int:
-            value = config.get(key)
-            if not isinstance(value, int) or value <= 0:
-                raise FitError(f"config.json: `{key}` is missing or not a positive integer (got {value!r})", key)
+            """A positive integer within the bounds model-folder validation uses (CONFIG_BOUNDS)."""
+            value, top = config.get(key), CONFIG_BOUNDS[key]
+            if type(value) is not int or not 0 < value <= top:
+                raise FitError(f"config.json: `{key}` is missing or not a positive integer of at most {top} "
+                               f"(got {value!r})", key)
             return value
 
+        def may(key: str, default: int) -> int:
+            return need(key) if config.get(key) else default
+
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        archs = config.get("architectures") or []
+        experts = may("num_experts", 0) or may("num_local_experts", 0)
+        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
         shape = cls(
             layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            kv_heads=may("num_key_value_heads", heads),
+            head_dim=may("head_dim", hidden // heads),
             vocab=need("vocab_size"), experts=experts,
             experts_per_token=need("num_experts_per_tok") if experts else 0,
-            expert_size=int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0) if experts else 0,
-            intermediate=int(config.get("intermediate_size") or 0),
+            expert_size=may("moe_intermediate_size", may("intermediate_size", 0)) if experts else 0,
+            intermediate=may("intermediate_size", 0),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=any(str(a).startswith("Qwen3") for a in archs),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from app.hub.errors import LocalModelError
 from app.hub.staging import SOURCE
 from app.telemetry import fmt_bytes
 from runtime import paths
-from runtime.modelfolder import FolderInfo, ModelFolderError, validate
+from runtime.modelfolder import FolderInfo, ModelFolderError, config_int, inside, read_json, validate
+from runtime.protocol import ErrorCode
 
 LAST_USED_FILE = "models-last-used.json"
 
@@ -84,15 +86,38 @@ def describe(folder: Path, last_used: dict[str, float] | None = None) -> LocalMo
     try:
         src = json.loads((folder / SOURCE).read_text())
         source = f"{src['repo_id']} @ {src['branch']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     try:
         info: FolderInfo = validate(folder)
-    except ModelFolderError as exc:
-        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        return LocalModel(folder.name, folder, size_bytes=size, last_used=used, source=source, error=str(exc))
+    except Exception as exc:       # whatever is wrong with one folder, the table (and its Delete button) stays
+        reason = str(exc) if isinstance(exc, ModelFolderError) else f"{folder}: cannot be checked: {exc!r}"
+        return LocalModel(folder.name, folder, size_bytes=_size(folder), last_used=used, source=source, error=reason)
     return LocalModel(folder.name, folder, info.architecture, info.num_params, info.bits_per_weight,
                       info.size_bytes, info.vocab_size, info.is_exl2, used, source)
+
+
+def _size(folder: Path) -> int:
+    """Bytes of the folder's own files (links not followed)."""
+    try:
+        return sum(p.lstat().st_size for p in folder.rglob("*") if not p.is_symlink() and p.is_file())
+    except OSError:
+        return 0
+
+
+def _links_out(src: Path) -> list[str]:
+    """Links under `src` that lead outside it, or to a folder (which a copy would follow)."""
+    root, bad = src.resolve(), []
+    for dirpath, dirnames, filenames in os.walk(src):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(root):
+                    bad.append(f"{path.relative_to(src)} -> {target} (outside the folder)")
+                elif target.is_dir():
+                    bad.append(f"{path.relative_to(src)} -> {target} (a link to a folder)")
+    return bad
 
 
 def list_local_models(models_dir: Path | None = None) -> list[LocalModel]:
@@ -123,6 +148,10 @@ def import_folder(src: Path, move: bool = False, models_dir: Path | None = None)
         info = validate(src)
     except ModelFolderError as exc:
         raise LocalModelError(f"Cannot import {src}: {exc.problem} ({exc.file})") from exc
+    links = _links_out(src)
+    if links:      # a copy would bring in what they point at
+        raise LocalModelError(f"Cannot import {src}: it holds links that a copy would follow: {'; '.join(links[:3])}"
+                              + (f" and {len(links) - 3} more" if len(links) > 3 else ""))
     name = "".join(c if c.isalnum() or c in "._-" else "_" for c in src.resolve().name).lstrip("._-") or "model"
     dest = root / name
     if dest.exists():
@@ -154,7 +183,9 @@ def import_folder(src: Path, move: bool = False, models_dir: Path | None = None)
 
 @functools.lru_cache(maxsize=64)
 def _fingerprint(path: str, mtime: float, size: int) -> str:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = read_json(Path(path))
+    if not isinstance(data, dict):
+        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "not a tokenizer (expected a JSON object)")
     model = data.get("model") or {}
     vocab = model.get("vocab")
     vocab = sorted(vocab.items()) if isinstance(vocab, dict) else vocab
@@ -165,13 +196,14 @@ def _fingerprint(path: str, mtime: float, size: int) -> str:
 
 def tokenizer_fingerprint(folder: Path) -> str:
     """sha256 over tokenizer.json's vocabulary, merges and added tokens (what decides token ids)."""
-    path = Path(folder) / "tokenizer.json"
+    path = inside(Path(folder), Path(folder) / "tokenizer.json")
     st = path.stat()
     return _fingerprint(str(path), st.st_mtime, st.st_size)
 
 
 def _vocab_size(folder: Path) -> int:
-    return int(json.loads((folder / "config.json").read_text()).get("vocab_size") or 0)
+    config = read_json(inside(folder, folder / "config.json"))
+    return config_int(config, "vocab_size", folder / "config.json") if isinstance(config, dict) else 0
 
 
 def draft_compatibility(target: Path, draft: Path) -> tuple[bool, str]:
@@ -181,15 +213,17 @@ def draft_compatibility(target: Path, draft: Path) -> tuple[bool, str]:
         return False, "it is the loaded model itself"
     try:
         t_vocab, d_vocab = _vocab_size(target), _vocab_size(draft)
-    except (OSError, ValueError) as exc:
-        return False, f"config.json cannot be read ({exc.__class__.__name__})"
+    except ModelFolderError as exc:
+        return False, f"config.json cannot be used ({exc.problem})"
     if t_vocab != d_vocab:
         return False, f"vocabulary of {d_vocab} tokens, the loaded model has {t_vocab}"
     try:
         same = tokenizer_fingerprint(target) == tokenizer_fingerprint(draft)
     except FileNotFoundError as exc:
         return False, f"no tokenizer.json in {Path(exc.filename).parent.name}"
-    except (OSError, ValueError) as exc:
+    except ModelFolderError as exc:
+        return False, f"{Path(exc.file).name} cannot be used ({exc.problem})"
+    except OSError as exc:
         return False, f"tokenizer.json cannot be read ({exc.__class__.__name__})"
     if not same:
         return False, "same vocabulary size but different tokens or merges (another tokenizer)"

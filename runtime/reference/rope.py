@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.modelfolder import ModelFolderError
+from runtime.modelfolder import ModelFolderError, check_rope
 from runtime.protocol import ErrorCode
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -29,9 +29,7 @@ class RopeConfig:
 
 def rope_config(config: dict, where: str) -> RopeConfig:
     """Read theta and scaling from a config.json dict; `where` names the file for errors."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    params.update(scaling)
+    params = check_rope(config, where)          # every field the known types need, present and in range
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:

@@ -73,10 +73,14 @@ class Linear:
     # 4x faster at 512); decode and verify-K stay on the int8 kernel.
     INT8_KERNEL_MAX_ROWS = 32
 
+    # torch's int8 kernel reads past the row for inputs not a multiple of 16 wide (a segfault, measured
+    # on torch 2.x CPU); such shapes (tiny or hostile configs) take the dequantizing path instead.
+    INT8_KERNEL_WIDTH = 16
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] > self.INT8_KERNEL_MAX_ROWS:
+        if x.shape[0] > self.INT8_KERNEL_MAX_ROWS or x.shape[-1] % self.INT8_KERNEL_WIDTH:
             return F.linear(x, self.weight.to(x.dtype) * self.scale[:, None], self.bias)
         y = torch._weight_int8pack_mm(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,101 @@
+"""Hostile chat templates: bounded in time, output and arithmetic, cancellable, and named by their file.
+
+Templates compile and render in a helper process; the limit is 1 s here (MOEDESK_TEMPLATE_TIMEOUT_S).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.chat_template import TemplateCancelled
+from runtime.engine import EngineError
+from runtime.tokenizer import Tokenizer
+
+HI = [{"role": "user", "content": "hi"}]
+FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+GIGABYTES = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxxxxxxxx{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(autouse=True)
+def _one_second(monkeypatch):
+    monkeypatch.setenv("MOEDESK_TEMPLATE_TIMEOUT_S", "1")
+
+
+def folder_with(tmp_path: Path, demo_model: Path, template: str) -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_bytes((demo_model / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def render_error(tmp_path, demo_model, template: str) -> tuple[EngineError, float]:
+    tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, template))
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError) as e:
+        tok.render_chat(HI)
+    return e.value, time.perf_counter() - t0
+
+
+def test_a_template_that_loops_for_ever_is_stopped_and_the_next_one_renders(tmp_path, demo_model):
+    err, took = render_error(tmp_path, demo_model, FOREVER)
+    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "more than 1 s" in err.message
+    assert took < 5
+    ok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ messages[0].content }}!"))
+    assert ok.render_chat(HI) == "hi!"
+
+
+def test_output_is_capped_while_it_is_written(tmp_path, demo_model):
+    err, took = render_error(tmp_path, demo_model, GIGABYTES)
+    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "too long" in err.message
+    assert took < 5
+
+
+@pytest.mark.parametrize("expr", ["2 ** 10000000", "'x' * 10**10", "[1] * 10**9", "(10**9000) * (10**9000) * (10**9000) * (10**9000)"])
+def test_huge_arithmetic_is_refused_and_never_folded_at_load(tmp_path, demo_model, expr):
+    t0 = time.perf_counter()
+    tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ " + expr + " }}"))    # compiles: no folding
+    assert time.perf_counter() - t0 < 5
+    err, took = render_error(tmp_path, demo_model, "{{ " + expr + " }}")
+    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "bound" in err.message
+    assert took < 5
+    del tok
+
+
+def test_a_filter_folded_at_compile_time_cannot_hang_the_load(tmp_path, demo_model):
+    t0 = time.perf_counter()
+    with pytest.raises(EngineError) as e:
+        Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ 'x'|center(3000000000) }}")).render_chat(HI)
+    assert time.perf_counter() - t0 < 8 and "chat_template.jinja" in e.value.message
+
+
+def test_rendering_stops_on_cancel(tmp_path, demo_model, monkeypatch):
+    monkeypatch.setenv("MOEDESK_TEMPLATE_TIMEOUT_S", "60")
+    tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, FOREVER))
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateCancelled):
+        tok.render_chat(HI, should_stop=cancel.is_set)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_prompt_too_long_never_reaches_the_tokenizer(tmp_path, demo_model):
+    from runtime.options import MAX_PROMPT_CHARS
+    tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ messages[0].content }}"))
+    with pytest.raises(EngineError) as e:
+        tok.encode_prompt("x" * (MAX_PROMPT_CHARS + 1))
+    assert e.value.code == "context_overflow"
+    with pytest.raises(EngineError) as e:
+        tok.render_chat([{"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}])
+    assert e.value.code == "context_overflow" and "chat_template.jinja" in e.value.message
+
+
+def test_a_template_source_too_large_is_refused(tmp_path, demo_model):
+    with pytest.raises(EngineError, match="chat_template.jinja.*characters"):
+        Tokenizer.from_folder(folder_with(tmp_path, demo_model, "x" * (2 << 20)))
