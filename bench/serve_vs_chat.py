@@ -146,12 +146,17 @@ def side_by_side(args: argparse.Namespace) -> dict:
             template = next(iter(backend.requests.values()))       # the API's request: the same work for both
             direct = lambda: direct_once(backend.inner, dataclasses.replace(template, request_id=new_id("direct")))  # noqa: E731
             warm_direct = direct()
-            pairs = []
+            pairs, error = [], None
             for i in range(args.pairs):
-                if i % 2 == 0:
-                    d, a = direct(), via_api()
-                else:
-                    a, d = via_api(), direct()
+                try:
+                    if i % 2 == 0:
+                        d, a = direct(), via_api()
+                    else:
+                        a, d = via_api(), direct()
+                except Exception as e:  # noqa: BLE001 - the pairs measured so far are kept and written
+                    error = f"pair {i + 1}: {type(e).__name__}: {e}"[:500]
+                    say(f"stopped at {error}")
+                    break
                 pairs.append({"first": "direct" if i % 2 == 0 else "api", "direct": d, "api": a})
                 say(f"pair {i + 1}/{args.pairs}: direct {_fmt(d['decode_tps_client'])} tok/s, "
                     f"API {_fmt(a['decode_tps_client'])} tok/s (worker {_fmt(a['decode_tps_worker'])})")
@@ -159,7 +164,7 @@ def side_by_side(args: argparse.Namespace) -> dict:
             client.stop()
             api.stop()
     return {"context": loaded.context_length, "request": dataclasses.asdict(template.sampling),
-            "warmup": {"api": warm_api, "direct": warm_direct}, "pairs": pairs}
+            "warmup": {"api": warm_api, "direct": warm_direct}, "pairs": pairs, "error": error}
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -227,7 +232,7 @@ def main(argv=None) -> int:
                            "decode_tps_worker": med("direct", "decode_tps_worker"),
                            "ttft_s": med("direct", "ttft_s"), "prefill_tps": None},
               "ttft_note": "ttft_s is client-side on both paths: from sending the request to the first token",
-              "request": run["request"], "warmup": run["warmup"], "pairs": pairs, "cli_once": cli,
+              "request": run["request"], "warmup": run["warmup"], "pairs": pairs, "error": run["error"], "cli_once": cli,
               "notes": "one worker serves both paths, alternating answer by answer (order flipped every pair); "
                        "decode_tps = (completion tokens - 1) / (last token's arrival - first token's) as the client "
                        "saw it; api_over_chat is the median over pairs of api / direct; api_over_chat_worker_side "
@@ -244,7 +249,9 @@ def main(argv=None) -> int:
           f"max {r.get('max', float('nan')):.3f}; worker-side {(worker_ratio or {}).get('median', float('nan')):.3f}; "
           f"API client/worker {(delivery or {}).get('median', float('nan')):.3f}; moedesk-cli chat once: {cli}")
     print(f"wrote {path}")
-    return 0
+    if run["error"]:
+        print(f"incomplete: {run['error']}", file=sys.stderr)
+    return 1 if run["error"] or not pairs else 0
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_side_by_side_measures_both_paths_on_one_worker(demo_model):
     args = argparse.Namespace(model=str(demo_model), backend="cpu", vram_budget=None, max_tokens=6, pairs=2)
     run = side_by_side(args)
     assert [p["first"] for p in run["pairs"]] == ["direct", "api"]
-    assert run["request"]["temperature"] == 0.0
+    assert run["error"] is None and run["request"]["temperature"] == 0.0
     for pair in run["pairs"]:
         direct, api = pair["direct"], pair["api"]
         assert direct["completion_tokens"] == api["completion_tokens"] > 1     # the same request, greedy
