@@ -8,8 +8,10 @@ For each rate (tokens/s; 0: as fast as the server takes them) a server process i
 `PacedBackend`, answers one warm-up request, then one streamed request of `--tokens` tokens. Recorded
 per rate: the rate the client saw ((tokens - 1) / (last chunk - first chunk)), the CPU time of the
 server process per token (user + system, from the operating system, over the whole request), and the
-client's own CPU time per token. The figure that matters beside an engine: the server's CPU per token
-(at 250 tokens/s a token takes 4 ms) and the rate at 0 (the most the path can carry).
+client's own CPU time per token. Beside them, the same source drained through the API's engine side in
+this process with no HTTP (`without_http`): the share that is the hand-over from the source's thread to
+the event loop. The figure that matters beside an engine: the server's CPU per token (at 250 tokens/s a
+token takes 4 ms) and the rate at 0 (the most the path can carry).
 """
 from __future__ import annotations
 
