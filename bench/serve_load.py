@@ -38,6 +38,7 @@ class Answer:
     prompt_tokens: int = 0
     decode_tps: Optional[float] = None      # (tokens - 1) / (last chunk - first chunk), as the client saw it
     error: str = ""
+    request_id: str = ""                    # the completion's id (the server's request id)
 
 
 class Server:
@@ -72,6 +73,31 @@ class Server:
         self.log.close()
 
 
+class ApiInThread:
+    """The API (`create_app`) on uvicorn in a thread of this process, on a free loopback port, with a key."""
+
+    def __init__(self, backend):
+        from app.serve.api import create_app
+        from app.serve.cli import bind, make_server, url_of
+        self.key = secrets.token_urlsafe(16)
+        self.sock = bind("127.0.0.1", 0)
+        self.url = url_of(self.sock, "127.0.0.1")
+        self.server = make_server(create_app(backend, api_key=self.key, max_queue=1), log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="api")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
 def log_path(name: str) -> Path:
     """Where the server's log goes (a temporary file: results folders hold results only)."""
     import tempfile
@@ -83,12 +109,13 @@ def log_path(name: str) -> Path:
 def stream_one(client, model: str, max_tokens: int, prompt: str = PROMPT, temperature: float = 0.0) -> Answer:
     t0 = time.perf_counter()
     first = last = None
-    usage = None
+    usage, rid = None, ""
     try:
         stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=max_tokens, temperature=temperature, stream=True,
                                                 stream_options={"include_usage": True})
         for chunk in stream:
+            rid = rid or chunk.id
             if chunk.usage is not None:
                 usage = chunk.usage
             if chunk.choices and chunk.choices[0].delta.content:
@@ -99,7 +126,8 @@ def stream_one(client, model: str, max_tokens: int, prompt: str = PROMPT, temper
     end = time.perf_counter()
     n = usage.completion_tokens if usage else 0
     decode = (n - 1) / (last - first) if first is not None and n > 1 and last > first else None
-    return Answer(True, None if first is None else first - t0, end - t0, n, usage.prompt_tokens if usage else 0, decode)
+    return Answer(True, None if first is None else first - t0, end - t0, n, usage.prompt_tokens if usage else 0, decode,
+                  request_id=rid)
 
 
 def percentile(values: list[float], p: float) -> Optional[float]:
