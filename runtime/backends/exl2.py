@@ -257,6 +257,7 @@ class Exl2Engine(Engine):
         self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
         self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
         self._trial = None              # its measurement in progress (idle time): a generator of steps
+        self.decision_save = None       # (file, key) where a measured decision is saved (exl2_placement)
         self._t_step: Optional[float] = None     # when the last one-row forward started
         self.moe = []
         if info.num_experts:
@@ -393,7 +394,7 @@ class Exl2Engine(Engine):
             return True
         if self.path_judge is not None and self.path_judge.wants_recheck():
             from runtime.backends.exl2_placement import trial
-            self._trial = trial(self, self.path_judge)
+            self._trial = trial(self, self.path_judge, self.decision_save)
             return True
         if self.graphs is None:
             return False
@@ -481,6 +482,7 @@ class Exl2Engine(Engine):
         from runtime.backends.exl2_placement import make_judge
         self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
         self.path_judge.decide()
+        self.decision_save = None                     # saved decisions are per budget: none until then
 
     def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = False) -> None:
         """Decide the CPU expert path again now, timing both paths where the prediction is close or
