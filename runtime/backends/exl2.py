@@ -594,7 +594,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         if setup.offload:
             progress("load", "Placing experts", 0, 1)
         manager = exl2_offload.start(setup, model, config, path,     # VRAM ledger; hot experts
-                                     matmul_attention=prefill_attention.startswith("matmul"))
+                                     matmul_attention=prefill_attention.startswith("matmul"), progress=progress)
         applied.update(setup.applied)                               # the CPU expert path, settled
     except Exception as e:
         if isinstance(e, BudgetError):
