@@ -241,8 +241,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         loaded = client.load(args.model, settings.load, on_progress=on_progress)
         load_s = time.perf_counter() - t0
-        stages = load_telemetry(client, loaded.request_id).get("load_stages") or []
-        print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device})", flush=True)
+        load_extra = load_telemetry(client, loaded.request_id)
+        stages = load_extra.get("load_stages") or []
+        print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device}); kernels compiled "
+              f"during the load: {load_extra.get('kernels_compiled_in_load')}", flush=True)
         for st in sorted(stages, key=lambda x: -x["s"])[:8]:
             print(f"  load stage {st['s']:8.1f} s  {st['message']}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
         base = {"git_commit": git_commit(), "machine": machine(), "device": ready.device,
                 "model": args.label or loaded.model, "bpw": model_bpw(loaded.path), "vram_budget_gb": args.vram_budget,
                 "context": loaded.context_length, "load_s": load_s, "worker_load_s": loaded.load_s,
-                "load_stages": stages, "load_progress": progress, "applied": loaded.applied,
+                "load_stages": stages, "kernels_compiled_in_load": load_extra.get("kernels_compiled_in_load"),
+                "placement_at_load": load_extra.get("placement_decision"), "load_progress": progress,
+                "applied": loaded.applied,
                 "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the "
                           f"app's settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the "
                           f"flags applied, sent in the load command as the GUI does. Greedy, at most {args.max_tokens} "

@@ -246,6 +246,7 @@ class Worker:
         self.close()                   # free the old model first: two may not fit
         t0 = time.perf_counter()
         marks.append(("load", "Starting the load", t0))
+        compiled_before = kernel_cache_entries()
         governor = ThreadGovernor(physical_cores(), fixed=cmd.options.offload.cpu_threads)
         engine, applied = open_engine(cmd.model, cmd.options, progress)
         marks.append(("load", "Reading the tokenizer", time.perf_counter()))
@@ -270,7 +271,10 @@ class Worker:
                            context_length=info.context_length, vocab_size=info.vocab_size,
                            load_s=t_end - t0, applied=applied))
         t = self.telemetry(cmd.request_id)
-        self.send(dataclasses.replace(t, extra=dict(t.extra, load_stages=self.load_stages)))
+        compiled = kernel_cache_entries()
+        compiled = compiled - compiled_before if compiled is not None and compiled_before is not None else None
+        self.send(dataclasses.replace(t, extra=dict(t.extra, load_stages=self.load_stages,
+                                                    kernels_compiled_in_load=compiled)))
 
     def _load_draft(self, model: Optional[str], options, tokenizer, progress):
         from runtime.loader import open_engine
@@ -412,6 +416,17 @@ def _libraries() -> dict[str, str]:
     import platform
     out["python"] = platform.python_version()
     return out
+
+
+def kernel_cache_entries() -> Optional[int]:
+    """Kernels in Triton's on-disk cache (TRITON_CACHE_DIR, else ~/.triton/cache), one folder each;
+    None without one. Their growth over a load says how many kernels it compiled (a first load on a
+    machine compiles them all; later ones find them there)."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return sum(1 for _ in os.scandir(folder))
+    except OSError:
+        return None
 
 
 def load_stages(marks: list[tuple[str, str, float]], end: float) -> list[dict]:

@@ -1,8 +1,9 @@
 """The CUDA engine's side of the CPU-path decision (runtime/experts/path_judge.py): time decode
 steps with the CPU expert path on and off (more rounds where they are close), keep the faster; at the
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
-(`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift. Each step of a trial is bounded (one switch of
-the path, one graph capture, or `TRIAL_STEPS` decode steps), so an idle-time trial delays a new
+(`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
+Each step of a trial is bounded (one switch of the path, one graph capture, or `TRIAL_STEPS` decode
+steps), so an idle-time trial delays a new
 command by one of them at most. The timed steps decode random tokens past the cache's end; the cache
 is rolled back after each run of them."""
 from __future__ import annotations

@@ -45,7 +45,8 @@ def test_an_answer_captures_nothing_after_load_and_idle_time(moe_2l):
             t0 = time.perf_counter()
             eng.forward([t])[-1].argmax().item()
             gaps.append(time.perf_counter() - t0)
-        assert set(eng.graphs.captured()) == before, set(eng.graphs.captured()) - before   # nothing captured inside the "answer"
+        # nothing captured inside the "answer"
+        assert set(eng.graphs.captured()) == before, set(eng.graphs.captured()) - before
         assert max(gaps) < 0.25, max(gaps)
         steps = 0
         while eng.idle_work():                                  # idle: the buckets ahead
@@ -116,7 +117,7 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, mo
         assert (d["path"] == "cpu") == eng.offload.cpu_active
         assert applied["offload.placement"].startswith("applied: CPU expert path"), applied
         assert any("Choosing the expert path" in m for _, m in stages), stages
-        assert (512, 1) in eng.graphs.captured(), eng.graphs.captured()                # captured again after the switches
+        assert (512, 1) in eng.graphs.captured(), eng.graphs.captured()    # captured again after the switches
         print("placement decision:", d)
     finally:
         eng.close()
