@@ -216,3 +216,38 @@ def test_a_measured_trial_is_saved_and_a_close_one_alternates_rounds(monkeypatch
     assert saved["path"] == judge.path and set(saved["step_ms"]) == {"cpu", "stream"}
     again = xp.make_judge(FakeManager(True, 0.05), read_decision(file, "k"))
     assert again.plan() == [] and again.decide() == judge.path
+
+
+def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_path):
+    """settle_cpu_path as a load runs it: the first load times both and saves; the next (placed the
+    other way by its prediction) switches to the saved path untimed; a recheck times both again."""
+    from types import SimpleNamespace
+    from runtime.backends import exl2_placement as xp
+    monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
+    rng, timed = random.Random(0), []
+
+    def time_steps(e):
+        timed.append(e.offload.cpu_active)
+        return steps(25.0 if e.offload.cpu_active else 34.0, rng)
+
+    monkeypatch.setattr(xp, "time_decode_steps", time_steps)
+
+    def engine(cpu_on: bool):
+        e = FakeEngine(FakeManager(cpu_on, 0.5))
+        e.info.path = str(tmp_path / "model")
+        e.budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
+                                   applied={})
+        e.prepare_graphs = lambda progress: None
+        return e
+
+    first = engine(False)
+    xp.settle_cpu_path(first, lambda *a: None)
+    assert first.path_judge.path == "cpu" and len(timed) == 2 and first.offload.cpu_active
+    second = engine(False)
+    messages = []
+    xp.settle_cpu_path(second, lambda stage, msg, d, t: messages.append(msg))
+    assert len(timed) == 2 and second.offload.cpu_active and second.path_judge.telemetry()["reused"]
+    assert "earlier load" in messages[-1], messages
+    assert second.budget.applied["offload.placement"].startswith("applied: CPU expert path on"), second.budget.applied
+    xp.settle_cpu_path(second, lambda *a: None, measure=True)
+    assert len(timed) == 4 and second.path_judge.trials == 1

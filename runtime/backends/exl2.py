@@ -484,10 +484,11 @@ class Exl2Engine(Engine):
         self.path_judge.decide()
         self.decision_save = None                     # saved decisions are per budget: none until then
 
-    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = False) -> None:
-        """Decide the CPU expert path again now, timing both paths where the prediction is close or
-        with `measure` (benchmarks, after the routing or the budget changed; the worker does it while
-        idle when decode steps drift)."""
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
+        """Decide the CPU expert path again now (benchmarks, after the routing or the budget
+        changed; the worker does it while idle when decode steps drift), timing both paths; a path
+        saved for this model and budget stays unless the other is clearly faster. measure=False:
+        the saved decision is reused untimed where there is one (as a load does)."""
         if self.offload is not None:
             from runtime.backends.exl2_placement import settle_cpu_path
             settle_cpu_path(self, progress, measure)

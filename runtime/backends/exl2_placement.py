@@ -105,11 +105,12 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
 
 def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None:
     """At load, after the warm-up: the CPU path as saved by an earlier load of this model at this
-    budget on this machine, else decided by timing both (always with `measure`) and saved; then
-    capture again the graphs a switch dropped."""
+    budget on this machine, else decided by timing both and saved; with `measure` both are timed
+    whatever was saved (which then stays unless the other is clearly faster). Then the graphs a
+    switch dropped are captured again."""
     from runtime.backends.exl2_offload import cpu_path_applied
     save = (decisions_file(), decision_key(engine))
-    judge = engine.path_judge = make_judge(engine.offload, None if measure else read_decision(*save))
+    judge = engine.path_judge = make_judge(engine.offload, read_decision(*save))
     engine.decision_save = save
     if measure:
         judge.ask_again()
