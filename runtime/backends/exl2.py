@@ -406,13 +406,15 @@ class Exl2Engine(Engine):
                 return True
         return False
 
-    def prepare_decode(self) -> None:
-        """After a prefill, before the first token is sent: the one-row graph of the bucket the
-        decode starts in (a prompt may jump past the buckets prepared while idle), so that no capture
-        falls between two tokens of the answer."""
+    def prepare_decode(self, max_new_tokens: int = 1) -> None:
+        """After a prefill, before the first token is sent: the graphs of the buckets the answer can
+        reach (exl2_graph.answer_plan: a prompt may jump past the buckets prepared while idle, and a
+        request sent at once leaves no idle time), so that no capture falls between two tokens."""
         if self.graphs is not None:
-            from runtime.backends.exl2_graph import bucket
-            self._prepare_graph(bucket(self.position, 1, self.info.context_length), 1)
+            from runtime.backends.exl2_graph import answer_plan
+            for L, T in answer_plan(self.position, max_new_tokens, self.warm_rows, self.info.context_length,
+                                    self.graphs.captured(), self.graphs.max_rows):
+                self._prepare_graph(L, T)
 
     def _time_step(self, rows: int) -> None:
         """One-row decode steps' wall time (start to next start, pauses over 1 s left out) for the
