@@ -325,13 +325,15 @@ class Exl2Engine(Engine):
 
     # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
 
-    def warm_up(self, progress: ProgressFn, draft_rows: int = 1) -> None:
+    def warm_up(self, progress: ProgressFn, draft_rows: int = 1, capture: bool = True) -> None:
         """At load: compile the prefill kernels (chunk sizes of both kinds: staged and not, row counts
         Triton specializes apart) and capture the decode graphs of the first buckets, decode and
-        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after."""
+        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after.
+        capture=False: the graphs are left to `prepare_graphs` (after the expert path is settled, whose
+        switches would drop them)."""
         self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
         chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
-        plan = self._load_plan()
+        plan = self._load_plan() if capture else []
         total = len(chunks) + len(plan)
         g = torch.Generator().manual_seed(0)
         for i, n in enumerate(chunks):
@@ -643,7 +645,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     draft = options.draft
     try:
         if warm and os.environ.get("MOEDESK_NO_WARMUP") is None:
-            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1)
+            # with offload the graphs are captured once, after the expert path is settled (a switch drops them)
+            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1, capture=manager is None)
             if manager is not None:
                 from runtime.backends.exl2_placement import settle_cpu_path
                 settle_cpu_path(engine, progress)

@@ -106,8 +106,8 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
 def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None:
     """At load, after the warm-up: the CPU path as saved by an earlier load of this model at this
     budget on this machine, else decided by timing both and saved; with `measure` both are timed
-    whatever was saved (which then stays unless the other is clearly faster). Then the graphs a
-    switch dropped are captured again."""
+    whatever was saved (which then stays unless the other is clearly faster). Then the load's
+    graphs not captured yet (at load: all of them; after a switch: those it dropped)."""
     from runtime.backends.exl2_offload import cpu_path_applied
     save = (decisions_file(), decision_key(engine))
     judge = engine.path_judge = make_judge(engine.offload, read_decision(*save))
@@ -118,7 +118,6 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None
         n = 2 * len(judge.plan()) + 3                      # one round (close medians take more)
         for i, msg in enumerate(trial(engine, judge, save)):
             progress("warmup", f"Choosing the expert path: {msg}", min(i, n - 1), n)
-        engine.prepare_graphs(progress)
     else:
         judge.decide()
         if judge.path != current_path(engine.offload):      # the saved path (or, today never, the prediction's)
@@ -126,6 +125,6 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None
             engine.offload.set_cpu_path(judge.path == "cpu", judge.reason)
             if judge.path == "stream":
                 engine.offload.cpu_reason = judge.reason
-            engine.prepare_graphs(progress)
         progress("warmup", f"Expert path: {judge.summary()}", 1, 1)
+    engine.prepare_graphs(progress)                         # the load's graphs, on the path that runs
     cpu_path_applied(engine.budget, engine.offload, judge.summary())
