@@ -4,9 +4,11 @@ decoding; plus re-decisions on the same load. GPU only.
 
     python -m bench.placement_loads --model DIR --vram-budget 24 --loads 5 [--trials 3] [--deadline-s 300]
 
-One JSON in --out with each load's decision (path, reason, measured step times) and decode tokens/s,
-and the spread of the decode speeds. Loads run in this one process (one after another, each closed
-first); the CPU kernel's rate is measured once per process, PCIe's at every decision.
+One JSON in --out, written again after each load, with each load's decision (path, reason, measured
+step times; `reused`: the decision saved by an earlier load of the model at this budget on this
+machine), its stages' wall time (load_stages) and decode tokens/s, and the spread of the decode speeds.
+Loads run in this one process (one after another, each closed first); the CPU kernel's rate is
+measured once per process, PCIe's at every decision.
 """
 from __future__ import annotations
 
@@ -23,11 +25,17 @@ def one_load(model: str, budget: float, context: int, prompt: int, decode: int, 
     from runtime.backends import bench_offload as bo
     from runtime.backends import exl2
     from runtime.options import LoadOptions, OffloadOptions
+    from runtime.worker import kernel_cache_entries, load_stages
     t0 = time.perf_counter()
+    marks = [("load", "Starting the load", t0)]
+    compiled = kernel_cache_entries()
     opts = LoadOptions(offload=OffloadOptions(context_length=context, vram_budget_gb=budget, placement="auto"))
-    engine, applied = exl2.load(model, opts, lambda *a: None)
+    engine, applied = exl2.load(model, opts, lambda stage, msg, d, t: marks.append((stage, msg, time.perf_counter())))
     try:
         load_s = time.perf_counter() - t0
+        stages = load_stages(marks, time.perf_counter())
+        after = kernel_cache_entries()
+        compiled = after - compiled if None not in (after, compiled) else None
         at_load = engine.path_judge.telemetry() if engine.path_judge else None
         bo.force_uniform_routing(engine)
         engine.recheck_placement()                             # under the routing measured below
@@ -37,7 +45,8 @@ def one_load(model: str, budget: float, context: int, prompt: int, decode: int, 
         for _ in range(trials):                                # the same load deciding again, both timed
             engine.recheck_placement(measure=True)
             again.append(engine.path_judge.telemetry())
-        return {"load_s": load_s, "decision_at_load_model_routing": at_load, "decision": decision,
+        return {"load_s": load_s, "load_stages": stages, "kernels_compiled_in_load": compiled,
+                "decision_at_load_model_routing": at_load, "decision": decision,
                 "decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
                 "applied_placement": applied.get("offload.placement"), "redecisions": again}
     finally:

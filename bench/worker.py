@@ -14,10 +14,16 @@ telemetry) beside them.
 
 The conversation: the very first answer after load, prompts of different lengths, a repetitive one
 (a code edit: the answer quotes the code back) where n-gram drafting should pay, and one where drafts
-rarely match. With --draft both the conversation runs twice in the same worker, plain decoding
-first (the first answer after load is plain), then n-gram drafting, each as a new chat; the result
-gives each mode's figures and the other as its baseline. Greedy sampling: both modes write the same
-text, so their speeds compare like for like.
+rarely match. With --draft both the two modes take turns inside ONE conversation on one load: each
+user turn is answered with plain decoding and with n-gram drafting (the draft mode is chosen per
+generate command), plain first at the first turn (the first answer after load is plain) and the
+order swapped at every turn after; the conversation goes on with the plain answer. So both modes
+decode the same prompts under the same placement and conditions; the second answer of a pair
+reuses the first one's prompt in the worker's cache (a short time to first token). Greedy
+sampling: both modes write the same text, so their speeds compare like for like.
+
+The JSON is written again after every answer (the same file), with the load's stages and their
+wall time (the worker's `load_stages`), so a time limit never loses what was measured.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 CODE = '''def summarize(orders):
     total = 0
@@ -71,7 +77,8 @@ class Answer:
     prompt_name: str
     after_load: bool
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    generated_tokens: int = 0                  # the worker's count (its finished event)
+    delta_tokens: int = 0                      # client side: tokens the deltas covered
     ttft_s: Optional[float] = None             # client side: send -> first token delta
     decode_tps: Optional[float] = None         # client side: tokens after the first / first delta -> last
     max_token_gap_s: Optional[float] = None    # client side: longest gap between deltas after the first
@@ -84,6 +91,7 @@ class Answer:
     placement_reason: Optional[str] = None
     graphs_captured: Optional[int] = None      # decode graphs held at the answer's end (CUDA engine)
     graph_error: Optional[str] = None
+    idle_work: Optional[dict] = None           # the worker's idle work this answer waited behind
     reason: str = ""
     text: str = field(default="", repr=False)
 
@@ -122,6 +130,7 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
             a.worker_ttft_s, a.worker_decode_tps, a.prefill_tps = s.ttft_s, s.decode_tps, s.prefill_tps
             if s.draft is not None:
                 a.acceptance_rate, a.draft_speedup = s.draft.acceptance_rate, s.draft.speedup
+    a.delta_tokens = sum(n for _, n in arrivals)
     if arrivals:
         a.ttft_s = arrivals[0][0] - t0
         gaps = [b[0] - x[0] for x, b in zip(arrivals, arrivals[1:])]
@@ -133,24 +142,36 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
     if "graph_shapes" in extra:
         a.graphs_captured = len(extra["graph_shapes"])
     a.graph_error = extra.get("graph_error")
+    a.idle_work = extra.get("idle_work")
     return a
 
 
-def converse(client, mode: str, draft, sampling, turns: int, first: bool) -> list[Answer]:
-    """One chat of `turns` answers, each request carrying the conversation so far."""
+def converse(client, modes: list[str], drafts: dict, sampling, turns: int,
+             on_answer: Callable[[Answer], None]) -> list[Answer]:
+    """One chat of `turns` user turns on the loaded model, each answered once per mode (the modes
+    take turns: the first mode first at turn 0, the order swapped at every turn after); each request
+    carries the conversation so far, which goes on with the first mode's answer."""
     from runtime import protocol as P
     from runtime.client import new_id
     messages: list = []
-    out = []
+    out: list[Answer] = []
     for turn, (name, text, _) in enumerate(CONVERSATION[:turns]):
         messages.append(P.ChatMessage("user", text))
-        req = P.Generate(request_id=new_id("bench"), messages=tuple(messages), sampling=sampling, draft=draft)
-        a = ask(client, req, mode, turn, name, first and turn == 0)
-        messages.append(P.ChatMessage("assistant", a.text))
-        out.append(a)
-        print(f"  {mode:5s} {name:13s} prompt {a.prompt_tokens:5d}  ttft {a.ttft_s or 0:6.2f} s  decode "
-              f"{a.decode_tps or 0:7.1f} tok/s  max gap {1e3 * (a.max_token_gap_s or 0):7.1f} ms  "
-              f"acceptance {a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}", flush=True)
+        order = modes if turn % 2 == 0 else modes[::-1]
+        kept = None
+        for mode in order:
+            req = P.Generate(request_id=new_id("bench"), messages=tuple(messages), sampling=sampling,
+                             draft=drafts[mode])
+            a = ask(client, req, mode, turn, name, not out)
+            out.append(a)
+            if mode == modes[0]:
+                kept = a
+            print(f"  {mode:5s} {name:13s} prompt {a.prompt_tokens:5d}  ttft {a.ttft_s or 0:6.2f} s  decode "
+                  f"{a.decode_tps or 0:7.1f} tok/s (worker {a.worker_decode_tps or 0:7.1f}, {a.generated_tokens} "
+                  f"tokens)  max gap {1e3 * (a.max_token_gap_s or 0):7.1f} ms  acceptance "
+                  f"{a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}", flush=True)
+            on_answer(a)
+        messages.append(P.ChatMessage("assistant", kept.text))
     return out
 
 
@@ -164,7 +185,10 @@ def summary(answers: list[Answer]) -> dict[str, Any]:
             "max_token_gap_s": max((a.max_token_gap_s for a in answers if a.max_token_gap_s is not None),
                                    default=None),
             "acceptance_rate": statistics.mean(drafted) if drafted else None,
-            "decode_tps_by_prompt": {a.prompt_name: a.decode_tps for a in answers}}
+            "decode_tps_by_prompt": {a.prompt_name: a.decode_tps for a in answers},
+            "worker_decode_tps_by_prompt": {a.prompt_name: a.worker_decode_tps for a in answers},
+            "max_token_gap_s_by_prompt": {a.prompt_name: a.max_token_gap_s for a in answers},
+            "placement_by_prompt": {a.prompt_name: a.placement for a in answers}}
 
 
 def model_bpw(path: str) -> Optional[float]:
@@ -217,52 +241,108 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         loaded = client.load(args.model, settings.load, on_progress=on_progress)
         load_s = time.perf_counter() - t0
-        print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device})", flush=True)
+        load_extra = load_telemetry(client, loaded.request_id)
+        stages = load_extra.get("load_stages") or []
+        print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device}); kernels compiled "
+              f"during the load: {load_extra.get('kernels_compiled_in_load')}", flush=True)
+        for st in sorted(stages, key=lambda x: -x["s"])[:8]:
+            print(f"  load stage {st['s']:8.1f} s  {st['message']}", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = args.out / f"worker-{args.label or Path(loaded.path).name}-{ready.device.replace(' ', '_')}-{stamp}.json"
+        base = {"git_commit": git_commit(), "machine": machine(), "device": ready.device,
+                "model": args.label or loaded.model, "bpw": model_bpw(loaded.path), "vram_budget_gb": args.vram_budget,
+                "context": loaded.context_length, "load_s": load_s, "worker_load_s": loaded.load_s,
+                "load_stages": stages, "kernels_compiled_in_load": load_extra.get("kernels_compiled_in_load"),
+                "placement_at_load": load_extra.get("placement_decision"), "load_progress": progress,
+                "applied": loaded.applied,
+                "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the "
+                          f"app's settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the "
+                          f"flags applied, sent in the load command as the GUI does. Greedy, at most {args.max_tokens} "
+                          f"tokens per answer, {args.turns} user turns answered by each mode ({', '.join(modes)}) in "
+                          "one conversation on one load, taking turns (the first answer after load plain); the "
+                          "second answer of a pair reuses the prompt cached by the first. Timings on the client side "
+                          "from event arrival. " + (args.note or ""))}
         answers: list[Answer] = []
-        for i, mode in enumerate(modes):
-            answers += converse(client, mode, drafts[mode], sampling, args.turns, first=i == 0)
-    by_mode = {m: summary([a for a in answers if a.mode == m]) for m in modes}
-    main_mode = modes[-1]
-    main, base = by_mode[main_mode], (by_mode[modes[0]] if len(modes) > 1 else None)
-    first = answers[0]
-    result = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
-        "machine": machine(), "device": ready.device, "model": args.label or loaded.model,
-        "bpw": model_bpw(loaded.path), "vram_budget_gb": args.vram_budget, "context": loaded.context_length,
-        "prompt_tokens": first.prompt_tokens, "prefill_tps": main["prefill_tps"], "decode_tps": main["decode_tps"],
-        "ttft_s": first.ttft_s, "roofline_tps": None,
-        "draft": (dict(dataclasses.asdict(ngram), acceptance_rate=main["acceptance_rate"]) if main_mode == "ngram"
-                  else None),
-        "baseline": dict(name=modes[0], **base) if base is not None else None,
-        "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the app's "
-                  f"settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the flags applied, "
-                  f"sent in the load command as the GUI does. Greedy, at most {args.max_tokens} tokens per answer, "
-                  f"{args.turns} turns per mode ({', '.join(modes)}; each mode a new chat in the same worker, the "
-                  "first answer after load in the first mode). Timings on the client side from event arrival. "
-                  + (args.note or "")),
-        "worker": True,
-        "load_s": load_s, "worker_load_s": loaded.load_s, "load_progress": progress, "applied": loaded.applied,
-        "modes": by_mode,
-        "speedup_ngram_vs_none": ({n: (by_mode["ngram"]["decode_tps_by_prompt"].get(n) or 0)
-                                   / by_mode["none"]["decode_tps_by_prompt"][n]
-                                   for n in by_mode["none"]["decode_tps_by_prompt"]
-                                   if by_mode["none"]["decode_tps_by_prompt"][n]} if len(modes) == 2 else None),
-        "first_answer_vs_steady": _first_vs_steady(answers),
-        "answers": [dataclasses.asdict(a) for a in answers],
-        "prompts": {name: why for name, _, why in CONVERSATION[:args.turns]},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"worker-{args.label or Path(loaded.path).name}-{ready.device.replace(' ', '_')}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+
+        def on_answer(a: Answer) -> None:
+            answers.append(a)
+            write_result(path, result_of(base, answers, modes, ngram, args.turns))
+
+        converse(client, modes, drafts, sampling, args.turns, on_answer)
+    result = result_of(base, answers, modes, ngram, args.turns)
+    print_summary(result)
     print(f"wrote {path}")
     return 0
 
 
+def load_telemetry(client, request_id: str, timeout: float = 30.0) -> dict:
+    """The engine figures the worker sends right after `loaded` (they carry `load_stages`)."""
+    from runtime import protocol as P
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ev = client.next_event(max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            break
+        if isinstance(ev, P.Telemetry) and ev.request_id == request_id:
+            return ev.extra or {}
+    return {}
+
+
+def result_of(base: dict, answers: list[Answer], modes: list[str], ngram, turns: int) -> dict:
+    """The result so far (after any number of answers): the DESIGN.md fields, each mode's figures,
+    side by side per prompt, and every answer."""
+    done = [m for m in modes if any(a.mode == m for a in answers)]
+    by_mode = {m: summary([a for a in answers if a.mode == m]) for m in done}
+    main_mode = "ngram" if "ngram" in by_mode else (done[0] if done else modes[0])
+    main = by_mode.get(main_mode) or summary([])
+    base_mode = "none" if main_mode == "ngram" and "none" in by_mode else None
+    first = answers[0] if answers else None
+    speedup = None
+    if "ngram" in by_mode and "none" in by_mode:
+        plain, drafted = by_mode["none"]["decode_tps_by_prompt"], by_mode["ngram"]["decode_tps_by_prompt"]
+        speedup = {n: drafted[n] / plain[n] for n in plain if plain[n] and drafted.get(n)}
+    return dict(base, **{
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "prompt_tokens": first.prompt_tokens if first else None, "prefill_tps": main["prefill_tps"],
+        "decode_tps": main["decode_tps"], "ttft_s": first.ttft_s if first else None, "roofline_tps": None,
+        "draft": (dict(dataclasses.asdict(ngram), acceptance_rate=main["acceptance_rate"]) if main_mode == "ngram"
+                  else None),
+        "baseline": dict(name=base_mode, **by_mode[base_mode]) if base_mode else None,
+        "worker": True, "complete": len(answers) == turns * len(modes),
+        "modes": by_mode, "speedup_ngram_vs_none": speedup,
+        "first_answer_vs_steady": _first_vs_steady(answers),
+        "max_token_gap_s_by_answer": [[a.mode, a.prompt_name, a.max_token_gap_s] for a in answers],
+        "answers": [dataclasses.asdict(a) for a in answers],
+        "prompts": {name: why for name, _, why in CONVERSATION[:turns]},
+    })
+
+
+def write_result(path: Path, result: dict) -> None:
+    """Write (again) the whole result: a new file beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    tmp.replace(path)
+
+
+def print_summary(r: dict) -> None:
+    ratio = r["first_answer_vs_steady"]
+    print(f"first answer vs steady (decode tok/s, same mode): {ratio:.2f}" if ratio is not None
+          else "first answer vs steady: not measured (fewer than two answers of the first mode)")
+    for mode, prompt, gap in r["max_token_gap_s_by_answer"]:
+        print(f"  max gap {mode:5s} {prompt:13s} {1e3 * gap:7.1f} ms" if gap is not None
+              else f"  max gap {mode:5s} {prompt:13s}       -")
+    for prompt, x in (r["speedup_ngram_vs_none"] or {}).items():
+        print(f"  ngram vs none {prompt:13s} x{x:.2f}")
+
+
 def _first_vs_steady(answers: list[Answer]) -> Optional[float]:
     """The first answer's decode tokens/s over the median of the same mode's later answers."""
+    if not answers:
+        return None
     later = [a.decode_tps for a in answers[1:] if a.mode == answers[0].mode and a.decode_tps]
-    if not answers or not answers[0].decode_tps or not later:
+    if not answers[0].decode_tps or not later:
         return None
     return answers[0].decode_tps / statistics.median(later)
 

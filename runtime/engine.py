@@ -75,9 +75,9 @@ class Engine(abc.ABC):
         CUDA engine captures decode graphs); False when nothing is left to do."""
         return False
 
-    def prepare_decode(self) -> None:
-        """Called after a prefill, before the first token is sent: whatever the first decode step
-        would otherwise compile or capture between two tokens of the answer."""
+    def prepare_decode(self, max_new_tokens: int = 1) -> None:
+        """Called after a prefill, before the first token is sent: whatever the decode steps of an
+        answer of up to `max_new_tokens` would otherwise compile or capture between two of its tokens."""
 
     def telemetry(self) -> dict[str, Any]:
         """Engine figures for the gauges (expert cache hit rate, bytes per token, ...); {} when none."""

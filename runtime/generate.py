@@ -147,8 +147,8 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
         step_hook(live)
     t_prefill = time.perf_counter()
     prepare = getattr(engine, "prepare_decode", None)
-    if prepare is not None:        # what the first decode step would compile or capture: before token 1
-        prepare()
+    if prepare is not None:        # what the answer's decode steps would compile or capture: before token 1
+        prepare(limit)
     live.prefill_tps = live.prefilled_tokens / max(t_prefill - t0, 1e-9)
 
     # First token, from the prefill logits.

@@ -52,6 +52,9 @@ class Worker:
         self._idle_ok = True                        # the engine's idle work has not failed since the last command
         self.governor = None                        # cpu_load.ThreadGovernor of the loaded engine
         self._threads_due: Optional[int] = None     # a team size the governor chose mid-answer
+        self.load_stages: list[dict] = []           # the last load's stages and their wall time (load_stages)
+        self._idle = {"steps": 0, "seconds": 0.0, "longest_s": 0.0}   # idle work since the last command
+        self.idle_before: dict = dict(self._idle)   # ... and before the command now running (telemetry)
 
     # -- output ------------------------------------------------------------------------------
     def send(self, event: Any) -> None:
@@ -148,6 +151,7 @@ class Worker:
             names = {f.name for f in dataclasses.fields(P.Telemetry)}
             for key, value in (engine.telemetry() or {}).items():
                 (known if key in names and key not in ("request_id", "generating", "extra") else extra)[key] = value
+            extra["idle_work"] = self.idle_before      # what the running (or last) command waited behind
         draft = live.draft if live is not None else None
         return P.Telemetry(
             request_id=request_id or (self._generating or ""),
@@ -166,6 +170,8 @@ class Worker:
                 self.close()
                 return 0
             self._idle_ok = True
+            self.idle_before = dict(self._idle)      # the idle work the command may have waited behind
+            self._idle = {"steps": 0, "seconds": 0.0, "longest_s": 0.0}
             failure = self.run_command(cmd)
             if isinstance(cmd, P.Generate):
                 self._done_generating(cmd)     # before the error: the client may send the next command at once
@@ -191,12 +197,19 @@ class Worker:
         work = getattr(engine, "idle_work", None)
         if work is None or not self._idle_ok:
             return False
+        t0 = time.perf_counter()
         try:
             return bool(work())
         except Exception:
             self._idle_ok = False
             traceback.print_exc()          # warm-up is an optimisation: the answer captures on demand
             return False
+        finally:
+            dt = time.perf_counter() - t0
+            idle = self._idle
+            idle["steps"] += 1
+            idle["seconds"] = round(idle["seconds"] + dt, 3)
+            idle["longest_s"] = round(max(idle["longest_s"], dt), 3)
 
     def run_command(self, cmd: Any) -> Optional[P.Error]:
         """Run load / unload / generate; a failure comes back as the error event to send."""
@@ -224,13 +237,19 @@ class Worker:
         from runtime.loader import open_engine
         from runtime.tokenizer import Tokenizer
 
+        marks: list[tuple[str, str, float]] = []
+
         def progress(stage: str, message: str, done: int, total: int) -> None:
+            marks.append((stage, message, time.perf_counter()))
             self.send(P.Progress(request_id=cmd.request_id, stage=stage, message=message, done=done, total=total))
 
         self.close()                   # free the old model first: two may not fit
         t0 = time.perf_counter()
+        marks.append(("load", "Starting the load", t0))
+        compiled_before = kernel_cache_entries()
         governor = ThreadGovernor(physical_cores(), fixed=cmd.options.offload.cpu_threads)
         engine, applied = open_engine(cmd.model, cmd.options, progress)
+        marks.append(("load", "Reading the tokenizer", time.perf_counter()))
         try:
             tokenizer = Tokenizer.from_folder(engine.info.path)
             draft = cmd.options.draft
@@ -245,11 +264,17 @@ class Worker:
         self.governor = governor
         self._adapt_threads()          # other programs' load, measured over the load
         info = engine.info
+        t_end = time.perf_counter()
+        self.load_stages = load_stages(marks, t_end)
         self.send(P.Loaded(request_id=cmd.request_id, model=cmd.model, path=str(info.path),
                            architecture=info.architecture, backend=engine.backend,
                            context_length=info.context_length, vocab_size=info.vocab_size,
-                           load_s=time.perf_counter() - t0, applied=applied))
-        self.send(self.telemetry(cmd.request_id))
+                           load_s=t_end - t0, applied=applied))
+        t = self.telemetry(cmd.request_id)
+        compiled = kernel_cache_entries()
+        compiled = compiled - compiled_before if compiled is not None and compiled_before is not None else None
+        self.send(dataclasses.replace(t, extra=dict(t.extra, load_stages=self.load_stages,
+                                                    kernels_compiled_in_load=compiled)))
 
     def _load_draft(self, model: Optional[str], options, tokenizer, progress):
         from runtime.loader import open_engine
@@ -390,6 +415,30 @@ def _libraries() -> dict[str, str]:
             pass
     import platform
     out["python"] = platform.python_version()
+    return out
+
+
+def kernel_cache_entries() -> Optional[int]:
+    """Kernels in Triton's on-disk cache (TRITON_CACHE_DIR, else ~/.triton/cache), one folder each;
+    None without one. Their growth over a load says how many kernels it compiled (a first load on a
+    machine compiles them all; later ones find them there)."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        return sum(1 for _ in os.scandir(folder))
+    except OSError:
+        return None
+
+
+def load_stages(marks: list[tuple[str, str, float]], end: float) -> list[dict]:
+    """Each progress step of a load with its wall time, up to the next step (the last: up to `end`);
+    a message repeated at once (a step's start and end) is one stage."""
+    out: list[dict] = []
+    for i, (stage, message, t) in enumerate(marks):
+        seconds = (marks[i + 1][2] if i + 1 < len(marks) else end) - t
+        if out and out[-1]["stage"] == stage and out[-1]["message"] == message:
+            out[-1]["s"] = round(out[-1]["s"] + seconds, 3)
+        else:
+            out.append({"stage": stage, "message": message, "s": round(seconds, 3)})
     return out
 
 

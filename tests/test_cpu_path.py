@@ -799,3 +799,16 @@ def test_warm_up_traffic_is_forgotten_by_the_figures(slow_pcie):
     assert tel["expert_pairs"] == 0 and tel["expert_hits"] == 0 and tel["expert_moved_bytes"]["staged"] == 0
     lo.layer.counts += torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=lo.layer.counts.dtype)
     assert m.telemetry()["expert_pairs"] == 2 and m.telemetry()["expert_hits"] == 1
+
+
+def test_a_placement_names_its_parts_for_the_loads_progress(slow_pcie):
+    """Filling the hot slots, measuring the rates and copying experts for the CPU each show in the
+    load's progress (so the worker times each part: load_stages)."""
+    heard = []
+    m = _manager(ram=MemoryBudget(1 << 30, "RAM"))
+    m.on_stage = heard.append
+    m.apply([[0, 2, 5], list(range(8))])
+    assert heard == ["Placing experts: filling the hot experts' slots",
+                     "Placing experts: measuring the CPU's and PCIe's rates",
+                     "Placing experts: copying cold experts for the CPU"], heard
+    m.close()

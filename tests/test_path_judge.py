@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from runtime.experts.path_judge import CLOSE, DRIFT_WINDOW, RECHECK_STEPS, TRIAL_STEPS, PathJudge
+from runtime.experts.path_judge import (CLOSE, DRIFT_WINDOW, MAX_ROUNDS, RECHECK_STEPS, TRIAL_STEPS, PathJudge,
+                                        read_decision, write_decision)
 
 
 def steps(mean_ms: float, rng: random.Random, noise: float = 0.08, n: int = TRIAL_STEPS) -> list[float]:
@@ -15,11 +16,15 @@ def steps(mean_ms: float, rng: random.Random, noise: float = 0.08, n: int = TRIA
     return out
 
 
-def judged(gain: float, cpu_ms: float, stream_ms: float, seed: int) -> PathJudge:
+def judged(gain: float, cpu_ms: float, stream_ms: float, seed: int, j: PathJudge | None = None) -> PathJudge:
+    """A decision as the trial makes it: rounds of both paths while they are too close to call."""
     rng = random.Random(seed)
-    j = PathJudge("auto", predicted_gain=gain)
-    for path in j.plan():
-        j.record(path, steps(cpu_ms if path == "cpu" else stream_ms, rng))
+    j = j or PathJudge("auto", predicted_gain=gain)
+    paths = j.plan()
+    while paths:
+        for path in paths:
+            j.record(path, steps(cpu_ms if path == "cpu" else stream_ms, rng))
+        paths = paths[::-1] if j.needs_another_round() else []
     j.decide()
     return j
 
@@ -36,10 +41,57 @@ def test_five_loads_choose_the_same_path_whatever_the_noisy_prediction(cpu_ms, s
     assert set(j.step_ms) == {"cpu", "stream"} and "measured" in j.reason
 
 
-def test_clear_predictions_are_believed_and_said_so():
+def test_a_saved_decision_is_reused_untimed_and_said_so():
+    """The first load times both paths even where the prediction looks clear (the H200's predictions
+    wandered from 0% to +76%); a later load with the saved decision runs it without timing."""
     j = PathJudge("auto", predicted_gain=CLOSE + 0.3)
-    assert j.plan() == [] and j.decide() == "cpu" and "predicted" in j.reason
-    assert PathJudge("auto", predicted_gain=-0.6).decide() == "stream"
+    assert j.plan() == ["cpu", "stream"]
+    prior = {"path": "stream", "step_ms": {"cpu": 30.0, "stream": 29.0}, "reason": "measured: ..."}
+    j = PathJudge("auto", predicted_gain=CLOSE + 0.3, running="cpu", prior=prior)
+    assert j.plan() == [] and j.decide() == "stream" and "earlier load" in j.reason
+    assert j.step_ms == {"cpu": 30.0, "stream": 29.0} and j.telemetry()["reused"] and not j.fresh
+
+
+def test_close_medians_take_more_rounds_clear_ones_do_not():
+    j = judged(0.0, 25.0, 34.0, 3)
+    assert j.path == "cpu" and "rounds" not in j.reason and j.fresh
+    j = judged(0.0, 26.0, 26.5, 3)                    # within NOISE: as many rounds as allowed
+    assert "(3 rounds)" in j.reason and MAX_ROUNDS == 3
+
+
+def test_a_measured_path_is_left_only_for_one_clearly_faster():
+    """Hysteresis: once measured, the path stays unless the other is faster by more than TIE."""
+    j = judged(0.0, 25.0, 34.0, 1)
+    assert j.path == "cpu"
+    j.ask_again()
+    judged(0.0, 25.5, 24.8, 2, j)                    # stream 3% faster: within TIE, cpu stays
+    assert j.path == "cpu" and "stays" in j.reason
+    j.ask_again()
+    judged(0.0, 25.5, 20.0, 4, j)                    # stream 22% faster: it runs
+    assert j.path == "stream"
+    j = judged(0.0, 25.2, 25.6, 5, PathJudge("auto", 0.0, prior={"path": "cpu"}))   # prior measured: kept
+    assert j.plan() == [] and j.path == "cpu"
+    j = PathJudge("auto", 0.0, prior={"path": "cpu"})
+    j.ask_again()
+    assert judged(0.0, 25.6, 25.2, 6, j).path == "cpu"     # re-measured within TIE: the saved path stays
+
+
+def test_five_loads_with_the_saved_decision_choose_the_same_path(tmp_path):
+    """The first load measures and saves; the next four read it, whatever their own noise would say."""
+    file, key = tmp_path / "decisions.json", "model|24 GiB|host"
+    chosen, timed = [], []
+    for load, (cpu_ms, stream_ms) in enumerate([(25.0, 25.9), (26.5, 24.0), (24.0, 26.0), (27.0, 24.5), (25, 25)]):
+        j = judged(0.0, cpu_ms, stream_ms, load, PathJudge("auto", 0.0, prior=read_decision(file, key)))
+        if j.fresh:
+            write_decision(file, key, j)
+        chosen.append(j.path)
+        timed.append(j.trials)
+    assert chosen == [chosen[0]] * 5 and timed == [1, 0, 0, 0, 0]
+    assert read_decision(file, "another model|24 GiB|host") is None
+    file.write_text("{not json")
+    assert read_decision(file, key) is None            # a damaged file: measured again, then rewritten
+    write_decision(file, key, j)
+    assert read_decision(file, key)["path"] == j.path
 
 
 def test_the_users_choice_and_an_impossible_path_are_not_measured():
@@ -66,6 +118,10 @@ def test_drift_and_age_ask_for_a_new_measurement():
         j.observe_step(0.040)                         # conditions changed (routing, the machine's load)
     assert j.wants_recheck() and j.plan() == ["cpu", "stream"]
     assert j.reason.count("measuring again") == 1 and j.wants_recheck()
+    j = judged(0.0, 25.0, 34.0, 1)                    # answers route unlike the trial's random tokens:
+    for _ in range(4 * DRIFT_WINDOW):                 # steady live steps far from the trial's are no drift
+        j.observe_step(0.010)
+    assert not j.wants_recheck()
     j = PathJudge("auto", predicted_gain=0.9)         # decided by the prediction: the first window is its baseline
     j.decide()
     for _ in range(RECHECK_STEPS):
@@ -139,3 +195,59 @@ def test_an_untimed_decision_says_what_the_prediction_placed():
     judge reports that path, not one of its own."""
     j = PathJudge("auto", predicted_gain=0.15, running="cpu")
     assert j.decide() == "cpu" and "not timed" in j.reason
+
+
+def test_a_measured_trial_is_saved_and_a_close_one_alternates_rounds(monkeypatch, tmp_path):
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(True, 0.05)
+    engine = FakeEngine(manager)
+    rng, order = random.Random(0), []
+
+    def timed(e):
+        order.append("cpu" if e.offload.cpu_active else "stream")
+        return steps(25.0 if e.offload.cpu_active else 25.4, rng)
+
+    monkeypatch.setattr(xp, "time_decode_steps", timed)
+    judge = xp.make_judge(manager)
+    file = tmp_path / "d.json"
+    list(xp.trial(engine, judge, (file, "k")))
+    assert order == ["cpu", "stream", "stream", "cpu", "cpu", "stream"]      # close: 3 rounds, alternating
+    saved = read_decision(file, "k")
+    assert saved["path"] == judge.path and set(saved["step_ms"]) == {"cpu", "stream"}
+    again = xp.make_judge(FakeManager(True, 0.05), read_decision(file, "k"))
+    assert again.plan() == [] and again.decide() == judge.path
+
+
+def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_path):
+    """settle_cpu_path as a load runs it: the first load times both and saves; the next (placed the
+    other way by its prediction) switches to the saved path untimed; a recheck times both again."""
+    from types import SimpleNamespace
+    from runtime.backends import exl2_placement as xp
+    monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
+    rng, timed = random.Random(0), []
+
+    def time_steps(e):
+        timed.append(e.offload.cpu_active)
+        return steps(25.0 if e.offload.cpu_active else 34.0, rng)
+
+    monkeypatch.setattr(xp, "time_decode_steps", time_steps)
+
+    def engine(cpu_on: bool):
+        e = FakeEngine(FakeManager(cpu_on, 0.5))
+        e.info.path = str(tmp_path / "model")
+        e.budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
+                                   applied={})
+        e.prepare_graphs = lambda progress: None
+        return e
+
+    first = engine(False)
+    xp.settle_cpu_path(first, lambda *a: None)
+    assert first.path_judge.path == "cpu" and len(timed) == 2 and first.offload.cpu_active
+    second = engine(False)
+    messages = []
+    xp.settle_cpu_path(second, lambda stage, msg, d, t: messages.append(msg))
+    assert len(timed) == 2 and second.offload.cpu_active and second.path_judge.telemetry()["reused"]
+    assert "earlier load" in messages[-1], messages
+    assert second.budget.applied["offload.placement"].startswith("applied: CPU expert path on"), second.budget.applied
+    xp.settle_cpu_path(second, lambda *a: None, measure=True)
+    assert len(timed) == 4 and second.path_judge.trials == 1

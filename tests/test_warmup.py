@@ -5,7 +5,7 @@ import threading
 import time
 
 from runtime import protocol as P
-from runtime.backends.exl2_graph import BUCKET, bucket, capture_position, warm_plan
+from runtime.backends.exl2_graph import BUCKET, answer_plan, bucket, capture_position, warm_plan
 from runtime.worker import Worker
 
 
@@ -30,6 +30,18 @@ def test_warm_plan_puts_decode_steps_of_the_next_buckets_first():
     assert done == []                                             # nothing left: the worker idles
     assert warm_plan(4000, 1, 4096, captured=[])[:1] == [(4096, 1)]   # capped at the cache
     assert all(L % BUCKET == 0 for L, _ in warm_plan(1300, 9, 8192, captured=[]))
+
+
+def test_an_answer_gets_the_graphs_of_every_bucket_it_can_reach_before_token_1():
+    """A code edit at 1967 tokens with 160 to write crosses into 2560: its decode graph (and with
+    drafting the verify rows) is captured before the first token, not between two tokens."""
+    assert answer_plan(1967, 160, 1, 8192, captured=[]) == [(2048, 1), (2560, 1)]
+    assert answer_plan(1967, 160, 1, 8192, captured=[(2048, 1)]) == [(2560, 1)]
+    assert answer_plan(100, 160, 1, 8192, captured=[]) == [(512, 1)]          # stays in its bucket
+    plan = answer_plan(1967, 160, 3, 8192, captured=[])
+    assert plan[:2] == [(2048, 1), (2560, 1)] and set(plan[2:]) == {(2048, 2), (2048, 3), (2560, 2), (2560, 3)}
+    assert answer_plan(100, 5000, 1, 8192, captured=[]) == [(512, 1), (1024, 1), (1536, 1)]   # at most 2 ahead
+    assert answer_plan(8100, 500, 1, 8192, captured=[]) == [(8192, 1)]         # capped at the cache
 
 
 class Lines:

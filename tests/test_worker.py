@@ -159,3 +159,17 @@ def test_count_without_a_model_says_so(worker):
 
 def test_ready_reports_the_engine_libraries(worker):
     assert worker.ready.libraries["python"] and "tokenizers" in worker.ready.libraries
+
+
+def test_load_stages_time_every_step_up_to_the_next():
+    """Each progress step's wall time runs to the next step; a step's start and end (the same
+    message at once) are one stage; the last runs to the load's end."""
+    from runtime.worker import load_stages
+    marks = [("load", "Starting the load", 0.0), ("load", "Loading weights", 1.0), ("load", "Loading weights", 4.0),
+             ("load", "Placing experts", 10.0), ("warmup", "Preparing GPU kernels 1/2", 12.5),
+             ("warmup", "Preparing GPU kernels 2/2", 13.0), ("load", "Reading the tokenizer", 20.0)]
+    got = load_stages(marks, 20.25)
+    assert [(s["message"], s["s"]) for s in got] == [
+        ("Starting the load", 1.0), ("Loading weights", 9.0), ("Placing experts", 2.5),
+        ("Preparing GPU kernels 1/2", 0.5), ("Preparing GPU kernels 2/2", 7.0), ("Reading the tokenizer", 0.25)]
+    assert sum(s["s"] for s in got) == 20.25

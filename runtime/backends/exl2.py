@@ -257,6 +257,7 @@ class Exl2Engine(Engine):
         self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
         self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
         self._trial = None              # its measurement in progress (idle time): a generator of steps
+        self.decision_save = None       # (file, key) where a measured decision is saved (exl2_placement)
         self._t_step: Optional[float] = None     # when the last one-row forward started
         self.moe = []
         if info.num_experts:
@@ -324,13 +325,15 @@ class Exl2Engine(Engine):
 
     # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
 
-    def warm_up(self, progress: ProgressFn, draft_rows: int = 1) -> None:
+    def warm_up(self, progress: ProgressFn, draft_rows: int = 1, capture: bool = True) -> None:
         """At load: compile the prefill kernels (chunk sizes of both kinds: staged and not, row counts
         Triton specializes apart) and capture the decode graphs of the first buckets, decode and
-        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after."""
+        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after.
+        capture=False: the graphs are left to `prepare_graphs` (after the expert path is settled, whose
+        switches would drop them)."""
         self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
         chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
-        plan = self._load_plan()
+        plan = self._load_plan() if capture else []
         total = len(chunks) + len(plan)
         g = torch.Generator().manual_seed(0)
         for i, n in enumerate(chunks):
@@ -393,7 +396,7 @@ class Exl2Engine(Engine):
             return True
         if self.path_judge is not None and self.path_judge.wants_recheck():
             from runtime.backends.exl2_placement import trial
-            self._trial = trial(self, self.path_judge)
+            self._trial = trial(self, self.path_judge, self.decision_save)
             return True
         if self.graphs is None:
             return False
@@ -405,13 +408,15 @@ class Exl2Engine(Engine):
                 return True
         return False
 
-    def prepare_decode(self) -> None:
-        """After a prefill, before the first token is sent: the one-row graph of the bucket the
-        decode starts in (a prompt may jump past the buckets prepared while idle), so that no capture
-        falls between two tokens of the answer."""
+    def prepare_decode(self, max_new_tokens: int = 1) -> None:
+        """After a prefill, before the first token is sent: the graphs of the buckets the answer can
+        reach (exl2_graph.answer_plan: a prompt may jump past the buckets prepared while idle, and a
+        request sent at once leaves no idle time), so that no capture falls between two tokens."""
         if self.graphs is not None:
-            from runtime.backends.exl2_graph import bucket
-            self._prepare_graph(bucket(self.position, 1, self.info.context_length), 1)
+            from runtime.backends.exl2_graph import answer_plan
+            for L, T in answer_plan(self.position, max_new_tokens, self.warm_rows, self.info.context_length,
+                                    self.graphs.captured(), self.graphs.max_rows):
+                self._prepare_graph(L, T)
 
     def _time_step(self, rows: int) -> None:
         """One-row decode steps' wall time (start to next start, pauses over 1 s left out) for the
@@ -481,11 +486,13 @@ class Exl2Engine(Engine):
         from runtime.backends.exl2_placement import make_judge
         self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
         self.path_judge.decide()
+        self.decision_save = None                     # saved decisions are per budget: none until then
 
-    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = False) -> None:
-        """Decide the CPU expert path again now, timing both paths where the prediction is close or
-        with `measure` (benchmarks, after the routing or the budget changed; the worker does it while
-        idle when decode steps drift)."""
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
+        """Decide the CPU expert path again now (benchmarks, after the routing or the budget
+        changed; the worker does it while idle when decode steps drift), timing both paths; a path
+        saved for this model and budget stays unless the other is clearly faster. measure=False:
+        the saved decision is reused untimed where there is one (as a load does)."""
         if self.offload is not None:
             from runtime.backends.exl2_placement import settle_cpu_path
             settle_cpu_path(self, progress, measure)
@@ -592,7 +599,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         if setup.offload:
             progress("load", "Placing experts", 0, 1)
         manager = exl2_offload.start(setup, model, config, path,     # VRAM ledger; hot experts
-                                     matmul_attention=prefill_attention.startswith("matmul"))
+                                     matmul_attention=prefill_attention.startswith("matmul"), progress=progress)
         applied.update(setup.applied)                               # the CPU expert path, settled
     except Exception as e:
         if isinstance(e, BudgetError):
@@ -638,7 +645,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     draft = options.draft
     try:
         if warm and os.environ.get("MOEDESK_NO_WARMUP") is None:
-            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1)
+            # with offload the graphs are captured once, after the expert path is settled (a switch drops them)
+            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1, capture=manager is None)
             if manager is not None:
                 from runtime.backends.exl2_placement import settle_cpu_path
                 settle_cpu_path(engine, progress)

@@ -165,8 +165,9 @@ def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:
     return moe + logits + attention + hidden + SCRATCH_MARGIN
 
 
-def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool = False):
-    """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None)."""
+def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool = False, progress=None):
+    """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None);
+    `progress(stage, message, done, total)` hears each part of the placement."""
     vram = setup.vram
     what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
     if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
@@ -188,11 +189,15 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     setup.stats_warning = warning
     manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
                              cpu_threads=setup.cpu_threads, ram=setup.ram)
+    if progress is not None:
+        manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:
         manager.place()
     except BudgetError as e:
         manager.close()
         raise budget_error(e) from None
+    finally:
+        manager.on_stage = lambda message: None       # later placements belong to no load's progress
     cpu_path_applied(setup, manager)
     log.info("offload: %s; RAM %s", vram.report(), gb(setup.ram.used_bytes))
     return manager

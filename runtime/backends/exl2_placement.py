@@ -1,24 +1,48 @@
 """The CUDA engine's side of the CPU-path decision (runtime/experts/path_judge.py): time decode
-steps with the CPU expert path on and off, keep the faster; at load behind the progress, and again
-in the worker's idle time when the live steps drift. Each step of a trial is bounded (one switch of
-the path, one graph capture, or `TRIAL_STEPS` decode steps), so an idle-time trial delays a new
+steps with the CPU expert path on and off (more rounds where they are close), keep the faster; at the
+first load of a model at a budget on a machine, behind the progress, then saved in the user cache
+(`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
+Each step of a trial is bounded (one switch of the path, one graph capture, or `TRIAL_STEPS` decode
+steps), so an idle-time trial delays a new
 command by one of them at most. The timed steps decode random tokens past the cache's end; the cache
 is rolled back after each run of them."""
 from __future__ import annotations
 
+import os
+import platform
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import torch
 
 from runtime.engine import ProgressFn
-from runtime.experts.path_judge import TRIAL_STEPS, PathJudge
+from runtime.experts.path_judge import TRIAL_STEPS, PathJudge, read_decision, write_decision
+
+DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.paths.cache_dir)
 
 
-def make_judge(manager) -> PathJudge:
-    """The judge for a manager just placed: its policy, its predicted gain, what rules the path out."""
+def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
+    """The judge for a manager just placed: its policy, its predicted gain, what rules the path out,
+    and the decision saved by an earlier load (`prior`)."""
     return PathJudge(policy=manager.cpu_policy, predicted_gain=manager.cpu_predicted_gain,
-                     unavailable=manager.cpu_unavailable, running=current_path(manager))
+                     unavailable=manager.cpu_unavailable, running=current_path(manager), prior=prior)
+
+
+def decision_key(engine) -> str:
+    """What a saved decision is valid for: the model folder, the VRAM budget (to 1/4 GiB), the CPU
+    threads asked for, the CPU split, and the machine (host, cores, GPU)."""
+    budget = engine.budget
+    vram = round(budget.vram.total_bytes / (1 << 28)) / 4 if budget is not None else None
+    threads = budget.cpu_threads if budget is not None else 0
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"{Path(engine.info.path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
+            f"{os.environ.get('MOEDESK_CPU_SPLIT', 'cut')}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
+
+
+def decisions_file() -> Path:
+    from runtime.paths import cache_dir
+    return cache_dir() / DECISIONS_FILE
 
 
 def current_path(manager) -> str:
@@ -32,7 +56,9 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     tokens = torch.randint(0, engine.vocab, (steps + 1,), generator=g).tolist()
     pos0 = engine.position
     room = engine.info.context_length - pos0 - 1
-    out = []
+    out: list[float] = []
+    if room < 2:                                          # the cache is full: nothing can be timed here
+        return out
     try:
         engine.forward(tokens[:1])                        # the first step after a switch: untimed
         for t in tokens[1:max(2, min(len(tokens), room))]:
@@ -44,25 +70,28 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     return out
 
 
-def trial(engine, judge: PathJudge) -> Iterator[str]:
-    """Measure the judge's paths (the one running first), then run the faster; yields a message after
-    each bounded step."""
+def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> Iterator[str]:
+    """Measure the judge's paths (the one running first; more rounds, alternating, where they are
+    close), then run the faster; yields a message after each bounded step. save: (file, key) where a
+    measured decision is written."""
     from runtime.backends.exl2_graph import bucket
     manager = engine.offload
     paths = sorted(judge.plan(), key=lambda p: p != current_path(manager))
-    for path in paths:
-        if current_path(manager) != path:
-            engine._drop_graphs()
-            if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
-                if path == "cpu":
-                    judge.record("cpu", None)
-                    yield "the CPU path could not be built"
-                    continue
-            yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
-        engine._prepare_graph(bucket(engine.position, 1, engine.info.context_length), 1)
-        yield "decode graph captured"
-        judge.record(path, time_decode_steps(engine))
-        yield f"timed {'with' if path == 'cpu' else 'without'} the CPU path"
+    while paths:
+        for path in paths:
+            if current_path(manager) != path:
+                engine._drop_graphs()
+                if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
+                    if path == "cpu":
+                        judge.record("cpu", None)
+                        yield "the CPU path could not be built"
+                        continue
+                yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
+            engine._prepare_graph(bucket(engine.position, 1, engine.info.context_length), 1)
+            yield "decode graph captured"
+            judge.record(path, time_decode_steps(engine))
+            yield f"timed {'with' if path == 'cpu' else 'without'} the CPU path"
+        paths = paths[::-1] if judge.needs_another_round() else []
     best = judge.decide()
     if current_path(manager) != best:
         engine._drop_graphs()
@@ -70,23 +99,32 @@ def trial(engine, judge: PathJudge) -> Iterator[str]:
         yield "kept the faster path"
     if best == "stream":
         manager.cpu_reason = judge.reason
+    if save is not None and judge.fresh:
+        write_decision(save[0], save[1], judge)
 
 
 def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None:
-    """At load, after the warm-up: decide the CPU path (timing both where the prediction is close,
-    or always with `measure`), then capture again the graphs a switch dropped."""
+    """At load, after the warm-up: the CPU path as saved by an earlier load of this model at this
+    budget on this machine, else decided by timing both and saved; with `measure` both are timed
+    whatever was saved (which then stays unless the other is clearly faster). Then the load's
+    graphs not captured yet (at load: all of them; after a switch: those it dropped)."""
     from runtime.backends.exl2_offload import cpu_path_applied
-    judge = engine.path_judge = make_judge(engine.offload)
+    save = (decisions_file(), decision_key(engine))
+    judge = engine.path_judge = make_judge(engine.offload, read_decision(*save))
+    engine.decision_save = save
     if measure:
         judge.ask_again()
     if judge.plan():
-        n = 2 * len(judge.plan()) + 3
-        for i, msg in enumerate(trial(engine, judge)):
-            progress("warmup", f"Choosing the expert path {i + 1}/{n}: {msg}", i, n)
-        engine.prepare_graphs(progress)
+        n = 2 * len(judge.plan()) + 3                      # one round (close medians take more)
+        for i, msg in enumerate(trial(engine, judge, save)):
+            progress("warmup", f"Choosing the expert path: {msg}", min(i, n - 1), n)
     else:
         judge.decide()
-        if judge.path == "stream" and current_path(engine.offload) == "cpu":     # cannot happen today
+        if judge.path != current_path(engine.offload):      # the saved path (or, today never, the prediction's)
             engine._drop_graphs()
-            engine.offload.set_cpu_path(False, judge.reason)
+            engine.offload.set_cpu_path(judge.path == "cpu", judge.reason)
+            if judge.path == "stream":
+                engine.offload.cpu_reason = judge.reason
+        progress("warmup", f"Expert path: {judge.summary()}", 1, 1)
+    engine.prepare_graphs(progress)                         # the load's graphs, on the path that runs
     cpu_path_applied(engine.budget, engine.offload, judge.summary())

@@ -133,6 +133,7 @@ class OffloadManager:
         self.cpu_predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
         self.cpu_unavailable = ""                          # why no CPU path can run at all ("" when one can)
         self._parked = None          # CPU paths set aside while the GPU-only path is timed: (paths, split, cut)
+        self.on_stage = lambda message: None   # says which part of a placement runs (the load's progress)
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
@@ -254,6 +255,7 @@ class OffloadManager:
             self.stage = [[torch.empty((capacity,) + tuple(p.cold.shape[1:]), dtype=torch.int32, device=self.device)
                            for p in self.layers[0].packs] for _ in range(2)]
             self.stage_capacity = capacity
+        self.on_stage("Placing experts: filling the hot experts' slots")
         for lo, r in zip(self.layers, resident):
             lo.set_slots(len(r))
             lo.fill(r, self.side)
@@ -337,6 +339,7 @@ class OffloadManager:
             from runtime import cpu_load
             threads = cpu_path.resolve_threads(self.cpu_threads,
                                                None if self.cpu_threads else cpu_load.measure_others())
+            self.on_stage("Placing experts: measuring the CPU's and PCIe's rates")
             costs = self._split_costs(resident, threads)
         except CpuExpertsError as e:
             self.cpu_reason = self.cpu_unavailable = f"the CPU expert kernel is unavailable: {e}"
@@ -361,6 +364,7 @@ class OffloadManager:
             f = float(np.mean([s for s, o in zip(split.shares, split.owned) if o]))
             cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
             width = min(I, cut + max(CUT_HEADROOM, CUT_ALIGN))
+        self.on_stage("Placing experts: copying cold experts for the CPU")
         try:
             for lo, owned, share in zip(self.layers, split.owned, split.shares):
                 if owned:

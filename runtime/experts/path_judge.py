@@ -3,23 +3,39 @@
 The planner predicts the CPU path's gain from two rates measured once at load (the CPU kernel's and
 PCIe's, runtime/experts/placement.plan_cpu_split). On the H200 one noisy measurement flipped the
 choice between loads of the same model (39.6 tokens/s with the path, 29.3 without, "a gain of 0%").
-So where the prediction is close (a predicted gain within +-CLOSE), both paths decode `TRIAL_STEPS`
-steps and the faster by their median step time runs; within `TIE` of each other the GPU-only path
-runs (fewer cores and less host RAM busy for about the same speed). The choice is measured again when the
-live decode steps drift from what was measured for it (`DRIFT`), or after `RECHECK_STEPS` steps.
+So the choice is measured, once per model, budget and machine, and kept:
 
-Pure logic; the steps are timed by the engine (runtime/backends/exl2_placement.py).
+- The first load of a model at a budget on a machine times both paths (`TRIAL_STEPS` decode steps
+  each; where their medians are within `NOISE` of each other, more rounds, up to `MAX_ROUNDS`,
+  alternating which path goes first) and runs the faster by the median of all their steps; within
+  `TIE` of each other the GPU-only path runs (fewer cores and less host RAM busy for about the same
+  speed). The decision is saved (`read_decision` / `write_decision`: the user cache, keyed by model
+  folder, budget, threads and machine); later loads with the same key run the saved path untimed.
+- The choice is measured again when the live decode steps drift from those right after the decision
+  (`DRIFT`, judged against the first `DRIFT_WINDOW` live steps, never against the trial's steps,
+  whose random tokens route differently from answers), or after `RECHECK_STEPS` steps. A measured
+  path already chosen is left only for one faster by more than `TIE` (hysteresis), and the new
+  decision is saved.
+
+Pure logic and a small JSON file; the steps are timed by the engine (runtime/backends/exl2_placement.py).
 """
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
-CLOSE = 0.25          # predicted gains within +-CLOSE are measured, not believed
-TRIAL_STEPS = 64      # decode steps timed per path (the median decides): ~2 s a path at 30 tokens/s
-TIE = 0.05            # medians within 5%: the GPU-only path ("stream"; it keeps the cores free)
+CLOSE = 0.25          # predicted gains within +-CLOSE: said to be close in the reason (all are measured once)
+TRIAL_STEPS = 64      # decode steps timed per path and round: ~2 s a path at 30 tokens/s
+NOISE = 0.10          # medians within 10% of each other: another round of both paths ...
+MAX_ROUNDS = 3        # ... up to this many rounds per decision
+TIE = 0.05            # medians within 5%: the GPU-only path ("stream"; it keeps the cores free), or the
+                      # measured path already chosen (hysteresis)
 DRIFT = 0.20          # live median step this far from the chosen path's measured one: measure again
 DRIFT_WINDOW = 64     # live one-row decode steps in the drift window
 RECHECK_STEPS = 8192  # decode steps after which the choice is measured again anyway
@@ -31,10 +47,15 @@ class PathJudge:
     predicted_gain: Optional[float]       # the planner's, None when no CPU path can run
     unavailable: str = ""                 # why no CPU path can run ("" when one can)
     running: str = ""                     # the path the manager placed by the prediction ("" unknown)
+    prior: Optional[dict] = None          # a decision measured on an earlier load (read_decision), reused
     step_ms: dict[str, float] = field(default_factory=dict)     # path -> median decode step, measured
     path: str = ""                        # "cpu" or "stream": what runs
     reason: str = ""
     trials: int = 0
+    rounds: int = 0                       # rounds of both paths timed for the decision in progress
+    measured: str = ""                    # the path the last measured decision chose ("" none yet)
+    fresh: bool = False                   # the last decision was timed just now (worth saving)
+    _steps: dict = field(default_factory=dict)   # path -> step seconds of the decision in progress
     _live: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW))
     _steps_since: int = 0
     _baseline_ms: Optional[float] = None  # the chosen path's step time the drift is judged against
@@ -50,43 +71,71 @@ class PathJudge:
         """Paths to time before deciding (empty: decided without measuring; `decide` says how)."""
         if not self.measurable:
             return []
-        return ["cpu", "stream"] if self._again or abs(self.predicted_gain) <= CLOSE else []
+        return ["cpu", "stream"] if self._again or self.prior is None else []
 
     def ask_again(self) -> None:
-        """Time both paths at the next decision, whatever the prediction (benchmarks; drift)."""
+        """Time both paths at the next decision, whatever was decided before (benchmarks; drift)."""
         self._again = self.measurable
 
     def record(self, path: str, step_seconds: Optional[Sequence[float]]) -> None:
-        """The timed decode steps of one path (None: it could not run)."""
+        """The timed decode steps of one path in a round (None: it could not run); the median of
+        all its rounds' steps counts."""
         if step_seconds:
-            self.step_ms[path] = statistics.median(step_seconds) * 1e3
+            self._steps.setdefault(path, []).extend(step_seconds)
+            self.step_ms[path] = statistics.median(self._steps[path]) * 1e3
         else:
+            self._steps.pop(path, None)
             self.step_ms.pop(path, None)
+
+    def needs_another_round(self) -> bool:
+        """After a round of both paths: their medians are too close to call (within NOISE) and
+        fewer than MAX_ROUNDS rounds ran."""
+        self.rounds += 1
+        if "cpu" not in self._steps or "stream" not in self._steps or self.rounds >= MAX_ROUNDS:
+            return False
+        cpu, stream = self.step_ms["cpu"], self.step_ms["stream"]
+        return abs(cpu - stream) < NOISE * min(cpu, stream)
 
     # -- the decision -----------------------------------------------------------------------------
 
     def decide(self) -> str:
+        measured = False
         if self.unavailable:
             self.path, self.reason = "stream", self.unavailable
         elif self.policy in ("cpu", "stream"):
             self.path, self.reason = self.policy, f"placement '{self.policy}'"
-        elif "cpu" in self.step_ms and "stream" in self.step_ms:
+        elif "cpu" in self._steps and "stream" in self._steps:
             cpu, stream = self.step_ms["cpu"], self.step_ms["stream"]
             self.trials += 1
-            if cpu < stream * (1 - TIE):
+            measured = True
+            rounds = f" ({self.rounds} rounds)" if self.rounds > 1 else ""
+            kept = self.measured or (self.prior or {}).get("path", "")
+            if kept in ("cpu", "stream") and min(cpu, stream) >= (1 - TIE) * (cpu if kept == "cpu" else stream):
+                self.path = kept                                   # the other is not clearly faster
+                self.reason = (f"measured{rounds}: {cpu:.1f} ms per decode step with the CPU path, {stream:.1f} "
+                               f"without (within {TIE:.0%} of the path already chosen, which stays)")
+            elif cpu < stream * (1 - TIE):
                 self.path = "cpu"
-                self.reason = f"measured: {cpu:.1f} ms per decode step with the CPU path, {stream:.1f} without"
+                self.reason = f"measured{rounds}: {cpu:.1f} ms per decode step with the CPU path, {stream:.1f} without"
             else:
                 self.path = "stream"
-                self.reason = (f"measured: {stream:.1f} ms per decode step without the CPU path, {cpu:.1f} with"
+                self.reason = (f"measured{rounds}: {stream:.1f} ms per decode step without the CPU path, {cpu:.1f} with"
                                + (f" (within {TIE:.0%}: the path that keeps the CPU free)" if cpu < stream else ""))
-        elif "stream" in self.step_ms and self.plan():       # the CPU path was tried and could not run
+        elif "stream" in self._steps and self.plan():        # the CPU path was tried and could not run
             self.path, self.reason = "stream", "the CPU path could not be built (host RAM)"
+        elif self.prior is not None and self.prior.get("path") in ("cpu", "stream"):
+            self.path = self.prior["path"]
+            self.reason = f"as measured on an earlier load ({self.prior.get('reason', '')})"
+            self.step_ms = {k: float(v) for k, v in (self.prior.get("step_ms") or {}).items()}
         else:                                                 # not timed: the prediction's path
             g = self.predicted_gain or 0.0
             self.path = self.running or ("cpu" if g > CLOSE else "stream")
             self.reason = f"predicted gain {g:+.0%} from the measured rates (not timed)"
-        self._baseline_ms = self.step_ms.get(self.path)
+        if measured:
+            self.measured = self.path
+        self.fresh = measured
+        self._steps, self.rounds = {}, 0
+        self._baseline_ms = None          # the first live window after the decision is the drift baseline
         self._again = False
         self._live.clear()
         self._steps_since = 0
@@ -99,7 +148,7 @@ class PathJudge:
         self._live.append(seconds * 1e3)
         self._steps_since += 1
         if self._baseline_ms is None and len(self._live) == DRIFT_WINDOW:
-            self._baseline_ms = statistics.median(self._live)     # decided unmeasured: the first window
+            self._baseline_ms = statistics.median(self._live)     # the first window after the decision
 
     def wants_recheck(self) -> bool:
         """Measure again (both paths): the live steps drifted from the choice's, or it is old."""
@@ -118,8 +167,42 @@ class PathJudge:
     def telemetry(self) -> dict:
         return {"path": self.path, "reason": self.reason, "policy": self.policy,
                 "predicted_gain": self.predicted_gain, "step_ms": dict(self.step_ms), "trials": self.trials,
-                "summary": self.summary()}
+                "reused": self.prior is not None and self.trials == 0, "summary": self.summary()}
 
     def summary(self) -> str:
         on = "CPU expert path on" if self.path == "cpu" else "CPU expert path off"
         return f"{on}: {self.reason}"
+
+
+# -- the saved decisions (one JSON file in the user cache) ---------------------------------------------
+
+def read_decision(file: Path, key: str) -> Optional[dict]:
+    """The decision saved for `key` ({path, step_ms, reason, saved}), or None (none, or an unreadable
+    file: then the paths are measured again and the file rewritten)."""
+    try:
+        entry = json.loads(Path(file).read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict) or entry.get("path") not in ("cpu", "stream"):
+        return None
+    return entry
+
+
+def write_decision(file: Path, key: str, judge: PathJudge) -> None:
+    """Save the judge's measured decision under `key` (other keys kept); a file that cannot be
+    written leaves the decision to be measured again at the next load."""
+    file = Path(file)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"path": judge.path, "step_ms": dict(judge.step_ms), "reason": judge.reason,
+                 "saved": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(file.name + f".{os.getpid()}.part")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        tmp.replace(file)
+    except OSError:
+        pass
