@@ -181,7 +181,7 @@ def test_more_experts_than_slots_are_split_into_rounds_each_read_once():
 def test_routing_concentration_and_uniform_roofline():
     from types import SimpleNamespace
     import numpy as np
-    from runtime.backends.bench_offload import routing_concentration, uniform_roofline
+    from bench.offload import routing_concentration, uniform_roofline
     uniform = np.full((3, 128), 1 / 128)
     assert routing_concentration(uniform) == {"top8": 0.0625, "top16": 0.125, "top32": 0.25, "top64": 0.5}
     skewed = np.zeros((2, 128))
@@ -252,7 +252,7 @@ def test_uniform_routing_replaces_the_routers_picks_after_it_ran():
 
 def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():
     from types import SimpleNamespace
-    from runtime.backends.bench_offload import uniform_roofline
+    from bench.offload import uniform_roofline
     lo = SimpleNamespace(expert_slot={e: e for e in range(4)}, layer=SimpleNamespace(num_experts=8), code_bytes=100.0,
                          lent={})
     eng = SimpleNamespace(info=SimpleNamespace(experts_per_token=2), offload=SimpleNamespace(layers=[lo, lo]))

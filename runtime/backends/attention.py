@@ -229,7 +229,7 @@ def check(S: int = 4096) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.backends.checks import check_main
+    from bench.checks import check_main
     return check_main(argv, "python -m runtime.backends.attention", __doc__.split("\n")[0],
                       lambda ap: ap.add_argument("--check", action="store_true",
                                                  help="compare with the bmm path on the GPU and time both"),

@@ -368,7 +368,7 @@ def _compare(eng, model_dir: str, rows, prefix: int, repeats: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from runtime.backends.checks import check_main
+    from bench.checks import check_main
     return check_main(argv, "python -m runtime.backends.exl2_graph", __doc__.split("\n")[0],
                       lambda ap: ap.add_argument("--check", metavar="MODEL_DIR",
                                                  help="EXL2 model: graph forwards of 1, 2, 5, 9 rows vs the layer loop"),

@@ -1,6 +1,6 @@
 """Self-check of the fused expert kernels against the plain-PyTorch oracle, on random EXL2 experts.
 
-    python -m runtime.experts.check [--device cuda] [--experts 16] [--rows 1,2,4,5,8,9,40]
+    python -m bench.check_experts [--device cuda] [--experts 16] [--rows 1,2,4,5,8,9,40]
 
 Runs on the GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, slow: keep it small).
 Prints one line per row count: relative error ‖kernel - oracle‖ / ‖oracle‖, and exits non-zero
