@@ -31,6 +31,9 @@ class CheckResult:
 
 def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: int = 0,
                  bits_prop=None, group_size=32, host_codes: bool = False) -> ExpertLayer:
+    """A random EXL2 expert layer: E experts, hidden H, intermediate I, `bits` per weight, the codes
+    in VRAM (or in pinned host pages with `host_codes`). The one copy: the tests build their layers
+    with it too (the runtime never imports bench/)."""
     g = torch.Generator().manual_seed(seed)
 
     def q(out, inp, s):
