@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def one_load(model: str, budget: float, context: int, prompt: int, decode: int, trials: int) -> dict:
-    from runtime.backends import bench_offload as bo
+    from bench import offload as bo
     from runtime.backends import exl2
     from runtime.options import LoadOptions, OffloadOptions
     from runtime.worker import kernel_cache_entries, load_stages
@@ -55,7 +55,7 @@ def one_load(model: str, budget: float, context: int, prompt: int, decode: int, 
 
 
 def main(argv=None) -> int:
-    from runtime.bench import git_commit, machine
+    from bench.engine import git_commit, machine
     ap = argparse.ArgumentParser(prog="python -m bench.placement_loads", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--label", default=None)

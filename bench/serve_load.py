@@ -159,7 +159,7 @@ def run_load(server: Server, clients: int, requests: int, max_tokens: int) -> tu
 
 def common_fields(model: str, backend: str, vram_budget: Optional[float]) -> dict:
     """The fields every benchmark result carries (see the design's Interfaces)."""
-    from runtime.bench import git_commit, machine
+    from bench.engine import git_commit, machine
     from runtime.loader import choose_backend
     from runtime.paths import resolve_model
     config = {}

@@ -217,7 +217,7 @@ def settings_for(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from runtime import protocol as P
-    from runtime.bench import git_commit, machine
+    from bench.engine import git_commit, machine
     from runtime.client import WorkerClient
     from runtime.options import DraftOptions, from_dict
     if args.turns < 1 or args.turns > len(CONVERSATION):

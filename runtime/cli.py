@@ -20,10 +20,10 @@ SUBCOMMANDS = {
     "chat": ("runtime.chat_cli", "Ask a model one question through a real worker process."),
     "import-demo": ("runtime.demo", "Import the demo model (SmolLM2-135M-Instruct) into the models folder."),
     "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
-    "bench": ("runtime.bench", "Measure prefill and decode speed; write JSON to bench/results/."),
+    "bench": ("bench.engine", "Measure prefill and decode speed; write JSON to bench/results/."),
     "setup-gpu": ("runtime.setup_gpu", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
                                       "with a CUDA toolkit or NVIDIA's Python packages."),
-    "bench-spec": ("runtime.speculative.bench", "Measure speculative decoding (n-gram lookup, verify cost); "
+    "bench-spec": ("bench.spec", "Measure speculative decoding (n-gram lookup, verify cost); "
                                                 "write JSON to bench/results/."),
     "bench-worker": ("bench.worker", "Hold a conversation through a real worker process as the GUI does; "
                                      "per answer TTFT, decode speed, longest token gap; JSON to bench/results/."),

@@ -1,7 +1,7 @@
 """The Triton decode/verify-attention kernel equals a float32 torch reference, on the CPU under Triton's
 interpreter: one new row (decode) and T rows (verify), causal within the new rows.
 
-Small shapes only (the interpreter is slow); `python -m runtime.backends.attention --check` runs the
+Small shapes only (the interpreter is slow); `python -m bench.check_attention --check` runs the
 comparison with the bmm path at real sizes on the GPU."""
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def test_row_shapes_are_named(attn):
 @pytest.mark.parametrize("kind", ["bmm", "sdpa"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_bmm_and_sdpa_paths_match_reference(kind, T):
-    from runtime.backends.attention import _bmm_path
+    from bench.check_attention import _bmm_path
     from runtime.backends.exl2_graph import DecodeGraphs
     Hq, Hk, D, S, L, pos = 8, 2, 64, 64, 48, 21
     q, k, v, K, V = make(Hq, Hk, D, S, seed=6, T=T)

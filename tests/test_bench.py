@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime import bench
+from bench import engine as bench
 
 SCHEMA = ["date", "git_commit", "machine", "device", "model", "bpw", "vram_budget_gb", "context", "prompt_tokens",
           "prefill_tps", "decode_tps", "ttft_s", "roofline_tps", "draft", "baseline", "notes"]

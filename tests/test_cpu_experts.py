@@ -146,7 +146,7 @@ def test_runner_overlaps_on_its_own_thread(layer):
 
 
 def test_bench_runs_on_a_tiny_shape(tmp_path):
-    from runtime.experts import bench_cpu
+    from bench import cpu_experts as bench_cpu
     formats = ce.FORMATS if ce.kernel_unavailable_reason() is None else ("bf16", "int8", "int4")
     rows = bench_cpu.run_bench(["tiny-moe"], formats, rows=(1, 2), pool_mb=1, calls=2, threads=1)
     assert [(r.format, r.rows) for r in rows] == [(f, t) for f in formats for t in (1, 2)]
@@ -164,7 +164,7 @@ def test_bench_runs_on_a_tiny_shape(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
 def test_bench_pcie_load_without_a_gpu_says_so(capsys):
-    from runtime.experts import bench_cpu
+    from bench import cpu_experts as bench_cpu
     with pytest.raises(SystemExit):
         bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--pcie-load"])
     assert "--pcie-load needs a CUDA device" in capsys.readouterr().err

@@ -326,7 +326,7 @@ def test_throughput_is_measured_once_per_shape():
 # -- the manager: who owns what, across placements and re-placements ------------------------------
 
 def _manager(policy="cpu", ram=None, n=2):
-    from runtime.experts.check import random_layer
+    from bench.check_experts import random_layer
     from runtime.experts.manager import OffloadManager
     layers = [random_layer(8, 64, 32, 2, 4, "cpu", seed=i, host_codes=True) for i in range(n)]
     return OffloadManager(layers, MemoryBudget(1 << 40), policy, cpu_threads=1, ram=ram)
@@ -634,7 +634,7 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
 
 def _aligned_layer(inter=128):
     """A 3-bit layer (groups of 64 rows) in down's intermediate order, wide enough for two cuts."""
-    from runtime.experts.check import random_layer
+    from bench.check_experts import random_layer
     from runtime.experts.pack import align_intermediate
     layer = random_layer(6, 64, inter, 3, 3, "cpu", seed=5, group_size=64)
     align_intermediate(layer.w1, layer.w3, layer.w2)
@@ -683,7 +683,7 @@ def test_a_cut_computes_the_first_intermediate_rows_and_moves_within_its_copies(
 
 
 def test_copies_cut_from_experts_not_in_down_order_are_refused():
-    from runtime.experts.check import random_layer
+    from bench.check_experts import random_layer
     layer = random_layer(6, 64, 128, 3, 3, "cpu", seed=5, group_size=64)
     with pytest.raises(ValueError, match="intermediate in down's order"):
         cpath.CpuPath((layer.w1, layer.w3, layer.w2), [0], 3, threads=1, device="cpu", width=64)
@@ -691,7 +691,7 @@ def test_copies_cut_from_experts_not_in_down_order_are_refused():
 
 def _cut_manager(n=2):
     from runtime.experts.manager import OffloadManager
-    from runtime.experts.check import random_layer
+    from bench.check_experts import random_layer
     from runtime.experts.pack import align_intermediate
     layers = [random_layer(8, 64, 256, 2, 3, "cpu", seed=i, group_size=64, host_codes=True) for i in range(n)]
     for la in layers:

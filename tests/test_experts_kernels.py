@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _results(args: list[str]) -> int:
-    """Lines `runtime.experts.check` prints for these arguments: one per row count, plus one more for
+    """Lines `bench.check_experts` prints for these arguments: one per row count, plus one more for
     2+ rows of at most 64 (token, expert) pairs (the split-K GEMVs and the grouped kernels)."""
     rows = [int(t) for t in args[-1].split(",")]
     top_k = int(args[args.index("--top-k") + 1])
@@ -34,7 +34,7 @@ def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
     env = dict(os.environ, TRITON_INTERPRET="1", **(extra_env or {}))
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
-    r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", *args],
+    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == _results(args) + 1, r.stdout            # + the routing check
@@ -59,7 +59,7 @@ def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
 
 
 def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
-    from runtime.experts.check import random_layer
+    from bench.check_experts import random_layer
     from runtime.experts.kernels import _bk_span
     lay = random_layer(4, 256, 128, 2, 4, "cpu", group_size=128)          # K 256 (gate, up), 128 (down)
     assert [_bk_span(lay.w1, lay.w3, want=w) for w in (32, 64, 128, 256)] == [32, 64, 128, 256]
@@ -79,7 +79,7 @@ def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
 
 def test_grouped_benchmark_refuses_bad_shapes_and_a_missing_gpu(capsys):
     import torch
-    from runtime.experts import bench_grouped
+    from bench import grouped as bench_grouped
     with pytest.raises(SystemExit):
         bench_grouped.main(["--configs", "16,64,48,32,4,0"])
     assert "bn 48 is not a power of two" in capsys.readouterr().err
@@ -97,7 +97,7 @@ def test_verify_rows_read_through_the_grouped_kernels():
         args = ["--experts", "4", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", bits,
                 "--rows", "2,3,5,8"]
         env = dict(os.environ, TRITON_INTERPRET="1")
-        r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", *args],
+        r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr[-3000:]
         assert r.stdout.count("grouped(union)") == 4 and r.stdout.count("splitk") == 4, r.stdout
@@ -143,7 +143,7 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     """Half the experts in host memory (read in place, or staged for many rows) give the same
     output, bit for bit, as every expert in the slot stack."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", "--offload", *args],
+    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--offload", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
@@ -162,7 +162,7 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align):
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
-    r = subprocess.run([sys.executable, "-m", "runtime.experts.check", "--device", "cpu", "--skip", *args],
+    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--skip", *args],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.check import random_layer
+from bench.check_experts import random_layer
 from runtime.experts.manager import OffloadManager, cold_offsets_ok
 from runtime.experts.offload import cold_base
 from runtime.experts.routing_stats import RoutingStats

@@ -9,7 +9,6 @@ import pytest
 from runtime.experts.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
 from runtime.experts.placement import PathCosts, decode_roofline, plan_placement
 from runtime.experts.routing_stats import RoutingStats, drift, stats_path
-from runtime.experts.slots import SlotTable
 
 GiB_s = float(GB)
 RIG = PathCosts(pcie_bytes_per_s=51.7 * GiB_s, cpu_bytes_per_s=92 * GiB_s)  # measured H200-rig ceilings
@@ -142,46 +141,12 @@ def test_q125_roofline_at_24_gb_matches_the_rig_figures():
     assert decode_roofline(fat, attn + head, 3978 * GiB_s, 51.7 * GiB_s, 92 * GiB_s)["overlapped_tps"] < 30
 
 
-# -- slots -----------------------------------------------------------------------------------
-
-def test_slots_hit_miss_and_evict_the_coldest():
-    t = SlotTable(num_slots=2, num_experts=8)
-    r = t.plan([3, 5])[0]
-    assert [(a.expert, a.copy) for a in r] == [(3, True), (5, True)]
-    assert [a.copy for a in t.plan([5])[0]] == [False]
-    score = np.zeros(8)
-    score[5] = 1.0                         # expert 5 is hot: 3 goes
-    r = t.plan([6], score)[0]
-    assert r[0].copy and t.slot_of == {5: t.slot_of[5], 6: r[0].slot} and 3 not in t.slot_of
-    assert t.hits == 1 and t.misses == 3 and t.hit_rate == pytest.approx(0.25)
-
-
-def test_slots_never_evict_an_expert_the_same_round_needs():
-    t = SlotTable(num_slots=2, num_experts=8)
-    t.plan([1, 2])
-    r = t.plan([2, 7])[0]
-    assert {(a.expert, a.copy) for a in r} == {(2, False), (7, True)}
-    assert t.slot_of[2] != t.slot_of[7]
-
-
-def test_more_experts_than_slots_are_split_into_rounds_each_read_once():
-    t = SlotTable(num_slots=3, num_experts=16)
-    rounds = t.plan([4, 1, 4, 9, 2, 1, 11, 15, 2])
-    assert [len(r) for r in rounds] == [3, 3]
-    seen = [a.expert for r in rounds for a in r]
-    assert sorted(seen) == [1, 2, 4, 9, 11, 15]
-    for r in rounds:
-        assert len({a.slot for a in r}) == len(r)
-    with pytest.raises(ValueError, match="out of range"):
-        t.plan([16])
-
-
 # -- the offload benchmark's routing figures (pure arithmetic; the benchmark itself runs on the GPU) --
 
 def test_routing_concentration_and_uniform_roofline():
     from types import SimpleNamespace
     import numpy as np
-    from runtime.backends.bench_offload import routing_concentration, uniform_roofline
+    from bench.offload import routing_concentration, uniform_roofline
     uniform = np.full((3, 128), 1 / 128)
     assert routing_concentration(uniform) == {"top8": 0.0625, "top16": 0.125, "top32": 0.25, "top64": 0.5}
     skewed = np.zeros((2, 128))
@@ -252,7 +217,7 @@ def test_uniform_routing_replaces_the_routers_picks_after_it_ran():
 
 def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():
     from types import SimpleNamespace
-    from runtime.backends.bench_offload import uniform_roofline
+    from bench.offload import uniform_roofline
     lo = SimpleNamespace(expert_slot={e: e for e in range(4)}, layer=SimpleNamespace(num_experts=8), code_bytes=100.0,
                          lent={})
     eng = SimpleNamespace(info=SimpleNamespace(experts_per_token=2), offload=SimpleNamespace(layers=[lo, lo]))

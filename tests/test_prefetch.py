@@ -14,7 +14,7 @@ import torch
 
 from runtime.experts import prefetch as pfm
 from runtime.experts.budget import MemoryBudget
-from runtime.experts.check import random_layer
+from bench.check_experts import random_layer
 from runtime.experts.manager import OffloadManager
 from runtime.experts.offload import word_distance
 
@@ -193,7 +193,7 @@ def test_telemetry_counts_unpicked_copies_as_wasted_pcie_bytes():
 
 def test_the_benchmarks_oracle_list_is_checked():
     import argparse
-    from runtime.backends.bench_offload import _oracles
+    from bench.offload import _oracles
     assert _oracles("none,1.0,0.6") == [None, 1.0, 0.6]
     with pytest.raises(argparse.ArgumentTypeError, match="'1.5': want 'none' or a probability"):
         _oracles("none,1.5")

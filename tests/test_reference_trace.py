@@ -8,7 +8,7 @@ from runtime.exl2.synth import write_synthetic
 
 
 def test_trace_has_every_block_and_ends_in_the_logits(tmp_path):
-    from runtime.backends.diag_reference import reference_trace
+    from bench.check_reference import reference_trace
     path = tmp_path / "m"
     write_synthetic("tiny-moe", 4.0, path, seed=1)
     tokens = list(range(40, 52))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.engine import Engine, ModelInfo
-from runtime.speculative import bench, bench_verify
+from bench import spec as bench, verify as bench_verify
 
 E, TOP_K, LAYERS, V = 16, 2, 3, 50
 

@@ -511,10 +511,6 @@ class Exl2Engine(Engine):
             self.graphs.graphs.clear()
             self.graphs.pool = None
 
-    def routing_counts(self) -> list[list[int]]:
-        """How often each expert of each MoE layer was chosen since load: [layer][expert]."""
-        return [m.experts.counts.tolist() for m in self.moe]
-
     def close(self) -> None:
         if self.model is None:
             return

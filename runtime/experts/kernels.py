@@ -307,7 +307,7 @@ class Grouped:
     """Launch shape of the grouped (prefill) kernels: rows per block (below / from 4096 pairs), columns
     per block, K tile (it may span several scale groups), warps, pipeline stages (0: Triton's default).
 
-    The default is the fastest of 14 shapes that runtime.experts.bench_grouped timed on the H200 for
+    The default is the fastest of 14 shapes that bench.grouped timed on the H200 for
     q125-a11 at 3 bits, 2048 rows: 16.6 ms per layer (37 TFLOP/s) against 32.5 ms for the shape
     before it (16,64,64,64,4,0: 64 columns per block)."""
     bm_small: int = 16

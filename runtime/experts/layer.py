@@ -59,7 +59,7 @@ class ExpertLayer:
         # kernels add atomically; wraps after 2**31 choices of one expert).
         self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
         self.offload = None          # runtime/experts/offload.LayerOffload when experts are offloaded
-        # Benchmarks only (bench_offload --routing uniform): the router runs, then each token takes
+        # Benchmarks only (bench.offload --routing uniform): the router runs, then each token takes
         # top_k distinct experts drawn uniformly at random (kernels.UniformPicks), equal weights. It
         # measures a placement under the routing the roofline assumes; what the model outputs means nothing.
         self.uniform = None

@@ -58,11 +58,6 @@ class RoutingStats:
         uniform = np.full_like(self.counts, 1.0 / self.counts.shape[1])
         return np.where(total > 0, self.counts / np.maximum(total, 1e-30), uniform)
 
-    def coverage(self, resident: list[list[int]]) -> float:
-        """Mean over layers of the routing share that the given resident experts would serve."""
-        f = self.frequencies()
-        return float(np.mean([f[layer, ids].sum() if len(ids) else 0.0 for layer, ids in enumerate(resident)]))
-
     # -- persistence --------------------------------------------------------------------------
 
     def save(self, path: Path) -> None:

@@ -5,7 +5,7 @@
 Modes (DraftOptions.mode): "model" (a small draft model with the target's vocabulary, in
 `draft_engine`), "ngram" (prompt lookup in the tokens so far, no model), "off" (plain steps, with the
 same stats). The step itself is `core.speculative_step`; `adaptive.DraftPolicy` picks the draft
-length; `bench` measures it.
+length; `bench/spec.py` (outside the runtime) measures it.
 """
 from __future__ import annotations
 

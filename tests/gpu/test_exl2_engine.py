@@ -150,7 +150,7 @@ def test_moe_layer_rows_are_independent_at_real_size():
     summation order: its launch shape is chosen per row count and it accumulates with atomics, so h
     can round differently in fp16; tensor-core path within fp16 rounding), and every path matches
     the fp32 oracle."""
-    from runtime.experts.check import TOLERANCE, check, random_layer
+    from bench.check_experts import TOLERANCE, check, random_layer
     layer = random_layer(128, 2048, 768, 8, 4, "cuda", group_size=128)
     for r in check(layer, [1, 2, 3, 4, 5, 8, 9, 33, 512], "cuda"):
         _record(test="moe_layer_vs_oracle", rows=r.rows, path=r.path, rel_err=r.rel_err)

@@ -276,7 +276,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
 
 def _uniform(eng) -> None:
     """Forced uniform routing (the benchmark's; the same pick sets in every engine), graphs dropped."""
-    from runtime.backends.bench_offload import force_uniform_routing
+    from bench.offload import force_uniform_routing
     force_uniform_routing(eng)
 
 

@@ -1,6 +1,6 @@
 """Where does the CUDA engine leave the fp32 reference? The residual stream compared block by block.
 
-    python -m runtime.backends.diag_reference MODEL_DIR [--rows 24] [--seed 3] [--layer0]
+    python -m bench.check_reference MODEL_DIR [--rows 24] [--seed 3] [--layer0]
 
 Prefills the same random tokens through the reference engine (float32, runtime/reference) and the
 exl2 engine's layer loop, records the residual stream after every attention and every MLP/MoE block
@@ -143,7 +143,7 @@ def layer0(path, rows: int, seed: int) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.backends.diag_reference",
+    ap = argparse.ArgumentParser(prog="python -m bench.check_reference",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("model", help="EXL2 model folder")
     ap.add_argument("--rows", type=int, default=24)

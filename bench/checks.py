@@ -1,4 +1,4 @@
-"""The command line of the GPU self-checks (`python -m runtime.backends.attention --check`, ...)."""
+"""The command line of the GPU self-checks (`python -m bench.check_attention --check`, ...)."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,7 @@
 """Expert-offload benchmark: decode speed, time to first token and PCIe traffic per VRAM budget, against
 the naive baseline in the same run.
 
-    python -m runtime.backends.bench_offload --model DIR --budgets 24,12,48 --context 8192 \
+    python -m bench.offload --model DIR --budgets 24,12,48 --context 8192 \
         --prompt 2048 --decode 128 [--naive-decode 32] [--no-naive] [--reload] [--calibrate 256] \
         [--label q125-a11] [--bpw 3.0] [--out bench/results]
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from runtime.backends.bench_cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
-from runtime.bench import git_commit, machine
+from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
+from bench.engine import git_commit, machine
 from runtime.experts import kernels as expert_kernels
 from runtime.experts import manager as expert_manager
 from runtime.options import LoadOptions, OffloadOptions
@@ -607,7 +607,7 @@ def main(argv=None) -> int:
                 progress(f"whole context: peak reserved {r['context_peak']['peak_reserved_gb']:.2f} GiB of "
                          f"{r['context_peak']['budget_gb']:.2f}")
             if a.profile:
-                from runtime.backends.bench_cuda import profile_decode
+                from bench.cuda import profile_decode
                 prof = Path(a.profile)
                 prof.mkdir(parents=True, exist_ok=True)
                 engine.reset()

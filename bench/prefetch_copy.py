@@ -1,7 +1,7 @@
 """How fast the decode prefetch's copy kernel moves one expert from page-locked host memory into VRAM,
 against DMA copies of the same bytes (GPU only; a measurement, not a test):
 
-    python -m runtime.experts.bench_prefetch_copy [--words 589824]
+    python -m bench.prefetch_copy [--words 589824]
 
 --words: int32 words per projection of one expert (589824: q125-a11 at 3 bpw, 2.36 MB). Prints the
 kernel's time per expert (three projections) for several programs per projection, whether the page
@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from runtime.experts import kernels as K
-from runtime.experts.bench_grouped import _time
+from bench.grouped import _time
 
 
 def _time_us(fn, n: int = 50) -> float:

@@ -1,6 +1,6 @@
 """Self-check of the fused expert kernels against the plain-PyTorch oracle, on random EXL2 experts.
 
-    python -m runtime.experts.check [--device cuda] [--experts 16] [--rows 1,2,4,5,8,9,40]
+    python -m bench.check_experts [--device cuda] [--experts 16] [--rows 1,2,4,5,8,9,40]
 
 Runs on the GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, slow: keep it small).
 Prints one line per row count: relative error ‖kernel - oracle‖ / ‖oracle‖, and exits non-zero
@@ -31,6 +31,9 @@ class CheckResult:
 
 def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: int = 0,
                  bits_prop=None, group_size=32, host_codes: bool = False) -> ExpertLayer:
+    """A random EXL2 expert layer: E experts, hidden H, intermediate I, `bits` per weight, the codes
+    in VRAM (or in pinned host pages with `host_codes`). The one copy: the tests build their layers
+    with it too (the runtime never imports bench/)."""
     g = torch.Generator().manual_seed(seed)
 
     def q(out, inp, s):

@@ -6,7 +6,7 @@ warps, stages) and checked against the first shape's output. Speed depends on sh
 the values: the layer holds a few synthetic EXL2 experts (runtime/exl2/synth.py) repeated to the shape's
 expert count. Needs a CUDA device.
 
-    python -m runtime.experts.bench_grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
+    python -m bench.grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
         [--configs 16,64,64,64,4,0 16,128,128,64,8,0 ...] [--json OUT]
 
 Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), relative difference to the
@@ -102,7 +102,7 @@ def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.experts.bench_grouped", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.grouped", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="q125-a11")
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--bits", type=float, default=3.0)
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True))
     if a.json:
         with open(a.json, "w") as f:
-            from runtime.bench import git_commit
+            from bench.engine import git_commit
             json.dump({"git_commit": git_commit(), "shape": a.shape, "rows": a.rows, "bits": a.bits,
                        "device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
     return 0

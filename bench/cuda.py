@@ -1,6 +1,6 @@
 """CUDA benchmark of the exl2 engine against exllamav2's stock path, in one process, same model, same run.
 
-    python -m runtime.backends.bench_cuda --model DIR --label qwen3-30b-a3b --bpw 4.0 \
+    python -m bench.cuda --model DIR --label qwen3-30b-a3b --bpw 4.0 \
         [--prompts 512,4096] [--decode 256] [--context 8192] [--baseline stock|none] \
         [--profile DIR] [--ceilings FILE] [--out bench/results/]
 
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from runtime.bench import git_commit, machine
+from bench.engine import git_commit, machine
 from runtime.options import LoadOptions, OffloadOptions
 
 GB = 1e9

@@ -16,7 +16,7 @@ figures against each alone says whether they share its bandwidth.
 The experts are synthetic EXL2 (random codes, sane scales; runtime/exl2/synth.py writes them the same way),
 converted by the same code the engine uses. Speed only depends on bytes and shapes, not on the values.
 
-    python -m runtime.experts.bench_cpu [--shapes q125-a11 qwen3-30b-a3b] [--formats ...] [--rows 1 4]
+    python -m bench.cpu_experts [--shapes q125-a11 qwen3-30b-a3b] [--formats ...] [--rows 1 4]
                                         [--bits 3.0] [--pool-mb 1024] [--calls 30] [--threads N] [--json OUT]
                                         [--pcie-load]
 """
@@ -214,7 +214,7 @@ def machine() -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.experts.bench_cpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_experts", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES))
     p.add_argument("--formats", nargs="+", default=list(ce.FORMATS), choices=ce.FORMATS)
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4])
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         from datetime import datetime, timezone
         with open(a.json, "w") as f:
-            from runtime.bench import git_commit
+            from bench.engine import git_commit
             json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
                        "machine": info,
                        "bits": a.bits, "pool_mb": a.pool_mb, "results": [asdict(r) for r in rows]}, f, indent=1)

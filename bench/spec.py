@@ -11,7 +11,7 @@
                 on the medians.
     verify      time of a target forward over K+1 rows relative to the one-row step, K = 1..8, the
                 experts the rows select (MoE), and the speedup at given acceptance rates; see
-                runtime/speculative/bench_verify.py (with --forced-acceptance: decoding with every
+                bench/verify.py (with --forced-acceptance: decoding with every
                 draft kept, labelled as such)
 
 Each result is one JSON file in --out with the fields DESIGN.md lists (date, git_commit, machine,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime.bench import git_commit, machine
+from bench.engine import git_commit, machine
 
 
 PASSAGE = (
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             written += bench_lookup(engines, Tokenizer.from_folder(folder), label, args.out,
                                     args.tokens, args.draft_tokens, say, args.prompt, args.rounds)
         if args.what in ("verify", "all"):
-            from runtime.speculative.bench_verify import verify_result
+            from bench.verify import verify_result
             fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say)
             if args.vram_budget:
                 fields["vram_budget_gb"] = args.vram_budget
