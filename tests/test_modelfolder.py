@@ -20,6 +20,10 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
              "vocab_size": 40, "intermediate_size": 24, "moe_intermediate_size": 8, "num_experts": 4,
              "num_experts_per_tok": 2, "tie_word_embeddings": True}
+# as transformers writes it: num_local_experts, intermediate_size is one expert's width
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 16,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40,
+           "intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}
 
 
 def make_folder(root: Path, config: dict, drop: str | None = None, shards: int = 1) -> Path:
@@ -67,6 +71,24 @@ def test_valid_moe_folder_counts_active_params(tmp_path):
     assert info.num_params - info.active_params == 2 * (4 - 2) * 3 * 8 * 16
 
 
+def test_valid_mixtral_folder_counts_active_params(tmp_path):
+    info = validate(make_folder(tmp_path / "m", MIXTRAL, shards=2))
+    assert (info.architecture, info.num_experts, info.experts_per_token) == ("MixtralForCausalLM", 4, 2)
+    per_layer = 2 * 16 + 16 * 16 * 2 + 2 * 8 * 16 + 4 * 16 + 4 * 3 * 8 * 16     # norms, attention, router, experts
+    assert info.num_params == 2 * 40 * 16 + 16 + 2 * per_layer
+    assert info.num_params - info.active_params == 2 * (4 - 2) * 3 * 8 * 16
+
+
+@pytest.mark.parametrize("key, value", [("sliding_window", 0), ("sliding_window", "4096"),
+                                        ("num_local_experts", 1 << 20), ("num_experts_per_tok", 5)])
+def test_mixtral_config_sizes_bounded(tmp_path, key, value):
+    folder = make_folder(tmp_path / "m", MIXTRAL)
+    (folder / "config.json").write_text(json.dumps({**MIXTRAL, key: value}))
+    e = error(folder)
+    assert e.code == "model_invalid" and "config.json" in e.message
+    assert key in e.message or "num_experts" in e.message
+
+
 def test_missing_folder(tmp_path):
     e = error(tmp_path / "nope")
     assert e.code == "model_not_found" and "nope" in e.message
@@ -103,10 +125,10 @@ def test_missing_tokenizer(tmp_path):
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     folder = make_folder(tmp_path / "m", LLAMA)
-    (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["MixtralForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     e = error(folder)
     assert e.code == "unsupported_architecture"
-    assert "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message and "config.json" in e.message
+    assert "FalconForCausalLM" in e.message and "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message and "config.json" in e.message
 
 
 def test_pickle_weights_refused_without_opening(tmp_path):
@@ -209,6 +231,8 @@ def test_index_may_not_escape_folder(tmp_path):
     (QWEN3_MOE, "model.layers.1.self_attn.q_norm.weight"),
     (QWEN3_MOE, "model.layers.0.mlp.experts.3.down_proj.weight"),
     (QWEN3_MOE, "model.layers.1.mlp.gate.weight"),
+    (MIXTRAL, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+    (MIXTRAL, "model.layers.0.block_sparse_moe.gate.weight"),
 ])
 def test_missing_tensor(tmp_path, config, drop):
     e = error(make_folder(tmp_path / "m", config, drop=drop))

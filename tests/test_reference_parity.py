@@ -36,6 +36,12 @@ def _configs():
         "qwen3_moe_unnormalised": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
             **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
             norm_topk_prob=False)),
+        # softmax over the top-2 router logits, every layer MoE, untied head
+        "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                          rope_theta=1000000.0)),
+        # a sliding window shorter than the test sequences: prefill, decode and verify past it
+        "mixtral_window": (t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=5,
+                                                                 num_experts_per_tok=2, sliding_window=6)),
     }
 
 

@@ -1,4 +1,4 @@
-"""The forward pass of Llama, Qwen3 (QK-norm) and Qwen3-MoE on one sequence, with a preallocated KV cache.
+"""The forward pass of Llama, Qwen3 (QK-norm), Qwen3-MoE and Mixtral (sliding window) on one sequence, with a KV cache.
 
 One function serves prefill, single-token decode and verify-K: it appends T tokens at the cache's
 current length and returns logits for all of them. Attention keeps the cache's kv heads unrepeated:
@@ -38,10 +38,7 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     groups = spec.heads // spec.kv_heads
     x = F.embedding(tokens, w.embed)                                          # [T, H]
     rot = cos[start:end, None], sin[start:end, None]                          # [T, 1, D] each
-    mask = None                                                               # one new token sees everything
-    if t > 1:                                                                 # causal: row i sees keys <= start+i
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]   # [T, S]
-        mask = mask.repeat(groups, 1)                                          # [G*T, S]
+    mask = _mask(start, end, spec.sliding_window, groups)
     for i, layer in enumerate(w.layers):
         h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
         x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
@@ -54,6 +51,18 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     cache.length = end
     x = F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
     return w.lm_head(x).float()                                               # [T, V]
+
+
+def _mask(start: int, end: int, window: int, groups: int) -> Optional[torch.Tensor]:
+    """[G*T, S] boolean: row i (position start+i) sees keys <= start+i, and with a sliding window only the
+    last `window` of them; None where every new token sees every key (a decode step within the window)."""
+    if end - start == 1 and not (window and end > window):
+        return None
+    key, query = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
+    mask = key <= query                                                       # [T, S]
+    if window:
+        mask &= key > query - window
+    return mask.repeat(groups, 1)
 
 
 def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor,
