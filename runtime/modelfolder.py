@@ -28,7 +28,8 @@ from typing import Any, Optional
 from runtime.engine import EngineError
 from runtime.protocol import ErrorCode
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           "DbrxForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")       # per-head RMS norms of q and k
 
 
@@ -50,7 +51,21 @@ MOE_ARCHITECTURES = {
     # Mixtral: w1 gate, w3 up, w2 down; every layer is MoE and intermediate_size is one expert's width
     "MixtralForCausalLM": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2",
                                    "intermediate_size"),
+    # DBRX as exllamav2 names it (and its converter writes the Hub's EXL2 folders): the original
+    # transformer.blocks.N.* layout renamed to model.layers.N.*, Wqkv split into q/k/v_proj, the stacked
+    # experts split per expert (w1 gate, v1 up, w2 down as [hidden, width]); norms are bias-free LayerNorms
+    "DbrxForCausalLM": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "v1", "w2",
+                                "intermediate_size"),
 }
+
+# DBRX's config.json nests its sizes; they are copied under the names the other architectures use
+# (config key <- (section, key)), then bounded like theirs
+DBRX_KEYS = {"hidden_size": ("", "d_model"), "num_hidden_layers": ("", "n_layers"),
+             "num_attention_heads": ("", "n_heads"), "max_position_embeddings": ("", "max_seq_len"),
+             "num_key_value_heads": ("attn_config", "kv_n_heads"), "rope_theta": ("attn_config", "rope_theta"),
+             "clip_qkv": ("attn_config", "clip_qkv"), "intermediate_size": ("ffn_config", "ffn_hidden_size"),
+             "num_experts": ("ffn_config", "moe_num_experts"), "num_experts_per_tok": ("ffn_config", "moe_top_k"),
+             "moe_normalize_expert_weights": ("ffn_config", "moe_normalize_expert_weights")}
 EXL2_PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the safetensors format's own limit
@@ -152,6 +167,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
         got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
         raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
                                f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch == "DbrxForCausalLM":
+        _flatten_dbrx(config, path)
     if "num_experts" not in config and "num_local_experts" in config:
         config["num_experts"] = config["num_local_experts"]      # the name newer transformers write
     needed = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
@@ -171,6 +188,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if only is not None and not (isinstance(only, list) and all(type(i) is int for i in only)):
         raise _invalid(path, f"'mlp_only_layers' must be a list of layer numbers, got {only!r}")
     _check_number(config, "rms_norm_eps", path, 0.0, 1.0)
+    _check_number(config, "clip_qkv", path, 0.0, 1e9)
+    _check_number(config, "moe_normalize_expert_weights", path, 0.0, 1e3)
     _check_number(config, "rope_theta", path, 0.0, 1e12)
     check_rope(config, path)
     if config["hidden_size"] % config["num_attention_heads"] and not config.get("head_dim"):
@@ -179,6 +198,20 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
                                "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
     return config
+
+
+def _flatten_dbrx(config: dict, path: Path) -> None:
+    for section in ("attn_config", "ffn_config"):
+        if not isinstance(config.get(section) or {}, dict):
+            raise _invalid(path, f"'{section}' must be an object, got {config[section]!r}")
+    act = ((config.get("ffn_config") or {}).get("ffn_act_fn") or {"name": "silu"})
+    if not isinstance(act, dict) or act.get("name") != "silu":
+        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
+                               f"'ffn_config.ffn_act_fn' {act!r} is not supported (only silu)")
+    for key, (section, name) in DBRX_KEYS.items():
+        value = (config.get(section) or {}).get(name) if section else config.get(name)
+        if value is not None and config.get(key) is None:
+            config[key] = value
 
 
 def config_int(config: dict, key: str, path: Path | str) -> int:
@@ -435,6 +468,10 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
     if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
         raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
                                                f"tensors; the weights hold only {len(names)}")
+    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
+        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, folder / shard_of["transformer.wte.weight"],
+                               "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
+                               "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
     lay = layout(config, names)
 
     def where(name: str) -> Path:
