@@ -93,7 +93,8 @@ def test_valid_dbrx_folder_reads_its_nested_config(tmp_path):
     folder = make_folder(tmp_path / "m", _dbrx_flat())
     (folder / "config.json").write_text(json.dumps(DBRX))
     info = validate(folder)
-    assert (info.architecture, info.num_layers, info.num_experts, info.experts_per_token) == ("DbrxForCausalLM", 2, 6, 4)
+    assert (info.architecture, info.num_layers, info.num_experts, info.experts_per_token) == \
+           ("DbrxForCausalLM", 2, 6, 4)
     assert info.config["clip_qkv"] == 8 and info.config["rope_theta"] == 500000
     assert info.num_params - info.active_params == 2 * (6 - 4) * 3 * 8 * 16
     assert ModelFolder(folder).linear("model.layers.1.block_sparse_moe.experts.5.v1").shape == (8, 16)
@@ -175,7 +176,8 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
     (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     e = error(folder)
     assert e.code == "unsupported_architecture"
-    assert "FalconForCausalLM" in e.message and "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message and "config.json" in e.message
+    assert "FalconForCausalLM" in e.message and "config.json" in e.message
+    assert "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message
 
 
 def test_pickle_weights_refused_without_opening(tmp_path):

@@ -74,8 +74,8 @@ def _dbrx_as_exllamav2_names(folder, config) -> None:
     sd = load_file(str(folder / "model.safetensors"))
     h, i, e = config.d_model, config.ffn_config.ffn_hidden_size, config.ffn_config.moe_num_experts
     q, kv = h, config.attn_config.kv_n_heads * h // config.n_heads
-    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"], "model.norm.weight": sd["transformer.norm_f.weight"],
-           "lm_head.weight": sd["lm_head.weight"]}
+    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"], "lm_head.weight": sd["lm_head.weight"],
+           "model.norm.weight": sd["transformer.norm_f.weight"]}
     for n in range(config.n_layers):
         b, p = f"transformer.blocks.{n}", f"model.layers.{n}"
         wq, wk, wv = sd[f"{b}.norm_attn_norm.attn.Wqkv.weight"].split([q, kv, kv])
