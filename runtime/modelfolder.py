@@ -208,10 +208,22 @@ def _flatten_dbrx(config: dict, path: Path) -> None:
     if not isinstance(act, dict) or act.get("name") != "silu":
         raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
                                f"'ffn_config.ffn_act_fn' {act!r} is not supported (only silu)")
+    config.update(flat_config(config))
+
+
+def flat_config(config: dict) -> dict:
+    """`config` with DBRX's nested sizes copied under the names the other architectures use (unchecked;
+    any other architecture's config comes back as it is)."""
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and archs[0] == "DbrxForCausalLM"):
+        return config
+    flat = dict(config)
     for key, (section, name) in DBRX_KEYS.items():
-        value = (config.get(section) or {}).get(name) if section else config.get(name)
-        if value is not None and config.get(key) is None:
-            config[key] = value
+        part = config.get(section) if section else config
+        value = part.get(name) if isinstance(part, dict) else None
+        if value is not None and flat.get(key) is None:
+            flat[key] = value
+    return flat
 
 
 def config_int(config: dict, key: str, path: Path | str) -> int:
