@@ -153,13 +153,24 @@ def test_mixtral_and_dbrx_branches_get_fit_verdicts(qtbot, dialog, fake_hub):
             "output.safetensors": b"x" * 64}) for b in ("3.0bpw", "6.0bpw")}
         fake_hub.add(Repo(repo, branches, tags=["exl2"], downloads=5))
     dialog.set_memory(24 * GiB, 128 * GiB, "Test GPU")
-    for query in ("mixtral-8x22b", "dbrx"):
+    for query, repo in (("mixtral-8x22b", "turboderp/Mixtral-8x22B-Instruct-v0.1-exl2"),
+                        ("dbrx", "turboderp/dbrx-instruct-exl2")):
         dialog.search_edit.setText(query)
         dialog.search()
-        qtbot.waitUntil(lambda: dialog.repo_list.count() == 1, timeout=10_000)
+        qtbot.waitUntil(lambda: dialog.repo_list.count() == 1 and repo in dialog.repo_list.item(0).text(),
+                        timeout=10_000)
         dialog.repo_list.setCurrentRow(0)
-        qtbot.waitUntil(lambda: dialog.quant_table.rowCount() == 2, timeout=10_000)
+        qtbot.waitUntil(lambda: dialog.hub_status.text().startswith(f"{repo}: 2 quants"), timeout=10_000)
         t = dialog.quant_table
         assert [cell(t, r, 0) for r in range(2)] == ["3.0bpw", "6.0bpw"]
         assert cell(t, 0, 3).startswith("fits with expert offload"), cell(t, 0, 3)
         assert cell(t, 1, 3).startswith("does not fit") or "offload" in cell(t, 1, 3), cell(t, 1, 3)
+
+
+def test_a_task_cancelled_at_shutdown_is_dropped(dialog):
+    """shutdown() cancels queued tasks; their done-callbacks still arrive and must not raise CancelledError."""
+    from concurrent.futures import Future
+    future, called = Future(), []
+    future.cancel()
+    dialog._finish_task((called.append, called.append), future)
+    assert called == []
