@@ -284,7 +284,7 @@ def num_experts(config: dict) -> int:
 
 def is_moe_layer(config: dict, layer: int) -> bool:
     """Qwen3-MoE: layer uses experts unless listed in mlp_only_layers or skipped by decoder_sparse_step;
-    Mixtral: every layer."""
+    Mixtral and DBRX: every layer."""
     arch = config["architectures"][0]
     if arch not in MOE_ARCHITECTURES:
         return False
