@@ -520,6 +520,8 @@ class ModelManagerDialog(QDialog):
 
     def _finish_task(self, callbacks, future: Future) -> None:
         on_done, on_error = callbacks
+        if future.cancelled():          # still queued when the dialog shut down: nothing to report
+            return
         exc = future.exception()
         on_error(exc) if exc is not None else on_done(future.result())
 

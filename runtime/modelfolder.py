@@ -28,7 +28,44 @@ from typing import Any, Optional
 from runtime.engine import EngineError
 from runtime.protocol import ErrorCode
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           "DbrxForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")       # per-head RMS norms of q and k
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """Where an MoE architecture keeps its router and experts, under model.layers.N (the names exllamav2's
+    architecture table and the Hub's EXL2 folders use), and which config key holds one expert's width."""
+    router: str
+    experts: str
+    gate: str                        # the SiLU-gated projection
+    up: str
+    down: str
+    width_key: str
+
+
+MOE_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj",
+                                    "moe_intermediate_size"),
+    # Mixtral: w1 gate, w3 up, w2 down; every layer is MoE and intermediate_size is one expert's width
+    "MixtralForCausalLM": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2",
+                                   "intermediate_size"),
+    # DBRX as exllamav2 names it (and its converter writes the Hub's EXL2 folders): the original
+    # transformer.blocks.N.* layout renamed to model.layers.N.*, Wqkv split into q/k/v_proj, the stacked
+    # experts split per expert (w1 gate, v1 up, w2 down as [hidden, width]); norms are bias-free LayerNorms
+    "DbrxForCausalLM": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "v1", "w2",
+                                "intermediate_size"),
+}
+
+# DBRX's config.json nests its sizes; they are copied under the names the other architectures use
+# (config key <- (section, key)), then bounded like theirs
+DBRX_KEYS = {"hidden_size": ("", "d_model"), "num_hidden_layers": ("", "n_layers"),
+             "num_attention_heads": ("", "n_heads"), "max_position_embeddings": ("", "max_seq_len"),
+             "num_key_value_heads": ("attn_config", "kv_n_heads"), "rope_theta": ("attn_config", "rope_theta"),
+             "clip_qkv": ("attn_config", "clip_qkv"), "intermediate_size": ("ffn_config", "ffn_hidden_size"),
+             "num_experts": ("ffn_config", "moe_num_experts"), "num_experts_per_tok": ("ffn_config", "moe_top_k"),
+             "moe_normalize_expert_weights": ("ffn_config", "moe_normalize_expert_weights")}
 EXL2_PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the safetensors format's own limit
@@ -42,7 +79,7 @@ CONFIG_BOUNDS = {"hidden_size": 1 << 17, "num_hidden_layers": 1024, "num_attenti
                  "num_key_value_heads": 1024, "head_dim": 1 << 12, "vocab_size": 1 << 22,
                  "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "num_experts": 4096,
                  "num_local_experts": 4096, "num_experts_per_tok": 4096, "max_position_embeddings": 1 << 24,
-                 "decoder_sparse_step": 1024}
+                 "decoder_sparse_step": 1024, "sliding_window": 1 << 24}
 MAX_JSON_BYTES = 64 * 1024 * 1024       # a JSON file of a model folder (tokenizer.json included)
 
 
@@ -130,23 +167,29 @@ def _read_config(folder: Path) -> dict[str, Any]:
         got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
         raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
                                f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch == "DbrxForCausalLM":
+        _flatten_dbrx(config, path)
     if "num_experts" not in config and "num_local_experts" in config:
         config["num_experts"] = config["num_local_experts"]      # the name newer transformers write
     needed = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
-    if arch == "Qwen3MoeForCausalLM":
-        needed += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    moe = MOE_ARCHITECTURES.get(arch)
+    if moe:
+        needed += ["num_experts", "num_experts_per_tok", moe.width_key]
     for key in needed:
         config_int(config, key, path)
-    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"):
+    optional = ["num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step"]
+    for key in optional + (["sliding_window"] if arch == "MixtralForCausalLM" else []):
         if config.get(key) is not None:
             config_int(config, key, path)
-    if arch == "Qwen3MoeForCausalLM" and config["num_experts_per_tok"] > config["num_experts"]:
+    if moe and config["num_experts_per_tok"] > config["num_experts"]:
         raise _invalid(path, f"'num_experts_per_tok' ({config['num_experts_per_tok']}) is more than "
                              f"'num_experts' ({config['num_experts']})")
     only = config.get("mlp_only_layers")
     if only is not None and not (isinstance(only, list) and all(type(i) is int for i in only)):
         raise _invalid(path, f"'mlp_only_layers' must be a list of layer numbers, got {only!r}")
     _check_number(config, "rms_norm_eps", path, 0.0, 1.0)
+    _check_number(config, "clip_qkv", path, 0.0, 1e9)
+    _check_number(config, "moe_normalize_expert_weights", path, 0.0, 1e3)
     _check_number(config, "rope_theta", path, 0.0, 1e12)
     check_rope(config, path)
     if config["hidden_size"] % config["num_attention_heads"] and not config.get("head_dim"):
@@ -155,6 +198,32 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
                                "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
     return config
+
+
+def _flatten_dbrx(config: dict, path: Path) -> None:
+    for section in ("attn_config", "ffn_config"):
+        if not isinstance(config.get(section) or {}, dict):
+            raise _invalid(path, f"'{section}' must be an object, got {config[section]!r}")
+    act = ((config.get("ffn_config") or {}).get("ffn_act_fn") or {"name": "silu"})
+    if not isinstance(act, dict) or act.get("name") != "silu":
+        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
+                               f"'ffn_config.ffn_act_fn' {act!r} is not supported (only silu)")
+    config.update(flat_config(config))
+
+
+def flat_config(config: dict) -> dict:
+    """`config` with DBRX's nested sizes copied under the names the other architectures use (unchecked;
+    any other architecture's config comes back as it is)."""
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and archs[0] == "DbrxForCausalLM"):
+        return config
+    flat = dict(config)
+    for key, (section, name) in DBRX_KEYS.items():
+        part = config.get(section) if section else config
+        value = part.get(name) if isinstance(part, dict) else None
+        if value is not None and flat.get(key) is None:
+            flat[key] = value
+    return flat
 
 
 def config_int(config: dict, key: str, path: Path | str) -> int:
@@ -208,10 +277,19 @@ def head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def num_experts(config: dict) -> int:
+    """Experts per MoE layer, under either name transformers writes (num_experts, num_local_experts)."""
+    return config.get("num_experts") or config["num_local_experts"]
+
+
 def is_moe_layer(config: dict, layer: int) -> bool:
-    """Qwen3-MoE: layer uses experts unless listed in mlp_only_layers or skipped by decoder_sparse_step."""
-    if config["architectures"][0] != "Qwen3MoeForCausalLM":
+    """Qwen3-MoE: layer uses experts unless listed in mlp_only_layers or skipped by decoder_sparse_step;
+    Mixtral and DBRX: every layer."""
+    arch = config["architectures"][0]
+    if arch not in MOE_ARCHITECTURES:
         return False
+    if arch != "Qwen3MoeForCausalLM":
+        return True
     step = config.get("decoder_sparse_step") or 1
     return layer not in (config.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
@@ -229,7 +307,8 @@ class Layout:
 def layout(config: dict, present: set[str] | None = None) -> Layout:
     h, v, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
     hd, nh, nkv = head_dim(config), config["num_attention_heads"], kv_heads(config)
-    qk_norm = config["architectures"][0] != "LlamaForCausalLM"
+    qk_norm = config["architectures"][0] in QK_NORM_ARCHITECTURES
+    names = MOE_ARCHITECTURES.get(config["architectures"][0])
     plain: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     linears: dict[str, tuple[int, int]] = {}
     idle = 0
@@ -248,12 +327,12 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
             plain[f"{p}.self_attn.q_norm.weight"] = (hd,)
             plain[f"{p}.self_attn.k_norm.weight"] = (hd,)
         if is_moe_layer(config, i):
-            e, k, m = config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]
-            linears[f"{p}.mlp.gate"] = (e, h)
+            e, k, m = num_experts(config), config["num_experts_per_tok"], config[names.width_key]
+            linears[f"{p}.{names.router}"] = (e, h)
             for j in range(e):
-                linears[f"{p}.mlp.experts.{j}.gate_proj"] = (m, h)
-                linears[f"{p}.mlp.experts.{j}.up_proj"] = (m, h)
-                linears[f"{p}.mlp.experts.{j}.down_proj"] = (h, m)
+                linears[f"{p}.{names.experts}.{j}.{names.gate}"] = (m, h)
+                linears[f"{p}.{names.experts}.{j}.{names.up}"] = (m, h)
+                linears[f"{p}.{names.experts}.{j}.{names.down}"] = (h, m)
             idle += (e - min(k, e)) * 3 * m * h
         else:
             m = config["intermediate_size"]
@@ -266,9 +345,9 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
 def implied_tensors(config: dict) -> int:
     """How many entries `layout` makes (each one at least one stored tensor), counted without building it."""
     n = config["num_hidden_layers"]
-    per_layer = 2 + 4 + (2 if config["architectures"][0] != "LlamaForCausalLM" else 0)
+    per_layer = 2 + 4 + (2 if config["architectures"][0] in QK_NORM_ARCHITECTURES else 0)
     moe_layers = sum(is_moe_layer(config, i) for i in range(n))
-    experts = 1 + 3 * config["num_experts"] if moe_layers else 0
+    experts = 1 + 3 * num_experts(config) if moe_layers else 0
     return 2 + n * per_layer + moe_layers * experts + (n - moe_layers) * 3
 
 
@@ -401,6 +480,10 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
     if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
         raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
                                                f"tensors; the weights hold only {len(names)}")
+    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
+        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, folder / shard_of["transformer.wte.weight"],
+                               "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
+                               "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
     lay = layout(config, names)
 
     def where(name: str) -> Path:
@@ -439,7 +522,7 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
 
     num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
     data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())
-    moe = config["architectures"][0] == "Qwen3MoeForCausalLM"
+    moe = config["architectures"][0] in MOE_ARCHITECTURES
     qc = config.get("quantization_config") or {}
     bits = qc.get("bits") if isinstance(qc, dict) else None
     if isinstance(bits, bool) or not isinstance(bits, (int, float)):

@@ -113,3 +113,32 @@ def test_bad_inputs_name_the_field():
         estimate_fit(s, 4.0, 4096, "q3", 1, 1)
     with pytest.raises(FitError, match="bits per weight"):
         estimate_fit(s, 0.5, 4096, "fp16", 1, 1)
+
+
+# config.json of mistralai/Mixtral-8x22B-Instruct-v0.1 (intermediate_size is one expert's width) and of
+# databricks/dbrx-instruct (sizes nested in attn_config / ffn_config)
+MIXTRAL_8X22B = {
+    "architectures": ["MixtralForCausalLM"], "hidden_size": 6144, "num_hidden_layers": 56, "num_attention_heads": 48,
+    "num_key_value_heads": 8, "intermediate_size": 16384, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32768, "tie_word_embeddings": False, "max_position_embeddings": 65536,
+}
+DBRX_INSTRUCT = {
+    "architectures": ["DbrxForCausalLM"], "d_model": 6144, "n_layers": 40, "n_heads": 48, "vocab_size": 100352,
+    "max_seq_len": 32768, "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000},
+    "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("config, total, active", [(MIXTRAL_8X22B, 141e9, 39e9), (DBRX_INSTRUCT, 132e9, 36e9)])
+def test_mixtral_and_dbrx_counts_and_verdicts(config, total, active):
+    s = ModelShape.from_config(config)
+    # Mixtral per layer: attention 6144*(6144*2 + 1024*2) = 88,080,384; experts 8*3*6144*16384 = 2,415,919,104
+    # DBRX per layer: the same attention; experts 16*3*6144*10752 = 3,170,893,824
+    experts = 8 * 3 * 6144 * 16384 * 56 if s.experts == 8 else 16 * 3 * 6144 * 10752 * 40
+    assert s.expert_params() == experts and s.attention_params() == 88_080_384 * s.layers
+    assert s.total_params() == pytest.approx(total, rel=0.005)             # published: 141B and 132B
+    idle = s.expert_params() * (s.experts - s.experts_per_token) // s.experts
+    assert s.total_params() - idle == pytest.approx(active, rel=0.015)    # published: 39B and 36B active
+    est = estimate_fit(s, 3.0, 8192, "fp16", vram_bytes=24 * GiB, ram_bytes=64 * GiB, head_bits=6)
+    assert est.verdict is Verdict.FITS_OFFLOAD
+    assert estimate_fit(s, 3.0, 8192, "fp16", vram_bytes=140 * GiB, ram_bytes=64 * GiB).verdict is Verdict.FITS_VRAM

@@ -20,6 +20,20 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
              "vocab_size": 40, "intermediate_size": 24, "moe_intermediate_size": 8, "num_experts": 4,
              "num_experts_per_tok": 2, "tie_word_embeddings": True}
+# as transformers writes it: num_local_experts, intermediate_size is one expert's width
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 16,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40,
+           "intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}
+# DBRX's nested config; its weights under exllamav2's names (as the EXL2 folders hold them)
+DBRX = {"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 16, "n_layers": 2, "n_heads": 4,
+        "vocab_size": 40, "max_seq_len": 64, "attn_config": {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 500000},
+        "ffn_config": {"ffn_hidden_size": 8, "moe_num_experts": 6, "moe_top_k": 4, "moe_normalize_expert_weights": 1}}
+
+
+def _dbrx_flat(**over):
+    """DBRX as the model folder reads it (layout() takes the flattened config)."""
+    return {**DBRX, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 8, "num_experts": 6, "num_experts_per_tok": 4, **over}
 
 
 def make_folder(root: Path, config: dict, drop: str | None = None, shards: int = 1) -> Path:
@@ -67,6 +81,62 @@ def test_valid_moe_folder_counts_active_params(tmp_path):
     assert info.num_params - info.active_params == 2 * (4 - 2) * 3 * 8 * 16
 
 
+def test_valid_mixtral_folder_counts_active_params(tmp_path):
+    info = validate(make_folder(tmp_path / "m", MIXTRAL, shards=2))
+    assert (info.architecture, info.num_experts, info.experts_per_token) == ("MixtralForCausalLM", 4, 2)
+    per_layer = 2 * 16 + 16 * 16 * 2 + 2 * 8 * 16 + 4 * 16 + 4 * 3 * 8 * 16     # norms, attention, router, experts
+    assert info.num_params == 2 * 40 * 16 + 16 + 2 * per_layer
+    assert info.num_params - info.active_params == 2 * (4 - 2) * 3 * 8 * 16
+
+
+def test_valid_dbrx_folder_reads_its_nested_config(tmp_path):
+    folder = make_folder(tmp_path / "m", _dbrx_flat())
+    (folder / "config.json").write_text(json.dumps(DBRX))
+    info = validate(folder)
+    assert (info.architecture, info.num_layers, info.num_experts, info.experts_per_token) == \
+           ("DbrxForCausalLM", 2, 6, 4)
+    assert info.config["clip_qkv"] == 8 and info.config["rope_theta"] == 500000
+    assert info.num_params - info.active_params == 2 * (6 - 4) * 3 * 8 * 16
+    assert ModelFolder(folder).linear("model.layers.1.block_sparse_moe.experts.5.v1").shape == (8, 16)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda c: c["ffn_config"].update(moe_num_experts=1 << 20), "num_experts"),
+    (lambda c: c["ffn_config"].update(moe_top_k=7), "num_experts_per_tok"),
+    (lambda c: c["attn_config"].update(kv_n_heads=3), "num_key_value_heads"),
+    (lambda c: c["attn_config"].update(clip_qkv=-1), "clip_qkv"),
+    (lambda c: c.update(attn_config=[1]), "attn_config"),
+    (lambda c: c["ffn_config"].update(ffn_act_fn={"name": "gelu"}), "ffn_act_fn"),
+])
+def test_dbrx_config_checked(tmp_path, edit, expected):
+    folder = make_folder(tmp_path / "m", _dbrx_flat())
+    config = json.loads(json.dumps(DBRX))
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    e = error(folder)
+    assert expected in e.message and "config.json" in e.message
+
+
+def test_dbrx_original_layout_named(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DBRX))
+    (folder / "tokenizer.json").write_text("{}")
+    save_file({"transformer.wte.weight": torch.zeros(40, 16)}, str(folder / "model.safetensors"))
+    e = error(folder)
+    assert e.code == "unsupported_architecture" and "transformer.blocks" in e.message and "EXL2" in e.message
+
+
+@pytest.mark.parametrize("key, value", [("sliding_window", 0), ("sliding_window", "4096"),
+                                        ("num_local_experts", 1 << 20), ("num_experts_per_tok", 5)])
+def test_mixtral_config_sizes_bounded(tmp_path, key, value):
+    folder = make_folder(tmp_path / "m", MIXTRAL)
+    (folder / "config.json").write_text(json.dumps({**MIXTRAL, key: value}))
+    e = error(folder)
+    assert e.code == "model_invalid" and "config.json" in e.message
+    assert key in e.message or "num_experts" in e.message
+
+
 def test_missing_folder(tmp_path):
     e = error(tmp_path / "nope")
     assert e.code == "model_not_found" and "nope" in e.message
@@ -103,10 +173,11 @@ def test_missing_tokenizer(tmp_path):
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     folder = make_folder(tmp_path / "m", LLAMA)
-    (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["MixtralForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     e = error(folder)
     assert e.code == "unsupported_architecture"
-    assert "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message and "config.json" in e.message
+    assert "FalconForCausalLM" in e.message and "config.json" in e.message
+    assert "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message
 
 
 def test_pickle_weights_refused_without_opening(tmp_path):
@@ -209,6 +280,10 @@ def test_index_may_not_escape_folder(tmp_path):
     (QWEN3_MOE, "model.layers.1.self_attn.q_norm.weight"),
     (QWEN3_MOE, "model.layers.0.mlp.experts.3.down_proj.weight"),
     (QWEN3_MOE, "model.layers.1.mlp.gate.weight"),
+    (MIXTRAL, "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+    (MIXTRAL, "model.layers.0.block_sparse_moe.gate.weight"),
+    (_dbrx_flat(), "model.layers.1.block_sparse_moe.experts.5.v1.weight"),
+    (_dbrx_flat(), "model.layers.0.self_attn.k_proj.weight"),
 ])
 def test_missing_tensor(tmp_path, config, drop):
     e = error(make_folder(tmp_path / "m", config, drop=drop))

@@ -137,3 +137,40 @@ def test_delete_asks_first_and_reveal_opens_the_folder(qtbot, dialog, tmp_path, 
     dialog.local_table.selectRow(0)
     dialog.delete_button.click()
     assert not folder.exists() and dialog.local_table.rowCount() == 0
+
+
+def test_mixtral_and_dbrx_branches_get_fit_verdicts(qtbot, dialog, fake_hub):
+    """The Hub's EXL2 repositories of both (config.json as their branches hold it): sized, and judged
+    from their parameter counts (DBRX's sizes are nested in attn_config / ffn_config)."""
+    import json
+
+    from fakehub import Branch, Repo
+    from test_fit import DBRX_INSTRUCT, MIXTRAL_8X22B
+    for repo, config in (("turboderp/Mixtral-8x22B-Instruct-v0.1-exl2", MIXTRAL_8X22B),
+                         ("turboderp/dbrx-instruct-exl2", DBRX_INSTRUCT)):
+        branches = {b: Branch(b, {"config.json": json.dumps(dict(config, quantization_config={
+            "quant_method": "exl2", "bits": float(b[:3]), "head_bits": 6})).encode(),
+            "output.safetensors": b"x" * 64}) for b in ("3.0bpw", "6.0bpw")}
+        fake_hub.add(Repo(repo, branches, tags=["exl2"], downloads=5))
+    dialog.set_memory(24 * GiB, 128 * GiB, "Test GPU")
+    for query, repo in (("mixtral-8x22b", "turboderp/Mixtral-8x22B-Instruct-v0.1-exl2"),
+                        ("dbrx", "turboderp/dbrx-instruct-exl2")):
+        dialog.search_edit.setText(query)
+        dialog.search()
+        qtbot.waitUntil(lambda: dialog.repo_list.count() == 1 and repo in dialog.repo_list.item(0).text(),
+                        timeout=10_000)
+        dialog.repo_list.setCurrentRow(0)
+        qtbot.waitUntil(lambda: dialog.hub_status.text().startswith(f"{repo}: 2 quants"), timeout=10_000)
+        t = dialog.quant_table
+        assert [cell(t, r, 0) for r in range(2)] == ["3.0bpw", "6.0bpw"]
+        assert cell(t, 0, 3).startswith("fits with expert offload"), cell(t, 0, 3)
+        assert cell(t, 1, 3).startswith("does not fit") or "offload" in cell(t, 1, 3), cell(t, 1, 3)
+
+
+def test_a_task_cancelled_at_shutdown_is_dropped(dialog):
+    """shutdown() cancels queued tasks; their done-callbacks still arrive and must not raise CancelledError."""
+    from concurrent.futures import Future
+    future, called = Future(), []
+    future.cancel()
+    dialog._finish_task((called.append, called.append), future)
+    assert called == []

@@ -36,6 +36,17 @@ def _configs():
         "qwen3_moe_unnormalised": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
             **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
             norm_topk_prob=False)),
+        # softmax over the top-2 router logits, every layer MoE, untied head
+        "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                          rope_theta=1000000.0)),
+        # a sliding window shorter than the test sequences: prefill, decode and verify past it
+        "mixtral_window": (t.MixtralForCausalLM, t.MixtralConfig(**COMMON, num_local_experts=5,
+                                                                 num_experts_per_tok=2, sliding_window=6)),
+        # LayerNorm without bias, clip_qkv that bites, top-3 of 6 divided by their 2-norm, its own rope theta
+        "dbrx": (t.DbrxForCausalLM, t.DbrxConfig(
+            d_model=64, n_heads=4, n_layers=3, vocab_size=128, max_seq_len=512,
+            attn_config=dict(kv_n_heads=2, clip_qkv=2.0, rope_theta=500000.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=6, moe_top_k=3, moe_normalize_expert_weights=2.0))),
     }
 
 
@@ -46,12 +57,40 @@ def make_model(name: str, folder, seed: int = 0):
     model = cls(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
+            if p.dim() == 1:                              # norms (DBRX's Wqkv has "norm" in its name)
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
     model.save_pretrained(folder, safe_serialization=True)
+    if name == "dbrx":
+        _dbrx_as_exllamav2_names(folder, model.config)
     return model
+
+
+def _dbrx_as_exllamav2_names(folder, config) -> None:
+    """DBRX saved by transformers (transformer.blocks.N.*, fused Wqkv, stacked experts) rewritten as exllamav2
+    names and its converter writes EXL2 folders: model.layers.N.*, q/k/v_proj, one w1/v1/w2 per expert."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(folder / "model.safetensors"))
+    h, i, e = config.d_model, config.ffn_config.ffn_hidden_size, config.ffn_config.moe_num_experts
+    q, kv = h, config.attn_config.kv_n_heads * h // config.n_heads
+    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"], "lm_head.weight": sd["lm_head.weight"],
+           "model.norm.weight": sd["transformer.norm_f.weight"]}
+    for n in range(config.n_layers):
+        b, p = f"transformer.blocks.{n}", f"model.layers.{n}"
+        wq, wk, wv = sd[f"{b}.norm_attn_norm.attn.Wqkv.weight"].split([q, kv, kv])
+        out.update({f"{p}.self_attn.q_proj.weight": wq, f"{p}.self_attn.k_proj.weight": wk,
+                    f"{p}.self_attn.v_proj.weight": wv,
+                    f"{p}.self_attn.o_proj.weight": sd[f"{b}.norm_attn_norm.attn.out_proj.weight"],
+                    f"{p}.input_layernorm.weight": sd[f"{b}.norm_attn_norm.norm_1.weight"],
+                    f"{p}.post_attention_layernorm.weight": sd[f"{b}.norm_attn_norm.norm_2.weight"],
+                    f"{p}.block_sparse_moe.gate.weight": sd[f"{b}.ffn.router.layer.weight"]})
+        for proj in ("w1", "v1", "w2"):
+            stacked = sd[f"{b}.ffn.experts.mlp.{proj}"].view(e, i, h)
+            for j in range(e):                    # w2 is stored [width, hidden] and used as x @ w2
+                w = stacked[j].T if proj == "w2" else stacked[j]
+                out[f"{p}.block_sparse_moe.experts.{j}.{proj}.weight"] = w.contiguous()
+    save_file(out, str(folder / "model.safetensors"))
 
 
 def oracle(model, tokens: list[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from runtime.modelfolder import CONFIG_BOUNDS
+from runtime.modelfolder import CONFIG_BOUNDS, flat_config
 
 GB = 1024 ** 3
 OVERHEAD_BYTES = 1.0e9
@@ -50,6 +50,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
+        config = flat_config(config)                  # DBRX nests its sizes
+
         def need(key: str) -> int:
             """A positive integer within the bounds model-folder validation uses (CONFIG_BOUNDS)."""
             value, top = config.get(key), CONFIG_BOUNDS[key]

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from runtime.modelfolder import MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES
+
 QWEN_VOCAB = 151936
 QWEN_FIRST_SPECIAL = 151643          # <|endoftext|>; then <|im_start|>, <|im_end|>, ...
 
@@ -14,7 +16,7 @@ QWEN_FIRST_SPECIAL = 151643          # <|endoftext|>; then <|im_start|>, <|im_en
 @dataclass(frozen=True)
 class Shape:
     name: str
-    architecture: str                # "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM" | "LlamaForCausalLM"
+    architecture: str                # "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM" | "LlamaForCausalLM" | Mixtral | Dbrx
     like: str                        # the real model whose shape this is
     layers: int
     hidden: int
@@ -29,6 +31,9 @@ class Shape:
     tie_embeddings: bool = False
     max_position: int = 40960
     rope_theta: float = 1000000.0
+    norm_eps: float = 1e-06
+    clip_qkv: float = 0.0            # DBRX
+    chat: str = "chatml"             # the tokenizer's specials and chat template: "chatml" | "mistral"
 
     @property
     def is_llama(self) -> bool:
@@ -65,6 +70,22 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           expert_intermediate=1536),
     Shape("qwen3-0.6b", "Qwen3ForCausalLM", "Qwen/Qwen3-0.6B (dense draft model)", layers=28, hidden=1024,
           heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie_embeddings=True),
+    # config.json of mistralai/Mixtral-8x22B-Instruct-v0.1 (as the model card's repository holds it):
+    # 141B parameters, 39B active; intermediate_size is one expert's width
+    Shape("mixtral-8x22b", "MixtralForCausalLM", "mistralai/Mixtral-8x22B-Instruct-v0.1", layers=56, hidden=6144,
+          heads=48, kv_heads=8, head_dim=128, intermediate=16384, vocab=32768, experts=8, experts_per_token=2,
+          expert_intermediate=16384, max_position=65536, norm_eps=1e-05, chat="mistral"),
+    Shape("tiny-mixtral", "MixtralForCausalLM", "a miniature Mixtral (tests)", layers=2, hidden=256, heads=4,
+          kv_heads=2, head_dim=64, intermediate=128, vocab=1024, experts=8, experts_per_token=2,
+          expert_intermediate=128, max_position=4096, norm_eps=1e-05, chat="mistral"),
+    # config.json of databricks/dbrx-instruct (d_model, n_heads, n_layers, attn_config, ffn_config): 132B
+    # parameters, 36B active; the tiktoken-based vocabulary of 100352 ids
+    Shape("dbrx", "DbrxForCausalLM", "databricks/dbrx-instruct", layers=40, hidden=6144, heads=48, kv_heads=8,
+          head_dim=128, intermediate=10752, vocab=100352, experts=16, experts_per_token=4, expert_intermediate=10752,
+          max_position=32768, rope_theta=500000.0, norm_eps=1e-05, clip_qkv=8.0),
+    Shape("tiny-dbrx", "DbrxForCausalLM", "a miniature DBRX (tests)", layers=2, hidden=256, heads=4, kv_heads=2,
+          head_dim=64, intermediate=128, vocab=1024, experts=16, experts_per_token=4, expert_intermediate=128,
+          max_position=4096, rope_theta=500000.0, norm_eps=1e-05, clip_qkv=8.0),
     Shape("smollm2-135m", "LlamaForCausalLM", "HuggingFaceTB/SmolLM2-135M-Instruct (Llama, the demo model's shape)",
           layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152,
           tie_embeddings=True, max_position=8192, rope_theta=100000.0),
@@ -78,7 +99,11 @@ def get_shape(name: str) -> Shape:
 
 
 def hf_config(s: Shape) -> dict:
-    """config.json as the real Qwen3 / Qwen3-MoE / Llama releases write it."""
+    """config.json as the real Qwen3 / Qwen3-MoE / Llama / Mixtral / DBRX releases write it."""
+    if s.architecture == "DbrxForCausalLM":
+        return _dbrx_config(s)
+    if s.architecture == "MixtralForCausalLM":
+        return _mixtral_config(s)
     cfg = {
         "architectures": [s.architecture],
         "attention_bias": False,
@@ -121,6 +146,32 @@ def hf_config(s: Shape) -> dict:
     return dict(sorted(cfg.items()))
 
 
+def _mixtral_config(s: Shape) -> dict:
+    return {"architectures": [s.architecture], "attention_dropout": 0.0, "bos_token_id": s.first_special + 1,
+            "eos_token_id": s.first_special + 2, "hidden_act": "silu", "hidden_size": s.hidden,
+            "initializer_range": 0.02, "intermediate_size": s.expert_intermediate,
+            "max_position_embeddings": s.max_position, "model_type": "mixtral", "num_attention_heads": s.heads,
+            "num_experts_per_tok": s.experts_per_token, "num_hidden_layers": s.layers,
+            "num_key_value_heads": s.kv_heads, "num_local_experts": s.experts, "output_router_logits": False,
+            "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta, "router_aux_loss_coef": 0.001,
+            "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+            "transformers_version": "4.38.0", "use_cache": True, "vocab_size": s.vocab}
+
+
+def _dbrx_config(s: Shape) -> dict:
+    return {"architectures": [s.architecture],
+            "attn_config": {"clip_qkv": s.clip_qkv, "kv_n_heads": s.kv_heads, "model_type": "",
+                            "rope_theta": s.rope_theta},
+            "d_model": s.hidden, "emb_pdrop": 0.0,
+            "ffn_config": {"ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": s.expert_intermediate, "model_type": "",
+                           "moe_jitter_eps": 0, "moe_loss_weight": 0.05, "moe_normalize_expert_weights": 1,
+                           "moe_num_experts": s.experts, "moe_top_k": s.experts_per_token},
+            "initializer_range": 0.02, "max_seq_len": s.max_position, "model_type": "dbrx", "n_heads": s.heads,
+            "n_layers": s.layers, "output_router_logits": False, "resid_pdrop": 0.0, "router_aux_loss_coef": 0.05,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.38.2",
+            "use_cache": True, "vocab_size": s.vocab}
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str                  # full tensor name (".weight") or linear prefix (quantized)
@@ -137,15 +188,16 @@ def tensors(s: Shape) -> Iterator[TensorSpec]:
         p = f"model.layers.{i}"
         for proj, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
             yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
-        if not s.is_llama:                                   # Qwen3's per-head query/key norms
+        if s.architecture in QK_NORM_ARCHITECTURES:          # Qwen3's per-head query/key norms
             yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "norm")
             yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "norm")
         if s.is_moe:
-            yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
+            names = MOE_ARCHITECTURES[s.architecture]      # Mixtral and DBRX as exllamav2 names them
+            yield TensorSpec(f"{p}.{names.router}.weight", (s.experts, h), "router")
             e_int = s.expert_intermediate
             for e in range(s.experts):
-                for proj, shape in (("gate_proj", (e_int, h)), ("up_proj", (e_int, h)), ("down_proj", (h, e_int))):
-                    yield TensorSpec(f"{p}.mlp.experts.{e}.{proj}", shape, "linear", f"expert.{proj}")
+                for proj, shape in ((names.gate, (e_int, h)), (names.up, (e_int, h)), (names.down, (h, e_int))):
+                    yield TensorSpec(f"{p}.{names.experts}.{e}.{proj}", shape, "linear", f"expert.{proj}")
         else:
             for proj, shape in (("gate_proj", (s.intermediate, h)), ("up_proj", (s.intermediate, h)),
                                 ("down_proj", (h, s.intermediate))):
@@ -166,7 +218,7 @@ def param_counts(s: Shape) -> tuple[int, int]:
         for d in t.shape:
             n *= d
         total += n
-        is_expert = ".mlp.experts." in t.name
-        if not is_expert or int(t.name.split(".mlp.experts.")[1].split(".")[0]) < s.experts_per_token:
+        is_expert = ".experts." in t.name
+        if not is_expert or int(t.name.split(".experts.")[1].split(".")[0]) < s.experts_per_token:
             active += n
     return total, active

@@ -137,7 +137,7 @@ def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, laye
         config["quantization_config"] = quantization_config(bpw, head_bits)
         config["synthetic"] = f"synthetic, random weights: shape {s.name} ({s.like}); see README.md"
         result = w.finish(config)
-    write_tokenizer(out, s.vocab, s.first_special, s.max_position)
+    write_tokenizer(out, s.vocab, s.first_special, s.max_position, s.chat)
     (out / "README.md").write_text(README.format(name=s.name, bpw=bpw, like=s.like, layers=s.layers,
                                                  total=_count(total_params), active=_count(active),
                                                  head_bits=head_bits))

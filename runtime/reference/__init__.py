@@ -1,4 +1,4 @@
-"""The CPU reference engine: a compact pure-PyTorch Llama / Qwen3 / Qwen3-MoE for machines without a GPU.
+"""The CPU reference engine: a compact pure-PyTorch Llama / Qwen3 / Qwen3-MoE / Mixtral for machines without a GPU.
 
 `load(path, options, progress)` validates the folder, reads and dequantizes every weight (plain or
 EXL2), and returns the engine with a note per option saying whether it was applied.

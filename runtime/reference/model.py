@@ -1,4 +1,4 @@
-"""The forward pass of Llama, Qwen3 (QK-norm) and Qwen3-MoE on one sequence, with a preallocated KV cache.
+"""The forward pass of Llama, Qwen3 (QK-norm), Qwen3-MoE and Mixtral (sliding window) on one sequence, with a KV cache.
 
 One function serves prefill, single-token decode and verify-K: it appends T tokens at the cache's
 current length and returns logits for all of them. Attention keeps the cache's kv heads unrepeated:
@@ -38,28 +38,45 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     groups = spec.heads // spec.kv_heads
     x = F.embedding(tokens, w.embed)                                          # [T, H]
     rot = cos[start:end, None], sin[start:end, None]                          # [T, 1, D] each
-    mask = None                                                               # one new token sees everything
-    if t > 1:                                                                 # causal: row i sees keys <= start+i
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]   # [T, S]
-        mask = mask.repeat(groups, 1)                                          # [G*T, S]
+    mask = _mask(start, end, spec.sliding_window, groups)
     for i, layer in enumerate(w.layers):
-        h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
+        h = _norm(x, layer.attn_norm, spec)
         x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
         if trace is not None:
             trace.append(x.clone())
-        h = F.rms_norm(x, (spec.hidden,), layer.mlp_norm, spec.eps)
+        h = _norm(x, layer.mlp_norm, spec)
         x = x + (_mlp(layer, h) if layer.gate_up is not None else _moe(layer, spec, h))
         if trace is not None:
             trace.append(x.clone())
     cache.length = end
-    x = F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
+    x = _norm(x, w.norm, spec)
     return w.lm_head(x).float()                                               # [T, V]
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, spec: Spec) -> torch.Tensor:
+    if spec.layer_norm:                                                       # DBRX: LayerNorm without bias
+        return F.layer_norm(x, (spec.hidden,), weight, None, spec.eps)
+    return F.rms_norm(x, (spec.hidden,), weight, spec.eps)
+
+
+def _mask(start: int, end: int, window: int, groups: int) -> Optional[torch.Tensor]:
+    """[G*T, S] boolean: row i (position start+i) sees keys <= start+i, and with a sliding window only the
+    last `window` of them; None where every new token sees every key (a decode step within the window)."""
+    if end - start == 1 and not (window and end > window):
+        return None
+    key, query = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
+    mask = key <= query                                                       # [T, S]
+    if window:
+        mask &= key > query - window
+    return mask.repeat(groups, 1)
 
 
 def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor,
                rot: tuple[torch.Tensor, torch.Tensor], mask, start: int, end: int) -> torch.Tensor:
     t, d, nh, nkv = h.shape[0], spec.head_dim, spec.heads, spec.kv_heads
     qkv = layer.qkv(h)                                                        # [T, (NH+2*KVH)*D]
+    if spec.clip_qkv:
+        qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
     qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)                         # q and k heads together
     if layer.qk_norm is not None:
         qk = F.rms_norm(qk, (d,), None, spec.eps) * layer.qk_norm
@@ -87,8 +104,10 @@ def _moe(layer: Layer, spec: Spec, h: torch.Tensor) -> torch.Tensor:
     """Router softmax in float32, top-A, optional renormalisation, SiLU-gated experts."""
     probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)          # [T, E]
     weight, expert = torch.topk(probs, spec.top_k, dim=-1)                    # [T, A]
-    if spec.norm_topk_prob:
+    if spec.norm_topk_prob and spec.expert_norm_p == 1.0:
         weight = weight / weight.sum(dim=-1, keepdim=True)
+    elif spec.norm_topk_prob:                                                 # DBRX's p-norm
+        weight = weight / torch.linalg.vector_norm(weight, ord=spec.expert_norm_p, dim=-1, keepdim=True)
     weight = weight.to(h.dtype)
     if h.shape[0] == 1:                                                       # decode: A experts, no gathers
         out = None

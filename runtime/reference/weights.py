@@ -15,7 +15,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime.modelfolder import ModelFolder, ModelFolderError, head_dim, is_moe_layer, kv_heads
+from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, ModelFolderError, head_dim,
+                                 is_moe_layer, kv_heads)
 from runtime.protocol import ErrorCode
 from runtime.reference.rope import RopeConfig, rope_config
 
@@ -39,20 +40,39 @@ class Spec:
     experts: int
     top_k: int
     norm_topk_prob: bool
+    sliding_window: int = 0                # keys a query sees at most (0: all); Mixtral's config may set one
+    layer_norm: bool = False               # DBRX: bias-free LayerNorm where the others use RMSNorm
+    clip_qkv: float = 0.0                  # DBRX: q, k and v clamped to [-clip, clip] (0: not)
+    expert_norm_p: float = 1.0             # the p of the p-norm that renormalises top-k weights (DBRX's own p)
 
     @classmethod
     def from_config(cls, config: dict, where: str) -> "Spec":
         arch = config["architectures"][0]
-        moe = arch == "Qwen3MoeForCausalLM"
+        moe = arch in MOE_ARCHITECTURES
+        if arch == "DbrxForCausalLM":
+            return cls._dbrx(config, where)
         if config.get("hidden_act", "silu") != "silu":
             raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where,
                                    f"activation {config['hidden_act']!r} is not supported (only silu)")
         return cls(arch, config["hidden_size"], config["vocab_size"], config["num_hidden_layers"],
                    config["num_attention_heads"], kv_heads(config), head_dim(config),
-                   float(config.get("rms_norm_eps", 1e-6)), arch != "LlamaForCausalLM",
+                   float(config.get("rms_norm_eps", 1e-6)), arch in QK_NORM_ARCHITECTURES,
                    int(config.get("max_position_embeddings") or 2048), rope_config(config, where),
                    config["num_experts"] if moe else 0, config["num_experts_per_tok"] if moe else 0,
-                   bool(config.get("norm_topk_prob", False)))
+                   # Mixtral's softmax over the top-k logits is the top-k probabilities renormalised
+                   arch == "MixtralForCausalLM" or bool(config.get("norm_topk_prob", False)),
+                   (config.get("sliding_window") or 0) if arch == "MixtralForCausalLM" else 0)
+
+    @classmethod
+    def _dbrx(cls, config: dict, where: str) -> "Spec":
+        """DBRX (its config flattened by the model folder): LayerNorm (eps 1e-5), clip_qkv, top-k weights
+        divided by their p-norm when ffn_config.moe_normalize_expert_weights sets p (1 in the releases)."""
+        p = (config.get("ffn_config") or {}).get("moe_normalize_expert_weights", 1.0)
+        return cls("DbrxForCausalLM", config["hidden_size"], config["vocab_size"], config["num_hidden_layers"],
+                   config["num_attention_heads"], kv_heads(config), head_dim(config), 1e-5, False,
+                   int(config.get("max_position_embeddings") or 2048), rope_config(config, where),
+                   config["num_experts"], config["num_experts_per_tok"], p is not None, layer_norm=True,
+                   clip_qkv=float(config.get("clip_qkv") or 0.0), expert_norm_p=float(p or 1.0))
 
 
 class Linear:
@@ -156,10 +176,12 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
                       fused([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), fused([f"{a}.o_proj"]), qk_norm,
                       folder.tensor(f"{p}.post_attention_layernorm.weight").to(dt), None, None)
         if is_moe_layer(folder.config, i):
-            e = f"{p}.mlp.experts"
-            layer.router = folder.linear(f"{p}.mlp.gate", f32).contiguous()
-            layer.experts_gate_up = [fused([f"{e}.{j}.gate_proj", f"{e}.{j}.up_proj"]) for j in range(spec.experts)]
-            layer.experts_down = [fused([f"{e}.{j}.down_proj"]) for j in range(spec.experts)]
+            names = MOE_ARCHITECTURES[spec.architecture]
+            e = f"{p}.{names.experts}"
+            layer.router = folder.linear(f"{p}.{names.router}", f32).contiguous()
+            layer.experts_gate_up = [fused([f"{e}.{j}.{names.gate}", f"{e}.{j}.{names.up}"])
+                                     for j in range(spec.experts)]
+            layer.experts_down = [fused([f"{e}.{j}.{names.down}"]) for j in range(spec.experts)]
         else:
             layer.gate_up = fused([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
             layer.down = fused([f"{p}.mlp.down_proj"])
