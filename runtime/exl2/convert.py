@@ -24,20 +24,29 @@ After each layer its quantized tensors go to `layer-NNNNN.safetensors`, the next
 temporary name and renamed). A conversion started again with the same settings continues after the
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
+
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
+
+The default calibration text (data/calibration.txt) is the Declaration of Independence and the
+Gettysburg Address, both public domain.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_HEAD_BITS
 
 from . import format as fmt
 from .gptq import DEFAULT_DAMP, HessianAccumulator, quantize_gptq
@@ -292,8 +301,9 @@ def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stat
 # ---------------------------------------------------------------------------------------------
 # The whole model
 
-def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, *, head_bits: int = 6,
-            calibration_text: str, calibration_source: str = "calibration", rows: int = 16, seq_len: int = 256,
+def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, *,
+            head_bits: int = CONVERT_HEAD_BITS, calibration_text: str, calibration_source: str = "calibration",
+            rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = 128, damp: float = DEFAULT_DAMP, say: Say = print,
             stop_after_layers: int | None = None) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
@@ -410,3 +420,43 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     shutil.rmtree(staging)
     say(f"wrote {out_dir}")
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# moedesk-cli convert
+
+DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    p.add_argument("--bpw", type=float, required=True, help="bits per weight of the quantized linears (2..8)")
+    p.add_argument("--out", required=True, help="output folder (must not exist; an interrupted run resumes)")
+    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: a public-domain English text)")
+    p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
+                   help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
+    p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
+                   help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
+    p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
+                   help=f"tokens per calibration sequence (default {CONVERT_CALIBRATION_SEQ_LEN})")
+
+
+def run(args: argparse.Namespace) -> int:
+    cal = Path(args.calibration) if args.calibration else DEFAULT_CALIBRATION
+    try:
+        if args.rows < 1 or args.seq_len < 8:
+            raise ConvertError(f"--rows must be >= 1 and --seq-len >= 8, got {args.rows} and {args.seq_len}")
+        try:
+            text = cal.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
+        convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
+                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len)
+        return 0
+    except (ConvertError, fmt.Exl2FormatError) as e:
+        print(f"moedesk-cli convert: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"moedesk-cli convert: stopped; the finished layers are kept in {staging_dir(Path(args.out))}, "
+              f"run the same command again to resume", file=sys.stderr)
+        return 130
