@@ -130,3 +130,22 @@ def test_disk_filling_up_during_conversion_stops_resumably(tmp_path, monkeypatch
     said = []
     cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append)
     assert said[0] == "resuming after layer 1 of 2"
+
+
+def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
+    from runtime.cli import main
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3")
+    cal = tmp_path / "cal.txt"
+    cal.write_text(TEXT)
+    assert main(["convert", "--model", str(src), "--bpw", "3.5", "--out", str(tmp_path / "q"),
+                 "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
+    assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
+                 "--calibration", str(tmp_path / "none.txt")]) == 1
+    assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
+    assert main(["convert", "--model", str(src), "--bpw", "9", "--out", str(tmp_path / "r")]) == 1
+    assert "outside EXL2's range" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path / "nowhere"), "--bpw", "4", "--out", str(tmp_path / "r")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
