@@ -149,3 +149,20 @@ def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
     assert main(["convert", "--model", str(tmp_path / "nowhere"), "--bpw", "4", "--out", str(tmp_path / "r")]) == 1
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_measured_allocation_hits_the_bpw_target(tmp_path):
+    from runtime.exl2 import allocate
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
+    out = _convert(src, tmp_path / "q", 3.0, measure=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["measured_allocation"] and 2.85 <= qc["linear_bits"] <= 3.0
+    widths = set()
+    for name, t in _tensors(out).items():
+        if name.endswith(".q_groups"):
+            widths.add(tuple(t.view(-1, 2)[:, 0].unique().tolist()))
+    assert len(widths) > 1                                           # not one width for all
+    # the greedy rule: an upgrade is bought where it removes the most error per bit
+    chosen = allocate.allocate({"a": {2.0: (2.0, 1.0), 3.0: (3.0, 0.2)}, "b": {2.0: (2.0, 1.0), 3.0: (3.0, 0.9)}},
+                               {"a": 10, "b": 10}, 2.5)
+    assert chosen == {"a": 3.0, "b": 2.0}

@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_HEAD_BITS
 
+from . import allocate
 from . import format as fmt
 from .gptq import DEFAULT_DAMP, HessianAccumulator, quantize_gptq
 from .writer import ModelWriter, exllamav2_config, quantization_config
@@ -260,38 +261,56 @@ def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stats: dict,
-                    collector: _Collector) -> dict[str, torch.Tensor]:
-    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write."""
-    tensors = {}
+def _jobs(layer, prefix: str, stats: dict, collector: _Collector):
+    """(name, weight, hessian, set dequantized weight) for every linear of the layer, experts included."""
+    jobs = []
     for name, mod in layer.named_modules():
         if isinstance(mod, torch.nn.Linear):
-            key = f"{prefix}{name}"
             if name not in collector.acc:
-                raise ConvertError(f"{key}: received no calibration input")
-            q = quantize_gptq(mod.weight.data, collector.acc[name].h, bits, group_size, damp=damp, name=key)
-            tensors.update({f"{key}.{k}": v for k, v in q.items()})
-            mod.weight.data = fmt.dequantize(q, out_features=mod.weight.shape[0])
+                raise ConvertError(f"{prefix}{name}: received no calibration input")
+            jobs.append((f"{prefix}{name}", mod.weight.data, collector.acc[name].h,
+                         lambda d, mod=mod: setattr(mod.weight, "data", d)))
     for name, mod in collector.experts.items():
-        hidden_in = mod.gate_up_proj.shape[-1]
+        hidden_in, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
         for e in range(mod.num_experts):
             routed = collector.acc.get(f"{name}.{e}.in")
-            tokens = routed.tokens if routed else 0
-            if tokens < MIN_EXPERT_TOKENS_PER_INPUT * hidden_in:
+            if (routed.tokens if routed else 0) < MIN_EXPERT_TOKENS_PER_INPUT * hidden_in:
                 h_in, h_down = collector.acc[f"{name}.*all.in"].h, collector.acc[f"{name}.{e}.*all.down"].h
                 stats["experts_all_token_fallback"] += 1
             else:
                 h_in, h_down = routed.h, collector.acc[f"{name}.{e}.down"].h
                 stats["experts_routed"] += 1
-            gate, up = mod.gate_up_proj.data[e].chunk(2, dim=0)
-            deq = {}
-            for kind, w, h in (("gate_proj", gate, h_in), ("up_proj", up, h_in), ("down_proj", mod.down_proj.data[e], h_down)):
-                key = f"{prefix}{name}.{e}.{kind}"
-                q = quantize_gptq(w, h, bits, group_size, damp=damp, name=key)
-                tensors.update({f"{key}.{k}": v for k, v in q.items()})
-                deq[kind] = fmt.dequantize(q, out_features=w.shape[0])
-            mod.gate_up_proj.data[e] = torch.cat([deq["gate_proj"], deq["up_proj"]])
-            mod.down_proj.data[e] = deq["down_proj"]
+            gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
+            key = f"{prefix}{name}.{e}"
+            jobs += [(f"{key}.gate_proj", gu[:inter], h_in, lambda d, gu=gu: gu[:inter].copy_(d)),
+                     (f"{key}.up_proj", gu[inter:], h_in, lambda d, gu=gu: gu[inter:].copy_(d)),
+                     (f"{key}.down_proj", down, h_down, lambda d, down=down: down.copy_(d))]
+    return jobs
+
+
+def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stats: dict,
+                    collector: _Collector, measure: bool) -> dict[str, torch.Tensor]:
+    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write.
+    With `measure`, each linear's width is chosen among candidates by measured error (allocate.py)."""
+    jobs = _jobs(layer, prefix, stats, collector)
+    widths = allocate.candidates(bits) if measure else [bits]
+    results, errors = {}, {}
+    for key, w, h, _ in jobs:
+        for b in widths:
+            q = quantize_gptq(w, h, b, group_size, damp=damp, name=key)
+            deq = fmt.dequantize(q, out_features=w.shape[0])
+            results[key, b] = (q, deq)
+            if measure:
+                errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, h))
+    chosen = allocate.allocate(errors, {k: w.numel() for k, w, _, _ in jobs}, bits) if measure else {}
+    tensors = {}
+    for key, w, _, set_weight in jobs:
+        b = chosen.get(key, bits)
+        q, deq = results[key, b]
+        tensors.update({f"{key}.{k}": v for k, v in q.items()})
+        stats["code_bits"] = stats.get("code_bits", 0) + allocate.code_bits(q) * w.numel()
+        stats["weights"] = stats.get("weights", 0) + w.numel()
+        set_weight(deq)
     for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
         if value.dim() == 1 or key.endswith("gate.weight"):
             tensors[f"{prefix}{key}"] = value.to(torch.float16)
@@ -305,7 +324,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             head_bits: int = CONVERT_HEAD_BITS, calibration_text: str, calibration_source: str = "calibration",
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = 128, damp: float = DEFAULT_DAMP, say: Say = print,
-            stop_after_layers: int | None = None) -> Path:
+            measure: bool = False, stop_after_layers: int | None = None) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
@@ -325,7 +344,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     n_layers = cfg.num_hidden_layers
     tied = bool(ckpt.config.get("tie_word_embeddings", False))
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
-                "group_size": group_size, "damp": damp, "rows": rows, "seq_len": seq_len,
+                "group_size": group_size, "damp": damp, "measure": measure, "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
 
     staging = staging_dir(out_dir)
@@ -364,7 +383,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         collector = _Collector(layer)
         _run_layer(layer, rotary, hidden)
         collector.remove()
-        tensors = _quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector)
+        tensors = _quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure)
         del collector
         hidden = _run_layer(layer, rotary, hidden)
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
@@ -395,7 +414,9 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         **quantization_config(bits, head_bits), "method": "gptq", "act_order": True, "damp": damp,
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
-        "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, **state["stats"]}
+        "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,
+        **{k: v for k, v in state["stats"].items() if k not in ("code_bits", "weights")},
+        "linear_bits": round(state["stats"]["code_bits"] / max(state["stats"]["weights"], 1), 4)}
     assembled = staging / "model"
     if assembled.exists():
         shutil.rmtree(assembled)
@@ -435,6 +456,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: a public-domain English text)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
+    p.add_argument("--measure", action="store_true",
+                   help="choose each linear's width by measured error to hit --bpw on average (5x slower)")
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
@@ -451,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
         convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
-                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len)
+                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len, measure=args.measure)
         return 0
     except (ConvertError, fmt.Exl2FormatError) as e:
         print(f"moedesk-cli convert: {e}", file=sys.stderr)
