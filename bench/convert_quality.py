@@ -93,12 +93,38 @@ def main(argv=None) -> int:
     model, tok = export_demo(hf_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+    cal_tokens = len(tok(DEFAULT_CALIBRATION.read_text())["input_ids"])
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"convert_quality-{re.sub(r'[^0-9]', '', date)[:12]}.json"
+
+    def write(rows: list[dict]) -> None:
+        """The result so far (written after every row: a long CPU run keeps what it measured)."""
+        result = {
+            "date": date, "git_commit": git_commit(),
+            "machine": machine(), "device": "cpu", "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
+            "context": int(ids.numel()), "prompt_tokens": int(ids.numel()), "prefill_tps": None, "decode_tps": None,
+            "ttft_s": None, "roofline_tps": None, "draft": None, "baseline": rows[0],
+            "eval_text": HELDOUT.name, "calibration": {"text": DEFAULT_CALIBRATION.name, "tokens": cal_tokens,
+                                                       "rows": min(args.rows, cal_tokens // 256), "seq_len": 256},
+            "table": rows,
+            "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
+                      "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
+                      "CPU (shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
+                      "moedesk-cli convert (GPTQ, act-order, uniform widths, calibrated on the shipped calibration "
+                      "text). exllamav2's own converter needs CUDA and was not run here"
+                      + ("" if args.exllamav2_dir else "; its column is missing") + "."),
+        }
+        path.write_text(json.dumps(result, indent=2))
+
     rows = [{"method": "unquantized", "bpw": 16.0, "perplexity": perplexity(model, ids), "seconds": None}]
     print(rows[-1], flush=True)
+    write(rows)
     for bpw in args.bpw:
         for method in ("rtn", "gptq") + (("exllamav2",) if args.exllamav2_dir else ()):
             folder = work / f"{method}-{bpw:g}"
-            t0 = time.perf_counter()
+            t0, made = time.perf_counter(), method != "exllamav2" and not folder.exists()
             if method == "rtn" and not folder.exists():
                 quantize_model(original, hf_config(model), bpw, 6, folder)
             elif method == "gptq" and not folder.exists():
@@ -109,30 +135,10 @@ def main(argv=None) -> int:
             seconds = round(time.perf_counter() - t0, 1)
             load_exl2_into(model, original, folder)
             rows.append({"method": method, "bpw": bpw, "perplexity": perplexity(model, ids),
-                         "seconds": seconds if method != "exllamav2" else None})
+                         "seconds": seconds if made else None})     # None: converted by an earlier run
             print(rows[-1], flush=True)
+            write(rows)
     model.load_state_dict(original)
-
-    cal_tokens = len(tok(DEFAULT_CALIBRATION.read_text())["input_ids"])
-    result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": git_commit(),
-        "machine": machine(), "device": "cpu", "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
-        "context": int(ids.numel()), "prompt_tokens": int(ids.numel()), "prefill_tps": None, "decode_tps": None,
-        "ttft_s": None, "roofline_tps": None, "draft": None, "baseline": rows[0],
-        "eval_text": HELDOUT.name, "calibration": {"text": DEFAULT_CALIBRATION.name, "tokens": cal_tokens,
-                                                   "rows": min(args.rows, cal_tokens // 256), "seq_len": 256},
-        "table": rows,
-        "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
-                  "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
-                  "CPU. rtn = round-to-nearest (writer.quantize_model), gptq = moedesk-cli convert (GPTQ, "
-                  "act-order, calibrated on the shipped calibration text). exllamav2's own converter needs "
-                  "CUDA and was not run here" + ("" if args.exllamav2_dir else "; its column is missing") + "."),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = re.sub(r"[^0-9]", "", result["date"])[:12]
-    path = out / f"convert_quality-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0
 
