@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow          # ~2 minutes on two CPU cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]     # ~2 minutes on two idle CPU cores
 
 
 def test_demo_converted_at_4_bpw_answers_paris(tmp_path):
