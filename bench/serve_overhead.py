@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         serve(args.serve)
         return 0
     from bench.serve_load import shared_note, write
-    from runtime.bench import git_commit, machine
+    from bench.engine import git_commit, machine
     import datetime
     host = machine()
     runs = [measure(rate, args.tokens) for rate in args.rates]

@@ -4,6 +4,7 @@
                      [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
     moedesk-cli import-demo [--bits B] [--force]
     moedesk-cli synth --shape NAME --bpw B --out DIR
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
     moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
@@ -20,6 +21,8 @@ SUBCOMMANDS = {
     "chat": ("runtime.chat_cli", "Ask a model one question through a real worker process."),
     "import-demo": ("runtime.demo", "Import the demo model (SmolLM2-135M-Instruct) into the models folder."),
     "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
+    "convert": ("runtime.exl2.convert", "Quantize a Hugging Face checkpoint to EXL2 with calibration (GPTQ), "
+                                        "layer by layer; resumable."),
     "bench": ("bench.engine", "Measure prefill and decode speed; write JSON to bench/results/."),
     "setup-gpu": ("runtime.setup_gpu", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
                                       "with a CUDA toolkit or NVIDIA's Python packages."),

@@ -45,6 +45,11 @@ TEMPLATE_TIMEOUT_S = 5.0              # to compile or render once (MOEDESK_TEMPL
 MAX_PROMPT_CHARS = 1 << 23            # a rendered or raw prompt, before it reaches the tokenizer (8,388,608)
 
 
+# EXL2 conversion (moedesk-cli convert, runtime/exl2/convert.py).
+CONVERT_HEAD_BITS = 6                 # bits of lm_head
+CONVERT_CALIBRATION_ROWS = 16         # calibration sequences (fewer when the text is short)
+CONVERT_CALIBRATION_SEQ_LEN = 256     # tokens per calibration sequence
+
 @dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = opt(0.7, "Randomness of sampling; 0 always picks the most likely token.", min=0.0, max=5.0)

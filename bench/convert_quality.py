@@ -1,0 +1,147 @@
+"""Perplexity of the demo model (SmolLM2-135M-Instruct) quantized to EXL2 by round-to-nearest and by the
+calibrated converter, at several bits per weight, against the unquantized model: one table, same text,
+same evaluation code.
+
+    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows 16] [--out bench/results/] [--work DIR]
+
+Every model is evaluated the same way: its EXL2 linears are dequantized (format.dequantize, exactly as
+exllamav2 reconstructs them) into the transformers model read from the demo GGUF, which then computes
+the perplexity of bench/data/heldout_english.txt (public domain; not the calibration text) in one
+window. exllamav2's own converter needs CUDA; its column is filled by `--exllamav2-dir`, pointing at
+folders `<DIR>/<bpw>` that its convert.py wrote from the same HF folder (see README, "Converter").
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from bench.engine import git_commit, machine
+
+HELDOUT = Path(__file__).parent / "data" / "heldout_english.txt"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def export_demo(hf_dir: Path):
+    """The demo GGUF as an HF safetensors folder (what `convert` reads); -> (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runtime.demo import find_gguf, hf_config
+    gguf = find_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    if not (hf_dir / "config.json").is_file():
+        from safetensors.torch import save_file
+        config = hf_config(model)
+        tied = config.get("tie_word_embeddings", False)
+        save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()
+                   if not (tied and k == "lm_head.weight")}, str(hf_dir / "model.safetensors"))
+        (hf_dir / "config.json").write_text(json.dumps(hf_config(model), indent=2))
+        tok.save_pretrained(hf_dir)
+    return model, tok
+
+
+def perplexity(model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model(ids.unsqueeze(0)).logits[0, :-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[1:]).item())
+
+
+def load_exl2_into(model, original: dict, folder: Path) -> None:
+    """Put an EXL2 folder's dequantized linears (and fp16 tensors) into the transformers model."""
+    from runtime.exl2 import format as fmt
+    stored = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})
+    state = {}
+    for name, ref in original.items():
+        prefix = name[: -len(".weight")]
+        if f"{prefix}.q_weight" in stored:
+            q = {k: stored[f"{prefix}.{k}"] for k in fmt.REQUIRED_KEYS}
+            state[name] = fmt.dequantize(q, out_features=ref.shape[0])
+        elif name in stored:
+            state[name] = stored[name].float()
+        else:
+            state[name] = ref                  # tied lm_head
+    model.load_state_dict(state)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.convert_quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bpw", type=float, nargs="+", default=[2.5, 3.0, 4.0, 6.0])
+    p.add_argument("--rows", type=int, default=16, help="calibration sequences of 256 tokens")
+    p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
+    p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+
+    from runtime.exl2.convert import DEFAULT_CALIBRATION, convert
+    from runtime.exl2.writer import quantize_model
+    from runtime.demo import hf_config
+    work = Path(args.work)
+    hf_dir = work / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    model, tok = export_demo(hf_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+    cal_tokens = len(tok(DEFAULT_CALIBRATION.read_text())["input_ids"])
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"convert_quality-{re.sub(r'[^0-9]', '', date)[:12]}.json"
+
+    def write(rows: list[dict]) -> None:
+        """The result so far (written after every row: a long CPU run keeps what it measured)."""
+        result = {
+            "date": date, "git_commit": git_commit(),
+            "machine": machine(), "device": "cpu", "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
+            "context": int(ids.numel()), "prompt_tokens": int(ids.numel()), "prefill_tps": None, "decode_tps": None,
+            "ttft_s": None, "roofline_tps": None, "draft": None, "baseline": rows[0],
+            "eval_text": HELDOUT.name, "calibration": {"text": DEFAULT_CALIBRATION.name, "tokens": cal_tokens,
+                                                       "rows": min(args.rows, cal_tokens // 256), "seq_len": 256},
+            "table": rows,
+            "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
+                      "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
+                      "CPU (shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
+                      "moedesk-cli convert (GPTQ, act-order, uniform widths, calibrated on the shipped calibration "
+                      "text). exllamav2's own converter needs CUDA and was not run here"
+                      + ("" if args.exllamav2_dir else "; its column is missing") + "."),
+        }
+        path.write_text(json.dumps(result, indent=2))
+
+    rows = [{"method": "unquantized", "bpw": 16.0, "perplexity": perplexity(model, ids), "seconds": None}]
+    print(rows[-1], flush=True)
+    write(rows)
+    for bpw in args.bpw:
+        for method in ("rtn", "gptq") + (("exllamav2",) if args.exllamav2_dir else ()):
+            folder = work / f"{method}-{bpw:g}"
+            t0, made = time.perf_counter(), method != "exllamav2" and not folder.exists()
+            if method == "rtn" and not folder.exists():
+                quantize_model(original, hf_config(model), bpw, 6, folder)
+            elif method == "gptq" and not folder.exists():
+                convert(hf_dir, folder, bpw, calibration_text=DEFAULT_CALIBRATION.read_text(),
+                        calibration_source=DEFAULT_CALIBRATION.name, rows=args.rows, say=lambda m: None)
+            elif method == "exllamav2":
+                folder = Path(args.exllamav2_dir) / f"{bpw:g}"
+            seconds = round(time.perf_counter() - t0, 1)
+            load_exl2_into(model, original, folder)
+            rows.append({"method": method, "bpw": bpw, "perplexity": perplexity(model, ids),
+                         "seconds": seconds if made else None})     # None: converted by an earlier run
+            print(rows[-1], flush=True)
+            write(rows)
+    model.load_state_dict(original)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Bit allocation between the linears of a layer, measured on the calibration data.
+
+Each linear is quantized (GPTQ) at a few candidate widths around the target; the error of each
+candidate is measured on the layer's real inputs as the relative output error
+    ||X W^T - X Wq^T||^2 / ||X W^T||^2 = tr(D H D^T) / tr(W H W^T),   D = W - Wq,  H = 2 X^T X,
+and widths are chosen greedily: starting from the narrowest candidate everywhere, the upgrade with the
+largest error reduction per extra bit is taken while the layer stays within its budget of
+target x (its weights) code bits. Every layer gets the same budget, so the model's bits per weight (code
+bits, as `bits` means in quantization_config; scales add ~0.1-0.2 on top) is the target up to the
+granularity of the candidates. exllamav2's measurement pass works on the same principle with a
+global search over whole layers' options; this is its simple per-layer form.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from . import format as fmt
+
+STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0)        # candidate widths around the target
+
+
+def candidates(bits: float) -> list[float]:
+    return sorted({min(8.0, max(2.0, bits + s)) for s in STEPS})
+
+
+def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor) -> float:
+    h = hessian.to(torch.float64)
+    w = weight.to(torch.float64)
+    d = w - deq.to(torch.float64)
+    return float(((d @ h) * d).sum() / ((w @ h) * w).sum().clamp(min=1e-30))
+
+
+def code_bits(tensors: Mapping[str, torch.Tensor]) -> float:
+    """Code bits per weight of a quantized tensor set (its groups' widths; small matrices may get a
+    single group of the wider width of a mix, so this is not always the nominal width)."""
+    _, _, groups = fmt.read_layout(tensors)
+    return sum(g.bits * g.rows for g in groups) / sum(g.rows for g in groups)
+
+
+def allocate(options: Mapping[str, Mapping[float, tuple[float, float]]], sizes: Mapping[str, int],
+             bits: float) -> dict[str, float]:
+    """options: per linear, candidate -> (code bits per weight, measured error); sizes: weights per linear.
+    -> chosen candidate per linear, with sum(code bits x size) <= bits x sum(size) where possible."""
+    chosen = {k: min(opts, key=lambda c: opts[c][0]) for k, opts in options.items()}
+    budget = bits * sum(sizes.values()) + 1e-6
+    spent = sum(options[k][chosen[k]][0] * sizes[k] for k in chosen)
+    while True:
+        best, best_gain = None, 0.0
+        for k, opts in options.items():
+            now_bits, now_err = opts[chosen[k]]
+            for c, (b, err) in opts.items():
+                cost = (b - now_bits) * sizes[k]
+                if cost <= 0 or err >= now_err or spent + cost > budget:
+                    continue
+                gain = (now_err - err) / cost
+                if best is None or gain > best_gain:
+                    best, best_gain = (k, c, cost), gain
+        if best is None:
+            return chosen
+        k, c, cost = best
+        chosen[k], spent = c, spent + cost

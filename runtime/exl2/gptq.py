@@ -1,0 +1,114 @@
+"""GPTQ quantization of one linear layer into EXL2's tensor format (see format.py for the layout).
+
+Given the HF weight W [out, in] and the Hessian H = 2 X^T X of the layer's real inputs X [tokens, in],
+the columns of W (input channels) are rounded one at a time and the rounding error of each is spread
+over the columns not yet rounded through the Cholesky factor of H^-1 (Frantar et al., "GPTQ", 2022),
+so that ||X W^T - X Wq^T|| stays small rather than ||W - Wq||.
+
+EXL2's structure is kept as it is:
+- act-order: input channels are processed, and stored, in descending order of diag(H). EXL2's
+  q_invperm records that order, and its groups run from the most bits to the fewest, so the channels
+  with the largest activations also get the widest codes.
+- groups and scales: the scales of every group are fixed before the loop, from the weights as
+  format.quantize computes them (round-to-nearest's absmax steps; GPTQ's "static groups"). Codes that
+  error feedback pushes out of range are clamped.
+The result is exactly format.quantize's tensor set with other codes in q_weight, so format.dequantize,
+the writer and exllamav2 read it unchanged.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from . import format as fmt
+from .bitpack import pack_codes
+
+DEFAULT_DAMP = 0.01           # fraction of the mean diagonal of H added to it
+BLOCK = 128                   # columns per lazy-update block
+
+
+class HessianAccumulator:
+    """Sums 2 X^T X over batches of a layer's inputs (any leading shape, last dim = in_features)."""
+
+    def __init__(self, in_features: int):
+        self.h = torch.zeros((in_features, in_features), dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        self.h += 2.0 * (x.t() @ x)
+        self.tokens += x.shape[0]
+
+
+def act_order(hessian: torch.Tensor) -> torch.Tensor:
+    """Input channels by descending diag(H): the order GPTQ processes and EXL2 stores them in."""
+    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp)^-1, with more damping if H is not positive definite."""
+    mean_diag = torch.diagonal(h).mean().item()
+    for factor in (1, 10, 100):
+        hd = h.clone()
+        hd.diagonal().add_(damp * factor * max(mean_diag, 1e-12))
+        try:
+            hinv = torch.cholesky_inverse(torch.linalg.cholesky(hd))
+            return torch.linalg.cholesky(hinv, upper=True)
+        except torch.linalg.LinAlgError:
+            continue
+    raise fmt.Exl2FormatError(name, "Hessian is not positive definite even with 100x damping")
+
+
+def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
+                  group_size: int | Mapping[int, int] = 128, *, bits_prop: Sequence[float] | None = None,
+                  damp: float = DEFAULT_DAMP, use_act_order: bool = True,
+                  name: str = "weight") -> dict[str, torch.Tensor]:
+    """GPTQ-quantize an HF weight [out, in] with its inputs' Hessian [in, in] -> EXL2 tensor set."""
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise fmt.Exl2FormatError(name, f"Hessian of shape {list(hessian.shape)} does not match a weight of "
+                                        f"shape {list(weight.shape)} (expected [in, in])")
+    if not torch.isfinite(hessian).all():
+        raise fmt.Exl2FormatError(name, "Hessian has non-finite values")
+    w = weight.detach().cpu().to(torch.float32).clone()
+    h = hessian.detach().cpu().to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0                       # channels that never saw input
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    perm = act_order(h) if use_act_order else torch.arange(w.shape[1])
+
+    # Groups, scales and the tensor set from round-to-nearest; only the codes change below.
+    rtn = fmt.quantize(w, bits, group_size, bits_prop=bits_prop, perm=perm, name=name)
+    _, n, groups = fmt.read_layout(rtn, name)
+    step = fmt.step_sizes(rtn, name=name)[:, perm]     # [N, in] packed order
+    out = w.shape[0]
+    wp = torch.nn.functional.pad(w[:, perm], (0, 0, 0, n - out))       # [N, in] packed order
+    row_bits = torch.cat([torch.full((g.rows,), g.bits) for g in groups])
+    zero = (2 ** (row_bits - 1)).to(torch.float32)     # per packed row (input channel)
+
+    u = _inverse_cholesky(h[perm][:, perm], damp, name).to(torch.float32)
+    codes = torch.empty_like(wp)                        # centred codes, [N, in]
+    for b0 in range(0, wp.shape[1], BLOCK):
+        b1 = min(b0 + BLOCK, wp.shape[1])
+        wb = wp[:, b0:b1].clone()
+        err = torch.zeros_like(wb)
+        ub = u[b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            c = b0 + j
+            s = step[:, c]
+            q = torch.clamp(torch.round(wb[:, j] / s), -zero[c], zero[c] - 1)
+            codes[:, c] = q
+            e = (wb[:, j] - q * s) / ub[j, j]
+            wb[:, j:] -= e.unsqueeze(1) * ub[j, j:].unsqueeze(0)
+            err[:, j] = e
+        wp[:, b1:] -= err @ u[b0:b1, b1:]
+    codes[out:] = 0                                     # padded columns hold the zero code
+
+    # Pack the codes group run by group run, as format.quantize lays them out.
+    ct = (codes.t() + zero.unsqueeze(1)).to(torch.int64)                # [in, N] stored codes
+    packed, r = [], 0
+    for b in dict.fromkeys(g.bits for g in groups):
+        rows = sum(g.rows for g in groups if g.bits == b)
+        packed.append(pack_codes(ct[r:r + rows], b))
+        r += rows
+    return {**rtn, "q_weight": torch.cat(packed, dim=0)}

@@ -1,0 +1,32 @@
+"""Tiny random Hugging Face checkpoints (safetensors + tokenizer) for the converter's tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from runtime.exl2.synth_tokenizer import write_tokenizer
+
+VOCAB = 320
+TEXT = " ".join(f"The {w} of the river ran past the {v} town at {n} in the morning." for n, (w, v) in
+                enumerate([("water", "old"), ("sound", "quiet"), ("light", "small"), ("cold", "grey")] * 40))
+
+
+def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2) -> Path:
+    """A random-weight HF model folder of the given architecture (llama, qwen3, qwen3_moe)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, head_dim=16)
+    if arch == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
+    else:
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=64))
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, VOCAB, VOCAB - 8, 512)
+    return path

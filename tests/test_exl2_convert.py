@@ -1,0 +1,168 @@
+"""Calibrated EXL2 conversion of tiny random checkpoints: quality, resume, bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from runtime.exl2 import convert as cv
+from runtime.exl2.writer import quantize_model
+from tests.convert_fixtures import TEXT, tiny_checkpoint
+
+
+def _convert(src, out, bits=4.0, **kw):
+    return cv.convert(src, out, bits, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None, **kw)
+
+
+def _logits(folder, tokens):
+    from runtime.reference import load
+    engine, _ = load(folder, precision="float32")
+    try:
+        return engine.forward(tokens)
+    finally:
+        engine.close()
+
+
+def _tensors(folder):
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
+    import transformers as tf
+    src = tiny_checkpoint(tmp_path / "hf", arch)
+    out = _convert(src, tmp_path / "q", 3.0)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "exl2" and qc["method"] == "gptq" and qc["calibration"]["rows"] == 4
+    assert not list(tmp_path.glob(".q.partial*"))                   # staging removed
+    assert (out / "tokenizer.json").is_file()
+
+    # the same weights rounded to nearest, through the existing writer
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    quantize_model(model.state_dict(), cfg, 3.0, 6, tmp_path / "rtn")
+    tok = tf.AutoTokenizer.from_pretrained(src)
+    ids = tok(TEXT[-400:], return_tensors="pt")["input_ids"][0, -64:]     # text like the calibration's
+    with torch.no_grad():
+        ref = model(ids.unsqueeze(0)).logits[0]
+    err_gptq = (_logits(out, ids.tolist()) - ref).norm()
+    err_rtn = (_logits(tmp_path / "rtn", ids.tolist()) - ref).norm()
+    assert err_gptq < 0.8 * err_rtn, (float(err_gptq), float(err_rtn))
+    if arch == "qwen3_moe":
+        assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 2 * 4
+
+
+def test_interrupted_conversion_resumes_where_it_stopped(tmp_path):
+    src = tiny_checkpoint(tmp_path / "hf", "llama", layers=3)
+    whole = _convert(src, tmp_path / "whole")
+    with pytest.raises(cv.ConvertError, match="stopped after layer 2 of 3"):
+        _convert(src, tmp_path / "q", stop_after_layers=2)
+    assert not (tmp_path / "q").exists()                           # nothing half-written presented
+    state = json.loads((tmp_path / ".q.partial" / "state.json").read_text())
+    assert state["layers_done"] == 2
+    said = []
+    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append)
+    assert said[0] == "resuming after layer 2 of 3" and sum("quantized" in m for m in said) == 1
+    a, b = _tensors(whole), _tensors(tmp_path / "q")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # other settings against the same staging folder are refused, not mixed
+    with pytest.raises(cv.ConvertError, match="stopped"):
+        _convert(src, tmp_path / "r", stop_after_layers=1)
+    with pytest.raises(cv.ConvertError, match="other settings"):
+        _convert(src, tmp_path / "r", bits=3.0)
+
+
+def test_bad_inputs_are_refused_clearly(tmp_path, monkeypatch):
+    src = tiny_checkpoint(tmp_path / "hf", "llama")
+    with pytest.raises(cv.ConvertError, match="no config.json"):
+        _convert(tmp_path, tmp_path / "o1")
+    with pytest.raises(cv.ConvertError, match="already exists"):
+        _convert(src, src)
+
+    gpt2 = shutil.copytree(src, tmp_path / "gpt2")
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(cv.ConvertError, match=r"\['GPT2LMHeadModel'\] is not supported"):
+        _convert(gpt2, tmp_path / "o2")
+
+    pickled = shutil.copytree(src, tmp_path / "pickled")
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(cv.ConvertError, match=r"pickle files \(pytorch_model.bin\).*refused"):
+        _convert(pickled, tmp_path / "o3")
+
+    sharded = shutil.copytree(src, tmp_path / "sharded")
+    with safe_open(str(sharded / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(cv.ConvertError, match="missing shards model-00002-of-00002.safetensors"):
+        _convert(sharded, tmp_path / "o4")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cv.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
+    with pytest.raises(cv.ConvertError, match="not enough disk space to convert this model"):
+        _convert(src, tmp_path / "o5")
+    assert not (tmp_path / "o5").exists()
+
+
+def test_disk_filling_up_during_conversion_stops_resumably(tmp_path, monkeypatch):
+    src = tiny_checkpoint(tmp_path / "hf", "llama")
+    real = shutil.disk_usage
+    calls = []
+
+    def shrinking(path):
+        calls.append(path)
+        u = real(path)
+        return u if len(calls) < 3 else u._replace(free=1 << 20)     # full after the first layer
+    monkeypatch.setattr(cv.shutil, "disk_usage", shrinking)
+    with pytest.raises(cv.ConvertError, match="not enough disk space to write layer 1"):
+        _convert(src, tmp_path / "q")
+    monkeypatch.setattr(cv.shutil, "disk_usage", real)
+    said = []
+    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append)
+    assert said[0] == "resuming after layer 1 of 2"
+
+
+def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
+    from runtime.cli import main
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3")
+    cal = tmp_path / "cal.txt"
+    cal.write_text(TEXT)
+    assert main(["convert", "--model", str(src), "--bpw", "3.5", "--out", str(tmp_path / "q"),
+                 "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
+    assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
+                 "--calibration", str(tmp_path / "none.txt")]) == 1
+    assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
+    assert main(["convert", "--model", str(src), "--bpw", "9", "--out", str(tmp_path / "r")]) == 1
+    assert "outside EXL2's range" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path / "nowhere"), "--bpw", "4", "--out", str(tmp_path / "r")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_measured_allocation_hits_the_bpw_target(tmp_path):
+    from runtime.exl2 import allocate
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
+    out = _convert(src, tmp_path / "q", 3.0, measure=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["measured_allocation"] and 2.85 <= qc["linear_bits"] <= 3.0
+    widths = set()
+    for name, t in _tensors(out).items():
+        if name.endswith(".q_groups"):
+            widths.add(tuple(t.view(-1, 2)[:, 0].unique().tolist()))
+    assert len(widths) > 1                                           # not one width for all
+    # the greedy rule: an upgrade is bought where it removes the most error per bit
+    chosen = allocate.allocate({"a": {2.0: (2.0, 1.0), 3.0: (3.0, 0.2)}, "b": {2.0: (2.0, 1.0), 3.0: (3.0, 0.9)}},
+                               {"a": 10, "b": 10}, 2.5)
+    assert chosen == {"a": 3.0, "b": 2.0}
