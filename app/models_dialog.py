@@ -11,7 +11,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
@@ -413,12 +413,19 @@ class ModelManagerDialog(QDialog):
         v.addStretch(1)
         return w
 
-    def list_remote_models(self) -> None:
-        from app.serve.remote import list_models, normalise_url
+    def _remote_address(self) -> Optional[str]:
+        """The server address as typed, normalised; None (the reason shown) when it is not a usable URL."""
+        from app.serve.remote import normalise_url
         try:
-            url = normalise_url(self.remote_url.text())
+            return normalise_url(self.remote_url.text())
         except ValueError as exc:
             self.remote_status.setText(str(exc))
+            return None
+
+    def list_remote_models(self) -> None:
+        from app.serve.remote import list_models
+        url = self._remote_address()
+        if url is None:
             return
         self.remote_url.setText(url)
         self.remote_status.setText(f"Asking {url} for its models…")
@@ -441,11 +448,9 @@ class ModelManagerDialog(QDialog):
         self.remote_status.setText(getattr(exc, "message", None) or str(exc))
 
     def _use_remote(self) -> None:
-        from app.serve.remote import RemoteConfig, normalise_url
-        try:
-            url = normalise_url(self.remote_url.text())
-        except ValueError as exc:
-            self.remote_status.setText(str(exc))
+        from app.serve.remote import RemoteConfig
+        url = self._remote_address()
+        if url is None:
             return
         model = self.remote_model.currentText().strip()
         if not model:
