@@ -473,7 +473,7 @@ def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
     m = _manager(ram=MemoryBudget(4096, "RAM"))
     with pytest.raises(BudgetError, match="CPU copies of MoE layer 0's experts needs"):
         m.apply([[0], [1]])
-    assert not m.cpu_active and m.ram.used_bytes == 0
+    assert not m.cpu_active and m.cpu.ram.used_bytes == 0
 
 
 def test_applied_says_whether_the_cpu_path_runs(slow_pcie):

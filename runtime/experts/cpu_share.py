@@ -36,7 +36,7 @@ import torch
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.cpu_experts import CpuExpertsError
 from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-from runtime.experts.offload import LayerOffload
+from runtime.experts.offload import LayerOffload, inference_mode_methods
 from runtime.experts.placement import CpuSplit, CpuSplitCosts, plan_cpu_split
 from runtime.experts.routing_stats import RoutingStats
 from runtime.experts.staging import Staging
@@ -50,6 +50,7 @@ REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
 REBALANCE_GAIN = 0.01     # ... how much faster a measured neighbour must be to move there
 
 
+@inference_mode_methods
 class CpuShare:
     """The layers' CPU paths (LayerOffload.cpu), why there are none, and the cut they share.
 
