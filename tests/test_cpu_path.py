@@ -370,11 +370,11 @@ def test_a_promoted_expert_goes_back_to_the_gpu_and_an_evicted_copy_to_the_cpu(s
     lo = m.layers[0]
     owned = sorted(lo.cpu.owned_set)
     e = owned[0]
-    m.residency.swap(0, 1, e)                                              # evict 1 (no CPU copy), promote e
+    m.residency.swap(0, 1, e)                                  # evict 1 (no CPU copy), promote e
     assert 1 not in lo.cpu.owned_set and e in lo.cpu.owned_set   # e stays the CPU's until resident
     lo.poll()
     assert e in lo.expert_slot and e not in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 0
-    m.residency.swap(0, e, 1)                                              # e cold again: its copy is still there
+    m.residency.swap(0, e, 1)                                  # e cold again: its copy is still there
     assert e in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 1
     assert lo.cpu.skip.tolist() == [int(i in lo.cpu.owned_set) for i in range(8)]
 
@@ -453,7 +453,7 @@ def test_the_cpu_path_set_aside_comes_back_at_once_with_its_ownership_synced(slo
     e = sorted(cpu.owned_set)[0]
     assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
     assert lo.cpu is None and lo.path == "stream" and ram.used_bytes == used       # copies kept
-    m.residency.swap(0, 1, e)                                              # a promotion while set aside
+    m.residency.swap(0, 1, e)                                  # a promotion while set aside
     lo.poll()
     assert m.set_cpu_path(True)
     assert lo.cpu is cpu and e not in cpu.owned_set and (1 in cpu.owned_set) == cpu.stores(1)
@@ -730,12 +730,12 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     assert window(6, 14, 25.0) == 256               # 128 measured slower; 256 not tried yet
     assert window(30, 2, 27.5) == 192               # 192 measured faster: back
     assert window(2, 30, 25.0) == 192               # both neighbours measured slower: stay
-    m.counters.forwards += cpu_share.REBALANCE_KEEP                # old measurements: worth a new look
+    m.counters.forwards += cpu_share.REBALANCE_KEEP            # old measurements: worth a new look
     assert window(2, 30, 25.0) == 128               # the counts say fewer rows to the CPU first
     assert window(12, 8, 27.0) == 192               # 192 measured faster: back
     assert window(8, 12, 25.2) == 256               # 256's measurement is old: tried again
     assert window(30, 2, 25.0) == 256               # 192 (25.1 on average) is not 1% faster: stay
-    m.cpu._window = [0.02] * 4                          # too few steps (a prefill in the window): nothing
+    m.cpu._window = [0.02] * 4                                 # too few steps (a prefill in the window): nothing
     m.counters.forwards += 16
     m.cpu.rebalance(m.counters.forwards)
     assert m.cut == 256 and [c for _, c, _ in m.cpu.cut_log] == [192, 256, 192, 128, 192, 256]

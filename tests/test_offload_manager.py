@@ -89,7 +89,7 @@ def test_re_placement_under_pressure_moves_the_strongest_gains_only():
     s[0, 1] = 5.0                                                # layer 0's weakest resident
     moves = m.residency.decide()
     assert moves == [(0, 1, 7), (1, 0, 6)]                       # biggest gain first; ties: lowest id evicted
-    assert m.residency.decide() == []                                      # one copy in flight per layer; layer 2 no gain
+    assert m.residency.decide() == []                          # one copy in flight per layer; layer 2 no gain
     for lo in m.layers:
         lo.poll()
         assert cold_offsets_ok(lo) and _resident_codes_ok(lo)
@@ -148,7 +148,7 @@ def test_staging_copies_cold_experts_in_runs_and_points_the_table_into_the_buffe
     assert m.staging.runs(a) == [(0, 1), (3, 3), (7, 1)]
     ids = torch.zeros(4, TOP_K, dtype=torch.int64)
     packs = m.hooks.before(a, 4, ids)
-    assert 1 in m.staging.staged                                        # the next layer's copy started
+    assert 1 in m.staging.staged                               # the next layer's copy started
     cold = a.cold()
     for j, p in enumerate(packs):
         b = m.staging.using[0]
@@ -179,7 +179,7 @@ def _page_of(m, lo, e, j) -> torch.Tensor:
 
 def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_before_one():
     m = _manager(n=2)
-    m.staging.lend = True                                        # on a GPU by default; CPU tensors here
+    m.staging.lend = True                                      # on a GPU by default; CPU tensors here
     m.apply([[0, 2, 5], [1]])
     a, b = m.layers
     assert 2 * m.stage_capacity >= len(a.cold()) + len(b.cold())  # pages enough for every cold expert
@@ -196,9 +196,9 @@ def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_b
             for j, p in enumerate(lo.packs):
                 assert torch.equal(_page_of(m, lo, e, j), p.cold[e])
     assert m.counters.bytes["lent"] == 12 * a.code_bytes
-    assert m.residency.decide() == []                                      # re-placement leaves lent experts alone
+    assert m.residency.decide() == []                          # re-placement leaves lent experts alone
     e = a.cold()[0]                                              # promoted by hand while lent: the page
-    m.residency.swap(0, 0, e)                                              # serves until the slot's copy lands
+    m.residency.swap(0, 0, e)                                  # serves until the slot's copy lands
     assert e in a.lent and cold_offsets_ok(a)
     a.poll()
     assert e in a.expert_slot and e not in a.lent and 0 not in a.lent and cold_offsets_ok(a)   # 0: host memory
@@ -216,7 +216,7 @@ def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_b
         assert torch.equal(m.staging.buffers[m.staging.using[0]][0][cold.index(e)], a.packs[0].cold[e])
         assert int(packs[0].woff[e]) != int(a.packs[0].woff[e])   # the staged table, not the lent one
     m.hooks.after(a)
-    m.staging.min_pairs = 2 * E                                    # back to the default: 8+ rows stage
+    m.staging.min_pairs = 2 * E                                # back to the default: 8+ rows stage
     m.step_boundary(64)                                          # another prefill-sized forward: nothing lent
     assert m.telemetry().expert_lent_pending == 0
     m.step_boundary(1)

@@ -167,8 +167,9 @@ class CpuShare:
             self.reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
         if not any(split.owned):
-            self.reason = self.unavailable = (f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
-                                              f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
+            self.reason = self.unavailable = (
+                f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
+                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
             return
         cut = width = None
         if cut_mode:                          # one cut for all layers: their ratio of rates is the same

@@ -99,8 +99,8 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, mo
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
     real_costs = cpu_share.CpuShare._split_costs
-    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs",
-                        lambda self, r, threads: CpuSplitCosts(50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, r, threads: CpuSplitCosts(
+        50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
     from runtime.backends.exl2_offload import prefill_scratch_bytes
     ref, _, _ = _load(moe_2l, context_length=512)
     codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
