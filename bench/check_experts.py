@@ -117,14 +117,14 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     g = torch.Generator().manual_seed(5)
     out = []
     for stage in (False, True):
-        mgr.stage_min_pairs = 1 if stage else 1 << 30
+        mgr.staging.min_pairs = 1 if stage else 1 << 30
         for T in rows:
             x = torch.randn(T, H, generator=g).half().to(device)
             r = route(x, ref.gate_w, top_k)
             for union, name in kernel_paths(T, top_k):
                 want = experts_forward(x, r.ids, r.weights, ref.w1, ref.w3, ref.w2, union_reads=union)
-                got = experts_forward(x, r.ids, r.weights, *mgr.before(lo, T, r.ids), union_reads=union)
-                mgr.after(lo)
+                got = experts_forward(x, r.ids, r.weights, *mgr.hooks.before(lo, T, r.ids), union_reads=union)
+                mgr.hooks.after(lo)
                 path = name + ("+staged" if stage else "+in place")
                 out.append(CheckResult(T, path, ((got - want).abs().max() / want.abs().max()).item()))
     return out

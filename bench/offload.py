@@ -80,7 +80,7 @@ def _counts(engine) -> dict[str, float]:
             cpu_b += c * lo.cpu.pick_bytes()
             for k, v in lo.cpu.timeline().items():
                 tl[k] += v
-    moved = m.bytes
+    moved = m.counters.bytes
     return {"hits": hits, "pairs": pairs, "vram_code_bytes": vram_b, "zero_copy_bytes": pcie_b,
             "cpu_pairs": cpu_pairs, "cpu_bytes": cpu_b, "cpu_ns": cpu_ns,
             "cpu_wake_ns": tl["wake"], "cpu_gpu_ns": tl["gpu"], "cpu_stall_ns": tl["stall"],
@@ -132,9 +132,8 @@ def force_uniform_routing(engine) -> None:
     from runtime.experts.kernels import UniformPicks
     first = engine.moe[0].experts
     picks = UniformPicks.draw(first.num_experts, first.top_k, first.gate_w.device)
-    for i, m in enumerate(engine.moe):
-        m.experts.uniform = picks.for_layer(i)
-    engine._drop_graphs()
+    engine.set_experiment(engine.experiment.replace(
+        forced_routing=tuple(picks.for_layer(i) for i in range(len(engine.moe)))))
 
 
 def force_trace_routing(engine, profile: str, tokens: int = 8192) -> None:
@@ -143,10 +142,8 @@ def force_trace_routing(engine, profile: str, tokens: int = 8192) -> None:
     tokens), after its router has run as always (graphs captured again)."""
     from bench.routing_traces import forced_picks
     first = engine.moe[0].experts
-    for m, picks in zip(engine.moe, forced_picks(len(engine.moe), first.num_experts, first.top_k,
-                                                 first.gate_w.device, tokens, profile)):
-        m.experts.uniform = picks
-    engine._drop_graphs()
+    picks = forced_picks(len(engine.moe), first.num_experts, first.top_k, first.gate_w.device, tokens, profile)
+    engine.set_experiment(engine.experiment.replace(forced_routing=tuple(picks)))
 
 
 def calibrate(engine, n: int, budget_gb: float) -> None:
@@ -241,7 +238,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "roofline_uniform_routing": uniform_roofline(engine, hbm_bytes - vram_codes, hbm, h2d, ram),
         "telemetry": {k: v for k, v in tel.items() if k not in ("vram_budget_items",)},
         "prefetch": ({"mode": engine.offload.prefetch.mode, "copying_at_end": engine.offload.prefetch.copying,
-                      "oracle": engine.offload.prefetch.oracle, **prefetch_figures(d, n_decode)}
+                      "oracle": engine.experiment.prefetch_oracle, **prefetch_figures(d, n_decode)}
                      if engine.offload.prefetch is not None else None),
     }
     if n_naive:
@@ -307,9 +304,7 @@ def set_routing(engine, mode: str, profile: str) -> None:
     elif mode == "trace":
         force_trace_routing(engine, profile)
     else:
-        for m in engine.moe:
-            m.experts.uniform = None
-        engine._drop_graphs()
+        engine.set_experiment(engine.experiment.replace(forced_routing=None))
 
 
 def measure_routing(engine, mode: str, profile: str, prompt: int, n_decode: int, run_mode: str) -> dict[str, Any]:
@@ -348,8 +343,8 @@ def measure_cut(engine, rows: int, prompt: int, n_decode: int) -> dict[str, Any]
     """Decode again with every layer's CPU part held at `rows` intermediate rows (re-balancing off),
     then back to the cut the run had: the speed against the cut, side by side in one process."""
     m = engine.offload
-    kept = m.cut
-    m.rebalance_cut = False
+    kept, run = m.cut, engine.experiment
+    engine.set_experiment(run.replace(fixed_cut=True))
     try:
         m.set_cut(rows)
         before = m.balance_totals()
@@ -357,7 +352,7 @@ def measure_cut(engine, rows: int, prompt: int, n_decode: int) -> dict[str, Any]
         after = m.balance_totals()
     finally:
         m.set_cut(kept)
-        m.rebalance_cut = True
+        engine.set_experiment(run)
     first = after[0] - before[0]
     return {"cut_rows": rows, "decode_tps": tps, "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
             "cpu_gb_per_s": d["cpu_bytes"] / max(d["cpu_ns"], 1),
@@ -367,14 +362,14 @@ def measure_cut(engine, rows: int, prompt: int, n_decode: int) -> dict[str, Any]
 def measure_without_lending(engine, prompt: int, n_decode: int) -> dict[str, Any]:
     """Decode again with the staging pages left empty between prefills (a prefill takes back what
     was lent), then lending on again: what lending gains, side by side in one process."""
-    m = engine.offload
-    m.lend_staging = False
+    m, run = engine.offload, engine.experiment
+    engine.set_experiment(run.replace(lend_staging=False))
     try:
         tps, d = decode_after_prompt(engine, prompt, n_decode)
         if any(lo.lent for lo in m.layers):
             raise RuntimeError("the prefill did not take the lent staging pages back")
     finally:
-        m.lend_staging = True
+        engine.set_experiment(run)
     return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]), "cut_rows": m.cut,
             "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode}
 
@@ -389,20 +384,17 @@ def measure_prefetch(engine, mode: str, prompt: int, n_decode: int) -> dict[str,
     """Decode again with the prefetch held in `mode` ("on": copying whatever the score; "off": the
     prediction runs, nothing is copied; "none": not in the decode step at all, graphs captured again),
     then back to the run's mode: its effect side by side."""
-    m = engine.offload
-    pf = m.prefetch
+    pf, run = engine.offload.prefetch, engine.experiment
     kept = pf.mode
     if mode == "none":
-        m.prefetch = None
-        engine._drop_graphs()
+        engine.set_experiment(run.replace(prefetch=False))      # graphs captured again without it
     else:
         pf.set_mode(mode)
     try:
         tps, d = decode_after_prompt(engine, prompt, n_decode)
     finally:
         if mode == "none":
-            m.prefetch = pf
-            engine._drop_graphs()
+            engine.set_experiment(run)
         else:
             pf.set_mode(kept)
     return {"mode": mode, "decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]),
@@ -416,11 +408,11 @@ def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d
     kept = [lo.cpu for lo in m.layers]
     for lo in m.layers:
         lo.cpu = None
-    engine._drop_graphs()
+    engine.reset_graphs()
     try:
         r = measure_budget(engine, prompt, n_decode, 0, hbm, h2d, ram)
     finally:
-        engine._drop_graphs()
+        engine.reset_graphs()
         for lo, cpu in zip(m.layers, kept):
             lo.cpu = cpu
     keep = ("decode_tps", "decode_ms_per_token", "hit_rate", "pcie_bytes_per_token", "roofline",
@@ -430,15 +422,15 @@ def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d
 
 def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
     """The baseline on the same placement: layer loop, host sync per layer, on-demand copies."""
-    graphs, engine.graphs = engine.graphs, None
-    m = engine.offload
-    m.naive = True
+    graphs, engine.graphs = engine.graphs, None          # kept as captured: the baseline runs none
+    run = engine.experiment
+    engine.set_experiment(run.replace(naive=True))
     try:
         engine.forward([1])                                  # warm the layer loop's shapes
         t_first, tok = ttft(engine, ids)
         tps, tok, d = decode_counted(engine, tok, n, warm=2)
     finally:
-        m.naive = False
+        engine.set_experiment(run)
         engine.graphs = graphs
     return {"ttft_s": t_first, "decode_tps": tps, "decode_tokens": n,
             "pcie_bytes_per_token": d["naive"] / n, "hit_rate": d["hits"] / max(1, d["pairs"])}
@@ -583,6 +575,8 @@ def main(argv=None) -> int:
                     progress("calibrated and planned again")
                     how = f"load, {a.calibrate} calibration tokens, planned again"
             else:
+                # a new placement's prefetch starts without the oracle, as at load (set again below)
+                engine.set_experiment(engine.experiment.replace(prefetch_oracle=None))
                 engine.set_vram_budget(b)
                 applied, how = None, "set_vram_budget"
             if a.placement == "auto" and engine.offload is not None:
@@ -594,8 +588,8 @@ def main(argv=None) -> int:
             if any(q is not None for q in a.prefetch_oracle) and a.routing != "uniform":
                 raise SystemExit("--prefetch-oracle needs --routing uniform (the forced picks it hands over)")
             if a.prefetch_oracle[0] is not None and engine.offload.prefetch is not None:
-                engine.offload.prefetch.oracle = a.prefetch_oracle[0]
-                engine._drop_graphs()                      # captured again with the oracle's plan
+                # captured again with the oracle's plan
+                engine.set_experiment(engine.experiment.replace(prefetch_oracle=a.prefetch_oracle[0]))
             r = measure_budget(engine, a.prompt, a.decode, 0 if a.no_naive else a.naive_decode, rig_hbm, rig_h2d,
                                rig_ram)
             progress(f"measured: decode {r['decode_tps']:.1f} tok/s, ttft {r['ttft_s']:.2f} s, hit rate "
@@ -623,7 +617,7 @@ def main(argv=None) -> int:
                                    if int(c) <= engine.offload.cut_width]
                 progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
                                                     f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
-            if engine.offload.lend_staging and engine.offload.stage_capacity:
+            if engine.offload.staging.lend and engine.offload.stage_capacity:
                 r["without_lending"] = measure_without_lending(engine, a.prompt, a.decode)
                 progress(f"without lending staging pages: decode {r['without_lending']['decode_tps']:.1f} tok/s, "
                          f"hit rate {r['without_lending']['hit_rate']:.1%} (with: {r['lent_experts']} experts lent)")
@@ -634,19 +628,16 @@ def main(argv=None) -> int:
                     f"{x['mode']}: {x['decode_tps']:.1f} tok/s (accuracy {x['accuracy'] or 0:.0%}, "
                     f"{x['copies_picked_per_token']:.1f} of {x['copies_per_token']:.1f} copies/token picked)"
                     for x in r["prefetch_modes"]) + f"; the run's: {r['prefetch']}")
-                pf = engine.offload.prefetch
                 r["prefetch_oracles"] = []
                 for q in a.prefetch_oracle[1:]:
-                    pf.oracle = q
-                    engine._drop_graphs()
+                    engine.set_experiment(engine.experiment.replace(prefetch_oracle=q))
                     r["prefetch_oracles"].append({"oracle": q, "modes": [
                         measure_prefetch(engine, mode, a.prompt, a.decode) for mode in a.prefetch_modes.split(",")]})
                     progress(f"prefetch, oracle {q}: " + ", ".join(
                         f"{x['mode']}: {x['decode_tps']:.1f} tok/s (accuracy {x['accuracy'] or 0:.0%})"
                         for x in r["prefetch_oracles"][-1]["modes"]))
-                if pf.oracle != a.prefetch_oracle[0]:
-                    pf.oracle = a.prefetch_oracle[0]
-                    engine._drop_graphs()
+                if engine.experiment.prefetch_oracle != a.prefetch_oracle[0]:
+                    engine.set_experiment(engine.experiment.replace(prefetch_oracle=a.prefetch_oracle[0]))
             if a.other_routing:
                 r["other_routing"] = [measure_routing(engine, mode, a.trace_profile, a.prompt, a.decode, a.routing)
                                       for mode in a.other_routing.split(",") if mode != a.routing]

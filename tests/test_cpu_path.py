@@ -335,9 +335,9 @@ def _manager(policy="cpu", ram=None, n=2):
 @pytest.fixture
 def slow_pcie(monkeypatch):
     """Rates that make the CPU worth it at these tiny shapes (measured CPU rate, no fixed overhead)."""
-    from runtime.experts import manager as mgr
+    from runtime.experts import cpu_share
     monkeypatch.setattr(cpath, "PCIE_GUESS", 1e3)
-    monkeypatch.setattr(mgr, "CPU_OVERHEAD_S", 0.0)
+    monkeypatch.setattr(cpu_share, "CPU_OVERHEAD_S", 0.0)
 
 
 def test_placement_cpu_gives_layers_cpu_copies_of_cold_experts_only(slow_pcie):
@@ -350,14 +350,14 @@ def test_placement_cpu_gives_layers_cpu_copies_of_cold_experts_only(slow_pcie):
     assert a.cpu.skip.tolist() == [int(e in a.cpu.owned_set) for e in range(8)]
     assert ram.used_bytes == a.cpu.nbytes > 0
     tel = m.telemetry()
-    assert tel["expert_paths"] == ["cpu+stream", "vram"] and tel["cpu_expert_path"] == "on"
-    assert tel["cpu_expert_owned"] == [len(a.cpu.owned_set), 0] and tel["cpu_expert_ms_per_token"] is None
+    assert tel.expert_paths == ["cpu+stream", "vram"] and tel.cpu_expert_path == "on"
+    assert tel.cpu_expert_owned == [len(a.cpu.owned_set), 0] and tel.cpu_expert_ms_per_token is None
     x = torch.randn(1, 64).half()
     owned = sorted(a.cpu.owned_set)
     ids = torch.tensor([[owned[0], 0]], dtype=torch.int32)
     a.cpu.run_host(x, ids, torch.tensor([[0.5, 0.5]]))           # what a step's host node does
     tel = m.telemetry()
-    assert tel["cpu_expert_pairs"] == 1 and tel["cpu_expert_ms_per_token"] > 0
+    assert tel.cpu_expert_pairs == 1 and tel.cpu_expert_ms_per_token > 0
     m.apply([[0], [1]])                                          # a new placement: new copies, same ledger
     assert ram.used_bytes == sum(lo.cpu.nbytes for lo in m.layers if lo.cpu is not None)
     m.close()
@@ -370,18 +370,18 @@ def test_a_promoted_expert_goes_back_to_the_gpu_and_an_evicted_copy_to_the_cpu(s
     lo = m.layers[0]
     owned = sorted(lo.cpu.owned_set)
     e = owned[0]
-    m.swap(0, 1, e)                                              # evict 1 (no CPU copy), promote e
+    m.residency.swap(0, 1, e)                                  # evict 1 (no CPU copy), promote e
     assert 1 not in lo.cpu.owned_set and e in lo.cpu.owned_set   # e stays the CPU's until resident
     lo.poll()
     assert e in lo.expert_slot and e not in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 0
-    m.swap(0, e, 1)                                              # e cold again: its copy is still there
+    m.residency.swap(0, e, 1)                                  # e cold again: its copy is still there
     assert e in lo.cpu.owned_set and int(lo.cpu.skip[e]) == 1
     assert lo.cpu.skip.tolist() == [int(i in lo.cpu.owned_set) for i in range(8)]
 
 
 def test_a_lent_expert_is_the_gpus_until_its_page_is_taken_back(slow_pcie):
     m = _manager(n=1)
-    m.lend_staging = True
+    m.staging.lend = True
     m.apply([[0, 1]])
     lo = m.layers[0]
     owned = set(lo.cpu.owned_set)
@@ -400,7 +400,7 @@ def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slo
     from runtime.experts import manager as mgr
     m = _manager(policy="auto")
     m.apply([[0], [1]])
-    assert m.cpu_active and m.cpu_reason == "" and m.telemetry()["cpu_expert_path"] == "on"
+    assert m.cpu_active and m.cpu_reason == "" and m.telemetry().cpu_expert_path == "on"
     m = _manager(policy="stream")
     m.apply([[0], [1]])
     assert not m.cpu_active and m.cpu_reason == "placement 'stream'"
@@ -413,7 +413,7 @@ def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slo
     m = _manager(policy="auto", ram=short)
     m.apply([[0], [1]])
     assert not m.cpu_active and "host RAM is short for the CPU copies" in m.cpu_reason and short.used_bytes == 0
-    assert m.telemetry()["cpu_expert_path"].startswith("off: ") and m.telemetry()["expert_paths"] == ["stream"] * 2
+    assert m.telemetry().cpu_expert_path.startswith("off: ") and m.telemetry().expert_paths == ["stream"] * 2
     m = _manager(policy="cpu")
     m.apply([list(range(8))] * 2)
     assert not m.cpu_active and m.cpu_reason == "every expert is in VRAM"
@@ -423,9 +423,9 @@ def test_the_cpu_path_switched_off_and_on_again_between_forwards(slow_pcie, monk
     """What the expert-path judge does (runtime/backends/exl2_placement.py): off, then on whatever the
     predicted gain, for the same resident sets; lent pages are taken back first (measuring PCIe for
     the split writes a staging page)."""
-    from runtime.experts import manager as mgr
+    from runtime.experts import cpu_share
     m = _manager(policy="auto", n=1)
-    m.lend_staging = True
+    m.staging.lend = True
     m.apply([[0, 1]])
     lo = m.layers[0]
     owned = set(lo.cpu.owned_set)
@@ -434,9 +434,9 @@ def test_the_cpu_path_switched_off_and_on_again_between_forwards(slow_pcie, monk
     m.step_boundary(1)
     assert lo.lent                                               # pages lent to cold experts
     assert not m.set_cpu_path(False, "measured slower")
-    assert not lo.lent and lo.cpu is None and m.cpu_split is None and m.cpu_reason == "measured slower"
-    assert lo.path == "stream" and m.telemetry()["cpu_expert_path"] == "off: measured slower"
-    monkeypatch.setattr(mgr, "AUTO_CPU_MIN_GAIN", 1e9)           # a gain "auto" alone would not take
+    assert not lo.lent and lo.cpu is None and m.cpu.split is None and m.cpu_reason == "measured slower"
+    assert lo.path == "stream" and m.telemetry().cpu_expert_path == "off: measured slower"
+    monkeypatch.setattr(cpu_share, "AUTO_CPU_MIN_GAIN", 1e9)           # a gain "auto" alone would not take
     assert m.set_cpu_path(True)
     assert lo.cpu.owned_set == owned and lo.path == "cpu+stream" and sorted(lo.expert_slot) == [0, 1]
     m.close()
@@ -453,13 +453,13 @@ def test_the_cpu_path_set_aside_comes_back_at_once_with_its_ownership_synced(slo
     e = sorted(cpu.owned_set)[0]
     assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
     assert lo.cpu is None and lo.path == "stream" and ram.used_bytes == used       # copies kept
-    m.swap(0, 1, e)                                              # a promotion while set aside
+    m.residency.swap(0, 1, e)                                  # a promotion while set aside
     lo.poll()
     assert m.set_cpu_path(True)
     assert lo.cpu is cpu and e not in cpu.owned_set and (1 in cpu.owned_set) == cpu.stores(1)
     assert cpu.skip.tolist() == [int(i in cpu.owned_set) for i in range(8)]
     assert not m.set_cpu_path(False, "measured slower")          # off for good: the copies freed
-    assert ram.used_bytes == 0 and m._parked is None
+    assert ram.used_bytes == 0 and m.cpu._parked is None
     m.close()
 
 
@@ -473,7 +473,7 @@ def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
     m = _manager(ram=MemoryBudget(4096, "RAM"))
     with pytest.raises(BudgetError, match="CPU copies of MoE layer 0's experts needs"):
         m.apply([[0], [1]])
-    assert not m.cpu_active and m.ram.used_bytes == 0
+    assert not m.cpu_active and m.cpu.ram.used_bytes == 0
 
 
 def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
@@ -605,10 +605,10 @@ def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
 
 
 def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkeypatch):
-    from runtime.experts import manager as mgr
+    from runtime.experts import cpu_share, manager as mgr
     from runtime.experts.kernels import SHARE_DEN
     from runtime.experts.placement import CpuSplitCosts
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     assert mgr.CPU_BALANCE == 1.5                                         # the default
     monkeypatch.setattr(mgr, "CPU_BALANCE", 0.0)
     static = _manager(n=1)
@@ -619,7 +619,7 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     a, b = static.layers[0].cpu, wide.layers[0].cpu
     assert a.share is None and b.share is not None                       # static: every owned pick
     assert len(a.owned_set) == 3 and len(b.owned_set) == 5 and a.owned_set < b.owned_set   # ceil(1.5 x 3) of 7 cold
-    assert b.share == round(wide.cpu_split.shares[0] * SHARE_DEN) == round(3 * SHARE_DEN / 7)  # 3 of 7 cold picks
+    assert b.share == round(wide.cpu.split.shares[0] * SHARE_DEN) == round(3 * SHARE_DEN / 7)  # 3 of 7 cold picks
     with pytest.raises(ValueError, match="CPU share 1.5 outside 0..1"):
         b.set_share(1.5)
     b.set_share(None)
@@ -704,17 +704,17 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
     climbs by measured decode step times: to a neighbour measured 1% faster, else to one not measured
     lately (the worker's counts say which first), else it stays."""
-    from runtime.experts import manager as mgr
+    from runtime.experts import cpu_share, manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     assert mgr.CPU_SPLIT == "cut"
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     m = _cut_manager()
     m.apply([[0, 1], [2]])
     a, b = (lo.cpu for lo in m.layers)
     assert a.owned_set == set(range(2, 8)) and b.owned_set == set(range(8)) - {2}
     assert m.cut == a.cut == b.cut == 128 and a.width == b.width == 256         # half of 256 at equal rates
-    tel = m.telemetry()["cpu_expert_cut"]
-    assert tel["rows"] == 128 and tel["of"] == 256 and tel["copied"] == 256
+    tel = m.telemetry().cpu_expert_cut
+    assert tel.rows == 128 and tel.of == 256 and tel.copied == 256
     state = {"a": [0, 0], "b": [0, 0]}
     monkeypatch.setattr(cpath.CpuPath, "balance", lambda self: (*state["a" if self is a else "b"], 0))
 
@@ -722,23 +722,23 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
         for k in "ab":
             state[k][0] += cpu_first // 2
             state[k][1] += gpu_first // 2
-        m._window = [ms / 1e3] * 15 + [ms / 1e3 * 40]      # one slow step (a graph capture) does not count
-        m.forwards += 16
-        m._rebalance()
+        m.cpu._window = [ms / 1e3] * 15 + [ms / 1e3 * 40]      # one slow step (a graph capture) does not count
+        m.counters.forwards += 16
+        m.cpu.rebalance(m.counters.forwards)
         return m.cut
     assert window(28, 4, 30.0) == 192 and a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
     assert window(6, 14, 25.0) == 256               # 128 measured slower; 256 not tried yet
     assert window(30, 2, 27.5) == 192               # 192 measured faster: back
     assert window(2, 30, 25.0) == 192               # both neighbours measured slower: stay
-    m.forwards += mgr.REBALANCE_KEEP                # old measurements: worth a new look
+    m.counters.forwards += cpu_share.REBALANCE_KEEP            # old measurements: worth a new look
     assert window(2, 30, 25.0) == 128               # the counts say fewer rows to the CPU first
     assert window(12, 8, 27.0) == 192               # 192 measured faster: back
     assert window(8, 12, 25.2) == 256               # 256's measurement is old: tried again
     assert window(30, 2, 25.0) == 256               # 192 (25.1 on average) is not 1% faster: stay
-    m._window = [0.02] * 4                          # too few steps (a prefill in the window): nothing
-    m.forwards += 16
-    m._rebalance()
-    assert m.cut == 256 and [c for _, c, _ in m.cut_log] == [192, 256, 192, 128, 192, 256]
+    m.cpu._window = [0.02] * 4                                 # too few steps (a prefill in the window): nothing
+    m.counters.forwards += 16
+    m.cpu.rebalance(m.counters.forwards)
+    assert m.cut == 256 and [c for _, c, _ in m.cpu.cut_log] == [192, 256, 192, 128, 192, 256]
     m.close()
 
 
@@ -792,13 +792,13 @@ def test_warm_up_traffic_is_forgotten_by_the_figures(slow_pcie):
     m.apply([[0, 1]])
     lo = m.layers[0]
     lo.layer.counts += torch.tensor([3, 0, 2, 0, 0, 0, 0, 1], dtype=lo.layer.counts.dtype)   # routed rows
-    m.bytes["staged"] = 123
-    assert m.telemetry()["expert_pairs"] == 6
+    m.counters.bytes["staged"] = 123
+    assert m.telemetry().expert_pairs == 6
     m.forget_warmup()
     tel = m.telemetry()
-    assert tel["expert_pairs"] == 0 and tel["expert_hits"] == 0 and tel["expert_moved_bytes"]["staged"] == 0
+    assert tel.expert_pairs == 0 and tel.expert_hits == 0 and tel.expert_moved_bytes["staged"] == 0
     lo.layer.counts += torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=lo.layer.counts.dtype)
-    assert m.telemetry()["expert_pairs"] == 2 and m.telemetry()["expert_hits"] == 1
+    assert m.telemetry().expert_pairs == 2 and m.telemetry().expert_hits == 1
 
 
 def test_a_placement_names_its_parts_for_the_loads_progress(slow_pcie):

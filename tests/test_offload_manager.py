@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.experiment import Experiment
 from bench.check_experts import random_layer
 from runtime.experts.manager import OffloadManager, cold_offsets_ok
 from runtime.experts.offload import cold_base
@@ -76,7 +77,7 @@ def test_swap_points_the_victim_at_host_memory_first_and_the_new_expert_after_it
     assert lo.poll() == [4]
     assert lo.expert_slot == {0: lo.expert_slot[0], 4: slot} and cold_offsets_ok(lo) and _resident_codes_ok(lo)
     with pytest.raises(ValueError, match="already resident"):
-        m.swap(0, 0, 4)
+        m.residency.swap(0, 0, 4)
 
 
 def test_re_placement_under_pressure_moves_the_strongest_gains_only():
@@ -86,15 +87,15 @@ def test_re_placement_under_pressure_moves_the_strongest_gains_only():
     s[:, :] = 10.0
     s[0, 7], s[1, 6], s[2, 5] = 100.0, 50.0, 12.0                # layer 2's gain is inside the margin
     s[0, 1] = 5.0                                                # layer 0's weakest resident
-    moves = m.decide()
+    moves = m.residency.decide()
     assert moves == [(0, 1, 7), (1, 0, 6)]                       # biggest gain first; ties: lowest id evicted
-    assert m.decide() == []                                      # one copy in flight per layer; layer 2 no gain
+    assert m.residency.decide() == []                          # one copy in flight per layer; layer 2 no gain
     for lo in m.layers:
         lo.poll()
         assert cold_offsets_ok(lo) and _resident_codes_ok(lo)
     assert m.layers[0].resident() == [0, 7] and m.layers[1].resident() == [1, 6]
-    assert m.telemetry()["expert_promotions"] == 2
-    assert m.bytes["promoted"] == 2 * m.layers[0].code_bytes
+    assert m.telemetry().expert_promotions == 2
+    assert m.counters.bytes["promoted"] == 2 * m.layers[0].code_bytes
 
 
 def test_routing_counts_reach_the_statistics_a_boundary_later_and_drive_promotions():
@@ -110,7 +111,7 @@ def test_routing_counts_reach_the_statistics_a_boundary_later_and_drive_promotio
     assert m.stats.counts[0, 5] == pytest.approx(40, rel=1e-3)
     assert 5 in lo.pending
     m.step_boundary(1)                                           # the copy is done: its entry moves
-    assert 5 in lo.expert_slot and cold_offsets_ok(lo) and m.tokens == 5
+    assert 5 in lo.expert_slot and cold_offsets_ok(lo) and m.counters.tokens == 5
 
 
 def test_hit_rate_splits_pairs_by_the_residency_of_their_time():
@@ -119,55 +120,55 @@ def test_hit_rate_splits_pairs_by_the_residency_of_their_time():
     lo = m.layers[0]
     lo.layer.counts[0] += 3                                      # 3 hits
     lo.layer.counts[4] += 1                                      # 1 miss
-    m.tokens = 2
+    m.counters.tokens = 2
     t = m.telemetry()
-    assert t["expert_hit_rate"] == pytest.approx(0.75) and t["expert_pairs"] == 4
-    assert t["pcie_bytes_per_token"] == pytest.approx(lo.code_bytes / 2)
-    m.swap(0, 1, 4)
+    assert t.expert_hit_rate == pytest.approx(0.75) and t.expert_pairs == 4
+    assert t.pcie_bytes_per_token == pytest.approx(lo.code_bytes / 2)
+    m.residency.swap(0, 1, 4)
     m.step_boundary(0)                                           # 4 resident from now on
     lo.layer.counts[4] += 4
     t = m.telemetry()
-    assert t["expert_hits"] == 7 and t["expert_pairs"] == 8
-    assert t["expert_residents"] == [2] and t["expert_paths"] == ["stream"]
-    m.stage_min_pairs = 4                                        # a prefill-sized forward:
+    assert t.expert_hits == 7 and t.expert_pairs == 8
+    assert t.expert_residents == [2] and t.expert_paths == ["stream"]
+    m.staging.min_pairs = 4                                        # a prefill-sized forward:
     m.step_boundary(2)
     m.begin_forward(2)
     lo.layer.counts[5] += 4                                      # its routing
     m.step_boundary(1)                                           # ... is left out
     lo.layer.counts[0] += 1
-    assert m.telemetry()["expert_pairs"] == 9
+    assert m.telemetry().expert_pairs == 9
 
 
 def test_staging_copies_cold_experts_in_runs_and_points_the_table_into_the_buffer():
     m = _manager(n=2)
     m.apply([[1, 2, 6], [0]])
-    m.stage_min_pairs = 1
+    m.staging.min_pairs = 1
     m.begin_forward(4)                                           # layer 0 staged ahead
     a = m.layers[0]
-    assert m._runs(a) == [(0, 1), (3, 3), (7, 1)]
+    assert m.staging.runs(a) == [(0, 1), (3, 3), (7, 1)]
     ids = torch.zeros(4, TOP_K, dtype=torch.int64)
-    packs = m.before(a, 4, ids)
-    assert 1 in m._staged                                        # the next layer's copy started
+    packs = m.hooks.before(a, 4, ids)
+    assert 1 in m.staging.staged                               # the next layer's copy started
     cold = a.cold()
     for j, p in enumerate(packs):
-        b = m._using[0]
-        base = (m.stage[b][j].data_ptr() - a.packs[j].qweight.data_ptr()) // 4
+        b = m.staging.using[0]
+        base = (m.staging.buffers[b][j].data_ptr() - a.packs[j].qweight.data_ptr()) // 4
         for e in range(E):
             if e in a.expert_slot:
                 assert int(p.woff[e]) == a.expert_slot[e] * p.words_per_expert
             else:
                 r = cold.index(e)
                 assert int(p.woff[e]) == base + r * p.words_per_expert
-                assert torch.equal(m.stage[b][j][r], a.packs[j].cold[e])
-    m.after(a)
-    assert m.bytes["staged"] == (len(cold) + len(m.layers[1].cold())) * a.code_bytes
+                assert torch.equal(m.staging.buffers[b][j][r], a.packs[j].cold[e])
+    m.hooks.after(a)
+    assert m.counters.bytes["staged"] == (len(cold) + len(m.layers[1].cold())) * a.code_bytes
 
 
 def _page_of(m, lo, e, j) -> torch.Tensor:
     """The staging page expert e's table entry j points at (it must point into a staging buffer)."""
     p = lo.packs[j]
     addr = p.qweight.data_ptr() + int(p.woff[e]) * 4
-    for buf in m.stage:
+    for buf in m.staging.buffers:
         t = buf[j]
         off = addr - t.data_ptr()
         if 0 <= off < t.numel() * 4:
@@ -178,54 +179,54 @@ def _page_of(m, lo, e, j) -> torch.Tensor:
 
 def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_before_one():
     m = _manager(n=2)
-    m.lend_staging = True                                        # on a GPU by default; CPU tensors here
+    m.staging.lend = True                                      # on a GPU by default; CPU tensors here
     m.apply([[0, 2, 5], [1]])
     a, b = m.layers
     assert 2 * m.stage_capacity >= len(a.cold()) + len(b.cold())  # pages enough for every cold expert
     m.step_boundary(1)                                           # a decode step: the copies are queued
-    assert m.telemetry()["expert_lent_pending"] == 12 and not a.lent
+    assert m.telemetry().expert_lent_pending == 12 and not a.lent
     m.step_boundary(1)                                           # the next boundary points the tables
     tel = m.telemetry()
-    assert tel["expert_lent"] == 12 and tel["expert_lent_pending"] == 0
-    assert tel["expert_residents"] == [3, 1]                     # lent pages are no slots
+    assert tel.expert_lent == 12 and tel.expert_lent_pending == 0
+    assert tel.expert_residents == [3, 1]                     # lent pages are no slots
     for lo in (a, b):
         assert lo.mask.tolist() == [1] * E and cold_offsets_ok(lo) and _resident_codes_ok(lo)
         assert sorted(lo.lent) == lo.cold()                       # still cold for the placement
         for e in lo.lent:
             for j, p in enumerate(lo.packs):
                 assert torch.equal(_page_of(m, lo, e, j), p.cold[e])
-    assert m.bytes["lent"] == 12 * a.code_bytes
-    assert m.decide() == []                                      # re-placement leaves lent experts alone
+    assert m.counters.bytes["lent"] == 12 * a.code_bytes
+    assert m.residency.decide() == []                          # re-placement leaves lent experts alone
     e = a.cold()[0]                                              # promoted by hand while lent: the page
-    m.swap(0, 0, e)                                              # serves until the slot's copy lands
+    m.residency.swap(0, 0, e)                                  # serves until the slot's copy lands
     assert e in a.lent and cold_offsets_ok(a)
     a.poll()
     assert e in a.expert_slot and e not in a.lent and 0 not in a.lent and cold_offsets_ok(a)   # 0: host memory
-    m.swap(0, e, 0)
+    m.residency.swap(0, e, 0)
     a.poll()
     assert 0 in a.expert_slot and 0 not in a.lent and cold_offsets_ok(a)
     # A forward that stages takes every page back first: host memory again, then the staging copies.
-    m.stage_min_pairs = 1
+    m.staging.min_pairs = 1
     m.begin_forward(4)
     assert not a.lent and not b.lent and cold_offsets_ok(a) and cold_offsets_ok(b)
     assert a.mask.tolist() == [int(e in a.expert_slot) for e in range(E)] and len(a.expert_slot) == 3
-    packs = m.before(a, 4, torch.zeros(4, TOP_K, dtype=torch.int64))
+    packs = m.hooks.before(a, 4, torch.zeros(4, TOP_K, dtype=torch.int64))
     cold = a.cold()
     for e in cold:
-        assert torch.equal(m.stage[m._using[0]][0][cold.index(e)], a.packs[0].cold[e])
+        assert torch.equal(m.staging.buffers[m.staging.using[0]][0][cold.index(e)], a.packs[0].cold[e])
         assert int(packs[0].woff[e]) != int(a.packs[0].woff[e])   # the staged table, not the lent one
-    m.after(a)
-    m.stage_min_pairs = 2 * E                                    # back to the default: 8+ rows stage
+    m.hooks.after(a)
+    m.staging.min_pairs = 2 * E                                # back to the default: 8+ rows stage
     m.step_boundary(64)                                          # another prefill-sized forward: nothing lent
-    assert m.telemetry()["expert_lent_pending"] == 0
+    assert m.telemetry().expert_lent_pending == 0
     m.step_boundary(1)
     m.step_boundary(1)
     assert len(a.lent) == 5 and len(b.lent) == 7 and cold_offsets_ok(a)
-    m.naive = True                                               # the baseline copies into staging too
+    m.set_experiment(Experiment(naive=True))                     # the baseline copies into staging too
     m.begin_forward(1)
     assert not a.lent and not b.lent and cold_offsets_ok(b)
     m.step_boundary(1)
-    assert m.telemetry()["expert_lent_pending"] == 0             # no lending under the baseline
+    assert m.telemetry().expert_lent_pending == 0             # no lending under the baseline
 
 
 def test_lent_pages_go_to_the_experts_routed_most_spread_over_layers():
@@ -233,10 +234,10 @@ def test_lent_pages_go_to_the_experts_routed_most_spread_over_layers():
     stats.counts[:, :] = 1.0
     stats.counts[3, [6, 7]] = 50.0                               # layer 3's cold experts are routed most
     m = _manager(n=4, stats=stats)
-    m.lend_staging = True
+    m.staging.lend = True
     m.apply([list(range(6))] * 4)                                # 2 cold per layer, staging for 3 (x2)
     assert 2 * m.stage_capacity == 6
-    plan = m.lend_plan()
+    plan = m.staging.lend_plan()
     assert len(plan) == 6 and {(3, 6), (3, 7)} <= set(plan)
     per_layer = [sum(1 for l, _ in plan if l == i) for i in range(4)]
     assert per_layer == [2, 1, 1, 2]                             # equal shares: rank 0 of each layer first
@@ -252,7 +253,7 @@ def test_statistics_are_saved_at_close_and_read_back(tmp_path):
     m = _manager(n=2, stats_file=f)
     m.apply([[0], [0]])
     m.layers[1].layer.counts[3] += 9
-    m.tokens = 5
+    m.counters.tokens = 5
     m.close()
     stats, warning = RoutingStats.load(f, 2, E)
     assert warning is None and stats.counts[1, 3] == pytest.approx(9) and stats.counts.sum() == pytest.approx(9)

@@ -149,8 +149,8 @@ def test_copying_starts_when_predictions_come_true_and_stops_when_they_fail():
         with torch.inference_mode():
             pf.score[0] += torch.tensor([cands, picked, cands, picked])
         for f in range(1, w + 1):
-            m.forwards += 1
-            pf.boundary(m.forwards)
+            m.counters.forwards += 1
+            pf.boundary(m.counters.forwards)
     # each look decides by the score copied out at the look before (read without waiting)
     window(0, 0)
     window(100, 95)
@@ -170,7 +170,7 @@ def test_copying_starts_when_predictions_come_true_and_stops_when_they_fail():
     assert pf.copying and int(pf.on) == 1
     with pytest.raises(ValueError, match="prefetch mode 'sometimes'"):
         pf.set_mode("sometimes")
-    tel = m.telemetry()["expert_prefetch"]
+    tel = m.telemetry().expert_prefetch
     assert tel["pages"] == 1 and tel["mode"] == "on" and tel["candidates"] == 308 and tel["copies_used"] == 255
 
 
@@ -187,8 +187,8 @@ def test_telemetry_counts_unpicked_copies_as_wasted_pcie_bytes():
     with torch.inference_mode():
         m.prefetch.score[1] += torch.tensor([10, 4, 10, 4])
     tel = m.telemetry()
-    assert tel["expert_prefetch_wasted_bytes"] == 6 * m.layers[1].code_bytes
-    assert np.isclose(tel["expert_prefetch"]["accuracy"], 0.4)
+    assert tel.expert_prefetch_wasted_bytes == 6 * m.layers[1].code_bytes
+    assert np.isclose(tel.expert_prefetch["accuracy"], 0.4)
 
 
 def test_the_benchmarks_oracle_list_is_checked():

@@ -263,6 +263,8 @@ class Exl2Engine(Engine):
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
             self.moe = moe_layers(model)
+        from runtime.experts.experiment import NO_EXPERIMENT
+        self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
 
     # -- Engine interface ---------------------------------------------------------------------------
 
@@ -448,7 +450,7 @@ class Exl2Engine(Engine):
             out["graph_buckets"] = sorted({L for L, _ in shapes})
             out["graph_shapes"] = [list(s) for s in shapes]
         if self.offload is not None:
-            out.update(self.offload.telemetry())
+            out.update(self.offload.telemetry().as_dict())
             if self.path_judge is not None:
                 out["placement_decision"] = self.path_judge.telemetry()
         elif self.budget is not None:
@@ -503,6 +505,22 @@ class Exl2Engine(Engine):
             raise EngineError(ErrorCode.INTERNAL.value, "place_experts needs a model loaded with expert offload")
         self._drop_graphs()
         self.offload.apply(resident)
+
+    def set_experiment(self, experiment) -> None:
+        """Benchmarks and tests: run the MoE layers under `experiment` (runtime/experts/experiment.py)
+        from the next forward; captured graphs are dropped where it changes what they captured."""
+        from runtime.experts.experiment import apply_experiment
+        if self.experiment.changes_graphs(experiment):
+            self._drop_graphs()
+        try:
+            apply_experiment(experiment, [m.experts for m in self.moe], self.offload)
+        except ValueError as e:
+            raise EngineError(ErrorCode.INTERNAL.value, str(e)) from None
+        self.experiment = experiment
+
+    def reset_graphs(self) -> None:
+        """Benchmarks and tests, after changing what a step does by hand: graphs captured again."""
+        self._drop_graphs()
 
     def _drop_graphs(self) -> None:
         """Before the slots move: wait for queued steps, drop graphs that captured the old addresses."""

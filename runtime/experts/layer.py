@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,21 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool =
     return Routing(ids=ids, weights=w)
 
 
+class ExpertHooks(Protocol):
+    """What an offloaded layer calls around its kernels (runtime/experts/manager.LayerHooks)."""
+    prefetch: Any        # the decode prefetch a decode step uses (prefetch.DecodePrefetch), or None
+    cpu_decode: bool     # whether a decode step may use the layer's CPU path
+
+    def before(self, lo, rows: int, ids: torch.Tensor) -> tuple[PackedExperts, ...]:
+        """The projections (with the offset tables) the layer's kernels use for this call."""
+
+    def after(self, lo) -> None:
+        """After the kernels were queued (the staging buffer they read may be reused after them)."""
+
+
 class ExpertLayer:
     """Routed experts of one layer: all in VRAM, or hot ones in VRAM and cold ones in pinned host
-    memory (`offload`, set by runtime/experts/manager.py), read by the same kernels."""
+    memory (`offload` and `hooks`, set by runtime/experts/manager.py), read by the same kernels."""
 
     def __init__(self, gate_w: torch.Tensor, w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
                  top_k: int, renormalize: bool = True):
@@ -58,11 +71,13 @@ class ExpertLayer:
         # Routing statistics (how often each expert was chosen), counted on the device (int32: the
         # kernels add atomically; wraps after 2**31 choices of one expert).
         self.counts = torch.zeros(E, dtype=torch.int32, device=gate_w.device)
-        self.offload = None          # runtime/experts/offload.LayerOffload when experts are offloaded
-        # Benchmarks only (bench.offload --routing uniform): the router runs, then each token takes
-        # top_k distinct experts drawn uniformly at random (kernels.UniformPicks), equal weights. It
-        # measures a placement under the routing the roofline assumes; what the model outputs means nothing.
-        self.uniform = None
+        # Expert offload (runtime/experts/manager.py sets both): the expert source, with the slots, tables
+        # and CPU path (offload.LayerOffload), and the hooks called around the kernels (ExpertHooks).
+        self.offload = None
+        self.hooks: ExpertHooks | None = None
+        # Benchmarks only (runtime/experts/experiment.py, Experiment.forced_routing): the router runs, then
+        # each token takes the forced picks (kernels.UniformPicks), equal weights; set by apply_experiment.
+        self.forced = None
         # The RMSNorm weight applied before the router (set by the model wrapper): the decode prefetch
         # (runtime/experts/prefetch.py) predicts this layer's picks from the residual stream with it.
         self.norm_w: torch.Tensor | None = None
@@ -77,30 +92,29 @@ class ExpertLayer:
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
-            lo = self.offload
-            m = lo.manager if lo is not None else None                     # runtime/experts/manager.py
-            pf = m.prefetch if m is not None and x.shape[0] == 1 and not m.naive else None
+            lo, hooks = self.offload, self.hooks
+            pf = hooks.prefetch if hooks is not None and x.shape[0] == 1 else None
             planned = pf is not None and pf.planned(lo)       # experts copied ahead for this layer
-            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.uniform)
+            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.forced)
             self._ids = ids
             if lo is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
             cpu = lo.cpu                                      # runtime/experts/cpu_path.py
-            if cpu is not None and x.shape[0] == 1 and not m.naive:
+            if cpu is not None and x.shape[0] == 1 and hooks.cpu_decode:
                 # Decode: the CPU computes the experts it owns, or the first part of each (its cut),
                 # handed to its worker by a doorbell or host node, while the GPU kernels skip that
                 # and read the rest of the cold experts over PCIe (and the prefetched ones from VRAM).
                 stream = torch.cuda.current_stream(x.device)
                 skip, cut = cpu.launch(stream, x, ids, w, lo.mask, owned=pf.skip(lo) if planned else None)
-                packs = m.before(lo, 1, ids)
+                packs = hooks.before(lo, 1, ids)
                 y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), skip=skip, cut=cut)
-                m.after(lo)
+                hooks.after(lo)
                 return cpu.join(stream, y)
             # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.
             union = x.shape[0] > 1 and lo.path != "vram"
-            packs = m.before(lo, x.shape[0], ids)
+            packs = hooks.before(lo, x.shape[0], ids)
             y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), union_reads=union)
-            m.after(lo)
+            hooks.after(lo)
             return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)
         self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
@@ -109,12 +123,11 @@ class ExpertLayer:
     def after_residual(self, h: torch.Tensor) -> None:
         """The model wrapper's call after this layer's output joined the residual stream h [T, H]: a
         decode step's prefetch scores this layer's prediction and predicts the next layer's picks."""
-        lo = self.offload
-        if lo is None or h.shape[0] != 1 or self._ids is None:
+        lo, hooks = self.offload, self.hooks
+        if lo is None or hooks is None or h.shape[0] != 1 or self._ids is None:
             return
-        m = lo.manager
-        if m.prefetch is not None and not m.naive:
-            m.prefetch.after_layer(lo, h, self._ids)
+        if hooks.prefetch is not None:
+            hooks.prefetch.after_layer(lo, h, self._ids)
 
     def weight_bytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes() + self.router_bytes()

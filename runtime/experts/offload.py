@@ -16,7 +16,7 @@ Rules that keep queued steps safe (all table writes go on the compute stream, in
 Lent experts (`lend`, `unlend`): between prefills the manager lends the staging buffers' pages to cold
 experts; their entries point into the pages like a slot's, but they are no slot of the layer: they
 stay cold for the placement, re-placement leaves them alone, and every one goes back to host memory
-before a forward that stages (manager.py orders the pages' reuse after that).
+before a forward that stages (staging.py orders the pages' reuse after that).
 
 Hit accounting on the device: the router kernel counts every chosen expert in `layer.counts`; at each
 residency change (in stream order) the pairs counted since the last change are split into hits and

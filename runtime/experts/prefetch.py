@@ -24,18 +24,19 @@ step's own stream order (so it is captured into the decode graph like everything
 
 Routing that cannot be predicted (uniform, as the benchmarks force) makes every copy a wasted PCIe read;
 the switch turns copying off there. Benchmarks can also hand the plan the next layer's forced picks
-(`oracle`, kept with a set probability) to measure what a given accuracy buys.
+(runtime/experts/experiment.py's `prefetch_oracle`, kept with a set probability) to measure what a
+given accuracy buys.
 Letters: L MoE layers, E experts, A experts per token, P pages.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from runtime.experts.experiment import NO_EXPERIMENT, Experiment
 from runtime.experts.offload import inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
 
@@ -50,10 +51,9 @@ def _pages(text: str) -> int:
     return v
 
 
-# Experts per layer copied ahead while decoding (one page each, all layers sharing them); 0: none. One
-# q125-a11 expert (7.1 MB at 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two
-# layers' expert phases.
-PAGES = _pages(os.environ.get("MOEDESK_PREFETCH", "1"))
+# MOEDESK_PREFETCH (read by runtime/experts/manager.py, checked by `_pages`): experts per layer copied
+# ahead while decoding (one page each, all layers sharing them); 0: none. One q125-a11 expert (7.1 MB at
+# 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two layers' expert phases.
 WINDOW = 64          # forwards between looks at the score
 # "auto": copy while at least this share of the candidates is picked. On the H200 (q125-a11, 24 GB, one
 # page, forced picks handed over at a set accuracy, same run): copying gained 2% at 100% accuracy and
@@ -66,12 +66,15 @@ MODES = ("auto", "on", "off")
 class DecodePrefetch:
     """Pages, per-layer step tables and masks, counters and the side stream of the decode prefetch."""
 
-    def __init__(self, manager, pages: int):
-        self.m = manager
+    def __init__(self, layers: list, pages: int, experiment: Experiment = NO_EXPERIMENT):
+        self.layers = layers                     # runtime/experts/offload.LayerOffload, one per MoE layer
+        self.top_k = layers[0].layer.top_k
+        self.device = layers[0].device
+        self.cuda = self.device.type == "cuda"
         self.P = int(pages)
         self.mode = "auto"
-        self.oracle: Optional[float] = None      # benchmarks: the forced picks kept with this probability
-        L, E, dev = len(manager.layers), manager.E, manager.device
+        self.experiment = experiment             # benchmarks: the forced picks handed over (its prefetch_oracle)
+        L, E, dev = len(layers), layers[0].num_experts, self.device
         self.pages: list[list[torch.Tensor]] = []            # [page][projection]
         self.steps = torch.zeros((L, 3, E), dtype=torch.int64, device=dev)
         self.step_skip = torch.zeros((L, E), dtype=torch.uint8, device=dev)
@@ -83,18 +86,18 @@ class DecodePrefetch:
         self.logits = torch.zeros(E, dtype=torch.float32, device=dev)
         self.on = torch.zeros(1, dtype=torch.int32, device=dev)     # copying starts once predictions prove out
         self.copying = False
-        self.stream = torch.cuda.Stream(dev) if manager.cuda else None
+        self.stream = torch.cuda.Stream(dev) if self.cuda else None
         self.planned_ev = self._event()
         self.copied_ev = self._event()
         self._planned: Optional[int] = None      # the layer planned for in this forward (host side)
         self._scored: set[int] = set()           # layers whose candidates this forward planned
-        self._snap_host = torch.zeros((L, 4), dtype=torch.int64, pin_memory=manager.cuda)
+        self._snap_host = torch.zeros((L, 4), dtype=torch.int64, pin_memory=self.cuda)
         self._snap_event = None
         self._score_prev = np.zeros(4, dtype=np.int64)
         self.window_use: Optional[float] = None
 
     def _event(self):
-        return torch.cuda.Event() if self.m.cuda else None
+        return torch.cuda.Event() if self.cuda else None
 
     # -- placement ------------------------------------------------------------------------------------
 
@@ -102,11 +105,11 @@ class DecodePrefetch:
         """After the slots are set: pages (reserved by the manager) and the addresses of each layer's
         cold stacks and pages, relative to its slot stacks. One expert shape for all layers (the manager
         checked it for staging)."""
-        first = self.m.layers[0].packs
-        self.pages = [[torch.empty(p.cold.shape[1:], dtype=torch.int32, device=self.m.device) for p in first]
+        first = self.layers[0].packs
+        self.pages = [[torch.empty(p.cold.shape[1:], dtype=torch.int32, device=self.device) for p in first]
                       for _ in range(self.P)]
         pw, desc = [], []
-        for lo in self.m.layers:
+        for lo in self.layers:
             base = lo.packs[0].qweight
             pw.append([[word_distance(pg[j], p.qweight) for pg in self.pages] for j, p in enumerate(lo.packs)])
             desc.append([[word_distance(p.cold, base), p.words_per_expert]
@@ -124,7 +127,7 @@ class DecodePrefetch:
 
     def _next(self, index: int) -> Optional[int]:
         nxt = index + 1
-        if nxt < len(self.m.layers) and self.m.layers[nxt].path != "vram":
+        if nxt < len(self.layers) and self.layers[nxt].path != "vram":
             return nxt
         return None
 
@@ -137,8 +140,8 @@ class DecodePrefetch:
         scored = i in self._scored
         if nxt is None and not scored:
             return
-        dev = self.m.device
-        cur = torch.cuda.current_stream(dev) if self.m.cuda else None
+        dev = self.device
+        cur = torch.cuda.current_stream(dev) if self.cuda else None
         if nxt is not None and cur is not None:
             self.stream.wait_stream(cur)
             for t in (h, ids):                        # read on the side stream: not reused before it has
@@ -148,19 +151,17 @@ class DecodePrefetch:
             args = dict(ids=ids if scored else None, prev_cand=self.cand[i], prev_copy=self.copy[i], score=self.score[i])
             if nxt is None:
                 prefetch_plan(None, lo.mask, None, None, None, None, None, self.cand[i],
-                              self.copy[i], self.on, top_k=self.m.top_k, plan=False, **args)
+                              self.copy[i], self.on, top_k=self.top_k, plan=False, **args)
                 return
-            nl = self.m.layers[nxt]
+            nl = self.layers[nxt]
             layer = nl.layer
             predict_logits(h.reshape(1, -1), layer.norm_w, layer.gate_w, self.logits)
             cpu = nl.cpu
-            oracle = None
-            if self.oracle is not None and layer.uniform is not None:
-                oracle = (layer.uniform, self.oracle)
+            oracle = self.experiment.oracle(nxt)
             prefetch_plan(self.logits, nl.mask, [p.woff for p in nl.packs], list(self.steps[nxt]),
                           self.page_words[nxt], cpu.skip if cpu is not None else None,
                           self.step_skip[nxt] if cpu is not None else None, self.cand[nxt], self.copy[nxt],
-                          self.on, top_k=self.m.top_k, plan=True, oracle=oracle, **args)
+                          self.on, top_k=self.top_k, plan=True, oracle=oracle, **args)
             if self.planned_ev is not None:
                 self.planned_ev.record(self.stream)
             prefetch_copy(nl.packs[0].qweight, self.desc[nxt], self.copy[nxt], max(p.words_per_expert for p in nl.packs))
@@ -175,13 +176,13 @@ class DecodePrefetch:
         if self._planned != lo.index:
             return False
         if self.planned_ev is not None:
-            torch.cuda.current_stream(self.m.device).wait_event(self.planned_ev)
+            torch.cuda.current_stream(self.device).wait_event(self.planned_ev)
         return True
 
     def packs(self, lo, packs: tuple[PackedExperts, ...]) -> tuple[PackedExperts, ...]:
         """Layer lo's projections with its step tables, once the copies are done (stream order)."""
         if self.copied_ev is not None:
-            torch.cuda.current_stream(self.m.device).wait_event(self.copied_ev)
+            torch.cuda.current_stream(self.device).wait_event(self.copied_ev)
         self._planned = None
         return tuple(dataclasses.replace(p, woff=self.steps[lo.index, j]) for j, p in enumerate(packs))
 
@@ -208,7 +209,7 @@ class DecodePrefetch:
         if forwards % WINDOW:
             return
         if self._snap_event is not None:
-            if self.m.cuda and not self._snap_event.query():
+            if self.cuda and not self._snap_event.query():
                 return
             now = self._snap_host.numpy().sum(axis=0)
             d = now - self._score_prev
@@ -219,8 +220,8 @@ class DecodePrefetch:
                     self._set_copying(self.window_use >= MIN_USE)
         self._snap_host.copy_(self.score, non_blocking=True)
         self._snap_event = self._event() or True
-        if self.m.cuda:
-            self._snap_event.record(torch.cuda.current_stream(self.m.device))
+        if self.cuda:
+            self._snap_event.record(torch.cuda.current_stream(self.device))
 
     def reset_score(self) -> None:
         """Scores from zero (after the load's warm-up), the window's reference with them."""

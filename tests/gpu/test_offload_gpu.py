@@ -153,7 +153,7 @@ def test_offload_matches_all_in_vram(moe_8l):
         from exllamav2.device import set_device_streams
         set_device_streams()                              # table writes on the stream the steps run on
         for lo in m.layers:
-            m.swap(lo.index, lo.resident()[0], lo.cold()[0])
+            m.residency.swap(lo.index, lo.resident()[0], lo.cold()[0])
         _finish_swaps(eng, toks)
         assert not any(lo.pending for lo in m.layers)
         assert eng.telemetry()["expert_promotions"] >= 8
@@ -161,11 +161,12 @@ def test_offload_matches_all_in_vram(moe_8l):
 
         # The naive baseline (layer loop, copies on demand) computes the same.
         graphs, eng.graphs = eng.graphs, None
-        m.naive = True
+        run = eng.experiment
+        eng.set_experiment(run.replace(naive=True))
         try:
             _compare(_script(eng, toks), want, "naive")
         finally:
-            m.naive = False
+            eng.set_experiment(run)
             eng.graphs = graphs
     finally:
         eng.close()
@@ -213,7 +214,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
     of 1.5x the experts, each step's mask computed on the device from the token's picks
     (MOEDESK_CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
     the planned cut and at one set while the decode graphs stay captured (MOEDESK_CPU_SPLIT)."""
-    from runtime.experts import cpu_path
+    from runtime.experts import cpu_path, cpu_share
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
@@ -222,12 +223,12 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         monkeypatch.setattr(cpu_path, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
     measured = {}
-    real_costs = mgr.OffloadManager._split_costs
+    real_costs = cpu_share.CpuShare._split_costs
 
-    def forced(self, resident):
-        measured["costs"] = real_costs(self, resident)
+    def forced(self, resident, threads):
+        measured["costs"] = real_costs(self, resident, threads)
         return CpuSplitCosts(50e9, 50e9, 0.0, measured["costs"].cpu_bytes_ratio)
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs", forced)
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", forced)
     budget = others + scratch + codes // 2 + (64 << 20)
     eng, applied = _load(moe_8l, vram_budget_gb=budget / GiB, placement="cpu", cpu_threads=4)
     try:
@@ -249,10 +250,11 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         if split == "cut":
             m = eng.offload
             assert m.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 512 for lo in m.layers)   # of 768
-            m.rebalance_cut = False
+            run = eng.experiment
+            eng.set_experiment(run.replace(fixed_cut=True))
             m.set_cut(128)
             _compare(_script(eng, toks), want, "cpu path, cut 128 of 768")
-            m.rebalance_cut = True
+            eng.set_experiment(run)
         _record(test="cpu_path", split=split, balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
                 measured_cpu_gbps=c.cpu_bytes_per_s / 1e9, measured_pcie_gbps=c.pcie_bytes_per_s / 1e9)
@@ -264,7 +266,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         moved = {}
         for lo in m.layers:
             e = sorted(lo.cpu.owned_set)[0]
-            m.swap(lo.index, lo.resident()[0], e)
+            m.residency.swap(lo.index, lo.resident()[0], e)
             moved[lo.index] = e
         _finish_swaps(eng, toks)
         assert all(moved[lo.index] in lo.expert_slot and moved[lo.index] not in lo.cpu.owned_set
@@ -295,13 +297,13 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
     every copy is an expert the layer then picks, so the pages are read; the logits still equal the
     all-in-VRAM run's under the same forced picks. Then the router's own prediction (scored, copied
     or not) keeps them equal too."""
+    from runtime.experts import cpu_share
     from runtime.experts import manager as mgr
-    from runtime.experts import prefetch as pfm
     from runtime.experts.placement import CpuSplitCosts
-    monkeypatch.setattr(pfm, "PAGES", 4)
+    monkeypatch.setattr(mgr, "PREFETCH_PAGES", 4)
     if placement == "cpu":
-        monkeypatch.setattr(mgr.OffloadManager, "_split_costs",
-                            lambda self, resident: CpuSplitCosts(50e9, 50e9, 0.0, 1.0))
+        monkeypatch.setattr(cpu_share.CpuShare, "_split_costs",
+                            lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0, 1.0))
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=10, uniform=True)
     budget = others + scratch + codes // 2 + (64 << 20)
     eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement=placement, cpu_threads=4)
@@ -310,7 +312,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
         pf = m.prefetch
         assert pf is not None and pf.P == 4 and eng.telemetry()["vram_budget_items"]["decode prefetch"] > 0
         pf.set_mode("on")
-        pf.oracle = 1.0
+        eng.set_experiment(eng.experiment.replace(prefetch_oracle=1.0))
         _uniform(eng)
         got = _script(eng, toks)
         errs = _compare(_one_row(got), _one_row(want), f"prefetch, oracle, {placement}")
@@ -322,7 +324,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
             assert tel["cpu_expert_path"] == "on" and tel["cpu_expert_pairs"] > 0
         _record(test="decode_prefetch", placement=placement, errors=errs, score=[c, ch, k, kh])
         # the router's own prediction of the forced picks: scored (near chance), still exact
-        pf.oracle = None
+        eng.set_experiment(eng.experiment.replace(prefetch_oracle=None))
         _uniform(eng)                                  # the same pick sets from the start again
         _compare(_one_row(_script(eng, toks)), _one_row(want), f"prefetch, router, {placement}")
         c2, ch2, k2, kh2 = pf.totals()

@@ -95,12 +95,12 @@ def test_graphs_captured_ahead_leave_the_logits_alone(moe_2l):
 def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, monkeypatch, tmp_path):
     """Rates forced so the planner predicts ~20% (within +-25%): both paths are timed at load and the
     faster runs; the decision is in telemetry and in `applied`."""
-    from runtime.experts import manager as mgr
+    from runtime.experts import cpu_share
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
-    real_costs = mgr.OffloadManager._split_costs
-    monkeypatch.setattr(mgr.OffloadManager, "_split_costs",
-                        lambda self, r: CpuSplitCosts(50e9, 10e9, 0.0, real_costs(self, r).cpu_bytes_ratio))
+    real_costs = cpu_share.CpuShare._split_costs
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, r, threads: CpuSplitCosts(
+        50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
     from runtime.backends.exl2_offload import prefill_scratch_bytes
     ref, _, _ = _load(moe_2l, context_length=512)
     codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))

@@ -1,0 +1,301 @@
+"""What the CPU computes of the cold experts: which ones, which rows of each (the cut), moved while decoding.
+
+- **CPU path** (placements "auto" and "cpu"; runtime/experts/cpu_path.py): after each placement,
+  the CPU gets copies of the first rows of every cold expert ("cut", the default: the part that
+  balances its expected time against PCIe's for the rest, placement.plan_cpu_split, from measured
+  rates; moved while decoding by `rebalance`), or of whole experts ("experts"); "auto" takes it where
+  the predicted gain is worth it and host RAM holds the copies. Decode steps compute the CPU's part
+  inside the step's graph while the GPU kernels compute the rest. A promoted expert goes back to the
+  GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
+  at the next placement. Verify rows and prefill keep the GPU paths.
+
+How a layer's cold picks are shared (MOEDESK_CPU_SPLIT, read by runtime/experts/manager.py): "cut" (the
+default where the layout allows it) gives the CPU the first part of every cold pick's intermediate
+features and the GPU the rest, in the ratio of their rates, re-balanced while decoding (`rebalance`);
+"experts" gives each pick whole to one side (the balanced or static split).
+
+The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
+of this many times the experts the static split would own, and each decode step gives the CPU its
+planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
+
+"auto" takes the CPU path where the planner predicts AUTO_CPU_MIN_GAIN and host RAM holds the copies; on
+the H200 (q125-a11, uniform routing, doorbell signalling, experts cut) it decoded 40.0-40.6 tok/s at 24 GB
+against 27.4-30.1 without it in the same runs, 30.1 against 20.3 at 12 GB, for CPU copies in host RAM, a
+longer load and all but two cores busy while generating (runtime/experts/NOTES.md).
+MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.cpu_experts import CpuExpertsError
+from runtime.experts.experiment import NO_EXPERIMENT, Experiment
+from runtime.experts.offload import LayerOffload, inference_mode_methods
+from runtime.experts.placement import CpuSplit, CpuSplitCosts, plan_cpu_split
+from runtime.experts.routing_stats import RoutingStats
+from runtime.experts.staging import Staging
+
+log = logging.getLogger(__name__)
+CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
+AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
+CUT_HEADROOM = 128        # "cut": CPU copies this many rows wider than the planned cut
+REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
+REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
+REBALANCE_GAIN = 0.01     # ... how much faster a measured neighbour must be to move there
+
+
+@inference_mode_methods
+class CpuShare:
+    """The layers' CPU paths (LayerOffload.cpu), why there are none, and the cut they share.
+
+    policy: the placement ("cpu", "auto", or another, which leaves the CPU out); auto_cpu, split_mode,
+    balance: MOEDESK_AUTO_CPU_PATH, MOEDESK_CPU_SPLIT, MOEDESK_CPU_BALANCE as the manager read them."""
+
+    def __init__(self, layers: list[LayerOffload], staging: Staging, stats: RoutingStats, policy: str,
+                 threads: int, ram: Optional[MemoryBudget], on_stage: Callable[[str], None],
+                 auto_cpu: bool, split_mode: str, balance: float):
+        self.layers, self.staging, self.stats = layers, staging, stats
+        self.E = layers[0].num_experts
+        self.top_k = layers[0].layer.top_k
+        self.device = layers[0].device
+        self.cuda = self.device.type == "cuda"
+        self.policy, self.threads, self.ram = policy, threads, ram
+        self.on_stage = on_stage
+        self.auto_cpu, self.split_mode, self.balance = auto_cpu, split_mode, balance
+        self.experiment: Experiment = NO_EXPERIMENT
+        self.reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
+        self.split: Optional[CpuSplit] = None
+        self.predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
+        self.unavailable = ""                          # why no CPU path can run at all ("" when one can)
+        self._parked = None          # CPU paths set aside while the GPU-only path is timed: (paths, split, cut)
+        self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
+        self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
+        self._balance_prev = (0, 0, 0)
+        self._cut_ms: dict[int, tuple[float, int]] = {}    # cut -> (ms per decode step there, at forward)
+        self._window: list[float] = []                     # decode step times (s) since the last look
+        self._t_prev: Optional[float] = None               # when the previous forward started, if one row
+
+    @property
+    def active(self) -> bool:
+        return any(lo.cpu is not None for lo in self.layers)
+
+    def drop(self) -> None:
+        self._close_parked()
+        for lo in self.layers:
+            if lo.cpu is not None:
+                lo.cpu.close()                        # its RAM back to the ledger
+                lo.cpu = None
+
+    def set_path(self, on: bool, reason: str = "measured slower", keep: bool = False) -> bool:
+        """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
+        sets, whatever the predicted gain, or off; True if it runs afterwards. keep: off, with the
+        CPU copies set aside (not freed), so that turning it on again is immediate (measuring both)."""
+        # Lent experts back to host memory first: measuring PCIe for the split writes a staging page.
+        self.staging.reclaim()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if on and self._parked is not None:
+            paths, self.split, self.cut = self._parked
+            self._parked = None
+            for lo, cpu in zip(self.layers, paths):
+                lo.cpu = cpu
+                if cpu is not None:            # ownership after promotions and lending while set aside
+                    lo._write_entries(list(range(self.E)))
+            self.reason = ""
+        elif not on and keep and self.active:
+            self._close_parked()
+            self._parked = ([lo.cpu for lo in self.layers], self.split, self.cut)
+            for lo in self.layers:
+                lo.cpu = None
+            self.split, self.cut, self.reason = None, None, reason
+        else:
+            self.drop()
+            self.split, self.cut = None, None
+            if on:
+                self.build([sorted(lo.expert_slot) for lo in self.layers], force=True)
+            else:
+                self.reason = reason
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return self.active
+
+    def _close_parked(self) -> None:
+        if self._parked is not None:
+            for cpu in self._parked[0]:
+                if cpu is not None:
+                    cpu.close()
+            self._parked = None
+
+    def build(self, resident: list[list[int]], force: bool = False) -> None:
+        """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why).
+        force: whatever gain the rates predict ("auto" measuring both paths)."""
+        from runtime.experts import cpu_path
+        self.split = None
+        self.predicted_gain, self.unavailable = None, ""
+        if self.policy != "cpu" and not (self.policy == "auto" and self.auto_cpu):
+            self.reason = self.unavailable = (
+                "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
+                if self.policy == "auto" else f"placement '{self.policy}'")
+            return
+        if all(len(r) == self.E for r in resident):
+            self.reason = self.unavailable = "every expert is in VRAM"
+            return
+        try:
+            from runtime import cpu_load
+            threads = cpu_path.resolve_threads(self.threads, None if self.threads else cpu_load.measure_others())
+            self.on_stage("Placing experts: measuring the CPU's and PCIe's rates")
+            costs = self._split_costs(resident, threads)
+        except CpuExpertsError as e:
+            self.reason = self.unavailable = f"the CPU expert kernel is unavailable: {e}"
+            return
+        from runtime.experts.kernels import CUT_ALIGN
+        from runtime.experts.pack import intermediate_aligned
+        I = self.layers[0].packs[2].in_features
+        cut_mode = (self.split_mode == "cut" and I % CUT_ALIGN == 0 and I >= 2 * CUT_ALIGN
+                    and all(intermediate_aligned(lo.packs[2]) for lo in self.layers))
+        split = plan_cpu_split(self.stats.frequencies(), resident, [lo.code_bytes for lo in self.layers],
+                               self.top_k, costs, oversubscribe=1.0 if cut_mode else max(1.0, self.balance),
+                               cut=cut_mode)
+        self.predicted_gain = split.gain
+        if self.policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
+            self.reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
+            return
+        if not any(split.owned):
+            self.reason = self.unavailable = (
+                f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
+                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
+            return
+        cut = width = None
+        if cut_mode:                          # one cut for all layers: their ratio of rates is the same
+            f = float(np.mean([s for s, o in zip(split.shares, split.owned) if o]))
+            cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
+            width = min(I, cut + max(CUT_HEADROOM, CUT_ALIGN))
+        self.on_stage("Placing experts: copying cold experts for the CPU")
+        try:
+            for lo, owned, share in zip(self.layers, split.owned, split.shares):
+                if owned:
+                    lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
+                                              self.ram, self.device, width=width)
+                    for e in owned:
+                        lo.cpu.own(e, True)
+                    if cut is not None:
+                        lo.cpu.set_cut(cut)
+                    elif self.balance:
+                        lo.cpu.set_share(share)
+        except BudgetError as e:
+            self.drop()
+            if self.policy == "cpu":
+                raise
+            self.reason = self.unavailable = f"host RAM is short for the CPU copies ({e})"   # "auto": stream
+            log.warning("CPU expert path left out: %s", self.reason)
+            return
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.split, self.reason = split, ""
+        self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, []
+        self._balance_prev = self.balance_totals()
+        log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
+                 threads, sum(len(o) for o in split.owned),
+                 f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
+                 split.stream_s * 1e6, split.split_s * 1e6)
+
+    def _split_costs(self, resident: list[list[int]], threads: int) -> CpuSplitCosts:
+        """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
+        and, on a GPU, pinned host-to-device bandwidth."""
+        from runtime.experts import cpu_path
+        lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
+        cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
+        cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, threads)
+        if self.cuda and self.staging.buffers:         # into a staging buffer: scratch between steps
+            pcie = cpu_path.pcie_bytes_per_s(lo.packs[0].cold, self.staging.buffers[0][0])
+        else:
+            pcie = cpu_path.PCIE_GUESS
+        ratio = cpu_path.cpu_expert_bytes(lo.packs) / lo.code_bytes
+        return CpuSplitCosts(pcie, cpu, CPU_OVERHEAD_S, ratio)
+
+    # -- the cut, moved while decoding ----------------------------------------------------------------
+
+    def balance_totals(self) -> tuple[int, int, int]:
+        """(CPU first, GPU first, ns of CPU idle) summed over the layers' CPU paths so far."""
+        t = [lo.cpu.balance() for lo in self.layers if lo.cpu is not None]
+        return tuple(int(sum(v)) for v in zip(*t)) if t else (0, 0, 0)
+
+    @property
+    def cut_width(self) -> int:
+        """"cut": the intermediate rows every layer's CPU copies hold, the most the cut can be."""
+        return min(lo.cpu.width for lo in self.layers if lo.cpu is not None)
+
+    def set_cut(self, rows: int) -> None:
+        """Every layer's cut to `rows` (a multiple of CUT_ALIGN within the copies), the stream
+        synchronised first; "cut" only."""
+        if self.cut is None:
+            raise ValueError("the CPU path does not cut experts here (MOEDESK_CPU_SPLIT, placement, layout)")
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        for lo in self.layers:
+            if lo.cpu is not None:
+                lo.cpu.set_cut(rows)
+        if self.cuda:                                   # the device values written before any stream reads them
+            torch.cuda.current_stream(self.device).synchronize()
+        self.cut = int(rows)
+
+    def boundary(self, rows: int, forwards: int) -> None:
+        """Before each forward: maybe move the cut, time the step, wake the worker's polling."""
+        if self.split is None:
+            return
+        from runtime.experts import cpu_path
+        if self.cut is not None and not self.experiment.fixed_cut and not self.experiment.naive:
+            if forwards % REBALANCE_EVERY == 0:
+                self.rebalance(forwards)
+                self._t_prev = None             # a move synchronises: not part of a step's time
+            self._time_step(rows)
+        cpu_path.kick()                         # the worker polls its doorbell without pause again
+
+    def rebalance(self, forwards: int) -> None:
+        """"cut": climb to the cut whose decode steps are fastest, one CUT_ALIGN step at a time.
+
+        Every REBALANCE_EVERY forwards the current cut's step time is measured (the median of the
+        window's decode steps, so a graph capture or a lending copy in the window does not move it;
+        averaged with its last fresh value). Then: a neighbouring cut measured REBALANCE_GAIN faster
+        is taken; else a neighbour not measured within REBALANCE_KEEP forwards is tried (first the
+        side the worker's counts point at: more rows to the CPU when it finished first more often);
+        else the cut stays. Times, not the counts, decide: across runs the fastest cut had the CPU
+        finishing first in 12% to 78% of layer calls (runtime/experts/NOTES.md). Between forwards,
+        with the stream synchronised (the worker's copy of the cut changes at once)."""
+        from runtime.experts.kernels import CUT_ALIGN
+        steps, self._window = sorted(self._window), []
+        if len(steps) < REBALANCE_EVERY // 2 or not self.active:   # a prefill or pause in the window
+            return
+        fresh = {c: ms for c, (ms, at) in self._cut_ms.items() if forwards - at <= REBALANCE_KEEP}
+        ms = steps[len(steps) // 2] * 1e3
+        if self.cut in fresh:
+            ms = (ms + fresh[self.cut]) / 2
+        self._cut_ms[self.cut] = (ms, forwards)
+        fresh[self.cut] = ms
+        now = self.balance_totals()
+        cpu_first, gpu_first = now[0] - self._balance_prev[0], now[1] - self._balance_prev[1]
+        self._balance_prev = now
+        share = cpu_first / (cpu_first + gpu_first) if cpu_first + gpu_first else 0.5
+        up, down = self.cut + CUT_ALIGN, self.cut - CUT_ALIGN
+        near = [c for c in ((up, down) if share >= 0.5 else (down, up)) if CUT_ALIGN <= c <= self.cut_width]
+        faster = [c for c in near if c in fresh and fresh[c] < ms * (1 - REBALANCE_GAIN)]
+        untried = [c for c in near if c not in fresh]
+        new = min(faster, key=fresh.get) if faster else untried[0] if untried else None
+        if new is None:
+            return
+        self.set_cut(new)
+        self.cut_log.append((forwards, new, round(share, 3)))
+        self._balance_prev = self.balance_totals()
+
+    def _time_step(self, rows: int) -> None:
+        """Decode step times for rebalance: the time from one one-row forward's start to the next's."""
+        t = time.perf_counter()
+        if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
+            self._window.append(t - self._t_prev)
+        self._t_prev = t if rows == 1 else None
