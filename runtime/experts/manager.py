@@ -60,6 +60,11 @@ from runtime.experts.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
+# ... and never below this many rows: forwards of up to 9 rows (a decode step, a verify of 8 drafts)
+# replay decode graphs, which read cold experts in place (staging copies are scheduled from the host);
+# with few experts (Mixtral: 8, top-2) 2 x E pairs would be 8 rows, and a verify of 8 would copy every
+# cold expert of every layer instead of reading the few it chose once.
+STAGE_MIN_ROWS = 16
 CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
 AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
 # "auto" takes the CPU path where the planner predicts this gain and host RAM holds the copies; on the
@@ -146,7 +151,7 @@ class OffloadManager:
         self.replace_every, self.max_promotions, self.margin = replace_every, max_promotions, margin
         self.naive = False
         self._exclude = False
-        self.stage_min_pairs = STAGE_PAIRS_PER_EXPERT * self.E
+        self.stage_min_pairs = max(STAGE_PAIRS_PER_EXPERT * self.E, STAGE_MIN_ROWS * self.top_k)
         self.lock = threading.Lock()
         self.side = torch.cuda.Stream(self.device) if self.cuda else None        # promotions
         self.stage_stream = torch.cuda.Stream(self.device) if self.cuda else None

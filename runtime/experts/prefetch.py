@@ -152,7 +152,8 @@ class DecodePrefetch:
                 return
             nl = self.m.layers[nxt]
             layer = nl.layer
-            predict_logits(h.reshape(1, -1), layer.norm_w, layer.gate_w, self.logits)
+            gate = layer.gate_w if layer.predict_gate is None else layer.predict_gate   # LayerNorm: folded
+            predict_logits(h.reshape(1, -1), layer.norm_w, gate, self.logits)
             cpu = nl.cpu
             oracle = None
             if self.oracle is not None and layer.uniform is not None:
