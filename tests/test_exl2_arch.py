@@ -152,3 +152,21 @@ def test_cpu_cut_of_few_large_experts(shape):
         assert 0 < f < 1
         cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
         assert cut % 16 == 0 and CUT_ALIGN <= cut < I
+
+
+def test_clamp_wraps_a_projection_and_leaves_other_models_alone():
+    """The layer loop's clip_qkv: a projection's output (or exllamav2's intermediates dict) clamped
+    in place; a model without clip_qkv is not touched (nothing imported, nothing changed)."""
+    calls = []
+
+    def projection(x, loras=None):
+        calls.append(loras)
+        return x * 10
+
+    clamped = exl2_arch._clamped(projection, 8.0)
+    x = torch.tensor([[-2.0, 0.5, 0.9]])
+    assert torch.equal(clamped(x, loras=["a"]), torch.tensor([[-8.0, 5.0, 8.0]])) and calls == [["a"]]
+    assert clamped.clip_qkv == 8.0
+    out = exl2_arch._clamped(lambda x, intermediates=True: {"hidden_states": x * 10}, 1.0)(x)
+    assert torch.equal(out["hidden_states"], torch.tensor([[-1.0, 1.0, 1.0]]))
+    assert exl2_arch.install(object(), exl2_arch.plan(hf_config(SHAPES["mixtral-8x22b"]))) == 0

@@ -126,7 +126,7 @@ def test_matches_reference(kind, size, models):
             if graphs:
                 tel = eng.telemetry()
                 assert tel["decode_graphs"], tel.get("graph_error")
-                assert sorted({t for _, t in tel["graph_shapes"]}) == sorted(ROWS), tel
+                assert set(ROWS) <= {t for _, t in tel["graph_shapes"]}, tel
         finally:
             eng.close()
     assert not failures, "\n".join(failures)
