@@ -170,3 +170,20 @@ def test_clamp_wraps_a_projection_and_leaves_other_models_alone():
     out = exl2_arch._clamped(lambda x, intermediates=True: {"hidden_states": x * 10}, 1.0)(x)
     assert torch.equal(out["hidden_states"], torch.tensor([[-1.0, 1.0, 1.0]]))
     assert exl2_arch.install(object(), exl2_arch.plan(hf_config(SHAPES["mixtral-8x22b"]))) == 0
+
+
+def test_our_renormalised_top_k_is_mixtrals_softmax_over_the_top_k_logits():
+    """Mixtral: softmax over the top-2 logits; ours (Qwen3-MoE's): softmax over all, top-k, divided by
+    the sum (the full softmax's denominator cancels). DBRX with p = 1 divides by the same sum."""
+    from runtime.experts.layer import route
+    g = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(32, 64, generator=g), torch.randn(8, 64, generator=g)
+    r = route(x, gate, 2)
+    logits = x @ gate.T
+    top, ids = torch.topk(logits, 2, dim=-1)
+    assert torch.equal(r.ids, ids)
+    assert torch.allclose(r.weights, torch.softmax(top, dim=-1), atol=1e-6)
+    probs = torch.softmax(logits, dim=-1)
+    w4, _ = torch.topk(probs, 4, dim=-1)
+    r4 = route(x, gate, 4)
+    assert torch.allclose(r4.weights, w4 / torch.linalg.vector_norm(w4, ord=1, dim=-1, keepdim=True), atol=1e-6)
