@@ -23,12 +23,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from runtime.backends import exl2_arch
 from runtime.engine import Engine, EngineError, ModelInfo, ProgressFn
 from runtime.experts.budget import BudgetError
 from runtime.options import LoadOptions
 from runtime.protocol import ErrorCode
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = exl2_arch.SUPPORTED     # per-architecture differences: runtime/backends/exl2_arch.py
 GiB = 1024 ** 3
 # Prefill chunk sizes run at load so that their kernels are compiled before the first answer: the
 # generation loop's chunk (512), a staged and an unstaged tail whose row counts Triton specializes
@@ -573,6 +574,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
                           f"{path}: architecture {config.architecture} is not supported "
                           f"(supported: {', '.join(SUPPORTED)})")
+    arch = exl2_arch.plan(exl2_arch.read_config(path), str(path / "config.json"))
+    off, context_note = exl2_arch.cap_context(arch, off)
     rms_head_norms(config)
     prefill_attention = choose_prefill_attention(config, config.head_dim)
     config.max_seq_len = off.context_length
@@ -588,7 +591,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
                   and os.environ.get("MOEDESK_NO_GRAPHS") is None)
     if use_graphs:
         config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
-    applied["offload.context_length"] = "applied"
+    applied["offload.context_length"] = context_note
     applied["offload.kv_cache"] = "applied"
     from runtime.backends import exl2_offload
     setup = exl2_offload.prepare(path, config, off, is_moe and moe == "own")   # budgets, allocator cap
@@ -599,9 +602,10 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     failure: Optional[tuple[bool, str]] = None
     try:
         model = ExLlamaV2(config)
+        exl2_arch.install(model, arch)
         if is_moe and moe == "own":
             from runtime.experts.exl2_module import install
-            install(model, host_ram=setup.ram, host_arena=setup.arena)
+            install(model, host_ram=setup.ram, host_arena=setup.arena, renormalize=arch.renormalize)
         n = len(model.modules)
         model.load(callback=lambda i, total: progress("load", "Loading weights", i, total))
         progress("load", "Allocating the KV cache", 0, 1)

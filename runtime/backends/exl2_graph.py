@@ -121,6 +121,7 @@ class DecodeGraphs:
         from exllamav2.moe_mlp import ExLlamaV2MoEMLP
         from exllamav2.rmsnorm import ExLlamaV2RMSNorm
         from exllamav2.linear import ExLlamaV2Linear
+        from runtime.backends.exl2_arch import graph_modules
         from runtime.experts.exl2_module import OwnMoE
         if type(cache) is not ExLlamaV2Cache or cache.batch_size != 1:
             return None
@@ -130,7 +131,7 @@ class DecodeGraphs:
                     return None
             elif isinstance(m, ExLlamaV2MoEMLP) and not isinstance(m, OwnMoE):
                 return None                                  # stock MoE synchronises with the host
-            elif not isinstance(m, (ExLlamaV2MLP, ExLlamaV2RMSNorm, ExLlamaV2Linear, OwnMoE)):
+            elif not isinstance(m, (ExLlamaV2MLP, ExLlamaV2RMSNorm, ExLlamaV2Linear, OwnMoE) + graph_modules()):
                 return None
         return cls(model, cache)
 
@@ -142,9 +143,14 @@ class DecodeGraphs:
         k = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
         v = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
         ctx = self.model.get_device_context(a.device_idx)
-        # Norm, Q/K/V projections, head norms, RoPE at positions pos32 + t (past_len -1: read on the device).
-        self.ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, self.pos32, q, k, v,
-                                  ctx.sin[a.rope_index], ctx.cos[a.rope_index], [], self.none)
+        # Norm, Q/K/V projections, head norms, RoPE at positions pos32 + t (past_len -1: read on the device);
+        # an architecture that changes this prologue (DBRX's clip_qkv) brings its own (exl2_arch.install)
+        own = getattr(a, "moedesk_qkv", None)
+        if own is not None:
+            own(x, T, self.pos32, q, k, v, ctx.sin[a.rope_index], ctx.cos[a.rope_index])
+        else:
+            self.ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, self.pos32, q, k, v,
+                                      ctx.sin[a.rope_index], ctx.cos[a.rope_index], [], self.none)
         K = self.cache.key_states[a.layer_idx]                        # [1, S, Hk, D]
         V = self.cache.value_states[a.layer_idx]
         if self.attention == "triton":

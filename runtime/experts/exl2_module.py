@@ -12,6 +12,7 @@ import os
 
 import torch
 from exllamav2.moe_mlp import ExLlamaV2MoEMLP
+from exllamav2.rmsnorm import ExLlamaV2RMSNorm
 
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
@@ -24,6 +25,7 @@ class OwnMoE(ExLlamaV2MoEMLP):
     experts: ExpertLayer | None = None
     host_ram: MemoryBudget | None = None      # offload: expert codes go to pinned host RAM, on this ledger
     host_arena: HostArena | None = None       # ... carved from these page-locked blocks
+    renormalize: bool = True                  # top-k weights divided by their sum (runtime/backends/exl2_arch.py)
 
     @torch.inference_mode()
     def load(self):
@@ -49,8 +51,13 @@ class OwnMoE(ExLlamaV2MoEMLP):
         # down's packed order for the intermediate: a cold expert can then be cut between the CPU
         # and the GPU by ranges (runtime/experts/cpu_path.py); the same function either way
         align_intermediate(*packs, device=self.device())
-        self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token)
-        self.experts.norm_w = getattr(self.post_attention_layernorm, "weight", None)   # RMSNorm's, or None
+        self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token,
+                                   self.renormalize)
+        norm_w = getattr(self.post_attention_layernorm, "weight", None)
+        if norm_w is not None and not isinstance(self.post_attention_layernorm, ExLlamaV2RMSNorm):
+            norm_w = None          # a LayerNorm (DBRX) also centres: the prediction is folded below
+            self.experts.fold_layer_norm(self.post_attention_layernorm.weight)
+        self.experts.norm_w = norm_w                       # RMSNorm's, or None
         self.q_handle = None                                 # exllamav2's fused path never runs
 
     def unload(self):
@@ -78,17 +85,18 @@ class OwnMoE(ExLlamaV2MoEMLP):
         return out
 
 
-def install(model, host_ram: MemoryBudget | None = None, host_arena: HostArena | None = None) -> int:
+def install(model, host_ram: MemoryBudget | None = None, host_arena: HostArena | None = None,
+            renormalize: bool = True) -> int:
     """Swap exllamav2's MoE modules for `OwnMoE` before loading; returns how many were swapped.
     host_ram: load every expert's codes into page-locked host memory from `host_arena` (offload),
-    accounted on this ledger."""
+    accounted on this ledger. renormalize: the top-k weights divided by their sum."""
     if host_ram is not None and host_arena is None:
         raise ValueError("offload needs a host arena for the experts' codes")
     n = 0
     for m in model.modules:
         if type(m) is ExLlamaV2MoEMLP:
             m.__class__ = OwnMoE
-            m.host_ram, m.host_arena = host_ram, host_arena
+            m.host_ram, m.host_arena, m.renormalize = host_ram, host_arena, renormalize
             n += 1
     return n
 

@@ -81,6 +81,9 @@ class ExpertLayer:
         # The RMSNorm weight applied before the router (set by the model wrapper): the decode prefetch
         # (runtime/experts/prefetch.py) predicts this layer's picks from the residual stream with it.
         self.norm_w: torch.Tensor | None = None
+        # A LayerNorm before the router (DBRX) also subtracts the mean: the prefetch then predicts with
+        # this router folded with the norm's weight and centred (`fold_layer_norm`), norm_w None.
+        self.predict_gate: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None       # the last forward's picks (device), for the prefetch's score
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +122,13 @@ class ExpertLayer:
         r = route(x, self.gate_w, self.top_k, self.renormalize)
         self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
         return experts_reference(x, r, self.w1, self.w3, self.w2)
+
+    def fold_layer_norm(self, weight: torch.Tensor) -> None:
+        """For a bias-free LayerNorm of `weight` [H] before the router: `predict_gate` [E, H] with
+        (h . predict_gate[e]) = sigma(h) * logit_e(h), sigma > 0 (LayerNorm's scale does not change
+        the ranking): c_e = w * g_e - mean(w * g_e), since (h - mean(h)) . v = h . (v - mean(v))."""
+        g = self.gate_w.float() * weight.float().reshape(1, -1).to(self.gate_w.device)
+        self.predict_gate = (g - g.mean(dim=1, keepdim=True)).half().contiguous()
 
     def after_residual(self, h: torch.Tensor) -> None:
         """The model wrapper's call after this layer's output joined the residual stream h [T, H]: a

@@ -155,7 +155,8 @@ class DecodePrefetch:
                 return
             nl = self.layers[nxt]
             layer = nl.layer
-            predict_logits(h.reshape(1, -1), layer.norm_w, layer.gate_w, self.logits)
+            gate = layer.gate_w if layer.predict_gate is None else layer.predict_gate   # LayerNorm: folded
+            predict_logits(h.reshape(1, -1), layer.norm_w, gate, self.logits)
             cpu = nl.cpu
             oracle = self.experiment.oracle(nxt)
             prefetch_plan(self.logits, nl.mask, [p.woff for p in nl.packs], list(self.steps[nxt]),

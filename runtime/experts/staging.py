@@ -30,6 +30,11 @@ from runtime.experts.routing_stats import RoutingStats
 from runtime.experts.telemetry import Counters
 
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
+# ... and never below this many rows: forwards of up to 9 rows (a decode step, a verify of 8 drafts)
+# replay decode graphs, which read cold experts in place (staging copies are scheduled from the host);
+# with few experts (Mixtral: 8, top-2) 2 x E pairs would be 8 rows, and a verify of 8 would copy every
+# cold expert of every layer instead of reading the few it chose once.
+STAGE_MIN_ROWS = 16
 
 
 @inference_mode_methods
@@ -45,7 +50,7 @@ class Staging:
         self.cuda = self.device.type == "cuda"
         self.counters, self.stats = counters, stats
         self.experiment: Experiment = NO_EXPERIMENT
-        self.min_pairs = STAGE_PAIRS_PER_EXPERT * self.E
+        self.min_pairs = max(STAGE_PAIRS_PER_EXPERT * self.E, STAGE_MIN_ROWS * self.top_k)
         self.side = side                                   # lending copies (shared with promotions)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.buffers: list[list[torch.Tensor]] = []        # [buffer][projection] int32 [C, K/per, N]
