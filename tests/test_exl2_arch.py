@@ -116,7 +116,7 @@ def test_placement_of_few_large_experts_fills_the_budget(shape, budget_gb):
     layers = [random_layer(s.experts, 64, 32, s.experts_per_token, 4, "cpu", seed=0, host_codes=True)
               for _ in range(L)]
     m = OffloadManager(layers, MemoryBudget(free))
-    m.code_bytes = lambda: [cb] * L
+    m.code_bytes = m.residency.code_bytes = lambda: [cb] * L
     m.place(free_bytes=free)
     residents = [len(lo.expert_slot) for lo in m.layers]
     assert m.vram.used_bytes <= free
