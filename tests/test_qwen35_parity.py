@@ -173,22 +173,23 @@ def test_truncate_before_the_checkpoint_replays_the_kept_tokens(pair):
     _checker(name, oracle(model, after))(engine.forward(after[37:]), 37, 40, "after replay")
 
 
-def test_window_stays_bounded_over_many_decode_steps(pair):
-    """Decode steps past the window: the log never holds more than the window, and a rollback within
-    the last forward still matches."""
+def test_window_stays_bounded_and_reaches_back_a_window_over_many_decode_steps(pair):
+    """Decode steps well past the window: at most two segments, each of at most the window's tokens, and
+    a truncate back by the window's length is a recompute (no replay) that matches."""
     name, model, engine = pair
     engine.reset()
-    seq = _tokens(ROLLBACK_WINDOW + 40, 8)
+    seq = _tokens(3 * ROLLBACK_WINDOW, 8)
     engine.forward(seq[:8])
-    for t in seq[8:ROLLBACK_WINDOW + 36]:
+    for t in seq[8:3 * ROLLBACK_WINDOW - 2]:
         engine.forward([t])
         state = engine.cache
-        assert state.length - state.base <= ROLLBACK_WINDOW
-    engine.forward(seq[ROLLBACK_WINDOW + 36:])
-    engine.truncate(ROLLBACK_WINDOW + 37)
-    after = seq[:ROLLBACK_WINDOW + 37] + _tokens(2, 9)
-    n = ROLLBACK_WINDOW + 37
-    _checker(name, oracle(model, after))(engine.forward(after[n:]), n, n + 2, "after a long decode")
+        assert len(state.segments) <= 2 and state.length - state.segments[-1].base <= ROLLBACK_WINDOW
+        assert state.length - state.base >= min(state.length, ROLLBACK_WINDOW)
+    n = engine.position - ROLLBACK_WINDOW
+    engine.tokens[:n] = [-1] * n                 # a replay would now fail: the truncate must not use one
+    engine.truncate(n)
+    after = seq[:n] + _tokens(2, 9)
+    _checker(name, oracle(model, after))(engine.forward(after[n:]), n, n + 2, "a window back after a long decode")
 
 
 def test_bad_truncate_and_image_placeholder_are_refused(tmp_path):

@@ -2,17 +2,16 @@
 recurrent state for each Gated DeltaNet layer, and rollback of both.
 
 A KV cache rolls back by moving its length; a recurrent state cannot (it folds every token in). The
-choice here is recompute, not per-position copies: `HybridState` keeps one checkpoint of every
+choice here is recompute, not per-position copies: `HybridState` keeps a checkpoint of every
 DeltaNet layer's states (at position P0) and, for each token since, that layer's inputs to its
 recurrence (the projected q/k/v channels before the convolution, the decay and the write strength:
-C + 2*HV numbers, not the HV*dk*dv of a state). `truncate(n)` for any n in P0..position re-runs the
-convolution and the delta rule from the checkpoint over the first n - P0 logged tokens; no projection
-or expert runs again. The window is at least the last ROLLBACK_WINDOW tokens and always the last forward
-of up to that many (a verify of K drafts, the drafter's K single-token steps): a forward that would
-overflow it first moves the checkpoint to the current position, and a longer forward (a prefill
-chunk) is not logged, the checkpoint moving to its end. A truncate to before the checkpoint (rare:
-generation reuses a cache only when it is a prefix of the new prompt) runs the kept tokens again from
-the start.
+C + 2*HV numbers a token, not the HV*dk*dv of a state). `truncate(n)` for any n in P0..position re-runs
+the convolution and the delta rule from the checkpoint over the first n - P0 logged tokens; no
+projection, attention or expert runs again. A truncate back by up to ROLLBACK_WINDOW tokens (a verify of
+K drafts, a drafter's K single-token steps) never needs more: checkpoints move forward in segments of
+that many tokens, the last two kept. A forward longer than the window (a prefill chunk) is not logged:
+the checkpoint moves to its end. A truncate to before the oldest checkpoint (rare: generation reuses a
+cache only when it is a prefix of the new prompt) runs the kept tokens again from the start.
 """
 from __future__ import annotations
 
@@ -37,9 +36,20 @@ class KV:
         self.v = torch.zeros(shape, dtype=dtype)
 
 
+class Segment:
+    """A checkpoint of every DeltaNet layer's states at position `base`, and each layer's logged inputs
+    since: `log[i]` a list of (mixed [t, C], g [t, HV], beta [t, HV]), one entry per forward."""
+
+    def __init__(self, base: int, conv: list, recurrent: list):
+        self.base, self.conv, self.recurrent = base, list(conv), list(recurrent)
+        self.log: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in conv]
+
+
 class HybridState:
     """One sequence's cache: `kv`, and per DeltaNet layer `conv[i]` [K-1, C] and `recurrent[i]` [HV, dk, dv]
-    float32. State tensors are replaced, never written in place, so the checkpoint holds references."""
+    float32. State tensors are replaced, never written in place, so a checkpoint holds references.
+    At most two segments are kept: a new one starts at the current position when the newest would pass
+    ROLLBACK_WINDOW tokens, so the older one still reaches ROLLBACK_WINDOW tokens back."""
 
     def __init__(self, spec: q35.Spec, capacity: int, dtype: torch.dtype):
         self.spec, self.dtype, self.capacity = spec, dtype, capacity
@@ -54,45 +64,50 @@ class HybridState:
         self.recurrent = [torch.zeros(s.lin_value_heads, s.lin_key_dim, s.lin_value_dim)
                           for _ in range(self.linear_layers)]
         self.length = 0
-        self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        self.base = self.length
-        self.base_conv, self.base_recurrent = list(self.conv), list(self.recurrent)
-        self.log: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(self.linear_layers)]
+        self.segments = [Segment(0, self.conv, self.recurrent)]
         self.logging = True
+
+    @property
+    def base(self) -> int:
+        """The oldest position a truncate reaches without a replay."""
+        return self.segments[0].base
 
     def begin(self, t: int) -> None:
         """Before a forward of t tokens: keep the window bounded (see the module docstring)."""
-        if self.length - self.base + t > ROLLBACK_WINDOW:
-            self._checkpoint()
         self.logging = t <= ROLLBACK_WINDOW
+        if self.length - self.segments[-1].base + t > ROLLBACK_WINDOW:
+            self.segments = self.segments[-1:] + [Segment(self.length, self.conv, self.recurrent)]
 
     def record(self, i: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         if self.logging:
-            self.log[i].append((mixed.clone(), g, beta))
+            self.segments[-1].log[i].append((mixed.clone(), g, beta))
 
     def end(self) -> None:
-        if not self.logging:
-            self._checkpoint()
+        if not self.logging:                  # a long forward, not logged: only its end is a checkpoint
+            self.segments = [Segment(self.length, self.conv, self.recurrent)]
+            self.logging = True
 
     def rollback(self, length: int, layers: list) -> bool:
         """Return the DeltaNet states to those after the first `length` tokens; False when `length` is
-        before the checkpoint (the caller replays). The KV cache needs nothing: its length moves."""
+        before the oldest checkpoint (the caller replays). The KV cache needs nothing: its length moves."""
         if length == self.length:
             return True
-        if not self.base <= length < self.length or not self.logging:
+        found = [k for k, seg in enumerate(self.segments) if seg.base <= length]
+        if not found or length > self.length:
             return False
-        n = length - self.base
+        self.segments = self.segments[:found[-1] + 1]
+        seg = self.segments[-1]
+        n = length - seg.base
         linear = [layer for layer in layers if layer.conv_weight is not None]
         for i, layer in enumerate(linear):
-            mixed, g, beta = (torch.cat(parts)[:n] for parts in zip(*self.log[i]))
-            self.log[i] = [(mixed, g, beta)] if n else []
             if n:
+                mixed, g, beta = (torch.cat(parts)[:n] for parts in zip(*seg.log[i]))
+                seg.log[i] = [(mixed, g, beta)]
                 _, self.conv[i], self.recurrent[i] = q35.mix(layer, self.spec, mixed, g, beta,
-                                                             self.base_conv[i], self.base_recurrent[i])
+                                                             seg.conv[i], seg.recurrent[i])
             else:
-                self.conv[i], self.recurrent[i] = self.base_conv[i], self.base_recurrent[i]
+                seg.log[i] = []
+                self.conv[i], self.recurrent[i] = seg.conv[i], seg.recurrent[i]
         self.length = length
         return True
 
