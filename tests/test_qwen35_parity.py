@@ -206,3 +206,31 @@ def test_bad_truncate_and_image_placeholder_are_refused(tmp_path):
         engine.forward([5, 100])
     assert e.value.code == "bad_field" and "image" in e.value.message
     assert engine.position == 3                            # nothing of the refused forward went in
+
+
+def test_speculative_decoding_leaves_the_cache_of_a_fresh_prefill(tmp_path):
+    """Greedy speculation with an int8 copy of the same model as drafter (both hybrid: the target's
+    verify windows and the drafter's single steps both roll back): every emitted token is the target's
+    own greedy choice, and the cache after the rejections gives a fresh prefill's logits."""
+    from runtime import sampling
+    from runtime.options import DraftOptions, SamplingOptions
+    from runtime.speculative import make_decoder
+    make_model("conditional", tmp_path)
+    target, _ = load(tmp_path, precision="float32")
+    draft, _ = load(tmp_path, precision="int8")
+    greedy = SamplingOptions(temperature=0.0)
+    prompt = _tokens(12, 11)
+    tokens = prompt + [sampling.sample(target.forward(prompt)[-1], prompt, greedy)]
+    dec = make_decoder(target, DraftOptions(mode="model", draft_tokens=5, adaptive=False), greedy, draft_engine=draft)
+    while len(tokens) - len(prompt) < 40:
+        tokens += dec.step(tokens)
+        assert target.position == len(tokens) - 1
+    hist = dec.stats().acceptance_histogram
+    assert sum(hist[:-1]) > 0 and dec.stats().accepted_tokens > 0, f"expected rejections and acceptances: {hist}"
+    after_rollbacks = target.forward(tokens[-1:])[0]
+    target.reset()
+    fresh = target.forward(tokens)                                           # [T, V]
+    assert (after_rollbacks - fresh[-1]).abs().max() <= TOL_FP32
+    for i in range(len(prompt), len(tokens)):                                # each token the greedy choice
+        row = fresh[i - 1]
+        assert row[tokens[i]] >= row.max() - 1e-3, f"token {i} is not the target's greedy choice"
