@@ -176,3 +176,21 @@ def test_reduced_precisions_stay_as_close_as_transformers_own_bfloat16(plain, pr
     assert ours_rel < 1.5 * theirs_rel, f"{precision}: {ours_rel:.3f} of the logit scale, transformers' bf16 {theirs_rel:.3f}"
     agree, theirs_agree = ((x.argmax(-1) == ref.argmax(-1)).float().mean().item() for x in (got, theirs))
     assert agree >= theirs_agree - 0.1
+
+
+def test_tiny_synthetic_folder_answers_through_the_worker(tiny):
+    from runtime import protocol as P
+    from runtime.client import WorkerClient, new_id
+    from runtime.options import SamplingOptions
+    with WorkerClient() as w:
+        loaded = w.load(str(tiny))
+        assert loaded.backend == "cpu" and loaded.vocab_size == 1024
+        req = P.Generate(request_id=new_id("t"), messages=(P.ChatMessage("user", "Hi"),),
+                         sampling=SamplingOptions(temperature=0.0, max_tokens=6))
+        finished = None
+        for ev in w.generate(req, timeout=120):
+            if isinstance(ev, P.Error):
+                raise P.exception_for(ev)
+            if isinstance(ev, P.Finished):
+                finished = ev
+    assert finished is not None and 0 < finished.stats.generated_tokens <= 6
