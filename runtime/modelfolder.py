@@ -298,10 +298,10 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
     return Layout(plain, linears, idle)
 
 
-def implied_tensors(config: dict) -> int:
+def implied_tensors(config: dict, present: set[str] | None = None) -> int:
     """How many entries `layout` makes (each one at least one stored tensor), counted without building it."""
     if config["architectures"][0] in qwen35.ARCHITECTURES:
-        return qwen35.implied_tensors(config)
+        return qwen35.implied_tensors(config, present or set())
     n = config["num_hidden_layers"]
     per_layer = 2 + 4 + (2 if config["architectures"][0] in QK_NORM_ARCHITECTURES else 0)
     moe_layers = sum(is_moe_layer(config, i) for i in range(n))
@@ -434,7 +434,7 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / "tokenizer.json", "missing: the model has no tokenizer")
     shard_of, headers = _weight_files(folder)
     names = set(shard_of)
-    implied = implied_tensors(config)
+    implied = implied_tensors(config, names)
     if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
         raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
                                                f"tensors; the weights hold only {len(names)}")

@@ -180,10 +180,14 @@ def stacked_experts(config: dict, present: set[str], layer: int) -> bool:
     return f"{prefix(config)}.layers.{layer}.mlp.experts.gate_up_proj" in present
 
 
-def implied_tensors(config: dict) -> int:
-    """At least how many stored tensors `layout` implies (experts counted stacked), without building it."""
+def implied_tensors(config: dict, present: set[str]) -> int:
+    """How many stored tensors `layout` implies, counted without building it (experts per expert, unless
+    the folder stacks them)."""
     full = config["layer_types"].count(FULL)
-    return 2 + full * 6 + (len(config["layer_types"]) - full) * 9 + len(config["layer_types"]) * 8
+    stacked = sum(stacked_experts(config, present, i) for i in range(len(config["layer_types"])))
+    per_expert = len(config["layer_types"]) - stacked
+    return (2 + full * 6 + (len(config["layer_types"]) - full) * 9 + len(config["layer_types"]) * 7
+            + stacked * 2 + per_expert * 3 * config["num_experts"])
 
 
 def param_counts(config: dict) -> tuple[int, int]:
@@ -206,10 +210,4 @@ def state_bytes(config: dict, state_dtype_bytes: int = 4, conv_dtype_bytes: int 
 def kv_layers(config: dict) -> int:
     """Layers that keep a KV cache (the full-attention ones)."""
     return config["layer_types"].count(FULL)
-
-
-def summary(config: dict) -> dict[str, Any]:
-    full = kv_layers(config)
-    return {"full_attention_layers": full, "linear_attention_layers": config["num_hidden_layers"] - full,
-            "state_bytes": state_bytes(config)}
 

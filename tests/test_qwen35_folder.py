@@ -194,3 +194,12 @@ def test_tiny_synthetic_folder_answers_through_the_worker(tiny):
             if isinstance(ev, P.Finished):
                 finished = ev
     assert finished is not None and 0 < finished.stats.generated_tokens <= 6
+
+
+def test_a_config_implying_far_more_tensors_than_stored_fails_before_the_layout_is_built(plain):
+    """4096 experts per layer, stored per expert (the folder stacks none): refused from the count of the
+    expert tensors, before a name is built for each."""
+    _config_edit(plain, lambda c: c["text_config"].update(num_experts=4096))
+    with pytest.raises(ModelFolderError) as e:
+        validate(plain, require_tokenizer=False)
+    assert "4 layers imply at least 49" in e.value.message
