@@ -210,4 +210,3 @@ def state_bytes(config: dict, state_dtype_bytes: int = 4, conv_dtype_bytes: int 
 def kv_layers(config: dict) -> int:
     """Layers that keep a KV cache (the full-attention ones)."""
     return config["layer_types"].count(FULL)
-
