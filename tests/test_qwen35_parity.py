@@ -234,3 +234,23 @@ def test_speculative_decoding_leaves_the_cache_of_a_fresh_prefill(tmp_path):
     for i in range(len(prompt), len(tokens)):                                # each token the greedy choice
         row = fresh[i - 1]
         assert row[tokens[i]] >= row.max() - 1e-3, f"token {i} is not the target's greedy choice"
+
+
+@pytest.mark.parametrize("t, chunk", [(1, 4), (7, 4), (64, 16), (150, 64)])
+def test_chunked_delta_rule_equals_the_recurrent_one(t, chunk):
+    """The prefill form against the token loop, from a nonzero state, with strong and weak decays and
+    blocks that do not divide the sequence; the state passed in is left as it was."""
+    from runtime.reference import deltanet
+    g = torch.Generator().manual_seed(t)
+    h, dk, dv = 3, 8, 5
+    q = deltanet.l2norm(torch.randn(t, h, dk, generator=g)) * dk ** -0.5
+    k = deltanet.l2norm(torch.randn(t, h, dk, generator=g))
+    v = torch.randn(t, h, dv, generator=g)
+    decay = -torch.rand(t, h, generator=g) * torch.tensor([0.01, 1.0, 8.0])
+    beta = torch.rand(t, h, generator=g)
+    state = torch.randn(h, dk, dv, generator=g)
+    kept = state.clone()
+    o1, s1 = deltanet.recurrent(q, k, v, decay, beta, state)
+    o2, s2 = deltanet.chunked(q, k, v, decay, beta, state, chunk=chunk)
+    assert (o1 - o2).abs().max() < 1e-5 and (s1 - s2).abs().max() < 1e-5
+    assert torch.equal(state, kept)
