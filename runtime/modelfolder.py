@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime.engine import EngineError
+from runtime import qwen35
+from runtime.folder_check import Layout, ModelFolderError, _check_number, _invalid, check_rope  # noqa: F401
 from runtime.protocol import ErrorCode
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                           "DbrxForCausalLM")
+                           "DbrxForCausalLM") + qwen35.ARCHITECTURES
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")       # per-head RMS norms of q and k
 
 
@@ -56,6 +57,9 @@ MOE_ARCHITECTURES = {
     # experts split per expert (w1 gate, v1 up, w2 down as [hidden, width]); norms are bias-free LayerNorms
     "DbrxForCausalLM": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "v1", "w2",
                                 "intermediate_size"),
+    # Qwen3.5-MoE (runtime/qwen35.py): Gated DeltaNet and gated attention layers, experts + a shared expert
+    **{arch: MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size")
+       for arch in qwen35.ARCHITECTURES},
 }
 
 # DBRX's config.json nests its sizes; they are copied under the names the other architectures use
@@ -82,18 +86,6 @@ CONFIG_BOUNDS = {"hidden_size": 1 << 17, "num_hidden_layers": 1024, "num_attenti
                  "decoder_sparse_step": 1024, "sliding_window": 1 << 24}
 MAX_JSON_BYTES = 64 * 1024 * 1024       # a JSON file of a model folder (tokenizer.json included)
 
-
-class ModelFolderError(EngineError):
-    """A model folder is missing, malformed or unsupported. `file` is the offending path."""
-
-    def __init__(self, code: ErrorCode, file: Path | str, problem: str, detail: str = ""):
-        super().__init__(code.value, f"{file}: {problem}", detail)
-        self.file = str(file)
-        self.problem = problem
-
-
-def _invalid(file: Path | str, problem: str) -> ModelFolderError:
-    return ModelFolderError(ErrorCode.MODEL_INVALID, file, problem)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,6 +159,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
         got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
         raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
                                f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch in qwen35.ARCHITECTURES:
+        return qwen35.read_config(config, path)
     if arch == "DbrxForCausalLM":
         _flatten_dbrx(config, path)
     if "num_experts" not in config and "num_local_experts" in config:
@@ -234,40 +228,6 @@ def config_int(config: dict, key: str, path: Path | str) -> int:
     return value
 
 
-def _check_number(params: dict, key: str, path: Path | str, low: float, high: float, where: str = "") -> None:
-    """An optional number: low < value <= high (a string or a negative epsilon is refused by name)."""
-    value = params.get(key)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
-        raise _invalid(path, f"'{where}{key}' must be a number above {low:g} and at most {high:g}, got {value!r}")
-
-
-def check_rope(config: dict, path: Path | str) -> dict:
-    """The rope scaling parameters (`rope_scaling` merged over `rope_parameters`), each field the known
-    types use present and in range; which types an engine supports is the engine's business."""
-    params: dict = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        value = config.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise _invalid(path, f"'{key}' must be an object, got {value!r}")
-        params.update(value or {})
-    where = "rope_scaling." if isinstance(config.get("rope_scaling"), dict) else "rope_parameters."
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if not isinstance(rope_type, str):
-        raise _invalid(path, f"'{where}rope_type' must be text, got {rope_type!r}")
-    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    for key in needed.get(rope_type, ()):
-        if key not in params:
-            raise _invalid(path, f"'{where}{key}' is missing: rope type {rope_type!r} needs it")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        _check_number(params, key, path, 0.0, 1e9, where)
-    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
-        raise _invalid(path, f"'{where}high_freq_factor' must be above low_freq_factor")
-    _check_number(params, "rope_theta", path, 0.0, 1e12, where)
-    return params
-
 
 def kv_heads(config: dict) -> int:
     return config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -297,14 +257,10 @@ def is_moe_layer(config: dict, layer: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # What the architecture needs: plain tensors (name -> shape) and linears (prefix -> (out, in))
 
-@dataclass
-class Layout:
-    plain: dict[str, tuple[int, ...]]
-    linears: dict[str, tuple[int, int]]
-    expert_params: int = 0           # parameters of one layer's experts not used by a token, summed
-
 
 def layout(config: dict, present: set[str] | None = None) -> Layout:
+    if config["architectures"][0] in qwen35.ARCHITECTURES:
+        return qwen35.layout(config, present)
     h, v, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
     hd, nh, nkv = head_dim(config), config["num_attention_heads"], kv_heads(config)
     qk_norm = config["architectures"][0] in QK_NORM_ARCHITECTURES
@@ -342,8 +298,10 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
     return Layout(plain, linears, idle)
 
 
-def implied_tensors(config: dict) -> int:
+def implied_tensors(config: dict, present: set[str] | None = None) -> int:
     """How many entries `layout` makes (each one at least one stored tensor), counted without building it."""
+    if config["architectures"][0] in qwen35.ARCHITECTURES:
+        return qwen35.implied_tensors(config, present or set())
     n = config["num_hidden_layers"]
     per_layer = 2 + 4 + (2 if config["architectures"][0] in QK_NORM_ARCHITECTURES else 0)
     moe_layers = sum(is_moe_layer(config, i) for i in range(n))
@@ -476,7 +434,7 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / "tokenizer.json", "missing: the model has no tokenizer")
     shard_of, headers = _weight_files(folder)
     names = set(shard_of)
-    implied = implied_tensors(config)
+    implied = implied_tensors(config, names)
     if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
         raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
                                                f"tensors; the weights hold only {len(names)}")

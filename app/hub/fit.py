@@ -10,13 +10,18 @@ Assumptions (what the estimate models; figures in GiB = 2^30 bytes, as everywher
   them sit in host RAM ("expert offload").
 - KV cache bytes per element: fp16 2; quantized caches 1, 0.75 or 0.5 plus one FP16 scale per 32 elements.
 - Tied embeddings still get a quantized head copy on the GPU (the EXL2 converter writes `lm_head`).
+- Hybrid models (Qwen3.5-MoE): only the full-attention layers keep a KV cache; each Gated DeltaNet layer
+  keeps instead a fixed recurrent state per sequence (float32) and convolution state (FP16), counted in
+  the KV figure whatever the context. Their projections, the attention output gates and the shared
+  experts are quantized like attention; their small per-head tensors stay FP16 like the norms.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
 
-from runtime.modelfolder import CONFIG_BOUNDS, flat_config
+from runtime import qwen35
+from runtime.modelfolder import CONFIG_BOUNDS, ModelFolderError, flat_config
 
 GB = 1024 ** 3
 OVERHEAD_BYTES = 1.0e9
@@ -47,10 +52,18 @@ class ModelShape:
     intermediate: int = 0         # dense MLP intermediate size (used when experts == 0)
     tie_embeddings: bool = False
     qk_norm: bool = False
+    kv_layers: int = 0            # layers with a KV cache (0: all); hybrid models have fewer
+    gated_q: bool = False         # q_proj also gives an output gate per head (twice the rows)
+    dense_extra: int = 0          # other weights quantized like attention (DeltaNet, shared experts)
+    small_extra: int = 0          # other small FP16 tensors (DeltaNet convolution, decay, norms)
+    state_bytes: int = 0          # per-sequence state that does not grow with the context
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
         config = flat_config(config)                  # DBRX nests its sizes
+        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+        if archs and archs[0] in qwen35.ARCHITECTURES:
+            return cls._hybrid(config)
 
         def need(key: str) -> int:
             """A positive integer within the bounds model-folder validation uses (CONFIG_BOUNDS)."""
@@ -65,7 +78,6 @@ class ModelShape:
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         experts = may("num_experts", 0) or may("num_local_experts", 0)
-        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
         shape = cls(
             layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
             kv_heads=may("num_key_value_heads", heads),
@@ -83,14 +95,36 @@ class ModelShape:
             raise FitError("config.json: `intermediate_size` is missing", "intermediate_size")
         return shape
 
+    @classmethod
+    def _hybrid(cls, config: dict) -> "ModelShape":
+        """Qwen3.5-MoE: sizes read and checked as model-folder validation reads them (runtime/qwen35.py)."""
+        try:
+            c = qwen35.read_config(config, "config.json")
+        except ModelFolderError as e:
+            raise FitError(f"config.json: {e.problem}") from None
+        full, linear = qwen35.kv_layers(c), c["num_hidden_layers"] - qwen35.kv_layers(c)
+        hv, cd = c["linear_num_value_heads"], qwen35.conv_dim(c)
+        deltanet = (cd + 2 * qwen35.value_dim(c) + 2 * hv) * c["hidden_size"]        # in_proj_*, out_proj
+        shared = (3 * c["shared_expert_intermediate_size"] + 1) * c["hidden_size"]   # + its gate
+        small = cd * c["linear_conv_kernel_dim"] + 2 * hv + c["linear_value_head_dim"]
+        return cls(layers=c["num_hidden_layers"], hidden=c["hidden_size"], heads=c["num_attention_heads"],
+                    kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], vocab=c["vocab_size"],
+                    experts=c["num_experts"], experts_per_token=c["num_experts_per_tok"],
+                    expert_size=c["moe_intermediate_size"], tie_embeddings=bool(c.get("tie_word_embeddings")),
+                    qk_norm=True, kv_layers=full, gated_q=True,
+                    dense_extra=linear * deltanet + c["num_hidden_layers"] * shared,
+                    small_extra=linear * small, state_bytes=qwen35.state_bytes(c))
+        return shape
+
     # Parameter counts (weights, not bytes)
     def attention_params(self) -> int:
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.layers * (self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden)
+        q_rows = 2 * q_out if self.gated_q else q_out
+        return (self.kv_layers or self.layers) * (self.hidden * q_rows + 2 * self.hidden * kv_out + q_out * self.hidden)
 
     def norm_params(self) -> int:
-        per_layer = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return self.layers * per_layer + self.hidden          # + final norm
+        qk = (self.kv_layers or self.layers) * 2 * self.head_dim if self.qk_norm else 0
+        return self.layers * 2 * self.hidden + qk + self.hidden + self.small_extra    # + final norm
 
     def router_params(self) -> int:
         return self.layers * self.hidden * self.experts
@@ -99,7 +133,7 @@ class ModelShape:
         return self.layers * self.experts * 3 * self.hidden * self.expert_size
 
     def dense_mlp_params(self) -> int:
-        return 0 if self.experts else self.layers * 3 * self.hidden * self.intermediate
+        return (0 if self.experts else self.layers * 3 * self.hidden * self.intermediate) + self.dense_extra
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -110,7 +144,7 @@ class ModelShape:
                 + self.dense_mlp_params() + self.embedding_params() + head)
 
     def kv_elements(self, context: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * context
+        return 2 * (self.kv_layers or self.layers) * self.kv_heads * self.head_dim * context
 
 
 class Verdict(str, Enum):
@@ -162,7 +196,7 @@ def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vra
         raise FitError(f"context length must be positive (got {context})", "context")
 
     # What must stay on the GPU
-    kv = shape.kv_elements(context) * KV_BYTES_PER_ELEMENT[kv_cache]
+    kv = shape.kv_elements(context) * KV_BYTES_PER_ELEMENT[kv_cache] + shape.state_bytes
     quantized = (shape.attention_params() + shape.dense_mlp_params()) * bpw / 8
     fp16_small = (shape.norm_params() + shape.router_params()) * FP16
     head = shape.embedding_params() * head_bits / 8

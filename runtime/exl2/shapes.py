@@ -11,6 +11,7 @@ from runtime.modelfolder import MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES
 
 QWEN_VOCAB = 151936
 QWEN_FIRST_SPECIAL = 151643          # <|endoftext|>; then <|im_start|>, <|im_end|>, ...
+QWEN35 = "Qwen3_5MoeForConditionalGeneration"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,16 @@ class Shape:
     norm_eps: float = 1e-06
     clip_qkv: float = 0.0            # DBRX
     chat: str = "chatml"             # the tokenizer's specials and chat template: "chatml" | "mistral"
+    # Qwen3.5-MoE's hybrid layers (0: not hybrid)
+    full_attention_interval: int = 0  # every n-th layer is gated full attention, the others Gated DeltaNet
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 4
+    shared_intermediate: int = 0     # the shared expert's width
+    partial_rotary: float = 1.0
+    special_base: int = 0            # id of <|endoftext|> when the vocabulary is not Qwen3's (0: the default)
 
     @property
     def is_llama(self) -> bool:
@@ -46,7 +57,13 @@ class Shape:
     @property
     def first_special(self) -> int:
         """Id of <|endoftext|>: Qwen's own for the real vocabulary, the last 32 ids for tiny ones."""
+        if self.special_base:
+            return self.special_base
         return QWEN_FIRST_SPECIAL if self.vocab == QWEN_VOCAB else self.vocab - 32
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.full_attention_interval > 0
 
     def with_layers(self, layers: int | None) -> "Shape":
         if layers is None:
@@ -86,6 +103,18 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("tiny-dbrx", "DbrxForCausalLM", "a miniature DBRX (tests)", layers=2, hidden=256, heads=4, kv_heads=2,
           head_dim=64, intermediate=128, vocab=1024, experts=16, experts_per_token=4, expert_intermediate=128,
           max_position=4096, rope_theta=500000.0, norm_eps=1e-05, clip_qkv=8.0),
+    # config.json of Qwen/Qwen3.5-122B-A10B (its text_config): 48 layers, 3 Gated DeltaNet : 1 gated attention,
+    # 256 experts (top-8) + a shared expert; ~122B parameters, ~10B active (vision tower and MTP head not written)
+    Shape("qwen3.5-122b-a10b", QWEN35, "Qwen/Qwen3.5-122B-A10B", layers=48, hidden=3072, heads=32, kv_heads=2,
+          head_dim=256, intermediate=0, vocab=248320, experts=256, experts_per_token=8, expert_intermediate=1024,
+          max_position=262144, rope_theta=10000000.0, full_attention_interval=4, linear_key_heads=16,
+          linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, shared_intermediate=1024,
+          partial_rotary=0.25, special_base=248044),
+    Shape("tiny-qwen3.5", QWEN35, "a miniature Qwen3.5-MoE (tests)", layers=4, hidden=256, heads=4, kv_heads=2,
+          head_dim=64, intermediate=0, vocab=1024, experts=16, experts_per_token=4, expert_intermediate=128,
+          max_position=4096, rope_theta=10000000.0, full_attention_interval=4, linear_key_heads=4,
+          linear_value_heads=32, linear_key_dim=32, linear_value_dim=32, shared_intermediate=128,
+          partial_rotary=0.25),
     Shape("smollm2-135m", "LlamaForCausalLM", "HuggingFaceTB/SmolLM2-135M-Instruct (Llama, the demo model's shape)",
           layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152,
           tie_embeddings=True, max_position=8192, rope_theta=100000.0),
@@ -104,6 +133,8 @@ def hf_config(s: Shape) -> dict:
         return _dbrx_config(s)
     if s.architecture == "MixtralForCausalLM":
         return _mixtral_config(s)
+    if s.is_hybrid:
+        return _qwen35_config(s)
     cfg = {
         "architectures": [s.architecture],
         "attention_bias": False,
@@ -172,16 +203,82 @@ def _dbrx_config(s: Shape) -> dict:
             "use_cache": True, "vocab_size": s.vocab}
 
 
+def _layer_types(s: Shape) -> list[str]:
+    every = s.full_attention_interval
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(s.layers)]
+
+
+def _qwen35_config(s: Shape) -> dict:
+    """The multimodal checkpoint's config with its text_config (no vision_config: no vision tower is written)."""
+    text = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": s.first_special + 1,
+            "eos_token_id": s.first_special + 2, "full_attention_interval": s.full_attention_interval,
+            "head_dim": s.head_dim, "hidden_act": "silu", "hidden_size": s.hidden, "initializer_range": 0.02,
+            "layer_types": _layer_types(s), "linear_conv_kernel_dim": s.conv_kernel,
+            "linear_key_head_dim": s.linear_key_dim, "linear_num_key_heads": s.linear_key_heads,
+            "linear_num_value_heads": s.linear_value_heads, "linear_value_head_dim": s.linear_value_dim,
+            "max_position_embeddings": s.max_position, "model_type": "qwen3_5_moe_text",
+            "moe_intermediate_size": s.expert_intermediate, "mtp_num_hidden_layers": 1,
+            "num_attention_heads": s.heads, "num_experts": s.experts, "num_experts_per_tok": s.experts_per_token,
+            "num_hidden_layers": s.layers, "num_key_value_heads": s.kv_heads, "rms_norm_eps": s.norm_eps,
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                                "rope_theta": s.rope_theta, "partial_rotary_factor": s.partial_rotary},
+            "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": s.shared_intermediate,
+            "tie_word_embeddings": False, "use_cache": True, "vocab_size": s.vocab}
+    media = {} if s.vocab <= s.first_special + 13 else {"image_token_id": s.first_special + 12,
+                                                         "video_token_id": s.first_special + 13}
+    return {"architectures": [s.architecture], "model_type": "qwen3_5_moe", "text_config": text,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0", **media}
+
+
+def _qwen35_tensors(s: Shape) -> Iterator["TensorSpec"]:
+    """The language model's tensors under model.language_model. (experts per expert, as EXL2 stores them)."""
+    h, q, kv, p0 = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, "model.language_model"
+    conv = 2 * s.linear_key_heads * s.linear_key_dim + s.linear_value_heads * s.linear_value_dim
+    vd, hv = s.linear_value_heads * s.linear_value_dim, s.linear_value_heads
+    yield TensorSpec(f"{p0}.embed_tokens.weight", (s.vocab, h), "embed")
+    for i, kind in enumerate(_layer_types(s)):
+        p = f"{p0}.layers.{i}"
+        if kind == "full_attention":
+            for proj, shape in (("q_proj", (2 * q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+                yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
+            yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "centred_norm")
+            yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "centred_norm")
+        else:
+            a = f"{p}.linear_attn"
+            for proj, shape in (("in_proj_qkv", (conv, h)), ("in_proj_z", (vd, h)), ("in_proj_b", (hv, h)),
+                                ("in_proj_a", (hv, h)), ("out_proj", (h, vd))):
+                yield TensorSpec(f"{a}.{proj}", shape, "linear", proj)
+            yield TensorSpec(f"{a}.conv1d.weight", (conv, 1, s.conv_kernel), "router")
+            yield TensorSpec(f"{a}.A_log", (hv,), "centred_norm")          # decay rate exp(0) = 1
+            yield TensorSpec(f"{a}.dt_bias", (hv,), "norm")
+            yield TensorSpec(f"{a}.norm.weight", (s.linear_value_dim,), "norm")
+        yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
+        yield TensorSpec(f"{p}.mlp.shared_expert_gate.weight", (1, h), "router")
+        m, ms = s.expert_intermediate, s.shared_intermediate
+        for proj, shape in (("gate_proj", (ms, h)), ("up_proj", (ms, h)), ("down_proj", (h, ms))):
+            yield TensorSpec(f"{p}.mlp.shared_expert.{proj}", shape, "linear", f"shared.{proj}")
+        for e in range(s.experts):
+            for proj, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
+                yield TensorSpec(f"{p}.mlp.experts.{e}.{proj}", shape, "linear", f"expert.{proj}")
+        yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "centred_norm")
+        yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "centred_norm")
+    yield TensorSpec(f"{p0}.norm.weight", (h,), "centred_norm")
+    yield TensorSpec("lm_head", (s.vocab, h), "head")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str                  # full tensor name (".weight") or linear prefix (quantized)
     shape: tuple[int, ...]     # HF shape [out, in] for linears
-    kind: str                  # "linear" | "head" | "embed" | "norm" | "router"
+    kind: str                  # "linear" | "head" | "embed" | "norm" | "centred_norm" (stored 0: used as 1 + w) | "router"
     role: str = ""             # what a linear is, for reusing generated tensors: "q_proj", "expert.up_proj"...
 
 
 def tensors(s: Shape) -> Iterator[TensorSpec]:
     """Every tensor of the model, in checkpoint order."""
+    if s.is_hybrid:
+        yield from _qwen35_tensors(s)
+        return
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     yield TensorSpec("model.embed_tokens.weight", (s.vocab, h), "embed")
     for i in range(s.layers):

@@ -7,7 +7,7 @@ chosen so every linear has a weight standard deviation of about 0.02 (the usual 
 layers and experts, and repeat a block of 8192 embedding rows, so the 121B shape writes at disk speed;
 small models get distinct tensors everywhere (tests that compare backends must see different
 experts). Embeddings are N(0, 0.02),
-norms 1, routers N(0, 0.02): routing is near-uniform.
+norms 1 (Qwen3.5's, which scale by 1 + weight, 0), routers N(0, 0.02): routing is near-uniform.
 
     moedesk-cli synth --shape q125-a11 --bpw 3.0 --out DIR [--layers N] [--head-bits 6] [--seed 0]
 """
@@ -128,6 +128,8 @@ def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, laye
                 w.add_all(t.name, linear(t, head_bits if t.kind == "head" else float(bpw)))
             elif t.kind == "norm":
                 w.add(t.name, torch.ones(t.shape, dtype=torch.float16))
+            elif t.kind == "centred_norm":                      # Qwen3.5's norms scale by 1 + weight
+                w.add(t.name, torch.zeros(t.shape, dtype=torch.float16))
             else:                                               # embeddings, router
                 w.add(t.name, random_fp16(t.shape))
             if progress is not None:

@@ -1,10 +1,13 @@
-"""The CPU reference engine: a compact pure-PyTorch Llama / Qwen3 / Qwen3-MoE / Mixtral for machines without a GPU.
+"""The CPU reference engine: a compact pure-PyTorch Llama / Qwen3 / Qwen3-MoE / Mixtral / DBRX / Qwen3.5-MoE
+for machines without a GPU.
 
 `load(path, options, progress)` validates the folder, reads and dequantizes every weight (plain or
 EXL2), and returns the engine with a note per option saying whether it was applied.
 
 Modules: weights.py (config -> Spec, weights read and fused), rope.py (position tables),
-model.py (the forward pass and KV cache), engine.py (the Engine interface).
+model.py (the forward pass and KV cache), engine.py (the Engine interface); Qwen3.5-MoE's hybrid
+stack: qwen35.py (spec, weights, forward), deltanet.py (linear attention), hybrid.py (its cache,
+rollback and engine).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
     """-> (ReferenceEngine, {option path: "applied..." | "ignored: why"})."""
     import torch
 
+    from runtime import qwen35
     from runtime.modelfolder import ModelFolder
     from runtime.reference.engine import ReferenceEngine
     from runtime.reference.weights import Spec, load_weights
@@ -43,11 +47,19 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
     torch.set_num_threads(threads)
     progress("validate", f"Checking {Path(path).name}", 0, 1)
     folder = ModelFolder(path)
-    spec = Spec.from_config(folder.config, str(folder.path / "config.json"))
+    hybrid = folder.config["architectures"][0] in qwen35.ARCHITECTURES
+    if hybrid:                                  # Qwen3.5-MoE: DeltaNet and gated attention layers
+        from runtime.reference import qwen35 as reference35
+        from runtime.reference.hybrid import HybridEngine
+        spec = reference35.Spec.from_config(folder.config, str(folder.path / "config.json"))
+        read, engine_class = reference35.load_weights, HybridEngine
+    else:
+        spec = Spec.from_config(folder.config, str(folder.path / "config.json"))
+        read, engine_class = load_weights, ReferenceEngine
     progress("validate", f"Checking {folder.info.name}", 1, 1)
     context = min(off.context_length, spec.max_positions)
     try:
-        weights = load_weights(folder, spec, precision,
+        weights = read(folder, spec, precision,
                                lambda done, total: progress("load", f"Loading weights ({precision})", done, total))
     except MemoryError as e:
         raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
@@ -61,7 +73,7 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
                            bits_per_weight=info.bits_per_weight,
                            extra={"precision": precision, "num_params": info.num_params,
                                   "active_params": info.active_params, "is_exl2": info.is_exl2})
-    engine = ReferenceEngine(model_info, spec, weights, context, adapts_threads=not off.cpu_threads)
+    engine = engine_class(model_info, spec, weights, context, adapts_threads=not off.cpu_threads)
 
     applied = {
         "offload.backend": "applied" if off.backend in ("cpu", "auto") else IGNORED + "runs on the CPU",

@@ -48,7 +48,11 @@ class ReferenceEngine(Engine):
             raise EngineError(ErrorCode.BAD_FIELD.value,
                               f"token id {bad} is outside the vocabulary (0..{self.spec.vocab - 1})")
         with torch.inference_mode():
-            return model.forward(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
+            return self._forward(ids)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T], checked -> logits [T, vocab] float32."""
+        return model.forward(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.cache.length:

@@ -1,0 +1,64 @@
+"""What every model folder check shares: the error it raises, numbers and rope fields checked by name,
+and the layout of a model's tensors (no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.engine import EngineError
+from runtime.protocol import ErrorCode
+
+
+class ModelFolderError(EngineError):
+    """A model folder is missing, malformed or unsupported. `file` is the offending path."""
+
+    def __init__(self, code: ErrorCode, file: Path | str, problem: str, detail: str = ""):
+        super().__init__(code.value, f"{file}: {problem}", detail)
+        self.file = str(file)
+        self.problem = problem
+
+
+def _invalid(file: Path | str, problem: str) -> ModelFolderError:
+    return ModelFolderError(ErrorCode.MODEL_INVALID, file, problem)
+
+
+def _check_number(params: dict, key: str, path: Path | str, low: float, high: float, where: str = "") -> None:
+    """An optional number: low < value <= high (a string or a negative epsilon is refused by name)."""
+    value = params.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+        raise _invalid(path, f"'{where}{key}' must be a number above {low:g} and at most {high:g}, got {value!r}")
+
+
+def check_rope(config: dict, path: Path | str) -> dict:
+    """The rope scaling parameters (`rope_scaling` merged over `rope_parameters`), each field the known
+    types use present and in range; which types an engine supports is the engine's business."""
+    params: dict = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise _invalid(path, f"'{key}' must be an object, got {value!r}")
+        params.update(value or {})
+    where = "rope_scaling." if isinstance(config.get("rope_scaling"), dict) else "rope_parameters."
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if not isinstance(rope_type, str):
+        raise _invalid(path, f"'{where}rope_type' must be text, got {rope_type!r}")
+    needed = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for key in needed.get(rope_type, ()):
+        if key not in params:
+            raise _invalid(path, f"'{where}{key}' is missing: rope type {rope_type!r} needs it")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        _check_number(params, key, path, 0.0, 1e9, where)
+    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise _invalid(path, f"'{where}high_freq_factor' must be above low_freq_factor")
+    _check_number(params, "rope_theta", path, 0.0, 1e12, where)
+    return params
+
+
+@dataclass
+class Layout:
+    plain: dict[str, tuple[int, ...]]
+    linears: dict[str, tuple[int, int]]
+    expert_params: int = 0           # parameters of the experts a token does not use, summed over layers
