@@ -107,7 +107,7 @@ def test_gui_program_carries_no_torch(bundle):
     assert not {m for m in gui if m == "torch" or m.startswith("torch.")}, "the GUI program bundles torch"
     assert "torch" in worker and "runtime.reference" in worker and "tokenizers" in worker
     assert "jinja2.sandbox" in worker and "safetensors.torch" in worker
-    assert not {m for m in gui | worker if m.split(".")[0] in ("transformers", "triton", "gguf")}
+    assert not {m for m in gui | worker if m.split(".")[0] in ("transformers", "triton", "gguf", "numba", "cupy", "sphinx")}
 
 
 @pytest.mark.skipif(shutil.which("desktop-file-validate") is None,
