@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -49,6 +48,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from runtime import tuning
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.cpu_experts import CpuExpertsError
 from runtime.experts.layer import ExpertLayer
@@ -67,7 +67,7 @@ AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted g
 # against 27.4-30.1 without it in the same runs, 30.1 against 20.3 at 12 GB, for CPU copies in host RAM, a
 # longer load and all but two cores busy while generating (runtime/experts/NOTES.md).
 # MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
-AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH", "1") != "0"
+AUTO_CPU = tuning.current().auto_cpu_path
 
 
 def _cpu_balance(text: str) -> float:
@@ -92,7 +92,7 @@ def _cpu_split_mode(text: str) -> str:
 # first part of every cold pick's intermediate features and the GPU the rest, in the ratio of their
 # rates, re-balanced while decoding (`_rebalance`); "experts" gives each pick whole to one side (the
 # balanced or static split below).
-CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
+CPU_SPLIT = tuning.current().cpu_split
 CUT_HEADROOM = 128        # "cut": CPU copies this many rows wider than the planned cut
 REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
 REBALANCE_KEEP = 512      # ... forwards a cut's measured step time is trusted
@@ -101,10 +101,10 @@ REBALANCE_GAIN = 0.01     # ... how much faster a measured neighbour must be to 
 # The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
 # of this many times the experts the static split would own, and each decode step gives the CPU its
 # planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
-CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", "1.5"))
+CPU_BALANCE = tuning.current().cpu_balance
 
 # Staging pages lent to cold experts between prefills (0: off, to compare).
-LEND_STAGING = os.environ.get("MOEDESK_LEND_STAGING", "1") != "0"
+LEND_STAGING = tuning.current().lend_staging
 
 
 @inference_mode_methods

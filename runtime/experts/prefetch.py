@@ -30,12 +30,12 @@ Letters: L MoE layers, E experts, A experts per token, P pages.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from runtime import tuning
 from runtime.experts.offload import inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
 
@@ -53,7 +53,7 @@ def _pages(text: str) -> int:
 # Experts per layer copied ahead while decoding (one page each, all layers sharing them); 0: none. One
 # q125-a11 expert (7.1 MB at 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two
 # layers' expert phases.
-PAGES = _pages(os.environ.get("MOEDESK_PREFETCH", "1"))
+PAGES = tuning.current().prefetch_pages
 WINDOW = 64          # forwards between looks at the score
 # "auto": copy while at least this share of the candidates is picked. On the H200 (q125-a11, 24 GB, one
 # page, forced picks handed over at a set accuracy, same run): copying gained 2% at 100% accuracy and
