@@ -140,7 +140,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     from runtime import tuning
     from runtime.experts.kernels import experts_forward
     from runtime.experts.pack import align_intermediate
-    CUT_ALIGN = tuning.current().cut_align
+    align = tuning.current().cut_align
     rows = [T for T in rows if T * top_k <= tuning.current().gemv_max_pairs]        # the mask is for the split-K GEMVs
     layer = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     g = torch.Generator().manual_seed(seed)
@@ -151,7 +151,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     align_intermediate(layer.w1, layer.w3, layer.w2)
     after = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
     out.append(CheckResult(max(rows), "aligned intermediate", ((after - before).abs().max() / before.abs().max()).item()))
-    cuts = [None] + list(range(CUT_ALIGN, I, CUT_ALIGN))               # None: whole experts
+    cuts = [None] + list(range(align, I, align))               # None: whole experts
     for cut in cuts:
         cpu = None
         try:
