@@ -11,7 +11,7 @@ it is captured into the decode step's CUDA graph):
     router ─ x, ids, w, mask -> pinned (one kernel) ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y += y_cpu (read in place)
                                                      └──── worker thread: the owned experts' part ────┘
 
-`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`signal_kind`):
+`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`cpu_signal.signal_kind`):
 - "memops" (the default where the driver takes them and a captured graph replays them): the stream
   writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
   orders the inputs written before it), and after its kernels writes the same value into `arrive` and waits
