@@ -193,3 +193,19 @@ def test_tuning_reads_no_module_global_of_the_engine():
     r = subprocess.run([sys.executable, "-c", "import sys, runtime.tuning; print('torch' in sys.modules)"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_the_cpu_path_cuts_in_steps_of_the_installed_tuning():
+    """The CPU copies' width is checked against Tuning.cut_align when asked, not a value frozen at import."""
+    pytest.importorskip("triton")
+    from bench.check_experts import random_layer
+    from runtime.experts.cpu_path import cpu_expert_bytes
+    from runtime.experts.pack import align_intermediate
+    layer = random_layer(4, 64, 128, 2, 4, "cpu", group_size=32)
+    align_intermediate(layer.w1, layer.w3, layer.w2)
+    packs = (layer.w1, layer.w3, layer.w2)
+    with tuning.use(Tuning(cut_align=64)):
+        with pytest.raises(ValueError, match="want a multiple of 64 in 64..128"):
+            cpu_expert_bytes(packs, 96)
+    with tuning.use(Tuning(cut_align=32)):
+        assert 0 < cpu_expert_bytes(packs, 96) < cpu_expert_bytes(packs, 128)
