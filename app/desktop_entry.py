@@ -15,9 +15,11 @@ from pathlib import Path
 
 from app.resources import resource
 
+from runtime import tuning
+
 
 def data_home() -> Path:
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return tuning.xdg_data_home()
 
 
 def launcher_command() -> str:

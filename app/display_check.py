@@ -9,9 +9,10 @@ provide the missing ones. The list is what `ldd` shows for PySide6's `plugins/pl
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from typing import Callable, Mapping, Optional
+
+from runtime import tuning
 
 # soname -> Debian/Ubuntu package
 XCB_LIBRARIES: dict[str, str] = {
@@ -44,7 +45,7 @@ def _loads(soname: str) -> bool:
     return True
 
 
-def uses_xcb(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
+def uses_xcb(environ: Mapping[str, str] = tuning.environment(), platform: str = sys.platform) -> bool:
     """Whether Qt will open its window through X11 (xcb): Linux, a DISPLAY, and no other platform asked for."""
     if not platform.startswith("linux"):
         return False

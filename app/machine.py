@@ -15,6 +15,7 @@ from typing import Optional
 import psutil
 
 from app.telemetry import NvmlMonitor
+from runtime import tuning
 from runtime.gpu_setup import KernelStatus, kernel_status
 
 GB = 1024 ** 3                # the app speaks GiB everywhere (app/telemetry.fmt_bytes)
@@ -66,7 +67,7 @@ def probe_gpu() -> tuple[Optional[str], Optional[str], Optional[int], str]:
 
 
 def find_nvcc() -> Optional[str]:
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+    for home in tuning.cuda_homes():
         if home and (Path(home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")).exists():
             return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")

@@ -26,6 +26,7 @@ from app.settings_panel import SettingsPanel
 from app.store import Store
 from app.store_recovery import open_store
 from app.window import MainWindow
+from runtime import tuning
 from runtime import paths
 
 INTERRUPTED = "The app closed while this answer was being written; the text so far was kept."
@@ -282,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from app.desktop_entry import install
         print(install())
         return 0
-    question = args.smoke_test or os.environ.get("MOEDESK_SMOKE_TEST")
+    question = args.smoke_test or tuning.smoke_test_question()
     if not question:
         from app import display_check
         words = display_check.advice(display_check.missing_for_display()) if display_check.uses_xcb() else None

@@ -71,8 +71,8 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
 def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
     """(union_reads, name) of every kernel path `experts_forward` takes for this many rows: few rows
     run the split-K GEMVs and, as verify rows of offloaded layers do, the grouped kernels."""
-    from runtime.experts.kernels import GEMV_MAX_PAIRS
-    if rows * top_k > GEMV_MAX_PAIRS:
+    from runtime import tuning
+    if rows * top_k > tuning.current().gemv_max_pairs:
         return [(False, "grouped")]
     return [(False, "splitk")] + ([(True, "grouped(union)")] if rows > 1 else [])
 
@@ -137,9 +137,11 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     for whole experts, the oracle) against the kernels without a mask. The layer is first put in
     down's intermediate order (pack.align_intermediate), checked against the layer before.
     `rel_err`: largest difference relative to the largest output."""
-    from runtime.experts.kernels import CUT_ALIGN, GEMV_MAX_PAIRS, experts_forward
+    from runtime import tuning
+    from runtime.experts.kernels import experts_forward
     from runtime.experts.pack import align_intermediate
-    rows = [T for T in rows if T * top_k <= GEMV_MAX_PAIRS]        # the mask is for the split-K GEMVs
+    align = tuning.current().cut_align
+    rows = [T for T in rows if T * top_k <= tuning.current().gemv_max_pairs]        # the mask is for the split-K GEMVs
     layer = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -149,7 +151,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     align_intermediate(layer.w1, layer.w3, layer.w2)
     after = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
     out.append(CheckResult(max(rows), "aligned intermediate", ((after - before).abs().max() / before.abs().max()).item()))
-    cuts = [None] + list(range(CUT_ALIGN, I, CUT_ALIGN))               # None: whole experts
+    cuts = [None] + list(range(align, I, align))               # None: whole experts
     for cut in cuts:
         cpu = None
         try:

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -204,8 +203,9 @@ def machine() -> dict[str, Any]:
 def git_commit() -> Optional[str]:
     """The checkout's commit ("-dirty" with uncommitted changes); MOEDESK_COMMIT names it for copies
     of the tree that carry no git metadata (e.g. a tree shipped to a GPU machine)."""
-    if os.environ.get("MOEDESK_COMMIT"):
-        return os.environ["MOEDESK_COMMIT"]
+    from runtime import tuning
+    if tuning.commit():
+        return tuning.commit()
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)

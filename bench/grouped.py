@@ -1,7 +1,7 @@
 """Benchmark of the grouped (prefill) expert kernels over launch shapes, on one MoE layer of a real shape.
 
 A prompt's rows through one layer's routed experts (uniform random routing, as a long prompt spreads over
-all experts), timed for each launch shape `kernels.Grouped` (rows per block, columns per block, K tile,
+all experts), timed for each launch shape `runtime.tuning.Grouped` (rows per block, columns per block, K tile,
 warps, stages) and checked against the first shape's output. Speed depends on shapes and bytes, not on
 the values: the layer holds a few synthetic EXL2 experts (runtime/exl2/synth.py) repeated to the shape's
 expert count. Needs a CUDA device.
@@ -24,6 +24,7 @@ import torch
 
 from runtime.exl2.shapes import SHAPES
 from runtime.exl2.synth import _random_linear
+from runtime import tuning
 from runtime.experts import kernels
 from runtime.experts.pack import PackedExperts, pack_experts
 
@@ -77,27 +78,24 @@ def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 
     ids = torch.rand(rows, s.experts, device="cuda", generator=gen).topk(s.experts_per_token, dim=1).indices
     w = torch.full((rows, s.experts_per_token), 1.0 / s.experts_per_token, device="cuda")
     flops = rows * s.experts_per_token * 6 * s.hidden * s.expert_intermediate
-    before, out, ref = kernels.GROUPED, [], None
-    try:
-        for text in [dataclasses.astuple(before)] + [c for c in configs if kernels.Grouped.parse(c) != before]:
-            g = kernels.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
-            kernels.GROUPED = g
-            try:
+    before, out, ref = tuning.current().grouped, [], None
+    for text in [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]:
+        g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
+        try:
+            with tuning.use(tuning.with_changes(grouped=g)):
                 y = kernels.experts_forward(x, ids, w, w1, w3, w2)
                 ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2), reps)
-            except Exception as e:                         # a shape the compiler or the device refuses
-                say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                out.append({"config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
-                continue
-            if ref is None:
-                ref = y
-            diff = ((y - ref).abs().max() / ref.abs().max()).item()
-            r = {"config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9, "rel_diff": diff}
-            out.append(r)
-            say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
-                f"diff {diff:.1e}")
-    finally:
-        kernels.GROUPED = before
+        except Exception as e:                         # a shape the compiler or the device refuses
+            say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            out.append({"config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
+            continue
+        if ref is None:
+            ref = y
+        diff = ((y - ref).abs().max() / ref.abs().max()).item()
+        r = {"config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9, "rel_diff": diff}
+        out.append(r)
+        say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
+            f"diff {diff:.1e}")
     return out
 
 
@@ -114,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown shape {a.shape!r}; choose from {sorted(SHAPES)}")
     for c in a.configs:
         try:
-            kernels.Grouped.parse(c)
+            tuning.Grouped.parse(c)
         except ValueError as e:
             p.error(str(e))
     if not torch.cuda.is_available():

@@ -36,7 +36,7 @@ import torch
 
 from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
 from bench.engine import git_commit, machine
-from runtime.experts import kernels as expert_kernels
+from runtime import tuning
 from runtime.experts import manager as expert_manager
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -524,8 +524,8 @@ def main(argv=None) -> int:
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,
             "calibration_tokens": a.calibrate, "routing": a.routing, "prefetch_oracles": a.prefetch_oracle,
-            "prefetch_pages": expert_manager.decode_prefetch.PAGES,
-            "grouped_kernels": dataclasses.asdict(expert_kernels.GROUPED),    # prefill launch shape
+            "prefetch_pages": expert_manager.PREFETCH_PAGES,
+            "grouped_kernels": dataclasses.asdict(tuning.current().grouped),    # prefill launch shape
             "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
             "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
             "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "

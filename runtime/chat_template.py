@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from runtime import tuning
 from runtime.engine import EngineError
 from runtime.options import MAX_PROMPT_CHARS, TEMPLATE_TIMEOUT_S
 from runtime.protocol import ErrorCode
@@ -39,10 +39,7 @@ START_TIMEOUT_S = 60.0                 # starting the helper (not counted in the
 
 
 def timeout_s() -> float:
-    try:
-        return float(os.environ.get("MOEDESK_TEMPLATE_TIMEOUT_S") or TEMPLATE_TIMEOUT_S)
-    except ValueError:
-        return TEMPLATE_TIMEOUT_S
+    return tuning.current().template_timeout_s
 
 
 class TemplateCancelled(EngineError):

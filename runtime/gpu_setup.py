@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from runtime import paths
+from runtime import tuning
 
 EXT = "exllamav2_ext"
 TAIL_LINES = 25                              # compiler lines kept with a failure
@@ -144,7 +145,7 @@ class Toolchain:
         return f"{what} {self.version or '(version unknown)'} at {self.home}"
 
 
-def system_toolkits(env: Mapping[str, str] = os.environ, which: Callable[[str], Optional[str]] = shutil.which,
+def system_toolkits(env: Mapping[str, str] = tuning.environment(), which: Callable[[str], Optional[str]] = shutil.which,
                     default: Path = Path("/usr/local/cuda")) -> list[Path]:
     """Toolkit folders with bin/nvcc, in torch's order of preference: CUDA_HOME, CUDA_PATH, nvcc on PATH,
     the default install folder."""
@@ -217,7 +218,7 @@ def choose_toolchain(cuda_major: Optional[int], systems: Sequence[Toolchain],
 def find_toolchain(torch: Optional[TorchInfo] = None) -> ToolchainChoice:
     """MOEDESK_CUDA_TOOLCHAIN=wheels (or =system) leaves the other kind out."""
     torch = torch or torch_info()
-    only = os.environ.get("MOEDESK_CUDA_TOOLCHAIN", "")
+    only = tuning.cuda_toolchain()
     systems = [] if only == "wheels" else [Toolchain("system", h, toolkit_version(h)) for h in system_toolkits()]
     wheels = None if only == "system" or IS_WINDOWS else wheel_toolchain()   # Windows: a toolkit only, for now
     return choose_toolchain(torch.cuda_major if torch else None, systems, wheels)
@@ -270,13 +271,13 @@ def ninja_dir() -> Optional[Path]:
     return Path(ninja.BIN_DIR) if getattr(ninja, "BIN_DIR", "") else None      # "" where it found none
 
 
-def find_compiler(env: Mapping[str, str] = os.environ,
+def find_compiler(env: Mapping[str, str] = tuning.environment(),
                   which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
     """The C++ compiler torch's builds run: CXX, else `c++` (`cl` on Windows)."""
     return which(env.get("CXX") or ("cl" if IS_WINDOWS else "c++"))
 
 
-def triton_advice(env: Mapping[str, str] = os.environ,
+def triton_advice(env: Mapping[str, str] = tuning.environment(),
                   which: Callable[[str], Optional[str]] = shutil.which) -> str:
     """Triton (the GPU engine's MoE and attention kernels) compiles a small C launcher at first use with
     CC, gcc or clang: what to do where none exists (empty when one does)."""
@@ -459,7 +460,7 @@ def nvcc_archs(home: Path) -> set[str]:
 
 
 def build_environment(home: Path, build_dir: Path, archs: Sequence[str],
-                      base: Mapping[str, str] = os.environ) -> dict[str, str]:
+                      base: Mapping[str, str] = tuning.environment()) -> dict[str, str]:
     """The environment of a build (or of exllamav2's own JIT build): CUDA_HOME, ninja on PATH, the cache as
     TORCH_EXTENSIONS_DIR, the architectures."""
     env = dict(base)

@@ -10,12 +10,13 @@ from typing import Optional
 
 import platformdirs
 
+from runtime import tuning
+
 APP = "moedesk"
 
 
 def _home() -> Path | None:
-    h = os.environ.get("MOEDESK_HOME")
-    return Path(h) if h else None
+    return tuning.home()
 
 
 def data_dir() -> Path:
@@ -35,8 +36,7 @@ def cache_dir() -> Path:
 
 def models_dir() -> Path:
     """Downloaded and imported models, one folder each."""
-    env = os.environ.get("MOEDESK_MODELS")
-    return Path(env) if env else data_dir() / "models"
+    return tuning.models_folder() or data_dir() / "models"
 
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct-exl2-8.0bpw"

@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any, Optional, TextIO
 
+from runtime import tuning
 from runtime import protocol as P
 from runtime.cpu_load import ThreadGovernor, physical_cores
 from runtime.engine import EngineError
@@ -422,7 +423,7 @@ def kernel_cache_entries() -> Optional[int]:
     """Kernels in Triton's on-disk cache (TRITON_CACHE_DIR, else ~/.triton/cache), one folder each;
     None without one. Their growth over a load says how many kernels it compiled (a first load on a
     machine compiles them all; later ones find them there)."""
-    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    folder = tuning.triton_cache_dir()
     try:
         return sum(1 for _ in os.scandir(folder))
     except OSError:
@@ -483,6 +484,11 @@ def main() -> int:
         return chat_template.serve()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the worker ends
     name_process()
+    try:
+        tuning.install(tuning.Tuning.from_environment())   # once, before the engine's modules load
+    except tuning.TuningError as e:
+        print(f"moedesk-worker: {e}", file=sys.stderr, flush=True)
+        return 2
     out = _protocol_channel()
     worker = Worker(out)
     from runtime.loader import choose_backend

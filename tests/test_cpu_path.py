@@ -626,10 +626,12 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     assert b.share is None
     static.close()
     wide.close()
-    assert mgr._cpu_balance("") == 0.0 and mgr._cpu_balance("1.5") == 1.5
+    from runtime.tuning import Tuning
+    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "0"}).cpu_balance == 0.0
+    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "1.5"}).cpu_balance == 1.5
     for bad in ("yes", "0.5", "-1"):
         with pytest.raises(ValueError, match="MOEDESK_CPU_BALANCE"):
-            mgr._cpu_balance(bad)
+            Tuning.from_environment({"MOEDESK_CPU_BALANCE": bad})
 
 
 def _aligned_layer(inter=128):
@@ -743,10 +745,10 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
 
 
 def test_the_cut_split_mode_is_checked(monkeypatch):
-    from runtime.experts import manager as mgr
-    assert mgr._cpu_split_mode("experts") == "experts"
+    from runtime.tuning import Tuning
+    assert Tuning.from_environment({"MOEDESK_CPU_SPLIT": "experts"}).cpu_split == "experts"
     with pytest.raises(ValueError, match="MOEDESK_CPU_SPLIT='halves'"):
-        mgr._cpu_split_mode("halves")
+        Tuning.from_environment({"MOEDESK_CPU_SPLIT": "halves"})
 
 
 _PINNED_IO_CHECK = """

@@ -67,7 +67,7 @@ def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
 
 
 def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
-    from runtime.experts.kernels import Grouped
+    from runtime.tuning import Grouped
     assert Grouped.parse("16,64,128,64,4,0") == Grouped()
     with pytest.raises(ValueError, match="six integers"):
         Grouped.parse("16,64")

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from runtime.chat_template import TemplateCancelled
+from runtime import tuning
 from runtime.engine import EngineError
 from runtime.tokenizer import Tokenizer
+from runtime.tuning import Tuning
 
 HI = [{"role": "user", "content": "hi"}]
 FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -21,8 +23,9 @@ GIGABYTES = "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxxx
 
 
 @pytest.fixture(autouse=True)
-def _one_second(monkeypatch):
-    monkeypatch.setenv("MOEDESK_TEMPLATE_TIMEOUT_S", "1")
+def _one_second():
+    with tuning.use(Tuning(template_timeout_s=1.0)):
+        yield
 
 
 def folder_with(tmp_path: Path, demo_model: Path, template: str) -> Path:
@@ -74,8 +77,8 @@ def test_a_filter_folded_at_compile_time_cannot_hang_the_load(tmp_path, demo_mod
     assert time.perf_counter() - t0 < 8 and "chat_template.jinja" in e.value.message
 
 
-def test_rendering_stops_on_cancel(tmp_path, demo_model, monkeypatch):
-    monkeypatch.setenv("MOEDESK_TEMPLATE_TIMEOUT_S", "60")
+def test_rendering_stops_on_cancel(tmp_path, demo_model):
+    tuning.install(Tuning(template_timeout_s=60.0))          # the fixture puts the one before back
     tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, FOREVER))
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()

@@ -175,10 +175,12 @@ def test_copying_starts_when_predictions_come_true_and_stops_when_they_fail():
 
 
 def test_the_page_count_is_checked():
-    assert pfm._pages("2") == 2 and pfm._pages("0") == 0
+    from runtime.tuning import Tuning
+    assert Tuning.from_environment({"MOEDESK_PREFETCH": "2"}).prefetch_pages == 2
+    assert Tuning.from_environment({"MOEDESK_PREFETCH": "0"}).prefetch_pages == 0
     for bad in ("-1", "9", "one"):
         with pytest.raises(ValueError, match="MOEDESK_PREFETCH="):
-            pfm._pages(bad)
+            Tuning.from_environment({"MOEDESK_PREFETCH": bad})
 
 
 def test_telemetry_counts_unpicked_copies_as_wasted_pcie_bytes():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -24,6 +23,8 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers
 
 from app.hub.errors import HubAccessError, HubError, TooLargeError, translate
+
+from runtime import tuning
 
 # Never downloaded: pickled checkpoints are never loaded (safetensors only) and GGUF is another format.
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", "*.gguf", "*.msgpack", "*.h5")
@@ -48,7 +49,7 @@ def parse_branch_bpw(branch: str) -> tuple[float | None, float | None]:
 
 def endpoint() -> str:
     """The Hub address: HF_ENDPOINT read now (huggingface_hub reads it once, at import)."""
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    return (tuning.hf_endpoint() or constants.ENDPOINT).rstrip("/")
 
 
 def checked_commit(commit: object, where: str) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 import socket
 import sys
 from typing import Optional, Sequence
 
+from runtime import tuning
 from runtime.options import ServeOptions
 
 DEFAULTS = ServeOptions()
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.options import OptionError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s", stream=sys.stderr)
-    key = args.api_key or os.environ.get(KEY_ENV) or None
+    key = args.api_key or tuning.api_key(KEY_ENV)
     if not is_loopback(args.host) and not key:
         return _fail(f"listening on {args.host} lets other devices in: give --api-key KEY (or set {KEY_ENV})")
     if args.max_queue < 0:

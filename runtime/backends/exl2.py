@@ -16,13 +16,13 @@ here only, inside `load`: on a machine without CUDA its import itself fails.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from runtime import tuning
 from runtime.backends import exl2_arch
 from runtime.engine import Engine, EngineError, ModelInfo, ProgressFn
 from runtime.experts.budget import BudgetError
@@ -219,7 +219,7 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
             config.no_sdpa = True
             return "matmul (this torch has no lower-right causal bias)"
         cls._attn_torch = causal_sdpa_attention(cls._attn_torch)
-    if os.environ.get("MOEDESK_PREFILL_ATTN") == "matmul":
+    if tuning.current().prefill_attn == "matmul":
         config.no_sdpa = True
         return "matmul (forced)"
     if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
@@ -588,7 +588,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     config.max_dq_size = MAX_DQ_ELEMENTS
     is_moe = bool(config.arch.lm.is_moe)
     use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
-                  and os.environ.get("MOEDESK_NO_GRAPHS") is None)
+                  and tuning.current().graphs)
     if use_graphs:
         config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
     applied["offload.context_length"] = context_note
@@ -662,7 +662,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         raise _oom("the decode graphs", e) from None
     draft = options.draft
     try:
-        if warm and os.environ.get("MOEDESK_NO_WARMUP") is None:
+        if warm and tuning.current().warmup:
             # with offload the graphs are captured once, after the expert path is settled (a switch drops them)
             engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1, capture=manager is None)
             if manager is not None:

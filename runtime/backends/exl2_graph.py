@@ -22,10 +22,10 @@ Letters: S cache length, L attended length, T rows, Hq query heads, Hk KV heads,
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from runtime import tuning
 from runtime.backends.attention import decode_attention
 
 BUCKET = 512
@@ -104,9 +104,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # (L, T) ->
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
-        kind = os.environ.get("MOEDESK_GRAPH_ATTN", "triton")
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"MOEDESK_GRAPH_ATTN={kind!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+        kind = tuning.current().graph_attn                      # one of ATTENTION_KINDS
         # SDPA inside a captured graph failed on the test machine (torch 2.11, cuDNN attention): opt-in only.
         if kind == "sdpa" and not self._pick_attention():
             kind = "bmm"
@@ -233,7 +231,7 @@ class DecodeGraphs:
         # workspace, a kernel module loaded lazily on first launch, another thread querying the
         # device) run instead of invalidating it. The first measured capture ran in the default
         # "global" mode; later ones failed there and in "thread_local" (see runtime/experts/NOTES.md).
-        mode = os.environ.get("MOEDESK_CAPTURE_MODE", "relaxed")
+        mode = tuning.current().capture_mode
         try:
             with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode=mode):
                 out = self._step(L, T)

@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from runtime import tuning
 from runtime.engine import ProgressFn
 from runtime.experts.path_judge import TRIAL_STEPS, PathJudge, read_decision, write_decision
 
@@ -37,7 +38,7 @@ def decision_key(engine) -> str:
     threads = budget.cpu_threads if budget is not None else 0
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return (f"{Path(engine.info.path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
-            f"{os.environ.get('MOEDESK_CPU_SPLIT', 'cut')}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
+            f"{tuning.current().cpu_split}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
 
 
 def decisions_file() -> Path:

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from runtime import tuning
 from runtime.exl2 import format as fmt
 
 FORMATS = ("bf16", "int8", "int4", "exl2")
@@ -178,9 +179,8 @@ def load_kernel():
             try:
                 from torch.utils.cpp_extension import load
                 src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
-                march = os.environ.get("MOEDESK_CPU_KERNEL_MARCH", "native")   # e.g. haswell: AVX2 only
-                if not march.replace("-", "").replace("_", "").isalnum():
-                    raise CpuExpertsError(f"MOEDESK_CPU_KERNEL_MARCH={march!r} is not a -march value")
+                from runtime import tuning
+                march = tuning.current().cpu_kernel_march                     # e.g. haswell: AVX2 only
                 _EXT = load(name="moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_")),
                             sources=[src], verbose=False,
                             extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17", "-fopenmp"],

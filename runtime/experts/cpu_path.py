@@ -11,7 +11,7 @@ it is captured into the decode step's CUDA graph):
     router ─ x, ids, w, mask -> pinned (one kernel) ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y += y_cpu (read in place)
                                                      └──── worker thread: the owned experts' part ────┘
 
-`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`signal_kind`):
+`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`cpu_signal.signal_kind`):
 - "memops" (the default where the driver takes them and a captured graph replays them): the stream
   writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
   orders the inputs written before it), and after its kernels writes the same value into `arrive` and waits
@@ -34,16 +34,19 @@ host RAM is reserved on the RAM ledger. Letters: E experts, H hidden, A experts 
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from runtime import tuning
 from runtime.experts import cpu_experts as ce
+from runtime.experts import cpu_signal
+from runtime.experts.cpu_signal import _call_host, launch_host_func, signal_kind
+# manager.py calls these as cpu_path.kick and cpu_path.signal_status
+from runtime.experts.cpu_signal import kick, signal_status  # noqa: F401
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.offload import inference_mode_methods
 from runtime.experts.pack import PackedExperts, intermediate_aligned
@@ -81,110 +84,6 @@ def host_entries():
     return k, int(k.submit_entry_address()), int(k.wait_entry_address())
 
 
-# -- how the stream signals the worker ---------------------------------------------------------------
-
-CU_STREAM_WAIT_VALUE_EQ = 0x1
-SIGNAL_KINDS = ("memops", "hostfunc")
-
-
-class Doorbell:
-    """Three 32-bit words of page-locked memory, on separate cache lines: `bell` (the stream writes a
-    context's doorbell value, the worker reads and clears it), `done` (the worker writes 1 when
-    that context is computed, the stream waits for it and writes 0) and `arrive` (the stream writes
-    the context's value on reaching its wait, so the worker can count which side finished first).
-    One per process: a step's layers run one after the other on one stream, so one set serves them all."""
-
-    def __init__(self):
-        self.mem = torch.zeros(48, dtype=torch.int32, pin_memory=True)
-        self.bell = self.mem.data_ptr()
-        self.done = self.mem.data_ptr() + 64
-        self.arrive = self.mem.data_ptr() + 128
-
-    def ring(self, stream: "torch.cuda.Stream", value: int) -> None:
-        _memop("cuStreamWriteValue32", stream, self.bell, value, 0)
-
-    def wait(self, stream: "torch.cuda.Stream", value: int = 0) -> None:
-        if value:
-            _memop("cuStreamWriteValue32", stream, self.arrive, value, 0)
-        _memop("cuStreamWaitValue32", stream, self.done, 1, CU_STREAM_WAIT_VALUE_EQ)
-        _memop("cuStreamWriteValue32", stream, self.done, 0, 0)
-
-
-_DOORBELL: Optional[Doorbell] = None
-_SIGNAL: Optional[tuple[str, str]] = None         # (kind, why), decided once per process
-
-
-def signal_kind(device: torch.device) -> tuple[str, str]:
-    """("memops" or "hostfunc", why): MOEDESK_CPU_SIGNAL forces one; otherwise "memops" where
-    `memops_work` passes on this device, else "hostfunc"."""
-    global _SIGNAL, _DOORBELL
-    if device.type != "cuda":                     # CPU-only contexts (tests, the throughput probe)
-        return ("hostfunc", "no GPU")
-    if _SIGNAL is None:
-        forced = os.environ.get("MOEDESK_CPU_SIGNAL", "")
-        if forced and forced not in SIGNAL_KINDS:
-            raise ValueError(f"MOEDESK_CPU_SIGNAL={forced!r}: expected one of {', '.join(SIGNAL_KINDS)}")
-        if forced == "hostfunc":
-            _SIGNAL = ("hostfunc", "MOEDESK_CPU_SIGNAL=hostfunc")
-        else:
-            ok, why = memops_work(device)
-            if not ok and forced == "memops":
-                raise RuntimeError(f"MOEDESK_CPU_SIGNAL=memops, but stream memory operations fail here: {why}")
-            _SIGNAL = ("memops", why) if ok else ("hostfunc", f"stream memory operations fail here: {why}")
-        if _SIGNAL[0] == "memops":
-            _DOORBELL = Doorbell()
-            ce.load_kernel().set_doorbell(_DOORBELL.bell, _DOORBELL.done, _DOORBELL.arrive)
-    return _SIGNAL
-
-
-def memops_work(device: torch.device, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """Whether a stream's write and wait on page-locked words work here, eagerly and replayed from a
-    captured CUDA graph, with this thread playing the worker on two probe words."""
-    probe = Doorbell()
-    words = probe.mem
-    stream = torch.cuda.Stream(device)
-
-    def enqueue():
-        probe.ring(stream, 7)
-        probe.wait(stream)
-
-    def answer(what: str) -> Optional[str]:
-        t0 = time.perf_counter()
-        while int(words[0]) != 7:
-            if time.perf_counter() - t0 > timeout_s:
-                words[16] = 1                                   # release the stream if it is waiting
-                return f"{what}: the stream's write never arrived"
-        words[0] = 0
-        words[16] = 1
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        t0 = time.perf_counter()
-        while not ev.query():
-            if time.perf_counter() - t0 > timeout_s:
-                return f"{what}: the stream did not see the answer"
-        return None if int(words[16]) == 0 else f"{what}: the stream did not clear the answer"
-
-    try:
-        torch.cuda.synchronize(device)
-        with torch.cuda.stream(stream):
-            enqueue()
-        bad = answer("eager")
-        if bad:
-            return False, bad
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            enqueue()
-        for i in range(2):
-            with torch.cuda.stream(stream):          # replay() launches on the current stream: the one
-                graph.replay()                       # answer()'s event follows
-            bad = answer(f"graph replay {i + 1}")
-            if bad:
-                return False, bad
-        return True, "stream memory operations checked, eagerly and in a captured graph"
-    except Exception as e:                   # a driver without them, a capture that refuses them
-        return False, f"{type(e).__name__}: {e}"[:300]
-
-
 RESERVED_CORES = 2
 
 
@@ -219,7 +118,7 @@ class _Proj:
     name: str
     K: int                  # input rows kept
     N: int                  # output columns kept
-    group: int              # rows per scale row in the copy (down when cut: a divisor of CUT_ALIGN)
+    group: int              # rows per scale row in the copy (down when cut: a divisor of the cut step)
     out: int                # logical outputs (desc)
 
     def codes(self, e: int) -> torch.Tensor:
@@ -244,8 +143,8 @@ class _Proj:
 
 def _projections(packs: Sequence[PackedExperts], name: str, width: Optional[int] = None) -> list[_Proj]:
     """Gate, up, down as the CPU copies hold them (width: the first `width` intermediate features
-    only, a multiple of kernels.CUT_ALIGN), checked against the CPU kernel's tiles."""
-    from runtime.experts.kernels import CUT_ALIGN
+    only, a multiple of Tuning.cut_align), checked against the CPU kernel's tiles."""
+    align = tuning.current().cut_align
     w1, w3, w2 = packs
     H, I = w1.in_features, w2.in_features
     if width is None:
@@ -253,15 +152,15 @@ def _projections(packs: Sequence[PackedExperts], name: str, width: Optional[int]
                _Proj(w3, f"{name}.up", H, w3.out_features, w3.group, I),
                _Proj(w2, f"{name}.down", I, w2.out_features, w2.group, H)]
     else:
-        if width <= 0 or width % CUT_ALIGN or width > I:
-            raise ValueError(f"{name}: CPU copies of {width} intermediate rows; want a multiple of {CUT_ALIGN} "
-                             f"in {CUT_ALIGN}..{I}")
+        if width <= 0 or width % align or width > I:
+            raise ValueError(f"{name}: CPU copies of {width} intermediate rows; want a multiple of {align} "
+                             f"in {align}..{I}")
         if not intermediate_aligned(w2):
             raise ValueError(f"{name}: experts cut between CPU and GPU need the intermediate in down's order "
                              "(pack.align_intermediate)")
         out = [_Proj(w1, f"{name}.gate", H, width, w1.group, width),
                _Proj(w3, f"{name}.up", H, width, w3.group, width),
-               _Proj(w2, f"{name}.down", width, w2.out_features, math.gcd(w2.group, CUT_ALIGN), H)]
+               _Proj(w2, f"{name}.down", width, w2.out_features, math.gcd(w2.group, align), H)]
     for p in out:
         if p.group % 32 or p.N % 16:
             raise ce.CpuExpertsError(f"{p.name}: groups of {p.group} rows / {p.N} columns do not fit "
@@ -330,7 +229,7 @@ class CpuPath:
                  name: str = "layer", ram: Optional[MemoryBudget] = None, device=None,
                  width: Optional[int] = None):
         """width: the copies hold each expert's first `width` intermediate features (a multiple of
-        kernels.CUT_ALIGN): the CPU computes that part of every owned pick (up to `set_cut`) and the
+        Tuning.cut_align): the CPU computes that part of every owned pick (up to `set_cut`) and the
         GPU the rest. None: whole experts, each owned pick computed by the CPU alone."""
         w1 = packs[0]
         self.E, self.H, self.top_k, self.name = w1.num_experts, w1.in_features, top_k, name
@@ -410,13 +309,13 @@ class CpuPath:
 
     def set_cut(self, rows: int) -> None:
         """Experts cut between CPU and GPU: the CPU computes the first `rows` intermediate features
-        of each owned pick (a multiple of kernels.CUT_ALIGN, 1..width). The device value is written
+        of each owned pick (a multiple of Tuning.cut_align, 1..width). The device value is written
         in stream order, the worker's at once: call it with no step queued (the stream synchronised)."""
-        from runtime.experts.kernels import CUT_ALIGN
+        align = tuning.current().cut_align
         if self.cut is None:
             raise ValueError(f"{self.name}: the CPU copies are whole experts; there is no cut to move")
-        if rows <= 0 or rows > self.width or rows % CUT_ALIGN:
-            raise ValueError(f"{self.name}: cut {rows}: want a multiple of {CUT_ALIGN} in {CUT_ALIGN}..{self.width}")
+        if rows <= 0 or rows > self.width or rows % align:
+            raise ValueError(f"{self.name}: cut {rows}: want a multiple of {align} in {align}..{self.width}")
         self.cut = int(rows)
         self.cut_dev.fill_(self.cut)
         self.ctx.cut = self.cut
@@ -462,7 +361,7 @@ class CpuPath:
         from runtime.experts.kernels import cpu_inputs
         cpu_inputs(x, ids, w, mask, self.x, self.ids, self.w, self.owned)   # one launch into pinned memory
         if self.slot:
-            _DOORBELL.ring(stream, self.slot)
+            cpu_signal.doorbell().ring(stream, self.slot)
         else:
             launch_host_func(stream, self.submit_fn, self.ctx_addr)
         return mask, self.cut_dev
@@ -470,7 +369,7 @@ class CpuPath:
     def join(self, stream: "torch.cuda.Stream", y: torch.Tensor) -> torch.Tensor:
         """y fp32 [1, H] (the GPU's part, on `stream`) += the CPU's part, once the worker is done."""
         if self.slot:
-            _DOORBELL.wait(stream, self.slot)
+            cpu_signal.doorbell().wait(stream, self.slot)
         else:
             launch_host_func(stream, self.wait_fn, self.ctx_addr)
         from runtime.experts.kernels import add_from_host
@@ -514,72 +413,6 @@ class CpuPath:
         if self.ram is not None:
             self.ram.release(self.ram_key)
             self.ram = None
-
-
-@functools.lru_cache(maxsize=1)
-def _host_fn_type():
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-def _call_host(fn: int, ctx: int) -> None:
-    _host_fn_type()(fn)(ctypes.c_void_p(ctx))
-
-
-@functools.lru_cache(maxsize=1)
-def _libcuda():
-    cu = ctypes.CDLL("libcuda.so.1")
-    cu.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    cu.cuLaunchHostFunc.restype = ctypes.c_int
-    cu.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    return cu
-
-
-def signal_status() -> Optional[str]:
-    """How decode steps signal the worker in this process ("memops: why" / "hostfunc: why"), or None
-    before the first CPU path on a device."""
-    return None if _SIGNAL is None else f"{_SIGNAL[0]}: {_SIGNAL[1]}"
-
-
-def kick() -> None:
-    """A forward is starting: the worker polls the doorbell continuously again."""
-    if _SIGNAL is not None and _SIGNAL[0] == "memops":
-        ce.load_kernel().kick()
-
-
-@functools.lru_cache(maxsize=None)
-def _memop_fn(name: str):
-    """The driver's entry for a stream memory operation: the _v2 symbol (CUDA 11.7+, always
-    available), else the original one."""
-    cu = _libcuda()
-    for sym in (name + "_v2", name):
-        fn = getattr(cu, sym, None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            return fn
-    raise RuntimeError(f"the CUDA driver has no {name}")
-
-
-def _memop(name: str, stream: "torch.cuda.Stream", addr: int, value: int, flags: int) -> None:
-    """cuStreamWriteValue32 / cuStreamWaitValue32 (stream, address, value, flags); capturable."""
-    r = _memop_fn(name)(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(addr), ctypes.c_uint32(value),
-                        ctypes.c_uint(flags))
-    if r != 0:
-        raise RuntimeError(f"{name} failed: {_cuda_error(r)}")
-
-
-def _cuda_error(r: int) -> str:
-    name = ctypes.c_char_p()
-    _libcuda().cuGetErrorName(r, ctypes.byref(name))
-    return f"CUDA error {r} ({(name.value or b'?').decode()})"
-
-
-def launch_host_func(stream: "torch.cuda.Stream", fn: int, ctx: int) -> None:
-    """cuLaunchHostFunc(stream, fn, ctx): the GPU glue, on its own (capturable as a graph host node)."""
-    cu = _libcuda()
-    r = cu.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(fn), ctypes.c_void_p(ctx))
-    if r != 0:
-        raise RuntimeError(f"cuLaunchHostFunc failed: {_cuda_error(r)}")
 
 
 # -- measured throughput ---------------------------------------------------------------------------

@@ -8,12 +8,12 @@ contract: it takes the residual stream [B, S, H] and returns it with the MoE out
 """
 from __future__ import annotations
 
-import os
 
 import torch
 from exllamav2.moe_mlp import ExLlamaV2MoEMLP
 from exllamav2.rmsnorm import ExLlamaV2RMSNorm
 
+from runtime import tuning
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
 from runtime.experts.pack import HostArena, align_intermediate, pack_experts
@@ -76,7 +76,7 @@ class OwnMoE(ExLlamaV2MoEMLP):
         B, S, H = hidden_states.shape
         x = self.post_attention_layernorm.forward(hidden_states.view(-1, H))     # [T, H] fp16
         y = self.experts(x.half())                                               # [T, H] fp32
-        if os.environ.get("MOEDESK_MOE_ADD") == "plain":
+        if tuning.current().moe_add == "plain":
             out = (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
         else:
             out = torch.empty_like(hidden_states)

@@ -9,13 +9,13 @@ nothing here reads a device value on the host, so a decode step can be graph-cap
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from runtime import tuning
 from runtime.experts.pack import PackedExperts, dequantize_packed
 
 
@@ -91,7 +91,7 @@ class ExpertLayer:
         if x.is_cuda:
             from runtime.experts.kernels import experts_forward, route_fused
             self._ids = None
-            if os.environ.get("MOEDESK_ROUTE") == "torch":        # the unfused routing, for comparisons
+            if tuning.current().route == "torch":        # the unfused routing, for comparisons
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)

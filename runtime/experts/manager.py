@@ -27,7 +27,6 @@ Letters: L MoE layers, E experts per layer, A experts per token, C staging capac
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -35,6 +34,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from runtime import tuning
 from runtime.experts import prefetch as decode_prefetch
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.cpu_share import CpuShare
@@ -49,39 +49,19 @@ from runtime.experts.telemetry import Counters, OffloadTelemetry, collect
 
 log = logging.getLogger(__name__)
 
-# -- settings from the environment, read once ---------------------------------------------------------
+# -- settings from the tuning (runtime/tuning.py), read once ---------------------------------------------
 
 # "auto" takes the CPU path where the planner predicts a gain (runtime/experts/cpu_share.py);
 # MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
-AUTO_CPU = os.environ.get("MOEDESK_AUTO_CPU_PATH", "1") != "0"
-
-
-def _cpu_balance(text: str) -> float:
-    """MOEDESK_CPU_BALANCE: 0 (off) or the factor of CPU copies for the balanced split (>= 1)."""
-    try:
-        v = float(text or 0)
-    except ValueError:
-        v = -1.0
-    if not (v == 0 or v >= 1):
-        raise ValueError(f"MOEDESK_CPU_BALANCE={text!r}: want 0 (off) or the copies' factor, at least 1 (e.g. 1.5)")
-    return v
-
-
-def _cpu_split_mode(text: str) -> str:
-    if text not in ("cut", "experts"):
-        raise ValueError(f"MOEDESK_CPU_SPLIT={text!r}: want 'cut' (each cold expert cut between CPU and GPU) "
-                         "or 'experts' (whole experts to either side)")
-    return text
-
-
+AUTO_CPU = tuning.current().auto_cpu_path
 # How a layer's cold picks are shared between CPU and GPU: "cut" or "experts" (runtime/experts/cpu_share.py).
-CPU_SPLIT = _cpu_split_mode(os.environ.get("MOEDESK_CPU_SPLIT", "cut"))
+CPU_SPLIT = tuning.current().cpu_split
 # The balanced split ("experts"): CPU copies of this many times the experts the static split would own; 0: static.
-CPU_BALANCE = _cpu_balance(os.environ.get("MOEDESK_CPU_BALANCE", "1.5"))
+CPU_BALANCE = tuning.current().cpu_balance
 # Staging pages lent to cold experts between prefills (0: off, to compare).
-LEND_STAGING = os.environ.get("MOEDESK_LEND_STAGING", "1") != "0"
+LEND_STAGING = tuning.current().lend_staging
 # Experts per layer copied ahead while decoding (runtime/experts/prefetch.py); 0: none.
-PREFETCH_PAGES = decode_prefetch._pages(os.environ.get("MOEDESK_PREFETCH", "1"))
+PREFETCH_PAGES = tuning.current().prefetch_pages
 
 
 class LayerHooks:

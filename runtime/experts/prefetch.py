@@ -41,17 +41,7 @@ from runtime.experts.offload import inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
 
 
-def _pages(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= 8:
-        raise ValueError(f"MOEDESK_PREFETCH={text!r}: want the experts copied ahead per layer, 0 (off) to 8")
-    return v
-
-
-# MOEDESK_PREFETCH (read by runtime/experts/manager.py, checked by `_pages`): experts per layer copied
+# MOEDESK_PREFETCH (runtime/tuning.py, handed over by runtime/experts/manager.py): experts per layer copied
 # ahead while decoding (one page each, all layers sharing them); 0: none. One q125-a11 expert (7.1 MB at
 # 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two layers' expert phases.
 WINDOW = 64          # forwards between looks at the score

@@ -214,13 +214,13 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
     of 1.5x the experts, each step's mask computed on the device from the token's picks
     (MOEDESK_CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
     the planned cut and at one set while the decode graphs stay captured (MOEDESK_CPU_SPLIT)."""
-    from runtime.experts import cpu_path, cpu_share
+    from runtime.experts import cpu_share, cpu_signal
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
     monkeypatch.setattr(mgr, "CPU_SPLIT", split)
     if signal == "hostfunc":
-        monkeypatch.setattr(cpu_path, "_SIGNAL", ("hostfunc", "forced by the test"))
+        monkeypatch.setattr(cpu_signal, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
     measured = {}
     real_costs = cpu_share.CpuShare._split_costs
