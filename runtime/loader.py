@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import modelfolder, paths
-from runtime.engine import Engine, EngineError, ProgressFn
+from runtime.engine import Engine, ProgressFn
+from runtime.errors import CudaUnavailable, ModelNotFound
 from runtime.options import LoadOptions
-from runtime.protocol import ErrorCode
 
 NO_CUDA_NOTE = "No NVIDIA GPU found: models run on the CPU."
 
@@ -50,9 +50,8 @@ def choose_backend(requested: str = "auto") -> BackendChoice:
     if gpu is not None:
         return BackendChoice("cuda", f"Using the GPU engine on {gpu}.", gpu)
     if requested == "cuda":
-        raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
-                          "The GPU engine was asked for, but torch sees no CUDA device on this machine.",
-                          "Choose the backend 'auto' or 'cpu' to use the CPU reference engine.")
+        raise CudaUnavailable("The GPU engine was asked for, but torch sees no CUDA device on this machine.",
+                              "Choose the backend 'auto' or 'cpu' to use the CPU reference engine.")
     return BackendChoice("cpu", NO_CUDA_NOTE, "cpu")
 
 
@@ -60,7 +59,7 @@ def model_path(model: str) -> Path:
     path = paths.resolve_model(model)
     if not path.exists():
         hint = " (import it with `moedesk-cli import-demo`)" if model == paths.DEMO_ALIAS else ""
-        raise EngineError(ErrorCode.MODEL_NOT_FOUND.value, f"{path}: no such model folder{hint}")
+        raise ModelNotFound(path, f"no such model folder{hint}")
     return path
 
 
@@ -74,8 +73,8 @@ def open_engine(model: str, options: LoadOptions, progress: ProgressFn,
         try:
             from runtime.backends import exl2 as backend
         except ImportError as e:
-            raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
-                              f"The GPU engine cannot start: {e}", "Install exllamav2 0.3.2, or use the CPU backend.") from None
+            raise CudaUnavailable(f"The GPU engine cannot start: {e}",
+                                  "Install exllamav2 0.3.2, or use the CPU backend.") from None
     else:
         from runtime import reference as backend
     engine, applied = backend.load(path, options, progress)

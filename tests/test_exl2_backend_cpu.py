@@ -6,16 +6,17 @@ import sys
 import pytest
 import torch
 
+from runtime.errors import ContextOverflow, CudaUnavailable
 from runtime.options import LoadOptions
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_load_without_cuda_says_so(tmp_path):
     from runtime.backends import exl2
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     with pytest.raises(EngineError) as ei:
         exl2.load(tmp_path, LoadOptions(), lambda *a: None)
-    assert ei.value.code == "cuda_unavailable"
+    assert isinstance(ei.value, CudaUnavailable)
     assert "CPU" in ei.value.message
     assert "exllamav2" not in sys.modules
 
@@ -100,10 +101,10 @@ def test_forwards_of_up_to_nine_rows_replay_a_graph(monkeypatch):
     eng.truncate(20)
     eng.forward([1] * 10)                                       # 10 rows: the loop again
     assert eng.model.calls[-1] == (20, 10) and eng.position == 30
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     with pytest.raises(EngineError) as ei:                      # the overflow check still comes first
         eng.forward([1] * 35)
-    assert ei.value.code == "context_overflow" and eng.position == 30
+    assert isinstance(ei.value, ContextOverflow) and eng.position == 30
 
 
 def test_prefill_asks_exllamav2_for_the_last_row_only(monkeypatch):

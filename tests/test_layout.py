@@ -11,8 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "runtime"
 MAX_LINES = 600
 # Modules still over MAX_LINES: splitting them is the rest of the restructuring (issue 20).
-OVER_MAX_LINES = {"runtime.experts.manager", "runtime.experts.kernels", "runtime.experts.cpu_path",
-                  "runtime.backends.exl2"}
+OVER_MAX_LINES = {"runtime.experts.manager", "runtime.experts.kernels", "runtime.experts.cpu_path"}
 
 
 def module_name(path: Path) -> str:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from runtime.cpu_load import physical_cores
-from runtime.engine import EngineError, ModelInfo, ProgressFn
+from runtime.engine import ModelInfo, ProgressFn
+from runtime.errors import OutOfMemory
 from runtime.options import LoadOptions
-from runtime.protocol import ErrorCode
 
 # Weight precision of the reference engine, measured on the demo model (README, "CPU reference engine"):
 # int8 weights decode about twice as fast as float32 or bfloat16 ones (a decode step is bound by the
@@ -50,8 +50,7 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
         weights = load_weights(folder, spec, precision,
                                lambda done, total: progress("load", f"Loading weights ({precision})", done, total))
     except MemoryError as e:
-        raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
-                          f"not enough memory to load {folder.info.name} on the CPU", str(e)) from None
+        raise OutOfMemory(f"not enough memory to load {folder.info.name} on the CPU", str(e)) from None
     finally:
         folder.close()
     info = folder.info

@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, ModelFolderError, head_dim,
+from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim,
                                  is_moe_layer, kv_heads)
-from runtime.protocol import ErrorCode
+from runtime.errors import UnsupportedArchitecture
 from runtime.reference.rope import RopeConfig, rope_config
 
 PRECISIONS = ("float32", "bfloat16", "int8")
@@ -52,8 +52,8 @@ class Spec:
         if arch == "DbrxForCausalLM":
             return cls._dbrx(config, where)
         if config.get("hidden_act", "silu") != "silu":
-            raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where,
-                                   f"activation {config['hidden_act']!r} is not supported (only silu)")
+            raise UnsupportedArchitecture(where,
+                                          f"activation {config['hidden_act']!r} is not supported (only silu)")
         return cls(arch, config["hidden_size"], config["vocab_size"], config["num_hidden_layers"],
                    config["num_attention_heads"], kv_heads(config), head_dim(config),
                    float(config.get("rms_norm_eps", 1e-6)), arch in QK_NORM_ARCHITECTURES,
