@@ -89,8 +89,9 @@ class Linear:
             self.scale = None
 
     # Above this many rows (prefill) dequantizing to bf16 and using the bf16 GEMM is faster than
-    # torch's int8 kernel, which streams the weights once per few rows (measured: equal at ~32 rows,
-    # 4x faster at 512); decode and verify-K stay on the int8 kernel.
+    # torch's int8 kernel, which streams the weights once per few rows (measured: the two are about
+    # even near this row count, the bf16 GEMM far ahead at prefill chunks); decode and verify-K stay
+    # on the int8 kernel.
     INT8_KERNEL_MAX_ROWS = 32
 
     # torch's int8 kernel reads past the row for inputs not a multiple of 16 wide (a segfault, measured
