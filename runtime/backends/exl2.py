@@ -1,7 +1,8 @@
 """The CUDA engine: EXL2 models on exllamav2, with the project's own MoE layer and a graph-captured decode step.
 
 `load(path, options, progress) -> (Engine, applied)`, as runtime/reference. exllamav2 is imported
-here only, inside `load`: on a machine without CUDA its import itself fails.
+only inside functions (here, exl2_kernels.py, exl2_fixes.py), never at module level: on a machine
+without CUDA its import itself fails.
 
 - Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
   (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
