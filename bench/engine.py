@@ -332,8 +332,9 @@ def write_result(result: BenchResult, out_dir: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     from runtime.options import OptionError
+    from runtime.worker_errors import code_for
     if args.prompt_tokens < 16 or args.decode_tokens < 2:
         print("moedesk-cli bench: --prompt-tokens must be >= 16 and --decode-tokens >= 2", file=sys.stderr)
         return 2
@@ -343,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = bench(args, say=lambda m: print(m, file=sys.stderr))
     except (EngineError, OptionError) as e:
-        print(f"moedesk-cli bench: {getattr(e, 'code', 'bad_option')}: {e}", file=sys.stderr)
+        code = code_for(e).value if isinstance(e, EngineError) else "bad_option"
+        print(f"moedesk-cli bench: {code}: {e}", file=sys.stderr)
         return 1
     path = write_result(result, Path(args.out))
     fmt = lambda v: "n/a" if v is None else f"{v:.1f}"   # noqa: E731

@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from runtime import paths
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     from runtime.options import LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
     label = args.label or (args.model if args.model == paths.DEMO_ALIAS else Path(folder).name)

@@ -12,8 +12,9 @@ runs in a helper process (started once, reused) under these bounds:
   integers of more than `MAX_INT_BITS` bits, and text or lists past the output bound, are refused;
 - the optimizer is off; the helper's address space is capped (`MAX_MEMORY_BYTES`) where the OS allows.
 
-Failures come back as EngineErrors naming the template's file: model_invalid for a broken or runaway
-template, bad_field when it refuses the messages (raise_exception), context_overflow for a prompt too long.
+Failures come back as exceptions of runtime/errors.py naming the template's file: TemplateError for a
+broken or runaway template, TemplateRefused when it refuses the messages (raise_exception), ContextOverflow
+for a prompt too long, Cancelled when the request was cancelled while the template rendered.
 """
 from __future__ import annotations
 
@@ -27,9 +28,8 @@ import time
 from typing import Any, Callable, Optional
 
 from runtime import tuning
-from runtime.engine import EngineError
+from runtime.errors import Cancelled, ContextOverflow, EngineError, TemplateError, TemplateRefused
 from runtime.options import MAX_PROMPT_CHARS, TEMPLATE_TIMEOUT_S
-from runtime.protocol import ErrorCode
 
 HELPER_FLAG = "--chat-templates"      # runs the worker executable as the template helper
 MAX_INT_BITS = 1 << 16                 # ~20,000 decimal digits
@@ -40,13 +40,6 @@ START_TIMEOUT_S = 60.0                 # starting the helper (not counted in the
 
 def timeout_s() -> float:
     return tuning.current().template_timeout_s
-
-
-class TemplateCancelled(EngineError):
-    """The request was cancelled while its template rendered."""
-
-    def __init__(self, source: str):
-        super().__init__(ErrorCode.BAD_FIELD.value, f"{source}: rendering was cancelled")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,8 +54,7 @@ class _Helper:
         threading.Thread(target=self._read, daemon=True, name="chat-template-helper").start()
         if self._answer(time.monotonic() + START_TIMEOUT_S, lambda: False) != {"ready": True}:
             self.kill()
-            raise EngineError(ErrorCode.INTERNAL.value, "the chat template helper process did not start "
-                                                        "(see the log above)")
+            raise EngineError("the chat template helper process did not start (see the log above)")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -110,29 +102,28 @@ def run(request: dict, source: str, should_stop: Callable[[], bool] = lambda: Fa
             _helper.kill()
             _helper = None
     if answer == "stopped":
-        raise TemplateCancelled(source)
+        raise Cancelled(f"{source}: rendering was cancelled")
     if answer == "timeout":
-        raise EngineError(ErrorCode.MODEL_INVALID.value,
-                          f"{source}: the chat template ran for more than {timeout_s():g} s (does it loop for ever?); "
-                          f"stopped")
+        raise TemplateError(source, f"the chat template ran for more than {timeout_s():g} s (does it loop for ever?); "
+                                    f"stopped")
     if answer == "died":
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{source}: the chat template crashed its helper process "
-                                                         f"(out of memory?)")
+        raise TemplateError(source, "the chat template crashed its helper process (out of memory?)")
     if "text" in answer:
         try:
             answer["text"].encode("utf-8")
         except UnicodeEncodeError as e:
-            raise EngineError(ErrorCode.MODEL_INVALID.value, f"{source}: the chat template wrote text that is not "
-                                                             f"valid Unicode (a lone surrogate at {e.start})") from None
+            raise TemplateError(source, f"the chat template wrote text that is not "
+                                        f"valid Unicode (a lone surrogate at {e.start})") from None
         return answer["text"]
     kind, message = answer["error"], answer["message"]
-    code = {"raised": ErrorCode.BAD_FIELD, "too_long": ErrorCode.CONTEXT_OVERFLOW}.get(kind, ErrorCode.MODEL_INVALID)
-    if kind == "too_long" and request.get("conversation_chars", 0) < MAX_PROMPT_CHARS // 2:
-        code = ErrorCode.MODEL_INVALID        # the template, not the conversation, made it that long
     words = {"syntax": "chat template is broken", "raised": "the chat template refused the messages",
              "unsafe": "chat template tried an unsafe operation", "too_long": "chat template output is too long",
              "failed": "chat template failed"}[kind]
-    raise EngineError(code.value, f"{source}: {words}: {message}")
+    if kind == "raised":
+        raise TemplateRefused(source, f"{words}: {message}")
+    if kind == "too_long" and request.get("conversation_chars", 0) >= MAX_PROMPT_CHARS // 2:
+        raise ContextOverflow(f"{source}: {words}: {message}")
+    raise TemplateError(source, f"{words}: {message}")    # too long from a short conversation: the template's doing
 
 
 # ----------------------------------------------------------------------------------------------

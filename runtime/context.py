@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from runtime.engine import EngineError
-from runtime.protocol import ErrorCode
+from runtime.errors import BadRequest, ContextOverflow
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,9 @@ def fit_prompt(tokenizer: Any, messages: Sequence[dict], context: int, max_token
     room = answer_room(context, max_tokens)
     if len(full) + room <= context or policy == "stop":
         if len(full) >= context:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                              f"the conversation is {len(full)} tokens; the context holds {context}: shorten it, "
-                              f"start a new chat, or let the app leave out the oldest turns")
+            raise ContextOverflow(f"the conversation is {len(full)} tokens; the context holds {context}: shorten it, "
+                                  f"start a new chat, or let the app leave out the oldest turns",
+                                  tokens=len(full), limit=context)
         return FittedPrompt(full, len(prefix_ids), 0)
 
     starts = _turn_starts(messages)
@@ -61,7 +60,7 @@ def fit_prompt(tokenizer: Any, messages: Sequence[dict], context: int, max_token
     if policy == "keep_first" and len(starts) > 2:
         keep_head, starts = starts[1], starts[1:]          # the first exchange stays
     if policy not in ("rolling", "keep_first"):
-        raise EngineError(ErrorCode.BAD_FIELD.value, f"unknown context_overflow policy {policy!r}")
+        raise BadRequest(f"unknown context_overflow policy {policy!r}")
 
     def without(n: int) -> list[dict]:                     # the first n droppable turns left out
         return messages[:keep_head] + messages[starts[n]:] if n else messages
@@ -80,9 +79,9 @@ def fit_prompt(tokenizer: Any, messages: Sequence[dict], context: int, max_token
         n = len(starts) - 1
         tokens = encode(without(n)) if n > 0 else full
         if len(tokens) >= context:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                              f"the last message alone is {len(tokens)} tokens; the context holds {context}: "
-                              f"shorten it or load the model with a longer context length")
+            raise ContextOverflow(f"the last message alone is {len(tokens)} tokens; the context holds {context}: "
+                                  f"shorten it or load the model with a longer context length",
+                                  tokens=len(tokens), limit=context)
         best = (n, tokens)
     n, tokens = best
     return FittedPrompt(tokens, len(prefix_ids), len(messages) - len(without(n)))

@@ -17,16 +17,6 @@ from typing import Any, Callable, Optional, Sequence
 ProgressFn = Callable[[str, str, int, int], None]   # (stage, message, done, total)
 
 
-class EngineError(RuntimeError):
-    """A backend failure with a stable protocol error code (see runtime.protocol.ErrorCode)."""
-
-    def __init__(self, code: str, message: str, detail: str = ""):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.detail = detail
-
-
 @dataclass
 class ModelInfo:
     name: str

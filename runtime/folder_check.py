@@ -1,25 +1,15 @@
-"""What every model folder check shares: the error it raises, numbers and rope fields checked by name,
+"""What every model folder check shares: the error it raises (runtime/errors.py), numbers and rope fields checked by name,
 and the layout of a model's tensors (no torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.engine import EngineError
-from runtime.protocol import ErrorCode
+from runtime.errors import InvalidModel
 
 
-class ModelFolderError(EngineError):
-    """A model folder is missing, malformed or unsupported. `file` is the offending path."""
-
-    def __init__(self, code: ErrorCode, file: Path | str, problem: str, detail: str = ""):
-        super().__init__(code.value, f"{file}: {problem}", detail)
-        self.file = str(file)
-        self.problem = problem
-
-
-def _invalid(file: Path | str, problem: str) -> ModelFolderError:
-    return ModelFolderError(ErrorCode.MODEL_INVALID, file, problem)
+def _invalid(file: Path | str, problem: str) -> InvalidModel:
+    return InvalidModel(file, problem)
 
 
 def _check_number(params: dict, key: str, path: Path | str, low: float, high: float, where: str = "") -> None:

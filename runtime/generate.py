@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from runtime import sampling as _sampling
-from runtime.engine import Engine, EngineError
+from runtime.engine import Engine
+from runtime.errors import BadRequest, ContextOverflow
 from runtime.options import DraftOptions, SamplingOptions
-from runtime.protocol import DraftStats, ErrorCode, GenerationStats
+from runtime.records import DraftStats, GenerationStats
 from runtime.tokenizer import StopMatcher
 
 TextFn = Callable[[str, int], None]          # (text delta, tokens it covers)
@@ -73,13 +74,12 @@ def make_decoder(engine: Engine, sampling: SamplingOptions, generator: Any,
     if draft is None or draft.mode == "off":
         return PlainDecoder(engine, sampling, generator)
     if draft.mode == "model" and draft_engine is None:
-        raise EngineError(ErrorCode.BAD_FIELD.value, "draft mode 'model' needs a draft model: load one with "
-                                                     "the model (options.draft.model)")
+        raise BadRequest("draft mode 'model' needs a draft model: load one with the model (options.draft.model)")
     from runtime import speculative
     try:
         return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine)
     except ValueError as e:
-        raise EngineError(ErrorCode.BAD_FIELD.value, f"speculative decoding: {e}") from None
+        raise BadRequest(f"speculative decoding: {e}") from None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -106,11 +106,11 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     prompt = list(prompt)
     context = engine.info.context_length
     if not prompt:
-        raise EngineError(ErrorCode.BAD_FIELD.value, "the prompt is empty")
+        raise BadRequest("the prompt is empty")
     if len(prompt) >= context:
-        raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                          f"the conversation is {len(prompt)} tokens; the context holds {context}: "
-                          f"shorten it or load the model with a longer context length")
+        raise ContextOverflow(f"the conversation is {len(prompt)} tokens; the context holds {context}: "
+                              f"shorten it or load the model with a longer context length",
+                              tokens=len(prompt), limit=context)
     generator = generator if generator is not None else make_generator(sampling.seed)
     decoder = decoder or PlainDecoder(engine, sampling, generator)
     live = LiveStats(prompt_tokens=len(prompt))

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import modelfolder, paths
-from runtime.engine import Engine, EngineError, ProgressFn
+from runtime.engine import Engine, ProgressFn
+from runtime.errors import CudaUnavailable, ModelNotFound
 from runtime.options import LoadOptions
-from runtime.protocol import ErrorCode
 
 NO_CUDA_NOTE = "No NVIDIA GPU found: models run on the CPU."
+# Architectures the model folders accept that only the CPU reference engine runs so far ("auto" sends them
+# there; asking for "cuda" gets the GPU engine's own refusal).
+CPU_ONLY = modelfolder.qwen35.ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,8 @@ def choose_backend(requested: str = "auto") -> BackendChoice:
     if gpu is not None:
         return BackendChoice("cuda", f"Using the GPU engine on {gpu}.", gpu)
     if requested == "cuda":
-        raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
-                          "The GPU engine was asked for, but torch sees no CUDA device on this machine.",
-                          "Choose the backend 'auto' or 'cpu' to use the CPU reference engine.")
+        raise CudaUnavailable("The GPU engine was asked for, but torch sees no CUDA device on this machine.",
+                              "Choose the backend 'auto' or 'cpu' to use the CPU reference engine.")
     return BackendChoice("cpu", NO_CUDA_NOTE, "cpu")
 
 
@@ -60,7 +62,7 @@ def model_path(model: str) -> Path:
     path = paths.resolve_model(model)
     if not path.exists():
         hint = " (import it with `moedesk-cli import-demo`)" if model == paths.DEMO_ALIAS else ""
-        raise EngineError(ErrorCode.MODEL_NOT_FOUND.value, f"{path}: no such model folder{hint}")
+        raise ModelNotFound(path, f"no such model folder{hint}")
     return path
 
 
@@ -68,14 +70,17 @@ def open_engine(model: str, options: LoadOptions, progress: ProgressFn,
                 require_tokenizer: bool = True) -> tuple[Engine, dict[str, str]]:
     path = model_path(model)
     progress("reading", f"Checking the model folder {path.name}", 0, 0)
-    modelfolder.validate(path, require_tokenizer=require_tokenizer)
+    info = modelfolder.validate(path, require_tokenizer=require_tokenizer)
     choice = choose_backend(options.offload.backend)
+    if choice.backend == "cuda" and options.offload.backend == "auto" and info.architecture in CPU_ONLY:
+        choice = BackendChoice("cpu", f"The GPU engine does not run {info.architecture} yet: the CPU reference "
+                                      "engine runs it.", "cpu")
     if choice.backend == "cuda":
         try:
             from runtime.backends import exl2 as backend
         except ImportError as e:
-            raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
-                              f"The GPU engine cannot start: {e}", "Install exllamav2 0.3.2, or use the CPU backend.") from None
+            raise CudaUnavailable(f"The GPU engine cannot start: {e}",
+                                  "Install exllamav2 0.3.2, or use the CPU backend.") from None
     else:
         from runtime import reference as backend
     engine, applied = backend.load(path, options, progress)

@@ -1,7 +1,7 @@
 """Model folders: validate one without torch, then read its tensors lazily.
 
 A model folder is untrusted input. `validate(path)` checks, without importing torch, everything the
-engines rely on and raises `ModelFolderError` naming the file and the problem:
+engines rely on and raises a `ModelFolderError` (runtime/errors.py) naming the file and the problem:
 
 - config.json present, parsable, a supported architecture with the integer fields we need;
 - tokenizer.json present (unless the caller loads a tokenizer-less benchmark model);
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runtime import qwen35
-from runtime.folder_check import Layout, ModelFolderError, _check_number, _invalid, check_rope  # noqa: F401
-from runtime.protocol import ErrorCode
+from runtime.errors import InvalidModel, ModelFolderError, ModelNotFound, UnsupportedArchitecture  # noqa: F401
+from runtime.folder_check import Layout, _check_number, _invalid, check_rope  # noqa: F401
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
                            "DbrxForCausalLM") + qwen35.ARCHITECTURES
@@ -149,16 +149,16 @@ class FolderInfo:
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "missing: a model folder needs config.json")
+        raise InvalidModel(path, "missing: a model folder needs config.json")
     config = read_json(path)
     if not isinstance(config, dict):
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "expected a JSON object at the top level")
+        raise InvalidModel(path, "expected a JSON object at the top level")
     archs = config.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch not in SUPPORTED_ARCHITECTURES:
         got = f"architecture {arch!r}" if arch else "no 'architectures' entry"
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
-                               f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise UnsupportedArchitecture(path,
+                                      f"{got} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if arch in qwen35.ARCHITECTURES:
         return qwen35.read_config(config, path)
     if arch == "DbrxForCausalLM":
@@ -187,10 +187,10 @@ def _read_config(folder: Path) -> dict[str, Any]:
     _check_number(config, "rope_theta", path, 0.0, 1e12)
     check_rope(config, path)
     if config["hidden_size"] % config["num_attention_heads"] and not config.get("head_dim"):
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "'hidden_size' is not a multiple of 'num_attention_heads'")
+        raise InvalidModel(path, "'hidden_size' is not a multiple of 'num_attention_heads'")
     if config["num_attention_heads"] % kv_heads(config):
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                               "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
+        raise InvalidModel(path,
+                           "'num_attention_heads' is not a multiple of 'num_key_value_heads'")
     return config
 
 
@@ -200,8 +200,8 @@ def _flatten_dbrx(config: dict, path: Path) -> None:
             raise _invalid(path, f"'{section}' must be an object, got {config[section]!r}")
     act = ((config.get("ffn_config") or {}).get("ffn_act_fn") or {"name": "silu"})
     if not isinstance(act, dict) or act.get("name") != "silu":
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
-                               f"'ffn_config.ffn_act_fn' {act!r} is not supported (only silu)")
+        raise UnsupportedArchitecture(path,
+                                      f"'ffn_config.ffn_act_fn' {act!r} is not supported (only silu)")
     config.update(flat_config(config))
 
 
@@ -323,44 +323,44 @@ def read_header(path: Path) -> dict[str, dict]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                                       f"truncated: {size} bytes, too short for a safetensors header")
+                raise InvalidModel(path,
+                                   f"truncated: {size} bytes, too short for a safetensors header")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                                       f"corrupt safetensors header: declared length {n} bytes is implausible")
+                raise InvalidModel(path,
+                                   f"corrupt safetensors header: declared length {n} bytes is implausible")
             if 8 + n > size:
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                                       f"truncated: header needs {8 + n} bytes, the file has {size}")
+                raise InvalidModel(path,
+                                   f"truncated: header needs {8 + n} bytes, the file has {size}")
             raw = f.read(n)
     except OSError as e:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"cannot be read: {e}") from None
+        raise InvalidModel(path, f"cannot be read: {e}") from None
     try:
         table = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"corrupt safetensors header: not valid JSON ({e})") from None
+        raise InvalidModel(path, f"corrupt safetensors header: not valid JSON ({e})") from None
     except RecursionError:
         raise _invalid(path, "corrupt safetensors header: not valid JSON (nested too deeply)") from None
     if not isinstance(table, dict):
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "corrupt safetensors header: not a JSON object")
+        raise InvalidModel(path, "corrupt safetensors header: not a JSON object")
     table.pop("__metadata__", None)
     spans = []
     for name, entry in table.items():
         bad = _check_entry(entry)
         if bad:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, path, f"corrupt safetensors header: tensor {name!r} {bad}")
+            raise InvalidModel(path, f"corrupt safetensors header: tensor {name!r} {bad}")
         spans.append((entry["data_offsets"][0], entry["data_offsets"][1], name))
     spans.sort()
     end = 0
     for begin, stop, name in spans:
         if begin != end:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                                   f"corrupt safetensors header: tensor {name!r} starts at byte {begin}, "
-                                   f"expected {end} (offsets overlap or leave a gap)")
+            raise InvalidModel(path,
+                               f"corrupt safetensors header: tensor {name!r} starts at byte {begin}, "
+                               f"expected {end} (offsets overlap or leave a gap)")
         end = stop
     if 8 + n + end > size:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path,
-                               f"truncated: tensor data ends at byte {8 + n + end}, the file has {size} bytes")
+        raise InvalidModel(path,
+                           f"truncated: tensor data ends at byte {8 + n + end}, the file has {size} bytes")
     return table
 
 
@@ -393,26 +393,26 @@ def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
         data = read_json(index, "JSON index")
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, index, "'weight_map' must map tensor names to file names")
+            raise InvalidModel(index, "'weight_map' must map tensor names to file names")
         for shard in sorted(set(weight_map.values())):
             shard_path = folder / shard
             if Path(shard).name != shard or not shard.endswith(".safetensors"):
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"lists {shard!r}, not a safetensors file in the folder")
+                raise InvalidModel(index, f"lists {shard!r}, not a safetensors file in the folder")
             if not shard_path.is_file():
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, index, f"lists shard {shard}, which is missing")
+                raise InvalidModel(index, f"lists shard {shard}, which is missing")
             headers[shard] = read_header(shard_path)
         for name, shard in weight_map.items():
             if name not in headers[shard]:
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / shard,
-                                       f"tensor {name!r} is listed in {index.name} but missing from this shard")
+                raise InvalidModel(folder / shard,
+                                   f"tensor {name!r} is listed in {index.name} but missing from this shard")
         return dict(weight_map), headers
     files = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
     if not files:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / pickles[0],
-                                   "pickle weights are refused (they can run code); convert the model to safetensors")
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, folder, "no weights: no *.safetensors file in the folder")
+            raise InvalidModel(folder / pickles[0],
+                               "pickle weights are refused (they can run code); convert the model to safetensors")
+        raise InvalidModel(folder, "no weights: no *.safetensors file in the folder")
     shard_of: dict[str, str] = {}
     for name in files:
         headers[name] = read_header(folder / name)
@@ -424,14 +424,14 @@ def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
 def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
     folder = Path(path)
     if not folder.exists():
-        raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "no such model folder")
+        raise ModelNotFound(folder, "no such model folder")
     if not folder.is_dir():
-        raise ModelFolderError(ErrorCode.MODEL_NOT_FOUND, folder, "not a folder")
+        raise ModelNotFound(folder, "not a folder")
     _check_links(folder)
     config = _read_config(folder)
     has_tokenizer = (folder / "tokenizer.json").is_file()
     if require_tokenizer and not has_tokenizer:
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, folder / "tokenizer.json", "missing: the model has no tokenizer")
+        raise InvalidModel(folder / "tokenizer.json", "missing: the model has no tokenizer")
     shard_of, headers = _weight_files(folder)
     names = set(shard_of)
     implied = implied_tensors(config, names)
@@ -439,9 +439,9 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
                                                f"tensors; the weights hold only {len(names)}")
     if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, folder / shard_of["transformer.wte.weight"],
-                               "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
-                               "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
+        raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
+                                      "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
+                                      "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
     lay = layout(config, names)
 
     def where(name: str) -> Path:
@@ -451,32 +451,32 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
     missing_in = index if index.is_file() else folder / next(iter(headers)) if len(headers) == 1 else folder
     for name, shape in lay.plain.items():
         if name not in names:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, missing_in, f"tensor {name!r} is missing")
+            raise InvalidModel(missing_in, f"tensor {name!r} is missing")
         got = tuple(headers[shard_of[name]][name]["shape"])
         if got != shape:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, where(name),
-                                   f"tensor {name!r} has shape {list(got)}, the config implies {list(shape)}")
+            raise InvalidModel(where(name),
+                               f"tensor {name!r} has shape {list(got)}, the config implies {list(shape)}")
     is_exl2 = False
     for prefix, (out, inp) in lay.linears.items():
         if f"{prefix}.weight" in names:
             got = tuple(headers[shard_of[f"{prefix}.weight"]][f"{prefix}.weight"]["shape"])
             if got != (out, inp):
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.weight"),
-                                       f"tensor '{prefix}.weight' has shape {list(got)}, the config implies {[out, inp]}")
+                raise InvalidModel(where(f"{prefix}.weight"),
+                                   f"tensor '{prefix}.weight' has shape {list(got)}, the config implies {[out, inp]}")
             continue
         if f"{prefix}.q_weight" not in names:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, missing_in, f"tensor '{prefix}.weight' is missing")
+            raise InvalidModel(missing_in, f"tensor '{prefix}.weight' is missing")
         is_exl2 = True
         for part in EXL2_PARTS:
             if f"{prefix}.{part}" not in names:
-                raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.q_weight"),
-                                       f"EXL2 tensor '{prefix}.{part}' is missing")
+                raise InvalidModel(where(f"{prefix}.q_weight"),
+                                   f"EXL2 tensor '{prefix}.{part}' is missing")
         perm = headers[shard_of[f"{prefix}.q_invperm"]][f"{prefix}.q_invperm"]["shape"]
         qw = headers[shard_of[f"{prefix}.q_weight"]][f"{prefix}.q_weight"]["shape"]
         if perm != [inp] or len(qw) != 2 or not out <= qw[1] <= -(-out // 32) * 32:   # columns padded to 32
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, where(f"{prefix}.q_weight"),
-                                   f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
-                                   f"the config implies {out} outputs and {inp} inputs")
+            raise InvalidModel(where(f"{prefix}.q_weight"),
+                               f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
+                               f"the config implies {out} outputs and {inp} inputs")
 
     num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
     data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())
@@ -517,7 +517,7 @@ class ModelFolder:
         from safetensors import safe_open
         shard = self.info.shard_of.get(name)
         if shard is None:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, self.path, f"tensor {name!r} is missing")
+            raise InvalidModel(self.path, f"tensor {name!r} is missing")
         if shard not in self._handles:
             self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return self._handles[shard].get_tensor(name)
@@ -534,8 +534,8 @@ class ModelFolder:
         try:
             return dequantize(parts, dtype=dtype, out_features=out, name=prefix)
         except Exl2FormatError as e:
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, self.path / self.info.shard_of[f"{prefix}.q_weight"],
-                                   f"invalid EXL2 tensors: {e}") from None
+            raise InvalidModel(self.path / self.info.shard_of[f"{prefix}.q_weight"],
+                               f"invalid EXL2 tensors: {e}") from None
 
     def bias(self, prefix: str, dtype: Optional[Any] = None):
         """The bias of a linear layer, or None."""

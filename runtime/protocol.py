@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 
 from runtime import options as _options
 from runtime.options import DraftOptions, LoadOptions, OptionError, SamplingOptions
+from runtime.records import DraftStats, GenerationStats  # noqa: F401  (records carried inside messages)
 
 PROTOCOL_VERSION = 2
 
@@ -60,37 +61,12 @@ class ProtocolError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain-data records carried inside messages
+# Plain-data records carried inside messages (the engine's statistics live in runtime/records.py)
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str       # "system" | "user" | "assistant"
     content: str
-
-
-@dataclass(frozen=True)
-class DraftStats:
-    mode: str                          # "model" | "ngram" | "off"
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: Optional[float] = None
-    mean_accepted_length: Optional[float] = None  # accepted drafts per target forward
-    tokens_per_forward: Optional[float] = None    # tokens produced per target forward
-    speedup: Optional[float] = None               # vs plain decoding measured in the same request
-    draft_tokens_now: Optional[int] = None        # current K (adaptive)
-    acceptance_histogram: tuple[int, ...] = ()     # [i]: speculative steps that kept i drafts
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    prompt_tokens: int
-    generated_tokens: int
-    ttft_s: Optional[float]            # time to first token
-    prefill_tps: Optional[float]       # prompt tokens per second
-    decode_tps: Optional[float]        # generated tokens per second after the first
-    total_s: float
-    draft: Optional[DraftStats] = None
-    dropped_messages: int = 0          # oldest messages left out so the conversation fits the context
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from runtime.folder_check import Layout, ModelFolderError, _check_number, _invalid, check_rope
-from runtime.protocol import ErrorCode
+from runtime.errors import UnsupportedArchitecture
+from runtime.folder_check import Layout, _check_number, _invalid, check_rope
 
 CONDITIONAL = "Qwen3_5MoeForConditionalGeneration"
 ARCHITECTURES = (CONDITIONAL, "Qwen3_5MoeForCausalLM")
@@ -76,8 +76,7 @@ def read_config(config: dict, path: Path | str) -> dict:
     if flat.get("full_attention_interval") is not None:
         _int(flat, "full_attention_interval", path)
     if flat.get("hidden_act", "silu") != "silu":
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, path,
-                               f"activation {flat['hidden_act']!r} is not supported (only silu)")
+        raise UnsupportedArchitecture(path, f"activation {flat['hidden_act']!r} is not supported (only silu)")
     if flat["num_experts_per_tok"] > flat["num_experts"]:
         raise _invalid(path, f"'num_experts_per_tok' ({flat['num_experts_per_tok']}) is more than "
                              f"'num_experts' ({flat['num_experts']})")

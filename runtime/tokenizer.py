@@ -18,17 +18,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from runtime import chat_template
-from runtime.engine import EngineError
+from runtime.errors import ContextOverflow, InvalidModel
 from runtime.modelfolder import MAX_JSON_BYTES, inside, read_json
 from runtime.options import MAX_PROMPT_CHARS
-from runtime.protocol import ErrorCode
 
 REPLACEMENT = "\ufffd"   # what a decoder yields for bytes that do not (yet) form a character
 MAX_TEMPLATE_CHARS = 1 << 20   # a chat template's source (real ones are a few kB)
 
 
-def _invalid(path: Path, problem: str) -> EngineError:
-    return EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: {problem}")
+def _invalid(path: Path, problem: str) -> InvalidModel:
+    return InvalidModel(path, problem)
 
 
 def _read_json(folder: Path, name: str) -> dict:
@@ -162,8 +161,7 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt, with whatever special tokens the tokenizer itself adds (e.g. BOS)."""
         if len(text) > MAX_PROMPT_CHARS:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                              f"the prompt is {len(text)} characters; at most {MAX_PROMPT_CHARS} are accepted")
+            raise ContextOverflow(f"the prompt is {len(text)} characters; at most {MAX_PROMPT_CHARS} are accepted")
         return self.encode(text, add_special_tokens=True)
 
     def vocabulary(self) -> dict[str, int]:

@@ -27,7 +27,8 @@ from typing import Any, Optional, TextIO
 from runtime import tuning
 from runtime import protocol as P
 from runtime.cpu_load import ThreadGovernor, physical_cores
-from runtime.engine import EngineError
+from runtime.errors import BadRequest, Cancelled, EngineError, InvalidModel, NoModel
+from runtime.worker_errors import error_event
 
 TELEMETRY_INTERVAL_S = 0.5
 EOF_GRACE_S = 10.0
@@ -140,7 +141,7 @@ class Worker:
         try:
             n = len(tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in cmd.messages]))
         except EngineError as e:
-            self.error(str(e.code), e.message, e.detail, cmd.request_id)
+            self.send(error_event(e, cmd.request_id))
             return
         self.send(P.TokenCount(request_id=cmd.request_id, tokens=n, context_length=engine.info.context_length))
 
@@ -224,15 +225,8 @@ class Worker:
             elif isinstance(cmd, P.Generate):
                 self.generate(cmd)
             return None
-        except EngineError as e:
-            return P.Error(code=str(e.code), message=e.message, detail=e.detail, request_id=rid)
-        except MemoryError:
-            return P.Error(code=P.ErrorCode.OUT_OF_MEMORY.value, message="host memory ran out",
-                           detail=traceback.format_exc(), request_id=rid)
         except Exception as e:
-            oom = "out of memory" in str(e).lower()
-            code = P.ErrorCode.OUT_OF_MEMORY.value if oom else P.ErrorCode.INTERNAL.value
-            return P.Error(code=code, message=f"{type(e).__name__}: {e}", detail=traceback.format_exc(), request_id=rid)
+            return error_event(e, rid)
 
     def load(self, cmd: P.Load) -> None:
         from runtime.loader import open_engine
@@ -282,27 +276,25 @@ class Worker:
         from runtime.options import DraftOptions, LoadOptions
         from runtime.tokenizer import Tokenizer
         if not model:
-            raise EngineError(P.ErrorCode.BAD_FIELD.value, "options.draft.mode is 'model' but options.draft.model is empty")
+            raise BadRequest("options.draft.mode is 'model' but options.draft.model is empty")
         draft_engine, _ = open_engine(model, LoadOptions(offload=options.offload, draft=DraftOptions()),
                                       lambda stage, msg, d, t: progress("draft", f"Draft model: {msg}", d, t))
         if Tokenizer.from_folder(draft_engine.info.path).vocabulary() != tokenizer.vocabulary():
             draft_engine.close()
-            raise EngineError(P.ErrorCode.MODEL_INVALID.value,
-                              f"{draft_engine.info.path}: the draft model's vocabulary differs from the model's; "
-                              f"a draft model must share the model's tokenizer")
+            raise InvalidModel(draft_engine.info.path, "the draft model's vocabulary differs from the model's; "
+                               "a draft model must share the model's tokenizer")
         return draft_engine
 
     def generate(self, cmd: P.Generate) -> None:
-        from runtime.chat_template import TemplateCancelled
         from runtime.context import FittedPrompt, fit_prompt
         from runtime.generate import generate, make_decoder, make_generator
         if self.engine is None:
-            raise EngineError(P.ErrorCode.NO_MODEL.value, "no model is loaded: send load first")
+            raise NoModel("no model is loaded: send load first")
         if cmd.prompt is not None and cmd.messages:
-            raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: give messages or prompt, not both")
+            raise BadRequest("generate: give messages or prompt, not both")
         if cmd.prompt is not None:
             if cmd.answer_prefix:
-                raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: answer_prefix needs messages, not a prompt")
+                raise BadRequest("generate: answer_prefix needs messages, not a prompt")
             fitted = FittedPrompt(self.tokenizer.encode_prompt(cmd.prompt), 0, 0)
         elif cmd.messages:
             t0 = time.perf_counter()
@@ -310,13 +302,13 @@ class Worker:
                 fitted = fit_prompt(self.tokenizer, [{"role": m.role, "content": m.content} for m in cmd.messages],
                                     self.engine.info.context_length, cmd.sampling.max_tokens,
                                     cmd.sampling.context_overflow, cmd.answer_prefix, should_stop=self._cancel.is_set)
-            except TemplateCancelled:     # cancelled while the chat template rendered: nothing was generated
+            except Cancelled:     # cancelled while the chat template rendered: nothing was generated
                 self._done_generating(cmd)
                 self.send(P.Finished(request_id=cmd.request_id, reason="cancelled", stats=P.GenerationStats(
                     0, 0, None, None, None, time.perf_counter() - t0)))
                 return
         else:
-            raise EngineError(P.ErrorCode.BAD_FIELD.value, "generate: messages is empty and no prompt was given")
+            raise BadRequest("generate: messages is empty and no prompt was given")
         prompt = fitted.tokens
         generator = make_generator(cmd.sampling.seed)
         draft = cmd.draft if cmd.draft is not None else self.load_options.draft

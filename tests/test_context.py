@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.context import answer_room, fit_prompt
-from runtime.engine import EngineError
+from runtime.errors import ContextOverflow, EngineError
 from runtime.tokenizer import Tokenizer
 
 
@@ -52,7 +52,7 @@ def test_stop_leaves_everything_and_refuses_what_cannot_fit(tok):
     assert fitted.dropped_messages == 0                              # the answer gets what is left
     with pytest.raises(EngineError) as e:
         fit_prompt(tok, msgs, context=whole // 2, max_tokens=10, policy="stop")
-    assert e.value.code == "context_overflow" and str(whole) in e.value.message
+    assert isinstance(e.value, ContextOverflow) and str(whole) in e.value.message
 
 
 def test_a_last_message_longer_than_the_context_is_an_error(tok):

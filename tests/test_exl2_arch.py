@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends import exl2_arch
-from runtime.engine import EngineError
+from runtime.errors import InvalidModel, UnsupportedArchitecture
 from runtime.exl2.shapes import SHAPES, hf_config
 from runtime.modelfolder import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, flat_config
 from runtime.options import OffloadOptions
@@ -27,8 +27,9 @@ def _bytes_per_expert(shape: str, bits: float = 3.0) -> int:
 
 
 def test_every_architecture_the_folders_accept_has_a_row():
-    assert set(exl2_arch.SUPPORTED) == set(SUPPORTED_ARCHITECTURES)
-    assert set(MOE_ARCHITECTURES) <= {a for a, t in exl2_arch.TRAITS.items() if t.expert_norm}
+    from runtime.loader import CPU_ONLY
+    assert set(exl2_arch.SUPPORTED) == set(SUPPORTED_ARCHITECTURES) - set(CPU_ONLY)
+    assert set(MOE_ARCHITECTURES) - set(CPU_ONLY) <= {a for a, t in exl2_arch.TRAITS.items() if t.expert_norm}
 
 
 def test_mixtral_renormalises_and_caps_the_context_at_a_sliding_window():
@@ -41,7 +42,7 @@ def test_mixtral_renormalises_and_caps_the_context_at_a_sliding_window():
     capped, note = exl2_arch.cap_context(p, off)
     assert capped.context_length == 4096 and "sliding window" in note
     assert exl2_arch.cap_context(p, OffloadOptions(context_length=2048))[0].context_length == 2048
-    with pytest.raises(EngineError, match="sliding_window"):
+    with pytest.raises(InvalidModel, match="sliding_window"):
         exl2_arch.plan({**cfg, "sliding_window": -1})
 
 
@@ -52,10 +53,10 @@ def test_dbrx_clips_qkv_and_normalises_by_its_p():
     assert exl2_arch.plan(flat_config(cfg)).clip_qkv == 8.0            # as the model folder flattens it
     ffn = dict(cfg["ffn_config"])
     assert not exl2_arch.plan({**cfg, "ffn_config": {**ffn, "moe_normalize_expert_weights": None}}).renormalize
-    with pytest.raises(EngineError, match="moe_normalize_expert_weights"):
+    with pytest.raises(UnsupportedArchitecture, match="moe_normalize_expert_weights"):
         exl2_arch.plan({**cfg, "ffn_config": {**ffn, "moe_normalize_expert_weights": 2}})
     assert exl2_arch.plan({**cfg, "attn_config": {**cfg["attn_config"], "clip_qkv": None}}).clip_qkv == 0.0
-    with pytest.raises(EngineError, match="clip_qkv"):
+    with pytest.raises(InvalidModel, match="clip_qkv"):
         exl2_arch.plan({**cfg, "attn_config": {**cfg["attn_config"], "clip_qkv": "8"}})
 
 
@@ -63,7 +64,7 @@ def test_qwen3_moe_follows_norm_topk_prob_and_unknown_architectures_are_named():
     cfg = hf_config(SHAPES["qwen3-30b-a3b"])
     assert exl2_arch.plan(cfg).renormalize
     assert not exl2_arch.plan({**cfg, "norm_topk_prob": False}).renormalize
-    with pytest.raises(EngineError, match="GPT2LMHeadModel is not supported"):
+    with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel is not supported"):
         exl2_arch.plan({"architectures": ["GPT2LMHeadModel"]}, "x/config.json")
 
 

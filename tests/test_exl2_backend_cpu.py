@@ -6,16 +6,17 @@ import sys
 import pytest
 import torch
 
+from runtime.errors import ContextOverflow, CudaUnavailable
 from runtime.options import LoadOptions
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_load_without_cuda_says_so(tmp_path):
     from runtime.backends import exl2
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     with pytest.raises(EngineError) as ei:
         exl2.load(tmp_path, LoadOptions(), lambda *a: None)
-    assert ei.value.code == "cuda_unavailable"
+    assert isinstance(ei.value, CudaUnavailable)
     assert "CPU" in ei.value.message
     assert "exllamav2" not in sys.modules
 
@@ -100,10 +101,10 @@ def test_forwards_of_up_to_nine_rows_replay_a_graph(monkeypatch):
     eng.truncate(20)
     eng.forward([1] * 10)                                       # 10 rows: the loop again
     assert eng.model.calls[-1] == (20, 10) and eng.position == 30
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     with pytest.raises(EngineError) as ei:                      # the overflow check still comes first
         eng.forward([1] * 35)
-    assert ei.value.code == "context_overflow" and eng.position == 30
+    assert isinstance(ei.value, ContextOverflow) and eng.position == 30
 
 
 def test_prefill_asks_exllamav2_for_the_last_row_only(monkeypatch):
@@ -304,3 +305,71 @@ def test_qwen3_head_norms_are_rms():
         assert not rms_head_norms(cfg)                          # already right: nothing to change
     cfg = SimpleNamespace(architecture="LlamaForCausalLM", arch=SimpleNamespace(lm=SimpleNamespace(headnorm="layernorm")))
     assert not rms_head_norms(cfg) and cfg.arch.lm.headnorm == "layernorm"      # no head norms to fix
+
+
+class _Opened:
+    """A part a load opened (model, offload manager, budgets): records how it was freed."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+        self.applied, self.stats_warning, self.offload = {}, "", False
+
+    def unload(self):
+        self.log.append(f"{self.name} unloaded")
+
+    def close(self):
+        self.log.append(f"{self.name} closed")
+
+    def release(self):
+        self.log.append(f"{self.name} released")
+
+
+def _failing_load(monkeypatch, step: str, error: BaseException):
+    """exl2.load with its steps replaced by fakes that open parts; `step` raises `error`."""
+    from runtime.backends import exl2
+    log: list[str] = []
+    opens = {"plan_offload": "setup", "build_model": "model", "place_experts": "manager"}
+    for name in ("check_folder", "prepare_kernels", "read_config", "plan_offload", "build_model", "allocate_cache",
+                 "place_experts", "make_engine", "warm_up", "settle_expert_path"):
+        def fake(self, name=name):
+            self.step = {"build_model": "build", "make_engine": "engine"}.get(name, self.step)
+            log.append(name)
+            if name == step:
+                raise error
+            if name in opens:
+                setattr(self, opens[name], _Opened(log, opens[name]))
+        monkeypatch.setattr(exl2._Loading, name, fake)
+    monkeypatch.delenv("MOEDESK_NO_WARMUP", raising=False)
+    with pytest.raises(BaseException) as ei:
+        exl2.load("/models/m", LoadOptions(), lambda *a: None)
+    return ei.value, log
+
+
+def _frames(err: BaseException) -> list[str]:
+    tb, names = err.__traceback__, []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names
+
+
+def test_a_load_that_fails_frees_what_it_opened_in_one_place(monkeypatch):
+    from runtime.errors import InvalidModel, OutOfMemory
+    err, log = _failing_load(monkeypatch, "allocate_cache", torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert isinstance(err, OutOfMemory) and "the model's weights and a 4096-token fp16 KV cache" in err.message
+    assert log[-3:] == ["allocate_cache", "model unloaded", "setup released"]
+    assert "fake" not in _frames(err) and err.__context__ is None     # no frame of the step (its tensors) kept
+
+    err, log = _failing_load(monkeypatch, "place_experts", KeyError("model.layers.3.mlp.gate.weight"))
+    assert isinstance(err, InvalidModel) and err.file == "/models/m" and "KeyError" in err.problem
+    assert log[-2:] == ["model unloaded", "setup released"]
+
+    err, log = _failing_load(monkeypatch, "read_config", RuntimeError("out of memory"))   # nothing opened yet
+    assert isinstance(err, RuntimeError) and log[-1] == "read_config"
+
+
+def test_a_bug_in_a_load_step_is_raised_as_it_is_after_the_same_cleanup(monkeypatch):
+    err, log = _failing_load(monkeypatch, "place_experts", TypeError("a bug"))
+    assert type(err) is TypeError and log[-2:] == ["model unloaded", "setup released"] and "fake" in _frames(err)
+    err, log = _failing_load(monkeypatch, "make_engine", TypeError("a bug"))
+    assert type(err) is TypeError and log[-3:] == ["manager closed", "model unloaded", "setup released"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import Engine, EngineError, ModelInfo
+from runtime.engine import Engine, ModelInfo
+from runtime.errors import ContextOverflow, EngineError
 from runtime.generate import PlainDecoder, generate
 from runtime.options import SamplingOptions
 from runtime.tokenizer import REPLACEMENT, Tokenizer
@@ -122,7 +123,7 @@ def test_context_full_and_overflow(tok):
     engine2.info.context_length = len(prompt2)
     with pytest.raises(EngineError) as e:
         _run(engine2, tok, prompt2)
-    assert e.value.code == "context_overflow"
+    assert isinstance(e.value, ContextOverflow)
 
 
 def test_cancel_takes_effect_within_one_step(tok):

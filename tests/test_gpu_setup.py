@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from runtime import gpu_setup as g
+from runtime.errors import KernelBuildFailed
 
 TORCH_13 = g.TorchInfo("2.11.0", "13.0")
 
@@ -312,7 +313,7 @@ def test_the_cuda_backend_imports_the_cached_build_and_reports_a_failed_fallback
     import types
 
     from runtime.backends import exl2
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     monkeypatch.setattr(g, "gpu_archs", lambda: ["9.0"])
     build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
     touch(build_dir / "exllamav2_ext" / "exllamav2_ext.so")
@@ -341,7 +342,7 @@ def test_the_cuda_backend_imports_the_cached_build_and_reports_a_failed_fallback
     with pytest.raises(EngineError) as info:
         exl2.build_kernels(lambda stage, text, done, total: steps.append(text))
     assert steps == ["Building GPU kernels, one time"]
-    assert info.value.code == "kernel_build_failed" and info.value.detail.endswith("error: boom")
+    assert isinstance(info.value, KernelBuildFailed) and info.value.detail.endswith("error: boom")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)
     assert g.kernel_status(["9.0"]).state == "failed"
 
@@ -364,7 +365,7 @@ def test_a_package_missing_beside_exllamav2_is_named_not_blamed_on_the_toolchain
     import builtins
 
     from runtime.backends import exl2
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     monkeypatch.setattr(g, "gpu_archs", lambda: ["9.0"])
     monkeypatch.delitem(sys.modules, "exllamav2.ext", raising=False)
     real_import = builtins.__import__

@@ -16,6 +16,7 @@ from test_modelfolder import LLAMA, QWEN3_MOE, make_folder
 from app.hub.errors import LocalModelError
 from app.hub.fit import FitError, ModelShape
 from app.hub.local import draft_compatibility, import_folder, list_local_models
+from runtime.errors import InvalidModel
 from runtime.modelfolder import ModelFolderError, validate
 from runtime.tokenizer import Tokenizer
 
@@ -27,7 +28,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 def error(folder: Path, **kw) -> ModelFolderError:
     with pytest.raises(ModelFolderError) as e:
         validate(folder, **kw)
-    assert e.value.code == "model_invalid", e.value
+    assert isinstance(e.value, InvalidModel), e.value
     return e.value
 
 

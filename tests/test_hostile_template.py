@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.chat_template import TemplateCancelled
 from runtime import tuning
-from runtime.engine import EngineError
+from runtime.errors import Cancelled, ContextOverflow, EngineError, InvalidModel
 from runtime.tokenizer import Tokenizer
 from runtime.tuning import Tuning
 
@@ -47,7 +46,7 @@ def render_error(tmp_path, demo_model, template: str) -> tuple[EngineError, floa
 
 def test_a_template_that_loops_for_ever_is_stopped_and_the_next_one_renders(tmp_path, demo_model):
     err, took = render_error(tmp_path, demo_model, FOREVER)
-    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "more than 1 s" in err.message
+    assert isinstance(err, InvalidModel) and "chat_template.jinja" in err.message and "more than 1 s" in err.message
     assert took < 5
     ok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ messages[0].content }}!"))
     assert ok.render_chat(HI) == "hi!"
@@ -55,7 +54,7 @@ def test_a_template_that_loops_for_ever_is_stopped_and_the_next_one_renders(tmp_
 
 def test_output_is_capped_while_it_is_written(tmp_path, demo_model):
     err, took = render_error(tmp_path, demo_model, GIGABYTES)
-    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "too long" in err.message
+    assert isinstance(err, InvalidModel) and "chat_template.jinja" in err.message and "too long" in err.message
     assert took < 5
 
 
@@ -65,7 +64,7 @@ def test_huge_arithmetic_is_refused_and_never_folded_at_load(tmp_path, demo_mode
     tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ " + expr + " }}"))    # compiles: no folding
     assert time.perf_counter() - t0 < 5
     err, took = render_error(tmp_path, demo_model, "{{ " + expr + " }}")
-    assert err.code == "model_invalid" and "chat_template.jinja" in err.message and "bound" in err.message
+    assert isinstance(err, InvalidModel) and "chat_template.jinja" in err.message and "bound" in err.message
     assert took < 5
     del tok
 
@@ -83,7 +82,7 @@ def test_rendering_stops_on_cancel(tmp_path, demo_model):
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()
     t0 = time.perf_counter()
-    with pytest.raises(TemplateCancelled):
+    with pytest.raises(Cancelled):
         tok.render_chat(HI, should_stop=cancel.is_set)
     assert time.perf_counter() - t0 < 5
 
@@ -93,10 +92,10 @@ def test_a_prompt_too_long_never_reaches_the_tokenizer(tmp_path, demo_model):
     tok = Tokenizer.from_folder(folder_with(tmp_path, demo_model, "{{ messages[0].content }}"))
     with pytest.raises(EngineError) as e:
         tok.encode_prompt("x" * (MAX_PROMPT_CHARS + 1))
-    assert e.value.code == "context_overflow"
+    assert isinstance(e.value, ContextOverflow)
     with pytest.raises(EngineError) as e:
         tok.render_chat([{"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}])
-    assert e.value.code == "context_overflow" and "chat_template.jinja" in e.value.message
+    assert isinstance(e.value, ContextOverflow) and "chat_template.jinja" in e.value.message
 
 
 def test_a_template_source_too_large_is_refused(tmp_path, demo_model):

@@ -9,6 +9,7 @@ import pytest
 
 from runtime import protocol as P
 from runtime.client import WorkerClient, new_id
+from runtime.errors import BadRequest
 from runtime.exl2 import synth
 from runtime.exl2.shapes import SHAPES, get_shape, hf_config, param_counts
 from runtime.modelfolder import validate
@@ -73,11 +74,11 @@ def test_dbrx_template_renders_chatml(folders):
 
 
 def test_mixtral_template_refuses_roles_out_of_turn(folders):
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     tok = Tokenizer.from_folder(folders["tiny-mixtral"])
     with pytest.raises(EngineError) as e:
         tok.render_chat([{"role": "assistant", "content": "x"}])
-    assert e.value.code == "bad_field" and "alternate" in e.value.message
+    assert isinstance(e.value, BadRequest) and "alternate" in e.value.message
 
 
 @pytest.mark.parametrize("name", list(TINY))

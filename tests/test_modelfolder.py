@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from runtime.errors import InvalidModel, ModelNotFound, UnsupportedArchitecture
 from runtime.modelfolder import FolderInfo, ModelFolder, ModelFolderError, layout, read_header, validate
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
@@ -124,7 +125,7 @@ def test_dbrx_original_layout_named(tmp_path):
     (folder / "tokenizer.json").write_text("{}")
     save_file({"transformer.wte.weight": torch.zeros(40, 16)}, str(folder / "model.safetensors"))
     e = error(folder)
-    assert e.code == "unsupported_architecture" and "transformer.blocks" in e.message and "EXL2" in e.message
+    assert isinstance(e, UnsupportedArchitecture) and "transformer.blocks" in e.message and "EXL2" in e.message
 
 
 @pytest.mark.parametrize("key, value", [("sliding_window", 0), ("sliding_window", "4096"),
@@ -133,20 +134,20 @@ def test_mixtral_config_sizes_bounded(tmp_path, key, value):
     folder = make_folder(tmp_path / "m", MIXTRAL)
     (folder / "config.json").write_text(json.dumps({**MIXTRAL, key: value}))
     e = error(folder)
-    assert e.code == "model_invalid" and "config.json" in e.message
+    assert isinstance(e, InvalidModel) and "config.json" in e.message
     assert key in e.message or "num_experts" in e.message
 
 
 def test_missing_folder(tmp_path):
     e = error(tmp_path / "nope")
-    assert e.code == "model_not_found" and "nope" in e.message
+    assert isinstance(e, ModelNotFound) and "nope" in e.message
 
 
 def test_missing_config(tmp_path):
     folder = make_folder(tmp_path / "m", LLAMA)
     (folder / "config.json").unlink()
     e = error(folder)
-    assert e.code == "model_invalid" and "config.json" in e.message and "missing" in e.message
+    assert isinstance(e, InvalidModel) and "config.json" in e.message and "missing" in e.message
 
 
 def test_unparsable_config_names_line_and_column(tmp_path):
@@ -167,7 +168,7 @@ def test_missing_tokenizer(tmp_path):
     folder = make_folder(tmp_path / "m", LLAMA)
     (folder / "tokenizer.json").unlink()
     e = error(folder)
-    assert e.code == "model_invalid" and "tokenizer.json" in e.message
+    assert isinstance(e, InvalidModel) and "tokenizer.json" in e.message
     assert validate(folder, require_tokenizer=False).has_tokenizer is False
 
 
@@ -175,7 +176,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path):
     folder = make_folder(tmp_path / "m", LLAMA)
     (folder / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     e = error(folder)
-    assert e.code == "unsupported_architecture"
+    assert isinstance(e, UnsupportedArchitecture)
     assert "FalconForCausalLM" in e.message and "config.json" in e.message
     assert "MixtralForCausalLM" in e.message and "Qwen3MoeForCausalLM" in e.message
 
@@ -216,7 +217,7 @@ def test_corrupt_header(tmp_path, edit, expected):
     folder = make_folder(tmp_path / "m", LLAMA)
     _rewrite_header(folder / "model.safetensors", edit)
     e = error(folder)
-    assert e.code == "model_invalid" and "model.safetensors" in e.message
+    assert isinstance(e, InvalidModel) and "model.safetensors" in e.message
     assert "corrupt safetensors header" in e.message and expected in e.message
 
 
@@ -245,7 +246,7 @@ def test_truncated_file(tmp_path, keep):
     data = path.read_bytes()
     path.write_bytes(data[:keep])
     e = error(folder)
-    assert e.code == "model_invalid" and "model.safetensors" in e.message and "truncated" in e.message
+    assert isinstance(e, InvalidModel) and "model.safetensors" in e.message and "truncated" in e.message
 
 
 def test_index_lists_missing_shard(tmp_path):
@@ -287,7 +288,7 @@ def test_index_may_not_escape_folder(tmp_path):
 ])
 def test_missing_tensor(tmp_path, config, drop):
     e = error(make_folder(tmp_path / "m", config, drop=drop))
-    assert e.code == "model_invalid" and drop in e.message and "missing" in e.message
+    assert isinstance(e, InvalidModel) and drop in e.message and "missing" in e.message
 
 
 def test_missing_tensor_in_sharded_folder_names_index(tmp_path):

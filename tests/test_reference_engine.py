@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from runtime.engine import Engine, EngineError
+from runtime.engine import Engine
+from runtime.errors import ContextOverflow, EngineError, InvalidModel, UnsupportedArchitecture
 from runtime.modelfolder import ModelFolderError
 from runtime.options import LoadOptions, OffloadOptions
 from runtime.reference import load
@@ -49,7 +50,7 @@ def test_context_overflow(tmp_path, threads):
     engine.forward(list(range(30)) * 8)                                     # 240 tokens
     with pytest.raises(EngineError) as e:
         engine.forward(list(range(17)))
-    assert e.value.code == "context_overflow" and "256" in e.value.message
+    assert isinstance(e.value, ContextOverflow) and "256" in e.value.message
     assert engine.position == 240
     engine.forward(list(range(16)))
     assert engine.position == 256
@@ -76,14 +77,14 @@ def test_bad_calls(tmp_path, threads):
 def test_bad_folder_raises_model_folder_error(tmp_path):
     with pytest.raises(ModelFolderError) as e:
         load(make_folder(tmp_path / "m", LLAMA, drop="model.layers.1.mlp.down_proj.weight"))
-    assert e.value.code == "model_invalid" and "model.layers.1.mlp.down_proj.weight" in e.value.message
+    assert isinstance(e.value, InvalidModel) and "model.layers.1.mlp.down_proj.weight" in e.value.message
 
 
 def test_unsupported_rope_type(tmp_path):
     folder = make_folder(tmp_path / "m", {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ModelFolderError) as e:
         load(folder)
-    assert e.value.code == "unsupported_architecture" and "yarn" in e.value.message
+    assert isinstance(e.value, UnsupportedArchitecture) and "yarn" in e.value.message
     assert "config.json" in e.value.message
 
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from runtime.engine import EngineError
+from runtime.errors import EngineError, InvalidModel
 from runtime.tokenizer import REPLACEMENT, StopMatcher, StreamDecoder, Tokenizer
 
 TEXTS = ["hello world", "héllo wörld", "日本語のテキスト", "emoji 🙂👍🏽 and ZWJ 👨‍👩‍👧 family", "mixed: a€b😀c\nnew line"]
@@ -201,7 +201,7 @@ def test_broken_template_names_the_file(tmp_path):
     folder = _folder(tmp_path, _byte_level_tokenizer(), {}, chat_template__jinja="{% for m in messages %}oops")
     with pytest.raises(EngineError) as e:
         Tokenizer.from_folder(folder)
-    assert e.value.code == "model_invalid"
+    assert isinstance(e.value, InvalidModel)
     assert "chat_template.jinja" in e.value.message and "broken" in e.value.message
 
 

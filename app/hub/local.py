@@ -20,7 +20,7 @@ from app.hub.staging import SOURCE
 from app.telemetry import fmt_bytes
 from runtime import paths
 from runtime.modelfolder import FolderInfo, ModelFolderError, config_int, inside, read_json, validate
-from runtime.protocol import ErrorCode
+from runtime.errors import InvalidModel
 
 LAST_USED_FILE = "models-last-used.json"
 
@@ -185,7 +185,7 @@ def import_folder(src: Path, move: bool = False, models_dir: Path | None = None)
 def _fingerprint(path: str, mtime: float, size: int) -> str:
     data = read_json(Path(path))
     if not isinstance(data, dict):
-        raise ModelFolderError(ErrorCode.MODEL_INVALID, path, "not a tokenizer (expected a JSON object)")
+        raise InvalidModel(path, "not a tokenizer (expected a JSON object)")
     model = data.get("model") or {}
     vocab = model.get("vocab")
     vocab = sorted(vocab.items()) if isinstance(vocab, dict) else vocab

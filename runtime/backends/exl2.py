@@ -1,7 +1,8 @@
 """The CUDA engine: EXL2 models on exllamav2, with the project's own MoE layer and a graph-captured decode step.
 
 `load(path, options, progress) -> (Engine, applied)`, as runtime/reference. exllamav2 is imported
-here only, inside `load`: on a machine without CUDA its import itself fails.
+only inside functions (here, exl2_kernels.py, exl2_fixes.py), never at module level: on a machine
+without CUDA its import itself fails.
 
 - Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
   (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
@@ -10,24 +11,29 @@ here only, inside `load`: on a machine without CUDA its import itself fails.
   whole forward, one per (context bucket, T) (runtime/backends/exl2_graph.py); anything else (prefill)
   runs exllamav2's layer loop. `truncate(n)` rolls back by moving the cache position
   (entries past it are overwritten by the next forward).
-- CUDA out-of-memory, in load or forward, frees what was taken and raises EngineError(out_of_memory)
-  saying what did not fit and how much was free, so the worker survives.
+- CUDA out-of-memory, in load or forward, frees what was taken and raises OutOfMemory (runtime/errors.py)
+  saying what did not fit and how much was free, so the worker survives. `load` runs named steps
+  (`_Loading`); a failure at any of them goes through its one cleanup, `_Loading.close`.
 """
 from __future__ import annotations
 
 import gc
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from runtime import tuning
 from runtime.backends import exl2_arch
-from runtime.engine import Engine, EngineError, ModelInfo, ProgressFn
+from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
+from runtime.backends.exl2_kernels import build_kernels, settle_gemm_autotune
+from runtime.backends.exl2_offload import budget_error
+from runtime.engine import Engine, ModelInfo, ProgressFn
+from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
+                            UnsupportedArchitecture)
 from runtime.experts.budget import BudgetError
 from runtime.options import LoadOptions
-from runtime.protocol import ErrorCode
 
 SUPPORTED = exl2_arch.SUPPORTED     # per-architecture differences: runtime/backends/exl2_arch.py
 GiB = 1024 ** 3
@@ -39,12 +45,13 @@ MAX_WARM_ROWS = 9               # decode graphs cover 1..9 rows (exl2_graph.MAX_
 MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
 
 
-def _free_vram() -> str:
+def _free_vram() -> tuple[Optional[int], str]:
+    """Free GPU memory in bytes (None: unknown), and in words."""
     try:
         free, total = torch.cuda.mem_get_info()
-        return f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB"
+        return free, f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB"
     except Exception:
-        return "free memory unknown"
+        return None, "free memory unknown"
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -52,154 +59,12 @@ def _is_oom(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
 
 
-def _oom(what: str, err: BaseException) -> EngineError:
+def _oom(what: str, err: BaseException) -> OutOfMemory:
     gc.collect()
     torch.cuda.empty_cache()
-    return EngineError(ErrorCode.OUT_OF_MEMORY.value,
-                       f"Not enough GPU memory for {what} ({_free_vram()} after freeing what was taken). "
-                       "Try a shorter context, a quantized KV cache, or a smaller model.", str(err))
-
-
-def build_kernels(progress: ProgressFn) -> float:
-    """Import exllamav2's CUDA extension; returns the seconds it took. A prebuilt or cached build
-    (runtime.gpu_setup: `moedesk-cli setup-gpu`, the welcome screen's background build) is imported as it is;
-    without one, exllamav2 builds it here, at import, into the same cache (the slow fallback)."""
-    from runtime import gpu_setup
-    archs = gpu_setup.gpu_archs()
-    cached = gpu_setup.prepare_import(archs)
-    progress("kernels", "Loading GPU kernels" if cached else "Building GPU kernels, one time", 0, 1)
-    t0 = time.perf_counter()
-    try:
-        from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] not in ("exllamav2", "exllamav2_ext"):
-            # a package exllamav2 imports is missing from this install (not a build problem)
-            raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
-                              f"exllamav2 cannot be imported: the package '{e.name}' it needs is missing from "
-                              "this install. Install MoE Desk again (pip install moedesk), or report the bundle.",
-                              str(e)) from None
-        raise _kernel_failure(e, archs) from None
-    except Exception as e:  # the JIT build raises RuntimeError/OSError/ImportError with the compiler's log
-        raise _kernel_failure(e, archs) from None
-    dt = time.perf_counter() - t0
-    progress("kernels", f"GPU kernels ready ({dt:.0f} s)", 1, 1)
-    return dt
-
-
-def _kernel_failure(e: Exception, archs) -> EngineError:
-    """kernel_build_failed for a failed import of exllamav2's extension, with the compiler's last lines."""
-    from runtime import gpu_setup
-    status = gpu_setup.kernel_status(archs)
-    err = gpu_setup.failure_message(str(e).splitlines(), status.toolchain)
-    if status.build_dir is not None and status.build_dir.is_dir():
-        (status.build_dir / "failed.log").write_text(str(e), encoding="utf-8")
-    return EngineError(ErrorCode.KERNEL_BUILD_FAILED.value, err.message, err.detail)
-
-
-# exllamav2's quantized GEMM times its first AT_NUM_MEASURE (200) calls of every (rows, in, out) shape
-# with cudaEventSynchronize before settling on a block size (exllamav2_ext/cuda/q_gemm.cu). A host
-# synchronisation inside a CUDA graph capture invalidates it ("operation failed due to a previous
-# error during capture"), and the lm_head shape is called once per token: 200 tokens would have to be
-# decoded before a capture could succeed. Settling every shape at load, for the row counts decode and
-# verify use, removes the timing calls from both the capture and the verify-cost measurements.
-AUTOTUNE_CALLS = 201
-AUTOTUNE_ROWS = 8          # EXL2_BLOCK_M_SIZE_MAX: larger row counts reuse the 8-row choice
-
-
-def settle_gemm_autotune(model, rows: Sequence[int] = tuple(range(1, AUTOTUNE_ROWS + 1))) -> int:
-    """Run exllamav2's GEMM past its autotuning for every distinct quantized matrix shape; returns
-    the number of shapes settled."""
-    from exllamav2.ext import exllamav2_ext as ext_c
-    from exllamav2.linear import ExLlamaV2Linear
-    seen: dict[tuple[int, int], ExLlamaV2Linear] = {}
-
-    def visit(m):
-        if isinstance(m, ExLlamaV2Linear) and isinstance(m.q_handle, int):
-            seen.setdefault((m.in_features, m.out_features), m)
-        for sub in getattr(m, "submodules", []) or []:
-            visit(sub)
-
-    for m in model.modules:
-        visit(m)
-    for (k, n), lin in seen.items():
-        dev = lin.device()
-        for r in rows:
-            a = torch.zeros((r, k), dtype=torch.float16, device=dev)
-            c = torch.empty((r, n), dtype=torch.float16, device=dev)
-            for _ in range(AUTOTUNE_CALLS):
-                ext_c.gemm_half_q_half(a, lin.q_handle, c, False)
-    torch.cuda.synchronize()
-    return len(seen)
-
-
-def rms_head_norms(config) -> bool:
-    """Make exllamav2 normalise Qwen3's query/key heads with RMSNorm, as Qwen3 does; True if changed.
-
-    exllamav2 0.3.2 registers Qwen3 and Qwen3-MoE with `use_qk_norm` but leaves its architecture
-    default `headnorm = "layernorm"` (only Gemma 3 sets "rmsnorm"), so every head was mean-centred
-    before scaling: on the H200, layer 0's queries differed from the fp32 reference by 13% while
-    the q/k/v/o weights, norm weights and RoPE tables agreed to fp16 rounding."""
-    lm = config.arch.lm
-    if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and lm.headnorm != "rmsnorm":
-        lm.headnorm = "rmsnorm"
-        return True
-    return False
-
-
-def causal_sdpa_attention(original):
-    """exllamav2's `ExLlamaV2Attention._attn_torch`, with the SDPA branch made causal.
-
-    Without flash-attn and xformers, exllamav2 0.3.2 runs attention for more than one row in
-    `_attn_torch`. Its SDPA branch picks the mask with `if layer in block_diag_layers or causal:`
-    and so, for ordinary causal attention, passes `get_block_diag_mask()`, which is None without
-    packed sequences: SDPA then attends to every row, the future included. Prefill and multi-row
-    verify were silently non-causal (the first rows of a prompt saw the whole prompt). This wrapper
-    handles the ordinary case (causal, no input mask, no sliding window, no soft-capping) with
-    SDPA and a lower-right causal bias, and leaves every other case to exllamav2."""
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
-
-    def _attn_torch(self, batch_size, q_len, q_states, k_states, v_states, attn_params, cfg, causal=True):
-        if (not causal or q_len == 1 or cfg.no_sdpa or cfg.attn_logit_softcapping or self.sliding_window
-                or getattr(attn_params, "paged", False) or not attn_params.is_causal()
-                or self.layer_idx in attn_params.block_diag_layers):
-            return original(self, batch_size, q_len, q_states, k_states, v_states, attn_params, cfg, causal)
-        q, k, v = (t.transpose(1, 2) for t in (q_states, k_states, v_states))     # [B, heads, rows, D]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:                  # kv head j serves query heads j*groups .. j*groups + groups-1
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, causal_lower_right(q_len, k.shape[2]), scale=self.scaling)
-        return out.transpose(1, 2).reshape(batch_size, q_len, q.shape[1] * q.shape[3])
-
-    _attn_torch.wraps_exllamav2 = original
-    return _attn_torch
-
-
-def prefill_attention_is_causal(attn_torch, config, head_dim: int = 128) -> bool:
-    """Run `attn_torch` (an `_attn_torch` as above) on small problems, a fresh prompt and rows
-    appended to a cache, against softmax with an explicit causal mask, in float32."""
-    from types import SimpleNamespace
-    from exllamav2.attn_params import Params
-    g = torch.Generator(device="cuda").manual_seed(0)
-    heads, kv_heads = 8, 2
-    fake = SimpleNamespace(scaling=head_dim ** -0.5, sliding_window=0, layer_idx=0,
-                           num_key_value_groups=heads // kv_heads)
-    fake.repeat_kv = lambda x, n: x if n == 1 else x.repeat_interleave(n, dim=1)
-    for q_len, kv_len in ((24, 24), (5, 29)):
-        q = torch.randn(1, q_len, heads, head_dim, device="cuda", dtype=torch.float16, generator=g)
-        k, v = (torch.randn(1, kv_len, kv_heads, head_dim, device="cuda", dtype=torch.float16, generator=g)
-                for _ in range(2))
-        params = Params(1, q_len, kv_len - q_len)
-        got = attn_torch(fake, 1, q_len, q, k, v, params, config).float().view(q_len, heads, head_dim)
-        qf, kf, vf = q[0].float().transpose(0, 1), k[0].float().transpose(0, 1), v[0].float().transpose(0, 1)
-        kf, vf = kf.repeat_interleave(heads // kv_heads, 0), vf.repeat_interleave(heads // kv_heads, 0)
-        allowed = (torch.arange(kv_len, device="cuda")[None, :]
-                   <= torch.arange(q_len, device="cuda")[:, None] + (kv_len - q_len))
-        s = (qf @ kf.transpose(-1, -2)) * head_dim ** -0.5
-        ref = (torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ vf).transpose(0, 1)
-        if ((got - ref).norm() / ref.norm()).item() > 1e-2:
-            return False
-    return True
+    free, words = _free_vram()
+    return OutOfMemory(f"Not enough GPU memory for {what} ({words} after freeing what was taken). "
+                       "Try a shorter context, a quantized KV cache, or a smaller model.", str(err), free_bytes=free)
 
 
 def choose_prefill_attention(config, head_dim: int = 128) -> str:
@@ -230,9 +95,8 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
     config.no_sdpa = True
     if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
         return "matmul (SDPA mishandled the causal bias)"
-    raise EngineError(ErrorCode.KERNEL_BUILD_FAILED.value,
-                      "exllamav2's attention over several rows is not causal on this GPU and PyTorch, "
-                      "with SDPA or without: prompts would be read wrongly, so the model is not loaded.")
+    raise KernelBuildFailed("exllamav2's attention over several rows is not causal on this GPU and PyTorch, "
+                            "with SDPA or without: prompts would be read wrongly, so the model is not loaded.")
 
 
 def _cache_class(kind: str):
@@ -282,15 +146,15 @@ class Exl2Engine(Engine):
     def _forward(self, tokens: Sequence[int], last_only: bool):
         T = len(tokens)
         if T == 0:
-            raise EngineError(ErrorCode.INTERNAL.value, "forward() needs at least one token")
+            raise EngineError("forward() needs at least one token")
         tokens = [int(t) for t in tokens]
         bad = [t for t in tokens if not 0 <= t < self.vocab]
         if bad:
-            raise EngineError(ErrorCode.INTERNAL.value, f"token ids outside 0..{self.vocab - 1}: {bad[:5]}")
+            raise EngineError(f"token ids outside 0..{self.vocab - 1}: {bad[:5]}")
         if self.position + T > self.info.context_length:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                              f"{self.position} tokens in the cache + {T} new exceed the context length "
-                              f"{self.info.context_length}")
+            raise ContextOverflow(f"{self.position} tokens in the cache + {T} new exceed the context length "
+                                  f"{self.info.context_length}",
+                                  tokens=self.position + T, limit=self.info.context_length)
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         if 1 < T <= MAX_WARM_ROWS:
             self.note_rows(T)
@@ -435,8 +299,7 @@ class Exl2Engine(Engine):
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.position:
-            raise EngineError(ErrorCode.INTERNAL.value,
-                              f"truncate({length}) outside 0..{self.position} (tokens in the cache)")
+            raise EngineError(f"truncate({length}) outside 0..{self.position} (tokens in the cache)")
         self.cache.current_seq_len = length
 
     def telemetry(self) -> dict[str, Any]:
@@ -464,14 +327,14 @@ class Exl2Engine(Engine):
         the allocator cap moves, hot slots and staging are planned anew, captured graphs (which hold
         the old slots' addresses) are dropped and recaptured at the next step."""
         if self.offload is None:
-            raise EngineError(ErrorCode.INTERNAL.value, "set_vram_budget needs a model loaded with expert offload")
+            raise EngineError("set_vram_budget needs a model loaded with expert offload")
         from runtime.experts.budget import GB
         self._drop_graphs()
         free, total = torch.cuda.mem_get_info()
         want = int(vram_budget_gb * GB)
         if want > total:
-            raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
-                              f"a VRAM budget of {vram_budget_gb:g} GiB is more than the GPU's {total / GB:.1f} GiB")
+            raise OutOfMemory(f"a VRAM budget of {vram_budget_gb:g} GiB is more than the GPU's {total / GB:.1f} GiB",
+                              needed_bytes=want)
         growing = want >= self.budget.vram.total_bytes
         self.budget.vram.total_bytes = want
         if growing:                                   # the new slots are allocated under the new cap
@@ -479,7 +342,6 @@ class Exl2Engine(Engine):
         try:
             self.offload.place()
         except BudgetError as e:
-            from runtime.backends.exl2_offload import budget_error
             raise budget_error(e) from None
         finally:
             if not growing:                           # the old slots are gone: the smaller cap fits
@@ -503,7 +365,7 @@ class Exl2Engine(Engine):
     def place_experts(self, resident: list[list[int]]) -> None:
         """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
         if self.offload is None:
-            raise EngineError(ErrorCode.INTERNAL.value, "place_experts needs a model loaded with expert offload")
+            raise EngineError("place_experts needs a model loaded with expert offload")
         self._drop_graphs()
         self.offload.apply(resident)
 
@@ -516,7 +378,7 @@ class Exl2Engine(Engine):
         try:
             apply_experiment(experiment, [m.experts for m in self.moe], self.offload)
         except ValueError as e:
-            raise EngineError(ErrorCode.INTERNAL.value, str(e)) from None
+            raise EngineError(str(e)) from None
         self.experiment = experiment
 
     def reset_graphs(self) -> None:
@@ -554,123 +416,184 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
     """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's).
     warm: compile kernels and capture the first decode graphs at load (Exl2Engine.warm_up), and
     settle the CPU expert path by measured decode steps ("auto" placement)."""
-    path = Path(path)
-    if not torch.cuda.is_available():
-        raise EngineError(ErrorCode.CUDA_UNAVAILABLE.value,
-                          "No CUDA GPU is available to this process: use the CPU engine (backend cpu).")
-    if not (path / "config.json").is_file():
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: config.json missing")
-    off = options.offload
-    applied: dict[str, str] = {}
-    build_kernels(progress)
-    from exllamav2 import ExLlamaV2, ExLlamaV2Config
-
-    progress("load", "Reading model configuration", 0, 1)
+    loading = _Loading(Path(path), options, progress, moe, graphs)
     try:
-        config = ExLlamaV2Config(str(path))
-    except Exception as e:
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: exllamav2 cannot read this model: {e}") from None
-    if config.architecture not in SUPPORTED:
-        raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
-                          f"{path}: architecture {config.architecture} is not supported "
-                          f"(supported: {', '.join(SUPPORTED)})")
-    arch = exl2_arch.plan(exl2_arch.read_config(path), str(path / "config.json"))
-    off, context_note = exl2_arch.cap_context(arch, off)
-    rms_head_norms(config)
-    prefill_attention = choose_prefill_attention(config, config.head_dim)
-    config.max_seq_len = off.context_length
-    config.max_input_len = min(2048, off.context_length)
-    config.max_attention_size = config.max_input_len ** 2
-    # exllamav2 sizes its fixed scratch for dequantizing the largest linear whole, up to max_dq_size
-    # elements: the head (vocab x hidden, ~600M for Qwen3 at hidden 4096) would take its 1 GiB default
-    # for a prefill's all-row logits, which `prefill` never asks for. Linears above this are
-    # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
-    config.max_dq_size = MAX_DQ_ELEMENTS
-    is_moe = bool(config.arch.lm.is_moe)
-    use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
-                  and tuning.current().graphs)
-    if use_graphs:
-        config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
-    applied["offload.context_length"] = context_note
-    applied["offload.kv_cache"] = "applied"
-    from runtime.backends import exl2_offload
-    setup = exl2_offload.prepare(path, config, off, is_moe and moe == "own")   # budgets, allocator cap
-    applied.update(setup.applied)
-    applied["offload.backend"] = "applied"
+        loading.check_folder()
+        loading.prepare_kernels()
+        loading.read_config()
+        loading.plan_offload()
+        loading.build_model()
+        loading.allocate_cache()
+        loading.place_experts()
+        loading.make_engine()
+        if warm and tuning.current().warmup:
+            loading.warm_up()
+            loading.settle_expert_path()
+        return loading.engine, loading.applied
+    except BaseException as e:
+        failure = loading.failure(e)
+        if failure is None:                     # not a failure the load knows: re-raised as it is, after the cleanup
+            loading.close()
+            raise
+    loading.close()                             # outside the except: its traceback no longer pins tensors
+    raise failure() from None
 
-    model = cache = manager = None
-    failure: Optional[tuple[bool, str]] = None
-    try:
-        model = ExLlamaV2(config)
-        exl2_arch.install(model, arch)
-        if is_moe and moe == "own":
+
+class _Loading:
+    """One load in progress, step by step; what the steps opened, so that `close` frees it on failure."""
+
+    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, moe: str, graphs: bool):
+        self.path, self.options, self.off, self.progress = path, options, options.offload, progress
+        self.moe, self.graphs = moe, graphs
+        self.applied: dict[str, str] = {}
+        self.step = "check"                     # the step running: says what an out-of-memory meant
+        self.config = self.setup = self.model = self.cache = self.manager = self.engine = None
+        self.arch = None                        # runtime/backends/exl2_arch.ArchPlan, from config.json
+        self.is_moe = self.use_graphs = False
+        self.prefill_attention = ""
+
+    def check_folder(self) -> None:
+        if not torch.cuda.is_available():
+            raise CudaUnavailable("No CUDA GPU is available to this process: use the CPU engine (backend cpu).")
+        if not (self.path / "config.json").is_file():
+            raise InvalidModel(self.path, "config.json missing")
+
+    def prepare_kernels(self) -> None:
+        build_kernels(self.progress)
+
+    def read_config(self) -> None:
+        from exllamav2 import ExLlamaV2Config
+        path, off = self.path, self.off
+        self.progress("load", "Reading model configuration", 0, 1)
+        try:
+            config = ExLlamaV2Config(str(path))
+        except Exception as e:
+            raise InvalidModel(path, f"exllamav2 cannot read this model: {e}") from None
+        if config.architecture not in SUPPORTED:
+            raise UnsupportedArchitecture(path, f"architecture {config.architecture} is not supported "
+                                                f"(supported: {', '.join(SUPPORTED)})")
+        self.arch = exl2_arch.plan(exl2_arch.read_config(path), str(path / "config.json"))
+        off, context_note = exl2_arch.cap_context(self.arch, off)
+        self.off = off                       # the context capped where the architecture needs it
+        rms_head_norms(config)
+        self.prefill_attention = choose_prefill_attention(config, config.head_dim)
+        config.max_seq_len = off.context_length
+        config.max_input_len = min(2048, off.context_length)
+        config.max_attention_size = config.max_input_len ** 2
+        # exllamav2 sizes its fixed scratch for dequantizing the largest linear whole, up to max_dq_size
+        # elements: the head (vocab x hidden, ~600M for Qwen3 at hidden 4096) would take its 1 GiB default
+        # for a prefill's all-row logits, which `prefill` never asks for. Linears above this are
+        # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
+        config.max_dq_size = MAX_DQ_ELEMENTS
+        is_moe = self.is_moe = bool(config.arch.lm.is_moe)
+        moe, graphs = self.moe, self.graphs
+        use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
+                      and tuning.current().graphs)
+        if use_graphs:
+            config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
+        self.config, self.use_graphs = config, use_graphs
+        self.applied["offload.context_length"] = context_note
+        self.applied["offload.kv_cache"] = "applied"
+
+    def plan_offload(self) -> None:
+        """Budgets and the allocator cap (runtime/backends/exl2_offload)."""
+        from runtime.backends import exl2_offload
+        self.setup = exl2_offload.prepare(self.path, self.config, self.off, self.is_moe and self.moe == "own")
+        self.applied.update(self.setup.applied)
+        self.applied["offload.backend"] = "applied"
+
+    def build_model(self) -> None:
+        from exllamav2 import ExLlamaV2
+        self.step = "build"
+        self.model = ExLlamaV2(self.config)
+        exl2_arch.install(self.model, self.arch)
+        if self.is_moe and self.moe == "own":
             from runtime.experts.exl2_module import install
-            install(model, host_ram=setup.ram, host_arena=setup.arena, renormalize=arch.renormalize)
-        n = len(model.modules)
-        model.load(callback=lambda i, total: progress("load", "Loading weights", i, total))
+            install(self.model, host_ram=self.setup.ram, host_arena=self.setup.arena, renormalize=self.arch.renormalize)
+        self.model.load(callback=lambda i, total: self.progress("load", "Loading weights", i, total))
+
+    def allocate_cache(self) -> None:
+        progress = self.progress
         progress("load", "Allocating the KV cache", 0, 1)
-        cache = _cache_class(off.kv_cache)(model, max_seq_len=off.context_length)
+        self.cache = _cache_class(self.off.kv_cache)(self.model, max_seq_len=self.off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
         progress("load", "Tuning GPU kernels", 0, 1)
-        settle_gemm_autotune(model)
+        settle_gemm_autotune(self.model)
         progress("load", "Tuning GPU kernels", 1, 1)
-        if setup.offload:
-            progress("load", "Placing experts", 0, 1)
-        manager = exl2_offload.start(setup, model, config, path,     # VRAM ledger; hot experts
-                                     matmul_attention=prefill_attention.startswith("matmul"), progress=progress)
-        applied.update(setup.applied)                               # the CPU expert path, settled
-    except Exception as e:
-        if isinstance(e, BudgetError):
-            e = exl2_offload.budget_error(e)
-        elif isinstance(e, MemoryError) and not _is_oom(e):          # host memory (page-locking experts)
-            e = EngineError(ErrorCode.OUT_OF_MEMORY.value, str(e) or "out of host memory while loading experts")
-        if isinstance(e, EngineError):
-            e.__traceback__, e.__context__ = None, None       # keep no frames (and their tensors) alive
-            failure = (False, e)
-        elif not (_is_oom(e) or isinstance(e, (ValueError, KeyError, AssertionError, OSError))):
-            setup.release()
-            raise
-        else:
-            failure = (_is_oom(e), f"{type(e).__name__}: {e}")
-    if failure is not None:                     # outside the except: the traceback no longer pins tensors
-        if model is not None:
-            model.unload()
-        model = cache = manager = None
-        gc.collect()
-        setup.release()
-        oom, text = failure
-        if isinstance(text, EngineError):
-            raise text
-        if oom:
-            raise _oom(f"the model's weights and a {off.context_length}-token {off.kv_cache} KV cache",
-                       RuntimeError(text))
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}: could not load the model: {text}")
 
-    info = ModelInfo(
-        name=path.name, path=str(path), architecture=config.architecture, vocab_size=config.vocab_size,
-        context_length=off.context_length, num_layers=config.num_hidden_layers,
-        num_experts=(config.num_experts or 0) if is_moe else 0,
-        experts_per_token=(config.num_experts_per_token or 0) if is_moe else 0,
-        extra={"moe": moe if is_moe else "none", "modules": n, "prefill_attention": prefill_attention})
-    if setup.stats_warning:
-        info.extra["routing_stats_warning"] = setup.stats_warning
-    try:
-        engine = Exl2Engine(model, cache, info, graphs=use_graphs, offload=manager, budget=setup)
-    except torch.cuda.OutOfMemoryError as e:
-        model.unload()
-        setup.release()
-        raise _oom("the decode graphs", e) from None
-    draft = options.draft
-    try:
-        if warm and tuning.current().warmup:
-            # with offload the graphs are captured once, after the expert path is settled (a switch drops them)
-            engine.warm_up(progress, draft.draft_tokens + 1 if draft.mode != "off" else 1, capture=manager is None)
-            if manager is not None:
-                from runtime.backends.exl2_placement import settle_cpu_path
-                settle_cpu_path(engine, progress)
-                applied.update(setup.applied)
-                manager.forget_warmup()
-    except BaseException:
-        engine.close()
-        raise
-    return engine, applied
+    def place_experts(self) -> None:
+        """The VRAM ledger and the hot experts (offload), the CPU expert path by prediction."""
+        from runtime.backends import exl2_offload
+        if self.setup.offload:
+            self.progress("load", "Placing experts", 0, 1)
+        self.manager = exl2_offload.start(self.setup, self.model, self.config, self.path, progress=self.progress,
+                                          matmul_attention=self.prefill_attention.startswith("matmul"))
+        self.applied.update(self.setup.applied)
+
+    def make_engine(self) -> None:
+        self.step = "engine"
+        config, is_moe, path = self.config, self.is_moe, self.path
+        info = ModelInfo(
+            name=path.name, path=str(path), architecture=config.architecture, vocab_size=config.vocab_size,
+            context_length=self.off.context_length, num_layers=config.num_hidden_layers,
+            num_experts=(config.num_experts or 0) if is_moe else 0,
+            experts_per_token=(config.num_experts_per_token or 0) if is_moe else 0,
+            extra={"moe": self.moe if is_moe else "none", "modules": len(self.model.modules),
+                   "prefill_attention": self.prefill_attention})
+        if self.setup.stats_warning:
+            info.extra["routing_stats_warning"] = self.setup.stats_warning
+        self.engine = Exl2Engine(self.model, self.cache, info, graphs=self.use_graphs, offload=self.manager,
+                                 budget=self.setup)
+
+    def warm_up(self) -> None:
+        """Kernels compiled and first graphs captured; with offload the graphs wait for the settled
+        expert path (a switch drops them)."""
+        self.step = "warm-up"
+        draft = self.options.draft
+        self.engine.warm_up(self.progress, draft.draft_tokens + 1 if draft.mode != "off" else 1,
+                            capture=self.manager is None)
+
+    def settle_expert_path(self) -> None:
+        if self.manager is not None:
+            from runtime.backends.exl2_placement import settle_cpu_path
+            settle_cpu_path(self.engine, self.progress)
+            self.applied.update(self.setup.applied)
+            self.manager.forget_warmup()
+
+    def failure(self, e: BaseException) -> Optional[Callable[[], EngineError]]:
+        """The error a failed step reports, made after the cleanup (free memory is measured then) and
+        holding none of the step's frames; None: not a known failure, re-raise `e`."""
+        if isinstance(e, BudgetError):
+            err = budget_error(e)
+        elif isinstance(e, EngineError):
+            err = e
+        elif self.step == "build" and isinstance(e, MemoryError) and not _is_oom(e):   # page-locking experts
+            err = OutOfMemory(str(e) or "out of host memory while loading experts")
+        elif self.step == "build" and isinstance(e, (ValueError, KeyError, AssertionError, OSError)):
+            err = InvalidModel(self.path, f"could not load the model: {type(e).__name__}: {e}")
+        elif self.step in ("build", "engine") and _is_oom(e):
+            what = ("the decode graphs" if self.step == "engine" else
+                    f"the model's weights and a {self.off.context_length}-token {self.off.kv_cache} KV cache")
+            text = str(e)
+            return lambda: _oom(what, RuntimeError(text))
+        else:
+            return None
+        err.__traceback__, err.__context__ = None, None      # keep no frames (and their tensors) alive
+        return lambda: err
+
+    def close(self) -> None:
+        """The one cleanup path: free what the steps opened, the engine or its parts."""
+        if self.engine is not None:
+            self.engine.close()            # the model, the offload manager, the budget (allocator cap, pages)
+        else:
+            try:
+                if self.manager is not None:
+                    self.manager.close()
+                if self.model is not None:
+                    self.model.unload()
+            finally:
+                gc.collect()
+                if self.setup is not None:
+                    self.setup.release()
+                torch.cuda.empty_cache()
+        self.engine = self.manager = self.cache = self.model = self.setup = None

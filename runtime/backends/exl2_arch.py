@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.engine import EngineError
-from runtime.protocol import ErrorCode
+from runtime.errors import InvalidModel, UnsupportedArchitecture
 
 
 @dataclass(frozen=True)
@@ -64,17 +63,16 @@ def read_config(path: Path) -> dict:
     from runtime.modelfolder import read_json
     config = read_json(Path(path) / "config.json")       # bounded; a named model_invalid when broken
     if not isinstance(config, dict):
-        raise EngineError(ErrorCode.MODEL_INVALID.value, f"{path}/config.json: expected a JSON object")
+        raise InvalidModel(Path(path) / "config.json", "expected a JSON object")
     return config
 
 
 def plan(config: dict, where: str = "config.json") -> ArchPlan:
-    """The ArchPlan of a config.json dict; EngineError for what the engine cannot run as the model says."""
+    """The ArchPlan of a config.json dict; UnsupportedArchitecture or InvalidModel for what the engine cannot run as the model says."""
     archs = config.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in TRAITS:
-        raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
-                          f"{where}: architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
+        raise UnsupportedArchitecture(where, f"architecture {arch} is not supported (supported: {', '.join(SUPPORTED)})")
     t = TRAITS[arch]
     renormalize = True
     if t.expert_norm == "dbrx_p":
@@ -83,8 +81,8 @@ def plan(config: dict, where: str = "config.json") -> ArchPlan:
         if p is None:
             renormalize = False
         elif isinstance(p, bool) or not isinstance(p, (int, float)) or float(p) != 1.0:
-            raise EngineError(ErrorCode.UNSUPPORTED_ARCHITECTURE.value,
-                              f"{where}: 'ffn_config.moe_normalize_expert_weights' is {p!r}; the CUDA engine "
+            raise UnsupportedArchitecture(where,
+                                          f"'ffn_config.moe_normalize_expert_weights' is {p!r}; the CUDA engine "
                               "renormalises expert weights by their sum only (p = 1, as the released DBRX "
                               "models set) or not at all (null)")
     elif t.expert_norm not in ("", "always"):
@@ -96,16 +94,14 @@ def plan(config: dict, where: str = "config.json") -> ArchPlan:
         value = config.get("clip_qkv") if value is None else value
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise EngineError(ErrorCode.MODEL_INVALID.value,
-                                  f"{where}: 'attn_config.clip_qkv' must be a positive number, got {value!r}")
+                raise InvalidModel(where, f"'attn_config.clip_qkv' must be a positive number, got {value!r}")
             clip = float(value)
     window = 0
     if t.window_caps_context:
         w = config.get("sliding_window")
         if w is not None:
             if type(w) is not int or w < 1:
-                raise EngineError(ErrorCode.MODEL_INVALID.value,
-                                  f"{where}: 'sliding_window' must be a positive integer or null, got {w!r}")
+                raise InvalidModel(where, f"'sliding_window' must be a positive integer or null, got {w!r}")
             window = w
     return ArchPlan(arch, renormalize, clip, window)
 

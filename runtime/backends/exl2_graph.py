@@ -74,7 +74,7 @@ def answer_plan(position: int, max_new: int, rows: int, max_seq_len: int, captur
     yet: the decode step (and verify rows up to `rows`) of the bucket it starts in and of those it
     crosses into, at most AHEAD_BUCKETS after it. Captured before token 1 (`prepare_decode`): a request
     sent right after the last answer leaves no idle time for them, and a capture in the middle of an
-    answer is a gap between two tokens (the H200 saw 442 ms when a code edit crossed 2048)."""
+    answer is a visible pause between two tokens."""
     first = bucket(position, 1, max_seq_len)
     last = bucket(min(max_seq_len - 1, position + max(1, max_new) - 1), 1, max_seq_len)
     ahead = min(AHEAD_BUCKETS, max(0, (last - first) // BUCKET))

@@ -18,11 +18,10 @@ from typing import Optional
 
 import torch
 
-from runtime.engine import EngineError
+from runtime.errors import OutOfMemory
 from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
 from runtime.experts.pack import HostArena
 from runtime.options import OffloadOptions
-from runtime.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 SCRATCH_MARGIN = 512 << 20      # allocator fragmentation, graph pools, library workspaces
@@ -54,9 +53,9 @@ class OffloadSetup:
             self.arena.release()
 
 
-def budget_error(e: BudgetError) -> EngineError:
-    return EngineError(ErrorCode.OUT_OF_MEMORY.value, str(e),
-                       f"{e.label}: needed {e.needed} bytes, available {e.available} of {e.total}")
+def budget_error(e: BudgetError) -> OutOfMemory:
+    return OutOfMemory(str(e), f"{e.label}: needed {e.needed} bytes, available {e.available} of {e.total}",
+                       needed_bytes=e.needed, free_bytes=e.available)
 
 
 def _folder_bytes(path: Path) -> int:
@@ -78,7 +77,7 @@ def expert_code_bytes_estimate(config, path: Path) -> int:
 
 
 def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
-    """Budgets and the allocator cap for a load; raises EngineError(out_of_memory) in words."""
+    """Budgets and the allocator cap for a load; raises OutOfMemory in words."""
     free, total = torch.cuda.mem_get_info()
     # memory torch's caching allocator holds but does not use is free for this load too (a model
     # closed a moment ago leaves its blocks cached)

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Optional
 
 from runtime.cpu_load import physical_cores
-from runtime.engine import EngineError, ModelInfo, ProgressFn
+from runtime.engine import ModelInfo, ProgressFn
+from runtime.errors import OutOfMemory
 from runtime.options import LoadOptions
-from runtime.protocol import ErrorCode
 
-# Weight precision of the reference engine, measured on the demo model (README, "CPU reference engine"):
-# int8 weights decode about twice as fast as float32 or bfloat16 ones (a decode step is bound by the
-# bytes of weights it reads) and keep the demo model's answers; "float32" is for parity checks.
+# Weight precision of the reference engine, measured on the demo model (README, "CPU reference engine",
+# has the figures): int8 weights decode faster than float32 or bfloat16 ones (a decode step is bound by
+# the bytes of weights it reads) and keep the demo model's answers; "float32" is for parity checks.
 DEFAULT_PRECISION = "int8"
 
 IGNORED = "ignored: CPU reference engine "
@@ -62,8 +62,7 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
         weights = read(folder, spec, precision,
                                lambda done, total: progress("load", f"Loading weights ({precision})", done, total))
     except MemoryError as e:
-        raise EngineError(ErrorCode.OUT_OF_MEMORY.value,
-                          f"not enough memory to load {folder.info.name} on the CPU", str(e)) from None
+        raise OutOfMemory(f"not enough memory to load {folder.info.name} on the CPU", str(e)) from None
     finally:
         folder.close()
     info = folder.info

@@ -5,8 +5,8 @@ from typing import Any, Sequence
 
 import torch
 
-from runtime.engine import Engine, EngineError, ModelInfo
-from runtime.protocol import ErrorCode
+from runtime.engine import Engine, ModelInfo
+from runtime.errors import BadRequest, ContextOverflow, EngineError, NoModel
 from runtime.reference import model, rope
 from runtime.reference.weights import Spec, Weights
 
@@ -33,20 +33,19 @@ class ReferenceEngine(Engine):
     def forward(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens at the current position; logits [T, vocab] float32."""
         if self.weights is None:
-            raise EngineError(ErrorCode.NO_MODEL.value, "the engine was closed")
+            raise NoModel("the engine was closed")
         ids = torch.as_tensor(tokens, dtype=torch.long).view(-1)             # [T]
         t = ids.shape[0]
         if t == 0:
-            raise EngineError(ErrorCode.BAD_FIELD.value, "forward needs at least one token")
+            raise BadRequest("forward needs at least one token")
         if self.cache.length + t > self.context_length:
-            raise EngineError(ErrorCode.CONTEXT_OVERFLOW.value,
-                              f"{self.cache.length} cached + {t} new tokens exceed the context length "
-                              f"of {self.context_length} tokens")
+            raise ContextOverflow(f"{self.cache.length} cached + {t} new tokens exceed the context length "
+                                  f"of {self.context_length} tokens",
+                                  tokens=self.cache.length + t, limit=self.context_length)
         lo, hi = (int(ids[0]), int(ids[0])) if t == 1 else (int(ids.min()), int(ids.max()))
         if lo < 0 or hi >= self.spec.vocab:
             bad = lo if lo < 0 else hi
-            raise EngineError(ErrorCode.BAD_FIELD.value,
-                              f"token id {bad} is outside the vocabulary (0..{self.spec.vocab - 1})")
+            raise BadRequest(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab - 1})")
         with torch.inference_mode():
             return self._forward(ids)
 
@@ -56,8 +55,7 @@ class ReferenceEngine(Engine):
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.cache.length:
-            raise EngineError(ErrorCode.INTERNAL.value,
-                              f"cannot truncate to {length} tokens: the cache holds {self.cache.length}")
+            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {self.cache.length}")
         self.cache.length = length
 
     def set_cpu_threads(self, threads: int) -> None:

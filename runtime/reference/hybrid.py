@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine import EngineError, ModelInfo
-from runtime.protocol import ErrorCode
+from runtime.engine import ModelInfo
+from runtime.errors import BadRequest, EngineError
 from runtime.reference import qwen35 as q35
 from runtime.reference import rope
 from runtime.reference.engine import ReferenceEngine
 
 ROLLBACK_WINDOW = 64         # tokens of DeltaNet inputs logged since the checkpoint (at least)
 REPLAY_CHUNK = 512           # tokens per forward when a truncate runs the kept tokens again
-
 
 class KV:
     """Keys and values of the full-attention layers: [L_full, KVH, S_max, D] each."""
@@ -35,7 +34,6 @@ class KV:
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
 
-
 class Segment:
     """A checkpoint of every DeltaNet layer's states at position `base`, and each layer's logged inputs
     since: `log[i]` a list of (mixed [t, C], g [t, HV], beta [t, HV]), one entry per forward."""
@@ -43,7 +41,6 @@ class Segment:
     def __init__(self, base: int, conv: list, recurrent: list):
         self.base, self.conv, self.recurrent = base, list(conv), list(recurrent)
         self.log: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in conv]
-
 
 class HybridState:
     """One sequence's cache: `kv`, and per DeltaNet layer `conv[i]` [K-1, C] and `recurrent[i]` [HV, dk, dv]
@@ -115,7 +112,6 @@ class HybridState:
         states = sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
         return self.kv.k.numel() * self.kv.k.element_size() * 2 + states
 
-
 class HybridEngine(ReferenceEngine):
     """`ReferenceEngine` over Qwen3.5-MoE's hybrid stack: same checks and errors, its own cache."""
 
@@ -135,8 +131,7 @@ class HybridEngine(ReferenceEngine):
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         media = [i for i in ids.tolist() if i in self.spec.media_tokens] if self.spec.media_tokens else []
         if media:
-            raise EngineError(ErrorCode.BAD_FIELD.value,
-                              f"token {media[0]} is an image or video placeholder: images and video are not "
+            raise BadRequest(f"token {media[0]} is an image or video placeholder: images and video are not "
                               f"supported (this engine runs {self.info.name}'s language model only)")
         self.cache.begin(ids.shape[0])
         logits = q35.forward(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
@@ -147,7 +142,7 @@ class HybridEngine(ReferenceEngine):
     def truncate(self, length: int) -> None:
         if self.cache is None or not 0 <= length <= self.cache.length:
             held = self.cache.length if self.cache is not None else 0
-            raise EngineError(ErrorCode.INTERNAL.value, f"cannot truncate to {length} tokens: the cache holds {held}")
+            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {held}")
         with torch.inference_mode():
             if length == 0:
                 self.cache.reset()

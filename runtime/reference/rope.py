@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.modelfolder import ModelFolderError, check_rope
-from runtime.protocol import ErrorCode
+from runtime.errors import UnsupportedArchitecture
+from runtime.modelfolder import check_rope
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -33,10 +33,10 @@ def rope_config(config: dict, where: str) -> RopeConfig:
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where,
-                               f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        raise UnsupportedArchitecture(where,
+                                      f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where, "partial rotary embeddings are not supported")
+        raise UnsupportedArchitecture(where, "partial rotary embeddings are not supported")
     return RopeConfig(theta, rope_type, params)
 
 

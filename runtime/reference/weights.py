@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, ModelFolderError, head_dim,
+from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim,
                                  is_moe_layer, kv_heads)
-from runtime.protocol import ErrorCode
+from runtime.errors import UnsupportedArchitecture
 from runtime.reference.rope import RopeConfig, rope_config
 
 PRECISIONS = ("float32", "bfloat16", "int8")
@@ -52,8 +52,8 @@ class Spec:
         if arch == "DbrxForCausalLM":
             return cls._dbrx(config, where)
         if config.get("hidden_act", "silu") != "silu":
-            raise ModelFolderError(ErrorCode.UNSUPPORTED_ARCHITECTURE, where,
-                                   f"activation {config['hidden_act']!r} is not supported (only silu)")
+            raise UnsupportedArchitecture(where,
+                                          f"activation {config['hidden_act']!r} is not supported (only silu)")
         return cls(arch, config["hidden_size"], config["vocab_size"], config["num_hidden_layers"],
                    config["num_attention_heads"], kv_heads(config), head_dim(config),
                    float(config.get("rms_norm_eps", 1e-6)), arch in QK_NORM_ARCHITECTURES,
@@ -89,8 +89,9 @@ class Linear:
             self.scale = None
 
     # Above this many rows (prefill) dequantizing to bf16 and using the bf16 GEMM is faster than
-    # torch's int8 kernel, which streams the weights once per few rows (measured: equal at ~32 rows,
-    # 4x faster at 512); decode and verify-K stay on the int8 kernel.
+    # torch's int8 kernel, which streams the weights once per few rows (measured: the two are about
+    # even near this row count, the bf16 GEMM far ahead at prefill chunks); decode and verify-K stay
+    # on the int8 kernel.
     INT8_KERNEL_MAX_ROWS = 32
 
     # torch's int8 kernel reads past the row for inputs not a multiple of 16 wide (a segfault, measured

@@ -10,8 +10,8 @@ Two questions, answered from measurements made while decoding:
    off while probes keep failing). With offload, a verify over R rows touches the union of the rows'
    experts and may pull cold ones over PCIe; the cost may even land in later steps (copies in flight,
    re-placement): only the windows' wall time sees all of it. On the H200 the acceptance-based
-   model below claimed speedups of 3.11 while n-gram drafting decoded 54.0 tokens/s against plain
-   84.6 (runtime/experts/NOTES.md, issue "What the user runs is what we measure").
+   model below claimed large speedups while n-gram drafting decoded slower than plain decoding
+   (runtime/experts/NOTES.md, issue "What the user runs is what we measure").
 2. **How many drafts (K)?** From the model, per request:
     alpha        chance that a draft token is accepted, from recent steps (decayed counts)
     E(K)         tokens per speculative step = 1 + alpha + ... + alpha^K

@@ -8,7 +8,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.options import DraftOptions, SamplingOptions
-from runtime.protocol import DraftStats
+from runtime.records import DraftStats
 from runtime.speculative.adaptive import DraftPolicy
 from runtime.speculative.core import StepResult, plain_step, speculative_step
 from runtime.speculative.drafters import ModelDrafter, NgramDrafter

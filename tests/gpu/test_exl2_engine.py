@@ -25,6 +25,7 @@ import os
 import pytest
 import torch
 
+from runtime.errors import ContextOverflow, OutOfMemory
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -175,7 +176,7 @@ def test_decode_step_is_graph_captured(moe_2l):
 
 
 def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     filler = torch.empty(torch.cuda.mem_get_info()[0] - (8 << 20), dtype=torch.uint8, device="cuda")
@@ -185,7 +186,7 @@ def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
             _load_exl2(tiny_moe, context_length=65536)
     finally:
         del filler
-    assert ei.value.code == "out_of_memory"
+    assert isinstance(ei.value, OutOfMemory) and ei.value.free_bytes is not None   # measured after the cleanup
     assert "free" in ei.value.message
     assert torch.cuda.memory_allocated() - before < 64 << 20
     eng = _load_exl2(tiny_moe)                              # and the next load works
@@ -196,7 +197,7 @@ def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
 
 
 def test_quantized_caches_and_context_overflow(tiny_moe):
-    from runtime.engine import EngineError
+    from runtime.errors import EngineError
     for kv in ("q4", "q6", "q8"):
         eng = _load_exl2(tiny_moe, kv_cache=kv, context_length=256)
         try:
@@ -204,6 +205,6 @@ def test_quantized_caches_and_context_overflow(tiny_moe):
             eng.forward(list(range(10, 250)))
             with pytest.raises(EngineError) as ei:
                 eng.forward(list(range(20)))
-            assert ei.value.code == "context_overflow"
+            assert isinstance(ei.value, ContextOverflow)
         finally:
             eng.close()
