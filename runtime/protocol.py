@@ -33,6 +33,12 @@ from runtime.records import DraftStats, GenerationStats  # noqa: F401  (records 
 PROTOCOL_VERSION = 2
 
 
+# The longest command line the worker reads (bytes, newline included): far above the longest prompt
+# (options.MAX_PROMPT_CHARS, even JSON-escaped), far below what would exhaust memory. A longer line is
+# skipped to its end and answered with a bad_json error.
+MAX_LINE_BYTES = 1 << 26
+
+
 class ErrorCode(str, Enum):
     BAD_JSON = "bad_json"                      # a line that is not a JSON object
     UNKNOWN_COMMAND = "unknown_command"        # "type" names no command

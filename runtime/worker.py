@@ -35,6 +35,24 @@ EOF_GRACE_S = 10.0
 _END = object()          # the reader's "stdin closed" marker in the command queue
 
 
+def bounded_lines(stream, limit: int):
+    """The lines of a binary stream, each read into memory only up to `limit` bytes: a longer line is
+    read on to its end in small pieces and thrown away, and yields None in its place."""
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:                  # the newline included
+            yield line
+            continue
+        newline = b"\n" if isinstance(line, bytes) else "\n"
+        while not line.endswith(newline):
+            line = stream.readline(1 << 20)
+            if not line:
+                break
+        yield None
+
+
 class Worker:
     def __init__(self, out: TextIO):
         self._out = out
@@ -75,7 +93,11 @@ class Worker:
 
     # -- reader thread -------------------------------------------------------------------------
     def read_commands(self, stdin) -> None:
-        for raw in stdin:
+        for raw in bounded_lines(stdin, P.MAX_LINE_BYTES):
+            if raw is None:
+                self.error(P.ErrorCode.BAD_JSON.value, f"a command line longer than {P.MAX_LINE_BYTES} bytes was "
+                           "skipped (the longest prompt fits well within that)")
+                continue
             if raw.strip():
                 try:
                     self.on_line(raw)

@@ -144,3 +144,19 @@ def test_a_model_of_odd_widths_chats_instead_of_crashing_the_worker(worker, tmp_
     worker.send(P.Generate(request_id="odd", messages=ASK, sampling=SamplingOptions(temperature=0.0, max_tokens=3)))
     ev = _until(worker, "odd")
     assert isinstance(ev, P.Finished), ev
+
+
+def test_lines_are_read_only_up_to_the_bound_and_a_longer_one_is_skipped_whole():
+    import io
+    from runtime.worker import bounded_lines
+    text = b'{"a": 1}\n' + b"x" * 100 + b"\n" + b'{"b": 2}\n' + b"y" * 10 + b"\n" + b"z" * 50
+    assert list(bounded_lines(io.BytesIO(text), 10)) == [b'{"a": 1}\n', None, b'{"b": 2}\n', None, None]
+    assert list(bounded_lines(io.StringIO("ab\n" + "c" * 30 + "\nd\n"), 5)) == ["ab\n", None, "d\n"]
+
+
+def test_a_command_line_beyond_the_bound_is_refused_and_the_worker_reads_on(worker):
+    line = '{"type": "hello", "client": "' + "a" * P.MAX_LINE_BYTES + '"}\n'
+    worker.send_raw(line)
+    ev = _answer(worker, timeout=120)
+    assert isinstance(ev, P.Error) and ev.code == "bad_json" and str(P.MAX_LINE_BYTES) in ev.message, ev
+    _still_serving(worker)
