@@ -57,8 +57,9 @@ def test_placement_keeps_the_most_routed_experts_within_the_budget():
     assert {3, 6} <= set(m.layers[0].resident()) and [len(lo.expert_slot) for lo in m.layers] == [3] * 4
     assert m.stage_capacity == 6 and m.vram.used_bytes == 24 * cb
     assert all(cold_offsets_ok(lo) and _resident_codes_ok(lo) for lo in m.layers)
-    with pytest.raises(BudgetError, match="prefill staging needs"):
+    with pytest.raises(BudgetError, match="offloaded experts needs") as e:
         m.place(free_bytes=15 * cb)                              # staging for every expert (x2) does not fit
+    assert e.value.needed == 16 * cb and e.value.needed > e.value.available    # the least any placement takes
     m.place(free_bytes=32 * cb)                                  # all fit: no staging
     assert m.path_counts() == {"vram": 4} and m.stage_capacity == 0
 

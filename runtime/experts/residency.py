@@ -76,9 +76,10 @@ class Residency:
             share = sum(float(freq[i, r].sum()) for i, r in enumerate(resident))
             if share > best_share + 1e-12:
                 best, best_share = (resident, capacity), share
-        if best is None:                      # not even staging for one layer's experts
-            raise BudgetError("VRAM", "prefill staging", 2 * max(cb), free_bytes, vram.total_bytes,
-                              "two experts' codes must fit beside the model; raise the VRAM budget")
+        if best is None:                      # no staging size leaves room for the experts each layer must keep
+            raise BudgetError("VRAM", "offloaded experts", least_offload_bytes(cb, self.E), free_bytes,
+                              vram.total_bytes, "staging (double-buffered) plus the experts every layer keeps "
+                              "must fit beside the model; raise the VRAM budget")
         return best
 
     # -- between steps: re-placement -------------------------------------------------------------------
@@ -160,3 +161,10 @@ class Residency:
             self.stats.save(stats_file)
         except OSError as e:
             log.warning("could not save routing statistics to %s: %s", stats_file, e)
+
+
+def least_offload_bytes(code_bytes: list[int], experts: int) -> int:
+    """The least VRAM any offloaded placement takes: staging for C experts, double-buffered, plus
+    E + 1 - C experts resident in every layer (C = E: staging only), minimised over C."""
+    most, total = max(code_bytes), sum(code_bytes)
+    return min(2 * c * most + (0 if c == experts else (experts + 1 - c) * total) for c in range(1, experts + 1))

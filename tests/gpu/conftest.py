@@ -86,6 +86,13 @@ def moe_2l(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_8l(tmp_path_factory) -> Path:
+    """Eight layers: the fewest where offload saves memory (staging for C experts, double-buffered, plus
+    E + 1 - C resident per layer cost a 2-layer model all its experts' codes, whatever C)."""
+    return synth_model("qwen3-30b-a3b", 8, 4.0, tmp_path_factory.mktemp("models") / "qwen3-30b-a3b-8l")
+
+
+@pytest.fixture(scope="session")
 def dense_2l(tmp_path_factory) -> Path:
     return synth_model("qwen3-0.6b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-0.6b-2l")
 

@@ -33,18 +33,6 @@ def _record(**kw):
             f.write(json.dumps(kw) + "\n")
 
 
-@pytest.fixture(scope="module")
-def moe_8l(tmp_path_factory):
-    import argparse
-    from runtime.exl2 import synth
-    out = tmp_path_factory.mktemp("models") / "qwen3-30b-a3b-8l"
-    parser = argparse.ArgumentParser()
-    synth.add_arguments(parser)
-    args = parser.parse_args(["--shape", "qwen3-30b-a3b", "--bpw", "4.0", "--layers", "8", "--out", str(out)])
-    assert synth.run(args) == 0
-    return out
-
-
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))      # routing statistics go here

@@ -92,7 +92,7 @@ def test_graphs_captured_ahead_leave_the_logits_alone(moe_2l):
         eng.close()
 
 
-def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, monkeypatch, tmp_path):
+def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, monkeypatch, tmp_path):
     """Rates forced so the planner predicts ~20% (within +-25%): both paths are timed at load and the
     faster runs; the decision is in telemetry and in `applied`."""
     from runtime.experts import cpu_share
@@ -102,12 +102,12 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_2l, mo
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, r, threads: CpuSplitCosts(
         50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
     from runtime.backends.exl2_offload import prefill_scratch_bytes
-    ref, _, _ = _load(moe_2l, context_length=512)
+    ref, _, _ = _load(moe_8l, context_length=512)
     codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
     others = torch.cuda.memory_allocated() - codes
     scratch = prefill_scratch_bytes(ref.model.config)
     ref.close()
-    eng, applied, stages = _load(moe_2l, context_length=512, placement="auto", cpu_threads=4,
+    eng, applied, stages = _load(moe_8l, context_length=512, placement="auto", cpu_threads=4,
                                  vram_budget_gb=(others + scratch + codes // 2 + (64 << 20)) / GiB)
     try:
         d = eng.telemetry()["placement_decision"]
