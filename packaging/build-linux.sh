@@ -40,6 +40,11 @@ fi
 
 "$PY" -c "import PyInstaller" 2>/dev/null || {
   echo "PyInstaller is missing: pip install -e '.[bundle]' (or run make bundle)" >&2; exit 2; }
+# PyInstaller bundles what imports here: a GUI stack that does not import would give a bundle that
+# cannot start, found only after minutes of analysis.
+"$PY" -c "import PySide6.QtWidgets, qasync" 2>/dev/null || {
+  echo "the GUI stack does not import here ($("$PY" -c "import PySide6.QtWidgets, qasync" 2>&1 | tail -1));" \
+       "install the project (make install) before building the bundle" >&2; exit 2; }
 
 # Ship the imported demo model so the bundle needs neither transformers nor the GGUF package.
 # MOEDESK_BUNDLE_DEMO may name the folder; by default it is the demo in the models folder.

@@ -121,3 +121,17 @@ def test_bundled_app_installs_a_valid_desktop_entry(bundle, tmp_path):
     assert f"Exec={APP.resolve()} %U" in entry.read_text()
     v = subprocess.run(["desktop-file-validate", str(entry)], capture_output=True, text=True)
     assert v.returncode == 0 and not v.stdout.strip(), v.stdout + v.stderr
+
+
+def test_build_stops_at_once_where_the_gui_stack_does_not_import(tmp_path):
+    """A build environment whose PySide6 cannot import (say, shiboken6 missing) would give a bundle that
+    cannot start, found only after minutes of analysis: the build script refuses before PyInstaller runs."""
+    pytest.importorskip("PyInstaller")
+    broken = tmp_path / "site" / "PySide6"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError(\"No module named 'shiboken6'\")\n")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=f"{broken.parent}{os.pathsep}{ROOT}")
+    r = subprocess.run(["bash", str(ROOT / "packaging" / "build-linux.sh"), "--no-tarball"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "the GUI stack does not import here" in r.stderr and "shiboken6" in r.stderr, r.stderr
