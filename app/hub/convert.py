@@ -52,6 +52,11 @@ _ERROR = "moedesk-cli convert: "
 BPW_RANGE = (2.0, 8.0)
 
 
+def convert_command() -> list[str]:
+    """The converter's command line, to which the job's arguments are appended."""
+    return [sys.executable, "-m", "runtime.cli", "convert"]
+
+
 class ConvertPlanError(HubError):
     """A conversion that cannot start; the message says why in words."""
 
@@ -173,7 +178,7 @@ class ConvertManager:
                  command: list[str] | None = None, margin_bytes: int = 100_000_000, hub: str | None = None):
         self.models_dir = Path(models_dir)
         self.on_event = on_event or (lambda p: None)
-        self.command = command or [sys.executable, "-m", "runtime.cli", "convert"]
+        self.command = command or convert_command()
         self.margin_bytes = margin_bytes
         self.downloads = DownloadManager(on_event=self._on_download, models_dir=self.models_dir / SOURCES,
                                          margin_bytes=margin_bytes, hub=hub)
@@ -422,8 +427,9 @@ class ConvertManager:
             m = _LAYER.match(line) or _RESUME.match(line)
             if m:
                 done, total = int(m.group(1)), int(m.group(2))
+                what = "Resuming after layer" if m.re is _RESUME else "Converting: layer"
                 self._emit(ConvertProgress(job.id, JobState.RUNNING, "convert", done, total,
-                                           f"Converting: layer {done} of {total} done"))
+                                           f"{what} {done} of {total} done"))
             elif line.startswith(_ERROR):
                 error = line[len(_ERROR):]
         code = proc.wait()
