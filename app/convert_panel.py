@@ -5,9 +5,11 @@ its own process); this module only shows it. Events come from background threads
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QGridLayout,
-                               QHBoxLayout, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton, QVBoxLayout,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton, QVBoxLayout,
                                QWidget)
 
 from app.hub.convert import BPW_RANGE, ConvertManager, ConvertProgress
@@ -82,8 +84,10 @@ class ConversionsPanel(QWidget):
         super().__init__(parent)
         self._item = item_factory
         self.table = table_factory(["Conversion", "State", "Progress", "Details"])
+        self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
         self.table.setColumnWidth(2, 230)
         self._rows: dict[str, int] = {}
+        self._states: dict[str, JobState] = {}
         self.event.connect(self._on_event)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.manager: ConvertManager = manager_factory(self.event.emit)
@@ -116,7 +120,7 @@ class ConversionsPanel(QWidget):
 
     def _update_buttons(self) -> None:
         job_id = self.selected_job()
-        state = self.manager.state(job_id).state if job_id else None
+        state = self._states.get(job_id)
         self.pause_button.setEnabled(state in (JobState.QUEUED, JobState.RUNNING))
         self.resume_button.setEnabled(state in (JobState.PAUSED, JobState.FAILED))
         self.cancel_button.setEnabled(state is not None and state not in (JobState.CANCELLED, JobState.DONE))
@@ -153,6 +157,38 @@ class ConversionsPanel(QWidget):
         state = "downloading" if p.phase == "download" and p.state is JobState.RUNNING else p.state.value
         t.setItem(row, 1, self._item(state, p.message))
         t.setItem(row, 3, self._item(p.message, p.message))
+        self._states[p.job_id] = p.state
         self._update_buttons()
         if p.state is JobState.DONE:
             self.finished_model.emit(p.job_id)
+
+
+def grab_conversions(path) -> Path:
+    """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
+    the events a live conversion sends are fed to the same slot."""
+    import tempfile
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.models_dialog import ModelManagerDialog
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models))
+        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+        panel = dialog.conversions
+        panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
+                                        "Paused after layer 9: press Resume to continue."))
+        panel._on_event(ConvertProgress("SmolLM2-1.7B-Instruct-exl2-4.0bpw", JobState.RUNNING, "convert", 17, 24,
+                                        "Converting: layer 17 of 24 done"))
+        dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
+                                    "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
+                                    "list once complete.")
+        dialog.show()
+        app.processEvents()
+        dialog.grab().save(str(out))
+        dialog.shutdown()
+        dialog.deleteLater()
+    return out

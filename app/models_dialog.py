@@ -94,7 +94,7 @@ class ModelManagerDialog(QDialog):
                                             _table, _item)
         self.conversions.finished_model.connect(lambda _: self.refresh_local())
         split.addWidget(self.conversions)
-        split.setSizes([400, 140, 100])
+        split.setSizes([360, 130, 150])
         layout = QVBoxLayout(self)
         layout.addWidget(split)
         self.refresh_local()

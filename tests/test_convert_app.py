@@ -183,3 +183,44 @@ def test_the_form_gives_source_and_width(qtbot):
     assert form.values() == (False, "/models/Llama", 5.5)
     qtbot.keyClicks(form.repo_edit, "owner/model ")
     assert form.values() == (True, "owner/model", 5.5)
+
+
+def test_pause_stops_the_process_and_keeps_the_state(qtbot, tmp_path, monkeypatch):
+    slow = [sys.executable, "-c", "import time; print('layer 1/3 quantized', flush=True); time.sleep(120)"]
+    monkeypatch.setattr(app_convert, "convert_command", lambda: slow)
+    d = ModelManagerDialog(models_dir=tmp_path / "models")
+    qtbot.addWidget(d)
+    d.start_conversion(False, str(tiny_checkpoint(tmp_path / "Tiny")), 4.0)
+    job = "Tiny-exl2-4.0bpw"
+    qtbot.waitUntil(lambda: job in d.conversions._rows and d.conversions.row_text(job)[1] == "layer 1 of 3",
+                    timeout=30_000)
+    d.conversions.select(job)
+    assert d.conversions.pause_button.isEnabled()
+    d.conversions.pause_button.click()
+    qtbot.waitUntil(lambda: d.conversions.row_text(job)[0] == "paused", timeout=10_000)
+    assert d.conversions.row_text(job)[2] == "Paused after layer 1: press Resume to continue."
+    assert (tmp_path / "models" / app_convert.RECORDS / f"{job}.json").is_file()
+    d.shutdown()
+
+
+def test_a_record_naming_other_folders_is_not_trusted(qtbot, tmp_path):
+    """A record is what cancel deletes from: one that points its download elsewhere is left alone."""
+    models = tmp_path / "models"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (models / app_convert.RECORDS).mkdir(parents=True)
+    (models / app_convert.RECORDS / "x-exl2-4.0bpw.json").write_text(json.dumps(
+        {"id": "x-exl2-4.0bpw", "source": "owner/x", "bpw": 4.0, "hub": True, "download_id": "../../victim",
+         "layers": 2}))
+    (models / app_convert.RECORDS / "y-exl2-9.0bpw.json").write_text(json.dumps(
+        {"id": "y-exl2-9.0bpw", "source": "y", "bpw": 9.0, "hub": False, "download_id": "", "layers": 2}))
+    d = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(d)
+    assert d.conversions.table.rowCount() == 0 and victim.is_dir()
+    d.shutdown()
+
+
+def test_screenshot_helper_writes_a_png(qtbot, tmp_path):
+    from app.convert_panel import grab_conversions
+    out = grab_conversions(tmp_path / "shots" / "model-manager-convert.png")
+    assert out.is_file() and out.stat().st_size > 10_000

@@ -240,10 +240,13 @@ class ConvertManager:
         for path in sorted((self.models_dir / RECORDS).glob("*.json")):
             try:
                 job = ConvertJob(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError, RecursionError):
-                continue                                # not ours to trust: left alone
-            if job.id != path.stem or output_name(job.source, job.bpw) != job.id or job.id in self._jobs:
-                continue
+                trusted = (job.id == path.stem and output_name(job.source, job.bpw) == job.id
+                           and check_bpw(job.bpw) and isinstance(job.hub, bool) and isinstance(job.layers, int)
+                           and job.download_id == (safe_name(job.source, "main") if job.hub else ""))
+            except (OSError, ValueError, TypeError, RecursionError, HubError):
+                trusted = False
+            if not trusted or job.id in self._jobs:
+                continue                                # not ours to trust (it names what it deletes): left alone
             self._jobs[job.id] = job
             out.append(self._emit(self._paused(job, "Unfinished from an earlier session: press Resume.")))
         return out
