@@ -80,6 +80,10 @@ def test_refusals_are_said_before_any_download(qtbot, dialog, fake_hub, tmp_path
     assert "no safetensors weights" in warnings[0] and "Pickle weights (.bin, .pt) are refused" in warnings[0]
     assert not fake_hub.gets("pytorch_model.bin")
 
+    dialog.start_conversion(True, "../../etc/passwd", 4.0)
+    qtbot.waitUntil(lambda: len(warnings) == 2, timeout=20_000)
+    assert warnings.pop().startswith("'../../etc/passwd' is not a repository name such as owner/model")
+
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_layer": 12}))

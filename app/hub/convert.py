@@ -130,6 +130,12 @@ def check_space(models_dir: Path, need: int, what: str, margin: int) -> None:
 
 def hub_source(hub: HubClient, repo_id: str) -> Quant:
     """The main branch of `repo_id` reduced to what the converter reads; checked before any download."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ConvertPlanError(f"{repo_id[:200]!r} is not a repository name such as owner/model: {exc}") from None
+    hub.check_online(f"listing the files of {repo_id}")
     quant = hub.quant(repo_id, "main")
     if quant is None:
         raise ConvertPlanError(f"{repo_id} has no safetensors weights on its main branch. Pickle weights "
