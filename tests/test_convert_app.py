@@ -228,3 +228,13 @@ def test_screenshot_helper_writes_a_png(qtbot, tmp_path):
     from app.convert_panel import grab_conversions
     out = grab_conversions(tmp_path / "shots" / "model-manager-convert.png")
     assert out.is_file() and out.stat().st_size > 10_000
+
+
+def test_the_app_side_never_imports_torch():
+    import subprocess
+    code = ("import sys, app.models_dialog, app.convert_panel, app.hub.convert; "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen",
+                            "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
