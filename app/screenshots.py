@@ -6,7 +6,8 @@ Writes main-window.png (1280x800, mid-conversation: an answer regenerated once, 
 still streaming; the chat header's model picker and context meter; the compact gauges),
 main-window-dark.png, main-window-min.png (the window at its minimum size), message-versions.png (the
 chat with a regenerated answer and a stopped one offering Continue), settings.png, gauges.png (every
-gauge: the details opened), model-manager.png (a download in progress) and welcome.png (the first-run
+gauge: the details opened), model-manager.png (a download in progress), model-manager-convert.png
+(conversions: one running, one paused) and welcome.png (the first-run
 screen for this machine), and the first-run screen on a staged GPU machine in the GPU kernels' states:
 welcome-gpu-toolkit-not-needed.png, welcome-gpu-building.png, welcome-gpu-failed.png,
 welcome-gpu-ready.png; then local-server.png (Settings → Local server, running) and remote-server.png
