@@ -21,7 +21,9 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialo
                                QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
                                QVBoxLayout, QWidget)
 
+from app.convert_panel import ConversionsPanel, ConvertForm
 from app.hub.browse import HubClient, Quant, sign_in
+from app.hub.convert import ConvertManager, hub_source
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
@@ -88,7 +90,11 @@ class ModelManagerDialog(QDialog):
         split = QSplitter(Qt.Vertical)           # downloads stay in sight while browsing
         split.addWidget(self.tabs)
         split.addWidget(self._build_downloads())
-        split.setSizes([420, 180])
+        self.conversions = ConversionsPanel(lambda emit: ConvertManager(self.models_dir, on_event=emit),
+                                            _table, _item)
+        self.conversions.finished_model.connect(lambda _: self.refresh_local())
+        split.addWidget(self.conversions)
+        split.setSizes([360, 130, 150])
         layout = QVBoxLayout(self)
         layout.addWidget(split)
         self.refresh_local()
@@ -110,6 +116,9 @@ class ModelManagerDialog(QDialog):
         self.reveal_button = QPushButton("Reveal in file manager")
         self.delete_button = QPushButton("Delete…")
         self.import_button = QPushButton("Import folder…")
+        self.convert_button = QPushButton("Convert to EXL2…")
+        self.convert_button.setToolTip("Quantize an original Hugging Face checkpoint (from the Hub or a folder)")
+        self.convert_button.clicked.connect(self._convert_clicked)
         self.load_button.clicked.connect(self._load_selected)
         self.reveal_button.clicked.connect(self._reveal_selected)
         self.delete_button.clicked.connect(self._delete_selected)
@@ -120,6 +129,7 @@ class ModelManagerDialog(QDialog):
         for b in (self.load_button, self.reveal_button, self.delete_button):
             buttons.addWidget(b)
         buttons.addStretch(1)
+        buttons.addWidget(self.convert_button)
         buttons.addWidget(self.import_button)
         self.local_status = QLabel("")
         self.local_status.setWordWrap(True)
@@ -208,6 +218,32 @@ class ModelManagerDialog(QDialog):
         self._run(lambda: import_folder(folder, move, self.models_dir),
                   lambda m: (self.refresh_local(), self.local_status.setText(f"Imported {m.name}.")),
                   lambda exc: self.local_status.setText(str(exc)))
+
+    def _convert_clicked(self) -> None:
+        form = ConvertForm(self)
+        if form.exec() == QDialog.Accepted:
+            self.start_conversion(*form.values())
+
+    def start_conversion(self, from_hub: bool, source: str, bpw: float) -> None:
+        """Check the source (on a worker thread: a Hub listing), then queue its download and conversion."""
+        if not source:
+            self._convert_refused(HubError("Enter a repository (owner/model) or pick a folder to convert."))
+            return
+        self.local_status.setText(f"Checking {source}…")
+        manager = self.conversions.manager
+        start = ((lambda: manager.start_hub(hub_source(self.hub(), source), bpw)) if from_hub
+                 else (lambda: manager.start_local(Path(source), bpw)))
+
+        def started(job) -> None:
+            self.conversions.select(job.id)
+            self.local_status.setText(f"Converting {source} to {job.id}: see Conversions below. It appears in "
+                                      "this list once complete.")
+        self._run(start, started, self._convert_refused)
+
+    def _convert_refused(self, exc: BaseException) -> None:
+        text = str(exc) if isinstance(exc, (HubError, OSError)) else f"Unexpected error: {exc}"
+        self.local_status.setText(text)
+        QMessageBox.warning(self, "Cannot convert", text)
 
     # ------------------------------------------------------------------------------------------
     # The Hub: search, branches with fit verdicts, download
@@ -536,6 +572,7 @@ class ModelManagerDialog(QDialog):
 
     def shutdown(self) -> None:
         self.manager.shutdown()
+        self.conversions.manager.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

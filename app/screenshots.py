@@ -6,7 +6,8 @@ Writes main-window.png (1280x800, mid-conversation: an answer regenerated once, 
 still streaming; the chat header's model picker and context meter; the compact gauges),
 main-window-dark.png, main-window-min.png (the window at its minimum size), message-versions.png (the
 chat with a regenerated answer and a stopped one offering Continue), settings.png, gauges.png (every
-gauge: the details opened), model-manager.png (a download in progress) and welcome.png (the first-run
+gauge: the details opened), model-manager.png (a download in progress), model-manager-convert.png
+(conversions: one running, one paused) and welcome.png (the first-run
 screen for this machine), and the first-run screen on a staged GPU machine in the GPU kernels' states:
 welcome-gpu-toolkit-not-needed.png, welcome-gpu-building.png, welcome-gpu-failed.png,
 welcome-gpu-ready.png; then local-server.png (Settings → Local server, running) and remote-server.png
@@ -113,6 +114,8 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         from app.firstrun import grab_welcome
         from app.models_dialog import grab_model_manager
         written.append(grab_model_manager(out / "model-manager.png"))
+        from app.convert_panel import grab_conversions
+        written.append(grab_conversions(out / "model-manager-convert.png"))
         written.append(grab_welcome(out / "welcome.png"))
         written.extend(grab_kernel_states(out))
         written += shoot_server(out)

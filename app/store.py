@@ -498,7 +498,7 @@ class Store:
             out += ["**System prompt**", "", conv.system_prompt, ""]
         names = {"user": "You", "assistant": "Assistant", "system": "System"}
         for m in self.messages(conversation_id):
-            who = names[m.role] + (f" ({m.model})" if m.model and m.role == "assistant" else "")
+            who = names[m.role] + (f" ({_model_label(m.model)})" if m.model and m.role == "assistant" else "")
             out += [f"## {who}", "", close_fences(m.content), ""]
             if m.state == "error":
                 out += [f"> Interrupted: {m.error}", ""]
@@ -516,6 +516,14 @@ class Store:
                          for m in self.messages(conversation_id)],
         }
         return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+def _model_label(model: str) -> str:
+    """The model's display name for an exported heading: never the folder it was loaded from (a path of
+    this machine), on one line, without the characters Markdown would read as markup in a heading."""
+    name = paths.display_name(model.replace("\\", "/").rstrip("/")) or model
+    name = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", name).split())
+    return re.sub(r"([\\`*_\[\]<>])", r"\\\1", name)
 
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")

@@ -191,11 +191,26 @@ def test_export_markdown_and_json(db_path):
     md = s.export_markdown(c.id)
     assert md.startswith("# Capitals\n")
     assert "Answer in one line." in md and "## You\n\nWhat is the capital of France?" in md
-    assert "## Assistant (demo)\n\nThe capital of France is Paris." in md
+    assert "## Assistant (SmolLM2-135M-Instruct-exl2-8.0bpw)\n\nThe capital of France is Paris." in md
     data = json.loads(s.export_json(c.id))
     assert data["title"] == "Capitals" and data["sampling"]["max_tokens"] == 32
     assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
     assert data["messages"][1]["stats"]["decode_tps"] == 60.0
+
+
+def test_export_markdown_names_the_model_not_its_folder(db_path):
+    """The stored model is the folder it was loaded from: the export shows its display name, on one line."""
+    s = Store(db_path)
+    c = s.create_conversation("Paths")
+    for model in ("/home/ann/models/Qwen3-30B-A3B-exl2-4.0bpw", "C:\\Users\\ann\\models\\Mixtral-exl2\\",
+                  "/srv/m/evil\n## You\n[x]<b>"):
+        s.add_message(c.id, "assistant", "ok", model=model)
+    md = s.export_markdown(c.id)
+    assert "## Assistant (Qwen3-30B-A3B-exl2-4.0bpw)" in md
+    assert "## Assistant (Mixtral-exl2)" in md
+    assert "## Assistant (evil ## You \\[x\\]\\<b\\>)" in md
+    assert "/home/ann" not in md and "Users" not in md and "/srv/m" not in md
+    assert "\n## You" not in md                         # no heading of its own
 
 
 def test_presets_replace_by_name_and_delete(db_path):

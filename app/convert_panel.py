@@ -1,0 +1,194 @@
+"""The model manager's "Convert to EXL2…": the form that picks a source and a width, and the conversions table.
+
+The work itself is `app.hub.convert.ConvertManager` (download of a Hub original, then `moedesk-cli convert` in
+its own process); this module only shows it. Events come from background threads as a queued signal.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QGridLayout,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton, QVBoxLayout,
+                               QWidget)
+
+from app.hub.convert import BPW_RANGE, ConvertManager, ConvertProgress
+from app.hub.download import JobState
+from app.telemetry import fmt_bytes
+
+
+class ConvertForm(QDialog):
+    """Source (a Hub repository or a local folder) and bits per weight; `values()` after `exec()`."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Convert to EXL2")
+        self.hub_radio = QRadioButton("Hugging Face repository")
+        self.local_radio = QRadioButton("Local folder")
+        self.hub_radio.setChecked(True)
+        group = QButtonGroup(self)
+        group.addButton(self.hub_radio)
+        group.addButton(self.local_radio)
+        self.repo_edit = QLineEdit()
+        self.repo_edit.setPlaceholderText("owner/model, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+        self.folder_edit = QLineEdit()
+        self.folder_edit.setPlaceholderText("a folder with config.json and .safetensors weights")
+        self.browse_button = QPushButton("Browse…")
+        self.browse_button.clicked.connect(self._browse)
+        self.bpw_spin = QDoubleSpinBox()
+        self.bpw_spin.setRange(*BPW_RANGE)
+        self.bpw_spin.setSingleStep(0.5)
+        self.bpw_spin.setDecimals(1)
+        self.bpw_spin.setValue(4.0)
+        note = QLabel("The original (fp16/bf16) safetensors checkpoint of a Llama, Qwen3 or Qwen3-MoE model. "
+                      "The conversion runs on the CPU, layer by layer; it continues where it stopped if the app "
+                      "closes. The model appears in the list once complete.")
+        note.setWordWrap(True)
+        grid = QGridLayout()
+        grid.addWidget(self.hub_radio, 0, 0)
+        grid.addWidget(self.repo_edit, 0, 1, 1, 2)
+        grid.addWidget(self.local_radio, 1, 0)
+        grid.addWidget(self.folder_edit, 1, 1)
+        grid.addWidget(self.browse_button, 1, 2)
+        grid.addWidget(QLabel("Bits per weight"), 2, 0)
+        grid.addWidget(self.bpw_spin, 2, 1)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.button(QDialogButtonBox.Ok).setText("Convert")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        v = QVBoxLayout(self)
+        v.addLayout(grid)
+        v.addWidget(note)
+        v.addWidget(buttons)
+        self.repo_edit.textEdited.connect(lambda _: self.hub_radio.setChecked(True))
+        self.folder_edit.textEdited.connect(lambda _: self.local_radio.setChecked(True))
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "A Hugging Face model folder")
+        if folder:
+            self.folder_edit.setText(folder)
+            self.local_radio.setChecked(True)
+
+    def values(self) -> tuple[bool, str, float]:
+        """(from the Hub, repository id or folder, bits per weight)."""
+        hub = self.hub_radio.isChecked()
+        return hub, (self.repo_edit if hub else self.folder_edit).text().strip(), self.bpw_spin.value()
+
+
+class ConversionsPanel(QWidget):
+    """One row per conversion: what, state, a progress bar (bytes while downloading, layers while converting)."""
+    event = Signal(object)                    # ConvertProgress, from a background thread
+    finished_model = Signal(str)              # a conversion completed: the model list should refresh
+
+    def __init__(self, manager_factory, table_factory, item_factory, parent=None):
+        super().__init__(parent)
+        self._item = item_factory
+        self.table = table_factory(["Conversion", "State", "Progress", "Details"])
+        self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
+        self.table.setColumnWidth(2, 230)
+        self._rows: dict[str, int] = {}
+        self._states: dict[str, JobState] = {}
+        self.event.connect(self._on_event)
+        self.table.itemSelectionChanged.connect(self._update_buttons)
+        self.manager: ConvertManager = manager_factory(self.event.emit)
+        self.pause_button = QPushButton("Pause")
+        self.resume_button = QPushButton("Resume")
+        self.cancel_button = QPushButton("Cancel")
+        self.pause_button.clicked.connect(lambda: self._with_job(self.manager.pause))
+        self.resume_button.clicked.connect(lambda: self._with_job(self.manager.resume))
+        self.cancel_button.clicked.connect(lambda: self._with_job(self.manager.cancel))
+        buttons = QHBoxLayout()
+        buttons.addWidget(QLabel("Conversions"))
+        for b in (self.pause_button, self.resume_button, self.cancel_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        v = QVBoxLayout(self)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.addLayout(buttons)
+        v.addWidget(self.table)
+        self._update_buttons()
+        for progress in self.manager.restore():
+            self._on_event(progress)
+
+    def selected_job(self) -> str | None:
+        rows = self.table.selectionModel().selectedRows()
+        return self.table.item(rows[0].row(), 0).data(Qt.UserRole) if rows else None
+
+    def select(self, job_id: str) -> None:
+        if job_id in self._rows:
+            self.table.selectRow(self._rows[job_id])
+
+    def _update_buttons(self) -> None:
+        job_id = self.selected_job()
+        state = self._states.get(job_id)
+        self.pause_button.setEnabled(state in (JobState.QUEUED, JobState.RUNNING))
+        self.resume_button.setEnabled(state in (JobState.PAUSED, JobState.FAILED))
+        self.cancel_button.setEnabled(state is not None and state not in (JobState.CANCELLED, JobState.DONE))
+
+    def _with_job(self, action) -> None:
+        job_id = self.selected_job()
+        if job_id:
+            action(job_id)
+
+    def row_text(self, job_id: str) -> tuple[str, str, str]:
+        """(state, progress bar text, details) of a job's row: what the user reads."""
+        r = self._rows[job_id]
+        return self.table.item(r, 1).text(), self.table.cellWidget(r, 2).format(), self.table.item(r, 3).text()
+
+    def _on_event(self, p: ConvertProgress) -> None:
+        t = self.table
+        row = self._rows.get(p.job_id)
+        if row is None:
+            row = self._rows[p.job_id] = t.rowCount()
+            t.insertRow(row)
+            name = self._item(p.job_id)
+            name.setData(Qt.UserRole, p.job_id)
+            t.setItem(row, 0, name)
+            bar = QProgressBar()
+            bar.setRange(0, 1000)
+            t.setCellWidget(row, 2, bar)
+            t.selectRow(row)
+        bar = t.cellWidget(row, 2)
+        bar.setValue(int(1000 * p.done / p.total) if p.total else 0)
+        if p.phase == "download":
+            bar.setFormat(f"original: {fmt_bytes(p.done)} of {fmt_bytes(p.total)}")
+        else:
+            bar.setFormat(f"layer {p.done} of {p.total}" if p.total else "—")
+        state = "downloading" if p.phase == "download" and p.state is JobState.RUNNING else p.state.value
+        t.setItem(row, 1, self._item(state, p.message))
+        t.setItem(row, 3, self._item(p.message, p.message))
+        self._states[p.job_id] = p.state
+        self._update_buttons()
+        if p.state is JobState.DONE:
+            self.finished_model.emit(p.job_id)
+
+
+def grab_conversions(path) -> Path:
+    """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
+    the events a live conversion sends are fed to the same slot."""
+    import tempfile
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.models_dialog import ModelManagerDialog
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models))
+        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+        panel = dialog.conversions
+        panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
+                                        "Paused after layer 9: press Resume to continue."))
+        panel._on_event(ConvertProgress("SmolLM2-1.7B-Instruct-exl2-4.0bpw", JobState.RUNNING, "convert", 17, 24,
+                                        "Converting: layer 17 of 24 done"))
+        dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
+                                    "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
+                                    "list once complete.")
+        dialog.show()
+        app.processEvents()
+        dialog.grab().save(str(out))
+        dialog.shutdown()
+        dialog.deleteLater()
+    return out
