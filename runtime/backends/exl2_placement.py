@@ -4,8 +4,8 @@ first load of a model at a budget on a machine, behind the progress, then saved 
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
 Each step of a trial is bounded (one switch of the path, one graph capture, or `TRIAL_STEPS` decode
 steps), so an idle-time trial delays a new
-command by one of them at most. The timed steps decode random tokens past the cache's end; the cache
-is rolled back after each run of them."""
+command by one of them at most. The timed steps decode the model's own greedy continuation of a
+random token past the cache's end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
 import os
@@ -50,20 +50,23 @@ def current_path(manager) -> str:
 
 
 def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[float]:
-    """Wall time of `steps` one-row forwards (each read back on the host, as sampling does) from the
-    cache position; the cache is rolled back afterwards."""
+    """Wall time of `steps` one-row decode steps from the cache position, timed as the decode loop
+    times them: each feeds the argmax of the step before (the model's own greedy text, routed as its
+    answers route, not random tokens whose experts answers rarely use), at the next position, and
+    ends when the token is read back on the host. Starts from a random token, untimed (the first
+    step after a switch); the cache is rolled back afterwards."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, engine.vocab, (steps + 1,), generator=g).tolist()
+    token = int(torch.randint(0, engine.vocab, (1,), generator=g).item())
     pos0 = engine.position
     room = engine.info.context_length - pos0 - 1
     out: list[float] = []
     if room < 2:                                          # the cache is full: nothing can be timed here
         return out
     try:
-        engine.forward(tokens[:1])                        # the first step after a switch: untimed
-        for t in tokens[1:max(2, min(len(tokens), room))]:
+        token = int(engine.forward([token])[-1].argmax().item())     # untimed
+        for _ in range(max(1, min(steps, room - 1))):
             t0 = time.perf_counter()
-            engine.forward([t])[-1].argmax().item()
+            token = int(engine.forward([token])[-1].argmax().item())
             out.append(time.perf_counter() - t0)
     finally:
         engine.truncate(pos0)
