@@ -347,3 +347,27 @@ def test_the_timed_steps_decode_as_an_answer_does():
     e = ReplayEngine(context=110)
     e.position = 100
     assert len(time_decode_steps(e, steps=64)) == 8 and e.position == 100   # room for 9 tokens: 1 untimed + 8
+
+
+def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path):
+    """What the load tells the placement before it copies experts for the CPU: the reason of a saved
+    GPU-only decision for this model, budget and machine; nothing for a saved CPU path, another
+    budget, or a placement other than "auto"."""
+    from types import SimpleNamespace
+    from runtime.backends import exl2_decisions as xp
+    monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
+    budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto")
+    model = tmp_path / "model"
+    assert xp.saved_off(model, budget) == ""
+    j = PathJudge("auto", 0.0)
+    j.record("cpu", [0.0114] * TRIAL_STEPS)
+    j.record("stream", [0.0089] * TRIAL_STEPS)
+    j.decide()
+    write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
+    assert xp.saved_off(model, budget).startswith("as measured on an earlier load (measured: 8.9 ms")
+    other = SimpleNamespace(vram=SimpleNamespace(total_bytes=12 << 30), cpu_threads=0, policy="auto")
+    assert xp.saved_off(model, other) == ""
+    assert xp.saved_off(model, SimpleNamespace(**{**vars(budget), "policy": "cpu"})) == ""
+    j.path = "cpu"
+    write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
+    assert xp.saved_off(model, budget) == ""

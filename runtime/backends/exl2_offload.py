@@ -121,6 +121,10 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
             applied["offload.placement"] = f"ignored: {why}"
     else:
         applied["offload.cpu_threads"] = "applied"          # settled after placement (cpu_path_applied)
+        from runtime.experts.manager import AUTO_CPU
+        if off.placement == "cpu" or (off.placement == "auto" and AUTO_CPU):
+            from runtime.experts.cpu_experts import build_kernel_in_background
+            build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
     return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 
@@ -189,6 +193,8 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     setup.stats_warning = warning
     manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
                              cpu_threads=setup.cpu_threads, ram=setup.ram)
+    from runtime.backends.exl2_decisions import saved_off
+    manager.cpu.saved_off = saved_off(path, setup)     # no CPU copies that a saved decision drops at once
     if progress is not None:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:

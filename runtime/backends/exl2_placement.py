@@ -8,18 +8,15 @@ command by one of them at most. The timed steps decode the model's own greedy co
 random token past the cache's end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
+from runtime.backends.exl2_decisions import DECISIONS_FILE, decisions_file, key_for, saved_off  # noqa: F401
 from runtime.engine import ProgressFn
 from runtime.experts.path_judge import TRIAL_STEPS, PathJudge, read_decision, write_decision
-
-DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.paths.cache_dir)
 
 
 def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
@@ -30,19 +27,7 @@ def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
 
 
 def decision_key(engine) -> str:
-    """What a saved decision is valid for: the model folder, the VRAM budget (to 1/4 GiB), the CPU
-    threads asked for, the CPU split, and the machine (host, cores, GPU)."""
-    budget = engine.budget
-    vram = round(budget.vram.total_bytes / (1 << 28)) / 4 if budget is not None else None
-    threads = budget.cpu_threads if budget is not None else 0
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return (f"{Path(engine.info.path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
-            f"{os.environ.get('MOEDESK_CPU_SPLIT', 'cut')}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
-
-
-def decisions_file() -> Path:
-    from runtime.paths import cache_dir
-    return cache_dir() / DECISIONS_FILE
+    return key_for(engine.info.path, engine.budget)
 
 
 def current_path(manager) -> str:
