@@ -95,3 +95,39 @@ def test_route_renormalises_and_orders():
     r = route(x, gate, 2)
     assert r.ids.shape == (4, 2) and torch.allclose(r.weights.sum(-1), torch.ones(4))
     assert (r.weights[:, 0] >= r.weights[:, 1]).all()
+
+
+@pytest.mark.parametrize("bits, H, I, N", [(3, 128, 64, 64), ([4, 3], 128, 64, 96), (8, 64, 32, 32)])
+def test_pack_layer_equals_packing_then_aligning_bit_for_bit(bits, H, I, N):
+    """A load packs gate and up straight into down's intermediate order (pack_layer) instead of
+    packing them and then moving every expert's codes to the GPU and back (align_intermediate):
+    the stacks, scales and permutations are the same bits, in host-arena stacks too."""
+    from runtime.experts.pack import HostArena, align_intermediate, pack_layer
+    props = None if isinstance(bits, int) else [0.5, 0.5]
+    E = 4
+    # gate/up: [N, H] (N >= I: padded intermediate columns), down: [H, I]
+    gate = [_q(N, H, bits, 32, seed=10 + e, bits_prop=props) for e in range(E)]
+    up = [_q(N, H, bits, 32, seed=20 + e, bits_prop=props) for e in range(E)]
+    down = [_q(H, I, bits, 32, seed=30 + e, bits_prop=props) for e in range(E)]
+    ref = [pack_experts(ts, name) for ts, name in ((gate, "g"), (up, "u"), (down, "d"))]
+    assert not bool((ref[2].perm == torch.arange(I, dtype=torch.int32)).all())   # a real permutation
+    align_intermediate(*ref)
+    order = []
+
+    def load(proj):
+        order.append(proj)
+        return {"gate_proj": gate, "up_proj": up, "down_proj": down}[proj]
+
+    for host in (None, HostArena(block_bytes=1 << 20)):
+        order.clear()
+        packed = []
+        got = pack_layer(load, "layer.3", host=host, on_packed=lambda p, pack: packed.append(p))
+        assert order == ["down_proj", "gate_proj", "up_proj"] == packed
+        for a, b in zip(got, ref):
+            assert a.bits == b.bits and a.group == b.group
+            assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+            assert torch.equal(a.perm, b.perm) and torch.equal(a.woff, b.woff)
+            assert (a.cold is not None) == (host is not None)
+    if I == 64:
+        with pytest.raises(PackError, match="layer.3.gate_proj has 32 columns, down takes 64"):
+            pack_layer(lambda p: down if p == "down_proj" else [_q(16, H, 4, 32)], "layer.3")

@@ -260,11 +260,14 @@ class HostArena:
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
-                 device: torch.device | str | None = None, host: Optional[HostArena] = None) -> PackedExperts:
+                 device: torch.device | str | None = None, host: Optional[HostArena] = None,
+                 columns: Optional[Sequence[torch.Tensor]] = None) -> PackedExperts:
     """Stack one projection of every expert into the kernels' layout (see the module docstring).
 
     host: keep the codes in this page-locked host memory as `cold`, for offload; `qweight` is then
-    that same host stack until offload gives it VRAM slots."""
+    that same host stack until offload gives it VRAM slots. columns: per expert, the old output
+    column of each new one (`pack_layer`: gate and up in down's order), applied before the codes are
+    packed and copied (words run along the input rows, so this equals permuting the packed stack)."""
     if not experts:
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
@@ -289,11 +292,47 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
     for e, u in enumerate(units):
-        qweight[e] = _pack_words(u.codes, bits).to(qweight.device)
-        scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
+        codes, sc = u.codes, u.scales
+        if columns is not None:
+            idx = columns[e].to(codes.device, torch.long)
+            codes, sc = codes[:, idx], sc[:, idx]
+        qweight[e] = _pack_words(codes, bits).to(qweight.device)
+        scales[e] = torch.repeat_interleave(sc, u.group // group, dim=0).to(dev, torch.float16)
         perm[e] = u.perm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
                          in_features=K, out_features=N, cold=qweight if host is not None else None)
+
+
+def pack_layer(load, name: str = "experts", device: torch.device | str | None = None,
+               host: Optional[HostArena] = None, on_packed=None) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
+    """Gate, up and down of a layer's experts packed, with the intermediate already in down's packed
+    order: bit for bit what `pack_experts` three times and `align_intermediate` give, without
+    align's round trip of every gate and up expert's codes from host memory to `device` and back
+    (offload loads). load(projection) -> that projection's EXL2 tensors per expert ("down_proj",
+    then "gate_proj", "up_proj": down first, for its permutations; one projection's tensors alive at
+    a time). on_packed(projection, pack): after each (the caller's RAM ledger)."""
+    w2 = pack_experts(load("down_proj"), f"{name}.down_proj", device=device, host=host)
+    if on_packed is not None:
+        on_packed("down_proj", w2)
+    I = w2.in_features
+    perms = w2.perm.long()
+    packs = {}
+    for proj in ("gate_proj", "up_proj"):
+        tensors = load(proj)
+        N = int(tensors[0]["q_weight"].shape[-1]) if tensors and "q_weight" in tensors[0] else I
+        if N < I:
+            raise PackError(f"{name}.{proj} has {N} columns, down takes {I}: they do not chain")
+        pad = torch.arange(I, N, device=perms.device)
+        cols = [torch.cat([perms[e], pad]) for e in range(w2.num_experts)]
+        packs[proj] = pack_experts(tensors, f"{name}.{proj}", device=device, host=host, columns=cols)
+        del tensors
+        if on_packed is not None:
+            on_packed(proj, packs[proj])
+    w1, w3 = packs["gate_proj"], packs["up_proj"]
+    if w3.out_features != w1.out_features:
+        raise PackError(f"{name}: gate/up have {w1.out_features}/{w3.out_features} columns: they do not chain")
+    w2.perm.copy_(torch.arange(I, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm))
+    return w1, w3, w2
 
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:
