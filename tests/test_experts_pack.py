@@ -131,3 +131,41 @@ def test_pack_layer_equals_packing_then_aligning_bit_for_bit(bits, H, I, N):
     if I == 64:
         with pytest.raises(PackError, match="layer.3.gate_proj has 32 columns, down takes 64"):
             pack_layer(lambda p: down if p == "down_proj" else [_q(16, H, 4, 32)], "layer.3")
+
+
+def test_host_arena_page_locks_the_next_block_ahead_and_gives_back_an_unused_one(monkeypatch):
+    """The same stacks at the same offsets with the next block allocated ahead on a thread; the
+    block left over at the end is dropped by finish()."""
+    import threading
+
+    from runtime.experts.pack import HostArena
+    where = []
+    real = HostArena._allocate
+
+    def allocate(size):
+        where.append(threading.current_thread().name)
+        return real(size)
+
+    monkeypatch.setattr(HostArena, "_allocate", staticmethod(allocate))
+    shapes = [(3, 100, 64), (2, 300, 64), (5, 64, 64), (1, 1000, 64), (4, 50, 64)]
+    plain, ahead = HostArena(block_bytes=1 << 17), HostArena(block_bytes=1 << 17, ahead=True)
+    stacks = {}
+    for arena in (plain, ahead):
+        stacks[arena] = [arena.empty(shape) for shape in shapes]
+        for i, t in enumerate(stacks[arena]):
+            t.fill_(i)
+    assert [b.numel() for b in plain.blocks] == [b.numel() for b in ahead.blocks] and len(plain.blocks) >= 2
+    offsets = [[t.data_ptr() - next(b.data_ptr() for b in arena.blocks
+                                    if b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel())
+                for t in stacks[arena]] for arena in (plain, ahead)]
+    assert offsets[0] == offsets[1] and plain.used == ahead.used
+    assert all(torch.equal(a, b) for a, b in zip(stacks[plain], stacks[ahead]))
+    n = len(plain.blocks)
+    assert where[:n] == ["MainThread"] * n                         # without ahead: in the loading thread
+    assert any(w.startswith("pin-ahead") for w in where[n:])       # with it: the next block on a thread
+    assert ahead._next is not None
+    ahead.finish()
+    assert ahead._next is None and len(ahead.blocks) == n
+    ahead.empty((1, 10, 64))                                       # usable after finish (no thread left)
+    ahead.release()
+    assert ahead.blocks == []

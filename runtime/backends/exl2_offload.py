@@ -125,7 +125,7 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
         if off.placement == "cpu" or (off.placement == "auto" and AUTO_CPU):
             from runtime.experts.cpu_experts import build_kernel_in_background
             build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
-    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
+    return OffloadSetup(vram, ram, HostArena(ahead=True) if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 
 
@@ -173,6 +173,8 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None);
     `progress(stage, message, done, total)` hears each part of the placement."""
     vram = setup.vram
+    if setup.arena is not None:
+        setup.arena.finish()              # the weights are in: no block page-locked ahead of need stays
     what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
     if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
         if vram.fits(used):
