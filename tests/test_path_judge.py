@@ -319,9 +319,11 @@ class ReplayEngine:
         self.torch, self.vocab, self.position = torch, vocab, 0
         self.info = type("Info", (), {"context_length": context})()
         self.fed: list[tuple[int, int]] = []
+        self.path_judge = "the judge"
 
     def forward(self, tokens):
         (t,) = tokens
+        assert self.path_judge is None                 # the timed steps are not fed to the live windows
         self.fed.append((t, self.position))
         self.position += 1
         logits = self.torch.zeros(1, self.vocab)
@@ -343,7 +345,7 @@ def test_the_timed_steps_decode_as_an_answer_does():
     toks = [t for t, _ in e.fed]
     assert all(b == (3 * a + 1) % e.vocab for a, b in zip(toks, toks[1:]))
     assert [p for _, p in e.fed] == list(range(100, 100 + 21))
-    assert e.position == 100
+    assert e.position == 100 and e.path_judge == "the judge"
     e = ReplayEngine(context=110)
     e.position = 100
     assert len(time_decode_steps(e, steps=64)) == 8 and e.position == 100   # room for 9 tokens: 1 untimed + 8

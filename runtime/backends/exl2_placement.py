@@ -47,6 +47,8 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     out: list[float] = []
     if room < 2:                                          # the cache is full: nothing can be timed here
         return out
+    judge = getattr(engine, "path_judge", None)
+    engine.path_judge = None                              # these steps are no live decoding (drift, verdict)
     try:
         token = int(engine.forward([token])[-1].argmax().item())     # untimed
         for _ in range(max(1, min(steps, room - 1))):
@@ -55,6 +57,7 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
             out.append(time.perf_counter() - t0)
     finally:
         engine.truncate(pos0)
+        engine.path_judge = judge
     return out
 
 
