@@ -814,3 +814,71 @@ def test_a_placement_names_its_parts_for_the_loads_progress(slow_pcie):
                      "Placing experts: measuring the CPU's and PCIe's rates",
                      "Placing experts: copying cold experts for the CPU"], heard
     m.close()
+
+
+def test_the_cpu_rate_is_measured_within_its_time_cap(monkeypatch):
+    """On a slow or busy machine the measurement stops after its cap, whatever the repeats asked
+    for, and the rate is the calls it made over the time they took."""
+    import time as _time
+    _, packs = _layer(3, seed=9)
+    cpath._THROUGHPUT.clear()
+    calls = []
+
+    def slow(self, x, ids, w):
+        calls.append(ids)
+        _time.sleep(0.02)
+
+    monkeypatch.setattr(cpath.CpuPath, "run_host", slow)
+    t0 = _time.perf_counter()
+    bps = cpath.cpu_bytes_per_s(packs, list(range(E)), 1, threads=1, repeats=1000, cap_s=0.1)
+    took = _time.perf_counter() - t0
+    assert took < 1.0 and len(calls) < 30, (took, len(calls))      # 2 x 1000 x E calls uncapped
+    assert bps > 0
+    cpath._THROUGHPUT.clear()
+
+
+def test_the_kernel_build_is_its_own_stage_and_can_start_early():
+    """The first load on a machine spent 34.6 s in "measuring the CPU's and PCIe's rates", 0.4 s
+    later: the C++ kernel's first build. It runs on a thread while the weights load, and where it
+    has not finished the placement says so instead of hiding it in the measurement."""
+    assert ce.kernel_loaded()                         # the module fixture built it
+    ce.build_kernel_in_background()                   # built already: nothing started
+    import threading
+    assert not any(t.name == "cpu-expert-kernel-build" and t.is_alive() for t in threading.enumerate())
+    assert ce.load_kernel() is ce.load_kernel()
+
+
+def test_stages_of_a_placement_say_the_kernel_build_when_it_runs(slow_pcie, monkeypatch):
+    stages = []
+    m = _manager(policy="auto")
+    m.on_stage = stages.append
+    monkeypatch.setattr(ce, "kernel_loaded", lambda: False)
+    m.apply([[0], [1]])
+    assert "Placing experts: building the CPU expert kernel" in stages
+    assert stages.index("Placing experts: building the CPU expert kernel") < stages.index(
+        "Placing experts: measuring the CPU's and PCIe's rates")
+    m.close()
+
+
+def test_a_saved_gpu_only_decision_builds_no_cpu_copies_until_measured_again(slow_pcie):
+    """"auto" where an earlier load timed the CPU path slower: the placement copies nothing for the
+    CPU (the first H200 load copied for 29 s, then the judge switched the path off), says why, and
+    the judge can still time the CPU path (it is built then)."""
+    ram = MemoryBudget(1 << 30, "RAM")
+    stages = []
+    m = _manager(policy="auto", ram=ram)
+    m.on_stage = stages.append
+    m.cpu.saved_off = "as measured on an earlier load (measured: ...)"
+    m.apply([[0], [1]])
+    assert not m.cpu_active and ram.used_bytes == 0 and m.cpu_reason.startswith("as measured on an earlier load")
+    assert "Placing experts: copying cold experts for the CPU" not in stages
+    assert m.cpu_predicted_gain is not None and m.cpu_unavailable == ""   # still measurable
+    assert m.set_cpu_path(True) and ram.used_bytes > 0                     # built when timed
+    m.close()
+    m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"))
+    m.cpu.saved_off = "as measured on an earlier load"
+    m.apply([[0], [1]])
+    assert not m.cpu_active
+    m.apply([[0], [1]])                                # once: a later placement (a new budget) decides anew
+    assert m.cpu_active
+    m.close()

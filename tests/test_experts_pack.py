@@ -95,3 +95,77 @@ def test_route_renormalises_and_orders():
     r = route(x, gate, 2)
     assert r.ids.shape == (4, 2) and torch.allclose(r.weights.sum(-1), torch.ones(4))
     assert (r.weights[:, 0] >= r.weights[:, 1]).all()
+
+
+@pytest.mark.parametrize("bits, H, I, N", [(3, 128, 64, 64), ([4, 3], 128, 64, 96), (8, 64, 32, 32)])
+def test_pack_layer_equals_packing_then_aligning_bit_for_bit(bits, H, I, N):
+    """A load packs gate and up straight into down's intermediate order (pack_layer) instead of
+    packing them and then moving every expert's codes to the GPU and back (align_intermediate):
+    the stacks, scales and permutations are the same bits, in host-arena stacks too."""
+    from runtime.experts.pack import HostArena, align_intermediate, pack_layer
+    props = None if isinstance(bits, int) else [0.5, 0.5]
+    E = 4
+    # gate/up: [N, H] (N >= I: padded intermediate columns), down: [H, I]
+    gate = [_q(N, H, bits, 32, seed=10 + e, bits_prop=props) for e in range(E)]
+    up = [_q(N, H, bits, 32, seed=20 + e, bits_prop=props) for e in range(E)]
+    down = [_q(H, I, bits, 32, seed=30 + e, bits_prop=props) for e in range(E)]
+    ref = [pack_experts(ts, name) for ts, name in ((gate, "g"), (up, "u"), (down, "d"))]
+    assert not bool((ref[2].perm == torch.arange(I, dtype=torch.int32)).all())   # a real permutation
+    align_intermediate(*ref)
+    order = []
+
+    def load(proj):
+        order.append(proj)
+        return {"gate_proj": gate, "up_proj": up, "down_proj": down}[proj]
+
+    for host in (None, HostArena(block_bytes=1 << 20)):
+        order.clear()
+        packed = []
+        got = pack_layer(load, "layer.3", host=host, on_packed=lambda p, pack: packed.append(p))
+        assert order == ["down_proj", "gate_proj", "up_proj"] == packed
+        for a, b in zip(got, ref):
+            assert a.bits == b.bits and a.group == b.group
+            assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+            assert torch.equal(a.perm, b.perm) and torch.equal(a.woff, b.woff)
+            assert (a.cold is not None) == (host is not None)
+    if I == 64:
+        with pytest.raises(PackError, match="layer.3.gate_proj has 32 columns, down takes 64"):
+            pack_layer(lambda p: down if p == "down_proj" else [_q(16, H, 4, 32)], "layer.3")
+
+
+def test_host_arena_page_locks_the_next_block_ahead_and_gives_back_an_unused_one(monkeypatch):
+    """The same stacks at the same offsets with the next block allocated ahead on a thread; the
+    block left over at the end is dropped by finish()."""
+    import threading
+
+    from runtime.experts.pack import HostArena
+    where = []
+    real = HostArena._allocate
+
+    def allocate(size):
+        where.append(threading.current_thread().name)
+        return real(size)
+
+    monkeypatch.setattr(HostArena, "_allocate", staticmethod(allocate))
+    shapes = [(3, 100, 64), (2, 300, 64), (5, 64, 64), (1, 1000, 64), (4, 50, 64)]
+    plain, ahead = HostArena(block_bytes=1 << 17), HostArena(block_bytes=1 << 17, ahead=True)
+    stacks = {}
+    for arena in (plain, ahead):
+        stacks[arena] = [arena.empty(shape) for shape in shapes]
+        for i, t in enumerate(stacks[arena]):
+            t.fill_(i)
+    assert [b.numel() for b in plain.blocks] == [b.numel() for b in ahead.blocks] and len(plain.blocks) >= 2
+    offsets = [[t.data_ptr() - next(b.data_ptr() for b in arena.blocks
+                                    if b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel())
+                for t in stacks[arena]] for arena in (plain, ahead)]
+    assert offsets[0] == offsets[1] and plain.used == ahead.used
+    assert all(torch.equal(a, b) for a, b in zip(stacks[plain], stacks[ahead]))
+    n = len(plain.blocks)
+    assert where[:n] == ["MainThread"] * n                         # without ahead: in the loading thread
+    assert any(w.startswith("pin-ahead") for w in where[n:])       # with it: the next block on a thread
+    assert ahead._next is not None
+    ahead.finish()
+    assert ahead._next is None and len(ahead.blocks) == n
+    ahead.empty((1, 10, 64))                                       # usable after finish (no thread left)
+    ahead.release()
+    assert ahead.blocks == []

@@ -251,3 +251,125 @@ def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_p
     assert second.budget.applied["offload.placement"].startswith("applied: CPU expert path on"), second.budget.applied
     xp.settle_cpu_path(second, lambda *a: None, measure=True)
     assert len(timed) == 4 and second.path_judge.trials == 1
+
+
+def test_the_hysteresis_note_appears_only_where_the_other_path_was_faster():
+    """The H200 said "11.4 ms with the CPU path, 8.9 without (within 5% of the path already chosen,
+    which stays)": the kept path was 22% faster, not within 5% of anything."""
+    j = PathJudge("auto", 0.0, prior={"path": "stream"})
+    j.ask_again()
+    j.record("cpu", [0.0114] * TRIAL_STEPS)
+    j.record("stream", [0.0089] * TRIAL_STEPS)
+    assert j.decide() == "stream" and "within" not in j.reason and "stays" not in j.reason
+    j.ask_again()
+    j.record("cpu", [0.0255] * TRIAL_STEPS)                # the kept path faster by 2%: kept, plainly
+    j.record("stream", [0.0250] * TRIAL_STEPS)
+    assert j.decide() == "stream" and "stays" not in j.reason
+    j.ask_again()
+    j.record("cpu", [0.0250] * TRIAL_STEPS)                # the other faster by 2%: kept, said so
+    j.record("stream", [0.0255] * TRIAL_STEPS)
+    assert j.decide() == "stream" and "faster by less than 5%" in j.reason
+    j = PathJudge("auto", 0.0, prior={"path": "cpu"})
+    j.ask_again()
+    j.record("cpu", [0.0250] * TRIAL_STEPS)                # kept cpu, 2% faster than stream: cpu stays
+    j.record("stream", [0.0255] * TRIAL_STEPS)
+    assert j.decide() == "cpu" and "stays" not in j.reason
+    j.ask_again()
+    j.record("cpu", [0.0255] * TRIAL_STEPS)                # stream 2% faster: cpu stays, said so
+    j.record("stream", [0.0250] * TRIAL_STEPS)
+    assert j.decide() == "cpu" and "faster by less than 5%" in j.reason
+
+
+def test_decoding_slower_than_the_verdict_was_timed_measures_again_once():
+    """A saved decision (8.9 ms a step without the CPU path, 11.4 with, under the model's routing)
+    reused where decoding takes 34 ms a step (uniform routing): the verdict is timed again, in the
+    worker's idle time, once; live steps faster than timed raise no doubt."""
+    prior = {"path": "stream", "step_ms": {"cpu": 11.4, "stream": 8.9}, "reason": "measured: ..."}
+    j = PathJudge("auto", 0.0, prior=prior)
+    j.decide()
+    for _ in range(DRIFT_WINDOW - 1):
+        j.observe_step(0.034)
+    assert not j.wants_recheck()
+    j.observe_step(0.034)
+    assert j.wants_recheck() and j.plan() == ["cpu", "stream"] and "34.0 ms a step, 8.9 when timed" in j.reason
+    j.record("cpu", [0.050] * TRIAL_STEPS)                 # timed again: stream still, now at 33 ms
+    j.record("stream", [0.033] * TRIAL_STEPS)
+    j.decide()
+    for _ in range(2 * DRIFT_WINDOW):                      # the same misleading steps: not timed a third time
+        j.observe_step(0.060)
+    assert j.path == "stream" and not j.wants_recheck()
+    j = PathJudge("auto", 0.0, prior=prior)                # live faster than timed (answers reuse experts)
+    j.decide()
+    for _ in range(2 * DRIFT_WINDOW):
+        j.observe_step(0.005)
+    assert not j.wants_recheck()
+    j = PathJudge("auto", 0.0, prior={"path": "stream", "step_ms": {"cpu": 40.0, "stream": 8.9}})
+    j.decide()                                             # slower than timed but still faster than the other was
+    for _ in range(DRIFT_WINDOW):
+        j.observe_step(0.034)
+    assert not j.wants_recheck()
+
+
+class ReplayEngine:
+    """A greedy model on the host: the next token is a function of the fed token; each step's cost
+    (slept) is higher for a token it has not seen in the last few steps, as an expert not staged is."""
+
+    def __init__(self, vocab=50, context=4096):
+        import torch
+        self.torch, self.vocab, self.position = torch, vocab, 0
+        self.info = type("Info", (), {"context_length": context})()
+        self.fed: list[tuple[int, int]] = []
+        self.path_judge = "the judge"
+
+    def forward(self, tokens):
+        (t,) = tokens
+        assert self.path_judge is None                 # the timed steps are not fed to the live windows
+        self.fed.append((t, self.position))
+        self.position += 1
+        logits = self.torch.zeros(1, self.vocab)
+        logits[0, (3 * t + 1) % self.vocab] = 1.0
+        return logits
+
+    def truncate(self, n):
+        self.position = n
+
+
+def test_the_timed_steps_decode_as_an_answer_does():
+    """Each timed step feeds the argmax of the one before, at the next position (not a random token
+    whose experts answers never use), and the cache ends where it began."""
+    from runtime.backends.exl2_placement import time_decode_steps
+    e = ReplayEngine()
+    e.position = 100
+    out = time_decode_steps(e, steps=20)
+    assert len(out) == 20 and all(s >= 0 for s in out)
+    toks = [t for t, _ in e.fed]
+    assert all(b == (3 * a + 1) % e.vocab for a, b in zip(toks, toks[1:]))
+    assert [p for _, p in e.fed] == list(range(100, 100 + 21))
+    assert e.position == 100 and e.path_judge == "the judge"
+    e = ReplayEngine(context=110)
+    e.position = 100
+    assert len(time_decode_steps(e, steps=64)) == 8 and e.position == 100   # room for 9 tokens: 1 untimed + 8
+
+
+def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path):
+    """What the load tells the placement before it copies experts for the CPU: the reason of a saved
+    GPU-only decision for this model, budget and machine; nothing for a saved CPU path, another
+    budget, or a placement other than "auto"."""
+    from types import SimpleNamespace
+    from runtime.backends import exl2_decisions as xp
+    monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
+    budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto")
+    model = tmp_path / "model"
+    assert xp.saved_off(model, budget) == ""
+    j = PathJudge("auto", 0.0)
+    j.record("cpu", [0.0114] * TRIAL_STEPS)
+    j.record("stream", [0.0089] * TRIAL_STEPS)
+    j.decide()
+    write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
+    assert xp.saved_off(model, budget).startswith("as measured on an earlier load (measured: 8.9 ms")
+    other = SimpleNamespace(vram=SimpleNamespace(total_bytes=12 << 30), cpu_threads=0, policy="auto")
+    assert xp.saved_off(model, other) == ""
+    assert xp.saved_off(model, SimpleNamespace(**{**vars(budget), "policy": "cpu"})) == ""
+    j.path = "cpu"
+    write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
+    assert xp.saved_off(model, budget) == ""

@@ -114,3 +114,60 @@ def test_failing_idle_work_is_logged_and_left_alone(capsys):
     w.on_line(P.encode(P.Shutdown()))
     serving.join(5)
     assert engine.done == 1 and "capture refused" in capsys.readouterr().err
+
+
+class _Graphs:
+    max_rows = 9
+
+    def __init__(self):
+        self.done: list = []
+
+    def captured(self):
+        return list(self.done)
+
+    def prepare(self, L, T, pos):
+        self.done.append((L, T))
+        return True
+
+
+def _engine(monkeypatch, context: int = 4096):
+    """An Exl2Engine without a model: prefill and the graphs are fakes, what is counted is real."""
+    import types
+
+    import torch
+
+    from runtime.backends.exl2 import Exl2Engine
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    e = Exl2Engine.__new__(Exl2Engine)
+    e.info = types.SimpleNamespace(context_length=context)
+    e.vocab, e.offload, e.graphs, e.warm_rows = 100, None, _Graphs(), 1
+    e.cache = types.SimpleNamespace(current_seq_len=0)
+    e.prefills = []
+    e.prefill = lambda tokens: e.prefills.append(len(tokens))
+    return e
+
+
+def test_warm_up_progress_never_counts_past_its_total(monkeypatch):
+    """The H200 log said "Preparing GPU kernels 6/5 ... 15/5": with the capture left to after the
+    expert path is settled, the warm-up still captured (graphs the settling then dropped) past the
+    total it had announced."""
+    from runtime.backends.exl2 import PREFILL_WARM_ROWS
+    for capture, draft_rows in ((False, 5), (True, 5), (True, 1)):
+        e = _engine(monkeypatch)
+        seen = []
+        e.warm_up(lambda stage, msg, done, total: seen.append((msg, done, total)), draft_rows, capture=capture)
+        assert e.prefills == list(PREFILL_WARM_ROWS)
+        assert all(d <= t for _, d, t in seen), seen
+        counts = [m.split()[-1] for m, _, _ in seen if m.startswith("Preparing")]
+        assert all(int(a.split("/")[0]) <= int(a.split("/")[1]) for a in counts), counts
+        assert seen[-1][0] == f"GPU kernels ready ({seen[-1][2]} prepared)"
+        if capture:
+            assert e.graphs.done and seen[-1][2] == len(PREFILL_WARM_ROWS) + len(e.graphs.done)
+        else:
+            assert e.graphs.done == []          # captured once, after the path is settled
+    # a plan longer than the total a caller announced: the total grows, the counter never passes it
+    e = _engine(monkeypatch)
+    e.warm_rows = 5
+    seen = []
+    e.prepare_graphs(lambda stage, msg, done, total: seen.append((msg, done, total)), 5, 5)
+    assert len(e.graphs.done) > 0 and all(d < t for _, d, t in seen[:-1]) and seen[-1][1] == seen[-1][2]

@@ -207,7 +207,10 @@ class Exl2Engine(Engine):
             progress("warmup", f"Preparing GPU kernels {i + 1}/{total}", i, total)
             self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
             self.truncate(0)
-        self.prepare_graphs(progress, len(chunks), total)
+        if capture:
+            self.prepare_graphs(progress, len(chunks), total)
+        else:               # captured after the path is settled: graphs captured now would be dropped
+            progress("warmup", f"GPU kernels ready ({total} prepared)", total, total)
 
     def _load_plan(self) -> list[tuple[int, int]]:
         """The graphs captured at load: the first two buckets, decode and verify rows (1 + drafts)."""
@@ -220,7 +223,7 @@ class Exl2Engine(Engine):
     def prepare_graphs(self, progress: ProgressFn, done: int = 0, total: Optional[int] = None) -> None:
         """Capture the load's graphs not captured yet (at load; again after a switch of the expert path)."""
         plan = self._load_plan()
-        total = done + len(plan) if total is None else total
+        total = max(done + len(plan), total or 0)      # never "6/5": the plan may outgrow the announced total
         for i, (L, T) in enumerate(plan):
             progress("warmup", f"Preparing GPU kernels {done + i + 1}/{total}", done + i, total)
             self._prepare_graph(L, T)

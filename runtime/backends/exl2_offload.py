@@ -120,7 +120,11 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
             applied["offload.placement"] = f"ignored: {why}"
     else:
         applied["offload.cpu_threads"] = "applied"          # settled after placement (cpu_path_applied)
-    return OffloadSetup(vram, ram, HostArena() if ram is not None else None, off.placement, capped, applied,
+        from runtime.experts.manager import AUTO_CPU
+        if off.placement == "cpu" or (off.placement == "auto" and AUTO_CPU):
+            from runtime.experts.cpu_experts import build_kernel_in_background
+            build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
+    return OffloadSetup(vram, ram, HostArena(ahead=True) if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 
 
@@ -168,6 +172,8 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None);
     `progress(stage, message, done, total)` hears each part of the placement."""
     vram = setup.vram
+    if setup.arena is not None:
+        setup.arena.finish()              # the weights are in: no block page-locked ahead of need stays
     what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
     if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
         if vram.fits(used):
@@ -188,6 +194,8 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     setup.stats_warning = warning
     manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
                              cpu_threads=setup.cpu_threads, ram=setup.ram)
+    from runtime.backends.exl2_decisions import saved_off
+    manager.cpu.saved_off = saved_off(path, setup)     # no CPU copies that a saved decision drops at once
     if progress is not None:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:

@@ -4,23 +4,19 @@ first load of a model at a budget on a machine, behind the progress, then saved 
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
 Each step of a trial is bounded (one switch of the path, one graph capture, or `TRIAL_STEPS` decode
 steps), so an idle-time trial delays a new
-command by one of them at most. The timed steps decode random tokens past the cache's end; the cache
-is rolled back after each run of them."""
+command by one of them at most. The timed steps decode the model's own greedy continuation of a
+random token past the cache's end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
-from runtime import tuning
+from runtime.backends.exl2_decisions import DECISIONS_FILE, decisions_file, key_for, saved_off  # noqa: F401
 from runtime.engine import ProgressFn
 from runtime.experts.path_judge import TRIAL_STEPS, PathJudge, read_decision, write_decision
-
-DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.paths.cache_dir)
 
 
 def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
@@ -31,19 +27,7 @@ def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
 
 
 def decision_key(engine) -> str:
-    """What a saved decision is valid for: the model folder, the VRAM budget (to 1/4 GiB), the CPU
-    threads asked for, the CPU split, and the machine (host, cores, GPU)."""
-    budget = engine.budget
-    vram = round(budget.vram.total_bytes / (1 << 28)) / 4 if budget is not None else None
-    threads = budget.cpu_threads if budget is not None else 0
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return (f"{Path(engine.info.path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
-            f"{tuning.current().cpu_split}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
-
-
-def decisions_file() -> Path:
-    from runtime.paths import cache_dir
-    return cache_dir() / DECISIONS_FILE
+    return key_for(engine.info.path, engine.budget)
 
 
 def current_path(manager) -> str:
@@ -51,23 +35,29 @@ def current_path(manager) -> str:
 
 
 def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[float]:
-    """Wall time of `steps` one-row forwards (each read back on the host, as sampling does) from the
-    cache position; the cache is rolled back afterwards."""
+    """Wall time of `steps` one-row decode steps from the cache position, timed as the decode loop
+    times them: each feeds the argmax of the step before (the model's own greedy text, routed as its
+    answers route, not random tokens whose experts answers rarely use), at the next position, and
+    ends when the token is read back on the host. Starts from a random token, untimed (the first
+    step after a switch); the cache is rolled back afterwards."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, engine.vocab, (steps + 1,), generator=g).tolist()
+    token = int(torch.randint(0, engine.vocab, (1,), generator=g).item())
     pos0 = engine.position
     room = engine.info.context_length - pos0 - 1
     out: list[float] = []
     if room < 2:                                          # the cache is full: nothing can be timed here
         return out
+    judge = getattr(engine, "path_judge", None)
+    engine.path_judge = None                              # these steps are no live decoding (drift, verdict)
     try:
-        engine.forward(tokens[:1])                        # the first step after a switch: untimed
-        for t in tokens[1:max(2, min(len(tokens), room))]:
+        token = int(engine.forward([token])[-1].argmax().item())     # untimed
+        for _ in range(max(1, min(steps, room - 1))):
             t0 = time.perf_counter()
-            engine.forward([t])[-1].argmax().item()
+            token = int(engine.forward([token])[-1].argmax().item())
             out.append(time.perf_counter() - t0)
     finally:
         engine.truncate(pos0)
+        engine.path_judge = judge
     return out
 
 

@@ -20,6 +20,7 @@ experts in Python; the exl2 kernel does the whole layer in one call with the GIL
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -164,10 +165,38 @@ def stored_expert_bytes(expert: ExpertTensors) -> int:
 
 _EXT = None
 _EXT_ERROR: str | None = None
+_EXT_LOCK = threading.Lock()          # one build at a time (the load's background build, then its user)
+
+
+def kernel_loaded() -> bool:
+    """The C++ kernel is built and imported in this process (or its build failed: no wait left)."""
+    return _EXT is not None or _EXT_ERROR is not None
+
+
+def build_kernel_in_background() -> None:
+    """Start building the C++ kernel on a thread (a compiler run the first time on a machine, about
+    half a minute; then torch's build cache): a load starts it before reading the weights, which
+    take longer, so that placing the experts later finds it built. Errors are kept for `load_kernel`."""
+    if kernel_loaded():
+        return
+
+    def build() -> None:
+        try:
+            load_kernel()
+        except CpuExpertsError:
+            pass
+    threading.Thread(target=build, name="cpu-expert-kernel-build", daemon=True).start()
 
 
 def load_kernel():
     """Build (once, cached by torch) and import the C++ kernel; raises CpuExpertsError saying why not."""
+    if _EXT is not None:                  # built: no lock (called before every forward with the CPU path)
+        return _EXT
+    with _EXT_LOCK:
+        return _load_kernel()
+
+
+def _load_kernel():
     global _EXT, _EXT_ERROR
     if _EXT is None and _EXT_ERROR is None:
         import os

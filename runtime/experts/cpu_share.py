@@ -80,6 +80,11 @@ class CpuShare:
         self._cut_ms: dict[int, tuple[float, int]] = {}    # cut -> (ms per decode step there, at forward)
         self._window: list[float] = []                     # decode step times (s) since the last look
         self._t_prev: Optional[float] = None               # when the previous forward started, if one row
+        # "auto": an earlier load of this model at this budget on this machine timed the CPU path
+        # slower (exl2_offload.start reads the saved decision): the next placement builds no copies
+        # (the judge would drop them; the H200's first load spent 29 s copying them), and says this
+        # reason. Once; the judge's own measurement builds them (force).
+        self.saved_off = ""
 
     @property
     def active(self) -> bool:
@@ -148,6 +153,10 @@ class CpuShare:
             return
         try:
             from runtime import cpu_load
+            from runtime.experts import cpu_experts
+            if not cpu_experts.kernel_loaded():       # its first build on a machine: ~30 s, said as such
+                self.on_stage("Placing experts: building the CPU expert kernel")
+                cpu_experts.load_kernel()
             threads = cpu_path.resolve_threads(self.threads, None if self.threads else cpu_load.measure_others())
             self.on_stage("Placing experts: measuring the CPU's and PCIe's rates")
             costs = self._split_costs(resident, threads)
@@ -170,6 +179,10 @@ class CpuShare:
             self.reason = self.unavailable = (
                 f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                 f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
+            return
+        saved, self.saved_off = self.saved_off, ""
+        if saved and self.policy == "auto" and not force:
+            self.reason = saved               # timed slower on an earlier load: no copies to drop again
             return
         cut = width = None
         if cut_mode:                          # one cut for all layers: their ratio of rates is the same

@@ -16,7 +16,7 @@ from exllamav2.rmsnorm import ExLlamaV2RMSNorm
 from runtime import tuning
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import HostArena, align_intermediate, pack_experts
+from runtime.experts.pack import HostArena, pack_layer
 
 EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 
@@ -32,25 +32,28 @@ class OwnMoE(ExLlamaV2MoEMLP):
         self.post_attention_layernorm.load()
         self.gate.load()
         gate_w = self.gate.get_weight_tensor_dq().T          # [E, H], stored fp16 or EXL2
-        packs = []
-        for name, linears in (("gate_proj", self.w1), ("up_proj", self.w3), ("down_proj", self.w2)):
+        linears = {"gate_proj": self.w1, "up_proj": self.w3, "down_proj": self.w2}
+
+        def load(name: str) -> list:
             tensors = []
-            for lin in linears:
+            for lin in linears[name]:
                 t = self.load_multi(lin.key, EXL2_KEYS)
                 if "q_weight" not in t:
                     raise ValueError(f"{lin.key}: not an EXL2 tensor (q_weight missing); "
                                      "only EXL2-quantized experts are supported")
                 tensors.append(t)
-            pack = pack_experts(tensors, f"{self.key}.{name}", device=self.device(),
-                                host=self.host_arena if self.host_ram is not None else None)
-            del tensors
+            return tensors
+
+        def reserve(name: str, pack) -> None:
             if self.host_ram is not None:
                 self.host_ram.reserve(f"experts of {self.key}.{name}", pack.cold.numel() * 4,
                                       "raise the RAM budget, close other programs, or raise the VRAM budget")
-            packs.append(pack)
-        # down's packed order for the intermediate: a cold expert can then be cut between the CPU
-        # and the GPU by ranges (runtime/experts/cpu_path.py); the same function either way
-        align_intermediate(*packs, device=self.device())
+
+        # gate and up packed with the intermediate in down's packed order: a cold expert can then be
+        # cut between the CPU and the GPU by ranges (runtime/experts/cpu_path.py); done while packing,
+        # not by moving every expert's codes from host memory to the GPU and back afterwards
+        packs = pack_layer(load, self.key, device=self.device(),
+                           host=self.host_arena if self.host_ram is not None else None, on_packed=reserve)
         self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token,
                                    self.renormalize)
         norm_w = getattr(self.post_attention_layernorm, "weight", None)

@@ -220,20 +220,49 @@ class HostArena:
     read them at the host address itself). That allocator rounds every request up to a power of
     two, so stacks are not allocated one by one (a 3-bit expert stack would cost +70%): blocks of
     `block_bytes` (a power of two) hold many stacks, wasting only the end of the last block.
+    Page-locking is slow (the H200's load log: ~2.7 s for each 4 GiB block, every fifth MoE layer,
+    ~30 s of a 46 GB model's 100 s "Loading weights"): with `ahead`, the next block is page-locked
+    on a thread while the current one fills, and `finish` gives back one that no stack used.
     Without CUDA (tests) the memory is ordinary."""
 
     ALIGN = 4096
 
-    def __init__(self, block_bytes: int = 4 << 30):
+    def __init__(self, block_bytes: int = 4 << 30, ahead: bool = False):
         if block_bytes & (block_bytes - 1):
             raise ValueError("block size must be a power of two")
         self.block_bytes = block_bytes
         self.blocks: list[torch.Tensor] = []
         self.used = 0                      # bytes taken from the last block
+        self.ahead = ahead
+        self._next = None                  # the next block, being page-locked (a Future), with `ahead`
+        self._pool = None
 
     @property
     def reserved_bytes(self) -> int:
         return sum(b.numel() for b in self.blocks)
+
+    @staticmethod
+    def _allocate(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def _take_next(self, size: int) -> Optional[torch.Tensor]:
+        """The block page-locked ahead, if it is large enough (else dropped); None without one."""
+        fut, self._next = self._next, None
+        if fut is None:
+            return None
+        try:
+            block = fut.result()
+        except (RuntimeError, MemoryError):       # short of memory ahead of need: allocated below, or said why
+            return None
+        return block if block.numel() >= size else None
+
+    def _start_next(self) -> None:
+        if not self.ahead:
+            return
+        if self._pool is None:
+            import concurrent.futures as cf
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pin-ahead")
+        self._next = self._pool.submit(self._allocate, self.block_bytes)
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An int32 tensor of `shape` in page-locked host memory (uninitialised)."""
@@ -241,30 +270,48 @@ class HostArena:
         n_al = -(-n // self.ALIGN) * self.ALIGN
         if not self.blocks or self.used + n_al > self.blocks[-1].numel():
             size = max(self.block_bytes, 1 << (n_al - 1).bit_length())
-            try:
-                self.blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
-            except RuntimeError as e:
-                raise MemoryError(f"could not page-lock {size / 2**30:.1f} GB more host memory for experts "
-                                  f"({self.reserved_bytes / 2**30:.1f} GB so far): {e}; lower the RAM budget, "
-                                  "close other programs, or raise the VRAM budget") from None
+            block = self._take_next(size)
+            if block is None:
+                try:
+                    block = self._allocate(size)
+                except RuntimeError as e:
+                    raise MemoryError(f"could not page-lock {size / 2**30:.1f} GB more host memory for experts "
+                                      f"({self.reserved_bytes / 2**30:.1f} GB so far): {e}; lower the RAM budget, "
+                                      "close other programs, or raise the VRAM budget") from None
+            self.blocks.append(block)
             self.used = 0
+            self._start_next()
         t = self.blocks[-1][self.used:self.used + n].view(torch.int32).view(shape)
         self.used += n_al
         return t
 
+    def finish(self) -> None:
+        """The load is done: a block page-locked ahead and never used goes back to the system."""
+        if self._next is not None:
+            self._take_next(0)
+            if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def release(self) -> None:
         """Forget the blocks (freed once no stack uses them) and return cached pinned memory to the system."""
+        self.finish()
         self.blocks, self.used = [], 0
         if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
-                 device: torch.device | str | None = None, host: Optional[HostArena] = None) -> PackedExperts:
+                 device: torch.device | str | None = None, host: Optional[HostArena] = None,
+                 columns: Optional[Sequence[torch.Tensor]] = None) -> PackedExperts:
     """Stack one projection of every expert into the kernels' layout (see the module docstring).
 
     host: keep the codes in this page-locked host memory as `cold`, for offload; `qweight` is then
-    that same host stack until offload gives it VRAM slots."""
+    that same host stack until offload gives it VRAM slots. columns: per expert, the old output
+    column of each new one (`pack_layer`: gate and up in down's order), applied before the codes are
+    packed and copied (words run along the input rows, so this equals permuting the packed stack)."""
     if not experts:
         raise PackError(f"{name}: no experts")
     first = unpack_exl2(experts[0], f"{name}[0]")
@@ -289,11 +336,47 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
     for e, u in enumerate(units):
-        qweight[e] = _pack_words(u.codes, bits).to(qweight.device)
-        scales[e] = torch.repeat_interleave(u.scales, u.group // group, dim=0).to(dev, torch.float16)
+        codes, sc = u.codes, u.scales
+        if columns is not None:
+            idx = columns[e].to(codes.device, torch.long)
+            codes, sc = codes[:, idx], sc[:, idx]
+        qweight[e] = _pack_words(codes, bits).to(qweight.device)
+        scales[e] = torch.repeat_interleave(sc, u.group // group, dim=0).to(dev, torch.float16)
         perm[e] = u.perm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
                          in_features=K, out_features=N, cold=qweight if host is not None else None)
+
+
+def pack_layer(load, name: str = "experts", device: torch.device | str | None = None,
+               host: Optional[HostArena] = None, on_packed=None) -> tuple[PackedExperts, PackedExperts, PackedExperts]:
+    """Gate, up and down of a layer's experts packed, with the intermediate already in down's packed
+    order: bit for bit what `pack_experts` three times and `align_intermediate` give, without
+    align's round trip of every gate and up expert's codes from host memory to `device` and back
+    (offload loads). load(projection) -> that projection's EXL2 tensors per expert ("down_proj",
+    then "gate_proj", "up_proj": down first, for its permutations; one projection's tensors alive at
+    a time). on_packed(projection, pack): after each (the caller's RAM ledger)."""
+    w2 = pack_experts(load("down_proj"), f"{name}.down_proj", device=device, host=host)
+    if on_packed is not None:
+        on_packed("down_proj", w2)
+    I = w2.in_features
+    perms = w2.perm.long()
+    packs = {}
+    for proj in ("gate_proj", "up_proj"):
+        tensors = load(proj)
+        N = int(tensors[0]["q_weight"].shape[-1]) if tensors and "q_weight" in tensors[0] else I
+        if N < I:
+            raise PackError(f"{name}.{proj} has {N} columns, down takes {I}: they do not chain")
+        pad = torch.arange(I, N, device=perms.device)
+        cols = [torch.cat([perms[e], pad]) for e in range(w2.num_experts)]
+        packs[proj] = pack_experts(tensors, f"{name}.{proj}", device=device, host=host, columns=cols)
+        del tensors
+        if on_packed is not None:
+            on_packed(proj, packs[proj])
+    w1, w3 = packs["gate_proj"], packs["up_proj"]
+    if w3.out_features != w1.out_features:
+        raise PackError(f"{name}: gate/up have {w1.out_features}/{w3.out_features} columns: they do not chain")
+    w2.perm.copy_(torch.arange(I, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm))
+    return w1, w3, w2
 
 
 def dequantize_packed(p: PackedExperts, e: int) -> torch.Tensor:

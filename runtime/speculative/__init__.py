@@ -9,10 +9,12 @@ length; `bench/spec.py` (outside the runtime) measures it.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from runtime.engine import Engine
 from runtime.options import DraftOptions, SamplingOptions
+from runtime.speculative.adaptive import DraftPolicy
 from runtime.speculative.decoder import SpeculativeDecoder
 from runtime.speculative.drafters import ModelDrafter, NgramDrafter
 
@@ -34,4 +36,24 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, ngram")
     if draft.draft_tokens < 1:
         raise ValueError(f"draft.draft_tokens: must be at least 1, got {draft.draft_tokens}")
-    return SpeculativeDecoder(engine, drafter, draft, sampling, generator)
+    return SpeculativeDecoder(engine, drafter, draft, sampling, generator,
+                              policy=_policy(engine, draft, draft_engine))
+
+
+_POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> {(mode, K, adaptive, draft engine): policy}
+
+
+def _policy(engine: Engine, draft: DraftOptions, draft_engine: Optional[Engine]) -> DraftPolicy:
+    """The engine's draft policy for these options, kept from request to request (its windows
+    measure the machine; per request they were measured anew, right after each prefill), told that
+    a new request begins."""
+    key = (draft.mode, draft.draft_tokens, draft.adaptive, id(draft_engine) if draft.mode == "model" else None)
+    try:
+        policies = _POLICIES.setdefault(engine, {})
+    except TypeError:                                   # an engine that cannot be weakly referenced
+        policies = {}
+    policy = policies.get(key)
+    if policy is None:
+        policy = policies[key] = DraftPolicy(draft.draft_tokens, adaptive=draft.adaptive)
+    policy.new_request()
+    return policy

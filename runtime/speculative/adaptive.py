@@ -23,6 +23,16 @@ Two questions, answered from measurements made while decoding:
 
 A step that takes far longer than its window's median (a stall: a graph captured, the machine busy)
 is left out of the window's rate.
+
+One policy serves every request of an engine (runtime/speculative/__init__.make_decoder keeps it):
+the windows measure the machine, not the prompt. Per request they were measured anew, and a 160-token
+answer ended before `REBASE_EVERY`, so a plain baseline taken once, right after the prefill, judged
+the whole answer. And the steps right after a prefill are slower than decoding's (under offload the
+staging pages are lent then, their copies on a side stream sharing PCIe with the decode's; graphs
+are captured for the answer's buckets): on the H200 that made n-gram drafting at 0.8x plain
+decoding's tokens/s look like a gain on every answer. So the first `SETTLE_STEPS` steps after each
+prefill are plain and enter neither window (`new_request`), a trial that runs slower than plain
+decoding per token is cut after `EARLY_STEPS` steps, and a probe after `PROBE_STEPS`.
 """
 from __future__ import annotations
 
@@ -34,13 +44,15 @@ TIME_EMA = 0.3           # weight of the newest timing sample (the K model)
 WINDOW = 16              # steps per mode in the wall-time windows
 BASELINE_STEPS = 4       # plain steps measured before drafting starts, and at each re-measurement
 TRIAL_STEPS = 8          # drafting steps before judging drafting against plain decoding
-REBASE_EVERY = 64        # drafting steps between re-measurements of plain decoding
+REBASE_EVERY = 32        # drafting steps between re-measurements of plain decoding
 KEEP_MARGIN = 0.02       # drafting must be this much faster per token to stay on
 EARLY_STEPS = 2          # a trial judged after this many steps already ...
-EARLY_FACTOR = 1.5       # ... when drafting is this many times slower per token than plain decoding
+EARLY_FACTOR = 1.0       # ... when drafting is this many times slower per token than plain decoding
+PROBE_STEPS = 1          # a probe (drafting re-tried while off) judged after this many steps when slower
+SETTLE_STEPS = 8         # plain steps after each prefill that enter neither window (see `new_request`)
 SHADOW_RISE = 0.25       # while off: lookup's shadow acceptance this much above what it was at the switch
 STALL_FACTOR = 4.0       # a step this many times its window's median is a stall, not a rate
-PROBE_FIRST = 16         # plain steps before the first probe once drafting was switched off
+PROBE_FIRST = 32         # plain steps before the first probe once drafting was switched off
 PROBE_MAX = 256          # longest wait between probes
 CALIBRATE_EVERY = REBASE_EVERY   # (the name older callers use)
 
@@ -123,6 +135,12 @@ class DraftPolicy:
         self._last: Optional[int] = None  # K chosen for the step in progress
         self._probing = False
         self._alpha_off = 1.0             # alpha when drafting was last switched off
+        self._settle = 0                  # plain steps left that enter no window (after a prefill)
+
+    def new_request(self) -> None:
+        """A new request on the same engine: its first steps follow a prefill and are not measured."""
+        if self.adaptive:
+            self._settle = SETTLE_STEPS
 
     # -- before a step -------------------------------------------------------------------------
 
@@ -130,7 +148,7 @@ class DraftPolicy:
         if not self.adaptive:
             self._last = self.k_max
             return self.k_max
-        if self._plain_left > 0:
+        if self._plain_left > 0 or self._settle > 0:
             k = 0
         elif self.off:
             self._wait -= 1
@@ -161,6 +179,9 @@ class DraftPolicy:
             self.observe_acceptance(accepted, rejected=accepted < drafted)
         if not self.adaptive:
             return
+        if self._settle > 0 and self._last == 0:
+            self._settle -= 1                     # just after a prefill: not what decoding costs
+            return
         if self._last == 0:
             self.plain.add(step_s, 1)
             if self._plain_left > 0:
@@ -187,8 +208,10 @@ class DraftPolicy:
             self._plain_left = BASELINE_STEPS      # measure plain decoding again, then judge
 
     def _clearly_slower(self) -> bool:
-        """A trial cut short: after EARLY_STEPS drafting steps, already EARLY_FACTOR times slower."""
-        if len(self.drafting) < EARLY_STEPS or TRIAL_STEPS - self._trial_left < EARLY_STEPS:
+        """A trial cut short: after EARLY_STEPS drafting steps (a probe: PROBE_STEPS), already
+        EARLY_FACTOR times slower per token than plain decoding."""
+        early = PROBE_STEPS if self._probing else EARLY_STEPS
+        if len(self.drafting) < early or TRIAL_STEPS - self._trial_left < early:
             return False
         plain, draft = self.plain.seconds_per_token(), self.drafting.seconds_per_token()
         return plain is not None and draft is not None and draft > EARLY_FACTOR * plain

@@ -1,0 +1,83 @@
+"""What the user runs is what the load measures (issue 19's findings), on the GPU.
+
+Model: conftest's moe_2l. "auto" placement at a budget that offloads part of the experts: the
+warm-up's counter never passes its total, the expert-path judge's step time for the path that runs
+matches a greedy decode loop's on the same load, and a second load whose saved decision is the
+GPU-only path copies no experts for the CPU.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import torch
+
+from runtime.options import LoadOptions, OffloadOptions
+
+GiB = 1024 ** 3
+
+
+def _load(path, **off):
+    from runtime.backends import exl2
+    opts = LoadOptions(offload=OffloadOptions(context_length=off.pop("context_length", 1024), **off))
+    stages = []
+    eng, applied = exl2.load(path, opts, lambda stage, msg, d, t: stages.append((stage, msg, time.perf_counter())))
+    return eng, applied, stages
+
+
+def _budget(moe_2l) -> float:
+    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    ref, _, _ = _load(moe_2l)
+    codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
+    others = torch.cuda.memory_allocated() - codes
+    scratch = prefill_scratch_bytes(ref.model.config)
+    ref.close()
+    return (others + scratch + 3 * codes // 4 + (256 << 20)) / GiB
+
+
+def _decode_ms(eng, steps: int = 64) -> float:
+    """Median one-token step of a greedy decode loop after a short prompt (the cache rolled back)."""
+    g = torch.Generator().manual_seed(1)
+    pos0 = eng.position
+    tok = int(eng.prefill(torch.randint(0, eng.vocab, (40,), generator=g).tolist())[-1].argmax())
+    eng.prepare_decode(steps + 1)
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tok = int(eng.forward([tok])[-1].argmax().item())
+        out.append(time.perf_counter() - t0)
+    eng.truncate(pos0)
+    return statistics.median(out) * 1e3
+
+
+def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_decision_rules_out(
+        moe_2l, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
+    budget = _budget(moe_2l)
+    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+    try:
+        counts = [re.search(r"Preparing GPU kernels (\d+)/(\d+)", m) for _, m, _ in stages]
+        assert all(int(c[1]) <= int(c[2]) for c in counts if c), [m for _, m, _ in stages]
+        d = eng.telemetry()["placement_decision"]
+        print("decision:", d)
+        if set(d["step_ms"]) == {"cpu", "stream"}:               # timed at this load
+            live = _decode_ms(eng)
+            judged = d["step_ms"][d["path"]]
+            print(f"judged {judged:.2f} ms a step, decoding {live:.2f}")
+            assert 0.65 <= judged / live <= 1.5, (judged, live)
+        path = d["path"]
+    finally:
+        eng.close()
+    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+    try:
+        messages = [m for _, m, _ in stages]
+        d = eng.telemetry()["placement_decision"]
+        assert d["path"] == path and d["reused"], d
+        if path == "stream":
+            assert "Placing experts: copying cold experts for the CPU" not in messages, messages
+            assert not eng.offload.cpu_active
+        eng.recheck_placement(measure=True)                     # the judge can still time the CPU path
+        assert set(eng.path_judge.step_ms) <= {"cpu", "stream"}
+    finally:
+        eng.close()
