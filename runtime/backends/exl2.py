@@ -7,10 +7,9 @@ without CUDA its import itself fails.
 - Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
   (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
 - `forward(tokens)` appends at the cache position and returns fp16 logits [T, vocab] on the GPU:
-  with an FP16 cache, 1..9 tokens (the decode step, a speculative verify) replay a CUDA graph of the
-  whole forward, one per (context bucket, T) (runtime/backends/exl2_graph.py); anything else (prefill)
-  runs exllamav2's layer loop. `truncate(n)` rolls back by moving the cache position
-  (entries past it are overwritten by the next forward).
+  with an FP16 cache, 1..9 tokens (the decode step, a verify) replay a CUDA graph of the whole forward,
+  one per (context bucket, T) (exl2_graph.py); anything else (prefill) runs exllamav2's layer loop.
+  `truncate(n)` rolls back by moving the cache position (the next forward overwrites what lies past it).
 - CUDA out-of-memory, in load or forward, frees what was taken and raises OutOfMemory (runtime/errors.py)
   saying what did not fit and how much was free, so the worker survives. `load` runs named steps
   (`_Loading`); a failure at any of them goes through its one cleanup, `_Loading.close`.
@@ -37,9 +36,8 @@ from runtime.options import LoadOptions
 
 SUPPORTED = exl2_arch.SUPPORTED     # per-architecture differences: runtime/backends/exl2_arch.py
 GiB = 1024 ** 3
-# Prefill chunk sizes run at load so that their kernels are compiled before the first answer: the
-# generation loop's chunk (512), a staged and an unstaged tail whose row counts Triton specializes
-# apart (not multiples of 16), and a multiple of 16.
+# Prefill chunk sizes run at load so that their kernels compile before the first answer: the loop's chunk
+# (512), a staged and an unstaged tail that Triton specializes apart (not multiples of 16), a multiple of 16.
 PREFILL_WARM_ROWS = (512, 203, 37, 12, 64)
 MAX_WARM_ROWS = 9               # decode graphs cover 1..9 rows (exl2_graph.MAX_ROWS)
 MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
@@ -207,9 +205,9 @@ class Exl2Engine(Engine):
             progress("warmup", f"Preparing GPU kernels {i + 1}/{total}", i, total)
             self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
             self.truncate(0)
-        if capture:
+        if capture:         # else captured after the path is settled (graphs captured now would be dropped)
             self.prepare_graphs(progress, len(chunks), total)
-        else:               # captured after the path is settled: graphs captured now would be dropped
+        else:
             progress("warmup", f"GPU kernels ready ({total} prepared)", total, total)
 
     def _load_plan(self) -> list[tuple[int, int]]:
