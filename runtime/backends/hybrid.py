@@ -2,7 +2,7 @@
 EXL2 folder, on CUDA (exllamav2's quantized matmul, our expert kernels and offload) or on the CPU (the
 same code with the projections dequantized: how its tests run without a GPU).
 
-    load(path, options, progress) -> (HybridEngine, applied)       as runtime/backends/exl2.load
+    load(path, options, progress) -> (HybridExl2Engine, applied)       as runtime/backends/exl2.load
 
 exllamav2 has neither linear attention nor shared experts, so this engine builds the model itself
 (runtime/backends/hybrid_layers.py) and uses exllamav2 only for its quantized GEMM
@@ -39,7 +39,7 @@ REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kep
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
 
 
-class HybridEngine(Engine):
+class HybridExl2Engine(Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
                  offload=None, setup=None, graphs: bool = False):
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
@@ -170,7 +170,7 @@ class StepGraphs:
     captured; later forwards of T rows fill the token buffer and replay it. Capture records only:
     the cache is left as that first forward wrote it."""
 
-    def __init__(self, engine: HybridEngine):
+    def __init__(self, engine: HybridExl2Engine):
         self.engine = engine
         self.window = engine.cache.window
         self.tokens = torch.zeros(self.window, dtype=torch.long, device=engine.model.device)
@@ -222,7 +222,7 @@ def rollback_window(options: LoadOptions) -> int:
 
 def load(path, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
          device: Optional[str] = None, window: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-         graphs: Optional[bool] = None, host_experts: Optional[bool] = None) -> tuple[HybridEngine, dict[str, str]]:
+         graphs: Optional[bool] = None, host_experts: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
     """Load a Qwen3.5-MoE EXL2 folder. device: "cuda" (default, needs a GPU) or "cpu" (tests: the
     projections dequantized). window: rollback rows (default from the draft options). dtype: activations
     (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
@@ -275,7 +275,7 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
                                       "num_params": info.num_params, "active_params": info.active_params})
         use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
-        engine = HybridEngine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
+        engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
         applied["offload.backend"] = "applied"
         return engine, applied
     except BudgetError as e:

@@ -1,0 +1,198 @@
+"""The hybrid engine (runtime/backends/hybrid.py) on the CPU against the CPU reference engine, on a
+`tiny-qwen3.5` synthetic EXL2 folder: the same layers, the projections dequantized (QuantLinear's CPU
+implementation), the routed experts through ExpertLayer, the DeltaNet states in the preallocated cache.
+
+Tolerance: max |logit difference| <= 2e-3 against the float32 reference, logits of order 1: the one
+difference in the math is the experts' intermediate, kept in fp16 as the GPU kernels keep it
+(runtime/experts/layer.experts_reference), about 1e-3 here. A wrong state or rollback shows as more
+than ten times that (checked: the logits after two neighbouring accepted prefixes differ by more).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.backends import hybrid
+from runtime.errors import BadRequest, ContextOverflow, EngineError, UnsupportedArchitecture
+from runtime.exl2 import synth
+from runtime.options import LoadOptions, OffloadOptions
+from runtime.reference import load as reference_load
+
+TOL = 2e-3
+V = 1024
+K = 5                 # drafts of a verify: K + 1 rows
+WINDOW = K + 1
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q35") / "tiny-qwen3.5"
+    synth.write_synthetic("tiny-qwen3.5", 4.0, out, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(folder):
+    engine, _ = reference_load(folder, precision="float32")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def eng(folder):
+    engine, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                            window=WINDOW)
+    yield engine
+    engine.close()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _close(got, want, what):
+    assert got.shape == want.shape, what
+    diff = (got - want).abs().max().item()
+    assert diff <= TOL, f"{what}: max |logit diff| {diff:.2e} > {TOL}"
+
+
+def _both(ref, eng, tokens, what):
+    want, got = ref.forward(tokens), eng.forward(tokens)
+    _close(got, want, what)
+    return got
+
+
+def test_prefill_across_chunks_decode_and_verify_match_the_reference(ref, eng):
+    ref.reset(), eng.reset()
+    seq = _tokens(90, 1)
+    got = _both(ref, eng, seq[:70], "prefill of 70 (two blocks of the chunked rule)")
+    assert got.abs().max() > 0.5, "logits too small for the comparison to mean anything"
+    for i in range(70, 74):
+        _both(ref, eng, [seq[i]], f"decode at {i}")
+    _both(ref, eng, seq[74:74 + WINDOW], f"verify of {WINDOW} rows")
+    _both(ref, eng, seq[80:83], "verify of 3 past the snapshot window (the ring moves)")
+    assert eng.position == ref.position == 83
+    assert eng.prefill(seq[83:90]).shape == (1, V)
+    ref.forward(seq[83:90])
+    _both(ref, eng, [5], "decode after a prefill that returned the last row only")
+
+
+@pytest.mark.parametrize("prompt", [70, 9], ids=["after-a-long-prefill", "after-short-forwards"])
+def test_verify_rolls_back_to_every_accepted_prefix(ref, eng, prompt):
+    """Verify K drafts (K + 1 rows), keep each prefix 0..K+1 of them in turn and go on from there: the
+    DeltaNet states are those after that prefix (what the next verify and decode see)."""
+    ref.reset(), eng.reset()
+    seq = _tokens(prompt + WINDOW, 4)
+    _both(ref, eng, seq[:prompt], "prompt") if prompt > 8 else None
+    seen = []
+    for keep in range(WINDOW + 1):
+        ref.truncate(prompt), eng.truncate(prompt)
+        _both(ref, eng, seq[prompt:], "verify")
+        ref.truncate(prompt + keep), eng.truncate(prompt + keep)
+        assert eng.position == prompt + keep and eng.tokens == seq[:prompt + keep]
+        after = _tokens(3, 10 + keep)
+        seen.append(_both(ref, eng, after[:2], f"verify of 2 after keeping {keep}"))
+        _both(ref, eng, after[2:], f"decode after keeping {keep}")
+    # the tolerance tells states apart: the same two tokens after neighbouring prefixes differ far more
+    eng.truncate(prompt + 1)
+    assert (eng.forward(_tokens(3, 11)[:2]) - seen[1]).abs().max() <= TOL, "the same prefix and tokens"
+    eng.truncate(prompt + 2)
+    assert (eng.forward(_tokens(3, 11)[:2]) - seen[1]).abs().max() > 10 * TOL
+
+
+def test_snapshots_hold_the_states_of_a_fresh_run_of_the_prefix(folder, eng):
+    """The states a rollback restores are those a forward of exactly the kept rows leaves (up to the
+    rounding of a one-row against a six-row projection: float32 matmuls summed in another order)."""
+    seq = _tokens(20, 5)
+    eng.reset()
+    eng.forward(seq[:12])
+    eng.forward(seq[12:12 + WINDOW])
+    for keep in (0, 1, 3, WINDOW):
+        eng.truncate(12 + keep)
+        conv, rec = eng.cache.conv.clone(), eng.cache.rec.clone()
+        eng.truncate(12)
+        if keep:
+            eng.forward(seq[12:12 + keep])
+        assert torch.allclose(conv, eng.cache.conv, rtol=1e-4, atol=1e-4), f"convolution state after {keep}"
+        assert torch.allclose(rec, eng.cache.rec, rtol=1e-4, atol=1e-6), f"recurrent state after {keep}"
+        eng.truncate(12)
+        eng.forward(seq[12:12 + WINDOW])
+
+
+def test_single_token_steps_and_a_truncate_before_the_window_replay(ref, eng):
+    """Drafter-like single-token steps rolled back inside the ring (a copy), then a truncate to before
+    it (the kept tokens replayed): the next tokens see the same states as the reference's."""
+    ref.reset(), eng.reset()
+    seq = _tokens(40, 6)
+    _both(ref, eng, seq[:20], "prompt")
+    for i in range(20, 20 + WINDOW):
+        _both(ref, eng, [seq[i]], f"step {i}")
+    ref.truncate(22), eng.truncate(22)
+    _both(ref, eng, seq[30:32], "after stepping back inside the ring")
+    base = eng.cache.base
+    ref.truncate(15), eng.truncate(15)
+    assert 15 < base and eng.position == 15
+    _both(ref, eng, seq[32:35], "after a truncate before the ring (replayed)")
+
+
+def test_static_forward_what_a_graph_captures_matches(ref, eng):
+    """Short forwards with every shape fixed (attention over the whole cache, masked by position)."""
+    ref.reset(), eng.reset()
+    seq = _tokens(40, 7)
+    _both(ref, eng, seq[:20], "prompt")
+    eng.static = True
+    try:
+        for i in range(20, 23):
+            _both(ref, eng, [seq[i]], f"static decode at {i}")
+        _both(ref, eng, seq[23:23 + WINDOW], "static verify")
+        ref.truncate(25), eng.truncate(25)
+        _both(ref, eng, seq[30:32], "static after a rollback")
+    finally:
+        eng.static = False
+
+
+def test_offloaded_experts_give_the_same_logits(folder, eng):
+    """Every expert's codes in host memory, a few placed in slots by the offload manager: the
+    layers read their experts through the offload tables, the logits do not change."""
+    off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                         window=WINDOW, host_experts=True)
+    try:
+        assert off.offload is not None and all(lay.offload is not None for lay in off.model.expert_layers())
+        off.offload.apply([[0, 3, 7], [1], [], list(range(16))])
+        assert off.offload.layers[0].resident() == [0, 3, 7]
+        seq = _tokens(30, 8)
+        eng.reset()
+        for part in (seq[:20], [seq[20]], seq[21:21 + WINDOW]):
+            assert torch.equal(off.forward(part), eng.forward(part))
+        off.truncate(22), eng.truncate(22)
+        assert torch.equal(off.forward([seq[28]]), eng.forward([seq[28]]))
+    finally:
+        off.close()
+
+
+def test_bad_requests_are_refused_in_words(eng):
+    eng.reset()
+    with pytest.raises(BadRequest, match="outside the vocabulary"):
+        eng.forward([1, V])
+    with pytest.raises(BadRequest, match="at least one token"):
+        eng.forward([])
+    with pytest.raises(ContextOverflow):
+        eng.forward([1] * 513)
+    eng.forward([1, 2, 3])
+    with pytest.raises(EngineError, match="cannot truncate to 4"):
+        eng.truncate(4)
+    assert eng.position == 3
+
+
+def test_a_folder_that_is_not_exl2_is_refused_by_name(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_qwen35_parity import make_model
+    make_model("conditional", tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="not an EXL2 folder"):
+        hybrid.load(tmp_path, device="cpu")
+
+
+def test_the_window_follows_the_draft_options():
+    from runtime.options import DraftOptions
+    assert hybrid.rollback_window(LoadOptions()) == hybrid.MIN_WINDOW
+    assert hybrid.rollback_window(LoadOptions(draft=DraftOptions(mode="ngram", draft_tokens=8))) == 9
