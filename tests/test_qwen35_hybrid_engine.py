@@ -158,7 +158,7 @@ def test_offloaded_experts_give_the_same_logits(folder, eng):
                          window=WINDOW, host_experts=True)
     try:
         assert off.offload is not None and all(lay.offload is not None for lay in off.model.expert_layers())
-        off.offload.apply([[0, 3, 7], [1], [], list(range(16))])
+        off.place_experts([[0, 3, 7], [1], [], list(range(16))])
         assert off.offload.layers[0].resident() == [0, 3, 7]
         seq = _tokens(30, 8)
         eng.reset()

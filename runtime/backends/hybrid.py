@@ -135,6 +135,15 @@ class HybridExl2Engine(Engine):
     def reset(self) -> None:
         self.truncate(0)
 
+    def place_experts(self, resident: list[list[int]]) -> None:
+        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
+        if self.offload is None:
+            raise EngineError("place_experts needs a model loaded with expert offload")
+        if self.graphs is not None:                  # graphs hold the old slots' addresses
+            torch.cuda.synchronize()
+            self.graphs = StepGraphs(self)
+        self.offload.apply(resident)
+
     def telemetry(self) -> dict[str, Any]:
         out: dict[str, Any] = {"weight_bytes_per_token": self._bytes_per_token,
                                "cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
