@@ -276,6 +276,11 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
             progress=lambda done, total: progress("load", "Loading weights", done, total))
         progress("load", "Allocating the cache", 0, 1)
         cache = HybridCache(spec, context, window, dtype, dev)
+        if cuda:
+            from runtime.backends.quant_linear import settle_autotune
+            progress("load", "Tuning GPU kernels", 0, 1)
+            settle_autotune(model.linears())
+            progress("load", "Tuning GPU kernels", 1, 1)
         manager = _start_offload(setup, model, folder.path, off, progress) if setup is not None else None
         model_info = ModelInfo(name=info.name, path=str(info.path), architecture=info.architecture,
                                vocab_size=spec.vocab, context_length=context, num_layers=spec.layers,

@@ -193,7 +193,8 @@ class HybridModel:
                 x = x + mixer(h, cache, logged).float()
             h = F.rms_norm(x, (s.hidden,), mlp_norm, s.eps).to(self.dtype)
             x = x + moe(h)
-            moe.experts.after_residual(x)                # the decode prefetch's prediction of the next layer
+            if moe.experts.offload is not None:          # the decode prefetch's prediction of the next layer
+                moe.experts.after_residual(x.half() if x.is_cuda else x)
         if last_only:
             x = x[-1:]
         x = F.rms_norm(x, (s.hidden,), self.norm, s.eps).to(self.dtype)
@@ -201,6 +202,12 @@ class HybridModel:
 
     def expert_layers(self) -> list[ExpertLayer]:
         return [b[4].experts for b in self.blocks]
+
+    def linears(self) -> list:
+        out = [self.head]
+        for _, _, _, mixer, moe in self.blocks:
+            out += [mixer.proj, mixer.out, moe.shared_gate_up, moe.shared_down, moe.shared_gate]
+        return out
 
     def nbytes_per_token(self) -> int:
         total = self.head.nbytes() + self.spec.hidden * self.embed.element_size()
@@ -229,9 +236,8 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
     def lin(prefixes, outs):
         return quant_linear.build(folder, prefixes, outs, device, dtype)
 
-    def centred(name):
-        return (1.0 + folder.tensor(name).float()).to(device, f32 if name.endswith("layernorm.weight")
-                                                       or name.endswith(".norm.weight") else dtype)
+    def centred(name):                  # the (1 + weight) norms of the float32 residual stream
+        return (1.0 + folder.tensor(name).float()).to(device)
 
     h, nh, nkv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
     hv, vd, c = spec.lin_value_heads, spec.lin_value_heads * spec.lin_value_dim, spec.conv_channels

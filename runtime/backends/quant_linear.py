@@ -83,10 +83,10 @@ class CudaExl2Linear:
         self.handles, self.widths, self.outs, self._keep = [], [], list(outs), []
         self.in_features = None
         self.stored_bytes = 0
-        widest = max(t["q_weight"].shape[1] for t in parts)
-        k_max = max(t["q_invperm"].shape[0] for t in parts)
-        # one dequantization scratch for the parts (they run one after another on one stream)
-        self.temp_dq = torch.empty(min(k_max * widest, MAX_DQ_ELEMENTS), dtype=torch.float16, device=device)
+        # one dequantization scratch for every Q matrix of the device (they run one after another on one
+        # stream), as exllamav2's device context shares its scratch; each matrix uses at most
+        # max_dq_rows * N <= MAX_DQ_ELEMENTS of it
+        self.temp_dq = _scratch(device)
         for t, out, name in zip(parts, outs, names):
             w = {k: v.to(device) for k, v in t.items()}
             k_in, n = w["q_invperm"].shape[0], w["q_weight"].shape[1]
@@ -114,6 +114,41 @@ class CudaExl2Linear:
 
     def nbytes(self) -> int:
         return self.stored_bytes
+
+    def shapes(self) -> list[tuple[int, int, object]]:
+        return [(self.in_features, n, h) for h, n in zip(self.handles, self.widths)]
+
+
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    if device not in _SCRATCH:
+        _SCRATCH[device] = torch.empty(MAX_DQ_ELEMENTS, dtype=torch.float16, device=device)
+    return _SCRATCH[device]
+
+
+def settle_autotune(linears: Sequence) -> int:
+    """Run exllamav2's GEMM past its autotuning (it times its first calls of each shape with a host
+    synchronisation: that must not happen inside an answer or a graph capture) for every distinct
+    (K, N) of these projections at 1..AUTOTUNE_ROWS rows; returns the number of shapes settled."""
+    from runtime.backends.exl2_kernels import AUTOTUNE_CALLS, AUTOTUNE_ROWS
+    seen: dict[tuple[int, int], object] = {}
+    ext = None
+    for lin in linears:
+        if isinstance(lin, CudaExl2Linear):
+            ext = lin.ext
+            for k, n, handle in lin.shapes():
+                seen.setdefault((k, n), (handle, lin.temp_dq.device))
+    for (k, n), (handle, dev) in seen.items():
+        for r in range(1, AUTOTUNE_ROWS + 1):
+            a = torch.zeros((r, k), dtype=torch.float16, device=dev)
+            c = torch.empty((r, n), dtype=torch.float16, device=dev)
+            for _ in range(AUTOTUNE_CALLS):
+                ext.gemm_half_q_half(a, handle, c, False)
+    if seen:
+        torch.cuda.synchronize()
+    return len(seen)
 
 
 def is_exl2(folder: ModelFolder, prefix: str) -> bool:
