@@ -196,3 +196,55 @@ def test_the_window_follows_the_draft_options():
     from runtime.options import DraftOptions
     assert hybrid.rollback_window(LoadOptions()) == hybrid.MIN_WINDOW
     assert hybrid.rollback_window(LoadOptions(draft=DraftOptions(mode="ngram", draft_tokens=8))) == 9
+
+
+def test_a_long_forward_runs_in_chunks_with_every_row(ref, eng, monkeypatch):
+    monkeypatch.setattr(hybrid, "PREFILL_CHUNK", 16)
+    ref.reset(), eng.reset()
+    seq = _tokens(50, 9)
+    _both(ref, eng, seq[:40], "a forward of 40 rows in chunks of 16")
+    assert eng.position == 40 and eng.tokens == seq[:40]
+    last = eng.prefill(seq[40:50])
+    _close(last, ref.forward(seq[40:50])[-1:], "prefill in one chunk")
+
+
+def test_the_cuda_linear_feeds_exllamav2_what_its_linear_would(folder, monkeypatch):
+    """QuantLinear's CUDA implementation on a stand-in of exllamav2's extension (the real one needs a
+    GPU): it is handed q_perm = argsort(q_invperm) and every tensor of each part, writes [T, N] fp16
+    outputs that are cut to each part's width and concatenated; the result equals the CPU one's."""
+    import sys
+    import types
+    from runtime.backends import quant_linear
+    from runtime.exl2.format import dequantize
+    from runtime.modelfolder import ModelFolder
+    made = []
+
+    def make_q_matrix(w, temp_dq, max_dq_rows=0):
+        assert torch.equal(w["q_perm"].long(), torch.argsort(w["q_invperm"]).long())
+        assert temp_dq.dtype == torch.float16 and max_dq_rows * w["q_weight"].shape[1] <= temp_dq.numel()
+        made.append(dequantize({k: v for k, v in w.items() if k != "q_perm"}, torch.float32))   # [N, K]
+        return len(made) - 1
+
+    def gemm_half_q_half(x, handle, y, force_cuda):
+        assert x.dtype == y.dtype == torch.float16 and y.shape == (x.shape[0], made[handle].shape[0])
+        y.copy_((x.float() @ made[handle].T).half())
+
+    ext_c = types.SimpleNamespace(gemm_half_q_half=gemm_half_q_half)
+    stand_in = types.SimpleNamespace(make_q_matrix=make_q_matrix, exllamav2_ext=ext_c)
+    monkeypatch.setitem(sys.modules, "exllamav2", types.SimpleNamespace(ext=stand_in))
+    monkeypatch.setitem(sys.modules, "exllamav2.ext", stand_in)
+    f = ModelFolder(folder)
+    try:
+        a = "model.language_model.layers.0.linear_attn"
+        names = [f"{a}.in_proj_qkv", f"{a}.in_proj_z", f"{a}.in_proj_b", f"{a}.in_proj_a"]
+        outs = [2 * 4 * 32 + 32 * 32, 32 * 32, 32, 32]           # tiny-qwen3.5: C, HV*dv, HV, HV
+        cuda_like = quant_linear.CudaExl2Linear([quant_linear.exl2_parts(f, n) for n in names], outs, names,
+                                                torch.device("cpu"))
+        cpu = quant_linear.build(f, names, outs, torch.device("cpu"), torch.float32)
+    finally:
+        f.close()
+    assert len(made) == 4 and cuda_like.out_features == cpu.out_features == sum(outs)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).half()
+    got, want = cuda_like(x), cpu(x.float())
+    assert got.dtype == torch.float16 and got.shape == (3, sum(outs))
+    assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max()

@@ -36,6 +36,7 @@ from runtime.options import LoadOptions
 
 log = logging.getLogger(__name__)
 REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
+PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
 
 
@@ -82,17 +83,30 @@ class HybridExl2Engine(Engine):
         return ids
 
     def _forward(self, tokens: Sequence[int], last_only: bool) -> torch.Tensor:
+        """Long forwards run in chunks of PREFILL_CHUNK rows (the attention's mask and the chunked rule's
+        temporaries grow with the rows); a failed one leaves the cache where it was."""
         ids = self._check(tokens)
+        pos0, outs = self.position, []
         with torch.inference_mode():
             try:
-                out = self._run(ids, last_only)
+                for s in range(0, len(ids), PREFILL_CHUNK):
+                    part = ids[s:s + PREFILL_CHUNK]
+                    outs.append(self._run(part, last_only))
+                    self.tokens += part
             except torch.cuda.OutOfMemoryError as e:
                 failure = str(e)
+            except BaseException:
+                self._back_to(pos0)
+                raise
             else:
-                self.tokens += ids
-                return out
-        raise OutOfMemory(f"out of GPU memory in a forward of {len(ids)} tokens at position {self.position}",
-                          failure)
+                return outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs = []
+            self._back_to(pos0)
+        raise OutOfMemory(f"out of GPU memory in a forward of {len(ids)} tokens at position {pos0}", failure)
+
+    def _back_to(self, length: int) -> None:
+        if self.cache is not None and self.cache.length > length:
+            self.truncate(length)
 
     def _run(self, ids: list[int], last_only: bool) -> torch.Tensor:
         cache, t = self.cache, len(ids)

@@ -77,8 +77,7 @@ class CudaExl2Linear:
     """exllamav2's quantized GEMM, one Q matrix per stored part, outputs concatenated."""
 
     def __init__(self, parts: Sequence[dict], outs: Sequence[int], names: Sequence[str], device: torch.device):
-        from exllamav2 import ext
-        from exllamav2.ext import exllamav2_ext
+        from exllamav2.ext import exllamav2_ext, make_q_matrix
         self.ext = exllamav2_ext
         self.handles, self.widths, self.outs, self._keep = [], [], list(outs), []
         self.in_features = None
@@ -98,7 +97,7 @@ class CudaExl2Linear:
                 raise InvalidModel(name, f"{out} output features but {n} stored columns")
             w["q_perm"] = torch.argsort(w["q_invperm"]).to(torch.int)
             self.stored_bytes += sum(v.numel() * v.element_size() for v in t.values())
-            self.handles.append(ext.make_q_matrix(w, self.temp_dq, max_dq_rows=MAX_DQ_ELEMENTS // n))
+            self.handles.append(make_q_matrix(w, self.temp_dq, max_dq_rows=MAX_DQ_ELEMENTS // n))
             self._keep.append(w)                 # the Q matrix points into these tensors
             self.widths.append(n)
         self.out_features = sum(self.outs)
