@@ -149,6 +149,24 @@ class HybridExl2Engine(Engine):
     def reset(self) -> None:
         self.truncate(0)
 
+    def idle_work(self) -> bool:
+        """Capture the next decode graph ahead of need (one row, then a full verify): a forward of
+        placeholder tokens at the current position captures it, and the snapshot ring takes the cache
+        back exactly. False when there is nothing left to capture."""
+        if self.graphs is None or self.model is None:
+            return False
+        todo = [t for t in (1, self.cache.window) if t not in self.graphs.graphs]
+        pos = self.position
+        if not todo or pos + todo[0] > self.info.context_length:
+            return False
+        self._forward([0] * todo[0], last_only=True)
+        self.truncate(pos)
+        return True
+
+    def prepare_decode(self, max_new_tokens: int = 1) -> None:
+        if self.graphs is not None and 1 not in self.graphs.graphs:
+            self.idle_work()
+
     def place_experts(self, resident: list[list[int]]) -> None:
         """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
         if self.offload is None:

@@ -120,6 +120,10 @@ def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle)
         eng.close()
     eng, _ = _load(models(size), graphs=True)
     try:
+        eng.forward([5, 6, 7])
+        while eng.idle_work():                       # graphs captured ahead of need, the cache taken back
+            pass
+        assert set(eng.graphs.graphs) == {1, WINDOW} and eng.position == 3 and eng.tokens == [5, 6, 7]
         got = _script(eng, eng.info.vocab_size)
         tel = eng.telemetry()
         assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
