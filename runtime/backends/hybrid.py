@@ -18,6 +18,7 @@ Decode graphs (CUDA, experts all in VRAM): a forward of T <= window rows runs wi
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from pathlib import Path
@@ -357,7 +358,7 @@ def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool]
     config = SimpleNamespace(num_hidden_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
                              intermediate_size=folder.config["moe_intermediate_size"])
     if host_experts is False:
-        off = type(off)(**{**off.__dict__, "placement": "vram"})
+        off = dataclasses.replace(off, placement="vram")
     setup = exl2_offload.prepare(folder.path, config, off, own_moe=True)
     if host_experts and not setup.offload:
         raise EngineError("offload was asked for but the budgets keep every expert in VRAM")

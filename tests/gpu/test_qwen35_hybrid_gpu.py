@@ -2,9 +2,9 @@
 activations) against the same engine on the CPU (float32, projections dequantized: itself checked
 against the CPU reference in tests/test_qwen35_hybrid_engine.py).
 
-Models (synthetic, `synth`): `tiny-qwen3.5` (hidden 256) and the real widths of Qwen3.5-122B-A10B
-(hidden 3072, 256 experts top-8, 64 value heads, head_dim 256) cut to 4 layers (3 Gated DeltaNet,
-1 gated attention), at 3.0 bpw.
+Models (synthetic, `synth`): `tiny-qwen3.5` (hidden 256, 4 layers) and the real widths of
+Qwen3.5-122B-A10B (hidden 3072, 256 experts top-8, 64 value heads, head_dim 256) cut to 2 layers, one
+Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
 
 - prefill (two blocks of the chunked rule), decode, a verify of K + 1 rows, a rollback to every
   accepted prefix 0..K+1 each followed by a verify of 2 and a decode: relative error of the logits
@@ -32,7 +32,7 @@ TOL_SAME = 1e-3         # the same kernels, another path (graphs, offload)
 K = 5
 WINDOW = K + 1
 GiB = 1 << 30
-SHAPES = {"tiny": ("tiny-qwen3.5", 4), "real": ("qwen3.5-122b-a10b", 4)}
+SHAPES = {"tiny": ("tiny-qwen3.5", 4, 4), "real": ("qwen3.5-122b-a10b", 2, 2)}   # name, layers, attention every
 
 
 def _record(**kw):
@@ -53,10 +53,13 @@ def models(tmp_path_factory):
 
     def get(size: str) -> Path:
         if size not in made:
+            from dataclasses import replace
             from runtime.exl2 import synth
-            shape, layers = SHAPES[size]
-            out = tmp_path_factory.mktemp("q35") / f"{shape}-{layers}l"
-            synth.write_synthetic(shape, 3.0, out, layers=layers, seed=1)
+            from runtime.exl2.shapes import get_shape
+            name, layers, every = SHAPES[size]
+            shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
+            out = tmp_path_factory.mktemp("q35") / f"{name}-{layers}l"
+            synth.write_synthetic(shape, 3.0, out, seed=1)
             made[size] = out
         return made[size]
     return get
@@ -171,3 +174,22 @@ def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
         assert torch.isfinite(eng.forward([1, 2, 3]).float()).all()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_moedesk_cli_chat_answers_with_it(models, draft):
+    """`moedesk-cli chat` through a real worker: loaded on CUDA in the hybrid engine, an answer streamed
+    to its end (n-gram drafting: verifies and rollbacks of the DeltaNet states)."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "runtime.cli", "chat", "--model", str(models("tiny")), "--backend", "cuda",
+           "--draft", draft, "--temperature", "0", "--max-tokens", "48", "--json", "say hello hello hello"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    loaded = [e for e in events if e.get("type") == "loaded"]
+    assert loaded and loaded[0]["backend"] == "cuda", events[:3]
+    finished = [e for e in events if e.get("type") == "finished"]
+    assert finished and finished[0]["stats"]["generated_tokens"] > 0, finished
+    _record(test="qwen35_hybrid_chat", draft=draft, stats=finished[0]["stats"])
