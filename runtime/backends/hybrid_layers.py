@@ -286,7 +286,8 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
     has_head = folder.has("lm_head.weight") or folder.has("lm_head.q_weight")
     head = lin(["lm_head"], [spec.vocab]) if has_head else quant_linear.DenseLinear(embed, dtype, device)
     cos, sin = rope.tables(spec.rope, spec.rotary_dim, context, torch.float32)
-    model = HybridModel(spec, blocks, embed, centred(f"{p0}.norm.weight"), head, cos.to(device), sin.to(device),
-                        dtype, device)
+    # in the activation dtype, as the reference keeps them (angles computed in float32 first)
+    model = HybridModel(spec, blocks, embed, centred(f"{p0}.norm.weight"), head, cos.to(device, dtype),
+                        sin.to(device, dtype), dtype, device)
     progress(spec.layers + 1, spec.layers + 1)
     return model
