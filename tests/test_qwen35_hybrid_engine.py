@@ -282,3 +282,26 @@ def test_graph_replays_read_only_the_device_buffers(ref, eng, monkeypatch):
         assert set(eng.graphs.graphs) == {1, WINDOW}
     finally:
         eng.graphs = None
+
+
+def test_a_forward_that_fails_half_way_leaves_the_states_as_they_were(ref, eng):
+    """A failure inside a layer (here the last MoE block, after every DeltaNet state was written) takes
+    the cache back to before that forward: by the snapshot ring for a short one, by a replay for a long one."""
+    ref.reset(), eng.reset()
+    seq = _tokens(40, 12)
+    _both(ref, eng, seq[:20], "prompt")
+    block = eng.model.blocks[-1]
+
+    class Boom(RuntimeError):
+        pass
+
+    def failing(h):                     # a transient failure: the replay after it runs
+        eng.model.blocks[-1] = block
+        raise Boom("a kernel failed")
+    for rows in (3, 12):
+        eng.model.blocks[-1] = (*block[:4], failing)
+        with pytest.raises(Boom):
+            eng.forward(seq[20:20 + rows])
+        assert eng.position == 20 and eng.tokens == seq[:20]
+        _both(ref, eng, [seq[30]], f"decode after a failed forward of {rows}")
+        ref.truncate(20), eng.truncate(20)

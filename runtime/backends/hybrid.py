@@ -123,8 +123,10 @@ class HybridExl2Engine(Engine):
                 dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
                 out = self.model.forward(dev, cache, start, logged, static=self.static and logged)
         except BaseException:
-            # the states may be half-written: only the tokens before this forward are kept (replayed)
-            self._recover(start)
+            # the states may be half-written: back to those before this forward (the snapshot ring holds
+            # them when it was snapshotted; otherwise the kept tokens are replayed)
+            if not (logged and cache.rollback(start, force=True)):
+                self._recover(start)
             raise
         cache.end(t, logged)
         return out[-1:] if last_only else out

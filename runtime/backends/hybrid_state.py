@@ -74,11 +74,12 @@ class HybridCache:
         if not logged:                  # a long forward: only its end is a point to roll back to
             self._rebase()
 
-    def rollback(self, length: int) -> bool:
-        """Back to the states after the first `length` tokens; False when that is before `base`."""
+    def rollback(self, length: int, force: bool = False) -> bool:
+        """Back to the states after the first `length` tokens; False when that is before `base`.
+        force: copy even when `length` is the current length (a forward failed half-way through)."""
         if not 0 <= length <= self.length:
             raise EngineError(f"cannot roll back to {length} tokens: the cache holds {self.length}")
-        if length == self.length:
+        if length == self.length and not force:
             return True
         if length < self.base:
             return False
