@@ -18,8 +18,10 @@ from runtime.options import LoadOptions
 
 NO_CUDA_NOTE = "No NVIDIA GPU found: models run on the CPU."
 # Architectures the model folders accept that only the CPU reference engine runs so far ("auto" sends them
-# there; asking for "cuda" gets the GPU engine's own refusal).
-CPU_ONLY = modelfolder.qwen35.ARCHITECTURES
+# there; asking for "cuda" gets the GPU engine's own refusal). Qwen3.5-MoE has its own GPU engine
+# (runtime/backends/hybrid.py): on CUDA it runs there, on the CPU in the reference engine.
+CPU_ONLY: tuple[str, ...] = ()
+HYBRID = modelfolder.qwen35.ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,13 @@ def open_engine(model: str, options: LoadOptions, progress: ProgressFn,
     if choice.backend == "cuda" and options.offload.backend == "auto" and info.architecture in CPU_ONLY:
         choice = BackendChoice("cpu", f"The GPU engine does not run {info.architecture} yet: the CPU reference "
                                       "engine runs it.", "cpu")
-    if choice.backend == "cuda":
+    if (choice.backend == "cuda" and options.offload.backend == "auto" and info.architecture in HYBRID
+            and not info.is_exl2):
+        choice = BackendChoice("cpu", f"The GPU engine runs {info.architecture} from EXL2 folders only: the CPU "
+                                      "reference engine runs this one.", "cpu")
+    if choice.backend == "cuda" and info.architecture in HYBRID:
+        from runtime.backends import hybrid as backend
+    elif choice.backend == "cuda":
         try:
             from runtime.backends import exl2 as backend
         except ImportError as e:

@@ -209,18 +209,43 @@ def test_a_config_implying_far_more_tensors_than_stored_fails_before_the_layout_
     assert "4 layers imply at least 49" in e.value.message
 
 
-def test_auto_backend_on_a_gpu_machine_runs_it_on_the_cpu_and_says_why(tiny, monkeypatch):
-    """The GPU engine does not run Qwen3.5 yet: "auto" must not hand it a model it refuses."""
+def test_auto_backend_on_a_gpu_machine_runs_it_in_the_hybrid_engine(tiny, monkeypatch):
+    """On a GPU machine "auto" hands an EXL2 Qwen3.5 folder to the hybrid engine (run here on the CPU:
+    its load is called with the device forced), and a plain (bf16) folder to the CPU reference engine."""
     from runtime import loader
+    from runtime.backends import hybrid
     from runtime.options import LoadOptions, OffloadOptions
     monkeypatch.setattr(loader, "cuda_device", lambda: "a test GPU")
     monkeypatch.setattr(loader, "kernels_building", lambda: False)
+    calls = []
+    real = hybrid.load
+
+    def on_cpu(path, options, progress):
+        calls.append(path)
+        return real(path, options, progress, device="cpu")
+    monkeypatch.setattr(hybrid, "load", on_cpu)
     assert loader.choose_backend("auto").backend == "cuda"
     engine, applied = loader.open_engine(str(tiny), LoadOptions(offload=OffloadOptions(backend="auto")),
                                          lambda *a: None, require_tokenizer=False)
     try:
-        assert applied["offload.backend"].startswith("applied: cpu (The GPU engine does not run "
-                                                     "Qwen3_5MoeForConditionalGeneration yet")
-        assert engine.info.num_experts == 16
+        assert calls == [tiny] and isinstance(engine, hybrid.HybridExl2Engine)
+        assert applied["offload.backend"].startswith("applied: cuda (Using the GPU engine on a test GPU")
+        assert engine.info.num_experts == 16 and engine.forward([1, 2, 3]).shape == (3, 1024)
+    finally:
+        engine.close()
+
+
+def test_auto_backend_on_a_gpu_machine_runs_a_plain_folder_on_the_cpu_and_says_why(plain, monkeypatch):
+    from runtime import loader
+    from runtime.options import LoadOptions, OffloadOptions
+    monkeypatch.setattr(loader, "cuda_device", lambda: "a test GPU")
+    monkeypatch.setattr(loader, "kernels_building", lambda: False)
+    engine, applied = loader.open_engine(str(plain), LoadOptions(offload=OffloadOptions(backend="auto")),
+                                         lambda *a: None, require_tokenizer=False)
+    try:
+        assert applied["offload.backend"].startswith("applied: cpu (The GPU engine runs "
+                                                     "Qwen3_5MoeForConditionalGeneration from EXL2 folders only")
+        assert engine.backend == "cpu" and type(engine).__name__ == "HybridEngine"
+        assert type(engine).__module__ == "runtime.reference.hybrid"
     finally:
         engine.close()

@@ -1,0 +1,406 @@
+"""The hybrid engine: Qwen3.5-MoE (Gated DeltaNet + gated attention + MoE with a shared expert) from an
+EXL2 folder, on CUDA (exllamav2's quantized matmul, our expert kernels and offload) or on the CPU (the
+same code with the projections dequantized: how its tests run without a GPU).
+
+    load(path, options, progress) -> (HybridExl2Engine, applied)       as runtime/backends/exl2.load
+
+exllamav2 has neither linear attention nor shared experts, so this engine builds the model itself
+(runtime/backends/hybrid_layers.py) and uses exllamav2 only for its quantized GEMM
+(runtime/backends/quant_linear.py). The routed experts are our `ExpertLayer`s: with offload the
+manager (runtime/experts/manager.py) places them as it does for the exllamav2 engine.
+
+Rollback (a verify of K drafts, then a truncate to the accepted prefix): the cache keeps the DeltaNet
+states after each row of the last `window` rows (runtime/backends/hybrid_state.py), so a truncate
+inside that window is a copy; a truncate to before it replays the kept tokens (as the reference does).
+
+Decode graphs (CUDA, experts all in VRAM): a forward of T <= window rows runs with fixed shapes
+(`static`): its first run is eager, then it is captured and later steps replay the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from runtime import tuning
+from runtime.backends import hybrid_layers
+from runtime.backends.hybrid_state import HybridCache
+from runtime.engine import Engine, ModelInfo, ProgressFn
+from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, InvalidModel, NoModel,
+                            OutOfMemory, UnsupportedArchitecture)
+from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.options import LoadOptions
+
+log = logging.getLogger(__name__)
+REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
+PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
+MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
+
+
+class HybridExl2Engine(Engine):
+    def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
+                 offload=None, setup=None, graphs: bool = False):
+        self.info, self.spec, self.model, self.cache = info, spec, model, cache
+        self.backend = "cuda" if model.device.type == "cuda" else "cpu"
+        self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all experts resident
+        self.setup = setup              # runtime/backends/exl2_offload.OffloadSetup (budgets), or None
+        self.tokens: list[int] = []     # what the cache holds: replayed by a truncate before the snapshots
+        self.static = False             # short forwards with fixed shapes (always on under graphs)
+        self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
+        self.graph_error: Optional[str] = None
+        self._bytes_per_token = model.nbytes_per_token()
+
+    @property
+    def position(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    def forward(self, tokens: Sequence[int]) -> torch.Tensor:
+        return self._forward(tokens, last_only=False)
+
+    def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
+        return self._forward(tokens, last_only=True)
+
+    def _check(self, tokens: Sequence[int]) -> list[int]:
+        if self.model is None:
+            raise NoModel("the engine was closed")
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise BadRequest("forward needs at least one token")
+        if self.position + len(ids) > self.info.context_length:
+            raise ContextOverflow(f"{self.position} cached + {len(ids)} new tokens exceed the context length of "
+                                  f"{self.info.context_length} tokens", tokens=self.position + len(ids),
+                                  limit=self.info.context_length)
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
+        media = [t for t in ids if t in self.spec.media_tokens]
+        if media:
+            raise BadRequest(f"token {media[0]} is an image or video placeholder: images and video are not "
+                             f"supported (this engine runs {self.info.name}'s language model only)")
+        return ids
+
+    def _forward(self, tokens: Sequence[int], last_only: bool) -> torch.Tensor:
+        """Long forwards run in chunks of PREFILL_CHUNK rows (the attention's mask and the chunked rule's
+        temporaries grow with the rows); a failed one leaves the cache where it was."""
+        ids = self._check(tokens)
+        pos0, outs = self.position, []
+        with torch.inference_mode():
+            try:
+                for s in range(0, len(ids), PREFILL_CHUNK):
+                    part = ids[s:s + PREFILL_CHUNK]
+                    outs.append(self._run(part, last_only))
+                    self.tokens += part
+            except torch.cuda.OutOfMemoryError as e:
+                failure = str(e)
+            except BaseException:
+                self._back_to(pos0)
+                raise
+            else:
+                return outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs = []
+            self._back_to(pos0)
+        raise OutOfMemory(f"out of GPU memory in a forward of {len(ids)} tokens at position {pos0}", failure)
+
+    def _back_to(self, length: int) -> None:
+        if self.cache is not None and self.cache.length > length:
+            self.truncate(length)
+
+    def _run(self, ids: list[int], last_only: bool) -> torch.Tensor:
+        cache, t = self.cache, len(ids)
+        start = cache.length
+        if self.offload is not None:
+            self.offload.step_boundary(t)
+            self.offload.begin_forward(t)
+        logged = cache.begin(t)
+        try:
+            if logged and self.graphs is not None:
+                out = self.graphs.step(ids)
+            else:
+                dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
+                out = self.model.forward(dev, cache, start, logged, static=self.static and logged)
+        except BaseException:
+            # the states may be half-written: back to those before this forward (the snapshot ring holds
+            # them when it was snapshotted; otherwise the kept tokens are replayed)
+            if not (logged and cache.rollback(start, force=True)):
+                self._recover(start)
+            raise
+        cache.end(t, logged)
+        return out[-1:] if last_only else out
+
+    def _recover(self, length: int) -> None:
+        keep = self.tokens[:length]
+        self.cache.reset()
+        self.tokens = []
+        for s in range(0, len(keep), REPLAY_CHUNK):
+            self._run(keep[s:s + REPLAY_CHUNK], last_only=True)
+            self.tokens += keep[s:s + REPLAY_CHUNK]
+
+    def truncate(self, length: int) -> None:
+        if self.cache is None or not 0 <= length <= self.cache.length:
+            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {self.position}")
+        with torch.inference_mode():
+            if length == 0:
+                self.cache.reset()
+            elif not self.cache.rollback(length):
+                self._recover(length)
+        del self.tokens[length:]
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def idle_work(self) -> bool:
+        """Capture the next decode graph ahead of need (one row, then a full verify): a forward of
+        placeholder tokens at the current position captures it, and the snapshot ring takes the cache
+        back exactly. False when there is nothing left to capture."""
+        if self.graphs is None or self.model is None:
+            return False
+        todo = [t for t in (1, self.cache.window) if t not in self.graphs.graphs]
+        pos = self.position
+        if not todo or pos + todo[0] > self.info.context_length:
+            return False
+        self._forward([0] * todo[0], last_only=True)
+        self.truncate(pos)
+        return True
+
+    def prepare_decode(self, max_new_tokens: int = 1) -> None:
+        if self.graphs is not None and 1 not in self.graphs.graphs:
+            self.idle_work()
+
+    def place_experts(self, resident: list[list[int]]) -> None:
+        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
+        if self.offload is None:
+            raise EngineError("place_experts needs a model loaded with expert offload")
+        if self.graphs is not None:                  # graphs hold the old slots' addresses
+            torch.cuda.synchronize()
+            self.graphs = StepGraphs(self)
+        self.offload.apply(resident)
+
+    def telemetry(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"weight_bytes_per_token": self._bytes_per_token,
+                               "cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
+                               "rollback_window": self.cache.window if self.cache is not None else 0,
+                               "decode_graphs": self.graphs is not None}
+        if self.graph_error:
+            out["graph_error"] = self.graph_error
+        if self.backend == "cuda":
+            out["vram_allocated_bytes"] = torch.cuda.memory_allocated()
+        if self.offload is not None:
+            out.update(self.offload.telemetry().as_dict())
+        return out
+
+    def close(self) -> None:
+        if self.model is None:
+            return
+        try:
+            if self.offload is not None:
+                self.offload.close()                  # saves the routing statistics
+        finally:
+            self.graphs = None
+            self.offload = self.model = self.cache = None
+            gc.collect()
+            if self.setup is not None:
+                self.setup.release()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+class StepGraphs:
+    """CUDA graphs of the short forwards (T <= window rows), one per row count: the first forward of T
+    rows runs eagerly with fixed shapes (it warms the kernels and is that step's result), then it is
+    captured; later forwards of T rows fill the token buffer and replay it. Capture records only:
+    the cache is left as that first forward wrote it."""
+
+    def __init__(self, engine: HybridExl2Engine):
+        self.engine = engine
+        self.window = engine.cache.window
+        self.tokens = torch.zeros(self.window, dtype=torch.long, device=engine.model.device)
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.pool = None
+
+    def step(self, ids: list[int]) -> torch.Tensor:
+        e, t = self.engine, len(ids)
+        self.tokens[:t].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        if t in self.graphs:
+            graph, out = self.graphs[t]
+            graph.replay()
+            return out.clone()
+        out = e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True)
+        try:
+            self._capture(t)
+        except RuntimeError as err:          # the eager result stands; later steps run eagerly
+            e.graph_error = f"capture of {t} rows failed: {err}"
+            log.warning("decode graphs off: %s", e.graph_error)
+            e.graphs = None
+        return out
+
+    def _capture(self, t: int) -> None:
+        e = self.engine
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True)
+        self.pool = graph.pool()
+        self.graphs[t] = (graph, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Load
+
+def _device(requested: Optional[str]) -> torch.device:
+    if requested is not None:
+        return torch.device(requested)
+    if not torch.cuda.is_available():
+        raise CudaUnavailable("No CUDA GPU is available to this process: use the CPU engine (backend cpu).")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def rollback_window(options: LoadOptions) -> int:
+    """Rows of DeltaNet states kept for rollback: a verify of the drafts plus its bonus row."""
+    draft = options.draft
+    return max(MIN_WINDOW, draft.draft_tokens + 1) if draft.mode != "off" else MIN_WINDOW
+
+
+def load(path, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
+         device: Optional[str] = None, window: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+         graphs: Optional[bool] = None, host_experts: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
+    """Load a Qwen3.5-MoE EXL2 folder. device: "cuda" (default, needs a GPU) or "cpu" (tests: the
+    projections dequantized). window: rollback rows (default from the draft options). dtype: activations
+    (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
+    host memory for offload (default: as the budgets decide, CUDA only)."""
+    from runtime import qwen35
+    from runtime.modelfolder import ModelFolder
+    from runtime.reference import qwen35 as reference35
+
+    options = options or LoadOptions()
+    progress = progress or (lambda stage, message, done, total: None)
+    off = options.offload
+    dev = _device(device)
+    cuda = dev.type == "cuda"
+    dtype = dtype or (torch.float16 if cuda else torch.float32)
+    if cuda:
+        from runtime.backends.exl2_kernels import build_kernels
+        build_kernels(progress)
+    progress("validate", f"Checking {Path(path).name}", 0, 1)
+    folder = ModelFolder(path)
+    setup = engine = None
+    try:
+        info = folder.info
+        if folder.config["architectures"][0] not in qwen35.ARCHITECTURES:
+            raise UnsupportedArchitecture(folder.path, f"{info.architecture} is not Qwen3.5-MoE: this engine runs "
+                                                       "Qwen3.5-MoE only")
+        if not info.is_exl2:
+            raise UnsupportedArchitecture(folder.path, "not an EXL2 folder: the GPU engine runs EXL2-quantized "
+                                                       "models (the CPU reference engine runs this one)")
+        spec = reference35.Spec.from_config(folder.config, str(folder.path / "config.json"))
+        context = min(off.context_length, spec.max_positions)
+        window = window or rollback_window(options)
+        applied = {"offload.context_length": "applied" if context == off.context_length else
+                   f"applied: capped at {context}, the model's max_position_embeddings",
+                   "offload.kv_cache": "applied" if off.kv_cache == "fp16" else
+                   f"ignored: the Qwen3.5 engine keeps its attention cache in {str(dtype).removeprefix('torch.')}"}
+        setup = _prepare_offload(folder, spec, off, cuda, host_experts, applied)
+        progress("load", "Loading weights", 0, spec.layers + 1)
+        model = hybrid_layers.load(
+            folder, spec, dev, dtype, context, host=setup.arena if setup is not None and setup.offload else None,
+            on_host=(lambda what, n: setup.ram.reserve(what, n, "raise the RAM budget or the VRAM budget"))
+            if setup is not None and setup.offload else None,
+            progress=lambda done, total: progress("load", "Loading weights", done, total))
+        progress("load", "Allocating the cache", 0, 1)
+        cache = HybridCache(spec, context, window, dtype, dev)
+        if cuda:
+            from runtime.backends.quant_linear import settle_autotune
+            progress("load", "Tuning GPU kernels", 0, 1)
+            settle_autotune(model.linears())
+            progress("load", "Tuning GPU kernels", 1, 1)
+        manager = _start_offload(setup, model, folder.path, off, progress) if setup is not None else None
+        model_info = ModelInfo(name=info.name, path=str(info.path), architecture=info.architecture,
+                               vocab_size=spec.vocab, context_length=context, num_layers=spec.layers,
+                               num_experts=spec.experts, experts_per_token=spec.top_k,
+                               bits_per_weight=info.bits_per_weight,
+                               extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
+                                      "num_params": info.num_params, "active_params": info.active_params})
+        use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
+        engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
+        applied["offload.backend"] = "applied"
+        return engine, applied
+    except BudgetError as e:
+        from runtime.backends.exl2_offload import budget_error
+        err = budget_error(e)
+    except MemoryError as e:
+        err = OutOfMemory(f"not enough host memory to load {folder.info.name}", str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        err = OutOfMemory(f"not enough GPU memory to load {folder.info.name} with a {off.context_length}-token "
+                          "context", str(e))
+    except (ValueError, KeyError) as e:
+        err = InvalidModel(folder.path, f"could not load the model: {type(e).__name__}: {e}")
+    finally:
+        folder.close()
+        if engine is None and setup is not None:
+            setup.release()
+    raise err from None
+
+
+def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool], applied: dict):
+    """Budgets (runtime/backends/exl2_offload.prepare) on CUDA; None on the CPU (unless host_experts,
+    for tests: every expert's codes in host memory, placed by hand)."""
+    from types import SimpleNamespace
+    if not cuda:
+        for key in ("vram_budget_gb", "ram_budget_gb", "placement", "cpu_threads"):
+            applied[f"offload.{key}"] = "ignored: the hybrid engine on the CPU keeps every weight in RAM"
+        if not host_experts:
+            return None
+        from runtime.backends.exl2_offload import OffloadSetup
+        from runtime.experts.pack import HostArena
+        return OffloadSetup(MemoryBudget(1 << 50), MemoryBudget(1 << 50), HostArena(1 << 20), "stream", False)
+    from runtime.backends import exl2_offload
+    config = SimpleNamespace(num_hidden_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
+                             intermediate_size=folder.config["moe_intermediate_size"])
+    if host_experts is False:
+        off = dataclasses.replace(off, placement="vram")
+    setup = exl2_offload.prepare(folder.path, config, off, own_moe=True)
+    if host_experts and not setup.offload:
+        raise EngineError("offload was asked for but the budgets keep every expert in VRAM")
+    applied.update(setup.applied)
+    return setup
+
+
+def _start_offload(setup, model, path: Path, off, progress):
+    """After the weights and the cache: the VRAM ledger, then the offload manager places hot experts."""
+    if not setup.offload:
+        if model.device.type == "cuda" and setup.vram.fits(torch.cuda.memory_allocated()):
+            setup.vram.reserve("weights and cache", torch.cuda.memory_allocated())
+        return None
+    from runtime.experts.manager import OffloadManager
+    from runtime.experts.routing_stats import RoutingStats, stats_path
+    from runtime.paths import cache_dir
+    layers = model.expert_layers()
+    cuda = model.device.type == "cuda"
+    if cuda:
+        setup.vram.reserve("weights and cache", torch.cuda.memory_allocated(),
+                           "lower the context length or raise the VRAM budget")
+        s = model.spec
+        scratch = 2048 * (s.top_k * (layers[0].w1.out_features * 2 + s.hidden * 4) + s.hidden * 32
+                          + s.conv_channels * 8) + 16 * s.vocab * 4 + (512 << 20)
+        setup.vram.reserve("prefill scratch", scratch, "lower the context length")
+        stats_file = stats_path(cache_dir(), path)
+        stats, setup.stats_warning = RoutingStats.load(stats_file, len(layers), layers[0].num_experts)
+    else:
+        stats_file, stats = None, None
+    manager = OffloadManager(layers, setup.vram, setup.policy if cuda else "stream", stats, stats_file,
+                             cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None)
+    if cuda:
+        manager.on_stage = lambda message: progress("load", message, 0, 1)
+        try:
+            manager.place()
+        except BudgetError:
+            manager.close()
+            raise
+        finally:
+            manager.on_stage = lambda message: None
+        from runtime.backends.exl2_offload import cpu_path_applied
+        cpu_path_applied(setup, manager)
+    return manager

@@ -1,0 +1,195 @@
+"""Qwen3.5-MoE in the hybrid engine on CUDA (exllamav2's quantized GEMM, our expert kernels, fp16
+activations) against the same engine on the CPU (float32, projections dequantized: itself checked
+against the CPU reference in tests/test_qwen35_hybrid_engine.py).
+
+Models (synthetic, `synth`): `tiny-qwen3.5` (hidden 256, 4 layers) and the real widths of
+Qwen3.5-122B-A10B (hidden 3072, 256 experts top-8, 64 value heads, head_dim 256) cut to 2 layers, one
+Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
+
+- prefill (two blocks of the chunked rule), decode, a verify of K + 1 rows, a rollback to every
+  accepted prefix 0..K+1 each followed by a verify of 2 and a decode: relative error of the logits
+  (norm of the difference / norm of the CPU's) <= TOL.
+- decode graphs: the same script with graphs on (each row count captured, then replayed) and off.
+- offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
+  as all in VRAM.
+
+With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.options import LoadOptions, OffloadOptions
+
+pytestmark = pytest.mark.gpu
+TOL = 2e-2              # fp16 activations and exllamav2's fp16 GEMM against float32
+TOL_SAME = 1e-3         # the same kernels, another path (graphs, offload)
+K = 5
+WINDOW = K + 1
+GiB = 1 << 30
+SHAPES = {"tiny": ("tiny-qwen3.5", 4, 4), "real": ("qwen3.5-122b-a10b", 2, 2)}   # name, layers, attention every
+
+
+def _record(**kw):
+    path = os.environ.get("MOEDESK_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw) + "\n")
+
+
+def _rel(a, b) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(size: str) -> Path:
+        if size not in made:
+            from dataclasses import replace
+            from runtime.exl2 import synth
+            from runtime.exl2.shapes import get_shape
+            name, layers, every = SHAPES[size]
+            shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
+            out = tmp_path_factory.mktemp("q35") / f"{name}-{layers}l"
+            synth.write_synthetic(shape, 3.0, out, seed=1)
+            made[size] = out
+        return made[size]
+    return get
+
+
+def _load(path, device="cuda", **kw):
+    from runtime.backends import hybrid
+    off = OffloadOptions(context_length=1024, **kw.pop("off", {}))
+    return hybrid.load(path, LoadOptions(offload=off), device=device, window=WINDOW, **kw)
+
+
+def _script(eng, vocab: int) -> list[torch.Tensor]:
+    """Prefill, decode, verify, rollback to every accepted prefix; the logits of every step (on the CPU)."""
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(0, min(vocab - 64, 240000), (120,), generator=g).tolist()   # no specials, no media ids
+    out = []
+    eng.reset()
+    out.append(eng.forward(toks[:70]).float().cpu())
+    for i in range(70, 73):
+        out.append(eng.forward([toks[i]]).float().cpu())
+    for keep in range(WINDOW + 1):
+        eng.truncate(73)
+        out.append(eng.forward(toks[73:73 + WINDOW]).float().cpu())
+        eng.truncate(73 + keep)
+        out.append(eng.forward(toks[90 + keep:92 + keep]).float().cpu())
+        out.append(eng.forward([toks[100 + keep]]).float().cpu())
+    return out
+
+
+def _compare(got, want, tol, what):
+    worst = max(_rel(a, b) for a, b in zip(got, want))
+    _record(test="qwen35_hybrid", what=what, rel=worst)
+    assert worst <= tol, f"{what}: relative logit error {worst:.2e} > {tol}"
+
+
+@pytest.fixture(scope="module")
+def oracle(models):
+    """The CPU engine's logits of the script, per size."""
+    cache = {}
+
+    def get(size):
+        if size not in cache:
+            eng, _ = _load(models(size), device="cpu")
+            try:
+                cache[size] = _script(eng, eng.info.vocab_size)
+            finally:
+                eng.close()
+        return cache[size]
+    return get
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle):
+    want = oracle(size)
+    eng, applied = _load(models(size), graphs=False)
+    try:
+        assert eng.backend == "cuda" and eng.offload is None, applied
+        _compare(_script(eng, eng.info.vocab_size), want, TOL, f"{size} eager")
+        eager = _script(eng, eng.info.vocab_size)
+    finally:
+        eng.close()
+    eng, _ = _load(models(size), graphs=True)
+    try:
+        eng.forward([5, 6, 7])
+        while eng.idle_work():                       # graphs captured ahead of need, the cache taken back
+            pass
+        assert set(eng.graphs.graphs) == {1, WINDOW} and eng.position == 3 and eng.tokens == [5, 6, 7]
+        got = _script(eng, eng.info.vocab_size)
+        tel = eng.telemetry()
+        assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
+        assert {1, 2, WINDOW} <= set(eng.graphs.graphs), sorted(eng.graphs.graphs)
+        _compare(got, eager, TOL_SAME, f"{size} graphs vs eager")
+        _record(test="qwen35_hybrid_vram", size=size, vram=torch.cuda.memory_allocated(),
+                cache_bytes=tel["cache_bytes"])
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_offloaded_experts_match_all_in_vram(size, models):
+    eng, _ = _load(models(size), graphs=False)
+    try:
+        want = _script(eng, eng.info.vocab_size)
+        layers, experts = eng.spec.layers, eng.spec.experts
+    finally:
+        eng.close()
+    free = torch.cuda.mem_get_info()[0]
+    eng, applied = _load(models(size), graphs=False, host_experts=True,
+                         off={"vram_budget_gb": 0.9 * free / GiB, "placement": "stream"})
+    try:
+        assert eng.offload is not None, applied
+        keep = experts // 4
+        eng.place_experts([list(range(keep))] * layers)
+        tel = eng.telemetry()
+        assert tel["expert_paths"] == ["stream"] * layers, tel["expert_paths"]
+        _compare(_script(eng, eng.info.vocab_size), want, TOL_SAME, f"{size} offload (stream)")
+        tel = eng.telemetry()
+        _record(test="qwen35_hybrid_offload", size=size, hit_rate=tel.get("expert_hit_rate"),
+                pcie=tel.get("pcie_bytes_per_token"))
+    finally:
+        eng.close()
+
+
+def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
+    from runtime import loader
+    from runtime.backends.hybrid import HybridExl2Engine
+    eng, applied = loader.open_engine(str(models("tiny")), LoadOptions(offload=OffloadOptions(context_length=1024)),
+                                      lambda *a: None, require_tokenizer=False)
+    try:
+        assert isinstance(eng, HybridExl2Engine) and eng.backend == "cuda", applied
+        assert applied["offload.backend"].startswith("applied: cuda")
+        assert torch.isfinite(eng.forward([1, 2, 3]).float()).all()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_moedesk_cli_chat_answers_with_it(models, draft):
+    """`moedesk-cli chat` through a real worker: loaded on CUDA in the hybrid engine, an answer streamed
+    to its end (n-gram drafting: verifies and rollbacks of the DeltaNet states)."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "runtime.cli", "chat", "--model", str(models("tiny")), "--backend", "cuda",
+           "--draft", draft, "--temperature", "0", "--max-tokens", "48", "--json", "say hello hello hello"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    loaded = [e for e in events if e.get("type") == "loaded"]
+    assert loaded and loaded[0]["backend"] == "cuda", events[:3]
+    finished = [e for e in events if e.get("type") == "finished"]
+    assert finished and finished[0]["stats"]["generated_tokens"] > 0, finished
+    _record(test="qwen35_hybrid_chat", draft=draft, stats=finished[0]["stats"])
