@@ -27,9 +27,9 @@ def _bytes_per_expert(shape: str, bits: float = 3.0) -> int:
 
 
 def test_every_architecture_the_folders_accept_has_a_row():
-    from runtime.loader import CPU_ONLY, HYBRID
-    assert set(exl2_arch.SUPPORTED) == set(SUPPORTED_ARCHITECTURES) - set(CPU_ONLY) - set(HYBRID)
-    assert set(MOE_ARCHITECTURES) - set(CPU_ONLY) - set(HYBRID) <= {a for a, t in exl2_arch.TRAITS.items() if t.expert_norm}
+    from runtime.loader import HYBRID
+    assert set(exl2_arch.SUPPORTED) == set(SUPPORTED_ARCHITECTURES) - set(HYBRID)
+    assert set(MOE_ARCHITECTURES) - set(HYBRID) <= {a for a, t in exl2_arch.TRAITS.items() if t.expert_norm}
 
 
 def test_mixtral_renormalises_and_caps_the_context_at_a_sliding_window():
