@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The restructuring's speed check on the H200 in one call (at most LIMIT seconds, 540 by default): the
+# offload benchmark at 24 GB (q125-a11 3.0 bpw, uniform routing, placement auto) and the all-in-VRAM
+# benchmark (qwen3-30b-a3b 4.0 bpw, no stock baseline), each at the commit before the restructuring and at
+# this tree, taking turns (before, after) so that both meet the machine in the same state.
+#   BEFORE=DIR   a checkout of the commit before (e.g. `git archive 44760c9 | tar -x -C DIR`, carried in)
+# Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run
+# from the repository root. JSON goes to bench/results/ of each tree; copies, with a log, into $OUT.
+set -u
+OUT=${OUT:-/tmp/issue20-out}
+LIMIT=${LIMIT:-540}
+M=${MODELS:-/tmp/m20}
+PY=${PYTHON:-python3}
+BEFORE=${BEFORE:?set BEFORE to a checkout of the commit before the restructuring}
+AFTER=$PWD
+mkdir -p "$OUT" "$M"
+T0=$(date +%s)
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue20.log"; }
+log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); before: $BEFORE"
+[ -f "$M/q125/config.json" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$M/q125" | tail -1
+[ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
+run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from that tree
+    local tree=$1 label=$2
+    log "$label: offload at 24 GB ($(left) s left)"
+    (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
+        $PY -m bench.offload --model "$M/q125" --label "q125-a11-$label" --bpw 3.0 --budgets 24 --routing uniform \
+        --placement auto --no-naive --decode 128 --note "restructuring check: $label" 2>&1 | tail -4) | tee -a "$OUT/gpu_issue20.log"
+    log "$label: all in VRAM ($(left) s left)"
+    (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
+        $PY -m bench.cuda --model "$M/q30b" --label "qwen3-30b-a3b-$label" --bpw 4.0 --baseline none \
+        --prompts 512 --decode 256 2>&1 | tail -4) | tee -a "$OUT/gpu_issue20.log"
+    cp "$tree"/bench/results/*"$label"*.json "$OUT"/ 2>/dev/null
+}
+run "$BEFORE" before
+run "$AFTER" after
+log "done"
