@@ -70,7 +70,7 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class DraftStats:
-    mode: str                          # "model" | "ngram" | "off"
+    mode: str                          # "model" | "mtp" | "ngram" | "off"
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: Optional[float] = None
