@@ -26,13 +26,28 @@ from tests.test_qwen35_parity import TOL_FP32, _tokens, make_model, oracle  # no
 from tests.test_speculative_toy import SAMPLED, chi_square  # noqa: E402
 
 MOD = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is ~100x quicker than a team on a busy machine."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def load_engine(folder):
+    engine, _ = load(folder, precision="float32")        # (sets the thread count)
+    torch.set_num_threads(1)
+    return engine
 GREEDY = SamplingOptions(temperature=0.0)
 
 
-def add_mtp(folder, model, seed: int = 1, echo: bool = False) -> dict:
-    """Write a random MTP head into the folder (the released layout: stacked experts). `echo`: a head whose
-    output is the model's own normalised hidden state (fc passes the hidden half through, the layer adds
-    nothing), so it predicts again the token the model just predicted."""
+def add_mtp(folder, model, seed: int = 1, echo: str = "") -> dict:
+    """Write a random MTP head into the folder (the released layout: stacked experts). `echo` "hidden": a
+    head whose output is the model's own normalised hidden state (fc passes the hidden half through, the
+    layer adds nothing), so it predicts again the token the model just predicted; "embedding": fc passes the
+    next token's embedding through, so the head is the bigram model lm_head(rms(embed(t)))."""
     from safetensors.torch import load_file, save_file
     mod = __import__(MOD, fromlist=["x"])
     text = model.config.text_config
@@ -46,7 +61,8 @@ def add_mtp(folder, model, seed: int = 1, echo: bool = False) -> dict:
     head.update({f"{n}.weight": 0.2 * torch.randn(h) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
     head["fc.weight"] = torch.randn(h, 2 * h) * 1.5 / (2 * h) ** 0.5
     if echo:
-        head["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+        pass_through = [torch.zeros(h, h), torch.eye(h)]
+        head["fc.weight"] = torch.cat(pass_through if echo == "hidden" else pass_through[::-1], dim=1)
         for k in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.experts.down_proj",
                   "layers.0.mlp.shared_expert.down_proj.weight"):
             head[k] = torch.zeros_like(head[k])
@@ -99,7 +115,7 @@ def test_head_loads_and_its_drafts_match_the_oracle(built):
     """Each first draft reads slot n-1 = (h_{n-1}, t_n) over slots the forwards filled from the model's own
     hidden states; the second chains the head's output. Both against the oracle, in float32."""
     folder, model, head = built
-    engine, _ = load(folder, precision="float32")
+    engine = load_engine(folder)
     assert engine.has_mtp
     engine.mtp_enable()
     seq = _tokens(14, 1)
@@ -148,11 +164,11 @@ def _greedy(engine, prompt, n, draft: DraftOptions | None):
     return tokens[:len(prompt) + n], dec
 
 
-@pytest.mark.parametrize("echo", [False, True], ids=["random-head", "echo-head"])
+@pytest.mark.parametrize("echo", ["", "hidden"], ids=["random-head", "echo-head"])
 def test_greedy_mtp_speculation_equals_plain_decoding(tmp_path, echo):
     model = make_model("conditional", tmp_path)
     add_mtp(tmp_path, model, echo=echo)
-    engine, _ = load(tmp_path, precision="float32")
+    engine = load_engine(tmp_path)
     for prompt, k in ((_tokens(9, 2), 3), (_tokens(5, 3), 5)):
         want, _ = _greedy(engine, prompt, 40, None)
         got, dec = _greedy(engine, prompt, 40, DraftOptions(mode="mtp", draft_tokens=k, adaptive=False))
@@ -171,7 +187,7 @@ def test_head_switched_on_mid_conversation_catches_up(built):
     """The head off during the prefill (another draft mode before), on for the next step: its slots are
     rebuilt over the conversation and its draft is the oracle's."""
     folder, model, head = built
-    engine, _ = load(folder, precision="float32")
+    engine = load_engine(folder)
     seq = _tokens(11, 4)
     engine.forward(seq[:10])
     rows = []
@@ -184,7 +200,7 @@ def test_mtp_mode_needs_a_head(tmp_path):
     from runtime.generate import make_decoder as generate_decoder
     from runtime.engine import EngineError
     make_model("conditional", tmp_path)
-    engine, _ = load(tmp_path, precision="float32")
+    engine = load_engine(tmp_path)
     assert not engine.has_mtp
     with pytest.raises(EngineError) as e:
         generate_decoder(engine, GREEDY, None, DraftOptions(mode="mtp"))
@@ -200,7 +216,7 @@ def test_a_misshapen_head_is_named(tmp_path):
     tensors["mtp.fc.weight"] = torch.zeros(64, 96)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelFolderError) as e:
-        load(tmp_path, precision="float32")
+        load_engine(tmp_path)
     assert "'mtp.fc.weight' has shape [64, 96], the config implies [64, 128]" in e.value.message
 
 
@@ -227,10 +243,24 @@ def exact_distribution(engine, opts, prompt, n) -> dict[tuple[int, ...], float]:
     return out
 
 
+def near_bigram(folder) -> None:
+    """Damp every layer's output (and zero the final norm's weight): the model's prediction then depends
+    mostly on the last token, which the "embedding" echo head predicts well (drafts get kept)."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.startswith("model.language_model.") and name.endswith(("o_proj.weight", "out_proj.weight",
+                                                                       "down_proj.weight", "experts.down_proj")):
+            tensors[name] = t * 0.01
+    tensors["model.language_model.norm.weight"] = torch.zeros_like(tensors["model.language_model.norm.weight"])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def test_sampled_mtp_speculation_matches_plain_distribution(tmp_path):
     model = make_model("conditional", tmp_path)
-    add_mtp(tmp_path, model, echo=True)
-    engine, _ = load(tmp_path, precision="float32")
+    add_mtp(tmp_path, model, echo="embedding")
+    near_bigram(tmp_path)
+    engine = load_engine(tmp_path)
     expected = exact_distribution(engine, SAMPLED, PROMPT, N_TOKENS)
     assert math.isclose(sum(expected.values()), 1.0, rel_tol=1e-4)
     counts: dict[tuple, int] = {}
@@ -251,6 +281,22 @@ def test_sampled_mtp_speculation_matches_plain_distribution(tmp_path):
         drafted, accepted = drafted + dec.stats().drafted_tokens, accepted + dec.stats().accepted_tokens
     stat, critical = chi_square(counts, expected, N_RUNS)
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}: MTP speculative sampling is biased"
-    assert accepted > 0.05 * drafted, f"too few drafts kept ({accepted}/{drafted}) for the test to see the rule"
+    assert accepted > 0.3 * drafted, f"too few drafts kept ({accepted}/{drafted}) for the test to see the rule"
 
 
+
+
+def test_synthetic_folder_has_a_quantized_head_that_drafts(tmp_path):
+    """The synth writer's tiny-qwen3.5 carries the head (EXL2, experts per expert); it loads and its
+    greedy speculation equals plain decoding."""
+    from runtime.exl2 import synth
+    from runtime.modelfolder import validate
+    synth.write_synthetic("tiny-qwen3.5", 4.0, tmp_path / "m", seed=3)
+    info = validate(tmp_path / "m")
+    assert info.num_params == synth.param_counts(synth.get_shape("tiny-qwen3.5"))[0]   # the head is not counted
+    engine = load_engine(tmp_path / "m")
+    assert engine.has_mtp and engine.weights.mtp.fc.weight.shape == (256, 512)
+    prompt = _tokens(7, 5)
+    want, _ = _greedy(engine, prompt, 24, None)
+    got, dec = _greedy(engine, prompt, 24, DraftOptions(mode="mtp", draft_tokens=4, adaptive=True))
+    assert got == want and dec.stats().mode == "mtp"
