@@ -18,7 +18,7 @@ as the model saw it; drafted slots are overwritten by the verify forward that fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,15 @@ class MtpWeights:
         layer = self.layer
         return (self.fc.nbytes() + layer.proj.nbytes() + layer.out.nbytes() + layer.shared_gate_up.nbytes()
                 + layer.shared_down.nbytes())
+
+
+def load_weights(folder: ModelFolder, spec: q35.Spec, precision: str,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> q35.Weights:
+    """The model's weights (qwen35.load_weights) and, when the folder has one, its MTP head."""
+    weights = q35.load_weights(folder, spec, precision, progress)
+    if qwen35.has_mtp(set(folder.info.shard_of)):
+        weights.mtp = load(folder, spec, precision)
+    return weights
 
 
 def load(folder: ModelFolder, spec: q35.Spec, precision: str) -> MtpWeights:

@@ -11,7 +11,7 @@ HK / HV linear key / value heads, dk / dv their dims, C = 2*HK*dk + HV*dv convol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ class Weights:
     lm_head: Linear
     dtype: torch.dtype
     precision: str
-    mtp: Optional["mtp.MtpWeights"] = None   # the multi-token-prediction head, when the folder has one
+    mtp: Optional[Any] = None          # mtp.MtpWeights: the multi-token-prediction head (mtp.load_weights)
 
     def nbytes_per_token(self, spec: Spec) -> int:
         """Weight bytes one decode step reads (the active experts only)."""
@@ -135,9 +135,6 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
     head = folder.linear("lm_head", f32) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") else embed
     weights = Weights(embed.to(dt).contiguous(), layers, centred(f"{p0}.norm.weight"),
                       Linear(head.to(f32), None, precision), dt, precision)
-    if qwen35.has_mtp(present):
-        from runtime.reference import mtp
-        weights.mtp = mtp.load(folder, spec, precision)
     progress(spec.layers + 1, spec.layers + 1)
     return weights
 
