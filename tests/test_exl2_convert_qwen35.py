@@ -163,3 +163,16 @@ def _source_weight(source, prefix: str) -> torch.Tensor:
     gate_up = source.tensor(f"{base}.gate_up_proj")[int(j)].float()
     half = gate_up.shape[0] // 2
     return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+
+
+def test_interrupted_qwen35_conversion_resumes_to_the_same_folder(tmp_path):
+    src = tiny_qwen35(tmp_path / "hf", scale=0.5)
+    kw = dict(calibration_text=TEXT, rows=2, seq_len=32, say=lambda m: None)
+    whole = cv.convert(src, tmp_path / "whole", 6.0, **kw)
+    with pytest.raises(cv.ConvertError, match="stopped after layer 2 of 4"):
+        cv.convert(src, tmp_path / "q", 6.0, stop_after_layers=2, **kw)
+    said = []
+    cv.convert(src, tmp_path / "q", 6.0, **{**kw, "say": said.append})
+    assert said[0] == "resuming after layer 2 of 4"
+    a, b = _tensors(whole), _tensors(tmp_path / "q")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
