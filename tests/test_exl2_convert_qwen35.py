@@ -20,7 +20,7 @@ from tests.convert_fixtures import TEXT, VOCAB  # noqa: E402
 P = "model.language_model.layers"
 
 
-def tiny_qwen35(path, seed: int = 0, stacked: bool = False, scale: float = 1.0):
+def tiny_qwen35(path, seed: int = 0, stacked: bool = False, scale: float = 1.0, mtp: bool = False):
     """A 4-layer multimodal-layout checkpoint (3 DeltaNet : 1 attention), weights large enough that
     routing, gates and the recurrence matter (as tests/test_qwen35_parity.py makes them)."""
     t = transformers
@@ -49,6 +49,9 @@ def tiny_qwen35(path, seed: int = 0, stacked: bool = False, scale: float = 1.0):
                 p.normal_(0, scale / p.shape[-1] ** 0.5)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, VOCAB, VOCAB - 8, 512)
+    if mtp:                                      # transformers does not save one: a random head, added
+        from tests.test_qwen35_mtp import add_mtp
+        add_mtp(path, model)
     if stacked:                                  # as the released bf16 checkpoints store experts
         from safetensors.torch import load_file, save_file
         tensors = load_file(str(path / "model.safetensors"))
@@ -176,3 +179,49 @@ def test_interrupted_qwen35_conversion_resumes_to_the_same_folder(tmp_path):
     assert said[0] == "resuming after layer 2 of 4"
     a, b = _tensors(whole), _tensors(tmp_path / "q")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_mtp_head_is_converted_and_drafts(tmp_path):
+    """The head is quantized too (calibrated on the final hidden states and next tokens it reads), its
+    norms and router stay fp16, and on the converted model its drafts mostly agree with the unquantized
+    head's while speculation with it stays exact."""
+    from runtime import sampling
+    from runtime.options import DraftOptions, SamplingOptions
+    from runtime.speculative import make_decoder
+    src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
+    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
+    t = _tensors(out)
+    assert "mtp.fc.q_weight" in t and "mtp.layers.0.self_attn.q_proj.q_weight" in t
+    assert "mtp.layers.0.mlp.experts.3.up_proj.q_weight" in t
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight", "mtp.layers.0.mlp.gate.weight",
+                 "mtp.layers.0.self_attn.k_norm.weight", "mtp.layers.0.mlp.shared_expert_gate.weight"):
+        assert t[name].dtype == torch.float16, name
+
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    ids = tok(TEXT[-600:], return_tensors="pt")["input_ids"][0, -48:].tolist()
+    drafts = []
+    for folder in (src, out):
+        engine, _ = load(folder, precision="float32")
+        torch.set_num_threads(1)
+        engine.mtp_enable()
+        engine.forward(ids[:16])
+        mine = []
+        for n in range(16, 47):
+            mine += engine.mtp_draft(ids[:n + 1], 1, lambda row: int(row.argmax()))
+            engine.forward([ids[n]])
+        drafts.append(mine)
+    agree = sum(a == b for a, b in zip(*drafts)) / len(drafts[0])
+    assert agree >= 0.6, agree
+
+    greedy = SamplingOptions(temperature=0.0)
+    engine.reset()
+    prompt = ids[:10]
+    plain = prompt + [sampling.sample(engine.forward(prompt)[-1], prompt, greedy)]
+    while len(plain) < 40:
+        plain.append(sampling.sample(engine.forward(plain[-1:])[0], plain, greedy))
+    engine.reset()
+    dec = make_decoder(engine, DraftOptions(mode="mtp", draft_tokens=3, adaptive=False), greedy)
+    spec = prompt + [sampling.sample(engine.forward(prompt)[-1], prompt, greedy)]
+    while len(spec) < 40:
+        spec += dec.step(spec)
+    assert spec[:40] == plain and dec.stats().drafted_tokens > 0

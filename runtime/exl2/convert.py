@@ -380,9 +380,9 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     _check_disk(staging, int(ckpt.total_bytes() / 2 * max(bits, head_bits) / 8 * 2), "convert this model")
 
     k = state["layers_done"]
+    tok = AutoTokenizer.from_pretrained(ckpt.path)
+    ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
     if k == 0:
-        tok = AutoTokenizer.from_pretrained(ckpt.path)
-        ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
         hidden = torch.nn.functional.embedding(ids, ckpt.get(embed_name))
         state["rows_used"] = ids.shape[0]
     else:
@@ -431,6 +431,11 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
                 norm.weight.data = ckpt.get(norm_name)
                 acc.add(norm(hidden))
         head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, name="lm_head")
+    mtp = {}
+    if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
+        mtp = hybrid.quantize_mtp(ids, hidden, lambda jobs: _quantize_jobs(jobs, bits, group_size, damp,
+                                                                          state["stats"], measure),
+                                  MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
     del hidden
 
     config = exllamav2_config(ckpt.config)
@@ -454,6 +459,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             writer.add(norm_name, ckpt.get(norm_name).to(torch.float16))
             if head is not None:
                 writer.add_all("lm_head", head)
+            for name, tensor in mtp.items():
+                writer.add(name, tensor)
             writer.finish(config)
     except OSError as e:
         raise ConvertError(f"{assembled}: writing the model failed ({e}); free space and run again") from e

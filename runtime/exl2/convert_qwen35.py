@@ -11,7 +11,8 @@ q/k/v/o, in_proj_qkv, in_proj_z, out_proj, the shared expert's gate/up/down, and
 gate/up (the tokens routed to it) and down (its own intermediate activations), with the all-token
 fallback of convert.py for experts that saw too few tokens. Kept in fp16 as stored, as EXL2 folders keep
 them: norms, conv1d, A_log, dt_bias, the router, the shared expert's scalar gate and the small per-head
-gates in_proj_a / in_proj_b. The MTP head (`mtp.*`) is not converted.
+gates in_proj_a / in_proj_b. The MTP head (`mtp.*`), when there is one, is converted last, calibrated on
+the quantized model's final hidden states and the next tokens' embeddings (what it reads as a draft).
 """
 from __future__ import annotations
 
@@ -79,20 +80,17 @@ class HybridLayers:
     def _prefix(self, i: int) -> str:
         return f"{self.p0}.layers.{i}"
 
-    def _stacked(self, i: int) -> bool:
-        return self.ckpt.has(f"{self._prefix(i)}.mlp.experts.gate_up_proj")
-
-    def _weights(self, i: int) -> dict[str, torch.Tensor]:
-        """Every float32 linear weight of layer i by Hugging Face prefix (stacked experts split)."""
-        p, out = self._prefix(i), {}
-        for name, shape in self.layout.linears.items():
+    def _weights(self, p: str, lay) -> dict[str, torch.Tensor]:
+        """Every float32 linear weight of the layer at prefix p by Hugging Face prefix (stacked experts split)."""
+        out = {}
+        for name, shape in lay.linears.items():
             if name.startswith(p + "."):
                 w = self.ckpt.get(f"{name}.weight")
                 if tuple(w.shape) != shape:
                     raise self.error(f"{self.ckpt.path}: {name}.weight has shape {list(w.shape)}, the config "
                                      f"implies {list(shape)}")
                 out[name] = w
-        if self._stacked(i):
+        if self.ckpt.has(f"{p}.mlp.experts.gate_up_proj"):
             m = f"{p}.mlp.experts"
             gate_up, down = self.ckpt.get(f"{m}.gate_up_proj"), self.ckpt.get(f"{m}.down_proj")
             inter = gate_up.shape[1] // 2
@@ -101,17 +99,16 @@ class HybridLayers:
                 out[f"{m}.{j}.down_proj"] = down[j]
         return out
 
-    def _layer(self, i: int, weights: dict[str, torch.Tensor]) -> q35.Layer:
-        return q35.build_layer(self.spec.kinds[i], self._prefix(i), self.spec, "float32", weights.__getitem__,
-                               self.ckpt.get, False)
+    def _layer(self, p: str, kind: str, weights: dict[str, torch.Tensor]) -> q35.Layer:
+        return q35.build_layer(kind, p, self.spec, "float32", weights.__getitem__, self.ckpt.get, False)
 
-    def plain_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """What the layer keeps in fp16: its norms, convolution, decay, router and small gates."""
-        p, out = self._prefix(i), {}
-        for name in self.layout.plain:
+    def plain_tensors(self, p: str, lay) -> dict[str, torch.Tensor]:
+        """What the layer at prefix p keeps in fp16: its norms, convolution, decay, router and small gates."""
+        out = {}
+        for name in lay.plain:
             if name.startswith(p + ".") and ".mlp.experts." not in name:
                 out[name] = self.ckpt.get(name).to(torch.float16)
-        for name in self.layout.linears:
+        for name in lay.linears:
             if name.startswith(p + ".") and name[len(p) + 1:] in PLAIN_LINEARS:
                 out[f"{name}.weight"] = self.ckpt.get(f"{name}.weight").to(torch.float16)
         return out
@@ -129,12 +126,12 @@ class HybridLayers:
                 out[r] = q35.layer_forward(layer, self.spec, _RowState(self.spec, t), 0, hidden[r], rot, mask, 0, t)
         return out
 
-    def calibrate(self, i: int, hidden: torch.Tensor, min_tokens_per_input: int, stats: dict):
-        """Run layer i over the calibration rows recording every linear's input Hessian ->
+    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor, min_tokens_per_input: int, stats: dict):
+        """Run the layer at prefix p over the calibration rows recording every linear's input Hessian ->
         (weights by HF prefix, jobs for convert.py: (name, weight, hessian, set dequantized weight))."""
-        p, spec = self._prefix(i), self.spec
-        weights = self._weights(i)
-        layer = self._layer(i, weights)
+        spec = self.spec
+        weights = self._weights(p, lay)
+        layer = self._layer(p, kind, weights)
         acc = {k: HessianAccumulator(n) for k, n in (("proj", spec.hidden), ("moe", spec.hidden),
                                                       ("out", layer.out.weight.shape[1]),
                                                       ("shared_down", layer.shared_down.weight.shape[1]))}
@@ -150,7 +147,7 @@ class HybridLayers:
             layer.experts_down[j] = _Recording(dn, acc[f"e{j}.down"])
         self.run(layer, hidden)
 
-        a = f"{p}.self_attn" if spec.kinds[i] == qwen35.FULL else f"{p}.linear_attn"
+        a = f"{p}.self_attn" if kind == qwen35.FULL else f"{p}.linear_attn"
         source = {f"{a}.{n}": "proj" for n in ("q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z")}
         source.update({f"{a}.o_proj": "out", f"{a}.out_proj": "out", f"{p}.mlp.shared_expert.gate_proj": "moe",
                        f"{p}.mlp.shared_expert.up_proj": "moe", f"{p}.mlp.shared_expert.down_proj": "shared_down"})
@@ -186,7 +183,39 @@ class HybridLayers:
     def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
                        stats: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """-> (tensors to write for layer i, the next layer's inputs through the dequantized layer)."""
-        weights, jobs = self.calibrate(i, hidden, min_tokens_per_input, stats)
+        p, kind = self._prefix(i), self.spec.kinds[i]
+        weights, jobs = self.calibrate(p, kind, self.layout, hidden, min_tokens_per_input, stats)
         tensors = quantize_jobs(jobs)
-        tensors.update(self.plain_tensors(i))
-        return tensors, self.run(self._layer(i, weights), hidden)
+        tensors.update(self.plain_tensors(p, self.layout))
+        return tensors, self.run(self._layer(p, kind, weights), hidden)
+
+    def has_mtp(self) -> bool:
+        return qwen35.has_mtp(set(self.ckpt.shard_of))
+
+    def quantize_mtp(self, ids: torch.Tensor, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
+                     stats: dict) -> dict[str, torch.Tensor]:
+        """The MTP head (reference/mtp.py), calibrated on what it reads when drafting: the quantized model's
+        final hidden states h_i and the embeddings of the tokens t_{i+1} after them (ids [rows, T])."""
+        lay, h, eps = qwen35.mtp_layout(self.config, set(self.ckpt.shard_of)), self.spec.hidden, self.spec.eps
+
+        def centred(name: str) -> torch.Tensor:
+            return 1.0 + self.ckpt.get(f"{qwen35.MTP}.{name}.weight")
+        e = F.rms_norm(F.embedding(ids[:, 1:], self.ckpt.get(self.embed_name)), (h,), centred("pre_fc_norm_embedding"), eps)
+        x = torch.cat([e, F.rms_norm(self.head_input(hidden)[:, :-1], (h,), centred("pre_fc_norm_hidden"), eps)], -1)
+        fc = {f"{qwen35.MTP}.fc": self.ckpt.get(f"{qwen35.MTP}.fc.weight")}
+        if tuple(fc[f"{qwen35.MTP}.fc"].shape) != (h, 2 * h):
+            raise self.error(f"{self.ckpt.path}: {qwen35.MTP}.fc.weight has shape {list(fc[f'{qwen35.MTP}.fc'].shape)}, "
+                             f"the config implies {[h, 2 * h]}")
+        acc = HessianAccumulator(2 * h)
+        acc.add(x)
+        jobs = [(f"{qwen35.MTP}.fc", fc[f"{qwen35.MTP}.fc"], acc.h,
+                 lambda d: fc.__setitem__(f"{qwen35.MTP}.fc", d))]
+        tensors = quantize_jobs(jobs)
+        x = F.linear(x, fc[f"{qwen35.MTP}.fc"])                        # through the dequantized fc
+        p = f"{qwen35.MTP}.layers.0"
+        _, jobs = self.calibrate(p, qwen35.FULL, lay, x, min_tokens_per_input, stats)
+        tensors.update(quantize_jobs(jobs))
+        tensors.update(self.plain_tensors(p, lay))
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensors[f"{qwen35.MTP}.{name}.weight"] = self.ckpt.get(f"{qwen35.MTP}.{name}.weight").to(torch.float16)
+        return tensors
