@@ -132,15 +132,14 @@ def test_head_loads_and_its_drafts_match_the_oracle(built):
         assert len(drafts) == 2 and drafts[0] == int(want[n - 1].argmax())
         assert (rows[0] - want[n - 1]).abs().max() <= TOL_FP32
         # the chained draft: slot n holds (m_{n-1}, d_1), m the head's own output for slot n-1
-        mod = __import__(MOD, fromlist=["x"])
-        chain_h = torch.cat([hidden[:n], _head_out(model, head, hidden[:n], seq[1:n + 1], mod)[None]])
+        chain_h = torch.cat([hidden[:n], _head_out(model, head, hidden[:n], seq[1:n + 1])[None]])
         chained = head_oracle(model, head, chain_h, seq[1:n + 1] + [drafts[0]])[-1]
         assert (rows[1] - chained).abs().max() <= TOL_FP32
         engine.forward([seq[n]])
     assert engine.position == 13
 
 
-def _head_out(model, head, hidden, tokens, mod):
+def _head_out(model, head, hidden, tokens):
     """The head's normalised output m for the last row (what the next draft reads as its hidden state)."""
     captured = {}
     handle = model.lm_head.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
