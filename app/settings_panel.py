@@ -65,7 +65,7 @@ CHOICE_LABELS = {
     "offload.kv_cache": {"fp16": "FP16", "q8": "Q8", "q6": "Q6", "q4": "Q4"},
     "offload.placement": {"auto": "Auto", "vram": "All in VRAM", "cpu": "CPU experts", "stream": "Stream to GPU"},
     "offload.backend": {"auto": "Auto", "cuda": "GPU (CUDA)", "cpu": "CPU"},
-    "draft.mode": {"off": "Off", "model": "Draft model", "ngram": "N-gram"},
+    "draft.mode": {"off": "Off", "model": "Draft model", "mtp": "MTP head", "ngram": "N-gram"},
     "sampling.context_overflow": dict(OVERFLOW_CHOICES),
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").

@@ -85,8 +85,9 @@ class OffloadOptions:
 
 @dataclass(frozen=True)
 class DraftOptions:
-    mode: str = opt("off", "Speculative decoding: off, a small draft model, or n-gram lookup in the conversation.",
-                    choices=("off", "model", "ngram"))
+    mode: str = opt("off", "Speculative decoding: off, a small draft model, the model's own multi-token-prediction "
+                           "head (Qwen3.5-MoE), or n-gram lookup in the conversation.",
+                    choices=("off", "model", "mtp", "ngram"))
     model: Optional[str] = opt(None, "Draft model (name or folder); needs the target's vocabulary.", reload=True)
     draft_tokens: int = opt(4, "Tokens drafted ahead per step.", min=1, max=16)
     adaptive: bool = opt(True, "Adjust the draft length, and switch drafting off when it does not pay.")

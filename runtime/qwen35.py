@@ -5,8 +5,9 @@ convolution and a recurrent state per sequence), every `full_attention_interval`
 full attention (output gate, QK norm, partial RoPE), and every layer is an MoE of routed experts plus a
 gated shared expert. The Hub's checkpoints are multimodal (`Qwen3_5MoeForConditionalGeneration`: the
 sizes under `text_config`, the language model's tensors under `model.language_model.`, a vision tower
-under `model.visual.` and an MTP head under `mtp.`, both unused here); a text-only export
-(`Qwen3_5MoeForCausalLM`) keeps them under `model.`.
+under `model.visual.` (unused here) and a multi-token-prediction head under `mtp.` (`mtp_layout`: the
+speculative draft of the reference engine); a text-only export (`Qwen3_5MoeForCausalLM`) keeps the
+language model under `model.`.
 
 Experts are read either per expert (`mlp.experts.N.gate_proj`, as transformers saves them and as EXL2
 folders store them) or stacked (`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
@@ -177,6 +178,39 @@ def layout(config: dict, present: set[str] | None = None) -> Layout:
 
 def stacked_experts(config: dict, present: set[str], layer: int) -> bool:
     return f"{prefix(config)}.layers.{layer}.mlp.experts.gate_up_proj" in present
+
+
+MTP = "mtp"
+
+
+def has_mtp(present: set[str]) -> bool:
+    """The folder holds the multi-token-prediction head (its fc stored plain or quantized)."""
+    return f"{MTP}.fc.weight" in present or f"{MTP}.fc.q_weight" in present
+
+
+def mtp_layout(config: dict, present: set[str] | None = None) -> Layout:
+    """The MTP head's tensors: two (1 + weight) norms of the next token's embedding and of the model's
+    last hidden state, `fc` [H, 2H] joining them (embedding first), one gated full-attention decoder
+    layer with the model's MoE, and a final norm; the embedding and lm_head are the model's own."""
+    h, m, ms, e = (config["hidden_size"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"],
+                   config["num_experts"])
+    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    p, present = f"{MTP}.layers.0", present or set()
+    plain = {f"{MTP}.{n}.weight": (h,) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    plain.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                  f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,)})
+    linears = {f"{MTP}.fc": (h, 2 * h), f"{p}.self_attn.q_proj": (2 * nh * hd, h), f"{p}.self_attn.k_proj": (nkv * hd, h),
+               f"{p}.self_attn.v_proj": (nkv * hd, h), f"{p}.self_attn.o_proj": (h, nh * hd), f"{p}.mlp.gate": (e, h),
+               f"{p}.mlp.shared_expert_gate": (1, h), f"{p}.mlp.shared_expert.gate_proj": (ms, h),
+               f"{p}.mlp.shared_expert.up_proj": (ms, h), f"{p}.mlp.shared_expert.down_proj": (h, ms)}
+    if f"{p}.mlp.experts.gate_up_proj" in present:
+        plain[f"{p}.mlp.experts.gate_up_proj"] = (e, 2 * m, h)
+        plain[f"{p}.mlp.experts.down_proj"] = (e, h, m)
+    else:
+        for j in range(e):
+            linears.update({f"{p}.mlp.experts.{j}.gate_proj": (m, h), f"{p}.mlp.experts.{j}.up_proj": (m, h),
+                            f"{p}.mlp.experts.{j}.down_proj": (h, m)})
+    return Layout(plain, linears, (e - config["num_experts_per_tok"]) * 3 * m * h)
 
 
 def implied_tensors(config: dict, present: set[str]) -> int:

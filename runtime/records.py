@@ -11,7 +11,7 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class DraftStats:
-    mode: str                          # "model" | "ngram" | "off"
+    mode: str                          # "model" | "mtp" | "ngram" | "off"
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: Optional[float] = None

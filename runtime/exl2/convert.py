@@ -9,6 +9,8 @@ Flow (exllamav2's converter works the same way in outline):
    its outputs are the next layer's inputs, so later layers are calibrated on what the quantized model
    really computes.
 3. The final norm's outputs calibrate `lm_head` (absent when tied to the embeddings).
+Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) takes the same steps with the reference engine's
+own layers in place of transformers' modules: convert_qwen35.py.
 Memory: one layer's weights plus the calibration activations (rows x seq_len x hidden, float32, twice).
 
 MoE experts (Qwen3-MoE): the hook on the experts module sees the router's choice, so each expert's
@@ -46,6 +48,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from runtime import qwen35
 from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_HEAD_BITS
 
 from . import allocate
@@ -86,10 +89,10 @@ class Checkpoint:
         except (OSError, ValueError) as e:
             raise ConvertError(f"{cfg_file}: unreadable ({e})") from e
         archs = self.config.get("architectures") or []
-        self.arch = next((a for a in archs if a in ARCHITECTURES), None)
+        self.arch = next((a for a in archs if a in ARCHITECTURES or a in qwen35.ARCHITECTURES), None)
         if self.arch is None:
             raise ConvertError(f"{cfg_file}: architecture {archs} is not supported; the converter handles "
-                               f"{', '.join(ARCHITECTURES)}")
+                               f"{', '.join((*ARCHITECTURES, *qwen35.ARCHITECTURES))}")
         if self.config.get("quantization_config"):
             raise ConvertError(f"{cfg_file}: the checkpoint is already quantized "
                                f"({self.config['quantization_config'].get('quant_method', '?')}); "
@@ -290,9 +293,17 @@ def _jobs(layer, prefix: str, stats: dict, collector: _Collector):
 
 def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stats: dict,
                     collector: _Collector, measure: bool) -> dict[str, torch.Tensor]:
-    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write.
-    With `measure`, each linear's width is chosen among candidates by measured error (allocate.py)."""
-    jobs = _jobs(layer, prefix, stats, collector)
+    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write."""
+    tensors = _quantize_jobs(_jobs(layer, prefix, stats, collector), bits, group_size, damp, stats, measure)
+    for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
+        if value.dim() == 1 or key.endswith("gate.weight"):
+            tensors[f"{prefix}{key}"] = value.to(torch.float16)
+    return tensors
+
+
+def _quantize_jobs(jobs, bits, group_size: int, damp: float, stats: dict, measure: bool) -> dict[str, torch.Tensor]:
+    """GPTQ each (name, weight, hessian, set dequantized weight) job; -> the quantized tensors. With
+    `measure`, each linear's width is chosen among candidates by measured error (allocate.py)."""
     widths = allocate.candidates(bits) if measure else [bits]
     results, errors = {}, {}
     for key, w, h, _ in jobs:
@@ -311,9 +322,6 @@ def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stat
         stats["code_bits"] = stats.get("code_bits", 0) + allocate.code_bits(q) * w.numel()
         stats["weights"] = stats.get("weights", 0) + w.numel()
         set_weight(deq)
-    for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
-        if value.dim() == 1 or key.endswith("gate.weight"):
-            tensors[f"{prefix}{key}"] = value.to(torch.float16)
     return tensors
 
 
@@ -338,11 +346,19 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     if out_dir.exists():
         raise ConvertError(f"{out_dir}: already exists; choose another output folder or remove it")
     ckpt = Checkpoint(model_dir)
-    cfg = AutoConfig.from_pretrained(ckpt.path)
-    cfg._attn_implementation = "sdpa"
-    layer_cls, rope_cls, norm_cls = _classes(ckpt.arch)
-    n_layers = cfg.num_hidden_layers
-    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    hybrid = None
+    if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
+        from .convert_qwen35 import HybridLayers
+        hybrid = HybridLayers(ckpt, seq_len, ConvertError)
+        n_layers, tied = hybrid.n_layers, bool(hybrid.config.get("tie_word_embeddings", False))
+        embed_name, norm_name = hybrid.embed_name, hybrid.norm_name
+    else:
+        cfg = AutoConfig.from_pretrained(ckpt.path)
+        cfg._attn_implementation = "sdpa"
+        layer_cls, rope_cls, norm_cls = _classes(ckpt.arch)
+        n_layers = cfg.num_hidden_layers
+        tied = bool(ckpt.config.get("tie_word_embeddings", False))
+        embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
                 "group_size": group_size, "damp": damp, "measure": measure, "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
@@ -364,28 +380,33 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     _check_disk(staging, int(ckpt.total_bytes() / 2 * max(bits, head_bits) / 8 * 2), "convert this model")
 
     k = state["layers_done"]
+    tok = AutoTokenizer.from_pretrained(ckpt.path)
+    ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
     if k == 0:
-        tok = AutoTokenizer.from_pretrained(ckpt.path)
-        ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
-        hidden = torch.nn.functional.embedding(ids, ckpt.get("model.embed_tokens.weight"))
+        hidden = torch.nn.functional.embedding(ids, ckpt.get(embed_name))
         state["rows_used"] = ids.shape[0]
     else:
         with safe_open(str(staging / f"hidden-{k:05d}.safetensors"), "pt") as f:
             hidden = f.get_tensor("hidden")
-    rotary = rope_cls(config=cfg)
+    rotary = rope_cls(config=cfg) if hybrid is None else None
     done_now = 0
     for i in range(k, n_layers):
         if stop_after_layers is not None and done_now >= stop_after_layers:
             raise ConvertError(f"conversion stopped after layer {i} of {n_layers}; run it again to resume")
-        prefix = f"model.layers.{i}."
-        layer = layer_cls(cfg, layer_idx=i).float().eval()
-        _load_layer(layer, ckpt, prefix)
-        collector = _Collector(layer)
-        _run_layer(layer, rotary, hidden)
-        collector.remove()
-        tensors = _quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure)
-        del collector
-        hidden = _run_layer(layer, rotary, hidden)
+        if hybrid is not None:
+            tensors, hidden = hybrid.quantize_layer(
+                i, hidden, lambda jobs: _quantize_jobs(jobs, bits, group_size, damp, state["stats"], measure),
+                MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
+        else:
+            prefix = f"model.layers.{i}."
+            layer = layer_cls(cfg, layer_idx=i).float().eval()
+            _load_layer(layer, ckpt, prefix)
+            collector = _Collector(layer)
+            _run_layer(layer, rotary, hidden)
+            collector.remove()
+            tensors = _quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure)
+            del collector
+            hidden = _run_layer(layer, rotary, hidden)
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
         _check_disk(staging, need, f"write layer {i}")
         try:
@@ -401,12 +422,20 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
 
     head = None
     if not tied:
-        norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        norm.weight.data = ckpt.get("model.norm.weight")
-        acc = HessianAccumulator(cfg.hidden_size)
+        acc = HessianAccumulator(hidden.shape[-1])
         with torch.no_grad():
-            acc.add(norm(hidden))
+            if hybrid is not None:
+                acc.add(hybrid.head_input(hidden))
+            else:
+                norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps)
+                norm.weight.data = ckpt.get(norm_name)
+                acc.add(norm(hidden))
         head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, name="lm_head")
+    mtp = {}
+    if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
+        mtp = hybrid.quantize_mtp(ids, hidden, lambda jobs: _quantize_jobs(jobs, bits, group_size, damp,
+                                                                          state["stats"], measure),
+                                  MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
     del hidden
 
     config = exllamav2_config(ckpt.config)
@@ -422,14 +451,16 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         shutil.rmtree(assembled)
     try:
         with ModelWriter(assembled) as writer:
-            writer.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight").to(torch.float16))
+            writer.add(embed_name, ckpt.get(embed_name).to(torch.float16))
             for i in range(n_layers):
                 with safe_open(str(staging / f"layer-{i:05d}.safetensors"), "pt") as f:
                     for name in f.keys():
                         writer.add(name, f.get_tensor(name))
-            writer.add("model.norm.weight", ckpt.get("model.norm.weight").to(torch.float16))
+            writer.add(norm_name, ckpt.get(norm_name).to(torch.float16))
             if head is not None:
                 writer.add_all("lm_head", head)
+            for name, tensor in mtp.items():
+                writer.add(name, tensor)
             writer.finish(config)
     except OSError as e:
         raise ConvertError(f"{assembled}: writing the model failed ({e}); free space and run again") from e

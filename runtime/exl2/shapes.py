@@ -104,7 +104,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
           head_dim=64, intermediate=128, vocab=1024, experts=16, experts_per_token=4, expert_intermediate=128,
           max_position=4096, rope_theta=500000.0, norm_eps=1e-05, clip_qkv=8.0),
     # config.json of Qwen/Qwen3.5-122B-A10B (its text_config): 48 layers, 3 Gated DeltaNet : 1 gated attention,
-    # 256 experts (top-8) + a shared expert; ~122B parameters, ~10B active (vision tower and MTP head not written)
+    # 256 experts (top-8) + a shared expert; ~122B parameters, ~10B active (vision tower not written; the MTP head
+    # is written, not counted)
     Shape("qwen3.5-122b-a10b", QWEN35, "Qwen/Qwen3.5-122B-A10B", layers=48, hidden=3072, heads=32, kv_heads=2,
           head_dim=256, intermediate=0, vocab=248320, experts=256, experts_per_token=8, expert_intermediate=1024,
           max_position=262144, rope_theta=10000000.0, full_attention_interval=4, linear_key_heads=16,
@@ -264,6 +265,30 @@ def _qwen35_tensors(s: Shape) -> Iterator["TensorSpec"]:
         yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "centred_norm")
     yield TensorSpec(f"{p0}.norm.weight", (h,), "centred_norm")
     yield TensorSpec("lm_head", (s.vocab, h), "head")
+    yield from _qwen35_mtp_tensors(s)
+
+
+def _qwen35_mtp_tensors(s: Shape) -> Iterator["TensorSpec"]:
+    """The multi-token-prediction head under mtp. (runtime/qwen35.mtp_layout): norms, fc, one gated
+    attention layer with the MoE."""
+    h, q, kv, p = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, "mtp.layers.0"
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        yield TensorSpec(f"mtp.{norm}.weight", (h,), "centred_norm")
+    yield TensorSpec("mtp.fc", (h, 2 * h), "linear", "mtp.fc")
+    for proj, shape in (("q_proj", (2 * q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+        yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
+    yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "centred_norm")
+    yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "centred_norm")
+    yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
+    yield TensorSpec(f"{p}.mlp.shared_expert_gate.weight", (1, h), "router")
+    m, ms = s.expert_intermediate, s.shared_intermediate
+    for proj, shape in (("gate_proj", (ms, h)), ("up_proj", (ms, h)), ("down_proj", (h, ms))):
+        yield TensorSpec(f"{p}.mlp.shared_expert.{proj}", shape, "linear", f"shared.{proj}")
+    for e in range(s.experts):
+        for proj, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
+            yield TensorSpec(f"{p}.mlp.experts.{e}.{proj}", shape, "linear", f"expert.{proj}")
+    yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "centred_norm")
+    yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "centred_norm")
 
 
 @dataclass(frozen=True)
@@ -311,6 +336,8 @@ def param_counts(s: Shape) -> tuple[int, int]:
     top-k experts, as model cards do (Qwen3-30B-A3B: 30.5B / 3.3B)."""
     total = active = 0
     for t in tensors(s):
+        if t.name.startswith("mtp."):              # the MTP head is a draft, not counted (as model cards do)
+            continue
         n = 1
         for d in t.shape:
             n *= d

@@ -49,10 +49,11 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
     folder = ModelFolder(path)
     hybrid = folder.config["architectures"][0] in qwen35.ARCHITECTURES
     if hybrid:                                  # Qwen3.5-MoE: DeltaNet and gated attention layers
+        from runtime.reference import mtp
         from runtime.reference import qwen35 as reference35
         from runtime.reference.hybrid import HybridEngine
         spec = reference35.Spec.from_config(folder.config, str(folder.path / "config.json"))
-        read, engine_class = reference35.load_weights, HybridEngine
+        read, engine_class = mtp.load_weights, HybridEngine      # with the MTP head when there is one
     else:
         spec = Spec.from_config(folder.config, str(folder.path / "config.json"))
         read, engine_class = load_weights, ReferenceEngine

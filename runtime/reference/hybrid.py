@@ -15,12 +15,14 @@ cache only when it is a prefix of the new prompt) runs the kept tokens again fro
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from runtime.engine import ModelInfo
 from runtime.errors import BadRequest, EngineError
 from runtime.reference import qwen35 as q35
-from runtime.reference import rope
+from runtime.reference import mtp, rope
 from runtime.reference.engine import ReferenceEngine
 
 ROLLBACK_WINDOW = 64         # tokens of DeltaNet inputs logged since the checkpoint (at least)
@@ -125,6 +127,9 @@ class HybridEngine(ReferenceEngine):
         with torch.inference_mode():
             self.cache = HybridState(spec, context_length, weights.dtype)
             self.cos, self.sin = rope.tables(spec.rope, spec.rotary_dim, context_length, weights.dtype)
+            self.mtp = mtp.MtpCache(spec, context_length, weights.dtype) if weights.mtp is not None else None
+        self.mtp_on = False                    # the MTP head follows the forwards (a drafter asked for it)
+        self._mtp_paused = False               # a truncate's replay: the head's slots stay as they are
         self.tokens: list[int] = []            # what the cache holds, to replay a truncate before the checkpoint
         self._bytes_per_token = weights.nbytes_per_token(spec)
 
@@ -133,29 +138,112 @@ class HybridEngine(ReferenceEngine):
         if media:
             raise BadRequest(f"token {media[0]} is an image or video placeholder: images and video are not "
                               f"supported (this engine runs {self.info.name}'s language model only)")
+        start = self.cache.length
         self.cache.begin(ids.shape[0])
-        logits = q35.forward(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
+        hidden = q35.forward_hidden(self.weights, self.spec, self.cache, self.cos, self.sin, ids)
         self.cache.end()
         self.tokens += ids.tolist()
-        return logits
+        if self.mtp is not None and self.mtp_on:
+            self._mtp_follow(start, ids, hidden)
+        return self.weights.lm_head(hidden).float()
 
     def truncate(self, length: int) -> None:
         if self.cache is None or not 0 <= length <= self.cache.length:
             held = self.cache.length if self.cache is not None else 0
             raise EngineError(f"cannot truncate to {length} tokens: the cache holds {held}")
+        head = self.mtp if self.mtp is not None and self.mtp_on else None
+        slots = min(head.slots, max(length - 1, 0)) if head is not None else 0
         with torch.inference_mode():
-            if length == 0:
-                self.cache.reset()
-            elif not self.cache.rollback(length, self.weights.layers):
-                keep = self.tokens[:length]
-                self.cache.reset()
-                self.tokens = []
-                for s in range(0, length, REPLAY_CHUNK):
-                    self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
+            self._mtp_paused = True
+            try:
+                self._truncate(length)
+                if head is not None and length >= 1 and not head.has_row(length - 1):
+                    last = self.tokens[length - 1]          # the head needs h at length-1: run that token again
+                    self._truncate(length - 1)
+                    self._forward(torch.as_tensor([last], dtype=torch.long))
+            finally:
+                self._mtp_paused = False
+        if head is not None:
+            head.trim(length)
+            head.slots = slots
+
+    def _truncate(self, length: int) -> None:
+        if length == 0:
+            self.cache.reset()
+        elif not self.cache.rollback(length, self.weights.layers):
+            keep = self.tokens[:length]
+            self.cache.reset()
+            self.tokens = []
+            for s in range(0, length, REPLAY_CHUNK):
+                self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
         del self.tokens[length:]
+
+    # -- the MTP head (mtp.py) -----------------------------------------------------------------
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def mtp_enable(self) -> None:
+        """Let the head follow every forward from now on (about one layer's work per forward)."""
+        if self.mtp is None:
+            raise EngineError(ErrorCode.BAD_FIELD.value, f"{self.info.name} has no multi-token-prediction head "
+                                                         f"(no mtp.* tensors in its folder)")
+        self.mtp_on = True
+
+    def _mtp_follow(self, start: int, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
+        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
+        head = self.mtp
+        if not self._mtp_paused:
+            if start == 0:
+                head.slots = 0
+            if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
+                h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
+                toks = ids[1:] if start == 0 else ids
+                if toks.numel():
+                    mtp.run(self.weights, self.spec, head, self.cos, self.sin, h, toks, max(start - 1, 0))
+                head.slots = start + ids.shape[0] - 1
+        head.keep_rows(start, hidden)
+
+    def mtp_draft(self, tokens: list[int], k: int, choose: Callable[[torch.Tensor], int]) -> list[int]:
+        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
+        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
+        self.mtp_enable()
+        n = len(tokens) - 1
+        if n != self.cache.length:
+            raise EngineError(ErrorCode.INTERNAL.value, f"MTP draft after {len(tokens)} tokens: the cache holds "
+                                                        f"{self.cache.length}, not the {n} before the last")
+        head, drafts = self.mtp, []
+        if n == 0:
+            return drafts
+        with torch.inference_mode():
+            if head.slots < n - 1 or not head.has_row(n - 1):
+                self._mtp_rebuild(n)
+            h, tok = head.row(n - 1)[None], tokens[-1]
+            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
+                h = mtp.run(self.weights, self.spec, head, self.cos, self.sin, h,
+                            torch.as_tensor([tok], dtype=torch.long), pos)
+                logits = self.weights.lm_head(h).float()[0]
+                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
+                    if media < logits.shape[0]:
+                        logits[media] = float("-inf")
+                tok = choose(logits)
+                drafts.append(tok)
+        return drafts
+
+    def _mtp_rebuild(self, n: int) -> None:
+        """The head missed part of the conversation (it was off): run the model over it again."""
+        keep = self.tokens[:n]
+        self.cache.reset()
+        self.tokens = []
+        self.mtp.slots, self.mtp.rows = 0, None
+        for s in range(0, n, REPLAY_CHUNK):
+            self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
 
     def telemetry(self) -> dict:
         out = super().telemetry()
         out["cache_bytes"] = self.cache.nbytes() if self.cache is not None else 0
+        if self.mtp is not None:
+            out["cache_bytes"] += self.mtp.nbytes()
         return out
-

@@ -11,7 +11,7 @@ HK / HV linear key / value heads, dk / dv their dims, C = 2*HK*dk + HV*dv convol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,7 @@ class Weights:
     lm_head: Linear
     dtype: torch.dtype
     precision: str
+    mtp: Optional[Any] = None          # mtp.MtpWeights: the multi-token-prediction head (mtp.load_weights)
 
     def nbytes_per_token(self, spec: Spec) -> int:
         """Weight bytes one decode step reads (the active experts only)."""
@@ -120,42 +121,15 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     dt, f32, p0 = _act_dtype(precision), torch.float32, qwen35.prefix(folder.config)
 
-    def fused(prefixes: list[str]) -> Linear:
-        ws = [folder.linear(p, f32) for p in prefixes]
-        return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], None, precision)
-
     def centred(name: str) -> torch.Tensor:        # the (1 + weight) RMS norms
         return (1.0 + folder.tensor(name).float()).to(dt)
 
     layers = []
+    present = set(folder.info.shard_of)
     for i, kind in enumerate(spec.kinds):
         p = f"{p0}.layers.{i}"
-        m = f"{p}.mlp"
-        if qwen35.stacked_experts(folder.config, set(folder.info.shard_of), i):
-            gate_up, down = folder.tensor(f"{m}.experts.gate_up_proj").float(), folder.tensor(f"{m}.experts.down_proj").float()
-            experts_gate_up = [Linear(gate_up[j], None, precision) for j in range(spec.experts)]
-            experts_down = [Linear(down[j], None, precision) for j in range(spec.experts)]
-        else:
-            experts_gate_up = [fused([f"{m}.experts.{j}.gate_proj", f"{m}.experts.{j}.up_proj"]) for j in range(spec.experts)]
-            experts_down = [fused([f"{m}.experts.{j}.down_proj"]) for j in range(spec.experts)]
-        shared = (fused([f"{m}.shared_expert.gate_proj", f"{m}.shared_expert.up_proj", f"{m}.shared_expert_gate"]),
-                  fused([f"{m}.shared_expert.down_proj"]))
-        norms = centred(f"{p}.input_layernorm.weight"), centred(f"{p}.post_attention_layernorm.weight")
-        router = folder.linear(f"{m}.gate", f32).contiguous()
-        if kind == qwen35.FULL:
-            a = f"{p}.self_attn"
-            layer = Layer(kind, *norms, fused([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), fused([f"{a}.o_proj"]),
-                          router, experts_gate_up, experts_down, *shared,
-                          qk_norm=torch.stack([centred(f"{a}.q_norm.weight"), centred(f"{a}.k_norm.weight")]))
-        else:
-            a = f"{p}.linear_attn"
-            layer = Layer(kind, *norms, fused([f"{a}.in_proj_qkv", f"{a}.in_proj_z", f"{a}.in_proj_b", f"{a}.in_proj_a"]),
-                          fused([f"{a}.out_proj"]), router, experts_gate_up, experts_down, *shared,
-                          conv_weight=folder.tensor(f"{a}.conv1d.weight").float()[:, 0].contiguous(),
-                          decay_scale=-folder.tensor(f"{a}.A_log").float().exp(),
-                          dt_bias=folder.tensor(f"{a}.dt_bias").float(),
-                          out_norm=folder.tensor(f"{a}.norm.weight").to(dt))
-        layers.append(layer)
+        layers.append(build_layer(kind, p, spec, precision, lambda n: folder.linear(n, f32), folder.tensor,
+                                  qwen35.stacked_experts(folder.config, present, i)))
         progress(i + 1, spec.layers + 1)
     embed = folder.tensor(f"{p0}.embed_tokens.weight")
     head = folder.linear("lm_head", f32) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") else embed
@@ -165,12 +139,56 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
     return weights
 
 
+def build_layer(kind: str, p: str, spec: Spec, precision: str, linear: Callable[[str], torch.Tensor],
+                tensor: Callable[[str], torch.Tensor], stacked: bool) -> Layer:
+    """One decoder layer under prefix `p` (`model.language_model.layers.3`, `mtp.layers.0`): `linear(prefix)`
+    gives a linear's weight [out, in] float32 (stored plain or quantized), `tensor(name)` a stored tensor."""
+    dt, m = _act_dtype(precision), f"{p}.mlp"
+
+    def fused(prefixes: list[str]) -> Linear:
+        ws = [linear(q) for q in prefixes]
+        return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], None, precision)
+
+    def centred(name: str) -> torch.Tensor:        # the (1 + weight) RMS norms
+        return (1.0 + tensor(name).float()).to(dt)
+
+    if stacked:
+        gate_up, down = tensor(f"{m}.experts.gate_up_proj").float(), tensor(f"{m}.experts.down_proj").float()
+        experts_gate_up = [Linear(gate_up[j], None, precision) for j in range(spec.experts)]
+        experts_down = [Linear(down[j], None, precision) for j in range(spec.experts)]
+    else:
+        experts_gate_up = [fused([f"{m}.experts.{j}.gate_proj", f"{m}.experts.{j}.up_proj"]) for j in range(spec.experts)]
+        experts_down = [fused([f"{m}.experts.{j}.down_proj"]) for j in range(spec.experts)]
+    shared = (fused([f"{m}.shared_expert.gate_proj", f"{m}.shared_expert.up_proj", f"{m}.shared_expert_gate"]),
+              fused([f"{m}.shared_expert.down_proj"]))
+    norms = centred(f"{p}.input_layernorm.weight"), centred(f"{p}.post_attention_layernorm.weight")
+    router = linear(f"{m}.gate").float().contiguous()
+    if kind == qwen35.FULL:
+        a = f"{p}.self_attn"
+        return Layer(kind, *norms, fused([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), fused([f"{a}.o_proj"]),
+                     router, experts_gate_up, experts_down, *shared,
+                     qk_norm=torch.stack([centred(f"{a}.q_norm.weight"), centred(f"{a}.k_norm.weight")]))
+    a = f"{p}.linear_attn"
+    return Layer(kind, *norms, fused([f"{a}.in_proj_qkv", f"{a}.in_proj_z", f"{a}.in_proj_b", f"{a}.in_proj_a"]),
+                 fused([f"{a}.out_proj"]), router, experts_gate_up, experts_down, *shared,
+                 conv_weight=tensor(f"{a}.conv1d.weight").float()[:, 0].contiguous(),
+                 decay_scale=-tensor(f"{a}.A_log").float().exp(),
+                 dt_bias=tensor(f"{a}.dt_bias").float(),
+                 out_norm=tensor(f"{a}.norm.weight").to(dt))
+
+
 # ----------------------------------------------------------------------------------------------
 # The forward pass
 
 def forward(w: Weights, spec: Spec, state, cos: torch.Tensor, sin: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """tokens [T] -> logits [T, V] float32, appended at state.length (state: state.HybridState); every
     DeltaNet layer's inputs to its recurrence are handed to `state.record` for rollback."""
+    return w.lm_head(forward_hidden(w, spec, state, cos, sin, tokens)).float()
+
+
+def forward_hidden(w: Weights, spec: Spec, state, cos: torch.Tensor, sin: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+    """`forward` up to the final norm: the hidden states [T, H] that lm_head (and the MTP head) read."""
     t, start = tokens.shape[0], state.length
     end = start + t
     x = F.embedding(tokens, w.embed)                                          # [T, H]
@@ -178,18 +196,23 @@ def forward(w: Weights, spec: Spec, state, cos: torch.Tensor, sin: torch.Tensor,
     mask = model._mask(start, end, 0, spec.heads // spec.kv_heads)
     full = linear = 0
     for layer in w.layers:
-        h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
-        if layer.kind == qwen35.FULL:
-            x = x + _attention(layer, spec, state, full, h, rot, mask, start, end)
-            full += 1
-        else:
-            x = x + _linear_attention(layer, spec, state, linear, h)
-            linear += 1
-        h = F.rms_norm(x, (spec.hidden,), layer.mlp_norm, spec.eps)
-        x = x + _moe(layer, spec, h)
+        x = layer_forward(layer, spec, state, full if layer.kind == qwen35.FULL else linear, x, rot, mask, start, end)
+        full, linear = (full + 1, linear) if layer.kind == qwen35.FULL else (full, linear + 1)
     state.length = end
-    x = F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
-    return w.lm_head(x).float()
+    return F.rms_norm(x, (spec.hidden,), w.norm, spec.eps)
+
+
+def layer_forward(layer: Layer, spec: Spec, state, i: int, x: torch.Tensor, rot, mask, start: int,
+                  end: int) -> torch.Tensor:
+    """One decoder layer on the residual stream x [T, H]; `i` indexes the layer among those of its kind
+    in `state` (state.kv for attention, state.conv / state.recurrent for DeltaNet)."""
+    h = F.rms_norm(x, (spec.hidden,), layer.attn_norm, spec.eps)
+    if layer.kind == qwen35.FULL:
+        x = x + _attention(layer, spec, state, i, h, rot, mask, start, end)
+    else:
+        x = x + _linear_attention(layer, spec, state, i, h)
+    h = F.rms_norm(x, (spec.hidden,), layer.mlp_norm, spec.eps)
+    return x + _moe(layer, spec, h)
 
 
 def _attention(layer: Layer, spec: Spec, state, i: int, h: torch.Tensor, rot, mask, start: int, end: int) -> torch.Tensor:

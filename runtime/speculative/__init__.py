@@ -3,7 +3,7 @@
     make_decoder(engine, draft, sampling, generator, draft_engine=None) -> SpeculativeDecoder
 
 Modes (DraftOptions.mode): "model" (a small draft model with the target's vocabulary, in
-`draft_engine`), "ngram" (prompt lookup in the tokens so far, no model), "off" (plain steps, with the
+`draft_engine`), "mtp" (the target's own multi-token-prediction head, Qwen3.5-MoE), "ngram" (prompt lookup in the tokens so far, no model), "off" (plain steps, with the
 same stats). The step itself is `core.speculative_step`; `adaptive.DraftPolicy` picks the draft
 length; `bench/spec.py` (outside the runtime) measures it.
 """
@@ -16,7 +16,7 @@ from runtime.engine import Engine
 from runtime.options import DraftOptions, SamplingOptions
 from runtime.speculative.adaptive import DraftPolicy
 from runtime.speculative.decoder import SpeculativeDecoder
-from runtime.speculative.drafters import ModelDrafter, NgramDrafter
+from runtime.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter
 
 __all__ = ["make_decoder", "SpeculativeDecoder"]
 
@@ -28,12 +28,17 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         if draft_engine is None:
             raise ValueError("draft.mode is 'model' but no draft model is loaded (set draft.model)")
         drafter = ModelDrafter(draft_engine, sampling, generator)
+    elif draft.mode == "mtp":
+        if not getattr(engine, "has_mtp", False):
+            raise ValueError(f"draft.mode is 'mtp' but {engine.info.name} has no multi-token-prediction head "
+                             f"(mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
+        drafter = MtpDrafter(engine, sampling, generator)
     elif draft.mode == "ngram":
         drafter = NgramDrafter()
     elif draft.mode == "off":
         drafter = None
     else:
-        raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, ngram")
+        raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, mtp, ngram")
     if draft.draft_tokens < 1:
         raise ValueError(f"draft.draft_tokens: must be at least 1, got {draft.draft_tokens}")
     return SpeculativeDecoder(engine, drafter, draft, sampling, generator,

@@ -11,9 +11,9 @@ from runtime.options import DraftOptions, SamplingOptions
 from runtime.records import DraftStats
 from runtime.speculative.adaptive import DraftPolicy
 from runtime.speculative.core import StepResult, plain_step, speculative_step
-from runtime.speculative.drafters import ModelDrafter, NgramDrafter
+from runtime.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter
 
-Drafter = Union[ModelDrafter, NgramDrafter]
+Drafter = Union[ModelDrafter, MtpDrafter, NgramDrafter]
 
 
 class SpeculativeDecoder:
@@ -58,7 +58,7 @@ class SpeculativeDecoder:
         # Learn and count.
         step_s = time.perf_counter() - t0
         self.policy.observe(result.drafted, result.accepted, result.rows, step_s - result.draft_s, step_s)
-        if isinstance(self.drafter, ModelDrafter):
+        if isinstance(self.drafter, (ModelDrafter, MtpDrafter)):
             self.policy.set_draft_cost(self.drafter.cost_per_token())
         self._count(result, step_s)
         return result.new

@@ -1,4 +1,5 @@
-"""Where draft tokens come from: a small draft model, or n-gram lookup in the tokens so far.
+"""Where draft tokens come from: a small draft model, the model's own multi-token-prediction head, or
+n-gram lookup in the tokens so far.
 
 A drafter offers `propose(tokens, k) -> Proposal` (up to k tokens, possibly none). Each call
 resynchronises from `tokens` itself, so plain steps in between, rejected drafts and a new
@@ -72,6 +73,50 @@ class ModelDrafter:
 
     def cost_per_token(self) -> Optional[float]:
         return self.forward_s / self.forwards if self.forwards else None
+
+
+class MtpDrafter:
+    """The target's multi-token-prediction head drafts (Qwen3.5-MoE: `engine.mtp_draft`). The head's cache
+    lives in the target engine and follows the target's own forwards and truncates, so a rejection needs
+    nothing here. Each draft is picked from the head's logits by the same rule as a draft model's:
+    greedy at temperature 0, else drawn from `sampling.probabilities` (returned as q for the acceptance test).
+    """
+
+    mode = "mtp"
+
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator]):
+        engine.mtp_enable()                      # before the prefill: the head sees the whole conversation
+        self.engine = engine
+        self.opts = opts
+        self.generator = generator
+        self.draft_s = 0.0
+        self.drafted = 0
+
+    def propose(self, tokens: list[int], k: int) -> Proposal:
+        history = list(tokens)
+        qs: list[torch.Tensor] = []
+
+        def choose(row: torch.Tensor) -> int:
+            if self.opts.temperature == 0:
+                d = sampling.sample(row, history, self.opts)
+            else:
+                q = sampling.probabilities(row, history, self.opts)      # [V]
+                d = sampling.draw(q, self.generator)
+                qs.append(q)
+            history.append(d)
+            return d
+
+        t0 = time.perf_counter()
+        drafts = self.engine.mtp_draft(tokens, k, choose)
+        self.draft_s += time.perf_counter() - t0
+        self.drafted += len(drafts)
+        return Proposal(drafts, torch.stack(qs) if qs else None)
+
+    def rollback(self, length: int) -> None:
+        pass                             # the head's cache is the target's: its truncate trimmed it
+
+    def cost_per_token(self) -> Optional[float]:
+        return self.draft_s / self.drafted if self.drafted else None
 
 
 class NgramDrafter:

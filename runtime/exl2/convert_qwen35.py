@@ -1,0 +1,221 @@
+"""Qwen3.5-MoE in the calibrated converter (convert.py): each layer's calibration runs our own forward.
+
+transformers has no per-layer module of the hybrid stack that runs without its cache plumbing, so a
+layer here is the reference engine's (runtime/reference/qwen35.py: Gated DeltaNet with its convolution
+and recurrence, or gated attention with partial RoPE; then the MoE and the gated shared expert), built
+in float32 from the checkpoint, with every linear wrapped to sum the Hessian 2 X^T X of its real inputs.
+Each calibration row runs from position 0 with a fresh state.
+
+Quantized (GPTQ, per Hugging Face linear; a fused projection's parts share its input's Hessian):
+q/k/v/o, in_proj_qkv, in_proj_z, out_proj, the shared expert's gate/up/down, and each expert's
+gate/up (the tokens routed to it) and down (its own intermediate activations), with the all-token
+fallback of convert.py for experts that saw too few tokens. Kept in fp16 as stored, as EXL2 folders keep
+them: norms, conv1d, A_log, dt_bias, the router, the shared expert's scalar gate and the small per-head
+gates in_proj_a / in_proj_b. The MTP head (`mtp.*`), when there is one, is converted last, calibrated on
+the quantized model's final hidden states and the next tokens' embeddings (what it reads as a draft).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from runtime import qwen35
+from runtime.reference import model as ref_model
+from runtime.reference import qwen35 as q35
+from runtime.reference import rope
+from runtime.reference.weights import Linear
+
+from .gptq import HessianAccumulator
+
+PLAIN_LINEARS = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+
+
+class _Recording(Linear):
+    """A float32 Linear that sums the Hessian of what it is called on."""
+
+    def __init__(self, weight: torch.Tensor, acc: HessianAccumulator, keep: list | None = None):
+        super().__init__(weight, None, "float32")
+        self.acc, self.keep = acc, keep
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add(x)
+        if self.keep is not None:
+            self.keep.append(x)
+        return super().__call__(x)
+
+
+class _RowState:
+    """One calibration row's cache for one layer (index 0 of its kind)."""
+
+    def __init__(self, spec: q35.Spec, length: int):
+        shape = (1, spec.kv_heads, length, spec.head_dim)
+        self.kv = SimpleNamespace(k=torch.zeros(shape), v=torch.zeros(shape))
+        self.conv = [torch.zeros(spec.conv_kernel - 1, spec.conv_channels)]
+        self.recurrent = [torch.zeros(spec.lin_value_heads, spec.lin_key_dim, spec.lin_value_dim)]
+
+    def record(self, i, mixed, g, beta) -> None:
+        pass
+
+
+class HybridLayers:
+    """The per-layer work of convert.py for Qwen3.5-MoE checkpoints."""
+
+    def __init__(self, ckpt, seq_len: int, error):
+        where = str(ckpt.path / "config.json")
+        try:
+            self.config = qwen35.read_config(ckpt.config, where)
+        except Exception as e:                  # folder_check's errors name the key; keep the converter's type
+            raise error(f"{where}: {getattr(e, 'message', e)}") from None
+        self.spec = q35.Spec.from_config(self.config, where)
+        self.ckpt, self.error, self.p0 = ckpt, error, qwen35.prefix(self.config)
+        self.n_layers = self.spec.layers
+        self.embed_name, self.norm_name = f"{self.p0}.embed_tokens.weight", f"{self.p0}.norm.weight"
+        self.cos, self.sin = rope.tables(self.spec.rope, self.spec.rotary_dim, seq_len, torch.float32)
+        self.layout = qwen35.layout(self.config, set(ckpt.shard_of))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _prefix(self, i: int) -> str:
+        return f"{self.p0}.layers.{i}"
+
+    def _weights(self, p: str, lay) -> dict[str, torch.Tensor]:
+        """Every float32 linear weight of the layer at prefix p by Hugging Face prefix (stacked experts split)."""
+        out = {}
+        for name, shape in lay.linears.items():
+            if name.startswith(p + "."):
+                w = self.ckpt.get(f"{name}.weight")
+                if tuple(w.shape) != shape:
+                    raise self.error(f"{self.ckpt.path}: {name}.weight has shape {list(w.shape)}, the config "
+                                     f"implies {list(shape)}")
+                out[name] = w
+        if self.ckpt.has(f"{p}.mlp.experts.gate_up_proj"):
+            m = f"{p}.mlp.experts"
+            gate_up, down = self.ckpt.get(f"{m}.gate_up_proj"), self.ckpt.get(f"{m}.down_proj")
+            inter = gate_up.shape[1] // 2
+            for j in range(self.spec.experts):
+                out[f"{m}.{j}.gate_proj"], out[f"{m}.{j}.up_proj"] = gate_up[j, :inter], gate_up[j, inter:]
+                out[f"{m}.{j}.down_proj"] = down[j]
+        return out
+
+    def _layer(self, p: str, kind: str, weights: dict[str, torch.Tensor]) -> q35.Layer:
+        return q35.build_layer(kind, p, self.spec, "float32", weights.__getitem__, self.ckpt.get, False)
+
+    def plain_tensors(self, p: str, lay) -> dict[str, torch.Tensor]:
+        """What the layer at prefix p keeps in fp16: its norms, convolution, decay, router and small gates."""
+        out = {}
+        for name in lay.plain:
+            if name.startswith(p + ".") and ".mlp.experts." not in name:
+                out[name] = self.ckpt.get(name).to(torch.float16)
+        for name in lay.linears:
+            if name.startswith(p + ".") and name[len(p) + 1:] in PLAIN_LINEARS:
+                out[f"{name}.weight"] = self.ckpt.get(f"{name}.weight").to(torch.float16)
+        return out
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run(self, layer: q35.Layer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, T, H] -> the layer's outputs, each row from position 0."""
+        t = hidden.shape[1]
+        rot = self.cos[:t, None], self.sin[:t, None]
+        mask = ref_model._mask(0, t, 0, self.spec.heads // self.spec.kv_heads)
+        out = torch.empty_like(hidden)
+        with torch.no_grad():
+            for r in range(hidden.shape[0]):
+                out[r] = q35.layer_forward(layer, self.spec, _RowState(self.spec, t), 0, hidden[r], rot, mask, 0, t)
+        return out
+
+    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor, min_tokens_per_input: int, stats: dict):
+        """Run the layer at prefix p over the calibration rows recording every linear's input Hessian ->
+        (weights by HF prefix, jobs for convert.py: (name, weight, hessian, set dequantized weight))."""
+        spec = self.spec
+        weights = self._weights(p, lay)
+        layer = self._layer(p, kind, weights)
+        acc = {k: HessianAccumulator(n) for k, n in (("proj", spec.hidden), ("moe", spec.hidden),
+                                                      ("out", layer.out.weight.shape[1]),
+                                                      ("shared_down", layer.shared_down.weight.shape[1]))}
+        moe_inputs: list[torch.Tensor] = []
+        layer.proj = _Recording(layer.proj.weight, acc["proj"])
+        layer.out = _Recording(layer.out.weight, acc["out"])
+        layer.shared_gate_up = _Recording(layer.shared_gate_up.weight, acc["moe"], moe_inputs)
+        layer.shared_down = _Recording(layer.shared_down.weight, acc["shared_down"])
+        for j in range(spec.experts):
+            gu, dn = layer.experts_gate_up[j].weight, layer.experts_down[j].weight
+            acc[f"e{j}.in"], acc[f"e{j}.down"] = HessianAccumulator(gu.shape[1]), HessianAccumulator(dn.shape[1])
+            layer.experts_gate_up[j] = _Recording(gu, acc[f"e{j}.in"])
+            layer.experts_down[j] = _Recording(dn, acc[f"e{j}.down"])
+        self.run(layer, hidden)
+
+        a = f"{p}.self_attn" if kind == qwen35.FULL else f"{p}.linear_attn"
+        source = {f"{a}.{n}": "proj" for n in ("q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z")}
+        source.update({f"{a}.o_proj": "out", f"{a}.out_proj": "out", f"{p}.mlp.shared_expert.gate_proj": "moe",
+                       f"{p}.mlp.shared_expert.up_proj": "moe", f"{p}.mlp.shared_expert.down_proj": "shared_down"})
+        jobs = []
+
+        def job(name: str, h: torch.Tensor) -> None:
+            jobs.append((name, weights[name], h, lambda d, name=name: weights.__setitem__(name, d)))
+        for name, key in source.items():
+            if name in weights:
+                job(name, acc[key].h)
+        x_all = torch.cat(moe_inputs) if moe_inputs else torch.zeros(0, spec.hidden)
+        m = f"{p}.mlp.experts"
+        for j in range(spec.experts):
+            if acc[f"e{j}.in"].tokens < min_tokens_per_input * spec.hidden:
+                gate, up = F.linear(x_all, weights[f"{m}.{j}.gate_proj"]), F.linear(x_all, weights[f"{m}.{j}.up_proj"])
+                down = HessianAccumulator(gate.shape[-1])
+                down.add(F.silu(gate) * up)
+                h_in, h_down = acc["moe"].h, down.h
+                stats["experts_all_token_fallback"] += 1
+            else:
+                h_in, h_down = acc[f"e{j}.in"].h, acc[f"e{j}.down"].h
+                stats["experts_routed"] += 1
+            job(f"{m}.{j}.gate_proj", h_in)
+            job(f"{m}.{j}.up_proj", h_in)
+            job(f"{m}.{j}.down_proj", h_down)
+        return weights, jobs
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm (1 + weight) of the calibration hidden states: what lm_head reads."""
+        w = 1.0 + self.ckpt.get(self.norm_name)
+        return F.rms_norm(hidden, (self.spec.hidden,), w, self.spec.eps)
+
+    def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
+                       stats: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """-> (tensors to write for layer i, the next layer's inputs through the dequantized layer)."""
+        p, kind = self._prefix(i), self.spec.kinds[i]
+        weights, jobs = self.calibrate(p, kind, self.layout, hidden, min_tokens_per_input, stats)
+        tensors = quantize_jobs(jobs)
+        tensors.update(self.plain_tensors(p, self.layout))
+        return tensors, self.run(self._layer(p, kind, weights), hidden)
+
+    def has_mtp(self) -> bool:
+        return qwen35.has_mtp(set(self.ckpt.shard_of))
+
+    def quantize_mtp(self, ids: torch.Tensor, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
+                     stats: dict) -> dict[str, torch.Tensor]:
+        """The MTP head (reference/mtp.py), calibrated on what it reads when drafting: the quantized model's
+        final hidden states h_i and the embeddings of the tokens t_{i+1} after them (ids [rows, T])."""
+        lay, h, eps = qwen35.mtp_layout(self.config, set(self.ckpt.shard_of)), self.spec.hidden, self.spec.eps
+
+        def centred(name: str) -> torch.Tensor:
+            return 1.0 + self.ckpt.get(f"{qwen35.MTP}.{name}.weight")
+        e = F.rms_norm(F.embedding(ids[:, 1:], self.ckpt.get(self.embed_name)), (h,), centred("pre_fc_norm_embedding"), eps)
+        x = torch.cat([e, F.rms_norm(self.head_input(hidden)[:, :-1], (h,), centred("pre_fc_norm_hidden"), eps)], -1)
+        fc = {f"{qwen35.MTP}.fc": self.ckpt.get(f"{qwen35.MTP}.fc.weight")}
+        if tuple(fc[f"{qwen35.MTP}.fc"].shape) != (h, 2 * h):
+            raise self.error(f"{self.ckpt.path}: {qwen35.MTP}.fc.weight has shape {list(fc[f'{qwen35.MTP}.fc'].shape)}, "
+                             f"the config implies {[h, 2 * h]}")
+        acc = HessianAccumulator(2 * h)
+        acc.add(x)
+        jobs = [(f"{qwen35.MTP}.fc", fc[f"{qwen35.MTP}.fc"], acc.h,
+                 lambda d: fc.__setitem__(f"{qwen35.MTP}.fc", d))]
+        tensors = quantize_jobs(jobs)
+        x = F.linear(x, fc[f"{qwen35.MTP}.fc"])                        # through the dequantized fc
+        p = f"{qwen35.MTP}.layers.0"
+        _, jobs = self.calibrate(p, qwen35.FULL, lay, x, min_tokens_per_input, stats)
+        tensors.update(quantize_jobs(jobs))
+        tensors.update(self.plain_tensors(p, lay))
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensors[f"{qwen35.MTP}.{name}.weight"] = self.ckpt.get(f"{qwen35.MTP}.{name}.weight").to(torch.float16)
+        return tensors
