@@ -197,18 +197,18 @@ def test_head_switched_on_mid_conversation_catches_up(built):
 
 def test_mtp_mode_needs_a_head(tmp_path):
     from runtime.generate import make_decoder as generate_decoder
-    from runtime.engine import EngineError
+    from runtime.errors import BadRequest
     make_model("conditional", tmp_path)
     engine = load_engine(tmp_path)
     assert not engine.has_mtp
-    with pytest.raises(EngineError) as e:
+    with pytest.raises(BadRequest) as e:
         generate_decoder(engine, GREEDY, None, DraftOptions(mode="mtp"))
-    assert e.value.code == "bad_field" and "no multi-token-prediction head" in e.value.message
+    assert "no multi-token-prediction head" in e.value.message
 
 
 def test_a_misshapen_head_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
-    from runtime.modelfolder import ModelFolderError
+    from runtime.errors import ModelFolderError
     model = make_model("conditional", tmp_path)
     add_mtp(tmp_path, model)
     tensors = load_file(str(tmp_path / "model.safetensors"))

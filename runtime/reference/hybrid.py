@@ -187,8 +187,7 @@ class HybridEngine(ReferenceEngine):
     def mtp_enable(self) -> None:
         """Let the head follow every forward from now on (about one layer's work per forward)."""
         if self.mtp is None:
-            raise EngineError(ErrorCode.BAD_FIELD.value, f"{self.info.name} has no multi-token-prediction head "
-                                                         f"(no mtp.* tensors in its folder)")
+            raise BadRequest(f"{self.info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
         self.mtp_on = True
 
     def _mtp_follow(self, start: int, ids: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -212,8 +211,8 @@ class HybridEngine(ReferenceEngine):
         self.mtp_enable()
         n = len(tokens) - 1
         if n != self.cache.length:
-            raise EngineError(ErrorCode.INTERNAL.value, f"MTP draft after {len(tokens)} tokens: the cache holds "
-                                                        f"{self.cache.length}, not the {n} before the last")
+            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.cache.length}, "
+                              f"not the {n} before the last")
         head, drafts = self.mtp, []
         if n == 0:
             return drafts

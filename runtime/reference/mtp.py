@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime import qwen35
-from runtime.folder_check import ModelFolderError
+from runtime.errors import InvalidModel
 from runtime.modelfolder import ModelFolder
-from runtime.protocol import ErrorCode
 from runtime.reference import model
 from runtime.reference import qwen35 as q35
 from runtime.reference.weights import Linear, _act_dtype
@@ -63,8 +62,8 @@ def load(folder: ModelFolder, spec: q35.Spec, precision: str) -> MtpWeights:
     present = set(folder.info.shard_of)
     lay = qwen35.mtp_layout(folder.config, present)
 
-    def bad(name: str, got, want) -> ModelFolderError:
-        return ModelFolderError(ErrorCode.MODEL_INVALID, folder.path / folder.info.shard_of.get(name, ""),
+    def bad(name: str, got, want) -> InvalidModel:
+        return InvalidModel(folder.path / folder.info.shard_of.get(name, ""),
                                 f"tensor {name!r} has shape {list(got)}, the config implies {list(want)}")
 
     def tensor(name: str) -> torch.Tensor:
@@ -75,7 +74,7 @@ def load(folder: ModelFolder, spec: q35.Spec, precision: str) -> MtpWeights:
 
     def linear(prefix: str) -> torch.Tensor:
         if not folder.has(f"{prefix}.weight") and not folder.has(f"{prefix}.q_weight"):
-            raise ModelFolderError(ErrorCode.MODEL_INVALID, folder.path, f"tensor '{prefix}.weight' is missing")
+            raise InvalidModel(folder.path, f"tensor '{prefix}.weight' is missing")
         w = folder.linear(prefix, f32)
         if prefix in lay.linears and tuple(w.shape) != lay.linears[prefix]:
             raise bad(f"{prefix}.weight", w.shape, lay.linears[prefix])
