@@ -16,6 +16,7 @@ import pytest
 from runtime import protocol as P
 from runtime.client import WorkerClient, new_id, worker_env
 from runtime.options import DraftOptions, LoadOptions, SamplingOptions
+from runtime.speculative import adaptive
 
 pytestmark = pytest.mark.slow
 
@@ -216,11 +217,15 @@ def test_bad_model_folders_then_the_good_one(worker, demo_model, tmp_path):
 
 
 def test_draft_model_loads_and_keeps_greedy_text(worker, demo_model):
-    """The demo model drafting for itself: every draft is accepted and the text is the plain one."""
-    plain, _, _ = ask(worker, QUESTION)
+    """The demo model drafting for itself: every draft is accepted and the text is the plain one. The
+    answer is long enough to get past what the draft policy measures before it drafts (the steps after
+    the prefill and a plain baseline, runtime/speculative/adaptive.py)."""
+    long_answer = "Tell me about the history of Paris."
+    plain, _, _ = ask(worker, long_answer)
     loaded = worker.load(str(demo_model), LoadOptions(draft=DraftOptions(mode="model", model=str(demo_model))))
     assert loaded.applied.get("draft.model") == "applied"
-    text, fin, _ = ask(worker, QUESTION)
+    text, fin, _ = ask(worker, long_answer)
+    assert fin.stats.generated_tokens > adaptive.SETTLE_STEPS + adaptive.BASELINE_STEPS
     assert text == plain
     d = fin.stats.draft
     assert d.mode == "model" and d.drafted_tokens > 0 and d.acceptance_rate > 0.5

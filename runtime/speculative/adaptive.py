@@ -31,7 +31,8 @@ the whole answer. And the steps right after a prefill are slower than decoding's
 staging pages are lent then, their copies on a side stream sharing PCIe with the decode's; graphs
 are captured for the answer's buckets): on the H200 that made n-gram drafting at 0.8x plain
 decoding's tokens/s look like a gain on every answer. So the first `SETTLE_STEPS` steps after each
-prefill are plain and enter neither window (`new_request`), a trial that runs slower than plain
+prefill enter neither window (`new_request`): they are plain until a measured verdict says drafting
+pays, and draft from then on (short answers draft too); the plain baseline is measured after them; a trial that runs slower than plain
 decoding per token is cut after `EARLY_STEPS` steps, and a probe after `PROBE_STEPS`.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ KEEP_MARGIN = 0.02       # drafting must be this much faster per token to stay o
 EARLY_STEPS = 2          # a trial judged after this many steps already ...
 EARLY_FACTOR = 1.0       # ... when drafting is this many times slower per token than plain decoding
 PROBE_STEPS = 1          # a probe (drafting re-tried while off) judged after this many steps when slower
-SETTLE_STEPS = 8         # plain steps after each prefill that enter neither window (see `new_request`)
+SETTLE_STEPS = 8         # steps after each prefill that enter neither window (see `new_request`)
 SHADOW_RISE = 0.25       # while off: lookup's shadow acceptance this much above what it was at the switch
 STALL_FACTOR = 4.0       # a step this many times its window's median is a stall, not a rate
 PROBE_FIRST = 32         # plain steps before the first probe once drafting was switched off
@@ -135,7 +136,8 @@ class DraftPolicy:
         self._last: Optional[int] = None  # K chosen for the step in progress
         self._probing = False
         self._alpha_off = 1.0             # alpha when drafting was last switched off
-        self._settle = 0                  # plain steps left that enter no window (after a prefill)
+        self._settle = 0                  # steps left that enter no window (after a prefill)
+        self._pays = False                # the last verdict measured drafting faster than plain decoding
 
     def new_request(self) -> None:
         """A new request on the same engine: its first steps follow a prefill and are not measured."""
@@ -148,7 +150,9 @@ class DraftPolicy:
         if not self.adaptive:
             self._last = self.k_max
             return self.k_max
-        if self._plain_left > 0 or self._settle > 0:
+        if self._settle > 0:              # unmeasured: draft only where a measured verdict says it pays
+            k = max(self.k_now, 1) if self._pays else 0
+        elif self._plain_left > 0:
             k = 0
         elif self.off:
             self._wait -= 1
@@ -179,7 +183,7 @@ class DraftPolicy:
             self.observe_acceptance(accepted, rejected=accepted < drafted)
         if not self.adaptive:
             return
-        if self._settle > 0 and self._last == 0:
+        if self._settle > 0:
             self._settle -= 1                     # just after a prefill: not what decoding costs
             return
         if self._last == 0:
@@ -221,7 +225,8 @@ class DraftPolicy:
         plain, draft = self.plain.seconds_per_token(), self.drafting.seconds_per_token()
         if plain is None or draft is None or self._trial_left > 0:
             return
-        if draft < plain * (1 - KEEP_MARGIN):
+        self._pays = draft < plain * (1 - KEEP_MARGIN)
+        if self._pays:
             self.off = False
             self._backoff = PROBE_FIRST
             self.reason = f"drafting pays: {plain / draft:.2f}x plain decoding's tokens/s (measured)"
