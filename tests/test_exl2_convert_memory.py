@@ -94,3 +94,31 @@ def test_bad_budget_and_device_are_refused(tmp_path, capsys):
     assert cv.run(args) == 1
     assert "--hessian-memory must be a positive number of GiB, got -1.0" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
+    import json
+
+    from bench import convert_memory as cm
+    s, full, notes = cm.bench_shape("tiny-moe", 1, 8, 512, top_k=2)
+    assert (s.experts, s.experts_per_token, s.vocab, s.layers) == (8, 2, 512, 1) and full.experts == 16
+    assert any("8 of 16 experts" in n for n in notes)
+    with pytest.raises(SystemExit, match="--experts must be between top-k 2 and 16"):
+        cm.bench_shape("tiny-moe", 1, 1, None, top_k=2)
+    with pytest.raises(SystemExit, match="converter reads"):
+        cm.bench_shape("tiny-mixtral", 1, None, None)
+    q35, _, notes35 = cm.bench_shape("qwen3.5-122b-a10b", 1, None, None)
+    assert (q35.architecture, q35.experts, q35.hidden, q35.expert_intermediate) == ("Qwen3MoeForCausalLM", 256, 3072, 1024)
+
+    assert cm.main(["--shape", "tiny-moe", "--layers", "1", "--experts", "8", "--top-k", "2", "--vocab", "512",
+                    "--rows", "2", "--seq-len", "32", "--hessian-memory", str(3 * 700_000 / 2**30),
+                    "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads(next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json")).read_text())
+    (layer,) = result["layers"]
+    assert layer["experts_per_group"] == 3 and 0 < layer["hessian_peak_bytes"] <= 4 * 655_360
+    assert layer["peak_rss_bytes"] > 0 and result["full"]["experts"] == 16
+    pr = result["projection"]
+    per_layer = layer["seconds"] + layer["expert_seconds"]               # experts x 16/8
+    assert pr["seconds_per_layer"] == pytest.approx(per_layer, abs=0.06)
+    assert pr["model_seconds"] == pytest.approx(2 * per_layer + result["head_and_assembly_s"] * 1024 / 512, abs=0.5)
+    assert result["experts_routed"] + result["experts_all_token_fallback"] == 8

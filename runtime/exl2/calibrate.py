@@ -17,6 +17,8 @@ tokens through its own gate/up for down_proj (counted as experts_all_token_fallb
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import allocate
@@ -102,6 +104,7 @@ class Collector:
         self.handles = []
         self.live = self.peak = 0                    # bytes of Hessians held now / at most
         self.experts_per_group = 0
+        self.expert_seconds = 0.0                    # time spent calibrating and quantizing experts
         self._last: tuple[torch.Tensor, str] | None = None
         self._first_pass: set[str] = set()
         for name, mod in layer.named_modules():
@@ -211,8 +214,10 @@ def quantize_layer(layer: torch.nn.Module, prefix: str, bits, group_size: int, d
             res.quantize(f"{prefix}{name}", mod.weight.data, h, _set_linear(mod))
     for key in list(collector.acc):                              # dense Hessians done with
         collector.held(-hessian_bytes(collector.acc.pop(key).h.shape[0]))
+    t0 = time.perf_counter()
     for name, routed_inputs in collector.experts.items():
         _quantize_experts(routed_inputs, f"{prefix}{name}", res, stats, collector, hessian_budget)
+    collector.expert_seconds = time.perf_counter() - t0
     tensors = res.finish()
     for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
         if value.dim() == 1 or key.endswith("gate.weight"):

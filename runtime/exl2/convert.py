@@ -252,7 +252,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
     `hessian_budget` bounds the bytes of experts' Hessians held at once (it does not change the result).
     `device` runs the layers, Hessians and GPTQ there ("cuda"); `progress` gets a dict per finished layer
-    (layer, seconds, hessian_peak_bytes, experts_per_group).
+    (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds).
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -337,7 +337,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         say(f"layer {i + 1}/{n_layers} quantized")
         if progress is not None:
             progress({"layer": i, "seconds": time.perf_counter() - t0, "hessian_peak_bytes": collector.peak,
-                      "experts_per_group": collector.experts_per_group})
+                      "experts_per_group": collector.experts_per_group, "expert_seconds": collector.expert_seconds})
         del collector
 
     head = None
