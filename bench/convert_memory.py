@@ -37,6 +37,7 @@ from runtime.exl2 import calibrate
 from runtime.exl2.shapes import QWEN35, Shape, get_shape, hf_config, param_counts, tensors
 
 WEIGHT_STD = 0.02
+HEAD_FP32_COPIES = 7      # RSS rise of quantize_gptq on a [16384, 4096] head / its float32 size (measured)
 ROWS, SEQ_LEN = 16, 256
 
 
@@ -214,6 +215,7 @@ def main(argv=None) -> int:
     per_layer_full_s = sum(per_layer) / len(per_layer)
     est_here = estimate_layer_bytes(s, tokens, budget, args.bpw)
     est_full = estimate_layer_bytes(full, tokens, budget, args.bpw)
+    est_default = estimate_layer_bytes(full, tokens, calibrate.DEFAULT_HESSIAN_BUDGET, args.bpw)
     peak_layer_rss = max(r["peak_rss_bytes"] for r in layers)
     total, active = param_counts(full)
     result = {
@@ -237,15 +239,18 @@ def main(argv=None) -> int:
             "model_hours": round((per_layer_full_s * full.layers + head_s * full.vocab / s.vocab) / 3600, 2),
             "peak_rss_per_layer_bytes": int(peak_layer_rss - sum(est_here.values()) + sum(est_full.values())),
             "hessian_peak_bytes": est_full["hessians"],
-            "head_peak_rss_bytes": int(base_rss + max(tail_rss - base_rss, 0) * full.vocab / s.vocab),
+            "peak_rss_per_layer_bytes_default_budget": int(peak_layer_rss - sum(est_here.values())
+                                                           + sum(est_default.values())),
+            "head_gptq_bytes_estimate": HEAD_FP32_COPIES * full.vocab * full.hidden * 4,
         },
         "notes": notes + args.note + [
             "projection: time = layers x (layer time outside the experts + expert time x full/run experts) + head "
             "time x full/run vocabulary; memory is per layer (one layer at a time): measured peak RSS - the "
             "converter's estimate here + its estimate at full size (estimate_per_layer_bytes)",
             "peak RSS includes the mapped safetensors pages of the shard being read (file-backed, reclaimable)",
-            "head_peak_rss_bytes: RSS before converting + the head and assembly's rise in RSS x full/run vocabulary "
-            "(lm_head's GPTQ holds several float32 copies of the head)",
+            f"head_gptq_bytes_estimate: {HEAD_FP32_COPIES} float32 copies of vocab x hidden (the RSS rise measured "
+            "for GPTQ of a 16384 x 4096 head), not measured at full size; rss_after_layers_peak_bytes is the "
+            "peak while the head is quantized and the folder assembled at this run's vocabulary",
         ],
     }
     out = Path(args.out)

@@ -26,7 +26,7 @@ from . import format as fmt
 from .gptq import HessianAccumulator, quantize_gptq
 
 MIN_EXPERT_TOKENS_PER_INPUT = 2      # expert tokens below this x in_features -> all-token Hessian
-DEFAULT_HESSIAN_BUDGET = 4 << 30     # bytes of expert Hessians held at once (float64)
+DEFAULT_HESSIAN_BUDGET = 2 << 30     # bytes of expert Hessians held at once (float64)
 H_BYTES = 8                          # HessianAccumulator sums in float64
 
 

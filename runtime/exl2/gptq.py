@@ -72,11 +72,13 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
     if not torch.isfinite(hessian).all():
         raise fmt.Exl2FormatError(name, "Hessian has non-finite values")
     dev = hessian.device
-    w = weight.detach().to(dev, torch.float32).clone()
+    w = weight.detach().to(dev, torch.float32)          # copied only where it must change: a head is GBs
     h = hessian.detach().to(dev, torch.float64).clone()
     dead = torch.diagonal(h) == 0                       # channels that never saw input
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    if dead.any():
+        h[dead, dead] = 1.0
+        w = w.clone()
+        w[:, dead] = 0.0
     perm = act_order(h) if use_act_order else torch.arange(w.shape[1], device=dev)
 
     # Groups, scales and the tensor set from round-to-nearest; only the codes change below.
@@ -85,6 +87,7 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
     step = fmt.step_sizes(rtn, name=name)[:, perm.cpu()].to(dev)      # [N, in] packed order
     out = w.shape[0]
     wp = torch.nn.functional.pad(w[:, perm], (0, 0, 0, n - out))       # [N, in] packed order
+    del w
     row_bits = torch.cat([torch.full((g.rows,), g.bits) for g in groups])
     zero = (2 ** (row_bits - 1)).to(dev, torch.float32)     # per packed row (input channel)
 
@@ -107,7 +110,8 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
     codes[out:] = 0                                     # padded columns hold the zero code
 
     # Pack the codes group run by group run, as format.quantize lays them out.
-    ct = (codes.t() + zero.unsqueeze(1)).to(torch.int64).cpu()          # [in, N] stored codes
+    ct = (codes.t() + zero.unsqueeze(1)).to(torch.int32).cpu()          # [in, N] stored codes (< 2**8)
+    del codes
     packed, r = [], 0
     for b in dict.fromkeys(g.bits for g in groups):
         rows = sum(g.rows for g in groups if g.bits == b)
