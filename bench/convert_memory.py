@@ -37,7 +37,7 @@ from runtime.exl2 import calibrate
 from runtime.exl2.shapes import QWEN35, Shape, get_shape, hf_config, param_counts, tensors
 
 WEIGHT_STD = 0.02
-HEAD_FP32_COPIES = 7      # RSS rise of quantize_gptq on a [16384, 4096] head / its float32 size (measured)
+HEAD_FP32_COPIES = 7.3    # RSS rise of quantize_gptq on a [16384, 4096] head / its float32 size (measured)
 ROWS, SEQ_LEN = 16, 256
 
 
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             "hessian_peak_bytes": est_full["hessians"],
             "peak_rss_per_layer_bytes_default_budget": int(peak_layer_rss - sum(est_here.values())
                                                            + sum(est_default.values())),
-            "head_gptq_bytes_estimate": HEAD_FP32_COPIES * full.vocab * full.hidden * 4,
+            "head_gptq_bytes_estimate": int(HEAD_FP32_COPIES * full.vocab * full.hidden * 4),
         },
         "notes": notes + args.note + [
             "projection: time = layers x (layer time outside the experts + expert time x full/run experts) + head "
