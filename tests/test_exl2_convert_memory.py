@@ -122,3 +122,20 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
     assert pr["seconds_per_layer"] == pytest.approx(per_layer, abs=0.06)
     assert pr["model_seconds"] == pytest.approx(2 * per_layer + result["head_and_assembly_s"] * 1024 / 512, abs=0.5)
     assert result["experts_routed"] + result["experts_all_token_fallback"] == 8
+
+
+def test_new_layer_is_built_without_initialising_and_keeps_unsaved_buffers():
+    class Plain(torch.nn.Module):
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+    class WithBuffer(Plain):
+        def __init__(self, cfg, layer_idx):
+            super().__init__(cfg, layer_idx)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    plain = cv._new_layer(Plain, None, 0, "cpu")
+    assert plain.lin.weight.device.type == "cpu" and not plain.training
+    buffered = cv._new_layer(WithBuffer, None, 0, "cpu")
+    assert buffered.table.tolist() == [0.0, 1.0, 2.0]                 # built for real, not left empty

@@ -189,8 +189,8 @@ def _new_layer(layer_cls, cfg, i: int, device: str) -> torch.nn.Module:
     with torch.device("meta"):
         layer = layer_cls(cfg, layer_idx=i)
     persistent = set(layer.state_dict())
-    if any(name not in persistent for name, _ in layer.named_buffers()):
-        layer = layer_cls(cfg, layer_idx=i)                      # buffers the checkpoint does not hold
+    if any(name not in persistent for name, _ in layer.named_buffers()):     # buffers the checkpoint lacks
+        return layer_cls(cfg, layer_idx=i).to(device).float().eval()
     return layer.to_empty(device=device).float().eval()
 
 
