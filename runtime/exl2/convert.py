@@ -2,23 +2,22 @@
 
 Flow (exllamav2's converter works the same way in outline):
 1. The calibration text is tokenized into `rows` sequences of `seq_len` tokens and embedded.
-2. For each decoder layer in turn, only that layer's weights are read from the checkpoint into the
-   transformers decoder-layer module of the architecture. The calibration hidden states go through it
-   with a hook on every linear that sums the Hessian 2 X^T X of the linear's real inputs; every linear
-   is quantized with GPTQ (gptq.py); the layer, now holding the dequantized weights, runs again and
-   its outputs are the next layer's inputs, so later layers are calibrated on what the quantized model
-   really computes.
+2. For each decoder layer in turn, only that layer's weights are read from the checkpoint, one tensor
+   at a time, into the transformers decoder-layer module of the architecture (built on the meta device,
+   so its parameters exist once). The calibration hidden states go through it with hooks that sum the
+   Hessian 2 X^T X of each linear's real inputs (calibrate.py); every linear is quantized with GPTQ
+   (gptq.py); the layer, now holding the dequantized weights, runs again and its outputs are the next
+   layer's inputs, so later layers are calibrated on what the quantized model really computes.
 3. The final norm's outputs calibrate `lm_head` (absent when tied to the embeddings).
 Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) takes the same steps with the reference engine's
-own layers in place of transformers' modules: convert_qwen35.py.
-Memory: one layer's weights plus the calibration activations (rows x seq_len x hidden, float32, twice).
+own layers in place of transformers' modules: convert_qwen35.py (on the CPU).
+Memory: one layer's weights (float32) plus the calibration activations (rows x seq_len x hidden, float32,
+twice; the experts' inputs once more in float16) plus the Hessians: the dense linears' (inputs shared
+by several linears share one) and at most `hessian_budget` bytes of experts' Hessians (calibrate.py).
 
-MoE experts (Qwen3-MoE): the hook on the experts module sees the router's choice, so each expert's
-gate/up Hessian sums only the tokens routed to it and its down Hessian only its own intermediate
-activations of those tokens. An expert that got fewer than `MIN_EXPERT_TOKENS_PER_INPUT` x in_features
-tokens would be calibrated on a nearly singular Hessian; it falls back to the Hessian of all tokens of
-the layer (every token through that expert's gate/up for down_proj). The fallbacks are counted in
-quantization_config.
+MoE experts (Qwen3-MoE): each expert's gate/up Hessian sums only the tokens the router sent to it and its
+down Hessian only its own intermediate activations of those tokens; experts routed too few tokens fall
+back to all the layer's tokens (calibrate.py; the fallbacks are counted in quantization_config).
 
 Resume and safety: everything happens in a hidden staging folder next to the output, `.NAME.partial`.
 After each layer its quantized tensors go to `layer-NNNNN.safetensors`, the next layer's inputs to
@@ -41,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -51,8 +51,9 @@ from safetensors.torch import save_file
 from runtime import qwen35
 from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_HEAD_BITS
 
-from . import allocate
 from . import format as fmt
+from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
+                        quantize_layer)
 from .gptq import DEFAULT_DAMP, HessianAccumulator, quantize_gptq
 from .writer import ModelWriter, exllamav2_config, quantization_config
 
@@ -62,7 +63,6 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding", "Qwen3MoeRMSNorm"),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-MIN_EXPERT_TOKENS_PER_INPUT = 2      # expert tokens below this x in_features -> all-token Hessian
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
 BATCH_ROWS = 4                       # calibration sequences per forward
 
@@ -89,10 +89,10 @@ class Checkpoint:
         except (OSError, ValueError) as e:
             raise ConvertError(f"{cfg_file}: unreadable ({e})") from e
         archs = self.config.get("architectures") or []
-        self.arch = next((a for a in archs if a in ARCHITECTURES or a in qwen35.ARCHITECTURES), None)
+        self.arch = next((a for a in archs if a in ARCHITECTURES), None)
         if self.arch is None:
             raise ConvertError(f"{cfg_file}: architecture {archs} is not supported; the converter handles "
-                               f"{', '.join((*ARCHITECTURES, *qwen35.ARCHITECTURES))}")
+                               f"{', '.join(ARCHITECTURES)}")
         if self.config.get("quantization_config"):
             raise ConvertError(f"{cfg_file}: the checkpoint is already quantized "
                                f"({self.config['quantization_config'].get('quant_method', '?')}); "
@@ -125,13 +125,17 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.shard_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored (bf16, fp16, fp32)."""
         if name not in self.shard_of:
             raise ConvertError(f"{self.path}: tensor {name} is missing from the checkpoint")
         shard = str(self.shard_of[name])
         if shard not in self._open:
             self._open = {shard: safe_open(shard, "pt")}       # one shard open at a time
-        return self._open[shard].get_tensor(name).to(torch.float32)
+        return self._open[shard].get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_raw(name).to(torch.float32)
 
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in set(self.shard_of.values()))
@@ -184,77 +188,48 @@ def _classes(arch: str):
     return getattr(mod, layer_cls), getattr(mod, rope_cls), getattr(mod, norm_cls)
 
 
+def _new_layer(layer_cls, cfg, i: int, device: str) -> torch.nn.Module:
+    """The decoder-layer module with uninitialised float32 parameters (filled by _load_layer)."""
+    with torch.device("meta"):
+        layer = layer_cls(cfg, layer_idx=i)
+    persistent = set(layer.state_dict())
+    if any(name not in persistent for name, _ in layer.named_buffers()):     # buffers the checkpoint lacks
+        return layer_cls(cfg, layer_idx=i).to(device).float().eval()
+    return layer.to_empty(device=device).float().eval()
+
+
 def _load_layer(layer: torch.nn.Module, ckpt: Checkpoint, prefix: str) -> None:
-    """Fill a decoder-layer module from the checkpoint; fused expert parameters are built from the
-    per-expert tensors of HF checkpoints when the fused ones are not stored."""
-    state = {}
-    for key, param in layer.state_dict().items():
-        full = prefix + key
-        if ckpt.has(full):
-            state[key] = ckpt.get(full)
-        elif key.endswith("experts.gate_up_proj"):
-            base = full[: -len("gate_up_proj")]
-            state[key] = torch.stack([torch.cat([ckpt.get(f"{base}{e}.gate_proj.weight"),
-                                                 ckpt.get(f"{base}{e}.up_proj.weight")]) for e in range(param.shape[0])])
-        elif key.endswith("experts.down_proj"):
-            base = full[: -len("down_proj")]
-            state[key] = torch.stack([ckpt.get(f"{base}{e}.down_proj.weight") for e in range(param.shape[0])])
-        else:
-            raise ConvertError(f"{ckpt.path}: tensor {full} is missing from the checkpoint")
-        if state[key].shape != param.shape:
-            raise ConvertError(f"{ckpt.path}: {full} has shape {list(state[key].shape)}, the config implies "
-                               f"{list(param.shape)}")
-    layer.load_state_dict(state)
+    """Fill a decoder-layer module from the checkpoint one tensor at a time, copied straight into its
+    parameters; fused expert parameters are filled from the per-expert tensors of HF checkpoints when
+    the fused ones are not stored."""
+    def put(dst: torch.Tensor, name: str) -> None:
+        src = ckpt.get_raw(name)
+        if src.shape != dst.shape:
+            raise ConvertError(f"{ckpt.path}: {name} has shape {list(src.shape)}, the config implies "
+                               f"{list(dst.shape)}")
+        dst.copy_(src)
 
-
-class _Collector:
-    """Hooks that sum each linear's (and each expert's) input Hessian while the layer runs."""
-
-    def __init__(self, layer: torch.nn.Module):
-        self.acc: dict[str, HessianAccumulator] = {}
-        self.experts: dict[str, torch.nn.Module] = {}
-        self.handles = []
-        for name, mod in layer.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                self.handles.append(mod.register_forward_pre_hook(self._linear_hook(name)))
-            elif hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and hasattr(mod, "num_experts"):
-                self.experts[name] = mod
-                self.handles.append(mod.register_forward_pre_hook(self._expert_hook(name, mod)))
-        self.routed: dict[str, int] = {}
-
-    def _get(self, key: str, width: int) -> HessianAccumulator:
-        if key not in self.acc:
-            self.acc[key] = HessianAccumulator(width)
-        return self.acc[key]
-
-    def _linear_hook(self, name):
-        def hook(_mod, args):
-            self._get(name, args[0].shape[-1]).add(args[0])
-        return hook
-
-    def _expert_hook(self, name, mod):
-        def hook(_mod, args):
-            x, top_k_index = args[0], args[1]
-            with torch.no_grad():
-                self._get(f"{name}.*all.in", x.shape[-1]).add(x)
-                for e in range(mod.num_experts):
-                    mine = (top_k_index == e).any(dim=-1)
-                    gate, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
-                    inter = mod.act_fn(gate) * up
-                    self._get(f"{name}.{e}.*all.down", inter.shape[-1]).add(inter)
-                    if mine.any():
-                        self._get(f"{name}.{e}.in", x.shape[-1]).add(x[mine])
-                        self._get(f"{name}.{e}.down", inter.shape[-1]).add(inter[mine])
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
+    with torch.no_grad():
+        for key, param in layer.state_dict().items():
+            full = prefix + key
+            if ckpt.has(full):
+                put(param, full)
+            elif key.endswith("experts.gate_up_proj"):
+                base, inter = full[: -len("gate_up_proj")], param.shape[1] // 2
+                for e in range(param.shape[0]):
+                    put(param[e, :inter], f"{base}{e}.gate_proj.weight")
+                    put(param[e, inter:], f"{base}{e}.up_proj.weight")
+            elif key.endswith("experts.down_proj"):
+                base = full[: -len("down_proj")]
+                for e in range(param.shape[0]):
+                    put(param[e], f"{base}{e}.down_proj.weight")
+            else:
+                raise ConvertError(f"{ckpt.path}: tensor {full} is missing from the checkpoint")
 
 
 def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(hidden)
-    pos = torch.arange(hidden.shape[1]).unsqueeze(0)
+    pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     with torch.no_grad():
         for r in range(0, hidden.shape[0], BATCH_ROWS):
             h = hidden[r:r + BATCH_ROWS]
@@ -264,66 +239,6 @@ def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _jobs(layer, prefix: str, stats: dict, collector: _Collector):
-    """(name, weight, hessian, set dequantized weight) for every linear of the layer, experts included."""
-    jobs = []
-    for name, mod in layer.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            if name not in collector.acc:
-                raise ConvertError(f"{prefix}{name}: received no calibration input")
-            jobs.append((f"{prefix}{name}", mod.weight.data, collector.acc[name].h,
-                         lambda d, mod=mod: setattr(mod.weight, "data", d)))
-    for name, mod in collector.experts.items():
-        hidden_in, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
-        for e in range(mod.num_experts):
-            routed = collector.acc.get(f"{name}.{e}.in")
-            if (routed.tokens if routed else 0) < MIN_EXPERT_TOKENS_PER_INPUT * hidden_in:
-                h_in, h_down = collector.acc[f"{name}.*all.in"].h, collector.acc[f"{name}.{e}.*all.down"].h
-                stats["experts_all_token_fallback"] += 1
-            else:
-                h_in, h_down = routed.h, collector.acc[f"{name}.{e}.down"].h
-                stats["experts_routed"] += 1
-            gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
-            key = f"{prefix}{name}.{e}"
-            jobs += [(f"{key}.gate_proj", gu[:inter], h_in, lambda d, gu=gu: gu[:inter].copy_(d)),
-                     (f"{key}.up_proj", gu[inter:], h_in, lambda d, gu=gu: gu[inter:].copy_(d)),
-                     (f"{key}.down_proj", down, h_down, lambda d, down=down: down.copy_(d))]
-    return jobs
-
-
-def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stats: dict,
-                    collector: _Collector, measure: bool) -> dict[str, torch.Tensor]:
-    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write."""
-    tensors = _quantize_jobs(_jobs(layer, prefix, stats, collector), bits, group_size, damp, stats, measure)
-    for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
-        if value.dim() == 1 or key.endswith("gate.weight"):
-            tensors[f"{prefix}{key}"] = value.to(torch.float16)
-    return tensors
-
-
-def _quantize_jobs(jobs, bits, group_size: int, damp: float, stats: dict, measure: bool) -> dict[str, torch.Tensor]:
-    """GPTQ each (name, weight, hessian, set dequantized weight) job; -> the quantized tensors. With
-    `measure`, each linear's width is chosen among candidates by measured error (allocate.py)."""
-    widths = allocate.candidates(bits) if measure else [bits]
-    results, errors = {}, {}
-    for key, w, h, _ in jobs:
-        for b in widths:
-            q = quantize_gptq(w, h, b, group_size, damp=damp, name=key)
-            deq = fmt.dequantize(q, out_features=w.shape[0])
-            results[key, b] = (q, deq)
-            if measure:
-                errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, h))
-    chosen = allocate.allocate(errors, {k: w.numel() for k, w, _, _ in jobs}, bits) if measure else {}
-    tensors = {}
-    for key, w, _, set_weight in jobs:
-        b = chosen.get(key, bits)
-        q, deq = results[key, b]
-        tensors.update({f"{key}.{k}": v for k, v in q.items()})
-        stats["code_bits"] = stats.get("code_bits", 0) + allocate.code_bits(q) * w.numel()
-        stats["weights"] = stats.get("weights", 0) + w.numel()
-        set_weight(deq)
-    return tensors
-
 
 # ---------------------------------------------------------------------------------------------
 # The whole model
@@ -332,22 +247,33 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             head_bits: int = CONVERT_HEAD_BITS, calibration_text: str, calibration_source: str = "calibration",
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = 128, damp: float = DEFAULT_DAMP, say: Say = print,
-            measure: bool = False, stop_after_layers: int | None = None) -> Path:
+            measure: bool = False, stop_after_layers: int | None = None,
+            hessian_budget: int = DEFAULT_HESSIAN_BUDGET, device: str = "cpu",
+            progress: Callable[[dict], None] | None = None) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
+    `hessian_budget` bounds the bytes of experts' Hessians held at once (it does not change the result).
+    `device` runs the layers, Hessians and GPTQ there ("cuda"); `progress` gets a dict per finished layer
+    (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds).
     """
     from transformers import AutoConfig, AutoTokenizer
 
     fmt.resolve_bits(bits, name="bits")
     fmt.resolve_bits(head_bits, name="head_bits")
+    if hessian_budget <= 0:
+        raise ConvertError(f"hessian_budget must be positive, got {hessian_budget} bytes")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise ConvertError(f"device {device!r} is not available here; use cpu or a visible cuda device")
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ConvertError(f"{out_dir}: already exists; choose another output folder or remove it")
     ckpt = Checkpoint(model_dir)
     hybrid = None
     if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
+        if device != "cpu":
+            raise ConvertError(f"{ckpt.arch}: its layers are calibrated on the CPU only; use the device cpu")
         from .convert_qwen35 import HybridLayers
         hybrid = HybridLayers(ckpt, seq_len, ConvertError)
         n_layers, tied = hybrid.n_layers, bool(hybrid.config.get("tie_word_embeddings", False))
@@ -362,6 +288,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
                 "group_size": group_size, "damp": damp, "measure": measure, "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
+    if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
+        settings["device"] = device.split(":")[0]
 
     staging = staging_dir(out_dir)
     state = {"settings": settings, "layers_done": 0, "rows_used": 0,
@@ -383,59 +311,69 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     tok = AutoTokenizer.from_pretrained(ckpt.path)
     ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
     if k == 0:
-        hidden = torch.nn.functional.embedding(ids, ckpt.get(embed_name))
+        hidden = torch.nn.functional.embedding(ids, ckpt.get_raw(embed_name)).float()
         state["rows_used"] = ids.shape[0]
     else:
         with safe_open(str(staging / f"hidden-{k:05d}.safetensors"), "pt") as f:
             hidden = f.get_tensor("hidden")
-    rotary = rope_cls(config=cfg) if hybrid is None else None
+    hidden = hidden.to(device)
+    rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
+    jobs_done = lambda jobs: quantize_jobs(jobs, bits, group_size, damp, state["stats"], measure)  # noqa: E731
     done_now = 0
     for i in range(k, n_layers):
         if stop_after_layers is not None and done_now >= stop_after_layers:
             raise ConvertError(f"conversion stopped after layer {i} of {n_layers}; run it again to resume")
+        t0 = time.perf_counter()
+        collector = None
         if hybrid is not None:
-            tensors, hidden = hybrid.quantize_layer(
-                i, hidden, lambda jobs: _quantize_jobs(jobs, bits, group_size, damp, state["stats"], measure),
-                MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
+            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done, MIN_EXPERT_TOKENS_PER_INPUT,
+                                                    state["stats"])
         else:
             prefix = f"model.layers.{i}."
-            layer = layer_cls(cfg, layer_idx=i).float().eval()
+            layer = _new_layer(layer_cls, cfg, i, device)
             _load_layer(layer, ckpt, prefix)
-            collector = _Collector(layer)
+            collector = Collector(layer)
             _run_layer(layer, rotary, hidden)
             collector.remove()
-            tensors = _quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure)
-            del collector
+            try:
+                tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure,
+                                         hessian_budget)
+            except CalibrationError as e:
+                raise ConvertError(str(e)) from e
             hidden = _run_layer(layer, rotary, hidden)
+            del layer                                              # before the next layer is read
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
         _check_disk(staging, need, f"write layer {i}")
         try:
             _atomic_save(tensors, staging / f"layer-{i:05d}.safetensors")
-            _atomic_save({"hidden": hidden}, staging / f"hidden-{i + 1:05d}.safetensors")
+            _atomic_save({"hidden": hidden.cpu()}, staging / f"hidden-{i + 1:05d}.safetensors")
         except OSError as e:
             raise ConvertError(f"{staging}: writing layer {i} failed ({e}); free space and run again to resume") from e
+        del tensors
         state["layers_done"] = i + 1
         _write_state(staging, state)
         (staging / f"hidden-{i:05d}.safetensors").unlink(missing_ok=True)
         done_now += 1
         say(f"layer {i + 1}/{n_layers} quantized")
+        if progress is not None and collector is not None:
+            progress({"layer": i, "seconds": time.perf_counter() - t0, "hessian_peak_bytes": collector.peak,
+                      "experts_per_group": collector.experts_per_group, "expert_seconds": collector.expert_seconds})
+        del collector
 
     head = None
     if not tied:
-        acc = HessianAccumulator(hidden.shape[-1])
+        acc = HessianAccumulator(hidden.shape[-1], device=device)
         with torch.no_grad():
             if hybrid is not None:
                 acc.add(hybrid.head_input(hidden))
             else:
-                norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps)
-                norm.weight.data = ckpt.get(norm_name)
+                norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps).to(device)
+                norm.weight.data = ckpt.get(norm_name).to(device)
                 acc.add(norm(hidden))
         head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, name="lm_head")
     mtp = {}
     if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
-        mtp = hybrid.quantize_mtp(ids, hidden, lambda jobs: _quantize_jobs(jobs, bits, group_size, damp,
-                                                                          state["stats"], measure),
-                                  MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
+        mtp = hybrid.quantize_mtp(ids, hidden, jobs_done, MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
     del hidden
 
     config = exllamav2_config(ckpt.config)
@@ -451,7 +389,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         shutil.rmtree(assembled)
     try:
         with ModelWriter(assembled) as writer:
-            writer.add(embed_name, ckpt.get(embed_name).to(torch.float16))
+            writer.add(embed_name, ckpt.get_raw(embed_name).to(torch.float16))
             for i in range(n_layers):
                 with safe_open(str(staging / f"layer-{i:05d}.safetensors"), "pt") as f:
                     for name in f.keys():
@@ -493,6 +431,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
                    help=f"tokens per calibration sequence (default {CONVERT_CALIBRATION_SEQ_LEN})")
+    p.add_argument("--hessian-memory", type=float, default=DEFAULT_HESSIAN_BUDGET / 2**30,
+                   help="GiB of MoE experts' Hessians held at once; experts are calibrated in groups that fit "
+                        f"(default {DEFAULT_HESSIAN_BUDGET / 2**30:g}; does not change the result)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where layers, Hessians and GPTQ run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -500,12 +442,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.rows < 1 or args.seq_len < 8:
             raise ConvertError(f"--rows must be >= 1 and --seq-len >= 8, got {args.rows} and {args.seq_len}")
+        if not args.hessian_memory > 0:
+            raise ConvertError(f"--hessian-memory must be a positive number of GiB, got {args.hessian_memory}")
         try:
             text = cal.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
         convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
-                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len, measure=args.measure)
+                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
+                hessian_budget=int(args.hessian_memory * 2**30), device=args.device)
         return 0
     except (ConvertError, fmt.Exl2FormatError) as e:
         print(f"moedesk-cli convert: {e}", file=sys.stderr)

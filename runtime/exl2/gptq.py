@@ -31,8 +31,8 @@ BLOCK = 128                   # columns per lazy-update block
 class HessianAccumulator:
     """Sums 2 X^T X over batches of a layer's inputs (any leading shape, last dim = in_features)."""
 
-    def __init__(self, in_features: int):
-        self.h = torch.zeros((in_features, in_features), dtype=torch.float64)
+    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
+        self.h = torch.zeros((in_features, in_features), dtype=torch.float64, device=device)
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -64,27 +64,32 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
                   group_size: int | Mapping[int, int] = 128, *, bits_prop: Sequence[float] | None = None,
                   damp: float = DEFAULT_DAMP, use_act_order: bool = True,
                   name: str = "weight") -> dict[str, torch.Tensor]:
-    """GPTQ-quantize an HF weight [out, in] with its inputs' Hessian [in, in] -> EXL2 tensor set."""
+    """GPTQ-quantize an HF weight [out, in] with its inputs' Hessian [in, in] -> EXL2 tensor set (on the CPU).
+    The error feedback runs on the Hessian's device; the scales and the packing on the CPU."""
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise fmt.Exl2FormatError(name, f"Hessian of shape {list(hessian.shape)} does not match a weight of "
                                         f"shape {list(weight.shape)} (expected [in, in])")
     if not torch.isfinite(hessian).all():
         raise fmt.Exl2FormatError(name, "Hessian has non-finite values")
-    w = weight.detach().cpu().to(torch.float32).clone()
-    h = hessian.detach().cpu().to(torch.float64).clone()
+    dev = hessian.device
+    w = weight.detach().to(dev, torch.float32)          # copied only where it must change: a head is GBs
+    h = hessian.detach().to(dev, torch.float64).clone()
     dead = torch.diagonal(h) == 0                       # channels that never saw input
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    perm = act_order(h) if use_act_order else torch.arange(w.shape[1])
+    if dead.any():
+        h[dead, dead] = 1.0
+        w = w.clone()
+        w[:, dead] = 0.0
+    perm = act_order(h) if use_act_order else torch.arange(w.shape[1], device=dev)
 
     # Groups, scales and the tensor set from round-to-nearest; only the codes change below.
-    rtn = fmt.quantize(w, bits, group_size, bits_prop=bits_prop, perm=perm, name=name)
+    rtn = fmt.quantize(w.cpu(), bits, group_size, bits_prop=bits_prop, perm=perm.cpu(), name=name)
     _, n, groups = fmt.read_layout(rtn, name)
-    step = fmt.step_sizes(rtn, name=name)[:, perm]     # [N, in] packed order
+    step = fmt.step_sizes(rtn, name=name)[:, perm.cpu()].to(dev)      # [N, in] packed order
     out = w.shape[0]
     wp = torch.nn.functional.pad(w[:, perm], (0, 0, 0, n - out))       # [N, in] packed order
+    del w
     row_bits = torch.cat([torch.full((g.rows,), g.bits) for g in groups])
-    zero = (2 ** (row_bits - 1)).to(torch.float32)     # per packed row (input channel)
+    zero = (2 ** (row_bits - 1)).to(dev, torch.float32)     # per packed row (input channel)
 
     u = _inverse_cholesky(h[perm][:, perm], damp, name).to(torch.float32)
     codes = torch.empty_like(wp)                        # centred codes, [N, in]
@@ -105,7 +110,8 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, bits=4,
     codes[out:] = 0                                     # padded columns hold the zero code
 
     # Pack the codes group run by group run, as format.quantize lays them out.
-    ct = (codes.t() + zero.unsqueeze(1)).to(torch.int64)                # [in, N] stored codes
+    ct = (codes.t() + zero.unsqueeze(1)).to(torch.int32).cpu()          # [in, N] stored codes (< 2**8)
+    del codes
     packed, r = [], 0
     for b in dict.fromkeys(g.bits for g in groups):
         rows = sum(g.rows for g in groups if g.bits == b)

@@ -1,0 +1,266 @@
+"""Calibration of one decoder layer for the converter: the Hessians of its linears, GPTQ, bounded memory.
+
+While the layer runs on the calibration hidden states, hooks on its linears sum each linear's input
+Hessian 2 X^T X (linears fed the same tensor, such as q/k/v, share one). The MoE experts module is not
+summed while it runs: its hook keeps the tokens it receives (float16, float32 where float16 would
+overflow) and the router's top-k choice, once per layer. After the run the dense linears are quantized
+and their Hessians dropped; then the experts are calibrated in groups: for a group, one pass over the
+kept tokens sums each expert's gate/up Hessian from the tokens routed to it and its down Hessian from
+its own intermediate activations of them, and each expert is quantized and its Hessians dropped before
+the next group starts. A group holds as many experts as `hessian_budget` bytes of float64 Hessians allow
+(at least one), so a 128- or 256-expert layer never holds all its experts' Hessians at once; an expert's
+Hessians depend only on its own weights and tokens, so the result is bit-identical for every budget.
+
+An expert routed fewer than MIN_EXPERT_TOKENS_PER_INPUT x in_features tokens would be calibrated on a
+nearly singular Hessian; it falls back to the Hessian of all the layer's tokens for gate/up and of all
+tokens through its own gate/up for down_proj (counted as experts_all_token_fallback).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import allocate
+from . import format as fmt
+from .gptq import HessianAccumulator, quantize_gptq
+
+MIN_EXPERT_TOKENS_PER_INPUT = 2      # expert tokens below this x in_features -> all-token Hessian
+DEFAULT_HESSIAN_BUDGET = 2 << 30     # bytes of expert Hessians held at once (float64)
+H_BYTES = 8                          # HessianAccumulator sums in float64
+
+
+class CalibrationError(RuntimeError):
+    """A layer that cannot be calibrated; the message names the linear."""
+
+
+def hessian_bytes(width: int) -> int:
+    return width * width * H_BYTES
+
+
+def experts_per_group(hidden: int, inter: int, budget: int) -> int:
+    """How many experts' gate/up and down Hessians fit in `budget` bytes (at least one)."""
+    return max(1, int(budget) // (hessian_bytes(hidden) + hessian_bytes(inter)))
+
+
+class RoutedInputs:
+    """The tokens an experts module received during the layer's run, with the router's top-k choice."""
+
+    def __init__(self, mod: torch.nn.Module):
+        self.mod = mod
+        self.x: list[torch.Tensor] = []
+        self.top_k: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1])
+        half = x.to(torch.float16)
+        self.x.append(half if torch.isfinite(half).all() else x.clone())
+        self.top_k.append(top_k_index.detach().reshape(x.shape[0], -1).clone())
+
+    def routed_counts(self) -> torch.Tensor:
+        n = self.mod.num_experts
+        counts = torch.zeros(n, dtype=torch.int64)
+        for idx in self.top_k:
+            mine = torch.zeros((idx.shape[0], n + 1), dtype=torch.bool, device=idx.device)
+            mine.scatter_(1, idx.clamp(0, n), True)
+            counts += mine[:, :n].sum(0).cpu()
+        return counts
+
+    def all_tokens_hessian(self) -> HessianAccumulator:
+        acc = HessianAccumulator(self.mod.gate_up_proj.shape[-1], device=self.mod.gate_up_proj.device)
+        for x in self.x:
+            acc.add(x)
+        return acc
+
+    def expert_hessians(self, experts: list[int], routed: dict[int, bool]):
+        """{expert: (gate/up accumulator or None where not routed, down accumulator)}, one pass over the
+        kept tokens; a routed expert sums its own tokens, another all of them (the fallback)."""
+        gu_all, dn_all = self.mod.gate_up_proj, self.mod.down_proj
+        dev = gu_all.device
+        out = {e: (HessianAccumulator(gu_all.shape[-1], device=dev) if routed[e] else None,
+                   HessianAccumulator(dn_all.shape[-1], device=dev)) for e in experts}
+        with torch.no_grad():
+            for x, idx in zip(self.x, self.top_k):
+                for e in experts:
+                    rows = x[(idx == e).any(dim=-1)] if routed[e] else x
+                    if rows.shape[0] == 0:
+                        continue
+                    rows = rows.to(torch.float32)
+                    h_in, h_down = out[e]
+                    if h_in is not None:
+                        h_in.add(rows)
+                    gate, up = torch.nn.functional.linear(rows, gu_all[e]).chunk(2, dim=-1)
+                    h_down.add(self.mod.act_fn(gate) * up)
+        return out
+
+
+class Collector:
+    """Hooks on one layer: Hessians of its linears, the tokens of its experts modules."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.acc: dict[str, HessianAccumulator] = {}
+        self.alias: dict[str, str] = {}              # linear -> the linear whose input (and Hessian) it shares
+        self.experts: dict[str, RoutedInputs] = {}
+        self.handles = []
+        self.live = self.peak = 0                    # bytes of Hessians held now / at most
+        self.experts_per_group = 0
+        self.expert_seconds = 0.0                    # time spent calibrating and quantizing experts
+        self._last: tuple[torch.Tensor, str] | None = None
+        self._first_pass: set[str] = set()
+        for name, mod in layer.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                self.handles.append(mod.register_forward_pre_hook(self._linear_hook(name)))
+            elif hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj") and hasattr(mod, "num_experts"):
+                self.experts[name] = RoutedInputs(mod)
+                self.handles.append(mod.register_forward_pre_hook(self._expert_hook(name)))
+
+    def held(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _linear_hook(self, name):
+        def hook(_mod, args):
+            x = args[0]
+            if name not in self.acc and name not in self.alias:       # first batch: share or start one
+                if self._last is not None and self._last[0] is x:
+                    self.alias[name] = self._last[1]
+                else:
+                    self.acc[name] = HessianAccumulator(x.shape[-1], device=x.device)
+                    self.held(hessian_bytes(x.shape[-1]))
+            if name in self.acc:
+                self.acc[name].add(x)
+                self._last = (x, name)
+        return hook
+
+    def _expert_hook(self, name):
+        def hook(_mod, args):
+            self.experts[name].add(args[0], args[1])
+            self._last = None
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor:
+        key = self.alias.get(name, name)
+        if key not in self.acc:
+            raise CalibrationError(f"{name}: received no calibration input")
+        return self.acc[key].h
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self._last = None
+
+
+class _Results:
+    """Quantized linears of a layer: written at once, or (measure) kept as candidates until allocated."""
+
+    def __init__(self, bits, group_size: int, damp: float, stats: dict, measure: bool):
+        self.bits, self.group_size, self.damp, self.stats, self.measure = bits, group_size, damp, stats, measure
+        self.widths = allocate.candidates(bits) if measure else [bits]
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.pending: list[tuple[str, int, object]] = []         # (key, numel, set_weight) when measuring
+        self.cands: dict[tuple[str, float], dict] = {}
+        self.errors: dict[str, dict] = {}
+
+    def quantize(self, key: str, w: torch.Tensor, h: torch.Tensor, set_weight) -> None:
+        for b in self.widths:
+            q = quantize_gptq(w, h, b, self.group_size, damp=self.damp, name=key)
+            if not self.measure:
+                self._keep(key, w.numel(), w.shape[0], q, set_weight)
+                return
+            deq = fmt.dequantize(q, out_features=w.shape[0]).to(w.device)
+            self.errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, h))
+            self.cands[key, b] = q
+        self.pending.append((key, w.numel(), w.shape[0], set_weight))
+
+    def _keep(self, key, numel, out_features, q, set_weight) -> None:
+        self.tensors.update({f"{key}.{k}": v for k, v in q.items()})
+        self.stats["code_bits"] = self.stats.get("code_bits", 0) + allocate.code_bits(q) * numel
+        self.stats["weights"] = self.stats.get("weights", 0) + numel
+        set_weight(fmt.dequantize(q, out_features=out_features))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if self.measure:
+            chosen = allocate.allocate(self.errors, {k: n for k, n, _, _ in self.pending}, self.bits)
+            for key, numel, out_features, set_weight in self.pending:
+                self._keep(key, numel, out_features, self.cands[key, chosen.get(key, self.bits)], set_weight)
+            self.cands.clear()
+        return self.tensors
+
+
+def quantize_jobs(jobs, bits, group_size: int, damp: float, stats: dict, measure: bool) -> dict[str, torch.Tensor]:
+    """GPTQ each (name, weight, hessian, set dequantized weight) job (layers calibrated outside this module,
+    e.g. convert_qwen35.py); -> the quantized tensors. With `measure`, widths allocated as for a layer."""
+    res = _Results(bits, group_size, damp, stats, measure)
+    for key, w, h, set_weight in jobs:
+        res.quantize(key, w, h, set_weight)
+    return res.finish()
+
+
+def _set_linear(mod):
+    def set_weight(d):
+        mod.weight.data = d.to(mod.weight.device)
+    return set_weight
+
+
+def _set_view(view):
+    def set_weight(d):
+        view.copy_(d)
+    return set_weight
+
+
+def quantize_layer(layer: torch.nn.Module, prefix: str, bits, group_size: int, damp: float, stats: dict,
+                   collector: Collector, measure: bool,
+                   hessian_budget: int = DEFAULT_HESSIAN_BUDGET) -> dict[str, torch.Tensor]:
+    """GPTQ every linear of the layer (in place: weights become the dequantized ones); -> tensors to write.
+    With `measure`, each linear's width is chosen among candidates by measured error (allocate.py)."""
+    res = _Results(bits, group_size, damp, stats, measure)
+    for name, mod in layer.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            try:
+                h = collector.hessian(name)
+            except CalibrationError as e:
+                raise CalibrationError(f"{prefix}{e}") from None
+            res.quantize(f"{prefix}{name}", mod.weight.data, h, _set_linear(mod))
+    for key in list(collector.acc):                              # dense Hessians done with
+        collector.held(-hessian_bytes(collector.acc.pop(key).h.shape[0]))
+    t0 = time.perf_counter()
+    for name, routed_inputs in collector.experts.items():
+        _quantize_experts(routed_inputs, f"{prefix}{name}", res, stats, collector, hessian_budget)
+    collector.expert_seconds = time.perf_counter() - t0
+    tensors = res.finish()
+    for key, value in layer.state_dict().items():                # norms, router: fp16 as they are
+        if value.dim() == 1 or key.endswith("gate.weight"):
+            tensors[f"{prefix}{key}"] = value.to(torch.float16).cpu()
+    return tensors
+
+
+def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict, collector: Collector,
+                      budget: int) -> None:
+    mod = inputs.mod
+    hidden_in, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
+    counts = inputs.routed_counts()
+    routed = {e: int(counts[e]) >= MIN_EXPERT_TOKENS_PER_INPUT * hidden_in for e in range(mod.num_experts)}
+    group = min(mod.num_experts, experts_per_group(hidden_in, inter, budget))
+    collector.experts_per_group = group
+    all_in = None
+    if not all(routed.values()):
+        all_in = inputs.all_tokens_hessian()
+        collector.held(hessian_bytes(hidden_in))
+    for g0 in range(0, mod.num_experts, group):
+        experts = list(range(g0, min(mod.num_experts, g0 + group)))
+        hs = inputs.expert_hessians(experts, routed)
+        collector.held(sum(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter) for e in experts))
+        for e in experts:
+            h_in, h_down = hs.pop(e)
+            stats["experts_routed" if routed[e] else "experts_all_token_fallback"] += 1
+            h_in = (h_in or all_in).h
+            gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
+            res.quantize(f"{key}.{e}.gate_proj", gu[:inter], h_in, _set_view(gu[:inter]))
+            res.quantize(f"{key}.{e}.up_proj", gu[inter:], h_in, _set_view(gu[inter:]))
+            res.quantize(f"{key}.{e}.down_proj", down, h_down.h, _set_view(down))
+            collector.held(-(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter)))
+            del h_in, h_down
+    if all_in is not None:
+        collector.held(-hessian_bytes(hidden_in))
+    inputs.x.clear()
+    inputs.top_k.clear()

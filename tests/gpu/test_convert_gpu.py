@@ -1,0 +1,52 @@
+"""The converter on CUDA (`convert(..., device="cuda")`): the same model as on the CPU up to rounding,
+the same bytes for every Hessian budget, and the layer's Hessians and GPTQ kept on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.exl2 import calibrate
+from runtime.exl2 import convert as cv
+from runtime.exl2 import format as fmt
+from tests.convert_fixtures import TEXT, tiny_checkpoint
+from tests.test_exl2_convert import _tensors
+
+pytestmark = pytest.mark.gpu
+
+
+def _convert(src, out, device, budget=1 << 40):
+    reports = []
+    cv.convert(src, out, 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None,
+               hessian_budget=budget, device=device, progress=reports.append)
+    return _tensors(out), reports
+
+
+def test_cuda_conversion_matches_cpu_and_every_budget(tmp_path):
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=2)
+    cpu, _ = _convert(src, tmp_path / "cpu", "cpu")
+    one, rep_one = _convert(src, tmp_path / "one", "cuda", budget=1)
+    allx, rep_all = _convert(src, tmp_path / "all", "cuda")
+    assert [r["experts_per_group"] for r in rep_one] == [1, 1] and rep_all[0]["experts_per_group"] == 4
+    assert one.keys() == allx.keys() == cpu.keys()
+    assert all(torch.equal(one[k], allx[k]) for k in one)              # budget never changes the bytes
+    # CUDA rounds differently from the CPU: the dequantized linears agree closely, not bit for bit
+    for prefix in sorted({k.rsplit(".", 1)[0] for k in cpu if k.endswith(".q_weight")}):
+        a = fmt.dequantize({k.rsplit(".", 1)[1]: v for k, v in cpu.items() if k.rsplit(".", 1)[0] == prefix})
+        b = fmt.dequantize({k.rsplit(".", 1)[1]: v for k, v in one.items() if k.rsplit(".", 1)[0] == prefix})
+        step = a.abs().max() / 8
+        assert (a - b).abs().mean() < 0.15 * step, prefix
+
+
+def test_cuda_hessians_and_gptq_stay_on_the_gpu():
+    from runtime.exl2.gptq import HessianAccumulator, quantize_gptq
+    x = torch.randn(512, 256, device="cuda")
+    acc = HessianAccumulator(256, device="cuda")
+    acc.add(x)
+    assert acc.h.is_cuda
+    w = torch.randn(128, 256, device="cuda") * 0.02
+    q_gpu = quantize_gptq(w, acc.h, 4, 128)
+    q_cpu = quantize_gptq(w.cpu(), acc.h.cpu(), 4, 128)
+    assert all(not v.is_cuda for v in q_gpu.values())                  # the tensor set comes back on the CPU
+    d_gpu, d_cpu = fmt.dequantize(q_gpu, out_features=128), fmt.dequantize(q_cpu, out_features=128)
+    assert (d_gpu - d_cpu).abs().mean() < 0.15 * d_cpu.abs().max() / 8
+    assert calibrate.experts_per_group(256, 128, 1) == 1

@@ -1,0 +1,141 @@
+"""The converter's memory bound: experts calibrated in groups under a Hessian budget give bit-identical
+models for every budget, hold fewer Hessians, and a layer's weights are read one layer at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.exl2 import calibrate
+from runtime.exl2 import convert as cv
+from tests.convert_fixtures import TEXT, tiny_checkpoint
+from tests.test_exl2_convert import _tensors
+
+HIDDEN = INTER = 64          # the fixture's hidden size and expert width (4 experts, top-2)
+HB = calibrate.hessian_bytes(HIDDEN)
+
+
+def _convert(src, out, budget, measure=False):
+    reports = []
+    cv.convert(src, out, 3.0, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None,
+               hessian_budget=budget, progress=reports.append, measure=measure)
+    return reports
+
+
+@pytest.mark.parametrize("measure", [False, True])
+def test_expert_groups_give_the_same_model_for_every_budget(tmp_path, measure):
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1 if measure else 2)
+    per_expert = calibrate.hessian_bytes(HIDDEN) + calibrate.hessian_bytes(INTER)
+    runs = {}
+    for budget in (1, 3 * per_expert, 1 << 40):              # 1 expert, groups of 3 + 1, all 4 at once
+        reports = _convert(src, tmp_path / f"q{budget}", budget, measure)
+        runs[budget] = (_tensors(tmp_path / f"q{budget}"), reports)
+    assert [r["experts_per_group"] for r in runs[1][1]] == [1] * len(runs[1][1])
+    assert runs[3 * per_expert][1][0]["experts_per_group"] == 3
+    assert runs[1 << 40][1][0]["experts_per_group"] == 4
+    ref = runs[1][0]
+    for tensors, _ in runs.values():
+        assert tensors.keys() == ref.keys() and all(torch.equal(tensors[k], ref[k]) for k in ref)
+    # one expert's Hessians (plus the shared all-token one) at a time against all four at once;
+    # q/k/v read one input and keep one Hessian: the dense linears hold two
+    small = max(r["hessian_peak_bytes"] for r in runs[1][1])
+    large = max(r["hessian_peak_bytes"] for r in runs[1 << 40][1])
+    assert small <= 3 * HB < 5 * HB <= large, (small, large)
+    assert all(r["seconds"] > 0 for r in runs[1][1])
+
+
+def test_routed_tokens_and_fallback_follow_the_router():
+    """An expert's gate/up Hessian sums exactly the tokens routed to it; an expert routed none falls back
+    to all tokens for down_proj."""
+    torch.manual_seed(0)
+    mod = type("Experts", (torch.nn.Module,), {})()
+    mod.num_experts, mod.act_fn = 3, torch.nn.functional.silu
+    mod.gate_up_proj = torch.nn.Parameter(torch.randn(3, 8, 5))
+    mod.down_proj = torch.nn.Parameter(torch.randn(3, 5, 4))
+    inputs = calibrate.RoutedInputs(mod)
+    x = torch.randn(6, 5)
+    top = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    inputs.add(x[:4], top[:4])
+    inputs.add(x[4:], top[4:])
+    assert inputs.routed_counts().tolist() == [6, 6, 0]
+    hs = inputs.expert_hessians([0, 2], {0: True, 2: False})
+    xs = x.half().double()
+    assert torch.allclose(hs[0][0].h, 2 * xs.t() @ xs) and hs[0][0].tokens == 6
+    assert hs[2][0] is None and hs[2][1].tokens == 6                  # all tokens through expert 2
+
+
+def test_layers_are_read_one_at_a_time_each_tensor_once(tmp_path, monkeypatch):
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=2)
+    reads = []
+    real = cv.Checkpoint.get_raw
+
+    def get_raw(self, name):
+        reads.append(name)
+        return real(self, name)
+    monkeypatch.setattr(cv.Checkpoint, "get_raw", get_raw)
+    _convert(src, tmp_path / "q", 1 << 30)
+    layer_of = [int(n.split(".")[2]) for n in reads if n.startswith("model.layers.")]
+    assert layer_of == sorted(layer_of) and set(layer_of) == {0, 1}      # layer 0's tensors, then layer 1's
+    per_layer = [n for n in reads if n.startswith("model.layers.0.")]
+    assert len(per_layer) == len(set(per_layer))
+    assert sum(".experts." in n for n in per_layer) == 4 * 3              # per-expert HF tensors, each once
+
+
+def test_bad_budget_and_device_are_refused(tmp_path, capsys):
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1)
+    with pytest.raises(cv.ConvertError, match="hessian_budget must be positive"):
+        _convert(src, tmp_path / "q", 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(cv.ConvertError, match="device 'cuda' is not available"):
+            cv.convert(src, tmp_path / "q", 3.0, calibration_text=TEXT, device="cuda", say=lambda m: None)
+    import argparse
+    p = argparse.ArgumentParser()
+    cv.add_arguments(p)
+    args = p.parse_args(["--model", str(src), "--bpw", "3", "--out", str(tmp_path / "q"), "--hessian-memory", "-1"])
+    assert cv.run(args) == 1
+    assert "--hessian-memory must be a positive number of GiB, got -1.0" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
+def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
+    import json
+
+    from bench import convert_memory as cm
+    s, full, notes = cm.bench_shape("tiny-moe", 1, 8, 512, top_k=2)
+    assert (s.experts, s.experts_per_token, s.vocab, s.layers) == (8, 2, 512, 1) and full.experts == 16
+    assert any("8 of 16 experts" in n for n in notes)
+    with pytest.raises(SystemExit, match="--experts must be between top-k 2 and 16"):
+        cm.bench_shape("tiny-moe", 1, 1, None, top_k=2)
+    with pytest.raises(SystemExit, match="converter reads"):
+        cm.bench_shape("tiny-mixtral", 1, None, None)
+    q35, _, notes35 = cm.bench_shape("qwen3.5-122b-a10b", 1, None, None)
+    assert (q35.architecture, q35.experts, q35.hidden, q35.expert_intermediate) == ("Qwen3MoeForCausalLM", 256, 3072, 1024)
+
+    assert cm.main(["--shape", "tiny-moe", "--layers", "1", "--experts", "8", "--top-k", "2", "--vocab", "512",
+                    "--rows", "2", "--seq-len", "32", "--hessian-memory", str(3 * 700_000 / 2**30),
+                    "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads(next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json")).read_text())
+    (layer,) = result["layers"]
+    assert layer["experts_per_group"] == 3 and 0 < layer["hessian_peak_bytes"] <= 4 * 655_360
+    assert layer["peak_rss_bytes"] > 0 and result["full"]["experts"] == 16
+    pr = result["projection"]
+    per_layer = layer["seconds"] + layer["expert_seconds"]               # experts x 16/8
+    assert pr["seconds_per_layer"] == pytest.approx(per_layer, abs=0.06)
+    assert pr["model_seconds"] == pytest.approx(2 * per_layer + result["head_and_assembly_s"] * 1024 / 512, abs=0.5)
+    assert result["experts_routed"] + result["experts_all_token_fallback"] == 8
+
+
+def test_new_layer_is_built_without_initialising_and_keeps_unsaved_buffers():
+    class Plain(torch.nn.Module):
+        def __init__(self, cfg, layer_idx):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+    class WithBuffer(Plain):
+        def __init__(self, cfg, layer_idx):
+            super().__init__(cfg, layer_idx)
+            self.register_buffer("table", torch.arange(3.0), persistent=False)
+
+    plain = cv._new_layer(Plain, None, 0, "cpu")
+    assert plain.lin.weight.device.type == "cpu" and not plain.training
+    buffered = cv._new_layer(WithBuffer, None, 0, "cpu")
+    assert buffered.table.tolist() == [0.0, 1.0, 2.0]                 # built for real, not left empty
