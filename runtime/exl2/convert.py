@@ -89,10 +89,10 @@ class Checkpoint:
         except (OSError, ValueError) as e:
             raise ConvertError(f"{cfg_file}: unreadable ({e})") from e
         archs = self.config.get("architectures") or []
-        self.arch = next((a for a in archs if a in ARCHITECTURES), None)
+        self.arch = next((a for a in archs if a in ARCHITECTURES or a in qwen35.ARCHITECTURES), None)
         if self.arch is None:
             raise ConvertError(f"{cfg_file}: architecture {archs} is not supported; the converter handles "
-                               f"{', '.join(ARCHITECTURES)}")
+                               f"{', '.join((*ARCHITECTURES, *qwen35.ARCHITECTURES))}")
         if self.config.get("quantization_config"):
             raise ConvertError(f"{cfg_file}: the checkpoint is already quantized "
                                f"({self.config['quantization_config'].get('quant_method', '?')}); "
