@@ -92,7 +92,7 @@ def test_refusals_are_said_before_any_download(qtbot, dialog, fake_hub, tmp_path
     dialog.start_conversion(False, str(gpt2), 4.0)
     qtbot.waitUntil(lambda: len(warnings) == 2, timeout=20_000)
     assert warnings[1] == (f"{gpt2} is a GPT2LMHeadModel: the converter handles "
-                           "LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM only.")
+                           f"{', '.join(CONVERT_ARCHITECTURES)} only.")
     assert dialog.local_status.text() == warnings[1]
 
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}))
