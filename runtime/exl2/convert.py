@@ -262,23 +262,23 @@ def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _jobs(layer, prefix: str, stats: dict, collector: _Collector):
-    """(name, weight, hessian, set dequantized weight) for every linear of the layer, experts included."""
+    """(name, weight, Hessian accumulator, set dequantized weight) for every linear of the layer, experts included."""
     jobs = []
     for name, mod in layer.named_modules():
         if isinstance(mod, torch.nn.Linear):
             if name not in collector.acc:
                 raise ConvertError(f"{prefix}{name}: received no calibration input")
-            jobs.append((f"{prefix}{name}", mod.weight.data, collector.acc[name].h,
+            jobs.append((f"{prefix}{name}", mod.weight.data, collector.acc[name],
                          lambda d, mod=mod: setattr(mod.weight, "data", d)))
     for name, mod in collector.experts.items():
         hidden_in, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
         for e in range(mod.num_experts):
             routed = collector.acc.get(f"{name}.{e}.in")
             if (routed.tokens if routed else 0) < MIN_EXPERT_TOKENS_PER_INPUT * hidden_in:
-                h_in, h_down = collector.acc[f"{name}.*all.in"].h, collector.acc[f"{name}.{e}.*all.down"].h
+                h_in, h_down = collector.acc[f"{name}.*all.in"], collector.acc[f"{name}.{e}.*all.down"]
                 stats["experts_all_token_fallback"] += 1
             else:
-                h_in, h_down = routed.h, collector.acc[f"{name}.{e}.down"].h
+                h_in, h_down = routed, collector.acc[f"{name}.{e}.down"]
                 stats["experts_routed"] += 1
             gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
             key = f"{prefix}{name}.{e}"
@@ -295,13 +295,13 @@ def _quantize_layer(layer, prefix: str, bits, group_size: int, damp: float, stat
     jobs = _jobs(layer, prefix, stats, collector)
     widths = allocate.candidates(bits) if measure else [bits]
     results, errors = {}, {}
-    for key, w, h, _ in jobs:
+    for key, w, acc, _ in jobs:
         for b in widths:
-            q = quantize_gptq(w, h, b, group_size, damp=damp, name=key)
+            q = quantize_gptq(w, acc.h, b, group_size, damp=damp, tokens=acc.tokens, name=key)
             deq = fmt.dequantize(q, out_features=w.shape[0])
             results[key, b] = (q, deq)
             if measure:
-                errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, h))
+                errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, acc.h))
     chosen = allocate.allocate(errors, {k: w.numel() for k, w, _, _ in jobs}, bits) if measure else {}
     tensors = {}
     for key, w, _, set_weight in jobs:
@@ -406,12 +406,14 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         acc = HessianAccumulator(cfg.hidden_size)
         with torch.no_grad():
             acc.add(norm(hidden))
-        head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, name="lm_head")
+        head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
+                             name="lm_head")
     del hidden
 
     config = exllamav2_config(ckpt.config)
     config["quantization_config"] = {
         **quantization_config(bits, head_bits), "method": "gptq", "act_order": True, "damp": damp,
+        "damp_floor": "in_features / calibration tokens",
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
         "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,
