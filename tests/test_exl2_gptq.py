@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runtime.exl2 import format as fmt
-from runtime.exl2.gptq import DEFAULT_DAMP, HessianAccumulator, act_order, damping, quantize_gptq
+from runtime.exl2.gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, act_order, damping, quantize_gptq
 
 
 def _inputs(g, inn, tokens):
@@ -69,7 +69,7 @@ def test_gptq_dead_channels_and_bad_hessian():
 def test_gptq_calibrated_on_few_tokens_beats_round_to_nearest_on_unseen_inputs(seed):
     # 128 calibration tokens for 256 input channels: H is singular, and GPTQ with the plain 1% damping fits
     # the error feedback to those tokens (1.17x round-to-nearest's error on other inputs of the same kind);
-    # the damping floor in_features / tokens keeps it below round-to-nearest's.
+    # the damping floor DAMP_PER_INPUT x in_features / tokens keeps it below round-to-nearest's.
     g = torch.Generator().manual_seed(seed)
     inn, out = 256, 96
     w = torch.randn(out, inn, generator=g) * 0.05
@@ -85,8 +85,8 @@ def test_gptq_calibrated_on_few_tokens_beats_round_to_nearest_on_unseen_inputs(s
 
 def test_damping_floor_follows_tokens_per_input_channel():
     assert damping(DEFAULT_DAMP, 576, None) == DEFAULT_DAMP                # token count unknown: as given
-    assert damping(DEFAULT_DAMP, 576, 1024) == pytest.approx(576 / 1024)
-    assert damping(DEFAULT_DAMP, 1536, 1024) == pytest.approx(1.5)
+    assert damping(DEFAULT_DAMP, 576, 1024) == pytest.approx(DAMP_PER_INPUT * 576 / 1024)
+    assert damping(DEFAULT_DAMP, 1536, 1024) == pytest.approx(DAMP_PER_INPUT * 1.5)
     assert damping(DEFAULT_DAMP, 576, 576 * 1000) == DEFAULT_DAMP          # a large calibration: as given
     assert damping(0.5, 576, 576 * 1000) == 0.5
     x, w, acc = _layer(inn=64, out=32)

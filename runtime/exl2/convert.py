@@ -50,7 +50,7 @@ from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LE
 
 from . import allocate
 from . import format as fmt
-from .gptq import DEFAULT_DAMP, HessianAccumulator, quantize_gptq
+from .gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, quantize_gptq
 from .writer import ModelWriter, exllamav2_config, quantization_config
 
 ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary embedding, RMS norm)
@@ -413,7 +413,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     config = exllamav2_config(ckpt.config)
     config["quantization_config"] = {
         **quantization_config(bits, head_bits), "method": "gptq", "act_order": True, "damp": damp,
-        "damp_floor": "in_features / calibration tokens",
+        "damp_floor": f"{DAMP_PER_INPUT} x in_features / calibration tokens",
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
         "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,

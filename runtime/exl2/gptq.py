@@ -17,12 +17,13 @@ the writer and exllamav2 read it unchanged.
 
 Damping: H is a sample estimate from the calibration tokens. With few tokens per input channel (a 1536-wide
 down_proj calibrated on 1024 tokens has a singular H) the error feedback fits the calibration text and
-the error grows on any other input: on SmolLM2-135M at 4 bits, 4 x 256 calibration tokens, damping 0.01
-gives 1.2-1.3x round-to-nearest's output error on unseen rows of the same text (1.6x on a chat prompt),
-although 0.3x on the calibration rows themselves. So the damping is at least in_features / tokens of the
-mean diagonal (`damping`): 0.56 for the 576-wide linears and 1.5 for down_proj there, where the same
-measures fall to 0.6-0.9x round-to-nearest's; with a calibration of 100 x in_features tokens or more it
-is the given `damp`.
+the error grows on any other input. On SmolLM2-135M at 4 bits with 4 x 256 calibration tokens, damping
+0.01 gives 0.25-0.6x round-to-nearest's output error on the calibration rows but 1.0-1.3x on unseen rows
+of the same text and up to 1.7x on a chat prompt (MLP linears). Damping between 1x and 3x in_features /
+tokens of the mean diagonal brings those to 0.5-0.95x and 0.5-1.05x; the chat prompt prefers the upper
+end. So the damping is at least DAMP_PER_INPUT x in_features / tokens (`damping`): 1.4 for the
+576-wide linears there, 3.75 for down_proj; with 250 x in_features calibration tokens or more it is the
+given `damp`.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import torch
 from . import format as fmt
 from .bitpack import pack_codes
 
-DEFAULT_DAMP = 0.01           # fraction of the mean diagonal of H added to it (at least in/tokens: `damping`)
+DEFAULT_DAMP = 0.01           # fraction of the mean diagonal of H added to it (with a floor: `damping`)
+DAMP_PER_INPUT = 2.5          # damping floor per input channel per calibration token
 BLOCK = 128                   # columns per lazy-update block
 
 
@@ -56,9 +58,9 @@ def act_order(hessian: torch.Tensor) -> torch.Tensor:
 
 
 def damping(damp: float, in_features: int, tokens: int | None) -> float:
-    """Fraction of H's mean diagonal to add: `damp`, raised to in_features / tokens when H comes from few
-    tokens per input channel (None: the number of tokens is unknown, `damp` as given)."""
-    return damp if tokens is None else max(damp, in_features / max(tokens, 1))
+    """Fraction of H's mean diagonal to add: `damp`, raised to DAMP_PER_INPUT x in_features / tokens when H
+    comes from few tokens per input channel (None: the number of tokens is unknown, `damp` as given)."""
+    return damp if tokens is None else max(damp, DAMP_PER_INPUT * in_features / max(tokens, 1))
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
