@@ -18,12 +18,12 @@ the writer and exllamav2 read it unchanged.
 Damping: H is a sample estimate from the calibration tokens. With few tokens per input channel (a 1536-wide
 down_proj calibrated on 1024 tokens has a singular H) the error feedback fits the calibration text and
 the error grows on any other input. On SmolLM2-135M at 4 bits with 4 x 256 calibration tokens, damping
-0.01 gives 0.25-0.6x round-to-nearest's output error on the calibration rows but 1.0-1.3x on unseen rows
-of the same text and up to 1.7x on a chat prompt (MLP linears). Damping between 1x and 3x in_features /
-tokens of the mean diagonal brings those to 0.5-0.95x and 0.5-1.05x; the chat prompt prefers the upper
-end. So the damping is at least DAMP_PER_INPUT x in_features / tokens (`damping`): 1.4 for the
-576-wide linears there, 3.75 for down_proj; with 250 x in_features calibration tokens or more it is the
-given `damp`.
+0.01 gives down_proj 0.2-0.4x round-to-nearest's output error on the calibration rows but 1.0-1.3x on
+unseen rows of the same text and 1.2-1.7x on a chat prompt; damping 3 gives 0.74-0.92x and 0.53-1.0x.
+For all linears the error on unseen inputs is about flat for damping 0.3 to 3 (in_features / tokens is
+0.56 and 1.5 there), and the chat prompt prefers the upper end. So the damping is at least
+DAMP_PER_INPUT x in_features / tokens (`damping`): 1.4 for the 576-wide linears there, 3.75 for
+down_proj; with 250 x in_features calibration tokens or more it is the given `damp`.
 """
 from __future__ import annotations
 
