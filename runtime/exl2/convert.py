@@ -344,7 +344,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     n_layers = cfg.num_hidden_layers
     tied = bool(ckpt.config.get("tie_word_embeddings", False))
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
-                "group_size": group_size, "damp": damp, "measure": measure, "rows": rows, "seq_len": seq_len,
+                "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT, "measure": measure,
+                "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
 
     staging = staging_dir(out_dir)
