@@ -12,12 +12,6 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]     # ~2 minutes on two idle CPU cores
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: the GPTQ conversion of the demo model at 4 bpw has a lower "
-                   "held-out perplexity than round-to-nearest (49.6 vs 59.4) but no longer answers the chat question "
-                   "(round-to-nearest at 4 bpw does). Not the chat path: transformers with the dequantized "
-                   "weights and the model's own template gives the same answer. It is the MLP: GPTQ's gate_proj or "
-                   "down_proj alone breaks it, attention alone does not; neither more damping nor act-order off "
-                   "fixes the whole conversion. See README, Converter.")
 def test_demo_converted_at_4_bpw_answers_paris(tmp_path):
     pytest.importorskip("gguf")
     from bench.convert_quality import export_demo

@@ -5,13 +5,17 @@ import pytest
 import torch
 
 from runtime.exl2 import format as fmt
-from runtime.exl2.gptq import HessianAccumulator, act_order, quantize_gptq
+from runtime.exl2.gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, act_order, damping, quantize_gptq
+
+
+def _inputs(g, inn, tokens):
+    mix = torch.randn(inn, inn, generator=torch.Generator().manual_seed(1234)) / inn ** 0.5
+    return torch.randn(tokens, inn, generator=g) @ mix * torch.linspace(0.2, 3, inn)   # correlated, uneven
 
 
 def _layer(inn=256, out=96, tokens=2048, seed=0):
     g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(inn, inn, generator=g) / inn ** 0.5
-    x = torch.randn(tokens, inn, generator=g) @ mix * torch.linspace(0.2, 3, inn)   # correlated, uneven
+    x = _inputs(g, inn, tokens)
     w = torch.randn(out, inn, generator=g) * 0.05
     acc = HessianAccumulator(inn)
     acc.add(x[:1000])
@@ -23,7 +27,7 @@ def _layer(inn=256, out=96, tokens=2048, seed=0):
 def test_gptq_output_error_clearly_below_round_to_nearest(bits):
     x, w, acc = _layer()
     out = w.shape[0]
-    gptq = quantize_gptq(w, acc.h, bits)
+    gptq = quantize_gptq(w, acc.h, bits, tokens=acc.tokens)
     rtn = fmt.quantize(w, bits)
     err_gptq = (x @ (w - fmt.dequantize(gptq, out_features=out)).t()).norm()
     err_rtn = (x @ (w - fmt.dequantize(rtn, out_features=out)).t()).norm()
@@ -59,3 +63,32 @@ def test_gptq_dead_channels_and_bad_hessian():
     h[0, 0] = float("nan")
     with pytest.raises(fmt.Exl2FormatError, match="non-finite"):
         quantize_gptq(w, h, 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gptq_calibrated_on_few_tokens_beats_round_to_nearest_on_unseen_inputs(seed):
+    # 128 calibration tokens for 256 input channels: H is singular, and GPTQ with the plain 1% damping fits
+    # the error feedback to those tokens (1.17x round-to-nearest's error on other inputs of the same kind);
+    # the damping floor DAMP_PER_INPUT x in_features / tokens keeps it below round-to-nearest's.
+    g = torch.Generator().manual_seed(seed)
+    inn, out = 256, 96
+    w = torch.randn(out, inn, generator=g) * 0.05
+    acc = HessianAccumulator(inn)
+    acc.add(_inputs(g, inn, 128))
+    unseen = _inputs(g, inn, 4096)
+    rtn = fmt.dequantize(fmt.quantize(w, 4), out_features=out)
+    gptq = fmt.dequantize(quantize_gptq(w, acc.h, 4, tokens=acc.tokens), out_features=out)
+    err_rtn = (unseen @ (w - rtn).t()).norm()
+    err_gptq = (unseen @ (w - gptq).t()).norm()
+    assert err_gptq < 0.97 * err_rtn, (float(err_gptq), float(err_rtn))
+
+
+def test_damping_floor_follows_tokens_per_input_channel():
+    assert damping(DEFAULT_DAMP, 576, None) == DEFAULT_DAMP                # token count unknown: as given
+    assert damping(DEFAULT_DAMP, 576, 1024) == pytest.approx(DAMP_PER_INPUT * 576 / 1024)
+    assert damping(DEFAULT_DAMP, 1536, 1024) == pytest.approx(DAMP_PER_INPUT * 1.5)
+    assert damping(DEFAULT_DAMP, 576, 576 * 1000) == DEFAULT_DAMP          # a large calibration: as given
+    assert damping(0.5, 576, 576 * 1000) == 0.5
+    x, w, acc = _layer(inn=64, out=32)
+    with pytest.raises(fmt.Exl2FormatError, match="0 tokens"):
+        quantize_gptq(w, acc.h, 4, tokens=0, name="layer.o_proj")

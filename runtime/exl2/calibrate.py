@@ -138,11 +138,11 @@ class Collector:
             self._last = None
         return hook
 
-    def hessian(self, name: str) -> torch.Tensor:
+    def hessian(self, name: str) -> HessianAccumulator:
         key = self.alias.get(name, name)
         if key not in self.acc:
             raise CalibrationError(f"{name}: received no calibration input")
-        return self.acc[key].h
+        return self.acc[key]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -161,9 +161,11 @@ class _Results:
         self.cands: dict[tuple[str, float], dict] = {}
         self.errors: dict[str, dict] = {}
 
-    def quantize(self, key: str, w: torch.Tensor, h: torch.Tensor, set_weight) -> None:
+    def quantize(self, key: str, w: torch.Tensor, h, set_weight) -> None:
+        """h: a HessianAccumulator (its token count sets GPTQ's damping floor) or a bare Hessian."""
+        h, tokens = (h.h, h.tokens) if isinstance(h, HessianAccumulator) else (h, None)
         for b in self.widths:
-            q = quantize_gptq(w, h, b, self.group_size, damp=self.damp, name=key)
+            q = quantize_gptq(w, h, b, self.group_size, damp=self.damp, tokens=tokens, name=key)
             if not self.measure:
                 self._keep(key, w.numel(), w.shape[0], q, set_weight)
                 return
@@ -253,11 +255,11 @@ def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict
         for e in experts:
             h_in, h_down = hs.pop(e)
             stats["experts_routed" if routed[e] else "experts_all_token_fallback"] += 1
-            h_in = (h_in or all_in).h
+            h_in = h_in or all_in
             gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
             res.quantize(f"{key}.{e}.gate_proj", gu[:inter], h_in, _set_view(gu[:inter]))
             res.quantize(f"{key}.{e}.up_proj", gu[inter:], h_in, _set_view(gu[inter:]))
-            res.quantize(f"{key}.{e}.down_proj", down, h_down.h, _set_view(down))
+            res.quantize(f"{key}.{e}.down_proj", down, h_down, _set_view(down))
             collector.held(-(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter)))
             del h_in, h_down
     if all_in is not None:

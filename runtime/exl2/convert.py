@@ -54,7 +54,7 @@ from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LE
 from . import format as fmt
 from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
                         quantize_layer)
-from .gptq import DEFAULT_DAMP, HessianAccumulator, quantize_gptq
+from .gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, quantize_gptq
 from .writer import ModelWriter, exllamav2_config, quantization_config
 
 ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary embedding, RMS norm)
@@ -286,7 +286,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         tied = bool(ckpt.config.get("tie_word_embeddings", False))
         embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
-                "group_size": group_size, "damp": damp, "measure": measure, "rows": rows, "seq_len": seq_len,
+                "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT, "measure": measure,
+                "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
     if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
         settings["device"] = device.split(":")[0]
@@ -370,7 +371,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
                 norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps).to(device)
                 norm.weight.data = ckpt.get(norm_name).to(device)
                 acc.add(norm(hidden))
-        head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, name="lm_head")
+        head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
+                             name="lm_head")
     mtp = {}
     if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
         mtp = hybrid.quantize_mtp(ids, hidden, jobs_done, MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
@@ -379,6 +381,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     config = exllamav2_config(ckpt.config)
     config["quantization_config"] = {
         **quantization_config(bits, head_bits), "method": "gptq", "act_order": True, "damp": damp,
+        "damp_floor": f"{DAMP_PER_INPUT} x in_features / calibration tokens",
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
         "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,

@@ -153,11 +153,11 @@ class HybridLayers:
                        f"{p}.mlp.shared_expert.up_proj": "moe", f"{p}.mlp.shared_expert.down_proj": "shared_down"})
         jobs = []
 
-        def job(name: str, h: torch.Tensor) -> None:
+        def job(name: str, h: HessianAccumulator) -> None:
             jobs.append((name, weights[name], h, lambda d, name=name: weights.__setitem__(name, d)))
         for name, key in source.items():
             if name in weights:
-                job(name, acc[key].h)
+                job(name, acc[key])
         x_all = torch.cat(moe_inputs) if moe_inputs else torch.zeros(0, spec.hidden)
         m = f"{p}.mlp.experts"
         for j in range(spec.experts):
@@ -165,10 +165,10 @@ class HybridLayers:
                 gate, up = F.linear(x_all, weights[f"{m}.{j}.gate_proj"]), F.linear(x_all, weights[f"{m}.{j}.up_proj"])
                 down = HessianAccumulator(gate.shape[-1])
                 down.add(F.silu(gate) * up)
-                h_in, h_down = acc["moe"].h, down.h
+                h_in, h_down = acc["moe"], down
                 stats["experts_all_token_fallback"] += 1
             else:
-                h_in, h_down = acc[f"e{j}.in"].h, acc[f"e{j}.down"].h
+                h_in, h_down = acc[f"e{j}.in"], acc[f"e{j}.down"]
                 stats["experts_routed"] += 1
             job(f"{m}.{j}.gate_proj", h_in)
             job(f"{m}.{j}.up_proj", h_in)
@@ -208,7 +208,7 @@ class HybridLayers:
                              f"the config implies {[h, 2 * h]}")
         acc = HessianAccumulator(2 * h)
         acc.add(x)
-        jobs = [(f"{qwen35.MTP}.fc", fc[f"{qwen35.MTP}.fc"], acc.h,
+        jobs = [(f"{qwen35.MTP}.fc", fc[f"{qwen35.MTP}.fc"], acc,
                  lambda d: fc.__setitem__(f"{qwen35.MTP}.fc", d))]
         tensors = quantize_jobs(jobs)
         x = F.linear(x, fc[f"{qwen35.MTP}.fc"])                        # through the dequantized fc
