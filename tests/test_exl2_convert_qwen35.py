@@ -93,7 +93,7 @@ def _logits(folder, ids):
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked-experts"])
 def test_converted_qwen35_matches_the_unquantized_model(tmp_path, stacked):
     src = tiny_qwen35(tmp_path / "hf", stacked=stacked, scale=0.5)
-    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
+    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=32, seq_len=64, say=lambda m: None)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 4 * 6 and qc["experts_routed"] > 0
 
@@ -112,8 +112,9 @@ def test_converted_qwen35_matches_the_unquantized_model(tmp_path, stacked):
 
     # Logits on text like the calibration's, against the unquantized model on the same engine. This tiny
     # random MoE is touchy (storing its weights in fp16 alone moves its logits by ~2%; 6 experts, top-2,
-    # flip under any noise), so the bounds hold the measured 6-bpw figures (0.20, 78%) with a margin, and
-    # calibration must beat rounding to nearest at the same widths (0.30 measured).
+    # flip under any noise), so the bounds hold the measured 6-bpw figures (0.22, 74% with GPTQ's damping
+    # floor at 32 x 64 calibration tokens) with a margin, and calibration must beat rounding to nearest at
+    # the same widths (0.30 measured).
     tok = transformers.AutoTokenizer.from_pretrained(src)
     ids = tok(TEXT[-600:], return_tensors="pt")["input_ids"][0, -96:].tolist()
     ref, got = _logits(src, ids), _logits(out, ids)
