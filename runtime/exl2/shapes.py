@@ -253,16 +253,7 @@ def _qwen35_tensors(s: Shape) -> Iterator["TensorSpec"]:
             yield TensorSpec(f"{a}.A_log", (hv,), "centred_norm")          # decay rate exp(0) = 1
             yield TensorSpec(f"{a}.dt_bias", (hv,), "norm")
             yield TensorSpec(f"{a}.norm.weight", (s.linear_value_dim,), "norm")
-        yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
-        yield TensorSpec(f"{p}.mlp.shared_expert_gate.weight", (1, h), "router")
-        m, ms = s.expert_intermediate, s.shared_intermediate
-        for proj, shape in (("gate_proj", (ms, h)), ("up_proj", (ms, h)), ("down_proj", (h, ms))):
-            yield TensorSpec(f"{p}.mlp.shared_expert.{proj}", shape, "linear", f"shared.{proj}")
-        for e in range(s.experts):
-            for proj, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
-                yield TensorSpec(f"{p}.mlp.experts.{e}.{proj}", shape, "linear", f"expert.{proj}")
-        yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "centred_norm")
-        yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "centred_norm")
+        yield from _qwen35_moe_tensors(s, p)
     yield TensorSpec(f"{p0}.norm.weight", (h,), "centred_norm")
     yield TensorSpec("lm_head", (s.vocab, h), "head")
     yield from _qwen35_mtp_tensors(s)
@@ -279,9 +270,14 @@ def _qwen35_mtp_tensors(s: Shape) -> Iterator["TensorSpec"]:
         yield TensorSpec(f"{p}.self_attn.{proj}", shape, "linear", proj)
     yield TensorSpec(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "centred_norm")
     yield TensorSpec(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "centred_norm")
+    yield from _qwen35_moe_tensors(s, p)
+
+
+def _qwen35_moe_tensors(s: Shape, p: str) -> Iterator["TensorSpec"]:
+    """A Qwen3.5 layer's MoE (router, shared expert and its gate, routed experts) and its two norms."""
+    h, m, ms = s.hidden, s.expert_intermediate, s.shared_intermediate
     yield TensorSpec(f"{p}.mlp.gate.weight", (s.experts, h), "router")
     yield TensorSpec(f"{p}.mlp.shared_expert_gate.weight", (1, h), "router")
-    m, ms = s.expert_intermediate, s.shared_intermediate
     for proj, shape in (("gate_proj", (ms, h)), ("up_proj", (ms, h)), ("down_proj", (h, ms))):
         yield TensorSpec(f"{p}.mlp.shared_expert.{proj}", shape, "linear", f"shared.{proj}")
     for e in range(s.experts):
