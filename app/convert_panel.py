@@ -6,6 +6,7 @@ its own process); this module only shows it. Events come from background threads
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QGridLayout,
@@ -15,6 +16,21 @@ from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleS
 from app.hub.convert import BPW_RANGE, ConvertManager, ConvertProgress
 from app.hub.download import JobState
 from app.telemetry import fmt_bytes
+
+
+def job_controls(title: str, act: Callable[[str], None]) -> tuple[QHBoxLayout, QPushButton, QPushButton, QPushButton]:
+    """A jobs table's row of controls: its title, then Pause, Resume and Cancel, each calling
+    act("pause" | "resume" | "cancel") (the downloads and the conversions tables share it)."""
+    row = QHBoxLayout()
+    row.addWidget(QLabel(title))
+    buttons = []
+    for label in ("Pause", "Resume", "Cancel"):
+        b = QPushButton(label)
+        b.clicked.connect(lambda _=False, action=label.lower(): act(action))
+        row.addWidget(b)
+        buttons.append(b)
+    row.addStretch(1)
+    return (row, *buttons)
 
 
 class ConvertForm(QDialog):
@@ -91,17 +107,8 @@ class ConversionsPanel(QWidget):
         self.event.connect(self._on_event)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.manager: ConvertManager = manager_factory(self.event.emit)
-        self.pause_button = QPushButton("Pause")
-        self.resume_button = QPushButton("Resume")
-        self.cancel_button = QPushButton("Cancel")
-        self.pause_button.clicked.connect(lambda: self._with_job(self.manager.pause))
-        self.resume_button.clicked.connect(lambda: self._with_job(self.manager.resume))
-        self.cancel_button.clicked.connect(lambda: self._with_job(self.manager.cancel))
-        buttons = QHBoxLayout()
-        buttons.addWidget(QLabel("Conversions"))
-        for b in (self.pause_button, self.resume_button, self.cancel_button):
-            buttons.addWidget(b)
-        buttons.addStretch(1)
+        buttons, self.pause_button, self.resume_button, self.cancel_button = job_controls(
+            "Conversions", lambda action: self._with_job(getattr(self.manager, action)))
         v = QVBoxLayout(self)
         v.setContentsMargins(0, 0, 0, 0)
         v.addLayout(buttons)

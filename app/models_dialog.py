@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialo
                                QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
                                QVBoxLayout, QWidget)
 
-from app.convert_panel import ConversionsPanel, ConvertForm
+from app.convert_panel import ConversionsPanel, ConvertForm, job_controls
 from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.convert import ConvertManager, hub_source
 from app.hub.download import DownloadProgress, JobState
@@ -503,17 +503,8 @@ class ModelManagerDialog(QDialog):
         self.download_table = _table(["Model", "State", "Progress", "Speed", "Time left", "Details"])
         self.download_table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
         self.download_table.setColumnWidth(2, 230)
-        self.pause_button = QPushButton("Pause")
-        self.resume_button = QPushButton("Resume")
-        self.cancel_button = QPushButton("Cancel")
-        self.pause_button.clicked.connect(lambda: self._with_job(self.manager.pause))
-        self.resume_button.clicked.connect(lambda: self._with_job(self.manager.resume))
-        self.cancel_button.clicked.connect(lambda: self._with_job(self.manager.cancel))
-        buttons = QHBoxLayout()
-        for b in (self.pause_button, self.resume_button, self.cancel_button):
-            buttons.addWidget(b)
-        buttons.addStretch(1)
-        buttons.insertWidget(0, QLabel("Downloads"))
+        buttons, self.pause_button, self.resume_button, self.cancel_button = job_controls(
+            "Downloads", lambda action: self._with_job(getattr(self.manager, action)))
         v = QVBoxLayout(w)
         v.setContentsMargins(0, 0, 0, 0)
         v.addLayout(buttons)

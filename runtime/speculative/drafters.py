@@ -18,6 +18,20 @@ from runtime.options import SamplingOptions
 from runtime.speculative.core import Proposal, timed_forward
 
 
+
+def _pick(row: torch.Tensor, history: list[int], opts: SamplingOptions, generator: Optional[torch.Generator],
+          qs: list[torch.Tensor]) -> int:
+    """One draft token from a row of logits: greedy at temperature 0, else drawn from
+    `sampling.probabilities` (kept in `qs` for the acceptance test); appended to `history`."""
+    if opts.temperature == 0:
+        d = sampling.sample(row, history, opts)
+    else:
+        q = sampling.probabilities(row, history, opts)                    # [V]
+        d = sampling.draw(q, generator)
+        qs.append(q)
+    history.append(d)
+    return d
+
 class ModelDrafter:
     """A small model with the target's vocabulary drafts K tokens autoregressively.
 
@@ -53,15 +67,8 @@ class ModelDrafter:
             self.forward_s += dt
             self.forwards += 1
             self.cached += feed
-            row = logits[-1]
-            if self.opts.temperature == 0:
-                d = sampling.sample(row, history, self.opts)
-            else:
-                q = sampling.probabilities(row, history, self.opts)       # [V]
-                d = sampling.draw(q, self.generator)
-                qs.append(q)
+            d = _pick(logits[-1], history, self.opts, self.generator, qs)
             drafts.append(d)
-            history.append(d)
             feed = [d]
         q = torch.stack(qs) if qs else None                               # [K, V] or None at temperature 0
         return Proposal(drafts, q)
@@ -97,14 +104,7 @@ class MtpDrafter:
         qs: list[torch.Tensor] = []
 
         def choose(row: torch.Tensor) -> int:
-            if self.opts.temperature == 0:
-                d = sampling.sample(row, history, self.opts)
-            else:
-                q = sampling.probabilities(row, history, self.opts)      # [V]
-                d = sampling.draw(q, self.generator)
-                qs.append(q)
-            history.append(d)
-            return d
+            return _pick(row, history, self.opts, self.generator, qs)
 
         t0 = time.perf_counter()
         drafts = self.engine.mtp_draft(tokens, k, choose)
