@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     total, active = param_counts(full)
     result = {
         "bench": "convert_memory", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "machine": machine(), "device": args.device, "torch_threads": torch.get_num_threads(),
+        "git_commit": git_commit(), "machine": machine(), "device": args.device, "torch_threads": torch.get_num_threads(),
         "shape": args.shape, "converted": {"layers": s.layers, "experts": s.experts, "hidden": s.hidden,
                                            "expert_intermediate": s.expert_intermediate, "vocab": s.vocab},
         "full": {"layers": full.layers, "experts": full.experts, "vocab": full.vocab,

@@ -22,7 +22,7 @@ left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue19.log"; }
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-log "Triton cache: ${TRITON_CACHE_DIR:-$HOME/.triton/cache} ($(ls "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null | wc -l) kernels)"
+log "Triton cache: $(ls "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null | wc -l) kernels"
 
 if [ ! -f "$MODEL/config.json" ]; then
     log "synth q125-a11 3.0 bpw -> $MODEL"
