@@ -507,10 +507,10 @@ class Store:
     def export_json(self, conversation_id: int) -> str:
         conv = self.conversation(conversation_id)
         data = {
-            "title": conv.title, "created": conv.created, "updated": conv.updated, "model": conv.model,
+            "title": conv.title, "created": conv.created, "updated": conv.updated, "model": _model_name(conv.model),
             "system_prompt": conv.system_prompt,
             "sampling": to_dict(conv.sampling) if conv.sampling else None,
-            "messages": [{"role": m.role, "content": m.content, "created": m.created, "model": m.model,
+            "messages": [{"role": m.role, "content": m.content, "created": m.created, "model": _model_name(m.model),
                           "state": m.state, "error": m.error,
                           "stats": dataclasses.asdict(m.stats) if m.stats else None}
                          for m in self.messages(conversation_id)],
@@ -518,11 +518,18 @@ class Store:
         return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
 
 
-def _model_label(model: str) -> str:
-    """The model's display name for an exported heading: never the folder it was loaded from (a path of
-    this machine), on one line, without the characters Markdown would read as markup in a heading."""
+def _model_name(model: str) -> str:
+    """The model's display name for an export: never the folder it was loaded from (a path of this
+    machine), on one line."""
+    if not model:
+        return ""
     name = paths.display_name(model.replace("\\", "/").rstrip("/")) or model
-    name = " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", name).split())
+    return " ".join(re.sub(r"[\x00-\x1f\x7f]", " ", name).split())
+
+
+def _model_label(model: str) -> str:
+    """_model_name for a Markdown heading: without the characters Markdown would read as markup there."""
+    name = _model_name(model)
     return re.sub(r"([\\`*_\[\]<>])", r"\\\1", name)
 
 

@@ -213,6 +213,19 @@ def test_export_markdown_names_the_model_not_its_folder(db_path):
     assert "\n## You" not in md                         # no heading of its own
 
 
+def test_export_json_names_the_model_not_its_folder(db_path):
+    """The JSON export gives the conversation's and each answer's model by its display name too."""
+    s = Store(db_path)
+    c = s.create_conversation("Paths", model="/home/ann/models/Qwen3-30B-A3B-exl2-4.0bpw")
+    s.add_message(c.id, "assistant", "ok", model="C:\\Users\\ann\\models\\Mixtral-exl2\\")
+    s.add_message(c.id, "assistant", "ok", model="demo")
+    text = s.export_json(c.id)
+    data = json.loads(text)
+    assert data["model"] == "Qwen3-30B-A3B-exl2-4.0bpw"
+    assert [m["model"] for m in data["messages"]] == ["Mixtral-exl2", "SmolLM2-135M-Instruct-exl2-8.0bpw"]
+    assert "/home/ann" not in text and "Users" not in text
+
+
 def test_presets_replace_by_name_and_delete(db_path):
     s = Store(db_path)
     s.save_preset("Coder", "You write code.", SamplingOptions(temperature=0.2))
