@@ -250,40 +250,6 @@ def test_the_cuda_linear_feeds_exllamav2_what_its_linear_would(folder, monkeypat
     assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max()
 
 
-def test_graph_replays_read_only_the_device_buffers(ref, eng, monkeypatch):
-    """What a CUDA graph keeps of a short forward is its kernels and their buffers: Python values of the
-    capture (the position then) are baked in. A stand-in graph that re-runs the forward with the
-    capture's Python values gives the reference's logits at later positions, after rollbacks, and after
-    `idle_work` captured ahead of need (the cache taken back exactly)."""
-    def capture(self, t):
-        e, start = self.engine, self.engine.cache.length          # baked in, as a graph would
-        out = torch.empty(t, V)
-
-        class Replay:
-            def replay(self_):
-                out.copy_(e.model.forward(self.tokens[:t], e.cache, start, True, static=True))
-        self.graphs[t] = (Replay(), out)
-    monkeypatch.setattr(hybrid.StepGraphs, "_capture", capture)
-    ref.reset(), eng.reset()
-    eng.graphs = hybrid.StepGraphs(eng)
-    try:
-        seq = _tokens(60, 11)
-        _both(ref, eng, seq[:20], "prompt")
-        while eng.idle_work():
-            pass
-        assert set(eng.graphs.graphs) == {1, WINDOW} and eng.position == 20 and eng.tokens == seq[:20]
-        for i in range(20, 24):
-            _both(ref, eng, [seq[i]], f"replayed decode at {i}")
-        for keep in (0, 3, WINDOW):
-            ref.truncate(24), eng.truncate(24)
-            _both(ref, eng, seq[24:24 + WINDOW], "replayed verify")
-            ref.truncate(24 + keep), eng.truncate(24 + keep)
-            _both(ref, eng, [seq[40 + keep]], f"replayed decode after keeping {keep}")
-        assert set(eng.graphs.graphs) == {1, WINDOW}
-    finally:
-        eng.graphs = None
-
-
 def test_a_forward_that_fails_half_way_leaves_the_states_as_they_were(ref, eng):
     """A failure inside a layer (here the last MoE block, after every DeltaNet state was written) takes
     the cache back to before that forward: by the snapshot ring for a short one, by a replay for a long one."""

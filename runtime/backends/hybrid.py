@@ -13,14 +13,14 @@ Rollback (a verify of K drafts, then a truncate to the accepted prefix): the cac
 states after each row of the last `window` rows (runtime/backends/hybrid_state.py), so a truncate
 inside that window is a copy; a truncate to before it replays the kept tokens (as the reference does).
 
-Decode graphs (CUDA, experts all in VRAM): a forward of T <= window rows runs with fixed shapes
-(`static`): its first run is eager, then it is captured and later steps replay the graph.
+Decode graphs (CUDA, experts all in VRAM; runtime/backends/hybrid_graphs.py): a forward of T <= window
+rows runs with fixed shapes (`static`): its first run is eager, then it is captured and later steps
+replay the graph. `idle_work` captures the decode step and the full verify ahead of need.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -28,6 +28,7 @@ import torch
 
 from runtime import tuning
 from runtime.backends import hybrid_layers
+from runtime.backends.hybrid_graphs import StepGraphs, idle_rows
 from runtime.backends.hybrid_state import HybridCache
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, InvalidModel, NoModel,
@@ -35,7 +36,6 @@ from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, Engine
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.options import LoadOptions
 
-log = logging.getLogger(__name__)
 REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
 PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
@@ -155,10 +155,11 @@ class HybridExl2Engine(Engine):
     def idle_work(self) -> bool:
         """Capture the next decode graph ahead of need (one row, then a full verify): a forward of
         placeholder tokens at the current position captures it, and the snapshot ring takes the cache
-        back exactly. False when there is nothing left to capture."""
+        back exactly (the placeholder rows' K/V past the position are overwritten before they are
+        attended). False when there is nothing left to capture or no room for it."""
         if self.graphs is None or self.model is None:
             return False
-        todo = [t for t in (1, self.cache.window) if t not in self.graphs.graphs]
+        todo = idle_rows(self.cache.window, self.graphs.graphs)
         pos = self.position
         if not todo or pos + todo[0] > self.info.context_length:
             return False
@@ -206,45 +207,6 @@ class HybridExl2Engine(Engine):
                 self.setup.release()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-
-
-class StepGraphs:
-    """CUDA graphs of the short forwards (T <= window rows), one per row count: the first forward of T
-    rows runs eagerly with fixed shapes (it warms the kernels and is that step's result), then it is
-    captured; later forwards of T rows fill the token buffer and replay it. Capture records only:
-    the cache is left as that first forward wrote it."""
-
-    def __init__(self, engine: HybridExl2Engine):
-        self.engine = engine
-        self.window = engine.cache.window
-        self.tokens = torch.zeros(self.window, dtype=torch.long, device=engine.model.device)
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.pool = None
-
-    def step(self, ids: list[int]) -> torch.Tensor:
-        e, t = self.engine, len(ids)
-        self.tokens[:t].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        if t in self.graphs:
-            graph, out = self.graphs[t]
-            graph.replay()
-            return out.clone()
-        out = e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True)
-        try:
-            self._capture(t)
-        except RuntimeError as err:          # the eager result stands; later steps run eagerly
-            e.graph_error = f"capture of {t} rows failed: {err}"
-            log.warning("decode graphs off: %s", e.graph_error)
-            e.graphs = None
-        return out
-
-    def _capture(self, t: int) -> None:
-        e = self.engine
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True)
-        self.pool = graph.pool()
-        self.graphs[t] = (graph, out)
 
 
 # ----------------------------------------------------------------------------------------------

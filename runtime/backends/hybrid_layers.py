@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime import qwen35
 from runtime.backends import quant_linear
@@ -36,6 +37,11 @@ from runtime.modelfolder import EXL2_PARTS, ModelFolder
 from runtime.reference import deltanet, rope
 
 CHUNK = deltanet.CHUNK
+# The attention kernels of a static forward (the one CUDA graphs capture): memory-efficient attention
+# (fp32 scores, any mask) or the plain math. Not cuDNN's, which torch prefers on Hopper with recent
+# cuDNN: it failed inside a captured graph on the H200 (runtime/backends/exl2_graph.py) and builds its
+# execution plans (kernels compiled and loaded) on a new shape's first call; not flash, which takes no mask.
+STATIC_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def delta_recurrent(q, k, v, g, beta, state: torch.Tensor, hist: Optional[torch.Tensor],
@@ -149,7 +155,11 @@ class AttentionLayer:
         else:
             mask = None
         q = q.reshape(t, nkv, groups, d).permute(1, 2, 0, 3).reshape(1, nkv, groups * t, d)
-        o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
+        if static:                      # what a CUDA graph captures: see STATIC_ATTENTION
+            with sdpa_kernel(STATIC_ATTENTION):
+                o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
         o = o.view(nkv, groups, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)
         return self.out(o.to(h.dtype) * torch.sigmoid(gate))
 
@@ -178,27 +188,34 @@ class HybridModel:
         self.dtype, self.device = dtype, device
 
     def forward(self, tokens: torch.Tensor, cache: HybridCache, start: int, logged: bool, static: bool = False,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, probe: Optional[Callable[[str], None]] = None) -> torch.Tensor:
         """tokens [T] (device) at `start` -> logits [T or 1, V] float32; the cache's length is the caller's.
-        logged: the cache's positions/slots buffers hold the rows' positions and snapshot slots."""
+        logged: the cache's positions/slots buffers hold the rows' positions and snapshot slots.
+        probe: called with a part's name after each part (hybrid_graphs: which part broke a capture)."""
         s, t = self.spec, tokens.shape[0]
         end = start + t
+        probe = probe or (lambda label: None)
         positions = cache.positions[:t] if logged else torch.arange(start, end, device=self.device)
         x = F.embedding(tokens, self.embed).float()                               # [T, H] float32
-        for kind, attn_norm, mlp_norm, mixer, moe in self.blocks:
+        probe("the embedding")
+        for i, (kind, attn_norm, mlp_norm, mixer, moe) in enumerate(self.blocks):
             h = F.rms_norm(x, (s.hidden,), attn_norm, s.eps).to(self.dtype)
             if kind == qwen35.FULL:
                 x = x + mixer(h, cache, positions, self.cos, self.sin, end, static).float()
             else:
                 x = x + mixer(h, cache, logged).float()
+            probe(f"layer {i} ({'attention' if kind == qwen35.FULL else 'DeltaNet'})")
             h = F.rms_norm(x, (s.hidden,), mlp_norm, s.eps).to(self.dtype)
             x = x + moe(h)
             if moe.experts.offload is not None:          # the decode prefetch's prediction of the next layer
                 moe.experts.after_residual(x.half() if x.is_cuda else x)
+            probe(f"layer {i} (MoE)")
         if last_only:
             x = x[-1:]
         x = F.rms_norm(x, (s.hidden,), self.norm, s.eps).to(self.dtype)
-        return self.head(x).float()
+        out = self.head(x).float()
+        probe("the head")
+        return out
 
     def expert_layers(self) -> list[ExpertLayer]:
         return [b[4].experts for b in self.blocks]

@@ -9,7 +9,9 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
 - prefill (two blocks of the chunked rule), decode, a verify of K + 1 rows, a rollback to every
   accepted prefix 0..K+1 each followed by a verify of 2 and a decode: relative error of the logits
   (norm of the difference / norm of the CPU's) <= TOL.
-- decode graphs: the same script with graphs on (each row count captured, then replayed) and off.
+- decode graphs: the script's short forwards with fixed shapes (`static`, what a graph captures) run
+  eagerly against the CPU; then with graphs on (each row count run and captured on first use, 1 and
+  K + 1 while idle, then replayed) against those static forwards.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
   as all in VRAM.
 
@@ -90,9 +92,14 @@ def _script(eng, vocab: int) -> list[torch.Tensor]:
 
 
 def _compare(got, want, tol, what):
-    worst = max(_rel(a, b) for a, b in zip(got, want))
+    """The worst step of the script (0: the prefill, 1-3: decodes, then per kept prefix: verify, verify
+    of 2, decode) named in the failure."""
+    assert len(got) == len(want), f"{what}: {len(got)} steps against {len(want)}"
+    rels = [_rel(a, b) for a, b in zip(got, want)]
+    worst = max(rels)
     _record(test="qwen35_hybrid", what=what, rel=worst)
-    assert worst <= tol, f"{what}: relative logit error {worst:.2e} > {tol}"
+    assert worst <= tol, (f"{what}: relative logit error {worst:.2e} > {tol} at step {rels.index(worst)} "
+                          f"(all: {', '.join(f'{r:.1e}' for r in rels)})")
 
 
 @pytest.fixture(scope="module")
@@ -113,25 +120,33 @@ def oracle(models):
 
 @pytest.mark.parametrize("size", ["tiny", "real"])
 def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle):
+    """Eager against the CPU; then the static forwards (what the graphs capture, run eagerly) against the
+    CPU; then the graphs against those static forwards: the same kernels, so a difference is the
+    capture's or the replay's (a Python value baked in, a buffer that moved)."""
     want = oracle(size)
     eng, applied = _load(models(size), graphs=False)
     try:
         assert eng.backend == "cuda" and eng.offload is None, applied
         _compare(_script(eng, eng.info.vocab_size), want, TOL, f"{size} eager")
-        eager = _script(eng, eng.info.vocab_size)
+        eng.static = True
+        static = _script(eng, eng.info.vocab_size)
+        _compare(static, want, TOL, f"{size} static eager")
     finally:
         eng.close()
     eng, _ = _load(models(size), graphs=True)
     try:
-        eng.forward([5, 6, 7])
-        while eng.idle_work():                       # graphs captured ahead of need, the cache taken back
+        assert eng.graphs is not None, "the engine was loaded without decode graphs"
+        eng.forward([5, 6, 7])                       # 3 rows: run, then captured (first use)
+        while eng.idle_work():                       # 1 and WINDOW captured ahead of need, the cache taken back
             pass
-        assert set(eng.graphs.graphs) == {1, WINDOW} and eng.position == 3 and eng.tokens == [5, 6, 7]
+        assert eng.graphs is not None, f"decode graphs turned off: {eng.graph_error}"
+        assert eng.graphs.captured() == [1, 3, WINDOW], eng.graphs.captured()
+        assert (eng.position, eng.tokens) == (3, [5, 6, 7]), (eng.position, eng.tokens)
         got = _script(eng, eng.info.vocab_size)
         tel = eng.telemetry()
         assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
-        assert {1, 2, WINDOW} <= set(eng.graphs.graphs), sorted(eng.graphs.graphs)
-        _compare(got, eager, TOL_SAME, f"{size} graphs vs eager")
+        assert eng.graphs.captured() == [1, 2, 3, WINDOW], eng.graphs.captured()
+        _compare(got, static, TOL_SAME, f"{size} graphs vs static eager")
         _record(test="qwen35_hybrid_vram", size=size, vram=torch.cuda.memory_allocated(),
                 cache_bytes=tel["cache_bytes"])
     finally:
