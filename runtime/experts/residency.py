@@ -108,6 +108,13 @@ class Residency:
         self.stats.absorb(window, max(0, tokens - self._tokens_prev))
         self._tokens_prev = tokens
 
+    def rebase(self, counts: np.ndarray, tokens: int) -> None:
+        """Count routing from here on only (`counts`: the device counters now, `tokens`: the
+        token counter now): what came before never reaches the statistics."""
+        self._counts_prev = np.asarray(counts, dtype=np.int64).copy()
+        self._tokens_prev = tokens
+        self._snap_event = None
+
     def decide(self) -> list[tuple[int, int, int]]:
         """Swap in cold experts whose decayed routing count beats the weakest resident's by the
         margin (and by more than counting noise), strongest gains first, at most `max_promotions`;
