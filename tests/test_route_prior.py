@@ -206,6 +206,11 @@ def test_a_load_with_saved_statistics_runs_no_calibration_prefill():
         m.learn_prior(np.zeros((L, E)), np.zeros((L, E)))
     full = FakeEngine(_manager(), context=1)                                # no room left in the cache
     assert not routing_prior.measure_at_load(full, lambda *a: None) and full.prefills == []
+    fits = _manager()
+    fits.vram.total_bytes = 1 << 40
+    fits.place()                                                            # every expert resident
+    eng = FakeEngine(fits)
+    assert not routing_prior.measure_at_load(eng, lambda *a: None) and eng.prefills == []
 
 
 def test_forget_warmup_leaves_the_prior_in_the_statistics_and_out_of_the_figures():

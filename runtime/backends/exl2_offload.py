@@ -193,7 +193,8 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
                              cpu_threads=setup.cpu_threads, ram=setup.ram)
     manager.prior_reason = prior              # measured after the warm-up (routing_prior.measure_at_load)
     from runtime.backends.exl2_decisions import saved_off
-    manager.cpu.saved_off = saved_off(path, setup)     # no CPU copies that a saved decision drops at once
+    # no CPU copies that a saved decision drops at once (again at the routing prior's placement)
+    manager.cpu.saved_off = manager.saved_off = saved_off(path, setup)
     if progress is not None:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:

@@ -36,11 +36,13 @@ def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional
 
 
 def measure_at_load(engine, progress: ProgressFn) -> bool:
-    """Where the manager is owed a prior (`prior_reason`): one prefill of the calibration prompt at the
+    """Where the manager is owed a prior (`prior_reason`) and some experts are cold: one prefill of the calibration prompt at the
     cache position (rolled back after), its routing into the statistics, the experts placed again.
     Graphs captured before would hold the old slots: call it before any are. True when it ran."""
     manager = engine.offload
     if manager is None or manager.prior_reason is None:
+        return False
+    if all(lo.path == "vram" for lo in manager.layers):       # every expert resident: nothing to choose
         return False
     room = min(MAX_TOKENS, engine.info.context_length - engine.position - 1)
     if room < 1:

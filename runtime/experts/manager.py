@@ -104,6 +104,7 @@ class OffloadManager:
         self.prior_reason: Optional[str] = None    # why the load measures a routing prior (route_prior.py)
         self.prior_source = ""                      # what the measured prior came from, in words
         self._prior_mark: Optional[tuple[np.ndarray, float]] = None     # the statistics right after it
+        self.saved_off = ""         # a saved path decision that rules out CPU copies at load (exl2_decisions)
         self.lock = threading.Lock()
         self.counters = Counters()
         self._exclude = False                              # the last forward was prefill-sized
@@ -324,6 +325,7 @@ class OffloadManager:
         self.residency.rebase(np.asarray(after, dtype=np.int64), self.counters.tokens)
         self._prior_mark = (self.stats.counts.copy(), self.stats.tokens)
         self.prior_reason, self.prior_source = None, source or "a calibration prompt"
+        self.cpu.saved_off = self.saved_off      # the load's first placement used it up
         self.place()
 
     def forget_warmup(self) -> None:
