@@ -131,6 +131,9 @@ def test_without_a_template_the_text_alone_and_without_a_tokenizer_random_ids(tm
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     ids, source = rp.calibration_ids(folder, 1024, limit=100000)
     assert source.startswith("a calibration prompt as plain text") and len(ids) > 300
+    cfg["chat_template"] = "{{ raise_exception('this template takes no system message') }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert rp.calibration_ids(folder, 1024, limit=100000) == (ids, source)      # refused: the text alone
     empty = tmp_path / "empty"
     empty.mkdir()
     ids, source = rp.calibration_ids(empty, 1000, limit=64)
@@ -174,6 +177,9 @@ class FakeEngine:
     def truncate(self, n):
         self.position = n
 
+    def _drop_graphs(self):
+        self.dropped = True
+
 
 def test_the_load_measures_the_prior_once_and_places_the_hot_set_it_found(tmp_path):
     m = _manager()
@@ -191,6 +197,7 @@ def test_the_load_measures_the_prior_once_and_places_the_hot_set_it_found(tmp_pa
     assert m.stats.counts[:, 0].sum() == 0                                   # the random ids left out
     assert m.stats.counts[:, list(HOT)].sum() == pytest.approx(L * rp.PRIOR_TOKENS * TOP_K)
     assert m.prior_reason is None and m.prior_source == "a calibration prompt in the model's chat template"
+    assert eng.dropped                                                     # no graph keeps the old slots
     assert not routing_prior.measure_at_load(eng, lambda *a: None)          # once per load
     assert len(eng.prefills) == 1
     m.on_stage("later placements reach no load's progress")
@@ -204,7 +211,7 @@ def test_a_load_with_saved_statistics_runs_no_calibration_prefill():
     assert eng.prefills == [] and [lo.resident() for lo in m.layers] == before
     with pytest.raises(ValueError, match="no routing prior is due"):
         m.learn_prior(np.zeros((L, E)), np.zeros((L, E)))
-    full = FakeEngine(_manager(), context=1)                                # no room left in the cache
+    full = FakeEngine(_manager(), context=rp.MIN_TOKENS)                    # too little room in the cache
     assert not routing_prior.measure_at_load(full, lambda *a: None) and full.prefills == []
     fits = _manager()
     fits.vram.total_bytes = 1 << 40

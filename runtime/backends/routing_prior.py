@@ -16,7 +16,7 @@ from typing import Optional
 
 from runtime import tuning
 from runtime.engine import ProgressFn
-from runtime.experts.route_prior import MAX_TOKENS, calibration_ids, prior_reason
+from runtime.experts.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
 from runtime.experts.routing_stats import RoutingStats, stats_path
 
 log = logging.getLogger(__name__)
@@ -38,14 +38,14 @@ def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional
 def measure_at_load(engine, progress: ProgressFn) -> bool:
     """Where the manager is owed a prior (`prior_reason`) and some experts are cold: one prefill of the calibration prompt at the
     cache position (rolled back after), its routing into the statistics, the experts placed again.
-    Graphs captured before would hold the old slots: call it before any are. True when it ran."""
+    Call it before the load's graphs are captured (any captured before are dropped). True when it ran."""
     manager = engine.offload
     if manager is None or manager.prior_reason is None:
         return False
     if all(lo.path == "vram" for lo in manager.layers):       # every expert resident: nothing to choose
         return False
     room = min(MAX_TOKENS, engine.info.context_length - engine.position - 1)
-    if room < 1:
+    if room < MIN_TOKENS:                   # (and a prefill-sized forward: no decode graph is captured)
         return False
     progress("load", MESSAGE, 0, 1)
     ids, source = calibration_ids(Path(engine.info.path) if engine.info.path else None, engine.vocab, room)
@@ -56,6 +56,9 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
         engine.prefill(ids)
     finally:
         engine.truncate(pos0)
+    drop_graphs = getattr(engine, "_drop_graphs", None)
+    if drop_graphs is not None:             # none captured at load yet; any would hold the old slots
+        drop_graphs()
     manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:
         manager.learn_prior(before, manager.routing_counts(), source)

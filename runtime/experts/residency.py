@@ -2,7 +2,8 @@
 
 - **Placement** (`plan`): after every other allocation, the VRAM left (minus prefill scratch) is
   split into two double-buffered staging areas and hot slots per layer, chosen by
-  runtime/experts/placement.py from the routing statistics (uniform when none are known).
+  runtime/experts/placement.py from the routing statistics (uniform when none are known; a first
+  load measures a prior and places again: route_prior.py).
 - **Decode / verify** (few rows): the kernels read hot experts from VRAM and cold ones from pinned
   host memory in place (offload.py): nothing to schedule, graph-capturable.
 - **Re-placement** (`boundary`, before each forward): routing counts are copied to the host

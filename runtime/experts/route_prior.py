@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 PRIOR_TOKENS = 256.0            # the weight of the prior, in tokens of traffic
 MIN_SAVED_TOKENS = 64.0         # saved statistics weighing less are too few to place by: a prior is measured
 MAX_TOKENS = 512                # calibration tokens at most (the warm-up's largest prefill chunk)
+MIN_TOKENS = 64                 # no prior from fewer (a context with less room left measures none)
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 
@@ -91,17 +92,16 @@ def calibration_ids(folder: Optional[Path], vocab: int, limit: int = MAX_TOKENS,
     messages, answer = calibration_messages()
     why = "the model has no folder"
     if folder is not None:
-        from runtime.errors import EngineError
         from runtime.tokenizer import Tokenizer
-        try:
+        try:                            # a prior is worth no failed load: what goes wrong is logged
             tok = Tokenizer.from_folder(folder)
-        except (EngineError, OSError, ValueError) as e:
-            tok, why = None, f"no usable tokenizer ({e})"
-        if tok is not None:
             ids, source = _encode(tok, messages, answer)
-            if ids and max(ids) < vocab:
-                return ids[:limit], source
-            why = f"the tokenizer's ids reach {max(ids) if ids else 0}, the model has {vocab}"
+        except Exception as e:
+            ids, why = [], f"no usable tokenizer ({e})"
+        if ids and max(ids) < vocab:
+            return ids[:limit], source
+        if ids:
+            why = f"the tokenizer's ids reach {max(ids)}, the model has {vocab}"
     log.info("routing prior from random ids: %s", why)
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, size=min(limit, MAX_TOKENS)).tolist(), f"random ids ({why})"
@@ -111,7 +111,7 @@ def _encode(tok, messages: list[dict], answer: str) -> tuple[list[int], str]:
     from runtime.errors import EngineError
     try:
         return tok.encode_chat(messages) + tok.encode(answer), "a calibration prompt in the model's chat template"
-    except EngineError as e:            # no template, or one that refuses these messages: the text alone
+    except EngineError as e:            # no template, a broken one, one that refuses these messages: the text
         log.info("routing prior without the chat template: %s", e)
     text = "\n\n".join(m["content"] for m in messages) + "\n\n" + answer
     return tok.encode(text, add_special_tokens=True), "a calibration prompt as plain text (no usable chat template)"
