@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from bench.check_experts import random_layer
 from runtime.backends import routing_prior
+from runtime.errors import BadRequest
 from runtime.experts import route_prior as rp
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.manager import OffloadManager
@@ -161,11 +162,14 @@ class FakeEngine:
     calibration) and a warm-up's random ids anywhere, as the device counters would show."""
 
     def __init__(self, manager, path="", context=4096):
-        self.offload, self.vocab, self.position = manager, 1024, 0
-        self.info = SimpleNamespace(path=path, context_length=context)
+        self.offload, self.position = manager, 0
+        self.info = SimpleNamespace(path=path, context_length=context, vocab_size=1024)
         self.prefills: list[int] = []
+        self.refuse = False
 
     def prefill(self, ids):
+        if self.refuse:
+            raise BadRequest(f"token {ids[0]} is an image or video placeholder")
         self.offload.step_boundary(len(ids))
         for lo in self.offload.layers:
             for i, _ in enumerate(ids):
@@ -213,6 +217,11 @@ def test_a_load_with_saved_statistics_runs_no_calibration_prefill():
         m.learn_prior(np.zeros((L, E)), np.zeros((L, E)))
     full = FakeEngine(_manager(), context=rp.MIN_TOKENS)                    # too little room in the cache
     assert not routing_prior.measure_at_load(full, lambda *a: None) and full.prefills == []
+    refused = FakeEngine(_manager())
+    refused.refuse = True
+    before = [lo.resident() for lo in refused.offload.layers]
+    assert not routing_prior.measure_at_load(refused, lambda *a: None)      # no prior, the load goes on
+    assert [lo.resident() for lo in refused.offload.layers] == before and refused.offload.prior_reason is None
     fits = _manager()
     fits.vram.total_bytes = 1 << 40
     fits.place()                                                            # every expert resident
@@ -256,3 +265,37 @@ def test_the_prior_is_saved_at_close_and_the_next_load_uses_it(tmp_path, monkeyp
     m.close()
     stats, _, _, reason = routing_prior.saved_statistics(model, L, E)
     assert reason is None and sorted(np.argsort(stats.counts[0])[-3:].tolist()) == sorted(HOT)
+
+
+def test_the_hybrid_engine_runs_the_same_step(tmp_path, monkeypatch):
+    """Qwen3.5's engine (hybrid.py, on the CPU: every expert's codes in host memory, part placed in
+    slots): the calibration prompt goes through its own prefill and chat template, the cache is
+    empty after, and each layer's residents are then its most routed experts in the prior."""
+    from runtime.backends import hybrid
+    from runtime.exl2 import synth
+    from runtime.options import LoadOptions, OffloadOptions
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "tiny-qwen3.5"
+    synth.write_synthetic("tiny-qwen3.5", 3.0, folder, seed=1)
+    eng, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=1024)), device="cpu",
+                         window=6, host_experts=True)
+    try:
+        m = eng.offload
+        m.vram.total_bytes = 3 * m.E * sum(m.code_bytes()) // 4
+        m.place()
+        before = [lo.resident() for lo in m.layers]
+        assert all(0 < len(r) < m.E for r in before), before
+        m.prior_reason = "no saved routing statistics"
+        heard = []
+        assert routing_prior.measure_at_load(eng, lambda stage, msg, d, t: heard.append(msg))
+        assert heard[0] == heard[-1] == routing_prior.MESSAGE and eng.position == 0
+        assert m.prior_source == "a calibration prompt in the model's chat template"
+        assert m.stats.tokens == pytest.approx(rp.PRIOR_TOKENS)
+        freq = m.stats.frequencies()
+        for lo in m.layers:
+            r = lo.resident()
+            nth = np.sort(freq[lo.index])[::-1][len(r) - 1]
+            assert freq[lo.index, r].min() >= nth - 1e-12, (lo.index, r, freq[lo.index])
+        assert [lo.resident() for lo in m.layers] != before
+    finally:
+        eng.close()

@@ -16,6 +16,7 @@ from typing import Optional
 
 from runtime import tuning
 from runtime.engine import ProgressFn
+from runtime.errors import BadRequest
 from runtime.experts.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
 from runtime.experts.routing_stats import RoutingStats, stats_path
 
@@ -36,9 +37,10 @@ def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional
 
 
 def measure_at_load(engine, progress: ProgressFn) -> bool:
-    """Where the manager is owed a prior (`prior_reason`) and some experts are cold: one prefill of the calibration prompt at the
-    cache position (rolled back after), its routing into the statistics, the experts placed again.
-    Call it before the load's graphs are captured (any captured before are dropped). True when it ran."""
+    """Where the manager is owed a prior (`prior_reason`) and some experts are cold: one prefill of
+    the calibration prompt at the cache position (rolled back after), its routing into the statistics,
+    the experts placed again. Call it before the load's graphs are captured (any captured before are
+    dropped). True when it ran."""
     manager = engine.offload
     if manager is None or manager.prior_reason is None:
         return False
@@ -48,12 +50,18 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
     if room < MIN_TOKENS:                   # (and a prefill-sized forward: no decode graph is captured)
         return False
     progress("load", MESSAGE, 0, 1)
-    ids, source = calibration_ids(Path(engine.info.path) if engine.info.path else None, engine.vocab, room)
+    info = engine.info
+    ids, source = calibration_ids(Path(info.path) if info.path else None, info.vocab_size, room)
     log.info("routing prior: %s; %d tokens of %s", manager.prior_reason, len(ids), source)
     before = manager.routing_counts()
     pos0 = engine.position
     try:
         engine.prefill(ids)
+    except BadRequest as e:                 # ids the engine refuses (a random one on an image placeholder)
+        log.warning("no routing prior: %s", e)
+        manager.prior_reason = None
+        progress("load", MESSAGE, 1, 1)
+        return False
     finally:
         engine.truncate(pos0)
     drop_graphs = getattr(engine, "_drop_graphs", None)

@@ -131,3 +131,45 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
         assert eng.offload.stats.tokens >= PRIOR_TOKENS / 2
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_q35(tmp_path_factory):
+    from runtime.exl2 import synth
+    from runtime.exl2.shapes import get_shape
+    out = tmp_path_factory.mktemp("q35") / "tiny-qwen3.5"
+    synth.write_synthetic(get_shape("tiny-qwen3.5"), 3.0, out, seed=1)
+    return out
+
+
+def test_the_hybrid_engine_measures_the_same_prior(tiny_q35, monkeypatch, tmp_path):
+    """Qwen3.5 (hybrid.py) runs the same step: loaded with every expert fitting it measures none; with
+    part of them placed cold, the step prefills the calibration prompt through the hybrid engine and
+    each layer's residents are then its most routed experts in the prior."""
+    from runtime.backends import hybrid
+    from runtime.backends.routing_prior import MESSAGE, measure_at_load
+    from runtime.experts.route_prior import PRIOR_TOKENS
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
+    free = torch.cuda.mem_get_info()[0]
+    off = OffloadOptions(context_length=1024, vram_budget_gb=0.9 * free / GiB, placement="stream")
+    eng, _ = hybrid.load(tiny_q35, LoadOptions(offload=off), window=6, graphs=False, host_experts=True)
+    try:
+        m = eng.offload
+        assert m.prior_reason == "no saved routing statistics" and m.stats.tokens == 0   # all fit: none measured
+        m.place(free_bytes=3 * m.E * sum(m.code_bytes()) // 4)
+        assert any(lo.path == "stream" and lo.resident() for lo in m.layers), [lo.path for lo in m.layers]
+        heard = []
+        assert measure_at_load(eng, lambda stage, msg, d, t: heard.append(msg))
+        assert MESSAGE in heard and eng.position == 0
+        assert m.prior_source == "a calibration prompt in the model's chat template", m.prior_source
+        assert m.stats.tokens == pytest.approx(PRIOR_TOKENS, rel=1e-6)
+        freq = m.stats.frequencies()
+        for lo in m.layers:
+            r = lo.resident()
+            if 0 < len(r) < m.E:
+                nth = np.sort(freq[lo.index])[::-1][len(r) - 1]
+                assert freq[lo.index, r].min() >= nth - 1e-12, (lo.index, r, freq[lo.index])
+        ids = _prompt(tiny_q35)
+        assert eng.prefill(ids).shape[-1] == eng.info.vocab_size          # the engine answers as before
+    finally:
+        eng.close()
