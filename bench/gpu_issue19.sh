@@ -45,7 +45,7 @@ log "worker benchmark: exit ${PIPESTATUS[0]}"
 W=$(ls -t bench/results/worker-q125-a11-24gb-*.json 2>/dev/null | head -1)
 log "worker JSON: ${W:-none}"
 [ -n "$W" ] && cp "$W" "$OUT"/
-[ -n "$W" ] && log "routing prior at load: $(grep -c 'from a calibration prompt' "$W") stage(s) named"
+[ -n "$W" ] && log "routing prior at load: $(grep -o 'from a calibration prompt' "$W" | wc -l) mention(s) in the load's stages"
 
 if [ "$(left)" -gt 70 ]; then
     log "GPU warm-up and routing-prior tests"
