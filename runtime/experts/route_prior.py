@@ -82,7 +82,8 @@ def calibration_messages(path: Path = CALIBRATION_FILE) -> tuple[list[dict], str
     return [{"role": "system", "content": parts[0]}, {"role": "user", "content": parts[1]}], parts[2]
 
 
-def calibration_ids(folder: Optional[Path], vocab: int, limit: int = MAX_TOKENS, seed: int = 0) -> tuple[list[int], str]:
+def calibration_ids(folder: Optional[Path], vocab: int, limit: int = MAX_TOKENS,
+                    seed: int = 0) -> tuple[list[int], str]:
     """(token ids, where they came from) for the calibration prefill, at most `limit` of them: the
     conversation rendered through the model's chat template and the answer's start after it; plain
     text through the tokenizer where the template fails or there is none; random ids in 0..vocab-1
