@@ -7,8 +7,11 @@
 #   2. the worker benchmark at a 24 GB budget on ONE load (~250 s on a fresh machine, where Triton
 #      compiles every kernel): five user turns, each answered with plain decoding and with n-gram
 #      drafting taking turns in one conversation (the first answer after load plain); its JSON is
-#      written after every answer and holds the load's stages with their wall time
-#   3. the warm-up GPU tests (~60 s): idle captures leave the cached K/V rows bit for bit
+#      written after every answer and holds the load's stages with their wall time. The model's saved
+#      routing statistics are removed first, so the load is its first: the routing prior is measured
+#      ("Placing experts: from a calibration prompt" in the stages)
+#   3. the warm-up and routing-prior GPU tests (~150 s): idle captures leave the cached K/V rows bit
+#      for bit; a first load places by the prior and its first answer hits as the steady state
 #   4. loads at 24 GB under uniform routing with the time left (the first load saved the expert-path
 #      decision: these reuse it), each with its stages' wall time (Triton's cache is warm by now)
 set -u
@@ -31,7 +34,10 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 log "synth done"
 
-budget=$(( $(left) - 75 ))                 # the GPU tests after it; the JSON is on disk after every answer
+STATS=$($PY -c "import sys; from pathlib import Path; from runtime.experts.routing_stats import stats_path; \
+from runtime.paths import cache_dir; print(stats_path(cache_dir(), Path(sys.argv[1])))" "$MODEL")
+rm -f "$STATS" && log "routing statistics of the model removed: the worker's load is its first"
+budget=$(( $(left) - 160 ))                # the GPU tests after it; the JSON is on disk after every answer
 log "worker benchmark at 24 GB, both draft modes on one load (at most $budget s)"
 timeout "$budget" $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
     --label q125-a11-24gb --max-tokens 160 --draft both --out bench/results 2>&1 | tee -a "$OUT/gpu_issue19.log"
@@ -39,10 +45,12 @@ log "worker benchmark: exit ${PIPESTATUS[0]}"
 W=$(ls -t bench/results/worker-q125-a11-24gb-*.json 2>/dev/null | head -1)
 log "worker JSON: ${W:-none}"
 [ -n "$W" ] && cp "$W" "$OUT"/
+[ -n "$W" ] && log "routing prior at load: $(grep -o 'from a calibration prompt' "$W" | wc -l) mention(s) in the load's stages"
 
 if [ "$(left)" -gt 70 ]; then
-    log "GPU warm-up tests"
-    timeout $(( $(left) - 5 )) $PY -m pytest tests/gpu/test_warmup_gpu.py -q -x -s 2>&1 | tail -15 \
+    log "GPU warm-up and routing-prior tests"
+    MOEDESK_GPU_REPORT="$OUT/route_prior.jsonl" timeout $(( $(left) - 5 )) $PY -m pytest \
+        tests/gpu/test_warmup_gpu.py tests/gpu/test_route_prior_gpu.py -q -s 2>&1 | tail -20 \
         | tee -a "$OUT/gpu_issue19.log"
 fi
 

@@ -107,6 +107,8 @@ class Tuning:
                               "prefills (0: off, to compare).")
     prefetch_pages: int = knob(1, "MOEDESK_PREFETCH", "Experts per layer copied ahead while decoding (0: off).",
                                min=0, max=8)
+    route_prior: bool = knob(True, "MOEDESK_ROUTE_PRIOR", "Measure a routing prior from a calibration prompt at "
+                             "a load without saved routing statistics (0: experts placed as if uniform).")
     route: str = knob("fused", "MOEDESK_ROUTE", "Routing: the fused kernel, or plain torch (to compare).",
                       choices=("fused", "torch"))
     moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "

@@ -882,3 +882,25 @@ def test_a_saved_gpu_only_decision_builds_no_cpu_copies_until_measured_again(slo
     m.apply([[0], [1]])                                # once: a later placement (a new budget) decides anew
     assert m.cpu_active
     m.close()
+
+
+def test_the_routing_priors_placement_keeps_a_saved_gpu_only_decision(slow_pcie):
+    """A first load's routing prior (runtime/experts/route_prior.py) places the experts a second time
+    in the same load: a saved GPU-only decision still rules out CPU copies then."""
+    import numpy as np
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram, n=4)
+    m.vram.total_bytes = 16 * m.layers[0].code_bytes            # staging only: every expert cold
+    m.cpu.saved_off = m.saved_off = "as measured on an earlier load"
+    m.place()
+    assert not m.cpu_active and ram.used_bytes == 0
+    m.prior_reason = "no saved routing statistics"
+    stages = []
+    m.on_stage = stages.append
+    picks = np.zeros((4, 8), dtype=np.int64)
+    picks[:, 3] = 10
+    m.learn_prior(np.zeros((4, 8), dtype=np.int64), picks)
+    assert "Placing experts: filling the hot experts' slots" in stages
+    assert not m.cpu_active and ram.used_bytes == 0, stages
+    assert "Placing experts: copying cold experts for the CPU" not in stages
+    m.close()

@@ -557,7 +557,7 @@ class _Loading:
     def settle_expert_path(self) -> None:
         if self.manager is not None:
             from runtime.backends.exl2_placement import settle_cpu_path
-            settle_cpu_path(self.engine, self.progress)
+            settle_cpu_path(self.engine, self.progress, load=True)      # (the routing prior first)
             self.applied.update(self.setup.applied)
             self.manager.forget_warmup()
 

@@ -186,16 +186,15 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
         raise budget_error(e) from None
     from runtime.experts.exl2_module import moe_layers
     from runtime.experts.manager import OffloadManager
-    from runtime.experts.routing_stats import RoutingStats, stats_path
-    from runtime.paths import cache_dir
+    from runtime.backends.routing_prior import saved_statistics
     layers = [m.experts for m in moe_layers(model)]
-    stats_file = stats_path(cache_dir(), path)
-    stats, warning = RoutingStats.load(stats_file, len(layers), layers[0].num_experts)
-    setup.stats_warning = warning
+    stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts)
     manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
                              cpu_threads=setup.cpu_threads, ram=setup.ram)
+    manager.prior_reason = prior              # measured after the warm-up (routing_prior.measure_at_load)
     from runtime.backends.exl2_decisions import saved_off
-    manager.cpu.saved_off = saved_off(path, setup)     # no CPU copies that a saved decision drops at once
+    # no CPU copies that a saved decision drops at once (again at the routing prior's placement)
+    manager.cpu.saved_off = manager.saved_off = saved_off(path, setup)
     if progress is not None:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:

@@ -94,12 +94,17 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
         write_decision(save[0], save[1], judge)
 
 
-def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False) -> None:
+def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: bool = False) -> None:
     """At load, after the warm-up: the CPU path as saved by an earlier load of this model at this
     budget on this machine, else decided by timing both and saved; with `measure` both are timed
     whatever was saved (which then stays unless the other is clearly faster). Then the load's
-    graphs not captured yet (at load: all of them; after a switch: those it dropped)."""
+    graphs not captured yet (at load: all of them; after a switch: those it dropped). `load`: first
+    the routing prior where the model has no saved statistics (routing_prior.py), so the paths are
+    timed on the placement the answers get."""
     from runtime.backends.exl2_offload import cpu_path_applied
+    if load:
+        from runtime.backends.routing_prior import measure_at_load
+        measure_at_load(engine, progress)
     save = (decisions_file(), decision_key(engine))
     judge = engine.path_judge = make_judge(engine.offload, read_decision(*save))
     engine.decision_save = save

@@ -287,6 +287,14 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                       "num_params": info.num_params, "active_params": info.active_params})
         use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
         engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
+        if manager is not None and cuda:      # a load without saved routing statistics: the prior
+            from runtime.backends.routing_prior import measure_at_load
+            try:
+                if measure_at_load(engine, progress):
+                    manager.forget_warmup()   # its staged bytes are no answer's
+            except BaseException:
+                engine.close()                # the model, the manager, the budgets
+                raise
         applied["offload.backend"] = "applied"
         return engine, applied
     except BudgetError as e:
@@ -337,8 +345,6 @@ def _start_offload(setup, model, path: Path, off, progress):
             setup.vram.reserve("weights and cache", torch.cuda.memory_allocated())
         return None
     from runtime.experts.manager import OffloadManager
-    from runtime.experts.routing_stats import RoutingStats, stats_path
-    from runtime.paths import cache_dir
     layers = model.expert_layers()
     cuda = model.device.type == "cuda"
     if cuda:
@@ -348,12 +354,13 @@ def _start_offload(setup, model, path: Path, off, progress):
         scratch = 2048 * (s.top_k * (layers[0].w1.out_features * 2 + s.hidden * 4) + s.hidden * 32
                           + s.conv_channels * 8) + 16 * s.vocab * 4 + (512 << 20)
         setup.vram.reserve("prefill scratch", scratch, "lower the context length")
-        stats_file = stats_path(cache_dir(), path)
-        stats, setup.stats_warning = RoutingStats.load(stats_file, len(layers), layers[0].num_experts)
+        from runtime.backends.routing_prior import saved_statistics
+        stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts)
     else:
-        stats_file, stats = None, None
+        stats_file, stats, prior = None, None, None
     manager = OffloadManager(layers, setup.vram, setup.policy if cuda else "stream", stats, stats_file,
                              cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None)
+    manager.prior_reason = prior                  # measured once the engine is made (routing_prior.py)
     if cuda:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
         try:

@@ -43,6 +43,7 @@ from runtime.experts.layer import ExpertLayer
 from runtime.experts.offload import LayerOffload, cold_base, inference_mode_methods
 from runtime.experts.pack import PackedExperts
 from runtime.experts.residency import Residency
+from runtime.experts.route_prior import absorb_prior
 from runtime.experts.routing_stats import RoutingStats
 from runtime.experts.staging import Staging
 from runtime.experts.telemetry import Counters, OffloadTelemetry, collect
@@ -100,6 +101,10 @@ class OffloadManager:
         self.on_stage = lambda message: None   # says which part of a placement runs (the load's progress)
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
+        self.prior_reason: Optional[str] = None    # why the load measures a routing prior (route_prior.py)
+        self.prior_source = ""                      # what the measured prior came from, in words
+        self._prior_mark: Optional[tuple[np.ndarray, float]] = None     # the statistics right after it
+        self.saved_off = ""         # a saved path decision that rules out CPU copies at load (exl2_decisions)
         self.lock = threading.Lock()
         self.counters = Counters()
         self._exclude = False                              # the last forward was prefill-sized
@@ -304,11 +309,37 @@ class OffloadManager:
     def telemetry(self) -> OffloadTelemetry:
         return collect(self)
 
+    def routing_counts(self) -> np.ndarray:
+        """[L, E] picks counted on the device since load (int32 counters, wrapping; a sync)."""
+        return torch.stack([lo.layer.counts for lo in self.layers]).cpu().numpy().astype(np.int64)
+
+    def learn_prior(self, before: np.ndarray, after: np.ndarray, source: str = "") -> None:
+        """At load, once (`prior_reason` set): the picks of the calibration prefill (`after - before`,
+        from `routing_counts`) enter the statistics as the prior (route_prior.absorb_prior), the
+        traffic before it (the warm-up's random ids) stays out of them, and the experts are placed
+        again by the new statistics. Nothing may be queued that reads the current slots."""
+        if self.prior_reason is None:
+            raise ValueError("no routing prior is due at this load (saved statistics, or measured already)")
+        window = (np.asarray(after, dtype=np.int64) - np.asarray(before, dtype=np.int64)) % (1 << 32)
+        absorb_prior(self.stats, window, self.top_k)
+        self.residency.rebase(np.asarray(after, dtype=np.int64), self.counters.tokens)
+        self._prior_mark = (self.stats.counts.copy(), self.stats.tokens)
+        self.prior_reason, self.prior_source = None, source or "a calibration prompt"
+        self.cpu.saved_off = self.saved_off      # the load's first placement used it up
+        self.place()
+
     def forget_warmup(self) -> None:
         """After the load's warm-up (random tokens): the hit counts, moved bytes and prefetch scores
-        start from zero, so the figures say what answers did (routing statistics keep what was seen)."""
+        start from zero, so the figures say what answers did. Routing statistics keep what was seen,
+        except after a routing prior measured at this load: they go back to the prior (the warm-up's
+        and the path trials' steps are no user traffic to place by)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        if self._prior_mark is not None:
+            self.stats.counts[...] = self._prior_mark[0]
+            self.stats.tokens = self._prior_mark[1]
+            self.residency.rebase(self.routing_counts(), self.counters.tokens)
+            self._prior_mark = None
         for lo in self.layers:
             lo.skip_counted()
             lo.hits.zero_()

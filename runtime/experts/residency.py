@@ -2,7 +2,8 @@
 
 - **Placement** (`plan`): after every other allocation, the VRAM left (minus prefill scratch) is
   split into two double-buffered staging areas and hot slots per layer, chosen by
-  runtime/experts/placement.py from the routing statistics (uniform when none are known).
+  runtime/experts/placement.py from the routing statistics (uniform when none are known; a first
+  load measures a prior and places again: route_prior.py).
 - **Decode / verify** (few rows): the kernels read hot experts from VRAM and cold ones from pinned
   host memory in place (offload.py): nothing to schedule, graph-capturable.
 - **Re-placement** (`boundary`, before each forward): routing counts are copied to the host
@@ -107,6 +108,13 @@ class Residency:
         self._counts_prev = counts
         self.stats.absorb(window, max(0, tokens - self._tokens_prev))
         self._tokens_prev = tokens
+
+    def rebase(self, counts: np.ndarray, tokens: int) -> None:
+        """Count routing from here on only (`counts`: the device counters now, `tokens`: the
+        token counter now): what came before never reaches the statistics."""
+        self._counts_prev = np.asarray(counts, dtype=np.int64).copy()
+        self._tokens_prev = tokens
+        self._snap_event = None
 
     def decide(self) -> list[tuple[int, int, int]]:
         """Swap in cold experts whose decayed routing count beats the weakest resident's by the
