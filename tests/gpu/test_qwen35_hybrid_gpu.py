@@ -48,20 +48,16 @@ def _rel(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made: dict[str, Path] = {}
-
+def models(synthetic):
+    """size -> folder, written on first use (once per run: conftest's synthetic)."""
     def get(size: str) -> Path:
-        if size not in made:
-            from dataclasses import replace
-            from runtime.exl2 import synth
-            from runtime.exl2.shapes import get_shape
-            name, layers, every = SHAPES[size]
-            shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
-            out = tmp_path_factory.mktemp("q35") / f"{name}-{layers}l"
-            synth.write_synthetic(shape, 3.0, out, seed=1)
-            made[size] = out
-        return made[size]
+        from dataclasses import replace
+        from runtime.exl2 import synth
+        from runtime.exl2.shapes import get_shape
+        name, layers, every = SHAPES[size]
+        shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
+        return synthetic(f"{name}-{layers}l-every{every}-3.0bpw-s1",
+                         lambda out: synth.write_synthetic(shape, 3.0, out, seed=1))
     return get
 
 
