@@ -60,11 +60,11 @@ for entry in $FILES; do
     limit=${entry#*:}
     [ "$limit" = "$entry" ] && limit=120
     rest=$(left)
-    if [ "$rest" -lt 30 ]; then
-        echo "$file: not run ($rest s left of $LIMIT)" | tee -a "$OUT/summary.txt"
+    [ "$limit" -gt $(( rest - 25 )) ] && limit=$(( rest - 25 ))      # room for the kill and the summary
+    if [ "$limit" -lt 20 ]; then
+        echo "$file: not run ($rest s left of $LIMIT)" | tee -a "$OUT/summary.txt" | tee -a "$OUT/pytest.log"
         continue
     fi
-    [ "$limit" -gt $(( rest - 25 )) ] && limit=$(( rest - 25 ))
     tlimit=$TEST_S
     [ "$tlimit" -gt $(( limit - 5 )) ] && tlimit=$(( limit - 5 ))
     say "== $file (limit $limit s, a test at most $tlimit s)"
