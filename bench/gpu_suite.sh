@@ -28,8 +28,9 @@ PY=${PYTHON:-python3}
 WORK=${WORK:-$(mktemp -d -t gpu-suite.XXXXXX)}
 # file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's expected time on the H200
 # (measured there before the float32 references moved to the GPU, estimated after); a file gets less when
-# the earlier ones overran. All of them are expected to take ~13 minutes, more than one call: GROUP=a and
-# GROUP=b split them into two calls of ~6 and ~7 minutes; FILES (file or file:seconds) overrides both.
+# the earlier ones overran. All of them are expected to take ~15 minutes, more than one call: GROUP=a and
+# GROUP=b split them into two calls of ~7 and ~8.5 minutes (partly guessed: a file the call had no time
+# left for is listed "not run"; run it with FILES); FILES (file or file:seconds) overrides both.
 GROUP_A="test_reference_gpu.py:60 test_exl2_gpu.py:90 test_layer_hooks_gpu.py:45 test_convert_gpu.py:90
 test_exl2_engine.py:180 test_speculative_gpu.py:120 test_warmup_gpu.py:120 test_issue19_gpu.py:120"
 GROUP_B="test_offload_gpu.py:180 test_mixtral_dbrx_gpu.py:300 test_qwen35_hybrid_gpu.py:360"
