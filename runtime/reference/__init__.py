@@ -85,7 +85,8 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
         f"applied: capped at {context}, the model's max_position_embeddings",
         "offload.cpu_threads": "applied" if off.cpu_threads else
         f"applied: automatic, up to {threads} (the physical cores less those other programs keep busy)",
-        "offload.vram_budget_gb": IGNORED + "uses no GPU memory",
+        "offload.vram_budget_gb": IGNORED + ("uses no GPU memory" if torch.device(device).type == "cpu"
+                                             else f"keeps every weight on {device}"),
         "offload.ram_budget_gb": IGNORED + "keeps every weight in RAM",
         "offload.kv_cache": IGNORED + f"keeps the cache in {str(weights.dtype).removeprefix('torch.')}",
         "offload.placement": IGNORED + "computes every expert on the CPU",
