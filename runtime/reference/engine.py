@@ -77,13 +77,16 @@ class ReferenceEngine(Engine):
 
 @contextlib.contextmanager
 def _full_float32(device: torch.device):
-    """On a GPU: float32 matmuls in full float32 (no TF32, whatever the process set), restored after."""
+    """On a GPU: float32 matmuls in full float32 (no TF32, whatever the process set), restored after, and
+    attention by torch's math backend (matmuls and a softmax, as on the CPU; no fused kernel's shortcuts)."""
     if device.type != "cuda":
         yield
         return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        yield
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
