@@ -522,17 +522,17 @@ class ModelFolder:
             self._handles[shard] = safe_open(str(self.path / shard), framework="pt")
         return self._handles[shard].get_tensor(name)
 
-    def linear(self, prefix: str, dtype: Optional[Any] = None):
-        """The dense weight [out, in] of a linear layer, stored plain or as EXL2 (dequantized)."""
+    def linear(self, prefix: str, dtype: Optional[Any] = None, device: Any = "cpu"):
+        """The dense weight [out, in] of a linear layer, stored plain or as EXL2 (dequantized on `device`)."""
         import torch
         dtype = dtype or torch.float32
         if self.has(f"{prefix}.weight"):
-            return self.tensor(f"{prefix}.weight").to(dtype)
+            return self.tensor(f"{prefix}.weight").to(device, dtype)
         from runtime.exl2.format import Exl2FormatError, dequantize
         parts = {part: self.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
         out = self._shapes[prefix][0] if prefix in self._shapes else None
         try:
-            return dequantize(parts, dtype=dtype, out_features=out, name=prefix)
+            return dequantize(parts, dtype=dtype, out_features=out, name=prefix, device=device)
         except Exl2FormatError as e:
             raise InvalidModel(self.path / self.info.shard_of[f"{prefix}.q_weight"],
                                f"invalid EXL2 tensors: {e}") from None

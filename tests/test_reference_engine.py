@@ -103,3 +103,22 @@ def test_engine_is_deterministic_and_batching_consistent(tmp_path, threads):
     one = torch.cat([a.forward([t]) for t in seq])
     all_at_once = b.forward(seq)
     assert (one - all_at_once).abs().max().item() < 1e-4
+
+
+def test_device_other_than_the_cpu_is_refused_where_the_engine_cannot_run_there(tmp_path, threads):
+    """int8 weights use a CPU-only kernel and Qwen3.5's stack is CPU-only: a clear error before any weight is read."""
+    from runtime.exl2 import synth
+    with pytest.raises(ValueError, match="'int8' runs on the CPU only, not on cuda"):
+        load(make_folder(tmp_path / "m", QWEN3_MOE), precision="int8", device="cuda")
+    synth.write_synthetic("tiny-qwen3.5", 4.0, tmp_path / "q35", seed=3)
+    with pytest.raises(ValueError, match="Qwen3.5-MoE on the CPU only, not on cuda"):
+        load(tmp_path / "q35", precision="float32", device="cuda")
+
+
+def test_cpu_device_is_the_default(tmp_path, threads):
+    folder = make_folder(tmp_path / "m", QWEN3_MOE)
+    a, _ = load(folder, precision="float32")
+    b, _ = load(folder, precision="float32", device="cpu")
+    assert a.device.type == b.device.type == "cpu"
+    toks = list(range(3, 20))
+    assert torch.equal(a.forward(toks), b.forward(toks))

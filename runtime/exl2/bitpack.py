@@ -50,7 +50,7 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     assert qrows % bits == 0, "packed rows must be a multiple of the bit width"
     chunks = qrows // bits
     mask = (1 << bits) - 1
-    out = torch.empty((chunks, 32, cols), dtype=torch.int64)                   # [C, 32, N]
+    out = torch.empty((chunks, 32, cols), dtype=torch.int64, device=words.device)   # [C, 32, N]
     for c0, c1 in _col_blocks(cols, chunks * 32):
         w = (words[:, c0:c1].to(torch.int64) & 0xFFFFFFFF).view(chunks, bits, c1 - c0)   # [C, b, n]
         for i, (wi, s, spills) in enumerate(_row_positions(bits)):
@@ -72,6 +72,6 @@ def pack_scales(qscale: torch.Tensor) -> torch.Tensor:
 def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
     """[G, N/8] int32 -> qscale [G, N] int64 in 1..16 (inverse of pack_scales)."""
     g, n8 = packed.shape
-    shifts = torch.arange(8, dtype=torch.int64) * 4
+    shifts = torch.arange(8, dtype=torch.int64, device=packed.device) * 4
     nib = ((packed.to(torch.int64) & 0xFFFFFFFF).unsqueeze(2) >> shifts) & 0xF
     return nib.view(g, n8 * 8) + 1

@@ -169,7 +169,7 @@ def read_layout(tensors: Mapping[str, torch.Tensor], name: str = "tensor") -> tu
         row += rows
     if row != in_features:
         raise Exl2FormatError(name, f"groups cover {row} input rows but q_invperm has {in_features}")
-    if not torch.equal(torch.sort(inv.to(torch.int64)).values, torch.arange(in_features)):
+    if not torch.equal(torch.sort(inv.to(torch.int64)).values, torch.arange(in_features, device=inv.device)):
         raise Exl2FormatError(f"{name}.q_invperm", f"not a permutation of 0..{in_features - 1}")
     return in_features, n, groups
 
@@ -178,7 +178,7 @@ def _decode(tensors, name):
     """-> (centred codes [in, N] in packed order, fp16 scale per packed row and column [in, N], invperm)."""
     in_features, n, groups = read_layout(tensors, name)
     qw = tensors["q_weight"]
-    codes = torch.empty((in_features, n), dtype=torch.int64)
+    codes = torch.empty((in_features, n), dtype=torch.int64, device=qw.device)
     i = 0
     while i < len(groups):                              # one pass per run of equal widths (<= 6)
         j = i
@@ -188,17 +188,19 @@ def _decode(tensors, name):
         q1 = groups[j].first_qrow if j < len(groups) else qw.shape[0]
         codes[r0:r1] = unpack_codes(qw[groups[i].first_qrow:q1], b) - (1 << (b - 1))
         i = j
-    mx = tensors["q_scale_max"].cpu().to(torch.float16) * (1 / 256)           # [G] fp16, as make_q_matrix
-    qscale = unpack_scales(tensors["q_scale"].cpu())                            # [G, N]
+    mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)                  # [G] fp16, as make_q_matrix
+    qscale = unpack_scales(tensors["q_scale"])                                  # [G, N]
     scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)               # [G, N] fp16, as dq_scale
-    row_group = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([g.rows for g in groups]))
+    row_group = torch.repeat_interleave(torch.arange(len(groups), device=qw.device),
+                                        torch.tensor([g.rows for g in groups], device=qw.device))
     return codes, scale[row_group], tensors["q_invperm"].to(torch.int64)
 
 
 def dequantize(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32, *,
-               out_features: int | None = None, name: str = "tensor") -> torch.Tensor:
-    """EXL2 tensors -> HF weight [out, in] (padded N rows unless out_features), values as exllamav2's fp16."""
-    tensors = {k: v.cpu() for k, v in tensors.items()}
+               out_features: int | None = None, name: str = "tensor", device="cpu") -> torch.Tensor:
+    """EXL2 tensors -> HF weight [out, in] (padded N rows unless out_features), values as exllamav2's fp16.
+    device: where the codes are unpacked and the weight is made (the same integer and fp16 steps anywhere)."""
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     codes, scale, inv = _decode(tensors, name)
     wt = codes.to(torch.float16) * scale                                       # [in, N] fp16 product
     w = wt[inv].t()                                                             # [N, in]

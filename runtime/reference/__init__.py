@@ -29,8 +29,10 @@ IGNORED = "ignored: CPU reference engine "
 
 
 def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
-         precision: Optional[str] = None):
-    """-> (ReferenceEngine, {option path: "applied..." | "ignored: why"})."""
+         precision: Optional[str] = None, device: str = "cpu"):
+    """-> (ReferenceEngine, {option path: "applied..." | "ignored: why"}). device: "cpu", or "cuda" for
+    parity checks on a GPU machine (float32/bfloat16, Llama/Qwen3/Qwen3-MoE/Mixtral/DBRX: the same weights and
+    forward pass, dequantized and run there, float32 matmuls without TF32); logits come back on the CPU."""
     import torch
 
     from runtime import qwen35
@@ -48,6 +50,8 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
     progress("validate", f"Checking {Path(path).name}", 0, 1)
     folder = ModelFolder(path)
     hybrid = folder.config["architectures"][0] in qwen35.ARCHITECTURES
+    if hybrid and torch.device(device).type != "cpu":
+        raise ValueError(f"the reference engine runs Qwen3.5-MoE on the CPU only, not on {device}")
     if hybrid:                                  # Qwen3.5-MoE: DeltaNet and gated attention layers
         from runtime.reference import mtp
         from runtime.reference import qwen35 as reference35
@@ -56,7 +60,7 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
         read, engine_class = mtp.load_weights, HybridEngine      # with the MTP head when there is one
     else:
         spec = Spec.from_config(folder.config, str(folder.path / "config.json"))
-        read, engine_class = load_weights, ReferenceEngine
+        read, engine_class = (lambda *a: load_weights(*a, device=device)), ReferenceEngine
     progress("validate", f"Checking {folder.info.name}", 1, 1)
     context = min(off.context_length, spec.max_positions)
     try:
@@ -81,7 +85,8 @@ def load(path: str | os.PathLike, options: Optional[LoadOptions] = None, progres
         f"applied: capped at {context}, the model's max_position_embeddings",
         "offload.cpu_threads": "applied" if off.cpu_threads else
         f"applied: automatic, up to {threads} (the physical cores less those other programs keep busy)",
-        "offload.vram_budget_gb": IGNORED + "uses no GPU memory",
+        "offload.vram_budget_gb": IGNORED + ("uses no GPU memory" if torch.device(device).type == "cpu"
+                                             else f"keeps every weight on {device}"),
         "offload.ram_budget_gb": IGNORED + "keeps every weight in RAM",
         "offload.kv_cache": IGNORED + f"keeps the cache in {str(weights.dtype).removeprefix('torch.')}",
         "offload.placement": IGNORED + "computes every expert on the CPU",

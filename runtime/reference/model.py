@@ -21,10 +21,10 @@ from runtime.reference.weights import Layer, Spec, Weights
 class KVCache:
     """Keys and values for every layer, allocated once: [L, KVH, S_max, D] each."""
 
-    def __init__(self, spec: Spec, length: int, dtype: torch.dtype):
+    def __init__(self, spec: Spec, length: int, dtype: torch.dtype, device="cpu"):
         shape = (spec.layers, spec.kv_heads, length, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = length
         self.length = 0
 
@@ -38,7 +38,7 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     groups = spec.heads // spec.kv_heads
     x = F.embedding(tokens, w.embed)                                          # [T, H]
     rot = cos[start:end, None], sin[start:end, None]                          # [T, 1, D] each
-    mask = _mask(start, end, spec.sliding_window, groups)
+    mask = _mask(start, end, spec.sliding_window, groups, x.device)
     for i, layer in enumerate(w.layers):
         h = _norm(x, layer.attn_norm, spec)
         x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
@@ -59,12 +59,12 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, spec: Spec) -> torch.Tensor:
     return F.rms_norm(x, (spec.hidden,), weight, spec.eps)
 
 
-def _mask(start: int, end: int, window: int, groups: int) -> Optional[torch.Tensor]:
+def _mask(start: int, end: int, window: int, groups: int, device=None) -> Optional[torch.Tensor]:
     """[G*T, S] boolean: row i (position start+i) sees keys <= start+i, and with a sliding window only the
     last `window` of them; None where every new token sees every key (a decode step within the window)."""
     if end - start == 1 and not (window and end > window):
         return None
-    key, query = torch.arange(end)[None, :], torch.arange(start, end)[:, None]
+    key, query = torch.arange(end, device=device)[None, :], torch.arange(start, end, device=device)[:, None]
     mask = key <= query                                                       # [T, S]
     if window:
         mask &= key > query - window

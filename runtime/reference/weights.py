@@ -151,16 +151,22 @@ def _act_dtype(precision: str) -> torch.dtype:
 
 
 def load_weights(folder: ModelFolder, spec: Spec, precision: str,
-                 progress: Callable[[int, int], None] = lambda done, total: None) -> Weights:
-    """Read, dequantize and fuse every weight. `progress(done, total)` after each layer."""
+                 progress: Callable[[int, int], None] = lambda done, total: None, device="cpu") -> Weights:
+    """Read, dequantize and fuse every weight. `progress(done, total)` after each layer. device: where the
+    weights are dequantized and kept ("cpu", or "cuda" for float32/bfloat16: the same values, dequantized there)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "int8" and torch.device(device).type != "cpu":
+        raise ValueError(f"precision 'int8' runs on the CPU only, not on {device}")
     dt = _act_dtype(precision)
     f32 = torch.float32
 
+    def tensor(name: str) -> torch.Tensor:
+        return folder.tensor(name).to(device)
+
     def fused(prefixes: list[str]) -> Linear:
-        ws = [folder.linear(p, f32) for p in prefixes]
-        bs = [folder.bias(p, f32) for p in prefixes]
+        ws = [folder.linear(p, f32, device) for p in prefixes]
+        bs = [None if (b := folder.bias(p, f32)) is None else b.to(device) for p in prefixes]
         bias = None if all(b is None for b in bs) else \
             torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)])
         return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, precision)
@@ -171,15 +177,15 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
         a = f"{p}.self_attn"
         qk_norm = None
         if spec.qk_norm:
-            qk_norm = torch.cat([folder.tensor(f"{a}.q_norm.weight").to(dt)[None].expand(spec.heads, -1),
-                                 folder.tensor(f"{a}.k_norm.weight").to(dt)[None].expand(spec.kv_heads, -1)])
-        layer = Layer(folder.tensor(f"{p}.input_layernorm.weight").to(dt),
+            qk_norm = torch.cat([tensor(f"{a}.q_norm.weight").to(dt)[None].expand(spec.heads, -1),
+                                 tensor(f"{a}.k_norm.weight").to(dt)[None].expand(spec.kv_heads, -1)])
+        layer = Layer(tensor(f"{p}.input_layernorm.weight").to(dt),
                       fused([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), fused([f"{a}.o_proj"]), qk_norm,
-                      folder.tensor(f"{p}.post_attention_layernorm.weight").to(dt), None, None)
+                      tensor(f"{p}.post_attention_layernorm.weight").to(dt), None, None)
         if is_moe_layer(folder.config, i):
             names = MOE_ARCHITECTURES[spec.architecture]
             e = f"{p}.{names.experts}"
-            layer.router = folder.linear(f"{p}.{names.router}", f32).contiguous()
+            layer.router = folder.linear(f"{p}.{names.router}", f32, device).contiguous()
             layer.experts_gate_up = [fused([f"{e}.{j}.{names.gate}", f"{e}.{j}.{names.up}"])
                                      for j in range(spec.experts)]
             layer.experts_down = [fused([f"{e}.{j}.{names.down}"]) for j in range(spec.experts)]
@@ -188,9 +194,10 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
             layer.down = fused([f"{p}.mlp.down_proj"])
         layers.append(layer)
         progress(i + 1, spec.layers + 1)
-    embed = folder.tensor("model.embed_tokens.weight")
-    head = folder.linear("lm_head", f32) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") else embed
-    weights = Weights(embed.to(dt).contiguous(), layers, folder.tensor("model.norm.weight").to(dt),
+    embed = tensor("model.embed_tokens.weight")
+    head = folder.linear("lm_head", f32, device) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") \
+        else embed
+    weights = Weights(embed.to(dt).contiguous(), layers, tensor("model.norm.weight").to(dt),
                       Linear(head.to(f32), None, precision), dt, precision)
     progress(spec.layers + 1, spec.layers + 1)
     return weights

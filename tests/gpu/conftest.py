@@ -6,13 +6,65 @@
 - `tiny_moe`, `tiny_dense`: miniature models (hidden 256) for load, cache and memory checks. On
   these, exllamav2's own single-token path disagreed with its batched path by 0.2-0.4 (relative,
   logits) on the test machine, so they are not used for logit comparisons.
+
+Every synthetic model is written once: in this session's temporary folder, or, with
+MOEDESK_GPU_MODELS=DIR set, under DIR, where the later pytest processes of a run (bench/gpu_suite.sh
+runs one per file) find it (a folder appears there under its final name only once complete).
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
+
+MODELS_ENV = "MOEDESK_GPU_MODELS"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def cached_model(name: str, make: Callable[[Path], object], tmp_path_factory) -> Path:
+    """The model folder `name`, written by make(folder) the first time it is asked for (see the module's
+    docstring for where). A folder gets its final name only once make returned, so a run killed halfway
+    leaves a partial folder that the next writer of that name removes, never a model that looks whole."""
+    shared = os.environ.get(MODELS_ENV)
+    root = Path(shared) if shared else tmp_path_factory.getbasetemp() / "models"
+    out = root / name
+    if out.is_dir():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{name}.partial-*"):           # left by a killed process
+        pid = stale.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
+    part = root / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir()
+    make(part)
+    try:
+        part.rename(out)
+    except OSError:                                         # another process finished it first
+        if not out.is_dir():
+            raise
+        shutil.rmtree(part, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """synthetic(name, make) -> folder: cached_model for the test files' own models."""
+    return lambda name, make: cached_model(name, make, tmp_path_factory)
 
 TINY = {
     "moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 128,
@@ -80,33 +132,38 @@ def synth_model(shape: str, layers: int, bpw: float, out: Path) -> Path:
     return out
 
 
+def _synth(tmp_path_factory, shape: str, layers: int, bpw: float = 4.0) -> Path:
+    return cached_model(f"{shape}-{layers}l-{bpw}bpw", lambda out: synth_model(shape, layers, bpw, out),
+                        tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def moe_2l(tmp_path_factory) -> Path:
-    return synth_model("qwen3-30b-a3b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-30b-a3b-2l")
+    return _synth(tmp_path_factory, "qwen3-30b-a3b", 2)
 
 
 @pytest.fixture(scope="session")
 def moe_8l(tmp_path_factory) -> Path:
     """Eight layers: the fewest where offload saves memory (staging for C experts, double-buffered, plus
     E + 1 - C resident per layer cost a 2-layer model all its experts' codes, whatever C)."""
-    return synth_model("qwen3-30b-a3b", 8, 4.0, tmp_path_factory.mktemp("models") / "qwen3-30b-a3b-8l")
+    return _synth(tmp_path_factory, "qwen3-30b-a3b", 8)
 
 
 @pytest.fixture(scope="session")
 def dense_2l(tmp_path_factory) -> Path:
-    return synth_model("qwen3-0.6b", 2, 4.0, tmp_path_factory.mktemp("models") / "qwen3-0.6b-2l")
+    return _synth(tmp_path_factory, "qwen3-0.6b", 2)
 
 
 @pytest.fixture(scope="session")
 def llama_2l(tmp_path_factory) -> Path:
-    return synth_model("smollm2-135m", 2, 4.0, tmp_path_factory.mktemp("models") / "smollm2-135m-2l")
+    return _synth(tmp_path_factory, "smollm2-135m", 2)
 
 
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory) -> Path:
-    return make_model("moe", tmp_path_factory.mktemp("models") / "tiny-moe-128x8")
+    return cached_model("tiny-moe-128x8", lambda out: make_model("moe", out), tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory) -> Path:
-    return make_model("dense", tmp_path_factory.mktemp("models") / "tiny-dense")
+    return cached_model("tiny-dense", lambda out: make_model("dense", out), tmp_path_factory)

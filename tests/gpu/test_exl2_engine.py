@@ -5,7 +5,7 @@ prefill, single-token decode, verify with 1, 2, 4, 5, 8 rows after a rollback (w
 row count through its own captured graph), and batched vs stepwise logits. Error measure: ‖exl2 − ref‖ / ‖ref‖ over the rows' logits.
 
 Tolerance: both engines dequantize the same EXL2 codes to the same fp16 weights, so the difference
-is arithmetic only: the reference runs float32 throughout (precision="float32"); exllamav2 keeps activations, attention and
+is arithmetic only: the reference runs float32 throughout (precision="float32", on the GPU without TF32); exllamav2 keeps activations, attention and
 the residual stream in fp16 (unit roundoff 4.9e-4), with a few roundings per layer that accumulate
 through the layers. Measured at the Qwen3-30B-A3B shape (48 layers): our engine's batched vs
 stepwise logits differ by 1.3e-3 and agree with exllamav2's unfused (>= 5 rows) MoE path to 1.2e-3.
@@ -56,13 +56,24 @@ def _load_exl2(path, moe="own", graphs=True, **off):
     return exl2.load(path, opts, lambda *a: None, moe=moe, graphs=graphs)[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def references(moe_2l, dense_2l, llama_2l):
+    """kind -> the float32 reference, on the GPU (the CPU's weights and arithmetic there, without TF32);
+    closed after the test, its VRAM given back (the out-of-memory test measures what is free)."""
     from runtime import reference
+    paths = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}
     engines = {}
-    for name, path in (("moe", moe_2l), ("dense", dense_2l), ("llama", llama_2l)):
-        engines[name] = reference.load(path, LoadOptions(), lambda *a: None, precision="float32")[0]
-    return engines
+
+    def get(kind):
+        if kind not in engines:
+            engines[kind] = reference.load(paths[kind], LoadOptions(), lambda *a: None, precision="float32",
+                                           device="cuda")[0]
+        return engines[kind]
+    yield get
+    for eng in engines.values():
+        eng.close()
+    engines.clear()
+    torch.cuda.empty_cache()
 
 
 def _script(engine, ref, toks) -> dict[str, float]:
@@ -92,7 +103,7 @@ def test_engine_matches_reference(kind, moe_2l, dense_2l, llama_2l, references):
     """Every check is run and recorded (ours with and without graphs, and exllamav2's stock MoE
     path for the MoE model) before anything is asserted, so one run gives the whole picture."""
     path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
-    ref = references[kind]
+    ref = references(kind)
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     failures = []
     for graphs in (True, False):

@@ -11,10 +11,12 @@ import re
 import statistics
 import time
 
+import pytest
 import torch
 
 from runtime.options import LoadOptions, OffloadOptions
 
+pytestmark = pytest.mark.gpu
 GiB = 1024 ** 3
 
 

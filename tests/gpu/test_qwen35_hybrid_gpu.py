@@ -15,6 +15,9 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
   as all in VRAM.
 
+The CPU engine's logits at real width take minutes: a thread computes them from the module's first test
+on, beside the GPU tests that need none; the comparison with them runs last.
+
 With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
 """
 from __future__ import annotations
@@ -50,20 +53,16 @@ def _rel(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made: dict[str, Path] = {}
-
+def models(synthetic):
+    """size -> folder, written on first use (once per run: conftest's synthetic)."""
     def get(size: str) -> Path:
-        if size not in made:
-            from dataclasses import replace
-            from runtime.exl2 import synth
-            from runtime.exl2.shapes import get_shape
-            name, layers, every = SHAPES[size]
-            shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
-            out = tmp_path_factory.mktemp("q35") / f"{name}-{layers}l"
-            synth.write_synthetic(shape, 3.0, out, seed=1)
-            made[size] = out
-        return made[size]
+        from dataclasses import replace
+        from runtime.exl2 import synth
+        from runtime.exl2.shapes import get_shape
+        name, layers, every = SHAPES[size]
+        shape = replace(get_shape(name), layers=layers, full_attention_interval=every)
+        return synthetic(f"{name}-{layers}l-every{every}-3.0bpw-s1",
+                         lambda out: synth.write_synthetic(shape, 3.0, out, seed=1))
     return get
 
 
@@ -102,55 +101,41 @@ def _compare(got, want, tol, what):
                           f"(all: {', '.join(f'{r:.1e}' for r in rels)})")
 
 
+def _cpu_logits(path) -> list[torch.Tensor]:
+    eng, _ = _load(path, device="cpu")
+    try:
+        return _script(eng, eng.info.vocab_size)
+    finally:
+        eng.close()
+
+
 @pytest.fixture(scope="module")
-def oracle(models):
-    """The CPU engine's logits of the script, per size."""
-    cache = {}
+def oracle(models, request):
+    """The CPU engine's logits of the script, per size. The real width's take minutes of CPU: when this
+    session will ask for them, a thread computes them from the module's first test on, while the tests
+    that need no oracle use the GPU (test_cuda_matches_the_cpu_engine_... comes last for that)."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-oracle")
+    jobs = {}
+    if any(item.name == f"{_ORACLE_TEST}[real]" for item in request.session.items):
+        jobs["real"] = pool.submit(_cpu_logits, models("real"))     # written here, read in the thread
+
+    done: dict[str, list[torch.Tensor]] = {}
 
     def get(size):
-        if size not in cache:
-            eng, _ = _load(models(size), device="cpu")
-            try:
-                cache[size] = _script(eng, eng.info.vocab_size)
-            finally:
-                eng.close()
-        return cache[size]
-    return get
+        if size not in done:
+            done[size] = jobs.pop(size).result() if size in jobs else _cpu_logits(models(size))
+        return done[size]
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
-@pytest.mark.parametrize("size", ["tiny", "real"])
-def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle):
-    """Eager against the CPU; then the static forwards (what the graphs capture, run eagerly) against the
-    CPU; then the graphs against those static forwards: the same kernels, so a difference is the
-    capture's or the replay's (a Python value baked in, a buffer that moved)."""
-    want = oracle(size)
-    eng, applied = _load(models(size), graphs=False)
-    try:
-        assert eng.backend == "cuda" and eng.offload is None, applied
-        _compare(_script(eng, eng.info.vocab_size), want, TOL, f"{size} eager")
-        eng.static = True
-        static = _script(eng, eng.info.vocab_size)
-        _compare(static, want, TOL, f"{size} static eager")
-    finally:
-        eng.close()
-    eng, _ = _load(models(size), graphs=True)
-    try:
-        assert eng.graphs is not None, "the engine was loaded without decode graphs"
-        eng.forward([5, 6, 7])                       # 3 rows: run, then captured (first use)
-        while eng.idle_work():                       # 1 and WINDOW captured ahead of need, the cache taken back
-            pass
-        assert eng.graphs is not None, f"decode graphs turned off: {eng.graph_error}"
-        assert eng.graphs.captured() == [1, 3, WINDOW], eng.graphs.captured()
-        assert (eng.position, eng.tokens) == (3, [5, 6, 7]), (eng.position, eng.tokens)
-        got = _script(eng, eng.info.vocab_size)
-        tel = eng.telemetry()
-        assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
-        assert eng.graphs.captured() == [1, 2, 3, WINDOW], eng.graphs.captured()
-        _compare(got, static, TOL_SAME, f"{size} graphs vs static eager")
-        _record(test="qwen35_hybrid_vram", size=size, vram=torch.cuda.memory_allocated(),
-                cache_bytes=tel["cache_bytes"])
-    finally:
-        eng.close()
+@pytest.fixture(scope="module", autouse=True)
+def _oracle_ahead(oracle):
+    """Every test of the module sets the oracle up first, so its thread starts with the first test."""
+
+
+_ORACLE_TEST = "test_cuda_matches_the_cpu_engine_eager_and_with_graphs"
 
 
 @pytest.mark.parametrize("size", ["tiny", "real"])
@@ -208,3 +193,38 @@ def test_moedesk_cli_chat_answers_with_it(models, draft):
     finished = [e for e in events if e.get("type") == "finished"]
     assert finished and finished[0]["stats"]["generated_tokens"] > 0, finished
     _record(test="qwen35_hybrid_chat", draft=draft, stats=finished[0]["stats"])
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle):
+    """Eager against the CPU; then the static forwards (what the graphs capture, run eagerly) against the
+    CPU; then the graphs against those static forwards: the same kernels, so a difference is the
+    capture's or the replay's (a Python value baked in, a buffer that moved)."""
+    want = oracle(size)
+    eng, applied = _load(models(size), graphs=False)
+    try:
+        assert eng.backend == "cuda" and eng.offload is None, applied
+        _compare(_script(eng, eng.info.vocab_size), want, TOL, f"{size} eager")
+        eng.static = True
+        static = _script(eng, eng.info.vocab_size)
+        _compare(static, want, TOL, f"{size} static eager")
+    finally:
+        eng.close()
+    eng, _ = _load(models(size), graphs=True)
+    try:
+        assert eng.graphs is not None, "the engine was loaded without decode graphs"
+        eng.forward([5, 6, 7])                       # 3 rows: run, then captured (first use)
+        while eng.idle_work():                       # 1 and WINDOW captured ahead of need, the cache taken back
+            pass
+        assert eng.graphs is not None, f"decode graphs turned off: {eng.graph_error}"
+        assert eng.graphs.captured() == [1, 3, WINDOW], eng.graphs.captured()
+        assert (eng.position, eng.tokens) == (3, [5, 6, 7]), (eng.position, eng.tokens)
+        got = _script(eng, eng.info.vocab_size)
+        tel = eng.telemetry()
+        assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
+        assert eng.graphs.captured() == [1, 2, 3, WINDOW], eng.graphs.captured()
+        _compare(got, static, TOL_SAME, f"{size} graphs vs static eager")
+        _record(test="qwen35_hybrid_vram", size=size, vram=torch.cuda.memory_allocated(),
+                cache_bytes=tel["cache_bytes"])
+    finally:
+        eng.close()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions
 
+pytestmark = pytest.mark.gpu
 GiB = 1024 ** 3
 TOL = 1e-2          # relative logit error, as tests/gpu/test_exl2_engine.py (engine tolerance)
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU test suite (tests/gpu, marker gpu) in one call of at most LIMIT seconds (540 by default), its
+# results kept in $OUT as it goes, so a kill leaves every finished file's results and the running
+# file's tests up to the kill.
+# Assumes exllamav2's extension is ready and the Python deps importable (e.g. after
+# `source .whl/preamble.sh`); run from the repository root:
+#   OUT=DIR bench/gpu_suite.sh                      # every file, in the order below
+#   OUT=DIR GROUP=a bench/gpu_suite.sh              # the first eight files; GROUP=b the last three
+#   OUT=DIR FILES="test_exl2_engine.py:200 test_offload_gpu.py" bench/gpu_suite.sh
+# One pytest process per file, one file at a time (the out-of-memory test fills the GPU; the warm-up
+# and issue-19 tests time gaps), cheap and broad files first. Each file runs under its own limit
+# (FILE:SECONDS, the defaults below; never past what is left of LIMIT): SIGINT at the limit, so
+# pytest writes its summary and JUnit XML, SIGKILL 20 s later. pytest-timeout fails a test that runs
+# past TEST_S (a traceback instead of silence). Synthetic models are written once for the whole run
+# under $WORK/models (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them).
+# Files in $OUT (at most 6):
+#   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
+#                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
+#   pytest.log      every file's pytest output (-v: one line per test as it ends; -rA summary)
+#   tests.jsonl     one JSON line per test (bench/gpu_suite_results.py): file, test, outcome, seconds, message
+#   gpu_report.jsonl  the tests' measured figures (MOEDESK_GPU_REPORT)
+#   machine.txt     commit, GPU, driver, memory, disk at the start
+set -u
+OUT=${OUT:?set OUT to the folder for the results}
+LIMIT=${LIMIT:-540}                       # seconds for the whole script
+TEST_S=${TEST_S:-300}                     # pytest-timeout: one test at most
+PY=${PYTHON:-python3}
+WORK=${WORK:-$(mktemp -d -t gpu-suite.XXXXXX)}
+# file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's expected time on the H200
+# (measured there before the float32 references moved to the GPU, estimated after); a file gets less when
+# the earlier ones overran. All of them are expected to take ~15 minutes, more than one call: GROUP=a and
+# GROUP=b split them into two calls of ~7 and ~8.5 minutes (partly guessed: a file the call had no time
+# left for is listed "not run"; run it with FILES); FILES (file or file:seconds) overrides both.
+GROUP_A="test_reference_gpu.py:60 test_exl2_gpu.py:90 test_layer_hooks_gpu.py:45 test_convert_gpu.py:90
+test_exl2_engine.py:180 test_speculative_gpu.py:120 test_warmup_gpu.py:120 test_issue19_gpu.py:120"
+GROUP_B="test_offload_gpu.py:180 test_mixtral_dbrx_gpu.py:300 test_qwen35_hybrid_gpu.py:360"
+case ${GROUP:-all} in
+    a) DEFAULT_FILES=$GROUP_A ;;
+    b) DEFAULT_FILES=$GROUP_B ;;
+    *) DEFAULT_FILES="$GROUP_A $GROUP_B" ;;
+esac
+FILES=${FILES:-$DEFAULT_FILES}
+mkdir -p "$OUT" "$WORK"
+export MOEDESK_GPU_MODELS=${MOEDESK_GPU_MODELS:-$WORK/models}
+export MOEDESK_GPU_REPORT="$OUT/gpu_report.jsonl"
+export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+T0=$(date +%s)
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
+{
+    echo "commit $MOEDESK_COMMIT"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader 2>&1
+    free -g | awk '/Mem/ {print "host memory " $2 " GB, " $7 " GB available"}'
+    df -h "$WORK" | tail -1 | awk '{print "disk " $4 " free"}'
+    nproc | sed 's/^/cores /'
+} > "$OUT/machine.txt"
+: > "$OUT/summary.txt"
+
+for entry in $FILES; do
+    file=${entry%%:*}
+    limit=${entry#*:}
+    [ "$limit" = "$entry" ] && limit=120
+    rest=$(left)
+    [ "$limit" -gt $(( rest - 25 )) ] && limit=$(( rest - 25 ))      # room for the kill and the summary
+    if [ "$limit" -lt 20 ]; then
+        echo "$file: not run ($rest s left of $LIMIT)" | tee -a "$OUT/summary.txt" | tee -a "$OUT/pytest.log"
+        continue
+    fi
+    tlimit=$TEST_S
+    [ "$tlimit" -gt $(( limit - 5 )) ] && tlimit=$(( limit - 5 ))
+    say "== $file (limit $limit s, a test at most $tlimit s)"
+    xml="$WORK/${file%.py}.xml"
+    flog="$WORK/${file%.py}.log"
+    rm -f "$xml"
+    t=$(date +%s)
+    timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
+        --timeout="$tlimit" --junitxml="$xml" --basetemp="$WORK/pytest" -o junit_family=xunit2 2>&1 \
+        | tee "$flog" >> "$OUT/pytest.log"
+    rc=${PIPESTATUS[0]}
+    secs=$(( $(date +%s) - t ))
+    rm -rf "$WORK/pytest"
+    read -r p f s e n <<< "$($PY -m bench.gpu_suite_results "$flog" "$xml" "$file" "$OUT/tests.jsonl" \
+        2>>"$OUT/pytest.log" || echo "? ? ? ? 0")"
+    [ "$n" != 0 ] && nr=", $n not run" || nr=""
+    case $rc in
+        0|1) how="" ;;
+        5) how=", no test selected" ;;
+        124|130|137) how=", stopped at its $limit s limit (rc $rc)" ;;
+        *) how=", pytest exit $rc" ;;
+    esac
+    echo "$file: $p passed, $f failed, $s skipped, $e errors$nr in $secs s$how" | tee -a "$OUT/summary.txt" \
+        | tee -a "$OUT/pytest.log"
+done
+
+[ "${KEEP_MODELS:-0}" = 1 ] || rm -rf "$MOEDESK_GPU_MODELS"
+say "done in $(( $(date +%s) - T0 )) s"
+echo "---- summary ($(( $(date +%s) - T0 )) s of $LIMIT)"
+cat "$OUT/summary.txt"
