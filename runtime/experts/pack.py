@@ -336,7 +336,7 @@ def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm
     mx = qsm.reshape(B, G0).to(torch.float16) * (1 / 256)   # fp16 roundings as exllamav2's dq_scale
     scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[..., None]).to(torch.float32)
     reps = torch.tensor([r // lay.group for r in rows_per_group], device=dev)
-    scales = torch.repeat_interleave(scale0, reps, dim=1)
+    scales = torch.repeat_interleave(scale0, reps, dim=1, output_size=lay.K // lay.group)   # no device wait
     return codes, scales, torch.argsort(invperm.to(torch.int64), dim=-1)
 
 
