@@ -129,3 +129,14 @@ def test_synthetic_layer_repacks_bit_for_bit_from_the_mapped_files(tmp_path, mon
     ref2.perm.copy_(torch.arange(I, dtype=torch.int32).expand_as(ref2.perm))
     _same(w2, ref2)
     assert E > 5
+
+
+def test_batches_gathered_on_threads_under_inference_mode(monkeypatch):
+    """The CUDA load repacks under torch.inference_mode(): the gathering threads write its buffers
+    (inference tensors) under that mode too; every copy on a thread, batches of 4, 4, 1."""
+    monkeypatch.setattr(pack, "COPY_MIN_BYTES", 0)
+    monkeypatch.setattr(pack, "CHUNK_ELEMENTS", 4 * 96 * 64)
+    experts = [_q(96, 64, [4, 3], seed=e, bits_prop=[0.5, 0.5]) for e in range(9)]
+    with torch.inference_mode():
+        got = pack_experts(experts, "x", host=HostArena(1 << 20))
+    _same(got, pack_experts_v1(experts, "x", host=HostArena(1 << 20)))

@@ -276,7 +276,16 @@ class HostArena:
 
 CHUNK_ELEMENTS = 32 << 20      # codes of the experts unpacked at once (its int64 temporaries: 256 MiB each)
 COPY_THREADS = 8               # threads gathering experts' tensors into one buffer (memory copies)
-_POOL = None
+COPY_MIN_BYTES = 8 << 20       # ... for buffers from this size (smaller: one stack on this thread)
+UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")
+_POOLS: dict = {}
+
+
+def _pool(name: str, threads: int):
+    if name not in _POOLS:
+        import concurrent.futures as cf
+        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name)
+    return _POOLS[name]
 
 
 @dataclass(frozen=True)
@@ -340,27 +349,42 @@ def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm
     return codes, scales, torch.argsort(invperm.to(torch.int64), dim=-1)
 
 
+def _copy(out: torch.Tensor, t: torch.Tensor) -> None:
+    with torch.inference_mode():          # `out` may be an inference tensor (the module loads under that mode)
+        out.copy_(t)
+
+
 def _copy_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """out[i] = tensors[i], large copies on a few threads (torch's copies let go of the GIL)."""
-    global _POOL
-    if out.numel() * out.element_size() < (8 << 20) or len(tensors) == 1:
+    if out.numel() * out.element_size() < COPY_MIN_BYTES or len(tensors) == 1:
         torch.stack(list(tensors), out=out)
         return
-    if _POOL is None:
-        import concurrent.futures as cf
-        _POOL = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pack-copy")
-    for f in [_POOL.submit(o.copy_, t) for o, t in zip(out, tensors)]:
+    for f in [_pool("pack-copy", COPY_THREADS).submit(_copy, o, t) for o, t in zip(out, tensors)]:
         f.result()
 
 
-def _stack(tensors: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """The experts' tensors stacked on `dev`: gathered in (page-locked, to a GPU) host memory, then one copy."""
-    if all(t.device == dev for t in tensors):
-        return torch.stack(list(tensors))
-    first = tensors[0]
-    buf = torch.empty((len(tensors), *first.shape), dtype=first.dtype, pin_memory=dev.type == "cuda")
-    _copy_into(buf, [t.cpu() for t in tensors])
-    return buf.to(dev, non_blocking=True)
+def _gather(experts: Sequence[Mapping[str, torch.Tensor]], dev: torch.device) -> list[torch.Tensor]:
+    """A batch's tensors (UNPACKED), each stacked in host memory (page-locked when `dev` is a GPU)."""
+    out = []
+    with torch.inference_mode():
+        for k in UNPACKED:
+            ts = [t[k].cpu() for t in experts]
+            buf = torch.empty((len(ts), *ts[0].shape), dtype=ts[0].dtype, pin_memory=dev.type == "cuda")
+            _copy_into(buf, ts)
+            out.append(buf)
+    return out
+
+
+def _batches(lays: Sequence[_Layout], step: int) -> list[tuple[int, int]]:
+    """Runs of at most `step` consecutive experts of one layout."""
+    out, e0 = [], 0
+    while e0 < len(lays):
+        e1 = e0 + 1
+        while e1 < len(lays) and e1 - e0 < step and lays[e1].key == lays[e0].key:
+            e1 += 1
+        out.append((e0, e1))
+        e0 = e1
+    return out
 
 
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
@@ -394,14 +418,19 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
-    step, e0 = max(1, CHUNK_ELEMENTS // (K * N)), 0
-    while e0 < E:
-        e1 = e0 + 1
-        while e1 < E and e1 - e0 < step and lays[e1].key == lays[e0].key:
-            e1 += 1
-        batch = experts[e0:e1]
-        codes, sc, pm = _unpack_batch(*(_stack([t[k] for t in batch], dev)
-                                        for k in ("q_weight", "q_scale", "q_scale_max", "q_invperm")), lays[e0])
+    batches = _batches(lays, max(1, CHUNK_ELEMENTS // (K * N)))
+    # host tensors (views of the model's files): the next batch is gathered on a thread while this one
+    # is unpacked; tensors already on `dev` are stacked there, on this thread's stream
+    on_dev = all(t["q_weight"].device == dev for t in experts)
+    ahead = None if on_dev else _pool("pack-gather", 1).submit(_gather, experts[:batches[0][1]], dev)
+    for i, (e0, e1) in enumerate(batches):
+        if on_dev:
+            parts = [torch.stack([t[k] for t in experts[e0:e1]]) for k in UNPACKED]
+        else:
+            parts = [p.to(dev, non_blocking=True) for p in ahead.result()]
+            if i + 1 < len(batches):
+                ahead = _pool("pack-gather", 1).submit(_gather, experts[e1:batches[i + 1][1]], dev)
+        codes, sc, pm = _unpack_batch(*parts, lays[e0])
         if columns is not None:
             idx = torch.stack([columns[e].to(dev, torch.long) for e in range(e0, e1)])[:, None, :]   # [B, 1, N]
             codes = torch.gather(codes, 2, idx.expand(-1, K, -1))
@@ -409,7 +438,6 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
         qweight[e0:e1].copy_(_pack_words(codes, bits))
         scales[e0:e1] = torch.repeat_interleave(sc, lays[e0].group // group, dim=1).to(dev, torch.float16)
         perm[e0:e1] = pm.to(dev, torch.int32)
-        e0 = e1
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
                          in_features=K, out_features=N, cold=qweight if host is not None else None)
 
