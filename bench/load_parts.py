@@ -9,6 +9,8 @@ Parts, each timed on the layer's real tensors (the folder's files are read as th
 - per_expert_repack: those tensors repacked one expert per batch (a wait per expert: the old path's
   pattern) into a host arena whose blocks are page-locked before the clock starts (the load does that
   ahead, on a thread);
+- mapped_gather: the new path's host side alone: views of the mapped file gathered batch by batch
+  (threads) into (page-locked) host buffers, nothing unpacked;
 - batched_load: the load as it is now, end to end for the layer: tensors read as views of the mapped
   file, gathered a batch at a time (threads) into page-locked memory, repacked on the device, copied
   into the arena.
@@ -75,9 +77,14 @@ def _arena(dev: torch.device, nbytes: int) -> HostArena:
     return arena
 
 
-def measure(folder: Path, layer: int, dev: torch.device) -> dict:
+def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict:
+    """The parts' seconds for the layer's experts (the first `first` of them only, when given: slow
+    machines; `per_layer` then scales the times to the whole layer)."""
     index = _headers(folder)
     experts = layer_experts(index, layer)
+    total = len(experts["down_proj"])
+    if first:
+        experts = {r: v[:first] for r, v in experts.items()}
     nbytes = sum(index[f"{p}.{k}"][2]["data_offsets"][1] - index[f"{p}.{k}"][2]["data_offsets"][0]
                  for ps in experts.values() for p in ps for k in KEYS if f"{p}.{k}" in index)
     try:
@@ -112,6 +119,18 @@ def measure(folder: Path, layer: int, dev: torch.device) -> dict:
     _sync(dev)
     res["per_tensor_read_s"] = time.perf_counter() - t
     keep = pack.CHUNK_ELEMENTS
+    files = MappedFiles()                             # the new path's host side alone: views gathered in batches
+    t = time.perf_counter()
+    with cpu_load.torch_threads(cores):
+        for role in ROLES:
+            ts = [{k: files.tensor(str(index[f"{p}.{k}"][0]), index[f"{p}.{k}"][1], index[f"{p}.{k}"][2], k)
+                   for k in KEYS} for p in experts[role]]
+            K, N = ts[0]["q_invperm"].numel(), ts[0]["q_weight"].shape[-1]
+            step = max(1, keep // (K * N))
+            for e0 in range(0, len(ts), step):
+                pack._gather(ts[e0:e0 + step], dev)
+    res["mapped_gather_s"] = time.perf_counter() - t
+    files.close()
     for label, chunk, load in (("per_expert_repack_s", 1, old.__getitem__), ("batched_load_s", keep, None)):
         files = MappedFiles()
         if load is None:
@@ -134,6 +153,9 @@ def measure(folder: Path, layer: int, dev: torch.device) -> dict:
         files.close()
     res["old_s"] = res["per_tensor_read_s"] + res["per_expert_repack_s"]
     res["speedup"] = res["old_s"] / res["batched_load_s"]
+    scale = total / res["experts"]
+    res["per_layer"] = {k: res[k] * scale for k in ("per_tensor_read_s", "per_expert_repack_s", "old_s",
+                                                    "mapped_gather_s", "batched_load_s")}
     return res
 
 
@@ -142,13 +164,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="EXL2 model folder")
     ap.add_argument("--layer", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--experts", type=int, default=0, help="time the first N experts only (scaled to the layer)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
     folder = Path(a.model)
     cfg = json.loads((folder / "config.json").read_text())
     layers = cfg.get("num_hidden_layers") or cfg.get("n_layers")
-    r = measure(folder, a.layer, torch.device(a.device))
+    r = measure(folder, a.layer, torch.device(a.device), a.experts)
     r["model_layers_in_folder"] = layers
     label = a.label or folder.name
     print(json.dumps(r, indent=1))
@@ -157,7 +180,8 @@ def main(argv=None) -> int:
               "benchmark": "expert load parts, one MoE layer", "model": label, "layer": a.layer, "parts": r,
               "notes": "seconds for one layer's experts (gate, up, down of every expert); old = per_tensor_read + "
                        "per_expert_repack (the load's pattern before batching), batched_load = the load now. "
-                       "Multiply by the model's MoE layers for a whole load's expert part."}
+                       "per_layer: scaled to all the layer's experts; multiply by the model's MoE layers for a "
+                       "whole load's expert part."}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"load-parts-{label}-{a.device.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -134,9 +134,37 @@ def test_synthetic_layer_repacks_bit_for_bit_from_the_mapped_files(tmp_path, mon
 def test_batches_gathered_on_threads_under_inference_mode(monkeypatch):
     """The CUDA load repacks under torch.inference_mode(): the gathering threads write its buffers
     (inference tensors) under that mode too; every copy on a thread, batches of 4, 4, 1."""
-    monkeypatch.setattr(pack, "COPY_MIN_BYTES", 0)
+    monkeypatch.setattr(pack, "COPY_MIN_BYTES", 1 << 10)
     monkeypatch.setattr(pack, "CHUNK_ELEMENTS", 4 * 96 * 64)
     experts = [_q(96, 64, [4, 3], seed=e, bits_prop=[0.5, 0.5]) for e in range(9)]
     with torch.inference_mode():
         got = pack_experts(experts, "x", host=HostArena(1 << 20))
     _same(got, pack_experts_v1(experts, "x", host=HostArena(1 << 20)))
+
+
+def test_views_of_the_files_are_copied_by_reading_the_file(tmp_path, monkeypatch):
+    """copy_into reads a mapped view's bytes from the file itself (no page faults on the mapping),
+    in pieces on threads for large buffers; other tensors, and views after close, are plainly copied."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from runtime.experts import st_read
+    want = {"w": torch.arange(3 * 1024, dtype=torch.int32).view(3, 1024), "s": torch.randn(7).half()}
+    save_file(want, tmp_path / "m.safetensors")
+    start, header = _header(tmp_path / "m.safetensors")
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(st_read.os, "preadv", lambda fd, bufs, off: reads.append(off) or real(fd, bufs, off))
+    files = MappedFiles()
+    w = files.tensor(str(tmp_path / "m.safetensors"), start, header["w"], "w")
+    out = torch.full((2, 3, 1024), -1, dtype=torch.int32)
+    monkeypatch.setattr(pack, "COPY_MIN_BYTES", 1 << 12)          # 4 KiB pieces: 3 per tensor
+    pack._copy_into(out, [w, want["w"]])
+    assert torch.equal(out[0], want["w"]) and torch.equal(out[1], want["w"])
+    assert sorted(reads) == [start + header["w"]["data_offsets"][0] + i * 4096 for i in range(3)]
+    files.close()
+    reads.clear()
+    out.fill_(-1)
+    st_read.copy_into(out[0], w)                                   # closed: copied from the mapping
+    assert torch.equal(out[0], want["w"]) and reads == []

@@ -28,6 +28,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from runtime.experts.st_read import copy_into
+
 
 class PackError(ValueError):
     """An EXL2 tensor set that cannot be repacked; the message names the tensor and the problem."""
@@ -276,7 +278,7 @@ class HostArena:
 
 CHUNK_ELEMENTS = 32 << 20      # codes of the experts unpacked at once (its int64 temporaries: 256 MiB each)
 COPY_THREADS = 8               # threads gathering experts' tensors into one buffer (memory copies)
-COPY_MIN_BYTES = 8 << 20       # ... for buffers from this size (smaller: one stack on this thread)
+COPY_MIN_BYTES = 4 << 20       # ... in pieces of this size (smaller buffers: copied on the gathering thread)
 UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")
 _POOLS: dict = {}
 
@@ -351,15 +353,20 @@ def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm
 
 def _copy(out: torch.Tensor, t: torch.Tensor) -> None:
     with torch.inference_mode():          # `out` may be an inference tensor (the module loads under that mode)
-        out.copy_(t)
+        copy_into(out, t)
 
 
 def _copy_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """out[i] = tensors[i], large copies on a few threads (torch's copies let go of the GIL)."""
-    if out.numel() * out.element_size() < COPY_MIN_BYTES or len(tensors) == 1:
-        torch.stack(list(tensors), out=out)
+    """out[i] = tensors[i]: from the model's files where they are views of them (st_read.copy_into),
+    large buffers in pieces of COPY_MIN_BYTES on a few threads (reads and copies let go of the GIL)."""
+    if out.numel() * out.element_size() < COPY_MIN_BYTES:
+        for o, t in zip(out, tensors):
+            _copy(o, t)
         return
-    for f in [_pool("pack-copy", COPY_THREADS).submit(_copy, o, t) for o, t in zip(out, tensors)]:
+    step = max(1, COPY_MIN_BYTES // out.element_size())
+    pieces = [(o.view(-1)[i:i + step], t.reshape(-1)[i:i + step])
+              for o, t in zip(out, tensors) for i in range(0, o.numel(), step)]
+    for f in [_pool("pack-copy", COPY_THREADS).submit(_copy, o, t) for o, t in pieces]:
         f.result()
 
 
