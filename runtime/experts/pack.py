@@ -23,6 +23,7 @@ Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequa
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -194,21 +195,23 @@ class HostArena:
     two, so stacks are not allocated one by one (a 3-bit expert stack would cost +70%): blocks of
     `block_bytes` (a power of two) hold many stacks, wasting only the end of the last block.
     Page-locking is slow (the H200's load log: ~2.7 s for each 4 GiB block, every fifth MoE layer,
-    ~30 s of a 46 GB model's 100 s "Loading weights"): with `ahead`, the next block is page-locked
-    on a thread while the current one fills, and `finish` gives back one that no stack used.
+    ~30 s of a 46 GB model's 100 s "Loading weights"): with `ahead` (a count; True is 1), that many
+    blocks are page-locked on as many threads from the arena's creation on, and topped up as they are
+    taken, while the current one fills; `finish` gives back those no stack used.
     Without CUDA (tests) the memory is ordinary."""
 
     ALIGN = 4096
 
-    def __init__(self, block_bytes: int = 4 << 30, ahead: bool = False):
+    def __init__(self, block_bytes: int = 4 << 30, ahead: int = 0):
         if block_bytes & (block_bytes - 1):
             raise ValueError("block size must be a power of two")
         self.block_bytes = block_bytes
         self.blocks: list[torch.Tensor] = []
         self.used = 0                      # bytes taken from the last block
-        self.ahead = ahead
-        self._next = None                  # the next block, being page-locked (a Future), with `ahead`
+        self.ahead = int(ahead)
+        self._next: deque = deque()        # the blocks being page-locked ahead (Futures), oldest first
         self._pool = None
+        self._start_next()                 # the first block is ready by the time the first layer loads
 
     @property
     def reserved_bytes(self) -> int:
@@ -219,12 +222,11 @@ class HostArena:
         return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     def _take_next(self, size: int) -> Optional[torch.Tensor]:
-        """The block page-locked ahead, if it is large enough (else dropped); None without one."""
-        fut, self._next = self._next, None
-        if fut is None:
+        """The oldest block page-locked ahead, if it is large enough (else dropped); None without one."""
+        if not self._next:
             return None
         try:
-            block = fut.result()
+            block = self._next.popleft().result()
         except (RuntimeError, MemoryError):       # short of memory ahead of need: allocated below, or said why
             return None
         return block if block.numel() >= size else None
@@ -234,8 +236,9 @@ class HostArena:
             return
         if self._pool is None:
             import concurrent.futures as cf
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pin-ahead")
-        self._next = self._pool.submit(self._allocate, self.block_bytes)
+            self._pool = cf.ThreadPoolExecutor(self.ahead, thread_name_prefix="pin-ahead")
+        while len(self._next) < self.ahead:
+            self._next.append(self._pool.submit(self._allocate, self.block_bytes))
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An int32 tensor of `shape` in page-locked host memory (uninitialised)."""
@@ -259,9 +262,10 @@ class HostArena:
         return t
 
     def finish(self) -> None:
-        """The load is done: a block page-locked ahead and never used goes back to the system."""
-        if self._next is not None:
-            self._take_next(0)
+        """The load is done: blocks page-locked ahead and never used go back to the system."""
+        if self._next:
+            while self._next:
+                self._take_next(0)
             if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
                 torch._C._host_emptyCache()
         if self._pool is not None:
