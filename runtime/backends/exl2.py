@@ -25,10 +25,10 @@ import torch
 
 from runtime import tuning
 from runtime.backends import exl2_arch
-from runtime.cpu_load import physical_cores, torch_threads
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_kernels import build_kernels, settle_gemm_autotune
 from runtime.backends.exl2_offload import budget_error
+from runtime.cpu_load import physical_cores, torch_threads
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
                             UnsupportedArchitecture)
