@@ -30,7 +30,7 @@ import gc
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -452,6 +452,19 @@ def _oracles(text: str) -> list:
     return out
 
 
+def load_progress(say: Callable[[str], None], step: int = 10) -> Callable[[str, str, int, int], None]:
+    """A load's progress callback that says each step as it starts, and a counted step (the weights,
+    module by module) again every `step` percent: a load of minutes is never silent."""
+    last = {"message": None, "pct": -1}
+
+    def progress(stage: str, message: str, done: int, total: int) -> None:
+        pct = 100 * done // total // step * step if total > 1 else -1
+        if message != last["message"] or pct > last["pct"]:
+            say(f"{stage}: {message}" + (f" ({done}/{total})" if total > 1 else ""))
+            last.update(message=message, pct=pct)
+    return progress
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Expert-offload benchmark (with the naive baseline)")
     ap.add_argument("--model", required=True)
@@ -565,7 +578,7 @@ def main(argv=None) -> int:
                 opts = LoadOptions(offload=OffloadOptions(context_length=a.context, vram_budget_gb=b,
                                                           placement=a.placement, cpu_threads=a.cpu_threads))
                 progress(f"loading at {b:g} GB")
-                engine, applied = exl2.load(a.model, opts, lambda *x: None)
+                engine, applied = exl2.load(a.model, opts, load_progress(lambda m: progress(f"  {m}")))
                 progress("loaded")
                 how = "load"
                 if a.routing != "router":

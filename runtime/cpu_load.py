@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,6 +38,21 @@ class CpuSample:
 def physical_cores() -> int:
     import psutil
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@contextmanager
+def torch_threads(at_least: int):
+    """torch's intra-op thread count of the calling thread raised to `at_least` inside, put back after
+    (a process started with OMP_NUM_THREADS=1 keeps it for its own work, but a load runs on every core)."""
+    import torch
+    before = torch.get_num_threads()
+    if at_least > before:
+        torch.set_num_threads(at_least)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def sample() -> CpuSample:

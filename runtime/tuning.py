@@ -113,6 +113,8 @@ class Tuning:
                       choices=("fused", "torch"))
     moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "
                         "(fused) or by torch (plain).", choices=("fused", "plain"))
+    pin_ahead: int = knob(1, "MOEDESK_PIN_AHEAD", "Blocks of page-locked host RAM for offloaded experts (4 GiB "
+                          "each) prepared ahead of the load, on as many threads.", min=0, max=4)
     # the EXL2 backend (runtime/backends/)
     graph_attn: str = knob("triton", "MOEDESK_GRAPH_ATTN", "Attention inside the decode graphs.",
                            choices=("triton", "bmm", "sdpa"))

@@ -61,3 +61,20 @@ def test_bench_errors(tmp_path, capsys):
     assert bench.run(_args("--model", str(tmp_path / "none"), "--out", str(tmp_path))) == 1
     assert "model_not_found" in capsys.readouterr().err
     assert bench.run(_args("--model", "x", "--decode-tokens", "1")) == 2
+
+
+def test_offload_bench_says_the_loads_steps_as_they_happen():
+    """bench.offload printed nothing for the minutes a big model loads: each step is said as it
+    starts, and the weights' module count every 10%."""
+    from bench.offload import load_progress
+    said = []
+    progress = load_progress(said.append)
+    progress("kernels", "Loading GPU kernels", 0, 1)
+    progress("kernels", "Loading GPU kernels", 1, 1)
+    for i in range(0, 201):
+        progress("load", "Loading weights", i, 200)
+    progress("load", "Placing experts", 0, 1)
+    assert said[0] == "kernels: Loading GPU kernels"
+    weights = [m for m in said if "Loading weights" in m]
+    assert weights[0] == "load: Loading weights (0/200)" and weights[-1] == "load: Loading weights (200/200)"
+    assert len(weights) == 11 and said[-1] == "load: Placing experts"

@@ -95,3 +95,26 @@ def test_worker_leaves_a_fixed_team_alone():
 def test_the_machines_own_reading_is_a_number_of_cpus():
     others = cpu_load.measure_others()
     assert others is not None and 0.0 <= others <= (cpu_load.physical_cores() * 4)
+
+
+def test_torch_threads_raises_the_count_inside_and_puts_it_back_even_on_error():
+    import torch
+
+    from runtime.cpu_load import torch_threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)                   # as a process started with OMP_NUM_THREADS=1
+        with torch_threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with pytest.raises(KeyError):
+            with torch_threads(3):
+                assert torch.get_num_threads() == 3
+                raise KeyError("load failed")
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        with torch_threads(1):                     # never lowered
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -119,6 +119,37 @@ def test_copies_from_the_packed_layout_equal_the_exl2_conversion():
         assert _rel(got, want.double()) < 1e-5
 
 
+def test_copies_are_retiled_on_every_core_whatever_the_process_started_with(monkeypatch):
+    """A worker started with one torch thread (OMP_NUM_THREADS=1) retiled the CPU copies on that one
+    thread (the H200's first load: 29 s of copies); the retiling's team is every core, and the
+    process's own count comes back after."""
+    from runtime import cpu_load
+    _, packs = _layer(4, seed=5)
+    kernel, seen = ce.load_kernel(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def pack_tiles_into(self, *a):
+            seen.append(torch.get_num_threads())
+            return kernel.pack_tiles_into(*a)
+
+    monkeypatch.setattr(ce, "load_kernel", lambda: Spy())
+    monkeypatch.setattr(cpu_load, "physical_cores", lambda: 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        store = cpath.cpu_store(packs, [0, 2])
+        assert seen == [3, 3, 3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr(cpu_load, "physical_cores", lambda: 1)      # the same bytes from one thread
+    ref = cpath.cpu_store(packs, [0, 2])
+    assert store._flat.keys() == ref._flat.keys()
+    assert all(torch.equal(store._flat[k], ref._flat[k]) for k in ref._flat)
+
+
 def test_the_c_entries_through_their_addresses_with_a_hand_built_context():
     """The host functions as the driver calls them: bare void(*)(void*) over a ctypes context; submit
     hands it to the worker thread and returns, wait returns once the worker is done."""

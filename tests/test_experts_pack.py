@@ -148,9 +148,12 @@ def test_host_arena_page_locks_the_next_block_ahead_and_gives_back_an_unused_one
 
     monkeypatch.setattr(HostArena, "_allocate", staticmethod(allocate))
     shapes = [(3, 100, 64), (2, 300, 64), (5, 64, 64), (1, 1000, 64), (4, 50, 64)]
-    plain, ahead = HostArena(block_bytes=1 << 17), HostArena(block_bytes=1 << 17, ahead=True)
     stacks = {}
-    for arena in (plain, ahead):
+    plain = HostArena(block_bytes=1 << 17)
+    for arena in (plain, None):
+        if arena is None:                                          # made after the plain one's stacks
+            arena = ahead = HostArena(block_bytes=1 << 17, ahead=True)
+            assert len(ahead._next) == 1                           # page-locking from its creation on
         stacks[arena] = [arena.empty(shape) for shape in shapes]
         for i, t in enumerate(stacks[arena]):
             t.fill_(i)
@@ -162,10 +165,29 @@ def test_host_arena_page_locks_the_next_block_ahead_and_gives_back_an_unused_one
     assert all(torch.equal(a, b) for a, b in zip(stacks[plain], stacks[ahead]))
     n = len(plain.blocks)
     assert where[:n] == ["MainThread"] * n                         # without ahead: in the loading thread
-    assert any(w.startswith("pin-ahead") for w in where[n:])       # with it: the next block on a thread
-    assert ahead._next is not None
+    assert where[n].startswith("pin-ahead")                        # with it: the first block on a thread too
+    assert "MainThread" in where[n:]                               # (a stack over a block: its own, here)
+    assert len(ahead._next) == 1
     ahead.finish()
-    assert ahead._next is None and len(ahead.blocks) == n
+    assert not ahead._next and len(ahead.blocks) == n
     ahead.empty((1, 10, 64))                                       # usable after finish (no thread left)
     ahead.release()
     assert ahead.blocks == []
+
+
+def test_host_arena_page_locks_several_blocks_ahead_and_gives_back_the_unused(monkeypatch):
+    """ahead=3: three blocks on three threads from the start, topped up as they are taken; the same
+    stacks; finish gives back the three left over."""
+    from runtime.experts.pack import HostArena
+    made = []
+    real = HostArena._allocate
+    monkeypatch.setattr(HostArena, "_allocate", staticmethod(lambda size: made.append(size) or real(size)))
+    arena = HostArena(block_bytes=1 << 16, ahead=3)
+    assert len(arena._next) == 3 and arena._pool._max_workers == 3
+    stacks = [arena.empty((4, 64, 64)) for _ in range(5)]          # 64 KiB each: a block each
+    for i, t in enumerate(stacks):
+        t.fill_(i)
+    assert len(arena.blocks) == 5 and len(arena._next) == 3
+    assert all(int(t[0, 0, 0]) == i and t.data_ptr() == b.data_ptr() for i, (t, b) in enumerate(zip(stacks, arena.blocks)))
+    arena.finish()                                                 # waits for the three in flight
+    assert not arena._next and arena._pool is None and len(arena.blocks) == 5 and len(made) == 8

@@ -28,6 +28,7 @@ from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_kernels import build_kernels, settle_gemm_autotune
 from runtime.backends.exl2_offload import budget_error
+from runtime.cpu_load import physical_cores, torch_threads
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
                             UnsupportedArchitecture)
@@ -423,9 +424,10 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         loading.prepare_kernels()
         loading.read_config()
         loading.plan_offload()
-        loading.build_model()
-        loading.allocate_cache()
-        loading.place_experts()
+        with torch_threads(physical_cores()):   # the repacking's host work, the CPU path's copies: every core
+            loading.build_model()
+            loading.allocate_cache()
+            loading.place_experts()
         loading.make_engine()
         if warm and tuning.current().warmup:
             loading.warm_up()
@@ -487,8 +489,7 @@ class _Loading:
         # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
         config.max_dq_size = MAX_DQ_ELEMENTS
         is_moe = self.is_moe = bool(config.arch.lm.is_moe)
-        moe, graphs = self.moe, self.graphs
-        use_graphs = (graphs and off.kv_cache == "fp16" and (moe == "own" or not is_moe)
+        use_graphs = (self.graphs and off.kv_cache == "fp16" and (self.moe == "own" or not is_moe)
                       and tuning.current().graphs)
         if use_graphs:
             config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
@@ -575,8 +576,7 @@ class _Loading:
         elif self.step in ("build", "engine") and _is_oom(e):
             what = ("the decode graphs" if self.step == "engine" else
                     f"the model's weights and a {self.off.context_length}-token {self.off.kv_cache} KV cache")
-            text = str(e)
-            return lambda: _oom(what, RuntimeError(text))
+            return lambda text=str(e): _oom(what, RuntimeError(text))
         else:
             return None
         err.__traceback__, err.__context__ = None, None      # keep no frames (and their tensors) alive

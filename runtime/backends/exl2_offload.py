@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from runtime import tuning
 from runtime.errors import OutOfMemory
 from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
 from runtime.experts.pack import HostArena
@@ -124,7 +125,7 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
         if off.placement == "cpu" or (off.placement == "auto" and AUTO_CPU):
             from runtime.experts.cpu_experts import build_kernel_in_background
             build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
-    return OffloadSetup(vram, ram, HostArena(ahead=True) if ram is not None else None, off.placement, capped, applied,
+    return OffloadSetup(vram, ram, HostArena(ahead=tuning.current().pin_ahead) if ram is not None else None, off.placement, capped, applied,
                         cpu_threads=off.cpu_threads)
 
 

@@ -32,7 +32,7 @@ from runtime.backends import quant_linear
 from runtime.backends.hybrid_state import HybridCache
 from runtime.errors import InvalidModel, UnsupportedArchitecture
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import HostArena, align_intermediate, pack_experts
+from runtime.experts.pack import HostArena, pack_layer
 from runtime.modelfolder import EXL2_PARTS, ModelFolder
 from runtime.reference import deltanet, rope
 
@@ -281,14 +281,15 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
                 folder.tensor(f"{a}.dt_bias").float().to(device),
                 folder.tensor(f"{a}.norm.weight").to(device, dtype))
             linear += 1
-        packs = []
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            tensors = [_expert_tensors(folder, f"{mp}.experts.{e}.{name}") for e in range(spec.experts)]
-            pack = pack_experts(tensors, f"{mp}.experts.{name}", device=device, host=host)
+
+        def on_packed(name: str, pack, mp=mp) -> None:
             if host is not None and on_host is not None:
                 on_host(f"experts of {mp}.{name}", pack.cold.numel() * 4)
-            packs.append(pack)
-        align_intermediate(*packs, device=device)
+        # gate and up packed in down's intermediate order (as pack + align_intermediate, without moving
+        # every expert's codes to the device and back), on the device a batch of experts at a time
+        packs = pack_layer(lambda name, mp=mp: [_expert_tensors(folder, f"{mp}.experts.{e}.{name}")
+                                                for e in range(spec.experts)],
+                           f"{mp}.experts", device=device, host=host, on_packed=on_packed)
         router = folder.linear(f"{mp}.gate", f32).to(device)
         experts = ExpertLayer(router, *packs, spec.top_k, spec.norm_topk_prob)
         mlp_norm = centred(f"{p}.post_attention_layernorm.weight")

@@ -2,8 +2,9 @@
 
 `install(model)` turns every `ExLlamaV2MoEMLP` of a freshly built (not yet loaded) model into
 `OwnMoE`, before `model.load()`. exllamav2 then loads the norm and router as usual, while the experts'
-EXL2 tensors are read once and repacked into an `ExpertLayer` (runtime/experts/layer.py); exllamav2
-never builds its per-expert matrices or its fused MoE handle. The forward keeps exllamav2's module
+EXL2 tensors are read once, as host views of the model's files (runtime/experts/st_read.py), and
+repacked on the GPU a batch of experts at a time into an `ExpertLayer` (runtime/experts/layer.py);
+exllamav2 never builds its per-expert matrices or its fused MoE handle. The forward keeps exllamav2's module
 contract: it takes the residual stream [B, S, H] and returns it with the MoE output added.
 """
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import torch
 from exllamav2.moe_mlp import ExLlamaV2MoEMLP
 from exllamav2.rmsnorm import ExLlamaV2RMSNorm
+from exllamav2.stloader import STFile
 
 from runtime import tuning
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
 from runtime.experts.pack import HostArena, pack_layer
+from runtime.experts.st_read import MappedFiles
 
 EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
 
@@ -34,10 +37,22 @@ class OwnMoE(ExLlamaV2MoEMLP):
         gate_w = self.gate.get_weight_tensor_dq().T          # [E, H], stored fp16 or EXL2
         linears = {"gate_proj": self.w1, "up_proj": self.w3, "down_proj": self.w2}
 
+        files = MappedFiles()
+
+        def read(key: str) -> dict:
+            """exllamav2's load_multi without its per-tensor GPU copy and waits: host views of the file."""
+            config, t = self.model.config, {}
+            for k in EXL2_KEYS:
+                filename = config.tensor_file_map.get(f"{key}.{k}")
+                if filename is not None:
+                    st = STFile.open(filename, keymap=config.arch.keymap)
+                    t[k] = files.tensor(st.filename, st.header_size, st.header[f"{key}.{k}"], f"{key}.{k}")
+            return t
+
         def load(name: str) -> list:
             tensors = []
             for lin in linears[name]:
-                t = self.load_multi(lin.key, EXL2_KEYS)
+                t = read(lin.key)
                 if "q_weight" not in t:
                     raise ValueError(f"{lin.key}: not an EXL2 tensor (q_weight missing); "
                                      "only EXL2-quantized experts are supported")
@@ -52,8 +67,11 @@ class OwnMoE(ExLlamaV2MoEMLP):
         # gate and up packed with the intermediate in down's packed order: a cold expert can then be
         # cut between the CPU and the GPU by ranges (runtime/experts/cpu_path.py); done while packing,
         # not by moving every expert's codes from host memory to the GPU and back afterwards
-        packs = pack_layer(load, self.key, device=self.device(),
-                           host=self.host_arena if self.host_ram is not None else None, on_packed=reserve)
+        try:
+            packs = pack_layer(load, self.key, device=self.device(),
+                               host=self.host_arena if self.host_ram is not None else None, on_packed=reserve)
+        finally:
+            files.close()
         self.experts = ExpertLayer(gate_w, packs[0], packs[1], packs[2], self.num_experts_per_token,
                                    self.renormalize)
         norm_w = getattr(self.post_attention_layernorm, "weight", None)

@@ -23,10 +23,13 @@ Pure PyTorch, runs on any device; the unit tests check it against the EXL2 dequa
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
+
+from runtime.experts.st_read import copy_into
 
 
 class PackError(ValueError):
@@ -134,38 +137,9 @@ def _build_row_table(groups: torch.Tensor, Q: int, K: int, name: str):
 
 def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Codes:
     """EXL2 tensors (q_weight, q_scale, q_scale_max, q_groups, q_invperm) -> codes and scales."""
-    for key in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm"):
-        if key not in t:
-            raise PackError(f"{name}: tensor {key} missing")
-    qw = t["q_weight"].to(torch.int64) & 0xFFFFFFFF          # [Q, N] words as unsigned
-    qs = t["q_scale"].to(torch.int64) & 0xFFFFFFFF           # [G0, N // 8]
-    qsm = t["q_scale_max"]                                   # [G0] fp16
-    groups = t["q_groups"].to(torch.int64).cpu().view(-1, 2) # [G0, 2] (bits, first qrow)
-    invperm = t["q_invperm"].to(torch.int64)                 # [K]
-    Q, N = qw.shape
-    K = invperm.numel()
-    G0 = groups.shape[0]
-    if qs.shape != (G0, N // 8) or qsm.numel() != G0:
-        raise PackError(f"{name}: q_scale {tuple(qs.shape)} / q_scale_max {tuple(qsm.shape)} "
-                        f"do not match {G0} groups and {N} columns")
-    word, shift, width, rows_per_group, max_bits = _row_table(groups, Q, K, name)
-    dev = qw.device
-    word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]   # [K], [K, 1]
-    padded = torch.cat([qw, torch.zeros((1, N), dtype=torch.int64, device=dev)])
-    pair = padded[word] | (padded[word + 1] << 32)           # [K, N] 64 bits from the row's first word
-    q = (pair >> shift) & ((1 << width) - 1)
-    codes = (q - (1 << (width - 1))).to(torch.int8)          # [K, N]
-
-    # Scales per original group, then split every group into rows of one common size.
-    nib = torch.arange(8, device=dev) * 4
-    qs4 = ((qs[:, :, None] >> nib) & 15).reshape(G0, N)      # [G0, N]
-    mx = t["q_scale_max"].to(torch.float16) * (1 / 256)     # fp16 roundings as exllamav2's dq_scale
-    scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[:, None]).to(torch.float32)
-    group = math.gcd(*rows_per_group) if len(rows_per_group) > 1 else rows_per_group[0]
-    reps = torch.tensor([r // group for r in rows_per_group], device=dev)
-    scales = torch.repeat_interleave(scale0, reps, dim=0)    # [K // group, N]
-    perm = torch.argsort(invperm)
-    return Exl2Codes(codes=codes, scales=scales, group=group, perm=perm, max_bits=max_bits)
+    lay = _layout(t, name)
+    codes, scales, perm = _unpack_batch(*(t[k][None] for k in ("q_weight", "q_scale", "q_scale_max", "q_invperm")), lay)
+    return Exl2Codes(codes=codes[0], scales=scales[0], group=lay.group, perm=perm[0], max_bits=lay.max_bits)
 
 
 def dequantize_codes(u: Exl2Codes) -> torch.Tensor:
@@ -177,11 +151,11 @@ def dequantize_codes(u: Exl2Codes) -> torch.Tensor:
 
 
 def _words(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 [K, N] unsigned codes of `bits` bits -> int32 [K // per, N], per = 32 // bits, LSB first."""
+    """int64 [..., K, N] unsigned codes of `bits` bits -> int32 [..., K // per, N], per = 32 // bits, LSB first."""
     per = 32 // bits
-    K, N = u.shape
-    shifts = (torch.arange(per, device=u.device) * bits).view(1, per, 1)
-    words = (u.view(K // per, per, N) << shifts).sum(dim=1)  # < 2**32, fits int64
+    *lead, K, N = u.shape
+    shifts = (torch.arange(per, device=u.device) * bits).view(per, 1)
+    words = (u.view(*lead, K // per, per, N) << shifts).sum(dim=-2)  # < 2**32, fits int64
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
     return words.to(torch.int32)
 
@@ -195,10 +169,10 @@ def _unwords(words: torch.Tensor, bits: int, K: int) -> torch.Tensor:
 
 
 def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 [K, N] signed codes -> int32 [K * bits // 32, N] (bits 3: low-2-bit plane, then high bit)."""
+    """int8 [..., K, N] signed codes -> int32 [..., K * bits // 32, N] (bits 3: low-2-bit plane, then high bit)."""
     u = codes.to(torch.int64) + (1 << (bits - 1))
     if bits == 3:
-        return torch.cat([_words(u & 3, 2), _words(u >> 2, 1)])
+        return torch.cat([_words(u & 3, 2), _words(u >> 2, 1)], dim=-2)
     return _words(u, bits)
 
 
@@ -221,21 +195,23 @@ class HostArena:
     two, so stacks are not allocated one by one (a 3-bit expert stack would cost +70%): blocks of
     `block_bytes` (a power of two) hold many stacks, wasting only the end of the last block.
     Page-locking is slow (the H200's load log: ~2.7 s for each 4 GiB block, every fifth MoE layer,
-    ~30 s of a 46 GB model's 100 s "Loading weights"): with `ahead`, the next block is page-locked
-    on a thread while the current one fills, and `finish` gives back one that no stack used.
+    ~30 s of a 46 GB model's 100 s "Loading weights"): with `ahead` (a count; True is 1), that many
+    blocks are page-locked on as many threads from the arena's creation on, and topped up as they are
+    taken, while the current one fills; `finish` gives back those no stack used.
     Without CUDA (tests) the memory is ordinary."""
 
     ALIGN = 4096
 
-    def __init__(self, block_bytes: int = 4 << 30, ahead: bool = False):
+    def __init__(self, block_bytes: int = 4 << 30, ahead: int = 0):
         if block_bytes & (block_bytes - 1):
             raise ValueError("block size must be a power of two")
         self.block_bytes = block_bytes
         self.blocks: list[torch.Tensor] = []
         self.used = 0                      # bytes taken from the last block
-        self.ahead = ahead
-        self._next = None                  # the next block, being page-locked (a Future), with `ahead`
+        self.ahead = int(ahead)
+        self._next: deque = deque()        # the blocks being page-locked ahead (Futures), oldest first
         self._pool = None
+        self._start_next()                 # the first block is ready by the time the first layer loads
 
     @property
     def reserved_bytes(self) -> int:
@@ -246,12 +222,11 @@ class HostArena:
         return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     def _take_next(self, size: int) -> Optional[torch.Tensor]:
-        """The block page-locked ahead, if it is large enough (else dropped); None without one."""
-        fut, self._next = self._next, None
-        if fut is None:
+        """The oldest block page-locked ahead, if it is large enough (else dropped); None without one."""
+        if not self._next:
             return None
         try:
-            block = fut.result()
+            block = self._next.popleft().result()
         except (RuntimeError, MemoryError):       # short of memory ahead of need: allocated below, or said why
             return None
         return block if block.numel() >= size else None
@@ -261,8 +236,9 @@ class HostArena:
             return
         if self._pool is None:
             import concurrent.futures as cf
-            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pin-ahead")
-        self._next = self._pool.submit(self._allocate, self.block_bytes)
+            self._pool = cf.ThreadPoolExecutor(self.ahead, thread_name_prefix="pin-ahead")
+        while len(self._next) < self.ahead:
+            self._next.append(self._pool.submit(self._allocate, self.block_bytes))
 
     def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An int32 tensor of `shape` in page-locked host memory (uninitialised)."""
@@ -286,9 +262,10 @@ class HostArena:
         return t
 
     def finish(self) -> None:
-        """The load is done: a block page-locked ahead and never used goes back to the system."""
-        if self._next is not None:
-            self._take_next(0)
+        """The load is done: blocks page-locked ahead and never used go back to the system."""
+        if self._next:
+            while self._next:
+                self._take_next(0)
             if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
                 torch._C._host_emptyCache()
         if self._pool is not None:
@@ -303,6 +280,124 @@ class HostArena:
             torch._C._host_emptyCache()
 
 
+CHUNK_ELEMENTS = 32 << 20      # codes of the experts unpacked at once (its int64 temporaries: 256 MiB each)
+COPY_THREADS = 8               # threads gathering experts' tensors into one buffer (memory copies)
+COPY_MIN_BYTES = 4 << 20       # ... in pieces of this size (smaller buffers: copied on the gathering thread)
+UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")
+_POOLS: dict = {}
+
+
+def _pool(name: str, threads: int):
+    if name not in _POOLS:
+        import concurrent.futures as cf
+        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name)
+    return _POOLS[name]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One expert's tensor layout, checked, and its row table (from q_groups, read on the host)."""
+    key: tuple                 # experts with equal keys unpack together
+    K: int
+    N: int
+    table: tuple               # _row_table's (word, shift, width, rows_per_group, max_bits)
+
+    @property
+    def max_bits(self) -> int:
+        return self.table[4]
+
+    @property
+    def group(self) -> int:
+        rows = self.table[3]
+        return math.gcd(*rows) if len(rows) > 1 else rows[0]
+
+
+def _layout(t: Mapping[str, torch.Tensor], name: str) -> _Layout:
+    for key in ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm"):
+        if key not in t:
+            raise PackError(f"{name}: tensor {key} missing")
+    Q, N = t["q_weight"].shape
+    groups = t["q_groups"].to(torch.int64).cpu().view(-1, 2)   # [G0, 2] (bits, first qrow)
+    K, G0 = t["q_invperm"].numel(), groups.shape[0]
+    if tuple(t["q_scale"].shape) != (G0, N // 8) or t["q_scale_max"].numel() != G0:
+        raise PackError(f"{name}: q_scale {tuple(t['q_scale'].shape)} / q_scale_max {tuple(t['q_scale_max'].shape)} "
+                        f"do not match {G0} groups and {N} columns")
+    table = _row_table(groups, Q, K, name)
+    return _Layout((tuple(groups.flatten().tolist()), Q, N, K), K, N, table)
+
+
+def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout):
+    """`unpack_exl2` of B experts of one layout at once, where the tensors are: codes int8 [B, K, N],
+    scales float32 [B, K // group, N], perm int64 [B, K]. In-place int64 steps (two [B, K, N] at most)."""
+    word, shift, width, rows_per_group, _ = lay.table
+    B, Q, N = qw.shape
+    dev = qw.device
+    word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]   # [K], [K, 1]
+    padded = torch.zeros((B, Q + 1, N), dtype=torch.int64, device=dev)
+    padded[:, :Q] = qw
+    padded &= 0xFFFFFFFF                                     # words as unsigned
+    pair = padded[:, word + 1]                               # [B, K, N]: 64 bits from the row's first word
+    pair <<= 32
+    pair |= padded[:, word]
+    del padded
+    pair >>= shift
+    pair &= (1 << width) - 1
+    pair -= 1 << (width - 1)
+    codes = pair.to(torch.int8)
+    del pair
+    nib = torch.arange(8, device=dev) * 4
+    G0 = qs.shape[1]
+    qs4 = (((qs.to(torch.int64) & 0xFFFFFFFF)[..., None] >> nib) & 15).reshape(B, G0, N)
+    mx = qsm.reshape(B, G0).to(torch.float16) * (1 / 256)   # fp16 roundings as exllamav2's dq_scale
+    scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[..., None]).to(torch.float32)
+    reps = torch.tensor([r // lay.group for r in rows_per_group], device=dev)
+    scales = torch.repeat_interleave(scale0, reps, dim=1, output_size=lay.K // lay.group)   # no device wait
+    return codes, scales, torch.argsort(invperm.to(torch.int64), dim=-1)
+
+
+def _copy(out: torch.Tensor, t: torch.Tensor) -> None:
+    with torch.inference_mode():          # `out` may be an inference tensor (the module loads under that mode)
+        copy_into(out, t)
+
+
+def _copy_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """out[i] = tensors[i]: from the model's files where they are views of them (st_read.copy_into),
+    large buffers in pieces of COPY_MIN_BYTES on a few threads (reads and copies let go of the GIL)."""
+    if out.numel() * out.element_size() < COPY_MIN_BYTES:
+        for o, t in zip(out, tensors):
+            _copy(o, t)
+        return
+    step = max(1, COPY_MIN_BYTES // out.element_size())
+    pieces = [(o.view(-1)[i:i + step], t.reshape(-1)[i:i + step])
+              for o, t in zip(out, tensors) for i in range(0, o.numel(), step)]
+    for f in [_pool("pack-copy", COPY_THREADS).submit(_copy, o, t) for o, t in pieces]:
+        f.result()
+
+
+def _gather(experts: Sequence[Mapping[str, torch.Tensor]], dev: torch.device) -> list[torch.Tensor]:
+    """A batch's tensors (UNPACKED), each stacked in host memory (page-locked when `dev` is a GPU)."""
+    out = []
+    with torch.inference_mode():
+        for k in UNPACKED:
+            ts = [t[k].cpu() for t in experts]
+            buf = torch.empty((len(ts), *ts[0].shape), dtype=ts[0].dtype, pin_memory=dev.type == "cuda")
+            _copy_into(buf, ts)
+            out.append(buf)
+    return out
+
+
+def _batches(lays: Sequence[_Layout], step: int) -> list[tuple[int, int]]:
+    """Runs of at most `step` consecutive experts of one layout."""
+    out, e0 = [], 0
+    while e0 < len(lays):
+        e1 = e0 + 1
+        while e1 < len(lays) and e1 - e0 < step and lays[e1].key == lays[e0].key:
+            e1 += 1
+        out.append((e0, e1))
+        e0 = e1
+    return out
+
+
 def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "experts",
                  device: torch.device | str | None = None, host: Optional[HostArena] = None,
                  columns: Optional[Sequence[torch.Tensor]] = None) -> PackedExperts:
@@ -311,38 +406,49 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     host: keep the codes in this page-locked host memory as `cold`, for offload; `qweight` is then
     that same host stack until offload gives it VRAM slots. columns: per expert, the old output
     column of each new one (`pack_layer`: gate and up in down's order), applied before the codes are
-    packed and copied (words run along the input rows, so this equals permuting the packed stack)."""
+    packed and copied (words run along the input rows, so this equals permuting the packed stack).
+    The tensors may be anywhere (host tensors over the model's files): experts of one layout are
+    unpacked on `device` a batch at a time (CHUNK_ELEMENTS codes), each batch's codes copied at once."""
     if not experts:
         raise PackError(f"{name}: no experts")
-    first = unpack_exl2(experts[0], f"{name}[0]")
-    K, N = first.codes.shape
-    units = [first]
-    for e in range(1, len(experts)):
-        u = unpack_exl2(experts[e], f"{name}[{e}]")
-        if u.codes.shape != (K, N):
-            raise PackError(f"{name}[{e}]: shape {tuple(u.codes.shape)} differs from expert 0's {(K, N)}")
-        units.append(u)
-    bits = _stored_bits(max(u.max_bits for u in units))
-    group = math.gcd(*[u.group for u in units])
+    lays = [_layout(t, f"{name}[{e}]") for e, t in enumerate(experts)]
+    K, N = lays[0].K, lays[0].N
+    for e, lay in enumerate(lays):
+        if (lay.K, lay.N) != (K, N):
+            raise PackError(f"{name}[{e}]: shape {(lay.K, lay.N)} differs from expert 0's {(K, N)}")
+    bits = _stored_bits(max(lay.max_bits for lay in lays))
+    group = math.gcd(*[lay.group for lay in lays])
     per = 32 if bits == 3 else 32 // bits
     if K % per or K % group:
         raise PackError(f"{name}: {K} input rows do not divide into words of {per} or groups of {group}")
-    dev = torch.device(device) if device is not None else first.codes.device
-    E = len(units)
+    dev = torch.device(device) if device is not None else experts[0]["q_weight"].device
+    E = len(experts)
     if host is not None:
         qweight = host.empty((E, K * bits // 32, N))
     else:
         qweight = torch.empty((E, K * bits // 32, N), dtype=torch.int32, device=dev)
     scales = torch.empty((E, K // group, N), dtype=torch.float16, device=dev)
     perm = torch.empty((E, K), dtype=torch.int32, device=dev)
-    for e, u in enumerate(units):
-        codes, sc = u.codes, u.scales
+    batches = _batches(lays, max(1, CHUNK_ELEMENTS // (K * N)))
+    # host tensors (views of the model's files): the next batch is gathered on a thread while this one
+    # is unpacked; tensors already on `dev` are stacked there, on this thread's stream
+    on_dev = all(t["q_weight"].device == dev for t in experts)
+    ahead = None if on_dev else _pool("pack-gather", 1).submit(_gather, experts[:batches[0][1]], dev)
+    for i, (e0, e1) in enumerate(batches):
+        if on_dev:
+            parts = [torch.stack([t[k] for t in experts[e0:e1]]) for k in UNPACKED]
+        else:
+            parts = [p.to(dev, non_blocking=True) for p in ahead.result()]
+            if i + 1 < len(batches):
+                ahead = _pool("pack-gather", 1).submit(_gather, experts[e1:batches[i + 1][1]], dev)
+        codes, sc, pm = _unpack_batch(*parts, lays[e0])
         if columns is not None:
-            idx = columns[e].to(codes.device, torch.long)
-            codes, sc = codes[:, idx], sc[:, idx]
-        qweight[e] = _pack_words(codes, bits).to(qweight.device)
-        scales[e] = torch.repeat_interleave(sc, u.group // group, dim=0).to(dev, torch.float16)
-        perm[e] = u.perm.to(dev, torch.int32)
+            idx = torch.stack([columns[e].to(dev, torch.long) for e in range(e0, e1)])[:, None, :]   # [B, 1, N]
+            codes = torch.gather(codes, 2, idx.expand(-1, K, -1))
+            sc = torch.gather(sc, 2, idx.expand(-1, sc.shape[1], -1))
+        qweight[e0:e1].copy_(_pack_words(codes, bits))
+        scales[e0:e1] = torch.repeat_interleave(sc, lays[e0].group // group, dim=1).to(dev, torch.float16)
+        perm[e0:e1] = pm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
                          in_features=K, out_features=N, cold=qweight if host is not None else None)
 
