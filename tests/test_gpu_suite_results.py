@@ -62,3 +62,15 @@ def test_no_log_lines_and_no_xml(tmp_path):
     log.write_text("collected 4 items\n\ntests/gpu/test_f.py::test_a ")
     assert gpu_suite_results.main(str(log), str(tmp_path / "missing.xml"), "f", str(tmp_path / "t.jsonl")) \
         == "0 0 0 0 4"
+
+
+def test_every_gpu_test_file_is_in_a_group_of_the_runner():
+    """A GPU test file that bench/gpu_suite.sh does not list would never run in its calls."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "bench" / "gpu_suite.sh").read_text(encoding="utf-8")
+    groups = re.findall(r'^GROUP_[AB]="([^"]*)"', script, flags=re.M | re.S)
+    listed = {entry.split(":")[0] for g in groups for entry in g.split()}
+    files = {p.name for p in (root / "tests" / "gpu").glob("test_*.py")}
+    assert files - listed == set(), f"not in GROUP_A or GROUP_B of bench/gpu_suite.sh: {sorted(files - listed)}"
+    assert listed - files == set(), f"listed but missing: {sorted(listed - files)}"
