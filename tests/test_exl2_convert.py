@@ -166,3 +166,16 @@ def test_measured_allocation_hits_the_bpw_target(tmp_path):
     chosen = allocate.allocate({"a": {2.0: (2.0, 1.0), 3.0: (3.0, 0.2)}, "b": {2.0: (2.0, 1.0), 3.0: (3.0, 0.9)}},
                                {"a": 10, "b": 10}, 2.5)
     assert chosen == {"a": 3.0, "b": 2.0}
+
+
+@pytest.mark.parametrize("arch, per_layer", [("llama", 4), ("qwen3_moe", 2 + 2 * 4)])
+def test_one_hessian_inverse_per_shared_input(tmp_path, monkeypatch, arch, per_layer):
+    # q/k/v share one input, gate/up another (per expert in MoE): each is damped and inverted once
+    from runtime.exl2 import calibrate
+    calls = []
+    real = calibrate.prepare
+    monkeypatch.setattr(calibrate, "prepare", lambda *a, **kw: calls.append(kw["name"]) or real(*a, **kw))
+    src = tiny_checkpoint(tmp_path / "hf", arch)
+    qc = json.loads((_convert(src, tmp_path / "q", 4.0) / "config.json").read_text())["quantization_config"]
+    assert len(calls) == 2 * per_layer == qc["hessian_inverses"], calls
+    assert not any(n.endswith(("k_proj", "v_proj", "up_proj")) for n in calls)

@@ -310,27 +310,84 @@ def quantize(weight: torch.Tensor, bits=4, group_size: int | Mapping[int, int] =
     qscale[:, out:] = 16                                # as exllamav2's packer leaves padded columns
     step = ((qscale * qscale).to(torch.float16) * mx.unsqueeze(1)).float()
 
-    # Codes, one run of equal widths at a time: round(w / step) + 2**(b-1), clamped to the code range
-    packed, qgroups, qrow = [], [], 0
+    # Codes, one run of equal widths at a time: round(w / step), clamped to the code range
+    codes = torch.empty((in_features, n))
     for run in runs:
         zero = 1 << (run.bits - 1)
-        codes = torch.empty((run.r1 - run.r0, n))
-        g, r = run.g0, 0
+        g, r = run.g0, run.r0
         for v in run.views(wt):                         # [k, rows, N] full groups, then a short one
             k, rows = v.shape[0], v.shape[1]
-            q = torch.div(v, step[g:g + k].unsqueeze(1)).round_().add_(zero).clamp_(0, 2 * zero - 1)
+            q = torch.div(v, step[g:g + k].unsqueeze(1)).round_().clamp_(-zero, zero - 1)
             codes[r:r + k * rows] = q.view(k * rows, n)
             g, r = g + k, r + k * rows
-        packed.append(pack_codes(codes, run.bits))
-        for gr in groups[run.g0:run.g1]:
-            qgroups += [run.bits, qrow]
-            qrow += gr[1] * run.bits // 32
+    return assemble(codes, qscale, (mx.float() * 256).to(torch.float16), groups, perm, name)
+
+
+def assemble(codes: torch.Tensor, qscale: torch.Tensor, q_scale_max: torch.Tensor, groups: Sequence[tuple[int, int]],
+             perm: torch.Tensor, name: str = "weight") -> dict[str, torch.Tensor]:
+    """The EXL2 tensor set from centred codes [in, N] in packed order (integers in [-2**(b-1), 2**(b-1))),
+    4-bit scales qscale [G, N] (1..16), q_scale_max [G] fp16 and the groups' (bits, rows)."""
+    codes = codes.cpu()
+    packed, qgroups, qrow, r = [], [], 0, 0
+    for b in dict.fromkeys(b for b, _ in groups):
+        rows = sum(gr for bb, gr in groups if bb == b)
+        packed.append(pack_codes(codes[r:r + rows] + (1 << (b - 1)), b))
+        r += rows
+    for b, rows in groups:
+        qgroups += [b, qrow]
+        qrow += rows * b // 32
     if qrow >= 2 ** 15:
         raise Exl2FormatError(name, f"{qrow} packed rows overflow q_groups' int16 offsets")
     return {
         "q_weight": torch.cat(packed, dim=0),
-        "q_scale": pack_scales(qscale),
-        "q_scale_max": (mx.float() * 256).to(torch.float16),
+        "q_scale": pack_scales(qscale.cpu()),
+        "q_scale_max": q_scale_max.cpu().to(torch.float16),
         "q_groups": torch.tensor(qgroups, dtype=torch.int16),
-        "q_invperm": torch.argsort(perm).to(torch.int32),
+        "q_invperm": torch.argsort(perm.cpu().to(torch.int64)).to(torch.int32),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale search (the calibrated converter's groups)
+
+SCALE_GRID = tuple(0.70 + 0.01 * i for i in range(51))   # multipliers of the absmax step tried per group
+ERROR_NORM = 3.5                                         # the search minimises sum |w - deq| ** ERROR_NORM
+
+
+def group_steps(qscale: torch.Tensor, q_scale_max: torch.Tensor) -> torch.Tensor:
+    """Steps as exllamav2 computes them: fp16(fp16(qscale**2) * fp16(q_scale_max / 256)), float32."""
+    mx = q_scale_max.to(torch.float16) * (1 / 256)
+    return ((qscale * qscale).to(torch.float16) * mx).float()
+
+
+def _clip_error(w: torch.Tensor, step: torch.Tensor, zero: int) -> torch.Tensor:
+    """Per column sum of |w - code * step| ** ERROR_NORM, codes rounded and clamped to the b-bit range."""
+    q = torch.div(w, step).round_().clamp_(-zero, zero - 1)
+    return (w - q * step).abs_().pow_(ERROR_NORM).sum(dim=0)
+
+
+def search_scales(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scales of one group w [rows, N] (packed order) that may clip the largest weights when that lowers the
+    error, as exllamav2's quantizer does: the group's maximum step times each multiplier of SCALE_GRID
+    (q_scale_max), the columns' 4-bit qscale rounded to their absmax step under it, the multiplier of
+    least error kept; then each column's qscale moved by one where that lowers its error.
+    -> (qscale [N] float 1..16, q_scale_max fp16 scalar, step [N] float32), on w's device."""
+    zero = 1 << (bits - 1)
+    w = w.float()
+    base = (w.abs().amax(dim=0) + 1e-12) / ((2 ** bits - 1) / 2)              # no-clipping step per column
+    top = base.max().clamp(min=2.0 ** -14)
+    qscale = torch.clamp(torch.round(torch.sqrt(base / top) * 16), 1, 16)
+    best = None
+    for p in SCALE_GRID:
+        qsm = (top * p).to(torch.float16)
+        err = _clip_error(w, group_steps(qscale, qsm), zero).sum()
+        if best is None or err < best[0]:
+            best = (err, qsm)
+    qsm = best[1]
+    err = _clip_error(w, group_steps(qscale, qsm), zero)
+    for delta in (-1, 1):
+        cand = (qscale + delta).clamp(1, 16)
+        cerr = _clip_error(w, group_steps(cand, qsm), zero)
+        better = cerr < err
+        qscale, err = torch.where(better, cand, qscale), torch.where(better, cerr, err)
+    return qscale, qsm, group_steps(qscale, qsm)
