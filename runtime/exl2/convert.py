@@ -1,7 +1,7 @@
 """Calibrated conversion of a Hugging Face safetensors checkpoint into an EXL2 model, layer by layer, on the CPU.
 
 Flow (exllamav2's converter works the same way in outline):
-1. The calibration text is tokenized into `rows` sequences of `seq_len` tokens and embedded.
+1. The calibration texts are tokenized into `rows` sequences of `seq_len` tokens and embedded.
 2. For each decoder layer in turn, only that layer's weights are read from the checkpoint, one tensor
    at a time, into the transformers decoder-layer module of the architecture (built on the meta device,
    so its parameters exist once). The calibration hidden states go through it with hooks that sum the
@@ -26,10 +26,12 @@ temporary name and renamed). A conversion started again with the same settings c
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
 
-    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--uniform]
 
-The default calibration text (data/calibration.txt) is the Declaration of Independence and the
-Gettysburg Address, both public domain.
+The default calibration is exllamav2's standard set (caldata.py), 64 x 512 tokens; without exllamav2 it
+falls back to data/calibration.txt (the Declaration of Independence and the Gettysburg Address, both
+public domain), with a note. Widths are allocated per linear by measured error (allocate.py) unless
+--uniform; groups are 32 rows.
 """
 from __future__ import annotations
 

@@ -352,6 +352,7 @@ def assemble(codes: torch.Tensor, qscale: torch.Tensor, q_scale_max: torch.Tenso
 
 SCALE_GRID = tuple(0.70 + 0.01 * i for i in range(51))   # multipliers of the absmax step tried per group
 ERROR_NORM = 3.5                                         # the search minimises sum |w - deq| ** ERROR_NORM
+SEARCH_ELEMENTS = 1 << 23                                # float32 temporaries of the search at most (32 MiB)
 
 
 def group_steps(qscale: torch.Tensor, q_scale_max: torch.Tensor) -> torch.Tensor:
@@ -377,13 +378,16 @@ def search_scales(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     base = (w.abs().amax(dim=0) + 1e-12) / ((2 ** bits - 1) / 2)              # no-clipping step per column
     top = base.max().clamp(min=2.0 ** -14)
     qscale = torch.clamp(torch.round(torch.sqrt(base / top) * 16), 1, 16)
-    best = None
-    for p in SCALE_GRID:
-        qsm = (top * p).to(torch.float16)
-        err = _clip_error(w, group_steps(qscale, qsm), zero).sum()
-        if best is None or err < best[0]:
-            best = (err, qsm)
-    qsm = best[1]
+    grid = torch.tensor(SCALE_GRID, device=w.device)
+    qsms = (top * grid).to(torch.float16)                                     # [P] candidate q_scale_max
+    steps = group_steps(qscale.unsqueeze(0), qsms.unsqueeze(1))               # [P, N]
+    total = torch.zeros(len(SCALE_GRID), device=w.device)
+    chunk = max(1, SEARCH_ELEMENTS // (len(SCALE_GRID) * w.shape[0]))         # all multipliers at once
+    for c0 in range(0, w.shape[1], chunk):
+        wc, sc = w[:, c0:c0 + chunk], steps[:, c0:c0 + chunk].unsqueeze(1)     # [rows, c], [P, 1, c]
+        q = torch.div(wc, sc).round_().clamp_(-zero, zero - 1)
+        total += (wc - q * sc).abs_().pow_(ERROR_NORM).sum(dim=(1, 2))
+    qsm = qsms[int(torch.argmin(total))]
     err = _clip_error(w, group_steps(qscale, qsm), zero)
     for delta in (-1, 1):
         cand = (qscale + delta).clamp(1, 16)
