@@ -86,13 +86,11 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN, help="tokens per calibration sequence")
     p.add_argument("--damp", type=float, default=DEFAULT_DAMP, help="GPTQ damping (fraction of H's mean diagonal)")
-    p.add_argument("--uniform", action="store_true", help="every linear at --bpw (convert --uniform); "
-                                                           "default: measured allocation, as convert's default")
+    p.add_argument("--measure", action="store_true", help="measured bit allocation (convert --measure)")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    args.measure = not args.uniform
 
     from runtime.exl2.caldata import default_texts
     from runtime.exl2.convert import calibration_ids, convert

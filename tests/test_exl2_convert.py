@@ -141,7 +141,7 @@ def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
                  "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
-    assert qc["measured_allocation"] and qc["group_size"] == 32            # the defaults
+    assert not qc["measured_allocation"] and qc["group_size"] == 32        # the defaults
     assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
                  "--calibration", str(tmp_path / "none.txt")]) == 1
     assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
@@ -186,7 +186,7 @@ def test_cli_calibrates_on_exllamav2s_standard_set_by_default(tmp_path, capsys, 
     from runtime.cli import main
     from runtime.exl2 import caldata
     src = tiny_checkpoint(tmp_path / "hf", "llama")
-    args = ["convert", "--model", str(src), "--bpw", "4", "--uniform", "--rows", "6", "--seq-len", "32"]
+    args = ["convert", "--model", str(src), "--bpw", "4", "--rows", "6", "--seq-len", "32"]
     if caldata.standard_dir() is not None:
         assert main([*args, "--out", str(tmp_path / "q")]) == 0
         qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]

@@ -26,12 +26,12 @@ temporary name and renamed). A conversion started again with the same settings c
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
 
-    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--uniform]
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--measure]
 
-The default calibration is exllamav2's standard set (caldata.py), 64 x 512 tokens; without exllamav2 it
+The default calibration is exllamav2's standard set (caldata.py), 32 x 512 tokens; without exllamav2 it
 falls back to data/calibration.txt (the Declaration of Independence and the Gettysburg Address, both
-public domain), with a note. Widths are allocated per linear by measured error (allocate.py) unless
---uniform; groups are 32 rows.
+public domain), with a note. Groups are 32 rows; --measure allocates widths per linear by measured
+error (allocate.py).
 """
 from __future__ import annotations
 
@@ -432,11 +432,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                          "set, or a short public-domain English text where it is not installed)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
-    alloc = p.add_mutually_exclusive_group()
-    alloc.add_argument("--measure", dest="measure", action="store_true", default=True,
-                       help="choose each linear's width by measured error to hit --bpw on average (the default)")
-    alloc.add_argument("--uniform", dest="measure", action="store_false",
-                       help="give every linear the --bpw width (about 2.5x faster, lower quality)")
+    p.add_argument("--measure", action="store_true",
+                   help="choose each linear's width by measured error to hit --bpw on average (~2.5x slower)")
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
