@@ -2,7 +2,12 @@
 calibrated converter, at several bits per weight, against the unquantized model: one table, same text,
 same evaluation code.
 
-    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows 16] [--out bench/results/] [--work DIR]
+    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows R] [--seq-len T] [--damp D] [--measure]
+        [--out bench/results/] [--work DIR]
+
+The calibrated conversions use the converter's default calibration (exllamav2's standard set where it is
+installed, caldata.py) and group size; 'stored_bpw' is what the quantized linears take on disk (codes,
+scales, group table, permutation), the measure exllamav2's -b targets.
 
 Every model is evaluated the same way: its EXL2 linears are dequantized (format.dequantize, exactly as
 exllamav2 reconstructs them) into the transformers model read from the demo GGUF, which then computes
