@@ -33,12 +33,13 @@ from pathlib import Path
 
 import psutil
 
-from runtime.exl2 import calibrate
+from runtime.exl2 import caldata, calibrate
+from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN
 from runtime.exl2.shapes import QWEN35, Shape, get_shape, hf_config, param_counts, tensors
 
 WEIGHT_STD = 0.02
 HEAD_FP32_COPIES = 7.3    # RSS rise of quantize_gptq on a [16384, 4096] head / its float32 size (measured)
-ROWS, SEQ_LEN = 16, 256
+ROWS, SEQ_LEN = CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN     # the converter's defaults
 
 
 def bench_shape(name: str, layers: int, experts: int | None, vocab: int | None,
@@ -125,7 +126,9 @@ def estimate_layer_bytes(s: Shape, tokens: int, budget: int, bits: float) -> dic
         experts_h, routed = 0, 0
     dense_h = calibrate.hessian_bytes(h) + calibrate.hessian_bytes(q) + (
         0 if s.is_moe else calibrate.hessian_bytes(h) + calibrate.hessian_bytes(s.intermediate))
+    widest = max(h, q, s.expert_intermediate if s.is_moe else s.intermediate)
     return {"weights_fp32": (attn + mlp) * 4, "hessians": max(dense_h, experts_h),
+            "gptq_inverse": calibrate.hessian_bytes(widest) // 2,      # float32, kept for linears sharing it
             "activations": tokens * h * 4 * 2 + routed, "output": int((attn + mlp) * (bits + 0.3) / 8)}
 
 
@@ -197,9 +200,11 @@ def main(argv=None) -> int:
               f"peak RSS {rep['peak_rss_bytes'] / 2**30:.2f} GiB, Hessians {rep['hessian_peak_bytes'] / 2**30:.2f} GiB",
               flush=True)
 
-    text = cv.DEFAULT_CALIBRATION.read_text(encoding="utf-8")
+    text, source, note = caldata.default_texts()         # the converter's default calibration set
+    if note:
+        print(f"note: {note}", flush=True)
     t1 = time.perf_counter()
-    cv.convert(src, dst, args.bpw, calibration_text=text, calibration_source=cv.DEFAULT_CALIBRATION.name,
+    cv.convert(src, dst, args.bpw, calibration_text=text, calibration_source=source,
                rows=args.rows, seq_len=args.seq_len, hessian_budget=budget, device=args.device,
                progress=progress, say=lambda m: None)
     total_s = time.perf_counter() - t1

@@ -2,7 +2,12 @@
 calibrated converter, at several bits per weight, against the unquantized model: one table, same text,
 same evaluation code.
 
-    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows 16] [--out bench/results/] [--work DIR]
+    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows R] [--seq-len T] [--damp D] [--measure]
+        [--out bench/results/] [--work DIR]
+
+The calibrated conversions use the converter's default calibration (exllamav2's standard set where it is
+installed, caldata.py) and group size; 'stored_bpw' is what the quantized linears take on disk (codes,
+scales, group table, permutation), the measure exllamav2's -b targets.
 
 Every model is evaluated the same way: its EXL2 linears are dequantized (format.dequantize, exactly as
 exllamav2 reconstructs them) into the transformers model read from the demo GGUF, which then computes
@@ -25,6 +30,8 @@ import torch
 from safetensors import safe_open
 
 from bench.engine import git_commit, machine
+from runtime.exl2.gptq import DEFAULT_DAMP
+from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE
 
 HELDOUT = Path(__file__).parent / "data" / "heldout_english.txt"
 MODEL = "SmolLM2-135M-Instruct"
@@ -55,36 +62,43 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, ids[1:]).item())
 
 
-def load_exl2_into(model, original: dict, folder: Path) -> None:
-    """Put an EXL2 folder's dequantized linears (and fp16 tensors) into the transformers model."""
+def load_exl2_into(model, original: dict, folder: Path) -> float:
+    """Put an EXL2 folder's dequantized linears (and fp16 tensors) into the transformers model; -> the
+    quantized linears' stored bits per weight (codes, scales, groups, permutation: what exllamav2 counts)."""
     from runtime.exl2 import format as fmt
     stored = {}
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             stored.update({k: f.get_tensor(k) for k in f.keys()})
-    state = {}
+    state, bits, weights = {}, 0, 0
     for name, ref in original.items():
         prefix = name[: -len(".weight")]
         if f"{prefix}.q_weight" in stored:
             q = {k: stored[f"{prefix}.{k}"] for k in fmt.REQUIRED_KEYS}
             state[name] = fmt.dequantize(q, out_features=ref.shape[0])
+            bits, weights = bits + fmt.stored_bits(q), weights + ref.numel()
         elif name in stored:
             state[name] = stored[name].float()
         else:
             state[name] = ref                  # tied lm_head
     model.load_state_dict(state)
+    return bits / max(weights, 1)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.convert_quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--bpw", type=float, nargs="+", default=[2.5, 3.0, 4.0, 6.0])
-    p.add_argument("--rows", type=int, default=16, help="calibration sequences of 256 tokens")
+    p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS, help="calibration sequences")
+    p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN, help="tokens per calibration sequence")
+    p.add_argument("--damp", type=float, default=DEFAULT_DAMP, help="GPTQ damping (fraction of H's mean diagonal)")
+    p.add_argument("--measure", action="store_true", help="measured bit allocation (convert --measure)")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
-    from runtime.exl2.convert import DEFAULT_CALIBRATION, convert
+    from runtime.exl2.caldata import default_texts
+    from runtime.exl2.convert import calibration_ids, convert
     from runtime.exl2.writer import quantize_model
     from runtime.demo import hf_config
     work = Path(args.work)
@@ -93,7 +107,10 @@ def main(argv=None) -> int:
     model, tok = export_demo(hf_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
-    cal_tokens = len(tok(DEFAULT_CALIBRATION.read_text())["input_ids"])
+    cal_texts, cal_name, note = default_texts()
+    if note:
+        print(f"note: {note}", flush=True)
+    cal_rows = calibration_ids(tok, cal_texts, args.rows, args.seq_len, cal_name).shape[0]
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,35 +123,41 @@ def main(argv=None) -> int:
             "machine": machine(), "device": "cpu", "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
             "context": int(ids.numel()), "prompt_tokens": int(ids.numel()), "prefill_tps": None, "decode_tps": None,
             "ttft_s": None, "roofline_tps": None, "draft": None, "baseline": rows[0],
-            "eval_text": HELDOUT.name, "calibration": {"text": DEFAULT_CALIBRATION.name, "tokens": cal_tokens,
-                                                       "rows": min(args.rows, cal_tokens // 256), "seq_len": 256},
+            "eval_text": HELDOUT.name, "calibration": {"text": cal_name, "sources": sorted(cal_texts),
+                                                       "tokens": cal_rows * args.seq_len, "rows": cal_rows,
+                                                       "seq_len": args.seq_len, "damp": args.damp,
+                                                       "group_size": CONVERT_GROUP_SIZE,
+                                                       "measured_allocation": args.measure},
             "table": rows,
             "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
                       "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
                       "CPU (shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
-                      "moedesk-cli convert (GPTQ, act-order, uniform widths, calibrated on the shipped calibration "
-                      "text). exllamav2's own converter needs CUDA and was not run here"
+                      "moedesk-cli convert (GPTQ, act-order, scales searched per group, "
+                      + ("measured" if args.measure else "uniform") + " widths; calibration in 'calibration'). "
+                      "exllamav2's own converter needs CUDA and was not run here"
                       + ("" if args.exllamav2_dir else "; its column is missing") + "."),
         }
         path.write_text(json.dumps(result, indent=2))
 
+    run_tag = f"r{args.rows}x{args.seq_len}-d{args.damp:g}-g{CONVERT_GROUP_SIZE}" + ("-m" if args.measure else "-u")
     rows = [{"method": "unquantized", "bpw": 16.0, "perplexity": perplexity(model, ids), "seconds": None}]
     print(rows[-1], flush=True)
     write(rows)
     for bpw in args.bpw:
         for method in ("rtn", "gptq") + (("exllamav2",) if args.exllamav2_dir else ()):
-            folder = work / f"{method}-{bpw:g}"
+            folder = work / (f"rtn-{bpw:g}" if method == "rtn" else f"{method}-{bpw:g}-{run_tag}")
             t0, made = time.perf_counter(), method != "exllamav2" and not folder.exists()
             if method == "rtn" and not folder.exists():
                 quantize_model(original, hf_config(model), bpw, 6, folder)
             elif method == "gptq" and not folder.exists():
-                convert(hf_dir, folder, bpw, calibration_text=DEFAULT_CALIBRATION.read_text(),
-                        calibration_source=DEFAULT_CALIBRATION.name, rows=args.rows, say=lambda m: None)
+                convert(hf_dir, folder, bpw, calibration_text=cal_texts, calibration_source=cal_name, rows=args.rows,
+                        seq_len=args.seq_len, damp=args.damp, measure=args.measure, say=lambda m: None)
             elif method == "exllamav2":
                 folder = Path(args.exllamav2_dir) / f"{bpw:g}"
             seconds = round(time.perf_counter() - t0, 1)
-            load_exl2_into(model, original, folder)
-            rows.append({"method": method, "bpw": bpw, "perplexity": perplexity(model, ids),
+            stored_bpw = load_exl2_into(model, original, folder)
+            rows.append({"method": method, "bpw": bpw, "stored_bpw": round(stored_bpw, 4),
+                         "perplexity": perplexity(model, ids),
                          "seconds": seconds if made else None})     # None: converted by an earlier run
             print(rows[-1], flush=True)
             write(rows)

@@ -49,8 +49,9 @@ MAX_PROMPT_CHARS = 1 << 23            # a rendered or raw prompt, before it reac
 CONVERT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",    # what convert handles
                          "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
 CONVERT_HEAD_BITS = 6                 # bits of lm_head
-CONVERT_CALIBRATION_ROWS = 16         # calibration sequences (fewer when the text is short)
-CONVERT_CALIBRATION_SEQ_LEN = 256     # tokens per calibration sequence
+CONVERT_CALIBRATION_ROWS = 32         # calibration sequences (fewer when the text is short)
+CONVERT_CALIBRATION_SEQ_LEN = 512     # tokens per calibration sequence
+CONVERT_GROUP_SIZE = 32               # input rows per scale group (exllamav2's kernels take multiples of 32)
 
 @dataclass(frozen=True)
 class SamplingOptions:

@@ -141,6 +141,7 @@ def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
                  "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
+    assert not qc["measured_allocation"] and qc["group_size"] == 32        # the defaults
     assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
                  "--calibration", str(tmp_path / "none.txt")]) == 1
     assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
@@ -166,3 +167,33 @@ def test_measured_allocation_hits_the_bpw_target(tmp_path):
     chosen = allocate.allocate({"a": {2.0: (2.0, 1.0), 3.0: (3.0, 0.2)}, "b": {2.0: (2.0, 1.0), 3.0: (3.0, 0.9)}},
                                {"a": 10, "b": 10}, 2.5)
     assert chosen == {"a": 3.0, "b": 2.0}
+
+
+@pytest.mark.parametrize("arch, per_layer", [("llama", 4), ("qwen3_moe", 2 + 2 * 4)])
+def test_one_hessian_inverse_per_shared_input(tmp_path, monkeypatch, arch, per_layer):
+    # q/k/v share one input, gate/up another (per expert in MoE): each is damped and inverted once
+    from runtime.exl2 import calibrate
+    calls = []
+    real = calibrate.prepare
+    monkeypatch.setattr(calibrate, "prepare", lambda *a, **kw: calls.append(kw["name"]) or real(*a, **kw))
+    src = tiny_checkpoint(tmp_path / "hf", arch)
+    qc = json.loads((_convert(src, tmp_path / "q", 4.0) / "config.json").read_text())["quantization_config"]
+    assert len(calls) == 2 * per_layer == qc["hessian_inverses"], calls
+    assert not any(n.endswith(("k_proj", "v_proj", "up_proj")) for n in calls)
+
+
+def test_cli_calibrates_on_exllamav2s_standard_set_by_default(tmp_path, capsys, monkeypatch):
+    from runtime.cli import main
+    from runtime.exl2 import caldata
+    src = tiny_checkpoint(tmp_path / "hf", "llama")
+    args = ["convert", "--model", str(src), "--bpw", "4", "--rows", "6", "--seq-len", "32"]
+    if caldata.standard_dir() is not None:
+        assert main([*args, "--out", str(tmp_path / "q")]) == 0
+        qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+        assert qc["calibration"]["source"] == "exllamav2-standard" and qc["calibration"]["rows"] == 6
+        assert not qc["measured_allocation"] and "note:" not in capsys.readouterr().err
+    monkeypatch.setattr(caldata, "standard_dir", lambda: None)          # not installed: the shipped text, said
+    assert main([*args, "--out", str(tmp_path / "r")]) == 0
+    qc = json.loads((tmp_path / "r" / "config.json").read_text())["quantization_config"]
+    assert qc["calibration"]["source"] == "calibration.txt"
+    assert "note: exllamav2's standard calibration data is not installed" in capsys.readouterr().err

@@ -92,3 +92,33 @@ def test_damping_floor_follows_tokens_per_input_channel():
     x, w, acc = _layer(inn=64, out=32)
     with pytest.raises(fmt.Exl2FormatError, match="0 tokens"):
         quantize_gptq(w, acc.h, 4, tokens=0, name="layer.o_proj")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_scale_search_clips_where_that_lowers_the_error(bits):
+    # heavy-tailed weights: the absmax step wastes codes on a few outliers; the searched scales may clip them
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    w[torch.rand(w.shape, generator=g) < 0.01] *= 6
+    qscale, qsm, step = fmt.search_scales(w, bits)
+    assert qscale.min() >= 1 and qscale.max() <= 16 and qsm.dtype == torch.float16
+    assert torch.equal(step, fmt.group_steps(qscale, qsm))
+    zero = 1 << (bits - 1)
+
+    def err(s):
+        q = torch.clamp(torch.round(w / s), -zero, zero - 1)
+        return float((w - q * s).pow(2).sum())
+    rtn = fmt.quantize(w.t().contiguous(), bits, 64)        # rows = input channels, as search_scales' groups
+    rtn_err = float((w.t() - fmt.dequantize(rtn, out_features=256)).pow(2).sum())
+    assert err(step) < 0.9 * rtn_err, (err(step), rtn_err)
+
+
+def test_one_inverse_per_hessian_reused_for_every_linear_that_shares_it():
+    from runtime.exl2 import gptq
+    x, w, acc = _layer(inn=128, out=64)
+    prep = gptq.prepare(acc.h, tokens=acc.tokens)
+    a = quantize_gptq(w, prep, 4)
+    b = quantize_gptq(w, acc.h, 4, tokens=acc.tokens)
+    assert all(torch.equal(a[k], b[k]) for k in a)             # the prepared inverse is the same computation
+    with pytest.raises(fmt.Exl2FormatError, match="does not match"):
+        quantize_gptq(w[:, :96], prep, 4)

@@ -23,7 +23,7 @@ import torch
 
 from . import allocate
 from . import format as fmt
-from .gptq import HessianAccumulator, quantize_gptq
+from .gptq import HessianAccumulator, prepare, quantize_gptq
 
 MIN_EXPERT_TOKENS_PER_INPUT = 2      # expert tokens below this x in_features -> all-token Hessian
 DEFAULT_HESSIAN_BUDGET = 2 << 30     # bytes of expert Hessians held at once (float64)
@@ -160,17 +160,25 @@ class _Results:
         self.pending: list[tuple[str, int, object]] = []         # (key, numel, set_weight) when measuring
         self.cands: dict[tuple[str, float], dict] = {}
         self.errors: dict[str, dict] = {}
+        self._prepared = None                                        # (Hessian, gptq.prepare of it)
 
     def quantize(self, key: str, w: torch.Tensor, h, set_weight) -> None:
-        """h: a HessianAccumulator (its token count sets GPTQ's damping floor) or a bare Hessian."""
-        h, tokens = (h.h, h.tokens) if isinstance(h, HessianAccumulator) else (h, None)
+        """h: a HessianAccumulator (its token count sets GPTQ's damping floor) or a bare Hessian. Linears
+        given the same h one after another (q/k/v, gate/up) share one damped inverse."""
+        if self._prepared is None or self._prepared[0] is not h:
+            self._prepared = None                                   # the previous inverse is freed first
+            hh, tokens = (h.h, h.tokens) if isinstance(h, HessianAccumulator) else (h, None)
+            self._prepared = (h, prepare(hh, damp=self.damp, tokens=tokens, name=key))
+            self.stats["hessian_inverses"] = self.stats.get("hessian_inverses", 0) + 1
+        prep = self._prepared[1]
         for b in self.widths:
-            q = quantize_gptq(w, h, b, self.group_size, damp=self.damp, tokens=tokens, name=key)
+            q = quantize_gptq(w, prep, b, self.group_size, name=key)
             if not self.measure:
                 self._keep(key, w.numel(), w.shape[0], q, set_weight)
                 return
             deq = fmt.dequantize(q, out_features=w.shape[0]).to(w.device)
-            self.errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, h))
+            hh = h.h if isinstance(h, HessianAccumulator) else h
+            self.errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, hh))
             self.cands[key, b] = q
         self.pending.append((key, w.numel(), w.shape[0], set_weight))
 
@@ -181,6 +189,7 @@ class _Results:
         set_weight(fmt.dequantize(q, out_features=out_features))
 
     def finish(self) -> dict[str, torch.Tensor]:
+        self._prepared = None
         if self.measure:
             chosen = allocate.allocate(self.errors, {k: n for k, n, _, _ in self.pending}, self.bits)
             for key, numel, out_features, set_weight in self.pending:
@@ -223,6 +232,7 @@ def quantize_layer(layer: torch.nn.Module, prefix: str, bits, group_size: int, d
             except CalibrationError as e:
                 raise CalibrationError(f"{prefix}{e}") from None
             res.quantize(f"{prefix}{name}", mod.weight.data, h, _set_linear(mod))
+    res._prepared = None
     for key in list(collector.acc):                              # dense Hessians done with
         collector.held(-hessian_bytes(collector.acc.pop(key).h.shape[0]))
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Calibrated conversion of a Hugging Face safetensors checkpoint into an EXL2 model, layer by layer, on the CPU.
 
 Flow (exllamav2's converter works the same way in outline):
-1. The calibration text is tokenized into `rows` sequences of `seq_len` tokens and embedded.
+1. The calibration texts are tokenized into `rows` sequences of `seq_len` tokens and embedded.
 2. For each decoder layer in turn, only that layer's weights are read from the checkpoint, one tensor
    at a time, into the transformers decoder-layer module of the architecture (built on the meta device,
    so its parameters exist once). The calibration hidden states go through it with hooks that sum the
@@ -26,15 +26,16 @@ temporary name and renamed). A conversion started again with the same settings c
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
 
-    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--measure]
 
-The default calibration text (data/calibration.txt) is the Declaration of Independence and the
-Gettysburg Address, both public domain.
+The default calibration is exllamav2's standard set (caldata.py), 32 x 512 tokens; without exllamav2 it
+falls back to data/calibration.txt (the Declaration of Independence and the Gettysburg Address, both
+public domain), with a note. Groups are 32 rows; --measure allocates widths per linear by measured
+error (allocate.py).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import os
@@ -42,15 +43,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime import qwen35
-from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_HEAD_BITS
+from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
+                             CONVERT_HEAD_BITS)
 
+from . import caldata
 from . import format as fmt
 from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
                         quantize_layer)
@@ -144,13 +147,12 @@ class Checkpoint:
 # ---------------------------------------------------------------------------------------------
 # Calibration data
 
-def calibration_ids(tokenizer, text: str, rows: int, seq_len: int, source: str) -> torch.Tensor:
-    """[rows', seq_len] token ids cut from the text (rows' <= rows: as many as the text fills)."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    n = min(rows, ids.numel() // seq_len)
-    if n < 1:
-        raise ConvertError(f"{source}: calibration text has {ids.numel()} tokens; at least {seq_len} are needed")
-    return ids[: n * seq_len].view(n, seq_len)
+def calibration_ids(tokenizer, texts, rows: int, seq_len: int, source: str) -> torch.Tensor:
+    """[rows', seq_len] token ids cut from the text, or shared between several (caldata.py)."""
+    try:
+        return caldata.calibration_ids(tokenizer, texts, rows, seq_len, source)
+    except caldata.CalibrationDataError as e:
+        raise ConvertError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +246,10 @@ def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
 # The whole model
 
 def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float, *,
-            head_bits: int = CONVERT_HEAD_BITS, calibration_text: str, calibration_source: str = "calibration",
+            head_bits: int = CONVERT_HEAD_BITS, calibration_text: str | Mapping[str, str],
+            calibration_source: str = "calibration",
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
-            group_size: int = 128, damp: float = DEFAULT_DAMP, say: Say = print,
+            group_size: int = CONVERT_GROUP_SIZE, damp: float = DEFAULT_DAMP, say: Say = print,
             measure: bool = False, stop_after_layers: int | None = None,
             hessian_budget: int = DEFAULT_HESSIAN_BUDGET, device: str = "cpu",
             progress: Callable[[dict], None] | None = None) -> Path:
@@ -288,7 +291,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
                 "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT, "measure": measure,
                 "rows": rows, "seq_len": seq_len,
-                "calibration_sha256": hashlib.sha256(calibration_text.encode()).hexdigest()}
+                "calibration_sha256": caldata.fingerprint(calibration_text)}
     if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
         settings["device"] = device.split(":")[0]
 
@@ -418,18 +421,19 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
 # ---------------------------------------------------------------------------------------------
 # moedesk-cli convert
 
-DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+DEFAULT_CALIBRATION = caldata.SHIPPED          # the fallback text (tests calibrate on it: it is small)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
     p.add_argument("--bpw", type=float, required=True, help="bits per weight of the quantized linears (2..8)")
     p.add_argument("--out", required=True, help="output folder (must not exist; an interrupted run resumes)")
-    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: a public-domain English text)")
+    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: exllamav2's standard calibration "
+                                         "set, or a short public-domain English text where it is not installed)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
     p.add_argument("--measure", action="store_true",
-                   help="choose each linear's width by measured error to hit --bpw on average (5x slower)")
+                   help="choose each linear's width by measured error to hit --bpw on average (~2.5x slower)")
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
@@ -441,18 +445,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cal = Path(args.calibration) if args.calibration else DEFAULT_CALIBRATION
     try:
         if args.rows < 1 or args.seq_len < 8:
             raise ConvertError(f"--rows must be >= 1 and --seq-len >= 8, got {args.rows} and {args.seq_len}")
         if not args.hessian_memory > 0:
             raise ConvertError(f"--hessian-memory must be a positive number of GiB, got {args.hessian_memory}")
-        try:
-            text = cal.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
+        if args.calibration:
+            cal = Path(args.calibration)
+            try:
+                text, source = cal.read_text(encoding="utf-8"), cal.name
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
+        else:
+            text, source, note = caldata.default_texts()
+            if note:
+                print(f"moedesk-cli convert: note: {note}", file=sys.stderr)
         convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
-                calibration_source=cal.name, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
+                calibration_source=source, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
                 hessian_budget=int(args.hessian_memory * 2**30), device=args.device)
         return 0
     except (ConvertError, fmt.Exl2FormatError) as e:
