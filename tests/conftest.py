@@ -41,6 +41,15 @@ def _isolated_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen35(tmp_path_factory) -> Path:
+    """A synthetic tiny Qwen3.5-MoE at 4 bpw (seed 3), written once per session; tests only read it."""
+    from runtime.exl2 import synth
+    out = tmp_path_factory.mktemp("q35") / "tiny-qwen3.5"
+    synth.write_synthetic("tiny-qwen3.5", 4.0, out, seed=3)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_model() -> Path:
     if not (DEMO_DIR / "config.json").exists():
         pytest.fail(f"demo model missing at {DEMO_DIR}: run `make test` (it imports it) or `moedesk-cli import-demo`")

@@ -14,7 +14,6 @@ import torch
 
 from runtime.backends import hybrid
 from runtime.errors import BadRequest, ContextOverflow, EngineError, UnsupportedArchitecture
-from runtime.exl2 import synth
 from runtime.options import LoadOptions, OffloadOptions
 from runtime.reference import load as reference_load
 
@@ -25,10 +24,8 @@ WINDOW = K + 1
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("q35") / "tiny-qwen3.5"
-    synth.write_synthetic("tiny-qwen3.5", 4.0, out, seed=3)
-    return out
+def folder(tiny_qwen35):
+    return tiny_qwen35
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runtime import tuning
 from runtime.backends import hybrid
 from runtime.backends.hybrid_graphs import StepGraphs, idle_rows
-from runtime.exl2 import synth
 from runtime.experts.layer import ExpertLayer, route
 from runtime.experts.pack import dequantize_packed
 from runtime.options import LoadOptions, OffloadOptions
@@ -172,10 +171,8 @@ def sync_free_experts(self, x):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("q35g") / "tiny-qwen3.5"
-    synth.write_synthetic("tiny-qwen3.5", 4.0, out, seed=3)
-    return out
+def folder(tiny_qwen35):
+    return tiny_qwen35
 
 
 @pytest.fixture(scope="module")
