@@ -142,7 +142,10 @@ def test_a_crash_resumes_at_its_layer_after_a_restart(qtbot, tmp_path, monkeypat
     assert list_local_models(models) == [] and (models / f".{job}.partial" / "layer-00000.safetensors").is_file()
     first.shutdown()
 
-    monkeypatch.setattr(app_convert, "convert_command", lambda: [sys.executable, "-m", "runtime.cli", "convert"])
+    # the crashed run's calibration (the shipped text: a resume needs the same settings, and it is small)
+    from runtime.exl2.convert import DEFAULT_CALIBRATION
+    monkeypatch.setattr(app_convert, "convert_command", lambda: [sys.executable, "-m", "runtime.cli", "convert",
+                                                                 "--calibration", str(DEFAULT_CALIBRATION)])
     second = ModelManagerDialog(models_dir=models)                  # the app started again
     qtbot.addWidget(second)
     seen = []
