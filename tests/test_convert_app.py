@@ -126,6 +126,33 @@ def test_missing_shards_fail_in_words_and_leave_no_model(qtbot, dialog, tmp_path
     assert names(dialog) == []
 
 
+def test_a_resume_with_other_settings_says_to_cancel_and_convert_again(qtbot, tmp_path, monkeypatch):
+    """A partial conversion the converter refuses to resume (made with other settings, e.g. by another
+    version): the row says what to do in the app's words, and the partial folder stays until Cancel."""
+    models = tmp_path / "models"
+    src = tiny_checkpoint(tmp_path / "Tiny-MoE", "qwen3_moe", layers=3)
+    monkeypatch.setattr(app_convert, "convert_command", lambda: CRASH)
+    first = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(first)
+    first.start_conversion(False, str(src), 3.0)
+    job = "Tiny-MoE-exl2-3.0bpw"
+    qtbot.waitUntil(lambda: job in first.conversions._rows
+                    and first.conversions.row_text(job)[0] == "failed", timeout=120_000)
+    first.shutdown()
+
+    monkeypatch.setattr(app_convert, "convert_command",            # other calibration settings than the crash's
+                        lambda: [sys.executable, "-m", "runtime.cli", "convert", "--rows", "2"])
+    second = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(second)
+    second.conversions.select(job)
+    second.conversions.resume_button.click()
+    qtbot.waitUntil(lambda: second.conversions.row_text(job)[0] == "failed", timeout=120_000)
+    details = second.conversions.row_text(job)[2]
+    assert details.startswith("This conversion was started with other settings") and "press Cancel" in details
+    assert (models / f".{job}.partial" / "layer-00000.safetensors").is_file()
+    second.shutdown()
+
+
 def test_a_crash_resumes_at_its_layer_after_a_restart(qtbot, tmp_path, monkeypatch):
     models = tmp_path / "models"
     src = tiny_checkpoint(tmp_path / "Tiny-MoE", "qwen3_moe", layers=3)

@@ -49,6 +49,17 @@ SOURCE_FILES = re.compile(r"(config\.json|generation_config\.json|model(-\d+-of-
 _LAYER = re.compile(r"^layer (\d+)/(\d+) quantized")
 _RESUME = re.compile(r"^resuming after layer (\d+) of (\d+)")
 _ERROR = "moedesk-cli convert: "
+# The converter's words for a partial folder left by a run with other settings (runtime/exl2/convert.py):
+# in the app, Cancel is what starts over.
+_OTHER_SETTINGS = "an interrupted conversion with other settings is there"
+
+
+def _explain(error: str) -> str:
+    """The converter's error line in the model manager's words."""
+    if _OTHER_SETTINGS in error:
+        return ("This conversion was started with other settings (another version of MoE Desk, or other "
+                "options) and cannot be resumed: press Cancel, then convert the model again.")
+    return error
 BPW_RANGE = (2.0, 8.0)
 
 
@@ -440,7 +451,7 @@ class ConvertManager:
                 self._emit(ConvertProgress(job.id, JobState.RUNNING, "convert", done, total,
                                            f"{what} {done} of {total} done"))
             elif line.startswith(_ERROR):
-                error = line[len(_ERROR):]
+                error = _explain(line[len(_ERROR):])
         code = proc.wait()
         if self._stop_reason.get(job.id):
             return self._stopped(job, done)
