@@ -19,12 +19,10 @@ With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as J
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
+from gpu_figures import record as _record, rel as _rel
 from runtime.errors import ContextOverflow, OutOfMemory
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -36,18 +34,6 @@ ROWS = (1, 2, 4, 5, 8)
 
 def _tol(check: str) -> float:
     return TOL_PREFILL if check.startswith("prefill") else TOL
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
-
-
-def _rel(a, b) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _load_exl2(path, moe="own", graphs=True, **off):

@@ -21,12 +21,12 @@ With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as J
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from gpu_figures import record as _record, rel as _rel
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -41,18 +41,6 @@ CLIP = {"dbrx": 1.0, "tiny-dbrx": 0.25}
 # The miniatures' experts (~40 KB) are smaller than the allocator's noise: they are placed by hand.
 OFFLOAD_EXPERTS = {"mixtral": 22, "dbrx": 40}
 KEEP = {"mixtral": 2, "dbrx": 3}
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
-
-
-def _rel(a, b) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _synth(shape: str, layers: int, out: Path) -> Path:

@@ -13,24 +13,15 @@ With MOEDESK_GPU_REPORT=FILE set, measured figures are appended to FILE as JSON 
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
+from gpu_figures import record as _record
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
 GiB = 1024 ** 3
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_figures import record as _record, rel as _rel
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -38,18 +39,6 @@ K = 5
 WINDOW = K + 1
 GiB = 1 << 30
 SHAPES = {"tiny": ("tiny-qwen3.5", 4, 4), "real": ("qwen3.5-122b-a10b", 2, 2)}   # name, layers, attention every
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
-
-
-def _rel(a, b) -> float:
-    a, b = a.float().cpu(), b.float().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ blind placement to compare with. MOEDESK_GPU_REPORT=<file> appends the figures a
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from gpu_figures import record as _record
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -25,13 +24,6 @@ GiB = 1024 ** 3
 FIRST, STEADY_AFTER, STEADY = 32, 320, 64         # decode steps: the first answer's, then to settle, then measured
 QUESTION = ("Write a short story about a lighthouse keeper who finds a message in a bottle, and explain "
             "in two sentences why lighthouses were built on rocks and headlands.")
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def _load(path, **off):

@@ -23,13 +23,12 @@ With MOEDESK_GPU_REPORT=FILE set, the figures are appended to FILE as JSON lines
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional, Sequence
 
 import pytest
 import torch
 
+from gpu_figures import record as _record
 from runtime.engine import Engine
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions
 from runtime.speculative import make_decoder
@@ -40,13 +39,6 @@ MAX_FLIP_FRACTION = 0.1    # near-tie flips allowed among the generated tokens
 FLIP_TOL = 0.2             # one K/V row whose MoE routing flipped in the layer below (see the rollback test)
 GREEDY = SamplingOptions(temperature=0.0)
 N_TOKENS = 40
-
-
-def _record(**kw):
-    path = os.environ.get("MOEDESK_GPU_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(kw) + "\n")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
