@@ -126,9 +126,8 @@ def test_missing_shards_fail_in_words_and_leave_no_model(qtbot, dialog, tmp_path
     assert names(dialog) == []
 
 
-def test_a_resume_with_other_settings_says_to_cancel_and_convert_again(qtbot, tmp_path, monkeypatch):
-    """A partial conversion the converter refuses to resume (made with other settings, e.g. by another
-    version): the row says what to do in the app's words, and the partial folder stays until Cancel."""
+def _crashed_after_layer_1(qtbot, tmp_path, monkeypatch):
+    """A 3-layer conversion whose converter is killed after its first layer: (models, job, its dialog)."""
     models = tmp_path / "models"
     src = tiny_checkpoint(tmp_path / "Tiny-MoE", "qwen3_moe", layers=3)
     monkeypatch.setattr(app_convert, "convert_command", lambda: CRASH)
@@ -138,6 +137,13 @@ def test_a_resume_with_other_settings_says_to_cancel_and_convert_again(qtbot, tm
     job = "Tiny-MoE-exl2-3.0bpw"
     qtbot.waitUntil(lambda: job in first.conversions._rows
                     and first.conversions.row_text(job)[0] == "failed", timeout=120_000)
+    return models, job, first
+
+
+def test_a_resume_with_other_settings_says_to_cancel_and_convert_again(qtbot, tmp_path, monkeypatch):
+    """A partial conversion the converter refuses to resume (made with other settings, e.g. by another
+    version): the row says what to do in the app's words, and the partial folder stays until Cancel."""
+    models, job, first = _crashed_after_layer_1(qtbot, tmp_path, monkeypatch)
     first.shutdown()
 
     monkeypatch.setattr(app_convert, "convert_command",            # other calibration settings than the crash's
@@ -154,15 +160,7 @@ def test_a_resume_with_other_settings_says_to_cancel_and_convert_again(qtbot, tm
 
 
 def test_a_crash_resumes_at_its_layer_after_a_restart(qtbot, tmp_path, monkeypatch):
-    models = tmp_path / "models"
-    src = tiny_checkpoint(tmp_path / "Tiny-MoE", "qwen3_moe", layers=3)
-    monkeypatch.setattr(app_convert, "convert_command", lambda: CRASH)
-    first = ModelManagerDialog(models_dir=models)
-    qtbot.addWidget(first)
-    first.start_conversion(False, str(src), 3.0)
-    job = "Tiny-MoE-exl2-3.0bpw"
-    qtbot.waitUntil(lambda: job in first.conversions._rows
-                    and first.conversions.row_text(job)[0] == "failed", timeout=120_000)
+    models, job, first = _crashed_after_layer_1(qtbot, tmp_path, monkeypatch)
     state, bar, details = first.conversions.row_text(job)
     assert bar == "layer 1 of 3"
     assert details.startswith("The converter stopped unexpectedly (exit code -9") and "press resume" in details.lower()
