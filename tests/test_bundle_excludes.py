@@ -52,3 +52,30 @@ def test_the_worker_imports_with_the_excluded_modules_missing(module):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=SPEC.parents[1])
     assert run.returncode == 0, f"import {module} with EXCLUDES missing: {run.stderr[-1500:]}"
+
+
+def spec_list(name: str) -> list[str]:
+    tree = ast.parse(SPEC.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{SPEC}: no {name} list")
+
+
+def test_packages_finding_plugins_by_entry_points_ship_their_metadata():
+    """A package that reads its own plugin group from importlib.metadata (Triton's `triton.backends`)
+    finds nothing in a bundle without its dist-info: the GPU bundle's first Triton launch failed with
+    "0 active drivers" on the H200. Every such package installed here is in ENTRY_POINT_PACKAGES, whose
+    metadata the spec copies; Triton always is (the CUDA worker's kernels)."""
+    from importlib import metadata
+    listed = spec_list("ENTRY_POINT_PACKAGES")
+    assert "triton" in listed
+    wanted = set()
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("-", "_")
+        if name in ("pytest", "pyinstaller", "setuptools"):      # build and test tools, not in the bundle
+            continue
+        if any(ep.group.startswith(f"{name}.") for ep in dist.entry_points):
+            wanted.add(name)
+    worker_side = {p for p in wanted if p in ("triton", "torch", "exllamav2", "safetensors", "tokenizers", "jinja2")}
+    assert worker_side <= set(listed), f"add to ENTRY_POINT_PACKAGES in {SPEC.name}: {sorted(worker_side - set(listed))}"
