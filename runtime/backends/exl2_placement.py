@@ -74,8 +74,8 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
                 engine._drop_graphs()
                 if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
                     if path == "cpu":
-                        judge.record("cpu", None)
-                        yield "the CPU path could not be built"
+                        judge.record("cpu", None, manager.cpu_reason)
+                        yield f"the CPU path could not be built ({manager.cpu_reason})"
                         continue
                 yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
             engine._prepare_graph(bucket(engine.position, 1, engine.info.context_length), 1)

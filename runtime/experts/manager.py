@@ -115,6 +115,7 @@ class OffloadManager:
         # "cpu", or "auto" (with AUTO_CPU): the CPU path
         self.cpu = CpuShare(self.layers, self.staging, self.stats, policy, cpu_threads, ram,
                             lambda message: self.on_stage(message), AUTO_CPU, CPU_SPLIT, CPU_BALANCE)
+        self.cpu.prior_due = lambda: self.prior_reason is not None
         # Decode prefetch (runtime/experts/prefetch.py): pages per layer, on a GPU by default.
         self.prefetch_pages = (PREFETCH_PAGES if self.cuda else 0) if prefetch_pages is None else prefetch_pages
         self.prefetch: Optional[decode_prefetch.DecodePrefetch] = None
