@@ -27,7 +27,13 @@ def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
 
 
 def decision_key(engine) -> str:
-    return key_for(engine.info.path, engine.budget)
+    """What the engine's decision is saved under: the model, budget and machine (key_for), and the
+    forced routing a benchmark runs (a path timed under it says nothing of the model's own routing)."""
+    key = key_for(engine.info.path, engine.budget)
+    experiment = getattr(engine, "experiment", None)
+    if getattr(experiment, "forced_routing", None) is not None:
+        key += f"|forced routing {getattr(experiment, 'routing_label', '') or 'unnamed'}"
+    return key
 
 
 def current_path(manager) -> str:
