@@ -981,6 +981,14 @@ def test_no_cpu_copies_before_the_routing_priors_placement(slow_pcie):
     m.learn_prior(np.zeros((4, 8), dtype=np.int64), np.ones((4, 8), dtype=np.int64))
     assert m.cpu_active and "Placing experts: copying cold experts for the CPU" in stages
     m.close()
+    m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"), n=4)
+    m.vram.total_bytes = 16 * m.layers[0].code_bytes
+    m.prior_reason = "no saved routing statistics"
+    m.place()
+    assert not m.cpu_active
+    m.prior_not_measured("the engine refused the calibration prompt")      # no prior after all: copies now
+    assert m.cpu_active and m.prior_reason is None and m.cpu_reason == ""
+    m.close()
 
 
 def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):

@@ -88,6 +88,7 @@ class CpuShare:
         self.planned_for = ""           # what routing the CPU's share was planned for (telemetry, logs)
         # whether the load will measure a routing prior and place again (the manager's prior_reason)
         self.prior_due: Callable[[], bool] = lambda: False
+        self.skipped_for_prior = False  # the last placement made no copies, waiting for the prior's
 
     @property
     def active(self) -> bool:
@@ -146,6 +147,7 @@ class CpuShare:
         from runtime.experts import cpu_path
         self.split = None
         self.predicted_gain, self.unavailable = None, ""
+        self.skipped_for_prior = False
         if self.policy != "cpu" and not (self.policy == "auto" and self.auto_cpu):
             self.reason = self.unavailable = (
                 "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
@@ -188,6 +190,7 @@ class CpuShare:
             # the load places the experts again by the routing prior it measures next: copies made
             # now would be dropped then (9 s of copying on the H200 for q125-a11 at 24 GB)
             self.reason = "no CPU copies before the routing prior's placement"
+            self.skipped_for_prior = True
             return
         if self.policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
             self.reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"

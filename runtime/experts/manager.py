@@ -329,6 +329,18 @@ class OffloadManager:
         self.cpu.saved_off = self.saved_off      # the load's first placement used it up
         self.place()
 
+    def prior_not_measured(self, why: str) -> None:
+        """At load: the routing prior that was due is not measured after all (`why`, logged). The
+        placement before it made no CPU copies, waiting for the prior's placement: they are made
+        now, for the experts placed. Nothing may be queued that reads the current slots."""
+        log.info("no routing prior at this load: %s", why)
+        self.prior_reason = None
+        if self.cpu.skipped_for_prior:
+            self.staging.reclaim()                       # lent pages back: the CPU owns cold experts only
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.cpu.build([sorted(lo.expert_slot) for lo in self.layers])
+
     def forget_warmup(self) -> None:
         """After the load's warm-up (random tokens): the hit counts, moved bytes and prefetch scores
         start from zero, so the figures say what answers did. Routing statistics keep what was seen,
