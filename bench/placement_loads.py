@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=0, help="re-decisions on each load, both paths timed")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--warm", type=int, default=16, help="untimed decode steps before the timed ones")
+    ap.add_argument("--warm", type=int, default=48,
+                    help="untimed decode steps before the timed ones (the CPU path's cut settles meanwhile)")
     ap.add_argument("--decode", type=int, default=128, help="timed decode steps per load")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="start no load that the last one's wall time says would end after this (0: none)")
