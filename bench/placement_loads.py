@@ -37,15 +37,19 @@ from typing import Optional, Sequence
 
 
 def timed_decode(engine, prompt: int, warm: int, n: int, seed: int = 5) -> list[float]:
-    """Prefill `prompt` random tokens, then `warm` untimed and `n` timed one-row decode steps, each
-    fed a token of a fixed random stream and ending with its argmax read on the host (as sampling
-    does): the wall time of each timed step, in seconds."""
+    """Prefill `prompt` random tokens, prepare the decode graphs the steps will reach (as the worker
+    does before an answer), then `warm` untimed and `n` timed one-row decode steps, each fed a token
+    of a fixed random stream and ending with its argmax read on the host (as sampling does): the wall
+    time of each timed step, in seconds."""
     from bench.offload import _prompt
     if n < 1 or warm < 0 or prompt < 1:
         raise ValueError(f"decode {n} steps after {warm} untimed ones and a {prompt}-token prompt: "
                          "want at least 1 step, 0 untimed, 1 prompt token")
     engine.reset()
     engine.prefill(_prompt(engine, prompt, 1))
+    prepare = getattr(engine, "prepare_decode", None)
+    if prepare is not None:               # the graphs of every bucket the steps reach: no capture inside one
+        prepare(warm + n + 1)
     stream = _prompt(engine, warm + n, seed)
     out: list[float] = []
     for i, tok in enumerate(stream):

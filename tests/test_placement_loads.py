@@ -26,6 +26,9 @@ class FakeEngine:
     def prefill(self, ids):
         self.calls.append(("prefill", len(ids)))
 
+    def prepare_decode(self, max_new_tokens):
+        self.calls.append(("prepare", max_new_tokens))
+
     def forward(self, tokens):
         self.calls.append(("forward", len(tokens)))
         return torch.zeros(len(tokens), self.info.vocab_size)
@@ -35,8 +38,8 @@ def test_timed_decode_times_only_the_steps_after_the_warm_ones():
     e = FakeEngine()
     steps = pl.timed_decode(e, prompt=12, warm=3, n=7)
     assert len(steps) == 7 and all(s >= 0 for s in steps)
-    assert e.calls[:2] == [("reset",), ("prefill", 12)]
-    assert e.calls[2:] == [("forward", 1)] * 10                   # one row a step, warm ones included
+    assert e.calls[:3] == [("reset",), ("prefill", 12), ("prepare", 11)]    # graphs ready before any step
+    assert e.calls[3:] == [("forward", 1)] * 10                   # one row a step, warm ones included
     with pytest.raises(ValueError, match="want at least 1 step"):
         pl.timed_decode(e, prompt=12, warm=3, n=0)
 
