@@ -12,8 +12,10 @@
 #      ("Placing experts: from a calibration prompt" in the stages)
 #   3. the warm-up and routing-prior GPU tests (~150 s): idle captures leave the cached K/V rows bit
 #      for bit; a first load places by the prior and its first answer hits as the steady state
-#   4. loads at 24 GB under uniform routing with the time left (the first load saved the expert-path
-#      decision: these reuse it), each with its stages' wall time (Triton's cache is warm by now)
+#   4. loads at 24 GB under uniform routing with the time left, each placed from uniform statistics;
+#      the first times both expert paths under uniform routing (saved apart from the model's own
+#      routing), the later ones reuse its decision; each with its stages' wall time
+# ONLY=placement: steps 1 and 4 alone (five loads in about 6 minutes on the H200; LIMIT=590)
 set -u
 OUT=${OUT:-/tmp/issue19-out}
 MODEL=${MODEL:-/tmp/m/q125}
@@ -34,6 +36,7 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 log "synth done"
 
+if [ "${ONLY:-}" != placement ]; then
 STATS=$($PY -c "import sys; from pathlib import Path; from runtime.experts.routing_stats import stats_path; \
 from runtime.paths import cache_dir; print(stats_path(cache_dir(), Path(sys.argv[1])))" "$MODEL")
 rm -f "$STATS" && log "routing statistics of the model removed: the worker's load is its first"
@@ -54,10 +57,12 @@ if [ "$(left)" -gt 70 ]; then
         | tee -a "$OUT/gpu_issue19.log"
 fi
 
+fi
+
 log "placement loads at 24 GB (uniform routing), $(left) s left"
 if [ "$(left)" -gt 150 ]; then
     timeout $(( $(left) - 5 )) $PY -m bench.placement_loads --model "$MODEL" --label q125-a11 --bpw 3.0 \
-        --vram-budget 24 --loads 5 --trials 1 --deadline-s $(( $(left) - 150 )) --out bench/results 2>&1 \
+        --vram-budget 24 --loads 5 --deadline-s $(( $(left) - 15 )) --out bench/results 2>&1 \
         | tee -a "$OUT/gpu_issue19.log"
     P=$(ls -t bench/results/placement-loads-q125-a11-*.json 2>/dev/null | head -1)
     log "placement JSON: ${P:-none}"

@@ -443,7 +443,8 @@ def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slo
     short = MemoryBudget(1000, "RAM")                            # "auto": stream, and say why
     m = _manager(policy="auto", ram=short)
     m.apply([[0], [1]])
-    assert not m.cpu_active and "host RAM is short for the CPU copies" in m.cpu_reason and short.used_bytes == 0
+    assert not m.cpu_active and "the RAM budget is short for the CPU copies" in m.cpu_reason and short.used_bytes == 0
+    assert "of RAM but only" in m.cpu_reason                    # what ran out, and how much was left
     assert m.telemetry().cpu_expert_path.startswith("off: ") and m.telemetry().expert_paths == ["stream"] * 2
     m = _manager(policy="cpu")
     m.apply([list(range(8))] * 2)
@@ -935,3 +936,75 @@ def test_the_routing_priors_placement_keeps_a_saved_gpu_only_decision(slow_pcie)
     assert not m.cpu_active and ram.used_bytes == 0, stages
     assert "Placing experts: copying cold experts for the CPU" not in stages
     m.close()
+
+
+def _routed_to(m, resident):
+    """Statistics that route every pick to `resident` (as a routing prior on the synthetic models:
+    the calibration prompt's picks all land on the experts placed hot)."""
+    m.stats.counts[...] = 0.0
+    for i, r in enumerate(resident):
+        m.stats.counts[i, r] = 100.0
+    m.stats.tokens = 256
+
+
+def test_a_cpu_path_timed_where_the_statistics_route_nothing_cold_is_built_for_uniform_routing(slow_pcie):
+    """The worker's first load at 24 GB: after the routing prior the statistics sent ~0% of the picks
+    to cold experts, so the plan gave the CPU nothing and the judge's forced build "could not be
+    built". Forced (measuring both paths), the CPU's share is planned for uniform routing instead,
+    and the timed steps decide."""
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram)
+    _routed_to(m, [[0], [1]])
+    m.apply([[0], [1]])
+    assert not m.cpu_active and "predict a gain of 0%" in m.cpu_reason and m.cpu_unavailable == ""
+    assert m.cpu_predicted_gain == 0.0                          # measurable: the judge times both
+    assert m.set_cpu_path(True) and ram.used_bytes > 0
+    assert all(lo.cpu.owned_set == set(range(8)) - {lo.index} for lo in m.layers)
+    assert m.cpu.planned_for.startswith("uniform routing (the statistics route 0.0% of the picks")
+    m.close()
+
+
+def test_no_cpu_copies_before_the_routing_priors_placement(slow_pcie):
+    """A first load measures a routing prior and places again: the placement before it copies nothing
+    for the CPU (the H200's worker load copied for 9 s, then dropped them), the one after it does."""
+    import numpy as np
+    ram = MemoryBudget(1 << 30, "RAM")
+    stages = []
+    m = _manager(policy="auto", ram=ram, n=4)
+    m.vram.total_bytes = 16 * m.layers[0].code_bytes            # staging only: every expert cold
+    m.on_stage = stages.append
+    m.prior_reason = "no saved routing statistics"
+    m.place()
+    assert not m.cpu_active and ram.used_bytes == 0 and "routing prior" in m.cpu_reason
+    assert "Placing experts: copying cold experts for the CPU" not in stages
+    assert m.cpu_predicted_gain is not None and m.cpu_unavailable == ""
+    m.learn_prior(np.zeros((4, 8), dtype=np.int64), np.ones((4, 8), dtype=np.int64))
+    assert m.cpu_active and "Placing experts: copying cold experts for the CPU" in stages
+    m.close()
+    m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"), n=4)
+    m.vram.total_bytes = 16 * m.layers[0].code_bytes
+    m.prior_reason = "no saved routing statistics"
+    m.place()
+    assert not m.cpu_active
+    m.prior_not_measured("the engine refused the calibration prompt")      # no prior after all: copies now
+    assert m.cpu_active and m.prior_reason is None and m.cpu_reason == ""
+    m.close()
+
+
+def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):
+    from runtime.experts import cpu_share
+    from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(1e3, 50e9, 0.0))
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc of 4096 bytes)")
+    monkeypatch.setattr(cpath, "CpuPath", refuse)
+    m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"))
+    m.apply([[0], [1]])
+    assert not m.cpu_active and m.cpu_reason.startswith("page-locked host memory ran out")
+    assert "ulimit -l" in m.cpu_reason and "cudaHostAlloc" in m.cpu_reason and m.cpu.ram.used_bytes == 0
+    m = _manager(policy="cpu")
+    with pytest.raises(RuntimeError):                            # placement "cpu": the error as it is
+        m.apply([[0], [1]])
+    assert cpu_share.alloc_failure(MemoryError()).startswith("host RAM ran out while copying")
+    assert "ValueError: odd" in cpu_share.alloc_failure(ValueError("odd"))

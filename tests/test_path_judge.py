@@ -103,9 +103,11 @@ def test_the_users_choice_and_an_impossible_path_are_not_measured():
 
 def test_a_cpu_path_that_cannot_be_built_leaves_the_gpu_path():
     j = PathJudge("auto", 0.0)
-    j.record("cpu", None)
+    j.record("cpu", None, "page-locked host memory ran out for the CPU path's buffers")
     j.record("stream", [0.03] * TRIAL_STEPS)
-    assert j.decide() == "stream" and "could not be built" in j.reason
+    assert j.decide() == "stream"
+    assert j.reason == "the CPU path could not be built: page-locked host memory ran out for the CPU path's buffers"
+    assert "(host RAM)" not in j.summary()
 
 
 def test_drift_and_age_ask_for_a_new_measurement():
@@ -184,10 +186,13 @@ def test_trial_when_the_cpu_path_cannot_be_built(monkeypatch):
     from runtime.backends import exl2_placement as xp
     manager = FakeManager(False, 0.0, buildable=False)
     engine = FakeEngine(manager)
+    manager.cpu_reason = "the RAM budget is short for the CPU copies (... needs 9 GiB of RAM but only 2 GiB ...)"
     monkeypatch.setattr(xp, "time_decode_steps", lambda e: [0.03] * TRIAL_STEPS)
     judge = xp.make_judge(manager)
-    list(xp.trial(engine, judge))
-    assert judge.path == "stream" and not manager.cpu_active and "could not be built" in judge.reason
+    messages = list(xp.trial(engine, judge))
+    assert judge.path == "stream" and not manager.cpu_active
+    assert judge.reason.startswith("the CPU path could not be built: the RAM budget is short")
+    assert any("the RAM budget is short" in m for m in messages)       # the load's progress says it too
 
 
 def test_an_untimed_decision_says_what_the_prediction_placed():

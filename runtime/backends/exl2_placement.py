@@ -27,7 +27,13 @@ def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
 
 
 def decision_key(engine) -> str:
-    return key_for(engine.info.path, engine.budget)
+    """What the engine's decision is saved under: the model, budget and machine (key_for), and the
+    forced routing a benchmark runs (a path timed under it says nothing of the model's own routing)."""
+    key = key_for(engine.info.path, engine.budget)
+    experiment = getattr(engine, "experiment", None)
+    if getattr(experiment, "forced_routing", None) is not None:
+        key += f"|forced routing {getattr(experiment, 'routing_label', '') or 'unnamed'}"
+    return key
 
 
 def current_path(manager) -> str:
@@ -74,8 +80,8 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
                 engine._drop_graphs()
                 if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
                     if path == "cpu":
-                        judge.record("cpu", None)
-                        yield "the CPU path could not be built"
+                        judge.record("cpu", None, manager.cpu_reason)
+                        yield f"the CPU path could not be built ({manager.cpu_reason})"
                         continue
                 yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
             engine._prepare_graph(bucket(engine.position, 1, engine.info.context_length), 1)

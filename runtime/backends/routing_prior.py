@@ -44,10 +44,12 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
     manager = engine.offload
     if manager is None or manager.prior_reason is None:
         return False
-    if all(lo.path == "vram" for lo in manager.layers):       # every expert resident: nothing to choose
-        return False
     room = min(MAX_TOKENS, engine.info.context_length - engine.position - 1)
-    if room < MIN_TOKENS:                   # (and a prefill-sized forward: no decode graph is captured)
+    if all(lo.path == "vram" for lo in manager.layers) or room < MIN_TOKENS:
+        # every expert resident (nothing to choose), or no room for the prompt (and a prefill-sized
+        # forward: no decode graph is captured): no prior at this load, and no placement waits for one
+        manager.prior_not_measured("every expert is in VRAM" if all(lo.path == "vram" for lo in manager.layers)
+                                   else f"{room} tokens of room in the context (fewer than {MIN_TOKENS})")
         return False
     progress("load", MESSAGE, 0, 1)
     info = engine.info
@@ -59,7 +61,8 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
         engine.prefill(ids)
     except BadRequest as e:                 # ids the engine refuses (a random one on an image placeholder)
         log.warning("no routing prior: %s", e)
-        manager.prior_reason = None
+        engine.truncate(pos0)
+        manager.prior_not_measured(str(e))
         progress("load", MESSAGE, 1, 1)
         return False
     finally:

@@ -85,6 +85,10 @@ class CpuShare:
         # (the judge would drop them; the H200's first load spent 29 s copying them), and says this
         # reason. Once; the judge's own measurement builds them (force).
         self.saved_off = ""
+        self.planned_for = ""           # what routing the CPU's share was planned for (telemetry, logs)
+        # whether the load will measure a routing prior and place again (the manager's prior_reason)
+        self.prior_due: Callable[[], bool] = lambda: False
+        self.skipped_for_prior = False  # the last placement made no copies, waiting for the prior's
 
     @property
     def active(self) -> bool:
@@ -143,6 +147,7 @@ class CpuShare:
         from runtime.experts import cpu_path
         self.split = None
         self.predicted_gain, self.unavailable = None, ""
+        self.skipped_for_prior = False
         if self.policy != "cpu" and not (self.policy == "auto" and self.auto_cpu):
             self.reason = self.unavailable = (
                 "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
@@ -168,17 +173,32 @@ class CpuShare:
         I = self.layers[0].packs[2].in_features
         cut_mode = (self.split_mode == "cut" and I % CUT_ALIGN == 0 and I >= 2 * CUT_ALIGN
                     and all(intermediate_aligned(lo.packs[2]) for lo in self.layers))
-        split = plan_cpu_split(self.stats.frequencies(), resident, [lo.code_bytes for lo in self.layers],
-                               self.top_k, costs, oversubscribe=1.0 if cut_mode else max(1.0, self.balance),
-                               cut=cut_mode)
+        freq = self.stats.frequencies()
+        split = self._plan(freq, resident, costs, cut_mode)
         self.predicted_gain = split.gain
+        self.planned_for = "the routing statistics"
+        if force and not any(split.owned):
+            # Measuring both paths: the statistics (after a routing prior: one calibration prompt) may
+            # route next to nothing to the cold experts, and then the plan gives the CPU nothing to
+            # compute, so there would be no CPU path to time. The routing the answers get may differ
+            # (another prompt, forced routing in a benchmark): the CPU's share is planned as if every
+            # expert were picked equally often, and the timed steps decide.
+            split = self._plan(np.full_like(freq, 1.0 / self.E), resident, costs, cut_mode)
+            self.planned_for = (f"uniform routing (the statistics route {cold_share(freq, resident):.1%} of "
+                                "the picks to cold experts)")
+        if self.policy == "auto" and self.prior_due() and not force:
+            # the load places the experts again by the routing prior it measures next: copies made
+            # now would be dropped then (9 s of copying on the H200 for q125-a11 at 24 GB)
+            self.reason = "no CPU copies before the routing prior's placement"
+            self.skipped_for_prior = True
+            return
         if self.policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
             self.reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
             return
         if not any(split.owned):
             self.reason = self.unavailable = (
                 f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
-                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) no cold expert is worth the CPU")
+                f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) and {self.planned_for} no cold expert is worth the CPU")
             return
         saved, self.saved_off = self.saved_off, ""
         if saved and self.policy == "auto" and not force:
@@ -205,7 +225,14 @@ class CpuShare:
             self.drop()
             if self.policy == "cpu":
                 raise
-            self.reason = self.unavailable = f"host RAM is short for the CPU copies ({e})"   # "auto": stream
+            self.reason = self.unavailable = f"the RAM budget is short for the CPU copies ({e})"   # "auto": stream
+            log.warning("CPU expert path left out: %s", self.reason)
+            return
+        except (MemoryError, RuntimeError) as e:          # page-locked buffers, the copies themselves
+            self.drop()
+            if self.policy == "cpu":
+                raise
+            self.reason = self.unavailable = alloc_failure(e)
             log.warning("CPU expert path left out: %s", self.reason)
             return
         if self.cuda:
@@ -217,6 +244,10 @@ class CpuShare:
                  threads, sum(len(o) for o in split.owned),
                  f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
                  split.stream_s * 1e6, split.split_s * 1e6)
+
+    def _plan(self, freq: np.ndarray, resident: list[list[int]], costs: CpuSplitCosts, cut_mode: bool) -> CpuSplit:
+        return plan_cpu_split(freq, resident, [lo.code_bytes for lo in self.layers], self.top_k, costs,
+                              oversubscribe=1.0 if cut_mode else max(1.0, self.balance), cut=cut_mode)
 
     def _split_costs(self, resident: list[list[int]], threads: int) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
@@ -312,3 +343,23 @@ class CpuShare:
         if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
             self._window.append(t - self._t_prev)
         self._t_prev = t if rows == 1 else None
+
+
+def cold_share(freq: np.ndarray, resident: list[list[int]]) -> float:
+    """The share of the routing picks `freq` ([L, E], rows summing to 1) sends to experts outside
+    `resident`, averaged over the layers."""
+    freq = np.asarray(freq, dtype=np.float64)
+    hot = [float(freq[i, list(r)].sum()) if len(r) else 0.0 for i, r in enumerate(resident)]
+    return float(np.mean([max(0.0, 1.0 - h) for h in hot])) if hot else 0.0
+
+
+def alloc_failure(e: BaseException) -> str:
+    """What ran out, in words, when building the CPU copies or their page-locked buffers failed."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, MemoryError):
+        return f"host RAM ran out while copying cold experts for the CPU ({text})"
+    low = text.lower()
+    if "pin" in low or "host" in low or "cudahostalloc" in low or "out of memory" in low:
+        return ("page-locked host memory ran out for the CPU path's buffers (the system's limit on locked "
+                f"memory, ulimit -l, or host RAM): {text}")
+    return f"building the CPU path failed: {type(e).__name__}: {text}"

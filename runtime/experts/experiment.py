@@ -8,7 +8,9 @@ they captured and passes it on here: forced picks to the layers, the rest to the
   host synchronisation per layer, nothing overlapped (no graphs: the caller runs the layer loop).
 - **forced_routing**: per MoE layer, pick sets (kernels.UniformPicks) that replace the router's picks
   after it has run (bench.offload --routing uniform or trace). It measures a placement under the
-  routing the roofline assumes; what the model outputs means nothing.
+  routing the roofline assumes; what the model outputs means nothing. `routing_label` names it
+  ("uniform", "trace ..."): an expert-path decision timed under forced routing is saved apart from
+  the model's own (runtime/backends/exl2_placement.decision_key).
 - **prefetch_oracle**: the decode prefetch is handed the next layer's forced picks, each kept with this
   probability, to measure what a given prediction accuracy buys (needs forced_routing).
 - **prefetch**: False leaves the decode prefetch out of the step altogether (its pages stay reserved).
@@ -26,6 +28,7 @@ from typing import Any, Optional, Sequence
 class Experiment:
     naive: bool = False
     forced_routing: Optional[tuple[Any, ...]] = None
+    routing_label: str = ""
     prefetch_oracle: Optional[float] = None
     prefetch: bool = True
     fixed_cut: bool = False

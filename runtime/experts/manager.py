@@ -115,6 +115,7 @@ class OffloadManager:
         # "cpu", or "auto" (with AUTO_CPU): the CPU path
         self.cpu = CpuShare(self.layers, self.staging, self.stats, policy, cpu_threads, ram,
                             lambda message: self.on_stage(message), AUTO_CPU, CPU_SPLIT, CPU_BALANCE)
+        self.cpu.prior_due = lambda: self.prior_reason is not None
         # Decode prefetch (runtime/experts/prefetch.py): pages per layer, on a GPU by default.
         self.prefetch_pages = (PREFETCH_PAGES if self.cuda else 0) if prefetch_pages is None else prefetch_pages
         self.prefetch: Optional[decode_prefetch.DecodePrefetch] = None
@@ -327,6 +328,18 @@ class OffloadManager:
         self.prior_reason, self.prior_source = None, source or "a calibration prompt"
         self.cpu.saved_off = self.saved_off      # the load's first placement used it up
         self.place()
+
+    def prior_not_measured(self, why: str) -> None:
+        """At load: the routing prior that was due is not measured after all (`why`, logged). The
+        placement before it made no CPU copies, waiting for the prior's placement: they are made
+        now, for the experts placed. Nothing may be queued that reads the current slots."""
+        log.info("no routing prior at this load: %s", why)
+        self.prior_reason = None
+        if self.cpu.skipped_for_prior:
+            self.staging.reclaim()                       # lent pages back: the CPU owns cold experts only
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.cpu.build([sorted(lo.expert_slot) for lo in self.layers])
 
     def forget_warmup(self) -> None:
         """After the load's warm-up (random tokens): the hit counts, moved bytes and prefetch scores

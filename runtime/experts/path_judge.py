@@ -60,6 +60,7 @@ class PathJudge:
     measured: str = ""                    # the path the last measured decision chose ("" none yet)
     fresh: bool = False                   # the last decision was timed just now (worth saving)
     _steps: dict = field(default_factory=dict)   # path -> step seconds of the decision in progress
+    _unbuilt: str = ""                    # why the CPU path could not be built for the decision in progress
     _live: deque = field(default_factory=lambda: deque(maxlen=DRIFT_WINDOW))
     _steps_since: int = 0
     _baseline_ms: Optional[float] = None  # the chosen path's step time the drift is judged against
@@ -82,9 +83,11 @@ class PathJudge:
         """Time both paths at the next decision, whatever was decided before (benchmarks; drift)."""
         self._again = self.measurable
 
-    def record(self, path: str, step_seconds: Optional[Sequence[float]]) -> None:
-        """The timed decode steps of one path in a round (None: it could not run); the median of
-        all its rounds' steps counts."""
+    def record(self, path: str, step_seconds: Optional[Sequence[float]], why: str = "") -> None:
+        """The timed decode steps of one path in a round (None: it could not run, `why` says what
+        ran out or failed, in words); the median of all its rounds' steps counts."""
+        if step_seconds is None and path == "cpu":
+            self._unbuilt = why or "the manager gave no reason"
         if step_seconds:
             self._steps.setdefault(path, []).extend(step_seconds)
             self.step_ms[path] = statistics.median(self._steps[path]) * 1e3
@@ -130,7 +133,7 @@ class PathJudge:
                 self.reason = (f"measured{rounds}: {stream:.1f} ms per decode step without the CPU path, {cpu:.1f} with"
                                + (f" (within {TIE:.0%}: the path that keeps the CPU free)" if cpu < stream else ""))
         elif "stream" in self._steps and self.plan():        # the CPU path was tried and could not run
-            self.path, self.reason = "stream", "the CPU path could not be built (host RAM)"
+            self.path, self.reason = "stream", f"the CPU path could not be built: {self._unbuilt}"
         elif self.prior is not None and self.prior.get("path") in ("cpu", "stream"):
             self.path = self.prior["path"]
             self.reason = f"as measured on an earlier load ({self.prior.get('reason', '')})"
@@ -142,7 +145,7 @@ class PathJudge:
         if measured:
             self.measured = self.path
         self.fresh = measured
-        self._steps, self.rounds = {}, 0
+        self._steps, self.rounds, self._unbuilt = {}, 0, ""
         self._baseline_ms = None          # the first live window after the decision is the drift baseline
         self._again = False
         self._live.clear()

@@ -83,3 +83,25 @@ def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_dec
         assert set(eng.path_judge.step_ms) <= {"cpu", "stream"}
     finally:
         eng.close()
+
+
+def test_a_first_load_copies_for_the_cpu_after_the_routing_prior_and_times_both_paths(moe_2l, monkeypatch, tmp_path):
+    """The H200's worker load: CPU copies made before the routing prior's placement (dropped by it),
+    then the judge's CPU path "could not be built (host RAM)" because the prior's statistics routed
+    nothing to cold experts. Now: no copies before the prior, both paths timed (or, where the rates
+    leave the CPU nothing even under uniform routing, the reason says so), never the fixed words."""
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))             # no saved statistics: the prior runs
+    budget = _budget(moe_2l)
+    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+    try:
+        messages = [m for _, m, _ in stages]
+        prior = "Placing experts: from a calibration prompt"
+        assert prior in messages, messages
+        assert "Placing experts: copying cold experts for the CPU" not in messages[:messages.index(prior)], messages
+        d = eng.telemetry()["placement_decision"]
+        print("decision:", d)
+        assert "(host RAM)" not in d["reason"], d
+        assert set(d["step_ms"]) == {"cpu", "stream"} or "no cold expert is worth the CPU" in d["reason"], d
+        assert applied["offload.placement"] == f"applied: {d['summary']}", applied
+    finally:
+        eng.close()
