@@ -86,3 +86,20 @@ def test_the_repacking_s_page_locked_batches_go_back_after_the_weights(monkeypat
     assert exl2_offload.start(setup, None, None, tmp_path) is None     # all in VRAM: no manager
     assert calls == ["sync", "host"], calls
     assert setup.vram.items == {"weights, KV cache and kernel workspaces": 0}
+
+
+def test_a_closed_manager_holds_no_vram_where_something_still_refers_to_it():
+    """A closed engine's manager kept alive (a caller's variable, a snapshot) held its hot slots and,
+    through its rooms' layer lists, every layer's scales: the next load's ledger found that much less."""
+    import weakref
+    m = _manager(n=2)
+    m.apply([[0, 1, 2], [3]])
+    lo = m.layers[0]
+    slot, scales = weakref.ref(lo.packs[0].qweight), weakref.ref(lo.packs[0].scales)
+    assert slot() is not lo.packs[0].cold
+    layer = lo.layer
+    m.close()
+    del lo
+    assert slot() is None                                        # the slots are gone
+    assert m.residency.layers == [] and m.staging.layers == [] and m.cpu.layers == []
+    assert layer.offload is None and scales() is not None        # the model's own scales stay the model's

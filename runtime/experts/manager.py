@@ -376,9 +376,10 @@ class OffloadManager:
         self.save_stats()
         self.cpu.drop()
         for lo in self.layers:
+            lo.set_slots(0)            # the hot slots' VRAM goes now, whoever still refers to this manager
             lo.layer.offload = None
             lo.layer.hooks = None
-        self.layers = []
+        self.layers.clear()            # in place: the rooms share the list (and with it the layers' scales)
 
 
 def cold_offsets_ok(lo: LayerOffload) -> bool:
