@@ -1,14 +1,14 @@
 """VRAM budgets for GPU tests that want an offloaded load "with about this share of the experts resident",
 from the planner's own figures (OffloadManager.budget_for) rather than from an all-in-VRAM load.
 
-An all-in-VRAM load is no measure of an offloaded one: its allocation is read after the warm-up (graph
-buffers, workspaces) where the offloaded load's ledger is taken before it (the two differed by up to
-~0.9 GiB on the H200, in either direction per test), and an offloaded load needs
-fixed VRAM beside the hot slots (staging for the cold experts, double-buffered, the decode prefetch's
-pages, prefill scratch) that a share of the codes does not cover; with two MoE layers that fixed part
-alone is as much as every expert (conftest's moe_8l). So a probe load is made the way the test's loads
-are (offloaded, same context and cache), with every expert fitting and no warm-up, and the budget is
-what its ledger says a load needs for `share` of each layer's experts resident.
+An all-in-VRAM load's allocation less a share of the codes is no measure of an offloaded load: that
+allocation is read after the warm-up (graph buffers, workspaces) where the offloaded load's ledger is
+taken before it, and an offloaded load needs fixed VRAM beside the hot slots (staging for each layer's
+cold experts + 1, double-buffered, and the decode prefetch's pages) that a share of the codes does not
+cover; with two MoE layers staging alone costs as much as every expert, so no budget offloads them
+(conftest's moe_8l). So a probe load is made as the test's loads are (offloaded, same context and
+cache), with every expert fitting and no warm-up, and the budget is what its ledger says a load needs
+for `share` of each layer's experts resident.
 """
 from __future__ import annotations
 

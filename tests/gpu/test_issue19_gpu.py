@@ -50,7 +50,7 @@ def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_dec
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "home"))
     eng, applied, stages = _load(moe_8l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
     try:
-        assert all(lo.path != "vram" for lo in eng.offload.layers), [lo.path for lo in eng.offload.layers]
+        assert any(lo.path != "vram" for lo in eng.offload.layers), [lo.path for lo in eng.offload.layers]
         counts = [re.search(r"Preparing GPU kernels (\d+)/(\d+)", m) for _, m, _ in stages]
         assert all(int(c[1]) <= int(c[2]) for c in counts if c), [m for _, m, _ in stages]
         d = eng.telemetry()["placement_decision"]
