@@ -27,7 +27,7 @@ from runtime import tuning
 from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_kernels import build_kernels, settle_gemm_autotune
-from runtime.backends.exl2_offload import budget_error
+from runtime.backends.exl2_offload import budget_error, return_cached_memory
 from runtime.cpu_load import physical_cores, torch_threads
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
@@ -59,8 +59,7 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def _oom(what: str, err: BaseException) -> OutOfMemory:
-    gc.collect()
-    torch.cuda.empty_cache()
+    return_cached_memory()                      # device blocks and page-locked host blocks
     free, words = _free_vram()
     return OutOfMemory(f"Not enough GPU memory for {what} ({words} after freeing what was taken). "
                        "Try a shorter context, a quantized KV cache, or a smaller model.", str(err), free_bytes=free)
@@ -410,7 +409,7 @@ class Exl2Engine(Engine):
             gc.collect()
             if self.budget is not None:
                 self.budget.release()                 # allocator cap off, page-locked experts freed
-            torch.cuda.empty_cache()
+            return_cached_memory()
 
 
 def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
@@ -596,5 +595,5 @@ class _Loading:
                 gc.collect()
                 if self.setup is not None:
                     self.setup.release()
-                torch.cuda.empty_cache()
+                return_cached_memory()             # the repacking's page-locked batches too
         self.engine = self.manager = self.cache = self.model = self.setup = None

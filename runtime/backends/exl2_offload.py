@@ -11,6 +11,7 @@ what is left (runtime/experts/manager.py). Imports torch; exllamav2 objects come
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,11 +78,29 @@ def expert_code_bytes_estimate(config, path: Path) -> int:
     return int(weights * max(3.0, min(8.0, bits)) / 8)
 
 
+def return_cached_memory() -> None:
+    """Give what torch caches but nothing uses back to the driver and the system: the caching
+    allocator's free device blocks and the page-locked host blocks of finished copies.
+
+    A load allocates outside torch's device allocator too (CUDA modules of kernels used for the first
+    time, library workspaces, the device-side mappings of page-locked host memory): those come from
+    what the driver has free, not from blocks torch keeps cached (after a failed load, a closed model,
+    or a large tensor just deleted). So every load starts with the cache handed back, and a failed
+    load or a closed model ends so."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()                  # copies out of page-locked blocks are done: they can go
+    torch.cuda.empty_cache()
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+
+
 def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
     """Budgets and the allocator cap for a load; raises OutOfMemory in words."""
+    return_cached_memory()                    # free means free for the driver too, not cached by torch
     free, total = torch.cuda.mem_get_info()
-    # memory torch's caching allocator holds but does not use is free for this load too (a model
-    # closed a moment ago leaves its blocks cached)
+    # what torch still holds unused (blocks of a live tensor's segment) is free for this load too
     free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     try:
         vram = vram_budget(off.vram_budget_gb, free, total)
@@ -175,6 +194,9 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     vram = setup.vram
     if setup.arena is not None:
         setup.arena.finish()              # the weights are in: no block page-locked ahead of need stays
+    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+        torch.cuda.synchronize()          # the repacking's page-locked batches (pack._gather) go back
+        torch._C._host_emptyCache()
     what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
     if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
         if vram.fits(used):
@@ -210,4 +232,4 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     return manager
 
 
-__all__ = ["OffloadSetup", "prepare", "start", "prefill_scratch_bytes", "budget_error", "GB"]
+__all__ = ["OffloadSetup", "prepare", "return_cached_memory", "start", "prefill_scratch_bytes", "budget_error", "GB"]

@@ -50,6 +50,9 @@ from runtime.experts.telemetry import Counters, OffloadTelemetry, collect
 
 log = logging.getLogger(__name__)
 
+# The VRAM ledger's items a placement reserves (and gives back when it places again); the rest is fixed
+OFFLOAD_ITEMS = ("hot experts", "prefill staging", "decode prefetch")
+
 # -- settings from the tuning (runtime/tuning.py), read once ---------------------------------------------
 
 # "auto" takes the CPU path where the planner predicts a gain (runtime/experts/cpu_share.py);
@@ -153,12 +156,24 @@ class OffloadManager:
     def code_bytes(self) -> list[int]:
         return self.residency.code_bytes()
 
+    def fixed_bytes(self) -> int:
+        """VRAM the ledger holds beside the placement's items (OFFLOAD_ITEMS): the weights, the KV
+        cache, workspaces, prefill scratch, as the load measured and reserved them."""
+        return sum(n for key, n in self.vram.items.items() if key not in OFFLOAD_ITEMS)
+
+    def budget_for(self, resident: int) -> int:
+        """The VRAM budget at which this model, loaded as now (same context and cache), keeps
+        `resident` experts per layer in VRAM under uniform routing: the fixed items plus what
+        residency.offload_bytes says the hot slots, staging and prefetch pages take."""
+        from runtime.experts.residency import offload_bytes
+        return self.fixed_bytes() + offload_bytes(self.code_bytes(), self.E, resident, self.prefetch_pages)
+
     def place(self, free_bytes: Optional[int] = None, freq: Optional[np.ndarray] = None) -> None:
         """Fill hot slots and staging from `free_bytes` of VRAM (default: what the ledger has left
         once the current slots and staging are given back), as residency.plan chooses. Nothing may be
         queued that reads the current slots: load time, or a new budget after a synchronisation."""
         freq = self.stats.frequencies() if freq is None else np.asarray(freq, dtype=np.float64)
-        for key in ("hot experts", "prefill staging", "decode prefetch"):
+        for key in OFFLOAD_ITEMS:
             self.vram.release(key)
         if free_bytes is None:
             free_bytes = self.vram.free_bytes
@@ -175,7 +190,7 @@ class OffloadManager:
             capacity = min(self.E, most_cold + 1) if most_cold else 0
         if most_cold and capacity < min(self.E, most_cold + 1):
             raise ValueError(f"staging for {capacity} experts, a layer leaves {most_cold} cold (+ 1 in flight)")
-        for key in ("hot experts", "prefill staging", "decode prefetch"):
+        for key in OFFLOAD_ITEMS:
             self.vram.release(key)
         if self.cuda:                                   # lending copies may still write the old pages
             torch.cuda.synchronize(self.device)
@@ -374,9 +389,10 @@ class OffloadManager:
         self.save_stats()
         self.cpu.drop()
         for lo in self.layers:
+            lo.set_slots(0)            # the hot slots' VRAM goes now, whoever still refers to this manager
             lo.layer.offload = None
             lo.layer.hooks = None
-        self.layers = []
+        self.layers.clear()            # in place: the rooms share the list (and with it the layers' scales)
 
 
 def cold_offsets_ok(lo: LayerOffload) -> bool:

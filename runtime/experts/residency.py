@@ -176,3 +176,17 @@ def least_offload_bytes(code_bytes: list[int], experts: int) -> int:
     E + 1 - C experts resident in every layer (C = E: staging only), minimised over C."""
     most, total = max(code_bytes), sum(code_bytes)
     return min(2 * c * most + (0 if c == experts else (experts + 1 - c) * total) for c in range(1, experts + 1))
+
+
+def offload_bytes(code_bytes: list[int], experts: int, resident: int, prefetch_pages: int = 0) -> int:
+    """VRAM the experts of an offloaded placement take when every layer keeps `resident` of its
+    `experts` in VRAM: the hot slots, staging for the rest + 1 (a promotion in flight), double-buffered,
+    and the decode prefetch's pages. Under uniform routing `Residency.plan` given exactly this keeps
+    `resident` per layer (the budget a test or a benchmark asks for "half the experts resident");
+    with `resident` 0 or 1 staging holds every expert and the slots may go to any layer. Where this is
+    as much as every expert (two layers: 2 (E + 1) experts' bytes per layer), all stay in VRAM."""
+    if not 0 <= resident < experts:
+        raise ValueError(f"{resident} resident experts of {experts}: offload keeps 0..{experts - 1} per layer")
+    most = max(code_bytes)
+    return resident * sum(code_bytes) + 2 * min(experts, experts - resident + 1) * most \
+        + prefetch_pages * most

@@ -1,6 +1,7 @@
 """What the user runs is what the load measures (issue 19's findings), on the GPU.
 
-Model: conftest's moe_2l. "auto" placement at a budget that offloads part of the experts: the
+Model: conftest's moe_8l (with two MoE layers no budget offloads: staging alone costs every expert).
+"auto" placement at a budget that keeps about three quarters of the experts resident (gpu_budget): the
 warm-up's counter never passes its total, the expert-path judge's step time for the path that runs
 matches a greedy decode loop's on the same load, and a second load whose saved decision is the
 GPU-only path copies no experts for the CPU.
@@ -14,10 +15,10 @@ import time
 import pytest
 import torch
 
+from gpu_budget import offload_budget
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
-GiB = 1024 ** 3
 
 
 def _load(path, **off):
@@ -26,16 +27,6 @@ def _load(path, **off):
     stages = []
     eng, applied = exl2.load(path, opts, lambda stage, msg, d, t: stages.append((stage, msg, time.perf_counter())))
     return eng, applied, stages
-
-
-def _budget(moe_2l) -> float:
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
-    ref, _, _ = _load(moe_2l)
-    codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
-    others = torch.cuda.memory_allocated() - codes
-    scratch = prefill_scratch_bytes(ref.model.config)
-    ref.close()
-    return (others + scratch + 3 * codes // 4 + (256 << 20)) / GiB
 
 
 def _decode_ms(eng, steps: int = 64) -> float:
@@ -54,11 +45,12 @@ def _decode_ms(eng, steps: int = 64) -> float:
 
 
 def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_decision_rules_out(
-        moe_2l, monkeypatch, tmp_path):
-    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
-    budget = _budget(moe_2l)
-    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+        moe_8l, monkeypatch, tmp_path):
+    budget = offload_budget(moe_8l, 0.75, tmp_path / "probe")
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "home"))
+    eng, applied, stages = _load(moe_8l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
     try:
+        assert any(lo.path != "vram" for lo in eng.offload.layers), [lo.path for lo in eng.offload.layers]
         counts = [re.search(r"Preparing GPU kernels (\d+)/(\d+)", m) for _, m, _ in stages]
         assert all(int(c[1]) <= int(c[2]) for c in counts if c), [m for _, m, _ in stages]
         d = eng.telemetry()["placement_decision"]
@@ -71,7 +63,7 @@ def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_dec
         path = d["path"]
     finally:
         eng.close()
-    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+    eng, applied, stages = _load(moe_8l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
     try:
         messages = [m for _, m, _ in stages]
         d = eng.telemetry()["placement_decision"]

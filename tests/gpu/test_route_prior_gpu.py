@@ -1,6 +1,6 @@
 """The routing prior at a first load (runtime/experts/route_prior.py), on the GPU.
 
-Model: conftest's moe_8l at a VRAM budget that keeps about half the experts' codes resident
+Model: conftest's moe_8l at a VRAM budget that keeps about half of each layer's experts resident
 ("stream" placement: no CPU path trials). A fresh load (empty user cache) prefills the calibration
 prompt in the model's chat template and places the hot experts by it; the prompt of a different
 conversation then routes mostly to that placement, its first decode steps hit about as often as the
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_budget import assert_closed_freed, offload_budget
 from gpu_figures import record as _record
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -35,14 +36,9 @@ def _load(path, **off):
 
 
 @pytest.fixture(scope="module")
-def budget(moe_8l) -> float:
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
-    ref, _ = _load(moe_8l)
-    codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
-    others = torch.cuda.memory_allocated() - codes
-    scratch = prefill_scratch_bytes(ref.model.config)
-    ref.close()
-    return (others + scratch + codes // 2 + (64 << 20)) / GiB
+def budget(moe_8l, tmp_path_factory) -> float:
+    """About half of each layer's experts resident, by the planner's own figures (gpu_budget)."""
+    return offload_budget(moe_8l, 0.5, tmp_path_factory.mktemp("probe"))
 
 
 def _prompt(path) -> list[int]:
@@ -85,6 +81,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
     from runtime.backends.routing_prior import MESSAGE
     from runtime.experts.route_prior import PRIOR_TOKENS
     prompt = _prompt(moe_8l)
+    allocated = torch.cuda.memory_allocated()
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "blind"))
     with tuning.use(tuning.with_changes(route_prior=False)):
         eng, messages = _load(moe_8l, placement="stream", vram_budget_gb=budget)
@@ -94,6 +91,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
         blind = _answer(eng, prompt)
     finally:
         eng.close()
+    assert_closed_freed(allocated)                      # the next load finds the same VRAM
 
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "prior"))
     eng, messages = _load(moe_8l, placement="stream", vram_budget_gb=budget)
@@ -109,6 +107,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
         got = _answer(eng, prompt)
     finally:
         eng.close()
+    assert_closed_freed(allocated)
     cover, cover_blind = _coverage(got["routed"], resident), _coverage(got["routed"], blind_resident)
     figures = dict(test="route_prior", first=got["first"], steady=got["steady"], blind_first=blind["first"],
                    blind_steady=blind["steady"], coverage=cover, blind_coverage=cover_blind)
