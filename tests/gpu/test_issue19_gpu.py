@@ -77,14 +77,14 @@ def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_dec
         eng.close()
 
 
-def test_a_first_load_copies_for_the_cpu_after_the_routing_prior_and_times_both_paths(moe_2l, monkeypatch, tmp_path):
+def test_a_first_load_copies_for_the_cpu_after_the_routing_prior_and_times_both_paths(moe_8l, monkeypatch, tmp_path):
     """The H200's worker load: CPU copies made before the routing prior's placement (dropped by it),
     then the judge's CPU path "could not be built (host RAM)" because the prior's statistics routed
     nothing to cold experts. Now: no copies before the prior, both paths timed (or, where the rates
     leave the CPU nothing even under uniform routing, the reason says so), never the fixed words."""
-    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))             # no saved statistics: the prior runs
-    budget = _budget(moe_2l)
-    eng, applied, stages = _load(moe_2l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
+    budget = offload_budget(moe_8l, 0.75, tmp_path / "probe")       # two MoE layers never offload (gpu_budget)
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "home"))    # no saved statistics: the prior runs
+    eng, applied, stages = _load(moe_8l, placement="auto", cpu_threads=4, vram_budget_gb=budget)
     try:
         messages = [m for _, m, _ in stages]
         prior = "Placing experts: from a calibration prompt"

@@ -138,20 +138,30 @@ def test_the_hybrid_engine_measures_the_same_prior(tiny_q35, monkeypatch, tmp_pa
     part of them placed cold, the step prefills the calibration prompt through the hybrid engine and
     each layer's residents are then its most routed experts in the prior."""
     from runtime.backends import hybrid
-    from runtime.backends.routing_prior import MESSAGE, measure_at_load
+    from runtime.backends.routing_prior import MESSAGE
     from runtime.experts.route_prior import PRIOR_TOKENS
-    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
     free = torch.cuda.mem_get_info()[0]
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "fits"))
     off = OffloadOptions(context_length=1024, vram_budget_gb=0.9 * free / GiB, placement="stream")
-    eng, _ = hybrid.load(tiny_q35, LoadOptions(offload=off), window=6, graphs=False, host_experts=True)
+    heard = []
+    eng, _ = hybrid.load(tiny_q35, LoadOptions(offload=off), lambda stage, msg, d, t: heard.append(msg),
+                         window=6, graphs=False, host_experts=True)
     try:
         m = eng.offload
-        assert m.prior_reason == "no saved routing statistics" and m.stats.tokens == 0   # all fit: none measured
-        m.place(free_bytes=3 * m.E * sum(m.code_bytes()) // 4)
+        assert all(lo.path == "vram" for lo in m.layers), [lo.path for lo in m.layers]
+        assert MESSAGE not in heard and m.prior_reason is None and m.stats.tokens == 0   # all fit: none measured
+        budget = m.budget_for(3 * m.E // 4) + (32 << 20)
+    finally:
+        eng.close()
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "cold"))     # no saved statistics here either
+    off = OffloadOptions(context_length=1024, vram_budget_gb=budget / GiB, placement="stream")
+    heard = []
+    eng, _ = hybrid.load(tiny_q35, LoadOptions(offload=off), lambda stage, msg, d, t: heard.append(msg),
+                         window=6, graphs=False, host_experts=True)
+    try:
+        m = eng.offload
         assert any(lo.path == "stream" and lo.resident() for lo in m.layers), [lo.path for lo in m.layers]
-        heard = []
-        assert measure_at_load(eng, lambda stage, msg, d, t: heard.append(msg))
-        assert MESSAGE in heard and eng.position == 0
+        assert MESSAGE in heard and eng.position == 0 and m.prior_reason is None
         assert m.prior_source == "a calibration prompt in the model's chat template", m.prior_source
         assert m.stats.tokens == pytest.approx(PRIOR_TOKENS, rel=1e-6)
         freq = m.stats.frequencies()
