@@ -172,4 +172,24 @@ def test_drafting_pays_on_text_that_repeats_with_a_short_period(clock):
         assert draft_tokens == plain_tokens
         ratios.append(plain_s / draft_s)
     assert min(ratios) >= 1.3, ratios
-    assert dec.stats().acceptance_rate == 1.0
+    stats = dec.stats()
+    assert stats.acceptance_rate == 1.0
+    # where the time went: full verifies of 5 rows at their simulated cost, plain steps at theirs
+    assert stats.verify_forwards > 20 and stats.verify_rows_mean == pytest.approx(5.0, abs=0.2)
+    assert stats.verify_step_s_mean == pytest.approx(PLAIN_S * 2.8, rel=0.05)
+    assert stats.plain_step_s_mean == pytest.approx(PLAIN_S)
+    assert stats.drafted_tokens == stats.accepted_tokens > 4 * 20
+    assert stats.decisions[0].startswith("step 0: drafting pays")        # the verdict kept from the answers before
+    assert all(d.startswith("step ") for d in stats.decisions)
+
+
+def test_a_request_lists_the_policys_verdicts_with_the_step_they_came_at(clock):
+    """Drafting that loses: the first request's decisions name the plain baseline, then the switch off."""
+    sampling = SamplingOptions(temperature=0.0)
+    engine = SimEngine(clock)
+    dec = speculative.make_decoder(engine, DraftOptions(mode="ngram", draft_tokens=4, adaptive=True), sampling, None)
+    answer(engine, dec, prompt_of(1, 200), 160)
+    decisions = dec.stats().decisions
+    assert decisions[0] == "step 0: measuring plain decoding (K 4)"
+    off = [d for d in decisions if "drafting off" in d]
+    assert off and int(off[0].split(":")[0].split()[1]) > 8      # after the settling steps and the baseline
