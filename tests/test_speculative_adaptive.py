@@ -108,6 +108,19 @@ def test_stalls_do_not_decide():
     assert w.seconds_per_token() == pytest.approx(1.0)
 
 
+def test_a_stall_among_a_trials_first_two_steps_does_not_decide():
+    """A trial is judged early, after two drafting steps; a verify graph captured in one of them
+    (hundreds of ms) counted, and drafting was switched off on that capture alone."""
+    w = WallWindow()
+    w.add(30.0, 5)
+    w.add(1.2, 5)
+    assert w.seconds_per_token() == pytest.approx(1.2 / 5)
+    p = DraftPolicy(k_max=4, adaptive=True)
+    stalls = iter([30.0])
+    drive(p, accept_prob=1.0, cost=lambda r: 1.0 if r == 1 else next(stalls, 1.4), steps=BASELINE_STEPS + 2)
+    assert not p.off
+
+
 def test_policy_comes_back_on_after_a_good_shadow_run():
     p = DraftPolicy(k_max=4, adaptive=True)
     cost = lambda r: 1.0 + 0.1 * (r - 1)                      # noqa: E731
