@@ -86,7 +86,15 @@ class Answer:
     worker_decode_tps: Optional[float] = None
     prefill_tps: Optional[float] = None
     acceptance_rate: Optional[float] = None
-    draft_speedup: Optional[float] = None
+    draft_speedup: Optional[float] = None      # the policy's measured windows (may span earlier answers)
+    drafted_tokens: Optional[int] = None       # n-gram answers: drafts offered, drafts kept
+    accepted_tokens: Optional[int] = None
+    verify_forwards: Optional[int] = None      # steps that verified drafts, their rows and wall time
+    verify_rows_mean: Optional[float] = None
+    verify_step_s_mean: Optional[float] = None
+    plain_steps: Optional[int] = None          # steps without drafts in the same answer
+    plain_step_s_mean: Optional[float] = None
+    draft_decisions: Optional[list] = None     # the draft policy's verdicts, "step N: ..."
     placement: Optional[str] = None
     placement_reason: Optional[str] = None
     graphs_captured: Optional[int] = None      # decode graphs held at the answer's end (CUDA engine)
@@ -129,7 +137,7 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
             a.reason, a.prompt_tokens, a.generated_tokens = ev.reason, s.prompt_tokens, s.generated_tokens
             a.worker_ttft_s, a.worker_decode_tps, a.prefill_tps = s.ttft_s, s.decode_tps, s.prefill_tps
             if s.draft is not None:
-                a.acceptance_rate, a.draft_speedup = s.draft.acceptance_rate, s.draft.speedup
+                take_draft_stats(a, s.draft)
     a.delta_tokens = sum(n for _, n in arrivals)
     if arrivals:
         a.ttft_s = arrivals[0][0] - t0
@@ -144,6 +152,27 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
     a.graph_error = extra.get("graph_error")
     a.idle_work = extra.get("idle_work")
     return a
+
+
+def take_draft_stats(a: Answer, d) -> None:
+    """An answer's drafting figures from the worker's DraftStats."""
+    a.acceptance_rate, a.draft_speedup = d.acceptance_rate, d.speedup
+    a.drafted_tokens, a.accepted_tokens = d.drafted_tokens, d.accepted_tokens
+    a.verify_forwards, a.verify_rows_mean, a.verify_step_s_mean = (d.verify_forwards, d.verify_rows_mean,
+                                                                   d.verify_step_s_mean)
+    a.plain_steps, a.plain_step_s_mean = d.plain_steps, d.plain_step_s_mean
+    a.draft_decisions = list(d.decisions)
+
+
+def draft_line(a: Answer) -> Optional[str]:
+    """Where a drafting answer's time went, one line (None for plain decoding)."""
+    if a.drafted_tokens is None:
+        return None
+    ms = lambda s: f"{1e3 * s:.1f} ms" if s is not None else "-"            # noqa: E731
+    rows = f"{a.verify_rows_mean:.1f}" if a.verify_rows_mean is not None else "-"
+    return (f"        drafted {a.drafted_tokens}, accepted {a.accepted_tokens}; {a.verify_forwards} verifies of "
+            f"{rows} rows, {ms(a.verify_step_s_mean)} each; {a.plain_steps} plain steps, "
+            f"{ms(a.plain_step_s_mean)} each; policy: {' | '.join(a.draft_decisions or []) or '-'}")
 
 
 def converse(client, modes: list[str], drafts: dict, sampling, turns: int,
@@ -170,6 +199,8 @@ def converse(client, modes: list[str], drafts: dict, sampling, turns: int,
                   f"{a.decode_tps or 0:7.1f} tok/s (worker {a.worker_decode_tps or 0:7.1f}, {a.generated_tokens} "
                   f"tokens)  max gap {1e3 * (a.max_token_gap_s or 0):7.1f} ms  acceptance "
                   f"{a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}", flush=True)
+            if draft_line(a):
+                print(draft_line(a), flush=True)
             on_answer(a)
         messages.append(P.ChatMessage("assistant", kept.text))
     return out
@@ -180,11 +211,15 @@ def summary(answers: list[Answer]) -> dict[str, Any]:
     def med(key):
         vals = [getattr(a, key) for a in answers if getattr(a, key) is not None]
         return statistics.median(vals) if vals else None
-    drafted = [a.acceptance_rate for a in answers if a.acceptance_rate is not None]
+    offered = sum(a.drafted_tokens or 0 for a in answers)
+    kept = sum(a.accepted_tokens or 0 for a in answers)
     return {"decode_tps": med("decode_tps"), "ttft_s": med("ttft_s"), "prefill_tps": med("prefill_tps"),
             "max_token_gap_s": max((a.max_token_gap_s for a in answers if a.max_token_gap_s is not None),
                                    default=None),
-            "acceptance_rate": statistics.mean(drafted) if drafted else None,
+            # over every draft of the mode's answers (a mean of the answers' rates weighed an answer
+            # with one draft as much as one with a hundred)
+            "acceptance_rate": kept / offered if offered else None,
+            "drafted_tokens": offered if any(a.drafted_tokens is not None for a in answers) else None,
             "decode_tps_by_prompt": {a.prompt_name: a.decode_tps for a in answers},
             "worker_decode_tps_by_prompt": {a.prompt_name: a.worker_decode_tps for a in answers},
             "max_token_gap_s_by_prompt": {a.prompt_name: a.max_token_gap_s for a in answers},

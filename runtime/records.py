@@ -20,6 +20,13 @@ class DraftStats:
     speedup: Optional[float] = None               # vs plain decoding measured in the same request
     draft_tokens_now: Optional[int] = None        # current K (adaptive)
     acceptance_histogram: tuple[int, ...] = ()     # [i]: speculative steps that kept i drafts
+    # Where the time went (wall time of whole steps: drafting, forward, acceptance), for diagnosis
+    verify_forwards: int = 0                      # steps that verified drafts (one target forward each)
+    verify_rows_mean: Optional[float] = None      # rows per verify forward (drafts + 1)
+    verify_step_s_mean: Optional[float] = None    # mean wall time of those steps
+    plain_steps: int = 0                          # steps that decoded one token without drafts
+    plain_step_s_mean: Optional[float] = None     # mean wall time of those steps
+    decisions: tuple[str, ...] = ()               # what the draft policy decided, "step N: ..." in order
 
 
 @dataclass(frozen=True)

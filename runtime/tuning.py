@@ -89,6 +89,10 @@ class Tuning:
                             "bm_small,bm_large,bn,bk,warps,stages.")
     splitk: Optional[tuple[int, int]] = knob(None, "MOEDESK_SPLITK", "One split-K GEMV launch shape BNxKSPLIT "
                                              "instead of the fastest timed (empty: timed).")
+    verify_reads: str = knob("union", "MOEDESK_VERIFY_READS", "How offloaded layers read the experts of a "
+                             "verify's rows (2-9): each chosen expert once through the grouped kernels (union), "
+                             "or per row and expert through the split-K GEMVs (rows) as all-in-VRAM layers do.",
+                             choices=("union", "rows"))
     cut_align: int = knob(64, "MOEDESK_CUT_ALIGN", "Rows of a step of the CPU cut of an expert's intermediate.",
                           choices=(32, 64, 128))
     # the CPU expert path (runtime/experts/cpu_path.py, cpu_signal.py, cpu_experts.py, manager.py)

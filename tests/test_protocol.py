@@ -31,7 +31,10 @@ MESSAGES = [
                stats=P.GenerationStats(prompt_tokens=10, generated_tokens=8, ttft_s=0.1, prefill_tps=100.0,
                                        decode_tps=50.0, total_s=0.3,
                                        draft=P.DraftStats(mode="ngram", drafted_tokens=4, accepted_tokens=2,
-                                                          acceptance_rate=0.5))),
+                                                          acceptance_rate=0.5, verify_forwards=1,
+                                                          verify_rows_mean=5.0, verify_step_s_mean=0.03,
+                                                          plain_steps=3, plain_step_s_mean=0.01,
+                                                          decisions=("step 0: measuring plain decoding (K 4)",)))),
     P.Telemetry(request_id="r3", decode_tps=51.5, rss_bytes=123, extra={"layers": {"0": "gpu"}}),
     P.Error(code=P.ErrorCode.NO_MODEL.value, message="No model is loaded.", request_id="r3"),
 ]

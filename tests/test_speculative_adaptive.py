@@ -108,6 +108,19 @@ def test_stalls_do_not_decide():
     assert w.seconds_per_token() == pytest.approx(1.0)
 
 
+def test_a_stall_among_a_trials_first_two_steps_does_not_decide():
+    """A trial is judged early, after two drafting steps; a verify graph captured in one of them
+    (hundreds of ms) counted, and drafting was switched off on that capture alone."""
+    w = WallWindow()
+    w.add(30.0, 5)
+    w.add(1.2, 5)
+    assert w.seconds_per_token() == pytest.approx(1.2 / 5)
+    p = DraftPolicy(k_max=4, adaptive=True)
+    stalls = iter([30.0])
+    drive(p, accept_prob=1.0, cost=lambda r: 1.0 if r == 1 else next(stalls, 1.4), steps=BASELINE_STEPS + 2)
+    assert not p.off
+
+
 def test_policy_comes_back_on_after_a_good_shadow_run():
     p = DraftPolicy(k_max=4, adaptive=True)
     cost = lambda r: 1.0 + 0.1 * (r - 1)                      # noqa: E731
@@ -143,10 +156,20 @@ def test_ngram_proposes_continuation_of_longest_suffix_match():
     assert d.propose(tokens + [4, 6, 7], 2).tokens == [4, 6]  # (4, 6, 7) unseen; latest (6, 7) is at 10..11
 
 
+def test_ngram_drafts_k_tokens_in_text_that_repeats_with_a_short_period():
+    """Text repeating every 2 or 3 tokens: the latest occurrence of the suffix is one period back, and
+    the drafts go on past the end as the repetition does (they stopped at the end: 2 or 3 drafts)."""
+    d = NgramDrafter()
+    assert d.propose([9, 1, 2, 1, 2, 1, 2], 6).tokens == [1, 2, 1, 2, 1, 2]
+    assert d.propose([5, 6, 7, 5, 6, 7, 5], 5).tokens == [6, 7, 5, 6, 7]
+    tokens = [8, 1, 2, 3, 4, 5, 6, 9, 1, 2]                  # a copy far back: as before
+    assert d.propose(tokens, 3).tokens == [3, 4, 5]
+
+
 def test_ngram_handles_edits_and_short_inputs():
     d = NgramDrafter()
     assert d.propose([1], 4).tokens == []
-    assert d.propose([1, 1], 4).tokens == [1]
-    assert d.propose([3, 4, 3], 4).tokens == [4, 3]          # a different list: the index is rebuilt
+    assert d.propose([1, 1], 4).tokens == [1, 1, 1, 1]       # the copy runs on into its own drafts
+    assert d.propose([3, 4, 3], 4).tokens == [4, 3, 4, 3]    # a different list: the index is rebuilt
     with pytest.raises(ValueError, match="n_min"):
         NgramDrafter(n_max=1, n_min=2)

@@ -137,3 +137,59 @@ def test_drafting_that_pays_stays_on_across_requests(clock):
         assert min(ratios) > 1.5, ratios
     finally:
         VERIFY_FACTOR = old
+
+
+class PeriodicEngine(SimEngine):
+    """A model whose greedy text repeats every 2 tokens (the synthetic model's answers on the H200:
+    "x|x|x|..."), and whose verify has a large fixed cost and a small one per row (offloaded layers
+    verify through the grouped kernels): 2.5 plain steps for 2 rows, 2.8 for 5."""
+
+    def _logits(self, tokens):
+        out = torch.zeros(len(tokens), VOCAB)
+        for i, t in enumerate(tokens):
+            out[i, 11 if t == 10 else 10] = 1.0
+        return out
+
+    def forward(self, tokens):
+        rows = len(tokens)
+        self.clock.t += PLAIN_S if rows == 1 else PLAIN_S * (2.4 + 0.1 * (rows - 1))
+        self.position += rows
+        return self._logits(tokens)
+
+
+def test_drafting_pays_on_text_that_repeats_with_a_short_period(clock):
+    """Drafts stopped at the end of the text (2 per step in period-2 text), so each verify paid its
+    fixed cost for 3 tokens: 0.8x-1.0x plain decoding. Drafting the full K pays."""
+    from runtime.generate import PlainDecoder
+    sampling = SamplingOptions(temperature=0.0)
+    draft = DraftOptions(mode="ngram", draft_tokens=4, adaptive=True)
+    engine, ratios = PeriodicEngine(clock), []
+    for seed, length in [(1, 38), (2, 1408), (3, 1967)]:
+        prompt = prompt_of(seed, length)
+        plain_s, plain_tokens = answer(engine, PlainDecoder(engine, sampling, None), prompt, 160)
+        dec = speculative.make_decoder(engine, draft, sampling, None)
+        draft_s, draft_tokens = answer(engine, dec, prompt, 160)
+        assert draft_tokens == plain_tokens
+        ratios.append(plain_s / draft_s)
+    assert min(ratios) >= 1.3, ratios
+    stats = dec.stats()
+    assert stats.acceptance_rate == 1.0
+    # where the time went: full verifies of 5 rows at their simulated cost, plain steps at theirs
+    assert stats.verify_forwards > 20 and stats.verify_rows_mean == pytest.approx(5.0, abs=0.2)
+    assert stats.verify_step_s_mean == pytest.approx(PLAIN_S * 2.8, rel=0.05)
+    assert stats.plain_step_s_mean == pytest.approx(PLAIN_S)
+    assert stats.drafted_tokens == stats.accepted_tokens > 4 * 20
+    assert stats.decisions[0].startswith("step 0: drafting pays")        # the verdict kept from the answers before
+    assert all(d.startswith("step ") for d in stats.decisions)
+
+
+def test_a_request_lists_the_policys_verdicts_with_the_step_they_came_at(clock):
+    """Drafting that loses: the first request's decisions name the plain baseline, then the switch off."""
+    sampling = SamplingOptions(temperature=0.0)
+    engine = SimEngine(clock)
+    dec = speculative.make_decoder(engine, DraftOptions(mode="ngram", draft_tokens=4, adaptive=True), sampling, None)
+    answer(engine, dec, prompt_of(1, 200), 160)
+    decisions = dec.stats().decisions
+    assert decisions[0] == "step 0: measuring plain decoding (K 4)"
+    off = [d for d in decisions if "drafting off" in d]
+    assert off and int(off[0].split(":")[0].split()[1]) > 8      # after the settling steps and the baseline

@@ -228,3 +228,25 @@ def test_bad_settings_are_named():
         make_decoder(target, DraftOptions(mode="model"), GREEDY)
     with pytest.raises(ValueError, match="draft.mode"):
         make_decoder(target, DraftOptions(mode="medusa"), GREEDY)
+
+
+def test_a_greedy_verify_reads_its_rows_choices_at_once_and_keeps_the_penalty_path(monkeypatch):
+    """Greedy without a penalty: the verify's K+1 rows are chosen in one read of the logits (on the
+    GPU one wait, not one per row), with the same text as plain decoding; with a repetition penalty
+    each row still goes through sampling.sample (the history differs from row to row)."""
+    greedy = SamplingOptions(temperature=0.0)
+    target = MarkovEngine(3)
+    want = plain(target, greedy, [5, 4, 3, 5, 4, 3, 5], 40, 0)
+    calls = []
+    real = sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    target2 = MarkovEngine(3)
+    got, dec = run_decoder(target2, None, DraftOptions(mode="ngram", draft_tokens=4, adaptive=False),
+                           greedy, [5, 4, 3, 5, 4, 3, 5], 40, 0)
+    assert got == want and dec.stats().drafted_tokens > 0
+    assert not calls                                         # every row's choice from the one read
+    calls.clear()
+    penalised = SamplingOptions(temperature=0.0, repetition_penalty=1.3)
+    _, dec = run_decoder(MarkovEngine(3), None, DraftOptions(mode="ngram", draft_tokens=4, adaptive=False),
+                         penalised, [5, 4, 3, 5, 4, 3, 5], 40, 0)
+    assert len(calls) > dec.forwards

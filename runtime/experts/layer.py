@@ -25,6 +25,16 @@ class Routing:
     weights: torch.Tensor      # float32 [T, A], renormalised to sum 1 per token
 
 
+def union_reads(rows: int, path: str) -> bool:
+    """Whether an offloaded layer (expert path `path`) reads the experts of a forward of `rows` rows
+    once each (grouped kernels) rather than once per row and expert (split-K GEMVs). The rows of a
+    verify share experts, and a cold one read per row crossed PCIe once per row (8 rows: 6.5x the
+    one-row step on the H200, 1.3x through the grouped kernels). Where nearly every pick is resident,
+    the grouped kernels' fixed cost at a few rows may exceed what they save: MOEDESK_VERIFY_READS=rows
+    measures the other way (captured graphs keep the choice made at their capture)."""
+    return rows > 1 and path != "vram" and tuning.current().verify_reads == "union"
+
+
 def route(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool = True) -> Routing:
     """x [T, H] (any float), gate_w [E, H] -> the top-k experts and their weights, in fp32."""
     logits = x.float() @ gate_w.float().T                    # [T, E]
@@ -113,8 +123,7 @@ class ExpertLayer:
                 y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), skip=skip, cut=cut)
                 hooks.after(lo)
                 return cpu.join(stream, y)
-            # Rows of a verify forward share experts: read each cold one once over PCIe, not per row.
-            union = x.shape[0] > 1 and lo.path != "vram"
+            union = union_reads(x.shape[0], lo.path)
             packs = hooks.before(lo, x.shape[0], ids)
             y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), union_reads=union)
             hooks.after(lo)

@@ -108,7 +108,8 @@ class WallWindow:
         if not self.steps:
             return None
         times = sorted(s for s, _ in self.steps)
-        limit = STALL_FACTOR * times[len(times) // 2]
+        # the lower median: of an early trial's two steps, the upper one is the stall itself
+        limit = STALL_FACTOR * times[(len(times) - 1) // 2]
         kept = [(s, n) for s, n in self.steps if s <= limit]
         tokens = sum(n for _, n in kept)
         return sum(s for s, _ in kept) / tokens if tokens else None

@@ -50,11 +50,17 @@ class Drafter(Protocol):
 
 
 def timed_forward(engine: Engine, tokens: Sequence[int]) -> tuple[torch.Tensor, float]:
-    """engine.forward with its wall time, waiting for the device so the time is real."""
+    """engine.forward with its wall time, waiting for the stream that computed the logits (as reading
+    a token from them does in plain decoding), so the time is real.
+
+    Not the whole device: under offload, copies run on side streams beside the decode (the next
+    layers' predicted experts, promotions, staging pages lent after a prefill) and overlap the next
+    step in plain decoding; waiting for them here made every step of a drafting request, plain ones
+    included, slower than plain decoding's, and the policy compared drafting against that."""
     t0 = time.perf_counter()
     logits = engine.forward(tokens)                                      # [T, V]
     if logits.is_cuda:
-        torch.cuda.synchronize(logits.device)
+        torch.cuda.current_stream(logits.device).synchronize()
     return logits, time.perf_counter() - t0
 
 
@@ -92,12 +98,14 @@ def speculative_step(target: Engine, drafter: "Drafter", tokens: list[int], k: i
     # Verify: row i holds the target's logits after tokens + d_1..d_i.
     logits, dt = timed_forward(target, tokens[-1:] + drafts)              # [K+1, V]
 
-    # Accept or reject each draft in turn.
+    # Accept or reject each draft in turn. Greedy without a penalty: every row's choice in one read
+    # of the device (one wait, not one per row).
+    greedy = _argmax_rows(logits[:K + 1]) if opts.temperature == 0 and opts.repetition_penalty == 1.0 else None
     history = list(tokens)
     new: list[int] = []
     for i, d in enumerate(drafts):
         if opts.temperature == 0:
-            best = sampling.sample(logits[i], history, opts)
+            best = greedy[i] if greedy is not None else sampling.sample(logits[i], history, opts)
             if best != d:
                 new.append(best)
                 break
@@ -112,13 +120,21 @@ def speculative_step(target: Engine, drafter: "Drafter", tokens: list[int], k: i
         history.append(d)
     else:
         # All K accepted: the target's last row gives one more token for free.
-        new.append(sampling.sample(logits[K], history, opts, generator))
+        new.append(greedy[K] if greedy is not None else sampling.sample(logits[K], history, opts, generator))
 
     # Roll back both caches: keep tokens + the accepted drafts; the last new token stays pending.
     accepted = len(new) - 1
     target.truncate(len(tokens) + accepted)
     drafter.rollback(len(tokens) + accepted)
     return StepResult(new, drafted=K, accepted=accepted, rows=K + 1, forward_s=dt, draft_s=draft_s)
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax [R, V] -> R ids, as sampling.sample at temperature 0 without a penalty picks
+    (float32, the first of tied maxima)."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise sampling.SamplingError(f"logits: expected rows [R, vocab], got {tuple(logits.shape)}")
+    return torch.argmax(logits.to(torch.float32), dim=-1).tolist()
 
 
 def _accepts(p_d: float, q_d: float, generator: Optional[torch.Generator]) -> bool:

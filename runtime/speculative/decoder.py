@@ -14,6 +14,7 @@ from runtime.speculative.core import StepResult, plain_step, speculative_step
 from runtime.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter
 
 Drafter = Union[ModelDrafter, MtpDrafter, NgramDrafter]
+MAX_DECISIONS = 32          # policy verdicts kept per request (stats travel in every telemetry event)
 
 
 class SpeculativeDecoder:
@@ -35,6 +36,13 @@ class SpeculativeDecoder:
         self.plain_s = 0.0
         self.plain_tokens = 0
         self.all_s = 0.0
+        self.verify_forwards = self.verify_rows = 0
+        self.verify_s = 0.0
+        self.steps = 0
+        # The policy's verdicts over this request, the one it starts from (kept from earlier requests) first
+        self.decisions: list[str] = []
+        self._reason: Optional[str] = None
+        self._note_decision()
 
     def step(self, tokens: list[int], max_new: Optional[int] = None) -> list[int]:
         """Decode at least one token after `tokens`; `max_new` (optional) caps drafting."""
@@ -61,6 +69,7 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, (ModelDrafter, MtpDrafter)):
             self.policy.set_draft_cost(self.drafter.cost_per_token())
         self._count(result, step_s)
+        self._note_decision()
         return result.new
 
     def stats(self) -> DraftStats:
@@ -75,6 +84,12 @@ class SpeculativeDecoder:
             speedup=self._speedup(),
             draft_tokens_now=0 if self.policy.off else self.policy.k_now,
             acceptance_histogram=tuple(self.histogram),
+            verify_forwards=self.verify_forwards,
+            verify_rows_mean=self.verify_rows / self.verify_forwards if self.verify_forwards else None,
+            verify_step_s_mean=self.verify_s / self.verify_forwards if self.verify_forwards else None,
+            plain_steps=self.plain_tokens,
+            plain_step_s_mean=self.plain_s / self.plain_tokens if self.plain_tokens else None,
+            decisions=tuple(self.decisions),
         )
 
     # -- helpers -------------------------------------------------------------------------------
@@ -93,7 +108,15 @@ class SpeculativeDecoder:
         first = self.drafter.propose(tokens, 1).tokens
         return first[0] if first else None
 
+    def _note_decision(self) -> None:
+        """Keep the policy's verdict when it changed (step 0: the one this request starts from)."""
+        reason = self.policy.reason if self.policy.adaptive else f"fixed K = {self.policy.k_max}"
+        if reason != self._reason and len(self.decisions) < MAX_DECISIONS:
+            self.decisions.append(f"step {self.steps}: {reason} (K {self.policy.k_now})")
+        self._reason = reason
+
     def _count(self, result: StepResult, step_s: float) -> None:
+        self.steps += 1
         self.forwards += 1
         self.produced += len(result.new)
         self.all_s += step_s
@@ -101,6 +124,9 @@ class SpeculativeDecoder:
             self.drafted += result.drafted
             self.accepted += result.accepted
             self.histogram[result.accepted] += 1
+            self.verify_forwards += 1
+            self.verify_rows += result.rows
+            self.verify_s += step_s
         else:
             self.plain_s += step_s
             self.plain_tokens += 1

@@ -123,6 +123,11 @@ class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the longest suffix (n = n_max..n_min) of the
     tokens so far and propose the tokens that followed it. No model, so drafting costs ~nothing.
 
+    The copy runs on into its own drafts where the occurrence lies closer to the end than k tokens
+    (`_copy_on`): in text that repeats with a short period (a list, a table, a looping answer) the
+    latest occurrence is one period back, and stopping at the end offered only `period` drafts per
+    step, so every verify paid a wide forward's fixed cost for one or two tokens.
+
     `index` maps each n-gram to the position right after its latest occurrence that has a follower;
     it grows incrementally as tokens are appended and is rebuilt if the token list changes otherwise.
     """
@@ -141,7 +146,7 @@ class NgramDrafter:
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
             after = self.index.get(tuple(tokens[-n:]))
             if after is not None:
-                return Proposal(tokens[after:after + k])
+                return Proposal(_copy_on(tokens, after, k))
         return Proposal([])
 
     def _sync(self, tokens: list[int]) -> None:
@@ -158,6 +163,17 @@ class NgramDrafter:
 
     def cost_per_token(self) -> Optional[float]:
         return 0.0
+
+
+def _copy_on(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens copied from `start` on, where a copy that reaches the end continues with the tokens it
+    copied itself (as LZ77 does): the continuation of the repetition the match found."""
+    out: list[int] = []
+    n = len(tokens)
+    for i in range(k):
+        j = start + i
+        out.append(tokens[j] if j < n else out[j - n])
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

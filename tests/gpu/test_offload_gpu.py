@@ -311,3 +311,20 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
         _record(test="decode_prefetch_router", placement=placement, score=[c2 - c, ch2 - ch, k2 - k, kh2 - kh])
     finally:
         eng.close()
+
+
+def test_verify_rows_read_per_row_match_all_in_vram(moe_8l):
+    """MOEDESK_VERIFY_READS=rows: offloaded layers verify 2/5/8 rows through the split-K GEMVs (cold
+    experts read in place per row), graphs captured under that choice; the logits as all in VRAM."""
+    from runtime import tuning
+    from runtime.tuning import Tuning
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4)
+    budget = others + scratch + codes // 2 + (64 << 20)
+    with tuning.use(Tuning(verify_reads="rows")):
+        eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")
+        try:
+            assert eng.telemetry()["expert_paths"] == ["stream"] * 8
+            _compare(_script(eng, toks), want, "verify reads per row")
+            assert eng.telemetry()["decode_graphs"], eng.telemetry().get("graph_error")
+        finally:
+            eng.close()
