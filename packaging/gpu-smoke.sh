@@ -91,13 +91,26 @@ if want bundle; then
     say "bundle seconds: $(( $(date +%s) - T0 )) (kernels for $ARCH only, to keep this run short)"
     run du -sh dist/moedesk
     find dist/moedesk -name 'exllamav2_ext*' -o -name 'libcudart*' -o -name 'libtorch_cuda*' | tee -a "$LOG"
-    # The bundle runs with no toolchain at all: no PYTHONPATH, no wheels, no nvcc.
-    (cd /tmp && env -u PYTHONPATH -u MOEDESK_CUDA_TOOLCHAIN MOEDESK_HOME="$MOEDESK_HOME" \
+    # The bundle runs with no toolchain at all: no PYTHONPATH, no wheels, no nvcc, and as a new user would:
+    # Triton's cache and the user's folders empty, so its launchers are compiled here, by the machine's C
+    # compiler or the bundled Zig.
+    FRESH=$(mktemp -d)
+    (cd "$FRESH" && env -u PYTHONPATH -u MOEDESK_CUDA_TOOLCHAIN -u TRITON_CACHE_DIR HOME="$FRESH" \
+       XDG_CACHE_HOME="$FRESH/.cache" MOEDESK_HOME="$MOEDESK_HOME" \
        "$OLDPWD/dist/moedesk/moedesk" --smoke-test "Hello" --model "$OLDPWD/$MODEL") > build/bundle-smoke.log 2>&1
     tee -a "$LOG" < build/bundle-smoke.log
     if grep -q "on the cuda engine" build/bundle-smoke.log && grep -q "smoke: answered" build/bundle-smoke.log; then
       stage bundle PASS
     else stage bundle FAIL 3; fi
+    # Again with no program on PATH at all (no gcc, cc or clang): the bundled Zig compiles Triton's launchers.
+    FRESH=$(mktemp -d)
+    (cd "$FRESH" && env -u PYTHONPATH -u MOEDESK_CUDA_TOOLCHAIN -u TRITON_CACHE_DIR -u CC HOME="$FRESH" \
+       XDG_CACHE_HOME="$FRESH/.cache" MOEDESK_HOME="$MOEDESK_HOME" PATH=/nonexistent \
+       "$OLDPWD/dist/moedesk/moedesk" --smoke-test "Hello" --model "$OLDPWD/$MODEL") > build/bundle-smoke-nocc.log 2>&1
+    tee -a "$LOG" < build/bundle-smoke-nocc.log
+    if grep -q "on the cuda engine" build/bundle-smoke-nocc.log && grep -q "smoke: answered" build/bundle-smoke-nocc.log; then
+      stage "bundle without a C compiler" PASS
+    else stage "bundle without a C compiler" FAIL 3; fi
   else stage bundle FAIL 3; fi
 fi
 say "gpu-smoke done: exit $FAILED"

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from runtime import paths
+from runtime import triton_cc
 from runtime import tuning
+from runtime.triton_cc import COMPILER_PACKAGES, compiler_advice  # noqa: F401  (the build's advice too)
 
 EXT = "exllamav2_ext"
 TAIL_LINES = 25                              # compiler lines kept with a failure
@@ -280,38 +282,9 @@ def find_compiler(env: Mapping[str, str] = tuning.environment(),
 def triton_advice(env: Mapping[str, str] = tuning.environment(),
                   which: Callable[[str], Optional[str]] = shutil.which) -> str:
     """Triton (the GPU engine's MoE and attention kernels) compiles a small C launcher at first use with
-    CC, gcc or clang: what to do where none exists (empty when one does)."""
-    if IS_WINDOWS or env.get("CC") or which("gcc") or which("clang"):
-        return ""
-    return "Triton, which runs the GPU engine's MoE kernels, needs a C compiler at first use. " + compiler_advice()
-
-
-# Distribution family (os-release ID / ID_LIKE) -> the package and command that install a C++ compiler.
-COMPILER_PACKAGES = (
-    (("debian", "ubuntu"), "build-essential", "sudo apt install build-essential"),
-    (("fedora", "rhel", "centos"), "gcc-c++", "sudo dnf install gcc-c++"),
-    (("opensuse", "suse"), "gcc-c++", "sudo zypper install gcc-c++"),
-    (("arch",), "base-devel", "sudo pacman -S --needed base-devel"),
-    (("alpine",), "build-base", "sudo apk add build-base"),
-)
-
-
-def compiler_advice(os_release: Optional[str] = None) -> str:
-    """What to install for a C++ compiler on this distribution (from /etc/os-release's text)."""
-    if IS_WINDOWS:
-        return ("Install Visual Studio Build Tools with \"Desktop development with C++\", "
-                "then start MoE Desk again.")
-    if os_release is None:
-        try:
-            os_release = Path("/etc/os-release").read_text(encoding="utf-8")
-        except OSError:
-            os_release = ""
-    fields = dict(re.findall(r'^(\w+)=["\']?([^"\'\n]*)', os_release, re.M))
-    ids = [fields.get("ID", "")] + fields.get("ID_LIKE", "").split()
-    for family, package, command in COMPILER_PACKAGES:
-        if any(i.startswith(f) for i in ids for f in family if i):
-            return f"Install a C++ compiler (package {package}: `{command}`), then start MoE Desk again."
-    return "Install a C++ compiler (g++ from your distribution's packages), then start MoE Desk again."
+    CC, gcc, clang or a shipped Zig (runtime/triton_cc.py), against Python's headers: what to install
+    where that cannot run (empty when it can)."""
+    return triton_cc.advice(dict(env), which, compiler_advice=compiler_advice)
 
 
 # ---------------------------------------------------------------- the cache

@@ -41,6 +41,10 @@ def error_event(exc: BaseException, request_id: Optional[str] = None) -> P.Error
     """The error event that reports `exc` (raised while handling the request `request_id`)."""
     if isinstance(exc, E.EngineError):
         return P.Error(code=code_for(exc).value, message=exc.message, detail=exc.detail, request_id=request_id)
+    from runtime.triton_cc import launcher_failure
+    known = launcher_failure(exc)            # Triton could not compile its launcher: what to install
+    if known is not None:
+        return error_event(known, request_id)
     if isinstance(exc, MemoryError):
         return P.Error(code=P.ErrorCode.OUT_OF_MEMORY.value, message="host memory ran out",
                        detail=_trace(exc), request_id=request_id)

@@ -16,7 +16,9 @@ def build_kernels(progress: ProgressFn) -> float:
     """Import exllamav2's CUDA extension; returns the seconds it took. A prebuilt or cached build
     (runtime.gpu_setup: `moedesk-cli setup-gpu`, the welcome screen's background build) is imported as it is;
     without one, exllamav2 builds it here, at import, into the same cache (the slow fallback)."""
-    from runtime import gpu_setup
+    from runtime import gpu_setup, triton_cc
+    from runtime.paths import cache_dir
+    triton_cc.prepare(cache_dir())       # a C compiler for Triton's launchers where the machine has none
     archs = gpu_setup.gpu_archs()
     cached = gpu_setup.prepare_import(archs)
     progress("kernels", "Loading GPU kernels" if cached else "Building GPU kernels, one time", 0, 1)
