@@ -119,21 +119,30 @@ def test_drafting_that_loses_in_wall_time_switches_off_over_a_conversation(clock
     assert len(policies) == 1                                     # one policy for the engine's requests
 
 
+def plain_then_drafting(engine, answers=((1, 38), (2, 1408), (3, 1967))):
+    """One conversation on `engine`: each prompt answered plainly, then with adaptive n-gram drafting
+    (the same greedy text); the plain/drafting time ratios and the last drafting decoder."""
+    from runtime.generate import PlainDecoder
+    sampling = SamplingOptions(temperature=0.0)
+    draft = DraftOptions(mode="ngram", draft_tokens=4, adaptive=True)
+    ratios = []
+    for seed, length in answers:
+        prompt = prompt_of(seed, length)
+        plain_s, plain_tokens = answer(engine, PlainDecoder(engine, sampling, None), prompt, 160)
+        dec = speculative.make_decoder(engine, draft, sampling, None)
+        draft_s, draft_tokens = answer(engine, dec, prompt, 160)
+        assert draft_tokens == plain_tokens
+        ratios.append(plain_s / draft_s)
+    return ratios, dec
+
+
 def test_drafting_that_pays_stays_on_across_requests(clock):
     """The same conversation where a verify costs little more than a plain step: drafting stays on
     and every answer is faster than plain decoding (the settling steps after a prefill included)."""
     global VERIFY_FACTOR
-    from runtime.generate import PlainDecoder
     old, VERIFY_FACTOR = VERIFY_FACTOR, 0.3                       # 5 rows: 1.5 plain steps for ~5 tokens
     try:
-        sampling = SamplingOptions(temperature=0.0)
-        draft = DraftOptions(mode="ngram", draft_tokens=4, adaptive=True)
-        engine, ratios = SimEngine(clock), []
-        for seed, length in [(1, 38), (2, 1408), (3, 1967)]:
-            prompt = prompt_of(seed, length)
-            plain_s, _ = answer(engine, PlainDecoder(engine, sampling, None), prompt, 160)
-            draft_s, _ = answer(engine, speculative.make_decoder(engine, draft, sampling, None), prompt, 160)
-            ratios.append(plain_s / draft_s)
+        ratios, _ = plain_then_drafting(SimEngine(clock))
         assert min(ratios) > 1.5, ratios
     finally:
         VERIFY_FACTOR = old
@@ -160,17 +169,7 @@ class PeriodicEngine(SimEngine):
 def test_drafting_pays_on_text_that_repeats_with_a_short_period(clock):
     """Drafts stopped at the end of the text (2 per step in period-2 text), so each verify paid its
     fixed cost for 3 tokens: 0.8x-1.0x plain decoding. Drafting the full K pays."""
-    from runtime.generate import PlainDecoder
-    sampling = SamplingOptions(temperature=0.0)
-    draft = DraftOptions(mode="ngram", draft_tokens=4, adaptive=True)
-    engine, ratios = PeriodicEngine(clock), []
-    for seed, length in [(1, 38), (2, 1408), (3, 1967)]:
-        prompt = prompt_of(seed, length)
-        plain_s, plain_tokens = answer(engine, PlainDecoder(engine, sampling, None), prompt, 160)
-        dec = speculative.make_decoder(engine, draft, sampling, None)
-        draft_s, draft_tokens = answer(engine, dec, prompt, 160)
-        assert draft_tokens == plain_tokens
-        ratios.append(plain_s / draft_s)
+    ratios, dec = plain_then_drafting(PeriodicEngine(clock))
     assert min(ratios) >= 1.3, ratios
     stats = dec.stats()
     assert stats.acceptance_rate == 1.0
