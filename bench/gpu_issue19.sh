@@ -10,6 +10,7 @@
 #      written after every answer and holds the load's stages with their wall time. The model's saved
 #      routing statistics are removed first, so the load is its first: the routing prior is measured
 #      ("Placing experts: from a calibration prompt" in the stages)
+#   2b. the same at temperature 1 for two turns (the synthetic model's sampled text: drafts rarely match)
 #   3. the warm-up and routing-prior GPU tests (~150 s): idle captures leave the cached K/V rows bit
 #      for bit; a first load places by the prior and its first answer hits as the steady state
 #   4. loads at 24 GB under uniform routing with the time left, each placed from uniform statistics;
@@ -49,6 +50,15 @@ W=$(ls -t bench/results/worker-q125-a11-24gb-*.json 2>/dev/null | head -1)
 log "worker JSON: ${W:-none}"
 [ -n "$W" ] && cp "$W" "$OUT"/
 [ -n "$W" ] && log "routing prior at load: $(grep -o 'from a calibration prompt' "$W" | wc -l) mention(s) in the load's stages"
+
+if [ "$(left)" -gt 190 ]; then              # text where drafts rarely match: sampled at temperature 1
+    log "worker benchmark at 24 GB, sampled (drafts rarely match), two turns"
+    timeout $(( $(left) - 150 )) $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
+        --label q125-a11-24gb-t1 --max-tokens 160 --draft both --turns 2 --temperature 1.0 --out bench/results 2>&1 \
+        | tail -12 | tee -a "$OUT/gpu_issue19.log"
+    W=$(ls -t bench/results/worker-q125-a11-24gb-t1-*.json 2>/dev/null | head -1)
+    [ -n "$W" ] && cp "$W" "$OUT"/
+fi
 
 if [ "$(left)" -gt 70 ]; then
     log "GPU warm-up and routing-prior tests"

@@ -259,7 +259,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench-worker: --turns must be 1..{len(CONVERSATION)}", file=sys.stderr)
         return 2
     settings = settings_for(args)
-    sampling = dataclasses.replace(settings.sampling, temperature=0.0, max_tokens=args.max_tokens, seed=0)
+    try:
+        sampling = sampling_for(settings, args)
+    except ValueError as e:
+        print(f"bench-worker: {e}", file=sys.stderr)
+        return 2
     modes = {"both": ["none", "ngram"], "none": ["none"], "ngram": ["ngram"]}[args.draft]
     ngram = settings.load.draft
     drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": ngram}
@@ -290,10 +294,10 @@ def run(args: argparse.Namespace) -> int:
                 "context": loaded.context_length, "load_s": load_s, "worker_load_s": loaded.load_s,
                 "load_stages": stages, "kernels_compiled_in_load": load_extra.get("kernels_compiled_in_load"),
                 "placement_at_load": load_extra.get("placement_decision"), "load_progress": progress,
-                "applied": loaded.applied,
+                "applied": loaded.applied, "temperature": args.temperature,
                 "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the "
                           f"app's settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the "
-                          f"flags applied, sent in the load command as the GUI does. Greedy, at most {args.max_tokens} "
+                          f"flags applied, sent in the load command as the GUI does. {how_sampled(args.temperature)}, at most {args.max_tokens} "
                           f"tokens per answer, {args.turns} user turns answered by each mode ({', '.join(modes)}) in "
                           "one conversation on one load, taking turns (the first answer after load plain); the "
                           "second answer of a pair reuses the prompt cached by the first. Timings on the client side "
@@ -382,6 +386,21 @@ def _first_vs_steady(answers: list[Answer]) -> Optional[float]:
     return answers[0].decode_tps / statistics.median(later)
 
 
+def sampling_for(settings, args):
+    """The answers' sampling: the app's settings with greedy decoding (both modes write the same text,
+    so their speeds compare like for like), or `--temperature` above 0 (seed 0): on a synthetic model's
+    random weights that is text where n-gram drafts rarely match, the case where drafting must cost
+    little (its greedy text repeats with a short period, where drafts always match)."""
+    t = args.temperature
+    if not 0.0 <= t <= 2.0:
+        raise ValueError(f"--temperature must be between 0 and 2 (got {t:g})")
+    return dataclasses.replace(settings.sampling, temperature=t, max_tokens=args.max_tokens, seed=0)
+
+
+def how_sampled(temperature: float) -> str:
+    return "Greedy" if temperature == 0 else f"Sampled at temperature {temperature:g} (seed 0; the modes' texts differ)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model name, 'demo', or folder")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
@@ -392,6 +411,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, help="n-gram drafts per step")
     p.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens")
     p.add_argument("--turns", type=int, default=len(CONVERSATION), help="answers per conversation")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (both modes write the same text); above 0 on a synthetic model: text where "
+                        "n-gram drafts rarely match")
     p.add_argument("--settings", type=Path, help="the app's settings file to start from (default: defaults)")
     p.add_argument("--label", help="model name for the results")
     p.add_argument("--note", help="added to the result's notes")

@@ -86,3 +86,18 @@ def test_a_modes_acceptance_counts_every_draft_and_each_answer_says_where_its_ti
     assert "25 verifies of 5.0 rows, 25.0 ms each" in line and "40 plain steps, 9.0 ms each" in line
     assert "step 20: drafting off" in line
     assert draft_line(Answer("none", 0, "first_answer", False)) is None
+
+
+def test_sampling_is_greedy_unless_a_temperature_is_asked():
+    import argparse
+    import pytest
+    from bench.worker import add_arguments, how_sampled, sampling_for, settings_for
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    settings = settings_for(p.parse_args(["--model", "demo"]))
+    greedy = sampling_for(settings, p.parse_args(["--model", "demo", "--max-tokens", "7"]))
+    assert greedy.temperature == 0.0 and greedy.max_tokens == 7 and greedy.seed == 0
+    hot = sampling_for(settings, p.parse_args(["--model", "demo", "--temperature", "1.0"]))
+    assert hot.temperature == 1.0 and "temperature 1" in how_sampled(1.0) and how_sampled(0.0) == "Greedy"
+    with pytest.raises(ValueError, match="between 0 and 2"):
+        sampling_for(settings, p.parse_args(["--model", "demo", "--temperature", "-1"]))
