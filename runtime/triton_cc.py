@@ -23,14 +23,16 @@ import sysconfig
 from pathlib import Path
 from typing import Callable, MutableMapping, Optional
 
+from runtime import tuning
 from runtime.errors import KernelBuildFailed
 
 IS_WINDOWS = sys.platform == "win32"
 Which = Callable[[str], Optional[str]]
 
 
-def system_compiler(env: MutableMapping[str, str], which: Which = shutil.which) -> Optional[str]:
+def system_compiler(env: Optional[MutableMapping[str, str]] = None, which: Which = shutil.which) -> Optional[str]:
     """The compiler Triton would find by itself: CC, else gcc, else clang (None: none)."""
+    env = tuning.environment() if env is None else env
     if env.get("CC"):
         return env["CC"]
     return which("gcc") or which("clang")
@@ -72,13 +74,14 @@ def write_wrapper(zig: Path, folder: Path) -> Path:
     return wrapper
 
 
-def prepare(cache_dir: Path, env: MutableMapping[str, str] = os.environ, which: Which = shutil.which,
+def prepare(cache_dir: Path, env: Optional[MutableMapping[str, str]] = None, which: Which = shutil.which,
             zig: Optional[Path] = None) -> Optional[str]:
     """Before Triton's first compile in this process: where it would find no compiler and a Zig is at
     hand, CC names a wrapper (in `cache_dir`) that runs `zig cc`. Returns the compiler Triton will use
     (None: none, `advice` says what to install). Windows: Triton's own build carries its compiler."""
     if IS_WINDOWS:
         return None
+    env = env if env is not None else os.environ           # written: Triton reads CC from the process
     found = system_compiler(env, which)
     if found:
         return found
@@ -110,7 +113,7 @@ def headers_advice(headers: Optional[Path] = None) -> str:
             f"development package (e.g. `sudo apt install python{sys.version_info[0]}.{sys.version_info[1]}-dev`).")
 
 
-def advice(env: MutableMapping[str, str] = os.environ, which: Which = shutil.which,
+def advice(env: Optional[MutableMapping[str, str]] = None, which: Which = shutil.which,
            zig: Optional[Path] = None, compiler_advice: Callable[[], str] = lambda: "",
            headers: Optional[Path] = None) -> str:
     """What a user must install before Triton's first compile can run here (empty: nothing)."""
@@ -126,8 +129,7 @@ def advice(env: MutableMapping[str, str] = os.environ, which: Which = shutil.whi
     return " ".join(p.strip() for p in parts)
 
 
-def launcher_failure(exc: BaseException, env: MutableMapping[str, str] = os.environ,
-                     which: Which = shutil.which) -> Optional[KernelBuildFailed]:
+def launcher_failure(exc: BaseException) -> Optional[KernelBuildFailed]:
     """Triton's failure to compile its launcher, in words (None: `exc` is something else)."""
     text = str(exc)
     if isinstance(exc, RuntimeError) and "Failed to find C compiler" in text:
