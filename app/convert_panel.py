@@ -120,18 +120,9 @@ class ConversionsPanel(JobsPanel):
 def grab_conversions(path) -> Path:
     """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
     the events a live conversion sends are fed to the same slot."""
-    import tempfile
+    from app.models_dialog import screenshot_dialog
 
-    from PySide6.QtWidgets import QApplication
-
-    from app.models_dialog import ModelManagerDialog
-
-    app = QApplication.instance() or QApplication([])
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as models:
-        dialog = ModelManagerDialog(models_dir=Path(models))
-        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+    with screenshot_dialog(path) as dialog:
         panel = dialog.conversions
         panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
                                         "Paused after layer 9: press Resume to continue."))
@@ -140,9 +131,4 @@ def grab_conversions(path) -> Path:
         dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
                                     "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
                                     "list once complete.")
-        dialog.show()
-        app.processEvents()
-        dialog.grab().save(str(out))
-        dialog.shutdown()
-        dialog.deleteLater()
-    return out
+    return Path(path)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
@@ -518,17 +519,34 @@ class ModelManagerDialog(QDialog):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@contextmanager
+def screenshot_dialog(path: str | Path) -> Iterator[ModelManagerDialog]:
+    """A model manager over an empty models folder on a 24 GB GPU, for `make screenshots`: what the block
+    puts in it is saved as a PNG at `path` when the block ends."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models))
+        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+        yield dialog
+        dialog.show()
+        app.processEvents()
+        dialog.grab().save(str(out))
+        dialog.shutdown()
+        dialog.deleteLater()
+
+
 def grab_model_manager(path: str | Path) -> Path:
     """A PNG of the model manager with a download in progress, for `make screenshots`.
 
     Needs no network: the dialog shows a listing of a repository with the real Qwen3-30B-A3B config and a
     download part-way, fed through the same slots a live session uses.
     """
-    from PySide6.QtWidgets import QApplication
-
     from app.hub.browse import RemoteFile
 
-    app = QApplication.instance() or QApplication([])
     config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
@@ -541,11 +559,7 @@ def grab_model_manager(path: str | Path) -> Path:
                     (RemoteFile("model.safetensors", size(bpw), "0" * 64, ""),), config)
               for bpw in (3.0, 4.0, 6.0, 8.0)]
     total = size(4.0)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as models:
-        dialog = ModelManagerDialog(models_dir=Path(models))
-        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+    with screenshot_dialog(path) as dialog:
         dialog.tabs.setCurrentIndex(1)
         dialog.search_edit.setText("Qwen3-30B-A3B")
         dialog._searched = True                 # a search's results replace the recommendations
@@ -562,9 +576,4 @@ def grab_model_manager(path: str | Path) -> Path:
                                                    int(total * 0.41), total, 48.2e6, total * 0.59 / 48.2e6,
                                                    "model-00002-of-00004.safetensors",
                                                    "Downloading model-00002-of-00004.safetensors"))
-        dialog.show()
-        app.processEvents()
-        dialog.grab().save(str(out))
-        dialog.shutdown()
-        dialog.deleteLater()
-    return out
+    return Path(path)
