@@ -6,31 +6,16 @@ its own process); this module only shows it. Events come from background threads
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QGridLayout,
-                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton, QVBoxLayout,
-                               QWidget)
+                               QLabel, QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
 
 from app.hub.convert import BPW_RANGE, ConvertManager, ConvertProgress
 from app.hub.download import JobState
+from app.hub.jobs import ACTIVE, ENDED, RESUMABLE
+from app.jobs_panel import JobsPanel
 from app.telemetry import fmt_bytes
-
-
-def job_controls(title: str, act: Callable[[str], None]) -> tuple[QHBoxLayout, QPushButton, QPushButton, QPushButton]:
-    """A jobs table's row of controls: its title, then Pause, Resume and Cancel, each calling
-    act("pause" | "resume" | "cancel") (the downloads and the conversions tables share it)."""
-    row = QHBoxLayout()
-    row.addWidget(QLabel(title))
-    buttons = []
-    for label in ("Pause", "Resume", "Cancel"):
-        b = QPushButton(label)
-        b.clicked.connect(lambda _=False, action=label.lower(): act(action))
-        row.addWidget(b)
-        buttons.append(b)
-    row.addStretch(1)
-    return (row, *buttons)
 
 
 class ConvertForm(QDialog):
@@ -91,51 +76,27 @@ class ConvertForm(QDialog):
         return hub, (self.repo_edit if hub else self.folder_edit).text().strip(), self.bpw_spin.value()
 
 
-class ConversionsPanel(QWidget):
+class ConversionsPanel(JobsPanel):
     """One row per conversion: what, state, a progress bar (bytes while downloading, layers while converting)."""
     event = Signal(object)                    # ConvertProgress, from a background thread
     finished_model = Signal(str)              # a conversion completed: the model list should refresh
 
-    def __init__(self, manager_factory, table_factory, item_factory, parent=None):
-        super().__init__(parent)
-        self._item = item_factory
-        self.table = table_factory(["Conversion", "State", "Progress", "Details"])
-        self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
-        self.table.setColumnWidth(2, 230)
-        self._rows: dict[str, int] = {}
+    def __init__(self, manager_factory, parent=None):
+        super().__init__("Conversions", ["Conversion", "State", "Progress", "Details"], select_new=True,
+                         parent=parent)
         self._states: dict[str, JobState] = {}
         self.event.connect(self._on_event)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.manager: ConvertManager = manager_factory(self.event.emit)
-        buttons, self.pause_button, self.resume_button, self.cancel_button = job_controls(
-            "Conversions", lambda action: self._with_job(getattr(self.manager, action)))
-        v = QVBoxLayout(self)
-        v.setContentsMargins(0, 0, 0, 0)
-        v.addLayout(buttons)
-        v.addWidget(self.table)
         self._update_buttons()
         for progress in self.manager.restore():
             self._on_event(progress)
 
-    def selected_job(self) -> str | None:
-        rows = self.table.selectionModel().selectedRows()
-        return self.table.item(rows[0].row(), 0).data(Qt.UserRole) if rows else None
-
-    def select(self, job_id: str) -> None:
-        if job_id in self._rows:
-            self.table.selectRow(self._rows[job_id])
-
     def _update_buttons(self) -> None:
-        job_id = self.selected_job()
-        state = self._states.get(job_id)
-        self.pause_button.setEnabled(state in (JobState.QUEUED, JobState.RUNNING))
-        self.resume_button.setEnabled(state in (JobState.PAUSED, JobState.FAILED))
-        self.cancel_button.setEnabled(state is not None and state not in (JobState.CANCELLED, JobState.DONE))
-
-    def _with_job(self, action) -> None:
-        job_id = self.selected_job()
-        if job_id:
-            action(job_id)
+        state = self._states.get(self.selected_job())
+        self.pause_button.setEnabled(state in ACTIVE)
+        self.resume_button.setEnabled(state in RESUMABLE)
+        self.cancel_button.setEnabled(state is not None and state not in ENDED)
 
     def row_text(self, job_id: str) -> tuple[str, str, str]:
         """(state, progress bar text, details) of a job's row: what the user reads."""
@@ -143,27 +104,13 @@ class ConversionsPanel(QWidget):
         return self.table.item(r, 1).text(), self.table.cellWidget(r, 2).format(), self.table.item(r, 3).text()
 
     def _on_event(self, p: ConvertProgress) -> None:
-        t = self.table
-        row = self._rows.get(p.job_id)
-        if row is None:
-            row = self._rows[p.job_id] = t.rowCount()
-            t.insertRow(row)
-            name = self._item(p.job_id)
-            name.setData(Qt.UserRole, p.job_id)
-            t.setItem(row, 0, name)
-            bar = QProgressBar()
-            bar.setRange(0, 1000)
-            t.setCellWidget(row, 2, bar)
-            t.selectRow(row)
-        bar = t.cellWidget(row, 2)
-        bar.setValue(int(1000 * p.done / p.total) if p.total else 0)
         if p.phase == "download":
-            bar.setFormat(f"original: {fmt_bytes(p.done)} of {fmt_bytes(p.total)}")
+            text = f"original: {fmt_bytes(p.done)} of {fmt_bytes(p.total)}"
         else:
-            bar.setFormat(f"layer {p.done} of {p.total}" if p.total else "—")
+            text = f"layer {p.done} of {p.total}" if p.total else "—"
+        row = self.show_progress(p.job_id, p.done, p.total, text)
         state = "downloading" if p.phase == "download" and p.state is JobState.RUNNING else p.state.value
-        t.setItem(row, 1, self._item(state, p.message))
-        t.setItem(row, 3, self._item(p.message, p.message))
+        self.show_texts(row, {1: state, 3: p.message}, p.message)
         self._states[p.job_id] = p.state
         self._update_buttons()
         if p.state is JobState.DONE:
@@ -173,18 +120,9 @@ class ConversionsPanel(QWidget):
 def grab_conversions(path) -> Path:
     """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
     the events a live conversion sends are fed to the same slot."""
-    import tempfile
+    from app.models_dialog import screenshot_dialog
 
-    from PySide6.QtWidgets import QApplication
-
-    from app.models_dialog import ModelManagerDialog
-
-    app = QApplication.instance() or QApplication([])
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as models:
-        dialog = ModelManagerDialog(models_dir=Path(models))
-        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+    with screenshot_dialog(path) as dialog:
         panel = dialog.conversions
         panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
                                         "Paused after layer 9: press Resume to continue."))
@@ -193,9 +131,4 @@ def grab_conversions(path) -> Path:
         dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
                                     "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
                                     "list once complete.")
-        dialog.show()
-        app.processEvents()
-        dialog.grab().save(str(out))
-        dialog.shutdown()
-        dialog.deleteLater()
-    return out
+    return Path(path)

@@ -10,18 +10,17 @@ from __future__ import annotations
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QFileDialog, QGridLayout, QHBoxLayout,
-                               QHeaderView,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
-                               QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
+                               QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QSpinBox, QSplitter,
+                               QTabWidget, QVBoxLayout, QWidget)
 
-from app.convert_panel import ConversionsPanel, ConvertForm, job_controls
+from app.convert_panel import ConversionsPanel, ConvertForm
 from app.hub.browse import HubClient, Quant, sign_in
 from app.hub.convert import ConvertManager, hub_source
 from app.hub.download import DownloadProgress, JobState
@@ -30,6 +29,7 @@ from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_
 from app.hub.local import LocalModel, delete_model, import_folder, list_local_models
 from app.hub.queue import DownloadManager
 from app.hub.recommend import recommend
+from app.jobs_panel import JobsPanel, cell, new_table
 from app.telemetry import fmt_bytes
 from app.wheel import scroll_past_inputs
 from runtime import paths
@@ -39,25 +39,6 @@ KV_TYPES = ("fp16", "q8", "q6", "q4")
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-
-
-def _item(text: str, tip: str = "") -> QTableWidgetItem:
-    it = QTableWidgetItem(text)
-    it.setFlags(it.flags() & ~Qt.ItemIsEditable)
-    if tip:
-        it.setToolTip(tip)
-    return it
-
-
-def _table(headers: list[str]) -> QTableWidget:
-    t = QTableWidget(0, len(headers))
-    t.setHorizontalHeaderLabels(headers)
-    t.setSelectionBehavior(QAbstractItemView.SelectRows)
-    t.setSelectionMode(QAbstractItemView.SingleSelection)
-    t.verticalHeader().setVisible(False)
-    t.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
-    t.horizontalHeader().setStretchLastSection(True)
-    return t
 
 
 class ModelManagerDialog(QDialog):
@@ -81,7 +62,6 @@ class ModelManagerDialog(QDialog):
         self.vram, self.ram, self.gpu = detect_memory()
         self._quants: list[Quant] = []
         self._local: list[LocalModel] = []
-        self._rows: dict[str, int] = {}          # download job id -> row
 
         self.tabs = QTabWidget()
         self.tabs.addTab(self._build_local(), "Local models")
@@ -90,8 +70,7 @@ class ModelManagerDialog(QDialog):
         split = QSplitter(Qt.Vertical)           # downloads stay in sight while browsing
         split.addWidget(self.tabs)
         split.addWidget(self._build_downloads())
-        self.conversions = ConversionsPanel(lambda emit: ConvertManager(self.models_dir, on_event=emit),
-                                            _table, _item)
+        self.conversions = ConversionsPanel(lambda emit: ConvertManager(self.models_dir, on_event=emit))
         self.conversions.finished_model.connect(lambda _: self.refresh_local())
         split.addWidget(self.conversions)
         split.setSizes([360, 130, 150])
@@ -110,8 +89,8 @@ class ModelManagerDialog(QDialog):
 
     def _build_local(self) -> QWidget:
         w = QWidget()
-        self.local_table = _table(["Name", "Architecture", "Parameters", "Bits/weight", "Size", "Last used",
-                                   "Status"])
+        self.local_table = new_table(["Name", "Architecture", "Parameters", "Bits/weight", "Size", "Last used",
+                                      "Status"])
         self.load_button = QPushButton("Load")
         self.reveal_button = QPushButton("Reveal in file manager")
         self.delete_button = QPushButton("Delete…")
@@ -151,7 +130,7 @@ class ModelManagerDialog(QDialog):
                      _params(m.num_params) if m.num_params else "—",
                      f"{m.bits_per_weight:.2f}" if m.bits_per_weight else "—", fmt_bytes(m.size_bytes), used, status]
             for c, text in enumerate(cells):
-                item = _item(text, m.error or m.source or str(m.path))
+                item = cell(text, m.error or m.source or str(m.path))
                 if loaded:
                     font = item.font()
                     font.setBold(True)
@@ -267,7 +246,7 @@ class ModelManagerDialog(QDialog):
         self.hub_status.setWordWrap(True)
         self.repo_list = QListWidget()
         self.repo_list.currentItemChanged.connect(lambda item, _: item and self.show_repo(item.data(Qt.UserRole)))
-        self.quant_table = _table(["Branch", "Bits/weight", "Download size", "Fit on this machine"])
+        self.quant_table = new_table(["Branch", "Bits/weight", "Download size", "Fit on this machine"])
         self.context_spin = QSpinBox()
         self.context_spin.setRange(512, 1 << 20)
         self.context_spin.setSingleStep(4096)
@@ -387,7 +366,7 @@ class ModelManagerDialog(QDialog):
             if q.head_bits:
                 bits += f" (head {q.head_bits:g})"
             for c, text in enumerate([q.branch, bits, fmt_bytes(q.size_bytes), fit]):
-                t.setItem(r, c, _item(text, why if c == 3 else q.access))
+                t.setItem(r, c, cell(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
             t.selectRow(0)
 
@@ -499,46 +478,19 @@ class ModelManagerDialog(QDialog):
     # Downloads
 
     def _build_downloads(self) -> QWidget:
-        w = QWidget()
-        self.download_table = _table(["Model", "State", "Progress", "Speed", "Time left", "Details"])
-        self.download_table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
-        self.download_table.setColumnWidth(2, 230)
-        buttons, self.pause_button, self.resume_button, self.cancel_button = job_controls(
-            "Downloads", lambda action: self._with_job(getattr(self.manager, action)))
-        v = QVBoxLayout(w)
-        v.setContentsMargins(0, 0, 0, 0)
-        v.addLayout(buttons)
-        v.addWidget(self.download_table)
-        return w
-
-    def _with_job(self, action: Callable[[str], None]) -> None:
-        rows = self.download_table.selectionModel().selectedRows()
-        if rows:
-            job_id = self.download_table.item(rows[0].row(), 0).data(Qt.UserRole)
-            action(job_id)
+        d = self.downloads = JobsPanel("Downloads", ["Model", "State", "Progress", "Speed", "Time left", "Details"],
+                                       self.manager)
+        self.download_table = d.table
+        self.pause_button, self.resume_button, self.cancel_button = d.pause_button, d.resume_button, d.cancel_button
+        return d
 
     def _on_download_event(self, p: DownloadProgress) -> None:
-        t = self.download_table
-        row = self._rows.get(p.job_id)
-        if row is None:
-            row = self._rows[p.job_id] = t.rowCount()
-            t.insertRow(row)
-            name = _item(p.job_id)
-            name.setData(Qt.UserRole, p.job_id)
-            t.setItem(row, 0, name)
-            bar = QProgressBar()
-            bar.setRange(0, 1000)
-            t.setCellWidget(row, 2, bar)
-            if t.rowCount() == 1:
-                t.selectRow(0)
-        bar = t.cellWidget(row, 2)
-        bar.setValue(int(1000 * p.done_bytes / p.total_bytes) if p.total_bytes else 0)
-        bar.setFormat(f"{fmt_bytes(p.done_bytes)} of {fmt_bytes(p.total_bytes)}")
+        row = self.downloads.show_progress(p.job_id, p.done_bytes, p.total_bytes,
+                                           f"{fmt_bytes(p.done_bytes)} of {fmt_bytes(p.total_bytes)}")
         running = p.state is JobState.RUNNING
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
-        for c, text in ((1, p.state.value), (3, f"{fmt_bytes(p.speed_bps)}/s" if running else ""), (4, eta),
-                        (5, p.message)):
-            t.setItem(row, c, _item(text, p.message))
+        self.downloads.show_texts(row, {1: p.state.value, 3: f"{fmt_bytes(p.speed_bps)}/s" if running else "",
+                                        4: eta, 5: p.message}, p.message)
         if p.state is JobState.DONE:
             self.refresh_local()
 
@@ -567,17 +519,34 @@ class ModelManagerDialog(QDialog):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+@contextmanager
+def screenshot_dialog(path: str | Path) -> Iterator[ModelManagerDialog]:
+    """A model manager over an empty models folder on a 24 GB GPU, for `make screenshots`: what the block
+    puts in it is saved as a PNG at `path` when the block ends."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([])
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as models:
+        dialog = ModelManagerDialog(models_dir=Path(models))
+        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+        yield dialog
+        dialog.show()
+        app.processEvents()
+        dialog.grab().save(str(out))
+        dialog.shutdown()
+        dialog.deleteLater()
+
+
 def grab_model_manager(path: str | Path) -> Path:
     """A PNG of the model manager with a download in progress, for `make screenshots`.
 
     Needs no network: the dialog shows a listing of a repository with the real Qwen3-30B-A3B config and a
     download part-way, fed through the same slots a live session uses.
     """
-    from PySide6.QtWidgets import QApplication
-
     from app.hub.browse import RemoteFile
 
-    app = QApplication.instance() or QApplication([])
     config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
               "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936}
@@ -590,11 +559,7 @@ def grab_model_manager(path: str | Path) -> Path:
                     (RemoteFile("model.safetensors", size(bpw), "0" * 64, ""),), config)
               for bpw in (3.0, 4.0, 6.0, 8.0)]
     total = size(4.0)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as models:
-        dialog = ModelManagerDialog(models_dir=Path(models))
-        dialog.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "NVIDIA GeForce RTX 4090")
+    with screenshot_dialog(path) as dialog:
         dialog.tabs.setCurrentIndex(1)
         dialog.search_edit.setText("Qwen3-30B-A3B")
         dialog._searched = True                 # a search's results replace the recommendations
@@ -611,9 +576,4 @@ def grab_model_manager(path: str | Path) -> Path:
                                                    int(total * 0.41), total, 48.2e6, total * 0.59 / 48.2e6,
                                                    "model-00002-of-00004.safetensors",
                                                    "Downloading model-00002-of-00004.safetensors"))
-        dialog.show()
-        app.processEvents()
-        dialog.grab().save(str(out))
-        dialog.shutdown()
-        dialog.deleteLater()
-    return out
+    return Path(path)

@@ -22,7 +22,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Callable
 from app.hub.browse import HubClient, Quant
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError, NotEnoughDiskSpace
+from app.hub.jobs import ENDED, RESUMABLE, JobQueue
 from app.hub.queue import DownloadManager
 from app.hub.staging import remove_staging, safe_name
 from app.telemetry import fmt_bytes
@@ -188,26 +188,20 @@ def weight_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-class ConvertManager:
+class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
     """Conversions, one process at a time; Hub sources downloaded first. Pause, resume, cancel, restore."""
+    kind = "conversion"
+    wait_s = 120.0
 
     def __init__(self, models_dir: Path, on_event: Callable[[ConvertProgress], None] | None = None,
                  command: list[str] | None = None, margin_bytes: int = 100_000_000, hub: str | None = None):
+        super().__init__(on_event)
         self.models_dir = Path(models_dir)
-        self.on_event = on_event or (lambda p: None)
         self.command = command or convert_command()
         self.margin_bytes = margin_bytes
         self.downloads = DownloadManager(on_event=self._on_download, models_dir=self.models_dir / SOURCES,
                                          margin_bytes=margin_bytes, hub=hub)
-        self._jobs: dict[str, ConvertJob] = {}
-        self._last: dict[str, ConvertProgress] = {}
-        self._queue: deque[str] = deque()
         self._proc: subprocess.Popen | None = None
-        self._running: str | None = None
-        self._stop_reason: dict[str, str] = {}
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
 
     # -- paths
     def out_dir(self, job: ConvertJob) -> Path:
@@ -222,7 +216,7 @@ class ConvertManager:
     def _record(self, job_id: str) -> Path:
         return self.models_dir / RECORDS / f"{job_id}.json"
 
-    # -- what the dialog calls
+    # -- what the dialog calls (and pause, cancel, state, job, wait of JobQueue)
     def start_hub(self, quant: Quant, bpw: float) -> ConvertJob:
         """Download `quant` (from `hub_source`) and convert it; raises HubError before any byte when it cannot."""
         bpw = check_bpw(bpw)
@@ -270,7 +264,7 @@ class ConvertManager:
 
     def resume(self, job_id: str) -> None:
         job = self._jobs[job_id]
-        if self._last[job_id].state not in (JobState.PAUSED, JobState.FAILED):
+        if self._last[job_id].state not in RESUMABLE:
             return
         if job.hub and not self.source_dir(job).is_dir():
             if not self._downloading(job):
@@ -281,41 +275,15 @@ class ConvertManager:
         else:
             self._enqueue(job_id)
 
-    def pause(self, job_id: str) -> None:
-        self._stop(job_id, "pause")
-
-    def cancel(self, job_id: str) -> None:
-        self._stop(job_id, "cancel")
-
-    def state(self, job_id: str) -> ConvertProgress:
-        return self._last[job_id]
-
-    def job(self, job_id: str) -> ConvertJob:
-        return self._jobs[job_id]
-
-    def wait(self, job_id: str, timeout: float = 120.0) -> ConvertProgress:
-        """Block until the job stops (done, failed, paused, cancelled); for tests."""
-        final = (JobState.PAUSED, JobState.CANCELLED, JobState.FAILED, JobState.DONE)
-        with self._cv:
-            self._cv.wait_for(lambda: self._last[job_id].state in final and self._running != job_id, timeout)
-            return self._last[job_id]
-
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the running conversion (its finished layers stay for the next start) and the downloads."""
         self.downloads.shutdown()
-        with self._cv:
-            self._closed = True
-            if self._running:
-                self._stop_reason[self._running] = "pause"
-                self._terminate()
-            self._cv.notify_all()
-        if self._thread:
-            self._thread.join(timeout)
+        super().shutdown(timeout)
 
     # -- internals
     def _check_new(self, job: ConvertJob) -> None:
         current = self._last.get(job.id)
-        if current and current.state not in (JobState.CANCELLED, JobState.DONE):
+        if current and current.state not in ENDED:
             raise ConvertPlanError(f"{job.id} is being converted already: see Conversions.")
         if self.out_dir(job).exists():
             raise ConvertPlanError(f"A model named {job.id} exists already: delete it first to convert again.")
@@ -356,27 +324,14 @@ class ConvertManager:
         self._emit(ConvertProgress(job.id, p.state, "download", p.done_bytes, p.total_bytes, message))
 
     def _enqueue(self, job_id: str) -> None:
-        with self._cv:
-            self._stop_reason.pop(job_id, None)
-            if job_id not in self._queue and self._running != job_id:
-                self._queue.append(job_id)
-            job = self._jobs[job_id]
-            self._emit(ConvertProgress(job_id, JobState.QUEUED, "convert", self._partial_state()[job_id],
-                                       job.layers, "Waiting to convert"))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name="conversions", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        job = self._jobs[job_id]
+        self._queue_job(ConvertProgress(job_id, JobState.QUEUED, "convert", self._partial_state()[job_id],
+                                        job.layers, "Waiting to convert"))
 
     def _stop(self, job_id: str, reason: str) -> None:
         job = self._jobs[job_id]
-        with self._cv:
-            if self._running == job_id:
-                self._stop_reason[job_id] = reason
-                self._terminate()
-                return
-            if job_id in self._queue:
-                self._queue.remove(job_id)
+        if self._stop_running(job_id, reason):
+            return                                       # the converter is terminated: it stops now
         if job.hub and not self.source_dir(job).is_dir() and self._downloading(job):
             (self.downloads.cancel if reason == "cancel" else self.downloads.pause)(job.download_id)
             self.downloads.wait(job.download_id, 30)
@@ -394,30 +349,20 @@ class ConvertManager:
         return ConvertProgress(job.id, JobState.CANCELLED, "convert", 0, job.layers,
                                "Cancelled; its partial files were deleted.")
 
-    def _terminate(self) -> None:                        # holds self._cv
+    def _interrupt(self) -> None:                        # holds self._cv
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
 
-    def _work(self) -> None:
-        while True:
+    def _run(self, job: ConvertJob) -> ConvertProgress:
+        try:
+            return self._convert(job)
+        except Exception as exc:                         # a bug: say so, keep the finished layers
+            log.exception("conversion %s crashed", job.id)
+            return ConvertProgress(job.id, JobState.FAILED, "convert", 0, job.layers,
+                                   f"Unexpected error: {exc.__class__.__name__}: {exc}")
+        finally:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._closed)
-                if self._closed:
-                    return
-                job_id = self._queue.popleft()
-                self._running = job_id
-            job = self._jobs[job_id]
-            try:
-                result = self._convert(job)
-            except Exception as exc:                     # a bug: say so, keep the finished layers
-                log.exception("conversion %s crashed", job_id)
-                result = ConvertProgress(job_id, JobState.FAILED, "convert", 0, job.layers,
-                                         f"Unexpected error: {exc.__class__.__name__}: {exc}")
-            with self._cv:
-                self._running, self._proc = None, None
-                self._stop_reason.pop(job_id, None)
-                self._emit(result)
-                self._cv.notify_all()
+                self._proc = None
 
     def _convert(self, job: ConvertJob) -> ConvertProgress:
         src, out = self.source_dir(job), self.out_dir(job)
@@ -474,11 +419,3 @@ class ConvertManager:
         self._record(job.id).unlink(missing_ok=True)
         return ConvertProgress(job.id, JobState.DONE, "convert", job.layers, job.layers,
                                f"Converted: {job.id} is in the model list.")
-
-    def _emit(self, progress: ConvertProgress) -> ConvertProgress:
-        self._last[progress.job_id] = progress
-        try:
-            self.on_event(progress)
-        except Exception:                                # a broken listener must not stop a conversion
-            log.exception("conversion listener failed")
-        return progress
