@@ -81,7 +81,7 @@ def prepare(cache_dir: Path, env: Optional[MutableMapping[str, str]] = None, whi
     (None: none, `advice` says what to install). Windows: Triton's own build carries its compiler."""
     if IS_WINDOWS:
         return None
-    env = env if env is not None else os.environ           # written: Triton reads CC from the process
+    env = env if env is not None else tuning.environment()   # the process's own: CC is written there
     found = system_compiler(env, which)
     if found:
         return found
