@@ -208,13 +208,16 @@ def cuda_exl2(parts: Sequence[dict], outs: Sequence[int], names: Sequence[str], 
     """exllamav2's GEMM; with the tuning switch dense_gemv, the split-K GEMV for 1..9 rows in front of
     it (a layout the GEMV cannot take keeps exllamav2's GEMM alone)."""
     from runtime import tuning
-    cuda = CudaExl2Linear(parts, outs, names, device)
     if not tuning.current().dense_gemv:
-        return cuda
+        return CudaExl2Linear(parts, outs, names, device)
+    # packed first: exllamav2's Q matrix reorders the codes of its tensors in place (a copy on the
+    # device, unless the tensors are there already)
     try:
-        return TritonExl2Linear(parts, outs, names, device, fallback=cuda)
+        gemv = TritonExl2Linear(parts, outs, names, device, fallback=None)
     except InvalidModel:
-        return cuda
+        return CudaExl2Linear(parts, outs, names, device)
+    gemv.fallback = CudaExl2Linear(parts, outs, names, device)
+    return gemv
 
 
 def settle_gemv(lin: TritonExl2Linear) -> None:
