@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2
+CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -165,3 +165,128 @@ def test_linear_decode_refuses_row_counts_it_does_not_take(t):
     p = pack_experts([exl2_linear(64, 128, 4, 1)], "p")
     with pytest.raises(ValueError, match=f"{t} rows"):
         linear_decode(torch.zeros(t, 128, dtype=torch.float16), [p], [64])
+
+
+class _Folder:
+    """The tensors of a model folder, from a dict (ModelFolder's has / tensor / close)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.closed = tensors, False
+
+    def has(self, name):
+        return name in self.tensors
+
+    def tensor(self, name):
+        return self.tensors[name]
+
+    def close(self):
+        self.closed = True
+
+
+def _standin_exllamav2(monkeypatch, calls: list):
+    """exllamav2's modules as far as exl2_gemv uses them: the norms in plain torch, RoPE and its fused
+    attention prologue / epilogue only recorded."""
+    class Attention:
+        pass
+
+    class RMSNorm:
+        def __init__(self, w):
+            self.weight, self.variance_epsilon = w, 1e-6
+
+    def rms_norm(h, w, out, eps):
+        hf = h.float()
+        out.copy_((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).half())
+
+    def head_norm(x, w, b, out, eps, rms):
+        assert rms
+        rms_norm(x, w, out, eps)
+
+    ext = types.SimpleNamespace(
+        rms_norm=rms_norm, head_norm=head_norm,
+        rope_=lambda t, sin, cos, past, heads, dim, pos, neox: calls.append(("rope", heads, neox)),
+        q_attn_forward_1=lambda *a: calls.append(("forward_1", a[3])),
+        q_attn_forward_2=lambda *a: calls.append(("forward_2", a[4])))
+    mods = {"exllamav2": types.SimpleNamespace(), "exllamav2.attn": types.SimpleNamespace(ExLlamaV2Attention=Attention),
+            "exllamav2.ext": types.SimpleNamespace(exllamav2_ext=ext, none_tensor=torch.empty(0)),
+            "exllamav2.rmsnorm": types.SimpleNamespace(ExLlamaV2RMSNorm=RMSNorm),
+            "exllamav2.architecture": types.SimpleNamespace(RopeStyle=types.SimpleNamespace(NONE=0, NEOX=1, GPTJ=2))}
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    return Attention, RMSNorm
+
+
+def _attention(Attention, RMSNorm, key, H, Hq, Hk, D, **changes):
+    def lin(name, n, k):
+        return types.SimpleNamespace(key=f"{key}.{name}", out_features=n, in_features=k, has_bias=False,
+                                     f_key=None, q_handle=0, device=lambda: "cpu")
+    a = Attention()
+    a.__dict__.update(q_handle=0, has_norm=True, has_residual=True, post_layernorm=None,
+                      q_proj=lin("q_proj", Hq * D, H), k_proj=lin("k_proj", Hk * D, H), v_proj=lin("v_proj", Hk * D, H),
+                      o_proj=lin("o_proj", H, Hq * D), num_attention_heads=Hq, num_key_value_heads=Hk, head_dim=D,
+                      pre_layernorm=RMSNorm(torch.rand(H) + 0.5), q_norm=RMSNorm(torch.rand(D) + 0.5),
+                      k_norm=RMSNorm(torch.rand(D) + 0.5),
+                      archparams=types.SimpleNamespace(headnorm="rmsnorm", rope_style=1))
+    a.q_norm.bias = a.k_norm.bias = None
+    a.__dict__.update(changes)
+    return a
+
+
+@interpreted
+def test_exl2_engine_hooks(monkeypatch):
+    """exl2_gemv.install (the exllamav2 engine's decode graphs): plain attentions get the hooks, the others
+    (a bias, a post-norm, a prologue of the architecture's own) keep exllamav2's fused path; the hooks'
+    q/k/v (norm, projections, head norms) and x + o @ W_o.T equal the dequantized weights'; above 9 rows
+    exllamav2's prologue and epilogue run; with the switch off nothing is installed."""
+    from runtime import tuning
+    from runtime.backends import exl2_gemv
+    calls = []
+    Attention, RMSNorm = _standin_exllamav2(monkeypatch, calls)
+    H, Hq, Hk, D = 128, 4, 2, 32
+    tensors, seed = {}, 0
+    for layer in range(4):
+        for name, n, k in (("q_proj", Hq * D, H), ("k_proj", Hk * D, H), ("v_proj", Hk * D, H), ("o_proj", H, Hq * D)):
+            seed += 1
+            for part, t in exl2_linear(n, k, 4, seed).items():
+                tensors[f"l{layer}.{name}.{part}"] = t
+    plain = _attention(Attention, RMSNorm, "l0", H, Hq, Hk, D)
+    biased = _attention(Attention, RMSNorm, "l1", H, Hq, Hk, D)
+    biased.q_proj.has_bias = True
+    post = _attention(Attention, RMSNorm, "l2", H, Hq, Hk, D, post_layernorm=object())
+    own = _attention(Attention, RMSNorm, "l3", H, Hq, Hk, D, moedesk_qkv=print)
+    model = types.SimpleNamespace(modules=[object(), plain, biased, post, own])
+    with tuning.use(tuning.with_changes(dense_gemv=False)):
+        assert exl2_gemv.install(model, _Folder(tensors)) == 0
+    assert not hasattr(plain, "moedesk_o")
+    folder = _Folder(tensors)
+    with tuning.use(tuning.with_changes(dense_gemv=True)):
+        assert exl2_gemv.install(model, folder) == 1
+    assert folder.closed and plain.moedesk_o is not None and own.moedesk_qkv is print
+    assert not any(hasattr(a, "moedesk_o") for a in (biased, post, own))
+
+    from runtime.exl2 import format as exl2
+    from runtime.modelfolder import EXL2_PARTS
+    w = {n: exl2.dequantize({p: tensors[f"l0.{n}.{p}"] for p in EXL2_PARTS})
+         for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    for T in (1, 9):
+        x = rows(T, H, seed=T).view(1, T, H)
+        q, k, v = (torch.empty((1, T, n * D), dtype=torch.float16) for n in (Hq, Hk, Hk))
+        calls.clear()
+        plain.moedesk_qkv(x, T, None, q, k, v, None, None)
+        assert calls == [("rope", Hq, True), ("rope", Hk, True)]
+        xf = x.view(T, H).float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * plain.pre_layernorm.weight).half().float()
+        for got, name, heads, norm in ((q, "q_proj", Hq, plain.q_norm), (k, "k_proj", Hk, plain.k_norm),
+                                       (v, "v_proj", Hk, None)):
+            want = (normed @ w[name].T).half().float().view(T, heads, D)
+            if norm is not None:
+                want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+            assert (got.float().view(T, heads, D) - want).abs().max() <= 2e-2 * want.abs().max(), name
+        o = rows(T, Hq * D, seed=20 + T).view(1, T, Hq * D)
+        before = x.clone()
+        plain.moedesk_o(x, o, T)
+        close(x.view(T, H), before.view(T, H).float() + o.view(T, -1).float() @ w["o_proj"].T)
+    calls.clear()
+    x10 = rows(10, H).view(1, 10, H)
+    plain.moedesk_qkv(x10, 10, None, *(torch.empty(1) for _ in range(3)), None, None)
+    plain.moedesk_o(x10, torch.empty(1), 10)
+    assert calls == [("forward_1", 10), ("forward_2", 10)]

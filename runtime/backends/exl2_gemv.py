@@ -28,15 +28,17 @@ def settle_kernels(model, offload: bool) -> None:
         install(model)
 
 
-def install(model) -> int:
+def install(model, folder=None) -> int:
     """Hooks on every attention it applies to (see the module docstring), their launch shapes chosen
-    (before any capture); returns how many attentions have them. Nothing with the switch off."""
+    (before any capture); returns how many attentions have them. Nothing with the switch off.
+    folder: the model's tensors (a ModelFolder, closed here; default: the model's own folder)."""
     if not tuning.current().dense_gemv:
         return 0
     from exllamav2.attn import ExLlamaV2Attention
     from runtime.backends.quant_linear import TritonExl2Linear, exl2_parts, is_exl2, settle_gemv
-    from runtime.modelfolder import ModelFolder
-    folder = ModelFolder(model.config.model_dir)
+    if folder is None:
+        from runtime.modelfolder import ModelFolder
+        folder = ModelFolder(model.config.model_dir)
     n = 0
     try:
         for a in model.modules:
@@ -65,7 +67,7 @@ def install(model) -> int:
             n += 1
     finally:
         folder.close()
-    if n:
+    if n and torch.cuda.is_available():
         torch.cuda.synchronize()
     return n
 
