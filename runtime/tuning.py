@@ -126,6 +126,9 @@ class Tuning:
                              choices=("relaxed", "global", "thread_local"))
     prefill_attn: str = knob("auto", "MOEDESK_PREFILL_ATTN", "Prefill attention: flash/SDPA where they apply "
                              "(auto), or exllamav2's matmul attention.", choices=("auto", "matmul"))
+    dense_gemv: bool = knob(False, "MOEDESK_DENSE_GEMV", "Dense EXL2 projections (attention's q/k/v/o) on "
+                            "1-9 rows through the experts' split-K GEMV instead of exllamav2's GEMM (1: on; "
+                            "off until measured).")
     graphs: bool = knob(True, "MOEDESK_NO_GRAPHS", "Decode through CUDA graphs (set the variable to turn off).",
                         flag=True)
     warmup: bool = knob(True, "MOEDESK_NO_WARMUP", "Warm the kernels up at load (set the variable to turn off).",

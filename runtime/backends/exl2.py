@@ -26,7 +26,8 @@ import torch
 from runtime import tuning
 from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
-from runtime.backends.exl2_kernels import build_kernels, settle_gemm_autotune
+from runtime.backends.exl2_gemv import settle_kernels
+from runtime.backends.exl2_kernels import build_kernels
 from runtime.backends.exl2_offload import budget_error, return_cached_memory
 from runtime.cpu_load import physical_cores, torch_threads
 from runtime.engine import Engine, ModelInfo, ProgressFn
@@ -519,7 +520,7 @@ class _Loading:
         self.cache = _cache_class(self.off.kv_cache)(self.model, max_seq_len=self.off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
         progress("load", "Tuning GPU kernels", 0, 1)
-        settle_gemm_autotune(self.model)
+        settle_kernels(self.model, offload=self.setup.offload)
         progress("load", "Tuning GPU kernels", 1, 1)
 
     def place_experts(self) -> None:

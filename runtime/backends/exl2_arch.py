@@ -17,7 +17,7 @@ exllamav2 0.3.2 runs all five architectures' layers, with three gaps that this m
   whole cache), and neither do our decode graphs; a config that sets one gets its context capped at
   the window, where both attentions are exact.
 
-Everything here but `install` is plain Python (CPU-testable); `install` and `clipped_qkv` import
+Everything here but `install` is plain Python (CPU-testable); `install`, `clipped_qkv` and `pre_norm` import
 exllamav2, on CUDA machines only.
 """
 from __future__ import annotations
@@ -155,16 +155,8 @@ def clipped_qkv(a, clip: float, x, T: int, pos32, q, k, v, sin, cos) -> None:
     -> q [1, T, Hq*D], k, v [1, T, Hk*D]: norm, quantized projections, clamp, RoPE at positions
     pos32[0] + t (read on the device, as exllamav2's fused prologue reads it)."""
     from exllamav2.architecture import RopeStyle
-    from exllamav2.ext import exllamav2_ext as ext, none_tensor
-    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
-    h = x.view(T, -1)
-    normed = torch.empty_like(h)
-    ln = a.pre_layernorm
-    if isinstance(ln, ExLlamaV2RMSNorm):
-        ext.rms_norm(h, ln.weight, normed, ln.variance_epsilon)
-    else:
-        ext.layer_norm(h, ln.weight.data, ln.bias.data if ln.bias is not None else none_tensor, normed,
-                       ln.variance_epsilon)
+    from exllamav2.ext import exllamav2_ext as ext
+    normed = pre_norm(a, x.view(T, -1))
     for lin, out in ((a.q_proj, q), (a.k_proj, k), (a.v_proj, v)):
         o = out.view(T, -1)
         ext.gemm_half_q_half(normed, lin.q_handle, o, False)
@@ -174,6 +166,20 @@ def clipped_qkv(a, clip: float, x, T: int, pos32, q, k, v, sin, cos) -> None:
         neox = style == RopeStyle.NEOX
         ext.rope_(q, sin, cos, -1, a.num_attention_heads, a.head_dim, pos32, neox)
         ext.rope_(k, sin, cos, -1, a.num_key_value_heads, a.head_dim, pos32, neox)
+
+
+def pre_norm(a, h: torch.Tensor) -> torch.Tensor:
+    """Attention `a`'s input norm (RMSNorm or LayerNorm, exllamav2's kernels) of h fp16 [T, H], into a new tensor."""
+    from exllamav2.ext import exllamav2_ext as ext, none_tensor
+    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
+    normed = torch.empty_like(h)
+    ln = a.pre_layernorm
+    if isinstance(ln, ExLlamaV2RMSNorm):
+        ext.rms_norm(h, ln.weight, normed, ln.variance_epsilon)
+    else:
+        ext.layer_norm(h, ln.weight.data, ln.bias.data if ln.bias is not None else none_tensor, normed,
+                       ln.variance_epsilon)
+    return normed
 
 
 def graph_modules():

@@ -142,7 +142,8 @@ class DecodeGraphs:
         v = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
         ctx = self.model.get_device_context(a.device_idx)
         # Norm, Q/K/V projections, head norms, RoPE at positions pos32 + t (past_len -1: read on the device);
-        # an architecture that changes this prologue (DBRX's clip_qkv) brings its own (exl2_arch.install)
+        # an architecture that changes this prologue (DBRX's clip_qkv) brings its own (exl2_arch.install);
+        # so does the split-K GEMV for the projections (exl2_gemv.install, tuning switch dense_gemv)
         own = getattr(a, "moedesk_qkv", None)
         if own is not None:
             own(x, T, self.pos32, q, k, v, ctx.sin[a.rope_index], ctx.cos[a.rope_index])
@@ -158,7 +159,11 @@ class DecodeGraphs:
             V.index_copy_(1, self.pos64[:T], v.view(1, T, Hk, D))
             attend = self._attn_sdpa if self.attention == "sdpa" else self._attn_bmm
             o = attend(q, K, V, L, mask, Hq, Hk, D, a.scaling)
-        self.ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], self.none)
+        own_o = getattr(a, "moedesk_o", None)                         # the split-K GEMV (exl2_gemv.install)
+        if own_o is not None:
+            own_o(x, o, T)
+        else:
+            self.ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], self.none)
         return x
 
     @staticmethod

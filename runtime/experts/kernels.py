@@ -21,7 +21,7 @@ import triton
 from runtime import tuning
 from runtime.experts.pack import PackedExperts
 from runtime.experts.triton_kernels import (_add_from_host, _cpu_inputs, _cpu_share_mask, _down_grouped, _down_splitk,
-                                            _gate_up_grouped, _gate_up_splitk, _prefetch_copy, _prefetch_plan,
+                                            _gate_up_grouped, _gate_up_splitk, _linear_splitk, _prefetch_copy, _prefetch_plan,
                                             _router_logits, _softmax_topk)
 
 # Up to Tuning.gemv_max_pairs (token, expert) pairs (64), the split-K GEMVs (one weight read per pair);
@@ -364,6 +364,52 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         c1, c2 = _CHOSEN[key1], _CHOSEN[key2]
     gate_up(c1, gu)
     down(c2, out)
+    return out
+
+
+LINEAR_MAX_ROWS = 9      # linear_decode: a decode step or a verify of up to 8 drafts
+
+
+def linear_tile(p: PackedExperts) -> int:
+    """K tile of `linear_decode` for one packed dense linear; ValueError when its layout fits none."""
+    if p.num_experts != 1:
+        raise ValueError(f"a dense linear is one packed expert, got {p.num_experts}")
+    return _bk(p, cap=128)
+
+
+def linear_decode(x: torch.Tensor, packs: list[PackedExperts], outs: list[int]) -> torch.Tensor:
+    """Dense EXL2 linears (each packed as one expert, the same K) on few rows: x fp16 [T, K] ->
+    fp32 [T, sum(outs)], part i's first outs[i] columns side by side (a fused projection). One memset
+    and one split-K launch per part, shapes timed once per shape on the GPU (`_choose`); nothing read
+    on the host, so capturable once the shapes are chosen."""
+    T, K = x.shape
+    if not 0 < T <= LINEAR_MAX_ROWS:
+        raise ValueError(f"linear_decode: {T} rows, the split-K GEMV takes 1..{LINEAR_MAX_ROWS}")
+    if x.dtype != torch.float16:
+        raise ValueError(f"linear_decode: fp16 input expected, got {x.dtype}")
+    ldo = sum(outs)
+    out = torch.zeros((T, ldo), dtype=torch.float32, device=x.device)
+    x = x.contiguous()
+    col = 0
+    for p, n_out in zip(packs, outs):
+        if p.in_features != K or not 0 < n_out <= p.out_features:
+            raise ValueError(f"linear_decode: part [K {p.in_features}, N {p.out_features}] asked for {n_out} "
+                             f"columns of {K}-wide rows")
+        bk = linear_tile(p)
+
+        def launch(c: SplitK, dst: torch.Tensor, p=p, n_out=n_out, bk=bk, col=col):
+            _linear_splitk[(T, triton.cdiv(n_out, c.bn), c.ksplit)](
+                x, p.qweight, p.scales, p.perm, dst, ldo, col, K=K, N=p.out_features, NOUT=n_out, BITS=p.bits,
+                G=p.group, BK=bk, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
+
+        key = ("linear", K, p.out_features, n_out, T, p.bits, p.group, x.device)
+        if key in _CHOSEN:
+            c = _CHOSEN[key]
+        else:
+            scratch = torch.empty_like(out)
+            c = _choose(key, _candidates(K, n_out, T, bk), lambda c: launch(c, scratch))
+        launch(c, out)
+        col += n_out
     return out
 
 

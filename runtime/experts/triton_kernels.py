@@ -5,6 +5,7 @@ H hidden size, I expert (intermediate) size, K/N a kernel's input/output feature
 the expert indices on the device, so a decode step can be captured in a CUDA graph:
 - grouped (prefill): `_gate_up_grouped`, `_down_grouped` (pairs sorted by expert into blocks of BM rows);
 - split-K GEMVs (decode, verify): `_gate_up_splitk`, `_down_splitk`, with a skip mask and a CPU cut;
+  `_linear_splitk`, one dense linear packed as a single expert (attention's q/k/v/o);
 - routing: `_router_logits`, `_softmax_topk`;
 - the CPU path's device side: `_cpu_share_mask`, `_cpu_inputs`, `_add_from_host`;
 - decode prefetch: `_prefetch_plan`, `_prefetch_copy`.
@@ -264,6 +265,26 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
     else:
         _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, ks, K, N, HS, NOUT,
                           BITS, G, BK, BN, KSPLIT, False)
+
+
+@triton.jit
+def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, LDO, COL0, K: tl.constexpr, N: tl.constexpr,
+                   NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                   KSPLIT: tl.constexpr):
+    """One dense linear packed as a single expert (no routing weight, no SiLU): x fp16 [T, K] @ W over
+    one K slice, added into columns COL0..COL0+NOUT of out fp32 [T, LDO] (zeroed by the caller; NOUT <=
+    N stored columns). Grid (T, cdiv(NOUT, BN), KSPLIT)."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < NOUT
+    ks = tl.program_id(2) * (K // KSPLIT)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for kk in range(0, K // KSPLIT, BK):
+        k0 = ks + kk
+        xv = tl.load(x_ptr + t * K + tl.load(p_ptr + k0 + tl.arange(0, BK))).to(tl.float32)
+        w = _dequant_tile(q_ptr, 0, s_ptr, 0, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
+        acc += tl.sum(xv[:, None] * w, axis=0)
+    tl.atomic_add(out_ptr + t * LDO + COL0 + offs_n, acc, mask=mask_n)
 
 
 @triton.jit

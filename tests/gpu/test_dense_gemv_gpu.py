@@ -1,0 +1,113 @@
+"""The split-K GEMV for dense EXL2 linears (`TritonExl2Linear`) against exllamav2's GEMM
+(`CudaExl2Linear`) and the dequantized weights, on real widths, eager and inside a CUDA graph.
+
+Run on the GPU test machine:  python -m pytest -m gpu tests/gpu/test_dense_gemv_gpu.py
+The timing of one layer's q/k/v/o both ways: python -m bench.check_dense_gemv --check --bits 4,3,6
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import tuning
+from runtime.exl2 import format as fmt
+from test_exl2_engine import references  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.gpu
+
+# (label, K, parts' N): Qwen3-30B-A3B's q/k/v fused and o (hidden 2048, 32 / 4 heads of 128) and
+# Qwen3-0.6B's (hidden 1024, 16 / 8 heads of 128)
+SHAPES = [("q30b-qkv", 2048, (4096, 512, 512)), ("q30b-o", 4096, (2048,)),
+          ("q06b-qkv", 1024, (2048, 1024, 1024)), ("q06b-o", 2048, (1024,))]
+
+
+def _parts(k: int, outs, bits, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [fmt.quantize(torch.randn(n, k, generator=g) * 0.02, bits, 128, perm=torch.randperm(k, generator=g))
+            for n in outs]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def dev():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("exllamav2")
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("bits", [3, 4, 6, 8, 4.5])
+@pytest.mark.parametrize("label,k,outs", SHAPES)
+def test_gemv_matches_exllamav2_and_the_weights(dev, bits, label, k, outs):
+    from runtime.backends.quant_linear import CudaExl2Linear, TritonExl2Linear, cuda_exl2, settle_autotune
+    parts = _parts(k, outs, bits, seed=len(label) + k)
+    names = [f"{label}.{i}" for i in range(len(outs))]
+    with tuning.use(tuning.with_changes(dense_gemv=True)):
+        gemv = cuda_exl2(parts, outs, names, dev)
+    assert isinstance(gemv, TritonExl2Linear) and isinstance(gemv.fallback, CudaExl2Linear)
+    ex = CudaExl2Linear(parts, outs, names, dev)
+    settle_autotune([gemv, ex])
+    w = torch.cat([fmt.dequantize(t) for t in parts]).to(dev).float()
+    g = torch.Generator(device=dev).manual_seed(0)
+    for t in list(range(1, 10)) + [16, 40]:                                  # 16, 40: the fallback
+        x = torch.randn((t, k), generator=g, device=dev).half()
+        want = x.float() @ w.T
+        got, ref = gemv(x), ex(x)
+        assert got.dtype == torch.float16 and got.shape == (t, sum(outs))
+        e_got, e_ref = _rel(got, want), _rel(ref, want)
+        assert e_got < 2e-3, (t, e_got)
+        assert e_got <= 2 * e_ref + 1e-4, (t, e_got, e_ref)                   # no worse than exllamav2's
+        if t > 9:
+            assert torch.equal(got, ref)                                      # exllamav2's own result
+
+
+def test_gemv_replays_in_a_cuda_graph(dev):
+    """Graph-capturable: after the launch shapes are chosen, a captured call replays to the eager result
+    (to the rounding of the split-K atomics' order) for new inputs written into the captured input."""
+    from runtime.backends.quant_linear import TritonExl2Linear, settle_gemv
+    label, k, outs = SHAPES[0]
+    parts = _parts(k, outs, 4, seed=7)
+    lin = TritonExl2Linear(parts, outs, ["q", "k", "v"], dev, fallback=None)
+    settle_gemv(lin)
+    for t in (1, 9):
+        x = torch.zeros((t, k), dtype=torch.float16, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lin(x)                                                            # warm on the side stream
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lin(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn((t, k), generator=torch.Generator(device=dev).manual_seed(seed), device=dev).half())
+            graph.replay()
+            torch.cuda.synchronize()
+            want = lin(x).float()                 # split-K sums land in any order: equal to rounding
+            assert (y.float() - want).abs().max() <= 1e-3 * want.abs().max(), (t, seed)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, moe_2l, dense_2l, llama_2l, references):
+    """The exllamav2 engine's decode graphs with the switch on (exl2_gemv.install's hooks on every
+    attention): decode and verify of 1..8 rows through captured graphs against the float32 reference,
+    the same script and tolerances as test_exl2_engine.py."""
+    from test_exl2_engine import ROWS, _load_exl2, _script, _tol
+    path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
+    ref = references(kind)
+    toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with tuning.use(tuning.with_changes(dense_gemv=True)):
+        eng = _load_exl2(path, graphs=True)
+        try:
+            hooked = [m for m in eng.model.modules if getattr(m, "moedesk_o", None) is not None]
+            assert len(hooked) == 2, "both layers' attention take the GEMV"
+            errs = _script(eng, ref, toks)
+            tel = eng.telemetry()
+        finally:
+            eng.close()
+    assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
+    bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in errs.items() if not e < _tol(k)]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,292 @@
+"""A dense EXL2 linear through the experts' split-K GEMV (`TritonExl2Linear`, `kernels.linear_decode`)
+equals the dequantized weight (runtime/exl2/format.py) at 1..9 rows, on the CPU under Triton's
+interpreter; more rows go to its fallback; the tuning switch picks it in `quant_linear.cuda_exl2`.
+
+As in test_attention_kernel.py, the kernel tests run in a child pytest with TRITON_INTERPRET=1 (Triton
+decides at import time for the whole process) and are skipped in the parent."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
+CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the child")
+def test_gemv_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert f"{CHILD_TESTS} passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
+
+
+def exl2_linear(n: int, k: int, bits, seed: int, group=32, props=None) -> dict:
+    from runtime.exl2 import format as exl2
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    perm = torch.randperm(k, generator=g)
+    return exl2.quantize(w, bits, group, perm=perm, bits_prop=props)
+
+
+def reference(parts, outs, x):
+    from runtime.exl2 import format as exl2
+    w = torch.cat([exl2.dequantize(t, out_features=o) for t, o in zip(parts, outs)])       # exllamav2's fp16 values
+    return x.float() @ w.T
+
+
+def close(got, want):
+    assert got.dtype == torch.float16 and got.shape == want.shape
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-3 * want.abs().max().item() + 1e-4, err
+
+
+def gemv(parts, outs, fallback=None):
+    from runtime.backends.quant_linear import TritonExl2Linear
+    return TritonExl2Linear(parts, outs, [f"p{i}" for i in range(len(parts))], torch.device("cpu"), fallback)
+
+
+def rows(t: int, k: int, seed: int = 1):
+    return torch.randn(t, k, generator=torch.Generator().manual_seed(seed)).half()
+
+
+# Qwen3-30B-A3B's attention scaled down by 16 (hidden 2048 -> 128, 32 q heads / 4 kv heads of 128 -> of 8
+# dims... kept as 32 x 8 = 256 and 4 x 8 = 32): q [256, 128], k/v [32, 128], o [128, 256]
+@interpreted
+@pytest.mark.parametrize("bits,props,group", [
+    (4, None, 32), (3, None, 32), (3, None, 128), (5, None, 32), (6, None, 64), (8, None, 32),
+    ([4, 3], [0.5, 0.5], 32), ([5, 3], [0.25, 0.75], 32),       # mixed widths: stored at 4 / at 8 bits
+])
+def test_q_k_v_fused_and_o_at_1_to_9_rows(bits, props, group):
+    q, k, v = (exl2_linear(n, 128, bits, s, group, props) for n, s in ((256, 0), (32, 1), (32, 2)))
+    o = exl2_linear(128, 256, bits, 3, group, props)
+    qkv, lo = gemv([q, k, v], [256, 32, 32]), gemv([o], [128])
+    assert (qkv.in_features, qkv.out_features, lo.in_features, lo.out_features) == (128, 320, 256, 128)
+    for t in range(1, 10):
+        x = rows(t, 128, seed=t)
+        close(qkv(x), reference([q, k, v], [256, 32, 32], x))
+        h = rows(t, 256, seed=10 + t)
+        close(lo(h), reference([o], [128], h))
+
+
+@interpreted
+@pytest.mark.parametrize("splitk", ["32x1", "128x2"])
+def test_other_launch_shapes(splitk):
+    """Launch shapes the GPU may pick by timing (narrow / wide column blocks, K cut in 1 or 2)."""
+    from runtime import tuning
+    t = exl2_linear(96, 256, 4, 5)
+    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
+        for r in (1, 4, 9):
+            x = rows(r, 256, seed=r)
+            close(gemv([t], [96])(x), reference([t], [96], x))
+
+
+@interpreted
+def test_padded_columns_are_cut():
+    """Stored columns beyond `outs` (padding) are not written: part two starts right after part one's
+    asked-for columns."""
+    a, b = exl2_linear(64, 128, 4, 7), exl2_linear(64, 128, 4, 8)
+    x = rows(3, 128)
+    close(gemv([a, b], [40, 64])(x), reference([a, b], [40, 64], x))
+
+
+@interpreted
+def test_more_rows_go_to_the_fallback():
+    from runtime.backends.quant_linear import CpuExl2Linear
+    t = exl2_linear(64, 128, 4, 9)
+    fb = CpuExl2Linear([t], [64], ["p0"], torch.float32)
+    lin = gemv([t], [64], fallback=fb)
+    x = rows(10, 128)
+    y = lin(x)
+    assert y.dtype == torch.float32                                            # the fallback's, not the GEMV's
+    assert torch.equal(y, fb(x))
+    with pytest.raises(Exception, match="10 rows"):
+        gemv([t], [64])(x)
+
+
+@interpreted
+def test_bad_parts_are_refused_with_their_names():
+    from runtime.errors import InvalidModel
+    a, b = exl2_linear(64, 128, 4, 1), exl2_linear(64, 256, 4, 2)
+    with pytest.raises(InvalidModel, match="p1.*256 inputs.*128"):
+        gemv([a, b], [64, 64])
+    with pytest.raises(InvalidModel, match="p0.*80 output features but 64"):
+        gemv([a], [80])
+
+
+@interpreted
+@pytest.mark.parametrize("on", [False, True])
+def test_the_tuning_switch_picks_the_gemv(monkeypatch, on):
+    """quant_linear.cuda_exl2 (what `build` runs on CUDA): exllamav2's GEMM alone with the switch off,
+    the GEMV in front of it with the switch on; here exllamav2 is a stand-in that multiplies by the
+    dequantized weight, so the CUDA-side construction runs on the CPU."""
+    from runtime import tuning
+    from runtime.backends import quant_linear
+    from runtime.exl2 import format as exl2
+    made = {}
+
+    def make_q_matrix(w, temp_dq, max_dq_rows):
+        made[len(made)] = exl2.dequantize({k: v for k, v in w.items() if k != "q_perm"}).float()
+        return len(made) - 1
+
+    def gemm_half_q_half(x, handle, y, force_cuda):
+        y.copy_((x.float() @ made[handle].T).half())
+
+    ext = types.SimpleNamespace(make_q_matrix=make_q_matrix, exllamav2_ext=types.SimpleNamespace(
+        gemm_half_q_half=gemm_half_q_half))
+    monkeypatch.setitem(sys.modules, "exllamav2", types.SimpleNamespace(ext=ext))
+    monkeypatch.setitem(sys.modules, "exllamav2.ext", ext)
+    q, k = exl2_linear(64, 128, 4, 1), exl2_linear(32, 128, 3, 2)
+    with tuning.use(tuning.with_changes(dense_gemv=on)):
+        lin = quant_linear.cuda_exl2([q, k], [64, 32], ["q", "k"], torch.device("cpu"))
+    assert type(lin) is (quant_linear.TritonExl2Linear if on else quant_linear.CudaExl2Linear)
+    for t in (1, 9, 12):
+        x = rows(t, 128, seed=t)
+        close(lin(x), reference([q, k], [64, 32], x))
+    if on:
+        assert isinstance(lin.fallback, quant_linear.CudaExl2Linear)
+
+
+@interpreted
+@pytest.mark.parametrize("t", [0, 10])
+def test_linear_decode_refuses_row_counts_it_does_not_take(t):
+    from runtime.experts.kernels import linear_decode
+    from runtime.experts.pack import pack_experts
+    p = pack_experts([exl2_linear(64, 128, 4, 1)], "p")
+    with pytest.raises(ValueError, match=f"{t} rows"):
+        linear_decode(torch.zeros(t, 128, dtype=torch.float16), [p], [64])
+
+
+class _Folder:
+    """The tensors of a model folder, from a dict (ModelFolder's has / tensor / close)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.closed = tensors, False
+
+    def has(self, name):
+        return name in self.tensors
+
+    def tensor(self, name):
+        return self.tensors[name]
+
+    def close(self):
+        self.closed = True
+
+
+def _standin_exllamav2(monkeypatch, calls: list):
+    """exllamav2's modules as far as exl2_gemv uses them: the norms in plain torch, RoPE and its fused
+    attention prologue / epilogue only recorded."""
+    class Attention:
+        pass
+
+    class RMSNorm:
+        def __init__(self, w):
+            self.weight, self.variance_epsilon = w, 1e-6
+
+    def rms_norm(h, w, out, eps):
+        hf = h.float()
+        out.copy_((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).half())
+
+    def head_norm(x, w, b, out, eps, rms):
+        assert rms
+        rms_norm(x, w, out, eps)
+
+    ext = types.SimpleNamespace(
+        rms_norm=rms_norm, head_norm=head_norm,
+        rope_=lambda t, sin, cos, past, heads, dim, pos, neox: calls.append(("rope", heads, neox)),
+        q_attn_forward_1=lambda *a: calls.append(("forward_1", a[3])),
+        q_attn_forward_2=lambda *a: calls.append(("forward_2", a[4])))
+    mods = {"exllamav2": types.SimpleNamespace(), "exllamav2.attn": types.SimpleNamespace(ExLlamaV2Attention=Attention),
+            "exllamav2.ext": types.SimpleNamespace(exllamav2_ext=ext, none_tensor=torch.empty(0)),
+            "exllamav2.rmsnorm": types.SimpleNamespace(ExLlamaV2RMSNorm=RMSNorm),
+            "exllamav2.architecture": types.SimpleNamespace(RopeStyle=types.SimpleNamespace(NONE=0, NEOX=1, GPTJ=2))}
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    return Attention, RMSNorm
+
+
+def _attention(Attention, RMSNorm, key, H, Hq, Hk, D, **changes):
+    def lin(name, n, k):
+        return types.SimpleNamespace(key=f"{key}.{name}", out_features=n, in_features=k, has_bias=False,
+                                     f_key=None, q_handle=0, device=lambda: "cpu")
+    a = Attention()
+    a.__dict__.update(q_handle=0, has_norm=True, has_residual=True, post_layernorm=None,
+                      q_proj=lin("q_proj", Hq * D, H), k_proj=lin("k_proj", Hk * D, H), v_proj=lin("v_proj", Hk * D, H),
+                      o_proj=lin("o_proj", H, Hq * D), num_attention_heads=Hq, num_key_value_heads=Hk, head_dim=D,
+                      pre_layernorm=RMSNorm(torch.rand(H) + 0.5), q_norm=RMSNorm(torch.rand(D) + 0.5),
+                      k_norm=RMSNorm(torch.rand(D) + 0.5),
+                      archparams=types.SimpleNamespace(headnorm="rmsnorm", rope_style=1))
+    a.q_norm.bias = a.k_norm.bias = None
+    a.__dict__.update(changes)
+    return a
+
+
+@interpreted
+def test_exl2_engine_hooks(monkeypatch):
+    """exl2_gemv.install (the exllamav2 engine's decode graphs): plain attentions get the hooks, the others
+    (a bias, a post-norm, a prologue of the architecture's own) keep exllamav2's fused path; the hooks'
+    q/k/v (norm, projections, head norms) and x + o @ W_o.T equal the dequantized weights'; above 9 rows
+    exllamav2's prologue and epilogue run; with the switch off nothing is installed."""
+    from runtime import tuning
+    from runtime.backends import exl2_gemv
+    calls = []
+    Attention, RMSNorm = _standin_exllamav2(monkeypatch, calls)
+    H, Hq, Hk, D = 128, 4, 2, 32
+    tensors, seed = {}, 0
+    for layer in range(4):
+        for name, n, k in (("q_proj", Hq * D, H), ("k_proj", Hk * D, H), ("v_proj", Hk * D, H), ("o_proj", H, Hq * D)):
+            seed += 1
+            for part, t in exl2_linear(n, k, 4, seed).items():
+                tensors[f"l{layer}.{name}.{part}"] = t
+    plain = _attention(Attention, RMSNorm, "l0", H, Hq, Hk, D)
+    biased = _attention(Attention, RMSNorm, "l1", H, Hq, Hk, D)
+    biased.q_proj.has_bias = True
+    post = _attention(Attention, RMSNorm, "l2", H, Hq, Hk, D, post_layernorm=object())
+    own = _attention(Attention, RMSNorm, "l3", H, Hq, Hk, D, moedesk_qkv=print)
+    model = types.SimpleNamespace(modules=[object(), plain, biased, post, own])
+    with tuning.use(tuning.with_changes(dense_gemv=False)):
+        assert exl2_gemv.install(model, _Folder(tensors)) == 0
+    assert not hasattr(plain, "moedesk_o")
+    folder = _Folder(tensors)
+    with tuning.use(tuning.with_changes(dense_gemv=True)):
+        assert exl2_gemv.install(model, folder) == 1
+    assert folder.closed and plain.moedesk_o is not None and own.moedesk_qkv is print
+    assert not any(hasattr(a, "moedesk_o") for a in (biased, post, own))
+
+    from runtime.exl2 import format as exl2
+    from runtime.modelfolder import EXL2_PARTS
+    w = {n: exl2.dequantize({p: tensors[f"l0.{n}.{p}"] for p in EXL2_PARTS})
+         for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    for T in (1, 9):
+        x = rows(T, H, seed=T).view(1, T, H)
+        q, k, v = (torch.empty((1, T, n * D), dtype=torch.float16) for n in (Hq, Hk, Hk))
+        calls.clear()
+        plain.moedesk_qkv(x, T, None, q, k, v, None, None)
+        assert calls == [("rope", Hq, True), ("rope", Hk, True)]
+        xf = x.view(T, H).float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * plain.pre_layernorm.weight).half().float()
+        for got, name, heads, norm in ((q, "q_proj", Hq, plain.q_norm), (k, "k_proj", Hk, plain.k_norm),
+                                       (v, "v_proj", Hk, None)):
+            want = (normed @ w[name].T).half().float().view(T, heads, D)
+            if norm is not None:
+                want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+            assert (got.float().view(T, heads, D) - want).abs().max() <= 2e-2 * want.abs().max(), name
+        o = rows(T, Hq * D, seed=20 + T).view(1, T, Hq * D)
+        before = x.clone()
+        plain.moedesk_o(x, o, T)
+        close(x.view(T, H), before.view(T, H).float() + o.view(T, -1).float() @ w["o_proj"].T)
+    calls.clear()
+    x10 = rows(10, H).view(1, 10, H)
+    plain.moedesk_qkv(x10, 10, None, *(torch.empty(1) for _ in range(3)), None, None)
+    plain.moedesk_o(x10, torch.empty(1), 10)
+    assert calls == [("forward_1", 10), ("forward_2", 10)]
