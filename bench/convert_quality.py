@@ -2,12 +2,13 @@
 calibrated converter, at several bits per weight, against the unquantized model: one table, same text,
 same evaluation code.
 
-    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows R] [--seq-len T] [--damp D] [--measure]
+    python -m bench.convert_quality [--bpw 2.5 3 4 6] [--rows R] [--seq-len T] [--damp D] [--no-measure]
         [--out bench/results/] [--work DIR]
 
 The calibrated conversions use the converter's default calibration (exllamav2's standard set where it is
 installed, caldata.py) and group size; 'stored_bpw' is what the quantized linears take on disk (codes,
-scales, group table, permutation), the measure exllamav2's -b targets.
+scales, group table, permutation), the measure exllamav2's -b targets and the converter's --bpw now
+means (round-to-nearest's bpw still counts code bits: its 'stored_bpw' is higher).
 
 Every model is evaluated the same way: its EXL2 linears are dequantized (format.dequantize, exactly as
 exllamav2 reconstructs them) into the transformers model read from the demo GGUF, which then computes
@@ -91,7 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN, help="tokens per calibration sequence")
     p.add_argument("--damp", type=float, default=DEFAULT_DAMP, help="GPTQ damping (fraction of H's mean diagonal)")
-    p.add_argument("--measure", action="store_true", help="measured bit allocation (convert --measure)")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="measured bit allocation (convert's default; --no-measure: every linear at --bpw)")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
     p.add_argument("--out", default="bench/results")
@@ -133,13 +135,15 @@ def main(argv=None) -> int:
                       "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
                       "CPU (shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
                       "moedesk-cli convert (GPTQ, act-order, scales searched per group, "
-                      + ("measured" if args.measure else "uniform") + " widths; calibration in 'calibration'). "
+                      + ("measured" if args.measure else "uniform") + " widths; its bpw counts every stored bit, "
+                      "as exllamav2's -b, while rtn's counts code bits; calibration in 'calibration'). "
                       "exllamav2's own converter needs CUDA and was not run here"
                       + ("" if args.exllamav2_dir else "; its column is missing") + "."),
         }
         path.write_text(json.dumps(result, indent=2))
 
-    run_tag = f"r{args.rows}x{args.seq_len}-d{args.damp:g}-g{CONVERT_GROUP_SIZE}" + ("-m" if args.measure else "-u")
+    run_tag = (f"r{args.rows}x{args.seq_len}-d{args.damp:g}-g{CONVERT_GROUP_SIZE}-stored"
+               + ("-m" if args.measure else "-u"))
     rows = [{"method": "unquantized", "bpw": 16.0, "perplexity": perplexity(model, ids), "seconds": None}]
     print(rows[-1], flush=True)
     write(rows)

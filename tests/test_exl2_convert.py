@@ -35,20 +35,33 @@ def _tensors(folder):
     return out
 
 
+def _stored_bpw(tensors):
+    """Stored bits per weight of the decoder's quantized linears (lm_head left out)."""
+    stored = weights = 0
+    for name in tensors:
+        if name.endswith(".q_weight") and "lm_head" not in name:
+            prefix = name[: -len("q_weight")]
+            stored += sum(v.numel() * v.element_size() * 8 for k, v in tensors.items() if k.startswith(prefix))
+            weights += tensors[prefix + "q_invperm"].numel() * tensors[prefix + "q_scale"].shape[1] * 8
+    return stored / weights
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
     import transformers as tf
     src = tiny_checkpoint(tmp_path / "hf", arch)
-    out = _convert(src, tmp_path / "q", 3.0)
+    # the same weights rounded to nearest at 3 code bits, through the existing writer; the converter gets
+    # the bits per weight that stores (--bpw counts scales and permutation, which weigh a lot in tiny linears)
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    quantize_model(model.state_dict(), json.loads((src / "config.json").read_text()), 3.0, 6, tmp_path / "rtn")
+    rtn_bpw = _stored_bpw(_tensors(tmp_path / "rtn"))
+    out = _convert(src, tmp_path / "q", min(rtn_bpw, 8.5))
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "exl2" and qc["method"] == "gptq" and qc["calibration"]["rows"] == 4
     assert not list(tmp_path.glob(".q.partial*"))                   # staging removed
     assert (out / "tokenizer.json").is_file()
-
-    # the same weights rounded to nearest, through the existing writer
-    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    quantize_model(model.state_dict(), cfg, 3.0, 6, tmp_path / "rtn")
+    assert _stored_bpw(_tensors(out)) <= rtn_bpw
     tok = tf.AutoTokenizer.from_pretrained(src)
     ids = tok(TEXT[-400:], return_tensors="pt")["input_ids"][0, -64:]     # text like the calibration's
     with torch.no_grad():
@@ -141,12 +154,12 @@ def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
                  "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
-    assert not qc["measured_allocation"] and qc["group_size"] == 32        # the defaults
+    assert qc["measured_allocation"] and qc["group_size"] == 32            # the defaults
     assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
                  "--calibration", str(tmp_path / "none.txt")]) == 1
     assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
     assert main(["convert", "--model", str(src), "--bpw", "9", "--out", str(tmp_path / "r")]) == 1
-    assert "outside EXL2's range" in capsys.readouterr().err
+    assert "is outside 2.0..8.5" in capsys.readouterr().err
     assert main(["convert", "--model", str(tmp_path / "nowhere"), "--bpw", "4", "--out", str(tmp_path / "r")]) == 1
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
@@ -157,7 +170,10 @@ def test_measured_allocation_hits_the_bpw_target(tmp_path):
     src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe")
     out = _convert(src, tmp_path / "q", 3.0, measure=True)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qc["measured_allocation"] and 2.85 <= qc["linear_bits"] <= 3.0
+    # --bpw counts what is stored (codes, scales, group table, permutation), as exllamav2's -b does
+    assert qc["measured_allocation"] and 2.85 <= qc["stored_bits_per_weight"] <= 3.0
+    assert qc["linear_bits"] < qc["stored_bits_per_weight"]
+    assert 2.85 <= _stored_bpw(_tensors(out)) <= 3.0
     widths = set()
     for name, t in _tensors(out).items():
         if name.endswith(".q_groups"):
@@ -167,6 +183,15 @@ def test_measured_allocation_hits_the_bpw_target(tmp_path):
     chosen = allocate.allocate({"a": {2.0: (2.0, 1.0), 3.0: (3.0, 0.2)}, "b": {2.0: (2.0, 1.0), 3.0: (3.0, 0.9)}},
                                {"a": 10, "b": 10}, 2.5)
     assert chosen == {"a": 3.0, "b": 2.0}
+
+
+def test_uniform_widths_store_the_bpw_target(tmp_path):
+    # without the measured allocation every linear stores at most --bpw bits per weight, scales included
+    src = tiny_checkpoint(tmp_path / "hf", "llama")
+    out = _convert(src, tmp_path / "q", 4.0, measure=False)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert not qc["measured_allocation"] and 3.8 <= qc["stored_bits_per_weight"] <= 4.0
+    assert qc["linear_bits"] < 4.0
 
 
 @pytest.mark.parametrize("arch, per_layer", [("llama", 4), ("qwen3_moe", 2 + 2 * 4)])
@@ -191,7 +216,7 @@ def test_cli_calibrates_on_exllamav2s_standard_set_by_default(tmp_path, capsys, 
         assert main([*args, "--out", str(tmp_path / "q")]) == 0
         qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
         assert qc["calibration"]["source"] == "exllamav2-standard" and qc["calibration"]["rows"] == 6
-        assert not qc["measured_allocation"] and "note:" not in capsys.readouterr().err
+        assert qc["measured_allocation"] and "note:" not in capsys.readouterr().err          # the default
     monkeypatch.setattr(caldata, "standard_dir", lambda: None)          # not installed: the shipped text, said
     assert main([*args, "--out", str(tmp_path / "r")]) == 0
     qc = json.loads((tmp_path / "r" / "config.json").read_text())["quantization_config"]

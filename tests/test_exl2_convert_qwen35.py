@@ -93,7 +93,8 @@ def _logits(folder, ids):
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked-experts"])
 def test_converted_qwen35_matches_the_unquantized_model(tmp_path, stacked):
     src = tiny_qwen35(tmp_path / "hf", stacked=stacked, scale=0.5)
-    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=32, seq_len=64, say=lambda m: None)
+    # 7 stored bits per weight: ~6-bit codes in these tiny linears, whose permutation and scales weigh a lot
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=32, seq_len=64, say=lambda m: None)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 4 * 6 and qc["experts_routed"] > 0
 
@@ -112,16 +113,17 @@ def test_converted_qwen35_matches_the_unquantized_model(tmp_path, stacked):
 
     # Logits on text like the calibration's, against the unquantized model on the same engine. This tiny
     # random MoE is touchy (storing its weights in fp16 alone moves its logits by ~2%; 6 experts, top-2,
-    # flip under any noise), so the bounds hold the measured 6-bpw figures (0.22, 74% with GPTQ's damping
-    # floor at 32 x 64 calibration tokens) with a margin, and calibration must beat rounding to nearest at
-    # the same widths (0.30 measured).
+    # flip under any noise), so the bounds hold the measured figures (0.22, 74% at 6-bit codes with GPTQ's
+    # damping floor at 32 x 64 calibration tokens; 0.25, 75% at 7 stored bits, 6.26-bit codes, with the
+    # measured allocation) with a margin, and calibration must beat rounding to nearest at the same widths
+    # (0.30 measured; 0.84x with the allocation, whose widths rounding to nearest reuses).
     tok = transformers.AutoTokenizer.from_pretrained(src)
     ids = tok(TEXT[-600:], return_tensors="pt")["input_ids"][0, -96:].tolist()
     ref, got = _logits(src, ids), _logits(out, ids)
     rtn = _logits(round_to_nearest(src, out, tmp_path / "rtn"), ids)
     rel, rel_rtn = ((got - ref).norm() / ref.norm()).item(), ((rtn - ref).norm() / ref.norm()).item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert rel < 0.28 and agree >= 0.7 and rel < 0.8 * rel_rtn, (rel, agree, rel_rtn)
+    assert rel < 0.28 and agree >= 0.7 and rel < 0.88 * rel_rtn, (rel, agree, rel_rtn)
 
 
 def test_a_misshapen_qwen35_tensor_is_named(tmp_path):
@@ -136,19 +138,27 @@ def test_a_misshapen_qwen35_tensor_is_named(tmp_path):
 
 def round_to_nearest(src, converted, out):
     """The converted folder with every quantized linear replaced by the source weight rounded to nearest
-    at the same width (the writer's plain quantizer): what calibration must beat."""
+    at the same widths (the writer's plain quantizer with its groups of 128, about the same rows per width):
+    what calibration must beat."""
     from runtime.exl2 import format as fmt
     from runtime.exl2.writer import ModelWriter
     from runtime.modelfolder import ModelFolder
     config = json.loads((converted / "config.json").read_text())
-    qc = config["quantization_config"]
     source = ModelFolder(src)
     with ModelWriter(out) as w:
-        for name, tensor in _tensors(converted).items():
+        tensors = _tensors(converted)
+        for name, tensor in tensors.items():
             if name.endswith(".q_weight"):
                 prefix = name[:-len(".q_weight")]
-                bits = qc["head_bits"] if prefix == "lm_head" else qc["bits"]
-                w.add_all(prefix, fmt.quantize(_source_weight(source, prefix), bits, 128, name=prefix))
+                mine = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == prefix}
+                in_features = mine["q_invperm"].numel()
+                groups = fmt.read_layout(mine, prefix)[2]          # the same widths and rows per width
+                widths = list(dict.fromkeys(g.bits for g in groups))
+                rows = [sum(g.rows for g in groups if g.bits == b) for b in widths]
+                props = [(r - 16) / in_features for r in rows[:-1]]      # ceil() in plan_groups gives r back
+                props.append(1 - sum(props))
+                w.add_all(prefix, fmt.quantize(_source_weight(source, prefix), widths, 128, bits_prop=props,
+                                               name=prefix))
             elif not name.endswith((".q_scale", ".q_scale_max", ".q_groups", ".q_invperm", ".q_perm")):
                 w.add(name, tensor)
         w.finish(config)
@@ -190,7 +200,8 @@ def test_the_mtp_head_is_converted_and_drafts(tmp_path):
     from runtime.options import DraftOptions, SamplingOptions
     from runtime.speculative import make_decoder
     src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
-    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
+    # 7 stored bits per weight: ~6-bit codes in these tiny linears (permutation and scales weigh a lot)
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
     t = _tensors(out)
     assert "mtp.fc.q_weight" in t and "mtp.layers.0.self_attn.q_proj.q_weight" in t
     assert "mtp.layers.0.mlp.experts.3.up_proj.q_weight" in t

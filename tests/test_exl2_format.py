@@ -88,6 +88,31 @@ def test_mix_proportions_follow_exllamav2_configure():
     assert fmt.plan_groups(64, (5, 4), (0.1, 0.9), {5: 128, 4: 128}) == [(5, 64)]
 
 
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (576, 1536), (40, 96)])
+@pytest.mark.parametrize("bpw", [2.5, 3.0, 4.0, 6.0, 8.0])
+def test_stored_target_counts_every_stored_bit(shape, bpw):
+    # the mix chosen for a stored bits-per-weight target stores at most that (codes, scales, group table,
+    # permutation: exllamav2's -b), and one more group of the wider width would store more
+    out_f, in_f = shape
+    mix, props = fmt.stored_target(bpw, in_f, out_f, 32)
+    q = fmt.quantize(torch.randn(shape), list(mix), 32, bits_prop=props)
+    groups = fmt.plan_groups(in_f, mix, props, {b: 32 for b in mix})
+    assert fmt.stored_bits(q) == fmt.planned_bits(in_f, out_f, groups)
+    if fmt.stored_bits(q) > bpw * in_f * out_f:         # a tiny matrix (padding, permutation): even 2 bits
+        assert mix == (2,) and out_f == 40 and bpw <= 4   # store more; the narrowest is the fallback
+        return
+    assert fmt.stored_bits(q) <= bpw * in_f * out_f
+    wider = [(max(mix), r) if i == sum(b == max(mix) for b, _ in groups) else (b, r)
+             for i, (b, r) in enumerate(groups)]
+    if wider != groups:
+        assert fmt.planned_bits(in_f, out_f, wider) > bpw * in_f * out_f
+
+
+def test_stored_target_rejects_out_of_range():
+    with pytest.raises(fmt.Exl2FormatError, match="outside"):
+        fmt.stored_target(1.5, 64, 64, 32)
+
+
 # ------------------------------------------------------------------------------------------
 # An independent, slow decoder written from the layout description (Python ints + numpy fp16)
 

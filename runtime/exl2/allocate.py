@@ -1,14 +1,16 @@
 """Bit allocation between the linears of a layer, measured on the calibration data.
 
-Each linear is quantized (GPTQ) at a few candidate widths around the target; the error of each
-candidate is measured on the layer's real inputs as the relative output error
+Each linear is quantized (GPTQ) at a few candidate sizes around the target, each the widest mix of two
+adjacent widths that stores at most that many bits per weight (format.stored_target: the first,
+act-order rows get the wider codes, as in exllamav2's mixes). The error of each candidate is measured
+on the layer's real inputs as the relative output error
     ||X W^T - X Wq^T||^2 / ||X W^T||^2 = tr(D H D^T) / tr(W H W^T),   D = W - Wq,  H = 2 X^T X,
-and widths are chosen greedily: starting from the narrowest candidate everywhere, the upgrade with the
-largest error reduction per extra bit is taken while the layer stays within its budget of
-target x (its weights) code bits. Every layer gets the same budget, so the model's bits per weight (code
-bits, as `bits` means in quantization_config; scales add ~0.1-0.2 on top) is the target up to the
-granularity of the candidates. exllamav2's measurement pass works on the same principle with a
-global search over whole layers' options; this is its simple per-layer form.
+and candidates are chosen greedily: starting from the smallest everywhere, the upgrade with the
+largest error reduction per extra stored bit is taken while the layer stays within its budget of
+target x (its weights) bits. The bits counted are all the tensor stores (codes, scales, group table,
+permutation), as exllamav2's -b counts them, so the model's quantized linears average the target up to
+the granularity of the candidates. exllamav2's measurement pass works on the same principle with a
+global search over whole layers' options; this is its per-layer form, which a streaming conversion allows.
 """
 from __future__ import annotations
 
@@ -18,11 +20,16 @@ import torch
 
 from . import format as fmt
 
-STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0)        # candidate widths around the target
+STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0)        # candidate stored bits per weight around the target
 
 
 def candidates(bits: float) -> list[float]:
-    return sorted({min(8.0, max(2.0, bits + s)) for s in STEPS})
+    return sorted({min(8.5, max(2.0, bits + s)) for s in STEPS})
+
+
+def stored_bpw(tensors: Mapping[str, torch.Tensor], weights: int) -> float:
+    """Stored bits per weight of a quantized tensor set of `weights` weights (what exllamav2's -b counts)."""
+    return fmt.stored_bits(tensors) / weights
 
 
 def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -41,7 +48,7 @@ def code_bits(tensors: Mapping[str, torch.Tensor]) -> float:
 
 def allocate(options: Mapping[str, Mapping[float, tuple[float, float]]], sizes: Mapping[str, int],
              bits: float) -> dict[str, float]:
-    """options: per linear, candidate -> (code bits per weight, measured error); sizes: weights per linear.
+    """options: per linear, candidate -> (stored bits per weight, measured error); sizes: weights per linear.
     -> chosen candidate per linear, with sum(code bits x size) <= bits x sum(size) where possible."""
     chosen = {k: min(opts, key=lambda c: opts[c][0]) for k, opts in options.items()}
     budget = bits * sum(sizes.values()) + 1e-6

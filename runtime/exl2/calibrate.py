@@ -155,7 +155,7 @@ class _Results:
 
     def __init__(self, bits, group_size: int, damp: float, stats: dict, measure: bool):
         self.bits, self.group_size, self.damp, self.stats, self.measure = bits, group_size, damp, stats, measure
-        self.widths = allocate.candidates(bits) if measure else [bits]
+        self.widths = allocate.candidates(bits) if measure else [bits]       # stored bits per weight
         self.tensors: dict[str, torch.Tensor] = {}
         self.pending: list[tuple[str, int, object]] = []         # (key, numel, set_weight) when measuring
         self.cands: dict[tuple[str, float], dict] = {}
@@ -172,19 +172,22 @@ class _Results:
             self.stats["hessian_inverses"] = self.stats.get("hessian_inverses", 0) + 1
         prep = self._prepared[1]
         for b in self.widths:
-            q = quantize_gptq(w, prep, b, self.group_size, name=key)
+            mix, props = fmt.stored_target(b, w.shape[1], w.shape[0], self.group_size)
+            q = quantize_gptq(w, prep, list(mix), self.group_size, bits_prop=props, name=key)
             if not self.measure:
                 self._keep(key, w.numel(), w.shape[0], q, set_weight)
                 return
             deq = fmt.dequantize(q, out_features=w.shape[0]).to(w.device)
             hh = h.h if isinstance(h, HessianAccumulator) else h
-            self.errors.setdefault(key, {})[b] = (allocate.code_bits(q), allocate.relative_error(w, deq, hh))
+            self.errors.setdefault(key, {})[b] = (allocate.stored_bpw(q, w.numel()),
+                                                  allocate.relative_error(w, deq, hh))
             self.cands[key, b] = q
         self.pending.append((key, w.numel(), w.shape[0], set_weight))
 
     def _keep(self, key, numel, out_features, q, set_weight) -> None:
         self.tensors.update({f"{key}.{k}": v for k, v in q.items()})
         self.stats["code_bits"] = self.stats.get("code_bits", 0) + allocate.code_bits(q) * numel
+        self.stats["stored_bits"] = self.stats.get("stored_bits", 0) + fmt.stored_bits(q)
         self.stats["weights"] = self.stats.get("weights", 0) + numel
         set_weight(fmt.dequantize(q, out_features=out_features))
 
@@ -193,7 +196,7 @@ class _Results:
         if self.measure:
             chosen = allocate.allocate(self.errors, {k: n for k, n, _, _ in self.pending}, self.bits)
             for key, numel, out_features, set_weight in self.pending:
-                self._keep(key, numel, out_features, self.cands[key, chosen.get(key, self.bits)], set_weight)
+                self._keep(key, numel, out_features, self.cands[key, chosen[key]], set_weight)
             self.cands.clear()
         return self.tensors
 

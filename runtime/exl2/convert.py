@@ -26,12 +26,15 @@ temporary name and renamed). A conversion started again with the same settings c
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
 
-    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--measure]
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--no-measure]
+
+--bpw counts every bit the quantized decoder linears store (codes, 4-bit scales, group table,
+permutation), as exllamav2's -b does; the codes get ~0.2 bits per weight less at groups of 32.
 
 The default calibration is exllamav2's standard set (caldata.py), 32 x 512 tokens; without exllamav2 it
 falls back to data/calibration.txt (the Declaration of Independence and the Gettysburg Address, both
-public domain), with a note. Groups are 32 rows; --measure allocates widths per linear by measured
-error (allocate.py).
+public domain), with a note. Groups are 32 rows; widths are allocated per linear by measured error
+(allocate.py; --no-measure: every linear at the target).
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
 BATCH_ROWS = 4                       # calibration sequences per forward
+STORED_BPW_MIN, STORED_BPW_MAX = 2.0, 8.5    # --bpw range (2-bit codes store ~2.2, 8-bit ~8.2)
 
 Say = Callable[[str], None]
 
@@ -250,10 +254,14 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             calibration_source: str = "calibration",
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = CONVERT_GROUP_SIZE, damp: float = DEFAULT_DAMP, say: Say = print,
-            measure: bool = False, stop_after_layers: int | None = None,
+            measure: bool = True, stop_after_layers: int | None = None,
             hessian_budget: int = DEFAULT_HESSIAN_BUDGET, device: str = "cpu",
             progress: Callable[[dict], None] | None = None) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
+
+    `bits`: bits stored per weight of the decoder's quantized linears on average, codes, scales, group
+    table and permutation included (what exllamav2's -b means); `head_bits`: lm_head's code width.
+    `measure`: widths chosen per linear by measured error (allocate.py), else each linear at the target.
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
@@ -263,7 +271,9 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    fmt.resolve_bits(bits, name="bits")
+    if not STORED_BPW_MIN <= bits <= STORED_BPW_MAX:
+        raise ConvertError(f"bits per weight {bits} is outside {STORED_BPW_MIN}..{STORED_BPW_MAX} (bits stored per "
+                           f"weight of the quantized linears, scales and permutation included)")
     fmt.resolve_bits(head_bits, name="head_bits")
     if hessian_budget <= 0:
         raise ConvertError(f"hessian_budget must be positive, got {hessian_budget} bytes")
@@ -289,7 +299,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         tied = bool(ckpt.config.get("tie_word_embeddings", False))
         embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
-                "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT, "measure": measure,
+                "bits_counted": "stored", "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT,
+                "measure": measure,
                 "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": caldata.fingerprint(calibration_text)}
     if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
@@ -388,8 +399,11 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
         "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,
-        **{k: v for k, v in state["stats"].items() if k not in ("code_bits", "weights")},
-        "linear_bits": round(state["stats"]["code_bits"] / max(state["stats"]["weights"], 1), 4)}
+        **{k: v for k, v in state["stats"].items() if k not in ("code_bits", "stored_bits", "weights")},
+        "bits_counted": "stored bits per weight of the quantized decoder linears (codes, scales, group table, "
+                        "permutation), as exllamav2's -b",
+        "linear_bits": round(state["stats"]["code_bits"] / max(state["stats"]["weights"], 1), 4),
+        "stored_bits_per_weight": round(state["stats"].get("stored_bits", 0) / max(state["stats"]["weights"], 1), 4)}
     assembled = staging / "model"
     if assembled.exists():
         shutil.rmtree(assembled)
@@ -426,14 +440,17 @@ DEFAULT_CALIBRATION = caldata.SHIPPED          # the fallback text (tests calibr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
-    p.add_argument("--bpw", type=float, required=True, help="bits per weight of the quantized linears (2..8)")
+    p.add_argument("--bpw", type=float, required=True,
+                   help=f"bits stored per weight of the quantized linears on average, scales and permutation included, "
+                        f"as exllamav2's -b ({STORED_BPW_MIN:g}..{STORED_BPW_MAX:g}; codes take ~0.2 less at groups of 32)")
     p.add_argument("--out", required=True, help="output folder (must not exist; an interrupted run resumes)")
     p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: exllamav2's standard calibration "
                                          "set, or a short public-domain English text where it is not installed)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
-    p.add_argument("--measure", action="store_true",
-                   help="choose each linear's width by measured error to hit --bpw on average (~2.5x slower)")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each linear's width by measured error to hit --bpw on average (default; "
+                        "--no-measure: every linear at --bpw, ~3x faster)")
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,

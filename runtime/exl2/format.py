@@ -127,6 +127,36 @@ def plan_groups(in_features: int, mix: Sequence[int], props: Sequence[float],
     return groups
 
 
+def planned_bits(in_features: int, out_features: int, groups: Sequence[tuple[int, int]]) -> int:
+    """Bits a tensor set with these groups stores (what `stored_bits` returns for it): codes of N columns
+    (out rounded up to 32), a 4-bit scale per group and column, q_scale_max and the q_groups pair per
+    group, and q_invperm; what exllamav2's converter counts towards its -b target."""
+    n = out_features + (-out_features % 32)
+    return (sum(b * rows for b, rows in groups) * n + len(groups) * (4 * n + 16 + 32) + 32 * in_features)
+
+
+def stored_target(bpw: float, in_features: int, out_features: int,
+                  group_size: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The widest mix of two adjacent widths (whole groups of `group_size` rows each) whose stored bits per
+    weight, scales and permutation included, stay within `bpw` (-> widths, proportions for
+    `resolve_bits`); the narrowest width (2 bits, ~2.2 stored) where even that is over."""
+    if not 2.0 <= bpw <= 8.5:
+        raise Exl2FormatError("bits", f"{bpw} stored bits per weight is outside EXL2's range 2..8.5")
+    n_groups = math.ceil(in_features / group_size)
+    budget = bpw * in_features * out_features
+    asc = sorted(WIDTHS)
+    best = ((asc[0],), (1.0,))
+    for lo, hi in zip(asc, asc[1:]):
+        for k in range(n_groups + 1):                   # k groups of `hi` first, the rest `lo`
+            mix = ((hi,), (1.0,)) if k == n_groups else ((lo,), (1.0,)) if k == 0 else \
+                ((hi, lo), ((k - 0.5) * group_size / in_features, 1 - (k - 0.5) * group_size / in_features))
+            groups = plan_groups(in_features, *mix, {b: group_size for b in mix[0]})
+            if planned_bits(in_features, out_features, groups) > budget:
+                return best
+            best = mix
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 

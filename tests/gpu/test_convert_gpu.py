@@ -16,8 +16,9 @@ pytestmark = pytest.mark.gpu
 
 def _convert(src, out, device, budget=1 << 40):
     reports = []
+    # uniform widths: the measured allocation could pick another width where CUDA's rounding moves an error
     cv.convert(src, out, 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None,
-               hessian_budget=budget, device=device, progress=reports.append)
+               hessian_budget=budget, device=device, progress=reports.append, measure=False)
     return _tensors(out), reports
 
 
