@@ -487,8 +487,14 @@ def _protocol_channel() -> TextIO:
 
 
 def name_process() -> None:
-    """Show as `moedesk-worker` in process lists (ps, top, the task manager), not as `python -m ...`."""
-    import setproctitle
+    """Show as `moedesk-worker` in process lists (ps, top, the task manager), not as `python -m ...`.
+    Cosmetic: where setproctitle is missing (a Python that did not install our dependencies) the worker
+    runs under its interpreter's name rather than not at all."""
+    try:
+        import setproctitle
+    except ImportError:
+        print("setproctitle is not installed: the worker keeps its interpreter's process name", file=sys.stderr)
+        return
     setproctitle.setproctitle("moedesk-worker")
 
 
