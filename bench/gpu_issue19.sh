@@ -24,6 +24,8 @@ LIMIT=${LIMIT:-560}                       # seconds for the whole script
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results
 T0=$(date +%s)
+STAMP=$(mktemp); trap 'rm -f "$STAMP"' EXIT
+newest() { find bench/results -maxdepth 1 -name "$1" -newer "$STAMP" -printf '%T@ %p\n' 2>/dev/null | sort -nr | head -1 | cut -d' ' -f2; }   # this run's only
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue19.log"; }
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
@@ -46,7 +48,7 @@ log "worker benchmark at 24 GB, both draft modes on one load (at most $budget s)
 timeout "$budget" $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
     --label q125-a11-24gb --max-tokens 160 --draft both --out bench/results 2>&1 | tee -a "$OUT/gpu_issue19.log"
 log "worker benchmark: exit ${PIPESTATUS[0]}"
-W=$(ls -t bench/results/worker-q125-a11-24gb-*.json 2>/dev/null | head -1)
+W=$(newest "worker-q125-a11-24gb-NVIDIA*.json")
 log "worker JSON: ${W:-none}"
 [ -n "$W" ] && cp "$W" "$OUT"/
 [ -n "$W" ] && log "routing prior at load: $(grep -o 'from a calibration prompt' "$W" | wc -l) mention(s) in the load's stages"
@@ -56,7 +58,7 @@ if [ "$(left)" -gt 190 ]; then              # text where drafts rarely match: sa
     timeout $(( $(left) - 150 )) $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
         --label q125-a11-24gb-t1 --max-tokens 160 --draft both --turns 2 --temperature 1.0 --out bench/results 2>&1 \
         | tail -12 | tee -a "$OUT/gpu_issue19.log"
-    W=$(ls -t bench/results/worker-q125-a11-24gb-t1-*.json 2>/dev/null | head -1)
+    W=$(newest "worker-q125-a11-24gb-t1-*.json")
     [ -n "$W" ] && cp "$W" "$OUT"/
 fi
 
@@ -74,7 +76,7 @@ if [ "$(left)" -gt 150 ]; then
     timeout $(( $(left) - 5 )) $PY -m bench.placement_loads --model "$MODEL" --label q125-a11 --bpw 3.0 \
         --vram-budget 24 --loads 5 --deadline-s $(( $(left) - 15 )) --out bench/results 2>&1 \
         | tee -a "$OUT/gpu_issue19.log"
-    P=$(ls -t bench/results/placement-loads-q125-a11-*.json 2>/dev/null | head -1)
+    P=$(newest "placement-loads-q125-a11-*.json")
     log "placement JSON: ${P:-none}"
     [ -n "$P" ] && cp "$P" "$OUT"/
 fi

@@ -16,6 +16,8 @@ import argparse
 import importlib
 import sys
 
+from runtime.protocol import WorkerError
+
 # subcommand -> (module, help)
 SUBCOMMANDS = {
     "chat": ("runtime.chat_cli", "Ask a model one question through a real worker process."),
@@ -31,6 +33,7 @@ SUBCOMMANDS = {
     "bench-worker": ("bench.worker", "Hold a conversation through a real worker process as the GUI does; "
                                      "per answer TTFT, decode speed, longest token gap; JSON to bench/results/."),
 }
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moedesk-cli: interrupted", file=sys.stderr)
         return 130
+    except WorkerError as e:            # a worker that died says why in its last log lines
+        print(f"moedesk-cli {chosen}: {e.message}", file=sys.stderr)
+        if e.detail:
+            print(f"the worker's last lines:\n{e.detail}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
