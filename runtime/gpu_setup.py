@@ -284,7 +284,7 @@ def triton_advice(env: Mapping[str, str] = tuning.environment(),
     """Triton (the GPU engine's MoE and attention kernels) compiles a small C launcher at first use with
     CC, gcc, clang or a shipped Zig (runtime/triton_cc.py), against Python's headers: what to install
     where that cannot run (empty when it can)."""
-    return triton_cc.advice(dict(env), which, compiler_advice=compiler_advice)
+    return triton_cc.advice(dict(env), which)
 
 
 # ---------------------------------------------------------------- the cache

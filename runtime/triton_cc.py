@@ -114,15 +114,15 @@ def headers_advice(headers: Optional[Path] = None) -> str:
 
 
 def advice(env: Optional[MutableMapping[str, str]] = None, which: Which = shutil.which,
-           zig: Optional[Path] = None, compiler_advice: Callable[[], str] = lambda: "",
-           headers: Optional[Path] = None) -> str:
-    """What a user must install before Triton's first compile can run here (empty: nothing)."""
+           zig: Optional[Path] = None, headers: Optional[Path] = None, os_release: Optional[str] = None) -> str:
+    """What a user must install before Triton's first compile can run here (empty: nothing).
+    os_release: /etc/os-release's text (default: read), which names the compiler package."""
     if IS_WINDOWS:
         return ""
     parts = []
     if not system_compiler(env, which) and (zig or find_zig()) is None:
         parts.append("Triton, which runs the GPU engine's MoE kernels, needs a C compiler at first use. "
-                     + compiler_advice())
+                     + compiler_advice(os_release))
     missing = headers_advice(headers)
     if missing:
         parts.append(missing)
