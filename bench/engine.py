@@ -219,14 +219,13 @@ def git_commit() -> Optional[str]:
 
 
 def roofline(engine_telemetry: dict, backend: str) -> tuple[Optional[float], str]:
-    """Tokens/s if every decode step only had to read the weights once, and how it was computed."""
-    weight_bytes = engine_telemetry.get("weight_bytes_per_token") or engine_telemetry.get("weight_bytes")
-    if not weight_bytes or backend != "cpu":
-        return None, "roofline not computed (the engine reports no weight bytes per token)" if backend == "cpu" else \
-            "roofline for this backend not computed here"
-    gbps = memory_read_gbps()
-    return gbps * 1e9 / weight_bytes, (f"roofline = host memory read {gbps:.1f} GB/s (measured now) / "
-                                       f"{weight_bytes / 1e6:.0f} MB of weights read per token")
+    """Tokens/s if every decode step only had to read the weights once, and how it was computed
+    (bench/roofline.py; the host memory bandwidth measured now)."""
+    from bench.roofline import measure_ceilings, roofline as bound
+    if backend != "cpu":
+        return None, "roofline for this backend not computed here"
+    r = bound(engine_telemetry, backend, measure_ceilings(cuda=False))
+    return r["roofline_tps"], r["roofline_note"]
 
 
 # ----------------------------------------------------------------------------------------------

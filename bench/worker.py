@@ -100,6 +100,9 @@ class Answer:
     graphs_captured: Optional[int] = None      # decode graphs held at the answer's end (CUDA engine)
     graph_error: Optional[str] = None
     idle_work: Optional[dict] = None           # the worker's idle work this answer waited behind
+    expert_hit_rate: Optional[float] = None    # offload: the telemetry's at the answer's end (since load)
+    cpu_expert_bytes_per_token: Optional[float] = None
+    roofline: Optional[dict] = None            # bench/roofline.py's, with this answer's telemetry
     reason: str = ""
     text: str = field(default="", repr=False)
 
@@ -151,6 +154,8 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
         a.graphs_captured = len(extra["graph_shapes"])
     a.graph_error = extra.get("graph_error")
     a.idle_work = extra.get("idle_work")
+    a.expert_hit_rate = extra.get("expert_hit_rate")
+    a.cpu_expert_bytes_per_token = extra.get("cpu_expert_bytes_per_token")
     return a
 
 
@@ -176,10 +181,11 @@ def draft_line(a: Answer) -> Optional[str]:
 
 
 def converse(client, modes: list[str], drafts: dict, sampling, turns: int,
-             on_answer: Callable[[Answer], None]) -> list[Answer]:
+             on_answer: Callable[[Answer], None], roof: Callable[[Answer], None] = lambda a: None) -> list[Answer]:
     """One chat of `turns` user turns on the loaded model, each answered once per mode (the modes
     take turns: the first mode first at turn 0, the order swapped at every turn after); each request
-    carries the conversation so far, which goes on with the first mode's answer."""
+    carries the conversation so far, which goes on with the first mode's answer. `roof` fills an
+    answer's roofline before it is printed."""
     from runtime import protocol as P
     from runtime.client import new_id
     messages: list = []
@@ -195,10 +201,12 @@ def converse(client, modes: list[str], drafts: dict, sampling, turns: int,
             out.append(a)
             if mode == modes[0]:
                 kept = a
+            roof(a)
             print(f"  {mode:5s} {name:13s} prompt {a.prompt_tokens:5d}  ttft {a.ttft_s or 0:6.2f} s  decode "
                   f"{a.decode_tps or 0:7.1f} tok/s (worker {a.worker_decode_tps or 0:7.1f}, {a.generated_tokens} "
                   f"tokens)  max gap {1e3 * (a.max_token_gap_s or 0):7.1f} ms  acceptance "
-                  f"{a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}", flush=True)
+                  f"{a.acceptance_rate if a.acceptance_rate is not None else '-'}  {a.placement}  roofline "
+                  f"{roofline_text(a.roofline)}", flush=True)
             if draft_line(a):
                 print(draft_line(a), flush=True)
             on_answer(a)
@@ -253,6 +261,7 @@ def settings_for(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from runtime import protocol as P
     from bench.engine import git_commit, machine
+    from bench.roofline import cuda_available, measure_ceilings, roofline
     from runtime.client import WorkerClient
     from runtime.options import DraftOptions, from_dict
     if args.turns < 1 or args.turns > len(CONVERSATION):
@@ -268,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     ngram = settings.load.draft
     drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": ngram}
     progress: list[dict] = []
+    ceilings = measure_ceilings(cuda=args.backend != "cpu" and cuda_available())    # before the load
     t_start = time.perf_counter()
 
     def on_progress(ev: P.Progress) -> None:
@@ -294,7 +304,9 @@ def run(args: argparse.Namespace) -> int:
                 "context": loaded.context_length, "load_s": load_s, "worker_load_s": loaded.load_s,
                 "load_stages": stages, "kernels_compiled_in_load": load_extra.get("kernels_compiled_in_load"),
                 "placement_at_load": load_extra.get("placement_decision"), "load_progress": progress,
-                "applied": loaded.applied, "temperature": args.temperature,
+                "applied": loaded.applied, "temperature": args.temperature, "roofline_ceilings_gbps": ceilings,
+                "weight_bytes_per_token": load_extra.get("weight_bytes_per_token"),
+                "weight_bytes_per_token_parts": load_extra.get("weight_bytes_per_token_parts"),
                 "notes": (f"Through the real worker process ({ready.engine}: {ready.engine_note}); options from the "
                           f"app's settings ({'file ' + str(args.settings) if args.settings else 'defaults'}) with the "
                           f"flags applied, sent in the load command as the GUI does. {how_sampled(args.temperature)}, at most {args.max_tokens} "
@@ -308,7 +320,14 @@ def run(args: argparse.Namespace) -> int:
             answers.append(a)
             write_result(path, result_of(base, answers, modes, ngram, args.turns))
 
-        converse(client, modes, drafts, sampling, args.turns, on_answer)
+        def roof(a: Answer) -> None:
+            tel = dict(load_extra, expert_hit_rate=a.expert_hit_rate,
+                       cpu_expert_bytes_per_token=a.cpu_expert_bytes_per_token)
+            if a.expert_hit_rate is None:
+                tel.pop("expert_hit_rate")
+            a.roofline = roofline(tel, loaded.backend, ceilings)
+
+        converse(client, modes, drafts, sampling, args.turns, on_answer, roof)
     result = result_of(base, answers, modes, ngram, args.turns)
     print_summary(result)
     print(f"wrote {path}")
@@ -338,6 +357,7 @@ def result_of(base: dict, answers: list[Answer], modes: list[str], ngram, turns:
     main = by_mode.get(main_mode) or summary([])
     base_mode = "none" if main_mode == "ngram" and "none" in by_mode else None
     first = answers[0] if answers else None
+    roof = (answers[-1].roofline if answers else None) or {}
     speedup = None
     if "ngram" in by_mode and "none" in by_mode:
         plain, drafted = by_mode["none"]["decode_tps_by_prompt"], by_mode["ngram"]["decode_tps_by_prompt"]
@@ -345,7 +365,11 @@ def result_of(base: dict, answers: list[Answer], modes: list[str], ngram, turns:
     return dict(base, **{
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "prompt_tokens": first.prompt_tokens if first else None, "prefill_tps": main["prefill_tps"],
-        "decode_tps": main["decode_tps"], "ttft_s": first.ttft_s if first else None, "roofline_tps": None,
+        "decode_tps": main["decode_tps"], "ttft_s": first.ttft_s if first else None,
+        # the roofline with the last answer's telemetry (with offload its hit rate is the latest)
+        "roofline_tps": roof.get("roofline_tps"), "roofline_note": roof.get("roofline_note", "roofline not computed"),
+        "roofline_all_resident_tps": roof.get("roofline_all_resident_tps"),
+        "roofline_placement": roof.get("roofline_placement"),
         "draft": (dict(dataclasses.asdict(ngram), acceptance_rate=main["acceptance_rate"]) if main_mode == "ngram"
                   else None),
         "baseline": dict(name=base_mode, **by_mode[base_mode]) if base_mode else None,
@@ -365,7 +389,17 @@ def write_result(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
+def roofline_text(roof: Optional[dict]) -> str:
+    return f"{roof['roofline_tps']:.1f} tok/s" if roof and roof.get("roofline_tps") else "-"
+
+
 def print_summary(r: dict) -> None:
+    for a in r["answers"]:
+        fraction = (f" ({a['decode_tps'] / a['roofline']['roofline_tps']:.1%} of it)"
+                    if a["decode_tps"] and a["roofline"] and a["roofline"].get("roofline_tps") else "")
+        print(f"  decode {a['mode']:5s} {a['prompt_name']:13s} {a['decode_tps'] or 0:7.1f} tok/s, roofline "
+              f"{roofline_text(a['roofline'])}{fraction}")
+    print(f"  {r['roofline_note']}")
     ratio = r["first_answer_vs_steady"]
     print(f"first answer vs steady (decode tok/s, same mode): {ratio:.2f}" if ratio is not None
           else "first answer vs steady: not measured (fewer than two answers of the first mode)")

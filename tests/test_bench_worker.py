@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 COMMON = {"date", "git_commit", "machine", "device", "model", "bpw", "vram_budget_gb", "context", "prompt_tokens",
           "prefill_tps", "decode_tps", "ttft_s", "roofline_tps", "draft", "baseline", "notes"}
 PER_ANSWER = {"ttft_s", "decode_tps", "max_token_gap_s", "placement", "acceptance_rate", "prompt_tokens", "mode"}
@@ -44,6 +46,11 @@ def test_bench_worker_writes_the_worker_result(demo_model, tmp_path):
     assert [x[:2] for x in r["max_token_gap_s_by_answer"]] == [["none", "first_answer"], ["ngram", "first_answer"],
                                                               ["ngram", "summary"], ["none", "summary"]]
     assert "first answer vs steady" in proc.stdout and "max gap" in proc.stdout
+    # the roofline of the machine it ran on: host memory read / the reference engine's weight bytes per token
+    assert r["roofline_tps"] > 0 and r["roofline_note"].startswith("roofline = host memory read")
+    assert r["weight_bytes_per_token"] > 0 and r["roofline_ceilings_gbps"]["host_read_gbps"] > 0
+    assert all(a["roofline"]["roofline_tps"] > 0 for a in r["answers"])
+    assert proc.stdout.count(" roofline ") >= 2 * len(r["answers"]) and r["roofline_note"] in proc.stdout
     assert not list(out.glob("*.part"))
 
 
@@ -101,3 +108,50 @@ def test_sampling_is_greedy_unless_a_temperature_is_asked():
     assert hot.temperature == 1.0 and "temperature 1" in how_sampled(1.0) and how_sampled(0.0) == "Greedy"
     with pytest.raises(ValueError, match="between 0 and 2"):
         sampling_for(settings, p.parse_args(["--model", "demo", "--temperature", "-1"]))
+
+
+GB = 1e9
+CEILINGS = {"host_read_gbps": 50.0, "hbm_copy_gbps": 4000.0, "pinned_h2d_gbps": 50.0}
+
+
+def test_the_roofline_is_the_machines_bandwidth_over_the_bytes_a_token_reads():
+    from bench.roofline import roofline
+    cpu = roofline({"weight_bytes_per_token": 1e9}, "cpu", CEILINGS)
+    assert cpu["roofline_tps"] == pytest.approx(50.0) and "host memory read 50.0 GB/s" in cpu["roofline_note"]
+    cuda = roofline({"weight_bytes_per_token": 2e9}, "cuda", CEILINGS)
+    assert cuda["roofline_tps"] == pytest.approx(2000.0) == cuda["roofline_all_resident_tps"]
+    assert "HBM copy bandwidth 4000 GB/s" in cuda["roofline_note"] and cuda["roofline_placement"] is None
+    no_gpu = roofline({"weight_bytes_per_token": 2e9}, "cuda", {"host_read_gbps": 50.0})
+    assert no_gpu["roofline_tps"] is None and "no CUDA device" in no_gpu["roofline_note"]
+    none = roofline({}, "cpu", CEILINGS)
+    assert none["roofline_tps"] is None and "reports no weight bytes" in none["roofline_note"]
+
+
+def test_with_offload_the_roofline_is_the_placements():
+    """Dense 1 GB and 2 GB of top-k experts a token, 75% of picks resident: 1.5 GB from HBM, 0.5 GB
+    over PCIe (the slower part: 10 ms); with the CPU path taking 0.2 GB of the cold bytes, PCIe 6 ms."""
+    from bench.roofline import roofline
+    tel = {"weight_bytes_per_token": 3e9, "expert_hit_rate": 0.75,
+           "weight_bytes_per_token_parts": {"experts": 2e9, "total": 3e9}}
+    r = roofline(tel, "cuda", CEILINGS)
+    p = r["roofline_placement"]
+    assert p["hbm_bytes_per_token"] == pytest.approx(2.5e9) and p["pcie_bytes_per_token"] == pytest.approx(0.5e9)
+    assert r["roofline_tps"] == pytest.approx(100.0) == p["overlapped_tps"]
+    assert p["serial_tps"] == pytest.approx(1 / (2.5e9 / 4e12 + 0.01))
+    assert r["roofline_all_resident_tps"] == pytest.approx(4000 / 3) and "hit rate 75.0%" in r["roofline_note"]
+    cpu = roofline(dict(tel, cpu_expert_bytes_per_token=0.2e9), "cuda", CEILINGS)["roofline_placement"]
+    assert cpu["pcie_bytes_per_token"] == pytest.approx(0.3e9) and cpu["overlapped_tps"] == pytest.approx(1 / 0.006)
+    # the hit rate without the bytes by part: the all-resident bound, said to be an upper bound
+    bare = roofline({"weight_bytes_per_token": 3e9, "expert_hit_rate": 0.75}, "cuda", CEILINGS)
+    assert bare["roofline_tps"] == pytest.approx(4000 / 3) and "upper bound" in bare["roofline_note"]
+
+
+def test_the_result_carries_the_last_answers_roofline():
+    from bench.worker import Answer, result_of
+    from runtime.options import DraftOptions
+    a = Answer("none", 0, "first_answer", True, decode_tps=40.0,
+               roofline={"roofline_tps": 80.0, "roofline_note": "roofline = x", "roofline_all_resident_tps": 80.0,
+                         "roofline_placement": None})
+    r = result_of({}, [a], ["none"], DraftOptions(), 1)
+    assert r["roofline_tps"] == 80.0 and r["roofline_note"] == "roofline = x"
+    assert result_of({}, [], ["none"], DraftOptions(), 1)["roofline_tps"] is None

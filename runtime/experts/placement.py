@@ -248,9 +248,17 @@ def decode_roofline(placement: Placement, dense_gpu_bytes: float, hbm_bytes_per_
 
     serial: GPU, PCIe and CPU parts one after the other; overlapped: the slowest part alone."""
     b = placement.per_token_bytes()
-    t_gpu = (dense_gpu_bytes + b["vram"]) / hbm_bytes_per_s
-    t_pcie = b["pcie"] / pcie_bytes_per_s
-    t_cpu = b["cpu"] / cpu_bytes_per_s
+    return bytes_roofline(dense_gpu_bytes + b["vram"], b["pcie"], b["cpu"], hbm_bytes_per_s, pcie_bytes_per_s,
+                          cpu_bytes_per_s)
+
+
+def bytes_roofline(gpu_bytes: float, pcie_bytes: float, cpu_bytes: float, hbm_bytes_per_s: float,
+                   pcie_bytes_per_s: float, cpu_bytes_per_s: float) -> dict[str, float]:
+    """Tokens/s bound of a decode step that reads `gpu_bytes` from VRAM, copies `pcie_bytes` over PCIe
+    and has the CPU read `cpu_bytes` from RAM, each at its rate (a part with no bytes takes no time)."""
+    t_gpu = gpu_bytes / hbm_bytes_per_s
+    t_pcie = pcie_bytes / pcie_bytes_per_s if pcie_bytes else 0.0
+    t_cpu = cpu_bytes / cpu_bytes_per_s if cpu_bytes else 0.0
     return {"serial_tps": 1.0 / (t_gpu + t_pcie + t_cpu), "overlapped_tps": 1.0 / max(t_gpu, t_pcie, t_cpu),
             "gpu_s": t_gpu, "pcie_s": t_pcie, "cpu_s": t_cpu}
 
@@ -261,5 +269,5 @@ def describe(placement: Placement) -> str:
 
 
 __all__ = ["PathCosts", "LayerPlan", "Placement", "plan_placement", "plan_resident", "decode_roofline",
-           "CpuSplitCosts", "CpuSplit", "plan_cpu_split",
+           "bytes_roofline", "CpuSplitCosts", "CpuSplit", "plan_cpu_split",
            "describe", "GB"]

@@ -1,0 +1,78 @@
+"""Bytes of weights a decode step of the CUDA engine reads, from a synthetic EXL2 folder's tensor
+sizes (no GPU): the roofline's divisor."""
+from __future__ import annotations
+
+import json
+import re
+import types
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from runtime.exl2 import synth
+    out = tmp_path_factory.mktemp("m") / "tiny-moe"
+    synth.write_synthetic("tiny-moe", 3.0, out, layers=2)
+    return out
+
+
+def _stored(folder) -> dict[str, int]:
+    """Bytes of every tensor as safetensors itself reads them."""
+    from safetensors.torch import load_file
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update({k: t.numel() * t.element_size() for k, t in load_file(f).items()})
+    return out
+
+
+def test_a_decode_step_reads_the_dense_weights_one_embedding_row_and_top_k_experts(tiny_moe):
+    from runtime.backends.exl2_bytes import weight_bytes_per_token
+    config = json.loads((tiny_moe / "config.json").read_text())
+    E, k, L = config["num_experts"], config["num_experts_per_tok"], config["num_hidden_layers"]
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    stored = _stored(tiny_moe)
+    one_expert = sum(n for name, n in stored.items() if name.startswith("model.layers.0.mlp.experts.0."))
+    assert one_expert > 0
+    r = weight_bytes_per_token(tiny_moe)
+    assert r["top_k"] == k and r["expert_bytes_per_layer"] == [one_expert] * L
+    assert r["experts"] == L * k * one_expert
+    assert r["embeddings"] == h * 2                                # one fp16 row of the table
+    # everything stored, less the experts no token picks and all embedding rows but one
+    assert r["total"] == sum(stored.values()) - L * (E - k) * one_expert - (vocab - 1) * h * 2
+    assert r["total"] == sum(r[p] for p in ("attention", "norms", "router", "dense_mlp", "shared_experts",
+                                            "experts", "embeddings", "head", "other"))
+    attention = sum(n for name, n in stored.items() if ".self_attn." in name and not re.search(r"_norm\.", name))
+    assert r["attention"] == attention and r["other"] == 0 and r["dense_mlp"] == 0
+    assert r["head"] == sum(n for name, n in stored.items() if name.startswith("lm_head."))
+    assert r["router"] == L * E * h * 2
+
+
+def test_the_worker_adds_it_only_for_an_engine_that_reports_none(tiny_moe):
+    from runtime.backends.exl2_bytes import decode_weight_bytes, weight_bytes_per_token
+
+    def engine(tel):
+        return types.SimpleNamespace(info=types.SimpleNamespace(path=str(tiny_moe)), telemetry=lambda: tel)
+    got = decode_weight_bytes(engine({"vram_allocated_bytes": 1}))
+    assert got["weight_bytes_per_token"] == weight_bytes_per_token(tiny_moe)["total"] > 0
+    assert got["weight_bytes_per_token_parts"]["experts"] > 0
+    assert decode_weight_bytes(engine({"weight_bytes_per_token": 5})) is None
+
+
+def test_the_worker_telemetry_carries_the_bytes(tiny_moe):
+    import io
+    from runtime.backends.exl2_bytes import decode_weight_bytes
+    from runtime.worker import Worker
+    w = Worker(io.StringIO())
+    w.engine = types.SimpleNamespace(info=types.SimpleNamespace(path=str(tiny_moe)), telemetry=lambda: {})
+    assert "weight_bytes_per_token" not in w.telemetry().extra
+    w.weight_bytes = decode_weight_bytes(w.engine)
+    assert w.telemetry().extra["weight_bytes_per_token"] == w.weight_bytes["weight_bytes_per_token"]
+
+
+def test_a_folder_without_weights_is_named(tmp_path):
+    from runtime.backends.exl2_bytes import weight_bytes_per_token
+    from runtime.errors import InvalidModel
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidModel, match="no .safetensors files"):
+        weight_bytes_per_token(tmp_path)
