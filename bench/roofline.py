@@ -10,10 +10,16 @@ weights once, at the bandwidth measured on the machine it ran on.
   resident share of the top-k experts and the dense weights from HBM, the cold share over PCIe (pinned
   host->device bandwidth, bench/offload.py) or, the CPU path's share, from host RAM.
 
-The ceilings are measured in the benchmark's process, before the model loads (`measure_ceilings`).
+The ceilings are measured before the model loads (`measure_ceilings`); the worker benchmark measures
+them in a child process (`measure_ceilings_apart`), so that its own process holds no CUDA context (a few
+hundred MB of VRAM) while the worker runs: the worker meets the GPU as the app's would.
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Optional
 
 GB = 1e9
@@ -37,6 +43,22 @@ def measure_ceilings(cuda: bool) -> dict[str, float]:
         out["hbm_copy_gbps"] = hbm_bandwidth() / GB
         out["pinned_h2d_gbps"] = pinned_h2d_bandwidth() / GB
     return out
+
+
+def measure_ceilings_apart(backend: str, timeout: float = 300.0) -> dict[str, float]:
+    """`measure_ceilings` in a child process (CUDA's when `backend` is not "cpu" and a GPU is there);
+    what it could not measure is left out and the roofline then says it is not computed."""
+    code = ("import json, sys; from bench.roofline import cuda_available, measure_ceilings; "
+            f"print(json.dumps(measure_ceilings(cuda={backend != 'cpu'!r} and cuda_available())))")
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                             timeout=timeout, check=True).stdout
+        got = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        print(f"bench-worker: bandwidths not measured ({type(e).__name__}): no roofline", file=sys.stderr)
+        return {}
+    return {k: float(v) for k, v in got.items() if isinstance(v, (int, float))}
 
 
 def _placement(tel: dict, ceilings: dict) -> Optional[dict[str, Any]]:
@@ -64,6 +86,8 @@ def roofline(tel: dict, backend: str, ceilings: dict) -> dict[str, Any]:
         return dict(out, roofline_note="roofline not computed (the engine reports no weight bytes per token)")
     per = f"{weight_bytes / 1e6:.1f} MB of weights read per token"
     if backend == "cpu":
+        if "host_read_gbps" not in ceilings:
+            return dict(out, roofline_note=f"roofline not computed (host memory bandwidth not measured); {per}")
         gbps = ceilings["host_read_gbps"]
         return dict(out, roofline_tps=gbps * GB / weight_bytes,
                     roofline_note=f"roofline = host memory read {gbps:.1f} GB/s (measured now) / {per}")

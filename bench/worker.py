@@ -261,7 +261,7 @@ def settings_for(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from runtime import protocol as P
     from bench.engine import git_commit, machine
-    from bench.roofline import cuda_available, measure_ceilings, roofline
+    from bench.roofline import measure_ceilings_apart, roofline
     from runtime.client import WorkerClient
     from runtime.options import DraftOptions, from_dict
     if args.turns < 1 or args.turns > len(CONVERSATION):
@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     ngram = settings.load.draft
     drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": ngram}
     progress: list[dict] = []
-    ceilings = measure_ceilings(cuda=args.backend != "cpu" and cuda_available())    # before the load
+    ceilings = measure_ceilings_apart(args.backend)     # before the load, in a child: no CUDA context here
     t_start = time.perf_counter()
 
     def on_progress(ev: P.Progress) -> None:

@@ -155,3 +155,19 @@ def test_the_result_carries_the_last_answers_roofline():
     r = result_of({}, [a], ["none"], DraftOptions(), 1)
     assert r["roofline_tps"] == 80.0 and r["roofline_note"] == "roofline = x"
     assert result_of({}, [], ["none"], DraftOptions(), 1)["roofline_tps"] is None
+
+
+def test_ceilings_measured_in_a_child_and_a_failure_leaves_no_roofline(monkeypatch):
+    """The worker benchmark measures bandwidths in a child process (no CUDA context of its own while the
+    worker runs); a child that fails leaves the roofline uncomputed and says so, never a crash."""
+    import subprocess
+    from bench import roofline
+    got = roofline.measure_ceilings_apart("cpu")
+    assert set(got) == {"host_read_gbps"} and got["host_read_gbps"] > 0
+
+    def boom(*a, **k):
+        raise subprocess.CalledProcessError(1, a[0])
+    monkeypatch.setattr(roofline.subprocess, "run", boom)
+    assert roofline.measure_ceilings_apart("cuda") == {}
+    r = roofline.roofline({"weight_bytes_per_token": 1e8}, "cpu", {})
+    assert r["roofline_tps"] is None and "not computed" in r["roofline_note"]
