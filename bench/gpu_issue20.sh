@@ -4,6 +4,9 @@
 # benchmark (qwen3-30b-a3b 4.0 bpw, no stock baseline), each at the commit before the restructuring and at
 # this tree, taking turns (before, after) so that both meet the machine in the same state.
 #   BEFORE=DIR   a checkout of the commit before (e.g. `git archive 44760c9 | tar -x -C DIR`, carried in)
+#   PLACEMENTS="auto cpu"  the offload runs' placements, each at both commits (default auto); "cpu" forces
+#                the CPU expert path, to compare its speed alone
+#   VRAM=0       leave out the all-in-VRAM runs
 # Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run
 # from the repository root. JSON goes to bench/results/ of each tree; copies, with a log, into $OUT.
 set -u
@@ -22,10 +25,14 @@ log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/nul
 [ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
 run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from that tree
     local tree=$1 label=$2
-    log "$label: offload at 24 GB ($(left) s left)"
+    for pl in ${PLACEMENTS:-auto}; do
+    log "$label: offload at 24 GB, placement $pl ($(left) s left)"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
-        $PY -m bench.offload --model "$M/q125" --label "q125-a11-$label" --bpw 3.0 --budgets 24 --routing uniform \
-        --placement auto --no-naive --decode 128 --note "restructuring check: $label" 2>&1 | tail -4) | tee -a "$OUT/gpu_issue20.log"
+        $PY -m bench.offload --model "$M/q125" --label "q125-a11-$pl-$label" --bpw 3.0 --budgets 24 --routing uniform \
+        --placement $pl --no-naive --decode 128 --note "restructuring check: $label, placement $pl" 2>&1 | tail -4) \
+        | tee -a "$OUT/gpu_issue20.log"
+    done
+    [ "${VRAM:-1}" = 0 ] && { cp "$tree"/bench/results/*"$label"*.json "$OUT"/ 2>/dev/null; return; }
     log "$label: all in VRAM ($(left) s left)"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
         $PY -m bench.cuda --model "$M/q30b" --label "qwen3-30b-a3b-$label" --bpw 4.0 --baseline none \
