@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN, help="tokens per calibration sequence")
     p.add_argument("--damp", type=float, default=DEFAULT_DAMP, help="GPTQ damping (fraction of H's mean diagonal)")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
-                   help="measured bit allocation (convert's default; --no-measure: every linear at --bpw)")
+                   help="measured bit allocation, also on a calibration below CONVERT_MEASURE_MIN_TOKENS "
+                        "(convert falls back to uniform widths there); --no-measure: every linear at --bpw")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
     p.add_argument("--out", default="bench/results")

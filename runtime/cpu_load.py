@@ -55,6 +55,32 @@ def torch_threads(at_least: int):
             torch.set_num_threads(before)
 
 
+@contextmanager
+def torch_threads_set(threads: int):
+    """torch's intra-op thread count of the calling thread set to `threads` inside, put back after."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def conversion_threads(cores: int, others: Optional[float], requested: int = 0) -> tuple[int, str]:
+    """torch's thread count for a CPU conversion, and why: `requested` (> 0) capped at the physical cores,
+    else `choose_threads` (GPTQ's barriers stall like the engine's: on a busy 2-core machine two threads
+    ran it ~12x slower than one). -> (threads, reason for the log)."""
+    if requested < 0:
+        raise ValueError(f"threads {requested}: must be 0 (automatic) or more")
+    if requested:
+        n = min(requested, max(cores, 1))
+        return n, (f"{n} as asked" if n == requested else f"{n}: {requested} asked, capped at the physical cores")
+    n = choose_threads(cores, others)
+    busy = "unknown" if others is None else f"{others:.1f}"
+    return n, f"{n} of {cores} physical cores (other programs keep {busy} CPUs busy)"
+
+
 def sample() -> CpuSample:
     import psutil
     t = psutil.cpu_times()

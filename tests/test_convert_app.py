@@ -2,6 +2,7 @@
 or a local folder, converted by moedesk-cli in its own process, with progress, refusals in words, a crash
 resumed after a restart, and nothing partial in the model list."""
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def test_the_converter_and_the_app_agree_on_architectures():
     assert set(ARCHITECTURES) | set(qwen35.ARCHITECTURES) == set(CONVERT_ARCHITECTURES)
 
 
-def test_hub_original_is_downloaded_then_converted_with_layer_progress(qtbot, dialog, fake_hub, tmp_path):
+def test_hub_original_is_downloaded_then_converted_with_layer_progress(qtbot, dialog, fake_hub, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="app.hub.convert")
     files = files_of(tiny_checkpoint(tmp_path / "src", layers=3))
     files["pytorch_model.bin"] = b"\x80\x02pickle bytes that must never be fetched" * 40
     files["README.md"] = b"# Tiny Llama\n"
@@ -63,6 +65,8 @@ def test_hub_original_is_downloaded_then_converted_with_layer_progress(qtbot, di
     assert ("download", JobState.RUNNING) in phases and ("convert", JobState.RUNNING) in phases
     assert [p.done for p in seen if p.phase == "convert" and p.state is JobState.RUNNING][-3:] == [1, 2, 3]
     assert dialog.conversions.row_text("Tiny-Llama-exl2-4.0bpw")[:2] == ("done", "layer 3 of 3")
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(": bit allocation: " in m for m in logged) and any(": CPU threads: " in m for m in logged), logged
     model = next(m for m in dialog._local if m.name == "Tiny-Llama-exl2-4.0bpw")
     assert model.loadable and model.bits_per_weight
     assert not fake_hub.gets("pytorch_model.bin") and not fake_hub.gets("README.md")

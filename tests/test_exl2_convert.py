@@ -15,6 +15,8 @@ from tests.convert_fixtures import TEXT, tiny_checkpoint
 
 
 def _convert(src, out, bits=4.0, **kw):
+    # 4 x 64 tokens are below CONVERT_MEASURE_MIN_TOKENS: these tests ask for the measured allocation on purpose
+    kw = {"measure": True, **kw}
     return cv.convert(src, out, bits, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None, **kw)
 
 
@@ -82,7 +84,7 @@ def test_interrupted_conversion_resumes_where_it_stopped(tmp_path):
     state = json.loads((tmp_path / ".q.partial" / "state.json").read_text())
     assert state["layers_done"] == 2
     said = []
-    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append)
+    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append, measure=True)
     assert said[0] == "resuming after layer 2 of 3" and sum("quantized" in m for m in said) == 1
     a, b = _tensors(whole), _tensors(tmp_path / "q")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -141,7 +143,7 @@ def test_disk_filling_up_during_conversion_stops_resumably(tmp_path, monkeypatch
         _convert(src, tmp_path / "q")
     monkeypatch.setattr(cv.shutil, "disk_usage", real)
     said = []
-    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append)
+    cv.convert(src, tmp_path / "q", 4.0, calibration_text=TEXT, rows=4, seq_len=64, say=said.append, measure=True)
     assert said[0] == "resuming after layer 1 of 2"
 
 
@@ -154,7 +156,15 @@ def test_cli_converts_and_reports_bad_input(tmp_path, capsys):
                  "--calibration", str(cal), "--head-bits", "8", "--rows", "2", "--seq-len", "64"]) == 0
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert (qc["bits"], qc["head_bits"], qc["calibration"]["source"]) == (3.5, 8, "cal.txt")
-    assert qc["measured_allocation"] and qc["group_size"] == 32            # the defaults
+    assert qc["group_size"] == 32                                           # the default
+    # 2 x 64 calibration tokens: too few to measure, uniform widths, said in the log and the config
+    assert not qc["measured_allocation"] and qc["allocation"]["widths"] == "uniform"
+    assert "bit allocation: uniform (128 calibration tokens are fewer than" in capsys.readouterr().out
+    assert main(["convert", "--model", str(src), "--bpw", "3.5", "--out", str(tmp_path / "m"), "--measure",
+                 "--calibration", str(cal), "--rows", "2", "--seq-len", "64", "--threads", "1"]) == 0
+    qc = json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]
+    assert qc["measured_allocation"] and qc["allocation"]["requested"] == "measure"       # forced
+    assert "CPU threads: 1 as asked" in capsys.readouterr().out
     assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "r"),
                  "--calibration", str(tmp_path / "none.txt")]) == 1
     assert "none.txt: cannot read the calibration text" in capsys.readouterr().err
@@ -216,7 +226,7 @@ def test_cli_calibrates_on_exllamav2s_standard_set_by_default(tmp_path, capsys, 
         assert main([*args, "--out", str(tmp_path / "q")]) == 0
         qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
         assert qc["calibration"]["source"] == "exllamav2-standard" and qc["calibration"]["rows"] == 6
-        assert qc["measured_allocation"] and "note:" not in capsys.readouterr().err          # the default
+        assert qc["allocation"]["requested"] == "auto" and "note:" not in capsys.readouterr().err  # the default
     monkeypatch.setattr(caldata, "standard_dir", lambda: None)          # not installed: the shipped text, said
     assert main([*args, "--out", str(tmp_path / "r")]) == 0
     qc = json.loads((tmp_path / "r" / "config.json").read_text())["quantization_config"]

@@ -94,7 +94,8 @@ def _logits(folder, ids):
 def test_converted_qwen35_matches_the_unquantized_model(tmp_path, stacked):
     src = tiny_qwen35(tmp_path / "hf", stacked=stacked, scale=0.5)
     # 7 stored bits per weight: ~6-bit codes in these tiny linears, whose permutation and scales weigh a lot
-    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=32, seq_len=64, say=lambda m: None)
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=32, seq_len=64, say=lambda m: None,
+                     measure=True)                   # below CONVERT_MEASURE_MIN_TOKENS: the allocation on purpose
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 4 * 6 and qc["experts_routed"] > 0
 
@@ -181,7 +182,7 @@ def _source_weight(source, prefix: str) -> torch.Tensor:
 
 def test_interrupted_qwen35_conversion_resumes_to_the_same_folder(tmp_path):
     src = tiny_qwen35(tmp_path / "hf", scale=0.5)
-    kw = dict(calibration_text=TEXT, rows=2, seq_len=32, say=lambda m: None)
+    kw = dict(calibration_text=TEXT, rows=2, seq_len=32, say=lambda m: None, measure=True)
     whole = cv.convert(src, tmp_path / "whole", 6.0, **kw)
     with pytest.raises(cv.ConvertError, match="stopped after layer 2 of 4"):
         cv.convert(src, tmp_path / "q", 6.0, stop_after_layers=2, **kw)
@@ -201,7 +202,8 @@ def test_the_mtp_head_is_converted_and_drafts(tmp_path):
     from runtime.speculative import make_decoder
     src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
     # 7 stored bits per weight: ~6-bit codes in these tiny linears (permutation and scales weigh a lot)
-    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None,
+                     measure=True)
     t = _tensors(out)
     assert "mtp.fc.q_weight" in t and "mtp.layers.0.self_attn.q_proj.q_weight" in t
     assert "mtp.layers.0.mlp.experts.3.up_proj.q_weight" in t

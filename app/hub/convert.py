@@ -397,6 +397,8 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
                                            f"{what} {done} of {total} done"))
             elif line.startswith(_ERROR):
                 error = _explain(line[len(_ERROR):])
+            elif line:                                   # the allocation used and why, the CPU threads, notes
+                log.info("conversion %s: %s", job.id, line)
         code = proc.wait()
         if self._stop_reason.get(job.id):
             return self._stopped(job, done)

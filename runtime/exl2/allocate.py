@@ -11,16 +11,45 @@ target x (its weights) bits. The bits counted are all the tensor stores (codes, 
 permutation), as exllamav2's -b counts them, so the model's quantized linears average the target up to
 the granularity of the candidates. exllamav2's measurement pass works on the same principle with a
 global search over whole layers' options; this is its per-layer form, which a streaming conversion allows.
+
+The measurement is only as good as the calibration's Hessians: below CONVERT_MEASURE_MIN_TOKENS calibration
+tokens (runtime/options.py says why) `choose_allocation` falls back to uniform widths unless asked to measure.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
+
+from runtime.options import CONVERT_MEASURE_MIN_TOKENS
 
 from . import format as fmt
 
 STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0)        # candidate stored bits per weight around the target
+
+
+def choose_allocation(tokens: int, measure: Optional[bool] = None, min_tokens: Optional[int] = None) -> dict:
+    """How a conversion with `tokens` calibration tokens allocates widths. `measure`: True measures whatever
+    the calibration (asked for), False gives every linear the target (asked for), None measures only from
+    `min_tokens` tokens on (None: CONVERT_MEASURE_MIN_TOKENS).
+    -> {"widths": "measured" | "uniform", "requested": "measure" | "uniform" | "auto", "calibration_tokens",
+    "min_tokens", "reason"} (the record quantization_config keeps)."""
+    min_tokens = CONVERT_MEASURE_MIN_TOKENS if min_tokens is None else min_tokens
+    if tokens < 1 or min_tokens < 1:
+        raise ValueError(f"calibration tokens {tokens} and min_tokens {min_tokens} must be at least 1")
+    requested = {True: "measure", False: "uniform", None: "auto"}[measure]
+    if measure is None:
+        measure = tokens >= min_tokens
+        reason = (f"{tokens} calibration tokens, at least the {min_tokens} the measurement needs" if measure else
+                  f"{tokens} calibration tokens are fewer than the {min_tokens} the measurement needs; every linear "
+                  f"at the target width instead (more rows or a longer sequence measure; --measure forces it)")
+    elif measure:
+        reason = f"measured as asked, on {tokens} calibration tokens" + (
+            f" (fewer than the {min_tokens} the measurement needs)" if tokens < min_tokens else "")
+    else:
+        reason = "uniform widths as asked"
+    return {"widths": "measured" if measure else "uniform", "requested": requested, "calibration_tokens": tokens,
+            "min_tokens": min_tokens, "reason": reason}
 
 
 def candidates(bits: float) -> list[float]:

@@ -26,7 +26,8 @@ temporary name and renamed). A conversion started again with the same settings c
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
 
-    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--no-measure]
+    moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--[no-]measure]
+                        [--threads N]
 
 --bpw counts every bit the quantized decoder linears store (codes, 4-bit scales, group table,
 permutation), as exllamav2's -b does; the codes get ~0.2 bits per weight less at groups of 32.
@@ -34,7 +35,14 @@ permutation), as exllamav2's -b does; the codes get ~0.2 bits per weight less at
 The default calibration is exllamav2's standard set (caldata.py), 32 x 512 tokens; without exllamav2 it
 falls back to data/calibration.txt (the Declaration of Independence and the Gettysburg Address, both
 public domain), with a note. Groups are 32 rows; widths are allocated per linear by measured error
-(allocate.py; --no-measure: every linear at the target).
+(allocate.py; --no-measure: every linear at the target). The measurement needs a real calibration: below
+CONVERT_MEASURE_MIN_TOKENS tokens (runtime/options.py) every linear gets the target width unless --measure asks
+for the measurement anyway; the log and quantization_config["allocation"] say which was used and why.
+
+On the CPU, torch's thread count for the conversion is the physical cores less those other programs keep busy
+(runtime/cpu_load.py: GPTQ's thread team stalls at its barriers beside a busy core, ~12x slower with two
+threads than one on a busy 2-core machine), looked at again after each layer, or --threads; the log says
+the count, and the previous setting is put back at the end.
 """
 from __future__ import annotations
 
@@ -52,11 +60,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from runtime import qwen35
+from runtime import cpu_load, qwen35
 from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
-                             CONVERT_HEAD_BITS)
+                             CONVERT_HEAD_BITS, CONVERT_MEASURE_MIN_TOKENS)
 
-from . import caldata
+from . import allocate, caldata
 from . import format as fmt
 from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
                         quantize_layer)
@@ -254,21 +262,50 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             calibration_source: str = "calibration",
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = CONVERT_GROUP_SIZE, damp: float = DEFAULT_DAMP, say: Say = print,
-            measure: bool = True, stop_after_layers: int | None = None,
+            measure: bool | None = None, stop_after_layers: int | None = None,
             hessian_budget: int = DEFAULT_HESSIAN_BUDGET, device: str = "cpu",
-            progress: Callable[[dict], None] | None = None) -> Path:
+            progress: Callable[[dict], None] | None = None, threads: int = 0) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
 
     `bits`: bits stored per weight of the decoder's quantized linears on average, codes, scales, group
     table and permutation included (what exllamav2's -b means); `head_bits`: lm_head's code width.
-    `measure`: widths chosen per linear by measured error (allocate.py), else each linear at the target.
+    `measure`: True: widths chosen per linear by measured error (allocate.py); False: each linear at the
+    target; None (default): measured when the calibration has at least CONVERT_MEASURE_MIN_TOKENS tokens.
+    `threads`: torch's CPU threads for the conversion (0: automatic, see the module's docstring).
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
     `hessian_budget` bounds the bytes of experts' Hessians held at once (it does not change the result).
     `device` runs the layers, Hessians and GPTQ there ("cuda"); `progress` gets a dict per finished layer
-    (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds).
+    (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
     """
+    if threads < 0:
+        raise ConvertError(f"threads must be 0 (automatic) or a positive count, got {threads}")
+    if device != "cpu":
+        return _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len,
+                        group_size, damp, say, measure, stop_after_layers, hessian_budget, device, progress)
+    cores = cpu_load.physical_cores()
+    n, why = cpu_load.conversion_threads(cores, None if threads else cpu_load.measure_others(), threads)
+    governor = None if threads else cpu_load.ThreadGovernor(cores)
+
+    def retune() -> None:                         # after each layer: the others' load over that layer
+        changed = governor.observe() if governor is not None else None
+        if changed is not None:
+            torch.set_num_threads(changed)
+            say(f"CPU threads: {changed} of {cores} physical cores (other programs keep "
+                f"{governor.others:.1f} CPUs busy)")
+
+    if governor is not None:
+        governor.threads = n
+    with cpu_load.torch_threads_set(n):
+        return _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len,
+                        group_size, damp, say, measure, stop_after_layers, hessian_budget, device, progress,
+                        f"CPU threads: {why}", retune)
+
+
+def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len, group_size,
+             damp, say: Say, measure, stop_after_layers, hessian_budget, device, progress,
+             threads_note: str = "", after_layer: Callable[[], None] = lambda: None) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     if not STORED_BPW_MIN <= bits <= STORED_BPW_MAX:
@@ -325,6 +362,11 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     k = state["layers_done"]
     tok = AutoTokenizer.from_pretrained(ckpt.path)
     ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
+    allocation = allocate.choose_allocation(ids.numel(), measure)
+    measured = allocation["widths"] == "measured"
+    say(f"bit allocation: {allocation['widths']} ({allocation['reason']})")
+    if threads_note:
+        say(threads_note)
     if k == 0:
         hidden = torch.nn.functional.embedding(ids, ckpt.get_raw(embed_name)).float()
         state["rows_used"] = ids.shape[0]
@@ -333,7 +375,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             hidden = f.get_tensor("hidden")
     hidden = hidden.to(device)
     rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
-    jobs_done = lambda jobs: quantize_jobs(jobs, bits, group_size, damp, state["stats"], measure)  # noqa: E731
+    jobs_done = lambda jobs: quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured)  # noqa: E731
     done_now = 0
     for i in range(k, n_layers):
         if stop_after_layers is not None and done_now >= stop_after_layers:
@@ -351,7 +393,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             _run_layer(layer, rotary, hidden)
             collector.remove()
             try:
-                tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measure,
+                tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measured,
                                          hessian_budget)
             except CalibrationError as e:
                 raise ConvertError(str(e)) from e
@@ -372,8 +414,10 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         say(f"layer {i + 1}/{n_layers} quantized")
         if progress is not None and collector is not None:
             progress({"layer": i, "seconds": time.perf_counter() - t0, "hessian_peak_bytes": collector.peak,
-                      "experts_per_group": collector.experts_per_group, "expert_seconds": collector.expert_seconds})
+                      "experts_per_group": collector.experts_per_group, "expert_seconds": collector.expert_seconds,
+                      "cpu_threads": torch.get_num_threads() if device == "cpu" else None})
         del collector
+        after_layer()
 
     head = None
     if not tied:
@@ -398,7 +442,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         "damp_floor": f"{DAMP_PER_INPUT} x in_features / calibration tokens",
         "group_size": group_size, "calibration": {"source": calibration_source, "rows": state["rows_used"],
                                                   "seq_len": seq_len, "sha256": settings["calibration_sha256"]},
-        "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measure,
+        "min_expert_tokens_per_input": MIN_EXPERT_TOKENS_PER_INPUT, "measured_allocation": measured,
+        "allocation": allocation,
         **{k: v for k, v in state["stats"].items() if k not in ("code_bits", "stored_bits", "weights")},
         "bits_counted": "stored bits per weight of the quantized decoder linears (codes, scales, group table, "
                         "permutation), as exllamav2's -b",
@@ -448,9 +493,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                          "set, or a short public-domain English text where it is not installed)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
-    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose each linear's width by measured error to hit --bpw on average (default; "
-                        "--no-measure: every linear at --bpw, ~3x faster)")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose each linear's width by measured error to hit --bpw on average (default when the "
+                        f"calibration has at least {CONVERT_MEASURE_MIN_TOKENS} tokens; --measure forces it on a "
+                        "smaller one; --no-measure: every linear at --bpw, ~3x faster)")
     p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
                    help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
@@ -459,6 +505,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB of MoE experts' Hessians held at once; experts are calibrated in groups that fit "
                         f"(default {DEFAULT_HESSIAN_BUDGET / 2**30:g}; does not change the result)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where layers, Hessians and GPTQ run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the conversion (default 0: the physical cores less those other programs "
+                        "keep busy, looked at again after each layer)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -479,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"moedesk-cli convert: note: {note}", file=sys.stderr)
         convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
                 calibration_source=source, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
-                hessian_budget=int(args.hessian_memory * 2**30), device=args.device)
+                hessian_budget=int(args.hessian_memory * 2**30), device=args.device, threads=args.threads)
         return 0
     except (ConvertError, fmt.Exl2FormatError) as e:
         print(f"moedesk-cli convert: {e}", file=sys.stderr)
