@@ -783,6 +783,85 @@ def test_the_cut_split_mode_is_checked(monkeypatch):
         Tuning.from_environment({"MOEDESK_CPU_SPLIT": "halves"})
 
 
+
+# -- the CPU copies a step at a time (the worker's idle time: a command waits for one step at most) ---------
+
+def _cpu_paths(m):
+    """What each layer's CPU path computes: owned experts, device mask, cut, share, width (None: no path)."""
+    return [None if lo.cpu is None else (sorted(lo.cpu.owned_set), lo.cpu.skip.tolist(), lo.cpu.cut, lo.cpu.share,
+                                         lo.cpu.width) for lo in m.layers]
+
+
+def test_stepped_copies_take_effect_only_in_the_last_step(slow_pcie):
+    """Turning the path on by steps: the rates, then one step per layer's copies, the GPU-only path in
+    force between them; the last step gives every layer its copies, owned as the experts are then
+    (one promoted meanwhile stays the GPU's), as the all-at-once build gives them."""
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram, n=3)
+    m.apply([[0], [1], [2]])
+    at_once = _cpu_paths(m)
+    assert all(at_once) and not m.set_cpu_path(False, "measured slower") and ram.used_bytes == 0
+    e = at_once[0][0][0]
+    steps, seen, used = m.set_cpu_path_steps(True), [], []
+    while True:
+        try:
+            seen.append(next(steps))
+        except StopIteration as stop:
+            assert stop.value is True
+            break
+        used.append(ram.used_bytes)
+        assert all(lo.cpu is None and lo.path == "stream" for lo in m.layers)
+        assert not m.cpu_active and m.cpu.split is None and m.cpu_reason == "measured slower"
+        if len(seen) == 2:                                     # a forward between the steps promotes e
+            m.residency.swap(0, 0, e)
+            m.layers[0].poll()
+    assert len(seen) == 1 + 3 and used[0] == 0 and used[1] < used[2] < used[3] == ram.used_bytes
+    assert m.cpu_active and m.cpu_reason == "" and m.cpu.split is not None
+    assert all(lo.path == "cpu+stream" for lo in m.layers) and e in m.layers[0].expert_slot
+    want = at_once[0][0][1:]
+    assert _cpu_paths(m)[0][:2] == (want, [int(i in want) for i in range(8)])
+    assert _cpu_paths(m)[1:] == at_once[1:]
+    m.close()
+    assert ram.used_bytes == 0
+
+
+def test_stepped_copies_closed_midway_or_dropped_by_a_placement_are_freed(slow_pcie):
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram, n=3)
+    m.apply([[0], [1], [2]])
+    m.set_cpu_path(False)
+    steps = m.set_cpu_path_steps(True)
+    next(steps), next(steps)                                   # the rates, layer 0's copies
+    built = [cp for cp in m.cpu._building if cp is not None]
+    assert len(built) == 1 and ram.used_bytes == built[0].nbytes > 0
+    steps.close()                                              # the trial abandoned
+    assert ram.used_bytes == 0 and built[0].ram is None and m.cpu._building is None
+    assert not m.cpu_active and all(lo.cpu is None for lo in m.layers)
+    steps = m.set_cpu_path_steps(True)
+    next(steps), next(steps), next(steps)
+    built = [cp for cp in m.cpu._building if cp is not None]
+    assert len(built) == 2
+    m.apply([[1], [2], [3]])                                   # a new placement meanwhile: its copies at once
+    placed = [lo.cpu for lo in m.layers]
+    assert all(placed) and list(steps) == [] and [lo.cpu for lo in m.layers] == placed   # the old build stops
+    assert all(cp.ram is None for cp in built) and ram.used_bytes == sum(cp.nbytes for cp in placed)
+    m.close()
+    assert ram.used_bytes == 0
+
+
+def test_stepped_and_at_once_builds_cut_alike(monkeypatch):
+    from runtime.experts import cpu_share
+    from runtime.experts.placement import CpuSplitCosts
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
+    m = _cut_manager()
+    m.apply([[0, 1], [2]])
+    at_once, cut = _cpu_paths(m), m.cut
+    assert cut == 128 and all(at_once)
+    m.set_cpu_path(False)
+    assert len(list(m.set_cpu_path_steps(True))) == 1 + 2
+    assert m.cut == cut and _cpu_paths(m) == at_once and all(int(lo.cpu.cut_dev) == cut for lo in m.layers)
+    m.close()
+
 _PINNED_IO_CHECK = """
 import torch
 from runtime.experts.kernels import add_from_host, cpu_inputs

@@ -141,11 +141,23 @@ class FakeManager:
         self.cpu_active, self.cpu_predicted_gain, self.buildable = cpu, gain, buildable
         self.cpu_policy, self.cpu_unavailable, self.cpu_reason = "auto", "", ""
         self.switches = 0
+        self.build_steps = 0           # steps set_cpu_path_steps yields before a switch on takes effect
+        self.abandoned = 0             # ... and how often it was closed before that
 
     def set_cpu_path(self, on: bool, reason: str = "", keep: bool = False) -> bool:
         self.switches += 1
         self.cpu_active = on and self.buildable
         return self.cpu_active
+
+    def set_cpu_path_steps(self, on: bool, reason: str = "", keep: bool = False):
+        done = False
+        try:
+            for i in range(self.build_steps if on and not self.cpu_active else 0):
+                yield f"copied layer {i}"
+            done = True
+        finally:
+            self.abandoned += not done
+        return self.set_cpu_path(on, reason, keep)
 
 
 class FakeEngine:
@@ -194,6 +206,28 @@ def test_trial_when_the_cpu_path_cannot_be_built(monkeypatch):
     assert judge.reason.startswith("the CPU path could not be built: the RAM budget is short")
     assert any("the RAM budget is short" in m for m in messages)       # the load's progress says it too
 
+
+
+def test_trial_builds_the_cpu_copies_a_step_at_a_time(monkeypatch):
+    """In idle time a command waits for one step at most: building the CPU path yields after each
+    layer's copies, graphs are dropped again after it (a command between the steps captured the
+    GPU-only path's), and a trial abandoned midway closes the build (its copies freed)."""
+    from runtime.backends import exl2_placement as xp
+    monkeypatch.setattr(xp, "time_decode_steps", lambda e: [0.025 if e.offload.cpu_active else 0.034] * TRIAL_STEPS)
+    manager = FakeManager(False, 0.05)
+    manager.build_steps = 3
+    engine = FakeEngine(manager)
+    messages = list(xp.trial(engine, xp.make_judge(manager)))
+    assert manager.cpu_active and [m for m in messages if m.startswith("copied")] == ["copied layer 0", "copied layer 1",
+                                                                                      "copied layer 2"]
+    assert len(messages) == 4 + 1 + 3 and engine.dropped == 2 and manager.abandoned == 0
+    manager = FakeManager(False, 0.05)
+    manager.build_steps = 3
+    trial = xp.trial(FakeEngine(manager), xp.make_judge(manager))
+    while next(trial) != "copied layer 1":
+        pass
+    trial.close()
+    assert manager.abandoned == 1 and manager.switches == 0 and not manager.cpu_active
 
 def test_an_untimed_decision_says_what_the_prediction_placed():
     """After a new budget (set_vram_budget) the manager placed by the prediction; until timed the

@@ -2,15 +2,15 @@
 steps with the CPU expert path on and off (more rounds where they are close), keep the faster; at the
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
-Each step of a trial is bounded (one switch of the path, one graph capture, or `TRIAL_STEPS` decode
-steps), so an idle-time trial delays a new
+Each step of a trial is bounded (a switch of the path, or, building the CPU copies, one MoE layer's
+copies; one graph capture; or `TRIAL_STEPS` decode steps), so an idle-time trial delays a new
 command by one of them at most. The timed steps decode the model's own greedy continuation of a
 random token past the cache's end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Generator, Iterator, Optional
 
 import torch
 
@@ -67,6 +67,30 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     return out
 
 
+def switch_path(engine, on: bool, reason: str, keep: bool = False) -> Generator[str, None, bool]:
+    """The CPU path on or off (the manager's set_cpu_path_steps: building the copies takes a step per
+    MoE layer, and commands may run between the steps, on the GPU-only path); graphs dropped before,
+    and after where steps were yielded (a command's captures ran the GPU-only path). Closed midway,
+    the copies made so far are freed. Returns whether the CPU path runs."""
+    engine._drop_graphs()
+    steps = engine.offload.set_cpu_path_steps(on, reason, keep)
+    stepped = False
+    try:
+        while True:
+            try:
+                message = next(steps)
+            except StopIteration as stop:
+                active = stop.value
+                break
+            stepped = True
+            yield message
+    finally:
+        steps.close()
+    if stepped:
+        engine._drop_graphs()
+    return active
+
+
 def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> Iterator[str]:
     """Measure the judge's paths (the one running first; more rounds, alternating, where they are
     close), then run the faster; yields a message after each bounded step. save: (file, key) where a
@@ -77,8 +101,7 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
     while paths:
         for path in paths:
             if current_path(manager) != path:
-                engine._drop_graphs()
-                if not manager.set_cpu_path(path == "cpu", "measuring the GPU-only path", keep=True):
+                if not (yield from switch_path(engine, path == "cpu", "measuring the GPU-only path", keep=True)):
                     if path == "cpu":
                         judge.record("cpu", None, manager.cpu_reason)
                         yield f"the CPU path could not be built ({manager.cpu_reason})"
@@ -91,8 +114,7 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
         paths = paths[::-1] if judge.needs_another_round() else []
     best = judge.decide()
     if current_path(manager) != best:
-        engine._drop_graphs()
-        manager.set_cpu_path(best == "cpu", judge.reason)
+        yield from switch_path(engine, best == "cpu", judge.reason)
         yield "kept the faster path"
     if best == "stream":
         manager.cpu_reason = judge.reason
@@ -118,6 +140,8 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
         judge.ask_again()
     if judge.plan():
         n = 2 * len(judge.plan()) + 3                      # one round (close medians take more)
+        if not engine.offload.cpu_active:                  # building the CPU copies: a step per layer, + 1
+            n += len(getattr(engine.offload, "layers", ())) + 1
         for i, msg in enumerate(trial(engine, judge, save)):
             progress("warmup", f"Choosing the expert path: {msg}", min(i, n - 1), n)
     else:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Generator, Iterator, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ class CpuShare:
         self.predicted_gain: Optional[float] = None    # the planner's, also where "auto" left the path off
         self.unavailable = ""                          # why no CPU path can run at all ("" when one can)
         self._parked = None          # CPU paths set aside while the GPU-only path is timed: (paths, split, cut)
+        self._building: Optional[list] = None    # a stepped build's copies so far, per layer (not active yet)
         self.cut: Optional[int] = None                    # "cut": rows of each cold pick the CPU computes
         self.cut_log: list[tuple[int, int, float]] = []    # (forward, new cut, CPU-first share that moved it)
         self._balance_prev = (0, 0, 0)
@@ -96,6 +97,7 @@ class CpuShare:
 
     def drop(self) -> None:
         self._close_parked()
+        self._close_building()          # a build in progress stops at its next step
         for lo in self.layers:
             if lo.cpu is not None:
                 lo.cpu.close()                        # its RAM back to the ledger
@@ -105,6 +107,14 @@ class CpuShare:
         """Between forwards (graphs dropped by the caller): the CPU path on for the current resident
         sets, whatever the predicted gain, or off; True if it runs afterwards. keep: off, with the
         CPU copies set aside (not freed), so that turning it on again is immediate (measuring both)."""
+        return run_steps(self.set_path_steps(on, reason, keep))
+
+    def set_path_steps(self, on: bool, reason: str = "measured slower",
+                       keep: bool = False) -> Generator[str, None, bool]:
+        """set_path one bounded step at a time, a message yielded after each; returns whether the
+        path runs. Only turning it on with no copies set aside takes more than one step (build_steps:
+        one a layer's copies); forwards may run between the steps, on the GPU-only path, and the
+        caller drops the graphs they captured once the path is on."""
         # Lent experts back to host memory first: measuring PCIe for the split writes a staging page.
         self.staging.reclaim()
         if self.cuda:
@@ -127,7 +137,7 @@ class CpuShare:
             self.drop()
             self.split, self.cut = None, None
             if on:
-                self.build([sorted(lo.expert_slot) for lo in self.layers], force=True)
+                yield from self.build_steps([sorted(lo.expert_slot) for lo in self.layers], force=True)
             else:
                 self.reason = reason
         if self.cuda:
@@ -141,9 +151,34 @@ class CpuShare:
                     cpu.close()
             self._parked = None
 
+    def _close_building(self) -> None:
+        if self._building is not None:
+            for cpu in self._building:
+                if cpu is not None:
+                    cpu.close()                   # its RAM back to the ledger
+            self._building = None
+
     def build(self, resident: list[list[int]], force: bool = False) -> None:
         """After a placement: CPU copies of the cold experts the CPU computes best (or none, and why).
         force: whatever gain the rates predict ("auto" measuring both paths)."""
+        run_steps(self.build_steps(resident, force))
+
+    def build_steps(self, resident: list[list[int]], force: bool = False) -> Iterator[str]:
+        """build one bounded step at a time, a message yielded after each: the rates, then one MoE
+        layer's copies a step (the worker's idle time: a command waits for one step at most; 9 s for
+        all layers of q125-a11 at 24 GB on the H200). The copies take effect only in the last step
+        (lo.cpu, ownership, cut), so forwards between the steps run the GPU-only path, never half of
+        the CPU's. Stopped midway (the generator closed, or `drop`: a new placement, a switch, the
+        manager closed), the copies made so far are freed."""
+        self._close_building()                    # a build in progress is superseded
+        paths = self._building = [None] * len(self.layers)
+        try:
+            yield from self._build(resident, force, paths)
+        finally:
+            if self._building is paths:           # stopped midway, or no copies were wanted
+                self._close_building()
+
+    def _build(self, resident: list[list[int]], force: bool, paths: list) -> Iterator[str]:
         from runtime.experts import cpu_path
         self.split = None
         self.predicted_gain, self.unavailable = None, ""
@@ -167,6 +202,9 @@ class CpuShare:
             costs = self._split_costs(resident, threads)
         except CpuExpertsError as e:
             self.reason = self.unavailable = f"the CPU expert kernel is unavailable: {e}"
+            return
+        yield "measured the CPU's and PCIe's rates"
+        if self._building is not paths:           # dropped meanwhile: a new placement or switch
             return
         from runtime.experts.kernels import CUT_ALIGN
         from runtime.experts.pack import intermediate_aligned
@@ -211,16 +249,13 @@ class CpuShare:
             width = min(I, cut + max(CUT_HEADROOM, CUT_ALIGN))
         self.on_stage("Placing experts: copying cold experts for the CPU")
         try:
-            for lo, owned, share in zip(self.layers, split.owned, split.shares):
+            for i, (lo, owned) in enumerate(zip(self.layers, split.owned)):
                 if owned:
-                    lo.cpu = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
-                                              self.ram, self.device, width=width)
-                    for e in owned:
-                        lo.cpu.own(e, True)
-                    if cut is not None:
-                        lo.cpu.set_cut(cut)
-                    elif self.balance:
-                        lo.cpu.set_share(share)
+                    paths[i] = cpu_path.CpuPath(lo.packs, owned, self.top_k, threads, f"MoE layer {lo.index}",
+                                                self.ram, self.device, width=width)
+                    yield f"copied MoE layer {lo.index}'s cold experts for the CPU ({i + 1} of {len(self.layers)})"
+                    if self._building is not paths:   # dropped meanwhile: its copies were freed there
+                        return
         except BudgetError as e:
             self.drop()
             if self.policy == "cpu":
@@ -235,8 +270,7 @@ class CpuShare:
             self.reason = self.unavailable = alloc_failure(e)
             log.warning("CPU expert path left out: %s", self.reason)
             return
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        self._activate(paths, split, cut)
         self.split, self.reason = split, ""
         self.cut, self.cut_log, self._cut_ms, self._window = cut, [], {}, []
         self._balance_prev = self.balance_totals()
@@ -244,6 +278,25 @@ class CpuShare:
                  threads, sum(len(o) for o in split.owned),
                  f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
                  split.stream_s * 1e6, split.split_s * 1e6)
+
+    def _activate(self, paths: list, split: CpuSplit, cut: Optional[int]) -> None:
+        """A build's last step: its copies become the layers' CPU paths. Ownership as the experts are
+        now: one promoted or lent while the copies were made stays the GPU's."""
+        if self.cuda:                             # steps that forwards queued between the build's steps
+            torch.cuda.synchronize(self.device)
+        self._building = None
+        for lo, cpu, owned, share in zip(self.layers, paths, split.owned, split.shares):
+            if cpu is None:
+                continue
+            lo.cpu = cpu
+            for e in owned:
+                cpu.own(e, lo._words(e) is None)
+            if cut is not None:
+                cpu.set_cut(cut)
+            elif self.balance:
+                cpu.set_share(share)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def _plan(self, freq: np.ndarray, resident: list[list[int]], costs: CpuSplitCosts, cut_mode: bool) -> CpuSplit:
         return plan_cpu_split(freq, resident, [lo.code_bytes for lo in self.layers], self.top_k, costs,
@@ -343,6 +396,18 @@ class CpuShare:
         if self._t_prev is not None and t - self._t_prev < 1.0:     # not a pause between two requests
             self._window.append(t - self._t_prev)
         self._t_prev = t if rows == 1 else None
+
+
+T = TypeVar("T")
+
+
+def run_steps(steps: Generator[str, None, T]) -> T:
+    """A generator of steps (build_steps, set_path_steps) run to its end, all at once; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def cold_share(freq: np.ndarray, resident: list[list[int]]) -> float:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Generator, Optional
 
 import numpy as np
 import torch
@@ -285,6 +285,11 @@ class OffloadManager:
 
     def set_cpu_path(self, on: bool, reason: str = "measured slower", keep: bool = False) -> bool:
         return self.cpu.set_path(on, reason, keep)
+
+    def set_cpu_path_steps(self, on: bool, reason: str = "measured slower",
+                           keep: bool = False) -> Generator[str, None, bool]:
+        """set_cpu_path one bounded step at a time (the worker's idle time; cpu_share.set_path_steps)."""
+        return self.cpu.set_path_steps(on, reason, keep)
 
     # -- around a forward --------------------------------------------------------------------------------
 

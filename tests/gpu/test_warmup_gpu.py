@@ -94,9 +94,9 @@ def test_graphs_captured_ahead_leave_the_logits_alone(moe_2l):
         eng.close()
 
 
-def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, monkeypatch, tmp_path):
-    """Rates forced so the planner predicts ~20% (within +-25%): both paths are timed at load and the
-    faster runs; the decision is in telemetry and in `applied`."""
+def _load_close_call(path, monkeypatch, tmp_path):
+    """An "auto" load whose forced rates make the planner predict ~20% (within +-25%), at a budget
+    that holds half the experts: both paths are timed at load."""
     from runtime.experts import cpu_share
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
@@ -104,13 +104,19 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, r, threads: CpuSplitCosts(
         50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
     from runtime.backends.exl2_offload import prefill_scratch_bytes
-    ref, _, _ = _load(moe_8l, context_length=512)
+    ref, _, _ = _load(path, context_length=512)
     codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
     others = torch.cuda.memory_allocated() - codes
     scratch = prefill_scratch_bytes(ref.model.config)
     ref.close()
-    eng, applied, stages = _load(moe_8l, context_length=512, placement="auto", cpu_threads=4,
-                                 vram_budget_gb=(others + scratch + codes // 2 + (64 << 20)) / GiB)
+    return _load(path, context_length=512, placement="auto", cpu_threads=4,
+                 vram_budget_gb=(others + scratch + codes // 2 + (64 << 20)) / GiB)
+
+
+def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, monkeypatch, tmp_path):
+    """Rates forced so the planner predicts ~20% (within +-25%): both paths are timed at load and the
+    faster runs; the decision is in telemetry and in `applied`."""
+    eng, applied, stages = _load_close_call(moe_8l, monkeypatch, tmp_path)
     try:
         d = eng.telemetry()["placement_decision"]
         assert abs(d["predicted_gain"]) <= 0.25 and set(d["step_ms"]) == {"cpu", "stream"}, d
@@ -121,5 +127,41 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
         assert any("Choosing the expert path" in m for _, m in stages), stages
         assert (512, 1) in eng.graphs.captured(), eng.graphs.captured()    # captured again after the switches
         print("placement decision:", d)
+    finally:
+        eng.close()
+
+
+def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatch, tmp_path):
+    """Idle time with the CPU path off and a new measurement asked for: its copies are built one MoE
+    layer an idle step, a forward between the steps (a command) runs the GPU-only path with the
+    logits it had, and after the trial (whichever path it keeps) the logits are still those."""
+    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
+    try:
+        toks = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+        eng.prefill(toks[:32])
+        pos = eng.position
+        want = eng.forward([toks[32]])[-1].clone()
+        eng.truncate(pos)
+        eng._drop_graphs()
+        eng.offload.set_cpu_path(False, "off for the test")
+        eng.path_judge.ask_again()
+        building, times = 0, []
+        while True:
+            t0 = time.perf_counter()
+            if not eng.idle_work():
+                break
+            times.append(time.perf_counter() - t0)
+            assert len(times) < 500
+            if eng.offload.cpu._building is not None:             # a build in progress: nothing of it active
+                building += 1
+                assert not eng.offload.cpu_active and all(lo.cpu is None for lo in eng.offload.layers)
+                got = eng.forward([toks[32]])[-1]
+                eng.truncate(pos)
+                assert _rel(got, want) < TOL, _rel(got, want)
+        assert building >= 1 + 2, building                         # the rates, then a step per layer's copies
+        assert eng.offload.cpu._building is None and eng.path_judge.trials >= 1
+        got = eng.forward([toks[32]])[-1]
+        assert _rel(got, want) < TOL, _rel(got, want)
+        print(f"idle recheck: {len(times)} idle steps, {building} building copies; longest {max(times):.3f} s")
     finally:
         eng.close()
