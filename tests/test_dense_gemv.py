@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1
+CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -165,6 +165,85 @@ def test_linear_decode_refuses_row_counts_it_does_not_take(t):
     p = pack_experts([exl2_linear(64, 128, 4, 1)], "p")
     with pytest.raises(ValueError, match=f"{t} rows"):
         linear_decode(torch.zeros(t, 128, dtype=torch.float16), [p], [64])
+
+
+def _packs(parts):
+    from runtime.experts.pack import pack_experts
+    return [pack_experts([t], f"p{i}") for i, t in enumerate(parts)]
+
+
+@interpreted
+@pytest.mark.parametrize("splitk", ["32x1", "64x4"])
+@pytest.mark.parametrize("bits", [3, 4, 6, 8, 4.5])
+def test_linear_decode_is_fp16_at_1_to_9_rows(bits, splitk):
+    """`linear_decode` itself returns fp16 [T, sum(outs)] equal to x @ W.T, q/k/v fused, with K whole
+    (KSPLIT 1: stored straight into the output) and cut in 4 (fp32 atomics, then one cast)."""
+    from runtime import tuning
+    from runtime.experts.kernels import linear_decode
+    parts = [exl2_linear(n, 128, bits, s) for n, s in ((256, 20), (32, 21), (32, 22))]
+    packs = _packs(parts)
+    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
+        for t in range(1, 10):
+            x = rows(t, 128, seed=30 + t)
+            close(linear_decode(x, packs, [256, 32, 32]), reference(parts, [256, 32, 32], x))
+
+
+@interpreted
+@pytest.mark.parametrize("ks", [(1, 1, 1), (1, 2, 1)])
+def test_fused_columns_with_each_part_its_own_shape(monkeypatch, ks):
+    """Each part of a fused projection runs its own chosen shape: q, k and v with K whole store fp16 into
+    an uninitialised output; when one part splits K, every part goes into the zeroed fp32 buffer (k
+    by atomics, q and v by stores) and lands in its own columns all the same."""
+    from runtime.experts import kernels
+    from runtime.experts.kernels import SplitK, linear_decode
+    parts = [exl2_linear(n, 128, 4, s) for n, s in ((96, 23), (40, 24), (64, 25))]
+    outs = [96, 33, 64]                                     # k: 7 padded columns cut
+    packs = _packs(parts)
+    for t in (1, 2, 9):
+        chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, torch.device("cpu")): SplitK(bn, k)
+                  for p, n, bn, k in zip(packs, outs, (32, 16, 64), ks)}
+        monkeypatch.setattr(kernels, "_CHOSEN", chosen)
+        x = rows(t, 128, seed=40 + t)
+        close(linear_decode(x, packs, outs), reference(parts, outs, x))
+
+
+@interpreted
+@pytest.mark.parametrize("t,ksplit", [(1, 1), (9, 1), (1, 2), (5, 4)])
+def test_kernel_writes_its_rows_and_columns_only(t, ksplit):
+    """`_linear_splitk` into a wider, taller output filled with NaN (KSPLIT 1: stored in the output's
+    dtype, fp16) or with zeros in its own block (KSPLIT > 1: added, fp32): its block holds x @ W.T,
+    the padded rows (up to 16) and the other columns are untouched."""
+    from runtime.experts.triton_kernels import _linear_splitk
+    part = exl2_linear(48, 128, 4, 26)
+    p = _packs([part])[0]
+    x = rows(t, 128, seed=50 + t)
+    out = torch.full((t + 3, 60), float("nan"), dtype=torch.float16 if ksplit == 1 else torch.float32)
+    if ksplit > 1:
+        out[:t, 5:45] = 0
+    _linear_splitk[(3, ksplit)](x, p.qweight, p.scales, p.perm, out, t, 60, 5, K=128, N=p.out_features, NOUT=40,
+                                BITS=p.bits, G=p.group, BK=32, BN=16, BT=1 if t == 1 else 16, KSPLIT=ksplit)
+    want = reference([part], [40], x)
+    got = out[:t, 5:45]
+    assert got.dtype == (torch.float16 if ksplit == 1 else torch.float32)
+    assert (got.float() - want).abs().max() <= 2e-3 * want.abs().max() + 1e-4
+    rest = out.clone()
+    rest[:t, 5:45] = float("nan")
+    assert rest.isnan().all()
+
+
+def test_linear_candidates_keep_k_whole_and_divide_k():
+    """Every part has KSPLIT 1 shapes to time (the grid no longer grows with the rows, so k/v's 512
+    columns alone are few programs), the default first, every K cut a whole number of tiles; a forced
+    shape is the only one."""
+    from runtime import tuning
+    from runtime.experts.kernels import SplitK, _ksplit, linear_candidates
+    for n in (512, 2048, 4096):
+        cands = linear_candidates(2048, n, 128)
+        assert cands[0] == SplitK(64, _ksplit(2048, 128, -(-n // 64)))
+        assert any(c.ksplit == 1 for c in cands) and any(c.ksplit > 1 for c in cands)
+        assert all(2048 % (c.ksplit * 128) == 0 for c in cands) and len(set(cands)) == len(cands)
+    with tuning.use(tuning.with_changes(splitk=(32, 1))):
+        assert linear_candidates(2048, 512, 128) == [SplitK(32, 1)]
 
 
 class _Folder:

@@ -162,7 +162,7 @@ class TritonExl2Linear:
                                   "no fallback")
             return self.fallback(x)
         from runtime.experts.kernels import linear_decode
-        return linear_decode(x.half(), self.packs, self.outs).half()
+        return linear_decode(x.half(), self.packs, self.outs)
 
     def nbytes(self) -> int:
         return self.stored_bytes

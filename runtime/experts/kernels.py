@@ -285,10 +285,12 @@ def _candidates(K: int, N: int, P: int, bk: int) -> list[SplitK]:
     return out
 
 
-def _choose(key: tuple, candidates: list[SplitK], launch) -> SplitK:
+def _choose(key: tuple, candidates: list[SplitK], launch, graph: bool = False) -> SplitK:
     """Time each candidate launch (CUDA events, after one untimed call that compiles it) and keep the
     fastest for `key`. Not while a graph is being captured, and not under the interpreter: there the
-    default runs. The caller's launches write to scratch buffers."""
+    default runs. The caller's launches write to scratch buffers. graph: time ten launches captured in
+    a CUDA graph (best of three replays), as a decode graph runs them; a kernel of a few microseconds
+    launched from the host would be timed by its launch cost."""
     if key in _CHOSEN:
         return _CHOSEN[key]
     if len(candidates) == 1:
@@ -298,16 +300,45 @@ def _choose(key: tuple, candidates: list[SplitK], launch) -> SplitK:
     best, best_t = candidates[0], float("inf")
     for c in candidates:
         launch(c)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            launch(c)
-        end.record()
-        end.synchronize()
-        t = start.elapsed_time(end)
+        t = _time_graph(lambda: launch(c)) if graph else _time_eager(lambda: launch(c))
         if t < best_t:
             best, best_t = c, t
     _CHOSEN[key] = best
+    return best
+
+
+def _time_eager(run) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _time_graph(run) -> float:
+    # captured by hand on a side stream: torch.cuda.graph would collect garbage and empty the cache
+    # for each of the many small graphs timed at load
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin(capture_error_mode=tuning.current().capture_mode)
+        try:
+            for _ in range(10):
+                run()
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
     return best
 
 
@@ -377,40 +408,74 @@ def linear_tile(p: PackedExperts) -> int:
     return _bk(p, cap=128)
 
 
+def linear_candidates(K: int, N: int, bk: int) -> list[SplitK]:
+    """Launch shapes of `linear_decode` for one part (every row in each program, so the grid is
+    cdiv(N, BN) x KSPLIT whatever the rows): the default first (what the interpreter and a capture
+    use), then the shapes worth timing, KSPLIT 1 (no memset, no atomics, no cast) among them."""
+    default = SplitK(64, _ksplit(K, bk, triton.cdiv(N, 64)))
+    forced = tuning.current().splitk
+    if forced:
+        bn, ks = forced
+        return [SplitK(bn, ks) if K % (ks * bk) == 0 else default]
+    out = [default]
+    for bn in (16, 32, 64, 128):
+        for ks in (1, 2, 4, 8):
+            c, programs = SplitK(bn, ks), triton.cdiv(N, bn) * ks
+            if K % (ks * bk) == 0 and (ks == 1 or 32 <= programs <= 2048) and c not in out:
+                out.append(c)
+    return out
+
+
+def _linear_launch(x: torch.Tensor, p: PackedExperts, n_out: int, bk: int, c: SplitK, dst: torch.Tensor,
+                   col: int) -> None:
+    T, K = x.shape
+    _linear_splitk[(triton.cdiv(n_out, c.bn), c.ksplit)](
+        x, p.qweight, p.scales, p.perm, dst, T, dst.shape[1], col, K=K, N=p.out_features, NOUT=n_out,
+        BITS=p.bits, G=p.group, BK=bk, BN=c.bn, BT=1 if T == 1 else 16, KSPLIT=c.ksplit, num_warps=c.warps)
+
+
 def linear_decode(x: torch.Tensor, packs: list[PackedExperts], outs: list[int]) -> torch.Tensor:
     """Dense EXL2 linears (each packed as one expert, the same K) on few rows: x fp16 [T, K] ->
-    fp32 [T, sum(outs)], part i's first outs[i] columns side by side (a fused projection). One memset
-    and one split-K launch per part, shapes timed once per shape on the GPU (`_choose`); nothing read
-    on the host, so capturable once the shapes are chosen."""
+    fp16 [T, sum(outs)], part i's first outs[i] columns side by side (a fused projection). One launch
+    per part, each program computing every row, so the weights are read once per call; shapes timed
+    once per shape and row count on the GPU (`_choose`, in a graph). Parts launched with KSPLIT 1 store
+    fp16 into an uninitialised output; if any part splits K, all go into one zeroed fp32 buffer
+    (atomics), cast to fp16 at the end. Nothing read on the host: capturable once the shapes are chosen."""
     T, K = x.shape
     if not 0 < T <= LINEAR_MAX_ROWS:
         raise ValueError(f"linear_decode: {T} rows, the split-K GEMV takes 1..{LINEAR_MAX_ROWS}")
     if x.dtype != torch.float16:
         raise ValueError(f"linear_decode: fp16 input expected, got {x.dtype}")
-    ldo = sum(outs)
-    out = torch.zeros((T, ldo), dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    col = 0
+    plan, col = [], 0
     for p, n_out in zip(packs, outs):
         if p.in_features != K or not 0 < n_out <= p.out_features:
             raise ValueError(f"linear_decode: part [K {p.in_features}, N {p.out_features}] asked for {n_out} "
                              f"columns of {K}-wide rows")
         bk = linear_tile(p)
-
-        def launch(c: SplitK, dst: torch.Tensor, p=p, n_out=n_out, bk=bk, col=col):
-            _linear_splitk[(T, triton.cdiv(n_out, c.bn), c.ksplit)](
-                x, p.qweight, p.scales, p.perm, dst, ldo, col, K=K, N=p.out_features, NOUT=n_out, BITS=p.bits,
-                G=p.group, BK=bk, BN=c.bn, KSPLIT=c.ksplit, num_warps=c.warps)
-
         key = ("linear", K, p.out_features, n_out, T, p.bits, p.group, x.device)
         if key in _CHOSEN:
             c = _CHOSEN[key]
-        else:
-            scratch = torch.empty_like(out)
-            c = _choose(key, _candidates(K, n_out, T, bk), lambda c: launch(c, scratch))
-        launch(c, out)
+        else:                  # each shape timed alone, with the memset and cast that splitting K brings
+            s16 = torch.empty((T, n_out), dtype=torch.float16, device=x.device)
+            s32 = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
+
+            def trial(c: SplitK, p=p, n_out=n_out, bk=bk, s16=s16, s32=s32):
+                if c.ksplit == 1:
+                    _linear_launch(x, p, n_out, bk, c, s16, 0)
+                else:
+                    s32.zero_()
+                    _linear_launch(x, p, n_out, bk, c, s32, 0)
+                    s16.copy_(s32)
+            c = _choose(key, linear_candidates(K, n_out, bk), trial, graph=True)
+        plan.append((p, n_out, bk, c, col))
         col += n_out
-    return out
+    split = any(c.ksplit > 1 for _, _, _, c, _ in plan)
+    out = (torch.zeros if split else torch.empty)((T, col), dtype=torch.float32 if split else torch.float16,
+                                                  device=x.device)
+    for p, n_out, bk, c, col in plan:
+        _linear_launch(x, p, n_out, bk, c, out, col)
+    return out.half() if split else out
 
 
 # -- decode prefetch of the next layer's likely cold experts (runtime/experts/prefetch.py) ------------

@@ -268,23 +268,35 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
 
 
 @triton.jit
-def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, LDO, COL0, K: tl.constexpr, N: tl.constexpr,
+def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, T, LDO, COL0, K: tl.constexpr, N: tl.constexpr,
                    NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   KSPLIT: tl.constexpr):
-    """One dense linear packed as a single expert (no routing weight, no SiLU): x fp16 [T, K] @ W over
-    one K slice, added into columns COL0..COL0+NOUT of out fp32 [T, LDO] (zeroed by the caller; NOUT <=
-    N stored columns). Grid (T, cdiv(NOUT, BN), KSPLIT)."""
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+                   BT: tl.constexpr, KSPLIT: tl.constexpr):
+    """One dense linear packed as a single expert (no routing weight, no SiLU): x fp16 [T, K] @ W for all
+    T <= BT rows over one K slice, into columns COL0..COL0+NOUT of out [T, LDO] (NOUT <= N stored
+    columns). Each weight tile is dequantized once for all rows: BT 1 a GEMV, BT 16 (rows padded) a
+    tensor-core dot on the fp16 tile. KSPLIT 1 stores in out's dtype (fp16 or fp32, nothing zeroed);
+    KSPLIT > 1 adds into out fp32 (zeroed by the caller). Grid (cdiv(NOUT, BN), KSPLIT)."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask_n = offs_n < NOUT
-    ks = tl.program_id(2) * (K // KSPLIT)
-    acc = tl.zeros([BN], dtype=tl.float32)
+    offs_t = tl.arange(0, BT)
+    mask_t = offs_t < T
+    ks = tl.program_id(1) * (K // KSPLIT)
+    acc = tl.zeros([BT, BN], dtype=tl.float32)
     for kk in range(0, K // KSPLIT, BK):
         k0 = ks + kk
-        xv = tl.load(x_ptr + t * K + tl.load(p_ptr + k0 + tl.arange(0, BK))).to(tl.float32)
+        idx = tl.load(p_ptr + k0 + tl.arange(0, BK))
+        xv = tl.load(x_ptr + offs_t[:, None] * K + idx[None, :], mask=mask_t[:, None], other=0.0)   # [BT, BK]
         w = _dequant_tile(q_ptr, 0, s_ptr, 0, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
-        acc += tl.sum(xv[:, None] * w, axis=0)
-    tl.atomic_add(out_ptr + t * LDO + COL0 + offs_n, acc, mask=mask_n)
+        if BT == 1:
+            x1 = tl.sum(xv.to(tl.float32), axis=0)                                   # the one row, [BK]
+            acc += tl.sum(x1[:, None] * w, axis=0)[None, :]
+        else:
+            acc = tl.dot(xv.to(tl.float16), w.to(tl.float16), acc)
+    ptrs = out_ptr + offs_t[:, None] * LDO + COL0 + offs_n[None, :]
+    if KSPLIT == 1:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
+    else:
+        tl.atomic_add(ptrs, acc, mask=mask_t[:, None] & mask_n[None, :])
 
 
 @triton.jit
