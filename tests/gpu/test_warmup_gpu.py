@@ -7,7 +7,12 @@ need must leave the logits alone (their warm-up runs write K/V rows past the cac
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from runtime.options import DraftOptions, LoadOptions, OffloadOptions
 pytestmark = pytest.mark.gpu
 GiB = 1024 ** 3
 TOL = 1e-2          # relative logit error, as tests/gpu/test_exl2_engine.py (engine tolerance)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(path, draft: str = "off", **off):
@@ -165,3 +171,65 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
         print(f"idle recheck: {len(times)} idle steps, {building} building copies; longest {max(times):.3f} s")
     finally:
         eng.close()
+
+
+# The load and the idle captures of test_no_triton_kernel_compiles_in_idle_time_after_a_first_load, run in a
+# fresh process: Triton keeps the kernels a process compiled in memory (never compiled again, never written
+# to a new cache folder), so only a process that compiled nothing before can tell what a first load leaves out.
+_FIRST_LOAD = r"""
+import json, os, sys, torch
+from runtime import tuning
+from runtime.backends import exl2
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions
+from runtime.worker import kernel_cache_entries
+
+def names():
+    folder = tuning.triton_cache_dir()
+    out = {}
+    for e in os.scandir(folder) if os.path.isdir(folder) else ():
+        out[e.name] = sorted({f.split(".")[0] for f in os.listdir(e.path)})
+    return out
+
+stages = []
+opts = LoadOptions(offload=OffloadOptions(context_length=int(sys.argv[2])), draft=DraftOptions(mode="off"))
+eng, _ = exl2.load(sys.argv[1], opts, lambda stage, msg, d, t: stages.append(msg))
+result = {"in_load": kernel_cache_entries(), "stages": sorted(set(stages)), "idle": []}
+toks = torch.randint(0, 151936, (9100,), generator=torch.Generator().manual_seed(0)).tolist()
+for pos in (0, 4700, 9000):               # buckets with chunk 64, 128 and 256 (16K cache, 4 KV heads)
+    if pos > eng.position:
+        eng.prefill(toks[eng.position:pos])      # (a prefill's compiles are not counted: idle time only)
+    before, n0, steps = names(), kernel_cache_entries(), 0
+    while eng.idle_work():
+        steps += 1
+        assert steps < 64, eng.graphs.captured()
+    after = names()
+    result["idle"].append({"position": pos, "steps": steps, "compiled": kernel_cache_entries() - n0,
+                           "kernels": sorted({n for k in set(after) - set(before) for n in after[k]})})
+result["captured"] = len(eng.graphs.captured())
+eng.close()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_no_triton_kernel_compiles_in_idle_time_after_a_first_load(moe_2l, tmp_path):
+    """First run on a machine (an empty Triton cache): once the model is loaded, idle time captures the
+    decode graphs of the buckets ahead (a step each) and must compile nothing. Before the attention's
+    variants were run at load, a capture for a later bucket compiled Triton attention kernels for its
+    chunk and splits (1.7 s on the H200, an answer sent then waited for it). Idle time is run at three
+    positions of a 16K cache, whose buckets use three chunk sizes and four split paddings."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _FIRST_LOAD, str(moe_2l), "16384"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    print("first load:", {k: v for k, v in res.items() if k != "stages"})
+    assert res["in_load"] and res["in_load"] > 0, res                  # the cache folder really started empty
+    assert any(m.startswith("Compiling attention kernels for ") for m in res["stages"]), res["stages"]
+    assert all(i["steps"] > 0 for i in res["idle"]), res["idle"]      # every position did capture in idle time
+    attention = [(i["position"], k) for i in res["idle"] for k in i["kernels"]
+                 if k.startswith(("_decode_attn", "_combine"))]
+    assert not attention, f"attention kernels compiled in idle time (position, kernel): {attention}"
+    others = [(i["position"], i["compiled"], i["kernels"]) for i in res["idle"] if i["compiled"]]
+    assert not others, f"kernels compiled in idle time after the load (position, count, names): {others}"
