@@ -165,3 +165,45 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
         print(f"idle recheck: {len(times)} idle steps, {building} building copies; longest {max(times):.3f} s")
     finally:
         eng.close()
+
+
+def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeypatch, tmp_path):
+    """Idle time re-measuring the paths with commands between its steps: each step times one run of
+    TRIAL_CHUNK decode steps at most and leaves the cache where it found it; a command between two
+    steps (a prefill that moves the cache into another bucket, graphs dropped) leaves the trial
+    valid: every path still gets TRIAL_STEPS timed steps, a decision is made, the logits are as before."""
+    from runtime.experts.path_judge import TRIAL_STEPS
+    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
+    try:
+        toks = torch.randint(0, 151936, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+        eng.prefill(toks[:32])
+        pos = eng.position
+        want = eng.forward([toks[32]])[-1].clone()
+        eng.truncate(pos)
+        judge, trials = eng.path_judge, eng.path_judge.trials
+        seen, record = [], judge.record
+        judge.record = lambda path, s, why="": (seen.append((path, len(s or ()))), record(path, s, why))
+        judge.ask_again()
+        steps, times = 0, []
+        while True:
+            at = eng.position
+            t0 = time.perf_counter()
+            if not eng.idle_work():
+                break
+            times.append(time.perf_counter() - t0)
+            assert eng.position == at and len(times) < 500
+            steps += 1
+            if steps % 3 == 0 and eng._trial is not None:        # a command: the cache moves, graphs go
+                if eng.position < 100:
+                    eng.prefill(toks[eng.position:eng.position + 70])
+                else:
+                    eng.truncate(pos)
+                eng._drop_graphs()
+        assert judge.trials == trials + 1 and judge is eng.path_judge, (judge.trials, trials)
+        assert seen and all(n == TRIAL_STEPS for _, n in seen), seen
+        eng.truncate(pos)
+        got = eng.forward([toks[32]])[-1]
+        assert _rel(got, want) < TOL, _rel(got, want)
+        print(f"idle recheck with commands between: {len(times)} idle steps, longest {max(times):.3f} s; {seen}")
+    finally:
+        eng.close()
