@@ -131,17 +131,23 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
         eng.close()
 
 
+def _prompt_and_logits(eng, n: int, seed: int):
+    """n random tokens, the first 32 prefilled; their position, and the next token's logits (rolled back)."""
+    toks = torch.randint(0, 151936, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eng.prefill(toks[:32])
+    pos = eng.position
+    want = eng.forward([toks[32]])[-1].clone()
+    eng.truncate(pos)
+    return toks, pos, want
+
+
 def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatch, tmp_path):
     """Idle time with the CPU path off and a new measurement asked for: its copies are built one MoE
     layer an idle step, a forward between the steps (a command) runs the GPU-only path with the
     logits it had, and after the trial (whichever path it keeps) the logits are still those."""
     eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
     try:
-        toks = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-        eng.prefill(toks[:32])
-        pos = eng.position
-        want = eng.forward([toks[32]])[-1].clone()
-        eng.truncate(pos)
+        toks, pos, want = _prompt_and_logits(eng, 40, 1)
         eng._drop_graphs()
         eng.offload.set_cpu_path(False, "off for the test")
         eng.path_judge.ask_again()
@@ -175,11 +181,7 @@ def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeyp
     from runtime.experts.path_judge import TRIAL_STEPS
     eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
     try:
-        toks = torch.randint(0, 151936, (200,), generator=torch.Generator().manual_seed(2)).tolist()
-        eng.prefill(toks[:32])
-        pos = eng.position
-        want = eng.forward([toks[32]])[-1].clone()
-        eng.truncate(pos)
+        toks, pos, want = _prompt_and_logits(eng, 200, 2)
         judge, trials = eng.path_judge, eng.path_judge.trials
         seen, record = [], judge.record
         judge.record = lambda path, s, why="": (seen.append((path, len(s or ()))), record(path, s, why))
