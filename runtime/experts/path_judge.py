@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 CLOSE = 0.25          # predicted gains within +-CLOSE: said to be close in the reason (all are measured once)
 TRIAL_STEPS = 64      # decode steps timed per path and round: ~2 s a path at 30 tokens/s
+TRIAL_CHUNK = 16      # ... timed in runs of this many, one run a step (idle time: a command waits for one run)
 NOISE = 0.10          # medians within 10% of each other: another round of both paths ...
 MAX_ROUNDS = 3        # ... up to this many rounds per decision
 TIE = 0.05            # medians within 5%: the GPU-only path ("stream"; it keeps the cores free), or the
@@ -66,6 +67,7 @@ class PathJudge:
     _baseline_ms: Optional[float] = None  # the chosen path's step time the drift is judged against
     _again: bool = False                  # a re-measurement was asked for (both paths, whatever predicted)
     _verdict_checked: bool = False        # the live steps were checked against a decision's timing (once a judge)
+    _decided_ms: dict = field(default_factory=dict)   # step_ms as the last decision left it (`abandon`)
 
     # -- what to measure --------------------------------------------------------------------------
 
@@ -94,6 +96,13 @@ class PathJudge:
         else:
             self._steps.pop(path, None)
             self.step_ms.pop(path, None)
+
+    def abandon(self) -> None:
+        """The measurement in progress stopped before its decision (the engine changed under it, or
+        closed): its steps are dropped and the last decision's step times are back; a measurement
+        asked for stays asked for, and starts afresh."""
+        self._steps, self.rounds, self._unbuilt = {}, 0, ""
+        self.step_ms = dict(self._decided_ms)
 
     def needs_another_round(self) -> bool:
         """After a round of both paths: their medians are too close to call (within NOISE) and
@@ -145,6 +154,7 @@ class PathJudge:
         if measured:
             self.measured = self.path
         self.fresh = measured
+        self._decided_ms = dict(self.step_ms)
         self._steps, self.rounds, self._unbuilt = {}, 0, ""
         self._baseline_ms = None          # the first live window after the decision is the drift baseline
         self._again = False

@@ -131,17 +131,23 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
         eng.close()
 
 
+def _prompt_and_logits(eng, n: int, seed: int):
+    """n random tokens, the first 32 prefilled; their position, and the next token's logits (rolled back)."""
+    toks = torch.randint(0, 151936, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eng.prefill(toks[:32])
+    pos = eng.position
+    want = eng.forward([toks[32]])[-1].clone()
+    eng.truncate(pos)
+    return toks, pos, want
+
+
 def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatch, tmp_path):
     """Idle time with the CPU path off and a new measurement asked for: its copies are built one MoE
     layer an idle step, a forward between the steps (a command) runs the GPU-only path with the
     logits it had, and after the trial (whichever path it keeps) the logits are still those."""
     eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
     try:
-        toks = torch.randint(0, 151936, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-        eng.prefill(toks[:32])
-        pos = eng.position
-        want = eng.forward([toks[32]])[-1].clone()
-        eng.truncate(pos)
+        toks, pos, want = _prompt_and_logits(eng, 40, 1)
         eng._drop_graphs()
         eng.offload.set_cpu_path(False, "off for the test")
         eng.path_judge.ask_again()
@@ -163,5 +169,43 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
         got = eng.forward([toks[32]])[-1]
         assert _rel(got, want) < TOL, _rel(got, want)
         print(f"idle recheck: {len(times)} idle steps, {building} building copies; longest {max(times):.3f} s")
+    finally:
+        eng.close()
+
+
+def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeypatch, tmp_path):
+    """Idle time re-measuring the paths with commands between its steps: each step times one run of
+    TRIAL_CHUNK decode steps at most and leaves the cache where it found it; a command between two
+    steps (a prefill that moves the cache into another bucket, graphs dropped) leaves the trial
+    valid: every path still gets TRIAL_STEPS timed steps, a decision is made, the logits are as before."""
+    from runtime.experts.path_judge import TRIAL_STEPS
+    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
+    try:
+        toks, pos, want = _prompt_and_logits(eng, 200, 2)
+        judge, trials = eng.path_judge, eng.path_judge.trials
+        seen, record = [], judge.record
+        judge.record = lambda path, s, why="": (seen.append((path, len(s or ()))), record(path, s, why))
+        judge.ask_again()
+        steps, times = 0, []
+        while True:
+            at = eng.position
+            t0 = time.perf_counter()
+            if not eng.idle_work():
+                break
+            times.append(time.perf_counter() - t0)
+            assert eng.position == at and len(times) < 500
+            steps += 1
+            if steps % 3 == 0 and eng._trial is not None:        # a command: the cache moves, graphs go
+                if eng.position < 100:
+                    eng.prefill(toks[eng.position:eng.position + 70])
+                else:
+                    eng.truncate(pos)
+                eng._drop_graphs()
+        assert judge.trials == trials + 1 and judge is eng.path_judge, (judge.trials, trials)
+        assert seen and all(n == TRIAL_STEPS for _, n in seen), seen
+        eng.truncate(pos)
+        got = eng.forward([toks[32]])[-1]
+        assert _rel(got, want) < TOL, _rel(got, want)
+        print(f"idle recheck with commands between: {len(times)} idle steps, longest {max(times):.3f} s; {seen}")
     finally:
         eng.close()
