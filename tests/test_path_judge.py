@@ -568,3 +568,21 @@ def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path)
     j.path = "cpu"
     write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
     assert xp.saved_off(model, budget) == ""
+
+
+def test_the_judge_tells_how_each_paths_timing_went(monkeypatch):
+    """Telemetry carries, per path, each run's median step in order (a CPU path whose cut still
+    climbs shows as runs getting faster) and the cut before and after the timing with its moves."""
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(False, 0.05)
+    engine = FakeEngine(manager)
+    fake_timing(monkeypatch, 20.0, 30.0)
+    judge = xp.make_judge(manager)
+    for _ in xp.trial(engine, judge):
+        pass
+    timing = judge.telemetry()["timing"]
+    assert set(timing) == {"cpu", "stream"}
+    for path, want in (("cpu", 20.0), ("stream", 30.0)):
+        assert len(timing[path]["run_ms"]) == RUNS
+        assert all(abs(m - want) < 0.2 * want for m in timing[path]["run_ms"]), timing[path]
+        assert timing[path]["cut_moves"] == 0

@@ -10,6 +10,7 @@ each). The timed steps decode the model's own greedy continuation of a random to
 end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Generator, Iterator, Optional
@@ -114,6 +115,12 @@ def _capture_decode_graph(engine) -> bool:
     return (L, 1) not in graphs.captured() and bool(engine._prepare_graph(L, 1))
 
 
+def _cut(engine) -> tuple:
+    """The CPU path's cut (None: no cut) and how many times it has moved since its build."""
+    cpu = getattr(engine.offload, "cpu", None)
+    return getattr(cpu, "cut", None), len(getattr(cpu, "cut_log", None) or ())
+
+
 def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator[str, None, bool]:
     """`TRIAL_STEPS` decode steps of the running path, in runs of `TRIAL_CHUNK` (a step each, from
     the cache position then, its decode graph captured first where missing, in a step of its own),
@@ -121,6 +128,8 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
     the timing (see `trial`). A run shorter than asked (the cache nearly full) ends the timing."""
     label = "with" if path == "cpu" else "without"
     samples: list[float] = []
+    run_ms: list[float] = []
+    cut0, moves0 = _cut(engine)
     while True:
         if _moved(engine, footing) or current_path(engine.offload) != path:
             return False
@@ -130,9 +139,13 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
         want = min(TRIAL_CHUNK, TRIAL_STEPS - len(samples))
         run = time_decode_steps(engine, want, seed=len(samples))     # each run its own text
         samples += run
+        if run:
+            run_ms.append(statistics.median(run) * 1e3)
         done = len(run) < want or len(samples) >= TRIAL_STEPS
         if done:
             judge.record(path, samples)
+            cut1, moves1 = _cut(engine)
+            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0)
         yield f"timed {label} the CPU path ({len(samples)}/{TRIAL_STEPS} steps)"
         if done:
             return True

@@ -68,6 +68,7 @@ class PathJudge:
     _again: bool = False                  # a re-measurement was asked for (both paths, whatever predicted)
     _verdict_checked: bool = False        # the live steps were checked against a decision's timing (once a judge)
     _decided_ms: dict = field(default_factory=dict)   # step_ms as the last decision left it (`abandon`)
+    timing: dict = field(default_factory=dict)   # path -> how its last timing went (`note_timing`)
 
     # -- what to measure --------------------------------------------------------------------------
 
@@ -96,6 +97,12 @@ class PathJudge:
         else:
             self._steps.pop(path, None)
             self.step_ms.pop(path, None)
+
+    def note_timing(self, path: str, run_ms: Sequence[float], cut: tuple = (None, None), moves: int = 0) -> None:
+        """How a path's timing went, for telemetry: each run's median step (ms), in order (a path still
+        settling, e.g. the CPU path's cut climbing, shows as runs getting faster), and the CPU path's
+        cut before and after with the moves between."""
+        self.timing[path] = {"run_ms": [round(m, 2) for m in run_ms], "cut": list(cut), "cut_moves": moves}
 
     def abandon(self) -> None:
         """The measurement in progress stopped before its decision (the engine changed under it, or
@@ -204,7 +211,8 @@ class PathJudge:
     def telemetry(self) -> dict:
         return {"path": self.path, "reason": self.reason, "policy": self.policy,
                 "predicted_gain": self.predicted_gain, "step_ms": dict(self.step_ms), "trials": self.trials,
-                "reused": self.prior is not None and self.trials == 0, "summary": self.summary()}
+                "reused": self.prior is not None and self.trials == 0, "timing": dict(self.timing),
+                "summary": self.summary()}
 
     def summary(self) -> str:
         on = "CPU expert path on" if self.path == "cpu" else "CPU expert path off"
