@@ -5,8 +5,10 @@ import random
 
 import pytest
 
-from runtime.experts.path_judge import (CLOSE, DRIFT_WINDOW, MAX_ROUNDS, RECHECK_STEPS, TRIAL_STEPS, PathJudge,
-                                        read_decision, write_decision)
+from runtime.experts.path_judge import (CLOSE, DRIFT_WINDOW, MAX_ROUNDS, RECHECK_STEPS, TRIAL_CHUNK, TRIAL_STEPS,
+                                        PathJudge, read_decision, write_decision)
+
+RUNS = -(-TRIAL_STEPS // TRIAL_CHUNK)       # runs of timed steps per path and round (a step each)
 
 
 def steps(mean_ms: float, rng: random.Random, noise: float = 0.08, n: int = TRIAL_STEPS) -> list[float]:
@@ -160,18 +162,52 @@ class FakeManager:
         return self.set_cpu_path(on, reason, keep)
 
 
+class FakeGraphs:
+    def __init__(self):
+        self.shapes: set[tuple[int, int]] = set()
+
+    def captured(self):
+        return sorted(self.shapes)
+
+
 class FakeEngine:
+    """The engine's side of a trial: the cache position, the captured graphs, the judge it consults."""
+
     def __init__(self, manager):
         self.offload, self.position = manager, 0
         self.info = type("Info", (), {"context_length": 4096})()
+        self.graphs = FakeGraphs()
+        self.path_judge = self.experiment = None
         self.dropped = self.captured = 0
 
     def _drop_graphs(self):
         self.dropped += 1
+        self.graphs.shapes.clear()
 
     def _prepare_graph(self, L, T):
+        if (L, T) in self.graphs.shapes:
+            return False
         self.captured += 1
+        self.graphs.shapes.add((L, T))
         return True
+
+
+def fake_timing(monkeypatch, cpu_ms: float, stream_ms: float, seed: int = 0, log: list | None = None):
+    """time_decode_steps replaced: noisy step times of the path that runs; each run logged as
+    (path, steps asked, cache position), and checked to find its bucket's decode graph captured."""
+    from runtime.backends import exl2_placement as xp
+    from runtime.backends.exl2_graph import bucket
+    rng = random.Random(seed)
+
+    def timed(e, n=TRIAL_STEPS, seed=0):
+        path = "cpu" if e.offload.cpu_active else "stream"
+        if isinstance(e, FakeEngine):
+            assert (bucket(e.position, 1, e.info.context_length), 1) in e.graphs.captured()
+        if log is not None:
+            log.append((path, n, e.position))
+        return steps(cpu_ms if path == "cpu" else stream_ms, rng, n=n)
+
+    monkeypatch.setattr(xp, "time_decode_steps", timed)
 
 
 @pytest.mark.parametrize("starts_on, cpu_ms, stream_ms, want, switches", [
@@ -183,14 +219,12 @@ def test_trial_times_both_paths_in_bounded_steps_and_keeps_the_faster(monkeypatc
     from runtime.backends import exl2_placement as xp
     manager = FakeManager(starts_on, 0.05)
     engine = FakeEngine(manager)
-    rng = random.Random(0)
-    monkeypatch.setattr(xp, "time_decode_steps",
-                        lambda e: steps(cpu_ms if e.offload.cpu_active else stream_ms, rng))
+    fake_timing(monkeypatch, cpu_ms, stream_ms)
     judge = xp.make_judge(manager)
     messages = list(xp.trial(engine, judge))
     assert judge.path == want and manager.cpu_active == (want == "cpu")
     assert manager.switches == switches and engine.dropped == switches
-    assert len(messages) == 4 + switches         # per path: capture, timing; plus each switch
+    assert len(messages) == 2 * (1 + RUNS) + switches    # per path: capture, the runs of timing; each switch
     assert set(judge.step_ms) == {"cpu", "stream"}
 
 
@@ -199,7 +233,7 @@ def test_trial_when_the_cpu_path_cannot_be_built(monkeypatch):
     manager = FakeManager(False, 0.0, buildable=False)
     engine = FakeEngine(manager)
     manager.cpu_reason = "the RAM budget is short for the CPU copies (... needs 9 GiB of RAM but only 2 GiB ...)"
-    monkeypatch.setattr(xp, "time_decode_steps", lambda e: [0.03] * TRIAL_STEPS)
+    monkeypatch.setattr(xp, "time_decode_steps", lambda e, n=TRIAL_STEPS, seed=0: [0.03] * n)
     judge = xp.make_judge(manager)
     messages = list(xp.trial(engine, judge))
     assert judge.path == "stream" and not manager.cpu_active
@@ -213,14 +247,15 @@ def test_trial_builds_the_cpu_copies_a_step_at_a_time(monkeypatch):
     layer's copies, graphs are dropped again after it (a command between the steps captured the
     GPU-only path's), and a trial abandoned midway closes the build (its copies freed)."""
     from runtime.backends import exl2_placement as xp
-    monkeypatch.setattr(xp, "time_decode_steps", lambda e: [0.025 if e.offload.cpu_active else 0.034] * TRIAL_STEPS)
+    monkeypatch.setattr(xp, "time_decode_steps",
+                        lambda e, n=TRIAL_STEPS, seed=0: [0.025 if e.offload.cpu_active else 0.034] * n)
     manager = FakeManager(False, 0.05)
     manager.build_steps = 3
     engine = FakeEngine(manager)
     messages = list(xp.trial(engine, xp.make_judge(manager)))
     assert manager.cpu_active and [m for m in messages if m.startswith("copied")] == ["copied layer 0", "copied layer 1",
                                                                                       "copied layer 2"]
-    assert len(messages) == 4 + 1 + 3 and engine.dropped == 2 and manager.abandoned == 0
+    assert len(messages) == 2 * (1 + RUNS) + 1 + 3 and engine.dropped == 2 and manager.abandoned == 0
     manager = FakeManager(False, 0.05)
     manager.build_steps = 3
     trial = xp.trial(FakeEngine(manager), xp.make_judge(manager))
@@ -228,6 +263,133 @@ def test_trial_builds_the_cpu_copies_a_step_at_a_time(monkeypatch):
         pass
     trial.close()
     assert manager.abandoned == 1 and manager.switches == 0 and not manager.cpu_active
+
+def _recording(judge: PathJudge) -> list[tuple[str, int]]:
+    """The judge's record calls as (path, samples), the judge still recording them."""
+    seen, record = [], judge.record
+
+    def spy(path, step_seconds, why=""):
+        seen.append((path, len(step_seconds or ())))
+        record(path, step_seconds, why)
+
+    judge.record = spy
+    return seen
+
+
+def test_an_idle_trial_times_each_path_in_runs_yielding_between_them(monkeypatch):
+    """A command that arrives while a path is timed waits for one run of TRIAL_CHUNK steps, not all
+    TRIAL_STEPS: each step of the trial times one run at most; the judge still gets all TRIAL_STEPS
+    of each path as one round's (the rounds and medians as before)."""
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(False, 0.05)
+    engine = FakeEngine(manager)
+    log = []
+    fake_timing(monkeypatch, 25.0, 25.4, log=log)          # close: more rounds
+    judge = xp.make_judge(manager)
+    seen = _recording(judge)
+    per_step = []
+    for _ in xp.trial(engine, judge):
+        per_step.append(len(log) - sum(per_step))
+    assert max(per_step) == 1 and all(n <= TRIAL_CHUNK for _, n, _ in log)
+    assert TRIAL_CHUNK < TRIAL_STEPS and len(log) == 2 * MAX_ROUNDS * RUNS
+    assert seen == [(p, TRIAL_STEPS) for p in ["stream", "cpu", "cpu", "stream", "stream", "cpu"]]
+    assert judge.trials == 1 and "(3 rounds)" in judge.reason
+
+
+def test_commands_between_the_runs_leave_the_timing_correct(monkeypatch):
+    """Between two runs of timed steps an answer moves the cache (past a bucket, or back) and a
+    command drops the graphs: the next run starts from the position then, with its bucket's decode
+    graph captured first (in a step of its own: fake_timing checks it), and the judge gets every step."""
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(True, 0.05)
+    engine = FakeEngine(manager)
+    log = []
+    fake_timing(monkeypatch, 25.0, 34.0, log=log)
+    judge = engine.path_judge = xp.make_judge(manager)
+    seen = _recording(judge)
+    trial, moves, messages = xp.trial(engine, judge), iter([300, 17, 1000, 0, 600, 4000]), []
+    for msg in trial:
+        messages.append(msg)
+        if msg.startswith("timed"):                        # a command between two steps of the trial
+            engine.position = next(moves, engine.position)
+            engine._drop_graphs()
+    assert [pos for _, _, pos in log] == [0, 300, 17, 1000, 0, 600, 4000, 4000]
+    assert seen == [("cpu", TRIAL_STEPS), ("stream", TRIAL_STEPS)] and judge.path == "cpu" and manager.cpu_active
+    assert sum(m == "decode graph captured" for m in messages) == len(log)      # recaptured before each run
+    assert judge.step_ms["cpu"] < judge.step_ms["stream"] and not judge.wants_recheck()
+
+
+@pytest.mark.parametrize("command", ["switched the path", "replaced the judge", "closed the engine",
+                                     "ran an experiment"])
+def test_a_trial_the_engine_changed_under_ends_and_starts_afresh(monkeypatch, command):
+    """A command between two runs that changes what the timings stand on (the path, the judge, the
+    engine, the routing) ends the trial without a decision: its steps dropped, the last decision's
+    step times back, a re-measure still asked for (a new trial completes); nothing is left half-set."""
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(True, 0.05)
+    engine = FakeEngine(manager)
+    fake_timing(monkeypatch, 25.0, 34.0)
+    judge = engine.path_judge = xp.make_judge(manager)
+    judge.record("cpu", [0.030] * TRIAL_STEPS)
+    judge.record("stream", [0.020] * TRIAL_STEPS)
+    judge.decide()
+    decided = dict(judge.step_ms)
+    judge.ask_again()
+    trial = xp.trial(engine, judge)
+    while next(trial) != "switched to the GPU-only expert path":     # the CPU path timed, the other begun
+        pass
+    assert next(trial).startswith("decode graph captured") and next(trial).startswith("timed without")
+    if command == "switched the path":
+        manager.cpu_active = True
+    elif command == "replaced the judge":
+        engine.path_judge = xp.make_judge(manager)
+    elif command == "closed the engine":
+        engine.offload = None
+    else:
+        engine.experiment = object()
+    assert list(trial) == []
+    assert judge._steps == {} and judge.rounds == 0 and judge.step_ms == decided and judge.trials == 1
+    assert judge.path == "stream" and judge.wants_recheck()
+    if command in ("switched the path", "ran an experiment"):                  # the judge is still the engine's
+        list(xp.trial(engine, judge))
+        assert judge.trials == 2 and judge.path == "cpu" and manager.cpu_active and not judge.wants_recheck()
+
+
+def test_a_trial_closed_midway_leaves_a_valid_path_and_no_dangling_state(monkeypatch, tmp_path):
+    """The trial generator closed between runs: the path as it runs, the judge's steps dropped; closed
+    while building the copies of the path it chose: the build freed, the path before the switch, the
+    judge asking to measure again. settle_cpu_path (a load, recheck_placement) closes an idle trial."""
+    from runtime.backends import exl2_placement as xp
+    monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
+    manager = FakeManager(True, 0.05)
+    engine = FakeEngine(manager)
+    fake_timing(monkeypatch, 25.0, 34.0)
+    judge = engine.path_judge = xp.make_judge(manager)
+    trial = xp.trial(engine, judge)
+    for msg in trial:
+        if msg.startswith("timed without"):                # a run of the GPU-only path's timing
+            break
+    trial.close()
+    assert judge._steps == {} and judge.step_ms == {} and judge.rounds == 0 and not manager.cpu_active
+    assert manager.abandoned == 0 and judge.plan() == ["cpu", "stream"] and judge.path == ""
+    manager.cpu_active, manager.build_steps = True, 3      # the faster (CPU) path to be built again after
+    trial = xp.trial(engine, judge)
+    while next(trial) != "copied layer 1":
+        pass
+    trial.close()
+    assert manager.abandoned == 1 and not manager.cpu_active and judge.path == "cpu" and judge.wants_recheck()
+    engine._trial = xp.trial(engine, judge)                # an idle re-measure in progress, then a load's settle
+    while not next(engine._trial).startswith("timed"):
+        pass
+    stale = engine._trial
+    engine.info.path, engine.prepare_graphs = str(tmp_path / "model"), lambda progress: None
+    from types import SimpleNamespace
+    engine.budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
+                                    applied={})
+    xp.settle_cpu_path(engine, lambda *a: None)
+    assert stale.gi_frame is None and engine._trial is None and judge._steps == {}
+    assert engine.path_judge is not judge and engine.path_judge.trials == 1
+
 
 def test_an_untimed_decision_says_what_the_prediction_placed():
     """After a new budget (set_vram_budget) the manager placed by the prediction; until timed the
@@ -240,17 +402,14 @@ def test_a_measured_trial_is_saved_and_a_close_one_alternates_rounds(monkeypatch
     from runtime.backends import exl2_placement as xp
     manager = FakeManager(True, 0.05)
     engine = FakeEngine(manager)
-    rng, order = random.Random(0), []
-
-    def timed(e):
-        order.append("cpu" if e.offload.cpu_active else "stream")
-        return steps(25.0 if e.offload.cpu_active else 25.4, rng)
-
-    monkeypatch.setattr(xp, "time_decode_steps", timed)
+    log = []
+    fake_timing(monkeypatch, 25.0, 25.4, log=log)
     judge = xp.make_judge(manager)
     file = tmp_path / "d.json"
     list(xp.trial(engine, judge, (file, "k")))
+    order = [path for path, _, _ in log[::RUNS]]
     assert order == ["cpu", "stream", "stream", "cpu", "cpu", "stream"]      # close: 3 rounds, alternating
+    assert [path for path, _, _ in log] == [p for p in order for _ in range(RUNS)]
     saved = read_decision(file, "k")
     assert saved["path"] == judge.path and set(saved["step_ms"]) == {"cpu", "stream"}
     again = xp.make_judge(FakeManager(True, 0.05), read_decision(file, "k"))
@@ -263,13 +422,8 @@ def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_p
     from types import SimpleNamespace
     from runtime.backends import exl2_placement as xp
     monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
-    rng, timed = random.Random(0), []
-
-    def time_steps(e):
-        timed.append(e.offload.cpu_active)
-        return steps(25.0 if e.offload.cpu_active else 34.0, rng)
-
-    monkeypatch.setattr(xp, "time_decode_steps", time_steps)
+    timed = []
+    fake_timing(monkeypatch, 25.0, 34.0, log=timed)
 
     def engine(cpu_on: bool):
         e = FakeEngine(FakeManager(cpu_on, 0.5))
@@ -279,17 +433,19 @@ def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_p
         e.prepare_graphs = lambda progress: None
         return e
 
-    first = engine(False)
-    xp.settle_cpu_path(first, lambda *a: None)
-    assert first.path_judge.path == "cpu" and len(timed) == 2 and first.offload.cpu_active
+    first, shown = engine(False), []
+    xp.settle_cpu_path(first, lambda stage, msg, done, total: shown.append((done, total)))
+    assert first.path_judge.path == "cpu" and len(timed) == 2 * RUNS and first.offload.cpu_active
+    assert len(shown) >= 2 * (1 + RUNS)                    # a message per run of timed steps
+    assert all(0 <= d < t for d, t in shown) and [d for d, _ in shown] == sorted(d for d, _ in shown)
     second = engine(False)
     messages = []
     xp.settle_cpu_path(second, lambda stage, msg, d, t: messages.append(msg))
-    assert len(timed) == 2 and second.offload.cpu_active and second.path_judge.telemetry()["reused"]
+    assert len(timed) == 2 * RUNS and second.offload.cpu_active and second.path_judge.telemetry()["reused"]
     assert "earlier load" in messages[-1], messages
     assert second.budget.applied["offload.placement"].startswith("applied: CPU expert path on"), second.budget.applied
     xp.settle_cpu_path(second, lambda *a: None, measure=True)
-    assert len(timed) == 4 and second.path_judge.trials == 1
+    assert len(timed) == 4 * RUNS and second.path_judge.trials == 1
 
 
 def test_the_hysteresis_note_appears_only_where_the_other_path_was_faster():
@@ -412,3 +568,21 @@ def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path)
     j.path = "cpu"
     write_decision(tmp_path / "decisions.json", xp.key_for(model, budget), j)
     assert xp.saved_off(model, budget) == ""
+
+
+def test_the_judge_tells_how_each_paths_timing_went(monkeypatch):
+    """Telemetry carries, per path, each run's median step in order (a CPU path whose cut still
+    climbs shows as runs getting faster) and the cut before and after the timing with its moves."""
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(False, 0.05)
+    engine = FakeEngine(manager)
+    fake_timing(monkeypatch, 20.0, 30.0)
+    judge = xp.make_judge(manager)
+    for _ in xp.trial(engine, judge):
+        pass
+    timing = judge.telemetry()["timing"]
+    assert set(timing) == {"cpu", "stream"}
+    for path, want in (("cpu", 20.0), ("stream", 30.0)):
+        assert len(timing[path]["run_ms"]) == RUNS
+        assert all(abs(m - want) < 0.2 * want for m in timing[path]["run_ms"]), timing[path]
+        assert timing[path]["cut_moves"] == 0

@@ -121,10 +121,11 @@ class _Graphs:
 
     def __init__(self):
         self.done: list = []
-        self.attention_warmed_at = None
+        self.attention_warmed_at = self.attention_rows = None
 
-    def warm_attention(self, progress):
+    def warm_attention(self, progress, rows=None):
         self.attention_warmed_at = len(self.done)       # graphs captured before it (none: it runs first)
+        self.attention_rows = rows
         return 0
 
     def captured(self):
@@ -179,12 +180,14 @@ def test_warm_up_progress_never_counts_past_its_total(monkeypatch):
 
 
 def test_warm_up_compiles_the_attention_variants_before_any_capture(monkeypatch):
-    """A fresh machine: a later bucket's capture in idle time compiled Triton attention kernels (1.7 s,
-    delaying an answer). The load runs every variant first, with or without its own captures."""
+    """A fresh machine: a later bucket's capture compiled Triton attention kernels (1.7 s in idle time on
+    the H200; right before a first token when a prompt jumps past the prepared buckets). The load runs the
+    variants of every bucket at the rows an answer captures first, with or without its own captures."""
     for capture in (True, False):
         e = _engine(monkeypatch)
         e.warm_up(lambda *a: None, 3, capture=capture)
         assert e.graphs.attention_warmed_at == 0
+        assert e.graphs.attention_rows == 3             # the rows an answer captures (answer_plan), not all 9
 
 
 def test_attention_variants_are_few_and_cover_every_bucket():

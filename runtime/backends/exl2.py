@@ -193,7 +193,7 @@ class Exl2Engine(Engine):
 
     def warm_up(self, progress: ProgressFn, draft_rows: int = 1, capture: bool = True) -> None:
         """At load, behind its progress: compile the prefill kernels (chunk sizes Triton specializes apart),
-        every variant of the graphs' attention, and capture the first buckets' decode and verify graphs
+        the graphs' attention for every bucket (warm rows), and capture the first buckets' decode and verify graphs
         (capture=False: left to `prepare_graphs`, after the expert path is settled). Cache empty after."""
         self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
         chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
@@ -205,7 +205,7 @@ class Exl2Engine(Engine):
             self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
             self.truncate(0)
         if self.graphs is not None:         # attention kernels of every context length (the graphs' buckets)
-            self.graphs.warm_attention(progress)
+            self.graphs.warm_attention(progress, self.warm_rows)
         if capture:         # else captured after the path is settled (graphs captured now would be dropped)
             self.prepare_graphs(progress, len(chunks), total)
         else:

@@ -351,20 +351,24 @@ class DecodeGraphs:
         return True
 
     @torch.inference_mode()
-    def warm_attention(self, progress) -> int:
+    def warm_attention(self, progress, rows: int | None = None) -> int:
         """At load, before any prompt: run the Triton attention once for each of its variants
-        (`attention_variants`) so that none compiles inside a later capture (idle time, or right
-        before an answer's first token). Runs at position 0 on the cache of the first attention layer
-        of each head shape, whose rows 0..T-1 it writes and then restores; `pos32` is left alone (the
-        kernel's variant does not depend on the cache length or the position). Returns the runs."""
+        (`attention_variants`) of 1..`rows` rows (default: every row count a graph takes) so that none
+        compiles in a capture right before an answer's first token (`answer_plan` captures the rows an
+        answer runs: the engine passes its warm rows; other row counts may compile in idle time). On a
+        machine's first load each variant is a Triton compile (a few at the default context). Runs at
+        position 0 on the cache of the first attention layer of each head shape, whose rows 0..T-1 it
+        writes and then restores; `pos32` is left alone (the kernel's variant does not depend on the
+        cache length or the position). Returns the runs."""
         if self.attention != "triton":
             return 0
+        rows = self.max_rows if rows is None else max(1, min(rows, self.max_rows))
         heads = {}                                               # (Hq, Hk, D) -> its first layer
         for a in self.body:
             if isinstance(a, self.Attention):
                 heads.setdefault((a.num_attention_heads, a.num_key_value_heads, a.head_dim), a)
         runs = [(a, L, T) for (Hq, Hk, D), a in heads.items()
-                for L, T in attention_variants(self.cache.max_seq_len, Hq, Hk, D, self.max_rows).values()]
+                for L, T in attention_variants(self.cache.max_seq_len, Hq, Hk, D, rows).values()]
         if not runs:
             return 0
         n = len({L for _, L, _ in runs})

@@ -3,11 +3,14 @@ steps with the CPU expert path on and off (more rounds where they are close), ke
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
 Each step of a trial is bounded (a switch of the path, or, building the CPU copies, one MoE layer's
-copies; one graph capture; or `TRIAL_STEPS` decode steps), so an idle-time trial delays a new
-command by one of them at most. The timed steps decode the model's own greedy continuation of a
-random token past the cache's end (as an answer decodes); the cache is rolled back after each run."""
+copies; one graph capture; or a run of `TRIAL_CHUNK` of a path's `TRIAL_STEPS` timed decode steps),
+so an idle-time trial delays a new command by one of them at most; commands between the steps may
+move the cache, drop graphs or change what the timings stand on (`trial` says what it does about
+each). The timed steps decode the model's own greedy continuation of a random token past the cache's
+end (as an answer decodes); the cache is rolled back after each run."""
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Generator, Iterator, Optional
@@ -16,7 +19,7 @@ import torch
 
 from runtime.backends.exl2_decisions import DECISIONS_FILE, decisions_file, key_for, saved_off  # noqa: F401
 from runtime.engine import ProgressFn
-from runtime.experts.path_judge import TRIAL_STEPS, PathJudge, read_decision, write_decision
+from runtime.experts.path_judge import TRIAL_CHUNK, TRIAL_STEPS, PathJudge, read_decision, write_decision
 
 
 def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
@@ -91,30 +94,115 @@ def switch_path(engine, on: bool, reason: str, keep: bool = False) -> Generator[
     return active
 
 
+def _footing(engine) -> tuple:
+    """What a trial's timings stand on: the manager (None once the engine closed), the judge the
+    engine consults, the experiment its forwards run under (benchmarks' forced routing)."""
+    return engine.offload, getattr(engine, "path_judge", None), getattr(engine, "experiment", None)
+
+
+def _moved(engine, footing: tuple) -> bool:
+    return any(now is not then for now, then in zip(_footing(engine), footing))
+
+
+def _capture_decode_graph(engine) -> bool:
+    """The one-row decode graph of the cache position's bucket captured where it is missing (graphs
+    dropped by a switch or a command, the position moved by an answer); True when one was captured."""
+    from runtime.backends.exl2_graph import bucket
+    graphs = getattr(engine, "graphs", None)
+    if graphs is None:
+        return False
+    L = bucket(engine.position, 1, engine.info.context_length)
+    return (L, 1) not in graphs.captured() and bool(engine._prepare_graph(L, 1))
+
+
+def _cut(engine) -> tuple:
+    """The CPU path's cut (None: no cut) and how many times it has moved since its build."""
+    cpu = getattr(engine.offload, "cpu", None)
+    return getattr(cpu, "cut", None), len(getattr(cpu, "cut_log", None) or ())
+
+
+def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator[str, None, bool]:
+    """`TRIAL_STEPS` decode steps of the running path, in runs of `TRIAL_CHUNK` (a step each, from
+    the cache position then, its decode graph captured first where missing, in a step of its own),
+    recorded with the judge as one round's; False, nothing recorded, where the engine changed under
+    the timing (see `trial`). A run shorter than asked (the cache nearly full) ends the timing."""
+    label = "with" if path == "cpu" else "without"
+    samples: list[float] = []
+    run_ms: list[float] = []
+    cut0, moves0 = _cut(engine)
+    while True:
+        if _moved(engine, footing) or current_path(engine.offload) != path:
+            return False
+        if _capture_decode_graph(engine):
+            yield "decode graph captured"
+            continue
+        want = min(TRIAL_CHUNK, TRIAL_STEPS - len(samples))
+        run = time_decode_steps(engine, want, seed=len(samples))     # each run its own text
+        samples += run
+        if run:
+            run_ms.append(statistics.median(run) * 1e3)
+        done = len(run) < want or len(samples) >= TRIAL_STEPS
+        if done:
+            judge.record(path, samples)
+            cut1, moves1 = _cut(engine)
+            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0)
+        yield f"timed {label} the CPU path ({len(samples)}/{TRIAL_STEPS} steps)"
+        if done:
+            return True
+
+
 def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> Iterator[str]:
     """Measure the judge's paths (the one running first; more rounds, alternating, where they are
     close), then run the faster; yields a message after each bounded step. save: (file, key) where a
-    measured decision is written."""
-    from runtime.backends.exl2_graph import bucket
+    measured decision is written.
+
+    In idle time a command (a whole answer) may run between any two steps. What it can change, and
+    what the trial does about it:
+    - the cache position (an answer decoded, a truncate): each run of timed steps starts from the
+      position then and rolls the cache back to it; the graph of its bucket is captured first;
+    - the graphs (dropped by a command's switch, placement or experiment, or `reset_graphs`): the
+      decode graph is captured again before the next run;
+    - the path running, the manager (the engine closed), the judge the engine consults (a new budget,
+      `recheck_placement`) or the experiment (forced routing): the timings would mix conditions, so
+      the trial ends (`judge.abandon`: its steps dropped, the path left as it runs); a judge still
+      the engine's keeps asking, and the next idle step starts a trial afresh.
+    Closed midway (the generator; `settle_cpu_path` closes an idle-time one), the same: a CPU-path
+    build in progress frees its copies, the cache was rolled back within the step that moved it; closed
+    while switching to the path it chose, the judge asks to measure again."""
     manager = engine.offload
+    footing = _footing(engine)
     paths = sorted(judge.plan(), key=lambda p: p != current_path(manager))
-    while paths:
-        for path in paths:
-            if current_path(manager) != path:
-                if not (yield from switch_path(engine, path == "cpu", "measuring the GPU-only path", keep=True)):
-                    if path == "cpu":
-                        judge.record("cpu", None, manager.cpu_reason)
-                        yield f"the CPU path could not be built ({manager.cpu_reason})"
-                        continue
-                yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
-            engine._prepare_graph(bucket(engine.position, 1, engine.info.context_length), 1)
-            yield "decode graph captured"
-            judge.record(path, time_decode_steps(engine))
-            yield f"timed {'with' if path == 'cpu' else 'without'} the CPU path"
-        paths = paths[::-1] if judge.needs_another_round() else []
-    best = judge.decide()
+    decided = False
+    try:
+        while paths:
+            for path in paths:
+                if _moved(engine, footing):
+                    return
+                if current_path(manager) != path:
+                    if not (yield from switch_path(engine, path == "cpu", "measuring the GPU-only path", keep=True)):
+                        if path == "cpu":
+                            judge.record("cpu", None, manager.cpu_reason)
+                            yield f"the CPU path could not be built ({manager.cpu_reason})"
+                            continue
+                    yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
+                if not (yield from _time_path(engine, judge, path, footing)):
+                    return
+            paths = paths[::-1] if judge.needs_another_round() else []
+        if _moved(engine, footing):
+            return
+        best = judge.decide()
+        decided = True
+    finally:
+        if not decided:
+            judge.abandon()
     if current_path(manager) != best:
-        yield from switch_path(engine, best == "cpu", judge.reason)
+        switched = False
+        try:
+            yield from switch_path(engine, best == "cpu", judge.reason)
+            switched = True
+        finally:
+            if not switched:               # closed midway: the path the judge chose does not run; measure again
+                judge.ask_again()
         yield "kept the faster path"
     if best == "stream":
         manager.cpu_reason = judge.reason
@@ -133,13 +221,17 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
     if load:
         from runtime.backends.routing_prior import measure_at_load
         measure_at_load(engine, progress)
+    stale, engine._trial = getattr(engine, "_trial", None), None
+    if stale is not None:                                   # an idle-time trial in progress: ended (`trial`)
+        stale.close()
     save = (decisions_file(), decision_key(engine))
     judge = engine.path_judge = make_judge(engine.offload, read_decision(*save))
     engine.decision_save = save
     if measure:
         judge.ask_again()
     if judge.plan():
-        n = 2 * len(judge.plan()) + 3                      # one round (close medians take more)
+        runs = -(-TRIAL_STEPS // TRIAL_CHUNK)               # per path: a capture, the runs of timed steps
+        n = (1 + runs) * len(judge.plan()) + 3             # one round (close medians take more)
         if not engine.offload.cpu_active:                  # building the CPU copies: a step per layer, + 1
             n += len(getattr(engine.offload, "layers", ())) + 1
         for i, msg in enumerate(trial(engine, judge, save)):

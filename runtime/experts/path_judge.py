@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 CLOSE = 0.25          # predicted gains within +-CLOSE: said to be close in the reason (all are measured once)
 TRIAL_STEPS = 64      # decode steps timed per path and round: ~2 s a path at 30 tokens/s
+TRIAL_CHUNK = 16      # ... timed in runs of this many, one run a step (idle time: a command waits for one run)
 NOISE = 0.10          # medians within 10% of each other: another round of both paths ...
 MAX_ROUNDS = 3        # ... up to this many rounds per decision
 TIE = 0.05            # medians within 5%: the GPU-only path ("stream"; it keeps the cores free), or the
@@ -66,6 +67,8 @@ class PathJudge:
     _baseline_ms: Optional[float] = None  # the chosen path's step time the drift is judged against
     _again: bool = False                  # a re-measurement was asked for (both paths, whatever predicted)
     _verdict_checked: bool = False        # the live steps were checked against a decision's timing (once a judge)
+    _decided_ms: dict = field(default_factory=dict)   # step_ms as the last decision left it (`abandon`)
+    timing: dict = field(default_factory=dict)   # path -> how its last timing went (`note_timing`)
 
     # -- what to measure --------------------------------------------------------------------------
 
@@ -94,6 +97,19 @@ class PathJudge:
         else:
             self._steps.pop(path, None)
             self.step_ms.pop(path, None)
+
+    def note_timing(self, path: str, run_ms: Sequence[float], cut: tuple = (None, None), moves: int = 0) -> None:
+        """How a path's timing went, for telemetry: each run's median step (ms), in order (a path still
+        settling, e.g. the CPU path's cut climbing, shows as runs getting faster), and the CPU path's
+        cut before and after with the moves between."""
+        self.timing[path] = {"run_ms": [round(m, 2) for m in run_ms], "cut": list(cut), "cut_moves": moves}
+
+    def abandon(self) -> None:
+        """The measurement in progress stopped before its decision (the engine changed under it, or
+        closed): its steps are dropped and the last decision's step times are back; a measurement
+        asked for stays asked for, and starts afresh."""
+        self._steps, self.rounds, self._unbuilt = {}, 0, ""
+        self.step_ms = dict(self._decided_ms)
 
     def needs_another_round(self) -> bool:
         """After a round of both paths: their medians are too close to call (within NOISE) and
@@ -145,6 +161,7 @@ class PathJudge:
         if measured:
             self.measured = self.path
         self.fresh = measured
+        self._decided_ms = dict(self.step_ms)
         self._steps, self.rounds, self._unbuilt = {}, 0, ""
         self._baseline_ms = None          # the first live window after the decision is the drift baseline
         self._again = False
@@ -194,7 +211,8 @@ class PathJudge:
     def telemetry(self) -> dict:
         return {"path": self.path, "reason": self.reason, "policy": self.policy,
                 "predicted_gain": self.predicted_gain, "step_ms": dict(self.step_ms), "trials": self.trials,
-                "reused": self.prior is not None and self.trials == 0, "summary": self.summary()}
+                "reused": self.prior is not None and self.trials == 0, "timing": dict(self.timing),
+                "summary": self.summary()}
 
     def summary(self) -> str:
         on = "CPU expert path on" if self.path == "cpu" else "CPU expert path off"
