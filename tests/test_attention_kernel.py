@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # TRITON_INTERPRET=1 (test_kernel_in_the_interpreter), and are skipped in the parent.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 22 + 54 + 3 + 1 + 3 + 1
+CHILD_TESTS = 22 + 54 + 3 + 1 + 3 + 1 + 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -226,6 +226,54 @@ def test_row_shapes_are_named(attn):
     q2, k2, v2, K2, V2 = make(32, 1, 16, 32, T=9)
     with pytest.raises(ValueError, match="288 query rows"):
         attn.decode_attention(q2, k2, v2, K2, V2, pos, 32, 0.1)
+
+
+# -- warm-up at load: every variant run once, the cache and position left as they were ----------------
+
+@interpreted
+def test_warm_attention_runs_each_variant_once_and_restores_the_cache(attn, monkeypatch):
+    """DecodeGraphs.warm_attention (at load) launches decode_attention once per compile-time variant of
+    the graphs' buckets over a 4096-token cache (8 KV heads: the chunk doubles past 2112 rows), on the
+    first attention layer's cache at position 0: that cache's rows, the other layer's and the graphs'
+    position are left as they were."""
+    import types
+
+    import runtime.backends.exl2_graph as eg
+    Hq, Hk, D, S = 8, 8, 16, 4096
+
+    class Attn:
+        def __init__(self, i):
+            self.num_attention_heads, self.num_key_value_heads, self.head_dim = Hq, Hk, D
+            self.scaling, self.layer_idx = D ** -0.5, i
+
+    g = torch.Generator().manual_seed(7)
+    keys = [torch.randn(1, S, Hk, D, generator=g).half() for _ in range(2)]
+    values = [torch.randn(1, S, Hk, D, generator=g).half() for _ in range(2)]
+    before = [t.clone() for t in keys + values]
+    graphs = eg.DecodeGraphs.__new__(eg.DecodeGraphs)
+    graphs.attention, graphs.Attention, graphs.max_rows = "triton", Attn, eg.MAX_ROWS
+    graphs.body = [object(), Attn(0), object(), Attn(1)]
+    graphs.cache = types.SimpleNamespace(max_seq_len=S, key_states=keys, value_states=values)
+    graphs.device = torch.device("cpu")
+    graphs.pos32 = torch.tensor([77], dtype=torch.int32)
+    calls, real = [], eg.decode_attention
+
+    def spy(q, k, v, K, V, pos, L, scale):
+        calls.append((L, q.shape[1]))
+        assert K is keys[0] and V is values[0] and pos.item() == 0
+        return real(q, k, v, K, V, pos, L, scale)
+
+    monkeypatch.setattr(eg, "decode_attention", spy)
+    seen = []
+    runs = graphs.warm_attention(lambda stage, msg, done, total: seen.append((stage, msg, done, total)))
+    want = eg.attention_variants(S, Hq, Hk, D)
+    assert len(want) == 4 * eg.MAX_ROWS                    # chunk 64 with 8/16/32 splits, chunk 128
+    assert runs == len(calls) == len(want) and sorted(calls) == sorted(want.values())
+    assert {attn.variant(L, T, Hq, Hk, D) for L, T in calls} == set(want)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, before))
+    assert graphs.pos32.item() == 77
+    assert seen[-1] == ("warmup", "Compiling attention kernels for 4 context lengths", runs, runs)
+    assert all(d <= t for _, _, d, t in seen)
 
 
 # -- the graph's alternative attention paths (MOEDESK_GRAPH_ATTN=bmm / sdpa), plain torch --------------

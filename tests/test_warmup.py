@@ -121,6 +121,12 @@ class _Graphs:
 
     def __init__(self):
         self.done: list = []
+        self.attention_warmed_at = self.attention_rows = None
+
+    def warm_attention(self, progress, rows=None):
+        self.attention_warmed_at = len(self.done)       # graphs captured before it (none: it runs first)
+        self.attention_rows = rows
+        return 0
 
     def captured(self):
         return list(self.done)
@@ -171,3 +177,36 @@ def test_warm_up_progress_never_counts_past_its_total(monkeypatch):
     seen = []
     e.prepare_graphs(lambda stage, msg, done, total: seen.append((msg, done, total)), 5, 5)
     assert len(e.graphs.done) > 0 and all(d < t for _, d, t in seen[:-1]) and seen[-1][1] == seen[-1][2]
+
+
+def test_warm_up_compiles_the_attention_variants_before_any_capture(monkeypatch):
+    """A fresh machine: a later bucket's capture compiled Triton attention kernels (1.7 s in idle time on
+    the H200; right before a first token when a prompt jumps past the prepared buckets). The load runs the
+    variants of every bucket at the rows an answer captures first, with or without its own captures."""
+    for capture in (True, False):
+        e = _engine(monkeypatch)
+        e.warm_up(lambda *a: None, 3, capture=capture)
+        assert e.graphs.attention_warmed_at == 0
+        assert e.graphs.attention_rows == 3             # the rows an answer captures (answer_plan), not all 9
+
+
+def test_attention_variants_are_few_and_cover_every_bucket():
+    """Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128) over a 32K cache: 64 buckets,
+    8 variants a row count (the chunk and the splits' padding change at powers of two)."""
+    from runtime.backends.attention import variant
+    from runtime.backends.exl2_graph import MAX_ROWS, attention_variants, bucket_lengths
+    Ls = bucket_lengths(32768)
+    assert len(Ls) == 64 and Ls[0] == BUCKET and Ls[-1] == 32768
+    assert bucket_lengths(1300) == [512, 1024, 1300] and bucket_lengths(300) == [300]
+    got = attention_variants(32768, 32, 4, 128)
+    assert {T for _, T in got.values()} == set(range(1, MAX_ROWS + 1))
+    per_rows = [sum(1 for _, t in got.values() if t == T) for T in range(1, MAX_ROWS + 1)]
+    assert per_rows == [8] * MAX_ROWS, per_rows
+    for key, (L, T) in got.items():                       # a representative launches its variant
+        assert L in Ls and variant(L, T, 32, 4, 128) == key
+    for T in (1, 5, 9):                                   # and every bucket's launch is listed
+        assert {variant(L, T, 32, 4, 128) for L in Ls} <= set(got)
+    one = attention_variants(32768, 32, 4, 128, max_rows=1)
+    assert sorted(L for L, _ in one.values())[:3] == [512, 1024, 1536]     # 8, 16, 32 splits (padded)
+    # 32 query heads on one KV head: 9 rows would be 288 query rows a program, more than the kernel takes
+    assert max(T for _, T in attention_variants(4096, 32, 1, 128).values()) == 8

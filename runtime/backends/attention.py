@@ -130,6 +130,29 @@ def chunk_rows(L: int, Hk: int, block_n: int) -> int:
     return c
 
 
+def launch(L: int, T: int, Hq: int, Hk: int, D: int, block_n: int = 64, chunk: int | None = None) -> dict:
+    """The compile-time parameters of decode_attention's launches for (L, T): "attn" those of
+    `_decode_attn` (num_warps included), "combine" those of `_combine` (None: one split, no merge),
+    "NS" the splits. Triton compiles a kernel variant per distinct set; the other arguments are the
+    float scale, HQ (fixed per model) and pointers to fresh or cache tensors (all 16-byte aligned)."""
+    R = Hq // Hk
+    C = chunk or chunk_rows(L, Hk, block_n)
+    if C % block_n:
+        raise ValueError(f"decode attention: chunk {C} is not a multiple of the block {block_n}")
+    NS = triton.cdiv(L, C)
+    MP = max(16, triton.next_power_of_2(R * T))
+    attn = dict(HK=Hk, R=R, T=T, TP=triton.next_power_of_2(T), MP=MP, D=D, C=C, BN=block_n, DIRECT=NS == 1,
+                num_warps=4 if MP <= 64 else 8)
+    combine = None if NS == 1 else dict(T=T, D=D, C=C, NSP=triton.next_power_of_2(NS), num_warps=4)
+    return {"NS": NS, "attn": attn, "combine": combine}
+
+
+def variant(L: int, T: int, Hq: int, Hk: int, D: int, block_n: int = 64) -> tuple:
+    """What Triton compiles decode_attention's kernels apart by, for (L, T): equal tuples share them."""
+    p = launch(L, T, Hq, Hk, D, block_n)
+    return tuple(sorted(p["attn"].items())) + tuple(sorted((p["combine"] or {}).items()))
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
                      pos: torch.Tensor, L: int, scale: float, block_n: int = 64,
                      chunk: int | None = None) -> torch.Tensor:
@@ -161,10 +184,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch
     if R * T > MAX_QUERY_ROWS:
         raise ValueError(f"decode attention: {T} rows x {R} query heads per KV head = {R * T} query rows "
                          f"per program, more than {MAX_QUERY_ROWS}")
-    C = chunk or chunk_rows(L, Hk, block_n)
-    if C % block_n:
-        raise ValueError(f"decode attention: chunk {C} is not a multiple of the block {block_n}")
-    NS = triton.cdiv(L, C)
+    p = launch(L, T, Hq, Hk, D, block_n, chunk)
+    NS = p["NS"]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty((1, T, Hq * D), dtype=torch.float16, device=q.device)
     if NS == 1:
@@ -172,11 +193,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, K: torch
     else:
         part = torch.empty((NS, T * Hq, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((NS, T * Hq), dtype=torch.float32, device=q.device)
-    MP = max(16, triton.next_power_of_2(R * T))
-    _decode_attn[(Hk, NS)](q, k, v, K, V, pos, o, part, lse, scale, HK=Hk, R=R, T=T,
-                           TP=triton.next_power_of_2(T), MP=MP, D=D, C=C, BN=block_n,
-                           DIRECT=NS == 1, num_warps=4 if MP <= 64 else 8)
+    _decode_attn[(Hk, NS)](q, k, v, K, V, pos, o, part, lse, scale, **p["attn"])
     if NS > 1:
-        _combine[(T * Hq,)](part, lse, pos, o, HQ=Hq, T=T, D=D, C=C, NSP=triton.next_power_of_2(NS),
-                            num_warps=4)
+        _combine[(T * Hq,)](part, lse, pos, o, HQ=Hq, **p["combine"])
     return o

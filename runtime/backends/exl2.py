@@ -192,11 +192,9 @@ class Exl2Engine(Engine):
     # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
 
     def warm_up(self, progress: ProgressFn, draft_rows: int = 1, capture: bool = True) -> None:
-        """At load: compile the prefill kernels (chunk sizes of both kinds: staged and not, row counts
-        Triton specializes apart) and capture the decode graphs of the first buckets, decode and
-        verify rows, behind the load's progress. Random tokens at position 0; the cache is empty after.
-        capture=False: the graphs are left to `prepare_graphs` (after the expert path is settled, whose
-        switches would drop them)."""
+        """At load, behind its progress: compile the prefill kernels (chunk sizes Triton specializes apart),
+        the graphs' attention for every bucket (warm rows), and capture the first buckets' decode and verify graphs
+        (capture=False: left to `prepare_graphs`, after the expert path is settled). Cache empty after."""
         self.warm_rows = max(1, min(draft_rows, MAX_WARM_ROWS))
         chunks = [n for n in PREFILL_WARM_ROWS if n < self.info.context_length]
         plan = self._load_plan() if capture else []
@@ -206,6 +204,8 @@ class Exl2Engine(Engine):
             progress("warmup", f"Preparing GPU kernels {i + 1}/{total}", i, total)
             self.prefill(torch.randint(0, self.vocab, (n,), generator=g).tolist())
             self.truncate(0)
+        if self.graphs is not None:         # attention kernels of every context length (the graphs' buckets)
+            self.graphs.warm_attention(progress, self.warm_rows)
         if capture:         # else captured after the path is settled (graphs captured now would be dropped)
             self.prepare_graphs(progress, len(chunks), total)
         else:

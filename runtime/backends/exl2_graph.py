@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from runtime import tuning
-from runtime.backends.attention import decode_attention
+from runtime.backends.attention import MAX_QUERY_ROWS, decode_attention, variant
 
 BUCKET = 512
 MAX_ROWS = 9                 # rows a graph covers: the decode step and a verify of up to 8 drafts
@@ -79,6 +79,25 @@ def answer_plan(position: int, max_new: int, rows: int, max_seq_len: int, captur
     last = bucket(min(max_seq_len - 1, position + max(1, max_new) - 1), 1, max_seq_len)
     ahead = min(AHEAD_BUCKETS, max(0, (last - first) // BUCKET))
     return warm_plan(position, rows, max_seq_len, captured, ahead=ahead, max_rows=min(rows, max_rows))
+
+
+def bucket_lengths(max_seq_len: int) -> list[int]:
+    """Every attended length L a graph can be captured for (the `bucket` of some position)."""
+    return sorted({min(max_seq_len, k * BUCKET) for k in range(1, -(-max_seq_len // BUCKET) + 1)})
+
+
+def attention_variants(max_seq_len: int, Hq: int, Hk: int, D: int, max_rows: int = MAX_ROWS,
+                       block_n: int = 64) -> dict[tuple, tuple[int, int]]:
+    """The distinct compile-time variants of decode_attention that graphs of 1..max_rows rows over a
+    `max_seq_len`-token cache launch, each with one (L, T) that launches it (its smallest L). The chunk,
+    the splits' padding and the one-launch case follow L, so buckets far apart compile apart. Row
+    counts the kernel does not take (more than MAX_QUERY_ROWS query rows per KV head) are left out."""
+    out: dict[tuple, tuple[int, int]] = {}
+    for T in range(1, min(max_rows, MAX_QUERY_ROWS // max(1, Hq // Hk)) + 1):
+        for L in bucket_lengths(max_seq_len):
+            if T <= L:
+                out.setdefault(variant(L, T, Hq, Hk, D, block_n), (L, T))
+    return out
 
 
 class DecodeGraphs:
@@ -330,6 +349,46 @@ class DecodeGraphs:
             del self.graphs[next(iter(self.graphs))]
         self._capture(L, T)
         return True
+
+    @torch.inference_mode()
+    def warm_attention(self, progress, rows: int | None = None) -> int:
+        """At load, before any prompt: run the Triton attention once for each of its variants
+        (`attention_variants`) of 1..`rows` rows (default: every row count a graph takes) so that none
+        compiles in a capture right before an answer's first token (`answer_plan` captures the rows an
+        answer runs: the engine passes its warm rows; other row counts may compile in idle time). On a
+        machine's first load each variant is a Triton compile (a few at the default context). Runs at
+        position 0 on the cache of the first attention layer of each head shape, whose rows 0..T-1 it
+        writes and then restores; `pos32` is left alone (the kernel's variant does not depend on the
+        cache length or the position). Returns the runs."""
+        if self.attention != "triton":
+            return 0
+        rows = self.max_rows if rows is None else max(1, min(rows, self.max_rows))
+        heads = {}                                               # (Hq, Hk, D) -> its first layer
+        for a in self.body:
+            if isinstance(a, self.Attention):
+                heads.setdefault((a.num_attention_heads, a.num_key_value_heads, a.head_dim), a)
+        runs = [(a, L, T) for (Hq, Hk, D), a in heads.items()
+                for L, T in attention_variants(self.cache.max_seq_len, Hq, Hk, D, rows).values()]
+        if not runs:
+            return 0
+        n = len({L for _, L, _ in runs})
+        caches = [(self.cache.key_states[a.layer_idx], self.cache.value_states[a.layer_idx]) for a in heads.values()]
+        saved = [(K[:, :self.max_rows].clone(), V[:, :self.max_rows].clone()) for K, V in caches]
+        pos = torch.zeros((1,), dtype=torch.int32, device=self.device)
+        for i, (a, L, T) in enumerate(runs):
+            progress("warmup", f"Compiling attention kernels for {n} context lengths", i, len(runs))
+            Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+            q = torch.zeros((1, T, Hq * D), dtype=torch.float16, device=self.device)
+            k = torch.zeros((1, T, Hk * D), dtype=torch.float16, device=self.device)
+            K, V = self.cache.key_states[a.layer_idx], self.cache.value_states[a.layer_idx]
+            decode_attention(q, k, k.clone(), K, V, pos, L, a.scaling)    # writes rows 0..T-1 of K, V
+        for (K, V), (k0, v0) in zip(caches, saved):
+            K[:, :k0.shape[1]].copy_(k0)
+            V[:, :v0.shape[1]].copy_(v0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        progress("warmup", f"Compiling attention kernels for {n} context lengths", len(runs), len(runs))
+        return len(runs)
 
     def captured(self) -> list[tuple[int, int]]:
         """The (bucket L, rows T) pairs captured so far."""

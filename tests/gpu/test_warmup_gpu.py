@@ -7,7 +7,12 @@ need must leave the logits alone (their warm-up runs write K/V rows past the cac
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from runtime.options import DraftOptions, LoadOptions, OffloadOptions
 pytestmark = pytest.mark.gpu
 GiB = 1024 ** 3
 TOL = 1e-2          # relative logit error, as tests/gpu/test_exl2_engine.py (engine tolerance)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(path, draft: str = "off", **off):
@@ -209,3 +215,68 @@ def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeyp
         print(f"idle recheck with commands between: {len(times)} idle steps, longest {max(times):.3f} s; {seen}")
     finally:
         eng.close()
+
+
+# The load and the first answers' captures of test_no_triton_kernel_compiles_before_a_first_token_after_a_first_load,
+# run in a fresh process: Triton keeps the kernels a process compiled in memory (never compiled again, never
+# written to a new cache folder), so only a process that compiled nothing before can tell what a first load
+# leaves out.
+_FIRST_LOAD = r"""
+import json, os, sys, torch
+from runtime import tuning
+from runtime.backends import exl2
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions
+from runtime.worker import kernel_cache_entries
+
+def names():
+    folder = tuning.triton_cache_dir()
+    out = {}
+    for e in os.scandir(folder) if os.path.isdir(folder) else ():
+        out[e.name] = sorted({f.split(".")[0] for f in os.listdir(e.path)})
+    return out
+
+stages = []
+opts = LoadOptions(offload=OffloadOptions(context_length=int(sys.argv[2])), draft=DraftOptions(mode="off"))
+eng, _ = exl2.load(sys.argv[1], opts, lambda stage, msg, d, t: stages.append(msg))
+result = {"in_load": kernel_cache_entries(), "stages": sorted(set(stages)), "answers": [], "idle": []}
+toks = torch.randint(0, 151936, (9100,), generator=torch.Generator().manual_seed(0)).tolist()
+for pos in (0, 4700, 9000):               # buckets with chunk 64, 128 and 256 (16K cache, 4 KV heads)
+    if pos > eng.position:
+        eng.prefill(toks[eng.position:pos])      # a prompt jumping past the buckets prepared (not counted)
+    before, n0, held = names(), kernel_cache_entries(), len(eng.graphs.captured())
+    eng.prepare_decode(64)                       # what runs between a prompt's prefill and its first token
+    after = names()
+    result["answers"].append({"position": pos, "captured": len(eng.graphs.captured()) - held,
+                              "compiled": kernel_cache_entries() - n0,
+                              "kernels": sorted({n for k in set(after) - set(before) for n in after[k]})})
+    n0, steps = kernel_cache_entries(), 0
+    while eng.idle_work():                       # idle time may compile (the other row counts): reported only
+        steps += 1
+        assert steps < 64, eng.graphs.captured()
+    result["idle"].append({"position": pos, "steps": steps, "compiled": kernel_cache_entries() - n0})
+eng.close()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_no_triton_kernel_compiles_before_a_first_token_after_a_first_load(moe_2l, tmp_path):
+    """First run on a machine (an empty Triton cache): a prompt that jumps past the buckets captured at
+    load has its answer's decode graphs captured before the first token (`prepare_decode`), and that must
+    compile nothing: the attention's variants for every context length were run at load ("Compiling
+    attention kernels for ..."), for the row counts an answer captures (1 with drafting off). Before, a
+    capture for a later bucket compiled Triton attention kernels for its chunk and splits (1.7 s on the
+    H200). Three positions of a 16K cache, whose buckets use three chunk sizes; idle time's compiles (other
+    row counts, allowed there) are printed, not asserted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _FIRST_LOAD, str(moe_2l), "16384"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    print("first load:", {k: v for k, v in res.items() if k != "stages"})
+    assert res["in_load"] and res["in_load"] > 0, res                  # the cache folder really started empty
+    assert any(m.startswith("Compiling attention kernels for ") for m in res["stages"]), res["stages"]
+    assert all(a["captured"] > 0 for a in res["answers"][1:]), res["answers"]   # the jumps did capture
+    late = [(a["position"], a["compiled"], a["kernels"]) for a in res["answers"] if a["compiled"]]
+    assert not late, f"kernels compiled before a first token (position, count, names): {late}"
