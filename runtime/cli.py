@@ -16,8 +16,6 @@ import argparse
 import importlib
 import sys
 
-from runtime.protocol import WorkerError
-
 # subcommand -> (module, help)
 SUBCOMMANDS = {
     "chat": ("runtime.chat_cli", "Ask a model one question through a real worker process."),
@@ -53,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moedesk-cli: interrupted", file=sys.stderr)
         return 130
-    except WorkerError as e:            # a worker that died says why in its last log lines
+    except Exception as e:
+        from runtime.client import WorkerError       # the client's side of the protocol (loaded when needed)
+        if not isinstance(e, WorkerError):
+            raise
         print(f"moedesk-cli {chosen}: {e.message}", file=sys.stderr)
-        if e.detail:
-            print(f"the worker's last lines:\n{e.detail}", file=sys.stderr)
+        if e.detail:                                 # a dead worker's: its last log lines
+            print(e.detail, file=sys.stderr)
         return 1
 
 

@@ -45,6 +45,9 @@ def worker_env(base: Optional[dict] = None) -> dict:
     return env
 
 
+WorkerError = P.WorkerError      # what a worker's error event becomes on this side (WorkerDied among them)
+
+
 class WorkerDied(P.WorkerError):
     """The worker process ended (or never answered). `stderr_tail` holds its last log lines."""
 
