@@ -341,6 +341,14 @@ def test_bad_setups_say_what_is_wrong():
     assert ram.used_bytes == cp.nbytes > 0
     cp.close()
     assert ram.used_bytes == 0
+    real = cpath.signal_kind                  # a failure after the copies (e.g. page-locked buffers):
+    try:                                      # the reservation goes back with it
+        cpath.signal_kind = lambda device: (_ for _ in ()).throw(RuntimeError("cudaHostAlloc failed"))
+        with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+            cpath.CpuPath(packs, [0, 1], A, threads=1, name="layer 3", ram=ram, device="cpu")
+    finally:
+        cpath.signal_kind = real
+    assert ram.used_bytes == 0
     with pytest.raises(ValueError, match="cpu_threads"):
         cpath.resolve_threads(-1)
     assert cpath.resolve_threads(0) >= 1 and cpath.resolve_threads(3) == 3

@@ -246,42 +246,42 @@ class CpuPath:
         if ram is not None:                    # on the ledger before gigabytes are allocated
             ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
                         "raise the RAM budget, or close other programs")
-        try:
+        try:                                   # a failure past the reservation gives it back
             self.store = cpu_store(packs, self.stored, name, width)
+            self.device = torch.device(device) if device is not None else w1.scales.device
+            pin = dict(pin_memory=self.device.type == "cuda")
+            A, H, E = top_k, self.H, self.E
+            self.x = torch.zeros((MAX_ROWS, H), dtype=torch.float16, **pin)      # pinned, fixed addresses
+            self.ids = torch.zeros((MAX_ROWS, A), dtype=torch.int32, **pin)
+            self.w = torch.zeros((MAX_ROWS, A), dtype=torch.float32, **pin)
+            self.owned = torch.zeros(E, dtype=torch.uint8, **pin)
+            self.y = torch.zeros((MAX_ROWS, H), dtype=torch.float32, **pin)
+            self.store_index = torch.full((E,), -1, dtype=torch.int32)
+            self.store_index[self.stored] = torch.arange(len(self.stored), dtype=torch.int32)
+            self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # experts the CPU may compute
+            # Balanced split (set_share): per step, the experts of `skip` the CPU computes for this token,
+            # at most its share of the token's cold picks (kernels.cpu_share_mask); None: all of `skip`.
+            self.share: Optional[int] = None
+            self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
+            # The cut (set_cut): intermediate rows of an owned pick the CPU computes, the GPU the rest;
+            # on the device for the GPU's kernels, in the context for the worker. Whole experts: a cut
+            # past any width on the device, 0 (all) in the context.
+            self.cut = self.width if width is not None else None
+            self.cut_dev = torch.full((1,), self.cut or WHOLE, dtype=torch.int32, device=self.device)
+            self.owned_set: set[int] = set()
+            f = self.store._flat
+            self.ctx = HostCtx(
+                x=self.x.data_ptr(), ids=self.ids.data_ptr(), weights=self.w.data_ptr(),
+                owned=self.owned.data_ptr(), store_index=self.store_index.data_ptr(), qw=f["qw"].data_ptr(),
+                sc=f["sc"].data_ptr(), grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(),
+                desc=f["desc"].data_ptr(), y=self.y.data_ptr(), H=H, E=E, store_experts=len(self.stored),
+                T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads), cut=self.cut or 0)
+            self.ctx_addr = ctypes.addressof(self.ctx)
+            self.signal, _ = signal_kind(self.device)
+            self.slot = self.kernel.register_slot(self.ctx_addr) if self.signal == "memops" else 0
         except BaseException:
             self.close()
             raise
-        self.device = torch.device(device) if device is not None else w1.scales.device
-        pin = dict(pin_memory=self.device.type == "cuda")
-        A, H, E = top_k, self.H, self.E
-        self.x = torch.zeros((MAX_ROWS, H), dtype=torch.float16, **pin)      # pinned, fixed addresses
-        self.ids = torch.zeros((MAX_ROWS, A), dtype=torch.int32, **pin)
-        self.w = torch.zeros((MAX_ROWS, A), dtype=torch.float32, **pin)
-        self.owned = torch.zeros(E, dtype=torch.uint8, **pin)
-        self.y = torch.zeros((MAX_ROWS, H), dtype=torch.float32, **pin)
-        self.store_index = torch.full((E,), -1, dtype=torch.int32)
-        self.store_index[self.stored] = torch.arange(len(self.stored), dtype=torch.int32)
-        self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # experts the CPU may compute
-        # Balanced split (set_share): per step, the experts of `skip` the CPU computes for this token,
-        # at most its share of the token's cold picks (kernels.cpu_share_mask); None: all of `skip`.
-        self.share: Optional[int] = None
-        self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
-        # The cut (set_cut): intermediate rows of an owned pick the CPU computes, the GPU the rest;
-        # on the device for the GPU's kernels, in the context for the worker. Whole experts: a cut
-        # past any width on the device, 0 (all) in the context.
-        self.cut = self.width if width is not None else None
-        self.cut_dev = torch.full((1,), self.cut or WHOLE, dtype=torch.int32, device=self.device)
-        self.owned_set: set[int] = set()
-        f = self.store._flat
-        self.ctx = HostCtx(
-            x=self.x.data_ptr(), ids=self.ids.data_ptr(), weights=self.w.data_ptr(),
-            owned=self.owned.data_ptr(), store_index=self.store_index.data_ptr(), qw=f["qw"].data_ptr(),
-            sc=f["sc"].data_ptr(), grp=f["grp"].data_ptr(), perm=f["perm"].data_ptr(),
-            desc=f["desc"].data_ptr(), y=self.y.data_ptr(), H=H, E=E, store_experts=len(self.stored),
-            T=MAX_ROWS, A=A, x_fp16=1, ids_int64=0, threads=resolve_threads(threads), cut=self.cut or 0)
-        self.ctx_addr = ctypes.addressof(self.ctx)
-        self.signal, _ = signal_kind(self.device)
-        self.slot = self.kernel.register_slot(self.ctx_addr) if self.signal == "memops" else 0
 
     # -- ownership (between steps, in stream order) ------------------------------------------------
 
