@@ -144,3 +144,19 @@ def test_without_fla_the_pytorch_forms_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
     assert gdn_kernels.ops() is None
     assert not gdn_kernels.available(torch.zeros(1))
+
+
+def test_the_load_warms_fla_only_where_it_runs(monkeypatch):
+    """gdn_kernels.warm runs both kernels once at the model's widths where fla runs (CUDA), so the
+    chunked kernel's autotuning is the load's; on the CPU it does nothing."""
+    import types
+    from runtime.backends import gdn_kernels
+    spec = types.SimpleNamespace(linear_key_heads=2, linear_value_heads=4, linear_key_dim=8, linear_value_dim=8)
+    assert gdn_kernels.warm(spec, torch.device("cpu"), torch.float16) is False
+    calls = []
+    monkeypatch.setattr(gdn_kernels, "available", lambda x: True)
+    monkeypatch.setattr(gdn_kernels, "chunked", lambda q, k, v, g, beta, scale, state, dtype: calls.append(("chunked", q.shape, dtype)))
+    monkeypatch.setattr(gdn_kernels, "recurrent", lambda q, k, v, g, beta, scale, state: calls.append(("recurrent", q.shape)))
+    monkeypatch.setattr(gdn_kernels.torch.cuda, "synchronize", lambda device=None: None)
+    assert gdn_kernels.warm(spec, torch.device("cpu"), torch.float16) is True
+    assert calls == [("chunked", (128, 2, 8), torch.float16), ("recurrent", (1, 2, 8))]

