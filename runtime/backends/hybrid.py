@@ -277,6 +277,8 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
             from runtime.backends.quant_linear import settle_autotune
             progress("load", "Tuning GPU kernels", 0, 1)
             settle_autotune(model.linears())
+            from runtime.backends import gdn_kernels
+            gdn_kernels.warm(spec, dev, dtype)             # fla's autotuning here, not in the first prefill
             progress("load", "Tuning GPU kernels", 1, 1)
         manager = _start_offload(setup, model, folder.path, off, progress) if setup is not None else None
         model_info = ModelInfo(name=info.name, path=str(info.path), architecture=info.architecture,

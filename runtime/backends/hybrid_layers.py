@@ -9,6 +9,8 @@ expert always resident, the residual stream in float32, the per-sequence state i
 - Gated DeltaNet: short causal convolution (state: the last K-1 inputs), then the delta rule: the
   recurrent form for forwards of up to `window` rows (decode, verify), which writes the states after
   each row into the cache's snapshot ring for rollback; the chunked form for longer ones (prefill).
+  On CUDA with fla installed, fla's Triton kernels compute both (runtime/backends/gdn_kernels.py);
+  the PyTorch forms here run elsewhere and are their oracle.
 - Gated attention: q (with a per-head output gate), k, v; QK RMS norm; partial RoPE (the first R
   dims); the flat KV cache written at the rows' positions; o = attention * sigmoid(gate).
 - MoE: the routed experts (fp32 out) plus sigmoid(shared_expert_gate) * shared expert.
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime import qwen35
-from runtime.backends import quant_linear
+from runtime.backends import gdn_kernels, quant_linear
 from runtime.backends.hybrid_state import HybridCache
 from runtime.errors import InvalidModel, UnsupportedArchitecture
 from runtime.experts.layer import ExpertLayer
@@ -112,6 +114,14 @@ class DeltaNetLayer:
         q = deltanet.l2norm(y[:, :hk * dk].reshape(t, hk, dk).float())
         k = deltanet.l2norm(y[:, hk * dk:2 * hk * dk].reshape(t, hk, dk).float())
         v = y[:, 2 * hk * dk:].reshape(t, hv, s.lin_value_dim).float()
+        if gdn_kernels.available(v):        # fla's kernels: grouped heads and the scale inside them
+            if logged:
+                o = gdn_kernels.recurrent(q, k, v, g, beta, dk ** -0.5, cache.rec[i], cache.hist_rec[i], cache.slots)
+            elif t <= deltanet.RECURRENT_MAX_TOKENS:
+                o = gdn_kernels.recurrent(q, k, v, g, beta, dk ** -0.5, cache.rec[i])
+            else:
+                o = gdn_kernels.chunked(q, k, v, g, beta, dk ** -0.5, cache.rec[i], h.dtype)
+            return self._finish(o, z, h.dtype)
         if hv != hk:
             q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
         q = q * dk ** -0.5
@@ -121,9 +131,13 @@ class DeltaNetLayer:
             o = delta_recurrent(q, k, v, g, beta, cache.rec[i], None, None)
         else:
             o = delta_chunked(q, k, v, g, beta, cache.rec[i])
-        dt = h.dtype
-        o = deltanet.gated_norm(o.to(dt), z.reshape(t, hv, s.lin_value_dim), self.out_norm, s.eps)
-        return self.out(o.reshape(t, vd))
+        return self._finish(o, z, h.dtype)
+
+    def _finish(self, o: torch.Tensor, z: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        """The rule's outputs [T, HV, dv] -> gated RMS norm -> the output projection [T, H]."""
+        s, t = self.spec, o.shape[0]
+        o = deltanet.gated_norm(o.to(dt), z.reshape(t, s.lin_value_heads, s.lin_value_dim), self.out_norm, s.eps)
+        return self.out(o.reshape(t, s.lin_value_heads * s.lin_value_dim))
 
 
 class AttentionLayer:
