@@ -10,9 +10,10 @@ torch.cuda's graph API (`FakeCuda`) that keeps what matters of a real capture:
   the host (the CUDA kernels do not), so these tests route through a sync-free stand-in of it;
 - replay re-runs the recorded call and writes the recorded output buffer.
 
-The GPU test's sequence (tests/gpu/test_qwen35_hybrid_gpu.py) runs here: a 3-row forward, the idle
-captures, the script of decodes, verifies and rollbacks; the graphs' logits equal the same static
-forwards run eagerly.
+The GPU test's sequences (tests/gpu/test_qwen35_hybrid_gpu.py) run here: a 3-row forward, the idle
+captures, the script of decodes, verifies and rollbacks; steps at bucket edges (511, 512, 513), verifies
+crossing an edge, in a context not a multiple of 512. Each step replays the graph of its last row's
+bucket L, and the graphs' logits equal the same static forwards run eagerly (and the eager forwards).
 """
 from __future__ import annotations
 
@@ -25,14 +26,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime import tuning
 from runtime.backends import hybrid
-from runtime.backends.hybrid_graphs import StepGraphs, idle_rows
+from runtime.backends.exl2_graph import bucket
+from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.experts.layer import ExpertLayer, route
 from runtime.experts.pack import dequantize_packed
 from runtime.options import LoadOptions, OffloadOptions
 
 K = 5
 WINDOW = K + 1
-CONTEXT = 512
+CONTEXT = 1300                  # buckets 512, 1024 and the capped 1300
+BUCKETS = (512, 1024, 1300)
 
 
 class _HostReadOps(TorchDispatchMode):
@@ -82,7 +85,7 @@ class FakeGraph:
 
     def replay(self):
         forward, args, kwargs = self.call
-        self.api.log.append(("replay", args[0].shape[0]))
+        self.api.log.append(("replay", args[0].shape[0], kwargs["span"]))
         self.api.replaying = True
         try:
             self.out.copy_(forward(*args, **kwargs))
@@ -134,7 +137,7 @@ class FakeCuda:
         forward = model.forward
 
         def record(*args, **kwargs):
-            self.log.append(("capture", args[0].shape[0], pool, stream.name, capture_error_mode))
+            self.log.append(("capture", args[0].shape[0], kwargs["span"], pool, stream.name, capture_error_mode))
             out = forward(*args, **kwargs)
             g.call, g.out = (forward, args, {k: v for k, v in kwargs.items() if k != "probe"}), out
             return out
@@ -211,7 +214,16 @@ def _script(eng, vocab: int) -> list[torch.Tensor]:
     return out
 
 
-def test_the_gpu_tests_sequence_captures_each_row_count_once_and_replays_the_static_forwards(eng, fake):
+def _state(eng):
+    c = eng.cache
+    return [c.conv.clone(), c.rec.clone(), c.k[:, :, :c.length].clone(), c.v[:, :, :c.length].clone()]
+
+
+def _same_state(eng, before):
+    return all(torch.equal(a, b) for a, b in zip(_state(eng), before))
+
+
+def test_the_gpu_tests_sequence_captures_each_bucket_and_row_count_once_and_replays_the_static_forwards(eng, fake):
     streams = []
     forward = eng.model.forward
 
@@ -222,26 +234,32 @@ def test_the_gpu_tests_sequence_captures_each_row_count_once_and_replays_the_sta
     eng.model.forward = watched
     try:
         eng.forward([5, 6, 7])
+        before = _state(eng)
         while eng.idle_work():
             pass
         assert eng.graphs is not None, eng.graph_error
-        assert eng.graphs.captured() == [1, 3, WINDOW], eng.graphs.captured()
-        assert (eng.position, eng.tokens) == (3, [5, 6, 7]), (eng.position, eng.tokens)
+        every = sorted((L, t) for L in BUCKETS for t in range(1, WINDOW + 1))
+        assert eng.graphs.captured() == every, eng.graphs.captured()
+        assert (eng.position, eng.tokens) == (3, [5, 6, 7]) and _same_state(eng, before)
         captures = [e for e in fake.log if e[0] == "capture"]
         mode = tuning.current().capture_mode
-        first_pool = ("pool of", id(eng.graphs.graphs[3][0]))
-        assert captures == [("capture", 3, None, "side", mode), ("capture", 1, first_pool, "side", mode),
-                            ("capture", WINDOW, first_pool, "side", mode)], captures
-        # each row count's first forward ran once, eagerly, with fixed shapes, on the capture stream
-        assert streams == [(3, True, "side"), (1, True, "side"), (WINDOW, True, "side")], streams
+        first_pool = ("pool of", id(eng.graphs.graphs[(512, 3)][0]))
+        assert captures[0] == ("capture", 3, 512, None, "side", mode), captures[0]
+        # idle time: the decode step of this bucket and the next two first, then the verifies'
+        assert [c[1:3] for c in captures[1:4]] == [(1, 512), (1, 1024), (1, 1300)], captures[:4]
+        assert all(c[3:] == (first_pool, "side", mode) for c in captures[1:]), captures
+        assert len(captures) == len(every) and len(streams) == len(every)
+        assert all(s[1:] == (True, "side") for s in streams), streams   # each first run: static, capture stream
+        fake.log.clear()
         got = _script(eng, eng.info.vocab_size)
         tel = eng.telemetry()
         assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
-        assert eng.graphs.captured() == [1, 2, 3, WINDOW], eng.graphs.captured()
-        replays = [e[1] for e in fake.log if e[0] == "replay"]
-        assert replays.count(1) == 3 + WINDOW + 1 and replays.count(WINDOW) == WINDOW + 1, replays
-        assert replays.count(2) == WINDOW, replays            # the first verify of 2 ran eagerly, then captured
-        assert [s for s in streams[3:] if s[1]] == [(2, True, "side")], streams
+        assert tel["graph_buckets"] == list(BUCKETS) and len(tel["graph_shapes"]) == len(every)
+        assert not [e for e in fake.log if e[0] == "capture"], fake.log            # every short step replayed
+        assert not [s for s in streams[len(every):] if s[1]], streams             # (the rest: long forwards)
+        replays = [e[1:] for e in fake.log if e[0] == "replay"]
+        assert {L for _, L in replays} == {512}, replays          # positions 70..110: the first bucket
+        assert replays.count((1, 512)) == 3 + WINDOW + 1 and replays.count((WINDOW, 512)) == WINDOW + 1, replays
     finally:
         eng.model.forward = forward
     eng.graphs, eng.static = None, True
@@ -250,19 +268,106 @@ def test_the_gpu_tests_sequence_captures_each_row_count_once_and_replays_the_sta
         assert torch.equal(a, b), f"step {i}: graphs differ from the static forward by {(a - b).abs().max():.2e}"
 
 
-def test_idle_work_captures_the_decode_step_then_a_full_verify_where_they_fit(eng, fake):
-    assert idle_rows(WINDOW, {}) == [1, WINDOW] and idle_rows(WINDOW, {1: None}) == [WINDOW]
-    assert idle_rows(2, {}) == [1, 2] and idle_rows(1, {}) == [1] and idle_rows(WINDOW, {1: 0, WINDOW: 0}) == []
-    prompt = list(range(10, 10 + CONTEXT - 3))
-    eng.forward(prompt)                                    # a long forward: not through the graphs
-    assert eng.graphs.captured() == []
-    conv, rec = eng.cache.conv.clone(), eng.cache.rec.clone()
-    assert eng.idle_work() is True                         # the decode step: 1 row fits
-    assert eng.idle_work() is False                        # a full verify would pass the context's end
-    assert eng.graphs.captured() == [1] and eng.position == CONTEXT - 3 and eng.tokens == prompt
-    assert torch.equal(conv, eng.cache.conv) and torch.equal(rec, eng.cache.rec)
-    eng.prepare_decode(8)                                  # nothing left that fits
-    assert eng.graphs.captured() == [1]
+def _edges(eng) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Steps at and across bucket edges: decodes at 509..513, a verify of WINDOW rows from 508 (last row
+    513: bucket 1024) and a rollback into it, a verify of 2 from 511, then a verify from 1020 into the
+    capped last bucket (1300) and decodes at 1022..1024. -> the logits, and each short step's (rows, L)."""
+    g = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, eng.info.vocab_size - 64, (CONTEXT,), generator=g).tolist()
+    out, steps = [], []
+
+    def short(ids):
+        steps.append((len(ids), bucket(eng.position, len(ids), CONTEXT)))
+        out.append(eng.forward(ids).clone())
+    eng.reset()
+    out.append(eng.forward(toks[:509]).clone())
+    for i in range(509, 514):
+        short([toks[i]])
+    eng.truncate(508)                                       # before the ring: the kept tokens replayed
+    short(toks[600:600 + WINDOW])
+    eng.truncate(511)                                       # a rollback inside the verify
+    short(toks[700:702])
+    short([toks[702]])
+    out.append(eng.forward(toks[513:1020]).clone())
+    short(toks[800:800 + WINDOW])
+    eng.truncate(1022)
+    for i in range(3):
+        short([toks[900 + i]])
+    return out, steps
+
+
+def test_each_step_replays_the_graph_of_its_last_rows_bucket_and_matches_the_eager_forward(eng, fake):
+    got, steps = _edges(eng)
+    assert eng.graphs is not None, eng.graph_error
+    assert steps == [(1, 512), (1, 512), (1, 512), (1, 1024), (1, 1024), (WINDOW, 1024), (2, 1024), (1, 1024),
+                     (WINDOW, 1300), (1, 1024), (1, 1024), (1, 1300)], steps
+    ran = [e[1:3] for e in fake.log if e[0] in ("capture", "replay")]
+    assert ran == steps, ran                                # each through the graph of its (rows, bucket)
+    assert [e[1:3] for e in fake.log if e[0] == "capture"] == list(dict.fromkeys(steps)), fake.log
+    graphs, eng.graphs, eng.static = eng.graphs, None, True
+    static, _ = _edges(eng)
+    eng.static = False
+    eager, _ = _edges(eng)
+    for i, (a, b, c) in enumerate(zip(got, static, eager)):
+        assert torch.equal(a, b), f"step {i}: graphs differ from the static forward by {(a - b).abs().max():.2e}"
+        assert (a - c).abs().max() <= 1e-4, f"step {i}: graphs differ from the eager forward by {(a - c).abs().max()}"
+    # the bucket must cover the last row: a verify attending the first row's bucket misses rows past its edge
+    eng.graphs, eng.static = graphs, False
+    fake.log.clear()
+    graphs.graphs.clear()
+    graphs.span = lambda position, t: bucket(position, 1, CONTEXT)
+    short, _ = _edges(eng)
+    assert not torch.equal(short[6], static[6]) and torch.equal(short[1], static[1])
+
+
+def test_load_answer_and_idle_captures_follow_the_plans_and_leave_the_cache_as_it_was(eng, fake):
+    first = [(L, t) for L in (512, 1024) for t in range(1, WINDOW + 1)]
+    assert eng.prepare_graphs() == len(first) and eng.graphs.captured() == first     # at load: the first two buckets
+    assert eng.position == 0 and not eng.tokens
+    prompt = [10 + i % 900 for i in range(1000)]
+    eng.forward(prompt)                                     # a long forward: not through the graphs
+    before = _state(eng)
+    eng.prepare_decode(400)                                 # 1000 + 400 crosses into the capped 1300
+    assert eng.graphs.captured() == sorted(first + [(1300, t) for t in range(1, WINDOW + 1)])
+    assert (eng.position, eng.tokens) == (1000, prompt) and _same_state(eng, before)
+    eng.forward(list(range(20, 317)))                       # to 1297: 3 rows left
+    n = eng.position
+    before = _state(eng)
+    eng.graphs.graphs.clear()
+    while eng.idle_work():
+        pass
+    assert eng.graphs.captured() == [(1300, 1), (1300, 2), (1300, 3)]     # what fits before the context's end
+    assert eng.position == n and _same_state(eng, before)
+    eng.prepare_decode(8)                                   # nothing left that fits
+    assert len(eng.graphs.graphs) == 3
+
+
+def test_the_graphs_held_are_capped_least_recently_used_first_and_idle_time_stops_when_full(eng, fake):
+    eng.graphs.max_graphs = 4
+    held = []
+    forward = eng.forward
+
+    def counted(ids):
+        out = forward(ids)
+        held.append(len(eng.graphs.graphs))
+        return out
+    eng.forward = counted
+    try:
+        got, steps = _edges(eng)
+    finally:
+        del eng.forward
+    assert max(held) == 4 and eng.graphs is not None, held
+    recent = sorted((L, t) for t, L in list(dict.fromkeys(reversed(steps)))[:4])     # the four most recently used
+    assert len(set(steps)) > 4 and eng.graphs.captured() == recent, (eng.graphs.captured(), steps)
+    calls = 0
+    while eng.idle_work():
+        calls += 1
+        assert calls < 10, "idle time captures in a circle"
+    assert len(eng.graphs.graphs) == 4
+    graphs, eng.graphs, eng.static = eng.graphs, None, True
+    want, _ = _edges(eng)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {i}: graphs differ from the static forward by {(a - b).abs().max():.2e}"
 
 
 def test_a_failed_capture_names_the_part_and_the_engine_goes_on_eagerly(eng, fake):
@@ -285,13 +390,22 @@ def test_a_failed_capture_names_the_part_and_the_engine_goes_on_eagerly(eng, fak
     try:
         got = [eng.forward([5, 6, 7]).clone()]
         assert eng.graphs is None and eng.graph_error, "the capture should have failed"
-        assert eng.graph_error.startswith("capture of 3 rows failed (invalidated by layer 2 (MoE)): RuntimeError"), \
-            eng.graph_error
+        assert eng.graph_error.startswith("capture of 3 rows over 512 failed (invalidated by layer 2 (MoE)): "
+                                          "RuntimeError"), eng.graph_error
         got.append(eng.forward([8]).clone())
     finally:
         eng.model.blocks[2] = (kind, attn_norm, mlp_norm, mixer, moe)
     assert eng.telemetry()["graph_error"] == eng.graph_error and not eng.telemetry()["decode_graphs"]
     assert torch.equal(got[0], want[0]) and (got[1] - want[1]).abs().max() <= 1e-4
+
+
+def test_a_static_forward_needs_an_attended_length_that_fits(eng):
+    eng.reset()
+    eng.cache.begin(1)
+    tok = torch.tensor([5])
+    for span in (None, 0, CONTEXT + 1):
+        with pytest.raises(ValueError, match="attended length"):
+            eng.model.forward(tok, eng.cache, 0, True, static=True, span=span)
 
 
 def test_the_static_forward_uses_neither_cudnn_nor_flash_attention(eng, monkeypatch):

@@ -44,6 +44,15 @@ def test_an_answer_gets_the_graphs_of_every_bucket_it_can_reach_before_token_1()
     assert answer_plan(8100, 500, 1, 8192, captured=[]) == [(8192, 1)]         # capped at the cache
 
 
+def test_a_context_not_a_multiple_of_the_bucket_gets_its_capped_last_bucket():
+    """A 1300-token context: the last bucket is 1024..1300, attended as L = 1300, captured from 1024 on."""
+    assert capture_position(1300, 1, 0, 1300) == 1024 and bucket(1024, 1, 1300) == 1300
+    assert capture_position(1300, 6, 1290, 1300) == 1290 and capture_position(1300, 6, 1296, 1300) is None
+    assert warm_plan(0, 1, 1300, captured=[], max_rows=1) == [(512, 1), (1024, 1), (1300, 1)]
+    assert answer_plan(1000, 400, 1, 1300, captured=[]) == [(1024, 1), (1300, 1)]    # it crosses into 1300
+    assert answer_plan(1000, 10, 1, 1300, captured=[]) == [(1024, 1)]
+
+
 class Lines:
     """The worker's event channel, each line with its arrival time."""
 

@@ -43,8 +43,10 @@ def bucket(position: int, rows: int, max_seq_len: int) -> int:
 def capture_position(L: int, rows: int, first_free: int, max_seq_len: int) -> int | None:
     """Where a graph of (L, rows) can be captured ahead of need without touching the cache's
     tokens: a position >= first_free whose step attends L rows (its warm-up run writes K/V rows
-    there, past the cache's end, where the next forward overwrites them); None if no such position."""
-    pos = max(first_free, L - BUCKET)
+    there, past the cache's end, where the next forward overwrites them); None if no such position.
+    The bucket starts at L - BUCKET, or for a capped L (a context not a multiple of BUCKET) at the
+    multiple of BUCKET below it."""
+    pos = max(first_free, (L - 1) // BUCKET * BUCKET)
     if pos + rows > min(L, max_seq_len) or bucket(pos, rows, max_seq_len) != L:
         return None
     return pos
@@ -77,7 +79,7 @@ def answer_plan(position: int, max_new: int, rows: int, max_seq_len: int, captur
     answer is a visible pause between two tokens."""
     first = bucket(position, 1, max_seq_len)
     last = bucket(min(max_seq_len - 1, position + max(1, max_new) - 1), 1, max_seq_len)
-    ahead = min(AHEAD_BUCKETS, max(0, (last - first) // BUCKET))
+    ahead = min(AHEAD_BUCKETS, max(0, (last - 1) // BUCKET - (first - 1) // BUCKET))   # a capped last counts
     return warm_plan(position, rows, max_seq_len, captured, ahead=ahead, max_rows=min(rows, max_rows))
 
 

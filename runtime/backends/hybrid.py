@@ -14,8 +14,13 @@ states after each row of the last `window` rows (runtime/backends/hybrid_state.p
 inside that window is a copy; a truncate to before it replays the kept tokens (as the reference does).
 
 Decode graphs (CUDA, experts all in VRAM; runtime/backends/hybrid_graphs.py): a forward of T <= window
-rows runs with fixed shapes (`static`): its first run is eager, then it is captured and later steps
-replay the graph. `idle_work` captures the decode step and the full verify ahead of need.
+rows runs with fixed shapes (`static`), its attention over the first L cache rows (the 512-token bucket
+of its last row): its first run in a bucket is eager, then it is captured and later steps of that
+(L, T) replay the graph. Which (L, T) are captured ahead of need follows the exllamav2 engine's plans
+(runtime/backends/exl2_graph.py): the first buckets at load (`prepare_graphs`), the buckets an answer
+can reach before its first token (`prepare_decode`), the current bucket and the next ones while idle
+(`idle_work`, one capture a call). A capture ahead of need runs placeholder tokens at a position of
+its bucket at or past the cache's end, then rolls the cache back through the snapshot ring.
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ import torch
 
 from runtime import tuning
 from runtime.backends import hybrid_layers
-from runtime.backends.hybrid_graphs import StepGraphs, idle_rows
+from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
+from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.backends.hybrid_state import HybridCache
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, InvalidModel, NoModel,
@@ -109,19 +115,23 @@ class HybridExl2Engine(Engine):
         if self.cache is not None and self.cache.length > length:
             self.truncate(length)
 
-    def _run(self, ids: list[int], last_only: bool) -> torch.Tensor:
+    def _run(self, ids: list[int], last_only: bool, at: Optional[int] = None) -> torch.Tensor:
+        """at: the rows' positions start there, past the cache's length (a capture ahead of need)."""
         cache, t = self.cache, len(ids)
         start = cache.length
+        at = start if at is None else at
         if self.offload is not None:
             self.offload.step_boundary(t)
             self.offload.begin_forward(t)
-        logged = cache.begin(t)
+        logged = cache.begin(t, at)
         try:
             if logged and self.graphs is not None:
-                out = self.graphs.step(ids)
+                out = self.graphs.step(ids, at)
             else:
                 dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
-                out = self.model.forward(dev, cache, start, logged, static=self.static and logged)
+                static = self.static and logged
+                out = self.model.forward(dev, cache, start, logged, static=static,
+                                         span=bucket(at, t, cache.capacity) if static else None)
         except BaseException:
             # the states may be half-written: back to those before this forward (the snapshot ring holds
             # them when it was snapshotted; otherwise the kept tokens are replayed)
@@ -152,24 +162,72 @@ class HybridExl2Engine(Engine):
     def reset(self) -> None:
         self.truncate(0)
 
+    def _graph_plan(self, ahead: Optional[int] = None) -> list[tuple[int, int]]:
+        """exl2_graph.warm_plan from the cache's position: (L, T) not captured yet, most urgent first
+        (decode steps of the current bucket and the next `ahead`, then the verify rows 2..window)."""
+        w = self.cache.window
+        kw = {} if ahead is None else {"ahead": ahead}
+        return warm_plan(self.position, w, self.cache.capacity, self.graphs.captured(), max_rows=w, **kw)
+
+    def _prepare_graph(self, L: int, t: int) -> bool:
+        """Capture the graph of (L, t) ahead of need: t placeholder tokens at a position of bucket L at or
+        past the cache's end (exl2_graph.capture_position; their K/V rows there are overwritten before
+        they are attended), then the cache rolled back through the snapshot ring. False when it is
+        captured already or cannot be reached from the cache's position."""
+        g = self.graphs
+        if g is None or self.model is None or t > self.cache.window or (L, t) in g.graphs:
+            return False
+        start = self.position
+        at = capture_position(L, t, start, self.cache.capacity)
+        if at is None:
+            return False
+        with torch.inference_mode():
+            try:
+                self._run([0] * t, last_only=True, at=at)
+            except torch.cuda.OutOfMemoryError as e:
+                failure = str(e)          # _run took the cache back
+            else:
+                self.truncate(start)
+                return True
+        raise OutOfMemory(f"out of GPU memory capturing the decode graph of {t} rows over {L}", failure)
+
+    def prepare_graphs(self, progress: Optional[ProgressFn] = None) -> int:
+        """At load (empty cache): capture the first two buckets' decode and verify graphs. -> captured."""
+        if self.graphs is None:
+            return 0
+        progress = progress or (lambda stage, message, done, total: None)
+        plan = self._graph_plan(ahead=1)
+        for i, (L, t) in enumerate(plan):
+            progress("warmup", f"Capturing decode graphs {i + 1}/{len(plan)}", i, len(plan))
+            self._prepare_graph(L, t)
+        progress("warmup", "Decode graphs ready", len(plan), len(plan))
+        return len(plan)
+
     def idle_work(self) -> bool:
-        """Capture the next decode graph ahead of need (one row, then a full verify): a forward of
-        placeholder tokens at the current position captures it, and the snapshot ring takes the cache
-        back exactly (the placeholder rows' K/V past the position are overwritten before they are
-        attended). False when there is nothing left to capture or no room for it."""
+        """Capture one graph ahead of need (exl2_graph.warm_plan: the decode step of the current bucket and
+        the next two, then the verifies'); False when nothing is left, nothing fits before the context's
+        end, or the graphs held are full of wanted ones."""
         if self.graphs is None or self.model is None:
             return False
-        todo = idle_rows(self.cache.window, self.graphs.graphs)
-        pos = self.position
-        if not todo or pos + todo[0] > self.info.context_length:
-            return False
-        self._forward([0] * todo[0], last_only=True)
-        self.truncate(pos)
-        return True
+        plan = self._graph_plan()
+        wanted = set(plan) | set(warm_plan(self.position, self.cache.window, self.cache.capacity, (),
+                                           max_rows=self.cache.window))
+        for L, t in plan:
+            if self.graphs is None or self.graphs.full_of(wanted):
+                return False
+            if self._prepare_graph(L, t):
+                return True
+        return False
 
     def prepare_decode(self, max_new_tokens: int = 1) -> None:
-        if self.graphs is not None and 1 not in self.graphs.graphs:
-            self.idle_work()
+        """After a prefill, before the first token: the graphs of the buckets the answer can reach
+        (exl2_graph.answer_plan: the prompt may have jumped past the buckets prepared while idle), so
+        that no capture falls between two tokens."""
+        if self.graphs is None or self.model is None:
+            return
+        w = self.cache.window
+        for L, t in answer_plan(self.position, max_new_tokens, w, self.cache.capacity, self.graphs.captured(), w):
+            self._prepare_graph(L, t)
 
     def place_experts(self, resident: list[list[int]]) -> None:
         """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
@@ -185,6 +243,10 @@ class HybridExl2Engine(Engine):
                                "cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
                                "rollback_window": self.cache.window if self.cache is not None else 0,
                                "decode_graphs": self.graphs is not None}
+        if self.graphs is not None:
+            shapes = self.graphs.captured()                        # [(bucket L, rows T)]
+            out["graph_buckets"] = sorted({L for L, _ in shapes})
+            out["graph_shapes"] = [list(x) for x in shapes]
         if self.graph_error:
             out["graph_error"] = self.graph_error
         if self.backend == "cuda":
@@ -289,6 +351,12 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                       "num_params": info.num_params, "active_params": info.active_params})
         use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
         engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
+        if engine.graphs is not None:
+            try:
+                engine.prepare_graphs(progress)
+            except BaseException:
+                engine.close()
+                raise
         if manager is not None and cuda:      # a load without saved routing statistics: the prior
             from runtime.backends.routing_prior import measure_at_load
             try:

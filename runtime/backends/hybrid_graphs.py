@@ -1,23 +1,35 @@
-"""CUDA graphs of the hybrid engine's short forwards (runtime/backends/hybrid.py): one graph per row
-count T <= the rollback window (decode: 1 row; a verify of K drafts: K + 1 rows), each serving every
-position.
+"""CUDA graphs of the hybrid engine's short forwards (runtime/backends/hybrid.py): one graph per
+(bucket L, rows T), T <= the rollback window (decode: 1 row; a verify of K drafts: K + 1 rows), as
+the exllamav2 engine's (runtime/backends/exl2_graph.py, whose bucket arithmetic and plans these share).
+
+The full-attention layers of a step attend over the cache's first L rows, L = `bucket` of the step's
+last row (a multiple of BUCKET = 512, capped at the context), masked by position within them: one
+graph serves every position of its bucket, and a step reads the K/V its conversation holds (rounded
+up to 512), not the whole context's. The DeltaNet layers have no length.
 
 What makes a forward capturable (HybridModel.forward with static=True, runtime/backends/hybrid_layers.py):
 every tensor it reads or writes has a fixed address (the weights, the cache with its `positions` and
 `slots` buffers, which HybridCache.begin fills before each forward, the token buffer here); no shape
-depends on the position (attention over the whole cache, masked by position); nothing is read back
-on the host; no Python value of one step (the position) is used by the kernels.
+depends on the position within the bucket (L is a Python int fixed per graph: views of the cache and
+a mask over L positions); nothing is read back on the host; no Python value of one step (the
+position) is used by the kernels.
 
-Per row count T:
+Per (L, T):
 - its first forward runs eagerly on the capture stream: that run is the step's result, and it warms
   up what must not happen inside a capture (Triton compiling and loading kernels, the expert kernels'
   launch-shape timing, exllamav2's GEMM tuning outside the settled shapes, cuBLAS's workspace for that
   stream);
-- then the same forward is captured on that stream into one private memory pool shared by every row
-  count (`torch.cuda.graph`), in tuning's capture mode ("relaxed", as the exllamav2 engine's graphs).
+- then the same forward is captured on that stream into one private memory pool shared by every
+  graph (`torch.cuda.graph`), in tuning's capture mode ("relaxed", as the exllamav2 engine's graphs).
   A capture records kernels and runs none: the cache stays as the eager run left it;
-- later forwards of T rows: the token buffer filled, the graph replayed on the current stream, its
-  output copied (the pool's memory is reused by the next replay of another graph).
+- later forwards of T rows in bucket L: the token buffer filled, the graph replayed on the current
+  stream, its output copied out (the next replay of another graph may reuse the pool's free memory).
+
+Memory: what a capture frees goes back to the shared pool for the next capture; each graph keeps only
+its output [T, V] float32 (and its kernels' parameters). At most `max_graphs` (exl2_graph.MAX_GRAPHS)
+are held, the least recently used dropped before a capture (its output's memory returns to the pool),
+so the pool is bounded by the largest capture's temporaries plus max_graphs outputs. Which graphs
+are captured ahead of need (at load, before an answer's first token, while idle) is the engine's.
 
 A failed capture turns the graphs off (the engine's `graph_error` names the first layer that broke
 the capture); the eager result of that step stands and later steps run eagerly.
@@ -33,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from runtime import tuning
+from runtime.backends.exl2_graph import MAX_GRAPHS, bucket
 
 log = logging.getLogger(__name__)
 
@@ -61,59 +74,72 @@ class CudaApi:
 
 
 class StepGraphs:
+    max_graphs = MAX_GRAPHS
+
     def __init__(self, engine, cuda: Any = None):
         self.engine = engine
         self.cuda = cuda if cuda is not None else CudaApi()
         self.window = engine.cache.window
+        self.capacity = engine.cache.capacity
         dev = engine.model.device
         self.tokens = torch.zeros(self.window, dtype=torch.long, device=dev)
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}        # rows -> (graph, its output buffer)
+        # (L, T) -> (graph, its output buffer), least recently used first
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.pool = None
         self.stream = self.cuda.Stream(device=dev)                    # warm-up and capture
 
-    def _forward(self, t: int, probe=None) -> torch.Tensor:
-        e = self.engine
-        return e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True, probe=probe)
+    def span(self, position: int, t: int) -> int:
+        """The attended length L of t rows from `position`: the bucket of the last row."""
+        return bucket(position, t, self.capacity)
 
-    def step(self, ids: list[int]) -> torch.Tensor:
-        """The forward of these rows (the cache's begin() done): replayed, or run and then captured."""
+    def _forward(self, L: int, t: int, probe=None) -> torch.Tensor:
+        e = self.engine
+        return e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True, probe=probe, span=L)
+
+    def step(self, ids: list[int], position: int) -> torch.Tensor:
+        """The forward of these rows at `position` (the cache's begin() done, its positions buffer from
+        there): the graph of their bucket replayed, or the forward run and then captured."""
         e, t = self.engine, len(ids)
-        if not 1 <= t <= self.window:
-            raise ValueError(f"decode graphs: {t} rows (graphs cover 1..{self.window})")
+        if not 1 <= t <= self.window or not 0 <= position <= self.capacity - t:
+            raise ValueError(f"decode graphs: {t} rows at position {position} (graphs cover 1..{self.window} "
+                             f"rows within the {self.capacity}-token cache)")
+        L = self.span(position, t)
         self.tokens[:t].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        if t in self.graphs:
-            graph, out = self.graphs[t]
+        if (L, t) in self.graphs:
+            graph, out = self.graphs[(L, t)] = self.graphs.pop((L, t))      # now the most recently used
             graph.replay()
             return out.clone()
         cur, s = self.cuda.current_stream(), self.stream
         s.wait_stream(cur)                     # the token buffer and the cache's positions/slots are written
         try:
             with self.cuda.stream(s):
-                out = self._forward(t)
+                out = self._forward(L, t)
         finally:
             cur.wait_stream(s)                 # also before a failed forward's rollback, on the current stream
         # `out` was allocated on s: its block goes back to s's free list, and s's next use (a warm-up
         # here) waits for everything queued on the current stream first.
         try:
-            self._capture(t)
+            self._capture(L, t)
         except Exception as err:              # the eager result stands; later steps run eagerly
-            where = self._find_capture_breaker(t)
-            e.graph_error = f"capture of {t} rows failed ({where}): {type(err).__name__}: {err}"[:1000]
+            where = self._find_capture_breaker(L, t)
+            e.graph_error = f"capture of {t} rows over {L} failed ({where}): {type(err).__name__}: {err}"[:1000]
             log.warning("decode graphs off: %s", e.graph_error)
             e.graphs = None
         return out
 
-    def _capture(self, t: int) -> None:
-        self.cuda.synchronize()
+    def _capture(self, L: int, t: int) -> None:
+        self.cuda.synchronize()                # no replay in flight: a dropped graph's memory is free
+        while len(self.graphs) >= max(1, self.max_graphs):
+            del self.graphs[next(iter(self.graphs))]
         graph = self.cuda.CUDAGraph()
         with self.cuda.graph(graph, pool=self.pool, stream=self.stream,
                              capture_error_mode=tuning.current().capture_mode):
-            out = self._forward(t)
+            out = self._forward(L, t)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[t] = (graph, out)
+        self.graphs[(L, t)] = (graph, out)
 
-    def _find_capture_breaker(self, t: int) -> str:
+    def _find_capture_breaker(self, L: int, t: int) -> str:
         """After a failed capture: capture again, asking after every part of every layer whether the
         capture is still valid; names the first part after which it is not."""
         done: list[str] = []
@@ -127,7 +153,7 @@ class StepGraphs:
             self.cuda.synchronize()
             graph = self.cuda.CUDAGraph()
             with self.cuda.graph(graph, stream=self.stream, capture_error_mode=tuning.current().capture_mode):
-                self._forward(t, probe=probe)
+                self._forward(L, t, probe=probe)
             found = "a second capture succeeded"
         except _Stop as stop:
             found = f"invalidated by {stop.args[0]}"
@@ -142,11 +168,11 @@ class StepGraphs:
             pass
         return found
 
-    def captured(self) -> list[int]:
+    def full_of(self, wanted) -> bool:
+        """No room, and the graph the next capture would drop is one of `wanted`: capturing another
+        ahead of need would drop a wanted one (and idle time could capture in a circle)."""
+        return len(self.graphs) >= self.max_graphs and next(iter(self.graphs)) in wanted
+
+    def captured(self) -> list[tuple[int, int]]:
+        """The (bucket L, rows T) pairs captured and held."""
         return sorted(self.graphs)
-
-
-def idle_rows(window: int, captured) -> list[int]:
-    """The row counts captured ahead of need, most urgent first: the decode step, then a full verify."""
-    return [t for t in dict.fromkeys((1, window)) if t not in captured]
-

@@ -15,8 +15,11 @@ expert always resident, the residual stream in float32, the per-sequence state i
   dims); the flat KV cache written at the rows' positions; o = attention * sigmoid(gate).
 - MoE: the routed experts (fp32 out) plus sigmoid(shared_expert_gate) * shared expert.
 
-`static=True` runs a short forward with every shape fixed (attention over the whole cache, masked
-by position): what a CUDA graph captures; eager forwards slice the cache to its length instead.
+`static=True` runs a short forward with every shape fixed: what a CUDA graph captures. Its attention
+reads the cache's first `span` rows, L (the bucket of the last row's position, a multiple of 512
+capped at the context: runtime/backends/exl2_graph.bucket), masked by position within them; so one
+graph serves every position of its bucket and a step's cost follows the conversation, not the
+context setting. Eager forwards slice the cache to its length instead.
 
 T rows, H hidden, NH / KVH heads, D head dim, R rotated dims, HV value heads, dk / dv dims,
 C = 2*HK*dk + HV*dv convolution channels, K kernel, S cache capacity.
@@ -146,8 +149,11 @@ class AttentionLayer:
         self.proj, self.out = proj, out               # [2*NH*D + 2*KVH*D, H], [H, NH*D]
         self.qk_norm = qk_norm                        # [2, D] (1 + weight)
 
-    def __call__(self, h, cache: HybridCache, positions: torch.Tensor, cos, sin, end: int, static: bool):
+    def __call__(self, h, cache: HybridCache, positions: torch.Tensor, cos, sin, end: int, span: Optional[int]):
+        """span: a static forward's attended rows L (a Python int fixed per captured graph: the slices are
+        views, the mask a kernel over L positions); None: eager, over the cache's first `end` rows."""
         s, j = self.spec, self.index
+        static = span is not None
         t, d, nh, nkv, r = h.shape[0], s.head_dim, s.heads, s.kv_heads, s.rotary_dim
         qkv = self.proj(h)
         qg = qkv[:, :2 * nh * d].reshape(t, nh, 2 * d)
@@ -160,7 +166,7 @@ class AttentionLayer:
         k = torch.cat([rope.apply(k[..., :r], c, sn), k[..., r:]], dim=-1)
         cache.k[j].index_copy_(1, positions, k.transpose(0, 1).to(cache.k.dtype))
         cache.v[j].index_copy_(1, positions, v.transpose(0, 1).to(cache.v.dtype))
-        length = cache.capacity if static else end
+        length = span if static else end
         keys, values = cache.k[j:j + 1, :, :length], cache.v[j:j + 1, :, :length]
         groups = nh // nkv
         if static or t > 1:
@@ -202,12 +208,18 @@ class HybridModel:
         self.dtype, self.device = dtype, device
 
     def forward(self, tokens: torch.Tensor, cache: HybridCache, start: int, logged: bool, static: bool = False,
-                last_only: bool = False, probe: Optional[Callable[[str], None]] = None) -> torch.Tensor:
+                last_only: bool = False, probe: Optional[Callable[[str], None]] = None,
+                span: Optional[int] = None) -> torch.Tensor:
         """tokens [T] (device) at `start` -> logits [T or 1, V] float32; the cache's length is the caller's.
         logged: the cache's positions/slots buffers hold the rows' positions and snapshot slots.
+        static: fixed shapes; the full-attention layers read the cache's first `span` rows (the bucket L
+        of the last row's position: it must cover that row; the caller's to choose, hybrid_graphs.bucket).
         probe: called with a part's name after each part (hybrid_graphs: which part broke a capture)."""
         s, t = self.spec, tokens.shape[0]
         end = start + t
+        if static and not (span is not None and t <= span <= cache.capacity and logged):
+            raise ValueError(f"a static forward of {t} rows needs the cache's positions buffer and an attended "
+                             f"length span in {t}..{cache.capacity}, got {span}")
         probe = probe or (lambda label: None)
         positions = cache.positions[:t] if logged else torch.arange(start, end, device=self.device)
         x = F.embedding(tokens, self.embed).float()                               # [T, H] float32
@@ -215,7 +227,7 @@ class HybridModel:
         for i, (kind, attn_norm, mlp_norm, mixer, moe) in enumerate(self.blocks):
             h = F.rms_norm(x, (s.hidden,), attn_norm, s.eps).to(self.dtype)
             if kind == qwen35.FULL:
-                x = x + mixer(h, cache, positions, self.cos, self.sin, end, static).float()
+                x = x + mixer(h, cache, positions, self.cos, self.sin, end, span if static else None).float()
             else:
                 x = x + mixer(h, cache, logged).float()
             probe(f"layer {i} ({'attention' if kind == qwen35.FULL else 'DeltaNet'})")

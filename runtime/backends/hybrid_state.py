@@ -13,11 +13,14 @@
 
 Every tensor a forward reads or writes has a fixed shape and address: the positions and snapshot
 slots of a forward of T <= window rows are device buffers (`positions`, `slots`) filled before it,
-so a decode or verify step can be captured as a CUDA graph and replayed at any position.
+so a decode or verify step can be captured as a CUDA graph and replayed at any position of its
+bucket (the attention reads the first L rows: runtime/backends/hybrid_graphs.py).
 
 Letters: T rows, S capacity (tokens), W window, C convolution channels, K kernel.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -54,17 +57,24 @@ class HybridCache:
         self.hist_conv[:, 0].copy_(self.conv)
         self.hist_rec[:, 0].copy_(self.rec)
 
-    def begin(self, t: int) -> bool:
+    def begin(self, t: int, at: Optional[int] = None) -> bool:
         """Before a forward of t rows at `length`: True when it is snapshotted (t <= window); then
-        `positions[:t]` and `slots[:t]` hold its rows' positions and snapshot slots."""
-        if self.length + t > self.capacity:
-            raise EngineError(f"{self.length} + {t} tokens exceed the cache's {self.capacity}")
+        `positions[:t]` and `slots[:t]` hold its rows' positions and snapshot slots. at: the rows'
+        positions start there instead (>= length: a graph captured ahead of need for a later bucket,
+        whose K/V rows past the end are overwritten before they are attended; the caller rolls back)."""
+        at = self.length if at is None else at
+        if not self.length <= at <= self.capacity - t:
+            raise EngineError(f"{t} tokens at position {at} do not fit the cache's {self.capacity} "
+                              f"from its length {self.length}")
         if t > self.window:
+            if at != self.length:
+                raise EngineError(f"a forward of {t} rows (> the window of {self.window}) must start at the "
+                                  f"cache's length {self.length}, not {at}")
             return False
         if self.length - self.base + t > self.window:
             self._rebase()
         first = self.length - self.base + 1
-        host = torch.stack([torch.arange(self.length, self.length + t), torch.arange(first, first + t)])
+        host = torch.stack([torch.arange(at, at + t), torch.arange(first, first + t)])
         self.positions[:t].copy_(host[0], non_blocking=True)
         self.slots[:t].copy_(host[1], non_blocking=True)
         return True

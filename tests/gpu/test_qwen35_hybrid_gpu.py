@@ -10,8 +10,11 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
   accepted prefix 0..K+1 each followed by a verify of 2 and a decode: relative error of the logits
   (norm of the difference / norm of the CPU's) <= TOL.
 - decode graphs: the script's short forwards with fixed shapes (`static`, what a graph captures) run
-  eagerly against the CPU; then with graphs on (each row count run and captured on first use, 1 and
-  K + 1 while idle, then replayed) against those static forwards.
+  eagerly against the CPU; then with graphs on (the first two buckets' graphs captured at load, then
+  replayed) against those static forwards. Across bucket edges (a 1300-token context: buckets 512,
+  1024 and the capped 1300): decodes at 509..513, verifies crossing an edge, each through the graph of
+  its last row's bucket, against the static and the eager forwards; the graphs' memory pool grows by
+  little more than each graph's output.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
   as all in VRAM.
 
@@ -202,18 +205,81 @@ def test_cuda_matches_the_cpu_engine_eager_and_with_graphs(size, models, oracle)
     eng, _ = _load(models(size), graphs=True)
     try:
         assert eng.graphs is not None, "the engine was loaded without decode graphs"
-        eng.forward([5, 6, 7])                       # 3 rows: run, then captured (first use)
-        while eng.idle_work():                       # 1 and WINDOW captured ahead of need, the cache taken back
+        every = [(L, t) for L in (512, 1024) for t in range(1, WINDOW + 1)]
+        assert eng.graphs.captured() == every, eng.graphs.captured()      # at load: both buckets of 1024
+        eng.forward([5, 6, 7])                       # 3 rows: replayed
+        while eng.idle_work():                       # nothing left to capture
             pass
         assert eng.graphs is not None, f"decode graphs turned off: {eng.graph_error}"
-        assert eng.graphs.captured() == [1, 3, WINDOW], eng.graphs.captured()
         assert (eng.position, eng.tokens) == (3, [5, 6, 7]), (eng.position, eng.tokens)
         got = _script(eng, eng.info.vocab_size)
         tel = eng.telemetry()
         assert tel["decode_graphs"] and not tel.get("graph_error"), tel.get("graph_error")
-        assert eng.graphs.captured() == [1, 2, 3, WINDOW], eng.graphs.captured()
+        assert eng.graphs.captured() == every, eng.graphs.captured()
         _compare(got, static, TOL_SAME, f"{size} graphs vs static eager")
         _record(test="qwen35_hybrid_vram", size=size, vram=torch.cuda.memory_allocated(),
                 cache_bytes=tel["cache_bytes"])
     finally:
         eng.close()
+
+
+EDGE_CONTEXT = 1300
+
+
+def _edges(eng) -> list[torch.Tensor]:
+    """Decodes at 509..513, a verify of WINDOW rows from 508 (last row in bucket 1024), a rollback into
+    it, a verify of 2 from 511, a verify from 1020 into the capped bucket 1300, decodes at 1022..1024."""
+    g = torch.Generator().manual_seed(7)
+    toks = torch.randint(0, min(eng.info.vocab_size - 64, 240000), (EDGE_CONTEXT,), generator=g).tolist()
+    out = []
+    eng.reset()
+    out.append(eng.forward(toks[:509]).float().cpu())
+    for i in range(509, 514):
+        out.append(eng.forward([toks[i]]).float().cpu())
+    eng.truncate(508)
+    out.append(eng.forward(toks[600:600 + WINDOW]).float().cpu())
+    eng.truncate(511)
+    out.append(eng.forward(toks[700:702]).float().cpu())
+    out.append(eng.forward([toks[702]]).float().cpu())
+    out.append(eng.forward(toks[513:1020]).float().cpu())
+    out.append(eng.forward(toks[800:800 + WINDOW]).float().cpu())
+    eng.truncate(1022)
+    for i in range(3):
+        out.append(eng.forward([toks[900 + i]]).float().cpu())
+    return out
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_graphs_match_eager_across_bucket_edges_and_their_pool_stays_small(size, models):
+    from runtime.backends import hybrid
+    opts = LoadOptions(offload=OffloadOptions(context_length=EDGE_CONTEXT))
+    eng, _ = hybrid.load(models(size), opts, device="cuda", window=WINDOW, graphs=False)
+    try:
+        eager = _edges(eng)
+        eng.static = True
+        static = _edges(eng)
+    finally:
+        eng.close()
+    _compare(static, eager, TOL, f"{size} static (bucketed) vs eager across bucket edges")   # other SDPA kernels
+    eng, _ = hybrid.load(models(size), opts, device="cuda", window=WINDOW, graphs=True)
+    try:
+        assert eng.graphs is not None, "the engine was loaded without decode graphs"
+        torch.cuda.synchronize()
+        reserved, held = torch.cuda.memory_reserved(), len(eng.graphs.graphs)
+        got = _edges(eng)
+        assert eng.graphs is not None, f"decode graphs turned off: {eng.graph_error}"
+        while eng.idle_work():
+            pass
+        tel = eng.telemetry()
+        assert not tel.get("graph_error") and tel["graph_buckets"] == [512, 1024, 1300], tel
+        torch.cuda.synchronize()
+        added = len(eng.graphs.graphs) - held
+        out_bytes = WINDOW * eng.info.vocab_size * 4
+        growth = torch.cuda.memory_reserved() - reserved
+        _record(test="qwen35_hybrid_graph_pool", size=size, graphs=len(eng.graphs.graphs), added=added,
+                growth=growth)
+        assert added > 0 and growth <= added * (out_bytes + (2 << 20)) + (64 << 20), (added, growth)
+    finally:
+        eng.close()
+    _compare(got, static, TOL_SAME, f"{size} graphs vs static across bucket edges")
+    _compare(got, eager, TOL, f"{size} graphs vs eager across bucket edges")
