@@ -586,3 +586,52 @@ def test_the_judge_tells_how_each_paths_timing_went(monkeypatch):
         assert len(timing[path]["run_ms"]) == RUNS
         assert all(abs(m - want) < 0.2 * want for m in timing[path]["run_ms"]), timing[path]
         assert timing[path]["cut_moves"] == 0
+
+
+def test_the_cpu_paths_cut_settles_untimed_before_it_is_timed(monkeypatch):
+    """The CPU path in cut mode moves its cut while it decodes: the trial runs it untimed, a run a step,
+    until two runs in a row leave the cut put (bounded), and only then times it; the judge's telemetry
+    shows no move during the timing. The GPU-only path is timed at once."""
+    import types
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(False, 0.05)
+    manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
+    engine = FakeEngine(manager)
+    log = []
+    fake_timing(monkeypatch, 20.0, 30.0, log=log)
+    timed = xp.time_decode_steps
+
+    def climbing(e, n=TRIAL_STEPS, seed=0):            # the cut moves in the first three runs with the CPU path
+        if e.offload.cpu_active and sum(1 for p, *_ in log if p == "cpu") < 3:
+            manager.cpu.cut += 64
+            manager.cpu.cut_log.append((0, manager.cpu.cut, 0.5))
+        return timed(e, n, seed)
+    monkeypatch.setattr(xp, "time_decode_steps", climbing)
+    judge = xp.make_judge(manager)
+    messages = list(xp.trial(engine, judge))
+    settle = [m for m in messages if m.startswith("letting the CPU path's cut settle")]
+    assert len(settle) == 3 + xp.SETTLE_QUIET_RUNS, messages        # three moving runs, then two quiet ones
+    cpu_runs = [n for p, n, _ in log if p == "cpu"]
+    assert len(cpu_runs) == len(settle) + RUNS and all(n <= TRIAL_CHUNK for n in cpu_runs)
+    timing = judge.telemetry()["timing"]
+    assert timing["cpu"]["cut"] == [704, 704] and timing["cpu"]["cut_moves"] == 0
+    assert len([p for p, *_ in log if p == "stream"]) == RUNS       # no settling for the GPU-only path
+    assert judge.path == "cpu"
+
+
+def test_settling_is_bounded_when_the_cut_never_rests(monkeypatch):
+    import types
+    from runtime.backends import exl2_placement as xp
+    manager = FakeManager(True, 0.05)
+    manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
+    engine = FakeEngine(manager)
+    fake_timing(monkeypatch, 20.0, 30.0)
+    timed = xp.time_decode_steps
+
+    def restless(e, n=TRIAL_STEPS, seed=0):
+        manager.cpu.cut_log.append((0, manager.cpu.cut, 0.5))
+        return timed(e, n, seed)
+    monkeypatch.setattr(xp, "time_decode_steps", restless)
+    messages = list(xp.trial(engine, xp.make_judge(manager)))
+    settle = [m for m in messages if m.startswith("letting the CPU path's cut settle")]
+    assert len(settle) == xp.SETTLE_MAX_STEPS // TRIAL_CHUNK and f"{xp.SETTLE_MAX_STEPS} steps" in settle[-1]

@@ -3,7 +3,8 @@ steps with the CPU expert path on and off (more rounds where they are close), ke
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
 Each step of a trial is bounded (a switch of the path, or, building the CPU copies, one MoE layer's
-copies; one graph capture; or a run of `TRIAL_CHUNK` of a path's `TRIAL_STEPS` timed decode steps),
+copies; one graph capture; or a run of `TRIAL_CHUNK` decode steps: untimed ones letting the CPU path's
+cut settle first, then a path's `TRIAL_STEPS` timed ones),
 so an idle-time trial delays a new command by one of them at most; commands between the steps may
 move the cache, drop graphs or change what the timings stand on (`trial` says what it does about
 each). The timed steps decode the model's own greedy continuation of a random token past the cache's
@@ -121,6 +122,36 @@ def _cut(engine) -> tuple:
     return getattr(cpu, "cut", None), len(getattr(cpu, "cut_log", None) or ())
 
 
+SETTLE_MAX_STEPS = 128     # untimed decode steps at most, letting the CPU path's cut settle before it is timed
+SETTLE_QUIET_RUNS = 2      # ... ended early after this many runs in a row that left the cut where it was
+
+
+def _settle(engine, path: str, footing: tuple) -> Generator[str, None, bool]:
+    """The CPU path in cut mode adapts while it decodes: every REBALANCE_EVERY one-row steps its cut
+    moves to a faster neighbour or tries one not yet measured (cpu_share.rebalance). Timed right after a
+    switch it would be judged at a cut still climbing, so first untimed runs of TRIAL_CHUNK steps (a
+    step each) until SETTLE_QUIET_RUNS in a row leave the cut put, or SETTLE_MAX_STEPS. Nothing to do
+    for the GPU-only path or a CPU path without a cut. False where the engine changed under it."""
+    cpu = getattr(engine.offload, "cpu", None)
+    if path != "cpu" or getattr(cpu, "cut", None) is None:
+        return True
+    done = quiet = 0
+    while done < SETTLE_MAX_STEPS and quiet < SETTLE_QUIET_RUNS:
+        if _moved(engine, footing) or current_path(engine.offload) != path:
+            return False
+        if _capture_decode_graph(engine):
+            yield "decode graph captured"
+            continue
+        moves = len(cpu.cut_log)
+        run = time_decode_steps(engine, min(TRIAL_CHUNK, SETTLE_MAX_STEPS - done), seed=10_000 + done)
+        if not run:                        # the cache is full: nothing can run here
+            break
+        done += len(run)
+        quiet = quiet + 1 if len(cpu.cut_log) == moves else 0
+        yield f"letting the CPU path's cut settle ({cpu.cut} rows, {done} steps)"
+    return True
+
+
 def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator[str, None, bool]:
     """`TRIAL_STEPS` decode steps of the running path, in runs of `TRIAL_CHUNK` (a step each, from
     the cache position then, its decode graph captured first where missing, in a step of its own),
@@ -129,6 +160,8 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
     label = "with" if path == "cpu" else "without"
     samples: list[float] = []
     run_ms: list[float] = []
+    if not (yield from _settle(engine, path, footing)):
+        return False
     cut0, moves0 = _cut(engine)
     while True:
         if _moved(engine, footing) or current_path(engine.offload) != path:
@@ -232,6 +265,7 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
     if judge.plan():
         runs = -(-TRIAL_STEPS // TRIAL_CHUNK)               # per path: a capture, the runs of timed steps
         n = (1 + runs) * len(judge.plan()) + 3             # one round (close medians take more)
+        n += SETTLE_MAX_STEPS // TRIAL_CHUNK if "cpu" in judge.plan() else 0      # the cut settling, at most
         if not engine.offload.cpu_active:                  # building the CPU copies: a step per layer, + 1
             n += len(getattr(engine.offload, "layers", ())) + 1
         for i, msg in enumerate(trial(engine, judge, save)):
