@@ -4,8 +4,7 @@ weights once, at the bandwidth measured on the machine it ran on.
 - CPU engines: host memory read bandwidth (bench/engine.py `memory_read_gbps`) / the weight bytes per
   token the engine reports (`weight_bytes_per_token`).
 - CUDA engines: HBM copy bandwidth, read plus write (bench/cuda.py `hbm_bandwidth`) / the same bytes
-  (the worker reports them for the EXL2 engine from the folder's tensor sizes, runtime/backends/
-  exl2_bytes.py). With expert offload, where the telemetry gives the expert hit rate and the bytes
+  (for the EXL2 engine, which reports none, from the folder's tensor sizes: bench/weight_bytes.py). With expert offload, where the telemetry gives the expert hit rate and the bytes
   per token by part, the placement's bound too (runtime/experts/placement.py `bytes_roofline`): the
   resident share of the top-k experts and the dense weights from HBM, the cold share over PCIe (pinned
   host->device bandwidth, bench/offload.py) or, the CPU path's share, from host RAM.

@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime import protocol as P
     from bench.engine import git_commit, machine
     from bench.roofline import measure_ceilings_apart, roofline
+    from bench.weight_bytes import decode_weight_bytes
     from runtime.client import WorkerClient
     from runtime.options import DraftOptions, from_dict
     if args.turns < 1 or args.turns > len(CONVERSATION):
@@ -291,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = client.load(args.model, settings.load, on_progress=on_progress)
         load_s = time.perf_counter() - t0
         load_extra = load_telemetry(client, loaded.request_id)
+        load_extra.update(decode_weight_bytes(loaded.path, load_extra) or {})    # the roofline's divisor
         stages = load_extra.get("load_stages") or []
         print(f"loaded {loaded.model} in {load_s:.1f} s ({ready.engine} on {ready.device}); kernels compiled "
               f"during the load: {load_extra.get('kernels_compiled_in_load')}", flush=True)

@@ -65,7 +65,6 @@ class Worker:
         self._live = None                           # generate.LiveStats of the running generation
         self.engine = None
         self.draft_engine = None
-        self.weight_bytes: Optional[dict] = None    # exl2_bytes.decode_weight_bytes of the engine, if it has none
         self.tokenizer = None
         self.load_options = None
         self._cache_tokens: list[int] = []
@@ -176,8 +175,6 @@ class Worker:
             names = {f.name for f in dataclasses.fields(P.Telemetry)}
             for key, value in (engine.telemetry() or {}).items():
                 (known if key in names and key not in ("request_id", "generating", "extra") else extra)[key] = value
-            if self.weight_bytes is not None:          # the roofline's divisor, for engines that report none
-                extra.update(self.weight_bytes)
             extra["idle_work"] = self.idle_before      # what the running (or last) command waited behind
         draft = live.draft if live is not None else None
         return P.Telemetry(
@@ -254,7 +251,6 @@ class Worker:
             return error_event(e, rid)
 
     def load(self, cmd: P.Load) -> None:
-        from runtime.backends.exl2_bytes import decode_weight_bytes
         from runtime.loader import open_engine
         from runtime.tokenizer import Tokenizer
 
@@ -282,7 +278,6 @@ class Worker:
             self.close()
             raise
         self.engine, self.tokenizer, self.load_options = engine, tokenizer, cmd.options
-        self.weight_bytes = decode_weight_bytes(engine)
         self.governor = governor
         self._adapt_threads()          # other programs' load, measured over the load
         info = engine.info
@@ -413,7 +408,6 @@ class Worker:
             if engine is not None:
                 engine.close()
         self.engine = self.draft_engine = self.tokenizer = self.load_options = self.governor = None
-        self.weight_bytes = None
         self._cache_tokens, self._live = [], None
 
 

@@ -23,7 +23,7 @@ def test_folder_bytes_match_the_loaded_modules(moe_2l):
     repacking of the experts (scales and permutations held in another form)."""
     from bench.cuda import weight_bytes_per_token as loaded_bytes
     from runtime.backends import exl2
-    from runtime.backends.exl2_bytes import weight_bytes_per_token
+    from bench.weight_bytes import weight_bytes_per_token
     eng, _ = exl2.load(moe_2l, LoadOptions(offload=OffloadOptions(context_length=512)), lambda *a: None)
     try:
         live = loaded_bytes(eng)

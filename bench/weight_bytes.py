@@ -1,4 +1,5 @@
-"""Bytes of weights one decode step reads in the CUDA engine, from an EXL2 folder's stored tensor sizes.
+"""Bytes of weights one decode step reads in the CUDA engine, from an EXL2 folder's stored tensor sizes
+(the roofline's divisor, bench/roofline.py).
 
 Pure arithmetic over the safetensors headers (no torch, no GPU): what the roofline of a decode step
 divides the memory bandwidth by. Per token, at batch 1:
@@ -9,8 +10,9 @@ A linear counts all its stored EXL2 parts (codes, scales, groups, the permutatio
 each once per step). The KV cache is not counted. Multi-token-prediction layers (`mtp.`) are left
 out: a plain decode step does not run them.
 
-`decode_weight_bytes(engine)` is what the worker adds to the telemetry of an engine that reports
-no `weight_bytes_per_token` of its own (the exllamav2-based engine).
+`decode_weight_bytes(folder, telemetry)` is what the worker benchmark adds to the load's telemetry of
+an engine that reports no `weight_bytes_per_token` of its own (the exllamav2-based engine): computed
+in the benchmark's process, so a user's load reads no more than it needs.
 """
 from __future__ import annotations
 
@@ -64,12 +66,13 @@ def tensor_sizes(folder: str | Path) -> dict[str, int]:
     return sizes
 
 
-def weight_bytes_per_token(folder: str | Path) -> dict[str, Any]:
+def weight_bytes_per_token(folder: str | Path, sizes: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """Bytes of weights one decode step reads, by part (PARTS) and in all (`total`), with the per-layer
-    bytes of one expert (`expert_bytes_per_layer`, the mean of the layer's experts) and `top_k`."""
+    bytes of one expert (`expert_bytes_per_layer`, the mean of the layer's experts) and `top_k`.
+    `sizes`: the folder's `tensor_sizes`, where the caller has read them already."""
     folder = Path(folder)
     config = flat_config(read_json(folder / "config.json", "config.json"))
-    sizes = tensor_sizes(folder)
+    sizes = tensor_sizes(folder) if sizes is None else sizes
     top_k = int(config.get("num_experts_per_tok") or config.get("num_experts_per_token") or 0)
     parts = dict.fromkeys(PARTS, 0)
     experts: dict[int, dict[int, int]] = {}                        # layer -> expert -> bytes
@@ -97,17 +100,17 @@ def weight_bytes_per_token(folder: str | Path) -> dict[str, Any]:
     return out
 
 
-def decode_weight_bytes(engine) -> Optional[dict[str, Any]]:
-    """The telemetry keys `weight_bytes_per_token` (bytes) and `weight_bytes_per_token_parts` for an
-    engine on an EXL2 folder that reports none of its own; None for any other engine (or a folder
-    whose sizes cannot be read: the roofline is then left out, the load goes on)."""
-    if "weight_bytes_per_token" in (engine.telemetry() or {}):
+def decode_weight_bytes(folder: str | Path, telemetry: dict) -> Optional[dict[str, Any]]:
+    """The telemetry keys `weight_bytes_per_token` (bytes) and `weight_bytes_per_token_parts` for a model
+    on an EXL2 folder whose engine reports none of its own (`telemetry`: its figures); None otherwise
+    (or for a folder whose sizes cannot be read: the roofline is then left out)."""
+    if "weight_bytes_per_token" in telemetry:
         return None
     try:
-        folder = Path(engine.info.path)
-        if not any(name.endswith(".q_weight") for name in tensor_sizes(folder)):
+        sizes = tensor_sizes(folder)
+        if not any(name.endswith(".q_weight") for name in sizes):
             return None
-        parts = weight_bytes_per_token(folder)
+        parts = weight_bytes_per_token(folder, sizes)
     except (InvalidModel, OSError, ValueError, TypeError):
         return None
     return {"weight_bytes_per_token": parts["total"], "weight_bytes_per_token_parts": parts}

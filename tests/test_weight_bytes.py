@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-import types
+import torch
 
 import pytest
 
@@ -27,7 +27,7 @@ def _stored(folder) -> dict[str, int]:
 
 
 def test_a_decode_step_reads_the_dense_weights_one_embedding_row_and_top_k_experts(tiny_moe):
-    from runtime.backends.exl2_bytes import weight_bytes_per_token
+    from bench.weight_bytes import weight_bytes_per_token
     config = json.loads((tiny_moe / "config.json").read_text())
     E, k, L = config["num_experts"], config["num_experts_per_tok"], config["num_hidden_layers"]
     h, vocab = config["hidden_size"], config["vocab_size"]
@@ -48,30 +48,22 @@ def test_a_decode_step_reads_the_dense_weights_one_embedding_row_and_top_k_exper
     assert r["router"] == L * E * h * 2
 
 
-def test_the_worker_adds_it_only_for_an_engine_that_reports_none(tiny_moe):
-    from runtime.backends.exl2_bytes import decode_weight_bytes, weight_bytes_per_token
-
-    def engine(tel):
-        return types.SimpleNamespace(info=types.SimpleNamespace(path=str(tiny_moe)), telemetry=lambda: tel)
-    got = decode_weight_bytes(engine({"vram_allocated_bytes": 1}))
+def test_the_benchmark_adds_it_only_where_the_engine_reports_none(tiny_moe, tmp_path):
+    """bench-worker adds the folder's bytes to the load's telemetry of an engine that reports none (the
+    exllamav2-based engine); an engine's own figure, or a folder of plain weights, adds nothing."""
+    from safetensors.torch import save_file
+    from bench.weight_bytes import decode_weight_bytes, weight_bytes_per_token
+    got = decode_weight_bytes(tiny_moe, {"vram_allocated_bytes": 1})
     assert got["weight_bytes_per_token"] == weight_bytes_per_token(tiny_moe)["total"] > 0
     assert got["weight_bytes_per_token_parts"]["experts"] > 0
-    assert decode_weight_bytes(engine({"weight_bytes_per_token": 5})) is None
-
-
-def test_the_worker_telemetry_carries_the_bytes(tiny_moe):
-    import io
-    from runtime.backends.exl2_bytes import decode_weight_bytes
-    from runtime.worker import Worker
-    w = Worker(io.StringIO())
-    w.engine = types.SimpleNamespace(info=types.SimpleNamespace(path=str(tiny_moe)), telemetry=lambda: {})
-    assert "weight_bytes_per_token" not in w.telemetry().extra
-    w.weight_bytes = decode_weight_bytes(w.engine)
-    assert w.telemetry().extra["weight_bytes_per_token"] == w.weight_bytes["weight_bytes_per_token"]
+    assert decode_weight_bytes(tiny_moe, {"weight_bytes_per_token": 5}) is None
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
+    assert decode_weight_bytes(tmp_path, {}) is None
 
 
 def test_a_folder_without_weights_is_named(tmp_path):
-    from runtime.backends.exl2_bytes import weight_bytes_per_token
+    from bench.weight_bytes import weight_bytes_per_token
     from runtime.errors import InvalidModel
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InvalidModel, match="no .safetensors files"):
