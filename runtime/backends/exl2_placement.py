@@ -126,29 +126,38 @@ SETTLE_MAX_STEPS = 128     # untimed decode steps at most, letting the CPU path'
 SETTLE_QUIET_RUNS = 2      # ... ended early after this many runs in a row that left the cut where it was
 
 
+def _run(engine, path: str, footing: tuple, steps: int, seed: int) -> Generator[str, None, Optional[list[float]]]:
+    """One run of `steps` one-row decode steps of `path` from the cache position (time_decode_steps),
+    the decode graph of its bucket captured first where missing, in a step of its own; None, nothing
+    run, where the engine changed under it (see `trial`)."""
+    while True:
+        if _moved(engine, footing) or current_path(engine.offload) != path:
+            return None
+        if not _capture_decode_graph(engine):
+            return time_decode_steps(engine, steps, seed=seed)
+        yield "decode graph captured"
+
+
 def _settle(engine, path: str, footing: tuple) -> Generator[str, None, bool]:
     """The CPU path in cut mode adapts while it decodes: every REBALANCE_EVERY one-row steps its cut
     moves to a faster neighbour or tries one not yet measured (cpu_share.rebalance). Timed right after a
     switch it would be judged at a cut still climbing, so first untimed runs of TRIAL_CHUNK steps (a
     step each) until SETTLE_QUIET_RUNS in a row leave the cut put, or SETTLE_MAX_STEPS. Nothing to do
     for the GPU-only path or a CPU path without a cut. False where the engine changed under it."""
-    cpu = getattr(engine.offload, "cpu", None)
-    if path != "cpu" or getattr(cpu, "cut", None) is None:
+    if path != "cpu" or _cut(engine)[0] is None:
         return True
     done = quiet = 0
     while done < SETTLE_MAX_STEPS and quiet < SETTLE_QUIET_RUNS:
-        if _moved(engine, footing) or current_path(engine.offload) != path:
+        moves = _cut(engine)[1]
+        run = yield from _run(engine, path, footing, min(TRIAL_CHUNK, SETTLE_MAX_STEPS - done), 10_000 + done)
+        if run is None:
             return False
-        if _capture_decode_graph(engine):
-            yield "decode graph captured"
-            continue
-        moves = len(cpu.cut_log)
-        run = time_decode_steps(engine, min(TRIAL_CHUNK, SETTLE_MAX_STEPS - done), seed=10_000 + done)
         if not run:                        # the cache is full: nothing can run here
             break
         done += len(run)
-        quiet = quiet + 1 if len(cpu.cut_log) == moves else 0
-        yield f"letting the CPU path's cut settle ({cpu.cut} rows, {done} steps)"
+        cut, now = _cut(engine)
+        quiet = quiet + 1 if now == moves else 0
+        yield f"letting the CPU path's cut settle ({cut} rows, {done} steps)"
     return True
 
 
@@ -164,13 +173,10 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
         return False
     cut0, moves0 = _cut(engine)
     while True:
-        if _moved(engine, footing) or current_path(engine.offload) != path:
-            return False
-        if _capture_decode_graph(engine):
-            yield "decode graph captured"
-            continue
         want = min(TRIAL_CHUNK, TRIAL_STEPS - len(samples))
-        run = time_decode_steps(engine, want, seed=len(samples))     # each run its own text
+        run = yield from _run(engine, path, footing, want, len(samples))      # each run its own text
+        if run is None:
+            return False
         samples += run
         if run:
             run_ms.append(statistics.median(run) * 1e3)
