@@ -209,10 +209,9 @@ class HybridExl2Engine(Engine):
         end, or the graphs held are full of wanted ones."""
         if self.graphs is None or self.model is None:
             return False
-        plan = self._graph_plan()
-        wanted = set(plan) | set(warm_plan(self.position, self.cache.window, self.cache.capacity, (),
-                                           max_rows=self.cache.window))
-        for L, t in plan:
+        wanted = set(warm_plan(self.position, self.cache.window, self.cache.capacity, (),   # captured or not
+                               max_rows=self.cache.window))
+        for L, t in self._graph_plan():                    # the wanted ones not captured yet
             if self.graphs is None or self.graphs.full_of(wanted):
                 return False
             if self._prepare_graph(L, t):
