@@ -22,7 +22,7 @@ left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue20.log"; }
 log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); before: $BEFORE"
 [ -f "$M/q125/config.json" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$M/q125" | tail -1
-[ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
+[ "${VRAM:-1}" = 0 ] || [ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
 run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from that tree
     local tree=$1 label=$2
     for pl in ${PLACEMENTS:-auto}; do
