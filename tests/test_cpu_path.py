@@ -503,6 +503,23 @@ def test_the_cpu_path_set_aside_comes_back_at_once_with_its_ownership_synced(slo
     m.close()
 
 
+def test_a_trial_s_end_frees_the_cpu_copies_it_set_aside(slow_pcie):
+    """A GPU-only verdict reached with the CPU copies set aside (timed first, then the GPU-only path)
+    frees them: before, they held their RAM until the next trial, which then timed copies planned for
+    the statistics and placement of the earlier one."""
+    ram = MemoryBudget(1 << 30, "RAM")
+    m = _manager(policy="auto", ram=ram, n=1)
+    m.apply([[0, 1]])
+    assert m.cpu_active and ram.used_bytes > 0
+    assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
+    assert ram.used_bytes > 0                                      # set aside, still held
+    m.release_parked_cpu_path()
+    assert ram.used_bytes == 0 and m.cpu._parked is None and not m.cpu_active
+    m.release_parked_cpu_path()                                    # nothing set aside: nothing to do
+    assert m.set_cpu_path(True) and ram.used_bytes > 0             # a later trial builds its own
+    m.close()
+
+
 def test_no_expert_worth_the_cpu_at_real_overheads():
     m = _manager()                                               # tiny experts: 30 us of overhead wins
     m.apply([[0], [1]])

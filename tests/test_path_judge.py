@@ -145,11 +145,15 @@ class FakeManager:
         self.switches = 0
         self.build_steps = 0           # steps set_cpu_path_steps yields before a switch on takes effect
         self.abandoned = 0             # ... and how often it was closed before that
+        self.released = 0              # trials' ends: the CPU copies set aside freed
 
     def set_cpu_path(self, on: bool, reason: str = "", keep: bool = False) -> bool:
         self.switches += 1
         self.cpu_active = on and self.buildable
         return self.cpu_active
+
+    def release_parked_cpu_path(self) -> None:
+        self.released += 1
 
     def set_cpu_path_steps(self, on: bool, reason: str = "", keep: bool = False):
         done = False
@@ -224,6 +228,7 @@ def test_trial_times_both_paths_in_bounded_steps_and_keeps_the_faster(monkeypatc
     messages = list(xp.trial(engine, judge))
     assert judge.path == want and manager.cpu_active == (want == "cpu")
     assert manager.switches == switches and engine.dropped == switches
+    assert manager.released == 1                          # the copies set aside, if any, freed at the end
     assert len(messages) == 2 * (1 + RUNS) + switches    # per path: capture, the runs of timing; each switch
     assert set(judge.step_ms) == {"cpu", "stream"}
 
@@ -372,6 +377,7 @@ def test_a_trial_closed_midway_leaves_a_valid_path_and_no_dangling_state(monkeyp
     trial.close()
     assert judge._steps == {} and judge.step_ms == {} and judge.rounds == 0 and not manager.cpu_active
     assert manager.abandoned == 0 and judge.plan() == ["cpu", "stream"] and judge.path == ""
+    assert manager.released == 1                           # the CPU copies set aside to time the other: freed
     manager.cpu_active, manager.build_steps = True, 3      # the faster (CPU) path to be built again after
     trial = xp.trial(engine, judge)
     while next(trial) != "copied layer 1":

@@ -207,8 +207,19 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
       the engine's keeps asking, and the next idle step starts a trial afresh.
     Closed midway (the generator; `settle_cpu_path` closes an idle-time one), the same: a CPU-path
     build in progress frees its copies, the cache was rolled back within the step that moved it; closed
-    while switching to the path it chose, the judge asks to measure again."""
+    while switching to the path it chose, the judge asks to measure again.
+
+    However it ends, the CPU copies set aside while the GPU-only path was timed are freed: kept, they
+    held their host RAM under a GPU-only verdict, and a later trial (other statistics, another
+    placement's promotions) would have timed copies planned for this one's."""
     manager = engine.offload
+    try:
+        yield from _trial(engine, manager, judge, save)
+    finally:
+        manager.release_parked_cpu_path()
+
+
+def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) -> Iterator[str]:
     footing = _footing(engine)
     paths = sorted(judge.plan(), key=lambda p: p != current_path(manager))
     decided = False

@@ -96,7 +96,7 @@ class CpuShare:
         return any(lo.cpu is not None for lo in self.layers)
 
     def drop(self) -> None:
-        self._close_parked()
+        self.release_parked()
         self._close_building()          # a build in progress stops at its next step
         for lo in self.layers:
             if lo.cpu is not None:
@@ -128,7 +128,7 @@ class CpuShare:
                     lo._write_entries(list(range(self.E)))
             self.reason = ""
         elif not on and keep and self.active:
-            self._close_parked()
+            self.release_parked()
             self._parked = ([lo.cpu for lo in self.layers], self.split, self.cut)
             for lo in self.layers:
                 lo.cpu = None
@@ -144,7 +144,10 @@ class CpuShare:
             torch.cuda.synchronize(self.device)
         return self.active
 
-    def _close_parked(self) -> None:
+    def release_parked(self) -> None:
+        """The CPU copies set aside while the GPU-only path was timed (keep=True) freed, their RAM back
+        to the ledger: once a trial has decided, they were planned for the statistics and placement of
+        that trial, and a later one builds its own."""
         if self._parked is not None:
             for cpu in self._parked[0]:
                 if cpu is not None:

@@ -291,6 +291,10 @@ class OffloadManager:
         """set_cpu_path one bounded step at a time (the worker's idle time; cpu_share.set_path_steps)."""
         return self.cpu.set_path_steps(on, reason, keep)
 
+    def release_parked_cpu_path(self) -> None:
+        """A trial's end: the CPU copies it set aside, if any, freed (cpu_share.release_parked)."""
+        self.cpu.release_parked()
+
     # -- around a forward --------------------------------------------------------------------------------
 
     def begin_forward(self, rows: int) -> None:
