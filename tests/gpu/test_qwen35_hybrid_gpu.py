@@ -26,13 +26,13 @@ With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as J
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
+from gpu_env import child_env
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -177,7 +177,7 @@ def test_moedesk_cli_chat_answers_with_it(models, draft):
     cmd = [sys.executable, "-m", "runtime.cli", "chat", "--model", str(models("tiny")), "--backend", "cuda",
            "--draft", draft, "--temperature", "0", "--max-tokens", "48", "--json", "say hello hello hello"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                         env=child_env())
     assert run.returncode == 0, run.stderr[-2000:]
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     loaded = [e for e in events if e.get("type") == "loaded"]

@@ -4,7 +4,6 @@ writing an HBM roofline (all experts resident) and the placement's (experts offl
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpu_budget import offload_budget
+from gpu_env import child_env
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_folder_bytes_match_the_loaded_modules(moe_2l):
 
 
 def _bench(model: Path, out: Path, home: Path, *flags: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MOEDESK_HOME=str(home))
+    env = child_env(MOEDESK_HOME=str(home))
     proc = subprocess.run([sys.executable, "-m", "bench.worker", "--model", str(model), "--backend", "cuda",
                            "--draft", "none", "--turns", "2", "--max-tokens", "16", "--out", str(out), *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

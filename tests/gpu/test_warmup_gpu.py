@@ -8,7 +8,6 @@ need must leave the logits alone (their warm-up runs write K/V rows past the cac
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_env import child_env
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -267,8 +267,8 @@ def test_no_triton_kernel_compiles_before_a_first_token_after_a_first_load(moe_2
     capture for a later bucket compiled Triton attention kernels for its chunk and splits (1.7 s on the
     H200). Three positions of a 16K cache, whose buckets use three chunk sizes; idle time's compiles (other
     row counts, allowed there) are printed, not asserted."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), PYTHONPATH=str(ROOT))
+    env = child_env(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", _FIRST_LOAD, str(moe_2l), "16384"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
