@@ -592,6 +592,32 @@ def test_the_judge_tells_how_each_paths_timing_went(monkeypatch):
         assert len(timing[path]["run_ms"]) == RUNS
         assert all(abs(m - want) < 0.2 * want for m in timing[path]["run_ms"]), timing[path]
         assert timing[path]["cut_moves"] == 0
+        assert len(timing[path]["runs"]) == RUNS and "threads" in timing[path]      # per run: its figures
+
+
+def test_a_timing_run_s_figures_come_from_the_layers_traffic():
+    """What each timed run reports beside its median step: from the MoE layers' counters read before and
+    after it, its hit rate and the CPU's pairs and milliseconds per forward; the CPU path's team size."""
+    import types
+    from runtime.backends import exl2_placement as xp
+
+    class Ctx:
+        threads = 14
+
+    def layer(hits, pairs, cpu):
+        cpu_path = None if cpu is None else types.SimpleNamespace(counters=lambda: cpu, ctx=Ctx())
+        return types.SimpleNamespace(hit_counts=lambda: (hits, pairs), cpu=cpu_path)
+
+    engine = types.SimpleNamespace(offload=types.SimpleNamespace(layers=[layer(10, 40, (2_000_000, 3, 5, 0)),
+                                                                         layer(30, 40, None)]))
+    before = xp._traffic(engine)
+    assert before == (40, 80, 5, 2_000_000) and xp._team(engine) == 14
+    engine.offload.layers = [layer(10 + 12, 40 + 16, (2_000_000 + 8_000_000, 7, 5 + 8, 0)),
+                             layer(30 + 10, 40 + 16, None)]
+    figures = xp._run_figures(before, xp._traffic(engine), steps=2)
+    assert figures == {"hit_rate": round(22 / 32, 3), "cpu_pairs_per_step": 4.0, "cpu_ms_per_step": 4.0}
+    assert xp._run_figures(None, before, 2) == {} and xp._traffic(types.SimpleNamespace(offload=object())) is None
+    assert xp._team(types.SimpleNamespace(offload=types.SimpleNamespace(layers=[layer(0, 0, None)]))) is None
 
 
 def test_the_cpu_paths_cut_settles_untimed_before_it_is_timed(monkeypatch):

@@ -122,6 +122,38 @@ def _cut(engine) -> tuple:
     return getattr(cpu, "cut", None), len(getattr(cpu, "cut_log", None) or ())
 
 
+def _traffic(engine) -> Optional[tuple[int, int, int, int]]:
+    """Expert traffic so far, summed over the MoE layers: (hits, pairs, pairs the CPU computed, ns the
+    CPU path's worker spent); None where the engine has no offloaded layers to ask."""
+    layers = getattr(engine.offload, "layers", None)
+    if not layers:
+        return None
+    hits = pairs = cpu_pairs = cpu_ns = 0
+    for lo in layers:
+        h, n = lo.hit_counts()
+        ns, _, c, _ = lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0)
+        hits, pairs, cpu_pairs, cpu_ns = hits + h, pairs + n, cpu_pairs + c, cpu_ns + ns
+    return hits, pairs, cpu_pairs, cpu_ns
+
+
+def _run_figures(before, after, steps: int) -> dict:
+    """One run's traffic (two `_traffic` readings around it, `steps` forwards): its hit rate, and the
+    CPU's pairs and milliseconds per step."""
+    if before is None or after is None or steps < 1:
+        return {}
+    hits, pairs, cpu_pairs, cpu_ns = (b - a for a, b in zip(before, after))
+    return {"hit_rate": round(hits / pairs, 3) if pairs > 0 else None,
+            "cpu_pairs_per_step": round(cpu_pairs / steps, 1), "cpu_ms_per_step": round(cpu_ns / steps / 1e6, 2)}
+
+
+def _team(engine) -> Optional[int]:
+    """The CPU path's team size (threads), where one runs."""
+    for lo in getattr(engine.offload, "layers", None) or ():
+        if getattr(lo, "cpu", None) is not None:
+            return int(lo.cpu.ctx.threads)
+    return None
+
+
 SETTLE_MAX_STEPS = 128     # untimed decode steps at most, letting the CPU path's cut settle before it is timed
 SETTLE_QUIET_RUNS = 2      # ... ended early after this many runs in a row that left the cut where it was
 
@@ -172,19 +204,22 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
     if not (yield from _settle(engine, path, footing)):
         return False
     cut0, moves0 = _cut(engine)
+    runs: list[dict] = []                  # per run: its traffic (hit rate, the CPU's share), its cut at the end
     while True:
         want = min(TRIAL_CHUNK, TRIAL_STEPS - len(samples))
+        before = _traffic(engine)
         run = yield from _run(engine, path, footing, want, len(samples))      # each run its own text
         if run is None:
             return False
         samples += run
         if run:
             run_ms.append(statistics.median(run) * 1e3)
+            runs.append({**_run_figures(before, _traffic(engine), len(run) + 1), "cut": _cut(engine)[0]})
         done = len(run) < want or len(samples) >= TRIAL_STEPS
         if done:
             judge.record(path, samples)
             cut1, moves1 = _cut(engine)
-            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0)
+            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0, runs=runs, threads=_team(engine))
         yield f"timed {label} the CPU path ({len(samples)}/{TRIAL_STEPS} steps)"
         if done:
             return True

@@ -98,11 +98,14 @@ class PathJudge:
             self._steps.pop(path, None)
             self.step_ms.pop(path, None)
 
-    def note_timing(self, path: str, run_ms: Sequence[float], cut: tuple = (None, None), moves: int = 0) -> None:
+    def note_timing(self, path: str, run_ms: Sequence[float], cut: tuple = (None, None), moves: int = 0,
+                    **figures) -> None:
         """How a path's timing went, for telemetry: each run's median step (ms), in order (a path still
-        settling, e.g. the CPU path's cut climbing, shows as runs getting faster), and the CPU path's
-        cut before and after with the moves between."""
-        self.timing[path] = {"run_ms": [round(m, 2) for m in run_ms], "cut": list(cut), "cut_moves": moves}
+        settling, e.g. the CPU path's cut climbing, shows as runs getting faster), the CPU path's cut
+        before and after with the moves between, and `figures` the engine adds (per run: the hit rate,
+        the CPU's share of the work; the CPU path's team size)."""
+        self.timing[path] = {"run_ms": [round(m, 2) for m in run_ms], "cut": list(cut), "cut_moves": moves,
+                             **figures}
 
     def abandon(self) -> None:
         """The measurement in progress stopped before its decision (the engine changed under it, or
