@@ -121,7 +121,8 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
     keep = pack.CHUNK_ELEMENTS
     files = MappedFiles()                             # the new path's host side alone: views gathered in batches
     t = time.perf_counter()
-    with cpu_load.torch_threads(cores):
+
+    def gather_all() -> None:
         for role in ROLES:
             ts = [{k: files.tensor(str(index[f"{p}.{k}"][0]), index[f"{p}.{k}"][1], index[f"{p}.{k}"][2], k)
                    for k in KEYS} for p in experts[role]]
@@ -129,6 +130,7 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
             step = max(1, keep // (K * N))
             for e0 in range(0, len(ts), step):
                 pack._gather(ts[e0:e0 + step], dev)
+    cpu_load.on_cores(cores, gather_all)
     res["mapped_gather_s"] = time.perf_counter() - t
     files.close()
     for label, chunk, load in (("per_expert_repack_s", 1, old.__getitem__), ("batched_load_s", keep, None)):
@@ -140,12 +142,11 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
         arena = _arena(dev, 2 * nbytes)
         pack.CHUNK_ELEMENTS = chunk
         try:
-            with cpu_load.torch_threads(cores):
-                _sync(dev)
-                t = time.perf_counter()
-                packs = pack_layer(load, f"layer {layer}", device=dev, host=arena)
-                _sync(dev)
-                res[label] = time.perf_counter() - t
+            _sync(dev)
+            t = time.perf_counter()
+            packs = cpu_load.on_cores(cores, pack_layer, load, f"layer {layer}", device=dev, host=arena)
+            _sync(dev)
+            res[label] = time.perf_counter() - t
         finally:
             pack.CHUNK_ELEMENTS = keep
         res.setdefault("packed_bytes", sum(p.cold.numel() * 4 for p in packs))

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 # Readings over less wall time than this are noise (the kernel counts CPU time in ticks of 1-10 ms).
 MIN_WINDOW_S = 0.25
@@ -40,19 +43,45 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
-@contextmanager
-def torch_threads(at_least: int):
-    """torch's intra-op thread count of the calling thread raised to `at_least` inside, put back after
-    (a process started with OMP_NUM_THREADS=1 keeps it for its own work, but a load runs on every core)."""
+def on_cores(threads: int, fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on a thread of its own whose torch thread team has at least `threads` threads
+    (a process started with OMP_NUM_THREADS=1 keeps it for its own work, but a load runs on every core);
+    its result, or its exception raised here. The caller's grad and inference modes, CUDA device and
+    stream carry over.
+
+    Why a thread of its own: libgomp (torch's OpenMP, shared with the CPU expert kernel) keeps a grown
+    team's threads docked for the thread that grew it until that thread exits, and while more OpenMP
+    threads are alive than the machine has CPUs, every team waits at its barriers for 1,000 spins
+    instead of 300,000 before it sleeps in the kernel: the CPU expert path's team, between two layers'
+    calls, then sleeps and is woken again. Grown on the calling (the engine's) thread, the team stayed
+    for the process's life; here it ends with the helper thread."""
     import torch
+    want = max(1, int(threads))
     before = torch.get_num_threads()
-    if at_least > before:
-        torch.set_num_threads(at_least)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device, stream = (torch.cuda.current_device(), torch.cuda.current_stream()) if cuda else (None, None)
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            if cuda:
+                torch.cuda.set_device(device)
+            torch.set_num_threads(max(want, before))
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+                    (torch.cuda.stream(stream) if cuda else nullcontext()):
+                box["value"] = fn(*args, **kwargs)
+        except BaseException as e:                     # raised again on the caller's thread
+            box["error"] = e
+        finally:
+            torch.set_num_threads(before)              # torch keeps the count for threads made later too
+
+    helper = threading.Thread(target=body, name="every core", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @contextmanager

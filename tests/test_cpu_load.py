@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 
@@ -97,24 +98,55 @@ def test_the_machines_own_reading_is_a_number_of_cpus():
     assert others is not None and 0.0 <= others <= (cpu_load.physical_cores() * 4)
 
 
-def test_torch_threads_raises_the_count_inside_and_puts_it_back_even_on_error():
+def test_on_cores_runs_with_more_threads_and_puts_the_count_back_even_on_error():
     import torch
 
-    from runtime.cpu_load import torch_threads
+    from runtime.cpu_load import on_cores
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)                   # as a process started with OMP_NUM_THREADS=1
-        with torch_threads(2):
-            assert torch.get_num_threads() == 2
+        assert on_cores(2, torch.get_num_threads) == 2
         assert torch.get_num_threads() == 1
-        with pytest.raises(KeyError):
-            with torch_threads(3):
-                assert torch.get_num_threads() == 3
-                raise KeyError("load failed")
+        with pytest.raises(KeyError, match="load failed"):
+            on_cores(3, lambda: (_ for _ in ()).throw(KeyError("load failed")))
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        with torch_threads(1):                     # never lowered
-            assert torch.get_num_threads() == 2
+        assert on_cores(1, torch.get_num_threads) == 2          # never lowered
         assert torch.get_num_threads() == 2
+        with torch.inference_mode():                            # the caller's modes carry over
+            assert on_cores(2, torch.is_inference_mode_enabled)
+        with torch.no_grad():
+            assert not on_cores(2, torch.is_grad_enabled)
+        assert on_cores(2, lambda a, b=0: a + b, 1, b=2) == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_on_cores_leaves_no_grown_thread_team_behind():
+    """The work's OpenMP team ends with its helper thread. Grown on the caller's thread it stayed docked
+    for the process's life, and while more OpenMP threads live than the machine has CPUs, libgomp makes
+    every team (the CPU expert path's too) sleep at its barriers after 1,000 spins instead of 300,000."""
+    import psutil
+    import torch
+
+    from runtime.cpu_load import on_cores
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's CPU threads are not OpenMP here")
+    before, proc = torch.get_num_threads(), psutil.Process()
+    a = torch.randn(600, 600)
+
+    def work() -> int:
+        (a @ a).sum()
+        a.add(1.0).sum()
+        return proc.num_threads()
+    try:
+        torch.set_num_threads(1)
+        n0 = proc.num_threads()
+        inside = on_cores(6, work)
+        assert inside >= n0 + 5                              # the team really grew (helper + 5 more)
+        deadline = time.monotonic() + 5
+        while proc.num_threads() > n0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.num_threads() == n0
     finally:
         torch.set_num_threads(before)

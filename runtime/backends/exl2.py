@@ -29,7 +29,7 @@ from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
 from runtime.backends.exl2_offload import budget_error, return_cached_memory
-from runtime.cpu_load import physical_cores, torch_threads
+from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
                             UnsupportedArchitecture)
@@ -424,10 +424,8 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         loading.prepare_kernels()
         loading.read_config()
         loading.plan_offload()
-        with torch_threads(physical_cores()):   # the repacking's host work, the CPU path's copies: every core
-            loading.build_model()
-            loading.allocate_cache()
-            loading.place_experts()
+        for step in (loading.build_model, loading.allocate_cache, loading.place_experts):
+            on_cores(physical_cores(), step)    # the repacking's host work, the CPU path's copies: every core
         loading.make_engine()
         if warm and tuning.current().warmup:
             loading.warm_up()

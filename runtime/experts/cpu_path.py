@@ -186,38 +186,43 @@ def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str =
 
     Per expert j the buffers hold gate, up, down one after the other; qw [S, Wq], sc [S, Ws], grp
     [S, Gt, 4], perm [S, Kt] are flattened, desc [S, 3, 8] holds the offsets."""
-    # the retiling runs on torch's thread team of this thread: every core, whatever the process started with
-    with cpu_load.torch_threads(cpu_load.physical_cores()):
-        projs = _projections(packs, name, width)
-        S, kernel = len(stored), ce.load_kernel()
-        if S == 0:
-            raise ce.CpuExpertsError(f"{name}: no experts to copy")
-        Q = [p.K * p.pack.bits // 32 for p in projs]
-        G = [p.K // p.group for p in projs]
-        N = [p.N for p in projs]
-        K = [p.K for p in projs]
-        per = [sum(q * n for q, n in zip(Q, N)), sum(g * n for g, n in zip(G, N)), sum(G), sum(K)]
-        qw = torch.empty((S, per[0]), dtype=torch.int32)
-        sc = torch.empty((S, per[1]), dtype=torch.float16)
-        grp = torch.empty((S, per[2], 4), dtype=torch.int32)
-        perm = torch.empty((S, per[3]), dtype=torch.int32)
-        desc = torch.empty((S, 3, 8), dtype=torch.int64)
-        base = torch.arange(S, dtype=torch.int64)[:, None] * torch.tensor([per[0], per[1], per[2], 0, per[3], 0, 0, 0])
-        experts = [int(e) for e in stored]
-        ids = torch.tensor(experts, dtype=torch.int64)
-        o = [0, 0, 0, 0]                                                            # qw, sc, grp, perm
-        for j, (p, q, g, n, k) in enumerate(zip(projs, Q, G, N, K)):
-            bits = p.pack.bits
-            kernel.pack_tiles_into([p.codes(e) for e in experts], bits, k, qw[:, o[0]:o[0] + q * n])
-            sc[:, o[1]:o[1] + g * n].view(S, n // 16, g, 16).copy_(                # [S, N/16, G, 16]
-                p.scales(ids).view(S, g, n // 16, 16).permute(0, 2, 1, 3))
-            grp[:, o[2]:o[2] + g] = torch.tensor([[bits, i * p.group * bits // 32, i * p.group, p.group]
-                                                  for i in range(g)], dtype=torch.int32)
-            perm[:, o[3]:o[3] + k] = p.pack.perm[ids.to(p.pack.perm.device)][:, :k].cpu()
-            desc[:, j] = base + torch.tensor([o[0], o[1], o[2], g, o[3], k, p.out, q])
-            o = [o[0] + q * n, o[1] + g * n, o[2] + g, o[3] + k]
-        flat = {"qw": qw.view(-1), "sc": sc.view(-1), "grp": grp.view(-1, 4), "perm": perm.view(-1), "desc": desc}
-        return ce.CpuExperts.from_flat(packs[0].in_features, projs[2].K, flat, name)
+    # the retiling runs on every core, whatever the process started with, on a thread whose torch team
+    # ends with it (cpu_load.on_cores: a team left grown slows the CPU path's own)
+    return cpu_load.on_cores(cpu_load.physical_cores(), _cpu_store, packs, stored, name, width)
+
+
+def _cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str,
+               width: Optional[int]) -> ce.CpuExperts:
+    projs = _projections(packs, name, width)
+    S, kernel = len(stored), ce.load_kernel()
+    if S == 0:
+        raise ce.CpuExpertsError(f"{name}: no experts to copy")
+    Q = [p.K * p.pack.bits // 32 for p in projs]
+    G = [p.K // p.group for p in projs]
+    N = [p.N for p in projs]
+    K = [p.K for p in projs]
+    per = [sum(q * n for q, n in zip(Q, N)), sum(g * n for g, n in zip(G, N)), sum(G), sum(K)]
+    qw = torch.empty((S, per[0]), dtype=torch.int32)
+    sc = torch.empty((S, per[1]), dtype=torch.float16)
+    grp = torch.empty((S, per[2], 4), dtype=torch.int32)
+    perm = torch.empty((S, per[3]), dtype=torch.int32)
+    desc = torch.empty((S, 3, 8), dtype=torch.int64)
+    base = torch.arange(S, dtype=torch.int64)[:, None] * torch.tensor([per[0], per[1], per[2], 0, per[3], 0, 0, 0])
+    experts = [int(e) for e in stored]
+    ids = torch.tensor(experts, dtype=torch.int64)
+    o = [0, 0, 0, 0]                                                            # qw, sc, grp, perm
+    for j, (p, q, g, n, k) in enumerate(zip(projs, Q, G, N, K)):
+        bits = p.pack.bits
+        kernel.pack_tiles_into([p.codes(e) for e in experts], bits, k, qw[:, o[0]:o[0] + q * n])
+        sc[:, o[1]:o[1] + g * n].view(S, n // 16, g, 16).copy_(                # [S, N/16, G, 16]
+            p.scales(ids).view(S, g, n // 16, 16).permute(0, 2, 1, 3))
+        grp[:, o[2]:o[2] + g] = torch.tensor([[bits, i * p.group * bits // 32, i * p.group, p.group]
+                                              for i in range(g)], dtype=torch.int32)
+        perm[:, o[3]:o[3] + k] = p.pack.perm[ids.to(p.pack.perm.device)][:, :k].cpu()
+        desc[:, j] = base + torch.tensor([o[0], o[1], o[2], g, o[3], k, p.out, q])
+        o = [o[0] + q * n, o[1] + g * n, o[2] + g, o[3] + k]
+    flat = {"qw": qw.view(-1), "sc": sc.view(-1), "grp": grp.view(-1, 4), "perm": perm.view(-1), "desc": desc}
+    return ce.CpuExperts.from_flat(packs[0].in_features, projs[2].K, flat, name)
 
 
 # -- one layer ------------------------------------------------------------------------------------
