@@ -186,3 +186,24 @@ def test_without_preadv_views_are_copied_through_the_mapping(tmp_path, monkeypat
     st_read.copy_into(out, w)
     assert torch.equal(out, want["w"])
     files.close()
+
+
+def test_the_copy_pool_s_threads_grow_no_torch_team_of_their_own():
+    """The gathering's copy threads live as long as the process: torch's CPU work on them runs on the
+    thread itself. A team grown there (during a load every new thread starts with every core) stayed
+    docked with each of them, more OpenMP threads than CPUs for good (cpu_load.on_cores says what that
+    costs the CPU expert path)."""
+    import psutil
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's CPU threads are not OpenMP here")
+    before, proc = torch.get_num_threads(), psutil.Process()
+    try:
+        torch.set_num_threads(4)                               # what a load's helper thread sets
+        src = [torch.arange(2 << 20, dtype=torch.int32) + i for i in range(3)]
+        out = torch.empty(3, 2 << 20, dtype=torch.int32)
+        n0 = proc.num_threads()
+        pack._copy_into(out, src)                              # 8 MiB rows in 4 MiB pieces, on the pool
+        assert all(torch.equal(o, s) for o, s in zip(out, src))
+        assert proc.num_threads() - n0 <= pack.COPY_THREADS, "torch teams docked on the copy threads"
+    finally:
+        torch.set_num_threads(before)

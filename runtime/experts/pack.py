@@ -288,9 +288,14 @@ _POOLS: dict = {}
 
 
 def _pool(name: str, threads: int):
+    """A pool of threads that live as long as the process; each runs torch's CPU work on itself alone.
+    The pool already splits the work, and a torch team grown on one of these threads (every core, during
+    a load: cpu_load.on_cores) would stay docked with it for good, more OpenMP threads than CPUs, which
+    makes every team, the CPU expert path's too, sleep at its barriers (cpu_load.on_cores says why)."""
     if name not in _POOLS:
         import concurrent.futures as cf
-        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=torch.set_num_threads,
+                                             initargs=(1,))
     return _POOLS[name]
 
 
