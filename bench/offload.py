@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch
 
 from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
@@ -256,6 +257,8 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         "cpu_timeline_ms_per_token": {k: d[f"cpu_{k}_ns"] / 1e6 / n_decode for k in ("wake", "gpu", "stall")},
         "cpu_signal": tel.get("cpu_expert_signal"),      # memops: no host code at submit/wait, no timeline
         "cpu_threads": next((int(lo.cpu.ctx.threads) for lo in engine.offload.layers if lo.cpu is not None), None),
+        # every thread of the process (OpenMP teams included): more than the CPUs slows every team's barriers
+        "process_threads": psutil.Process().num_threads(),
         "promotions_during_decode": d["promoted"] / max(1, engine.offload.layers[0].code_bytes),
         "roofline": {"serial_tps": 1 / (t_gpu + t_pcie + t_cpu), "overlapped_tps": 1 / max(t_gpu, t_pcie, t_cpu),
                      "gpu_s": t_gpu, "pcie_s": t_pcie, "cpu_s": t_cpu},
