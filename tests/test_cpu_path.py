@@ -144,6 +144,16 @@ def test_copies_are_retiled_on_every_core_whatever_the_process_started_with(monk
         assert seen == [3, 3, 3] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+    if "OpenMP" in torch.__config__.parallel_info():              # and no team of its own left behind
+        import psutil
+        import time
+        monkeypatch.setattr(cpu_load, "physical_cores", lambda: 6)
+        proc, deadline = psutil.Process(), time.monotonic() + 5
+        n0 = proc.num_threads()
+        cpath.cpu_store(packs, [0, 2])
+        while proc.num_threads() > n0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.num_threads() <= n0, "the retiling's OpenMP team stayed docked (cpu_load.on_cores)"
     monkeypatch.setattr(cpu_load, "physical_cores", lambda: 1)      # the same bytes from one thread
     ref = cpath.cpu_store(packs, [0, 2])
     assert store._flat.keys() == ref._flat.keys()
