@@ -18,11 +18,10 @@ The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the s
 of this many times the experts the static split would own, and each decode step gives the CPU its
 planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
 
-"auto" takes the CPU path where the planner predicts AUTO_CPU_MIN_GAIN and host RAM holds the copies; on
-the H200 (q125-a11, uniform routing, doorbell signalling, experts cut) it decoded 40.0-40.6 tok/s at 24 GB
-against 27.4-30.1 without it in the same runs, 30.1 against 20.3 at 12 GB, for CPU copies in host RAM, a
-longer load and all but two cores busy while generating (runtime/experts/NOTES.md).
-MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+"auto" takes the CPU path where the planner predicts AUTO_CPU_MIN_GAIN and host RAM holds the copies,
+then keeps it only where timed decode steps say it is faster (path_judge.py); its cost is CPU copies in
+host RAM, a longer load and all but two cores busy while generating. What it gained on the H200, run by
+run: runtime/experts/NOTES.md. MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
 """
 from __future__ import annotations
 
