@@ -129,13 +129,14 @@ def test_every_runtime_module_within_the_limit():
 
 
 def test_the_readmes_code_map_names_every_module():
-    """README.md's "Code map" section names every module of runtime/, app/ and bench/ (by file name)."""
+    """README.md's "Code map" section names every module and script of runtime/, app/ and bench/ (by file
+    name)."""
     text = (ROOT / "README.md").read_text()
     start = text.index("## Code map")
     section = text[start:text.index("\n## ", start + 1)]
     missing = []
     for top in ("runtime", "app", "bench"):
-        for path in sorted((ROOT / top).rglob("*.py")):
+        for path in sorted([*(ROOT / top).rglob("*.py"), *(ROOT / top).rglob("*.sh")]):
             if path.name != "__init__.py" and "__pycache__" not in path.parts and f"`{path.name}`" not in section:
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"README.md's code map does not name: {missing}"
