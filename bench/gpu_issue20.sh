@@ -21,6 +21,8 @@ BEFORE=${BEFORE:?set BEFORE to a checkout of the commit before the restructuring
 AFTER=$PWD
 mkdir -p "$OUT" "$M"
 T0=$(date +%s)
+STAMP=$(mktemp)                  # results written after this are this run's (the trees hold earlier ones)
+fresh() { find "$1/bench/results" -maxdepth 1 -name "*$2*.json" -newer "$STAMP" -exec cp {} "$OUT"/ \; ; }
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue20.log"; }
 log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); before: $BEFORE"
@@ -36,14 +38,14 @@ run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from t
         --placement $pl --no-naive --decode 128 ${OFFLOAD_FLAGS---prefetch-modes=} --note "restructuring check: $label, placement $pl" 2>&1 | tail -4) \
         | tee -a "$OUT/gpu_issue20.log"
     done
-    [ "${VRAM:-1}" = 0 ] && { cp "$tree"/bench/results/*"$label"*.json "$OUT"/ 2>/dev/null; return; }
+    [ "${VRAM:-1}" = 0 ] && { fresh "$tree" "$label"; return; }
     [ "$(left)" -gt 60 ] || { log "$label: no time left for the all-in-VRAM run"
-                              cp "$tree"/bench/results/*"$label"*.json "$OUT"/ 2>/dev/null; return; }
+                              fresh "$tree" "$label"; return; }
     log "$label: all in VRAM ($(left) s left)"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
         $PY -m bench.cuda --model "$M/q30b" --label "qwen3-30b-a3b-$label" --bpw 4.0 --baseline none \
         --prompts 512 --decode 256 2>&1 | tail -4) | tee -a "$OUT/gpu_issue20.log"
-    cp "$tree"/bench/results/*"$label"*.json "$OUT"/ 2>/dev/null
+    fresh "$tree" "$label"
 }
 for t in ${TREES:-before after}; do
     case $t in before) run "$BEFORE" before ;; after) run "$AFTER" after ;; *) log "unknown tree $t" ;; esac
