@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1
+CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7      # + 7: the rows summed without the dot
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -208,11 +208,14 @@ def test_fused_columns_with_each_part_its_own_shape(monkeypatch, ks):
 
 
 @interpreted
-@pytest.mark.parametrize("t,ksplit", [(1, 1), (9, 1), (1, 2), (5, 4)])
-def test_kernel_writes_its_rows_and_columns_only(t, ksplit):
+@pytest.mark.parametrize("t,ksplit,dot", [(1, 1, True), (9, 1, True), (1, 2, True), (5, 4, True), (2, 1, False),
+                                          (5, 2, False), (8, 1, False)])
+def test_kernel_writes_its_rows_and_columns_only(t, ksplit, dot):
     """`_linear_splitk` into a wider, taller output filled with NaN (KSPLIT 1: stored in the output's
     dtype, fp16) or with zeros in its own block (KSPLIT > 1: added, fp32): its block holds x @ W.T,
-    the padded rows (up to 16) and the other columns are untouched."""
+    the padded rows (up to 16; without the dot up to the power of two) and the other columns are
+    untouched."""
+    from runtime.experts.kernels import SplitK, linear_rows_block
     from runtime.experts.triton_kernels import _linear_splitk
     part = exl2_linear(48, 128, 4, 26)
     p = _packs([part])[0]
@@ -221,7 +224,8 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit):
     if ksplit > 1:
         out[:t, 5:45] = 0
     _linear_splitk[(3, ksplit)](x, p.qweight, p.scales, p.perm, out, t, 60, 5, K=128, N=p.out_features, NOUT=40,
-                                BITS=p.bits, G=p.group, BK=32, BN=16, BT=1 if t == 1 else 16, KSPLIT=ksplit)
+                                BITS=p.bits, G=p.group, BK=32, BN=16, KSPLIT=ksplit, DOT=dot,
+                                BT=linear_rows_block(t, SplitK(16, ksplit, dot=dot)))
     want = reference([part], [40], x)
     got = out[:t, 5:45]
     assert got.dtype == (torch.float16 if ksplit == 1 else torch.float32)
@@ -229,6 +233,37 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit):
     rest = out.clone()
     rest[:t, 5:45] = float("nan")
     assert rest.isnan().all()
+
+
+@interpreted
+@pytest.mark.parametrize("ks", [1, 2])
+def test_linear_decode_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
+    """The shapes that sum a verify's rows on the CUDA cores (no padding to 16 for a tensor-core dot),
+    which the timing may pick at 2..8 rows: the same x @ W.T, q/k/v fused."""
+    from runtime.experts import kernels
+    from runtime.experts.kernels import SplitK, linear_decode
+    parts = [exl2_linear(n, 128, 4, s) for n, s in ((256, 60), (32, 61), (32, 62))]
+    outs, packs = [256, 32, 32], _packs(parts)
+    for t in range(2, 9):
+        monkeypatch.setattr(kernels, "_CHOSEN", {("linear", 128, p.out_features, n, t, p.bits, p.group,
+                                                  torch.device("cpu")): SplitK(16, ks, dot=False)
+                                                 for p, n in zip(packs, outs)})
+        x = rows(t, 128, seed=70 + t)
+        close(linear_decode(x, packs, outs), reference(parts, outs, x))
+
+
+def test_linear_candidates_without_the_dot_only_at_a_few_rows():
+    """2..FMA_MAX_ROWS rows: every shape also without the dot where its [rows, BK, BN] block is small
+    enough, the default (with the dot) still first; one row or more rows: the dot's shapes only."""
+    from runtime.experts.kernels import FMA_MAX_ROWS, FMA_MAX_TILE, linear_candidates, linear_rows_block
+    one = linear_candidates(2048, 4096, 128)
+    assert all(c.dot for c in one) and linear_candidates(2048, 4096, 128, FMA_MAX_ROWS + 1) == one
+    for t in (2, 3, 4, 8):
+        cands = linear_candidates(2048, 4096, 128, t)
+        fma = [c for c in cands if not c.dot]
+        assert cands[0] == one[0] and cands[:len(one)] == one and fma and len(set(cands)) == len(cands)
+        assert all(linear_rows_block(t, c) * 128 * c.bn <= FMA_MAX_TILE for c in fma)
+    assert [linear_rows_block(t, c) for t, c in ((1, one[0]), (3, one[0]), (3, fma[0]), (8, fma[0]))] == [1, 16, 4, 8]
 
 
 def test_linear_candidates_keep_k_whole_and_divide_k():
@@ -369,3 +404,28 @@ def test_exl2_engine_hooks(monkeypatch):
     plain.moedesk_qkv(x10, 10, None, *(torch.empty(1) for _ in range(3)), None, None)
     plain.moedesk_o(x10, torch.empty(1), 10)
     assert calls == [("forward_1", 10), ("forward_2", 10)]
+
+
+def test_a_shape_that_does_not_compile_here_is_passed_over(monkeypatch):
+    """Timing the candidates on a GPU: a shape Triton cannot build there (registers, shared memory) is
+    skipped and the fastest of the others kept; the default failing is an error."""
+    from triton.runtime.errors import OutOfResources
+
+    from runtime.experts import kernels
+    from runtime.experts.kernels import SplitK
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.torch.cuda, "is_current_stream_capturing", lambda: False)
+    times = {SplitK(64, 1): 3.0, SplitK(16, 1, dot=False): 1.0, SplitK(32, 1, dot=False): 2.0}
+    current = []
+    monkeypatch.setattr(kernels, "_time_eager", lambda run: times[current[-1]])
+
+    def launch(c):
+        current.append(c)
+        if c == SplitK(16, 1, dot=False):
+            raise OutOfResources(300000, 232448, "shared memory")
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    assert kernels._choose("k", list(times), launch) == SplitK(32, 1, dot=False)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    with pytest.raises(OutOfResources):
+        kernels._choose("k2", [SplitK(16, 1, dot=False), SplitK(64, 1)], launch)

@@ -258,10 +258,13 @@ class UniformPicks:
 
 @dataclass(frozen=True)
 class SplitK:
-    """Launch shape of a split-K GEMV: BN output columns per program, the K range cut in KSPLIT."""
+    """Launch shape of a split-K GEMV: BN output columns per program, the K range cut in KSPLIT; for the
+    dense GEMV at 2+ rows, `dot` (rows padded to 16 for a tensor-core dot) or not (the rows' products
+    summed on the CUDA cores, rows padded to a power of two)."""
     bn: int
     ksplit: int
     warps: int = 4
+    dot: bool = True
 
 
 # Launch shapes chosen by timing on this GPU, per (kernel, shapes, pairs); filled on first use.
@@ -286,20 +289,28 @@ def _candidates(K: int, N: int, P: int, bk: int) -> list[SplitK]:
 
 
 def _choose(key: tuple, candidates: list[SplitK], launch, graph: bool = False) -> SplitK:
-    """Time each candidate launch (CUDA events, after one untimed call that compiles it) and keep the
-    fastest for `key`. Not while a graph is being captured, and not under the interpreter: there the
-    default runs. The caller's launches write to scratch buffers. graph: time ten launches captured in
-    a CUDA graph (best of three replays), as a decode graph runs them; a kernel of a few microseconds
-    launched from the host would be timed by its launch cost."""
+    """Time each candidate launch (CUDA events, after one untimed call that compiles it; a shape that
+    does not compile here is passed over, except the default) and keep the fastest for `key`. Not while
+    a graph is being captured, and not under the interpreter: there the default runs. The caller's
+    launches write to scratch buffers. graph: time ten launches captured in a CUDA graph (best of three
+    replays), as a decode graph runs them; a kernel of a few microseconds launched from the host would
+    be timed by its launch cost."""
     if key in _CHOSEN:
         return _CHOSEN[key]
     if len(candidates) == 1:
         return candidates[0]
     if interpreting() or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
     best, best_t = candidates[0], float("inf")
     for c in candidates:
-        launch(c)
+        try:
+            launch(c)
+        except (CompilationError, OutOfResources):   # a shape this GPU cannot build (registers, shared memory)
+            if c is candidates[0]:
+                raise
+            continue
         t = _time_graph(lambda: launch(c)) if graph else _time_eager(lambda: launch(c))
         if t < best_t:
             best, best_t = c, t
@@ -408,10 +419,22 @@ def linear_tile(p: PackedExperts) -> int:
     return _bk(p, cap=128)
 
 
-def linear_candidates(K: int, N: int, bk: int) -> list[SplitK]:
+FMA_MAX_ROWS = 8          # the dense GEMV sums rows on the CUDA cores up to this many (more: the dot only)
+FMA_MAX_TILE = 16384      # ... with at most this many products in a program's [rows, BK, BN] block
+
+
+def linear_rows_block(T: int, c: SplitK) -> int:
+    """The row block (BT) `_linear_splitk` runs T rows in under shape c: 1, 16 for the dot, else the
+    power of two >= T."""
+    return 1 if T == 1 else 16 if c.dot else 1 << (T - 1).bit_length()
+
+
+def linear_candidates(K: int, N: int, bk: int, rows: int = 1) -> list[SplitK]:
     """Launch shapes of `linear_decode` for one part (every row in each program, so the grid is
     cdiv(N, BN) x KSPLIT whatever the rows): the default first (what the interpreter and a capture
-    use), then the shapes worth timing, KSPLIT 1 (no memset, no atomics, no cast) among them."""
+    use), then the shapes worth timing, KSPLIT 1 (no memset, no atomics, no cast) among them; at 2 to
+    FMA_MAX_ROWS rows each also without the tensor-core dot (which pads a verify's few rows to 16);
+    the timing keeps whichever is faster on this GPU."""
     default = SplitK(64, _ksplit(K, bk, triton.cdiv(N, 64)))
     forced = tuning.current().splitk
     if forced:
@@ -423,6 +446,9 @@ def linear_candidates(K: int, N: int, bk: int) -> list[SplitK]:
             c, programs = SplitK(bn, ks), triton.cdiv(N, bn) * ks
             if K % (ks * bk) == 0 and (ks == 1 or 32 <= programs <= 2048) and c not in out:
                 out.append(c)
+    if 1 < rows <= FMA_MAX_ROWS:           # K whole or halved only: each shape is one more compilation at load
+        fma = [SplitK(c.bn, c.ksplit, c.warps, dot=False) for c in out if c.ksplit <= 2]
+        out += [c for c in fma if linear_rows_block(rows, c) * bk * c.bn <= FMA_MAX_TILE and c not in out]
     return out
 
 
@@ -431,7 +457,8 @@ def _linear_launch(x: torch.Tensor, p: PackedExperts, n_out: int, bk: int, c: Sp
     T, K = x.shape
     _linear_splitk[(triton.cdiv(n_out, c.bn), c.ksplit)](
         x, p.qweight, p.scales, p.perm, dst, T, dst.shape[1], col, K=K, N=p.out_features, NOUT=n_out,
-        BITS=p.bits, G=p.group, BK=bk, BN=c.bn, BT=1 if T == 1 else 16, KSPLIT=c.ksplit, num_warps=c.warps)
+        BITS=p.bits, G=p.group, BK=bk, BN=c.bn, BT=linear_rows_block(T, c), KSPLIT=c.ksplit, DOT=c.dot,
+        num_warps=c.warps)
 
 
 def linear_decode(x: torch.Tensor, packs: list[PackedExperts], outs: list[int]) -> torch.Tensor:
@@ -467,7 +494,7 @@ def linear_decode(x: torch.Tensor, packs: list[PackedExperts], outs: list[int]) 
                     s32.zero_()
                     _linear_launch(x, p, n_out, bk, c, s32, 0)
                     s16.copy_(s32)
-            c = _choose(key, linear_candidates(K, n_out, bk), trial, graph=True)
+            c = _choose(key, linear_candidates(K, n_out, bk, T), trial, graph=True)
         plan.append((p, n_out, bk, c, col))
         col += n_out
     split = any(c.ksplit > 1 for _, _, _, c, _ in plan)

@@ -270,12 +270,14 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
 @triton.jit
 def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, T, LDO, COL0, K: tl.constexpr, N: tl.constexpr,
                    NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BT: tl.constexpr, KSPLIT: tl.constexpr):
+                   BT: tl.constexpr, KSPLIT: tl.constexpr, DOT: tl.constexpr = True):
     """One dense linear packed as a single expert (no routing weight, no SiLU): x fp16 [T, K] @ W for all
     T <= BT rows over one K slice, into columns COL0..COL0+NOUT of out [T, LDO] (NOUT <= N stored
-    columns). Each weight tile is dequantized once for all rows: BT 1 a GEMV, BT 16 (rows padded) a
-    tensor-core dot on the fp16 tile. KSPLIT 1 stores in out's dtype (fp16 or fp32, nothing zeroed);
-    KSPLIT > 1 adds into out fp32 (zeroed by the caller). Grid (cdiv(NOUT, BN), KSPLIT)."""
+    columns). Each weight tile is dequantized once for all rows: BT 1 a GEMV; DOT, BT 16 (rows padded) a
+    tensor-core dot on the fp16 tile; not DOT, the rows' products summed in fp32 on the CUDA cores (BT a
+    power of two >= T: no padding to 16 for a verify's few rows). KSPLIT 1 stores in out's dtype (fp16 or
+    fp32, nothing zeroed); KSPLIT > 1 adds into out fp32 (zeroed by the caller). Grid (cdiv(NOUT, BN),
+    KSPLIT)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask_n = offs_n < NOUT
     offs_t = tl.arange(0, BT)
@@ -290,8 +292,10 @@ def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, T, LDO, COL0, K: tl.cons
         if BT == 1:
             x1 = tl.sum(xv.to(tl.float32), axis=0)                                   # the one row, [BK]
             acc += tl.sum(x1[:, None] * w, axis=0)[None, :]
-        else:
+        elif DOT:
             acc = tl.dot(xv.to(tl.float16), w.to(tl.float16), acc)
+        else:
+            acc += tl.sum(xv.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)      # [BT, BK, BN] -> [BT, BN]
     ptrs = out_ptr + offs_t[:, None] * LDO + COL0 + offs_n[None, :]
     if KSPLIT == 1:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
