@@ -35,6 +35,7 @@ def check(bits_list: list[float], hidden: int, heads: int, kv_heads: int, head_d
     from triton.testing import do_bench_cudagraph
     from runtime.backends.quant_linear import CudaExl2Linear, TritonExl2Linear, settle_autotune
     from runtime.exl2 import format as fmt
+    from runtime.experts import kernels
     dev = torch.device("cuda")
     nq, nkv = heads * head_dim, kv_heads * head_dim
     ok = True
@@ -69,9 +70,12 @@ def check(bits_list: list[float], hidden: int, heads: int, kv_heads: int, head_d
                 ex[3](h)
             t_gemv = do_bench_cudagraph(run_gemv) * 1e3
             t_ex = do_bench_cudagraph(run_ex) * 1e3
+            mine = {(p.out_features, p.bits) for lin in (gemv_qkv, gemv_o) for p in lin.packs}
+            shapes = ", ".join(f"{key[3]}:{c.bn}x{c.ksplit}{'' if c.dot or T == 1 else ' rows'}"
+                               for key, c in kernels._CHOSEN.items() if key[4] == T and (key[2], key[5]) in mine)
             print(f"bits {bits} T {T}: rel err gemv {e_gemv:.1e} exllamav2 {e_ex:.1e} {'ok' if good else 'FAIL'} | "
                   f"gemv {t_gemv:6.2f} us ({read / t_gemv / 1e6:.2f} TB/s) | exllamav2 {t_ex:6.2f} us "
-                  f"| x{t_ex / t_gemv:.2f}")
+                  f"| x{t_ex / t_gemv:.2f} | shapes {shapes}")
     return ok
 
 
