@@ -256,7 +256,7 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
         # meanwhile); the stream held in wait for the CPU. Overlap is good when stall is small.
         "cpu_timeline_ms_per_token": {k: d[f"cpu_{k}_ns"] / 1e6 / n_decode for k in ("wake", "gpu", "stall")},
         "cpu_signal": tel.get("cpu_expert_signal"),      # memops: no host code at submit/wait, no timeline
-        "cpu_threads": next((int(lo.cpu.ctx.threads) for lo in engine.offload.layers if lo.cpu is not None), None),
+        "cpu_threads": engine.offload.cpu.team,
         # every thread of the process (OpenMP teams included): more than the CPUs slows every team's barriers
         "process_threads": psutil.Process().num_threads(),
         "promotions_during_decode": d["promoted"] / max(1, engine.offload.layers[0].code_bytes),

@@ -600,6 +600,7 @@ def test_a_timing_run_s_figures_come_from_the_layers_traffic():
     after it, its hit rate and the CPU's pairs and milliseconds per forward; the CPU path's team size."""
     import types
     from runtime.backends import exl2_placement as xp
+    from runtime.experts.cpu_share import CpuShare
 
     class Ctx:
         threads = 14
@@ -611,13 +612,13 @@ def test_a_timing_run_s_figures_come_from_the_layers_traffic():
     engine = types.SimpleNamespace(offload=types.SimpleNamespace(layers=[layer(10, 40, (2_000_000, 3, 5, 0)),
                                                                          layer(30, 40, None)]))
     before = xp._traffic(engine)
-    assert before == (40, 80, 5, 2_000_000) and xp._team(engine) == 14
+    assert before == (40, 80, 5, 2_000_000) and CpuShare.team.fget(engine.offload) == 14
     engine.offload.layers = [layer(10 + 12, 40 + 16, (2_000_000 + 8_000_000, 7, 5 + 8, 0)),
                              layer(30 + 10, 40 + 16, None)]
     figures = xp._run_figures(before, xp._traffic(engine), steps=2)
     assert figures == {"hit_rate": round(22 / 32, 3), "cpu_pairs_per_step": 4.0, "cpu_ms_per_step": 4.0}
     assert xp._run_figures(None, before, 2) == {} and xp._traffic(types.SimpleNamespace(offload=object())) is None
-    assert xp._team(types.SimpleNamespace(offload=types.SimpleNamespace(layers=[layer(0, 0, None)]))) is None
+    assert CpuShare.team.fget(types.SimpleNamespace(layers=[layer(0, 0, None)])) is None
 
 
 def test_the_cpu_paths_cut_settles_untimed_before_it_is_timed(monkeypatch):

@@ -146,14 +146,6 @@ def _run_figures(before, after, steps: int) -> dict:
             "cpu_pairs_per_step": round(cpu_pairs / steps, 1), "cpu_ms_per_step": round(cpu_ns / steps / 1e6, 2)}
 
 
-def _team(engine) -> Optional[int]:
-    """The CPU path's team size (threads), where one runs."""
-    for lo in getattr(engine.offload, "layers", None) or ():
-        if getattr(lo, "cpu", None) is not None:
-            return int(lo.cpu.ctx.threads)
-    return None
-
-
 SETTLE_MAX_STEPS = 128     # untimed decode steps at most, letting the CPU path's cut settle before it is timed
 SETTLE_QUIET_RUNS = 2      # ... ended early after this many runs in a row that left the cut where it was
 
@@ -219,7 +211,8 @@ def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator
         if done:
             judge.record(path, samples)
             cut1, moves1 = _cut(engine)
-            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0, runs=runs, threads=_team(engine))
+            judge.note_timing(path, run_ms, (cut0, cut1), moves1 - moves0, runs=runs,
+                              threads=getattr(getattr(engine.offload, "cpu", None), "team", None))
         yield f"timed {label} the CPU path ({len(samples)}/{TRIAL_STEPS} steps)"
         if done:
             return True

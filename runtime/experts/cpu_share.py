@@ -94,6 +94,11 @@ class CpuShare:
     def active(self) -> bool:
         return any(lo.cpu is not None for lo in self.layers)
 
+    @property
+    def team(self) -> Optional[int]:
+        """The CPU path's thread team (resolved from `threads`), where one runs."""
+        return next((int(lo.cpu.ctx.threads) for lo in self.layers if lo.cpu is not None), None)
+
     def drop(self) -> None:
         self.release_parked()
         self._close_building()          # a build in progress stops at its next step
