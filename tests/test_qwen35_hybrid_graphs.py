@@ -88,7 +88,12 @@ class FakeGraph:
         self.api.log.append(("replay", args[0].shape[0], kwargs["span"]))
         self.api.replaying = True
         try:
-            self.out.copy_(forward(*args, **kwargs))
+            if kwargs.get("keep") is not None:           # the captured hidden states' buffer is written too
+                kept: list = []
+                self.out.copy_(forward(*args, **{**kwargs, "keep": kept}))
+                self.hidden.copy_(kept[0])
+            else:
+                self.out.copy_(forward(*args, **kwargs))
         finally:
             self.api.replaying = False
 
@@ -140,6 +145,7 @@ class FakeCuda:
             self.log.append(("capture", args[0].shape[0], kwargs["span"], pool, stream.name, capture_error_mode))
             out = forward(*args, **kwargs)
             g.call, g.out = (forward, args, {k: v for k, v in kwargs.items() if k != "probe"}), out
+            g.hidden = kwargs["keep"][-1] if kwargs.get("keep") is not None else None
             return out
         before = [t.clone() for t in self._state()]
         model.forward, self.capturing, self.valid = record, True, True
@@ -181,7 +187,7 @@ def folder(tiny_qwen35):
 @pytest.fixture(scope="module")
 def eng(folder):
     engine, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=CONTEXT)), device="cpu",
-                            window=WINDOW)
+                            window=WINDOW, mtp=True)
     yield engine
     engine.close()
 
@@ -439,3 +445,40 @@ def test_the_host_read_check_catches_what_breaks_a_capture():
         with pytest.raises(AssertionError, match="inside a capture"):
             with NoHostReads():
                 what()
+
+
+def test_mtp_drafts_read_the_hidden_states_the_graphs_keep(eng, fake, monkeypatch):
+    """With the MTP head following (runtime/backends/hybrid_mtp.py), a replayed step hands it the rows'
+    final hidden states, which each graph keeps beside its logits: the drafts after decode steps and a
+    verify's rollback equal those of the same steps run as static forwards without graphs."""
+    seq = torch.randint(0, 1000, (60,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def run() -> list[torch.Tensor]:
+        eng.reset()
+        eng.mtp_enable()
+        rows: list[torch.Tensor] = []
+        eng.forward(seq[:40])
+        for n in range(40, 45):
+            eng.mtp_draft(seq[:n + 1], 2, lambda row: rows.append(row.clone()) or int(row.argmax()))
+            eng.forward([seq[n]])
+        eng.forward(seq[45:45 + WINDOW])
+        eng.truncate(47)
+        eng.mtp_draft(seq[:48], 2, lambda row: rows.append(row.clone()) or int(row.argmax()))
+        return rows
+
+    rebuilt: list[int] = []
+    monkeypatch.setattr(eng, "_mtp_rebuild", lambda n: rebuilt.append(n))     # the head never fell behind
+    try:
+        got = run()
+        assert eng.graphs is not None, eng.graph_error
+        assert not rebuilt, rebuilt
+        assert sum(e[0] == "replay" for e in fake.log) >= 3, fake.log
+        graphs, eng.graphs, eng.static = eng.graphs, None, True
+        want = run()
+        eng.graphs, eng.static = graphs, False
+    finally:
+        eng.reset()
+        eng.mtp_on = False
+    assert len(got) == len(want) == 12
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"draft row {i}: the graphs' hidden states differ from the static forward's"

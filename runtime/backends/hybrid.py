@@ -32,7 +32,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from runtime import tuning
-from runtime.backends import hybrid_layers
+from runtime.backends import hybrid_layers, hybrid_mtp
+from runtime.backends.hybrid_mtp import MtpHead
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.backends.hybrid_state import HybridCache
@@ -41,6 +42,7 @@ from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, Engine
                             OutOfMemory, UnsupportedArchitecture)
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.options import LoadOptions
+from runtime.reference.mtp import MtpCache
 
 REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
 PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
@@ -49,7 +51,7 @@ MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenera
 
 class HybridExl2Engine(Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
-                 offload=None, setup=None, graphs: bool = False):
+                 offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
         self.backend = "cuda" if model.device.type == "cuda" else "cpu"
         self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all experts resident
@@ -59,6 +61,10 @@ class HybridExl2Engine(Engine):
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         self.graph_error: Optional[str] = None
         self._bytes_per_token = model.nbytes_per_token()
+        self.mtp_head = mtp_head        # the multi-token-prediction head (hybrid_mtp.py), when the load asked for it
+        self.mtp = MtpCache(spec, cache.capacity, model.dtype, model.device) if mtp_head is not None else None
+        self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
+        self.mtp_missing: Optional[str] = None   # without a head: why, in words (set by load)
 
     @property
     def position(self) -> int:
@@ -97,9 +103,12 @@ class HybridExl2Engine(Engine):
         with torch.inference_mode():
             try:
                 for s in range(0, len(ids), PREFILL_CHUNK):
-                    part = ids[s:s + PREFILL_CHUNK]
-                    outs.append(self._run(part, last_only))
+                    part, start = ids[s:s + PREFILL_CHUNK], self.position
+                    keep = [] if self.mtp_on else None
+                    outs.append(self._run(part, last_only, keep=keep))
                     self.tokens += part
+                    if keep:
+                        self._mtp_follow(start, part, keep[0])
             except torch.cuda.OutOfMemoryError as e:
                 failure = str(e)
             except BaseException:
@@ -115,8 +124,9 @@ class HybridExl2Engine(Engine):
         if self.cache is not None and self.cache.length > length:
             self.truncate(length)
 
-    def _run(self, ids: list[int], last_only: bool, at: Optional[int] = None) -> torch.Tensor:
-        """at: the rows' positions start there, past the cache's length (a capture ahead of need)."""
+    def _run(self, ids: list[int], last_only: bool, at: Optional[int] = None, keep: Optional[list] = None) -> torch.Tensor:
+        """at: the rows' positions start there, past the cache's length (a capture ahead of need).
+        keep: receives the rows' final hidden states (HybridModel.forward)."""
         cache, t = self.cache, len(ids)
         start = cache.length
         at = start if at is None else at
@@ -126,12 +136,12 @@ class HybridExl2Engine(Engine):
         logged = cache.begin(t, at)
         try:
             if logged and self.graphs is not None:
-                out = self.graphs.step(ids, at)
+                out = self.graphs.step(ids, at, keep)
             else:
                 dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
                 static = self.static and logged
                 out = self.model.forward(dev, cache, start, logged, static=static,
-                                         span=bucket(at, t, cache.capacity) if static else None)
+                                         span=bucket(at, t, cache.capacity) if static else None, keep=keep)
         except BaseException:
             # the states may be half-written: back to those before this forward (the snapshot ring holds
             # them when it was snapshotted; otherwise the kept tokens are replayed)
@@ -152,11 +162,26 @@ class HybridExl2Engine(Engine):
     def truncate(self, length: int) -> None:
         if self.cache is None or not 0 <= length <= self.cache.length:
             raise EngineError(f"cannot truncate to {length} tokens: the cache holds {self.position}")
+        head = self.mtp if self.mtp_on else None
+        slots = min(head.slots, max(length - 1, 0)) if head is not None else 0
         with torch.inference_mode():
-            if length == 0:
-                self.cache.reset()
-            elif not self.cache.rollback(length):
-                self._recover(length)
+            self._truncate(length)
+            if head is not None and length >= 1 and not head.has_row(length - 1):
+                last = self.tokens[length - 1]           # the head reads h at length-1: run that token again
+                self._truncate(length - 1)
+                keep: list = []
+                self._run([last], last_only=True, keep=keep)
+                self.tokens.append(last)
+                head.keep_rows(length - 1, keep[0])
+        if head is not None:
+            head.trim(length)
+            head.slots = slots
+
+    def _truncate(self, length: int) -> None:
+        if length == 0:
+            self.cache.reset()
+        elif not self.cache.rollback(length):
+            self._recover(length)
         del self.tokens[length:]
 
     def reset(self) -> None:
@@ -228,6 +253,67 @@ class HybridExl2Engine(Engine):
         for L, t in answer_plan(self.position, max_new_tokens, w, self.cache.capacity, self.graphs.captured(), w):
             self._prepare_graph(L, t)
 
+    # -- the MTP head (hybrid_mtp.py; the slots' bookkeeping as the reference engine's) ------------
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_head is not None
+
+    def mtp_enable(self) -> None:
+        """Let the head follow every forward from now on (about one layer's work per forward)."""
+        if self.mtp_head is None:
+            raise BadRequest(self.mtp_missing or f"{self.info.name} has no multi-token-prediction head loaded")
+        self.mtp_on = True
+
+    def _mtp_follow(self, start: int, ids: list[int], hidden: torch.Tensor) -> None:
+        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
+        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
+        head = self.mtp
+        if start == 0:
+            head.slots = 0
+        if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
+            h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
+            toks = ids[1:] if start == 0 else ids
+            if toks:
+                dev = torch.tensor(toks, dtype=torch.long).to(self.model.device, non_blocking=True)
+                self.mtp_head.run(self.model, head.kv, h, dev, max(start - 1, 0))
+            head.slots = start + len(ids) - 1
+        head.keep_rows(start, hidden)
+
+    def mtp_draft(self, tokens: list[int], k: int, choose) -> list[int]:
+        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
+        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
+        self.mtp_enable()
+        n = len(tokens) - 1
+        if n != self.position:
+            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.position}, "
+                              f"not the {n} before the last")
+        head, drafts = self.mtp, []
+        if n == 0:
+            return drafts
+        with torch.inference_mode():
+            if head.slots < n - 1 or not head.has_row(n - 1):
+                self._mtp_rebuild(n)
+            h, tok = head.row(n - 1)[None], tokens[-1]
+            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
+                dev = torch.tensor([tok], dtype=torch.long).to(self.model.device, non_blocking=True)
+                h = self.mtp_head.run(self.model, head.kv, h, dev, pos)
+                logits = self.model.head(h).float()[0]
+                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
+                    if media < logits.shape[0]:
+                        logits[media] = float("-inf")
+                tok = choose(logits)
+                drafts.append(tok)
+        return drafts
+
+    def _mtp_rebuild(self, n: int) -> None:
+        """The head missed part of the conversation (it was off): run the model over it again."""
+        keep = self.tokens[:n]
+        self.cache.reset()
+        self.tokens = []
+        self.mtp.slots, self.mtp.rows = 0, None
+        self._forward(keep, last_only=True)
+
     def place_experts(self, resident: list[list[int]]) -> None:
         """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
         if self.offload is None:
@@ -242,6 +328,10 @@ class HybridExl2Engine(Engine):
                                "cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
                                "rollback_window": self.cache.window if self.cache is not None else 0,
                                "decode_graphs": self.graphs is not None}
+        if self.mtp is not None:
+            out["cache_bytes"] += self.mtp.nbytes()
+            out["mtp_head_bytes"] = self.mtp_head.nbytes()
+            out["mtp_following"] = self.mtp_on
         if self.graphs is not None:
             shapes = self.graphs.captured()                        # [(bucket L, rows T)]
             out["graph_buckets"] = sorted({L for L, _ in shapes})
@@ -262,7 +352,7 @@ class HybridExl2Engine(Engine):
                 self.offload.close()                  # saves the routing statistics
         finally:
             self.graphs = None
-            self.offload = self.model = self.cache = None
+            self.offload = self.model = self.cache = self.mtp_head = self.mtp = None
             gc.collect()
             if self.setup is not None:
                 self.setup.release()
@@ -289,11 +379,13 @@ def rollback_window(options: LoadOptions) -> int:
 
 def load(path, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
          device: Optional[str] = None, window: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-         graphs: Optional[bool] = None, host_experts: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
+         graphs: Optional[bool] = None, host_experts: Optional[bool] = None,
+         mtp: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
     """Load a Qwen3.5-MoE EXL2 folder. device: "cuda" (default, needs a GPU) or "cpu" (tests: the
     projections dequantized). window: rollback rows (default from the draft options). dtype: activations
     (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
-    host memory for offload (default: as the budgets decide, CUDA only)."""
+    host memory for offload (default: as the budgets decide, CUDA only). mtp: load the folder's MTP head
+    (default: when the draft options choose "mtp"; it holds one layer's weights, its experts in VRAM)."""
     from runtime import qwen35
     from runtime.modelfolder import ModelFolder
     from runtime.reference import qwen35 as reference35
@@ -332,6 +424,10 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
             on_host=(lambda what, n: setup.ram.reserve(what, n, "raise the RAM budget or the VRAM budget"))
             if setup is not None and setup.offload else None,
             progress=lambda done, total: progress("load", "Loading weights", done, total))
+        head = None
+        if options.draft.mode == "mtp" if mtp is None else mtp:
+            progress("load", "Loading the multi-token-prediction head", 0, 1)
+            head = hybrid_mtp.load(folder, spec, dev, dtype)
         progress("load", "Allocating the cache", 0, 1)
         cache = HybridCache(spec, context, window, dtype, dev)
         if cuda:
@@ -349,7 +445,14 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
                                       "num_params": info.num_params, "active_params": info.active_params})
         use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
-        engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda))
+        engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda),
+                                  mtp_head=head)
+        if head is None:
+            engine.mtp_missing = (
+                f"{info.name} was loaded without its multi-token-prediction head (the head is loaded when the "
+                "draft mode is 'mtp' at load time): load the model again with that draft mode"
+                if qwen35.has_mtp(set(folder.info.shard_of)) else
+                f"{info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
         if engine.graphs is not None:
             try:
                 engine.prepare_graphs(progress)

@@ -26,7 +26,7 @@ Per (L, T):
   stream, its output copied out (the next replay of another graph may reuse the pool's free memory).
 
 Memory: what a capture frees goes back to the shared pool for the next capture; each graph keeps only
-its output [T, V] float32 (and its kernels' parameters). At most `max_graphs` (exl2_graph.MAX_GRAPHS)
+its outputs, the logits [T, V] float32 and the final hidden states [T, H] (and its kernels' parameters). At most `max_graphs` (exl2_graph.MAX_GRAPHS)
 are held, the least recently used dropped before a capture (its output's memory returns to the pool),
 so the pool is bounded by the largest capture's temporaries plus max_graphs outputs. Which graphs
 are captured ahead of need (at load, before an answer's first token, while idle) is the engine's.
@@ -92,13 +92,15 @@ class StepGraphs:
         """The attended length L of t rows from `position`: the bucket of the last row."""
         return bucket(position, t, self.capacity)
 
-    def _forward(self, L: int, t: int, probe=None) -> torch.Tensor:
+    def _forward(self, L: int, t: int, probe=None, keep: Optional[list] = None) -> torch.Tensor:
         e = self.engine
-        return e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True, probe=probe, span=L)
+        return e.model.forward(self.tokens[:t], e.cache, e.cache.length, True, static=True, probe=probe, span=L,
+                               keep=keep)
 
-    def step(self, ids: list[int], position: int) -> torch.Tensor:
+    def step(self, ids: list[int], position: int, keep: Optional[list] = None) -> torch.Tensor:
         """The forward of these rows at `position` (the cache's begin() done, its positions buffer from
-        there): the graph of their bucket replayed, or the forward run and then captured."""
+        there): the graph of their bucket replayed, or the forward run and then captured. keep: receives
+        the rows' final hidden states (every graph holds them beside its logits: the MTP head reads them)."""
         e, t = self.engine, len(ids)
         if not 1 <= t <= self.window or not 0 <= position <= self.capacity - t:
             raise ValueError(f"decode graphs: {t} rows at position {position} (graphs cover 1..{self.window} "
@@ -106,14 +108,16 @@ class StepGraphs:
         L = self.span(position, t)
         self.tokens[:t].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
         if (L, t) in self.graphs:
-            graph, out = self.graphs[(L, t)] = self.graphs.pop((L, t))      # now the most recently used
+            graph, out, hidden = self.graphs[(L, t)] = self.graphs.pop((L, t))      # now the most recently used
             graph.replay()
+            if keep is not None:
+                keep.append(hidden.clone())
             return out.clone()
         cur, s = self.cuda.current_stream(), self.stream
         s.wait_stream(cur)                     # the token buffer and the cache's positions/slots are written
         try:
             with self.cuda.stream(s):
-                out = self._forward(L, t)
+                out = self._forward(L, t, keep=keep)
         finally:
             cur.wait_stream(s)                 # also before a failed forward's rollback, on the current stream
         # `out` was allocated on s: its block goes back to s's free list, and s's next use (a warm-up
@@ -131,13 +135,13 @@ class StepGraphs:
         self.cuda.synchronize()                # no replay in flight: a dropped graph's memory is free
         while len(self.graphs) >= max(1, self.max_graphs):
             del self.graphs[next(iter(self.graphs))]
-        graph = self.cuda.CUDAGraph()
+        graph, hidden = self.cuda.CUDAGraph(), []
         with self.cuda.graph(graph, pool=self.pool, stream=self.stream,
                              capture_error_mode=tuning.current().capture_mode):
-            out = self._forward(L, t)
+            out = self._forward(L, t, keep=hidden)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(L, t)] = (graph, out)
+        self.graphs[(L, t)] = (graph, out, hidden[0])
 
     def _find_capture_breaker(self, L: int, t: int) -> str:
         """After a failed capture: capture again, asking after every part of every layer whether the

@@ -209,12 +209,15 @@ class HybridModel:
 
     def forward(self, tokens: torch.Tensor, cache: HybridCache, start: int, logged: bool, static: bool = False,
                 last_only: bool = False, probe: Optional[Callable[[str], None]] = None,
-                span: Optional[int] = None) -> torch.Tensor:
+                span: Optional[int] = None, keep: Optional[list] = None) -> torch.Tensor:
         """tokens [T] (device) at `start` -> logits [T or 1, V] float32; the cache's length is the caller's.
         logged: the cache's positions/slots buffers hold the rows' positions and snapshot slots.
         static: fixed shapes; the full-attention layers read the cache's first `span` rows (the bucket L
         of the last row's position: it must cover that row; the caller's to choose, hybrid_graphs.bucket).
-        probe: called with a part's name after each part (hybrid_graphs: which part broke a capture)."""
+        probe: called with a part's name after each part (hybrid_graphs: which part broke a capture).
+        keep: a list that receives the final hidden states of every row [T, H] (after the final norm:
+        what the head reads, and what the MTP head drafts from), even when only the last row's logits
+        are returned."""
         s, t = self.spec, tokens.shape[0]
         end = start + t
         if static and not (span is not None and t <= span <= cache.capacity and logged):
@@ -236,9 +239,12 @@ class HybridModel:
             if moe.experts.offload is not None:          # the decode prefetch's prediction of the next layer
                 moe.experts.after_residual(x.half() if x.is_cuda else x)
             probe(f"layer {i} (MoE)")
-        if last_only:
+        if last_only and keep is None:
             x = x[-1:]
         x = F.rms_norm(x, (s.hidden,), self.norm, s.eps).to(self.dtype)
+        if keep is not None:
+            keep.append(x)
+            x = x[-1:] if last_only else x
         out = self.head(x).float()
         probe("the head")
         return out
@@ -260,6 +266,49 @@ class HybridModel:
         return total
 
 
+def centred(folder: ModelFolder, name: str, device: torch.device) -> torch.Tensor:
+    """A (1 + weight) norm of the float32 residual stream."""
+    return (1.0 + folder.tensor(name).float()).to(device)
+
+
+def attention_layer(folder: ModelFolder, a: str, spec, index: int, device: torch.device,
+                    dtype: torch.dtype) -> AttentionLayer:
+    """The gated attention under prefix `a` (`...layers.3.self_attn`, `mtp.layers.0.self_attn`), the
+    `index`-th of its cache's attention layers."""
+    h, nh, nkv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    qk = torch.stack([(1.0 + folder.tensor(f"{a}.{n}_norm.weight").float()) for n in "qk"]).to(device, dtype)
+    return AttentionLayer(spec, index, quant_linear.build(folder, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"],
+                                                          [2 * nh * d, nkv * d, nkv * d], device, dtype),
+                          quant_linear.build(folder, [f"{a}.o_proj"], [h], device, dtype), qk)
+
+
+def moe_block(folder: ModelFolder, mp: str, spec, mlp_norm: torch.Tensor, device: torch.device, dtype: torch.dtype,
+              host: Optional[HostArena], on_host: Optional[Callable[[str, int], None]], where: str) -> MoeBlock:
+    """The routed experts (EXL2 only) and the shared expert under prefix `mp` (`...layers.3.mlp`). host:
+    the experts' codes go to this page-locked arena (offload), `on_host(what, bytes)` hearing each stack."""
+    config, h = folder.config, spec.hidden
+    ms, m = config["shared_expert_intermediate_size"], config["moe_intermediate_size"]
+
+    def lin(prefixes, outs):
+        return quant_linear.build(folder, prefixes, outs, device, dtype)
+
+    def on_packed(name: str, pack) -> None:
+        if host is not None and on_host is not None:
+            on_host(f"experts of {mp}.{name}", pack.cold.numel() * 4)
+    # gate and up packed in down's intermediate order (as pack + align_intermediate, without moving
+    # every expert's codes to the device and back), on the device a batch of experts at a time
+    packs = pack_layer(lambda name: [_expert_tensors(folder, f"{mp}.experts.{e}.{name}") for e in range(spec.experts)],
+                       f"{mp}.experts", device=device, host=host, on_packed=on_packed)
+    router = folder.linear(f"{mp}.gate", torch.float32).to(device)
+    experts = ExpertLayer(router, *packs, spec.top_k, spec.norm_topk_prob)
+    experts.norm_w = mlp_norm.half()
+    moe = MoeBlock(experts, lin([f"{mp}.shared_expert.gate_proj", f"{mp}.shared_expert.up_proj"], [ms, ms]),
+                   lin([f"{mp}.shared_expert.down_proj"], [h]), lin([f"{mp}.shared_expert_gate"], [1]))
+    if (experts.w1.out_features < m) or moe.shared_down.in_features != ms:
+        raise InvalidModel(folder.path, f"{where}: expert or shared expert widths do not match the config")
+    return moe
+
+
 def _expert_tensors(folder: ModelFolder, prefix: str) -> dict:
     if not folder.has(f"{prefix}.q_weight"):
         raise UnsupportedArchitecture(folder.path, f"{prefix} is not EXL2-quantized: the GPU engine runs EXL2 "
@@ -274,17 +323,12 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
     (offload; `on_host(what, bytes)` hears each stack, for the RAM ledger)."""
     config, p0 = folder.config, qwen35.prefix(folder.config)
     present = set(folder.info.shard_of)
-    f32 = torch.float32
 
     def lin(prefixes, outs):
         return quant_linear.build(folder, prefixes, outs, device, dtype)
 
-    def centred(name):                  # the (1 + weight) norms of the float32 residual stream
-        return (1.0 + folder.tensor(name).float()).to(device)
-
-    h, nh, nkv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    h = spec.hidden
     hv, vd, c = spec.lin_value_heads, spec.lin_value_heads * spec.lin_value_dim, spec.conv_channels
-    ms, m = config["shared_expert_intermediate_size"], config["moe_intermediate_size"]
     blocks, full, linear = [], 0, 0
     for i, kind in enumerate(spec.kinds):
         p, mp = f"{p0}.layers.{i}", f"{p0}.layers.{i}.mlp"
@@ -292,10 +336,7 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
             raise UnsupportedArchitecture(folder.path, f"layer {i} stores its experts stacked (a bf16 release): "
                                                        "the GPU engine runs EXL2 folders only")
         if kind == qwen35.FULL:
-            a = f"{p}.self_attn"
-            qk = torch.stack([(1.0 + folder.tensor(f"{a}.{n}_norm.weight").float()) for n in "qk"]).to(device, dtype)
-            mixer = AttentionLayer(spec, full, lin([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"],
-                                                   [2 * nh * d, nkv * d, nkv * d]), lin([f"{a}.o_proj"], [h]), qk)
+            mixer = attention_layer(folder, f"{p}.self_attn", spec, full, device, dtype)
             full += 1
         else:
             a = f"{p}.linear_attn"
@@ -307,31 +348,16 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
                 folder.tensor(f"{a}.dt_bias").float().to(device),
                 folder.tensor(f"{a}.norm.weight").to(device, dtype))
             linear += 1
-
-        def on_packed(name: str, pack, mp=mp) -> None:
-            if host is not None and on_host is not None:
-                on_host(f"experts of {mp}.{name}", pack.cold.numel() * 4)
-        # gate and up packed in down's intermediate order (as pack + align_intermediate, without moving
-        # every expert's codes to the device and back), on the device a batch of experts at a time
-        packs = pack_layer(lambda name, mp=mp: [_expert_tensors(folder, f"{mp}.experts.{e}.{name}")
-                                                for e in range(spec.experts)],
-                           f"{mp}.experts", device=device, host=host, on_packed=on_packed)
-        router = folder.linear(f"{mp}.gate", f32).to(device)
-        experts = ExpertLayer(router, *packs, spec.top_k, spec.norm_topk_prob)
-        mlp_norm = centred(f"{p}.post_attention_layernorm.weight")
-        experts.norm_w = mlp_norm.half()
-        moe = MoeBlock(experts, lin([f"{mp}.shared_expert.gate_proj", f"{mp}.shared_expert.up_proj"], [ms, ms]),
-                       lin([f"{mp}.shared_expert.down_proj"], [h]), lin([f"{mp}.shared_expert_gate"], [1]))
-        if (experts.w1.out_features < m) or moe.shared_down.in_features != ms:
-            raise InvalidModel(folder.path, f"layer {i}: expert or shared expert widths do not match the config")
-        blocks.append((kind, centred(f"{p}.input_layernorm.weight"), mlp_norm, mixer, moe))
+        mlp_norm = centred(folder, f"{p}.post_attention_layernorm.weight", device)
+        moe = moe_block(folder, mp, spec, mlp_norm, device, dtype, host, on_host, f"layer {i}")
+        blocks.append((kind, centred(folder, f"{p}.input_layernorm.weight", device), mlp_norm, mixer, moe))
         progress(i + 1, spec.layers + 1)
     embed = folder.tensor(f"{p0}.embed_tokens.weight").to(device, dtype)
     has_head = folder.has("lm_head.weight") or folder.has("lm_head.q_weight")
     head = lin(["lm_head"], [spec.vocab]) if has_head else quant_linear.DenseLinear(embed, dtype, device)
     cos, sin = rope.tables(spec.rope, spec.rotary_dim, context, torch.float32)
     # in the activation dtype, as the reference keeps them (angles computed in float32 first)
-    model = HybridModel(spec, blocks, embed, centred(f"{p0}.norm.weight"), head, cos.to(device, dtype),
+    model = HybridModel(spec, blocks, embed, centred(folder, f"{p0}.norm.weight", device), head, cos.to(device, dtype),
                         sin.to(device, dtype), dtype, device)
     progress(spec.layers + 1, spec.layers + 1)
     return model

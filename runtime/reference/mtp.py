@@ -89,18 +89,19 @@ def load(folder: ModelFolder, spec: q35.Spec, precision: str) -> MtpWeights:
 
 
 class _KV:
-    def __init__(self, spec: q35.Spec, capacity: int, dtype: torch.dtype):
+    def __init__(self, spec: q35.Spec, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (1, spec.kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
 
 class MtpCache:
     """The head's KV cache (`slots` of them filled from the model's own hidden states) and the final
-    hidden states of the latest positions, `rows` [r, H] for positions rows_start.. ."""
+    hidden states of the latest positions, `rows` [r, H] for positions rows_start.. . The hybrid engine
+    keeps its head's slots and rows in one too (runtime/backends/hybrid_mtp.py, `device` its GPU)."""
 
-    def __init__(self, spec: q35.Spec, capacity: int, dtype: torch.dtype):
-        self.kv = _KV(spec, capacity, dtype)
+    def __init__(self, spec: q35.Spec, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.kv = _KV(spec, capacity, dtype, device)
         self.capacity = capacity
         self.slots = 0
         self.rows: Optional[torch.Tensor] = None

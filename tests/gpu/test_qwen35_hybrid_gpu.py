@@ -17,6 +17,8 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
   little more than each graph's output.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
   as all in VRAM.
+- the MTP head: its draft logits following replayed graphs against the CPU engine's head (tiny), and
+  with graphs against without (real width); greedy MTP speculation against plain steps.
 
 The CPU engine's logits at real width take minutes: a thread computes them from the module's first test
 on, beside the GPU tests that need none; the comparison with them runs last.
@@ -283,3 +285,67 @@ def test_graphs_match_eager_across_bucket_edges_and_their_pool_stays_small(size,
         eng.close()
     _compare(got, static, TOL_SAME, f"{size} graphs vs static across bucket edges")
     _compare(got, eager, TOL, f"{size} graphs vs eager across bucket edges")
+
+
+def _mtp_rows(eng, vocab: int) -> list[torch.Tensor]:
+    """The MTP head's draft logits (on the CPU) after a prefill, decode steps and a verify's rollback.
+    The drafted tokens are fixed (not chosen from the rows), so both engines chain the same drafts
+    even where a near-tie would pick differently."""
+    g = torch.Generator().manual_seed(9)
+    toks = torch.randint(0, min(vocab - 64, 240000), (100,), generator=g).tolist()
+    rows: list[torch.Tensor] = []
+    fixed = iter(toks[50:])
+
+    def choose(row):
+        rows.append(row.float().cpu())
+        return next(fixed)
+    eng.reset()
+    eng.mtp_enable()
+    eng.forward(toks[:40])
+    for n in range(40, 44):
+        eng.mtp_draft(toks[:n + 1], 3, choose)
+        eng.forward([toks[n]])
+    eng.forward(toks[44:44 + WINDOW])
+    eng.truncate(46)
+    eng.mtp_draft(toks[:47], 3, choose)
+    return rows
+
+
+def test_the_mtp_head_drafts_on_cuda_as_on_the_cpu(models):
+    """The head (runtime/backends/hybrid_mtp.py) following replayed decode graphs, against the CPU
+    engine's head on the tiny model; then greedy MTP speculation against plain steps, as the other
+    drafts (tests/gpu/test_speculative_gpu.check_greedy)."""
+    from test_speculative_gpu import check_greedy
+    from runtime.options import DraftOptions
+    cpu, _ = _load(models("tiny"), device="cpu", mtp=True)
+    try:
+        want = _mtp_rows(cpu, cpu.info.vocab_size)
+    finally:
+        cpu.close()
+    eng, _ = _load(models("tiny"), mtp=True)
+    try:
+        assert eng.graphs is not None and eng.has_mtp, eng.graph_error
+        _compare(_mtp_rows(eng, eng.info.vocab_size), want, TOL, "tiny MTP drafts, CUDA (graphs) vs CPU")
+        prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+        f = check_greedy("qwen3.5 mtp", eng, prompt, DraftOptions(mode="mtp", draft_tokens=K, adaptive=False))
+        assert f["drafted"] > 0, f
+        tel = eng.telemetry()
+        assert eng.graphs is not None, eng.graph_error
+        _record(test="qwen35_hybrid_mtp", size="tiny", head_bytes=tel["mtp_head_bytes"], drafted=f["drafted"],
+                accepted=f["accepted"])
+    finally:
+        eng.close()
+
+
+def test_the_mtp_head_reads_the_same_hidden_states_with_graphs_at_real_width(models):
+    got = {}
+    for graphs in (False, True):
+        eng, _ = _load(models("real"), mtp=True, graphs=graphs)
+        try:
+            got[graphs] = _mtp_rows(eng, eng.info.vocab_size)
+            if graphs:
+                assert eng.graphs is not None, eng.graph_error
+                _record(test="qwen35_hybrid_mtp", size="real", head_bytes=eng.telemetry()["mtp_head_bytes"])
+        finally:
+            eng.close()
+    _compare(got[True], got[False], TOL, "real-width MTP drafts, graphs vs eager")

@@ -1,0 +1,188 @@
+"""The MTP head on the hybrid engine (runtime/backends/hybrid_mtp.py) on the CPU, against the CPU
+reference engine's head (runtime/reference/mtp.py, itself checked against an oracle written from the
+published model in tests/test_qwen35_mtp.py), on the `tiny-qwen3.5` synthetic EXL2 folder (it has a head).
+
+Tolerance: max |logit difference| <= 5e-3 on logits of order 1. The engine's model is 2e-3 from the
+reference (tests/test_qwen35_hybrid_engine.py: the experts' intermediate in fp16); the head adds one
+more MoE with the same rounding, and a chained draft reads the head's own output. A head fed the wrong
+slot or hidden state differs by far more (drafts one position off: 1.8, checked by the first test).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import sampling
+from runtime.backends import hybrid
+from runtime.errors import BadRequest, InvalidModel
+from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions
+from runtime.reference import load as reference_load
+from runtime.speculative import make_decoder
+
+TOL = 5e-3
+WINDOW = 6
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_qwen35):
+    engine, _ = reference_load(tiny_qwen35, precision="float32")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_qwen35):
+    engine, _ = hybrid.load(tiny_qwen35, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                            window=WINDOW, mtp=True)
+    yield engine
+    engine.close()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _drafts(engine, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor]:
+    rows: list[torch.Tensor] = []
+    got = engine.mtp_draft(tokens, k, lambda row: rows.append(row.clone()) or int(row.argmax()))
+    return got, torch.stack(rows)
+
+
+def _same_drafts(ref, eng, tokens: list[int], k: int, what: str) -> list[int]:
+    want, want_rows = _drafts(ref, tokens, k)
+    got, got_rows = _drafts(eng, tokens, k)
+    finite = torch.isfinite(want_rows)
+    assert torch.equal(finite, torch.isfinite(got_rows)), f"{what}: the refused tokens differ"
+    diff = (got_rows[finite] - want_rows[finite]).abs().max().item()
+    assert diff <= TOL, f"{what}: max |logit diff| {diff:.2e} > {TOL}"
+    assert got == want, what
+    return got
+
+
+def test_drafts_match_the_reference_through_decode_verify_and_rollback(ref, eng):
+    seq = _tokens(140, 1)
+    for e in (ref, eng):
+        e.reset()
+        e.mtp_enable()
+        e.forward(seq[:20])
+    assert want_off_by_one_differs(ref, seq)
+    for n in range(20, 24):                                       # a draft of 3 after each decode step
+        _same_drafts(ref, eng, seq[:n + 1], 3, f"drafts after {n + 1} tokens")
+        for e in (ref, eng):
+            e.forward([seq[n]])
+    for keep in (0, 2, WINDOW):                                   # a verify of WINDOW rows, then a rollback
+        for e in (ref, eng):
+            e.forward(seq[24:24 + WINDOW])
+            e.truncate(24 + keep)
+        _same_drafts(ref, eng, seq[:25 + keep], 3, f"drafts after a verify that kept {keep} rows")
+        for e in (ref, eng):
+            e.truncate(24)
+    for e in (ref, eng):                                          # past the rows the head keeps (80)
+        e.forward(seq[24:130])
+        e.truncate(12)
+    assert not eng.mtp.has_row(3)
+    _same_drafts(ref, eng, seq[:13], 4, "drafts after a truncate before the head's kept rows")
+    assert eng.position == ref.position == 12
+
+
+def want_off_by_one_differs(ref, seq) -> bool:
+    """The check the tolerance rests on: drafts from the slot one position off differ by far more."""
+    a = _drafts(ref, seq[:21], 1)[1]
+    ref.truncate(19)
+    b = _drafts(ref, seq[:20], 1)[1]
+    ref.forward(seq[19:20])
+    finite = torch.isfinite(a)
+    return (a[finite] - b[finite]).abs().max().item() > 10 * TOL
+
+
+def test_a_head_switched_on_mid_conversation_catches_up(tiny_qwen35, ref):
+    engine, _ = hybrid.load(tiny_qwen35, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                            window=WINDOW, mtp=True)
+    try:
+        seq = _tokens(31, 2)
+        ref.reset()                  # the head's slots emptied, then off as in a load without a drafter
+        ref.mtp_on = False
+        for e in (ref, engine):
+            e.forward(seq[:30])
+        assert not engine.mtp_on
+        _same_drafts(ref, engine, seq, 2, "drafts after the head was off for the prefill")
+        assert engine.mtp_on and engine.position == 30
+        t = engine.telemetry()
+        assert t["mtp_following"] and t["mtp_head_bytes"] > 0
+    finally:
+        engine.close()
+
+
+def _greedy(engine, prompt: list[int], n: int, draft: DraftOptions | None):
+    engine.reset()
+    dec = make_decoder(engine, draft, GREEDY) if draft is not None else None
+    tokens = prompt + [sampling.sample(engine.forward(prompt)[-1], prompt, GREEDY)]
+    while len(tokens) - len(prompt) < n:
+        if dec is None:
+            tokens.append(sampling.sample(engine.forward(tokens[-1:])[0], tokens, GREEDY))
+        else:
+            tokens += dec.step(tokens)
+            assert engine.position == len(tokens) - 1
+    return tokens[:len(prompt) + n], dec
+
+
+def test_greedy_mtp_speculation_equals_plain_decoding(eng):
+    for prompt, k in ((_tokens(9, 3), 3), (_tokens(5, 4), WINDOW - 1)):
+        want, _ = _greedy(eng, prompt, 30, None)
+        got, dec = _greedy(eng, prompt, 30, DraftOptions(mode="mtp", draft_tokens=k, adaptive=False))
+        assert got == want
+        assert dec.stats().mode == "mtp" and dec.stats().drafted_tokens > 0
+
+
+def test_the_head_is_loaded_when_the_draft_mode_asks_for_it(tiny_qwen35):
+    plain, _ = hybrid.load(tiny_qwen35, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu")
+    try:
+        assert not plain.has_mtp and "mtp_head_bytes" not in plain.telemetry()
+        says = "was loaded without its multi-token-prediction head .* load the model again with that draft mode"
+        with pytest.raises(BadRequest, match=says):
+            plain.mtp_enable()
+        with pytest.raises(ValueError, match="draft.mode is 'mtp' but .*" + says):
+            make_decoder(plain, DraftOptions(mode="mtp"), GREEDY)
+    finally:
+        plain.close()
+    opts = LoadOptions(offload=OffloadOptions(context_length=256), draft=DraftOptions(mode="mtp", draft_tokens=3))
+    drafting, _ = hybrid.load(tiny_qwen35, opts, device="cpu")
+    try:
+        assert drafting.has_mtp and drafting.cache.window == 4
+    finally:
+        drafting.close()
+
+
+def _edited_copy(src, dst, name: str, value: torch.Tensor | None):
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            if value is None:                      # gone from the shard and from the index
+                del tensors[name]
+                index = dst / "model.safetensors.index.json"
+                if index.exists():
+                    data = json.loads(index.read_text())
+                    del data["weight_map"][name]
+                    index.write_text(json.dumps(data))
+            else:
+                tensors[name] = value
+            save_file(tensors, shard, metadata={"format": "pt"})
+            return dst
+    raise AssertionError(f"{name} not in {src}")
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("mtp.norm.weight", torch.zeros(3, dtype=torch.float16), "'mtp.norm.weight' has shape [3], the config implies"),
+    ("mtp.pre_fc_norm_hidden.weight", None, "'mtp.pre_fc_norm_hidden.weight' of the MTP head is missing"),
+])
+def test_a_broken_head_is_refused_by_name(tiny_qwen35, tmp_path, name, value, message):
+    folder = _edited_copy(tiny_qwen35, tmp_path / "broken", name, value)
+    with pytest.raises(InvalidModel) as e:
+        hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu", mtp=True)
+    assert message in e.value.message
