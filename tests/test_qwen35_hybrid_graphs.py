@@ -482,3 +482,37 @@ def test_mtp_drafts_read_the_hidden_states_the_graphs_keep(eng, fake, monkeypatc
     assert len(got) == len(want) == 12
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"draft row {i}: the graphs' hidden states differ from the static forward's"
+
+
+def test_under_offload_short_steps_replay_graphs_and_a_replacement_drops_them(folder, monkeypatch):
+    """With the experts offloaded (their codes in host memory, a few in slots), decode and verify steps
+    go through the graphs as without offload; a forward the manager stages for runs eagerly; moving the
+    slots (place_experts, the routing prior's re-placement) drops every graph and its pool, so no replay
+    reads the old slots, and the next steps capture again."""
+    monkeypatch.setattr(ExpertLayer, "__call__", sync_free_experts)
+    off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=CONTEXT)), device="cpu",
+                         window=WINDOW, host_experts=True)
+    try:
+        assert off.offload is not None
+        api = FakeCuda(off)
+        off.graphs = StepGraphs(off, cuda=api)
+        off.place_experts([[0, 1]] * off.spec.layers)
+        seq = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+        off.forward(seq[:20])
+        for i in range(20, 23):
+            off.forward([seq[i]])
+        off.forward(seq[23:23 + WINDOW])
+        assert [e[0] for e in api.log] == ["capture", "replay", "replay", "capture"], api.log
+        monkeypatch.setattr(off.offload, "stage_worth", lambda rows: rows >= 2)   # as for a long forward
+        off.forward(seq[30:33])
+        assert len(api.log) == 4, "a staged forward went through a graph"
+        monkeypatch.undo()
+        monkeypatch.setattr(ExpertLayer, "__call__", sync_free_experts)
+        assert off.graphs.captured() == [(512, 1), (512, WINDOW)]
+        off.graphs.pool = ("pool of", 1)
+        off.place_experts([[2, 3]] * off.spec.layers)
+        assert off.graphs is not None and off.graphs.captured() == [] and off.graphs.pool is None
+        off.forward([seq[33]])
+        assert api.log[-1][0] == "capture" and off.graphs.captured() == [(512, 1)]
+    finally:
+        off.close()

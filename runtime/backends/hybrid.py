@@ -13,7 +13,7 @@ Rollback (a verify of K drafts, then a truncate to the accepted prefix): the cac
 states after each row of the last `window` rows (runtime/backends/hybrid_state.py), so a truncate
 inside that window is a copy; a truncate to before it replays the kept tokens (as the reference does).
 
-Decode graphs (CUDA, experts all in VRAM; runtime/backends/hybrid_graphs.py): a forward of T <= window
+Decode graphs (CUDA, with or without offload; runtime/backends/hybrid_graphs.py): a forward of T <= window
 rows runs with fixed shapes (`static`), its attention over the first L cache rows (the 512-token bucket
 of its last row): its first run in a bucket is eager, then it is captured and later steps of that
 (L, T) replay the graph. Which (L, T) are captured ahead of need follows the exllamav2 engine's plans
@@ -21,6 +21,9 @@ of its last row): its first run in a bucket is eager, then it is captured and la
 can reach before its first token (`prepare_decode`), the current bucket and the next ones while idle
 (`idle_work`, one capture a call). A capture ahead of need runs placeholder tokens at a position of
 its bucket at or past the cache's end, then rolls the cache back through the snapshot ring.
+Under offload a step replays its graph unless the manager stages its cold experts for that many rows
+(copies scheduled from the host: prefill-sized forwards, never a verify window), as the exllamav2
+engine's; a re-placement that moves the slots (`place_experts`, the routing prior) drops the graphs.
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ class HybridExl2Engine(Engine):
             self.offload.begin_forward(t)
         logged = cache.begin(t, at)
         try:
-            if logged and self.graphs is not None:
+            if logged and self.graphs is not None and (self.offload is None or not self.offload.stage_worth(t)):
                 out = self.graphs.step(ids, at, keep)
             else:
                 dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
@@ -318,10 +321,16 @@ class HybridExl2Engine(Engine):
         """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
         if self.offload is None:
             raise EngineError("place_experts needs a model loaded with expert offload")
-        if self.graphs is not None:                  # graphs hold the old slots' addresses
-            torch.cuda.synchronize()
-            self.graphs = StepGraphs(self)
+        self._drop_graphs()
         self.offload.apply(resident)
+
+    def _drop_graphs(self) -> None:
+        """Before the slots move (routing_prior.py calls it too): wait for queued steps, drop the graphs
+        that captured the old addresses and their pool; later steps capture again."""
+        if self.graphs is not None:
+            self.graphs.cuda.synchronize()
+            self.graphs.graphs.clear()
+            self.graphs.pool = None
 
     def telemetry(self) -> dict[str, Any]:
         out: dict[str, Any] = {"weight_bytes_per_token": self._bytes_per_token,
@@ -444,7 +453,7 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                bits_per_weight=info.bits_per_weight,
                                extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
                                       "num_params": info.num_params, "active_params": info.active_params})
-        use_graphs = cuda and manager is None and tuning.current().graphs if graphs is None else graphs
+        use_graphs = cuda and tuning.current().graphs if graphs is None else graphs
         engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda),
                                   mtp_head=head)
         if head is None:
@@ -453,12 +462,6 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                 "draft mode is 'mtp' at load time): load the model again with that draft mode"
                 if qwen35.has_mtp(set(folder.info.shard_of)) else
                 f"{info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
-        if engine.graphs is not None:
-            try:
-                engine.prepare_graphs(progress)
-            except BaseException:
-                engine.close()
-                raise
         if manager is not None and cuda:      # a load without saved routing statistics: the prior
             from runtime.backends.routing_prior import measure_at_load
             try:
@@ -466,6 +469,12 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                     manager.forget_warmup()   # its staged bytes are no answer's
             except BaseException:
                 engine.close()                # the model, the manager, the budgets
+                raise
+        if engine.graphs is not None:         # after the prior's re-placement: the slots stay put now
+            try:
+                engine.prepare_graphs(progress)
+            except BaseException:
+                engine.close()
                 raise
         applied["offload.backend"] = "applied"
         return engine, applied

@@ -16,7 +16,7 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
   its last row's bucket, against the static and the eager forwards; the graphs' memory pool grows by
   little more than each graph's output.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
-  as all in VRAM.
+  as all in VRAM; under decode graphs, the graphs' logits as the static forwards'.
 - the MTP head: its draft logits following replayed graphs against the CPU engine's head (tiny), and
   with graphs against without (real width); greedy MTP speculation against plain steps.
 
@@ -155,6 +155,28 @@ def test_offloaded_experts_match_all_in_vram(size, models):
                 pcie=tel.get("pcie_bytes_per_token"))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_offloaded_experts_under_decode_graphs(size, models):
+    """Graphs captured over offloaded layers (cold experts read in place from pinned host memory, the
+    slot tables read on the device) replay the static forwards they captured."""
+    free = torch.cuda.mem_get_info()[0]
+    eng, applied = _load(models(size), graphs=True, host_experts=True,
+                         off={"vram_budget_gb": 0.9 * free / GiB, "placement": "stream"})
+    try:
+        assert eng.offload is not None and eng.graphs is not None, applied
+        eng.place_experts([list(range(eng.spec.experts // 4))] * eng.spec.layers)
+        got = _script(eng, eng.info.vocab_size)
+        assert eng.graphs is not None, f"decode graphs turned off under offload: {eng.graph_error}"
+        tel = eng.telemetry()
+        assert tel["graph_shapes"] and tel["expert_paths"] == ["stream"] * eng.spec.layers, tel
+        graphs, eng.graphs, eng.static = eng.graphs, None, True
+        static = _script(eng, eng.info.vocab_size)
+        del graphs
+    finally:
+        eng.close()
+    _compare(got, static, TOL_SAME, f"{size} offload: graphs vs static eager")
 
 
 def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
