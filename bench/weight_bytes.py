@@ -8,7 +8,7 @@ divides the memory bandwidth by. Per token, at batch 1:
 - per MoE layer, top_k experts: top_k times the mean stored bytes of that layer's experts.
 A linear counts all its stored EXL2 parts (codes, scales, groups, the permutation: the kernels read
 each once per step). The KV cache is not counted. Multi-token-prediction layers (`mtp.`) are left
-out: a plain decode step does not run them.
+out: a plain decode step does not run them; so is a vision tower (`model.visual.`).
 
 `decode_weight_bytes(folder, telemetry)` is what the worker benchmark adds to the load's telemetry of
 an engine that reports no `weight_bytes_per_token` of its own (the exllamav2-based engine): computed
@@ -21,12 +21,15 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from runtime import qwen35
 from runtime.errors import InvalidModel
 from runtime.modelfolder import DTYPE_BYTES, flat_config, read_header, read_json
 
-EXPERT = re.compile(r"^(?:model\.layers|transformer\.blocks)\.(\d+)\..*\.experts\.(\d+)\.")
-LAYER = re.compile(r"^(?:model\.layers|transformer\.blocks)\.(\d+)\.")
-EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight")
+# Layers under model. (Llama, Qwen3, Mixtral), model.language_model. (Qwen3.5-MoE, a multimodal checkpoint)
+# or transformer.blocks. (DBRX)
+EXPERT = re.compile(r"^(?:model\.(?:language_model\.)?layers|transformer\.blocks)\.(\d+)\..*\.experts\.(\d+)\.")
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight")
+NOT_READ = ("mtp.", "model.visual.")   # the MTP head (a draft), a vision tower (images are not supported)
 PARTS = ("attention", "norms", "router", "dense_mlp", "shared_experts", "experts", "embeddings", "head", "other")
 
 
@@ -71,14 +74,19 @@ def weight_bytes_per_token(folder: str | Path, sizes: Optional[dict[str, int]] =
     bytes of one expert (`expert_bytes_per_layer`, the mean of the layer's experts) and `top_k`.
     `sizes`: the folder's `tensor_sizes`, where the caller has read them already."""
     folder = Path(folder)
-    config = flat_config(read_json(folder / "config.json", "config.json"))
+    raw = read_json(folder / "config.json", "config.json")
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if isinstance(archs, list) and archs and archs[0] in qwen35.ARCHITECTURES:
+        config = qwen35.read_config(raw, folder / "config.json")         # sizes under text_config
+    else:
+        config = flat_config(raw)
     sizes = tensor_sizes(folder) if sizes is None else sizes
     top_k = int(config.get("num_experts_per_tok") or config.get("num_experts_per_token") or 0)
     parts = dict.fromkeys(PARTS, 0)
     experts: dict[int, dict[int, int]] = {}                        # layer -> expert -> bytes
     tied = not any(n.startswith("lm_head.") for n in sizes)
     for name, n in sizes.items():
-        if name.startswith("mtp."):
+        if name.startswith(NOT_READ):
             continue
         m = EXPERT.match(name)
         if m:

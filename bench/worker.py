@@ -1,6 +1,6 @@
 """Worker benchmark: the real worker process, loaded and driven as the GUI drives it.
 
-    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none]
+    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none|mtp]
                              [--max-tokens N] [--turns N] [--out bench/results/]
     python -m bench.worker ...                          (the same)
 
@@ -254,7 +254,8 @@ def settings_for(args: argparse.Namespace):
     if args.placement:
         off["placement"] = args.placement
     load = dataclasses.replace(settings.load, offload=dataclasses.replace(settings.load.offload, **off),
-                               draft=draft_options("none" if args.draft == "none" else "ngram", args.draft_tokens))
+                               draft=draft_options({"none": "none", "mtp": "mtp"}.get(args.draft, "ngram"),
+                                                   args.draft_tokens))
     return dataclasses.replace(settings, load=load)
 
 
@@ -274,9 +275,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench-worker: {e}", file=sys.stderr)
         return 2
-    modes = {"both": ["none", "ngram"], "none": ["none"], "ngram": ["ngram"]}[args.draft]
-    ngram = settings.load.draft
-    drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": ngram}
+    modes = {"both": ["none", "ngram"], "none": ["none"], "ngram": ["ngram"], "mtp": ["none", "mtp"]}[args.draft]
+    drafting = settings.load.draft                   # the drafting mode's options (n-gram, or MTP with --draft mtp)
+    drafts = {"none": from_dict(DraftOptions, {"mode": "off"}, "draft"), "ngram": drafting, "mtp": drafting}
     progress: list[dict] = []
     ceilings = measure_ceilings_apart(args.backend)     # before the load, in a child: no CUDA context here
     t_start = time.perf_counter()
@@ -320,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
 
         def on_answer(a: Answer) -> None:
             answers.append(a)
-            write_result(path, result_of(base, answers, modes, ngram, args.turns))
+            write_result(path, result_of(base, answers, modes, drafting, args.turns))
 
         def roof(a: Answer) -> None:
             tel = dict(load_extra, expert_hit_rate=a.expert_hit_rate,
@@ -330,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             a.roofline = roofline(tel, loaded.backend, ceilings)
 
         converse(client, modes, drafts, sampling, args.turns, on_answer, roof)
-    result = result_of(base, answers, modes, ngram, args.turns)
+    result = result_of(base, answers, modes, drafting, args.turns)
     print_summary(result)
     print(f"wrote {path}")
     return 0
@@ -350,19 +351,23 @@ def load_telemetry(client, request_id: str, timeout: float = 30.0) -> dict:
     return {}
 
 
-def result_of(base: dict, answers: list[Answer], modes: list[str], ngram, turns: int) -> dict:
+DRAFTING = ("ngram", "mtp")       # the drafting modes a run sets beside plain decoding ("none")
+
+
+def result_of(base: dict, answers: list[Answer], modes: list[str], draft, turns: int) -> dict:
     """The result so far (after any number of answers): the DESIGN.md fields, each mode's figures,
-    side by side per prompt, and every answer."""
+    side by side per prompt, and every answer. draft: the drafting mode's options (n-gram or MTP)."""
     done = [m for m in modes if any(a.mode == m for a in answers)]
     by_mode = {m: summary([a for a in answers if a.mode == m]) for m in done}
-    main_mode = "ngram" if "ngram" in by_mode else (done[0] if done else modes[0])
+    drafting = next((m for m in DRAFTING if m in by_mode), None)
+    main_mode = drafting or (done[0] if done else modes[0])
     main = by_mode.get(main_mode) or summary([])
-    base_mode = "none" if main_mode == "ngram" and "none" in by_mode else None
+    base_mode = "none" if drafting and "none" in by_mode else None
     first = answers[0] if answers else None
     roof = (answers[-1].roofline if answers else None) or {}
     speedup = None
-    if "ngram" in by_mode and "none" in by_mode:
-        plain, drafted = by_mode["none"]["decode_tps_by_prompt"], by_mode["ngram"]["decode_tps_by_prompt"]
+    if drafting and "none" in by_mode:
+        plain, drafted = by_mode["none"]["decode_tps_by_prompt"], by_mode[drafting]["decode_tps_by_prompt"]
         speedup = {n: drafted[n] / plain[n] for n in plain if plain[n] and drafted.get(n)}
     return dict(base, **{
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -372,11 +377,10 @@ def result_of(base: dict, answers: list[Answer], modes: list[str], ngram, turns:
         "roofline_tps": roof.get("roofline_tps"), "roofline_note": roof.get("roofline_note", "roofline not computed"),
         "roofline_all_resident_tps": roof.get("roofline_all_resident_tps"),
         "roofline_placement": roof.get("roofline_placement"),
-        "draft": (dict(dataclasses.asdict(ngram), acceptance_rate=main["acceptance_rate"]) if main_mode == "ngram"
-                  else None),
+        "draft": (dict(dataclasses.asdict(draft), acceptance_rate=main["acceptance_rate"]) if drafting else None),
         "baseline": dict(name=base_mode, **by_mode[base_mode]) if base_mode else None,
         "worker": True, "complete": len(answers) == turns * len(modes),
-        "modes": by_mode, "speedup_ngram_vs_none": speedup,
+        "modes": by_mode, f"speedup_{drafting or 'ngram'}_vs_none": speedup,
         "first_answer_vs_steady": _first_vs_steady(answers),
         "max_token_gap_s_by_answer": [[a.mode, a.prompt_name, a.max_token_gap_s] for a in answers],
         "answers": [dataclasses.asdict(a) for a in answers],
@@ -408,8 +412,9 @@ def print_summary(r: dict) -> None:
     for mode, prompt, gap in r["max_token_gap_s_by_answer"]:
         print(f"  max gap {mode:5s} {prompt:13s} {1e3 * gap:7.1f} ms" if gap is not None
               else f"  max gap {mode:5s} {prompt:13s}       -")
-    for prompt, x in (r["speedup_ngram_vs_none"] or {}).items():
-        print(f"  ngram vs none {prompt:13s} x{x:.2f}")
+    for mode in DRAFTING:
+        for prompt, x in (r.get(f"speedup_{mode}_vs_none") or {}).items():
+            print(f"  {mode} vs none {prompt:13s} x{x:.2f}")
 
 
 def _first_vs_steady(answers: list[Answer]) -> Optional[float]:
@@ -442,9 +447,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
     p.add_argument("--placement", choices=("auto", "vram", "cpu", "stream"), help="expert placement")
-    p.add_argument("--draft", choices=("both", "ngram", "none"), default="both",
-                   help="both: the conversation with plain decoding, then with n-gram drafting (side by side)")
-    p.add_argument("--draft-tokens", type=int, help="n-gram drafts per step")
+    p.add_argument("--draft", choices=("both", "ngram", "none", "mtp"), default="both",
+                   help="both: the conversation with plain decoding, then with n-gram drafting (side by side); mtp: "
+                        "plain decoding and the model's own multi-token-prediction head (Qwen3.5-MoE) side by side")
+    p.add_argument("--draft-tokens", type=int, help="drafts per step (n-gram or MTP)")
     p.add_argument("--max-tokens", type=int, default=160, help="longest answer in tokens")
     p.add_argument("--turns", type=int, default=len(CONVERSATION), help="answers per conversation")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -1,7 +1,7 @@
 """moedesk-cli chat: ask a model one question through a real worker process, streaming the answer.
 
     moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
-                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--cpu-threads N] [--json] PROMPT
+                     [--draft none|ngram|mtp|DIR] [--draft-tokens K] [--vram-budget GB] [--cpu-threads N] [--json] PROMPT
 
 Exit status 0 on success; otherwise one line on stderr saying what went wrong, and status 1
 (2 for bad arguments, as argparse does).
@@ -18,7 +18,9 @@ from runtime.options import DraftOptions, LoadOptions, OffloadOptions, OptionErr
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model and how to load it (shared with `moedesk serve`)."""
     p.add_argument("--model", required=True, help="model name in the models folder, 'demo', or a folder path")
-    p.add_argument("--draft", default="none", help="speculative decoding: none, ngram, or a draft model folder/name")
+    p.add_argument("--draft", default="none",
+                   help="speculative decoding: none, ngram, mtp (the model's own head: Qwen3.5-MoE), or a draft "
+                        "model folder/name")
     p.add_argument("--draft-tokens", type=int, help="tokens drafted ahead per step")
     p.add_argument("--vram-budget", type=float, metavar="GB", help="GPU memory the engine may use")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="engine backend")
@@ -36,10 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def draft_options(draft: str, draft_tokens: int | None) -> DraftOptions:
-    """`--draft none|ngram|DIR` and `--draft-tokens K` as validated draft options (chat and bench)."""
+    """`--draft none|ngram|mtp|DIR` and `--draft-tokens K` as validated draft options (chat and bench)."""
     fields: dict = {}
-    if draft == "ngram":
-        fields["mode"] = "ngram"
+    if draft in ("ngram", "mtp"):
+        fields["mode"] = draft
     elif draft not in ("none", "off", ""):
         fields.update(mode="model", model=draft)
     if draft_tokens is not None:

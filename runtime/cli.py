@@ -1,14 +1,14 @@
 """moedesk-cli: the headless front door. Each subcommand lives in its own module and is imported lazily.
 
     moedesk-cli chat --model NAME_OR_DIR [--temperature T] [--max-tokens N] [--seed S]
-                     [--draft none|ngram|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
+                     [--draft none|ngram|mtp|DIR] [--draft-tokens K] [--vram-budget GB] [--json] PROMPT
     moedesk-cli import-demo [--bits B] [--force]
     moedesk-cli synth --shape NAME --bpw B --out DIR
     moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
     moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
-    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none] --out bench/results/
+    moedesk-cli bench-worker --model NAME_OR_DIR [--vram-budget GB] [--draft both|ngram|none|mtp] --out bench/results/
 """
 from __future__ import annotations
 

@@ -54,6 +54,25 @@ def test_bench_worker_writes_the_worker_result(demo_model, tmp_path):
     assert not list(out.glob("*.part"))
 
 
+def test_bench_worker_puts_the_mtp_head_beside_plain_decoding(tiny_qwen35, tmp_path):
+    """--draft mtp: the model loaded with its multi-token-prediction head, each turn answered plainly and
+    with the head drafting, and the two side by side (a Qwen3.5-MoE synthetic model, the CPU engine)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "bench.worker", "--model", str(tiny_qwen35), "--backend", "cpu",
+                           "--draft", "mtp", "--draft-tokens", "2", "--max-tokens", "6", "--turns", "1",
+                           "--out", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = out.glob("worker-*.json")
+    r = json.loads(path.read_text())
+    assert [a["mode"] for a in r["answers"]] == ["none", "mtp"] and r["complete"]
+    assert r["draft"]["mode"] == "mtp" and r["draft"]["draft_tokens"] == 2 and r["baseline"]["name"] == "none"
+    assert set(r["speedup_mtp_vs_none"]) == {"first_answer"} and "mtp vs none" in proc.stdout
+    mtp = r["answers"][1]
+    assert mtp["drafted_tokens"] is not None and mtp["draft_decisions"][0].startswith("step 0: ")
+
+
 def test_the_result_is_written_after_every_answer(tmp_path):
     """What was measured before a time limit stops the run is on disk: the file after one answer
     is a complete JSON of that answer."""

@@ -68,3 +68,33 @@ def test_a_folder_without_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InvalidModel, match="no .safetensors files"):
         weight_bytes_per_token(tmp_path)
+
+
+def test_a_qwen35_folder_counts_its_language_models_layers_and_not_its_mtp_head(tiny_qwen35):
+    """Qwen3.5-MoE keeps its layers under model.language_model. (a multimodal checkpoint): its experts are
+    counted top-k a layer, not whole as dense weights; the MTP head is a draft, not read by a plain step.
+    The hybrid engine's own telemetry says about the same experts' share (its packed stacks, padded for
+    the kernels: 6% more at this tiny width)."""
+    from bench.weight_bytes import weight_bytes_per_token
+    from runtime.backends import hybrid
+    from runtime.options import LoadOptions, OffloadOptions
+    config = json.loads((tiny_qwen35 / "config.json").read_text())
+    text = config.get("text_config", config)
+    k, L = text["num_experts_per_tok"], text["num_hidden_layers"]
+    stored = _stored(tiny_qwen35)
+    p0 = "model.language_model.layers.0.mlp.experts.0."
+    one_expert = sum(n for name, n in stored.items() if name.startswith(p0))
+    assert one_expert > 0 and any(name.startswith("mtp.") for name in stored)
+    r = weight_bytes_per_token(tiny_qwen35)
+    assert r["top_k"] == k and r["experts"] == L * k * one_expert
+    assert r["embeddings"] == text["hidden_size"] * 2 and r["other"] == 0 and r["dense_mlp"] == 0
+    mtp = sum(n for name, n in stored.items() if name.startswith("mtp."))
+    experts_stored = sum(n for name, n in stored.items() if ".mlp.experts." in name and not name.startswith("mtp."))
+    embed = stored["model.language_model.embed_tokens.weight"]
+    assert r["total"] == sum(stored.values()) - mtp - experts_stored + r["experts"] - embed + r["embeddings"]
+    eng, _ = hybrid.load(tiny_qwen35, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu")
+    try:
+        parts = eng.telemetry()["weight_bytes_per_token_parts"]
+    finally:
+        eng.close()
+    assert parts["experts"] == pytest.approx(r["experts"], rel=0.1) and parts["total"] > parts["experts"]

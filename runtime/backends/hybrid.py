@@ -64,6 +64,7 @@ class HybridExl2Engine(Engine):
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         self.graph_error: Optional[str] = None
         self._bytes_per_token = model.nbytes_per_token()
+        self._expert_bytes_per_token = model.expert_bytes_per_token()
         self.mtp_head = mtp_head        # the multi-token-prediction head (hybrid_mtp.py), when the load asked for it
         self.mtp = MtpCache(spec, cache.capacity, model.dtype, model.device) if mtp_head is not None else None
         self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
@@ -334,6 +335,9 @@ class HybridExl2Engine(Engine):
 
     def telemetry(self) -> dict[str, Any]:
         out: dict[str, Any] = {"weight_bytes_per_token": self._bytes_per_token,
+                               # the experts' share: the worker benchmark's roofline of an offloaded placement
+                               "weight_bytes_per_token_parts": {"experts": self._expert_bytes_per_token,
+                                                                "total": self._bytes_per_token},
                                "cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
                                "rollback_window": self.cache.window if self.cache is not None else 0,
                                "decode_graphs": self.graphs is not None}

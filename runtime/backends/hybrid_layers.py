@@ -258,6 +258,10 @@ class HybridModel:
             out += [mixer.proj, mixer.out, moe.shared_gate_up, moe.shared_down, moe.shared_gate]
         return out
 
+    def expert_bytes_per_token(self) -> int:
+        """The routed experts' share of `nbytes_per_token`: top-k experts per layer."""
+        return sum(moe.experts.bytes_per_token(1) for _, _, _, _, moe in self.blocks)
+
     def nbytes_per_token(self) -> int:
         total = self.head.nbytes() + self.spec.hidden * self.embed.element_size()
         for _, _, _, mixer, moe in self.blocks:

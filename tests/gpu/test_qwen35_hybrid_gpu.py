@@ -192,10 +192,10 @@ def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
         eng.close()
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "ngram", "mtp"])
 def test_moedesk_cli_chat_answers_with_it(models, draft):
     """`moedesk-cli chat` through a real worker: loaded on CUDA in the hybrid engine, an answer streamed
-    to its end (n-gram drafting: verifies and rollbacks of the DeltaNet states)."""
+    to its end (n-gram and MTP drafting: verifies and rollbacks of the DeltaNet states)."""
     import subprocess
     import sys
     cmd = [sys.executable, "-m", "runtime.cli", "chat", "--model", str(models("tiny")), "--backend", "cuda",
