@@ -51,7 +51,7 @@ def on_cores(threads: int, fn: Callable[..., T], *args, **kwargs) -> T:
 
     Why a thread of its own: libgomp (torch's OpenMP, shared with the CPU expert kernel) keeps a grown
     team's threads docked for the thread that grew it until that thread exits, and while more OpenMP
-    threads are alive than the machine has CPUs, every team waits at its barriers for 1,000 spins
+    threads are alive than the machine has CPUs, every team waits at its barriers for 100 spins
     instead of 300,000 before it sleeps in the kernel: the CPU expert path's team, between two layers'
     calls, then sleeps and is woken again. Grown on the calling (the engine's) thread, the team stayed
     for the process's life; here it ends with the helper thread."""

@@ -125,7 +125,7 @@ def test_on_cores_runs_with_more_threads_and_puts_the_count_back_even_on_error()
 def test_on_cores_leaves_no_grown_thread_team_behind():
     """The work's OpenMP team ends with its helper thread. Grown on the caller's thread it stayed docked
     for the process's life, and while more OpenMP threads live than the machine has CPUs, libgomp makes
-    every team (the CPU expert path's too) sleep at its barriers after 1,000 spins instead of 300,000."""
+    every team (the CPU expert path's too) sleep at its barriers after 100 spins instead of 300,000."""
     import psutil
     import torch
 
