@@ -1,5 +1,6 @@
 """Expert-offload benchmark: decode speed, time to first token and PCIe traffic per VRAM budget, against
-the naive baseline in the same run.
+the naive baseline in the same run. Either GPU engine: the exllamav2 engine, or Qwen3.5-MoE's own
+(runtime/backends/hybrid.py; --placement stream only: it has no CPU expert path yet).
 
     python -m bench.offload --model DIR --budgets 24,12,48 --context 8192 \
         --prompt 2048 --decode 128 [--naive-decode 32] [--no-naive] [--reload] [--calibrate 256] \
@@ -222,7 +223,8 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
     after_prefill = _counts(engine)
     tps, tok, d = decode_counted(engine, tok, n_decode, warm=4)
     tel = engine.telemetry()
-    parts = weight_bytes_per_token(engine)
+    # the hybrid engine (Qwen3.5) says its own; the exllamav2 engine's modules are read here
+    parts = tel.get("weight_bytes_per_token_parts") or weight_bytes_per_token(engine)
     pairs = max(1, d["pairs"])
     pcie = (d["zero_copy_bytes"] + d["promoted"]) / n_decode
     cpu_bytes = d["cpu_bytes"] / n_decode
@@ -276,8 +278,11 @@ def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float,
 
 
 def vram_breakdown(engine) -> dict[str, float]:
-    """GiB of VRAM in use after load, by what holds it (the ledger's first item, taken apart)."""
+    """GiB of VRAM in use after load, by what holds it (the ledger's first item, taken apart; the
+    exllamav2 engine's parts: the hybrid engine's cache and scratch are not taken apart)."""
     model, cache = engine.model, engine.cache
+    if not hasattr(cache, "key_states"):
+        return {"allocated": torch.cuda.memory_allocated() / GiB, "cache": cache.nbytes() / GiB}
     kv = sum(t.numel() * t.element_size() for ts in (cache.key_states, cache.value_states) for t in ts if t is not None)
     scratch = sum(getattr(c, "scratch_bytes", 0) for c in (model.device_context or []) if c is not None)
     experts = codes = 0
@@ -494,6 +499,14 @@ def load_progress(say: Callable[[str], None], step: int = 10) -> Callable[[str, 
     return progress
 
 
+def engine_for(model: str) -> str:
+    """The GPU engine for this folder, runtime.backends.NAME: Qwen3.5-MoE's own ("hybrid"), else the
+    exllamav2 engine ("exl2")."""
+    from runtime import modelfolder
+    arch = modelfolder.validate(model, require_tokenizer=False).architecture
+    return "hybrid" if arch in modelfolder.qwen35.ARCHITECTURES else "exl2"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Expert-offload benchmark (with the naive baseline)")
     ap.add_argument("--model", required=True)
@@ -536,8 +549,12 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
-    from runtime.backends import exl2
     budgets = [float(b) for b in a.budgets.split(",")]
+    import importlib
+    engine_name = engine_for(a.model)
+    if engine_name == "hybrid" and a.placement != "stream":
+        raise SystemExit(f"--placement {a.placement}: the Qwen3.5 engine has no CPU expert path yet (use stream)")
+    backend = importlib.import_module(f"runtime.backends.{engine_name}")
     label = a.label or Path(a.model).name
     hbm = hbm_bandwidth()
     h2d = pinned_h2d_bandwidth()
@@ -607,7 +624,7 @@ def main(argv=None) -> int:
                 opts = LoadOptions(offload=OffloadOptions(context_length=a.context, vram_budget_gb=b,
                                                           placement=a.placement, cpu_threads=a.cpu_threads))
                 progress(f"loading at {b:g} GB")
-                engine, applied = exl2.load(a.model, opts, load_progress(lambda m: progress(f"  {m}")))
+                engine, applied = backend.load(a.model, opts, load_progress(lambda m: progress(f"  {m}")))
                 progress("loaded")
                 how = "load"
                 if a.routing != "router":

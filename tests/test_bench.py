@@ -78,3 +78,15 @@ def test_offload_bench_says_the_loads_steps_as_they_happen():
     weights = [m for m in said if "Loading weights" in m]
     assert weights[0] == "load: Loading weights (0/200)" and weights[-1] == "load: Loading weights (200/200)"
     assert len(weights) == 11 and said[-1] == "load: Placing experts"
+
+
+def test_offload_bench_picks_the_qwen35_engine_for_a_qwen35_folder(tiny_qwen35, tmp_path):
+    """bench.offload runs Qwen3.5-MoE folders on their own engine (the exllamav2 engine has no linear
+    attention), with the placement it has (no CPU expert path yet: said before anything loads)."""
+    from bench.offload import engine_for, main
+    from runtime.exl2.synth import write_synthetic
+    assert engine_for(str(tiny_qwen35)) == "hybrid"
+    write_synthetic("tiny-moe", 4.0, tmp_path / "moe")
+    assert engine_for(str(tmp_path / "moe")) == "exl2"
+    with pytest.raises(SystemExit, match="--placement cpu: the Qwen3.5 engine has no CPU expert path yet"):
+        main(["--model", str(tiny_qwen35), "--placement", "cpu"])

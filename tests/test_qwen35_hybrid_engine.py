@@ -268,3 +268,36 @@ def test_a_forward_that_fails_half_way_leaves_the_states_as_they_were(ref, eng):
         assert eng.position == 20 and eng.tokens == seq[:20]
         _both(ref, eng, [seq[30]], f"decode after a failed forward of {rows}")
         ref.truncate(20), eng.truncate(20)
+
+
+def test_an_experiment_reaches_every_moe_layer_and_the_offload_manager(folder):
+    """bench.offload drives this engine as the exllamav2 one: `set_experiment` hands forced picks to every
+    MoE layer (uniform routing: the GPU kernels apply them, this CPU path keeps the router's) and the rest
+    to the offload manager; a wrong number of pick sets is refused in words; NO_EXPERIMENT undoes it."""
+    from runtime.experts.experiment import NO_EXPERIMENT, Experiment
+    from runtime.experts.kernels import UniformPicks
+    off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                         window=WINDOW, host_experts=True)
+    try:
+        first = off.moe[0].experts
+        assert [m.experts for m in off.moe] == off.model.expert_layers()
+        picks = UniformPicks.draw(first.num_experts, first.top_k, first.gate_w.device)
+        run = off.experiment.replace(forced_routing=tuple(picks.for_layer(i) for i in range(len(off.moe))),
+                                     routing_label="uniform", naive=True)
+        off.set_experiment(run)
+        assert off.experiment is run and off.offload.experiment is run
+        assert all(m.experts.forced is run.forced_routing[i] for i, m in enumerate(off.moe))
+        with pytest.raises(EngineError, match="1 pick sets for 4 MoE layers"):
+            off.set_experiment(Experiment(forced_routing=(picks.for_layer(0),)))
+        off.set_experiment(NO_EXPERIMENT)
+        assert all(m.experts.forced is None for m in off.moe) and off.offload.experiment is NO_EXPERIMENT
+    finally:
+        off.close()
+    plain, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu")
+    try:
+        with pytest.raises(EngineError, match="needs a model loaded with expert offload"):
+            plain.set_vram_budget(24)
+        with pytest.raises(EngineError, match="needs a model loaded with expert offload"):
+            plain.set_experiment(Experiment(naive=True))
+    finally:
+        plain.close()

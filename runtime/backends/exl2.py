@@ -28,7 +28,7 @@ from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
-from runtime.backends.exl2_offload import budget_error, return_cached_memory
+from runtime.backends.exl2_offload import budget_error, replace_for_budget, return_cached_memory
 from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
@@ -330,26 +330,8 @@ class Exl2Engine(Engine):
         the old slots' addresses) are dropped and recaptured at the next step."""
         if self.offload is None:
             raise EngineError("set_vram_budget needs a model loaded with expert offload")
-        from runtime.experts.budget import GB
         self._drop_graphs()
-        free, total = torch.cuda.mem_get_info()
-        want = int(vram_budget_gb * GB)
-        if want > total:
-            raise OutOfMemory(f"a VRAM budget of {vram_budget_gb:g} GiB is more than the GPU's {total / GB:.1f} GiB",
-                              needed_bytes=want)
-        growing = want >= self.budget.vram.total_bytes
-        self.budget.vram.total_bytes = want
-        if growing:                                   # the new slots are allocated under the new cap
-            torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
-        try:
-            self.offload.place()
-        except BudgetError as e:
-            raise budget_error(e) from None
-        finally:
-            if not growing:                           # the old slots are gone: the smaller cap fits
-                torch.cuda.empty_cache()
-                torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
-            self.budget.capped = True
+        replace_for_budget(self.budget, self.offload, vram_budget_gb)
         from runtime.backends.exl2_placement import make_judge
         self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
         self.path_judge.decide()

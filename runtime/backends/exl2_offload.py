@@ -148,6 +148,31 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
                         cpu_threads=off.cpu_threads)
 
 
+def replace_for_budget(setup: OffloadSetup, manager, vram_budget_gb: float) -> None:
+    """Benchmarks: place the offloaded experts again for another VRAM budget without reloading (either
+    engine's `set_vram_budget`, its graphs dropped first): the ledger's total and the allocator cap
+    move (before the new slots are allocated when growing, after the old ones are freed when shrinking),
+    hot slots and staging are planned anew."""
+    free, total = torch.cuda.mem_get_info()
+    want = int(vram_budget_gb * GB)
+    if want > total:
+        raise OutOfMemory(f"a VRAM budget of {vram_budget_gb:g} GiB is more than the GPU's {total / GB:.1f} GiB",
+                          needed_bytes=want)
+    growing = want >= setup.vram.total_bytes
+    setup.vram.total_bytes = want
+    if growing:                                   # the new slots are allocated under the new cap
+        torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
+    try:
+        manager.place()
+    except BudgetError as e:
+        raise budget_error(e) from None
+    finally:
+        if not growing:                           # the old slots are gone: the smaller cap fits
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, want / total))
+        setup.capped = True
+
+
 def cpu_path_applied(setup: OffloadSetup, manager, decision: str = "") -> None:
     """After placement: whether the CPU expert path runs, in `setup.applied` (placement, cpu_threads);
     `decision`: how that was decided (runtime/experts/path_judge.py), in words."""

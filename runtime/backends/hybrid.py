@@ -36,7 +36,7 @@ import torch
 
 from runtime import tuning
 from runtime.backends import hybrid_layers, hybrid_mtp
-from runtime.backends.hybrid_mtp import MtpHead
+from runtime.backends.hybrid_mtp import MtpDrafting, MtpHead
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.backends.hybrid_state import HybridCache
@@ -44,6 +44,7 @@ from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, InvalidModel, NoModel,
                             OutOfMemory, UnsupportedArchitecture)
 from runtime.experts.budget import BudgetError, MemoryBudget
+from runtime.experts.experiment import NO_EXPERIMENT
 from runtime.options import LoadOptions
 from runtime.reference.mtp import MtpCache
 
@@ -52,7 +53,7 @@ PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
 
 
-class HybridExl2Engine(Engine):
+class HybridExl2Engine(MtpDrafting, Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
                  offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
@@ -69,6 +70,7 @@ class HybridExl2Engine(Engine):
         self.mtp = MtpCache(spec, cache.capacity, model.dtype, model.device) if mtp_head is not None else None
         self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
         self.mtp_missing: Optional[str] = None   # without a head: why, in words (set by load)
+        self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
 
     @property
     def position(self) -> int:
@@ -257,73 +259,39 @@ class HybridExl2Engine(Engine):
         for L, t in answer_plan(self.position, max_new_tokens, w, self.cache.capacity, self.graphs.captured(), w):
             self._prepare_graph(L, t)
 
-    # -- the MTP head (hybrid_mtp.py; the slots' bookkeeping as the reference engine's) ------------
+    # -- benchmarks and tests (bench/offload.py drives both GPU engines through these) ------------
+
+    path_judge = None                # the CPU expert path's timed decision: the exllamav2 engine's only, so far
 
     @property
-    def has_mtp(self) -> bool:
-        return self.mtp_head is not None
+    def moe(self) -> list:
+        """The MoE blocks (each with its `experts`), in layer order."""
+        return [block[4] for block in self.model.blocks]
 
-    def mtp_enable(self) -> None:
-        """Let the head follow every forward from now on (about one layer's work per forward)."""
-        if self.mtp_head is None:
-            raise BadRequest(self.mtp_missing or f"{self.info.name} has no multi-token-prediction head loaded")
-        self.mtp_on = True
+    def set_experiment(self, experiment) -> None:
+        """Run the MoE layers under `experiment` (runtime/experts/experiment.py) from the next forward;
+        captured graphs are dropped where it changes what they captured (the naive baseline runs none:
+        the benchmark sets the graphs aside)."""
+        from runtime.experts.experiment import apply_experiment
+        if self.experiment.changes_graphs(experiment):
+            self._drop_graphs()
+        try:
+            apply_experiment(experiment, self.model.expert_layers(), self.offload)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self.experiment = experiment
 
-    def _mtp_follow(self, start: int, ids: list[int], hidden: torch.Tensor) -> None:
-        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
-        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
-        head = self.mtp
-        if start == 0:
-            head.slots = 0
-        if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
-            h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
-            toks = ids[1:] if start == 0 else ids
-            if toks:
-                dev = torch.tensor(toks, dtype=torch.long).to(self.model.device, non_blocking=True)
-                self.mtp_head.run(self.model, head.kv, h, dev, max(start - 1, 0))
-            head.slots = start + len(ids) - 1
-        head.keep_rows(start, hidden)
-
-    def mtp_draft(self, tokens: list[int], k: int, choose) -> list[int]:
-        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
-        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
-        self.mtp_enable()
-        n = len(tokens) - 1
-        if n != self.position:
-            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.position}, "
-                              f"not the {n} before the last")
-        head, drafts = self.mtp, []
-        if n == 0:
-            return drafts
-        with torch.inference_mode():
-            if head.slots < n - 1 or not head.has_row(n - 1):
-                self._mtp_rebuild(n)
-            h, tok = head.row(n - 1)[None], tokens[-1]
-            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
-                dev = torch.tensor([tok], dtype=torch.long).to(self.model.device, non_blocking=True)
-                h = self.mtp_head.run(self.model, head.kv, h, dev, pos)
-                logits = self.model.head(h).float()[0]
-                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
-                    if media < logits.shape[0]:
-                        logits[media] = float("-inf")
-                tok = choose(logits)
-                drafts.append(tok)
-        return drafts
-
-    def _mtp_rebuild(self, n: int) -> None:
-        """The head missed part of the conversation (it was off): run the model over it again."""
-        keep = self.tokens[:n]
-        self.cache.reset()
-        self.tokens = []
-        self.mtp.slots, self.mtp.rows = 0, None
-        self._forward(keep, last_only=True)
-
-    def place_experts(self, resident: list[list[int]]) -> None:
-        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
-        if self.offload is None:
-            raise EngineError("place_experts needs a model loaded with expert offload")
+    def set_vram_budget(self, vram_budget_gb: float) -> None:
+        """Place the offloaded experts again for another VRAM budget, without reloading."""
+        if self.offload is None or self.setup is None:
+            raise EngineError("set_vram_budget needs a model loaded with expert offload")
+        from runtime.backends.exl2_offload import replace_for_budget
         self._drop_graphs()
-        self.offload.apply(resident)
+        replace_for_budget(self.setup, self.offload, vram_budget_gb)
+
+    def reset_graphs(self) -> None:
+        """After changing what a step does by hand: graphs captured again."""
+        self._drop_graphs()
 
     def _drop_graphs(self) -> None:
         """Before the slots move (routing_prior.py calls it too): wait for queued steps, drop the graphs

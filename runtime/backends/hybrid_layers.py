@@ -259,8 +259,8 @@ class HybridModel:
         return out
 
     def expert_bytes_per_token(self) -> int:
-        """The routed experts' share of `nbytes_per_token`: top-k experts per layer."""
-        return sum(moe.experts.bytes_per_token(1) for _, _, _, _, moe in self.blocks)
+        """The routed experts' share of `nbytes_per_token`: top-k experts per layer (their routers not counted)."""
+        return sum(moe.experts.bytes_per_token(1) - moe.experts.router_bytes() for _, _, _, _, moe in self.blocks)
 
     def nbytes_per_token(self) -> int:
         total = self.head.nbytes() + self.spec.hidden * self.embed.element_size()
