@@ -8,7 +8,8 @@
 #      against the CPU, decode graphs with and without offload, the MTP head), at most TEST_S seconds
 #   2. synthesize qwen3.5-122b-a10b at 3.0 bpw (~49 GB on disk) once under $ROOT
 #   3. OFFLOAD=1: the offload benchmark at 24 GB, uniform routing, the trace-driven routing beside it on
-#      the same load, a 2048-token prompt's time to first token, the naive baseline in the same run
+#      the same load, a 2048-token prompt's time to first token, the naive baseline in the same run; the
+#      app's placement ("auto": the CPU expert path timed against streaming, both recorded)
 #   4. WORKER=1: the worker benchmark all in VRAM, plain decoding and MTP drafting side by side
 #      (`bench-worker --draft mtp`: the way a user meets it, the first answer included)
 #   5. WORKER24=1: the same at a 24 GB budget (MTP's verify cost with offload: its answers' verify rows
@@ -61,7 +62,7 @@ if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
     log "offload benchmark at 24 GB, uniform routing (trace $TRACE beside it); $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets 24 \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
-        --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement stream \
+        --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto \
         --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
     log "offload benchmark: exit ${PIPESTATUS[0]}"
     copy_new "offload-qwen3.5-122b-a10b-*.json"

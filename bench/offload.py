@@ -1,6 +1,6 @@
 """Expert-offload benchmark: decode speed, time to first token and PCIe traffic per VRAM budget, against
 the naive baseline in the same run. Either GPU engine: the exllamav2 engine, or Qwen3.5-MoE's own
-(runtime/backends/hybrid.py; --placement stream only: it has no CPU expert path yet).
+(runtime/backends/hybrid.py).
 
     python -m bench.offload --model DIR --budgets 24,12,48 --context 8192 \
         --prompt 2048 --decode 128 [--naive-decode 32] [--no-naive] [--reload] [--calibrate 256] \
@@ -551,10 +551,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     budgets = [float(b) for b in a.budgets.split(",")]
     import importlib
-    engine_name = engine_for(a.model)
-    if engine_name == "hybrid" and a.placement != "stream":
-        raise SystemExit(f"--placement {a.placement}: the Qwen3.5 engine has no CPU expert path yet (use stream)")
-    backend = importlib.import_module(f"runtime.backends.{engine_name}")
+    backend = importlib.import_module(f"runtime.backends.{engine_for(a.model)}")
     label = a.label or Path(a.model).name
     hbm = hbm_bandwidth()
     h2d = pinned_h2d_bandwidth()

@@ -82,11 +82,9 @@ def test_offload_bench_says_the_loads_steps_as_they_happen():
 
 def test_offload_bench_picks_the_qwen35_engine_for_a_qwen35_folder(tiny_qwen35, tmp_path):
     """bench.offload runs Qwen3.5-MoE folders on their own engine (the exllamav2 engine has no linear
-    attention), with the placement it has (no CPU expert path yet: said before anything loads)."""
-    from bench.offload import engine_for, main
+    attention)."""
+    from bench.offload import engine_for
     from runtime.exl2.synth import write_synthetic
     assert engine_for(str(tiny_qwen35)) == "hybrid"
     write_synthetic("tiny-moe", 4.0, tmp_path / "moe")
     assert engine_for(str(tmp_path / "moe")) == "exl2"
-    with pytest.raises(SystemExit, match="--placement cpu: the Qwen3.5 engine has no CPU expert path yet"):
-        main(["--model", str(tiny_qwen35), "--placement", "cpu"])

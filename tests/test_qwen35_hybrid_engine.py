@@ -301,3 +301,27 @@ def test_an_experiment_reaches_every_moe_layer_and_the_offload_manager(folder):
             plain.set_experiment(Experiment(naive=True))
     finally:
         plain.close()
+
+
+def test_the_expert_path_trials_steps_leave_the_conversation_as_it_was(ref, eng):
+    """exl2_placement.time_decode_steps (the CPU expert path's trial) decodes past the cache's end and
+    comes back through `hold_position`: 20 steps, more than the rollback window, need no replay of the
+    conversation, and the next step's logits are the reference's; a truncate before the held position
+    still works (by replaying)."""
+    from runtime.backends.exl2_placement import time_decode_steps
+    seq = _tokens(60, 12)
+    ref.reset(), eng.reset()
+    _both(ref, eng, seq[:40], "prefill")
+    replays = []
+    recover = eng._recover
+    eng._recover = lambda length: replays.append(length) or recover(length)
+    try:
+        times = time_decode_steps(eng, steps=20)
+        assert len(times) == 20 and not replays, replays
+        assert eng.position == 40 and eng.tokens == seq[:40]
+        _both(ref, eng, [seq[40]], "the step after the trial")
+        eng.truncate(37), ref.truncate(37)
+        assert replays == [37]
+        _both(ref, eng, seq[41:43], "a verify after a truncate before the held position")
+    finally:
+        eng._recover = recover

@@ -186,3 +186,24 @@ def test_a_broken_head_is_refused_by_name(tiny_qwen35, tmp_path, name, value, me
     with pytest.raises(InvalidModel) as e:
         hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu", mtp=True)
     assert message in e.value.message
+
+
+def test_the_expert_path_trial_leaves_the_heads_slots_as_they_were(ref, eng):
+    """The trial's timed steps (run under hold_position) move the head's slots and kept rows past the
+    conversation's end; afterwards the drafts are the reference's, with no rebuild."""
+    from runtime.backends.exl2_placement import time_decode_steps
+    seq = _tokens(40, 6)
+    for e in (ref, eng):
+        e.reset()
+        e.mtp_enable()
+        e.forward(seq[:30])
+    rebuilt: list[int] = []
+    rebuild = eng._mtp_rebuild
+    eng._mtp_rebuild = lambda n: rebuilt.append(n) or rebuild(n)
+    try:
+        assert len(time_decode_steps(eng, steps=12)) == 12
+        assert eng.position == 30 and eng.mtp.slots == 29
+        _same_drafts(ref, eng, seq[:31], 3, "drafts after the trial")
+        assert not rebuilt
+    finally:
+        eng._mtp_rebuild = rebuild

@@ -17,7 +17,6 @@ without CUDA its import itself fails.
 from __future__ import annotations
 
 import gc
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,7 +27,8 @@ from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
-from runtime.backends.exl2_offload import budget_error, replace_for_budget, return_cached_memory
+from runtime.backends.exl2_offload import budget_error, return_cached_memory
+from runtime.backends.exl2_placement import StepClock
 from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
@@ -122,7 +122,7 @@ class Exl2Engine(Engine):
         self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
         self._trial = None              # its measurement in progress (idle time): a generator of steps
         self.decision_save = None       # (file, key) where a measured decision is saved (exl2_placement)
-        self._t_step: Optional[float] = None     # when the last one-row forward started
+        self._clock = StepClock()       # one-row steps' times for the judge's drift check
         self.moe = []
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
@@ -157,7 +157,7 @@ class Exl2Engine(Engine):
         ids = torch.tensor([list(tokens)], dtype=torch.long)
         if 1 < T <= MAX_WARM_ROWS:
             self.note_rows(T)
-        self._time_step(T)
+        self._clock.tick(T, self.path_judge)
         if self.offload is not None:
             from exllamav2.device import set_device_streams
             set_device_streams()                      # table writes go on the stream the step runs on
@@ -287,14 +287,6 @@ class Exl2Engine(Engine):
                                     self.graphs.captured(), self.graphs.max_rows):
                 self._prepare_graph(L, T)
 
-    def _time_step(self, rows: int) -> None:
-        """One-row decode steps' wall time (start to next start, pauses over 1 s left out) for the
-        expert-path judge's drift check."""
-        t = time.perf_counter()
-        if self.path_judge is not None and self._t_step is not None and t - self._t_step < 1.0:
-            self.path_judge.observe_step(t - self._t_step)
-        self._t_step = t if rows == 1 else None
-
     def note_rows(self, rows: int) -> None:
         """A forward of `rows` rows ran (a verify): keep graphs ready for that many from now on."""
         self.warm_rows = max(self.warm_rows, min(rows, MAX_WARM_ROWS))
@@ -330,12 +322,8 @@ class Exl2Engine(Engine):
         the old slots' addresses) are dropped and recaptured at the next step."""
         if self.offload is None:
             raise EngineError("set_vram_budget needs a model loaded with expert offload")
-        self._drop_graphs()
-        replace_for_budget(self.budget, self.offload, vram_budget_gb)
-        from runtime.backends.exl2_placement import make_judge
-        self.path_judge = make_judge(self.offload)    # by the prediction until `recheck_placement`
-        self.path_judge.decide()
-        self.decision_save = None                     # saved decisions are per budget: none until then
+        from runtime.backends.exl2_placement import set_vram_budget
+        set_vram_budget(self, vram_budget_gb)
 
     def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
         """Decide the CPU expert path again now (benchmarks, after the routing or the budget

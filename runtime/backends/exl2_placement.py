@@ -1,4 +1,4 @@
-"""The CUDA engine's side of the CPU-path decision (runtime/experts/path_judge.py): time decode
+"""The GPU engines' side of the CPU-path decision (runtime/experts/path_judge.py): time decode
 steps with the CPU expert path on and off (more rounds where they are close), keep the faster; at the
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
@@ -8,11 +8,18 @@ cut settle first, then a path's `TRIAL_STEPS` timed ones),
 so an idle-time trial delays a new command by one of them at most; commands between the steps may
 move the cache, drop graphs or change what the timings stand on (`trial` says what it does about
 each). The timed steps decode the model's own greedy continuation of a random token past the cache's
-end (as an answer decodes); the cache is rolled back after each run."""
+end (as an answer decodes); the cache is rolled back after each run (the engine's `hold_position` where
+it has one: the Qwen3.5 engine's DeltaNet states cannot be truncated past its rollback window without
+replaying the conversation).
+
+Both GPU engines (runtime/backends/exl2.py, hybrid.py) provide what the trial uses: `offload`, `budget`,
+`path_judge`, `decision_save`, `_trial`, `info`, `vocab`, `position`, `forward`, `truncate`, `graphs`,
+`_prepare_graph`, `prepare_graphs` and `_drop_graphs`; each keeps a `StepClock` for the drift check."""
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Generator, Iterator, Optional
 
@@ -44,6 +51,28 @@ def current_path(manager) -> str:
     return "cpu" if manager.cpu_active else "stream"
 
 
+class StepClock:
+    """One-row decode steps' wall time (start to next start, pauses over 1 s left out), handed to the
+    expert-path judge for its drift check: an engine ticks it at the start of every forward."""
+
+    def __init__(self) -> None:
+        self.last: Optional[float] = None         # when the last one-row forward started
+
+    def tick(self, rows: int, judge: Optional[PathJudge]) -> None:
+        t = time.perf_counter()
+        if judge is not None and self.last is not None and t - self.last < 1.0:
+            judge.observe_step(t - self.last)
+        self.last = t if rows == 1 else None
+
+
+@contextmanager
+def _rolled_back(engine, position: int):
+    try:
+        yield
+    finally:
+        engine.truncate(position)
+
+
 def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[float]:
     """Wall time of `steps` one-row decode steps from the cache position, timed as the decode loop
     times them: each feeds the argmax of the step before (the model's own greedy text, routed as its
@@ -59,14 +88,15 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
         return out
     judge = getattr(engine, "path_judge", None)
     engine.path_judge = None                              # these steps are no live decoding (drift, verdict)
+    hold = getattr(engine, "hold_position", None)
     try:
-        token = int(engine.forward([token])[-1].argmax().item())     # untimed
-        for _ in range(max(1, min(steps, room - 1))):
-            t0 = time.perf_counter()
-            token = int(engine.forward([token])[-1].argmax().item())
-            out.append(time.perf_counter() - t0)
+        with hold() if hold is not None else _rolled_back(engine, pos0):
+            token = int(engine.forward([token])[-1].argmax().item())     # untimed
+            for _ in range(max(1, min(steps, room - 1))):
+                t0 = time.perf_counter()
+                token = int(engine.forward([token])[-1].argmax().item())
+                out.append(time.perf_counter() - t0)
     finally:
-        engine.truncate(pos0)
         engine.path_judge = judge
     return out
 
@@ -286,6 +316,19 @@ def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) 
         manager.cpu_reason = judge.reason
     if save is not None and judge.fresh:
         write_decision(save[0], save[1], judge)
+
+
+def set_vram_budget(engine, vram_budget_gb: float) -> None:
+    """Either engine's `set_vram_budget` (benchmarks): the offloaded experts placed again for another
+    VRAM budget without reloading (exl2_offload.replace_for_budget), captured graphs (which hold the
+    old slots' addresses) dropped first; the CPU path then by the prediction until `recheck_placement`
+    (saved decisions are per budget: none is saved until then)."""
+    from runtime.backends.exl2_offload import replace_for_budget
+    engine._drop_graphs()
+    replace_for_budget(engine.budget, engine.offload, vram_budget_gb)
+    engine.path_judge = make_judge(engine.offload)
+    engine.path_judge.decide()
+    engine.decision_save = None
 
 
 def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: bool = False) -> None:

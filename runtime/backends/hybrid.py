@@ -24,11 +24,15 @@ its bucket at or past the cache's end, then rolls the cache back through the sna
 Under offload a step replays its graph unless the manager stages its cold experts for that many rows
 (copies scheduled from the host: prefill-sized forwards, never a verify window), as the exllamav2
 engine's; a re-placement that moves the slots (`place_experts`, the routing prior) drops the graphs.
+The CPU expert path is decided as for the exllamav2 engine (runtime/backends/exl2_placement.py, shared:
+saved per model, budget and machine, else both paths timed at load, again while idle when the live
+steps drift); its timed steps run under `hold_position`.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -38,6 +42,7 @@ from runtime import tuning
 from runtime.backends import hybrid_layers, hybrid_mtp
 from runtime.backends.hybrid_mtp import MtpDrafting, MtpHead
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
+from runtime.backends.exl2_placement import StepClock
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.backends.hybrid_state import HybridCache
 from runtime.engine import Engine, ModelInfo, ProgressFn
@@ -71,6 +76,11 @@ class HybridExl2Engine(MtpDrafting, Engine):
         self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
         self.mtp_missing: Optional[str] = None   # without a head: why, in words (set by load)
         self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
+        # the CPU expert path's decision under offload (runtime/backends/exl2_placement.py, shared)
+        self.path_judge = None           # runtime/experts/path_judge.PathJudge, once decided at load
+        self._trial = None               # its measurement in progress (idle time): a generator of steps
+        self.decision_save = None        # (file, key) where a measured decision is saved
+        self._clock = StepClock()        # one-row steps' times for the judge's drift check
 
     @property
     def position(self) -> int:
@@ -105,6 +115,7 @@ class HybridExl2Engine(MtpDrafting, Engine):
         """Long forwards run in chunks of PREFILL_CHUNK rows (the attention's mask and the chunked rule's
         temporaries grow with the rows); a failed one leaves the cache where it was."""
         ids = self._check(tokens)
+        self._clock.tick(len(ids), self.path_judge)
         pos0, outs = self.position, []
         with torch.inference_mode():
             try:
@@ -236,8 +247,19 @@ class HybridExl2Engine(MtpDrafting, Engine):
 
     def idle_work(self) -> bool:
         """Capture one graph ahead of need (exl2_graph.warm_plan: the decode step of the current bucket and
-        the next two, then the verifies'); False when nothing is left, nothing fits before the context's
-        end, or the graphs held are full of wanted ones."""
+        the next two, then the verifies'); before that, a step of measuring the expert paths again where
+        the live decode steps drifted from the choice. False when nothing is left, nothing fits before
+        the context's end, or the graphs held are full of wanted ones."""
+        if self._trial is not None:
+            try:
+                next(self._trial)
+            except StopIteration:
+                self._trial = None
+            return True
+        if self.path_judge is not None and self.path_judge.wants_recheck():
+            from runtime.backends.exl2_placement import trial
+            self._trial = trial(self, self.path_judge, self.decision_save)
+            return True
         if self.graphs is None or self.model is None:
             return False
         wanted = set(warm_plan(self.position, self.cache.window, self.cache.capacity, (),   # captured or not
@@ -261,7 +283,38 @@ class HybridExl2Engine(MtpDrafting, Engine):
 
     # -- benchmarks and tests (bench/offload.py drives both GPU engines through these) ------------
 
-    path_judge = None                # the CPU expert path's timed decision: the exllamav2 engine's only, so far
+    @property
+    def budget(self):
+        """The load's budgets (exl2_offload.OffloadSetup), as the expert-path trial names them."""
+        return self.setup
+
+    @property
+    def vocab(self) -> int:
+        return self.spec.vocab
+
+    @contextmanager
+    def hold_position(self):
+        """Forwards run inside leave the cache as they found it (the expert-path trial's timed steps): the
+        DeltaNet states at the position are kept aside (one copy of each layer's) and put back, where a
+        truncate past the rollback window would replay the whole conversation. The snapshots of earlier
+        rows are gone after it: a later truncate before this position replays."""
+        cache, pos0, kept = self.cache, self.position, len(self.tokens)
+        head = self.mtp if self.mtp_on else None
+        slots = head.slots if head is not None else 0
+        with torch.inference_mode():
+            conv, rec = cache.conv.clone(), cache.rec.clone()
+        try:
+            yield
+        finally:
+            with torch.inference_mode():
+                cache.conv.copy_(conv)
+                cache.rec.copy_(rec)
+                cache.length = pos0
+                cache._rebase()
+            del self.tokens[kept:]
+            if head is not None:
+                head.trim(pos0)
+                head.slots = min(slots, max(pos0 - 1, 0))
 
     @property
     def moe(self) -> list:
@@ -285,9 +338,14 @@ class HybridExl2Engine(MtpDrafting, Engine):
         """Place the offloaded experts again for another VRAM budget, without reloading."""
         if self.offload is None or self.setup is None:
             raise EngineError("set_vram_budget needs a model loaded with expert offload")
-        from runtime.backends.exl2_offload import replace_for_budget
-        self._drop_graphs()
-        replace_for_budget(self.setup, self.offload, vram_budget_gb)
+        from runtime.backends.exl2_placement import set_vram_budget
+        set_vram_budget(self, vram_budget_gb)
+
+    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
+        """Decide the CPU expert path again now, timing both (benchmarks: after the routing changed)."""
+        if self.offload is not None:
+            from runtime.backends.exl2_placement import settle_cpu_path
+            settle_cpu_path(self, progress, measure)
 
     def reset_graphs(self) -> None:
         """After changing what a step does by hand: graphs captured again."""
@@ -323,6 +381,8 @@ class HybridExl2Engine(MtpDrafting, Engine):
             out["vram_allocated_bytes"] = torch.cuda.memory_allocated()
         if self.offload is not None:
             out.update(self.offload.telemetry().as_dict())
+            if self.path_judge is not None:
+                out["placement_decision"] = self.path_judge.telemetry()
         return out
 
     def close(self) -> None:
@@ -434,20 +494,19 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                 "draft mode is 'mtp' at load time): load the model again with that draft mode"
                 if qwen35.has_mtp(set(folder.info.shard_of)) else
                 f"{info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
-        if manager is not None and cuda:      # a load without saved routing statistics: the prior
-            from runtime.backends.routing_prior import measure_at_load
-            try:
-                if measure_at_load(engine, progress):
-                    manager.forget_warmup()   # its staged bytes are no answer's
-            except BaseException:
-                engine.close()                # the model, the manager, the budgets
-                raise
-        if engine.graphs is not None:         # after the prior's re-placement: the slots stay put now
-            try:
+        try:
+            if manager is not None and cuda:
+                # the routing prior where the model has no saved statistics, then the CPU expert path
+                # (saved for this model, budget and machine, else both paths timed), then the graphs
+                from runtime.backends.exl2_placement import settle_cpu_path
+                settle_cpu_path(engine, progress, load=True)
+                applied.update(setup.applied)
+                manager.forget_warmup()       # the prior's and the trial's staged bytes are no answer's
+            elif engine.graphs is not None:
                 engine.prepare_graphs(progress)
-            except BaseException:
-                engine.close()
-                raise
+        except BaseException:
+            engine.close()                    # the model, the manager, the budgets
+            raise
         applied["offload.backend"] = "applied"
         return engine, applied
     except BudgetError as e:
@@ -515,6 +574,9 @@ def _start_offload(setup, model, path: Path, off, progress):
                              cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None)
     manager.prior_reason = prior                  # measured once the engine is made (routing_prior.py)
     if cuda:
+        from runtime.backends.exl2_decisions import saved_off
+        # no CPU copies that a saved decision drops at once (again at the routing prior's placement)
+        manager.cpu.saved_off = manager.saved_off = saved_off(path, setup)
         manager.on_stage = lambda message: progress("load", message, 0, 1)
         try:
             manager.place()

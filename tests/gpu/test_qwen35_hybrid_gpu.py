@@ -16,7 +16,8 @@ Gated DeltaNet and one gated attention (full_attention_interval 2), at 3.0 bpw.
   its last row's bucket, against the static and the eager forwards; the graphs' memory pool grows by
   little more than each graph's output.
 - offload: every expert's codes in pinned host memory, a few per layer in VRAM slots: same logits
-  as all in VRAM; under decode graphs, the graphs' logits as the static forwards'.
+  as all in VRAM; under decode graphs, the graphs' logits as the static forwards'; with the CPU
+  expert path computing part of the cold experts inside the graphs, as all in VRAM.
 - the MTP head: its draft logits following replayed graphs against the CPU engine's head (tiny), and
   with graphs against without (real width); greedy MTP speculation against plain steps.
 
@@ -177,6 +178,40 @@ def test_offloaded_experts_under_decode_graphs(size, models):
     finally:
         eng.close()
     _compare(got, static, TOL_SAME, f"{size} offload: graphs vs static eager")
+
+
+@pytest.mark.parametrize("size", ["tiny", "real"])
+def test_the_cpu_expert_path_under_graphs_matches_all_in_vram(size, models, monkeypatch):
+    """Placement 'cpu' on the Qwen3.5 engine: part of each layer's cold experts computed on the CPU
+    inside the captured decode steps, as on the exllamav2 engine (tests/gpu/test_offload_gpu.py; the
+    split forced so that every layer owns experts whatever this host measures)."""
+    from runtime.experts import cpu_share
+    from runtime.experts.placement import CpuSplitCosts
+    real_costs = cpu_share.CpuShare._split_costs
+    monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(
+        50e9, 50e9, 0.0, real_costs(self, resident, threads).cpu_bytes_ratio))
+    eng, _ = _load(models(size), graphs=False)
+    try:
+        want = _script(eng, eng.info.vocab_size)
+    finally:
+        eng.close()
+    free = torch.cuda.mem_get_info()[0]
+    eng, applied = _load(models(size), graphs=True, host_experts=True,
+                         off={"vram_budget_gb": 0.9 * free / GiB, "placement": "cpu", "cpu_threads": 4})
+    try:
+        eng.place_experts([list(range(eng.spec.experts // 4))] * eng.spec.layers)
+        eng.offload.set_cpu_path(True, "forced by the test")
+        tel = eng.telemetry()
+        assert tel["cpu_expert_path"] == "on" and tel["expert_paths"] == ["cpu+stream"] * eng.spec.layers, tel
+        got = _script(eng, eng.info.vocab_size)
+        tel = eng.telemetry()
+        assert eng.graphs is not None and eng.graphs.captured(), eng.graph_error
+        assert tel["cpu_expert_pairs"] > 0 and "cpu_expert_errors" not in tel, tel
+        _record(test="qwen35_hybrid_cpu_path", size=size, cpu_ms_per_token=tel.get("cpu_expert_ms_per_token"),
+                placement=applied.get("offload.placement"))
+    finally:
+        eng.close()
+    _compare(got, want, TOL, f"{size} CPU expert path under graphs vs all in VRAM")
 
 
 def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
