@@ -668,3 +668,19 @@ def test_settling_is_bounded_when_the_cut_never_rests(monkeypatch):
     messages = list(xp.trial(engine, xp.make_judge(manager)))
     settle = [m for m in messages if m.startswith("letting the CPU path's cut settle")]
     assert len(settle) == xp.SETTLE_MAX_STEPS // TRIAL_CHUNK and f"{xp.SETTLE_MAX_STEPS} steps" in settle[-1]
+
+
+def test_the_step_clock_hands_the_judge_one_row_steps_only(monkeypatch):
+    """Both GPU engines tick a StepClock at every forward: the judge hears the time from one one-row
+    forward's start to the next forward's, not a verify's or a prefill's, nor a pause over a second."""
+    from runtime.backends import exl2_placement as xp
+    now = [100.0]
+    monkeypatch.setattr(xp.time, "perf_counter", lambda: now[0])
+    heard: list[float] = []
+    judge = type("Judge", (), {"observe_step": lambda self, dt: heard.append(round(dt, 6))})()
+    clock = xp.StepClock()
+    for rows, dt in ((1, 0.02), (1, 0.03), (5, 0.05), (1, 0.02), (1, 2.0), (1, 0.01)):
+        clock.tick(rows, judge)
+        now[0] += dt
+    clock.tick(1, None)                          # no judge (none decided, or a trial's own steps)
+    assert heard == [0.02, 0.03, 0.02]
