@@ -239,3 +239,36 @@ def test_the_mtp_head_is_converted_and_drafts(tmp_path):
     while len(spec) < 40:
         spec += dec.step(spec)
     assert spec[:40] == plain and dec.stats().drafted_tokens > 0
+
+
+def test_a_converted_qwen35_runs_on_the_gpu_engines_code_as_on_the_reference(tmp_path):
+    """What our converter writes from a tiny random checkpoint (its MTP head included) loads in the
+    Qwen3.5 GPU engine (runtime/backends/hybrid.py, its CPU mode: the same layers, the projections
+    dequantized) and gives the reference engine's logits and MTP drafts on that folder (tolerance as
+    tests/test_qwen35_hybrid_engine.py: the experts' intermediate kept in fp16 there)."""
+    from runtime.backends import hybrid
+    from runtime.options import LoadOptions, OffloadOptions
+    src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    ids = tok(TEXT[-600:], return_tensors="pt")["input_ids"][0, -40:].tolist()
+    ref, _ = load(out, precision="float32")
+    eng, _ = hybrid.load(out, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu", window=4,
+                         mtp=True)
+    torch.set_num_threads(1)
+    try:
+        rows = {}
+        for e in (ref, eng):
+            e.mtp_enable()
+            rows[e] = [e.forward(ids[:30])]
+            for n in range(30, 36):
+                e.mtp_draft(ids[:n + 1], 2, lambda row, r=rows[e]: r.append(row[None]) or int(row.argmax()))
+                rows[e].append(e.forward([ids[n]]))
+        for i, (a, b) in enumerate(zip(rows[ref], rows[eng])):
+            finite = torch.isfinite(a)
+            assert torch.equal(finite, torch.isfinite(b)), i
+            diff = (a[finite] - b[finite]).abs().max().item()
+            assert diff <= 5e-3 * max(1.0, a[finite].abs().max().item()), (i, diff)
+    finally:
+        ref.close()
+        eng.close()

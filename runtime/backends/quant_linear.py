@@ -59,6 +59,23 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
+class ConcatLinear:
+    """Stored linears of both kinds fused by the caller: each run of one kind one projection, the
+    outputs concatenated (a Qwen3.5 DeltaNet layer's in_proj_qkv and in_proj_z quantized, its gates
+    in_proj_b and in_proj_a kept in fp16 by our converter). `parts` for settle_autotune."""
+
+    def __init__(self, parts: Sequence):
+        self.parts = list(parts)
+        self.in_features = self.parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
 class CpuExl2Linear(DenseLinear):
     """EXL2 tensors dequantized once (exllamav2's fp16 values), outputs of the parts concatenated."""
 
@@ -184,7 +201,7 @@ def settle_autotune(linears: Sequence) -> int:
     from runtime.backends.exl2_kernels import AUTOTUNE_CALLS, AUTOTUNE_ROWS
     seen: dict[tuple[int, int], object] = {}
     ext = None
-    linears = list(linears)
+    linears = [p for lin in linears for p in getattr(lin, "parts", [lin])]      # ConcatLinear's parts
     for lin in linears:
         if isinstance(lin, TritonExl2Linear):
             settle_gemv(lin)
@@ -239,16 +256,22 @@ def exl2_parts(folder: ModelFolder, prefix: str) -> dict:
 def build(folder: ModelFolder, prefixes: Sequence[str], outs: Sequence[int], device: torch.device,
           dtype: torch.dtype) -> QuantLinear:
     """One projection over the stored linears `prefixes` (their output widths `outs`), concatenated.
-    All EXL2 -> the device's EXL2 implementation; all plain -> `DenseLinear`; a mix is refused."""
+    All EXL2 -> the device's EXL2 implementation; all plain -> `DenseLinear`; a mix -> `ConcatLinear`
+    over each run of one kind (our converter keeps a DeltaNet layer's small gates in fp16)."""
     exl2 = [is_exl2(folder, p) for p in prefixes]
+    if any(exl2) and not all(exl2):
+        runs: list[tuple[list[str], list[int]]] = []
+        for i, (p, o) in enumerate(zip(prefixes, outs)):
+            if i == 0 or exl2[i] != exl2[i - 1]:
+                runs.append(([], []))
+            runs[-1][0].append(p)
+            runs[-1][1].append(o)
+        return ConcatLinear([build(folder, ps, os_, device, dtype) for ps, os_ in runs])
     if all(exl2):
         parts = [exl2_parts(folder, p) for p in prefixes]
         if device.type == "cuda":
             return cuda_exl2(parts, outs, prefixes, device)
         return CpuExl2Linear(parts, outs, [f"{folder.path}: {p}" for p in prefixes], dtype)
-    if any(exl2):
-        raise InvalidModel(folder.path, f"{', '.join(prefixes)}: fused projections must all be EXL2 or all "
-                                        "plain, this folder mixes them")
     ws = [folder.tensor(f"{p}.weight").float() for p in prefixes]
     return DenseLinear(torch.cat(ws) if len(ws) > 1 else ws[0], dtype, device)
 
