@@ -51,3 +51,34 @@ def test_cuda_hessians_and_gptq_stay_on_the_gpu():
     d_gpu, d_cpu = fmt.dequantize(q_gpu, out_features=128), fmt.dequantize(q_cpu, out_features=128)
     assert (d_gpu - d_cpu).abs().mean() < 0.15 * d_cpu.abs().max() / 8
     assert calibrate.experts_per_group(256, 128, 1) == 1
+
+
+def test_a_converted_qwen35_runs_on_the_qwen35_gpu_engine(tmp_path):
+    """A tiny random Qwen3.5-MoE checkpoint (with its MTP head) converted on CUDA loads in the Qwen3.5 GPU
+    engine (exllamav2's GEMM for its EXL2 linears, fp16 for the gates the converter keeps) and gives the
+    same engine's CPU logits (the projections dequantized) within the fp16 tolerance of
+    tests/gpu/test_qwen35_hybrid_gpu.py; the MTP head drafts there too."""
+    pytest.importorskip("transformers")
+    from runtime.backends import hybrid
+    from runtime.options import LoadOptions, OffloadOptions
+    from tests.test_exl2_convert_qwen35 import tiny_qwen35
+    src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
+    out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None,
+                     device="cuda")
+    ids = list(range(10, 50))
+    logits = {}
+    for device in ("cpu", "cuda"):
+        eng, _ = hybrid.load(out, LoadOptions(offload=OffloadOptions(context_length=256)), device=device, window=4,
+                             mtp=True)
+        try:
+            eng.mtp_enable()
+            first = eng.forward(ids[:30]).float().cpu()
+            draft: list = []
+            eng.mtp_draft(ids[:31], 1, lambda row: draft.append(row.float().cpu()) or int(row.argmax()))
+            logits[device] = (first, draft[0])
+        finally:
+            eng.close()
+    for (a, b), what in zip(zip(logits["cuda"], logits["cpu"]), ("prefill", "MTP draft")):
+        finite = torch.isfinite(b)
+        rel = ((a[finite] - b[finite]).norm() / b[finite].norm()).item()
+        assert rel <= 2e-2, f"{what}: relative logit error {rel:.2e}"
