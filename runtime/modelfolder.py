@@ -421,34 +421,9 @@ def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
     return shard_of, headers
 
 
-def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
-    folder = Path(path)
-    if not folder.exists():
-        raise ModelNotFound(folder, "no such model folder")
-    if not folder.is_dir():
-        raise ModelNotFound(folder, "not a folder")
-    _check_links(folder)
-    config = _read_config(folder)
-    has_tokenizer = (folder / "tokenizer.json").is_file()
-    if require_tokenizer and not has_tokenizer:
-        raise InvalidModel(folder / "tokenizer.json", "missing: the model has no tokenizer")
-    shard_of, headers = _weight_files(folder)
-    names = set(shard_of)
-    implied = implied_tensors(config, names)
-    if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
-        raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
-                                               f"tensors; the weights hold only {len(names)}")
-    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
-        raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
-                                      "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
-                                      "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
-    lay = layout(config, names)
-
-    def where(name: str) -> Path:
-        return folder / shard_of[name]
-
-    index = folder / "model.safetensors.index.json"
-    missing_in = index if index.is_file() else folder / next(iter(headers)) if len(headers) == 1 else folder
+def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missing_in: Path) -> bool:
+    """Every tensor of `lay` present with the shape the config implies (plain, or EXL2 with every part,
+    its columns and permutation matching); True when a linear is stored as EXL2."""
     for name, shape in lay.plain.items():
         if name not in names:
             raise InvalidModel(missing_in, f"tensor {name!r} is missing")
@@ -477,6 +452,41 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
             raise InvalidModel(where(f"{prefix}.q_weight"),
                                f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
                                f"the config implies {out} outputs and {inp} inputs")
+    return is_exl2
+
+
+def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelNotFound(folder, "no such model folder")
+    if not folder.is_dir():
+        raise ModelNotFound(folder, "not a folder")
+    _check_links(folder)
+    config = _read_config(folder)
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    if require_tokenizer and not has_tokenizer:
+        raise InvalidModel(folder / "tokenizer.json", "missing: the model has no tokenizer")
+    shard_of, headers = _weight_files(folder)
+    names = set(shard_of)
+    implied = implied_tensors(config, names)
+    if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
+        raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
+                                               f"tensors; the weights hold only {len(names)}")
+    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
+        raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
+                                      "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
+                                      "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
+    lay = layout(config, names)
+
+    def where(name: str) -> Path:
+        return folder / shard_of[name]
+
+    index = folder / "model.safetensors.index.json"
+    missing_in = index if index.is_file() else folder / next(iter(headers)) if len(headers) == 1 else folder
+    is_exl2 = _check_tensors(lay, names, shard_of, headers, where, missing_in)
+    if config["architectures"][0] in qwen35.ARCHITECTURES and qwen35.has_mtp(names):
+        # the multi-token-prediction head, a draft both engines load when asked: checked as the model is
+        _check_tensors(qwen35.mtp_layout(config, names), names, shard_of, headers, where, missing_in)
 
     num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
     data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())

@@ -179,9 +179,11 @@ def _edited_copy(src, dst, name: str, value: torch.Tensor | None):
 
 @pytest.mark.parametrize("name, value, message", [
     ("mtp.norm.weight", torch.zeros(3, dtype=torch.float16), "'mtp.norm.weight' has shape [3], the config implies"),
-    ("mtp.pre_fc_norm_hidden.weight", None, "'mtp.pre_fc_norm_hidden.weight' of the MTP head is missing"),
+    ("mtp.pre_fc_norm_hidden.weight", None, "tensor 'mtp.pre_fc_norm_hidden.weight' is missing"),
 ])
 def test_a_broken_head_is_refused_by_name(tiny_qwen35, tmp_path, name, value, message):
+    """Checked with the folder (modelfolder.validate) as the model's own tensors are: a model whose head
+    is broken is refused before anything loads, whichever engine and draft mode."""
     folder = _edited_copy(tiny_qwen35, tmp_path / "broken", name, value)
     with pytest.raises(InvalidModel) as e:
         hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu", mtp=True)

@@ -128,22 +128,15 @@ class MtpDrafting:
 
 
 def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype) -> Optional[MtpHead]:
-    """The folder's MTP head (`mtp.*`), or None when it has none; its plain tensors checked against the
-    shapes the config implies (qwen35.mtp_layout), its projections' widths by their builders."""
+    """The folder's MTP head (`mtp.*`), or None when it has none; its tensors' shapes were checked when the
+    folder was opened (modelfolder.validate, qwen35.mtp_layout)."""
     present = set(folder.info.shard_of)
     if not qwen35.has_mtp(present):
         return None
-    lay, h = qwen35.mtp_layout(folder.config, present), spec.hidden
+    h = spec.hidden
     if f"{qwen35.MTP}.layers.0.mlp.experts.gate_up_proj" in present:
         raise InvalidModel(folder.path, "the MTP head stores its experts stacked (a bf16 release): the GPU engine "
                                         "runs EXL2 folders only")
-    for name, shape in lay.plain.items():
-        if name not in present:
-            raise InvalidModel(folder.path, f"tensor {name!r} of the MTP head is missing")
-        got = tuple(folder.tensor(name).shape)
-        if got != shape:
-            raise InvalidModel(folder.path / folder.info.shard_of[name],
-                               f"tensor {name!r} has shape {list(got)}, the config implies {list(shape)}")
     p = f"{qwen35.MTP}.layers.0"
     fc = quant_linear.build(folder, [f"{qwen35.MTP}.fc"], [h], device, dtype)
     quant_linear.check_width(fc, h, 2 * h, f"{folder.path}: {qwen35.MTP}.fc")
