@@ -325,3 +325,21 @@ def test_the_expert_path_trials_steps_leave_the_conversation_as_it_was(ref, eng)
         _both(ref, eng, seq[41:43], "a verify after a truncate before the held position")
     finally:
         eng._recover = recover
+
+
+@pytest.mark.parametrize("break_it, says", [
+    (lambda t: t.update(q_groups=t["q_groups"].flip(0)), "q_groups"),
+    (lambda t: t.update(q_invperm=torch.zeros_like(t["q_invperm"])), "not a permutation"),
+    (lambda t: t.update(q_scale=t["q_scale"][:, :1]), "scales per group"),
+], ids=["group-table", "permutation", "scales"])
+def test_exllamav2s_kernels_get_no_inconsistent_exl2_tensors(break_it, says):
+    """The GPU engine's quantized linears check each EXL2 tensor set before exllamav2 indexes by it
+    (quant_linear.check_exl2, run by CudaExl2Linear): a folder's bytes are untrusted."""
+    from runtime.backends.quant_linear import check_exl2
+    from runtime.errors import InvalidModel
+    from runtime.exl2.synth import _random_linear
+    t = _random_linear(64, 128, 4.0, torch.Generator().manual_seed(0))
+    check_exl2(t, "layers.0.q_proj")
+    break_it(t)
+    with pytest.raises(InvalidModel, match=f"layers.0.q_proj.*{says}"):
+        check_exl2(t, "layers.0.q_proj")

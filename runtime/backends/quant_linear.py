@@ -108,6 +108,7 @@ class CudaExl2Linear:
         # max_dq_rows * N <= MAX_DQ_ELEMENTS of it
         self.temp_dq = _scratch(device)
         for t, out, name in zip(parts, outs, names):
+            check_exl2(t, name)                  # exllamav2's kernels trust the group table and the shapes
             w = {k: v.to(device) for k, v in t.items()}
             k_in, n = w["q_invperm"].shape[0], w["q_weight"].shape[1]
             if self.in_features is None:
@@ -186,6 +187,17 @@ class TritonExl2Linear:
 
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def check_exl2(parts: dict, name: str) -> None:
+    """An EXL2 tensor set whole and consistent (runtime/exl2/format.read_layout: dtypes, group table,
+    scales per column, a true permutation), else InvalidModel naming it: a folder's bytes are untrusted,
+    and exllamav2's kernels index by them unchecked."""
+    from runtime.exl2.format import Exl2FormatError, read_layout
+    try:
+        read_layout(parts, name)
+    except Exl2FormatError as e:
+        raise InvalidModel(name, f"invalid EXL2 tensors: {e}") from None
 
 
 def _scratch(device: torch.device) -> torch.Tensor:
