@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime import sampling
 from runtime.backends import hybrid
 from runtime.errors import BadRequest, InvalidModel
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions
 from runtime.reference import load as reference_load
 from runtime.speculative import make_decoder
+from tests.test_qwen35_mtp import _greedy
 
 TOL = 5e-3
 WINDOW = 6
@@ -116,19 +116,6 @@ def test_a_head_switched_on_mid_conversation_catches_up(tiny_qwen35, ref):
         assert t["mtp_following"] and t["mtp_head_bytes"] > 0
     finally:
         engine.close()
-
-
-def _greedy(engine, prompt: list[int], n: int, draft: DraftOptions | None):
-    engine.reset()
-    dec = make_decoder(engine, draft, GREEDY) if draft is not None else None
-    tokens = prompt + [sampling.sample(engine.forward(prompt)[-1], prompt, GREEDY)]
-    while len(tokens) - len(prompt) < n:
-        if dec is None:
-            tokens.append(sampling.sample(engine.forward(tokens[-1:])[0], tokens, GREEDY))
-        else:
-            tokens += dec.step(tokens)
-            assert engine.position == len(tokens) - 1
-    return tokens[:len(prompt) + n], dec
 
 
 def test_greedy_mtp_speculation_equals_plain_decoding(eng):

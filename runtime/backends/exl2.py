@@ -28,7 +28,7 @@ from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
 from runtime.backends.exl2_offload import budget_error, return_cached_memory
-from runtime.backends.exl2_placement import StepClock
+from runtime.backends.exl2_placement import StepClock, idle_trial_step
 from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
 from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
@@ -257,15 +257,7 @@ class Exl2Engine(Engine):
         """One step of work while the worker waits for a command: a step of measuring the expert
         paths again (when the live decode steps drifted from the choice), else one graph captured for
         the buckets at and after the cache position; False when nothing is left to do."""
-        if self._trial is not None:
-            try:
-                next(self._trial)
-            except StopIteration:
-                self._trial = None
-            return True
-        if self.path_judge is not None and self.path_judge.wants_recheck():
-            from runtime.backends.exl2_placement import trial
-            self._trial = trial(self, self.path_judge, self.decision_save)
+        if idle_trial_step(self):                  # the expert paths measured again, a step at a time
             return True
         if self.graphs is None:
             return False

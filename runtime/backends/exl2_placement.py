@@ -331,6 +331,21 @@ def set_vram_budget(engine, vram_budget_gb: float) -> None:
     engine.decision_save = None
 
 
+def idle_trial_step(engine) -> bool:
+    """Either engine's idle work, first: a step of the expert-path trial in progress, or a new trial
+    where the live decode steps drifted from the choice; False when there is neither."""
+    if engine._trial is not None:
+        try:
+            next(engine._trial)
+        except StopIteration:
+            engine._trial = None
+        return True
+    if engine.path_judge is not None and engine.path_judge.wants_recheck():
+        engine._trial = trial(engine, engine.path_judge, engine.decision_save)
+        return True
+    return False
+
+
 def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: bool = False) -> None:
     """At load, after the warm-up: the CPU path as saved by an earlier load of this model at this
     budget on this machine, else decided by timing both and saved; with `measure` both are timed

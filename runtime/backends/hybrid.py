@@ -40,9 +40,9 @@ import torch
 
 from runtime import tuning
 from runtime.backends import hybrid_layers, hybrid_mtp
-from runtime.backends.hybrid_mtp import MtpDrafting, MtpHead
+from runtime.backends.hybrid_mtp import MtpHead, MtpHooks
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
-from runtime.backends.exl2_placement import StepClock
+from runtime.backends.exl2_placement import StepClock, idle_trial_step
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.backends.hybrid_state import HybridCache
 from runtime.engine import Engine, ModelInfo, ProgressFn
@@ -58,7 +58,7 @@ PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
 
 
-class HybridExl2Engine(MtpDrafting, Engine):
+class HybridExl2Engine(MtpHooks, Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
                  offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
@@ -74,7 +74,6 @@ class HybridExl2Engine(MtpDrafting, Engine):
         self.mtp_head = mtp_head        # the multi-token-prediction head (hybrid_mtp.py), when the load asked for it
         self.mtp = MtpCache(spec, cache.capacity, model.dtype, model.device) if mtp_head is not None else None
         self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
-        self.mtp_missing: Optional[str] = None   # without a head: why, in words (set by load)
         self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
         # the CPU expert path's decision under offload (runtime/backends/exl2_placement.py, shared)
         self.path_judge = None           # runtime/experts/path_judge.PathJudge, once decided at load
@@ -250,15 +249,7 @@ class HybridExl2Engine(MtpDrafting, Engine):
         the next two, then the verifies'); before that, a step of measuring the expert paths again where
         the live decode steps drifted from the choice. False when nothing is left, nothing fits before
         the context's end, or the graphs held are full of wanted ones."""
-        if self._trial is not None:
-            try:
-                next(self._trial)
-            except StopIteration:
-                self._trial = None
-            return True
-        if self.path_judge is not None and self.path_judge.wants_recheck():
-            from runtime.backends.exl2_placement import trial
-            self._trial = trial(self, self.path_judge, self.decision_save)
+        if idle_trial_step(self):                  # the expert paths measured again, a step at a time
             return True
         if self.graphs is None or self.model is None:
             return False
@@ -280,6 +271,13 @@ class HybridExl2Engine(MtpDrafting, Engine):
         w = self.cache.window
         for L, t in answer_plan(self.position, max_new_tokens, w, self.cache.capacity, self.graphs.captured(), w):
             self._prepare_graph(L, t)
+
+    def place_experts(self, resident: list[list[int]]) -> None:
+        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
+        if self.offload is None:
+            raise EngineError("place_experts needs a model loaded with expert offload")
+        self._drop_graphs()
+        self.offload.apply(resident)
 
     # -- benchmarks and tests (bench/offload.py drives both GPU engines through these) ------------
 

@@ -9,12 +9,12 @@ KV cache and the MoE with its shared expert, the residual stream in float32.
 Its routed experts stay in VRAM, outside the offload manager: the head runs once per drafted token, one
 row at a time, and waiting for PCIe there would cost more than the draft saves. They are one layer's
 experts, so a load asks for the head only when the draft options choose "mtp" (hybrid.load).
-`MtpDrafting` is the engine's side: the slots following its forwards, the drafts, a rebuild when the
-head fell behind.
+The engine's side (the slots following its forwards, the drafts, a rebuild when the head fell behind) is
+the reference engine's, shared (runtime/reference/mtp.MtpDrafting); `MtpHooks` runs it on the GPU.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from runtime import qwen35
 from runtime.backends import quant_linear
 from runtime.backends.hybrid_layers import AttentionLayer, MoeBlock, attention_layer, centred, moe_block
-from runtime.errors import BadRequest, EngineError, InvalidModel
+from runtime.errors import InvalidModel
 from runtime.modelfolder import ModelFolder
+from runtime.reference.mtp import MtpDrafting
 
 
 class MtpHead:
@@ -54,77 +55,22 @@ class MtpHead:
                 + moe.shared_down.nbytes() + moe.shared_gate.nbytes() + moe.experts.weight_bytes())
 
 
-class MtpDrafting:
-    """The engine's side of the head (HybridExl2Engine inherits it): the slots follow its forwards, the
-    drafts chain the head; the bookkeeping is the reference engine's (runtime/reference/hybrid.py). The
-    engine provides `mtp_head` (None without one), `mtp` (its MtpCache), `mtp_on`, `mtp_missing`, `model`,
-    `spec`, `info`, `tokens`, `cache`, `position` and `_forward`; its truncate trims the head's slots."""
+class MtpHooks(MtpDrafting):
+    """The GPU engine's hooks for the shared drafting side (runtime/reference/mtp.MtpDrafting): the head
+    run on the engine's device, the model's head for the logits, a replay through the engine's forward.
+    The engine provides `mtp_head` (an MtpHead, None without one) and `model` besides."""
 
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp_head is not None
+    def _mtp_run(self, hidden: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        dev = torch.tensor(tokens, dtype=torch.long).to(self.model.device, non_blocking=True)
+        return self.mtp_head.run(self.model, self.mtp.kv, hidden, dev, start)
 
-    def mtp_enable(self) -> None:
-        """Let the head follow every forward from now on (about one layer's work per forward)."""
-        if self.mtp_head is None:
-            raise BadRequest(self.mtp_missing or f"{self.info.name} has no multi-token-prediction head loaded")
-        self.mtp_on = True
+    def _mtp_logits(self, m: torch.Tensor) -> torch.Tensor:
+        return self.model.head(m).float()[0]
 
-    def _mtp_follow(self, start: int, ids: list[int], hidden: torch.Tensor) -> None:
-        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
-        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
-        head = self.mtp
-        if start == 0:
-            head.slots = 0
-        if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
-            h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
-            toks = ids[1:] if start == 0 else ids
-            if toks:
-                dev = torch.tensor(toks, dtype=torch.long).to(self.model.device, non_blocking=True)
-                self.mtp_head.run(self.model, head.kv, h, dev, max(start - 1, 0))
-            head.slots = start + len(ids) - 1
-        head.keep_rows(start, hidden)
-
-    def mtp_draft(self, tokens: list[int], k: int, choose: Callable[[torch.Tensor], int]) -> list[int]:
-        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
-        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
-        self.mtp_enable()
-        n = len(tokens) - 1
-        if n != self.position:
-            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.position}, "
-                              f"not the {n} before the last")
-        head, drafts = self.mtp, []
-        if n == 0:
-            return drafts
-        with torch.inference_mode():
-            if head.slots < n - 1 or not head.has_row(n - 1):
-                self._mtp_rebuild(n)
-            h, tok = head.row(n - 1)[None], tokens[-1]
-            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
-                dev = torch.tensor([tok], dtype=torch.long).to(self.model.device, non_blocking=True)
-                h = self.mtp_head.run(self.model, head.kv, h, dev, pos)
-                logits = self.model.head(h).float()[0]
-                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
-                    if media < logits.shape[0]:
-                        logits[media] = float("-inf")
-                tok = choose(logits)
-                drafts.append(tok)
-        return drafts
-
-    def _mtp_rebuild(self, n: int) -> None:
-        """The head missed part of the conversation (it was off): run the model over it again."""
-        keep = self.tokens[:n]
+    def _mtp_replay(self, tokens: list[int]) -> None:
         self.cache.reset()
         self.tokens = []
-        self.mtp.slots, self.mtp.rows = 0, None
-        self._forward(keep, last_only=True)
-
-    def place_experts(self, resident: list[list[int]]) -> None:
-        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
-        if self.offload is None:
-            raise EngineError("place_experts needs a model loaded with expert offload")
-        self._drop_graphs()
-        self.offload.apply(resident)
+        self._forward(tokens, last_only=True)
 
 
 def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype) -> Optional[MtpHead]:

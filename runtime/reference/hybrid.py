@@ -15,7 +15,6 @@ cache only when it is a prefix of the new prompt) runs the kept tokens again fro
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
@@ -114,7 +113,7 @@ class HybridState:
         states = sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
         return self.kv.k.numel() * self.kv.k.element_size() * 2 + states
 
-class HybridEngine(ReferenceEngine):
+class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
     """`ReferenceEngine` over Qwen3.5-MoE's hybrid stack: same checks and errors, its own cache."""
 
     def __init__(self, info: ModelInfo, spec: q35.Spec, weights: q35.Weights, context_length: int,
@@ -129,7 +128,6 @@ class HybridEngine(ReferenceEngine):
             self.cos, self.sin = rope.tables(spec.rope, spec.rotary_dim, context_length, weights.dtype)
             self.mtp = mtp.MtpCache(spec, context_length, weights.dtype) if weights.mtp is not None else None
         self.mtp_on = False                    # the MTP head follows the forwards (a drafter asked for it)
-        self._mtp_paused = False               # a truncate's replay: the head's slots stay as they are
         self.tokens: list[int] = []            # what the cache holds, to replay a truncate before the checkpoint
         self._bytes_per_token = weights.nbytes_per_token(spec)
 
@@ -144,7 +142,7 @@ class HybridEngine(ReferenceEngine):
         self.cache.end()
         self.tokens += ids.tolist()
         if self.mtp is not None and self.mtp_on:
-            self._mtp_follow(start, ids, hidden)
+            self._mtp_follow(start, ids.tolist(), hidden)
         return self.weights.lm_head(hidden).float()
 
     def truncate(self, length: int) -> None:
@@ -178,67 +176,20 @@ class HybridEngine(ReferenceEngine):
                 self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
         del self.tokens[length:]
 
-    # -- the MTP head (mtp.py) -----------------------------------------------------------------
+    # -- the MTP head (mtp.py: the drafting side shared with the GPU engine, these its hooks) ------
 
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp is not None
+    def _mtp_run(self, hidden: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        return mtp.run(self.weights, self.spec, self.mtp, self.cos, self.sin, hidden,
+                       torch.as_tensor(tokens, dtype=torch.long), start)
 
-    def mtp_enable(self) -> None:
-        """Let the head follow every forward from now on (about one layer's work per forward)."""
-        if self.mtp is None:
-            raise BadRequest(f"{self.info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
-        self.mtp_on = True
+    def _mtp_logits(self, m: torch.Tensor) -> torch.Tensor:
+        return self.weights.lm_head(m).float()[0]
 
-    def _mtp_follow(self, start: int, ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
-        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
-        head = self.mtp
-        if not self._mtp_paused:
-            if start == 0:
-                head.slots = 0
-            if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
-                h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
-                toks = ids[1:] if start == 0 else ids
-                if toks.numel():
-                    mtp.run(self.weights, self.spec, head, self.cos, self.sin, h, toks, max(start - 1, 0))
-                head.slots = start + ids.shape[0] - 1
-        head.keep_rows(start, hidden)
-
-    def mtp_draft(self, tokens: list[int], k: int, choose: Callable[[torch.Tensor], int]) -> list[int]:
-        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
-        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
-        self.mtp_enable()
-        n = len(tokens) - 1
-        if n != self.cache.length:
-            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.cache.length}, "
-                              f"not the {n} before the last")
-        head, drafts = self.mtp, []
-        if n == 0:
-            return drafts
-        with torch.inference_mode():
-            if head.slots < n - 1 or not head.has_row(n - 1):
-                self._mtp_rebuild(n)
-            h, tok = head.row(n - 1)[None], tokens[-1]
-            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
-                h = mtp.run(self.weights, self.spec, head, self.cos, self.sin, h,
-                            torch.as_tensor([tok], dtype=torch.long), pos)
-                logits = self.weights.lm_head(h).float()[0]
-                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
-                    if media < logits.shape[0]:
-                        logits[media] = float("-inf")
-                tok = choose(logits)
-                drafts.append(tok)
-        return drafts
-
-    def _mtp_rebuild(self, n: int) -> None:
-        """The head missed part of the conversation (it was off): run the model over it again."""
-        keep = self.tokens[:n]
+    def _mtp_replay(self, tokens: list[int]) -> None:
         self.cache.reset()
         self.tokens = []
-        self.mtp.slots, self.mtp.rows = 0, None
-        for s in range(0, n, REPLAY_CHUNK):
-            self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
+        for s in range(0, len(tokens), REPLAY_CHUNK):
+            self._forward(torch.as_tensor(tokens[s:s + REPLAY_CHUNK], dtype=torch.long))
 
     def telemetry(self) -> dict:
         out = super().telemetry()

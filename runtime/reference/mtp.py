@@ -18,13 +18,13 @@ as the model saw it; drafted slots are overwritten by the verify forward that fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from runtime import qwen35
-from runtime.errors import InvalidModel
+from runtime.errors import BadRequest, EngineError, InvalidModel
 from runtime.modelfolder import ModelFolder
 from runtime.reference import model
 from runtime.reference import qwen35 as q35
@@ -147,3 +147,75 @@ def run(w: q35.Weights, spec: q35.Spec, cache: MtpCache, cos: torch.Tensor, sin:
     mask = model._mask(start, end, 0, spec.heads // spec.kv_heads)
     x = q35.layer_forward(head.layer, spec, cache, 0, x, rot, mask, start, end)
     return F.rms_norm(x, (spec.hidden,), head.norm, spec.eps)
+
+
+class MtpDrafting:
+    """The engine's side of the head, shared by the CPU reference engine (reference/hybrid.py) and the
+    Qwen3.5 GPU engine (backends/hybrid.py, backends/hybrid_mtp.py): the slots follow the engine's
+    forwards (`_mtp_follow`, called after each with the rows' final hidden states), drafts chain the head
+    (`mtp_draft`), a head that missed part of the conversation is rebuilt over it. The engine provides
+    `mtp` (its MtpCache, None without a head), `mtp_on`, `info`, `spec`, `tokens`, `position`, and
+        _mtp_run(hidden [T, H], tokens: list[int], start) -> m [T, H]   the head over those slots
+        _mtp_logits(m [1, H]) -> [V] float32                           the model's lm_head
+        _mtp_replay(tokens: list[int])                                 the cache emptied, these forwarded
+    Its truncate trims the head (`MtpCache.trim`) and keeps the row the next draft reads."""
+
+    mtp_missing: Optional[str] = None      # without a head: why, in words (the engine's load may say)
+    _mtp_paused = False                    # a truncate's replay: the slots stay as they are, rows are kept
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def mtp_enable(self) -> None:
+        """Let the head follow every forward from now on (about one layer's work per forward)."""
+        if self.mtp is None:
+            raise BadRequest(self.mtp_missing or f"{self.info.name} has no multi-token-prediction head (no mtp.* "
+                                                 "tensors in its folder)")
+        self.mtp_on = True
+
+    def _mtp_follow(self, start: int, ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """After a forward of positions start..start+T-1: fill slots start-1..start+T-2 from (h_i, t_{i+1})
+        when the slots before them are filled (else they wait for mtp_draft's rebuild), keep the rows."""
+        head = self.mtp
+        if not self._mtp_paused:
+            if start == 0:
+                head.slots = 0
+            if start == 0 or (head.slots == start - 1 and head.has_row(start - 1)):
+                h = hidden[:-1] if start == 0 else torch.cat([head.row(start - 1)[None], hidden[:-1]])
+                toks = list(ids[1:] if start == 0 else ids)
+                if toks:
+                    self._mtp_run(h, toks, max(start - 1, 0))
+                head.slots = start + len(ids) - 1
+        head.keep_rows(start, hidden)
+
+    def mtp_draft(self, tokens: list[int], k: int, choose: Callable[[torch.Tensor], int]) -> list[int]:
+        """Up to k draft tokens after `tokens` (the cache holds all but the last) from the MTP head;
+        `choose(logits [V] float32) -> token` picks each (greedy or sampled, by the caller's rule)."""
+        self.mtp_enable()
+        n = len(tokens) - 1
+        if n != self.position:
+            raise EngineError(f"MTP draft after {len(tokens)} tokens: the cache holds {self.position}, "
+                              f"not the {n} before the last")
+        head, drafts = self.mtp, []
+        if n == 0:
+            return drafts
+        with torch.inference_mode():
+            if head.slots < n - 1 or not head.has_row(n - 1):
+                self._mtp_rebuild(n)
+            h, tok = head.row(n - 1)[None], tokens[-1]
+            for pos in range(n - 1, min(n - 1 + k, head.capacity)):
+                h = self._mtp_run(h, [tok], pos)
+                logits = self._mtp_logits(h)
+                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
+                    if media < logits.shape[0]:
+                        logits[media] = float("-inf")
+                tok = choose(logits)
+                drafts.append(tok)
+        return drafts
+
+    def _mtp_rebuild(self, n: int) -> None:
+        """The head missed part of the conversation (it was off): run the model over it again."""
+        keep = self.tokens[:n]
+        self.mtp.slots, self.mtp.rows = 0, None
+        self._mtp_replay(keep)
