@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.backends import hybrid
-from runtime.errors import BadRequest, InvalidModel
+from runtime.errors import BadRequest, InvalidModel, OutOfMemory
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions
 from runtime.reference import load as reference_load
 from runtime.speculative import make_decoder
@@ -126,33 +126,70 @@ def test_greedy_mtp_speculation_equals_plain_decoding(eng):
         assert dec.stats().mode == "mtp" and dec.stats().drafted_tokens > 0
 
 
-def test_the_head_is_loaded_when_the_draft_mode_asks_for_it(tiny_qwen35):
-    plain, _ = hybrid.load(tiny_qwen35, LoadOptions(offload=OffloadOptions(context_length=256)), device="cpu")
+def test_a_head_left_out_at_load_is_read_on_first_use(tiny_qwen35, ref, tmp_path):
+    """Loaded with another draft mode, the engine leaves the head out (one layer's weights) and reads it
+    when a request first drafts with it: the drafts are the reference's. Where the VRAM budget has no
+    room left (offload: the placement took it), the error says to load again with the MTP draft mode.
+    A folder without a head says so."""
+    opts = LoadOptions(offload=OffloadOptions(context_length=256))
+    plain, _ = hybrid.load(tiny_qwen35, opts, device="cpu", window=WINDOW)
     try:
-        assert not plain.has_mtp and "mtp_head_bytes" not in plain.telemetry()
-        says = "was loaded without its multi-token-prediction head .* load the model again with that draft mode"
-        with pytest.raises(BadRequest, match=says):
-            plain.mtp_enable()
-        with pytest.raises(ValueError, match="draft.mode is 'mtp' but .*" + says):
-            make_decoder(plain, DraftOptions(mode="mtp"), GREEDY)
+        assert plain.mtp_head is None and plain.has_mtp and "mtp_head_bytes" not in plain.telemetry()
+        dec = make_decoder(plain, DraftOptions(mode="mtp", draft_tokens=2, adaptive=False), GREEDY)
+        assert dec is not None and plain.mtp_head is not None and plain.mtp_source is None
+        seq = _tokens(21, 8)
+        ref.reset()
+        ref.mtp_enable()
+        for e in (ref, plain):
+            e.forward(seq[:20])
+        _same_drafts(ref, plain, seq, 3, "drafts of a head read on first use")
     finally:
         plain.close()
+    tight, _ = hybrid.load(tiny_qwen35, opts, device="cpu", window=WINDOW, host_experts=True)
+    try:
+        tight.setup.vram.total_bytes = tight.setup.vram.used_bytes          # the placement took it all
+        with pytest.raises(OutOfMemory, match="load the model again with the draft mode 'MTP head'"):
+            tight.mtp_enable()
+        assert tight.mtp_head is None and tight.has_mtp                    # nothing half-made; it may try again
+    finally:
+        tight.close()
+    bare = _edited_copy(tiny_qwen35, tmp_path / "bare", None, None)
+    headless, _ = hybrid.load(bare, opts, device="cpu")
+    try:
+        assert not headless.has_mtp
+        with pytest.raises(BadRequest, match="has no multi-token-prediction head"):
+            headless.mtp_enable()
+        with pytest.raises(ValueError, match="draft.mode is 'mtp' but .* has no multi-token-prediction head"):
+            make_decoder(headless, DraftOptions(mode="mtp"), GREEDY)
+    finally:
+        headless.close()
     opts = LoadOptions(offload=OffloadOptions(context_length=256), draft=DraftOptions(mode="mtp", draft_tokens=3))
     drafting, _ = hybrid.load(tiny_qwen35, opts, device="cpu")
     try:
-        assert drafting.has_mtp and drafting.cache.window == 4
+        assert drafting.mtp_head is not None and drafting.cache.window == 4
     finally:
         drafting.close()
 
 
-def _edited_copy(src, dst, name: str, value: torch.Tensor | None):
+def _edited_copy(src, dst, name: str | None, value: torch.Tensor | None):
+    """A copy of the folder with tensor `name` replaced by `value` (None: removed; name None: every mtp.*
+    tensor removed, a folder without a head)."""
     shutil.copytree(src, dst)
+    index = dst / "model.safetensors.index.json"
+    if name is None:
+        for shard in dst.glob("*.safetensors"):
+            tensors = {k: v for k, v in load_file(shard).items() if not k.startswith("mtp.")}
+            save_file(tensors, shard, metadata={"format": "pt"})
+        if index.exists():
+            data = json.loads(index.read_text())
+            data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.startswith("mtp.")}
+            index.write_text(json.dumps(data))
+        return dst
     for shard in dst.glob("*.safetensors"):
         tensors = load_file(shard)
         if name in tensors:
             if value is None:                      # gone from the shard and from the index
                 del tensors[name]
-                index = dst / "model.safetensors.index.json"
                 if index.exists():
                     data = json.loads(index.read_text())
                     del data["weight_map"][name]

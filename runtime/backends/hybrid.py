@@ -424,7 +424,8 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
     projections dequantized). window: rollback rows (default from the draft options). dtype: activations
     (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
     host memory for offload (default: as the budgets decide, CUDA only). mtp: load the folder's MTP head
-    (default: when the draft options choose "mtp"; it holds one layer's weights, its experts in VRAM)."""
+    (default: when the draft options choose "mtp"; it holds one layer's weights, its experts in VRAM; left
+    out, it is read on first use where there is room)."""
     from runtime import qwen35
     from runtime.modelfolder import ModelFolder
     from runtime.reference import qwen35 as reference35
@@ -486,12 +487,8 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
         use_graphs = cuda and tuning.current().graphs if graphs is None else graphs
         engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda),
                                   mtp_head=head)
-        if head is None:
-            engine.mtp_missing = (
-                f"{info.name} was loaded without its multi-token-prediction head (the head is loaded when the "
-                "draft mode is 'mtp' at load time): load the model again with that draft mode"
-                if qwen35.has_mtp(set(folder.info.shard_of)) else
-                f"{info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
+        if head is None and qwen35.has_mtp(set(folder.info.shard_of)):
+            engine.mtp_source = folder.path               # read on first use (hybrid_mtp.MtpHooks)
         try:
             if manager is not None and cuda:
                 # the routing prior where the model has no saved statistics, then the CPU expert path

@@ -8,7 +8,8 @@ KV cache and the MoE with its shared expert, the residual stream in float32.
 
 Its routed experts stay in VRAM, outside the offload manager: the head runs once per drafted token, one
 row at a time, and waiting for PCIe there would cost more than the draft saves. They are one layer's
-experts, so a load asks for the head only when the draft options choose "mtp" (hybrid.load).
+experts, so a load reads the head only when the draft options choose "mtp" (hybrid.load), else on first
+use (`MtpHooks`).
 The engine's side (the slots following its forwards, the drafts, a rebuild when the head fell behind) is
 the reference engine's, shared (runtime/reference/mtp.MtpDrafting); `MtpHooks` runs it on the GPU.
 """
@@ -24,7 +25,7 @@ from runtime.backends import quant_linear
 from runtime.backends.hybrid_layers import AttentionLayer, MoeBlock, attention_layer, centred, moe_block
 from runtime.errors import InvalidModel
 from runtime.modelfolder import ModelFolder
-from runtime.reference.mtp import MtpDrafting
+from runtime.reference.mtp import MtpCache, MtpDrafting
 
 
 class MtpHead:
@@ -58,7 +59,42 @@ class MtpHead:
 class MtpHooks(MtpDrafting):
     """The GPU engine's hooks for the shared drafting side (runtime/reference/mtp.MtpDrafting): the head
     run on the engine's device, the model's head for the logits, a replay through the engine's forward.
-    The engine provides `mtp_head` (an MtpHead, None without one) and `model` besides."""
+    The engine provides `mtp_head` (an MtpHead, None without one), `model`, `cache` and `setup` besides.
+
+    A head the load left out (the draft mode was not "mtp" then) is read on first use (`mtp_source`, the
+    folder): all in VRAM it usually fits; under offload the placement took the budget, and the error
+    says to load the model again with the MTP draft mode, which places the experts around the head."""
+
+    mtp_source = None               # the folder whose head was left out at load
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None or self.mtp_source is not None
+
+    def mtp_enable(self) -> None:
+        if self.mtp is None and self.mtp_source is not None:
+            self._load_head_now()
+        super().mtp_enable()
+
+    def _load_head_now(self) -> None:
+        from runtime.errors import OutOfMemory
+        from runtime.experts.budget import BudgetError
+        again = ("load the model again with the draft mode 'MTP head' (the experts are then placed around "
+                 "the head)")
+        folder, head, cache = ModelFolder(self.mtp_source), None, None
+        try:
+            with torch.inference_mode():
+                head = load(folder, self.spec, self.model.device, self.model.dtype)
+                cache = MtpCache(self.spec, self.cache.capacity, self.model.dtype, self.model.device)
+            if self.offload is not None and self.setup is not None:      # the ledger the placement filled
+                self.setup.vram.reserve("MTP head", head.nbytes() + cache.nbytes(), again)
+        except (torch.cuda.OutOfMemoryError, BudgetError) as e:
+            head = cache = None
+            raise OutOfMemory(f"no GPU memory left for {self.info.name}'s multi-token-prediction head, which this "
+                              f"load left out: {again}", str(e)) from None
+        finally:
+            folder.close()
+        self.mtp_head, self.mtp, self.mtp_source = head, cache, None
 
     def _mtp_run(self, hidden: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         dev = torch.tensor(tokens, dtype=torch.long).to(self.model.device, non_blocking=True)

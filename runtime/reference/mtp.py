@@ -160,7 +160,6 @@ class MtpDrafting:
         _mtp_replay(tokens: list[int])                                 the cache emptied, these forwarded
     Its truncate trims the head (`MtpCache.trim`) and keeps the row the next draft reads."""
 
-    mtp_missing: Optional[str] = None      # without a head: why, in words (the engine's load may say)
     _mtp_paused = False                    # a truncate's replay: the slots stay as they are, rows are kept
 
     @property
@@ -170,8 +169,7 @@ class MtpDrafting:
     def mtp_enable(self) -> None:
         """Let the head follow every forward from now on (about one layer's work per forward)."""
         if self.mtp is None:
-            raise BadRequest(self.mtp_missing or f"{self.info.name} has no multi-token-prediction head (no mtp.* "
-                                                 "tensors in its folder)")
+            raise BadRequest(f"{self.info.name} has no multi-token-prediction head (no mtp.* tensors in its folder)")
         self.mtp_on = True
 
     def _mtp_follow(self, start: int, ids: Sequence[int], hidden: torch.Tensor) -> None:

@@ -30,9 +30,8 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         drafter = ModelDrafter(draft_engine, sampling, generator)
     elif draft.mode == "mtp":
         if not getattr(engine, "has_mtp", False):
-            why = getattr(engine, "mtp_missing", None) or (f"{engine.info.name} has no multi-token-prediction "
-                                                           "head (mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
-            raise ValueError(f"draft.mode is 'mtp' but {why}")
+            raise ValueError(f"draft.mode is 'mtp' but {engine.info.name} has no multi-token-prediction head "
+                             f"(mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
         drafter = MtpDrafter(engine, sampling, generator)
     elif draft.mode == "ngram":
         drafter = NgramDrafter()
