@@ -4,6 +4,8 @@
 # benchmark (qwen3-30b-a3b 4.0 bpw, no stock baseline), each at the commit before the restructuring and at
 # this tree, taking turns (before, after) so that both meet the machine in the same state.
 #   BEFORE=DIR   a checkout of the commit before (e.g. `git archive 44760c9 | tar -x -C DIR`, carried in)
+#   BEFORE_COMMIT  that commit, for the before runs' JSON (default 44760c9; a git archive carries none, and
+#                the after tree's MOEDESK_COMMIT had named the before runs too)
 #   PLACEMENTS="auto cpu"  the offload runs' placements, each at both commits (default auto); "cpu" forces
 #                the CPU expert path, to compare its speed alone
 #   VRAM=0       leave out the all-in-VRAM runs; OFFLOAD=0 leave out the offload runs
@@ -28,8 +30,10 @@ log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue20.log"; }
 log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); before: $BEFORE"
 [ "${OFFLOAD:-1}" = 0 ] || [ -f "$M/q125/config.json" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$M/q125" | tail -1
 [ "${VRAM:-1}" = 0 ] || [ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
-run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from that tree
+AFTER_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+run() {   # tree label commit: one offload run at 24 GB and one all-in-VRAM run, from that tree
     local tree=$1 label=$2
+    export MOEDESK_COMMIT=$3
     [ "${OFFLOAD:-1}" = 0 ] || for pl in ${PLACEMENTS:-auto}; do
     [ "$(left)" -gt 60 ] || { log "$label: no time left for the offload run, placement $pl"; continue; }
     log "$label: offload at 24 GB, placement $pl ($(left) s left)"
@@ -48,6 +52,10 @@ run() {   # tree label: one offload run at 24 GB and one all-in-VRAM run, from t
     fresh "$tree" "$label"
 }
 for t in ${TREES:-before after}; do
-    case $t in before) run "$BEFORE" before ;; after) run "$AFTER" after ;; *) log "unknown tree $t" ;; esac
+    case $t in
+        before) run "$BEFORE" before "${BEFORE_COMMIT:-44760c9}" ;;
+        after) run "$AFTER" after "$AFTER_COMMIT" ;;
+        *) log "unknown tree $t" ;;
+    esac
 done
 log "done"
