@@ -343,3 +343,26 @@ def test_exllamav2s_kernels_get_no_inconsistent_exl2_tensors(break_it, says):
     break_it(t)
     with pytest.raises(InvalidModel, match=f"layers.0.q_proj.*{says}"):
         check_exl2(t, "layers.0.q_proj")
+
+
+def test_the_expert_path_decision_runs_on_this_engine(folder, tmp_path, monkeypatch):
+    """exl2_placement's decision (shared with the exllamav2 engine) finds on this engine what it asks for:
+    the judge made and consulted, its telemetry, the idle step with nothing to re-check, a new budget's
+    judge. (On the CPU the offload manager streams: the decision is the GPU-only path, untimed.)"""
+    from runtime.backends.exl2_placement import settle_cpu_path
+    monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
+    off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
+                         window=WINDOW, host_experts=True)
+    try:
+        said = []
+        settle_cpu_path(off, lambda stage, message, done, total: said.append(message))
+        assert off.path_judge is not None and off.path_judge.path == "stream", said
+        assert said and said[-1].startswith("Expert path:")
+        assert off.telemetry()["placement_decision"]["path"] == "stream"
+        assert off.idle_work() is False                   # no drift to re-check, no graphs on the CPU
+        off.forward(_tokens(3, 2))
+        for t in _tokens(4, 3):
+            off.forward([t])                              # one-row steps the judge hears
+        assert off.path_judge.telemetry()["path"] == "stream"
+    finally:
+        off.close()
