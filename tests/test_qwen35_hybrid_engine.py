@@ -366,3 +366,33 @@ def test_the_expert_path_decision_runs_on_this_engine(folder, tmp_path, monkeypa
         assert off.path_judge.telemetry()["path"] == "stream"
     finally:
         off.close()
+
+
+def test_a_request_drafting_more_than_the_load_planned_is_capped_not_replayed(folder):
+    """The snapshot ring holds the rows the load's draft options planned (here 2 drafts + 1); a request
+    asking for 8 drafts (the settings changed without a reload) verifies at most 2, so every rejection
+    rolls back by a copy: no verify runs the whole conversation again, and the text is plain decoding's."""
+    from runtime import sampling
+    from runtime.options import DraftOptions, SamplingOptions
+    from runtime.speculative import make_decoder
+    greedy = SamplingOptions(temperature=0.0)
+    eng, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu", window=3)
+    try:
+        assert eng.max_draft_tokens == 2
+        prompt = _tokens(12, 4) * 3                                  # n-gram lookup finds drafts at once
+        plain = prompt + [sampling.sample(eng.forward(prompt)[-1], prompt, greedy)]
+        while len(plain) < len(prompt) + 24:
+            plain.append(sampling.sample(eng.forward(plain[-1:])[0], plain, greedy))
+        eng.reset()
+        replays: list[int] = []
+        recover = eng._recover
+        eng._recover = lambda length: replays.append(length) or recover(length)
+        dec = make_decoder(eng, DraftOptions(mode="ngram", draft_tokens=8, adaptive=False), greedy)
+        got = prompt + [sampling.sample(eng.forward(prompt)[-1], prompt, greedy)]
+        while len(got) < len(prompt) + 24:
+            got += dec.step(got)
+        s = dec.stats()
+        assert got[:len(plain)] == plain and s.drafted_tokens > 0 and not replays, (s, replays)
+        assert max(r for r in range(len(s.acceptance_histogram)) if s.acceptance_histogram[r]) <= 2
+    finally:
+        eng.close()

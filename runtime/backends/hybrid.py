@@ -282,6 +282,12 @@ class HybridExl2Engine(MtpHooks, Engine):
     # -- benchmarks and tests (bench/offload.py drives both GPU engines through these) ------------
 
     @property
+    def max_draft_tokens(self) -> int:
+        """Drafts a verify may carry: its rows (drafts + 1) must fit the snapshot ring to be rolled back
+        (speculative.make_decoder caps a request's draft tokens here)."""
+        return self.cache.window - 1
+
+    @property
     def budget(self):
         """The load's budgets (exl2_offload.OffloadSetup), as the expert-path trial names them."""
         return self.setup

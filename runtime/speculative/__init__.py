@@ -9,6 +9,7 @@ length; `bench/spec.py` (outside the runtime) measures it.
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Optional
 
@@ -41,6 +42,11 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, mtp, ngram")
     if draft.draft_tokens < 1:
         raise ValueError(f"draft.draft_tokens: must be at least 1, got {draft.draft_tokens}")
+    most = getattr(engine, "max_draft_tokens", None)
+    if most is not None and draft.draft_tokens > most:
+        # an engine that rolls back only so many rows (the Qwen3.5 GPU engine's snapshot ring, sized at
+        # load): a longer verify could not be taken back but by running the whole conversation again
+        draft = dataclasses.replace(draft, draft_tokens=max(1, most))
     return SpeculativeDecoder(engine, drafter, draft, sampling, generator,
                               policy=_policy(engine, draft, draft_engine))
 
