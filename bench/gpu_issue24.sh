@@ -20,7 +20,7 @@ set -u
 OUT=${OUT:-/tmp/issue24-out}
 ROOT=${ROOT:-/tmp/m24}
 LIMIT=${LIMIT:-570}
-TEST_S=${TEST_S:-420}
+TEST_S=${TEST_S:-560}
 TESTS=${TESTS:-1}
 OFFLOAD=${OFFLOAD:-1}
 WORKER=${WORKER:-1}
