@@ -20,7 +20,9 @@ generate command), plain first at the first turn (the first answer after load is
 order swapped at every turn after; the conversation goes on with the plain answer. So both modes
 decode the same prompts under the same placement and conditions; the second answer of a pair
 reuses the first one's prompt in the worker's cache (a short time to first token). Greedy
-sampling: both modes write the same text, so their speeds compare like for like.
+sampling: both modes write the same text, so their speeds compare like for like. --draft mtp does the
+same with the model's own multi-token-prediction head (Qwen3.5-MoE) in place of n-grams, the model
+loaded with the head.
 
 The JSON is written again after every answer (the same file), with the load's stages and their
 wall time (the worker's `load_stages`), so a time limit never loses what was measured.
