@@ -12,6 +12,9 @@
 #   TREES="before after"  which commits run (default both, in that order)
 #   OFFLOAD_FLAGS  extra flags of the offload runs (default --prefetch-modes=: the decode prefetch's
 #                modes are not measured again one by one, which saves about 20 s a run)
+#   OMP=0        leave out the first step, `python -m bench.omp_teams` on this tree: whether an OpenMP
+#                team left docked slows the CPU expert kernel on this machine (the suspected cause of
+#                the CPU path's slowdown), its JSON into $OUT
 # Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run
 # from the repository root. JSON goes to bench/results/ of each tree; copies, with a log, into $OUT.
 set -u
@@ -31,6 +34,11 @@ log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/nul
 [ "${OFFLOAD:-1}" = 0 ] || [ -f "$M/q125/config.json" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$M/q125" | tail -1
 [ "${VRAM:-1}" = 0 ] || [ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1
 AFTER_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+if [ "${OMP:-1}" = 1 ]; then
+    log "OpenMP teams and the CPU expert kernel (bench.omp_teams)"
+    MOEDESK_COMMIT=$AFTER_COMMIT timeout 120 $PY -m bench.omp_teams --json "$OUT/omp-teams.json" 2>&1 \
+        | tee -a "$OUT/gpu_issue20.log"
+fi
 run() {   # tree label commit: one offload run at 24 GB and one all-in-VRAM run, from that tree
     local tree=$1 label=$2
     export MOEDESK_COMMIT=$3
