@@ -175,25 +175,9 @@ class HybridExl2Engine(MtpHooks, Engine):
             self._run(keep[s:s + REPLAY_CHUNK], last_only=True)
             self.tokens += keep[s:s + REPLAY_CHUNK]
 
-    def truncate(self, length: int) -> None:
-        if self.cache is None or not 0 <= length <= self.cache.length:
-            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {self.position}")
-        head = self.mtp if self.mtp_on else None
-        slots = min(head.slots, max(length - 1, 0)) if head is not None else 0
-        with torch.inference_mode():
-            self._truncate(length)
-            if head is not None and length >= 1 and not head.has_row(length - 1):
-                last = self.tokens[length - 1]           # the head reads h at length-1: run that token again
-                self._truncate(length - 1)
-                keep: list = []
-                self._run([last], last_only=True, keep=keep)
-                self.tokens.append(last)
-                head.keep_rows(length - 1, keep[0])
-        if head is not None:
-            head.trim(length)
-            head.slots = slots
-
     def _truncate(self, length: int) -> None:
+        """The cache and its tokens back to `length`: by the snapshot ring, else the kept tokens run again
+        (`truncate`, reference/mtp.MtpDrafting's, keeps the MTP head in step)."""
         if length == 0:
             self.cache.reset()
         elif not self.cache.rollback(length):

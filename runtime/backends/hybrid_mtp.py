@@ -58,7 +58,7 @@ class MtpHead:
 
 class MtpHooks(MtpDrafting):
     """The GPU engine's hooks for the shared drafting side (runtime/reference/mtp.MtpDrafting): the head
-    run on the engine's device, the model's head for the logits, a replay through the engine's forward.
+    run on the engine's device, the model's head for the logits, the engine's own forward.
     The engine provides `mtp_head` (an MtpHead, None without one), `model`, `cache` and `setup` besides.
 
     A head the load left out (the draft mode was not "mtp" then) is read on first use (`mtp_source`, the
@@ -103,9 +103,7 @@ class MtpHooks(MtpDrafting):
     def _mtp_logits(self, m: torch.Tensor) -> torch.Tensor:
         return self.model.head(m).float()[0]
 
-    def _mtp_replay(self, tokens: list[int]) -> None:
-        self.cache.reset()
-        self.tokens = []
+    def _mtp_forward(self, tokens: list[int]) -> None:
         self._forward(tokens, last_only=True)
 
 

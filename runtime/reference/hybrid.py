@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from runtime.engine import ModelInfo
-from runtime.errors import BadRequest, EngineError
+from runtime.errors import BadRequest
 from runtime.reference import qwen35 as q35
 from runtime.reference import mtp, rope
 from runtime.reference.engine import ReferenceEngine
@@ -145,35 +145,16 @@ class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
             self._mtp_follow(start, ids.tolist(), hidden)
         return self.weights.lm_head(hidden).float()
 
-    def truncate(self, length: int) -> None:
-        if self.cache is None or not 0 <= length <= self.cache.length:
-            held = self.cache.length if self.cache is not None else 0
-            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {held}")
-        head = self.mtp if self.mtp is not None and self.mtp_on else None
-        slots = min(head.slots, max(length - 1, 0)) if head is not None else 0
-        with torch.inference_mode():
-            self._mtp_paused = True
-            try:
-                self._truncate(length)
-                if head is not None and length >= 1 and not head.has_row(length - 1):
-                    last = self.tokens[length - 1]          # the head needs h at length-1: run that token again
-                    self._truncate(length - 1)
-                    self._forward(torch.as_tensor([last], dtype=torch.long))
-            finally:
-                self._mtp_paused = False
-        if head is not None:
-            head.trim(length)
-            head.slots = slots
-
     def _truncate(self, length: int) -> None:
+        """The cache and its tokens back to `length`: by the checkpoint, else the kept tokens run again
+        (`truncate`, mtp.MtpDrafting's, keeps the MTP head in step)."""
         if length == 0:
             self.cache.reset()
         elif not self.cache.rollback(length, self.weights.layers):
             keep = self.tokens[:length]
             self.cache.reset()
             self.tokens = []
-            for s in range(0, length, REPLAY_CHUNK):
-                self._forward(torch.as_tensor(keep[s:s + REPLAY_CHUNK], dtype=torch.long))
+            self._mtp_forward(keep)
         del self.tokens[length:]
 
     # -- the MTP head (mtp.py: the drafting side shared with the GPU engine, these its hooks) ------
@@ -185,9 +166,7 @@ class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
     def _mtp_logits(self, m: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head(m).float()[0]
 
-    def _mtp_replay(self, tokens: list[int]) -> None:
-        self.cache.reset()
-        self.tokens = []
+    def _mtp_forward(self, tokens: list[int]) -> None:
         for s in range(0, len(tokens), REPLAY_CHUNK):
             self._forward(torch.as_tensor(tokens[s:s + REPLAY_CHUNK], dtype=torch.long))
 

@@ -154,11 +154,12 @@ class MtpDrafting:
     Qwen3.5 GPU engine (backends/hybrid.py, backends/hybrid_mtp.py): the slots follow the engine's
     forwards (`_mtp_follow`, called after each with the rows' final hidden states), drafts chain the head
     (`mtp_draft`), a head that missed part of the conversation is rebuilt over it. The engine provides
-    `mtp` (its MtpCache, None without a head), `mtp_on`, `info`, `spec`, `tokens`, `position`, and
+    `mtp` (its MtpCache, None without a head), `mtp_on`, `info`, `spec`, `tokens`, `position`, `cache`, and
         _mtp_run(hidden [T, H], tokens: list[int], start) -> m [T, H]   the head over those slots
         _mtp_logits(m [1, H]) -> [V] float32                           the model's lm_head
-        _mtp_replay(tokens: list[int])                                 the cache emptied, these forwarded
-    Its truncate trims the head (`MtpCache.trim`) and keeps the row the next draft reads."""
+        _mtp_forward(tokens: list[int])    these forwarded after the cache's tokens (the head following)
+        _truncate(length)                  the cache and its tokens back to `length` (0: emptied)
+    `truncate` here trims the head with the cache."""
 
     _mtp_paused = False                    # a truncate's replay: the slots stay as they are, rows are kept
 
@@ -216,4 +217,26 @@ class MtpDrafting:
         """The head missed part of the conversation (it was off): run the model over it again."""
         keep = self.tokens[:n]
         self.mtp.slots, self.mtp.rows = 0, None
-        self._mtp_replay(keep)
+        self._truncate(0)
+        self._mtp_forward(keep)
+
+    def truncate(self, length: int) -> None:
+        """Back to the first `length` tokens (`_truncate`), the head's slots and kept rows with them; where
+        the head no longer keeps the row of length-1 (what the next draft reads), that token runs again."""
+        if self.cache is None or not 0 <= length <= self.position:
+            raise EngineError(f"cannot truncate to {length} tokens: the cache holds {self.position}")
+        head = self.mtp if self.mtp is not None and self.mtp_on else None
+        slots = min(head.slots, max(length - 1, 0)) if head is not None else 0
+        with torch.inference_mode():
+            self._mtp_paused = True
+            try:
+                self._truncate(length)
+                if head is not None and length >= 1 and not head.has_row(length - 1):
+                    last = self.tokens[length - 1]
+                    self._truncate(length - 1)
+                    self._mtp_forward([last])
+            finally:
+                self._mtp_paused = False
+        if head is not None:
+            head.trim(length)
+            head.slots = slots
