@@ -290,15 +290,12 @@ class HybridExl2Engine(MtpHooks, Engine):
         head = self.mtp if self.mtp_on else None
         slots = head.slots if head is not None else 0
         with torch.inference_mode():
-            conv, rec = cache.conv.clone(), cache.rec.clone()
+            states = cache.states()
         try:
             yield
         finally:
             with torch.inference_mode():
-                cache.conv.copy_(conv)
-                cache.rec.copy_(rec)
-                cache.length = pos0
-                cache._rebase()
+                cache.restore(pos0, states)
             del self.tokens[kept:]
             if head is not None:
                 head.trim(pos0)

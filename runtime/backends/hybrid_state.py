@@ -99,6 +99,21 @@ class HybridCache:
         self.length = length
         return True
 
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the DeltaNet states at the current length (one per layer), for `restore`."""
+        return self.conv.clone(), self.rec.clone()
+
+    def restore(self, length: int, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Back to `length` with the states `states()` copied there, forwards run since left no trace; the
+        ring starts at `length` again (the snapshots of earlier rows are gone: a truncate before it
+        replays). What a forward wrote to the attention cache past `length` is overwritten before read."""
+        if not 0 <= length <= self.length:
+            raise EngineError(f"cannot restore to {length} tokens: the cache holds {self.length}")
+        self.conv.copy_(states[0])
+        self.rec.copy_(states[1])
+        self.length = length
+        self._rebase()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.conv, self.rec, self.hist_conv,
                                                            self.hist_rec))
