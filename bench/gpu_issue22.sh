@@ -1,93 +1,101 @@
 #!/usr/bin/env bash
-# Mixtral and DBRX on the CUDA engine, on the H200 in one call (at most LIMIT seconds, 540 by default).
+# Mixtral and DBRX on the CUDA engine, on the H200, in steps that a warm machine resumes: each call runs
+# the steps not yet done (a marker under $ROOT/done says which are), at most LIMIT seconds (540 by default),
+# and starts a step only when the time left is at least that step's estimate (the log says what waited).
 # Assumes exllamav2's extension is ready and the Python deps importable (e.g. after
-# `source .whl/preamble.sh`); run from the repository root. Writes JSON into bench/results/ and copies
-# it, with a log, into $OUT. Each step runs only if the time left allows it (the log says what was left out):
-#   1. the GPU tests of both architectures (TESTS=0 leaves them out; at most TEST_S seconds): against
-#      the CPU reference (2 layers of the real shapes, and the miniatures), offload's cold paths
-#      against all in VRAM (4 layers); their models are written under /tmp and removed after
-#   2. synthesize mixtral-8x22b at 3.0 bpw (~53 GB on disk; q125-a11's 45 GB took ~35 s on this machine)
-#   3. the offload benchmark on ONE load: all in VRAM (a 130 GB budget), then a 24 GB budget; the naive
-#      baseline at each budget in the same run
-#   4. the model removed (the disk holds one such model), dbrx at 3.0 bpw synthesized (~50 GB), the
-#      offload benchmark at 24 GB with the naive baseline
-#   5. one question through `moedesk-cli chat` at 24 GB with n-gram drafting, while time is left
-# One call rarely holds all of it (a fresh machine compiles Triton's kernels first): the log says what
-# was left out; a second call runs the rest, e.g. TESTS=0 MIXTRAL=0 for DBRX alone.
-# Host memory: at 24 GB the experts' codes (~53 GB) are page-locked, plus the CPU path's copies.
+# `source .whl/preamble.sh`); run from the repository root. JSON goes into bench/results/ and, with a log,
+# into $OUT. Steps, in order:
+#   tests          the GPU tests of both architectures (TESTS=0 leaves them out; at most TEST_S seconds):
+#                  against the CPU reference (2 layers of the real shapes, and the miniatures), offload's
+#                  cold paths against all in VRAM (4 layers); their models are written under $ROOT
+#   mixtral-synth  mixtral-8x22b at 3.0 bpw (~53 GB on disk; q125-a11's 45 GB took ~35 s on this machine);
+#                  SYNTH_ONLY=1 runs this step alone and returns (e.g. in the background of the preamble)
+#   mixtral-bench  the offload benchmark on ONE load: all in VRAM (a 130 GB budget), then a 24 GB budget,
+#                  the naive baseline at each in the same run; a 2K-token prompt for the time to first token
+#   mixtral-chat   one question through `moedesk-cli chat` (a worker process, placement as the app picks it)
+#                  at 24 GB with n-gram drafting; the worker's events as JSON lines (load, answer, stats)
+#   dbrx-synth, dbrx-bench (24 GB), dbrx-chat: the same for dbrx (~50 GB; the Mixtral model is removed
+#                  first, the disk holds one)
+# MIXTRAL=0 or DBRX=0 leaves that model's steps out. Host memory: at 24 GB the experts' codes (~50 GB) are
+# page-locked, plus the CPU path's copies.
 set -u
 OUT=${OUT:-/tmp/issue22-out}
 ROOT=${ROOT:-/tmp/m22}
 LIMIT=${LIMIT:-540}
-TEST_S=${TEST_S:-240}
-TESTS=${TESTS:-1}
-MIXTRAL=${MIXTRAL:-1}                    # 0: leave the mixtral-8x22b benchmark out
-DBRX=${DBRX:-1}                          # 0: leave the dbrx benchmark out
+TEST_S=${TEST_S:-300}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT" bench/results "$ROOT"
+mkdir -p "$OUT" bench/results "$ROOT/done"
 T0=$(date +%s)
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue22.log"; }
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
-log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
-log "disk: $(df -h "$ROOT" | tail -1); memory: $(free -g | awk '/Mem/ {print $2 " GB, " $7 " GB available"}')"
+M=$ROOT/mixtral-8x22b-3.0
+D=$ROOT/dbrx-3.0
 
-if [ "$TESTS" = 1 ]; then
-    log "GPU tests (at most $TEST_S s)"
-    MOEDESK_GPU_REPORT="$OUT/gpu_tests.jsonl" timeout "$TEST_S" $PY -m pytest tests/gpu/test_mixtral_dbrx_gpu.py \
-        -q -rA --basetemp="$ROOT/pytest" 2>&1 | tail -40 | tee -a "$OUT/gpu_issue22.log"
-    log "GPU tests: exit ${PIPESTATUS[0]} (124: out of time)"
-    rm -rf "$ROOT/pytest"
-fi
+step() {            # name, seconds it needs at least: true when it is to run now
+    [ -f "$ROOT/done/$1" ] && return 1
+    [ "$(left)" -ge "$2" ] && { log "$1 ($(left) s left)"; return 0; }
+    log "$1 waits: $(left) s left, it needs about $2"; return 1
+}
+done_() { touch "$ROOT/done/$1"; }
+
+synth() {           # shape, dir
+    rm -rf "$2"
+    timeout $(( $(left) - 5 )) $PY -m runtime.cli synth --shape "$1" --bpw 3.0 --out "$2" 2>&1 | tail -2 \
+        | tee -a "$OUT/gpu_issue22.log"
+    local rc=${PIPESTATUS[0]}
+    log "synth $1: exit $rc, $(du -sh "$2" 2>/dev/null | cut -f1)"
+    [ "$rc" = 0 ]
+}
 
 bench_offload() {   # model dir, label, budgets
     local model=$1 label=$2 budgets=$3
-    timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$model" --label "$label" --bpw 3.0 \
-        --budgets "$budgets" --context 4096 --prompt 1024 --decode 64 --naive-decode 8 --calibrate 64 \
+    timeout $(( $(left) - 5 )) $PY -m bench.offload --model "$model" --label "$label" --bpw 3.0 \
+        --budgets "$budgets" --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 \
         --prefetch-modes "" --placement auto --out bench/results 2>&1 | tee -a "$OUT/gpu_issue22.log"
-    log "offload benchmark $label: exit ${PIPESTATUS[0]}"
-    local f
+    local rc=${PIPESTATUS[0]} f
+    log "offload benchmark $label: exit $rc"
     f=$(ls -t bench/results/offload-"$label"-*.json 2>/dev/null | head -1)
     [ -n "$f" ] && cp "$f" "$OUT"/ && log "JSON: $f"
+    [ "$rc" = 0 ]
 }
 
-synth() {           # shape, dir
-    if [ ! -f "$2/config.json" ]; then
-        rm -rf "$2"
-        log "synth $1 3.0 bpw -> $2"
-        timeout $(( $(left) - 10 )) $PY -m runtime.cli synth --shape "$1" --bpw 3.0 --out "$2" 2>&1 | tail -2 \
-            | tee -a "$OUT/gpu_issue22.log"
-        log "synth $1: exit ${PIPESTATUS[0]}, $(du -sh "$2" | cut -f1)"
-    fi
-}
-
-chat() {            # dir
-    log "chat through a worker at 24 GB with n-gram drafting"
+chat() {            # dir, label
     timeout $(( $(left) - 5 )) $PY -m runtime.cli chat --model "$1" --backend cuda --vram-budget 24 --draft ngram \
-        --max-tokens 32 --temperature 0 "Name three colours." 2>&1 | tail -5 | tee -a "$OUT/gpu_issue22.log"
-    log "chat: exit ${PIPESTATUS[0]}"
+        --max-tokens 48 --temperature 0 --json "Name three colours." > "$OUT/chat-$2.jsonl" 2> "$OUT/chat-$2.err"
+    local rc=$?
+    grep -E '"type": ?"(ready|loaded|finished|error)"' "$OUT/chat-$2.jsonl" | cut -c1-1500 | tee -a "$OUT/gpu_issue22.log"
+    tail -3 "$OUT/chat-$2.err" | tee -a "$OUT/gpu_issue22.log"
+    log "chat $2: exit $rc"
+    [ "$rc" = 0 ]
 }
 
-M=$ROOT/mixtral-8x22b-3.0
-D=$ROOT/dbrx-3.0
-if [ "$MIXTRAL" = 1 ] && [ "$(left)" -gt 300 ]; then
-    synth mixtral-8x22b "$M"
-    log "offload benchmark mixtral-8x22b: all in VRAM (130 GB), then 24 GB; $(left) s left"
-    [ -f "$M/config.json" ] && bench_offload "$M" mixtral-8x22b 130,24
-else
-    log "mixtral-8x22b left out: $(left) s left"
+if [ "${SYNTH_ONLY:-0}" = 1 ]; then
+    [ "${MIXTRAL:-1}" = 1 ] && step mixtral-synth 60 && synth mixtral-8x22b "$M" && done_ mixtral-synth
+    exit 0
 fi
-if [ "$DBRX" = 1 ] && [ "$(left)" -gt 200 ]; then
-    rm -rf "$M"
-    synth dbrx "$D"
-    log "offload benchmark dbrx at 24 GB; $(left) s left"
-    [ -f "$D/config.json" ] && bench_offload "$D" dbrx 24
-else
-    log "dbrx left out: $(left) s left"
+log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+log "disk: $(df -h "$ROOT" | tail -1); memory: $(free -g | awk '/Mem/ {print $2 " GB, " $7 " GB available"}')"
+if [ "${TESTS:-1}" = 1 ] && step tests 120; then
+    MOEDESK_GPU_MODELS="$ROOT/gpu-models" MOEDESK_GPU_REPORT="$OUT/gpu_tests.jsonl" \
+        timeout "$(( TEST_S < $(left) ? TEST_S : $(left) ))" $PY -m pytest tests/gpu/test_mixtral_dbrx_gpu.py \
+        -v -rA -p no:cacheprovider --basetemp="$ROOT/pytest" > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -24 | tee -a "$OUT/gpu_issue22.log"
+    log "GPU tests: exit $rc (124: out of time)"
+    [ "$rc" = 0 ] && done_ tests
+    rm -rf "$ROOT/pytest" "$ROOT/gpu-models"
 fi
-if [ "$(left)" -gt 100 ]; then
-    if [ -f "$D/config.json" ]; then chat "$D"; elif [ -f "$M/config.json" ]; then chat "$M"; fi
+if [ "${MIXTRAL:-1}" = 1 ]; then
+    step mixtral-synth 60 && synth mixtral-8x22b "$M" && done_ mixtral-synth
+    [ -f "$ROOT/done/mixtral-synth" ] && step mixtral-bench 300 && bench_offload "$M" mixtral-8x22b 130,24 \
+        && done_ mixtral-bench
+    [ -f "$ROOT/done/mixtral-synth" ] && step mixtral-chat 150 && chat "$M" mixtral-8x22b && done_ mixtral-chat
 fi
-log "done"
-ls -la "$OUT" | tee -a "$OUT/gpu_issue22.log"
+if [ "${DBRX:-1}" = 1 ] && { [ "${MIXTRAL:-1}" = 0 ] || [ -f "$ROOT/done/mixtral-chat" ]; }; then
+    if step dbrx-synth 60; then rm -rf "$M"; synth dbrx "$D" && done_ dbrx-synth; fi
+    [ -f "$ROOT/done/dbrx-synth" ] && step dbrx-bench 220 && bench_offload "$D" dbrx 24 && done_ dbrx-bench
+    [ -f "$ROOT/done/dbrx-synth" ] && step dbrx-chat 150 && chat "$D" dbrx && done_ dbrx-chat
+fi
+log "done: $(ls "$ROOT/done" | tr '\n' ' ')"
