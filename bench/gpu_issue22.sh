@@ -14,8 +14,11 @@
 #                  the naive baseline at each in the same run; a 2K-token prompt for the time to first token
 #   mixtral-chat   one question through `moedesk-cli chat` (a worker process, placement as the app picks it)
 #                  at 24 GB with n-gram drafting; the worker's events as JSON lines (load, answer, stats)
-#   dbrx-synth, dbrx-bench (24 GB), dbrx-chat: the same for dbrx (~50 GB; the Mixtral model is removed
-#                  first, the disk holds one)
+#   dbrx-synth, dbrx-bench (24 GB), dbrx-chat: the same for dbrx (~50 GB; the other model is removed
+#                  before either is written, the disk holds one)
+# DIAG=1 first runs `python -m bench.check_reference` on two-layer models of both real shapes (as the GPU
+# tests write them; DBRX with a clip_qkv of 1.0) after a 27-token prefix: the residual stream block by
+# block and the router's picks for a decode (1 row) and a verify (2 rows), against the float32 reference.
 # MIXTRAL=0 or DBRX=0 leaves that model's steps out. Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
 set -u
@@ -41,7 +44,7 @@ step() {            # name, seconds it needs at least: true when it is to run no
 done_() { touch "$ROOT/done/$1"; }
 
 synth() {           # shape, dir
-    rm -rf "$2"
+    rm -rf "$M" "$D"
     timeout $(( $(left) - 5 )) $PY -m runtime.cli synth --shape "$1" --bpw 3.0 --out "$2" 2>&1 | tail -2 \
         | tee -a "$OUT/gpu_issue22.log"
     local rc=${PIPESTATUS[0]}
@@ -77,6 +80,27 @@ if [ "${SYNTH_ONLY:-0}" = 1 ]; then
 fi
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 log "disk: $(df -h "$ROOT" | tail -1); memory: $(free -g | awk '/Mem/ {print $2 " GB, " $7 " GB available"}')"
+if [ "${DIAG:-0}" = 1 ] && step diag 90; then
+    for shape in mixtral-8x22b dbrx; do
+        d=$ROOT/diag-$shape
+        [ -f "$d/config.json" ] || $PY -c "
+import json, sys
+from pathlib import Path
+from runtime.exl2 import synth
+out = Path(sys.argv[2])
+synth.write_synthetic(sys.argv[1], 3.0, out, layers=2, seed=1)
+cfg = json.loads((out / 'config.json').read_text())
+if 'attn_config' in cfg:
+    cfg['attn_config']['clip_qkv'] = 1.0
+(out / 'config.json').write_text(json.dumps(cfg, indent=2))" "$shape" "$d" 2>&1 | tail -2
+        for rows in 1 2; do
+            timeout $(( $(left) - 5 )) $PY -m bench.check_reference "$d" --past 27 --rows $rows --device cuda 2>&1 \
+                | tail -12 | tee -a "$OUT/gpu_issue22.log"
+        done
+        rm -rf "$d"
+    done
+    done_ diag
+fi
 if [ "${TESTS:-1}" = 1 ] && step tests 120; then
     MOEDESK_GPU_MODELS="$ROOT/gpu-models" MOEDESK_GPU_REPORT="$OUT/gpu_tests.jsonl" \
         timeout "$(( TEST_S < $(left) ? TEST_S : $(left) ))" $PY -m pytest tests/gpu/test_mixtral_dbrx_gpu.py \

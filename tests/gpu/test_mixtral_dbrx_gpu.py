@@ -10,7 +10,12 @@ misplaced clamp shows as an error of order 1e-1 and up.
   CPU, without TF32, in seconds where the CPU took minutes at real width): prefill, decode, verify of K + 1 = 1, 2, 4, 5, 8, 9
   rows after a rollback, decode again, graphs on and off; every row count through its own graph
   (with 8 experts a verify of 8 or 9 rows once fell out of the graphs into prefill staging).
-  Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2).
+  Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2). Rows where the reference's
+  router nearly ties (its k-th and (k+1)-th logits within TIE of the logits' standard deviation, in any
+  layer) are left out: the engine's fp16 rounding may pick the other expert there, which changes that
+  row by ~3e-2 (seen in the DBRX miniature: 16 experts, top 4; gaps of 0.2% of a standard deviation),
+  a difference of rounding, not of the model. At most a third of the rows may be left out; the report
+  counts them.
 - offload vs all in VRAM (4 layers: with 2 layers of 8 experts no offloaded placement is smaller than
   all of them, since staging holds a layer's cold experts twice): the same script with half the
   experts cold, read by the GPU from host memory ("stream"), computed in part by the CPU ("cpu",
@@ -33,6 +38,7 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-2
 TOL_PREFILL = 2e-2
 ROWS = (1, 2, 4, 5, 8, 9)
+TIE = 0.02             # a near tie: the k-th and (k+1)-th router logits closer than this x their std
 GiB = 1 << 30
 SHAPES = {"mixtral": ("mixtral-8x22b", "tiny-mixtral"), "dbrx": ("dbrx", "tiny-dbrx")}
 CLIP = {"dbrx": 1.0, "tiny-dbrx": 0.25}
@@ -74,18 +80,44 @@ def _load(path, **off):
     return exl2.load(path, opts, lambda *a: None, graphs=graphs)
 
 
-def _vs_reference(engine, ref, toks) -> dict[str, float]:
+def near_ties(ref, toks) -> set[int]:
+    """Positions of `toks` where the reference's router nearly ties in some layer (see TIE)."""
+    from runtime.reference import model
+    moe, gaps = model._moe, []
+
+    def recording(layer, spec, h):
+        logits = torch.nn.functional.linear(h.float(), layer.router)
+        top = torch.topk(logits, spec.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]) / logits.std())
+        return moe(layer, spec, h)
+    model._moe = recording
+    try:
+        ref.reset()
+        ref.forward(toks)
+    finally:
+        model._moe = moe
+        ref.reset()
+    return set((torch.stack(gaps).min(dim=0).values < TIE).nonzero().flatten().tolist())
+
+
+def _rows_rel(got, want, first: int, ties: set[int]) -> float:
+    """_rel over the rows of positions first.. that are not near ties (nan when none is left)."""
+    keep = [r for r in range(want.shape[0]) if first + r not in ties]
+    return _rel(got[keep], want[keep]) if keep else float("nan")
+
+
+def _vs_reference(engine, ref, toks, ties: set[int]) -> dict[str, float]:
     errs = {}
     engine.reset(), ref.reset()
-    errs["prefill_last_24"] = _rel(engine.prefill(toks[:24]), ref.forward(toks[:24])[-1:])
+    errs["prefill_last_24"] = _rows_rel(engine.prefill(toks[:24]), ref.forward(toks[:24])[-1:], 23, ties)
     engine.reset(), ref.reset()
-    errs["prefill_24"] = _rel(engine.forward(toks[:24]), ref.forward(toks[:24]))
+    errs["prefill_24"] = _rows_rel(engine.forward(toks[:24]), ref.forward(toks[:24]), 0, ties)
     for i in range(24, 27):
-        errs[f"decode_{i}"] = _rel(engine.forward([toks[i]]), ref.forward([toks[i]]))
+        errs[f"decode_{i}"] = _rows_rel(engine.forward([toks[i]]), ref.forward([toks[i]]), i, ties)
     for R in ROWS:
-        errs[f"verify_{R}"] = _rel(engine.forward(toks[27:27 + R]), ref.forward(toks[27:27 + R]))
+        errs[f"verify_{R}"] = _rows_rel(engine.forward(toks[27:27 + R]), ref.forward(toks[27:27 + R]), 27, ties)
         engine.truncate(27), ref.truncate(27)
-    errs["decode_after_rollback"] = _rel(engine.forward([toks[27]]), ref.forward([toks[27]]))
+    errs["decode_after_rollback"] = _rows_rel(engine.forward([toks[27]]), ref.forward([toks[27]]), 27, ties)
     return errs
 
 
@@ -105,16 +137,18 @@ def test_matches_reference(kind, size, models):
 
 def _vs_reference_both(kind, size, path, ref):
     toks = torch.randint(0, ref.info.vocab_size - 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ties = near_ties(ref, toks[:36])
+    assert len(ties) <= 12, f"{kind}-{size}: {len(ties)} of 36 positions nearly tie in the router: {sorted(ties)}"
     failures = []
     for graphs in (True, False):
         eng, applied = _load(path, graphs=graphs)
         try:
             assert eng.info.architecture == ref.info.architecture and applied["offload.context_length"] == "applied"
-            errs = _vs_reference(eng, ref, toks)
+            errs = _vs_reference(eng, ref, toks, ties)
             _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=errs,
-                    prefill_attention=eng.info.extra.get("prefill_attention"))
+                    near_ties=sorted(ties), prefill_attention=eng.info.extra.get("prefill_attention"))
             failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}"
-                         for k, e in errs.items() if not e < (TOL_PREFILL if k.startswith("prefill") else TOL)]
+                         for k, e in errs.items() if e == e and not e < (TOL_PREFILL if k.startswith("prefill") else TOL)]
             if graphs:
                 tel = eng.telemetry()
                 assert tel["decode_graphs"], tel.get("graph_error")
