@@ -67,7 +67,7 @@ def on_cores(threads: int, fn: Callable[..., T], *args, **kwargs) -> T:
         try:
             if cuda:
                 torch.cuda.set_device(device)
-            torch.set_num_threads(max(want, before))
+            fix_thread_count(max(want, before))          # held while the load's own threads set theirs
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
                     (torch.cuda.stream(stream) if cuda else nullcontext()):
                 box["value"] = fn(*args, **kwargs)
@@ -82,6 +82,17 @@ def on_cores(threads: int, fn: Callable[..., T], *args, **kwargs) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def fix_thread_count(threads: int) -> None:
+    """torch's intra-op thread count of the calling thread set to `threads`, for good. torch sets a
+    thread's OpenMP count once more on its first parallel operation, to the count last set on any
+    thread (one value for the process): set only before that, a new thread's count became whatever
+    another thread had set since (in the tests, a load's 4 on a copy thread meant to use 1), and it grew
+    a team of that size. get_num_threads makes that first setting happen now, before ours."""
+    import torch
+    torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
 
 
 @contextmanager

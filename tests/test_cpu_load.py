@@ -150,3 +150,32 @@ def test_on_cores_leaves_no_grown_thread_team_behind():
         assert proc.num_threads() == n0
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fixed_thread_count_holds_when_another_thread_sets_its_own_first():
+    """torch sets a thread's count once more on its first parallel operation, to the value another
+    thread set last: a copy thread set to 1 that had not yet computed took a load's 4 (a team of 4
+    docked on it). fix_thread_count holds whatever another thread sets in between."""
+    import threading
+
+    import torch
+    seen: dict = {}
+    ready, go = threading.Event(), threading.Event()
+
+    def body() -> None:
+        cpu_load.fix_thread_count(1)
+        ready.set()
+        go.wait()
+        torch.ones(1 << 16).sum()                   # its first parallel operation
+        seen["threads"] = torch.get_num_threads()
+    t = threading.Thread(target=body)
+    before = torch.get_num_threads()
+    t.start()
+    try:
+        ready.wait()
+        torch.set_num_threads(3)                    # another thread's setting, before the first operation
+        go.set()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["threads"] == 1

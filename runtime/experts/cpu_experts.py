@@ -208,7 +208,6 @@ def _load_kernel():
             try:
                 from torch.utils.cpp_extension import load
                 src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
-                from runtime import tuning
                 march = tuning.current().cpu_kernel_march                     # e.g. haswell: AVX2 only
                 _EXT = load(name="moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_")),
                             sources=[src], verbose=False,
@@ -381,7 +380,8 @@ class CpuExpertRunner:
 
     def _init(self) -> None:
         if self._threads:
-            torch.set_num_threads(self._threads)
+            from runtime.cpu_load import fix_thread_count
+            fix_thread_count(self._threads)
 
     def submit(self, store: CpuExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> cf.Future:
         return self._pool.submit(store.forward, x, ids, weights)

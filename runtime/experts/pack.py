@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from runtime.cpu_load import fix_thread_count
 from runtime.experts.st_read import copy_into
 
 
@@ -294,7 +295,7 @@ def _pool(name: str, threads: int):
     makes every team, the CPU expert path's too, sleep at its barriers (cpu_load.on_cores says why)."""
     if name not in _POOLS:
         import concurrent.futures as cf
-        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=torch.set_num_threads,
+        _POOLS[name] = cf.ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=fix_thread_count,
                                              initargs=(1,))
     return _POOLS[name]
 
