@@ -28,11 +28,12 @@ def _same(a, b):
     assert torch.equal(a.woff, b.woff) and (a.cold is None) == (b.cold is None)
 
 
-@pytest.mark.parametrize("chunk", [pack.CHUNK_ELEMENTS, 3 * 96 * 64])
+@pytest.mark.parametrize("chunk", [pack.CHUNK_ELEMENTS, 3 * 96 * 64, 40 * 64])
 @pytest.mark.parametrize("bits,props", [(3, None), (4, None), ([4, 3], [0.5, 0.5]), ([6, 4], [0.25, 0.75])])
 def test_batched_repack_equals_the_per_expert_repack_bit_for_bit(monkeypatch, chunk, bits, props):
     """Experts of two layouts (a run of one bit mix, then another, then the first again), batches cut
-    by CHUNK_ELEMENTS and by layout changes, with and without column orders, in host-arena stacks too."""
+    by CHUNK_ELEMENTS and by layout changes, with and without column orders, in host-arena stacks too;
+    with a CHUNK_ELEMENTS below one expert's codes, each expert in ranges of 40 columns (40, 40, 16)."""
     monkeypatch.setattr(pack, "CHUNK_ELEMENTS", chunk)
     E, N, K = 9, 96, 64
     experts = [_q(N, K, bits if e % 5 < 3 else 4, seed=e, bits_prop=props if e % 5 < 3 else None)
@@ -50,8 +51,8 @@ def test_batched_repack_equals_the_per_expert_repack_bit_for_bit(monkeypatch, ch
 def test_experts_of_one_layout_are_unpacked_in_batches(monkeypatch):
     """One unpacking per batch of experts (bounded by CHUNK_ELEMENTS), not one per expert."""
     calls = []
-    real = pack._unpack_batch
-    monkeypatch.setattr(pack, "_unpack_batch", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = pack._unpack_scales
+    monkeypatch.setattr(pack, "_unpack_scales", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     experts = [_q(64, 64, 4, seed=e) for e in range(10)]
     pack_experts(experts, "x")
     assert calls == [10]
@@ -59,6 +60,23 @@ def test_experts_of_one_layout_are_unpacked_in_batches(monkeypatch):
     monkeypatch.setattr(pack, "CHUNK_ELEMENTS", 4 * 64 * 64)
     pack_experts(experts, "x")
     assert calls == [4, 4, 2]
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_an_expert_larger_than_a_chunk_is_unpacked_a_range_of_columns_at_a_time(monkeypatch, columns):
+    """Mixtral-8x22B's experts hold 100M codes each (6144 x 16384), three times CHUNK_ELEMENTS: unpacked
+    whole, their int64 temporaries (0.8 GB each) and the packing's took more than a tight VRAM budget
+    left the load. Every unpacking stays within CHUNK_ELEMENTS codes, and the result is the same bits."""
+    experts = [_q(224, 64, 3, seed=e) for e in range(3)]
+    g = torch.Generator().manual_seed(2)
+    cols = [torch.randperm(224, generator=g) for _ in range(3)] if columns else None
+    whole = pack_experts(experts, "x", columns=cols)
+    shapes = []
+    real = pack._unpack_codes
+    monkeypatch.setattr(pack, "_unpack_codes", lambda qw, lay: shapes.append(tuple(qw.shape)) or real(qw, lay))
+    monkeypatch.setattr(pack, "CHUNK_ELEMENTS", 64 * 64)          # 64 of an expert's 224 columns
+    _same(pack_experts(experts, "x", columns=cols), whole)
+    assert [s[2] for s in shapes] == [64, 64, 64, 32] * 3 and all(s[0] == 1 for s in shapes)
 
 
 def test_batched_repack_keeps_the_errors_that_name_the_tensor():

@@ -281,7 +281,8 @@ class HostArena:
             torch._C._host_emptyCache()
 
 
-CHUNK_ELEMENTS = 32 << 20      # codes of the experts unpacked at once (its int64 temporaries: 256 MiB each)
+CHUNK_ELEMENTS = 32 << 20      # codes unpacked at once (its int64 temporaries: 256 MiB each): a batch of
+                               # experts, or a range of one expert's columns where it alone is larger
 COPY_THREADS = 8               # threads gathering experts' tensors into one buffer (memory copies)
 COPY_MIN_BYTES = 4 << 20       # ... in pieces of this size (smaller buffers: copied on the gathering thread)
 UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")
@@ -335,7 +336,13 @@ def _layout(t: Mapping[str, torch.Tensor], name: str) -> _Layout:
 def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout):
     """`unpack_exl2` of B experts of one layout at once, where the tensors are: codes int8 [B, K, N],
     scales float32 [B, K // group, N], perm int64 [B, K]. In-place int64 steps (two [B, K, N] at most)."""
-    word, shift, width, rows_per_group, _ = lay.table
+    return (_unpack_codes(qw, lay), *_unpack_scales(qs, qsm, invperm, lay))
+
+
+def _unpack_codes(qw: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """The codes of B experts' words qw int32 [B, Q, n] (any n of their N columns: words run along the
+    input rows) -> int8 [B, K, n]. Two int64 [B, K, n] temporaries at most, made in place."""
+    word, shift, width, _, _ = lay.table
     B, Q, N = qw.shape
     dev = qw.device
     word, shift, width = word.to(dev), shift.to(dev)[:, None], width.to(dev)[:, None]   # [K], [K, 1]
@@ -349,16 +356,21 @@ def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm
     pair >>= shift
     pair &= (1 << width) - 1
     pair -= 1 << (width - 1)
-    codes = pair.to(torch.int8)
-    del pair
+    return pair.to(torch.int8)
+
+
+def _unpack_scales(qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """B experts' scales float32 [B, K // group, N] and input permutation int64 [B, K]."""
+    B, G0 = qs.shape[0], qs.shape[1]
+    dev = qs.device
     nib = torch.arange(8, device=dev) * 4
-    G0 = qs.shape[1]
-    qs4 = (((qs.to(torch.int64) & 0xFFFFFFFF)[..., None] >> nib) & 15).reshape(B, G0, N)
+    qs4 = (((qs.to(torch.int64) & 0xFFFFFFFF)[..., None] >> nib) & 15).reshape(B, G0, -1)
     mx = qsm.reshape(B, G0).to(torch.float16) * (1 / 256)   # fp16 roundings as exllamav2's dq_scale
     scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[..., None]).to(torch.float32)
-    reps = torch.tensor([r // lay.group for r in rows_per_group], device=dev)
+    reps = torch.tensor([r // lay.group for r in lay.table[3]], device=dev)
     scales = torch.repeat_interleave(scale0, reps, dim=1, output_size=lay.K // lay.group)   # no device wait
-    return codes, scales, torch.argsort(invperm.to(torch.int64), dim=-1)
+    return scales, torch.argsort(invperm.to(torch.int64), dim=-1)
 
 
 def _copy(out: torch.Tensor, t: torch.Tensor) -> None:
@@ -414,7 +426,9 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     column of each new one (`pack_layer`: gate and up in down's order), applied before the codes are
     packed and copied (words run along the input rows, so this equals permuting the packed stack).
     The tensors may be anywhere (host tensors over the model's files): experts of one layout are
-    unpacked on `device` a batch at a time (CHUNK_ELEMENTS codes), each batch's codes copied at once."""
+    unpacked on `device` a batch at a time (CHUNK_ELEMENTS codes), each batch's codes copied at once; an
+    expert with more codes than that (Mixtral-8x22B's: 100M) is unpacked a range of its columns at a
+    time, so the temporaries stay within the budget a tight VRAM budget leaves the load."""
     if not experts:
         raise PackError(f"{name}: no experts")
     lays = [_layout(t, f"{name}[{e}]") for e, t in enumerate(experts)]
@@ -447,12 +461,17 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
             parts = [p.to(dev, non_blocking=True) for p in ahead.result()]
             if i + 1 < len(batches):
                 ahead = _pool("pack-gather", 1).submit(_gather, experts[e1:batches[i + 1][1]], dev)
-        codes, sc, pm = _unpack_batch(*parts, lays[e0])
+        qw, Q = parts[0], parts[0].shape[1]
+        sc, pm = _unpack_scales(*parts[1:], lays[e0])
+        idx = None
         if columns is not None:
             idx = torch.stack([columns[e].to(dev, torch.long) for e in range(e0, e1)])[:, None, :]   # [B, 1, N]
-            codes = torch.gather(codes, 2, idx.expand(-1, K, -1))
             sc = torch.gather(sc, 2, idx.expand(-1, sc.shape[1], -1))
-        qweight[e0:e1].copy_(_pack_words(codes, bits))
+        step = max(1, CHUNK_ELEMENTS // ((e1 - e0) * K))           # columns a piece: all of them but for huge experts
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            words = qw[:, :, n0:n1] if idx is None else torch.gather(qw, 2, idx[:, :, n0:n1].expand(-1, Q, -1))
+            qweight[e0:e1, :, n0:n1].copy_(_pack_words(_unpack_codes(words, lays[e0]), bits))
         scales[e0:e1] = torch.repeat_interleave(sc, lays[e0].group // group, dim=1).to(dev, torch.float16)
         perm[e0:e1] = pm.to(dev, torch.int32)
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
