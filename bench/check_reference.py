@@ -115,10 +115,16 @@ def run(path, rows: int, seed: int, past: int = 0, device: str = "cpu") -> int:
     for i, (name, out) in enumerate(blocks[:len(ref_trace)]):
         e = _rel_rows(out.view(rows, -1), ref_trace[i])
         worst = torch.topk(e, min(3, rows))
+        got = out.view(rows, -1)
+        bad = (~torch.isfinite(got)).sum().item()
         print(f"{i:3d} {name[:48]:48s} median {e.median():.1e}  worst rows "
-              + " ".join(f"{int(r)}:{v:.1e}" for v, r in zip(worst.values, worst.indices)))
-    e = _rel_rows(eng_logits.view(rows, -1)[:, :ref_logits.shape[-1]], ref_logits)
-    print(f"logits: median {e.median():.1e}, max {e.max():.1e}")
+              + " ".join(f"{int(r)}:{v:.1e}" for v, r in zip(worst.values, worst.indices))
+              + f"  max |x| {got.abs().max():.3g} (reference {ref_trace[i].abs().max():.3g})"
+              + (f", {bad} values not finite (rows {sorted(set((~torch.isfinite(got)).nonzero()[:, 0].tolist()))})"
+                 if bad else ""))
+    got = eng_logits.view(rows, -1)[:, :ref_logits.shape[-1]]
+    e = _rel_rows(got, ref_logits)
+    print(f"logits: median {e.median():.1e}, max {e.max():.1e}; not finite: {(~torch.isfinite(got)).sum().item()}")
     return 0
 
 
