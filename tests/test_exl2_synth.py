@@ -156,3 +156,33 @@ def test_cli_refuses_a_non_empty_folder(tmp_path, capsys):
     (tmp_path / "x" / "keep.txt").write_text("mine")
     assert _cli("--shape", "tiny-moe", "--bpw", "4", "--out", str(tmp_path / "x")) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.0, 4.0, 6.0])
+def test_synthetic_weights_are_centred_so_wide_layers_keep_their_scale(bits):
+    """Random codes symmetric about 0: uniformly random bits had a mean of -0.5 steps (0.22 of a standard
+    deviation at 3 bits), and a real-width Mixtral's activations grew past fp16's range in two layers.
+    A Mixtral-width expert (6144 -> 16384 -> 6144, 3 bits) keeps the scale of a random one: the output's
+    RMS is within 20% of std * sqrt(K) * RMS(h) layer after layer."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.exl2 import format as fmt
+    from runtime.exl2.synth import WEIGHT_STD, _random_linear
+    g = torch.Generator().manual_seed(0)
+    w = fmt.dequantize(_random_linear(256, 1024, bits, g))
+    assert abs(w.mean().item()) < 0.01 * w.std().item()
+    assert abs(w.std().item() - WEIGHT_STD) < 0.1 * WEIGHT_STD
+    if bits == 3.0:
+        w1, w3 = (fmt.dequantize(_random_linear(16384, 6144, bits, g)) for _ in range(2))
+        w2 = fmt.dequantize(_random_linear(6144, 16384, bits, g))
+        x = torch.randn(4, 6144, generator=g)
+        for _ in range(2):                          # the output, normalised, is the next input
+            x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+            h = F.silu(x @ w1.T) * (x @ w3.T)
+            y = h @ w2.T
+            want = WEIGHT_STD * math.sqrt(16384) * h.pow(2).mean(-1).sqrt()
+            assert ((y.pow(2).mean(-1).sqrt() / want - 1).abs() < 0.2).all(), (y.pow(2).mean(-1).sqrt(), want)
+            x = y

@@ -1,8 +1,9 @@
 """`moedesk-cli synth`: random-weight EXL2 models with the exact shapes and config of real models.
 
-Weights are written straight in the quantized domain: uniformly random codes are uniformly random
-bits, so q_weight is random int32 words; scales are random 4-bit qscales under a per-group maximum
-chosen so every linear has a weight standard deviation of about 0.02 (the usual init). Models above
+Weights are written straight in the quantized domain: codes uniformly random and centred (symmetric
+about 0, so no matrix carries a common offset), packed into q_weight's words; scales are random 4-bit
+qscales under a per-group maximum chosen so every linear has a weight standard deviation of about 0.02
+(the usual init). Models above
 1B parameters reuse a small pool of generated linears per role (expert gate/up/down, q/k/v/o) across
 layers and experts, and repeat a block of 8192 embedding rows, so the 121B shape writes at disk speed;
 small models get distinct tensors everywhere (tests that compare backends must see different
@@ -51,19 +52,29 @@ def _random_rows(out, make, step: int | None = None):
 
 
 def _random_linear(out: int, inp: int, bits: float, gen) -> dict:
-    """EXL2 tensors of a random linear [out, in]: random codes, scales giving std ~ WEIGHT_STD."""
+    """EXL2 tensors of a random linear [out, in]: random centred codes, scales giving std ~ WEIGHT_STD.
+
+    The codes of a b-bit group are drawn uniformly from -(2**(b-1) - 1) .. 2**(b-1) - 1, symmetric about
+    0. Uniformly random bits (the codes -2**(b-1) .. 2**(b-1) - 1) have a mean of -0.5 steps, 0.22 of
+    their standard deviation at 3 bits: every weight matrix then carried a common offset that a wide
+    input adds up coherently (K times, against sqrt(K) for the random part), and a real-width Mixtral's
+    activations left fp16's range within two layers (1e5 against 65504), which no fp16 engine can
+    follow. Each group is packed on its own (its rows are whole words), so temporaries stay small."""
     import torch
     from . import format as fmt
-    from .bitpack import pack_scales
+    from .bitpack import pack_codes, pack_scales
 
     mix, props = fmt.resolve_bits(bits)
     groups = fmt.plan_groups(inp, mix, props, {b: GROUP_SIZE for b in mix})
-    qrows = sum(r * b // 32 for b, r in groups)
-    q_weight = _random_rows(torch.empty((qrows, out), dtype=torch.int32),
-                            lambda n: torch.randint(0, 2**32, (n, out), generator=gen).to(torch.int32))
+    words = []
+    for b, rows in groups:
+        m = (1 << (b - 1)) - 1
+        codes = torch.randint(-m, m + 1, (rows, out), generator=gen, dtype=torch.int64) + (1 << (b - 1))
+        words.append(pack_codes(codes, b))
+    q_weight = torch.cat(words, dim=0)
     qscale = torch.randint(9, 17, (len(groups), out), generator=gen)
     mean_sq = sum(q * q for q in range(9, 17)) / 8 / 256          # E[(qscale)^2 / 256]
-    qsm = [WEIGHT_STD / (mean_sq * math.sqrt((4 ** b - 1) / 12)) for b, _ in groups]
+    qsm = [WEIGHT_STD / (mean_sq * math.sqrt(((1 << (b - 1)) - 1) * (1 << (b - 1)) / 3)) for b, _ in groups]
     qgroups, qrow = [], 0
     for b, r in groups:
         qgroups += [b, qrow]
