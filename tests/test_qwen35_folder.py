@@ -154,7 +154,9 @@ def test_stacked_experts_of_the_released_checkpoints_load_and_match(plain):
     after = validate(plain, require_tokenizer=False)
     assert (after.num_params, after.active_params) == (before.num_params, before.active_params)
     engine, _ = load(plain, precision="float32")
-    assert (engine.forward(seq) - ref).abs().max() == 0
+    # equal up to float32 rounding: the engine's thread count follows the machine's load (cpu_load's
+    # governor), and another team size sums in another order (1.8e-6 seen beside another job)
+    assert (engine.forward(seq) - ref).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])

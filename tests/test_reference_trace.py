@@ -12,7 +12,7 @@ def test_trace_has_every_block_and_ends_in_the_logits(tmp_path):
     path = tmp_path / "m"
     write_synthetic("tiny-moe", 4.0, path, seed=1)
     tokens = list(range(40, 52))
-    trace, logits = reference_trace(path, tokens)
+    trace, logits, _ = reference_trace(path, tokens)
     assert len(trace) == 2 * 2                                   # attention and MoE, 2 layers
     assert all(t.shape == (12, 256) for t in trace)
     assert not torch.equal(trace[0], trace[1])                   # the MoE block adds something
