@@ -201,23 +201,10 @@ def _untied_tokens(ref, n: int, seed: int, margin: float = 2e-3) -> list[int]:
     nearly tie, the engine's rounding may pick the other expert (gaps of 2e-4 seen), and the recurrent
     state carries that row's difference into every later row: a different model, not an error."""
     from runtime.reference import qwen35 as rq
-    moe = rq._moe
+    from tests.router_ties import router_gaps
     for s in range(seed, seed + 50):
-        seq, gaps = _tokens(n, s), []
-
-        def recording(layer, spec, h):
-            logits = torch.nn.functional.linear(h.float(), layer.router)
-            top = torch.topk(logits, spec.top_k + 1, dim=-1).values
-            gaps.append(float(((top[:, -2] - top[:, -1]) / logits.std()).min()))
-            return moe(layer, spec, h)
-        rq._moe = recording
-        try:
-            ref.reset()
-            ref.forward(seq)
-        finally:
-            rq._moe = moe
-            ref.reset()
-        if min(gaps) >= margin:
+        seq = _tokens(n, s)
+        if router_gaps(ref, rq, seq).min() >= margin:
             return seq
     raise AssertionError(f"no token sequence from seeds {seed}..{seed + 49} without a near tie in the router")
 

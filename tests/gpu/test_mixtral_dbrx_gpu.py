@@ -83,21 +83,8 @@ def _load(path, **off):
 def near_ties(ref, toks) -> set[int]:
     """Positions of `toks` where the reference's router nearly ties in some layer (see TIE)."""
     from runtime.reference import model
-    moe, gaps = model._moe, []
-
-    def recording(layer, spec, h):
-        logits = torch.nn.functional.linear(h.float(), layer.router)
-        top = torch.topk(logits, spec.top_k + 1, dim=-1).values
-        gaps.append((top[:, -2] - top[:, -1]) / logits.std())
-        return moe(layer, spec, h)
-    model._moe = recording
-    try:
-        ref.reset()
-        ref.forward(toks)
-    finally:
-        model._moe = moe
-        ref.reset()
-    return set((torch.stack(gaps).min(dim=0).values < TIE).nonzero().flatten().tolist())
+    from tests.router_ties import router_gaps
+    return set((router_gaps(ref, model, toks).min(dim=0).values < TIE).nonzero().flatten().tolist())
 
 
 def _rows_rel(got, want, first: int, ties: set[int]) -> float:
