@@ -3,10 +3,11 @@
 Every step is compared with a cache-free transformers forward over the same tokens: prefill (the
 chunked delta rule), decode and verify (the recurrent one), truncate and rollback to every accepted
 prefix of a verify window, a drafter's single-token steps rolled back, and a truncate to before the
-rollback checkpoint (the kept tokens replayed). Tolerance: max |logit difference| <= 2.5e-4 in float32,
+rollback checkpoint (the kept tokens replayed). Tolerance: max |logit difference| <= 1e-3 in float32,
 logits of order 1-10: the recurrence carries float32 rounding from token to token, summed in another
 order by the chunked and the recurrent form (transformers' own cached decode differs from its cache-free
-forward by up to 5e-5 here); a wrong state or a wrong rollback shows as 1e-2 and more.
+forward by up to 5e-5 here; a long prefill and decode measured 3.2e-4 on an AMD EPYC with AVX-512, under
+2.5e-4 on the Xeons before); a wrong state or a wrong rollback shows as 1e-2 and more.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from runtime.errors import BadRequest, EngineError  # noqa: E402
 from runtime.reference import load  # noqa: E402
 from runtime.reference.hybrid import ROLLBACK_WINDOW  # noqa: E402
 
-TOL_FP32 = 2.5e-4
+TOL_FP32 = 1e-3
 V = 128
 TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=V,
             max_position_embeddings=512, rms_norm_eps=1e-5, moe_intermediate_size=32,
