@@ -45,6 +45,7 @@ step() {            # name, seconds it needs at least: true when it is to run no
     log "$1 waits: $(left) s left, it needs about $2"; return 1
 }
 done_() { touch "$ROOT/done/$1"; }
+have() { [ -f "$1/README.md" ]; }       # a synthetic folder written whole (synth writes README.md last)
 
 synth() {           # shape, dir
     rm -rf "$M" "$D"
@@ -78,7 +79,7 @@ chat() {            # dir, label
 }
 
 if [ "${SYNTH_ONLY:-0}" = 1 ]; then
-    [ "${MIXTRAL:-1}" = 1 ] && step mixtral-synth 60 && synth mixtral-8x22b "$M" && done_ mixtral-synth
+    [ "${MIXTRAL:-1}" = 1 ] && ! have "$M" && step mixtral-synth 60 && synth mixtral-8x22b "$M"
     exit 0
 fi
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
@@ -115,14 +116,15 @@ if [ "${TESTS:-1}" = 1 ] && step tests 120; then
     rm -rf "$ROOT/pytest" "$ROOT/gpu-models"
 fi
 if [ "${MIXTRAL:-1}" = 1 ]; then
-    step mixtral-synth 60 && synth mixtral-8x22b "$M" && done_ mixtral-synth
-    [ -f "$ROOT/done/mixtral-synth" ] && step mixtral-bench 300 && bench_offload "$M" mixtral-8x22b 130,24 \
-        && done_ mixtral-bench
-    [ -f "$ROOT/done/mixtral-synth" ] && step mixtral-chat 150 && chat "$M" mixtral-8x22b && done_ mixtral-chat
+    [ -f "$ROOT/done/mixtral-bench" ] && [ -f "$ROOT/done/mixtral-chat" ] || have "$M" \
+        || { step mixtral-synth 60 && synth mixtral-8x22b "$M"; }
+    have "$M" && step mixtral-bench 300 && bench_offload "$M" mixtral-8x22b 130,24 && done_ mixtral-bench
+    have "$M" && step mixtral-chat 150 && chat "$M" mixtral-8x22b && done_ mixtral-chat
 fi
 if [ "${DBRX:-1}" = 1 ] && { [ "${MIXTRAL:-1}" = 0 ] || [ -f "$ROOT/done/mixtral-chat" ]; }; then
-    if step dbrx-synth 60; then rm -rf "$M"; synth dbrx "$D" && done_ dbrx-synth; fi
-    [ -f "$ROOT/done/dbrx-synth" ] && step dbrx-bench 220 && bench_offload "$D" dbrx 24 && done_ dbrx-bench
-    [ -f "$ROOT/done/dbrx-synth" ] && step dbrx-chat 150 && chat "$D" dbrx && done_ dbrx-chat
+    [ -f "$ROOT/done/dbrx-bench" ] && [ -f "$ROOT/done/dbrx-chat" ] || have "$D" \
+        || { step dbrx-synth 60 && synth dbrx "$D"; }
+    have "$D" && step dbrx-bench 220 && bench_offload "$D" dbrx 24 && done_ dbrx-bench
+    have "$D" && step dbrx-chat 150 && chat "$D" dbrx && done_ dbrx-chat
 fi
 log "done: $(ls "$ROOT/done" | tr '\n' ' ')"
