@@ -113,15 +113,15 @@ def run(path, rows: int, seed: int, past: int = 0, device: str = "cpu") -> int:
               f"logit gaps: " + " ".join(f"{int(r)}:{v:.1e}" for v, r in zip(*torch.topk(-gap, min(3, rows)))
                                         ).replace(":-", ":"))
     for i, (name, out) in enumerate(blocks[:len(ref_trace)]):
-        e = _rel_rows(out.view(rows, -1), ref_trace[i])
-        worst = torch.topk(e, min(3, rows))
         got = out.view(rows, -1)
-        bad = (~torch.isfinite(got)).sum().item()
+        e = _rel_rows(got, ref_trace[i])
+        worst = torch.topk(e, min(3, rows))
+        bad = ~torch.isfinite(got)
         print(f"{i:3d} {name[:48]:48s} median {e.median():.1e}  worst rows "
               + " ".join(f"{int(r)}:{v:.1e}" for v, r in zip(worst.values, worst.indices))
               + f"  max |x| {got.abs().max():.3g} (reference {ref_trace[i].abs().max():.3g})"
-              + (f", {bad} values not finite (rows {sorted(set((~torch.isfinite(got)).nonzero()[:, 0].tolist()))})"
-                 if bad else ""))
+              + (f", {int(bad.sum())} values not finite (rows {bad.any(dim=-1).nonzero().flatten().tolist()})"
+                 if bad.any() else ""))
     got = eng_logits.view(rows, -1)[:, :ref_logits.shape[-1]]
     e = _rel_rows(got, ref_logits)
     print(f"logits: median {e.median():.1e}, max {e.max():.1e}; not finite: {(~torch.isfinite(got)).sum().item()}")
