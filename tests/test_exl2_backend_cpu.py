@@ -28,6 +28,26 @@ def test_out_of_memory_recognised():
     assert not _is_oom(ValueError("out of memory"))
 
 
+def test_out_of_memory_under_a_budget_names_the_budget_and_where():
+    """A load held to a VRAM budget that runs out says so (the GPU's free memory, the only figure
+    before, said 137 GiB free), and its detail keeps torch's words and the frames it came from."""
+    from runtime.backends.exl2 import _oom, _oom_context
+
+    def pack_experts():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 768.00 MiB")
+    try:
+        pack_experts()
+    except RuntimeError as e:
+        context = _oom_context(e)
+    assert "pack_experts" in context and "torch held" in context
+    err = _oom("the model's weights", RuntimeError("CUDA out of memory. Tried to allocate 768.00 MiB"),
+               cap=int(3.9 * (1 << 30)), context=context)
+    assert "within the VRAM budget of 3.9 GiB" in err.message and "larger VRAM budget" in err.message
+    assert err.detail.startswith("CUDA out of memory. Tried to allocate 768.00 MiB; raised at ")
+    plain = _oom("the model's weights", RuntimeError("CUDA out of memory."))
+    assert "budget" not in plain.message and plain.detail == "CUDA out of memory."
+
+
 # -- which forwards replay a graph: the engine's dispatch and the graphs' bookkeeping, with stand-ins for
 # exllamav2 and the GPU (the graphs themselves are checked on the GPU: tests/gpu/test_exl2_engine.py) --
 

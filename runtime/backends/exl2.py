@@ -59,11 +59,33 @@ def _is_oom(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
 
 
-def _oom(what: str, err: BaseException) -> OutOfMemory:
+def _oom(what: str, err: BaseException, cap: Optional[int] = None, context: str = "") -> OutOfMemory:
+    """`cap`: the VRAM budget the allocator was held to (bytes), where the load had one: the GPU's free
+    memory then says nothing of why it ran out. `context`: where and with what torch held (detail)."""
     return_cached_memory()                      # device blocks and page-locked host blocks
     free, words = _free_vram()
+    if cap is not None:
+        return OutOfMemory(f"Not enough GPU memory for {what} within the VRAM budget of {cap / GiB:.1f} GiB "
+                           f"({words} after freeing what was taken). Try a larger VRAM budget, a shorter "
+                           "context, a quantized KV cache, or a smaller model.",
+                           "; ".join(filter(None, (str(err), context))), free_bytes=free)
     return OutOfMemory(f"Not enough GPU memory for {what} ({words} after freeing what was taken). "
-                       "Try a shorter context, a quantized KV cache, or a smaller model.", str(err), free_bytes=free)
+                       "Try a shorter context, a quantized KV cache, or a smaller model.",
+                       "; ".join(filter(None, (str(err), context))), free_bytes=free)
+
+
+def _oom_context(e: BaseException) -> str:
+    """Where an out-of-memory was raised (the innermost frames, exllamav2's and torch's included) and
+    what torch's allocator held then: taken before the cleanup, for the error's detail."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)[::-1][:5]
+    where = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames)
+    try:
+        held = (f"torch held {torch.cuda.memory_allocated() / GiB:.2f} GiB allocated, "
+                f"{torch.cuda.memory_reserved() / GiB:.2f} GiB reserved")
+    except Exception:
+        held = ""
+    return "; ".join(filter(None, (f"raised at {where}" if where else "", held)))
 
 
 def choose_prefill_attention(config, head_dim: int = 128) -> str:
@@ -536,7 +558,8 @@ class _Loading:
         elif self.step in ("build", "engine") and _is_oom(e):
             what = ("the decode graphs" if self.step == "engine" else
                     f"the model's weights and a {self.off.context_length}-token {self.off.kv_cache} KV cache")
-            return lambda text=str(e): _oom(what, RuntimeError(text))
+            cap = self.setup.vram.total_bytes if self.setup is not None and self.setup.capped else None
+            return lambda text=str(e), context=_oom_context(e): _oom(what, RuntimeError(text), cap, context)
         else:
             return None
         err.__traceback__, err.__context__ = None, None      # keep no frames (and their tensors) alive

@@ -10,16 +10,23 @@ misplaced clamp shows as an error of order 1e-1 and up.
   CPU, without TF32, in seconds where the CPU took minutes at real width): prefill, decode, verify of K + 1 = 1, 2, 4, 5, 8, 9
   rows after a rollback, decode again, graphs on and off; every row count through its own graph
   (with 8 experts a verify of 8 or 9 rows once fell out of the graphs into prefill staging).
-  Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2). Rows where the reference's
+  Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2) for the miniatures; twice that at
+  the real widths, where fp16 rounding alone reaches 1e-2: on the H200 every row of Mixtral's
+  (6144 wide, experts 16384) came out at 1.0-1.3e-2 (prefill 1.1-1.6e-2), DBRX's at 0.55-1.5e-2, graphs
+  on and off alike, and exllamav2's own attention block alone moved the residual stream by 3e-3
+  (bench/check_reference.py, block by block). Rows where the reference's
   router nearly ties (its k-th and (k+1)-th logits within TIE of the logits' standard deviation, in any
-  layer) are left out: the engine's fp16 rounding may pick the other expert there, which changes that
+  layer; TIE follows the engine's error: half as wide for the miniatures) are left out: the engine's fp16 rounding may pick the other expert there, which changes that
   row by ~3e-2 (seen in the DBRX miniature: 16 experts, top 4; gaps of 0.2% of a standard deviation),
   a difference of rounding, not of the model. At most a third of the rows may be left out; the report
   counts them.
 - offload vs all in VRAM (4 layers: with 2 layers of 8 experts no offloaded placement is smaller than
   all of them, since staging holds a layer's cold experts twice): the same script with half the
   experts cold, read by the GPU from host memory ("stream"), computed in part by the CPU ("cpu",
-  the split forced so that every layer cuts its cold experts), and by the naive baseline.
+  the split forced so that every layer cuts its cold experts), and by the naive baseline. Tolerance:
+  TOL for the miniatures; at the real widths two fp16 computations, each within TOL x WIDE of float32,
+  may differ by sqrt(2) times that (their rounding errors are independent: other kernels and orders of
+  summation for the cold experts). Mixtral's stream path came out 1.2-2.2e-2 from all in VRAM there.
 
 With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
 """
@@ -37,8 +44,9 @@ from runtime.options import LoadOptions, OffloadOptions
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
 TOL_PREFILL = 2e-2
+WIDE = 2               # the tolerances' factor at the real widths (fp16 rounding grows with them)
 ROWS = (1, 2, 4, 5, 8, 9)
-TIE = 0.02             # a near tie: the k-th and (k+1)-th router logits closer than this x their std
+TIE = {"real": 0.02, "tiny": 0.01}   # a near tie: the k-th and (k+1)-th router logits closer than this x their std
 GiB = 1 << 30
 SHAPES = {"mixtral": ("mixtral-8x22b", "tiny-mixtral"), "dbrx": ("dbrx", "tiny-dbrx")}
 CLIP = {"dbrx": 1.0, "tiny-dbrx": 0.25}
@@ -75,16 +83,21 @@ def _home(tmp_path, monkeypatch):
 
 def _load(path, **off):
     from runtime.backends import exl2
+    from runtime.errors import OutOfMemory
     graphs = off.pop("graphs", True)
     opts = LoadOptions(offload=OffloadOptions(context_length=512, **off))
-    return exl2.load(path, opts, lambda *a: None, graphs=graphs)
+    held = f"{torch.cuda.memory_allocated() / GiB:.2f} GiB allocated, {torch.cuda.memory_reserved() / GiB:.2f} reserved"
+    try:
+        return exl2.load(path, opts, lambda *a: None, graphs=graphs)
+    except OutOfMemory as e:                    # the error's detail: where, and what torch held
+        pytest.fail(f"{path.name} {off}: {e}\n  detail: {e.detail}\n  before the load torch held {held}")
 
 
-def near_ties(ref, toks) -> set[int]:
+def near_ties(ref, toks, tie: float) -> set[int]:
     """Positions of `toks` where the reference's router nearly ties in some layer (see TIE)."""
     from runtime.reference import model
     from tests.router_ties import router_gaps
-    return set((router_gaps(ref, model, toks).min(dim=0).values < TIE).nonzero().flatten().tolist())
+    return set((router_gaps(ref, model, toks).min(dim=0).values < tie).nonzero().flatten().tolist())
 
 
 def _rows_rel(got, want, first: int, ties: set[int]) -> float:
@@ -124,9 +137,12 @@ def test_matches_reference(kind, size, models):
 
 def _vs_reference_both(kind, size, path, ref):
     toks = torch.randint(0, ref.info.vocab_size - 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    ties = near_ties(ref, toks[:36])
+    ties = near_ties(ref, toks[:36], TIE[size])
     assert len(ties) <= 12, f"{kind}-{size}: {len(ties)} of 36 positions nearly tie in the router: {sorted(ties)}"
     failures = []
+
+    def tol(check: str) -> float:
+        return (TOL_PREFILL if check.startswith("prefill") else TOL) * (WIDE if size == "real" else 1)
     for graphs in (True, False):
         eng, applied = _load(path, graphs=graphs)
         try:
@@ -135,7 +151,7 @@ def _vs_reference_both(kind, size, path, ref):
             _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=errs,
                     near_ties=sorted(ties), prefill_attention=eng.info.extra.get("prefill_attention"))
             failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}"
-                         for k, e in errs.items() if e == e and not e < (TOL_PREFILL if k.startswith("prefill") else TOL)]
+                         for k, e in errs.items() if e == e and not e < tol(k)]
             if graphs:
                 tel = eng.telemetry()
                 assert tel["decode_graphs"], tel.get("graph_error")
@@ -160,11 +176,12 @@ def _script(eng, toks) -> dict[str, torch.Tensor]:
     return {k: v.float().cpu() for k, v in out.items()}
 
 
-def _compare(got, want, label):
+def _compare(got, want, label, size):
+    tol = TOL * (WIDE * 2 ** 0.5 if size == "real" else 1)
     errs = {k: _rel(got[k], want[k]) for k in want}
     _record(test="mixtral_dbrx_offload_vs_vram", case=label, errors=errs)
-    bad = {k: e for k, e in errs.items() if not e < TOL}
-    assert not bad, f"{label}: relative errors above {TOL}: {bad}"
+    bad = {k: e for k, e in errs.items() if not e < tol}
+    assert not bad, f"{label}: relative errors above {tol:.2g}: {bad}"
 
 
 @pytest.mark.parametrize("size", ["real", "tiny"])
@@ -204,7 +221,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         res = tel["expert_residents"]
         assert all(0 < r < ref.info.num_experts for r in res), res
         assert tel["expert_paths"] == ["stream"] * len(res) and tel["expert_staging_capacity"] > 0
-        _compare(_script(eng, toks), want, f"{kind}-{size} stream")
+        _compare(_script(eng, toks), want, f"{kind}-{size} stream", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert {1, 2, 5, 8, 9} <= {t for _, t in tel["graph_shapes"]}, tel["graph_shapes"]
@@ -215,7 +232,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         run = eng.experiment
         eng.set_experiment(run.replace(naive=True))
         try:
-            _compare(_script(eng, toks), want, f"{kind}-{size} naive")
+            _compare(_script(eng, toks), want, f"{kind}-{size} naive", size)
         finally:
             eng.set_experiment(run)
             eng.graphs = graphs
@@ -235,7 +252,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         assert set(tel["expert_paths"]) == {"cpu+stream"} and tel["cpu_expert_path"] == "on", tel
         m = eng.offload
         assert m.cut is not None and m.cut % 64 == 0 and 0 < m.cut < eng.moe[0].experts.w2.in_features
-        _compare(_script(eng, toks), want, f"{kind}-{size} cpu cut {m.cut}")
+        _compare(_script(eng, toks), want, f"{kind}-{size} cpu cut {m.cut}", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert tel["cpu_expert_pairs"] > 0 and "cpu_expert_errors" not in tel, tel
