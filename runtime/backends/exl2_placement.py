@@ -4,8 +4,8 @@ first load of a model at a budget on a machine, behind the progress, then saved 
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
 Each step of a trial is bounded (a switch of the path, or, building the CPU copies, one MoE layer's
 copies; one graph capture; or a run of `TRIAL_CHUNK` decode steps: untimed ones letting the CPU path's
-cut settle first, then a path's `TRIAL_STEPS` timed ones),
-so an idle-time trial delays a new command by one of them at most; commands between the steps may
+cut settle first, once a trial (later rounds find the cut where it was), then a path's `TRIAL_STEPS`
+timed ones), so an idle-time trial delays a new command by one of them at most; commands between the steps may
 move the cache, drop graphs or change what the timings stand on (`trial` says what it does about
 each). The timed steps decode the model's own greedy continuation of a random token past the cache's
 end (as an answer decodes); the cache is rolled back after each run (the engine's `hold_position` where
@@ -215,15 +215,18 @@ def _settle(engine, path: str, footing: tuple) -> Generator[str, None, bool]:
     return True
 
 
-def _time_path(engine, judge: PathJudge, path: str, footing: tuple) -> Generator[str, None, bool]:
+def _time_path(engine, judge: PathJudge, path: str, footing: tuple, settle: bool = True
+               ) -> Generator[str, None, bool]:
     """`TRIAL_STEPS` decode steps of the running path, in runs of `TRIAL_CHUNK` (a step each, from
     the cache position then, its decode graph captured first where missing, in a step of its own),
     recorded with the judge as one round's; False, nothing recorded, where the engine changed under
-    the timing (see `trial`). A run shorter than asked (the cache nearly full) ends the timing."""
+    the timing (see `trial`). A run shorter than asked (the cache nearly full) ends the timing.
+    settle: let the CPU path's cut settle first (`_settle`); a later round of the same trial finds
+    the cut where the last timing left it (switching back restores it) and times at once."""
     label = "with" if path == "cpu" else "without"
     samples: list[float] = []
     run_ms: list[float] = []
-    if not (yield from _settle(engine, path, footing)):
+    if settle and not (yield from _settle(engine, path, footing)):
         return False
     cut0, moves0 = _cut(engine)
     runs: list[dict] = []                  # per run: its traffic (hit rate, the CPU's share), its cut at the end
@@ -280,6 +283,7 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
 def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) -> Iterator[str]:
     footing = _footing(engine)
     paths = sorted(judge.plan(), key=lambda p: p != current_path(manager))
+    timed: set[str] = set()                # paths timed in an earlier round (the CPU path's cut settled)
     decided = False
     try:
         while paths:
@@ -293,8 +297,9 @@ def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) 
                             yield f"the CPU path could not be built ({manager.cpu_reason})"
                             continue
                     yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
-                if not (yield from _time_path(engine, judge, path, footing)):
+                if not (yield from _time_path(engine, judge, path, footing, settle=path not in timed)):
                     return
+                timed.add(path)
             paths = paths[::-1] if judge.needs_another_round() else []
         if _moved(engine, footing):
             return
