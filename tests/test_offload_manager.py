@@ -115,6 +115,29 @@ def test_routing_counts_reach_the_statistics_a_boundary_later_and_drive_promotio
     assert 5 in lo.expert_slot and cold_offsets_ok(lo) and m.counters.tokens == 5
 
 
+def test_pcie_per_token_counts_the_tokens_since_the_warm_up_only():
+    """After the load's warm-up the bytes and hits start from zero, and so do the tokens they are
+    divided by: counted from the load on, a Mixtral answer's 7 GB a token showed as 0.2 GB (2,000
+    warm-up and trial tokens in the denominator, none of their bytes in the numerator)."""
+    m = _manager(n=1)
+    m.apply([[0, 1]])
+    lo = m.layers[0]
+    lo.layer.counts[4] += 30                                     # warm-up: 30 misses over 30 tokens
+    m.counters.tokens = 30
+    assert m.telemetry().pcie_bytes_per_token == pytest.approx(lo.code_bytes)
+    restarted = []
+    lo.cpu = type("Cpu", (), {"restart_counts": lambda self: restarted.append(1)})()
+    m.forget_warmup()                                            # the CPU path's counts too (they are subtracted)
+    lo.cpu = None
+    assert restarted == [1]
+    assert m.telemetry().pcie_bytes_per_token is None            # no token since
+    lo.layer.counts[4] += 2                                      # an answer's two tokens: a miss each
+    m.counters.tokens += 2
+    t = m.telemetry()
+    assert t.expert_pairs == 2 and t.pcie_bytes_per_token == pytest.approx(lo.code_bytes)
+    assert t.tokens_seen == 32                                   # the statistics' count goes on
+
+
 def test_hit_rate_splits_pairs_by_the_residency_of_their_time():
     m = _manager(n=1)
     m.apply([[0, 1]])

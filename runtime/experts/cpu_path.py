@@ -244,6 +244,7 @@ class CpuPath:
                 0 <= e < self.E for e in self.stored):
             raise ValueError(f"{name}: CPU experts {list(stored)[:8]}...: need distinct ids in 0..{self.E - 1}")
         self.kernel, self.submit_fn, self.wait_fn = host_entries()
+        self._base = (0, 0, 0)                 # the counters at `restart_counts` (the load's warm-up left out)
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
         self.I = I = packs[2].in_features
         self.width = I if width is None else int(width)
@@ -397,9 +398,17 @@ class CpuPath:
     # -- telemetry, release ---------------------------------------------------------------------------
 
     def counters(self) -> tuple[int, int, int, int]:
-        """(nanoseconds, calls, pairs, status) so far: host memory, read without a synchronisation."""
+        """(nanoseconds, calls, pairs, status) since `restart_counts` (or the start): host memory, read
+        without a synchronisation."""
+        c, (ns, calls, pairs) = self.ctx, self._base
+        return int(c.ns_total) - ns, int(c.calls) - calls, int(c.pairs) - pairs, int(c.status)
+
+    def restart_counts(self) -> None:
+        """Count from zero again, as the layer's hits and pairs do after the load's warm-up (the
+        telemetry subtracts the CPU's pairs from the layer's misses: counted since different moments,
+        the PCIe figure came out low, or below zero)."""
         c = self.ctx
-        return int(c.ns_total), int(c.calls), int(c.pairs), int(c.status)
+        self._base = (int(c.ns_total), int(c.calls), int(c.pairs))
 
     def timeline(self) -> dict[str, int]:
         """Nanoseconds summed over the steps so far (host memory, read without a synchronisation):

@@ -381,6 +381,8 @@ class OffloadManager:
             lo.skip_counted()
             lo.hits.zero_()
             lo.pairs.zero_()
+            if lo.cpu is not None:
+                lo.cpu.restart_counts()
         self.counters.reset_bytes()
         if self.prefetch_in_step is not None:
             self.prefetch_in_step.reset_score()

@@ -16,14 +16,23 @@ MOVED = ("staged", "promoted", "naive", "lent")
 
 @dataclass
 class Counters:
-    """Tokens and forwards seen, and code bytes moved per kind (MOVED)."""
+    """Tokens and forwards seen, and code bytes moved per kind (MOVED); `tokens_at_reset`: the tokens
+    seen when the bytes (and the layers' hit counts) last started from zero, so that per-token figures
+    divide by the tokens those bytes moved for, not by the load's warm-up too."""
     tokens: int = 0
     forwards: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: {k: 0 for k in MOVED})
+    tokens_at_reset: int = 0
 
     def reset_bytes(self) -> None:
         for k in self.bytes:
             self.bytes[k] = 0
+        self.tokens_at_reset = self.tokens
+
+    @property
+    def tokens_counted(self) -> int:
+        """Tokens since the bytes started from zero."""
+        return self.tokens - self.tokens_at_reset
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,7 @@ def collect(m) -> OffloadTelemetry:
         cpu_expert_cut=cut, cpu_expert_signal=signal, cpu_expert_predicted_gain=gain,
         cpu_expert_errors=tuple(f"layer {lo.index}: {c[3]}" for c, lo in zip(cpu, m.layers) if c[3]),
         expert_hit_rate=hits / pairs if pairs else None,
-        pcie_bytes_per_token=moved / counters.tokens if counters.tokens else None,
+        pcie_bytes_per_token=moved / counters.tokens_counted if counters.tokens_counted > 0 else None,
         expert_pairs=pairs, expert_hits=hits,
         expert_zero_copy_bytes=cold_bytes, expert_moved_bytes=dict(counters.bytes),
         expert_residents=[len(lo.expert_slot) for lo in m.layers],
