@@ -72,6 +72,21 @@ def test_policy_switches_off_when_it_does_not_pay_and_probes_rarely():
     assert sum(k > 0 for k in ks[-300:]) <= 16    # a probe or two, backing off
 
 
+def test_steps_where_lookup_found_nothing_are_plain_steps_not_a_verdict():
+    """N-gram lookup with nothing to propose makes a plain step whatever K was chosen: such steps
+    feed the plain window and judge nothing (on the H200 a random model's answer drafted no token,
+    and a window of them read "drafting pays: 1.07x"); real drafts are then judged against them."""
+    p = DraftPolicy(k_max=4, adaptive=True)
+    for i in range(100):
+        p.choose()
+        step = 1.0 + 0.01 * (i % 7)                # plain steps' noise
+        p.observe(0, 0, 1, step, step)              # nothing drafted, whatever k was
+    assert "pays" not in p.reason and "off" not in p.reason and not p.off
+    assert len(p.plain) >= 16 and len(p.drafting) == 0
+    drive(p, accept_prob=0.9, cost=lambda r: 1.0 + 0.05 * (r - 1), steps=40)
+    assert not p.off and "drafting pays" in p.reason
+
+
 def test_policy_prefers_short_drafts_when_verifying_is_costly():
     p = DraftPolicy(k_max=8, adaptive=True)
     drive(p, accept_prob=0.7, cost=lambda r: 1.0 + 0.25 * (r - 1), steps=300)
