@@ -333,6 +333,7 @@ class _Opened:
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
         self.applied, self.stats_warning, self.offload = {}, "", False
+        self.capped = False                     # (a setup: no allocator cap, so an OOM names no budget)
 
     def unload(self):
         self.log.append(f"{self.name} unloaded")
