@@ -652,35 +652,19 @@ def test_the_cpu_paths_cut_settles_untimed_before_it_is_timed(monkeypatch):
     assert judge.path == "cpu"
 
 
-def test_settling_is_bounded_when_the_cut_never_rests(monkeypatch):
-    import types
-    from runtime.backends import exl2_placement as xp
-    manager = FakeManager(True, 0.05)
-    manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
-    engine = FakeEngine(manager)
-    fake_timing(monkeypatch, 20.0, 30.0)
-    timed = xp.time_decode_steps
-
-    def restless(e, n=TRIAL_STEPS, seed=0):
-        manager.cpu.cut_log.append((0, manager.cpu.cut, 0.5))
-        return timed(e, n, seed)
-    monkeypatch.setattr(xp, "time_decode_steps", restless)
-    messages = list(xp.trial(engine, xp.make_judge(manager)))
-    settle = [m for m in messages if m.startswith("letting the CPU path's cut settle")]
-    assert len(settle) == xp.SETTLE_MAX_STEPS // TRIAL_CHUNK and f"{xp.SETTLE_MAX_STEPS} steps" in settle[-1]
-
-
-def test_later_rounds_time_the_cpu_path_where_its_cut_was_left(monkeypatch):
-    """Paths too close to call take MAX_ROUNDS rounds; the CPU path's cut settles before its first
-    timing only: switching back restores the cut the last timing left, so a later round times it at
-    once (on the H200 a restless Mixtral cut spent 128 untimed steps, 22 s, in each of three rounds)."""
+@pytest.mark.parametrize("cpu_ms, stream_ms, rounds", [(20.0, 30.0, 1), (25.0, 25.4, MAX_ROUNDS)])
+def test_settling_is_bounded_and_done_once_a_trial(monkeypatch, cpu_ms, stream_ms, rounds):
+    """A cut that never rests settles for SETTLE_MAX_STEPS untimed steps, before the CPU path's first
+    timing only: switching back restores the cut the last timing left, so a later round (paths too
+    close to call) times it at once (on the H200 a restless Mixtral cut spent 128 untimed steps, 22 s,
+    in each of three rounds)."""
     import types
     from runtime.backends import exl2_placement as xp
     manager = FakeManager(True, 0.05)
     manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
     engine = FakeEngine(manager)
     log = []
-    fake_timing(monkeypatch, 25.0, 25.4, log=log)          # close: three rounds
+    fake_timing(monkeypatch, cpu_ms, stream_ms, log=log)
     timed = xp.time_decode_steps
 
     def restless(e, n=TRIAL_STEPS, seed=0):
@@ -690,9 +674,9 @@ def test_later_rounds_time_the_cpu_path_where_its_cut_was_left(monkeypatch):
     judge = xp.make_judge(manager)
     messages = list(xp.trial(engine, judge))
     settle = [m for m in messages if m.startswith("letting the CPU path's cut settle")]
-    assert len(settle) == xp.SETTLE_MAX_STEPS // TRIAL_CHUNK, messages        # the first CPU timing only
-    assert "(3 rounds)" in judge.reason
-    assert len([p for p, *_ in log if p == "cpu"]) == len(settle) + MAX_ROUNDS * RUNS
+    assert len(settle) == xp.SETTLE_MAX_STEPS // TRIAL_CHUNK and f"{xp.SETTLE_MAX_STEPS} steps" in settle[-1]
+    assert (f"({rounds} rounds)" in judge.reason) == (rounds > 1)
+    assert len([p for p, *_ in log if p == "cpu"]) == len(settle) + rounds * RUNS
 
 
 def test_the_step_clock_hands_the_judge_one_row_steps_only(monkeypatch):
