@@ -816,6 +816,38 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     m.close()
 
 
+def test_the_cut_of_wide_experts_moves_by_a_share_of_their_rows():
+    """Experts of 16,384 rows (Mixtral-8x22B): the cut moves 1/32 of them (512 rows) a look, so a move
+    changes the step time by more than the climb's 1% and the balance, thousands of rows from the
+    planned cut, is reached in a few looks (moves of 64 rows wandered by noise on the H200). Narrow
+    experts keep the kernels' 64-row step. Simulated: a decode step takes the slower of the CPU's
+    part (too slow at the planned 7,488 rows) and the GPU's; the balance is at ~5,375 rows."""
+    import types
+    from runtime.experts import cpu_share
+    from runtime.experts.cpu_share import CpuShare, cut_stride
+    assert cut_stride(16384, 64) == 512 and cut_stride(10752, 64) == 320 and cut_stride(1536, 64) == 64
+    counts = [0, 0, 0]
+    cpu = types.SimpleNamespace(width=16384, balance=lambda: tuple(counts))
+    share = object.__new__(CpuShare)
+    share.layers = [types.SimpleNamespace(cpu=cpu, packs=(None, None, types.SimpleNamespace(in_features=16384)))]
+    share.cut, share.cut_log, share._cut_ms, share._balance_prev = 7488, [], {}, (0, 0, 0)
+    share.set_cut = lambda rows: setattr(share, "cut", rows)
+
+    def step_ms(cut):
+        return max(170.0 * cut / 8000, 170.0 * (16384 - cut) / 16384)
+    forwards = 0
+    for look in range(8):
+        ms = step_ms(share.cut)
+        cpu_first = 170.0 * share.cut / 8000 < 170.0 * (16384 - share.cut) / 16384
+        counts[0 if cpu_first else 1] += 16
+        share._window = [ms * (1 + 0.002 * ((i * 7) % 5 - 2)) / 1e3 for i in range(cpu_share.REBALANCE_EVERY)]
+        forwards += cpu_share.REBALANCE_EVERY
+        share.rebalance(forwards)
+    best = min(step_ms(c) for c in range(64, 16384, 64))
+    assert abs(share.cut - 5375) <= 512 and step_ms(share.cut) < 1.03 * best, share.cut_log
+    assert [c for _, c, _ in share.cut_log][:4] == [6976, 6464, 5952, 5440]
+
+
 def test_the_cut_split_mode_is_checked(monkeypatch):
     from runtime.tuning import Tuning
     assert Tuning.from_environment({"MOEDESK_CPU_SPLIT": "experts"}).cpu_split == "experts"
