@@ -848,6 +848,28 @@ def test_the_cut_of_wide_experts_moves_by_a_share_of_their_rows():
     assert [c for _, c, _ in share.cut_log][:4] == [6976, 6464, 5952, 5440]
 
 
+def test_the_cpu_copies_leave_the_cut_room_to_climb(monkeypatch):
+    """The copies hold a quarter of the expert's rows above the planned cut where the RAM budget holds
+    them (DBRX on the H200: its cut stayed at the copies' edge, the CPU idle 44 ms a token), else
+    room for one move; never more rows than the expert has."""
+    import types
+    from runtime.experts.budget import MemoryBudget
+    from runtime.experts.cpu_share import CpuShare, copy_widths
+    assert copy_widths(10752, 5056, 64) == (5056 + 320, 5056 + 2688)
+    assert copy_widths(16384, 7488, 64) == (7488 + 512, 7488 + 4096)
+    assert copy_widths(256, 128, 64) == (256, 256) and copy_widths(16384, 15040, 64) == (15552, 16384)
+    monkeypatch.setattr(cpath, "cpu_expert_bytes", lambda packs, width=None: 1000 * width)
+    share = object.__new__(CpuShare)
+    share.layers = [types.SimpleNamespace(packs=None)]
+    owned = [[1, 2], [3]]                                           # three copies in all
+    share.ram = MemoryBudget(int(3 * (1000 * 7744 + 192) / 0.9) + 1, "RAM")
+    assert share._copy_width(10752, 5056, 64, owned) == 7744        # wide: fits with a tenth to spare
+    share.ram.reserve("pinned experts", 1000)
+    assert share._copy_width(10752, 5056, 64, owned) == 5376        # short: one move of room
+    share.ram = None
+    assert share._copy_width(10752, 5056, 64, owned) == 7744
+
+
 def test_the_cut_split_mode_is_checked(monkeypatch):
     from runtime.tuning import Tuning
     assert Tuning.from_environment({"MOEDESK_CPU_SPLIT": "experts"}).cpu_split == "experts"

@@ -228,7 +228,8 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
             assert all(lo.cpu.share is not None for lo in eng.offload.layers)
         if split == "cut":
             m = eng.offload
-            assert m.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 512 for lo in m.layers)   # of 768
+            # of 768 rows; the copies a quarter of them wider (cpu_share.copy_widths: the RAM budget holds it)
+            assert m.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 576 for lo in m.layers)
             run = eng.experiment
             eng.set_experiment(run.replace(fixed_cut=True))
             m.set_cut(128)
