@@ -64,13 +64,10 @@ def _oom(what: str, err: BaseException, cap: Optional[int] = None, context: str 
     memory then says nothing of why it ran out. `context`: where and with what torch held (detail)."""
     return_cached_memory()                      # device blocks and page-locked host blocks
     free, words = _free_vram()
-    if cap is not None:
-        return OutOfMemory(f"Not enough GPU memory for {what} within the VRAM budget of {cap / GiB:.1f} GiB "
-                           f"({words} after freeing what was taken). Try a larger VRAM budget, a shorter "
-                           "context, a quantized KV cache, or a smaller model.",
-                           "; ".join(filter(None, (str(err), context))), free_bytes=free)
-    return OutOfMemory(f"Not enough GPU memory for {what} ({words} after freeing what was taken). "
-                       "Try a shorter context, a quantized KV cache, or a smaller model.",
+    within = "" if cap is None else f" within the VRAM budget of {cap / GiB:.1f} GiB"
+    larger = "" if cap is None else "a larger VRAM budget, "
+    return OutOfMemory(f"Not enough GPU memory for {what}{within} ({words} after freeing what was taken). "
+                       f"Try {larger}a shorter context, a quantized KV cache, or a smaller model.",
                        "; ".join(filter(None, (str(err), context))), free_bytes=free)
 
 

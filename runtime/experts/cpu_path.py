@@ -176,6 +176,11 @@ def cpu_expert_bytes(packs: Sequence[PackedExperts], width: Optional[int] = None
     return total
 
 
+def cpu_copies_bytes(packs: Sequence[PackedExperts], n: int, width: Optional[int] = None) -> int:
+    """What the CPU copies of `n` experts of a layer hold (`CpuPath.nbytes`, on the RAM ledger)."""
+    return n * (cpu_expert_bytes(packs, width) + 3 * 8 * 8)                  # + desc rows
+
+
 def cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str = "layer",
               width: Optional[int] = None) -> ce.CpuExperts:
     """CPU copies of experts `stored` (store index j = stored[j]) of one layer, in the layout that
@@ -248,7 +253,7 @@ class CpuPath:
         self.ram, self.ram_key = ram, f"CPU copies of {name}'s experts"
         self.I = I = packs[2].in_features
         self.width = I if width is None else int(width)
-        self.nbytes = len(self.stored) * (cpu_expert_bytes(packs, width) + 3 * 8 * 8)      # + desc rows
+        self.nbytes = cpu_copies_bytes(packs, len(self.stored), width)
         if ram is not None:                    # on the ledger before gigabytes are allocated
             ram.reserve(self.ram_key, self.nbytes, "lower the CPU expert share (placement 'stream'), "
                         "raise the RAM budget, or close other programs")

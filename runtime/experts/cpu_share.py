@@ -332,8 +332,7 @@ class CpuShare:
         narrow, wide = copy_widths(I, cut, align)
         if wide == narrow or self.ram is None:
             return wide
-        n = sum(len(o) for o in owned)
-        need = n * (cpu_path.cpu_expert_bytes(self.layers[0].packs, wide) + 3 * 8 * 8)   # + desc rows (CpuPath)
+        need = cpu_path.cpu_copies_bytes(self.layers[0].packs, sum(len(o) for o in owned), wide)
         return wide if need <= 0.9 * self.ram.free_bytes else narrow
 
     # -- the cut, moved while decoding ----------------------------------------------------------------

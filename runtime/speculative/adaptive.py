@@ -187,11 +187,8 @@ class DraftPolicy:
         if self._settle > 0:
             self._settle -= 1                     # just after a prefill: not what decoding costs
             return
-        if self._last and not drafted:            # lookup found nothing: a plain step, whatever K was chosen
+        if not drafted:                           # a plain step, also where lookup found nothing for K > 0
             self.plain.add(step_s, 1)             # (judged as drafting, a window of them read "pays 1.07x")
-            return
-        if self._last == 0:
-            self.plain.add(step_s, 1)
             if self._plain_left > 0:
                 self._plain_left -= 1
                 if self._plain_left == 0 and len(self.drafting) >= TRIAL_STEPS:   # re-measured while on

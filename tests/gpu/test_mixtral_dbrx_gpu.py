@@ -16,7 +16,8 @@ misplaced clamp shows as an error of order 1e-1 and up.
   on and off alike, and exllamav2's own attention block alone moved the residual stream by 3e-3
   (bench/check_reference.py, block by block). Rows where the reference's
   router nearly ties (its k-th and (k+1)-th logits within TIE of the logits' standard deviation, in any
-  layer; TIE follows the engine's error: half as wide for the miniatures) are left out: the engine's fp16 rounding may pick the other expert there, which changes that
+  layer; TIE follows the engine's error: half as wide for the miniatures) are left out: the engine's
+  fp16 rounding may pick the other expert there, which changes that
   row by ~3e-2 (seen in the DBRX miniature: 16 experts, top 4; gaps of 0.2% of a standard deviation),
   a difference of rounding, not of the model. At most a third of the rows may be left out; the report
   counts them.
