@@ -78,6 +78,28 @@ def test_a_load_gives_torch_s_cached_blocks_back_before_it_measures_free_memory(
     assert not setup.offload and setup.vram.total_bytes == 8 << 20
 
 
+def test_under_a_budget_the_ledger_counts_what_torch_still_holds_unused_before_the_load(monkeypatch, tmp_path):
+    """The allocator's cap counts every reserved byte; blocks torch holds but cannot give back (a live
+    tensor's segment, a graph pool something still refers to) were missing from the ledger, and the
+    planner filled that much of the cap twice (the GPU tests' loads after others ran out of memory)."""
+    from runtime.backends import exl2_offload
+    from runtime.errors import OutOfMemory
+    calls, caps = [], []
+    _fake_cuda(monkeypatch, calls)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: caps.append(f))
+    setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=24), own_moe=False)
+    assert setup.vram.total_bytes == 24 << 30 and setup.capped and caps == [24 / 140]
+    assert setup.vram.items == {exl2_offload.HELD_BEFORE: 3 << 30}
+    setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)     # no budget, no cap
+    assert setup.vram.items == {} and not setup.capped and caps == [24 / 140]
+    with pytest.raises(OutOfMemory, match=r"held before the load \(unused blocks .*\) needs 3.00 GiB of VRAM"):
+        exl2_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=2), own_moe=False)
+    assert caps == [24 / 140]                  # no cap is left set by a load that could not start
+
+
 def test_the_repacking_s_page_locked_batches_go_back_after_the_weights(monkeypatch, tmp_path):
     from runtime.backends import exl2_offload
     setup = exl2_offload.OffloadSetup(MemoryBudget(1 << 30), None, None, "auto", False)

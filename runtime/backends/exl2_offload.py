@@ -96,6 +96,19 @@ def return_cached_memory() -> None:
         torch._C._host_emptyCache()
 
 
+HELD_BEFORE = "memory this process held before the load (unused blocks torch could not give back)"
+
+
+def _held_before(vram: MemoryBudget) -> None:
+    """Under a budget the allocator's cap counts every byte torch has reserved, the ledger only what
+    it is told: the blocks torch still holds after handing its cache back (segments shared with a live
+    tensor, the private pools of CUDA graphs something still refers to) go into the ledger, else the
+    planner fills that much of the cap twice. What is allocated is counted at `start`."""
+    held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if held > 0:
+        vram.reserve(HELD_BEFORE, held, "close other models in this process or raise the VRAM budget")
+
+
 def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
     """Budgets and the allocator cap for a load; raises OutOfMemory in words."""
     return_cached_memory()                    # free means free for the driver too, not cached by torch
@@ -108,6 +121,10 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
         raise budget_error(e) from None
     capped = False
     if off.vram_budget_gb is not None:
+        try:
+            _held_before(vram)
+        except BudgetError as e:
+            raise budget_error(e) from None
         torch.cuda.set_per_process_memory_fraction(vram.fraction_of(total))
         capped = True
     applied = {"offload.vram_budget_gb": "applied"}

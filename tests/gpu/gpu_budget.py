@@ -62,3 +62,21 @@ def assert_closed_freed(before: int) -> None:
     before its load); a leak would leave the next load's ledger short by as much."""
     left = torch.cuda.memory_allocated() - before
     assert left < LEAK, f"a closed engine left {left / GiB:.2f} GiB allocated: later loads would find less VRAM"
+
+
+def live_cuda_tensors(n: int = 6) -> str:
+    """The largest CUDA tensors still alive in this process (shape, dtype, MiB), and their total: what a
+    load that ran out of memory after other tests found held (a leaked engine or reference shows here)."""
+    import gc
+    seen, found = set(), []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and id(obj) not in seen:
+                seen.add(id(obj))
+                found.append((obj.untyped_storage().nbytes(), tuple(obj.shape), str(obj.dtype)))
+        except Exception:
+            continue
+    found.sort(reverse=True)
+    total = sum(b for b, _, _ in found)
+    top = ", ".join(f"{list(s)} {d.replace('torch.', '')} {b / 2**20:.0f} MiB" for b, s, d in found[:n])
+    return f"{len(found)} live CUDA tensors, {total / GiB:.2f} GiB (views count their storage): {top}"

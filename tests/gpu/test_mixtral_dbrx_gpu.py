@@ -91,7 +91,9 @@ def _load(path, **off):
     try:
         return exl2.load(path, opts, lambda *a: None, graphs=graphs)
     except OutOfMemory as e:                    # the error's detail: where, and what torch held
-        pytest.fail(f"{path.name} {off}: {e}\n  detail: {e.detail}\n  before the load torch held {held}")
+        from gpu_budget import live_cuda_tensors
+        pytest.fail(f"{path.name} {off}: {e}\n  detail: {e.detail}\n  before the load torch held {held}\n"
+                    f"  now: {live_cuda_tensors()}")
 
 
 def near_ties(ref, toks, tie: float) -> set[int]:
