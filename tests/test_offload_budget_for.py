@@ -61,6 +61,7 @@ def _fake_cuda(monkeypatch, calls):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("host"), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("blas"), raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: calls.append("measure") or (8 << 20, 140 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
@@ -74,8 +75,39 @@ def test_a_load_gives_torch_s_cached_blocks_back_before_it_measures_free_memory(
     calls = []
     _fake_cuda(monkeypatch, calls)
     setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)
-    assert calls == ["sync", "empty", "host", "measure"], calls
+    assert calls == ["sync", "blas", "empty", "host", "measure"], calls
     assert not setup.offload and setup.vram.total_bytes == 8 << 20
+
+
+def test_cublas_workspaces_go_back_only_while_no_engine_is_open(monkeypatch):
+    """A workspace is a small block that keeps a freed segment reserved, so the hand-back drops them; an
+    open engine's CUDA graphs replay the workspace they captured, so not while one is open (a draft
+    model loading beside its target)."""
+    import gc
+    from runtime.backends import exl2_offload
+
+    class Engine:
+        pass
+    calls = []
+    _fake_cuda(monkeypatch, calls)
+    target = Engine()
+    exl2_offload.engine_opened(target)
+    exl2_offload.return_cached_memory()
+    assert calls == ["sync", "empty", "host"], calls
+    exl2_offload.engine_closed(target)
+    calls.clear()
+    exl2_offload.return_cached_memory()
+    assert calls == ["sync", "blas", "empty", "host"], calls
+    leaked = Engine()                        # never closed: open while alive, gone with it
+    exl2_offload.engine_opened(leaked)
+    calls.clear()
+    exl2_offload.return_cached_memory()
+    assert "blas" not in calls
+    del leaked
+    gc.collect()
+    calls.clear()
+    exl2_offload.return_cached_memory()
+    assert "blas" in calls
 
 
 def test_under_a_budget_the_ledger_counts_what_torch_still_holds_unused_before_the_load(monkeypatch, tmp_path):

@@ -27,7 +27,7 @@ from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
-from runtime.backends.exl2_offload import budget_error, return_cached_memory
+from runtime.backends.exl2_offload import budget_error, engine_closed, engine_opened, return_cached_memory
 from runtime.backends.exl2_placement import StepClock, idle_trial_step
 from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
@@ -126,6 +126,7 @@ class Exl2Engine(Engine):
     backend = "cuda"
 
     def __init__(self, model, cache, info: ModelInfo, graphs: bool, offload=None, budget=None):
+        engine_opened(self)
         self.model = model
         self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all in VRAM
         self.budget = budget            # runtime/backends/exl2_offload.OffloadSetup (VRAM ledger, cap)
@@ -388,6 +389,7 @@ class Exl2Engine(Engine):
             self.model = None
             self.cache = None
             self.moe = []
+            engine_closed(self)
             gc.collect()
             if self.budget is not None:
                 self.budget.release()                 # allocator cap off, page-locked experts freed

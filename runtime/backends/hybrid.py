@@ -31,7 +31,6 @@ steps drift); its timed steps run under `hold_position`.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -39,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from runtime import tuning
-from runtime.backends import hybrid_layers, hybrid_mtp
+from runtime.backends import exl2_offload, hybrid_layers, hybrid_mtp
 from runtime.backends.hybrid_mtp import MtpHead, MtpHooks
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
 from runtime.backends.exl2_placement import StepClock, idle_trial_step
@@ -61,6 +60,7 @@ MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenera
 class HybridExl2Engine(MtpHooks, Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
                  offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
+        exl2_offload.engine_opened(self)
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
         self.backend = "cuda" if model.device.type == "cuda" else "cpu"
         self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all experts resident
@@ -379,11 +379,10 @@ class HybridExl2Engine(MtpHooks, Engine):
         finally:
             self.graphs = None
             self.offload = self.model = self.cache = self.mtp_head = self.mtp = None
-            gc.collect()
+            exl2_offload.engine_closed(self)
             if self.setup is not None:
                 self.setup.release()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            exl2_offload.return_cached_memory()
 
 
 # ----------------------------------------------------------------------------------------------
