@@ -31,6 +31,7 @@ steps drift); its timed steps run under `hold_position`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -380,6 +381,7 @@ class HybridExl2Engine(MtpHooks, Engine):
             self.graphs = None
             self.offload = self.model = self.cache = self.mtp_head = self.mtp = None
             exl2_offload.engine_closed(self)
+            gc.collect()                              # (before the page-locked experts go)
             if self.setup is not None:
                 self.setup.release()
             exl2_offload.return_cached_memory()

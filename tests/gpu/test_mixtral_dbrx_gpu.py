@@ -222,7 +222,7 @@ def _script_ties(path, toks, size) -> set[int]:
 @pytest.mark.parametrize("size", ["real", "tiny"])
 @pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
 def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    from runtime.backends.exl2_offload import prefill_scratch_bytes, return_cached_memory
     from runtime.experts import cpu_share, manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     path = models(kind, size, 4)
@@ -238,8 +238,9 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
     finally:
         ref.close()
     ties = _script_ties(path, toks, size)
-    # what torch still holds unused after the close (blocks beside a live allocation): a budgeted load's
-    # ledger counts it (exl2_offload.HELD_BEFORE), so the budget includes it
+    # what torch still holds unused after the hand-back a load starts with: a budgeted load's ledger
+    # counts it (exl2_offload.HELD_BEFORE), so the budget includes it
+    return_cached_memory()
     held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     expert = codes // n_experts
     if size == "real":                          # the load-time planner places them
