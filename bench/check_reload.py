@@ -5,8 +5,8 @@
 Loads MODEL_DIR on the CUDA engine (all in VRAM) `--loads` times in one process, one after the other,
 prefills the same random tokens each time, and prints the logits' relative error against the float32
 reference (runtime/reference, on the GPU) and, from the second load on, the first block (exllamav2's
-module list: attention, MoE/MLP, norms, head) whose output differs from the first load's by more than
-1e-3 relative. With --rechoose, the expert kernels' launch shapes are timed again before every load
+module list: attention, MoE/MLP, norms, head; inside an attention its norm and its q/k/v/o projections
+where it calls them one by one) whose output differs from the first load's by more than 1e-3 relative. With --rechoose, the expert kernels' launch shapes are timed again before every load
 but the first (`kernels._CHOSEN` emptied, as in a fresh process).
 
 Why: on the H200, the DBRX miniature (tests/gpu/test_mixtral_dbrx_gpu.py) came out 1.4-1.8e-2 from the
@@ -25,16 +25,27 @@ import torch
 from bench.check_reference import rel
 
 
+SUBLAYERS = ("pre_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "post_attention_layernorm")
+
+
 def _record(model, outs: list) -> None:
-    """Wrap each of the model's modules so that its output (the residual stream after it) is recorded."""
+    """Wrap each of the model's modules so that its output (the residual stream after it) is recorded, and
+    inside each the norm and projections exllamav2's unfused attention calls one by one (DBRX's clamped
+    q/k/v run there), recorded before the module that holds them."""
+    def wrap(obj, label: str):
+        orig = obj.forward
+
+        def forward(*a, **k):
+            y = orig(*a, **k)
+            outs.append((label, (y["hidden_states"] if isinstance(y, dict) else y).float().cpu()))
+            return y
+        obj.forward = forward
+
     for i, m in enumerate(model.modules):
-        def wrap(orig, i=i, name=type(m).__name__):
-            def forward(*a, **k):
-                y = orig(*a, **k)
-                outs.append((i, name, (y["hidden_states"] if isinstance(y, dict) else y).float().cpu()))
-                return y
-            return forward
-        m.forward = wrap(m.forward)
+        for sub in SUBLAYERS:
+            if getattr(m, sub, None) is not None and hasattr(getattr(m, sub), "forward"):
+                wrap(getattr(m, sub), f"module {i} ({type(m).__name__}).{sub}")
+        wrap(m, f"module {i} ({type(m).__name__})")
 
 
 def main(argv=None) -> int:
@@ -67,14 +78,14 @@ def main(argv=None) -> int:
             outs: list = []
             _record(eng.model, outs)
             eng.reset()
-            line = f"load {load}: logits vs float32 reference {rel(eng.forward(tokens), want):.4f}"
+            line = (f"load {load}: logits vs float32 reference {rel(eng.forward(tokens), want):.4f} (prefill attention "
+                    f"{eng.info.extra.get('prefill_attention')!r}, cuDNN SDPA {torch.backends.cuda.cudnn_sdp_enabled()})")
             if first is None:
                 first = outs
             else:
-                off = next(((i, name, rel(b, a)) for (i, name, a), (_, _, b) in zip(first, outs)
-                            if rel(b, a) > 1e-3), None)
+                off = next(((label, rel(b, a)) for (label, a), (_, b) in zip(first, outs) if rel(b, a) > 1e-3), None)
                 line += "; every block as in load 0" if off is None else \
-                    f"; first block off from load 0: module {off[0]} ({off[1]}) at {off[2]:.4f}"
+                    f"; first block off from load 0: {off[0]} at {off[1]:.4f}"
             print(line, flush=True)
         finally:
             eng.close()
