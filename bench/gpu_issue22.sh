@@ -20,6 +20,9 @@
 # DIAG=1 first runs `python -m bench.check_reference` on two-layer models of both real shapes (as the GPU
 # tests write them; DBRX with a clip_qkv of 1.0) after a 27-token prefix: the residual stream block by
 # block and the router's picks for a decode (1 row) and a verify (2 rows), against the float32 reference.
+# RELOAD=1 first loads the DBRX miniature (two layers, clip_qkv 0.25, as the GPU tests write it) six times in one
+# process with `python -m bench.check_reload --rechoose`: each load's error and the first block that differs from
+# the first load's.
 # MIXTRAL=0 or DBRX=0 leaves that model's steps out; DONE="mixtral-bench dbrx-bench" counts those steps as
 # done (a fresh machine has no markers: steps an earlier session's machine finished). Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
@@ -104,6 +107,18 @@ if 'attn_config' in cfg:
         rm -rf "$d"
     done
     done_ diag
+fi
+if [ "${RELOAD:-0}" = 1 ] && step reload 150; then
+    d=$ROOT/reload-tiny-dbrx
+    [ -f "$d/README.md" ] || $PY -c "
+import sys
+from pathlib import Path
+sys.path.insert(0, 'tests/gpu')
+from test_mixtral_dbrx_gpu import _synth
+_synth('tiny-dbrx', 2, Path(sys.argv[1]))" "$d" 2>&1 | tail -2
+    timeout $(( $(left) - 5 )) $PY -m bench.check_reload "$d" --rechoose --loads 6 2>&1 | tail -12 \
+        | tee -a "$OUT/gpu_issue22.log"
+    done_ reload
 fi
 if [ "${TESTS:-1}" = 1 ] && step tests 120; then
     MOEDESK_GPU_MODELS="$ROOT/gpu-models" MOEDESK_GPU_REPORT="$OUT/gpu_tests.jsonl" \
