@@ -233,3 +233,16 @@ def test_the_expert_path_trial_leaves_the_heads_slots_as_they_were(ref, eng):
         assert not rebuilt
     finally:
         eng._mtp_rebuild = rebuild
+
+
+def test_the_engine_never_offers_an_image_or_video_placeholder(eng):
+    """The placeholders are refused as input (the language model only), so the logits never offer them: a
+    random model's greedy answer picked one (id 1004 here) and its next forward was refused mid-answer."""
+    media = list(eng.spec.media_tokens)
+    assert media and all(t < eng.spec.vocab for t in media)
+    eng.reset()
+    logits = eng.forward(_tokens(6, 11))
+    assert bool((logits[:, media] == float("-inf")).all()) and bool(torch.isfinite(logits[:, :media[0]]).all())
+    with pytest.raises(BadRequest, match="image or video placeholder"):
+        eng.forward([media[0]])
+    eng.reset()

@@ -132,7 +132,7 @@ class HybridExl2Engine(MtpHooks, Engine):
                 self._back_to(pos0)
                 raise
             else:
-                return outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs)
+                return self.spec.mask_media(outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs))
             outs = []
             self._back_to(pos0)
         raise OutOfMemory(f"out of GPU memory in a forward of {len(ids)} tokens at position {pos0}", failure)

@@ -143,7 +143,7 @@ class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
         self.tokens += ids.tolist()
         if self.mtp is not None and self.mtp_on:
             self._mtp_follow(start, ids.tolist(), hidden)
-        return self.weights.lm_head(hidden).float()
+        return self.spec.mask_media(self.weights.lm_head(hidden).float())
 
     def _truncate(self, length: int) -> None:
         """The cache and its tokens back to `length`: by the checkpoint, else the kept tokens run again

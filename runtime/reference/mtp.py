@@ -205,11 +205,7 @@ class MtpDrafting:
             h, tok = head.row(n - 1)[None], tokens[-1]
             for pos in range(n - 1, min(n - 1 + k, head.capacity)):
                 h = self._mtp_run(h, [tok], pos)
-                logits = self._mtp_logits(h)
-                for media in self.spec.media_tokens:        # tokens the verify would refuse: never drafted
-                    if media < logits.shape[0]:
-                        logits[media] = float("-inf")
-                tok = choose(logits)
+                tok = choose(self.spec.mask_media(self._mtp_logits(h)))   # what the verify refuses: never drafted
                 drafts.append(tok)
         return drafts
 
