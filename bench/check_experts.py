@@ -29,21 +29,33 @@ class CheckResult:
     rel_err: float
 
 
+PERMS = ("each", "expert", "layer")
+
+
 def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: int = 0,
-                 bits_prop=None, group_size=32, host_codes: bool = False) -> ExpertLayer:
+                 bits_prop=None, group_size=32, host_codes: bool = False, perms: str = "each") -> ExpertLayer:
     """A random EXL2 expert layer: E experts, hidden H, intermediate I, `bits` per weight, the codes
     in VRAM (or in pinned host pages with `host_codes`). The one copy: the tests build their layers
-    with it too (the runtime never imports bench/)."""
+    with it too (the runtime never imports bench/). perms: the input orders of gate and up: "each"
+    its own, "expert" one per expert (as our converter writes them), "layer" one for all (as
+    exllamav2's converter writes them)."""
+    if perms not in PERMS:
+        raise ValueError(f"perms: one of {', '.join(PERMS)}, got {perms!r}")
     g = torch.Generator().manual_seed(seed)
+    one = torch.randperm(H, generator=g) if perms == "layer" else None
+    gate_perms: list = []
 
-    def q(out, inp, s):
+    def q(out, inp, s, perm=None):
         w = torch.randn(out, inp, generator=g) * (1.0 / inp ** 0.5)
-        perm = torch.randperm(inp, generator=g)
+        perm = torch.randperm(inp, generator=g) if perm is None else perm
+        if out == I and len(gate_perms) < E:
+            gate_perms.append(perm)
         return exl2.quantize(w, bits, group_size, perm=perm, bits_prop=bits_prop, name=f"expert{s}")
 
     host = HostArena(1 << 20) if host_codes else None
-    w1 = pack_experts([q(I, H, e) for e in range(E)], "gate", device, host)
-    w3 = pack_experts([q(I, H, e) for e in range(E)], "up", device, host)
+    w1 = pack_experts([q(I, H, e, one) for e in range(E)], "gate", device, host)
+    up = {"each": [None] * E, "expert": gate_perms, "layer": [one] * E}[perms]
+    w3 = pack_experts([q(I, H, e, up[e]) for e in range(E)], "up", device, host)
     w2 = pack_experts([q(H, I, e) for e in range(E)], "down", device, host)
     gate = torch.randn(E, H, generator=g).to(device)
     return ExpertLayer(gate, w1, w3, w2, top_k)
@@ -78,7 +90,10 @@ def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
 
 
 def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> list[CheckResult]:
-    from runtime.experts.kernels import experts_forward
+    """Each row count through every kernel path, the grouped kernels reading the input as the layer's
+    permutations allow (kernels.input_order)."""
+    from runtime.experts.kernels import experts_forward, input_order
+    order = input_order(layer.w1, layer.w3, layer.w2)
     g = torch.Generator().manual_seed(seed)
     H = layer.gate_w.shape[1]
     out = [check_routing(layer, max(rows), device)]
@@ -87,8 +102,12 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
         r = route(x, layer.gate_w, layer.top_k)
         ref = experts_reference(x, r, layer.w1, layer.w3, layer.w2)
         for union, path in kernel_paths(T, layer.top_k):
-            y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
+            y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union, order=order)
             out.append(CheckResult(T, path, ((y - ref).norm() / ref.norm()).item()))
+            if path.startswith("grouped") and (order.shared is not None or order.per_expert or order.ordered_down):
+                # the same sums as the per-tile gathers
+                y0 = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
+                out.append(CheckResult(T, path + " vs gathered", ((y - y0).norm() / y0.norm()).item()))
     return out
 
 
@@ -198,6 +217,10 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=32, help="rows per scale group")
     ap.add_argument("--offload", action="store_true",
                     help="compare half the experts cold (host memory) with all resident, exactly")
+    ap.add_argument("--perms", choices=PERMS, default="each",
+                    help="input orders of gate and up: each its own, one per expert, or one per layer")
+    ap.add_argument("--aligned", action="store_true",
+                    help="the intermediate in down's order first (pack.align_intermediate: down reads h in runs)")
     ap.add_argument("--skip", action="store_true",
                     help="split-K kernels with a skip mask + the skipped experts computed apart vs no mask")
     a = ap.parse_args(argv)
@@ -223,7 +246,14 @@ def main(argv=None) -> int:
             print(f"rows {r.rows:4d}  {r.path:18s}  max diff {r.rel_err:.2e}  {'ok' if ok else 'FAIL'}")
         return 1 if bad else 0
     layer = random_layer(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0], a.device,
-                         bits_prop=props, group_size=a.group)
+                         bits_prop=props, group_size=a.group, perms=a.perms)
+    if a.aligned:
+        from runtime.experts.pack import align_intermediate
+        align_intermediate(layer.w1, layer.w3, layer.w2)
+    from runtime.experts.kernels import input_order
+    o = input_order(layer.w1, layer.w3, layer.w2)
+    print("input order:", "one per layer" if o.shared is not None else "one per expert" if o.per_expert else "each its own",
+          "| down reads h", "in runs" if o.ordered_down else "through its permutation")
     bad = 0
     for r in check(layer, [int(x) for x in a.rows.split(",")], a.device):
         ok = r.rel_err < TOLERANCE

@@ -66,6 +66,26 @@ def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
     assert _bk_span(lay.w2, want=256) == 128         # more than down's K (128): one whole group
 
 
+@pytest.mark.parametrize("perms, aligned, order", [
+    ("layer", True, "input order: one per layer | down reads h in runs"),
+    ("expert", False, "input order: one per expert | down reads h through its permutation"),
+    ("each", True, "input order: each its own | down reads h in runs"),
+])
+def test_grouped_kernels_read_the_input_as_the_layers_orders_allow(perms, aligned, order):
+    """One input order for every gate and up of the layer (exllamav2's converter): the input is permuted once;
+    one per expert (ours): gathered once per pair; down in the intermediate's order: h read in runs. Each way
+    gives the oracle's result and, bit for bit, what the per-tile gathers give."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = ["--experts", "5", "--hidden", "128", "--inter", "128", "--top-k", "3", "--bits", "4", "--rows", "40,3",
+            "--perms", perms] + (["--aligned"] if aligned else [])
+    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert order in r.stdout, r.stdout
+    same = [line for line in r.stdout.splitlines() if "vs gathered" in line]
+    assert len(same) == 2 and all("rel err 0.00e+00" in line for line in same), r.stdout   # grouped, grouped(union)
+
+
 def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
     from runtime.tuning import Grouped
     assert Grouped.parse("16,64,128,64,4,0") == Grouped()

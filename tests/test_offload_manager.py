@@ -299,9 +299,10 @@ def test_prefill_scratch_estimate_grows_with_the_chunk_and_the_context():
                           num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                           num_experts_per_token=8, intermediate_size=1536)
     big = prefill_scratch_bytes(cfg)
-    # q125-a11's chunk: MoE 319 MB, K/V expanded to 64 heads over 8192 rows 268 MB, hidden 134 MB,
-    # attention output 67 MB, logits of 16 rows 10 MB: no [2048, vocab] logits (prefill asks for one row)
-    assert 0.75e9 < big - SCRATCH_MARGIN < 0.85e9
+    # q125-a11's chunk: MoE 453 MB (h, the inputs gathered per pair, the per-pair outputs), K/V expanded to
+    # 64 heads over 8192 rows 268 MB, hidden 134 MB, attention output 67 MB, logits of 16 rows 10 MB: no
+    # [2048, vocab] logits (prefill asks for one row)
+    assert 0.88e9 < big - SCRATCH_MARGIN < 0.98e9
     assert prefill_scratch_bytes(cfg, matmul_attention=True) - big == 2 * 64 * 2048 * 8192 * 2
     cfg.max_seq_len = 4096
     assert prefill_scratch_bytes(cfg) == big - 2 * 64 * 4096 * 128 * 2

@@ -115,7 +115,8 @@ def test_mapped_tensors_equal_safetensors_and_a_damaged_entry_is_named(tmp_path)
                                          ("tiny-dbrx", ("w1", "v1", "w2"))])
 def test_synthetic_layer_repacks_bit_for_bit_from_the_mapped_files(tmp_path, monkeypatch, shape, names):
     """A synthetic model's MoE layer, read over the mapped file and repacked in batches (as the CUDA
-    load does, on the CPU here), equals the per-expert repacking of the tensors safetensors reads."""
+    load does, on the CPU here), equals the per-expert repacking of the tensors safetensors reads; its
+    experts share one input order."""
     from safetensors.torch import load_file
 
     from runtime.exl2 import synth
@@ -147,6 +148,12 @@ def test_synthetic_layer_repacks_bit_for_bit_from_the_mapped_files(tmp_path, mon
     ref2.perm.copy_(torch.arange(I, dtype=torch.int32).expand_as(ref2.perm))
     _same(w2, ref2)
     assert E > 5
+    # every expert's gate and up read the input in one order (as exllamav2's converter writes MoE layers), and
+    # down reads the intermediate in order: the grouped kernels permute the input once and read h in runs
+    from runtime.experts.kernels import input_order
+    order = input_order(w1, w3, w2)
+    assert order.shared is not None and order.ordered_down
+    assert torch.equal(order.shared, w1.perm[E - 1].long())
 
 
 def test_batches_gathered_on_threads_under_inference_mode(monkeypatch):

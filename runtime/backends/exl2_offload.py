@@ -229,7 +229,7 @@ def cpu_path_applied(setup: OffloadSetup, manager, decision: str = "") -> None:
 def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:
     """VRAM one prefill chunk of `max_input_len` rows needs beyond the weights, the cache and
     exllamav2's fixed scratch, at the end of the context (`max_seq_len` rows attended): MoE
-    intermediates (fp16 h, fp32 per-pair outputs), the logits of the rows a forward may return
+    intermediates (fp16 h, fp16 inputs gathered per pair, fp32 per-pair outputs), the logits of the rows a forward may return
     (`prefill` asks for the last only; graph-sized forwards up to LOGIT_ROWS), the attention's
     temporaries, hidden states, and a margin.
 
@@ -241,7 +241,7 @@ def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:
     Hk = getattr(config, "num_key_value_heads", Hq) or Hq
     D = getattr(config, "head_dim", None) or H // Hq
     P = T * (config.num_experts_per_token or 0)
-    moe = P * (config.intermediate_size * 2 + H * 4 + 16)
+    moe = P * (config.intermediate_size * 2 + H * 2 + H * 4 + 16)
     logits = LOGIT_ROWS * V * 2 * 2
     attention = (2 * Hq * S * D * 2 if Hk != Hq else 0) + 2 * T * Hq * D * 2
     if matmul_attention:

@@ -7,7 +7,8 @@ qscales under a per-group maximum chosen so every linear has a weight standard d
 1B parameters reuse a small pool of generated linears per role (expert gate/up/down, q/k/v/o) across
 layers and experts, and repeat a block of 8192 embedding rows, so the 121B shape writes at disk speed;
 small models get distinct tensors everywhere (tests that compare backends must see different
-experts). Embeddings are N(0, 0.02),
+experts). Every expert's gate and up of a layer share one input order (q_invperm), as exllamav2's converter
+writes them (Qwen3.5: each expert's gate and up, as ours does). Embeddings are N(0, 0.02),
 norms 1 (Qwen3.5's, which scale by 1 + weight, 0), routers N(0, 0.02): routing is near-uniform.
 
     moedesk-cli synth --shape q125-a11 --bpw 3.0 --out DIR [--layers N] [--head-bits 6] [--seed 0]
@@ -22,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from runtime.modelfolder import MOE_ARCHITECTURES
 
 from .shapes import SHAPES, Shape, TensorSpec, get_shape, hf_config, param_counts, tensors
 
@@ -88,6 +91,18 @@ def _random_linear(out: int, inp: int, bits: float, gen) -> dict:
     }
 
 
+def _input_order_key(s: Shape, t: TensorSpec) -> str | None:
+    """Which experts' gate and up projections share one input order (q_invperm), as the converter that writes
+    such folders makes them: a GPTQ permutation follows the Hessian of the input, and exllamav2's converter
+    (the Hub's EXL2 MoE folders) quantizes every expert's gate and up of a layer with one Hessian, ours
+    (Qwen3.5, runtime/exl2/convert.py) each expert's gate and up with that expert's. None: its own."""
+    names = MOE_ARCHITECTURES.get(s.architecture)
+    if names is None or not t.role.startswith("expert.") or t.role[7:] not in (names.gate, names.up):
+        return None
+    layer, _, rest = t.name.partition(f".{names.experts}.")
+    return layer if not s.is_hybrid else f"{layer}.{rest.split('.')[0]}"
+
+
 def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, layers: int | None = None,
                     head_bits: int | None = None, seed: int = 0, max_shard_bytes: int | None = None,
                     progress: Callable[[int, int], None] | None = None):
@@ -111,7 +126,16 @@ def write_synthetic(shape: Shape | str, bpw: float, out_dir: str | Path, *, laye
     pool: dict[tuple, list[dict]] = {}
     specs = list(tensors(s))
 
+    orders: dict[str, torch.Tensor] = {}
+
     def linear(t: TensorSpec, bits: float) -> dict:
+        d = _linear(t, bits)
+        key = _input_order_key(s, t)
+        if key is not None:                     # one input order where the converter uses one Hessian
+            d = dict(d, q_invperm=orders.setdefault(key, d["q_invperm"]))
+        return d
+
+    def _linear(t: TensorSpec, bits: float) -> dict:
         if not reuse or t.kind == "head":
             return _random_linear(*t.shape, bits, gen)
         key = (t.role, t.shape, bits)

@@ -21,8 +21,8 @@ import triton
 from runtime import tuning
 from runtime.experts.pack import PackedExperts
 from runtime.experts.triton_kernels import (_add_from_host, _cpu_inputs, _cpu_share_mask, _down_grouped, _down_splitk,
-                                            _gate_up_grouped, _gate_up_splitk, _linear_splitk, _prefetch_copy, _prefetch_plan,
-                                            _router_logits, _softmax_topk)
+                                            _gate_up_grouped, _gate_up_splitk, _gather_pairs, _linear_splitk, _prefetch_copy,
+                                            _prefetch_plan, _router_logits, _softmax_topk)
 
 # Up to Tuning.gemv_max_pairs (token, expert) pairs (64), the split-K GEMVs (one weight read per pair);
 # above, the grouped kernels (one read per expert and block of rows). Their launch shape: Tuning.grouped.
@@ -72,9 +72,35 @@ def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, t
     return pairs, bexp
 
 
+@dataclass(frozen=True)
+class InputOrder:
+    """How a layer's grouped kernels read their inputs, from its permutations (found once, `input_order`).
+
+    shared: int64 [H]: every expert's gate and up take the input in this one order, as exllamav2's converter
+    writes MoE layers (all of a layer's gate and up projections quantized with one Hessian): the input is
+    permuted once per call. per_expert: gate and up of each expert share an order (not across experts, as
+    our converter writes them): the input is gathered once per (token, expert) pair. Neither: each tile is
+    gathered through each projection's permutation, again for every block of columns. ordered_down: down's
+    permutation is the identity (pack.align_intermediate), so h is read in runs."""
+    shared: Optional[torch.Tensor] = None
+    per_expert: bool = False
+    ordered_down: bool = False
+
+
+def input_order(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts) -> InputOrder:
+    """The layer's InputOrder, compared on the device (one host synchronisation: at load, not per call)."""
+    per_expert = w1.perm.shape == w3.perm.shape and bool(torch.equal(w1.perm, w3.perm))
+    shared = None
+    if per_expert and bool((w1.perm == w1.perm[:1]).all()):
+        shared = w1.perm[0].long().contiguous()
+    ident = torch.arange(w2.in_features, dtype=w2.perm.dtype, device=w2.perm.device)
+    return InputOrder(shared, per_expert, bool((w2.perm == ident).all()))
+
+
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
                     w3: PackedExperts, w2: PackedExperts, union_reads: bool = False,
-                    skip: torch.Tensor | None = None, cut: torch.Tensor | None = None) -> torch.Tensor:
+                    skip: torch.Tensor | None = None, cut: torch.Tensor | None = None,
+                    order: InputOrder | None = None) -> torch.Tensor:
     """x fp16 [T, H], ids int [T, A], weights fp32 [T, A] -> fp32 [T, H] (sum of weighted experts).
 
     skip: uint8 [E] on the device, with cut: int32 [1] on the device. A pair whose expert is marked
@@ -87,6 +113,8 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     once per block of rows instead of once per (row, expert) pair. For offloaded layers, whose cold
     experts are read over PCIe: on the H200 (qwen3-30b-a3b, 8 GB budget) verifying 8 rows per pair
     cost 6.5x the one-row step, 9 rows through the grouped kernels 1.3x.
+
+    order: the layer's InputOrder (`input_order`); None: each grouped tile gathered through its permutation.
 
     Stored column counts may be padded to 32 (padding dequantizes to 0): gate/up write I' >= I
     columns of h, down reads its first I; down's H' >= H columns are cut to H."""
@@ -111,13 +139,21 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     launch = dict(num_warps=g.warps, **({"num_stages": g.stages} if g.stages else {}))
     pairs, bexp = align(ids_f, w1.num_experts, bm)
     nb = bexp.numel()
+    order = order or InputOrder()
+    xin, xmode = x, 0
+    if order.shared is not None:              # the input permuted once: contiguous tiles
+        xin, xmode = x.index_select(1, order.shared), 1
+    elif order.per_expert:                    # gathered once per pair, not once per column block
+        xin, xmode = torch.empty((P, H), dtype=x.dtype, device=x.device), 2
+        bkg = min(1024, triton.next_power_of_2(H))
+        _gather_pairs[(P, triton.cdiv(H, bkg))](x, ids_f, w1.perm, xin, K=H, A=A, BK=bkg, num_warps=4)
     _gate_up_grouped[(nb, triton.cdiv(I1, bn))](
-        x, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
+        xin, pairs, bexp, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, h,
         H, I1, A, P, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group,
-        BM=bm, BK=bk1, BN=bn, **launch)
+        BM=bm, BK=bk1, BN=bn, XMODE=xmode, **launch)
     _down_grouped[(nb, triton.cdiv(H2, bn))](
         h, pairs, bexp, rw, w2.qweight, w2.woff, w2.scales, w2.perm, y, I2, H2, I1, P,
-        BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, **launch)
+        BITS=w2.bits, G=w2.group, BM=bm, BK=bk2, BN=bn, ORDERED=order.ordered_down, **launch)
     return y.view(T, A, H2)[:, :, :H].sum(dim=1)
 
 

@@ -95,6 +95,12 @@ class ExpertLayer:
         # this router folded with the norm's weight and centred (`fold_layer_norm`), norm_w None.
         self.predict_gate: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None       # the last forward's picks (device), for the prefetch's score
+        # How the grouped kernels read the input (kernels.InputOrder), from the permutations, once; on the CPU
+        # (the oracle) nothing reads it.
+        self.order = None
+        if gate_w.is_cuda:
+            from runtime.experts.kernels import input_order
+            self.order = input_order(w1, w3, w2)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
@@ -104,14 +110,14 @@ class ExpertLayer:
             if tuning.current().route == "torch":        # the unfused routing, for comparisons
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
-                return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2)
+                return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2, order=self.order)
             lo, hooks = self.offload, self.hooks
             pf = hooks.prefetch if hooks is not None and x.shape[0] == 1 else None
             planned = pf is not None and pf.planned(lo)       # experts copied ahead for this layer
             ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.forced)
             self._ids = ids
             if lo is None:
-                return experts_forward(x, ids, w, self.w1, self.w3, self.w2)
+                return experts_forward(x, ids, w, self.w1, self.w3, self.w2, order=self.order)
             cpu = lo.cpu                                      # runtime/experts/cpu_path.py
             if cpu is not None and x.shape[0] == 1 and hooks.cpu_decode:
                 # Decode: the CPU computes the experts it owns, or the first part of each (its cut),
@@ -125,7 +131,8 @@ class ExpertLayer:
                 return cpu.join(stream, y)
             union = union_reads(x.shape[0], lo.path)
             packs = hooks.before(lo, x.shape[0], ids)
-            y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), union_reads=union)
+            y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), union_reads=union,
+                                order=self.order)
             hooks.after(lo)
             return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)

@@ -3,7 +3,8 @@
 Letters as there: T tokens (rows), A = top-k experts per token, P = T*A (token, expert) pairs, E experts,
 H hidden size, I expert (intermediate) size, K/N a kernel's input/output features. Each kernel reads
 the expert indices on the device, so a decode step can be captured in a CUDA graph:
-- grouped (prefill): `_gate_up_grouped`, `_down_grouped` (pairs sorted by expert into blocks of BM rows);
+- grouped (prefill): `_gate_up_grouped`, `_down_grouped` (pairs sorted by expert into blocks of BM rows),
+  `_gather_pairs` (their input in each expert's order);
 - split-K GEMVs (decode, verify): `_gate_up_splitk`, `_down_splitk`, with a skip mask and a CPU cut;
   `_linear_splitk`, one dense linear packed as a single expert (attention's q/k/v/o);
 - routing: `_router_logits`, `_softmax_topk`;
@@ -59,7 +60,11 @@ def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, 
 def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3, h_ptr, K: tl.constexpr,
                      N: tl.constexpr, A: tl.constexpr, P,
                      BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr, G3: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, XMODE: tl.constexpr = 0):
+    """h[pair] = SiLU(x . gate) * (x . up) for one block of BM pairs of one expert, BN columns. XMODE: how x
+    is read. 0: x [T, K], gathered through each projection's permutation per tile; 1: x already in the
+    layer's one input order [T, K] (row = token); 2: x gathered per pair [P, K] (row = pair; gate and up
+    share each expert's order). In 1 and 2 a tile is a contiguous run of each row, read once for both."""
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
@@ -74,12 +79,19 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3,
         acc3 = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
-            i1 = tl.load(p1 + e * K + kk)
-            xa = tl.load(x_ptr + t[:, None] * K + i1[None, :], mask=valid[:, None], other=0.0)
+            if XMODE == 0:
+                i1 = tl.load(p1 + e * K + kk)
+                xa = tl.load(x_ptr + t[:, None] * K + i1[None, :], mask=valid[:, None], other=0.0)
+                i3 = tl.load(p3 + e * K + kk)
+                xb = tl.load(x_ptr + t[:, None] * K + i3[None, :], mask=valid[:, None], other=0.0)
+            elif XMODE == 1:
+                xa = tl.load(x_ptr + t[:, None] * K + kk[None, :], mask=valid[:, None], other=0.0)
+                xb = xa
+            else:
+                xa = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=valid[:, None], other=0.0)
+                xb = xa
             w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
             acc1 = tl.dot(xa.to(tl.float16), w1.to(tl.float16), acc1)
-            i3 = tl.load(p3 + e * K + kk)
-            xb = tl.load(x_ptr + t[:, None] * K + i3[None, :], mask=valid[:, None], other=0.0)
             w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
             acc3 = tl.dot(xb.to(tl.float16), w3.to(tl.float16), acc3)
         h = acc1 / (1.0 + tl.exp(-acc1)) * acc3
@@ -91,7 +103,9 @@ def _gate_up_grouped(x_ptr, pairs_ptr, bexp_ptr, q1, o1, s1, p1, q3, o3, s3, p3,
 def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: tl.constexpr, N: tl.constexpr,
                   HS: tl.constexpr, P,
                   BITS: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BN: tl.constexpr):
+                  BN: tl.constexpr, ORDERED: tl.constexpr = False):
+    """y[pair] = rw[pair] * (h[pair] . down) for one block of BM pairs of one expert, BN columns. ORDERED:
+    down's permutation is the identity (pack.align_intermediate), so h's tiles are read as runs."""
     b = tl.program_id(0)
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= 0:
@@ -103,13 +117,29 @@ def _down_grouped(h_ptr, pairs_ptr, bexp_ptr, rw_ptr, q2, o2, s2, p2, y_ptr, K: 
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             kk = k0 + tl.arange(0, BK)
-            i2 = tl.load(p2 + e * K + kk)
-            xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
+            if ORDERED:
+                xa = tl.load(h_ptr + rows[:, None] * HS + kk[None, :], mask=valid[:, None], other=0.0)
+            else:
+                i2 = tl.load(p2 + e * K + kk)
+                xa = tl.load(h_ptr + rows[:, None] * HS + i2[None, :], mask=valid[:, None], other=0.0)
             w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
             acc = tl.dot(xa, w.to(tl.float16), acc)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0)
         tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], acc * rw[:, None],
                  mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gather_pairs(x_ptr, ids_ptr, perm_ptr, out_ptr, K: tl.constexpr, A: tl.constexpr, BK: tl.constexpr):
+    """out[p, k] = x[p // A, perm[ids[p], k]]: each (token, expert) pair's input in its expert's order, for
+    the grouped kernels' XMODE 2; grid (P, cdiv(K, BK))."""
+    p = tl.program_id(0)
+    kk = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = kk < K
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    idx = tl.load(perm_ptr + e * K + kk, mask=mask, other=0)
+    v = tl.load(x_ptr + (p // A).to(tl.int64) * K + idx, mask=mask, other=0.0)
+    tl.store(out_ptr + p.to(tl.int64) * K + kk, v, mask=mask)
 
 
 @triton.jit
