@@ -10,7 +10,14 @@ expert count. Needs a CUDA device.
         [--configs 16,64,64,64,4,0 16,128,128,64,8,0 ...] [--json OUT]
 
 Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), relative difference to the
-first shape. The default shape (MOEDESK_GROUPED unset) is always measured first.
+first shape. The default shape (MOEDESK_GROUPED unset) is always measured first. `--orders` says how the
+kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered" through each
+projection's permutation per tile (as before the orders were used; the same layer as "layer"), "layer"
+one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
+converter's); down's permutation is the identity, as a load packs it. "gathered" and "layer" compute the
+same sums: their difference is 0.
+
+    python -m bench.grouped --shape mixtral-8x22b --orders gathered layer --configs 16,64,64,64,4,0
 """
 from __future__ import annotations
 
@@ -56,6 +63,21 @@ def layer(shape: str, bits: float, templates: int = 4, seed: int = 0) -> tuple[P
     return tuple(packs)
 
 
+ORDERS = ("gathered", "layer", "expert")
+
+
+def with_order(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, order: str):
+    """The layer's permutations made as `order` says (module docstring); returns (w1, w3, w2, InputOrder)."""
+    if order not in ORDERS:
+        raise ValueError(f"order: one of {', '.join(ORDERS)}, got {order!r}")
+    perm = w1.perm[:1].expand_as(w1.perm).contiguous() if order != "expert" else w1.perm
+    w1, w3 = dataclasses.replace(w1, perm=perm), dataclasses.replace(w3, perm=perm)
+    ident = torch.arange(w2.in_features, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm)
+    w2 = dataclasses.replace(w2, perm=ident.contiguous())
+    # "gathered": the same layer as "layer", read the way the kernels read every layer before
+    return w1, w3, w2, kernels.InputOrder() if order == "gathered" else kernels.input_order(w1, w3, w2)
+
+
 def _time(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -68,31 +90,45 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 10, say=print) -> list[dict]:
+def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 10, say=print,
+        orders: Sequence[str] = ("layer",)) -> list[dict]:
     if not torch.cuda.is_available():
         raise RuntimeError("the grouped kernels' benchmark needs a CUDA device")
+    out: list[dict] = []
+    base, refs = layer(shape, bits), {}
+    for order in orders:
+        say(f"# input order: {order}")
+        out += _run(shape, rows, configs, reps, say, order, *with_order(*base, order), refs)
+    return out
+
+
+def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_name: str, w1, w3, w2, order,
+         refs: dict) -> list[dict]:
+    """One order over the shapes; refs: the first output of each layer ("expert" has its own weights)."""
     s = SHAPES[shape]
-    w1, w3, w2 = layer(shape, bits)
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(rows, s.hidden, device="cuda", generator=gen) * 0.5).half()
     ids = torch.rand(rows, s.experts, device="cuda", generator=gen).topk(s.experts_per_token, dim=1).indices
     w = torch.full((rows, s.experts_per_token), 1.0 / s.experts_per_token, device="cuda")
     flops = rows * s.experts_per_token * 6 * s.hidden * s.expert_intermediate
-    before, out, ref = tuning.current().grouped, [], None
+    before, out = tuning.current().grouped, []
+    weights = "expert" if order_name == "expert" else "layer"
+    ref = refs.get(weights)
     for text in [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]:
         g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
         try:
             with tuning.use(tuning.with_changes(grouped=g)):
-                y = kernels.experts_forward(x, ids, w, w1, w3, w2)
-                ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2), reps)
+                y = kernels.experts_forward(x, ids, w, w1, w3, w2, order=order)
+                ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2, order=order), reps)
         except Exception as e:                         # a shape the compiler or the device refuses
             say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-            out.append({"config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
+            out.append({"order": order_name, "config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
             continue
+        diff = 0.0 if ref is None else ((y - ref).abs().max() / ref.abs().max()).item()
+        r = {"order": order_name, "config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9,
+             "rel_diff": diff}
         if ref is None:
-            ref = y
-        diff = ((y - ref).abs().max() / ref.abs().max()).item()
-        r = {"config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9, "rel_diff": diff}
+            ref = refs[weights] = y
         out.append(r)
         say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
             f"diff {diff:.1e}")
@@ -105,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--bits", type=float, default=3.0)
     p.add_argument("--configs", nargs="*", default=SWEEP, help="bm_small,bm_large,bn,bk,warps,stages each")
+    p.add_argument("--orders", nargs="+", choices=ORDERS, default=["gathered", "layer"],
+                   help="how the kernels read their input, each timed over the shapes (module docstring)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -118,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     print(f"# {torch.cuda.get_device_name()}, {a.shape}, {a.rows} rows, {a.bits} bits", flush=True)
-    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True))
+    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True), orders=a.orders)
     if a.json:
         with open(a.json, "w") as f:
             from bench.engine import git_commit

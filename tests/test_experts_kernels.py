@@ -86,6 +86,23 @@ def test_grouped_kernels_read_the_input_as_the_layers_orders_allow(perms, aligne
     assert len(same) == 2 and all("rel err 0.00e+00" in line for line in same), r.stdout   # grouped, grouped(union)
 
 
+def test_the_grouped_benchmark_times_each_input_order_on_one_layer():
+    """bench.grouped's orders: "gathered" and "layer" are the same weights (one gate/up order, down in order)
+    read two ways, "expert" one order per expert; an unknown order is refused."""
+    import torch
+    from bench.check_experts import random_layer
+    from bench.grouped import with_order
+    la = random_layer(4, 64, 64, 2, 4, "cpu")
+    g1, g3, g2, none = with_order(la.w1, la.w3, la.w2, "gathered")
+    l1, l3, l2, one = with_order(la.w1, la.w3, la.w2, "layer")
+    e1, e3, _, each = with_order(la.w1, la.w3, la.w2, "expert")
+    assert none.shared is None and not none.per_expert and not none.ordered_down
+    assert one.shared is not None and one.ordered_down and torch.equal(g1.perm, l1.perm) and torch.equal(g2.perm, l2.perm)
+    assert each.shared is None and each.per_expert and each.ordered_down and torch.equal(e1.perm, la.w1.perm)
+    with pytest.raises(ValueError, match="order: one of gathered, layer, expert"):
+        with_order(la.w1, la.w3, la.w2, "sorted")
+
+
 def test_a_bad_grouped_kernel_shape_says_what_is_wrong():
     from runtime.tuning import Grouped
     assert Grouped.parse("16,64,128,64,4,0") == Grouped()
