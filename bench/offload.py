@@ -624,6 +624,8 @@ def main(argv=None) -> int:
                 engine, applied = backend.load(a.model, opts, load_progress(lambda m: progress(f"  {m}")))
                 progress("loaded")
                 how = "load"
+                # the expert-path decisions below time the random stream this benchmark decodes
+                engine.set_experiment(engine.experiment.replace(trial_stream=True))
                 if a.routing != "router":
                     set_routing(engine, a.routing, a.trace_profile)
                 if a.calibrate:

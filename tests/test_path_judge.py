@@ -552,6 +552,29 @@ def test_the_timed_steps_decode_as_an_answer_does():
     assert len(time_decode_steps(e, steps=64)) == 8 and e.position == 100   # room for 9 tokens: 1 untimed + 8
 
 
+def test_a_benchmarks_trial_decodes_its_random_stream_and_is_saved_apart():
+    """Under a benchmark's trial_stream experiment the timed steps are fed a fixed random stream (as
+    bench.offload decodes; a random model's greedy continuation loops over a few experts), the same for the
+    same seed, and the decision is keyed apart from the model's own."""
+    from types import SimpleNamespace
+    from runtime.backends import exl2_placement as xp
+    from runtime.experts.experiment import NO_EXPERIMENT
+    e = ReplayEngine(vocab=1000)
+    e.experiment = NO_EXPERIMENT.replace(trial_stream=True)
+    e.position = 100
+    assert len(xp.time_decode_steps(e, steps=20)) == 20 and e.position == 100
+    toks = [t for t, _ in e.fed][1:]                       # after the untimed first step
+    assert sum(b == (3 * a + 1) % e.vocab for a, b in zip(toks, toks[1:])) <= 2      # not the argmax chain
+    again = ReplayEngine(vocab=1000)
+    again.experiment, again.position = e.experiment, 100
+    xp.time_decode_steps(again, steps=20)
+    assert [t for t, _ in again.fed] == [t for t, _ in e.fed]
+    eng = SimpleNamespace(info=SimpleNamespace(path="/models/m"), budget=None, experiment=NO_EXPERIMENT)
+    plain = xp.decision_key(eng)
+    eng.experiment = e.experiment
+    assert xp.decision_key(eng) == plain + "|trials on a random token stream"
+
+
 def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path):
     """What the load tells the placement before it copies experts for the CPU: the reason of a saved
     GPU-only decision for this model, budget and machine; nothing for a saved CPU path, another

@@ -44,6 +44,8 @@ def decision_key(engine) -> str:
     experiment = getattr(engine, "experiment", None)
     if getattr(experiment, "forced_routing", None) is not None:
         key += f"|forced routing {getattr(experiment, 'routing_label', '') or 'unnamed'}"
+    if getattr(experiment, "trial_stream", False):
+        key += "|trials on a random token stream"
     return key
 
 
@@ -78,9 +80,13 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     times them: each feeds the argmax of the step before (the model's own greedy text, routed as its
     answers route, not random tokens whose experts answers rarely use), at the next position, and
     ends when the token is read back on the host. Starts from a random token, untimed (the first
-    step after a switch); the cache is rolled back afterwards."""
+    step after a switch); the cache is rolled back afterwards. Under a benchmark's `trial_stream`
+    experiment the steps are fed a fixed random stream instead (the argmax still read back)."""
     g = torch.Generator().manual_seed(seed)
     token = int(torch.randint(0, engine.vocab, (1,), generator=g).item())
+    stream = None
+    if getattr(getattr(engine, "experiment", None), "trial_stream", False):
+        stream = torch.randint(0, engine.vocab, (max(1, steps),), generator=g).tolist()
     pos0 = engine.position
     room = engine.info.context_length - pos0 - 1
     out: list[float] = []
@@ -92,9 +98,9 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     try:
         with hold() if hold is not None else _rolled_back(engine, pos0):
             token = int(engine.forward([token])[-1].argmax().item())     # untimed
-            for _ in range(max(1, min(steps, room - 1))):
+            for i in range(max(1, min(steps, room - 1))):
                 t0 = time.perf_counter()
-                token = int(engine.forward([token])[-1].argmax().item())
+                token = int(engine.forward([token if stream is None else stream[i]])[-1].argmax().item())
                 out.append(time.perf_counter() - t0)
     finally:
         engine.path_judge = judge

@@ -16,6 +16,12 @@ they captured and passes it on here: forced picks to the layers, the rest to the
 - **prefetch**: False leaves the decode prefetch out of the step altogether (its pages stay reserved).
 - **fixed_cut**: the CPU path's cut is not moved while decoding (benchmarks of fixed cuts).
 - **lend_staging**: False leaves the staging pages empty between prefills (what lending gains).
+- **trial_stream**: the expert-path decision's timed steps (runtime/backends/exl2_placement.time_decode_steps)
+  decode a fixed random token stream, as bench.offload's decode does, instead of the model's own greedy
+  continuation: on random weights that continuation falls into a loop over a few experts, which stay in
+  VRAM, so the trial times steps the benchmark never runs (the likely reason, not confirmed, why Mixtral
+  at 24 GB on the H200 was judged at 21.6 ms a trial step and measured at 75 ms a benchmark token). Its
+  decision is saved apart from the model's own.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class Experiment:
     prefetch: bool = True
     fixed_cut: bool = False
     lend_staging: bool = True
+    trial_stream: bool = False
 
     def __post_init__(self):
         if self.forced_routing is not None:
