@@ -37,6 +37,7 @@ class Engine(abc.ABC):
     info: ModelInfo
     backend: str               # "cpu" | "cuda"
     adapts_threads = False     # True: its CPU team size follows other programs' load (set_cpu_threads)
+    refused_tokens: tuple[int, ...] = ()   # ids `forward` refuses as input: never sampled (`offered`)
 
     @abc.abstractmethod
     def forward(self, tokens: Sequence[int]):
@@ -79,3 +80,14 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Free what the engine holds (GPU memory, pinned buffers)."""
+
+
+def offered(engine: Engine, logits):
+    """`logits` [..., vocab] as the decoders sample from them: the engine's refused tokens (Qwen3.5's
+    image and video placeholders) at -inf, in a copy; the engine's own logits stay as they are."""
+    ids = [t for t in getattr(engine, "refused_tokens", ()) if t < logits.shape[-1]]
+    if not ids:
+        return logits
+    out = logits.clone()
+    out[..., ids] = float("-inf")
+    return out

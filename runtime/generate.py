@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from runtime import sampling as _sampling
-from runtime.engine import Engine
+from runtime.engine import Engine, offered
 from runtime.errors import BadRequest, ContextOverflow
 from runtime.options import DraftOptions, SamplingOptions
 from runtime.records import DraftStats, GenerationStats
@@ -54,7 +54,7 @@ class PlainDecoder:
         self.engine, self.opts, self.generator = engine, opts, generator
 
     def step(self, tokens: list[int], max_new: Optional[int] = None) -> list[int]:
-        logits = self.engine.forward(tokens[-1:])                       # [1, V]
+        logits = offered(self.engine, self.engine.forward(tokens[-1:]))   # [1, V]
         return [_sampling.sample(logits[-1].float(), tokens, self.opts, self.generator)]
 
     def stats(self) -> Optional[DraftStats]:
@@ -152,7 +152,7 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     live.prefill_tps = live.prefilled_tokens / max(t_prefill - t0, 1e-9)
 
     # First token, from the prefill logits.
-    tokens = prompt + [_sampling.sample(logits[-1].float(), prompt, sampling, generator)]
+    tokens = prompt + [_sampling.sample(offered(engine, logits)[-1].float(), prompt, sampling, generator)]
     t_first = time.perf_counter()
     live.phase, live.ttft_s = "decode", t_first - t0
     new = [tokens[-1]]

@@ -235,14 +235,28 @@ def test_the_expert_path_trial_leaves_the_heads_slots_as_they_were(ref, eng):
         eng._mtp_rebuild = rebuild
 
 
-def test_the_engine_never_offers_an_image_or_video_placeholder(eng):
-    """The placeholders are refused as input (the language model only), so the logits never offer them: a
-    random model's greedy answer picked one (id 1004 here) and its next forward was refused mid-answer."""
+def test_the_decoders_never_sample_an_image_or_video_placeholder(eng):
+    """The placeholders are refused as input (the language model only), so the decoders never sample them
+    (runtime/engine.offered): a random model's greedy answer picked one (id 1004 here) and its next forward
+    was refused mid-answer. The engine's own logits are left as they are (comparisons read them)."""
+    from runtime.engine import offered
+    from runtime.generate import PlainDecoder
     media = list(eng.spec.media_tokens)
-    assert media and all(t < eng.spec.vocab for t in media)
+    assert media and tuple(media) == eng.refused_tokens and all(t < eng.spec.vocab for t in media)
     eng.reset()
     logits = eng.forward(_tokens(6, 11))
-    assert bool((logits[:, media] == float("-inf")).all()) and bool(torch.isfinite(logits[:, :media[0]]).all())
+    assert bool(torch.isfinite(logits).all())
+    assert bool((offered(eng, logits)[:, media] == float("-inf")).all())
     with pytest.raises(BadRequest, match="image or video placeholder"):
         eng.forward([media[0]])
+    eng.reset()                                           # a row whose argmax is a placeholder: not taken
+    prompt = _tokens(6, 11)
+    eng.forward(prompt[:-1])
+    boosted = eng.forward
+    eng.forward = lambda toks: boosted(toks).index_fill(-1, torch.tensor([media[0]]), 1e4)
+    try:
+        tok = PlainDecoder(eng, SamplingOptions(temperature=0.0), None).step(prompt)[0]
+    finally:
+        del eng.forward
+    assert tok not in media
     eng.reset()

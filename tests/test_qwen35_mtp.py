@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from runtime import sampling  # noqa: E402
+from runtime.engine import offered  # noqa: E402
 from runtime.options import DraftOptions, SamplingOptions  # noqa: E402
 from runtime.reference import load  # noqa: E402
 from runtime.speculative import make_decoder  # noqa: E402
@@ -153,10 +154,10 @@ def _head_out(model, head, hidden, tokens):
 def _greedy(engine, prompt, n, draft: DraftOptions | None):
     engine.reset()
     dec = make_decoder(engine, draft, GREEDY) if draft is not None else None
-    tokens = prompt + [sampling.sample(engine.forward(prompt)[-1], prompt, GREEDY)]
+    tokens = prompt + [sampling.sample(offered(engine, engine.forward(prompt))[-1], prompt, GREEDY)]
     while len(tokens) - len(prompt) < n:
-        if dec is None:
-            tokens.append(sampling.sample(engine.forward(tokens[-1:])[0], tokens, GREEDY))
+        if dec is None:                                # as the plain decoder samples (runtime/generate.py)
+            tokens.append(sampling.sample(offered(engine, engine.forward(tokens[-1:]))[0], tokens, GREEDY))
         else:
             tokens += dec.step(tokens)
             assert engine.position == len(tokens) - 1

@@ -18,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from runtime.engine import offered  # noqa: E402
 from runtime.errors import BadRequest, EngineError  # noqa: E402
 from runtime.reference import load  # noqa: E402
 from runtime.reference.hybrid import ROLLBACK_WINDOW  # noqa: E402
@@ -194,16 +195,17 @@ def test_window_stays_bounded_and_reaches_back_a_window_over_many_decode_steps(p
 
 
 def test_bad_truncate_and_image_placeholder_are_refused(tmp_path):
-    """An image placeholder in the input is refused, and the engine never offers it as a next token: a model
-    that picked it (a random one does) would have its next forward refused mid-answer."""
+    """An image placeholder in the input is refused, and the decoders never sample it (runtime/engine.offered):
+    a model that picked it (a random one does) would have its next forward refused mid-answer."""
     make_model("conditional", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["image_token_id"] = 100                         # inside the tiny vocabulary
     (tmp_path / "config.json").write_text(json.dumps(config))
     engine, _ = load(tmp_path, precision="float32")
     logits = engine.forward([1, 2, 3])
-    assert bool((logits[:, 100] == float("-inf")).all())    # refused as input, so never offered as a next token
-    assert bool(torch.isfinite(logits[:, :100]).all())
+    assert 100 in engine.refused_tokens and bool(torch.isfinite(logits).all())
+    assert bool((offered(engine, logits)[:, 100] == float("-inf")).all())   # refused as input: never sampled
+    assert bool(torch.isfinite(logits).all())                              # the engine's own logits untouched
     with pytest.raises(EngineError) as e:
         engine.truncate(4)
     assert type(e.value) is EngineError and "holds 3" in e.value.message

@@ -63,6 +63,7 @@ class HybridExl2Engine(MtpHooks, Engine):
                  offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
         exl2_offload.engine_opened(self)
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
+        self.refused_tokens = spec.media_tokens      # refused as input (`_check`), so never sampled
         self.backend = "cuda" if model.device.type == "cuda" else "cpu"
         self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all experts resident
         self.setup = setup              # runtime/backends/exl2_offload.OffloadSetup (budgets), or None
@@ -132,7 +133,7 @@ class HybridExl2Engine(MtpHooks, Engine):
                 self._back_to(pos0)
                 raise
             else:
-                return self.spec.mask_media(outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs))
+                return outs[-1] if last_only else outs[0] if len(outs) == 1 else torch.cat(outs)
             outs = []
             self._back_to(pos0)
         raise OutOfMemory(f"out of GPU memory in a forward of {len(ids)} tokens at position {pos0}", failure)

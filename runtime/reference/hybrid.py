@@ -121,6 +121,7 @@ class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
         self.adapts_threads = adapts_threads
         self.info = info
         self.spec = spec
+        self.refused_tokens = spec.media_tokens      # refused as input (`_forward`), so never sampled
         self.weights = weights
         self.context_length = context_length
         with torch.inference_mode():
@@ -143,7 +144,7 @@ class HybridEngine(mtp.MtpDrafting, ReferenceEngine):
         self.tokens += ids.tolist()
         if self.mtp is not None and self.mtp_on:
             self._mtp_follow(start, ids.tolist(), hidden)
-        return self.spec.mask_media(self.weights.lm_head(hidden).float())
+        return self.weights.lm_head(hidden).float()
 
     def _truncate(self, length: int) -> None:
         """The cache and its tokens back to `length`: by the checkpoint, else the kept tokens run again

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import qwen35
+from runtime.engine import offered
 from runtime.errors import BadRequest, EngineError, InvalidModel
 from runtime.modelfolder import ModelFolder
 from runtime.reference import model
@@ -205,7 +206,7 @@ class MtpDrafting:
             h, tok = head.row(n - 1)[None], tokens[-1]
             for pos in range(n - 1, min(n - 1 + k, head.capacity)):
                 h = self._mtp_run(h, [tok], pos)
-                tok = choose(self.spec.mask_media(self._mtp_logits(h)))   # what the verify refuses: never drafted
+                tok = choose(offered(self, self._mtp_logits(h)))   # what the verify refuses: never drafted
                 drafts.append(tok)
         return drafts
 

@@ -48,14 +48,6 @@ class Spec:
     norm_topk_prob: bool = True        # read by model._moe, shared with Qwen3-MoE
     expert_norm_p: float = 1.0
 
-    def mask_media(self, logits):
-        """logits [..., V] with the image and video placeholders at -inf, in place: the engines refuse them
-        as input (images and video are not supported), so they never offer them as a next token either."""
-        for t in self.media_tokens:
-            if t < logits.shape[-1]:
-                logits[..., t] = float("-inf")
-        return logits
-
     @classmethod
     def from_config(cls, config: dict, where: str) -> "Spec":
         """`config` as runtime/qwen35.read_config left it (flattened, defaults in, bounded)."""

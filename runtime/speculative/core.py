@@ -13,7 +13,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from runtime import sampling
-from runtime.engine import Engine
+from runtime.engine import Engine, offered
 from runtime.options import SamplingOptions
 
 
@@ -51,14 +51,15 @@ class Drafter(Protocol):
 
 def timed_forward(engine: Engine, tokens: Sequence[int]) -> tuple[torch.Tensor, float]:
     """engine.forward with its wall time, waiting for the stream that computed the logits (as reading
-    a token from them does in plain decoding), so the time is real.
+    a token from them does in plain decoding), so the time is real. The logits as the decoders sample
+    from them (runtime/engine.offered: tokens the engine refuses as input never drafted nor chosen).
 
     Not the whole device: under offload, copies run on side streams beside the decode (the next
     layers' predicted experts, promotions, staging pages lent after a prefill) and overlap the next
     step in plain decoding; waiting for them here made every step of a drafting request, plain ones
     included, slower than plain decoding's, and the policy compared drafting against that."""
     t0 = time.perf_counter()
-    logits = engine.forward(tokens)                                      # [T, V]
+    logits = offered(engine, engine.forward(tokens))                     # [T, V]
     if logits.is_cuda:
         torch.cuda.current_stream(logits.device).synchronize()
     return logits, time.perf_counter() - t0
