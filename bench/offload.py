@@ -39,6 +39,7 @@ import torch
 from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
 from bench.engine import git_commit, machine
 from runtime import tuning
+from runtime.engine import offered, random_tokens
 from runtime.experts import manager as expert_manager
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -95,14 +96,13 @@ def _delta(a: dict, b: dict) -> dict:
 
 
 def _prompt(engine, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, engine.info.vocab_size, (n,), generator=g).tolist()
+    return random_tokens(engine, n, torch.Generator().manual_seed(seed))
 
 
 def ttft(engine, ids: list[int]) -> tuple[float, int]:
     engine.reset()
     box = {}
-    dt = _sync_time(lambda: box.update(tok=int(engine.prefill(ids)[-1].argmax())))
+    dt = _sync_time(lambda: box.update(tok=int(offered(engine, engine.prefill(ids))[-1].argmax())))
     return dt, box["tok"]
 
 
@@ -115,14 +115,14 @@ def decode(engine, tok: int, n: int, seed: int = 5) -> tuple[float, int]:
     torch.cuda.synchronize()
     t = time.perf_counter()
     for i in range(n):
-        tok = int(engine.forward([stream[i]])[-1].argmax())
+        tok = int(offered(engine, engine.forward([stream[i]]))[-1].argmax())
     return n / (time.perf_counter() - t), tok
 
 
 def decode_counted(engine, tok: int, n: int, warm: int) -> tuple[float, int, dict]:
     """`warm` untimed steps from `tok`, then `decode` of n: (tokens/s, last token, expert traffic of the n)."""
     for _ in range(warm):
-        tok = int(engine.forward([tok])[-1].argmax())
+        tok = int(offered(engine, engine.forward([tok]))[-1].argmax())
     c0 = _counts(engine)
     tps, tok = decode(engine, tok, n)
     return tps, tok, _delta(c0, _counts(engine))

@@ -99,12 +99,13 @@ def verify_cost(engine: Any, context: int, k_max: int = 8, repeats: int = 7, see
     """Median forward times at a context of `context` random tokens, rows 1..k_max+1. Everything is
     interleaved within each repeat (the first repeat warms up: graph capture, kernel tuning)."""
     import torch
+    from runtime.engine import random_tokens
     from runtime.speculative.core import timed_forward
     g = torch.Generator().manual_seed(seed)
     vocab = engine.info.vocab_size
 
     def rand(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
+        return random_tokens(engine, n, g, vocab)
 
     probe = RoutingProbe(engine)
 
@@ -185,14 +186,15 @@ def forced_acceptance_decode(engine: Any, prompt: list[int], k: int, n_tokens: i
     """Tokens/s of the verify path with every draft accepted (FORCED: drafts are random tokens kept
     regardless of the target). k = 0 is plain decoding. Times forward + argmax, as a step would."""
     import torch
+    from runtime.engine import offered, random_tokens
     g = torch.Generator().manual_seed(seed)
     engine.reset()
     engine.prefill(prompt[:-1])
     pending, produced = prompt[-1], 0
     t0 = time.perf_counter()
     while produced < n_tokens:
-        drafts = torch.randint(0, engine.info.vocab_size, (k,), generator=g).tolist()
-        logits = engine.forward([pending] + drafts)                 # [k+1, V]
+        drafts = random_tokens(engine, k, g)
+        logits = offered(engine, engine.forward([pending] + drafts))   # [k+1, V]
         pending = int(torch.argmax(logits[-1]))
         produced += k + 1
     return produced / (time.perf_counter() - t0)

@@ -91,3 +91,15 @@ def offered(engine: Engine, logits):
     out = logits.clone()
     out[..., ids] = float("-inf")
     return out
+
+
+def random_tokens(engine: Engine, n: int, generator, vocab: Optional[int] = None) -> list[int]:
+    """n ids drawn uniformly from the vocabulary (`vocab`, else the model's) less the engine's refused
+    tokens: the random streams a trial or a benchmark feeds the engine."""
+    import torch
+    vocab = engine.info.vocab_size if vocab is None else vocab
+    refused = sorted({t for t in getattr(engine, "refused_tokens", ()) if 0 <= t < vocab})
+    ids = torch.randint(0, vocab - len(refused), (n,), generator=generator)
+    for t in refused:                   # ascending: each id moves past the refused ids at or below it
+        ids += (ids >= t).to(ids.dtype)
+    return ids.tolist()

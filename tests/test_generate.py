@@ -219,3 +219,24 @@ def test_plain_decoder_contract(tok):
     tokens = prompt + [script[0]]
     new = PlainDecoder(engine, GREEDY, None).step(tokens)
     assert new == [script[1]] and engine.cache == tokens + new[:-1]
+
+
+def test_a_token_the_engine_refuses_as_input_is_never_sampled_nor_drawn():
+    """An engine that refuses some ids as input (Qwen3.5's image and video placeholders): the decoders
+    sample around them even where the model puts them first, its own logits stay as they were, and the
+    random streams trials and benchmarks feed it never hold them."""
+    from runtime.engine import offered, random_tokens
+    engine = ScriptedEngine([7, 7, 7], prompt_len=2, vocab=16)
+    engine.refused_tokens = (7, 3)
+    logits = engine.forward([1, 2])
+    assert int(logits[-1].argmax()) == 7 and int(offered(engine, logits)[-1].argmax()) != 7
+    assert bool(torch.isfinite(logits).all())                                   # not changed in place
+    tok = PlainDecoder(engine, GREEDY, None).step([1, 2, 5])[0]
+    assert tok not in (7, 3)
+    drawn = random_tokens(engine, 4000, torch.Generator().manual_seed(0))
+    assert set(drawn) == set(range(16)) - {3, 7}                                # every other id, uniformly
+    assert max(drawn.count(t) for t in set(drawn)) < 2 * min(drawn.count(t) for t in set(drawn))
+    plain = ScriptedEngine([7], prompt_len=1, vocab=16)
+    assert offered(plain, logits) is logits
+    assert random_tokens(plain, 5, torch.Generator().manual_seed(1)) == \
+        torch.randint(0, 16, (5,), generator=torch.Generator().manual_seed(1)).tolist()

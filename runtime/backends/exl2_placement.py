@@ -26,7 +26,7 @@ from typing import Generator, Iterator, Optional
 import torch
 
 from runtime.backends.exl2_decisions import DECISIONS_FILE, decisions_file, key_for, saved_off  # noqa: F401
-from runtime.engine import ProgressFn
+from runtime.engine import ProgressFn, offered, random_tokens
 from runtime.experts.path_judge import TRIAL_CHUNK, TRIAL_STEPS, PathJudge, read_decision, write_decision
 
 
@@ -83,10 +83,10 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     step after a switch); the cache is rolled back afterwards. Under a benchmark's `trial_stream`
     experiment the steps are fed a fixed random stream instead (the argmax still read back)."""
     g = torch.Generator().manual_seed(seed)
-    token = int(torch.randint(0, engine.vocab, (1,), generator=g).item())
+    token = random_tokens(engine, 1, g, engine.vocab)[0]
     stream = None
     if getattr(getattr(engine, "experiment", None), "trial_stream", False):
-        stream = torch.randint(0, engine.vocab, (max(1, steps),), generator=g).tolist()
+        stream = random_tokens(engine, max(1, steps), g, engine.vocab)
     pos0 = engine.position
     room = engine.info.context_length - pos0 - 1
     out: list[float] = []
@@ -97,10 +97,12 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
     hold = getattr(engine, "hold_position", None)
     try:
         with hold() if hold is not None else _rolled_back(engine, pos0):
-            token = int(engine.forward([token])[-1].argmax().item())     # untimed
+            # the argmax among what the decoders may sample (a refused token fed back would be refused)
+            token = int(offered(engine, engine.forward([token]))[-1].argmax().item())     # untimed
             for i in range(max(1, min(steps, room - 1))):
                 t0 = time.perf_counter()
-                token = int(engine.forward([token if stream is None else stream[i]])[-1].argmax().item())
+                fed = token if stream is None else stream[i]
+                token = int(offered(engine, engine.forward([fed]))[-1].argmax().item())
                 out.append(time.perf_counter() - t0)
     finally:
         engine.path_judge = judge
