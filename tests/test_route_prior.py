@@ -222,6 +222,13 @@ def test_a_load_with_saved_statistics_runs_no_calibration_prefill():
     before = [lo.resident() for lo in refused.offload.layers]
     assert not routing_prior.measure_at_load(refused, lambda *a: None)      # no prior, the load goes on
     assert [lo.resident() for lo in refused.offload.layers] == before and refused.offload.prior_reason is None
+    placeholders = FakeEngine(_manager())                   # random ids (no folder) draw around refused ones
+    placeholders.refused_tokens = tuple(range(0, 1024, 2))
+    fed = []
+    plain_prefill = placeholders.prefill
+    placeholders.prefill = lambda ids: fed.extend(ids) or plain_prefill(ids)
+    assert routing_prior.measure_at_load(placeholders, lambda *a: None)
+    assert fed and all(t % 2 for t in fed)
     fits = _manager()
     fits.vram.total_bytes = 1 << 40
     fits.place()                                                            # every expert resident

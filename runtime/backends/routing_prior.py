@@ -54,6 +54,8 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
     progress("load", MESSAGE, 0, 1)
     info = engine.info
     ids, source = calibration_ids(Path(info.path) if info.path else None, info.vocab_size, room)
+    refused = set(getattr(engine, "refused_tokens", ()))
+    ids = [t for t in ids if t not in refused] or ids        # random ids: none the engine refuses
     log.info("routing prior: %s; %d tokens of %s", manager.prior_reason, len(ids), source)
     before = manager.routing_counts()
     pos0 = engine.position
