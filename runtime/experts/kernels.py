@@ -19,7 +19,7 @@ import torch
 import triton
 
 from runtime import tuning
-from runtime.experts.pack import PackedExperts
+from runtime.experts.pack import PackedExperts, intermediate_aligned
 from runtime.experts.triton_kernels import (_add_from_host, _cpu_inputs, _cpu_share_mask, _down_grouped, _down_splitk,
                                             _gate_up_grouped, _gate_up_splitk, _gather_pairs, _linear_splitk, _prefetch_copy,
                                             _prefetch_plan, _router_logits, _softmax_topk)
@@ -93,8 +93,7 @@ def input_order(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts) -> Inpu
     shared = None
     if per_expert and bool((w1.perm == w1.perm[:1]).all()):
         shared = w1.perm[0].long().contiguous()
-    ident = torch.arange(w2.in_features, dtype=w2.perm.dtype, device=w2.perm.device)
-    return InputOrder(shared, per_expert, bool((w2.perm == ident).all()))
+    return InputOrder(shared, per_expert, intermediate_aligned(w2))
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
