@@ -104,8 +104,8 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
         for union, path in kernel_paths(T, layer.top_k):
             y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union, order=order)
             out.append(CheckResult(T, path, ((y - ref).norm() / ref.norm()).item()))
-            if path.startswith("grouped") and (order.shared is not None or order.per_expert or order.ordered_down):
-                # the same sums as the per-tile gathers
+            if order.ordered_down or path.startswith("grouped") and (order.shared is not None or order.per_expert):
+                # the same sums as the per-tile gathers (the split-K GEMVs: down reading gate/up's output in runs)
                 y0 = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
                 out.append(CheckResult(T, path + " vs gathered", ((y - y0).norm() / y0.norm()).item()))
     return out
@@ -157,7 +157,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     down's intermediate order (pack.align_intermediate), checked against the layer before.
     `rel_err`: largest difference relative to the largest output."""
     from runtime import tuning
-    from runtime.experts.kernels import experts_forward
+    from runtime.experts.kernels import experts_forward, input_order
     from runtime.experts.pack import align_intermediate
     align = tuning.current().cut_align
     rows = [T for T in rows if T * top_k <= tuning.current().gemv_max_pairs]        # the mask is for the split-K GEMVs
@@ -168,6 +168,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     r = route(x, layer.gate_w, top_k)
     before = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
     align_intermediate(layer.w1, layer.w3, layer.w2)
+    order = input_order(layer.w1, layer.w3, layer.w2)             # down in order: read in runs below
     after = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
     out.append(CheckResult(max(rows), "aligned intermediate", ((after - before).abs().max() / before.abs().max()).item()))
     cuts = [None] + list(range(align, I, align))               # None: whole experts
@@ -190,7 +191,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
                 r = route(x, layer.gate_w, top_k)
                 want = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
                 got = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, skip=skip.to(device),
-                                      cut=cut_t)
+                                      cut=cut_t, order=order)
                 keep = skip.to(device)[r.ids].float()
                 if cpu is not None and T == 1:
                     for e in range(E):

@@ -122,7 +122,7 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     P = T * A
     t = tuning.current()
     if P <= t.gemv_max_pairs and not (union_reads and T > 1):
-        return experts_decode(x, ids, weights, w1, w3, w2, skip, cut)
+        return experts_decode(x, ids, weights, w1, w3, w2, skip, cut, ordered=bool(order and order.ordered_down))
     if skip is not None:
         raise ValueError(f"a skip mask needs the split-K GEMVs: {T} rows x {A} experts is more than "
                          f"{t.gemv_max_pairs} pairs, or union_reads is set")
@@ -390,11 +390,12 @@ def _time_graph(run) -> float:
 
 def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: PackedExperts,
                    w3: PackedExperts, w2: PackedExperts, skip: torch.Tensor | None = None,
-                   cut: torch.Tensor | None = None) -> torch.Tensor:
+                   cut: torch.Tensor | None = None, ordered: bool = False) -> torch.Tensor:
     """Few rows: split-K GEMVs with atomic accumulation; x fp16 [T, H] -> fp32 [T, H]. Three launches
     (one memset, gate+up, down); no intermediate leaves fp32. Launch shapes are timed once per shape
     on the GPU (`_choose`). skip, cut: see experts_forward (the launch shapes chosen without them
-    serve them too: a pair's programs for the CPU's part only return)."""
+    serve them too: a pair's programs for the CPU's part only return). ordered: down's permutation is
+    the identity (InputOrder.ordered_down): down reads gate/up's output in runs."""
     if skip is not None and (skip.dtype != torch.uint8 or skip.numel() != w1.num_experts
                              or skip.device != x.device):
         raise ValueError(f"skip mask: expected uint8 [{w1.num_experts}] on {x.device}, got "
@@ -429,7 +430,8 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
         _down_splitk[grid](
             gu, ids_f, skip_t, cut_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
-            BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
+            BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, ORDERED=ordered,
+            num_warps=c.warps)
 
     key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
     key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, x.device)

@@ -126,7 +126,8 @@ class ExpertLayer:
                 stream = torch.cuda.current_stream(x.device)
                 skip, cut = cpu.launch(stream, x, ids, w, lo.mask, owned=pf.skip(lo) if planned else None)
                 packs = hooks.before(lo, 1, ids)
-                y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), skip=skip, cut=cut)
+                y = experts_forward(x, ids, w, *(pf.packs(lo, packs) if planned else packs), skip=skip, cut=cut,
+                                    order=self.order)
                 hooks.after(lo)
                 return cpu.join(stream, y)
             union = union_reads(x.shape[0], lo.path)

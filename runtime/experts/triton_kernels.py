@@ -244,8 +244,12 @@ def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s
 
 @triton.jit
 def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
-               HS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
+               HS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+               ORDERED: tl.constexpr):
+    if ORDERED:                         # down's permutation is the identity: gate/up's columns in runs
+        idx = k0 + tl.arange(0, BK)
+    else:
+        idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
     g = tl.load(gu_ptr + p * HS + idx)
     u = tl.load(gu_ptr + P * HS + p * HS + idx)
     h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
@@ -256,7 +260,8 @@ def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.
 @triton.jit
 def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K: tl.constexpr,
                       N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                      BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr, CUT: tl.constexpr):
+                      BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr, CUT: tl.constexpr,
+                      ORDERED: tl.constexpr):
     wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
@@ -266,10 +271,10 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
         if CUT:          # tiles below k_start (known at run time) are the CPU's
             if ks + kk >= k_start:
                 acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                                 BITS, G, BK, BN)
+                                 BITS, G, BK, BN, ORDERED)
         else:
             acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                             BITS, G, BK, BN)
+                             BITS, G, BK, BN, ORDERED)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
 
@@ -278,11 +283,12 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
 def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
                  N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
-                 SKIP: tl.constexpr):
+                 SKIP: tl.constexpr, ORDERED: tl.constexpr = False):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
     weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller).
     SKIP: as _gate_up_splitk: a marked pair's first cut_ptr[0] rows of K (a multiple of BK) are the
-    CPU's; a cut of K or more leaves the whole expert."""
+    CPU's; a cut of K or more leaves the whole expert. ORDERED: down's permutation is the identity
+    (pack.align_intermediate): gu is read in runs, the permutation not at all."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -291,10 +297,10 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
         k_start = tl.maximum(ks, tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0))
         if k_start < ks + K // KSPLIT:
             _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K, N, HS, NOUT,
-                              BITS, G, BK, BN, KSPLIT, True)
+                              BITS, G, BK, BN, KSPLIT, True, ORDERED)
     else:
         _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, ks, K, N, HS, NOUT,
-                          BITS, G, BK, BN, KSPLIT, False)
+                          BITS, G, BK, BN, KSPLIT, False, ORDERED)
 
 
 @triton.jit

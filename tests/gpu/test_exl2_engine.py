@@ -165,7 +165,8 @@ def test_moe_layer_rows_are_independent_at_real_size():
 def test_grouped_kernels_in_the_layers_input_order_at_real_size(perms):
     """qwen3-30b-a3b's layer shape with one gate/up order per layer (the Hub's EXL2 files) or per expert (our
     converter's), the intermediate in down's order (as a load packs it): the grouped kernels read the input
-    permuted once or gathered per pair and h in runs, match the fp32 oracle, and give the per-tile gathers' sums."""
+    permuted once or gathered per pair and h in runs, the split-K GEMVs gate/up's output in runs; all match the
+    fp32 oracle and give the per-tile gathers' sums."""
     from bench.check_experts import TOLERANCE, check, random_layer
     from runtime.experts.pack import align_intermediate
     layer = random_layer(128, 2048, 768, 8, 4, "cuda", group_size=128, perms=perms)
@@ -173,8 +174,10 @@ def test_grouped_kernels_in_the_layers_input_order_at_real_size(perms):
     results = check(layer, [3, 512], "cuda")
     for r in results:
         _record(test="moe_layer_input_order", perms=perms, rows=r.rows, path=r.path, rel_err=r.rel_err)
-        assert r.rel_err < (1e-6 if "vs gathered" in r.path else TOLERANCE), r
-    assert sum("vs gathered" in r.path for r in results) == 2, results
+        # the grouped kernels sum alike; the split-K GEMVs add with atomics (h may round apart in fp16)
+        same = 1e-3 if r.path.startswith("splitk") else 1e-6
+        assert r.rel_err < (same if "vs gathered" in r.path else TOLERANCE), r
+    assert sum("vs gathered" in r.path for r in results) == 3, results
 
 
 def test_decode_step_is_graph_captured(moe_2l):
