@@ -97,3 +97,36 @@ def test_tiny_folders_answer_through_the_worker(folders, name):
                 finished = ev
     assert finished is not None and 0 < finished.stats.generated_tokens <= 6
     assert json.loads((folders[name] / "config.json").read_text())["architectures"] == [TINY[name]]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_reference_routed_to_given_picks(folders, name):
+    """The GPU comparisons hand the float32 reference an engine's picks (tests/gpu/routing_replay.py): its
+    own picks given back change nothing (the weights it reports are theirs, one per pick); other picks
+    change the answer; a list of picks for fewer layers than the model has is refused."""
+    import torch
+    from runtime import reference
+    from runtime.options import LoadOptions
+    from tests.gpu.routing_replay import reference_forward, reference_picks
+    ref = reference.load(folders[name], LoadOptions(), lambda *a: None, precision="float32")[0]
+    try:
+        toks = torch.randint(0, ref.info.vocab_size - 64, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+        own = reference_picks(ref, toks)
+        plain = ref.forward(toks)
+        ref.reset()
+        given = [(torch.tensor(layer, dtype=torch.int32), None) for layer in own]
+        weights: list = []
+        same = reference_forward(ref, toks, given, weights)
+        assert (same - plain).abs().max() <= 1e-5 * plain.abs().max()
+        A = len(own[0][0])
+        assert len(weights) == len(own) and all(w.shape == (len(toks), A) and (w > 0).all() for w in weights)
+        ref.reset()
+        E = ref.info.num_experts
+        other = [(torch.tensor([[(e + 1) % E for e in row] for row in layer], dtype=torch.int32), None) for layer in own]
+        moved = reference_forward(ref, toks, other)
+        assert (moved - plain).abs().max() > 1e-2 * plain.abs().max()
+        ref.reset()
+        with pytest.raises(AssertionError, match="MoE layers"):
+            reference_forward(ref, toks, given[:1])
+    finally:
+        ref.close()

@@ -100,15 +100,25 @@ def _expert(layer: Layer, e: int, h: torch.Tensor) -> torch.Tensor:
     return layer.experts_down[e](F.silu(gate) * up)
 
 
-def _moe(layer: Layer, spec: Spec, h: torch.Tensor) -> torch.Tensor:
-    """Router softmax in float32, top-A, optional renormalisation, SiLU-gated experts."""
+def _route(layer: Layer, spec: Spec, h: torch.Tensor, expert: torch.Tensor | None = None):
+    """Router softmax in float32, top-A (or the given picks `expert` [T, A]: comparisons that hand the
+    reference an engine's picks), optional renormalisation -> (weight [T, A] in h's dtype, expert)."""
     probs = torch.softmax(F.linear(h.float(), layer.router), dim=-1)          # [T, E]
-    weight, expert = torch.topk(probs, spec.top_k, dim=-1)                    # [T, A]
+    if expert is None:
+        weight, expert = torch.topk(probs, spec.top_k, dim=-1)                # [T, A]
+    else:
+        expert = expert.to(probs.device, torch.int64)
+        weight = probs.gather(-1, expert)
     if spec.norm_topk_prob and spec.expert_norm_p == 1.0:
         weight = weight / weight.sum(dim=-1, keepdim=True)
     elif spec.norm_topk_prob:                                                 # DBRX's p-norm
         weight = weight / torch.linalg.vector_norm(weight, ord=spec.expert_norm_p, dim=-1, keepdim=True)
-    weight = weight.to(h.dtype)
+    return weight.to(h.dtype), expert
+
+
+def _moe(layer: Layer, spec: Spec, h: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum (_route), SiLU-gated experts."""
+    weight, expert = _route(layer, spec, h)
     if h.shape[0] == 1:                                                       # decode: A experts, no gathers
         out = None
         for a, e in enumerate(expert[0].tolist()):

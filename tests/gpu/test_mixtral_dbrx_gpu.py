@@ -10,29 +10,26 @@ misplaced clamp shows as an error of order 1e-1 and up.
   CPU, without TF32, in seconds where the CPU took minutes at real width): prefill, decode, verify of K + 1 = 1, 2, 4, 5, 8, 9
   rows after a rollback, decode again, graphs on and off; every row count through its own graph
   (with 8 experts a verify of 8 or 9 rows once fell out of the graphs into prefill staging).
+  The reference routes each row to the experts the engine picked (tests/gpu/routing_replay.py), with its
+  own float32 weights over them: where the router nearly ties, fp16 rounding may pick another expert,
+  which changes that row by ~3e-2 and, through attention, every later row in later layers: a choice, not
+  an error. Before, rows at near ties of the reference's router were left out, which left the rows they
+  reach: on the H200 single checks came out 2.2e-2 (Mixtral's decode) where the rest were ~1.2e-2, and the
+  DBRX miniature 1.4-3.6e-2 against 0.15% in loads whose attention rounded apart by 1e-3
+  (bench/check_reload.py). The engine's router is still checked: its weights against the reference's over
+  the same experts, and its picks, which must agree with the reference's except where the reference's
+  k-th and (k+1)-th logits are within TIE of their standard deviation (tests/router_ties.py).
   Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2) for the miniatures; twice that at
-  the real widths, where fp16 rounding alone reaches 1e-2: on the H200 every row of Mixtral's
-  (6144 wide, experts 16384) came out at 1.0-1.3e-2 (prefill 1.1-1.6e-2), DBRX's at 0.55-1.5e-2, graphs
-  on and off alike, and exllamav2's own attention block alone moved the residual stream by 3e-3
-  (bench/check_reference.py, block by block). Rows where the reference's
-  router nearly ties (its k-th and (k+1)-th logits within TIE of the logits' standard deviation, in any
-  layer; TIE follows the engine's error: half as wide for the miniatures) are left out: the engine's
-  fp16 rounding may pick the other expert there, which changes that
-  row by ~3e-2 (seen in the DBRX miniature: 16 experts, top 4; gaps of 0.2% of a standard deviation),
-  a difference of rounding, not of the model. At most a third of the rows may be left out; the report
-  counts them.
+  the real widths, where fp16 rounding alone reaches 1e-2 (exllamav2's own attention block alone moved
+  the residual stream by 3e-3, bench/check_reference.py).
 - offload vs all in VRAM (4 layers: with 2 layers of 8 experts no offloaded placement is smaller than
   all of them, since staging holds a layer's cold experts twice): the same script with half the
   experts cold, read by the GPU from host memory ("stream"), computed in part by the CPU ("cpu",
-  the split forced so that every layer cuts its cold experts), and by the naive baseline. Tolerance:
-  TOL for the miniatures; at the real widths two fp16 computations, each within TOL x WIDE of float32,
-  may differ by sqrt(2) times that (their rounding errors are independent: other kernels and orders of
-  summation for the cold experts). Mixtral's stream path came out 1.2-2.2e-2 from all in VRAM there.
-  Rows at near ties of the float32 reference's router (TIE, as above) are left out here too: the two
-  fp16 computations of a cold expert round apart, so one may pick the other expert there. On the H200
-  single checks came out far above the rest (Mixtral's 24-row forward 0.26, DBRX's verify of 5 rows
-  0.05, every other check ~1e-2), the pattern a changed pick leaves; the report records the ties beside
-  the errors, to confirm it.
+  the split forced so that every layer cuts its cold experts), and by the naive baseline, each replaying
+  the picks and weights all in VRAM made (routing_replay), so that only the cold experts' arithmetic
+  differs. Tolerance: TOL for the miniatures; at the real widths two fp16 computations, each within
+  TOL x WIDE of float32, may differ by sqrt(2) times that (other kernels and orders of summation for
+  the cold experts).
 
 With MOEDESK_GPU_REPORT=FILE set, every measured figure is appended to FILE as JSON lines.
 """
@@ -45,6 +42,7 @@ import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
+from routing_replay import Routing, reference_forward, reference_picks
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -52,7 +50,11 @@ TOL = 1e-2
 TOL_PREFILL = 2e-2
 WIDE = 2               # the tolerances' factor at the real widths (fp16 rounding grows with them)
 ROWS = (1, 2, 4, 5, 8, 9)
-TIE = {"real": 0.02, "tiny": 0.01}   # a near tie: the k-th and (k+1)-th router logits closer than this x their std
+# A near tie: the k-th and (k+1)-th router logits closer than this x their std. The engine's fp16 rounding moves
+# the router's input by ~1e-2 relative at the real widths (its router weights 0.3-2e-2 from the reference's over
+# the same experts, on the H200) and by ~1e-3 in the miniatures: picks may part where the gap is a few times that
+# (on the H200 Mixtral's real width parted at 2 positions outside 2% of a std, in a graphs-on run only).
+TIE = {"real": 0.05, "tiny": 0.01}
 GiB = 1 << 30
 SHAPES = {"mixtral": ("mixtral-8x22b", "tiny-mixtral"), "dbrx": ("dbrx", "tiny-dbrx")}
 CLIP = {"dbrx": 1.0, "tiny-dbrx": 0.25}
@@ -101,32 +103,46 @@ def _load(path, **off):
                     f"  now: {live_cuda_tensors()}")
 
 
-def near_ties(ref, toks, tie: float) -> set[int]:
-    """Positions of `toks` where the reference's router nearly ties in some layer (see TIE)."""
+def router_gaps(ref, toks) -> torch.Tensor:
+    """[layers, len(toks)]: the reference's k-th minus (k+1)-th router logit over their std, `toks` from an empty
+    cache (tests/router_ties.py)."""
     from runtime.reference import model
-    from tests.router_ties import router_gaps
-    return set((router_gaps(ref, model, toks).min(dim=0).values < tie).nonzero().flatten().tolist())
+    from tests.router_ties import router_gaps as gaps
+    return gaps(ref, model, toks)
 
 
-def _rows_rel(got, want, first: int, ties: set[int]) -> float:
-    """_rel over the rows of positions first.. that are not near ties (nan when none is left)."""
-    keep = [r for r in range(want.shape[0]) if first + r not in ties]
-    return _rel(got[keep], want[keep]) if keep else float("nan")
+def _vs_reference(engine, ref, toks, routing: Routing) -> tuple[dict[str, float], list]:
+    """Relative errors of the engine's checks against the reference routed as the engine routed, and the
+    engine's picks per forward (for `_picks_agree`)."""
+    errs, picks = {}, []
 
-
-def _vs_reference(engine, ref, toks, ties: set[int]) -> dict[str, float]:
-    errs = {}
+    def both(key, tokens, got, last=False):
+        p = routing.take(engine, len(tokens))
+        picks.append((engine.position - len(tokens), p))
+        weights: list = []
+        want = reference_forward(ref, tokens, p, weights)
+        errs[key] = _rel(got, want[-1:] if last else want)
+        errs[f"router_weights_{key}"] = max(_rel(w, rw) for (_, w), rw in zip(p, weights))
     engine.reset(), ref.reset()
-    errs["prefill_last_24"] = _rows_rel(engine.prefill(toks[:24]), ref.forward(toks[:24])[-1:], 23, ties)
+    both("prefill_last_24", toks[:24], engine.prefill(toks[:24]), last=True)
     engine.reset(), ref.reset()
-    errs["prefill_24"] = _rows_rel(engine.forward(toks[:24]), ref.forward(toks[:24]), 0, ties)
+    both("prefill_24", toks[:24], engine.forward(toks[:24]))
     for i in range(24, 27):
-        errs[f"decode_{i}"] = _rows_rel(engine.forward([toks[i]]), ref.forward([toks[i]]), i, ties)
+        both(f"decode_{i}", [toks[i]], engine.forward([toks[i]]))
     for R in ROWS:
-        errs[f"verify_{R}"] = _rows_rel(engine.forward(toks[27:27 + R]), ref.forward(toks[27:27 + R]), 27, ties)
+        both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
         engine.truncate(27), ref.truncate(27)
-    errs["decode_after_rollback"] = _rows_rel(engine.forward([toks[27]]), ref.forward([toks[27]]), 27, ties)
-    return errs
+    both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
+    return errs, picks
+
+
+def _differing_picks(picks, own: list[list[list[int]]], gaps: torch.Tensor) -> list[tuple[int, int, float, str]]:
+    """Where the engine's picks (per forward: its first position, per layer (ids, weights)) are not the
+    reference's own (`own` [layer][position], sorted): (position, layer, the reference's gap there, what)."""
+    return sorted({(pos + r, layer, round(float(gaps[layer, pos + r]), 4),
+                    f"{sorted(ids[r].tolist())}, the reference {own[layer][pos + r]}")
+                   for pos, p in picks for layer, (ids, _) in enumerate(p) for r in range(ids.shape[0])
+                   if sorted(ids[r].tolist()) != own[layer][pos + r]})
 
 
 @pytest.mark.parametrize("size", ["real", "tiny"])
@@ -145,78 +161,76 @@ def test_matches_reference(kind, size, models):
 
 def _vs_reference_both(kind, size, path, ref):
     toks = torch.randint(0, ref.info.vocab_size - 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    ties = near_ties(ref, toks[:36], TIE[size])
-    assert len(ties) <= 12, f"{kind}-{size}: {len(ties)} of 36 positions nearly tie in the router: {sorted(ties)}"
+    gaps = router_gaps(ref, toks[:36])
+    own = reference_picks(ref, toks[:36])
     failures = []
 
     def tol(check: str) -> float:
         return (TOL_PREFILL if check.startswith("prefill") else TOL) * (WIDE if size == "real" else 1)
     for graphs in (True, False):
-        eng, applied = _load(path, graphs=graphs)
+        routing = Routing(pytest.MonkeyPatch())
         try:
-            assert eng.info.architecture == ref.info.architecture and applied["offload.context_length"] == "applied"
-            errs = _vs_reference(eng, ref, toks, ties)
-            _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=errs,
-                    near_ties=sorted(ties), prefill_attention=eng.info.extra.get("prefill_attention"))
-            failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}"
-                         for k, e in errs.items() if e == e and not e < tol(k)]
-            if graphs:
-                tel = eng.telemetry()
-                assert tel["decode_graphs"], tel.get("graph_error")
-                assert set(ROWS) <= {t for _, t in tel["graph_shapes"]}, tel
+            eng, applied = _load(path, graphs=graphs)
+            try:
+                assert eng.info.architecture == ref.info.architecture
+                assert applied["offload.context_length"] == "applied", applied
+                errs, picks = _vs_reference(eng, ref, toks, routing)
+                differ = _differing_picks(picks, own, gaps)
+                _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=errs,
+                        near_ties=int((gaps < TIE[size]).sum()), picks_differ=differ,
+                        prefill_attention=eng.info.extra.get("prefill_attention"))
+                failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}"
+                             for k, e in errs.items() if not e < tol(k)]
+                failures += [f"{kind}-{size} graphs={graphs} picks differ at position {q}, layer {layer}, where the "
+                             f"reference's gap is {g} of a std (a near tie: under {TIE[size]}): {what}"
+                             for q, layer, g, what in differ if not g < TIE[size]]
+                if graphs:
+                    tel = eng.telemetry()
+                    assert tel["decode_graphs"], tel.get("graph_error")
+                    assert set(ROWS) <= {t for _, t in tel["graph_shapes"]}, tel
+            finally:
+                eng.close()
         finally:
-            eng.close()
+            routing.undo()
     assert not failures, "\n".join(failures)
 
 
-def _script(eng, toks) -> dict[str, torch.Tensor]:
-    out = {}
+def _script(eng, toks, routing: Routing, picks: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The checks' outputs and the picks each forward made: recorded (picks None), or replayed from another
+    engine's (graphs captured again with the replay in them)."""
+    out, made = {}, {}
+    if picks is not None:
+        routing.mode = "replay"
+        eng.reset_graphs()
+
+    def forward(key, tokens):
+        if picks is not None:
+            routing.give(eng, picks[key])
+        out[key] = eng.forward(tokens)
+        made[key] = routing.take(eng, len(tokens))
     eng.reset()
-    out["prefill_40"] = eng.forward(toks[:40])
+    forward("prefill_40", toks[:40])
     for i in range(40, 44):
-        out[f"decode_{i}"] = eng.forward([toks[i]])
+        forward(f"decode_{i}", [toks[i]])
     for R in (2, 5, 8, 9):
-        out[f"verify_{R}"] = eng.forward(toks[44:44 + R])
+        forward(f"verify_{R}", toks[44:44 + R])
         eng.truncate(44)
-    out["rows_24"] = eng.forward(toks[44:68])
+    forward("rows_24", toks[44:68])
     eng.truncate(44)
-    out["decode_after_rollback"] = eng.forward([toks[44]])
-    return {k: v.float().cpu() for k, v in out.items()}
+    forward("decode_after_rollback", [toks[44]])
+    if picks is not None:
+        for key, p in picks.items():              # the replay held: every layer took the picks given
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(made[key], p)), f"{key}: the replay did not hold"
+    return {k: v.float().cpu() for k, v in out.items()}, made
 
 
-def _positions(check: str) -> range:
-    """The token positions of `_script`'s output rows for one of its checks."""
-    if check == "decode_after_rollback":
-        return range(44, 45)
-    kind, n = check.split("_")
-    first, rows = {"prefill": (0, int(n)), "decode": (int(n), 1), "verify": (44, int(n)), "rows": (44, int(n))}[kind]
-    return range(first, first + rows)
-
-
-def _compare(got, want, label, size, ties: set[int]):
-    """Relative errors of `_script`'s outputs, rows at near ties left out (as against the reference: two
-    fp16 computations of a cold expert round apart, and where the router nearly ties one may pick the
-    other expert; that row and those attending to it then differ by a choice, not an error)."""
+def _compare(got, want, label, size):
+    """Relative errors of `_script`'s outputs (the same picks and weights in both)."""
     tol = TOL * (WIDE * 2 ** 0.5 if size == "real" else 1)
-    errs = {k: _rows_rel(got[k], want[k], _positions(k).start, ties) for k in want}
-    _record(test="mixtral_dbrx_offload_vs_vram", case=label, errors=errs, near_ties=sorted(ties))
-    bad = {k: e for k, e in errs.items() if e == e and not e < tol}
+    errs = {k: _rel(got[k], want[k]) for k in want}
+    _record(test="mixtral_dbrx_offload_vs_vram", case=label, errors=errs)
+    bad = {k: e for k, e in errs.items() if not e < tol}
     assert not bad, f"{label}: relative errors above {tol:.2g}: {bad}"
-
-
-def _script_ties(path, toks, size) -> set[int]:
-    """Positions of `_script`'s tokens where the float32 reference's router nearly ties (TIE), at most a
-    third of them."""
-    from runtime import reference
-    ref = reference.load(path, LoadOptions(), lambda *a: None, precision="float32", device="cuda")[0]
-    try:
-        ties = near_ties(ref, toks[:68], TIE[size])
-    finally:
-        ref.close()
-        del ref
-        torch.cuda.empty_cache()
-    assert len(ties) <= 68 // 3, f"{path.name}: {len(ties)} of 68 positions nearly tie in the router: {sorted(ties)}"
-    return ties
 
 
 @pytest.mark.parametrize("size", ["real", "tiny"])
@@ -226,18 +240,18 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
     from runtime.experts import cpu_share, manager as mgr
     from runtime.experts.placement import CpuSplitCosts
     path = models(kind, size, 4)
+    routing = Routing(monkeypatch)
     ref, applied = _load(path)
     try:
         assert ref.offload is None and applied["offload.ram_budget_gb"].startswith("ignored"), applied
         toks = torch.randint(0, ref.info.vocab_size - 64, (68,), generator=torch.Generator().manual_seed(4)).tolist()
-        want = _script(ref, toks)
+        want, picks = _script(ref, toks, routing)
         codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
         others = torch.cuda.memory_allocated() - codes
         scratch = prefill_scratch_bytes(ref.model.config)
         n_experts = len(ref.moe) * ref.info.num_experts
     finally:
         ref.close()
-    ties = _script_ties(path, toks, size)
     # what torch still holds unused after the hand-back a load starts with: a budgeted load's ledger
     # counts it (exl2_offload.HELD_BEFORE), so the budget includes it
     return_cached_memory()
@@ -249,6 +263,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         budget = held + others + scratch + 2 * codes + (256 << 20)
 
     def load(**off):
+        routing.reset()
         eng, applied = _load(path, vram_budget_gb=budget / GiB, **off)
         if size == "tiny":
             eng.place_experts([list(range(KEEP[kind]))] * len(eng.moe))
@@ -261,7 +276,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         res = tel["expert_residents"]
         assert all(0 < r < ref.info.num_experts for r in res), res
         assert tel["expert_paths"] == ["stream"] * len(res) and tel["expert_staging_capacity"] > 0
-        _compare(_script(eng, toks), want, f"{kind}-{size} stream", size, ties)
+        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} stream", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert {1, 2, 5, 8, 9} <= {t for _, t in tel["graph_shapes"]}, tel["graph_shapes"]
@@ -272,7 +287,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         run = eng.experiment
         eng.set_experiment(run.replace(naive=True))
         try:
-            _compare(_script(eng, toks), want, f"{kind}-{size} naive", size, ties)
+            _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} naive", size)
         finally:
             eng.set_experiment(run)
             eng.graphs = graphs
@@ -292,7 +307,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         assert set(tel["expert_paths"]) == {"cpu+stream"} and tel["cpu_expert_path"] == "on", tel
         m = eng.offload
         assert m.cut is not None and m.cut % 64 == 0 and 0 < m.cut < eng.moe[0].experts.w2.in_features
-        _compare(_script(eng, toks), want, f"{kind}-{size} cpu cut {m.cut}", size, ties)
+        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} cpu cut {m.cut}", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert tel["cpu_expert_pairs"] > 0 and "cpu_expert_errors" not in tel, tel

@@ -1,0 +1,121 @@
+"""The CUDA engine's router picks, recorded or replayed, for tests that compare two computations row by row.
+
+Where a row's k-th and (k+1)-th router logits nearly tie, two computations that round apart (fp16 against
+the float32 reference, or a cold expert's path against all in VRAM) may pick different experts. That row
+then differs by a choice, not an error, and so does every later row that attends to it in a later layer:
+on synthetic weights such rows are common (Mixtral-8x22B's real width: 7 of 36 positions within 2% of a
+standard deviation), and leaving out the near ties alone does not remove the rows they reach. So the
+comparisons share the picks instead:
+- `Routing.record`: after each forward, each MoE layer's picks and weights (`take`), to hand to the float32
+  reference (runtime/reference/model._route's `expert`, see `reference_forward`) or to another engine;
+- `Routing.replay`: every MoE layer takes the picks and weights given (`give`) before the forward, in
+  place of its router's (which still runs: its counts and launches stay as they are).
+Both work under CUDA graphs: the copies are captured with the step, reading and writing buffers of a fixed
+address per layer. Install before the engine loads (`monkeypatch`), so that graphs captured at load hold
+the copies; after switching to replay, `engine.reset_graphs()`."""
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 8192         # the largest forward routed through it (a load's warm-up prefill included): its buffers' rows
+
+
+class Routing:
+    def __init__(self, monkeypatch):
+        from runtime.experts import kernels
+        self.real = kernels.route_fused
+        self.mode = "record"
+        self.ids: dict[int, torch.Tensor] = {}      # gate_w's address -> int32 [MAX_ROWS, A]
+        self.weights: dict[int, torch.Tensor] = {}  # fp32 [MAX_ROWS, A]
+        self.monkeypatch = monkeypatch
+        monkeypatch.setattr(kernels, "route_fused", self._route)
+
+    def undo(self) -> None:
+        self.monkeypatch.undo()
+
+    def _buffers(self, gate_w: torch.Tensor, top_k: int):
+        key = gate_w.data_ptr()
+        if key not in self.ids:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("routing_replay: a layer's first routing inside a graph capture")
+            self.ids[key] = torch.zeros((MAX_ROWS, top_k), dtype=torch.int32, device=gate_w.device)
+            self.weights[key] = torch.zeros((MAX_ROWS, top_k), dtype=torch.float32, device=gate_w.device)
+        return self.ids[key], self.weights[key]
+
+    def _route(self, x, gate_w, top_k, counts, renormalize=True, forced=None):
+        ids, w = self.real(x, gate_w, top_k, counts, renormalize, forced=forced)
+        T = x.shape[0]
+        if T > MAX_ROWS:
+            raise RuntimeError(f"routing_replay: {T} rows, more than its buffers' {MAX_ROWS}")
+        bi, bw = self._buffers(gate_w, top_k)
+        if self.mode == "record":
+            bi[:T].copy_(ids)
+            bw[:T].copy_(w)
+        else:
+            ids.copy_(bi[:T])
+            w.copy_(bw[:T])
+        return ids, w
+
+    def reset(self) -> None:
+        """Before another engine loads (its layers' addresses may be the last one's)."""
+        self.ids.clear(), self.weights.clear()
+        self.mode = "record"
+
+    def take(self, engine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After a forward of `rows` rows: per MoE layer, (picks int32 [rows, A], weights fp32 [rows, A]) on
+        the CPU."""
+        out = []
+        for m in engine.moe:
+            bi, bw = self._buffers(m.experts.gate_w, m.experts.top_k)
+            out.append((bi[:rows].cpu(), bw[:rows].cpu()))
+        return out
+
+    def give(self, engine, picks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Before a forward: the picks and weights (as `take` returns them) every MoE layer is to use."""
+        assert len(picks) == len(engine.moe), (len(picks), len(engine.moe))
+        with torch.inference_mode():            # the buffers were made in the engine's forward (inference mode)
+            for m, (ids, w) in zip(engine.moe, picks):
+                bi, bw = self._buffers(m.experts.gate_w, m.experts.top_k)
+                bi[:ids.shape[0]].copy_(ids)
+                bw[:w.shape[0]].copy_(w)
+
+
+def _routed(ref, tokens, expert_of) -> list:
+    """The reference's forward of `tokens`, each MoE layer's picks `expert_of(layer index)` (None: its own);
+    -> per layer, what _route returned (weights [T, A], picks [T, A])."""
+    from runtime.reference import model
+    real, seen = model._route, []
+
+    def route(layer, spec, h, expert=None):
+        seen.append(real(layer, spec, h, expert_of(len(seen))))
+        return seen[-1]
+    model._route = route
+    try:
+        seen.append(ref.forward(tokens))
+    finally:
+        model._route = real
+    return seen
+
+
+def reference_forward(ref, tokens, picks: list[tuple[torch.Tensor, torch.Tensor]], weights: list | None = None):
+    """The float32 reference's forward of `tokens` ([T, V] logits), each MoE layer routed to the engine's
+    picks (as `Routing.take` returns them); the weights are the reference's own over those experts, appended
+    per layer to `weights` (float32 [T, A]) if given."""
+    def expert_of(i: int):
+        assert i < len(picks), f"the reference ran more MoE layers than the engine recorded ({len(picks)})"
+        return picks[i][0]
+    *routes, out = _routed(ref, tokens, expert_of)
+    assert len(routes) == len(picks), f"the reference ran {len(routes)} MoE layers, the engine {len(picks)}"
+    if weights is not None:
+        weights += [w.float().cpu() for w, _ in routes]
+    return out
+
+
+def reference_picks(ref, tokens) -> list[list[list[int]]]:
+    """The reference's own picks for `tokens` from an empty cache: [layer][position] -> sorted expert ids."""
+    ref.reset()
+    try:
+        *routes, _ = _routed(ref, tokens, lambda i: None)
+    finally:
+        ref.reset()
+    return [[sorted(r) for r in e.tolist()] for _, e in routes]
