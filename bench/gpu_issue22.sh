@@ -23,6 +23,7 @@
 # RELOAD=1 first loads the DBRX miniature (two layers, clip_qkv 0.25, as the GPU tests write it) six times in one
 # process with `python -m bench.check_reload --rechoose`: each load's error and the first block that differs from
 # the first load's.
+# MIXTRAL_BUDGETS=24 (with MIXTRAL_BENCH_S=200, the seconds the step waits for) measures Mixtral at 24 GB only.
 # MIXTRAL=0 or DBRX=0 leaves that model's steps out; DONE="mixtral-bench dbrx-bench" counts those steps as
 # done (a fresh machine has no markers: steps an earlier session's machine finished). Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
@@ -133,7 +134,8 @@ fi
 if [ "${MIXTRAL:-1}" = 1 ]; then
     [ -f "$ROOT/done/mixtral-bench" ] && [ -f "$ROOT/done/mixtral-chat" ] || have "$M" \
         || { step mixtral-synth 60 && synth mixtral-8x22b "$M"; }
-    have "$M" && step mixtral-bench 300 && bench_offload "$M" mixtral-8x22b 130,24 && done_ mixtral-bench
+    have "$M" && step mixtral-bench "${MIXTRAL_BENCH_S:-300}" && bench_offload "$M" mixtral-8x22b "${MIXTRAL_BUDGETS:-130,24}" \
+        && done_ mixtral-bench
     have "$M" && step mixtral-chat 150 && chat "$M" mixtral-8x22b && done_ mixtral-chat
 fi
 if [ "${DBRX:-1}" = 1 ] && { [ "${MIXTRAL:-1}" = 0 ] || [ -f "$ROOT/done/mixtral-chat" ]; }; then
