@@ -6,9 +6,9 @@ then differs by a choice, not an error, and so does every later row that attends
 on synthetic weights such rows are common (Mixtral-8x22B's real width: 7 of 36 positions within 2% of a
 standard deviation), and leaving out the near ties alone does not remove the rows they reach. So the
 comparisons share the picks instead:
-- `Routing.record`: after each forward, each MoE layer's picks and weights (`take`), to hand to the float32
+- mode "record": after each forward, each MoE layer's picks and weights (`take`), to hand to the float32
   reference (runtime/reference/model._route's `expert`, see `reference_forward`) or to another engine;
-- `Routing.replay`: every MoE layer takes the picks and weights given (`give`) before the forward, in
+- mode "replay": every MoE layer takes the picks and weights given (`give`) before the forward, in
   place of its router's (which still runs: its counts and launches stay as they are).
 Both work under CUDA graphs: the copies are captured with the step, reading and writing buffers of a fixed
 address per layer. Install before the engine loads (`monkeypatch`), so that graphs captured at load hold
