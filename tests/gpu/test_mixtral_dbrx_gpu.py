@@ -15,7 +15,7 @@ misplaced clamp shows as an error of order 1e-1 and up.
   which changes that row by ~3e-2 and, through attention, every later row in later layers: a choice, not
   an error. Before, rows at near ties of the reference's router were left out, which left the rows they
   reach: on the H200 single checks came out 2.2e-2 (Mixtral's decode) where the rest were ~1.2e-2, and the
-  DBRX miniature 1.6-3.0e-2 against 0.16% in loads whose q_proj (exllamav2's GEMM) summed apart by
+  DBRX miniature 2.6-3.6e-2 against 0.16% in loads whose q_proj (exllamav2's GEMM) summed apart by
   4.5e-4 (bench/check_reload.py). The engine's router is still checked: its weights against the reference's over
   the same experts, and its picks, which must agree with the reference's except where the reference's
   k-th and (k+1)-th logits are within TIE of their standard deviation (tests/router_ties.py).
