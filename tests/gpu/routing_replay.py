@@ -80,13 +80,16 @@ class Routing:
                 bw[:w.shape[0]].copy_(w)
 
 
-def _routed(ref, tokens, expert_of) -> list:
+def _routed(ref, tokens, expert_of, spreads: list | None = None) -> list:
     """The reference's forward of `tokens`, each MoE layer's picks `expert_of(layer index)` (None: its own);
-    -> per layer, what _route returned (weights [T, A], picks [T, A])."""
+    -> per layer, what _route returned (weights [T, A], picks [T, A]). `spreads` (if given) gets each MoE
+    layer's standard deviation of its router logits over the forward's rows."""
     from runtime.reference import model
     real, seen = model._route, []
 
     def route(layer, spec, h, expert=None):
+        if spreads is not None:
+            spreads.append(float(torch.nn.functional.linear(h.float(), layer.router).std()))
         seen.append(real(layer, spec, h, expert_of(len(seen))))
         return seen[-1]
     model._route = route
@@ -97,14 +100,15 @@ def _routed(ref, tokens, expert_of) -> list:
     return seen
 
 
-def reference_forward(ref, tokens, picks: list[tuple[torch.Tensor, torch.Tensor]], weights: list | None = None):
+def reference_forward(ref, tokens, picks: list[tuple[torch.Tensor, torch.Tensor]], weights: list | None = None,
+                      spreads: list | None = None):
     """The float32 reference's forward of `tokens` ([T, V] logits), each MoE layer routed to the engine's
     picks (as `Routing.take` returns them); the weights are the reference's own over those experts, appended
-    per layer to `weights` (float32 [T, A]) if given."""
+    per layer to `weights` (float32 [T, A]) if given, its router logits' standard deviations to `spreads`."""
     def expert_of(i: int):
         assert i < len(picks), f"the reference ran more MoE layers than the engine recorded ({len(picks)})"
         return picks[i][0]
-    *routes, out = _routed(ref, tokens, expert_of)
+    *routes, out = _routed(ref, tokens, expert_of, spreads)
     assert len(routes) == len(picks), f"the reference ran {len(routes)} MoE layers, the engine {len(picks)}"
     if weights is not None:
         weights += [w.float().cpu() for w, _ in routes]
