@@ -102,8 +102,9 @@ def test_tiny_folders_answer_through_the_worker(folders, name):
 @pytest.mark.parametrize("name", TINY)
 def test_the_reference_routed_to_given_picks(folders, name):
     """The GPU comparisons hand the float32 reference an engine's picks (tests/gpu/routing_replay.py): its
-    own picks given back change nothing (the weights it reports are theirs, one per pick); other picks
-    change the answer; a list of picks for fewer layers than the model has is refused."""
+    own picks given back change nothing (the weights it reports are theirs, one per pick, and its routers
+    would have picked them); other picks change the answer (the first layer's router, whose input no pick
+    precedes, still picks as before); a list of picks for fewer layers than the model has is refused."""
     import torch
     from runtime import reference
     from runtime.options import LoadOptions
@@ -116,15 +117,21 @@ def test_the_reference_routed_to_given_picks(folders, name):
         ref.reset()
         given = [(torch.tensor(layer, dtype=torch.int32), None) for layer in own]
         weights: list = []
-        same = reference_forward(ref, toks, given, weights)
+        routers: list = []
+        same = reference_forward(ref, toks, given, weights, routers)
         assert (same - plain).abs().max() <= 1e-5 * plain.abs().max()
         A = len(own[0][0])
         assert len(weights) == len(own) and all(w.shape == (len(toks), A) and (w > 0).all() for w in weights)
+        # what its routers would pick under the given picks: its own, since those were its own
+        assert [r.own.tolist() for r in routers] == own
+        assert all(r.gap.shape == (len(toks),) and (r.gap >= 0).all() and r.spread > 0 for r in routers)
         ref.reset()
         E = ref.info.num_experts
         other = [(torch.tensor([[(e + 1) % E for e in row] for row in layer], dtype=torch.int32), None) for layer in own]
-        moved = reference_forward(ref, toks, other)
+        routers = []
+        moved = reference_forward(ref, toks, other, routers=routers)
         assert (moved - plain).abs().max() > 1e-2 * plain.abs().max()
+        assert routers[0].own.tolist() == own[0]        # the first layer's input does not depend on picks
         ref.reset()
         with pytest.raises(AssertionError, match="MoE layers"):
             reference_forward(ref, toks, given[:1])

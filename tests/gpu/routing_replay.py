@@ -15,6 +15,8 @@ address per layer. Install before the engine loads (`monkeypatch`), so that grap
 the copies; after switching to replay, `engine.reset_graphs()`."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 MAX_ROWS = 8192         # the largest forward routed through it (a load's warm-up prefill included): its buffers' rows
@@ -80,16 +82,26 @@ class Routing:
                 bw[:w.shape[0]].copy_(w)
 
 
-def _routed(ref, tokens, expert_of, spreads: list | None = None) -> list:
+class RouterView(NamedTuple):
+    """What a reference MoE layer's router made of a forward's rows, whichever picks it was then given."""
+    own: torch.Tensor       # int64 [T, A]: its own top-A experts, sorted
+    gap: torch.Tensor       # float32 [T]: its A-th minus (A+1)-th logit
+    spread: float           # its logits' standard deviation over the rows and experts
+
+
+def _routed(ref, tokens, expert_of, routers: list | None = None) -> list:
     """The reference's forward of `tokens`, each MoE layer's picks `expert_of(layer index)` (None: its own);
-    -> per layer, what _route returned (weights [T, A], picks [T, A]). `spreads` (if given) gets each MoE
-    layer's standard deviation of its router logits over the forward's rows."""
+    -> per layer, what _route returned (weights [T, A], picks [T, A]). `routers` (if given) gets each MoE
+    layer's RouterView."""
     from runtime.reference import model
     real, seen = model._route, []
 
     def route(layer, spec, h, expert=None):
-        if spreads is not None:
-            spreads.append(float(torch.nn.functional.linear(h.float(), layer.router).std()))
+        if routers is not None:
+            logits = torch.nn.functional.linear(h.float(), layer.router)
+            top = torch.topk(logits, spec.top_k + 1, dim=-1)
+            routers.append(RouterView(top.indices[:, :-1].sort(dim=-1).values.cpu(),
+                                      (top.values[:, -2] - top.values[:, -1]).cpu(), float(logits.std())))
         seen.append(real(layer, spec, h, expert_of(len(seen))))
         return seen[-1]
     model._route = route
@@ -101,14 +113,15 @@ def _routed(ref, tokens, expert_of, spreads: list | None = None) -> list:
 
 
 def reference_forward(ref, tokens, picks: list[tuple[torch.Tensor, torch.Tensor]], weights: list | None = None,
-                      spreads: list | None = None):
+                      routers: list | None = None):
     """The float32 reference's forward of `tokens` ([T, V] logits), each MoE layer routed to the engine's
     picks (as `Routing.take` returns them); the weights are the reference's own over those experts, appended
-    per layer to `weights` (float32 [T, A]) if given, its router logits' standard deviations to `spreads`."""
+    per layer to `weights` (float32 [T, A]) if given; what its routers would have picked on the way, given
+    the picks before (the same history as the engine's), to `routers` (RouterView per layer)."""
     def expert_of(i: int):
         assert i < len(picks), f"the reference ran more MoE layers than the engine recorded ({len(picks)})"
         return picks[i][0]
-    *routes, out = _routed(ref, tokens, expert_of, spreads)
+    *routes, out = _routed(ref, tokens, expert_of, routers)
     assert len(routes) == len(picks), f"the reference ran {len(routes)} MoE layers, the engine {len(picks)}"
     if weights is not None:
         weights += [w.float().cpu() for w, _ in routes]

@@ -18,8 +18,11 @@ misplaced clamp shows as an error of order 1e-1 and up.
   DBRX miniature 2.6-3.6e-2 against 0.16% in loads whose q_proj (exllamav2's GEMM) summed apart by
   4.5e-4 (bench/check_reload.py). The engine's router is still checked: its weights against the reference's over
   the same experts (the tolerance times `router_factor`: at the real widths a router input off by 1e-2 moves
-  the weights by up to ~2.2e-2; seen on the H200: 2.25e-2 where the logits were 1.98e-2), and its picks, which must agree with the reference's except where the reference's
-  k-th and (k+1)-th logits are within TIE of their standard deviation (tests/router_ties.py).
+  the weights by up to ~2.2e-2; seen on the H200: 2.25e-2 where the logits were 1.98e-2), and its picks,
+  which must be what the reference's router picks given the same picks before (the engine's history: a pick parted
+  at a near tie moves every row that attends to it in later layers; on the H200 a layer-0 near tie left layer 1
+  picking otherwise at a gap of 0.82 std), except where its k-th and (k+1)-th logits are within TIE of the layer's
+  logit standard deviation.
   Tolerances: tests/gpu/test_exl2_engine.py's (TOL 1e-2, prefill 2e-2) for the miniatures; twice that at
   the real widths, where fp16 rounding alone reaches 1e-2 (exllamav2's own attention block alone moved
   the residual stream by 3e-3, bench/check_reference.py).
@@ -38,12 +41,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
-from routing_replay import Routing, reference_forward, reference_picks
+from routing_replay import Routing, reference_forward
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -52,9 +56,8 @@ TOL_PREFILL = 2e-2
 WIDE = 2               # the tolerances' factor at the real widths (fp16 rounding grows with them)
 ROWS = (1, 2, 4, 5, 8, 9)
 # A near tie: the k-th and (k+1)-th router logits closer than this x their std. The engine's fp16 rounding moves
-# the router's input by ~1e-2 relative at the real widths (its router weights 0.3-2e-2 from the reference's over
-# the same experts, on the H200) and by ~1e-3 in the miniatures: picks may part where the gap is a few times that
-# (on the H200 Mixtral's real width parted at 2 positions outside 2% of a std, in a graphs-on run only).
+# the router's input by ~1e-2 relative at the real widths (its router weights 0.3-2.3e-2 from the reference's over
+# the same experts, on the H200) and by ~1e-3 in the miniatures: picks may part where the gap is a few times that.
 TIE = {"real": 0.05, "tiny": 0.01}
 GiB = 1 << 30
 SHAPES = {"mixtral": ("mixtral-8x22b", "tiny-mixtral"), "dbrx": ("dbrx", "tiny-dbrx")}
@@ -104,29 +107,37 @@ def _load(path, **off):
                     f"  now: {live_cuda_tensors()}")
 
 
-def router_gaps(ref, toks) -> torch.Tensor:
-    """[layers, len(toks)]: the reference's k-th minus (k+1)-th router logit over their std, `toks` from an empty
-    cache (tests/router_ties.py)."""
-    from runtime.reference import model
-    from tests.router_ties import router_gaps as gaps
-    return gaps(ref, model, toks)
+class Compared(NamedTuple):
+    errors: dict[str, float]      # check -> relative error (router_weights_<check>: the router weights')
+    factors: dict[str, float]     # router_weights_<check> -> its tolerance's factor (router_factor)
+    differ: list                  # (position, layer, the reference's gap there in stds, what) where picks part
+    near_ties: int                # rows x layers whose gap was under TIE
 
 
-def _vs_reference(engine, ref, toks, routing: Routing) -> tuple[dict[str, float], dict[str, float], list]:
-    """Relative errors of the engine's checks against the reference routed as the engine routed, each
-    router-weight check's factor on the tolerance (`router_factor`), and the engine's picks per forward (for
-    `_differing_picks`)."""
-    errs, factors, picks = {}, {}, []
+def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
+    """The engine's checks against the reference routed as the engine routed, and where the engine's picks
+    are not what the reference's router would have picked given the same picks before (its gaps in units
+    of the first forward's logit spread per layer)."""
+    errs, factors, differ, near, scale = {}, {}, set(), 0, []
 
     def both(key, tokens, got, last=False):
+        nonlocal near
         p = routing.take(engine, len(tokens))
-        picks.append((engine.position - len(tokens), p))
         weights: list = []
-        spreads: list = []
-        want = reference_forward(ref, tokens, p, weights, spreads)
+        routers: list = []
+        want = reference_forward(ref, tokens, p, weights, routers)
+        scale[:] = scale or [r.spread for r in routers]
         errs[key] = _rel(got, want[-1:] if last else want)
         errs[f"router_weights_{key}"] = max(_rel(w, rw) for (_, w), rw in zip(p, weights))
-        factors[f"router_weights_{key}"] = router_factor(min(spreads))
+        factors[f"router_weights_{key}"] = router_factor(min(scale))
+        start = engine.position - len(tokens)
+        for layer, ((ids, _), r) in enumerate(zip(p, routers)):
+            gaps = r.gap / scale[layer]
+            near += int((gaps < tie).sum())
+            for row, mine in enumerate(ids.sort(dim=-1).values.tolist()):
+                if mine != r.own[row].tolist():
+                    differ.add((start + row, layer, round(float(gaps[row]), 4),
+                                f"{mine}, the reference {r.own[row].tolist()}"))
     engine.reset(), ref.reset()
     both("prefill_last_24", toks[:24], engine.prefill(toks[:24]), last=True)
     engine.reset(), ref.reset()
@@ -137,7 +148,7 @@ def _vs_reference(engine, ref, toks, routing: Routing) -> tuple[dict[str, float]
         both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
         engine.truncate(27), ref.truncate(27)
     both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
-    return errs, factors, picks
+    return Compared(errs, factors, sorted(differ), near)
 
 
 def router_factor(spread: float) -> float:
@@ -147,15 +158,6 @@ def router_factor(spread: float) -> float:
     routers N(0, 0.02) over a normed input of width 6144 have logits of std ~1.6 (a factor ~2.2); the
     miniatures' (width 256) ~0.3 (a factor 1)."""
     return max(1.0, 2 ** 0.5 * spread)
-
-
-def _differing_picks(picks, own: list[list[list[int]]], gaps: torch.Tensor) -> list[tuple[int, int, float, str]]:
-    """Where the engine's picks (per forward: its first position, per layer (ids, weights)) are not the
-    reference's own (`own` [layer][position], sorted): (position, layer, the reference's gap there, what)."""
-    return sorted({(pos + r, layer, round(float(gaps[layer, pos + r]), 4),
-                    f"{sorted(ids[r].tolist())}, the reference {own[layer][pos + r]}")
-                   for pos, p in picks for layer, (ids, _) in enumerate(p) for r in range(ids.shape[0])
-                   if sorted(ids[r].tolist()) != own[layer][pos + r]})
 
 
 @pytest.mark.parametrize("size", ["real", "tiny"])
@@ -174,8 +176,6 @@ def test_matches_reference(kind, size, models):
 
 def _vs_reference_both(kind, size, path, ref):
     toks = torch.randint(0, ref.info.vocab_size - 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    gaps = router_gaps(ref, toks[:36])
-    own = reference_picks(ref, toks[:36])
     failures = []
 
     def tol(check: str) -> float:
@@ -187,17 +187,16 @@ def _vs_reference_both(kind, size, path, ref):
             try:
                 assert eng.info.architecture == ref.info.architecture
                 assert applied["offload.context_length"] == "applied", applied
-                errs, factors, picks = _vs_reference(eng, ref, toks, routing)
-                differ = _differing_picks(picks, own, gaps)
-                _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=errs,
-                        router_factor=max(factors.values()), near_ties=int((gaps < TIE[size]).sum()),
-                        picks_differ=differ, prefill_attention=eng.info.extra.get("prefill_attention"))
+                c = _vs_reference(eng, ref, toks, routing, TIE[size])
+                _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=c.errors,
+                        router_factor=max(c.factors.values()), near_ties=c.near_ties, picks_differ=c.differ,
+                        prefill_attention=eng.info.extra.get("prefill_attention"))
                 failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}, tolerance "
-                             f"{tol(k) * factors.get(k, 1):.2e}"
-                             for k, e in errs.items() if not e < tol(k) * factors.get(k, 1)]
+                             f"{tol(k) * c.factors.get(k, 1):.2e}"
+                             for k, e in c.errors.items() if not e < tol(k) * c.factors.get(k, 1)]
                 failures += [f"{kind}-{size} graphs={graphs} picks differ at position {q}, layer {layer}, where the "
                              f"reference's gap is {g} of a std (a near tie: under {TIE[size]}): {what}"
-                             for q, layer, g, what in differ if not g < TIE[size]]
+                             for q, layer, g, what in c.differ if not g < TIE[size]]
                 if graphs:
                     tel = eng.telemetry()
                     assert tel["decode_graphs"], tel.get("graph_error")
