@@ -7,12 +7,17 @@
 #   OUT=DIR bench/gpu_suite.sh                      # every file, in the order below
 #   OUT=DIR GROUP=a bench/gpu_suite.sh              # GROUP_A's files; GROUP=b, c and d the others
 #   OUT=DIR FILES="test_exl2_engine.py:200 test_offload_gpu.py" bench/gpu_suite.sh
-# One pytest process per file, one file at a time (the out-of-memory test fills the GPU; the warm-up
-# and issue-19 tests time gaps), cheap and broad files first. Each file runs under its own limit
-# (FILE:SECONDS, the defaults below; never past what is left of LIMIT): SIGINT at the limit, so
-# pytest writes its summary and JUnit XML, SIGKILL 20 s later. pytest-timeout fails a test that runs
-# past TEST_S (a traceback instead of silence). Synthetic models are written once for the whole run
-# under $WORK/models (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them).
+#   OUT=DIR GROUP=shared LANES=4 bench/gpu_suite.sh  # the files that may share the GPU, 4 at a time
+#   OUT=DIR GROUP=solo bench/gpu_suite.sh           # the SOLO files, one at a time
+# One pytest process per file, one file at a time (the out-of-memory test fills the GPU; the warm-up and
+# issue-19 tests time gaps), cheap and broad files first. LANES=N (N > 1) runs the files that may share the GPU
+# in N processes side by side (most of a file's time is loads, synthetic models and the Python between small
+# kernels, and the H200's 141 GB hold several files' models and float32 references; not yet measured there),
+# then the SOLO files (default: those three) alone; each file's log is kept whole. Each file runs under its own
+# limit (FILE:SECONDS, the defaults below; never past what is left of LIMIT): SIGINT at the limit, so pytest
+# writes its summary and JUnit XML, SIGKILL 20 s later. pytest-timeout fails a test that runs past TEST_S (a
+# traceback instead of silence). Synthetic models are written once for the whole run under $WORK/models
+# (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them).
 # Files in $OUT (at most 6):
 #   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
 #                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
@@ -38,12 +43,26 @@ test_load_repack_gpu.py:60 test_exl2_engine.py:180 test_speculative_gpu.py:120 t
 GROUP_B="test_offload_gpu.py:180 test_mixtral_dbrx_gpu.py:420"
 GROUP_C="test_qwen35_hybrid_gpu.py:540 test_gdn_fla_gpu.py:150"
 GROUP_D="test_issue19_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu.py:90 test_roofline_gpu.py:150"
+LANES=${LANES:-1}
+SOLO=${SOLO:-"test_exl2_engine.py test_warmup_gpu.py test_issue19_gpu.py"}
+ALL="$GROUP_A $GROUP_B $GROUP_C $GROUP_D"
+only() {            # shared|solo: ALL's entries whose file is not / is in SOLO
+    local e
+    for e in $ALL; do
+        case " $SOLO " in
+            *" ${e%%:*} "*) [ "$1" = solo ] && echo "$e" ;;
+            *) [ "$1" = shared ] && echo "$e" ;;
+        esac
+    done | tr '\n' ' '
+}
 case ${GROUP:-all} in
     a) DEFAULT_FILES=$GROUP_A ;;
     b) DEFAULT_FILES=$GROUP_B ;;
     c) DEFAULT_FILES=$GROUP_C ;;
     d) DEFAULT_FILES=$GROUP_D ;;
-    *) DEFAULT_FILES="$GROUP_A $GROUP_B $GROUP_C $GROUP_D" ;;
+    shared) DEFAULT_FILES=$(only shared) ;;
+    solo) DEFAULT_FILES=$(only solo) ;;
+    *) DEFAULT_FILES=$ALL ;;
 esac
 FILES=${FILES:-$DEFAULT_FILES}
 mkdir -p "$OUT" "$WORK"
@@ -62,7 +81,8 @@ say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
 } > "$OUT/machine.txt"
 : > "$OUT/summary.txt"
 
-for entry in $FILES; do
+run_file() {        # file[:seconds] basetemp: one pytest process for the file, under its limit
+    local entry=$1 base=$2 file limit rest tlimit xml flog t rc secs p f s e n nr how
     file=${entry%%:*}
     limit=${entry#*:}
     [ "$limit" = "$entry" ] && limit=120
@@ -70,7 +90,7 @@ for entry in $FILES; do
     [ "$limit" -gt $(( rest - 25 )) ] && limit=$(( rest - 25 ))      # room for the kill and the summary
     if [ "$limit" -lt 20 ]; then
         echo "$file: not run ($rest s left of $LIMIT)" | tee -a "$OUT/summary.txt" | tee -a "$OUT/pytest.log"
-        continue
+        return
     fi
     tlimit=$TEST_S
     [ "$tlimit" -gt $(( limit - 5 )) ] && tlimit=$(( limit - 5 ))
@@ -79,12 +99,19 @@ for entry in $FILES; do
     flog="$WORK/${file%.py}.log"
     rm -f "$xml"
     t=$(date +%s)
-    timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
-        --timeout="$tlimit" --junitxml="$xml" --basetemp="$WORK/pytest" -o junit_family=xunit2 2>&1 \
-        | tee "$flog" >> "$OUT/pytest.log"
-    rc=${PIPESTATUS[0]}
+    if [ "$LANES" -gt 1 ]; then     # lanes write their files' logs whole, one after another
+        timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
+            --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2 > "$flog" 2>&1
+        rc=$?
+        cat "$flog" >> "$OUT/pytest.log"
+    else
+        timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
+            --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2 2>&1 \
+            | tee "$flog" >> "$OUT/pytest.log"
+        rc=${PIPESTATUS[0]}
+    fi
     secs=$(( $(date +%s) - t ))
-    rm -rf "$WORK/pytest"
+    rm -rf "$base"
     read -r p f s e n <<< "$($PY -m bench.gpu_suite_results "$flog" "$xml" "$file" "$OUT/tests.jsonl" \
         2>>"$OUT/pytest.log" || echo "? ? ? ? 0")"
     [ "$n" != 0 ] && nr=", $n not run" || nr=""
@@ -96,7 +123,37 @@ for entry in $FILES; do
     esac
     echo "$file: $p passed, $f failed, $s skipped, $e errors$nr in $secs s$how" | tee -a "$OUT/summary.txt" \
         | tee -a "$OUT/pytest.log"
-done
+}
+
+if [ "$LANES" -gt 1 ]; then
+    # Files that may share the GPU go into LANES queues, longest limit first onto the queue with the least
+    # seconds so far; the lanes run side by side, then the SOLO files one at a time with the GPU to
+    # themselves (the out-of-memory test fills the GPU; the warm-up and issue-19 tests time gaps).
+    declare -a lane_files lane_secs
+    for ((i = 0; i < LANES; i++)); do lane_files[i]=""; lane_secs[i]=0; done
+    solo_run=""
+    longest_first=$(for e in $FILES; do l=${e#*:}; [ "$l" = "$e" ] && l=120; echo "$l $e"; done \
+        | sort -rn | cut -d' ' -f2)
+    for entry in $longest_first; do
+        case " $SOLO " in
+            *" ${entry%%:*} "*) solo_run="$solo_run $entry"; continue ;;
+        esac
+        best=0
+        for ((i = 1; i < LANES; i++)); do [ "${lane_secs[i]}" -lt "${lane_secs[best]}" ] && best=$i; done
+        lane_files[best]="${lane_files[best]} $entry"
+        l=${entry#*:}; [ "$l" = "$entry" ] && l=120
+        lane_secs[best]=$(( lane_secs[best] + l ))
+    done
+    for ((i = 0; i < LANES; i++)); do
+        say "lane $i:${lane_files[i]:- (none)}"
+        ( for entry in ${lane_files[i]}; do run_file "$entry" "$WORK/pytest-lane$i"; done ) &
+    done
+    wait
+    [ -n "$solo_run" ] && say "alone:$solo_run"
+    for entry in $solo_run; do run_file "$entry" "$WORK/pytest"; done
+else
+    for entry in $FILES; do run_file "$entry" "$WORK/pytest"; done
+fi
 
 [ "${KEEP_MODELS:-0}" = 1 ] || rm -rf "$MOEDESK_GPU_MODELS"
 say "done in $(( $(date +%s) - T0 )) s"

@@ -3,6 +3,7 @@ the file's time limit interrupts mid-test, the interrupted test and those after 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,3 +75,49 @@ def test_every_gpu_test_file_is_in_a_group_of_the_runner():
     files = {p.name for p in (root / "tests" / "gpu").glob("test_*.py")}
     assert files - listed == set(), f"not in a GROUP_A..GROUP_D of bench/gpu_suite.sh: {sorted(files - listed)}"
     assert listed - files == set(), f"listed but missing: {sorted(listed - files)}"
+
+
+LANE_TEST = '''
+import os, time
+from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.gpu
+FLAGS = Path(os.environ["LANE_FLAGS"])
+
+
+def test_me():
+    me, other = "{me}", "{other}"
+    (FLAGS / f"{{me}}.start").touch()
+    if other:                                   # passes only while the other file's process runs too
+        deadline = time.monotonic() + 60
+        while not (FLAGS / f"{{other}}.start").exists():
+            assert time.monotonic() < deadline, f"{{other}} never ran beside {{me}}"
+            time.sleep(0.05)
+    else:                                       # a solo file: every shared file has ended
+        assert (FLAGS / "a.end").exists() and (FLAGS / "b.end").exists()
+    (FLAGS / f"{{me}}.end").touch()
+'''
+
+
+def test_lanes_run_shared_files_side_by_side_and_solo_files_alone(tmp_path):
+    """LANES=2: the two shared files run in two processes at once (each waits for the other to start), the
+    solo file after both have ended; every file's summary line and its whole log are kept."""
+    root = Path(__file__).resolve().parents[1]
+    gpu, flags, out = tmp_path / "tests" / "gpu", tmp_path / "flags", tmp_path / "out"
+    gpu.mkdir(parents=True), flags.mkdir()
+    for me, other in (("a", "b"), ("b", "a"), ("c", "")):
+        (gpu / f"test_{me}.py").write_text(LANE_TEST.format(me=me, other=other))
+    env = {**os.environ, "OUT": str(out), "LANES": "2", "SOLO": "test_c.py", "LIMIT": "200",
+           "FILES": "test_c.py:90 test_a.py:90 test_b.py:60", "WORK": str(tmp_path / "work"), "LANE_FLAGS": str(flags),
+           "PYTHON": sys.executable, "PYTHONPATH": str(root), "MOEDESK_COMMIT": "test"}
+    proc = subprocess.run(["bash", str(root / "bench" / "gpu_suite.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert sorted(line.split(":")[0] for line in summary) == ["test_a.py", "test_b.py", "test_c.py"], summary
+    assert all(" 1 passed, 0 failed" in line for line in summary), (summary, (out / "pytest.log").read_text())
+    assert summary[-1].startswith("test_c.py")
+    log = (out / "pytest.log").read_text()
+    assert "lane 0: test_a.py:90" in log and "lane 1: test_b.py:60" in log and "alone: test_c.py:90" in log
+    assert log.count("test session starts") == 3
