@@ -54,12 +54,39 @@ def test_a_killed_writer_leaves_no_model_and_its_leftovers_go(tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         gpu_conftest.cached_model("m", dies, tmp_path_factory)
     assert not (tmp_path / "m").exists()
+
+    def waits(seconds):
+        raise AssertionError("waited for a leftover of its own process")
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(gpu_conftest.time, "sleep", waits)              # its own leftover is not waited for
+        gpu_conftest.cached_model("m", dies, tmp_path_factory)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f".m.partial-{dead.stdout.strip()}"      # a writer process that is gone
     stale.mkdir()
     live = tmp_path / f".m.partial-{os.getppid()}"              # one still running: left alone
     live.mkdir()
+    monkeypatch.setattr(gpu_conftest, "WAIT_S", 1.0)              # ... and waited for, this long
     calls = []
     out = gpu_conftest.cached_model("m", _make(calls), tmp_path_factory)
     assert out == tmp_path / "m" and len(calls) == 1
     assert not stale.exists() and live.exists()
+
+
+def test_a_model_another_live_process_writes_is_waited_for(tmp_path, monkeypatch, gpu_conftest, tmp_path_factory):
+    """Two lanes of bench/gpu_suite.sh asking for one model: the second waits for the first's, writes none."""
+    import threading
+    monkeypatch.setenv("MOEDESK_GPU_MODELS", str(tmp_path))
+    live = tmp_path / f".m.partial-{os.getppid()}"              # the other lane's folder, half written
+    live.mkdir()
+
+    def finish():
+        (live / "config.json").write_text("{}")
+        live.rename(tmp_path / "m")
+    timer = threading.Timer(1.0, finish)
+    timer.start()
+    calls = []
+    try:
+        out = gpu_conftest.cached_model("m", _make(calls), tmp_path_factory)
+    finally:
+        timer.join()
+    assert out == tmp_path / "m" and calls == [] and (out / "config.json").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 MODELS_ENV = "MOEDESK_GPU_MODELS"
+WAIT_S = 900            # how long to wait for another live process writing the same model, then write it too
 
 
 def _alive(pid: int) -> bool:
@@ -37,17 +39,28 @@ def _alive(pid: int) -> bool:
 def cached_model(name: str, make: Callable[[Path], object], tmp_path_factory) -> Path:
     """The model folder `name`, written by make(folder) the first time it is asked for (see the module's
     docstring for where). A folder gets its final name only once make returned, so a run killed halfway
-    leaves a partial folder that the next writer of that name removes, never a model that looks whole."""
+    leaves a partial folder that the next writer of that name removes, never a model that looks whole. While
+    another live process writes it (bench/gpu_suite.sh's lanes), this one waits for it (at most WAIT_S)."""
     shared = os.environ.get(MODELS_ENV)
     root = Path(shared) if shared else tmp_path_factory.getbasetemp() / "models"
     out = root / name
     if out.is_dir():
         return out
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f".{name}.partial-*"):           # left by a killed process
-        pid = stale.name.rsplit("-", 1)[1]
-        if not (pid.isdigit() and _alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        writing = False
+        for part in root.glob(f".{name}.partial-*"):
+            pid = part.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+                writing = True                              # another process of the run (a lane) writes it
+            else:
+                shutil.rmtree(part, ignore_errors=True)     # left by a killed process, or by this one failing
+        if out.is_dir():
+            return out
+        if not writing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     part = root / f".{name}.partial-{os.getpid()}"
     shutil.rmtree(part, ignore_errors=True)
     part.mkdir()
