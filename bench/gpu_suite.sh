@@ -17,7 +17,9 @@
 # limit (FILE:SECONDS, the defaults below; never past what is left of LIMIT): SIGINT at the limit, so pytest
 # writes its summary and JUnit XML, SIGKILL 20 s later. pytest-timeout fails a test that runs past TEST_S (a
 # traceback instead of silence). Synthetic models are written once for the whole run under $WORK/models
-# (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them).
+# (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them). Each file's process gets a
+# MOEDESK_HOME of its own (module-scoped fixtures load before the tests' own homes are set): no lane reads
+# routing statistics another wrote.
 # Files in $OUT (at most 6):
 #   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
 #                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
@@ -82,7 +84,7 @@ say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
 : > "$OUT/summary.txt"
 
 run_file() {        # file[:seconds] basetemp: one pytest process for the file, under its limit
-    local entry=$1 base=$2 file limit rest tlimit xml flog t rc secs p f s e n nr how
+    local entry=$1 base=$2 file limit rest tlimit xml flog t rc secs p f s e n nr how cmd
     file=${entry%%:*}
     limit=${entry#*:}
     [ "$limit" = "$entry" ] && limit=120
@@ -99,19 +101,18 @@ run_file() {        # file[:seconds] basetemp: one pytest process for the file, 
     flog="$WORK/${file%.py}.log"
     rm -f "$xml"
     t=$(date +%s)
+    cmd=(env MOEDESK_HOME="$base-home" timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v
+         -rA -p no:cacheprovider --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2)
     if [ "$LANES" -gt 1 ]; then     # lanes write their files' logs whole, one after another
-        timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
-            --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2 > "$flog" 2>&1
+        "${cmd[@]}" > "$flog" 2>&1
         rc=$?
         cat "$flog" >> "$OUT/pytest.log"
     else
-        timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v -rA -p no:cacheprovider \
-            --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2 2>&1 \
-            | tee "$flog" >> "$OUT/pytest.log"
+        "${cmd[@]}" 2>&1 | tee "$flog" >> "$OUT/pytest.log"
         rc=${PIPESTATUS[0]}
     fi
     secs=$(( $(date +%s) - t ))
-    rm -rf "$base"
+    rm -rf "$base" "$base-home"
     read -r p f s e n <<< "$($PY -m bench.gpu_suite_results "$flog" "$xml" "$file" "$OUT/tests.jsonl" \
         2>>"$OUT/pytest.log" || echo "? ? ? ? 0")"
     [ "$n" != 0 ] && nr=", $n not run" || nr=""

@@ -88,7 +88,7 @@ FLAGS = Path(os.environ["LANE_FLAGS"])
 
 def test_me():
     me, other = "{me}", "{other}"
-    (FLAGS / f"{{me}}.start").touch()
+    (FLAGS / f"{{me}}.start").write_text(os.environ["MOEDESK_HOME"])
     if other:                                   # passes only while the other file's process runs too
         deadline = time.monotonic() + 60
         while not (FLAGS / f"{{other}}.start").exists():
@@ -102,7 +102,8 @@ def test_me():
 
 def test_lanes_run_shared_files_side_by_side_and_solo_files_alone(tmp_path):
     """LANES=2: the two shared files run in two processes at once (each waits for the other to start), the
-    solo file after both have ended; every file's summary line and its whole log are kept."""
+    solo file after both have ended; every file's summary line and its whole log are kept; each file's
+    process has a MOEDESK_HOME of its own."""
     root = Path(__file__).resolve().parents[1]
     gpu, flags, out = tmp_path / "tests" / "gpu", tmp_path / "flags", tmp_path / "out"
     gpu.mkdir(parents=True), flags.mkdir()
@@ -121,3 +122,5 @@ def test_lanes_run_shared_files_side_by_side_and_solo_files_alone(tmp_path):
     log = (out / "pytest.log").read_text()
     assert "lane 0: test_a.py:90" in log and "lane 1: test_b.py:60" in log and "alone: test_c.py:90" in log
     assert log.count("test session starts") == 3
+    homes = {(flags / f"{me}.start").read_text() for me in "abc"}           # one of its own per file, gone after
+    assert len(homes) == 3 and not any(Path(h).exists() for h in homes), homes
