@@ -111,7 +111,7 @@ class Compared(NamedTuple):
     errors: dict[str, float]      # check -> relative error (router_weights_<check>: the router weights')
     factors: dict[str, float]     # router_weights_<check> -> its tolerance's factor (router_factor)
     differ: list                  # (position, layer, the reference's gap there in stds, what) where picks part
-    near_ties: int                # rows x layers whose gap was under TIE
+    near_ties: int                # rows x layers under TIE, counted in every check's forward
 
 
 def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
