@@ -23,7 +23,9 @@
 # RELOAD=1 first loads the DBRX miniature (two layers, clip_qkv 0.25, as the GPU tests write it) six times in one
 # process with `python -m bench.check_reload --rechoose`: each load's error and the first block that differs from
 # the first load's.
-# MIXTRAL_BUDGETS=24 (with MIXTRAL_BENCH_S=200, the seconds the step waits for) measures Mixtral at 24 GB only.
+# MIXTRAL_BUDGETS=24 measures Mixtral at 24 GB only; MIXTRAL_BENCH_S is the least time the step starts with (300 by
+# default). On the H200 that run took more than 248 s: load 133 s, calibration 18 s, choosing the expert path 74 s,
+# then killed before its decode figures; give it 420 s and a call of its own (after the synth's ~65 s).
 # MIXTRAL=0 or DBRX=0 leaves that model's steps out; DONE="mixtral-bench dbrx-bench" counts those steps as
 # done (a fresh machine has no markers: steps an earlier session's machine finished). Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
