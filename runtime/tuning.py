@@ -113,8 +113,9 @@ class Tuning:
                                min=0, max=8)
     route_prior: bool = knob(True, "MOEDESK_ROUTE_PRIOR", "Measure a routing prior from a calibration prompt at "
                              "a load without saved routing statistics (0: experts placed as if uniform).")
-    route: str = knob("fused", "MOEDESK_ROUTE", "Routing: the fused kernel, or plain torch (to compare).",
-                      choices=("fused", "torch"))
+    route: str = knob("fused", "MOEDESK_ROUTE", "Routing: the fused kernel after the norm's, the norm and routing "
+                      "in one launch (normed: RMSNorm layers; not yet measured), or plain torch (to compare).",
+                      choices=("fused", "normed", "torch"))
     moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "
                         "(fused) or by torch (plain).", choices=("fused", "plain"))
     pin_ahead: int = knob(1, "MOEDESK_PIN_AHEAD", "Blocks of page-locked host RAM for offloaded experts (4 GiB "

@@ -59,7 +59,7 @@ def test_each_variable_sets_its_field():
     ("MOEDESK_CPU_SIGNAL", "doorbell", "one of auto, memops, hostfunc"),
     ("MOEDESK_AUTO_CPU_PATH", "maybe", "want 1 (on) or 0 (off)"),
     ("MOEDESK_GRAPH_ATTN", "flash", "one of triton, bmm, sdpa"),
-    ("MOEDESK_ROUTE", "torchy", "one of fused, torch"),
+    ("MOEDESK_ROUTE", "torchy", "one of fused, normed, torch"),
     ("MOEDESK_GROUPED", "16,64", "six integers"),
     ("MOEDESK_GROUPED", "16,64,48,32,4,0", "not a power of two"),
     ("MOEDESK_SPLITK", "64", "BNxKSPLIT"),

@@ -95,8 +95,13 @@ class OwnMoE(ExLlamaV2MoEMLP):
     def forward(self, hidden_states, cache=None, attn_params=None, past_len=None,
                 intermediates: bool = False, loras=None, **kwargs):
         B, S, H = hidden_states.shape
-        x = self.post_attention_layernorm.forward(hidden_states.view(-1, H))     # [T, H] fp16
-        y = self.experts(x.half())                                               # [T, H] fp32
+        norm = self.post_attention_layernorm
+        if tuning.current().route == "normed" and isinstance(norm, ExLlamaV2RMSNorm):
+            # the norm in the routing's launch (runtime/experts/route_normed.py)
+            y = self.experts(hidden_states.view(-1, H), norm=(norm.weight.data, norm.variance_epsilon))
+        else:
+            x = norm.forward(hidden_states.view(-1, H))                          # [T, H] fp16
+            y = self.experts(x.half())                                           # [T, H] fp32
         if tuning.current().moe_add == "plain":
             out = (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
         else:

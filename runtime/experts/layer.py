@@ -95,6 +95,7 @@ class ExpertLayer:
         # this router folded with the norm's weight and centred (`fold_layer_norm`), norm_w None.
         self.predict_gate: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None       # the last forward's picks (device), for the prefetch's score
+        self._counters = None                       # route_normed's per-row counters, made at its first use
         # How the grouped kernels read the input (kernels.InputOrder), from the permutations, once; on the CPU
         # (the oracle) nothing reads it.
         self.order = None
@@ -102,19 +103,27 @@ class ExpertLayer:
             from runtime.experts.kernels import input_order
             self.order = input_order(w1, w3, w2)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts."""
+    def __call__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts. norm (CUDA): x is
+        the residual stream, normed here by RMSNorm (weight, eps) in the routing's launch (route_normed)."""
         if x.is_cuda:
             from runtime.experts.kernels import experts_forward, route_fused
             self._ids = None
-            if tuning.current().route == "torch":        # the unfused routing, for comparisons
+            if norm is None and tuning.current().route == "torch":    # the unfused routing, for comparisons
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
                 return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2, order=self.order)
             lo, hooks = self.offload, self.hooks
             pf = hooks.prefetch if hooks is not None and x.shape[0] == 1 else None
             planned = pf is not None and pf.planned(lo)       # experts copied ahead for this layer
-            ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.forced)
+            if norm is not None:
+                from runtime.experts.route_normed import RowCounters, route_normed
+                if self._counters is None:
+                    self._counters = RowCounters(x.device)
+                x, ids, w = route_normed(x, *norm, self.gate_w, self.top_k, self.counts, self._counters,
+                                         self.renormalize, forced=self.forced)
+            else:
+                ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.forced)
             self._ids = ids
             if lo is None:
                 return experts_forward(x, ids, w, self.w1, self.w3, self.w2, order=self.order)

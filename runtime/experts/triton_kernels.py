@@ -162,16 +162,16 @@ def _router_logits(x_ptr, w_ptr, out_ptr, nw_ptr, H: tl.constexpr, E: tl.constex
 
 
 @triton.jit
-def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, E: tl.constexpr,
-                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr,
-                  FORCED: tl.constexpr):
-    """Softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts.
+def _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t, E: tl.constexpr,
+                 BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr, FORCED: tl.constexpr,
+                 VOLATILE: tl.constexpr):
+    """Row t: softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts.
     FORCED (benchmarks): the same work, then the picks replaced by the next of N rows of `table`
-    (A distinct experts each; the row taken by an atomic counter at `step_ptr`), weights 1 / A."""
-    t = tl.program_id(0)
+    (A distinct experts each; the row taken by an atomic counter at `step_ptr`), weights 1 / A.
+    VOLATILE: the logits were written by other programs of this launch (read past the L1 cache)."""
     offs_e = tl.arange(0, BE)
     mask_e = offs_e < E
-    z = tl.load(logits_ptr + t * E + offs_e, mask=mask_e, other=float("-inf"))
+    z = tl.load(logits_ptr + t * E + offs_e, mask=mask_e, other=float("-inf"), volatile=VOLATILE)
     p = tl.exp(z - tl.max(z, axis=0))
     p = tl.where(mask_e, p, 0.0)
     p = p / tl.sum(p, axis=0)
@@ -194,6 +194,52 @@ def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, 
     tl.store(ids_ptr + t * A + offs_a, sel_i, mask=mask_a)
     tl.store(rw_ptr + t * A + offs_a, sel_w, mask=mask_a)
     tl.atomic_add(cnt_ptr + sel_i, tl.full([BA], 1, tl.int32), mask=mask_a)
+
+
+@triton.jit
+def _softmax_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, E: tl.constexpr,
+                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr,
+                  FORCED: tl.constexpr):
+    """_select_topk for row program_id(0); grid (T,)."""
+    _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, tl.program_id(0), E, BE, A, BA,
+                 RENORM, FORCED, False)
+
+
+@triton.jit
+def _route_normed(x_ptr, nw_ptr, eps, xn_ptr, w_ptr, logits_ptr, done_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr,
+                  step_ptr, N, H: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, BH: tl.constexpr,
+                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr, FORCED: tl.constexpr):
+    """RMSNorm, router and top-k of a row in one launch; grid (T, E / EB). Every program normalises its row
+    as exllamav2's rms_norm does (x clamped to fp16's range, x * w * rsqrt(mean(x^2) + eps), rounded to fp16);
+    program 0 writes it to xn for the experts; each program stores its EB logits of the normed row; the
+    row's last program to finish (a counter per row in done, set back to 0 for the next launch) picks."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    row = x_ptr + t.to(tl.int64) * H
+    ss = tl.zeros([BH], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        xv = tl.load(row + h0 + tl.arange(0, BH)).to(tl.float32)
+        xv = tl.minimum(tl.maximum(xv, -65504.0), 65504.0)
+        ss += xv * xv
+    inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+    offs_e = j * EB + tl.arange(0, EB)
+    mask_e = offs_e < E
+    acc = tl.zeros([EB], dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        xv = tl.load(row + offs_h).to(tl.float32)
+        xv = tl.minimum(tl.maximum(xv, -65504.0), 65504.0)
+        xn = (xv * tl.load(nw_ptr + offs_h).to(tl.float32) * inv).to(tl.float16)
+        tl.store(xn_ptr + t.to(tl.int64) * H + offs_h, xn, mask=(offs_h * 0 + j) == 0)   # program 0 only
+        wv = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :], mask=mask_e[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xn.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + t * E + offs_e, acc, mask=mask_e)
+    tl.debug_barrier()                              # every thread's logits stored before the counter moves
+    done = tl.atomic_add(done_ptr + t, 1)          # acq_rel: the last program sees the others' logits
+    if done == tl.num_programs(1) - 1:
+        tl.store(done_ptr + t, 0)
+        _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t, E, BE, A, BA, RENORM, FORCED,
+                     True)
 
 
 @triton.jit

@@ -180,3 +180,24 @@ def tiny_moe(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory) -> Path:
     return cached_model("tiny-dense", lambda out: make_model("dense", out), tmp_path_factory)
+
+
+@pytest.fixture
+def references(moe_2l, dense_2l, llama_2l):
+    """kind -> the float32 reference, on the GPU (the CPU's weights and arithmetic there, without TF32);
+    closed after the test, its VRAM given back."""
+    from runtime import reference
+    from runtime.options import LoadOptions
+    paths = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}
+    engines = {}
+
+    def get(kind):
+        if kind not in engines:
+            engines[kind] = reference.load(paths[kind], LoadOptions(), lambda *a: None, precision="float32",
+                                           device="cuda")[0]
+        return engines[kind]
+    yield get
+    for eng in engines.values():
+        eng.close()
+    engines.clear()
+    torch.cuda.empty_cache()

@@ -11,7 +11,6 @@ import torch
 
 from runtime import tuning
 from runtime.exl2 import format as fmt
-from test_exl2_engine import references  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.gpu
 

@@ -42,26 +42,6 @@ def _load_exl2(path, moe="own", graphs=True, **off):
     return exl2.load(path, opts, lambda *a: None, moe=moe, graphs=graphs)[0]
 
 
-@pytest.fixture
-def references(moe_2l, dense_2l, llama_2l):
-    """kind -> the float32 reference, on the GPU (the CPU's weights and arithmetic there, without TF32);
-    closed after the test, its VRAM given back."""
-    from runtime import reference
-    paths = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}
-    engines = {}
-
-    def get(kind):
-        if kind not in engines:
-            engines[kind] = reference.load(paths[kind], LoadOptions(), lambda *a: None, precision="float32",
-                                           device="cuda")[0]
-        return engines[kind]
-    yield get
-    for eng in engines.values():
-        eng.close()
-    engines.clear()
-    torch.cuda.empty_cache()
-
-
 def _script(engine, ref, toks) -> dict[str, float]:
     """Prefill (the last row only, then every row), decode, verify-R with rollback, then decode again;
     each forward's error against ref."""
