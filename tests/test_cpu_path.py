@@ -982,15 +982,8 @@ def test_a_steps_inputs_go_to_the_cpu_in_one_launch_and_its_part_comes_back_in_o
     """The CPU path's device glue (in the interpreter): x, ids, weights and mask written into the
     worker's buffers by one kernel through their addresses; the CPU's part added from its buffer in
     place by one kernel."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _PINNED_IO_CHECK], cwd=Path(__file__).resolve().parents[1], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "pinned io ok" in r.stdout
+    from tests.interpreted import run_interpreted
+    run_interpreted(_PINNED_IO_CHECK, "pinned io ok")
 
 
 def test_warm_up_traffic_is_forgotten_by_the_figures(slow_pcie):

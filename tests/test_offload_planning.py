@@ -204,15 +204,8 @@ def test_uniform_routing_replaces_the_routers_picks_after_it_ran():
     """Benchmarks' uniform routing (in the interpreter): the router's kernels run as always, then
     each row takes the next of a table's sets of distinct experts (a counter per layer, on the
     device), equal weights, counted like the router's picks."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _FORCED_ROUTING_CHECK], cwd=Path(__file__).resolve().parents[1],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "forced routing ok" in r.stdout
+    from tests.interpreted import run_interpreted
+    run_interpreted(_FORCED_ROUTING_CHECK, "forced routing ok")
 
 
 def test_uniform_roofline_splits_cold_bytes_between_pcie_and_cpu():

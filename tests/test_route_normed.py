@@ -4,12 +4,9 @@ route_fused's on those rows; the per-row counters are back at 0 after every laun
 and bad shapes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.interpreted import run_interpreted
 
 _CHECK = """
 import torch
@@ -57,11 +54,7 @@ print("route_normed ok")
 
 
 def test_the_fused_entry_equals_the_norm_then_the_router_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _CHECK], cwd=Path(__file__).resolve().parents[1], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "route_normed ok" in r.stdout
+    run_interpreted(_CHECK, "route_normed ok", timeout=600)
 
 
 def test_counters_refuse_to_grow_inside_a_graph_capture(monkeypatch):
