@@ -23,6 +23,7 @@ LIMIT=${LIMIT:-540}
 M=${MODELS:-/tmp/m20}
 PY=${PYTHON:-python3}
 BEFORE=${BEFORE:?set BEFORE to a checkout of the commit before the restructuring}
+BEFORE=$(cd "$BEFORE" && pwd) || exit 2            # absolute: each run changes into its tree
 AFTER=$PWD
 mkdir -p "$OUT" "$M"
 T0=$(date +%s)
