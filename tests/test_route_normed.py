@@ -19,7 +19,7 @@ for E, A, H, T, dtype, renorm in [(128, 8, 256, 1, torch.float16, True), (8, 2, 
     h[0, 0] = 70000.0 if dtype == torch.float32 else h[0, 0]            # past fp16's range: clamped as exllamav2
     norm_w = (1 + 0.1 * torch.randn(H)).half()
     gate = (torch.randn(E, H) * 0.05).half()
-    counters = RowCounters("cpu", rows=2)                                # grown to T
+    counters = RowCounters("cpu", rows=4)                                # T = 5 and 9: counters of their own
     for launch in range(2):                                              # the counters are back at 0 between
         counts, want_counts = torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
         x, ids, w = route_normed(h, norm_w, 1e-6, gate, A, counts, counters, renormalize=renorm)
@@ -29,7 +29,7 @@ for E, A, H, T, dtype, renorm in [(128, 8, 256, 1, torch.float16, True), (8, 2, 
         assert torch.equal(ids, want_ids), (E, A, ids, want_ids)
         assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-7), (w, want_w)
         assert torch.equal(counts, want_counts)
-        assert counters.buf.numel() >= T and int(counters.buf.abs().sum()) == 0, counters.buf
+        assert int(counters.buf.abs().sum()) == 0, counters.buf
 picks = UniformPicks.draw(16, 4, "cpu", rows=100, seed=3).for_layer(1)
 start = int(picks.step)
 h, norm_w, gate = torch.randn(7, 64).half(), torch.ones(64).half(), torch.randn(16, 64).half()
@@ -57,13 +57,16 @@ def test_the_fused_entry_equals_the_norm_then_the_router_in_the_interpreter():
     run_interpreted(_CHECK, "route_normed ok", timeout=600)
 
 
-def test_counters_refuse_to_grow_inside_a_graph_capture(monkeypatch):
+def test_the_counters_buffer_never_moves_and_a_capture_gets_no_new_one(monkeypatch):
     import torch
     from runtime.experts.route_normed import RowCounters
     c = RowCounters("cpu", rows=4)
-    assert c.for_rows(3) is c.buf and c.for_rows(9).numel() >= 9
+    buf = c.buf
+    assert c.for_rows(3) is buf
+    more = c.for_rows(9)                                # a prefill's own counters: the buffer stays
+    assert more is not buf and more.numel() == 9 and int(more.abs().sum()) == 0 and c.buf is buf
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert c.for_rows(9) is c.buf                       # covered: no allocation
+    assert c.for_rows(4) is buf                         # covered: no allocation
     with pytest.raises(RuntimeError, match="graph capture"):
         c.for_rows(1000)

@@ -16,18 +16,19 @@ EB = 2                                  # experts per program: E / 2 programs pe
 
 
 class RowCounters:
-    """The per-row counters of one layer's launches (int32, zero between launches), grown outside a
-    graph capture when a forward has more rows than they cover."""
+    """The per-row counters of one layer's launches (int32, zero between launches). The buffer never
+    changes, since captured graphs hold its address; a forward of more rows than it covers (a prefill,
+    never captured) gets zeroed counters of its own."""
 
     def __init__(self, device, rows: int = 64):
-        self.device, self.buf = device, torch.zeros(rows, dtype=torch.int32, device=device)
+        self.buf = torch.zeros(rows, dtype=torch.int32, device=device)
 
     def for_rows(self, rows: int) -> torch.Tensor:
-        if rows > self.buf.numel():
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"route_normed: {rows} rows in a graph capture, counters for {self.buf.numel()}")
-            self.buf = torch.zeros(max(rows, 2 * self.buf.numel()), dtype=torch.int32, device=self.device)
-        return self.buf
+        if rows <= self.buf.numel():
+            return self.buf
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"route_normed: {rows} rows in a graph capture, counters for {self.buf.numel()}")
+        return torch.zeros(rows, dtype=torch.int32, device=self.buf.device)
 
 
 def route_normed(h: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor, top_k: int,
