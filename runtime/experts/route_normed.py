@@ -65,4 +65,3 @@ def rms_norm_like_exllamav2(h: torch.Tensor, norm_w: torch.Tensor, eps: float) -
     x = h.float().clamp(-65504.0, 65504.0)
     inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x * norm_w.float() * inv).half()
-
