@@ -97,6 +97,8 @@ def main(argv=None) -> int:
                         "(convert falls back to uniform widths there); --no-measure: every linear at --bpw")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
+    p.add_argument("--device", default="cpu", help="where our converter runs its layers and GPTQ (cpu or cuda); "
+                   "the perplexities are computed on the CPU either way")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         """The result so far (written after every row: a long CPU run keeps what it measured)."""
         result = {
             "date": date, "git_commit": git_commit(),
-            "machine": machine(), "device": "cpu", "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
+            "machine": machine(), "device": args.device, "model": MODEL, "bpw": args.bpw, "vram_budget_gb": None,
             "context": int(ids.numel()), "prompt_tokens": int(ids.numel()), "prefill_tps": None, "decode_tps": None,
             "ttft_s": None, "roofline_tps": None, "draft": None, "baseline": rows[0],
             "eval_text": HELDOUT.name, "calibration": {"text": cal_name, "sources": sorted(cal_texts),
@@ -134,17 +136,18 @@ def main(argv=None) -> int:
             "table": rows,
             "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
                       "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
-                      "CPU (shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
+                      "device (on a CPU: shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
                       "moedesk-cli convert (GPTQ, act-order, scales searched per group, "
                       + ("measured" if args.measure else "uniform") + " widths; its bpw counts every stored bit, "
                       "as exllamav2's -b, while rtn's counts code bits; calibration in 'calibration'). "
-                      "exllamav2's own converter needs CUDA and was not run here"
-                      + ("" if args.exllamav2_dir else "; its column is missing") + "."),
+                      + ("exllamav2's column: its own convert_exl2 at -b bpw, -hb 6, from the same HF folder."
+                         if args.exllamav2_dir else "exllamav2's own converter needs CUDA and was not run here; its "
+                         "column is missing.")),
         }
         path.write_text(json.dumps(result, indent=2))
 
     run_tag = (f"r{args.rows}x{args.seq_len}-d{args.damp:g}-g{CONVERT_GROUP_SIZE}-stored"
-               + ("-m" if args.measure else "-u"))
+               + ("-m" if args.measure else "-u") + ("" if args.device == "cpu" else "-" + args.device.split(":")[0]))
     rows = [{"method": "unquantized", "bpw": 16.0, "perplexity": perplexity(model, ids), "seconds": None}]
     print(rows[-1], flush=True)
     write(rows)
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
                 quantize_model(original, hf_config(model), bpw, 6, folder)
             elif method == "gptq" and not folder.exists():
                 convert(hf_dir, folder, bpw, calibration_text=cal_texts, calibration_source=cal_name, rows=args.rows,
-                        seq_len=args.seq_len, damp=args.damp, measure=args.measure, say=lambda m: None)
+                        seq_len=args.seq_len, damp=args.damp, measure=args.measure, say=lambda m: None,
+                        device=args.device)
             elif method == "exllamav2":
                 folder = Path(args.exllamav2_dir) / f"{bpw:g}"
             seconds = round(time.perf_counter() - t0, 1)

