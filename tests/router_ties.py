@@ -8,6 +8,14 @@ from __future__ import annotations
 import torch
 
 
+def router_view(layer, spec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A reference MoE layer's router on its input h [T, H]: its own top-k experts (int64 [T, k], sorted), its
+    k-th minus (k+1)-th logit (float32 [T]) and its logits' standard deviation over rows and experts."""
+    logits = torch.nn.functional.linear(h.float(), layer.router)
+    top = torch.topk(logits, spec.top_k + 1, dim=-1)
+    return top.indices[:, :-1].sort(dim=-1).values, top.values[:, -2] - top.values[:, -1], float(logits.std())
+
+
 def router_gaps(ref, module, tokens) -> torch.Tensor:
     """[layers, rows] float32: for each MoE layer and row of a forward of `tokens` from an empty cache, the
     reference's k-th minus (k+1)-th router logit over the standard deviation of that layer's logits.
@@ -15,9 +23,8 @@ def router_gaps(ref, module, tokens) -> torch.Tensor:
     moe, gaps = module._moe, []
 
     def recording(layer, spec, h):
-        logits = torch.nn.functional.linear(h.float(), layer.router)
-        top = torch.topk(logits, spec.top_k + 1, dim=-1).values
-        gaps.append(((top[:, -2] - top[:, -1]) / logits.std()).cpu())
+        _, gap, spread = router_view(layer, spec, h)
+        gaps.append((gap / spread).cpu())
         return moe(layer, spec, h)
     module._moe = recording
     try:

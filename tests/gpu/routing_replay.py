@@ -94,14 +94,13 @@ def _routed(ref, tokens, expert_of, routers: list | None = None) -> list:
     -> per layer, what _route returned (weights [T, A], picks [T, A]). `routers` (if given) gets each MoE
     layer's RouterView."""
     from runtime.reference import model
+    from tests.router_ties import router_view
     real, seen = model._route, []
 
     def route(layer, spec, h, expert=None):
         if routers is not None:
-            logits = torch.nn.functional.linear(h.float(), layer.router)
-            top = torch.topk(logits, spec.top_k + 1, dim=-1)
-            routers.append(RouterView(top.indices[:, :-1].sort(dim=-1).values.cpu(),
-                                      (top.values[:, -2] - top.values[:, -1]).cpu(), float(logits.std())))
+            own, gap, spread = router_view(layer, spec, h)
+            routers.append(RouterView(own.cpu(), gap.cpu(), spread))
         seen.append(real(layer, spec, h, expert_of(len(seen))))
         return seen[-1]
     model._route = route
