@@ -109,7 +109,7 @@ def _load(path, **off):
 
 class Compared(NamedTuple):
     errors: dict[str, float]      # check -> relative error (router_weights_<check>: the router weights')
-    factors: dict[str, float]     # router_weights_<check> -> its tolerance's factor (router_factor)
+    router_factor: float          # the router weights' tolerance over the logits' (router_factor)
     differ: list                  # (position, layer, the reference's gap there in stds, what) where picks part
     near_ties: int                # rows x layers under TIE, counted in every check's forward
 
@@ -118,7 +118,7 @@ def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
     """The engine's checks against the reference routed as the engine routed, and where the engine's picks
     are not what the reference's router would have picked given the same picks before (its gaps in units
     of the first forward's logit spread per layer)."""
-    errs, factors, differ, near, scale = {}, {}, set(), 0, []
+    errs, differ, near, scale = {}, set(), 0, []
 
     def both(key, tokens, got, last=False):
         nonlocal near
@@ -129,7 +129,6 @@ def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
         scale[:] = scale or [r.spread for r in routers]
         errs[key] = _rel(got, want[-1:] if last else want)
         errs[f"router_weights_{key}"] = max(_rel(w, rw) for (_, w), rw in zip(p, weights))
-        factors[f"router_weights_{key}"] = router_factor(min(scale))
         start = engine.position - len(tokens)
         for layer, ((ids, _), r) in enumerate(zip(p, routers)):
             gaps = r.gap / scale[layer]
@@ -148,7 +147,7 @@ def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
         both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
         engine.truncate(27), ref.truncate(27)
     both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
-    return Compared(errs, factors, sorted(differ), near)
+    return Compared(errs, router_factor(min(scale)), sorted(differ), near)
 
 
 def router_factor(spread: float) -> float:
@@ -178,8 +177,10 @@ def _vs_reference_both(kind, size, path, ref):
     toks = torch.randint(0, ref.info.vocab_size - 64, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     failures = []
 
-    def tol(check: str) -> float:
-        return (TOL_PREFILL if check.startswith("prefill") else TOL) * (WIDE if size == "real" else 1)
+    def tol(check: str, router: float) -> float:
+        """The check's tolerance; router weights' times `router` (router_factor)."""
+        base = TOL_PREFILL if check.startswith("prefill") else TOL
+        return base * (WIDE if size == "real" else 1) * (router if check.startswith("router_weights_") else 1)
     for graphs in (True, False):
         routing = Routing(pytest.MonkeyPatch())
         try:
@@ -189,11 +190,11 @@ def _vs_reference_both(kind, size, path, ref):
                 assert applied["offload.context_length"] == "applied", applied
                 c = _vs_reference(eng, ref, toks, routing, TIE[size])
                 _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=c.errors,
-                        router_factor=max(c.factors.values()), near_ties=c.near_ties, picks_differ=c.differ,
+                        router_factor=c.router_factor, near_ties=c.near_ties, picks_differ=c.differ,
                         prefill_attention=eng.info.extra.get("prefill_attention"))
                 failures += [f"{kind}-{size} graphs={graphs} {k}: relative error {e:.2e}, tolerance "
-                             f"{tol(k) * c.factors.get(k, 1):.2e}"
-                             for k, e in c.errors.items() if not e < tol(k) * c.factors.get(k, 1)]
+                             f"{tol(k, c.router_factor):.2e}"
+                             for k, e in c.errors.items() if not e < tol(k, c.router_factor)]
                 failures += [f"{kind}-{size} graphs={graphs} picks differ at position {q}, layer {layer}, where the "
                              f"reference's gap is {g} of a std (a near tie: under {TIE[size]}): {what}"
                              for q, layer, g, what in c.differ if not g < TIE[size]]
