@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from runtime.errors import OutOfMemory
-from runtime.options import LoadOptions, OffloadOptions
+from test_exl2_engine import _load_exl2
 
 pytestmark = pytest.mark.gpu
-
-
-def _load(path, context_length=512):
-    from runtime.backends import exl2
-    return exl2.load(path, LoadOptions(offload=OffloadOptions(context_length=context_length)), lambda *a: None)[0]
 
 
 def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
@@ -24,7 +19,7 @@ def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
     try:
         with pytest.raises(EngineError) as ei:
             # 8 MiB left: the weights fit, a 64K-token cache (32 MiB here) does not
-            _load(tiny_moe, context_length=65536)
+            _load_exl2(tiny_moe, context_length=65536)
     finally:
         del filler
     assert isinstance(ei.value, OutOfMemory) and ei.value.free_bytes is not None   # measured after the cleanup
@@ -33,7 +28,7 @@ def test_out_of_memory_is_an_error_and_the_process_recovers(tiny_moe):
     # the next load works, with the filler's blocks still in torch's cache (the load hands them back
     # first: allocations outside torch's allocator could not use them)
     try:
-        eng = _load(tiny_moe)
+        eng = _load_exl2(tiny_moe)
     except EngineError as e:
         pytest.fail(f"the load after the out-of-memory failed: {e.message}\ndetail: {e.detail}")
     try:
