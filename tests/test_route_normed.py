@@ -11,7 +11,15 @@ from tests.interpreted import run_interpreted
 _CHECK = """
 import torch
 from runtime.experts.kernels import UniformPicks, route_fused
-from runtime.experts.route_normed import RowCounters, rms_norm_like_exllamav2, route_normed
+from runtime.experts.route_normed import RowCounters, route_normed
+
+
+def rms_norm_like_exllamav2(h, norm_w, eps):
+    # exllamav2's rms_norm kernel in PyTorch: fp32, x clamped to fp16's range, x * w * rsqrt(mean(x^2) + eps)
+    x = h.float().clamp(-65504.0, 65504.0)
+    return (x * norm_w.float() * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)).half()
+
+
 torch.manual_seed(0)
 for E, A, H, T, dtype, renorm in [(128, 8, 256, 1, torch.float16, True), (8, 2, 192, 5, torch.float16, True),
                                   (16, 4, 128, 9, torch.float32, False), (60, 4, 96, 3, torch.float16, True)]:

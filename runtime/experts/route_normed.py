@@ -58,10 +58,3 @@ def route_normed(h: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torc
         H=H, E=E, EB=EB, BH=bh, BE=triton.next_power_of_2(E), A=top_k, BA=triton.next_power_of_2(top_k),
         RENORM=renormalize, FORCED=forced is not None, num_warps=4)
     return x, ids, rw
-
-
-def rms_norm_like_exllamav2(h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The oracle: exllamav2's rms_norm in PyTorch (fp32, x clamped to fp16's range), rounded to fp16."""
-    x = h.float().clamp(-65504.0, 65504.0)
-    inv = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x * norm_w.float() * inv).half()
