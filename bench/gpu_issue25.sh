@@ -16,9 +16,9 @@ OUT=${OUT:-/tmp/issue25-out}
 LIMIT=${LIMIT:-420}
 ROOT=${ROOT:-/tmp/m25}
 PY=${PYTHON:-python3}
-SHAPES=${SHAPES:-"qwen3-30b-a3b mixtral-8x22b dbrx"}
+SHAPES=${SHAPES-"qwen3-30b-a3b mixtral-8x22b dbrx"}   # set and empty: no grouped step
 ROWS=${ROWS:-"512 2048"}
-ROUTES=${ROUTES:-"fused normed"}           # the engine step once per MOEDESK_ROUTE, taking turns
+ROUTES=${ROUTES:-"fused normed"}           # the engine step once per MOEDESK_ROUTE, in this order
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
 T0=$(date +%s)
