@@ -49,13 +49,12 @@ GROUP_D="test_issue19_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu
 LANES=${LANES:-1}
 SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py"}
 ALL="$GROUP_A $GROUP_B $GROUP_C $GROUP_D"
+limit_of() { local l=${1#*:}; [ "$l" = "$1" ] && l=120; echo "$l"; }     # file[:seconds] -> seconds
+solo() { case " $SOLO " in *" ${1%%:*} "*) return 0 ;; esac; return 1; }    # file[:seconds] in SOLO
 only() {            # shared|solo: ALL's entries whose file is not / is in SOLO
     local e
     for e in $ALL; do
-        case " $SOLO " in
-            *" ${e%%:*} "*) [ "$1" = solo ] && echo "$e" ;;
-            *) [ "$1" = shared ] && echo "$e" ;;
-        esac
+        if solo "$e"; then [ "$1" = solo ] && echo "$e"; else [ "$1" = shared ] && echo "$e"; fi
     done | tr '\n' ' '
 }
 case ${GROUP:-all} in
@@ -87,8 +86,7 @@ say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
 run_file() {        # file[:seconds] basetemp: one pytest process for the file, under its limit
     local entry=$1 base=$2 file limit rest tlimit xml flog t rc secs p f s e n nr how cmd
     file=${entry%%:*}
-    limit=${entry#*:}
-    [ "$limit" = "$entry" ] && limit=120
+    limit=$(limit_of "$entry")
     rest=$(left)
     [ "$limit" -gt $(( rest - 25 )) ] && limit=$(( rest - 25 ))      # room for the kill and the summary
     if [ "$limit" -lt 20 ]; then
@@ -134,17 +132,13 @@ if [ "$LANES" -gt 1 ]; then
     declare -a lane_files lane_secs
     for ((i = 0; i < LANES; i++)); do lane_files[i]=""; lane_secs[i]=0; done
     solo_run=""
-    longest_first=$(for e in $FILES; do l=${e#*:}; [ "$l" = "$e" ] && l=120; echo "$l $e"; done \
-        | sort -rn | cut -d' ' -f2)
+    longest_first=$(for e in $FILES; do echo "$(limit_of "$e") $e"; done | sort -rn | cut -d' ' -f2)
     for entry in $longest_first; do
-        case " $SOLO " in
-            *" ${entry%%:*} "*) solo_run="$solo_run $entry"; continue ;;
-        esac
+        solo "$entry" && { solo_run="$solo_run $entry"; continue; }
         best=0
         for ((i = 1; i < LANES; i++)); do [ "${lane_secs[i]}" -lt "${lane_secs[best]}" ] && best=$i; done
         lane_files[best]="${lane_files[best]} $entry"
-        l=${entry#*:}; [ "$l" = "$entry" ] && l=120
-        lane_secs[best]=$(( lane_secs[best] + l ))
+        lane_secs[best]=$(( lane_secs[best] + $(limit_of "$entry") ))
     done
     for ((i = 0; i < LANES; i++)); do
         say "lane $i:${lane_files[i]:- (none)}"
