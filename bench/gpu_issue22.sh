@@ -37,20 +37,13 @@ TEST_S=${TEST_S:-420}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results "$ROOT/done"
 for s in ${DONE:-}; do touch "$ROOT/done/$s"; done
-T0=$(date +%s)
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue22.log"; }
+STEPS_LOG=$OUT/gpu_issue22.log
+. "$(dirname "$0")/gpu_steps.sh"         # left, log, step, done_
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
 M=$ROOT/mixtral-8x22b-3.0
 D=$ROOT/dbrx-3.0
 
-step() {            # name, seconds it needs at least: true when it is to run now
-    [ -f "$ROOT/done/$1" ] && return 1
-    [ "$(left)" -ge "$2" ] && { log "$1 ($(left) s left)"; return 0; }
-    log "$1 waits: $(left) s left, it needs about $2"; return 1
-}
-done_() { touch "$ROOT/done/$1"; }
 have() { [ -f "$1/README.md" ]; }       # a synthetic folder written whole (synth writes README.md last)
 
 synth() {           # shape, dir

