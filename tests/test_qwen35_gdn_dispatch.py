@@ -146,12 +146,15 @@ def test_without_fla_the_pytorch_forms_run(monkeypatch):
     assert not gdn_kernels.available(torch.zeros(1))
 
 
-def test_the_load_warms_fla_only_where_it_runs(monkeypatch):
+def test_the_load_warms_fla_only_where_it_runs(monkeypatch, tiny_qwen35):
     """gdn_kernels.warm runs both kernels once at the model's widths where fla runs (CUDA), so the
-    chunked kernel's autotuning is the load's; on the CPU it does nothing."""
-    import types
-    from runtime.backends import gdn_kernels
-    spec = types.SimpleNamespace(linear_key_heads=2, linear_value_heads=4, linear_key_dim=8, linear_value_dim=8)
+    chunked kernel's autotuning is the load's; on the CPU it does nothing. The spec is the one
+    hybrid.load passes (read from a model folder), not a stand-in whose field names could drift."""
+    from runtime.modelfolder import ModelFolder
+    from runtime.reference.qwen35 import Spec
+    folder = ModelFolder(tiny_qwen35)
+    spec = Spec.from_config(folder.config, "config.json")
+    hk, hv, dk = spec.lin_key_heads, spec.lin_value_heads, spec.lin_key_dim
     assert gdn_kernels.warm(spec, torch.device("cpu"), torch.float16) is False
     calls = []
     monkeypatch.setattr(gdn_kernels, "available", lambda x: True)
@@ -159,4 +162,4 @@ def test_the_load_warms_fla_only_where_it_runs(monkeypatch):
     monkeypatch.setattr(gdn_kernels, "recurrent", lambda q, k, v, g, beta, scale, state: calls.append(("recurrent", q.shape)))
     monkeypatch.setattr(gdn_kernels.torch.cuda, "synchronize", lambda device=None: None)
     assert gdn_kernels.warm(spec, torch.device("cpu"), torch.float16) is True
-    assert calls == [("chunked", (128, 2, 8), torch.float16), ("recurrent", (1, 2, 8))]
+    assert calls == [("chunked", (128, hk, dk), torch.float16), ("recurrent", (1, hk, dk))] and hv % hk == 0

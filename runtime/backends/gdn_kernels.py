@@ -91,14 +91,14 @@ def chunked(q, k, v, g, beta, scale: float, state: torch.Tensor, dtype: torch.dt
 
 
 def warm(spec, device: torch.device, dtype: torch.dtype, rows: int = 128) -> bool:
-    """At load (behind its progress), where fla runs: both kernels once on zeros of the model's
+    """`spec` the hybrid engine's (runtime/reference/qwen35.Spec). At load (behind its progress), where fla runs: both kernels once on zeros of the model's
     DeltaNet widths, so that the chunked kernel's autotuning and both compiles happen there and not in
     the first answer's prefill or decode (their tuning keys are the head counts and widths, not the
     rows). False where fla does not run on `device`."""
     probe = torch.empty(0, device=device)
     if not available(probe):
         return False
-    hk, hv, dk, dv = spec.linear_key_heads, spec.linear_value_heads, spec.linear_key_dim, spec.linear_value_dim
+    hk, hv, dk, dv = spec.lin_key_heads, spec.lin_value_heads, spec.lin_key_dim, spec.lin_value_dim
     q, k = (torch.zeros((rows, hk, dk), dtype=torch.float32, device=device) for _ in range(2))
     v = torch.zeros((rows, hv, dv), dtype=torch.float32, device=device)
     g, beta = (torch.zeros((rows, hv), dtype=torch.float32, device=device) for _ in range(2))
