@@ -54,7 +54,8 @@ def test_cuda_hessians_and_gptq_stay_on_the_gpu():
 
 
 def test_a_converted_qwen35_runs_on_the_qwen35_gpu_engine(tmp_path):
-    """A tiny random Qwen3.5-MoE checkpoint (with its MTP head) converted on CUDA loads in the Qwen3.5 GPU
+    """A tiny random Qwen3.5-MoE checkpoint (with its MTP head) converted by our converter (on the CPU: it
+    calibrates Qwen3.5's layers with our own forward there, and refuses another device) loads in the Qwen3.5 GPU
     engine (exllamav2's GEMM for its EXL2 linears, fp16 for the gates the converter keeps) and gives the
     same engine's CPU logits (the projections dequantized) within the fp16 tolerance of
     tests/gpu/test_qwen35_hybrid_gpu.py; the MTP head drafts there too."""
@@ -63,8 +64,11 @@ def test_a_converted_qwen35_runs_on_the_qwen35_gpu_engine(tmp_path):
     from runtime.options import LoadOptions, OffloadOptions
     from tests.test_exl2_convert_qwen35 import tiny_qwen35
     src = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
+    with pytest.raises(cv.ConvertError, match="calibrated on the CPU only"):
+        cv.convert(src, tmp_path / "refused", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None,
+                   device="cuda")
     out = cv.convert(src, tmp_path / "q", 7.0, calibration_text=TEXT, rows=8, seq_len=64, say=lambda m: None,
-                     device="cuda")
+                     device="cpu")
     ids = list(range(10, 50))
     logits = {}
     for device in ("cpu", "cuda"):
