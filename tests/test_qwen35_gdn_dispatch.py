@@ -61,11 +61,15 @@ class FakeFla:
             out[:, i] = torch.einsum("bhk,bhkv->bhv", qi, s)
         return out.to(v.dtype), s
 
+    # the parameters in fla-core 0.6.0's order: the fused recurrent entry has gk and gv (per-key and
+    # per-value decays) between g and beta, so a positional beta lands in gk there, as it would in fla
     def chunk(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
         self.calls.append(("chunk", q.shape[1], q.dtype, g.dtype))
         return self._rule(q, k, v, g, beta, scale, initial_state)
 
-    def fused(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kw):
+    def fused(self, q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+              output_final_state=False, **kw):
+        assert gk is None and gv is None and beta is not None, "beta went into gk: pass g and beta by keyword"
         self.calls.append(("recurrent", q.shape[1], q.dtype, g.dtype))
         return self._rule(q, k, v, g, beta, scale, initial_state)
 

@@ -14,6 +14,8 @@ the rule of runtime/reference/deltanet.py, with:
 - g the log decay (natural log, <= 0: -exp(A_log) * softplus(a + dt_bias)), beta after its sigmoid;
 - grouped values (HV a multiple of H): value head h reads key head h // (HV // H), what
   repeat_interleave(HV // H) of the key heads gives the PyTorch forms;
+- g and beta passed by keyword: the fused recurrent entry's parameters are (q, k, v, g, gk, gv, beta, ...),
+  so a positional beta would be read as gk, a per-key decay (garbage and NaN);
 - scale applied to q inside the kernels: q and k go in L2-normalised (our own l2norm, float32, the
   same x / sqrt(|x|^2 + 1e-6) as fla's use_qk_l2norm_in_kernel), unscaled and not repeated.
 
@@ -65,13 +67,13 @@ def recurrent(q, k, v, g, beta, scale: float, state: torch.Tensor, hist: Optiona
     q, k, v, g, beta = (x.float()[None] for x in (q, k, v, g, beta))
     s = state[None]
     if hist is None:
-        o, s = fused(q, k, v, g, beta, scale=scale, initial_state=s, output_final_state=True)
+        o, s = fused(q, k, v, g=g, beta=beta, scale=scale, initial_state=s, output_final_state=True)
         state.copy_(s[0])
         return o[0]
     outs = []
     for t in range(q.shape[1]):
         r = slice(t, t + 1)
-        o, s = fused(q[:, r], k[:, r], v[:, r], g[:, r], beta[:, r], scale=scale, initial_state=s,
+        o, s = fused(q[:, r], k[:, r], v[:, r], g=g[:, r], beta=beta[:, r], scale=scale, initial_state=s,
                      output_final_state=True)
         outs.append(o[0])
         hist.index_copy_(0, slots[r], s)
@@ -84,7 +86,7 @@ def chunked(q, k, v, g, beta, scale: float, state: torch.Tensor, dtype: torch.dt
     bfloat16; g float32). -> outputs [T, HV, dv] float32."""
     chunk = ops()[0]
     q, k, v, beta = (x.to(dtype)[None] for x in (q, k, v, beta))
-    o, s = chunk(q, k, v, g.float()[None], beta, scale=scale, initial_state=state[None],
+    o, s = chunk(q, k, v, g=g.float()[None], beta=beta, scale=scale, initial_state=state[None],
                  output_final_state=True)
     state.copy_(s[0])
     return o[0].float()
