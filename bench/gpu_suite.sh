@@ -24,7 +24,8 @@
 # expert picks (test_exl2_engine's MoE with graphs, the draft-model test) failed, by 3-4e-2 at verify rows; they
 # had passed alone at earlier commits. A likely cause, not confirmed: exllamav2's GEMM adds its K splits with
 # atomics, in an order the GPU's scheduling decides, which other processes change, so near ties of the router
-# part otherwise. A file's failure under lanes is confirmed alone# (FILES=...) before it is called a bug.
+# part otherwise. A file's failure under lanes is confirmed alone (FILES=...)
+# before it is called a bug.
 # Files in $OUT (at most 6):
 #   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
 #                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
