@@ -24,13 +24,14 @@ MAX_ROWS = 8192         # the largest forward routed through it (a load's warm-u
 
 class Routing:
     def __init__(self, monkeypatch):
-        from runtime.experts import kernels
-        self.real = kernels.route_fused
+        from runtime.experts import kernels, route_normed
+        self.real, self.real_normed = kernels.route_fused, route_normed.route_normed
         self.mode = "record"
         self.ids: dict[int, torch.Tensor] = {}      # gate_w's address -> int32 [MAX_ROWS, A]
         self.weights: dict[int, torch.Tensor] = {}  # fp32 [MAX_ROWS, A]
         self.monkeypatch = monkeypatch
         monkeypatch.setattr(kernels, "route_fused", self._route)
+        monkeypatch.setattr(route_normed, "route_normed", self._route_normed)     # the norm in the routing's launch
 
     def undo(self) -> None:
         self.monkeypatch.undo()
@@ -46,7 +47,15 @@ class Routing:
 
     def _route(self, x, gate_w, top_k, counts, renormalize=True, forced=None):
         ids, w = self.real(x, gate_w, top_k, counts, renormalize, forced=forced)
-        T = x.shape[0]
+        return self._share(gate_w, top_k, ids, w)
+
+    def _route_normed(self, h, norm_w, eps, gate_w, top_k, counts, counters, renormalize=True, forced=None):
+        x, ids, w = self.real_normed(h, norm_w, eps, gate_w, top_k, counts, counters, renormalize, forced=forced)
+        return (x, *self._share(gate_w, top_k, ids, w))
+
+    def _share(self, gate_w, top_k, ids, w):
+        """ids, w of a routing: recorded, or overwritten by the ones given."""
+        T = ids.shape[0]
         if T > MAX_ROWS:
             raise RuntimeError(f"routing_replay: {T} rows, more than its buffers' {MAX_ROWS}")
         bi, bw = self._buffers(gate_w, top_k)
@@ -135,3 +144,57 @@ def reference_picks(ref, tokens) -> list[list[list[int]]]:
     finally:
         ref.reset()
     return [[sorted(r) for r in e.tolist()] for _, e in routes]
+
+
+class Compared(NamedTuple):
+    errors: dict[str, float]      # check -> relative error (router_weights_<check>: the router weights')
+    router_factor: float          # the router weights' tolerance over the logits' (router_factor)
+    differ: list                  # (position, layer, the reference's gap there in stds, what) where picks part
+    near_ties: int                # rows x layers under TIE, counted in every check's forward
+
+
+def compare_with_reference(engine, ref, toks, routing: Routing, tie: float, rows: tuple[int, ...]) -> Compared:
+    """The engine's checks against the float32 reference routed as the engine routed (toks: 40 tokens; prefill
+    24, decode 3, verify `rows` each after a rollback to 27, decode again), and where the engine's picks are not
+    what the reference's router would have picked given the same picks before (its gaps in units of the first
+    forward's logit spread per layer). `routing` installed before the engine loaded."""
+    from gpu_figures import rel as _rel
+    errs, differ, near, scale = {}, set(), 0, []
+
+    def both(key, tokens, got, last=False):
+        nonlocal near
+        p = routing.take(engine, len(tokens))
+        weights: list = []
+        routers: list = []
+        want = reference_forward(ref, tokens, p, weights, routers)
+        scale[:] = scale or [r.spread for r in routers]
+        errs[key] = _rel(got, want[-1:] if last else want)
+        errs[f"router_weights_{key}"] = max(_rel(w, rw) for (_, w), rw in zip(p, weights))
+        start = engine.position - len(tokens)
+        for layer, ((ids, _), r) in enumerate(zip(p, routers)):
+            gaps = r.gap / scale[layer]
+            near += int((gaps < tie).sum())
+            for row, mine in enumerate(ids.sort(dim=-1).values.tolist()):
+                if mine != r.own[row].tolist():
+                    differ.add((start + row, layer, round(float(gaps[row]), 4),
+                                f"{mine}, the reference {r.own[row].tolist()}"))
+    engine.reset(), ref.reset()
+    both("prefill_last_24", toks[:24], engine.prefill(toks[:24]), last=True)
+    engine.reset(), ref.reset()
+    both("prefill_24", toks[:24], engine.forward(toks[:24]))
+    for i in range(24, 27):
+        both(f"decode_{i}", [toks[i]], engine.forward([toks[i]]))
+    for R in rows:
+        both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
+        engine.truncate(27), ref.truncate(27)
+    both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
+    return Compared(errs, router_factor(min(scale)), sorted(differ), near)
+
+
+def router_factor(spread: float) -> float:
+    """The router weights' tolerance over the logits': a relative error e of the router's input moves its
+    logits by about e x their standard deviation `spread` (an error in no particular direction), and a
+    renormalised top-k weight w_i by (z_i - sum_j w_j z_j)'s change: up to sqrt(2) x e x spread. Synthetic
+    routers N(0, 0.02) over a normed input of width 6144 have logits of std ~1.6 (a factor ~2.2); the
+    miniatures' (width 256) ~0.3 (a factor 1)."""
+    return max(1.0, 2 ** 0.5 * spread)

@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
-from routing_replay import Routing, reference_forward
+from routing_replay import Routing, compare_with_reference
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -107,58 +106,6 @@ def _load(path, **off):
                     f"  now: {live_cuda_tensors()}")
 
 
-class Compared(NamedTuple):
-    errors: dict[str, float]      # check -> relative error (router_weights_<check>: the router weights')
-    router_factor: float          # the router weights' tolerance over the logits' (router_factor)
-    differ: list                  # (position, layer, the reference's gap there in stds, what) where picks part
-    near_ties: int                # rows x layers under TIE, counted in every check's forward
-
-
-def _vs_reference(engine, ref, toks, routing: Routing, tie: float) -> Compared:
-    """The engine's checks against the reference routed as the engine routed, and where the engine's picks
-    are not what the reference's router would have picked given the same picks before (its gaps in units
-    of the first forward's logit spread per layer)."""
-    errs, differ, near, scale = {}, set(), 0, []
-
-    def both(key, tokens, got, last=False):
-        nonlocal near
-        p = routing.take(engine, len(tokens))
-        weights: list = []
-        routers: list = []
-        want = reference_forward(ref, tokens, p, weights, routers)
-        scale[:] = scale or [r.spread for r in routers]
-        errs[key] = _rel(got, want[-1:] if last else want)
-        errs[f"router_weights_{key}"] = max(_rel(w, rw) for (_, w), rw in zip(p, weights))
-        start = engine.position - len(tokens)
-        for layer, ((ids, _), r) in enumerate(zip(p, routers)):
-            gaps = r.gap / scale[layer]
-            near += int((gaps < tie).sum())
-            for row, mine in enumerate(ids.sort(dim=-1).values.tolist()):
-                if mine != r.own[row].tolist():
-                    differ.add((start + row, layer, round(float(gaps[row]), 4),
-                                f"{mine}, the reference {r.own[row].tolist()}"))
-    engine.reset(), ref.reset()
-    both("prefill_last_24", toks[:24], engine.prefill(toks[:24]), last=True)
-    engine.reset(), ref.reset()
-    both("prefill_24", toks[:24], engine.forward(toks[:24]))
-    for i in range(24, 27):
-        both(f"decode_{i}", [toks[i]], engine.forward([toks[i]]))
-    for R in ROWS:
-        both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
-        engine.truncate(27), ref.truncate(27)
-    both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
-    return Compared(errs, router_factor(min(scale)), sorted(differ), near)
-
-
-def router_factor(spread: float) -> float:
-    """The router weights' tolerance over the logits': a relative error e of the router's input moves its
-    logits by about e x their standard deviation `spread` (an error in no particular direction), and a
-    renormalised top-k weight w_i by (z_i - sum_j w_j z_j)'s change: up to sqrt(2) x e x spread. Synthetic
-    routers N(0, 0.02) over a normed input of width 6144 have logits of std ~1.6 (a factor ~2.2); the
-    miniatures' (width 256) ~0.3 (a factor 1)."""
-    return max(1.0, 2 ** 0.5 * spread)
-
-
 @pytest.mark.parametrize("size", ["real", "tiny"])
 @pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
 def test_matches_reference(kind, size, models):
@@ -188,7 +135,7 @@ def _vs_reference_both(kind, size, path, ref):
             try:
                 assert eng.info.architecture == ref.info.architecture
                 assert applied["offload.context_length"] == "applied", applied
-                c = _vs_reference(eng, ref, toks, routing, TIE[size])
+                c = compare_with_reference(eng, ref, toks, routing, TIE[size], ROWS)
                 _record(test="mixtral_dbrx_vs_reference", model=f"{kind}-{size}", graphs=graphs, errors=c.errors,
                         router_factor=c.router_factor, near_ties=c.near_ties, picks_differ=c.differ,
                         prefill_attention=eng.info.extra.get("prefill_attention"))

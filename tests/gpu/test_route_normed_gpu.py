@@ -1,7 +1,7 @@
 """The MoE block's entry in one launch (runtime/experts/route_normed.py, tuning route="normed") on the GPU:
 its normed rows against exllamav2's own rms_norm kernel, its picks and weights against route_fused over those
 rows, the per-row counters back at 0 after every launch and after graph replays, and the engine with it
-against the float32 reference (test_exl2_engine.py's script and tolerances)."""
+against the float32 reference (test_exl2_engine.py's MoE checks and tolerances)."""
 from __future__ import annotations
 
 import pytest
@@ -69,19 +69,24 @@ def test_the_fused_entry_replays_in_a_cuda_graph():
 
 
 def test_the_engine_with_the_fused_entry_matches_the_reference(moe_2l, references):
-    """qwen3-30b-a3b's shape, 2 layers, graphs on: prefill, decode, verify of 1..8 rows and a rollback."""
-    from test_exl2_engine import ROWS, _load_exl2, _script, _tol
+    """qwen3-30b-a3b's shape, 2 layers, graphs on: prefill, decode, verify of 1..8 rows and a rollback, the
+    reference routed as the engine routed (test_exl2_engine.moe_checks: near ties of 128 experts)."""
+    from routing_replay import Routing
+    from test_exl2_engine import ROWS, _load_exl2, moe_checks
     ref = references("moe")
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    with tuning.use(tuning.with_changes(route="normed")):
-        eng = _load_exl2(moe_2l, graphs=True)
-        try:
-            assert all(m.experts._counters is not None for m in eng.moe), "the fused entry did not run"
-            errs = _script(eng, ref, toks)
-            tel = eng.telemetry()
-        finally:
-            eng.close()
-    _record(test="route_normed_vs_reference", errors=errs)
+    routing = Routing(pytest.MonkeyPatch())
+    try:
+        with tuning.use(tuning.with_changes(route="normed")):
+            eng = _load_exl2(moe_2l, graphs=True)
+            try:
+                assert all(m.experts._counters is not None for m in eng.moe), "the fused entry did not run"
+                seen, bad = moe_checks(eng, ref, toks, routing, "route normed")
+                tel = eng.telemetry()
+            finally:
+                eng.close()
+    finally:
+        routing.undo()
+    _record(test="route_normed_vs_reference", **seen)
     assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
-    bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in errs.items() if not e < _tol(k)]
     assert not bad, "\n".join(bad)
