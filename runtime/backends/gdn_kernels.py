@@ -93,10 +93,11 @@ def chunked(q, k, v, g, beta, scale: float, state: torch.Tensor, dtype: torch.dt
 
 
 def warm(spec, device: torch.device, dtype: torch.dtype, rows: int = 128) -> bool:
-    """`spec` the hybrid engine's (runtime/reference/qwen35.Spec). At load (behind its progress), where fla runs: both kernels once on zeros of the model's
+    """At load (behind its progress), where fla runs: both kernels once on zeros of the model's
     DeltaNet widths, so that the chunked kernel's autotuning and both compiles happen there and not in
     the first answer's prefill or decode (their tuning keys are the head counts and widths, not the
-    rows). False where fla does not run on `device`."""
+    rows). `spec` is the hybrid engine's (runtime/reference/qwen35.Spec). False where fla does not run
+    on `device`."""
     probe = torch.empty(0, device=device)
     if not available(probe):
         return False
