@@ -58,7 +58,9 @@ LANES=${LANES:-1}
 # CPU threads of each file's torch (synthetic models, float32 references): the cores shared among the lanes.
 # At 16 each, 4 lanes on 16 cores made a Qwen3.5 real-width synthesis run past 300 s (oversubscribed).
 THREADS=$(( $(nproc) / LANES )); [ "$THREADS" -lt 1 ] && THREADS=1
-SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py test_offload_gpu.py test_route_prior_gpu.py"}
+SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py
+test_offload_gpu.py test_route_prior_gpu.py"}
+SOLO=$(echo $SOLO)                        # one line, single spaces: solo() matches " name "
 ALL="$GROUP_A $GROUP_B $GROUP_C $GROUP_D"
 limit_of() { local l=${1#*:}; [ "$l" = "$1" ] && l=120; echo "$l"; }     # file[:seconds] -> seconds
 solo() { case " $SOLO " in *" ${1%%:*} "*) return 0 ;; esac; return 1; }    # file[:seconds] in SOLO
@@ -111,7 +113,8 @@ run_file() {        # file[:seconds] basetemp: one pytest process for the file, 
     flog="$WORK/${file%.py}.log"
     rm -f "$xml"
     t=$(date +%s)
-    cmd=(env MOEDESK_HOME="$base-home" OMP_NUM_THREADS="$THREADS" timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v
+    cmd=(env MOEDESK_HOME="$base-home" OMP_NUM_THREADS="$THREADS"
+         timeout -s INT -k 20 "$limit" $PY -u -m pytest "tests/gpu/$file" -m gpu -v
          -rA -p no:cacheprovider --timeout="$tlimit" --junitxml="$xml" --basetemp="$base" -o junit_family=xunit2)
     if [ "$LANES" -gt 1 ]; then     # lanes write their files' logs whole, one after another
         "${cmd[@]}" > "$flog" 2>&1
