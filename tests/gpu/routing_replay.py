@@ -154,14 +154,13 @@ class Compared(NamedTuple):
 
 
 def compare_with_reference(engine, ref, toks, routing: Routing, tie: float, rows: tuple[int, ...]) -> Compared:
-    """The engine's checks against the float32 reference routed as the engine routed (toks: 40 tokens; prefill
-    24, decode 3, verify `rows` each after a rollback to 27, decode again), and where the engine's picks are not
-    what the reference's router would have picked given the same picks before (its gaps in units of the first
-    forward's logit spread per layer). `routing` installed before the engine loaded."""
+    """The engine's checks against the float32 reference routed as the engine routed (`walk_script`), and where
+    the engine's picks are not what the reference's router would have picked given the same picks before (its
+    gaps in units of the first forward's logit spread per layer). `routing` installed before the engine loaded."""
     from gpu_figures import rel as _rel
     errs, differ, near, scale = {}, set(), 0, []
 
-    def both(key, tokens, got, last=False):
+    def both(key, tokens, got, last):
         nonlocal near
         p = routing.take(engine, len(tokens))
         weights: list = []
@@ -178,17 +177,26 @@ def compare_with_reference(engine, ref, toks, routing: Routing, tie: float, rows
                 if mine != r.own[row].tolist():
                     differ.add((start + row, layer, round(float(gaps[row]), 4),
                                 f"{mine}, the reference {r.own[row].tolist()}"))
-    engine.reset(), ref.reset()
-    both("prefill_last_24", toks[:24], engine.prefill(toks[:24]), last=True)
-    engine.reset(), ref.reset()
-    both("prefill_24", toks[:24], engine.forward(toks[:24]))
-    for i in range(24, 27):
-        both(f"decode_{i}", [toks[i]], engine.forward([toks[i]]))
-    for R in rows:
-        both(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]))
-        engine.truncate(27), ref.truncate(27)
-    both("decode_after_rollback", [toks[27]], engine.forward([toks[27]]))
+    walk_script(engine, ref, toks, rows, both)
     return Compared(errs, router_factor(min(scale)), sorted(differ), near)
+
+
+def walk_script(engine, ref, toks, rows: tuple[int, ...], check) -> None:
+    """The reference comparisons' script over 40 tokens: prefill 24 (the head on the last row, then every row),
+    decode 3, verify `rows` each after a rollback to 27, decode again. After each of the engine's forwards,
+    check(key, tokens, got, last) (which runs the reference's forward of `tokens`: `last`, its last row
+    only); the reference is reset and truncated with the engine."""
+    engine.reset(), ref.reset()
+    check("prefill_last_24", toks[:24], engine.prefill(toks[:24]), True)
+    engine.reset(), ref.reset()
+    check("prefill_24", toks[:24], engine.forward(toks[:24]), False)
+    for i in range(24, 27):
+        check(f"decode_{i}", [toks[i]], engine.forward([toks[i]]), False)
+    for R in rows:
+        check(f"verify_{R}", toks[27:27 + R], engine.forward(toks[27:27 + R]), False)
+        engine.truncate(27), ref.truncate(27)
+        assert engine.position == 27
+    check("decode_after_rollback", [toks[27]], engine.forward([toks[27]]), False)
 
 
 def router_factor(spread: float) -> float:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
-from routing_replay import Routing, compare_with_reference
+from routing_replay import Routing, compare_with_reference, walk_script
 from runtime.errors import ContextOverflow
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -65,24 +65,13 @@ def _load_exl2(path, moe="own", graphs=True, **off):
 
 
 def _script(engine, ref, toks) -> dict[str, float]:
-    """Prefill (the last row only, then every row), decode, verify-R with rollback, then decode again;
-    each forward's error against ref."""
+    """routing_replay.walk_script against the reference's own routing: each forward's error."""
     errs = {}
 
-    def cmp(name, a, b):
-        errs[name] = _rel(a, b)
-
-    engine.reset(), ref.reset()
-    cmp("prefill_last_24", engine.prefill(toks[:24]), ref.forward(toks[:24])[-1:])   # the head on one row
-    engine.reset(), ref.reset()
-    cmp("prefill_24", engine.forward(toks[:24]), ref.forward(toks[:24]))
-    for i in range(24, 27):
-        cmp(f"decode_{i}", engine.forward([toks[i]]), ref.forward([toks[i]]))
-    for R in ROWS:
-        cmp(f"verify_{R}", engine.forward(toks[27:27 + R]), ref.forward(toks[27:27 + R]))
-        engine.truncate(27), ref.truncate(27)
-        assert engine.position == 27
-    cmp("decode_after_rollback", engine.forward([toks[27]]), ref.forward([toks[27]]))
+    def check(key, tokens, got, last):
+        want = ref.forward(tokens)
+        errs[key] = _rel(got, want[-1:] if last else want)
+    walk_script(engine, ref, toks, ROWS, check)
     return errs
 
 
