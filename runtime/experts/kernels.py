@@ -251,6 +251,16 @@ def router_logits(x: torch.Tensor, gate_w: torch.Tensor, out: torch.Tensor,
     return out
 
 
+def topk_outputs(T: int, top_k: int, device, forced: Optional["UniformPicks"], who: str):
+    """A routing launch's outputs (ids int32 [T, A], weights fp32 [T, A]) and `forced`'s table and step (the
+    ids twice where it is None: the kernel reads neither)."""
+    if forced is not None and forced.table.shape[1] != top_k:
+        raise ValueError(f"{who}: pick sets of {forced.table.shape[1]} experts for top-k {top_k}")
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    rw = torch.empty((T, top_k), dtype=torch.float32, device=device)
+    return (ids, rw, *((forced.table, forced.step) if forced is not None else (ids, ids)))
+
+
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
                 renormalize: bool = True, forced: Optional["UniformPicks"] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x fp16 [T, H], gate_w fp16 or fp32 [E, H] -> (ids int32 [T, A], weights fp32 [T, A]); two
@@ -258,12 +268,8 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     row takes the next pick set of `forced` instead (equal weights)."""
     T, H = x.shape
     E = gate_w.shape[0]
+    ids, rw, table, step = topk_outputs(T, top_k, x.device, forced, "route_fused")
     logits = router_logits(x, gate_w, torch.empty((T, E), dtype=torch.float32, device=x.device))
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    rw = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
-    if forced is not None and forced.table.shape[1] != top_k:
-        raise ValueError(f"route_fused: pick sets of {forced.table.shape[1]} experts for top-k {top_k}")
-    table, step = (forced.table, forced.step) if forced is not None else (ids, ids)
     _softmax_topk[(T,)](logits, ids, rw, counts, table, step, table.shape[0], E=E, BE=triton.next_power_of_2(E),
                         A=top_k, BA=triton.next_power_of_2(top_k), RENORM=renormalize,
                         FORCED=forced is not None, num_warps=4)

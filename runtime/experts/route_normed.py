@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from runtime.experts.kernels import topk_outputs
 from runtime.experts.triton_kernels import _route_normed
 
 EB = 2                                  # experts per program: E / 2 programs per row, as router_logits
@@ -42,17 +43,13 @@ def route_normed(h: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torc
     if norm_w.shape != (H,) or gate_w.shape[1] != H:
         raise ValueError(f"route_normed: h {list(h.shape)}, norm weight {list(norm_w.shape)}, router "
                          f"{list(gate_w.shape)} do not agree")
-    if forced is not None and forced.table.shape[1] != top_k:
-        raise ValueError(f"route_normed: pick sets of {forced.table.shape[1]} experts for top-k {top_k}")
     bh = next((b for b in (2048, 1024, 512, 256, 128, 64, 32) if H % b == 0), None)
     if bh is None:
         raise ValueError(f"route_normed: hidden size {H} is not a multiple of 32")
     h = h.contiguous()
     x = torch.empty((T, H), dtype=torch.float16, device=h.device)
     logits = torch.empty((T, E), dtype=torch.float32, device=h.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=h.device)
-    rw = torch.empty((T, top_k), dtype=torch.float32, device=h.device)
-    table, step = (forced.table, forced.step) if forced is not None else (ids, ids)
+    ids, rw, table, step = topk_outputs(T, top_k, h.device, forced, "route_normed")
     _route_normed[(T, triton.cdiv(E, EB))](
         h, norm_w, float(eps), x, gate_w, logits, counters.for_rows(T), ids, rw, counts, table, step, table.shape[0],
         H=H, E=E, EB=EB, BH=bh, BE=triton.next_power_of_2(E), A=top_k, BA=triton.next_power_of_2(top_k),
