@@ -23,11 +23,10 @@ MODEL=${MODEL:-/tmp/m/q125}
 LIMIT=${LIMIT:-560}                       # seconds for the whole script
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results
-T0=$(date +%s)
+STEPS_LOG=$OUT/gpu_issue19.log
+. "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 STAMP=$(mktemp); trap 'rm -f "$STAMP"' EXIT
 newest() { find bench/results -maxdepth 1 -name "$1" -newer "$STAMP" -printf '%T@ %p\n' 2>/dev/null | sort -nr | head -1 | cut -d' ' -f2; }   # this run's only
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue19.log"; }
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 log "Triton cache: $(ls "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null | wc -l) kernels"

@@ -26,11 +26,10 @@ BEFORE=${BEFORE:?set BEFORE to a checkout of the commit before the restructuring
 BEFORE=$(cd "$BEFORE" && pwd) || exit 2            # absolute: each run changes into its tree
 AFTER=$PWD
 mkdir -p "$OUT" "$M"
-T0=$(date +%s)
+STEPS_LOG=$OUT/gpu_issue20.log
+. "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 STAMP=$(mktemp)                  # results written after this are this run's (the trees hold earlier ones)
 fresh() { find "$1/bench/results" -maxdepth 1 -name "*$2*.json" -newer "$STAMP" -exec cp {} "$OUT"/ \; ; }
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue20.log"; }
 log "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); before: $BEFORE"
 [ "${OFFLOAD:-1}" = 0 ] || [ -f "$M/q125/config.json" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$M/q125" | tail -1
 [ "${VRAM:-1}" = 0 ] || [ -f "$M/q30b/config.json" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$M/q30b" | tail -1

@@ -29,9 +29,8 @@ CHAT=${CHAT:-1}
 TRACE=${TRACE:-qwen3-30b-a3b}            # bench/routing_traces.PROFILES: none is published for 256 experts
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results "$ROOT"
-T0=$(date +%s)
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue24.log"; }
+STEPS_LOG=$OUT/gpu_issue24.log
+. "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"

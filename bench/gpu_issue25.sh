@@ -21,10 +21,9 @@ ROWS=${ROWS:-"512 2048"}
 ROUTES=${ROUTES:-"fused normed"}           # the engine step once per MOEDESK_ROUTE, in this order
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
-T0=$(date +%s)
+STEPS_LOG=$OUT/gpu_issue25.log
+. "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 MARK=$(mktemp)                   # results written after this are this run's
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/gpu_issue25.log"; }
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
 STAMP=$(date +%Y%m%d-%H%M%S)
