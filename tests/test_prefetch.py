@@ -3,11 +3,6 @@ pages in the VRAM ledger, and the switch that stops copying when predictions do 
 (On the GPU, tests/gpu/test_offload_gpu.py runs it inside captured decode steps against all-in-VRAM.)"""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,8 +12,8 @@ from runtime.experts.budget import MemoryBudget
 from bench.check_experts import random_layer
 from runtime.experts.manager import OffloadManager
 from runtime.experts.offload import word_distance
+from tests.interpreted import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 _KERNELS = r"""
 import torch
@@ -103,11 +98,7 @@ def test_plan_and_copy_kernels_in_the_interpreter():
     step mask leaves them to the GPU; switched off, nothing is copied and the tables are the layer's
     own; each prediction is scored against the picks the layer made; the benchmark oracle hands over
     the forced picks."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _KERNELS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "prefetch kernels ok" in r.stdout
+    run_interpreted(_KERNELS, "prefetch kernels ok")
 
 
 E, TOP_K = 8, 2
