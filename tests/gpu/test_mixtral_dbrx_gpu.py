@@ -47,11 +47,11 @@ import torch
 
 from gpu_figures import record as _record, rel as _rel
 from routing_replay import Routing, compare_with_reference
+from test_exl2_engine import _tol
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
-TOL_PREFILL = 2e-2
 WIDE = 2               # the tolerances' factor at the real widths (fp16 rounding grows with them)
 ROWS = (1, 2, 4, 5, 8, 9)
 # A near tie: the k-th and (k+1)-th router logits closer than this x their std. The engine's fp16 rounding moves
@@ -125,9 +125,8 @@ def _vs_reference_both(kind, size, path, ref):
     failures = []
 
     def tol(check: str, router: float) -> float:
-        """The check's tolerance; router weights' times `router` (router_factor)."""
-        base = TOL_PREFILL if check.startswith("prefill") else TOL
-        return base * (WIDE if size == "real" else 1) * (router if check.startswith("router_weights_") else 1)
+        """test_exl2_engine's tolerance of the check (router weights' times `router`), WIDE at the real widths."""
+        return _tol(check, router) * (WIDE if size == "real" else 1)
     for graphs in (True, False):
         routing = Routing(pytest.MonkeyPatch())
         try:
