@@ -9,7 +9,8 @@ comparisons share the picks instead:
 - mode "record": after each forward, each MoE layer's picks and weights (`take`), to hand to the float32
   reference (runtime/reference/model._route's `expert`, see `reference_forward`) or to another engine;
 - mode "replay": every MoE layer takes the picks and weights given (`give`) before the forward, in
-  place of its router's (which still runs: its counts and launches stay as they are).
+  place of its router's (which still runs: its counts and launches stay as they are; what it picked is
+  kept beside them, `take_own`, for tests that check the router against the one whose picks it took).
 Both work under CUDA graphs: the copies are captured with the step, reading and writing buffers of a fixed
 address per layer. Install before the engine loads (`monkeypatch`), so that graphs captured at load hold
 the copies; after switching to replay, `engine.reset_graphs()`."""
@@ -29,6 +30,8 @@ class Routing:
         self.mode = "record"
         self.ids: dict[int, torch.Tensor] = {}      # gate_w's address -> int32 [MAX_ROWS, A]
         self.weights: dict[int, torch.Tensor] = {}  # fp32 [MAX_ROWS, A]
+        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # replay: the router's own (ids, weights)
+        self.left: set[int] = set()                 # gate_w addresses of layers that route themselves (`leave`)
         self.monkeypatch = monkeypatch
         monkeypatch.setattr(kernels, "route_fused", self._route)
         monkeypatch.setattr(route_normed, "route_normed", self._route_normed)     # the norm in the routing's launch
@@ -41,8 +44,10 @@ class Routing:
         if key not in self.ids:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("routing_replay: a layer's first routing inside a graph capture")
-            self.ids[key] = torch.zeros((MAX_ROWS, top_k), dtype=torch.int32, device=gate_w.device)
-            self.weights[key] = torch.zeros((MAX_ROWS, top_k), dtype=torch.float32, device=gate_w.device)
+            # distinct picks, equal weights until given (a graph captured at load in replay mode runs them)
+            self.ids[key] = torch.arange(top_k, dtype=torch.int32, device=gate_w.device).repeat(MAX_ROWS, 1)
+            self.weights[key] = torch.full((MAX_ROWS, top_k), 1 / top_k, dtype=torch.float32, device=gate_w.device)
+            self.own[key] = (torch.zeros_like(self.ids[key]), torch.zeros_like(self.weights[key]))
         return self.ids[key], self.weights[key]
 
     def _route(self, x, gate_w, top_k, counts, renormalize=True, forced=None):
@@ -56,6 +61,8 @@ class Routing:
     def _share(self, gate_w, top_k, ids, w):
         """ids, w of a routing: recorded, or overwritten by the ones given."""
         T = ids.shape[0]
+        if gate_w.data_ptr() in self.left:
+            return ids, w
         if T > MAX_ROWS:
             raise RuntimeError(f"routing_replay: {T} rows, more than its buffers' {MAX_ROWS}")
         bi, bw = self._buffers(gate_w, top_k)
@@ -63,14 +70,22 @@ class Routing:
             bi[:T].copy_(ids)
             bw[:T].copy_(w)
         else:
+            oi, ow = self.own[gate_w.data_ptr()]
+            oi[:T].copy_(ids)
+            ow[:T].copy_(w)
             ids.copy_(bi[:T])
             w.copy_(bw[:T])
         return ids, w
 
     def reset(self) -> None:
         """Before another engine loads (its layers' addresses may be the last one's)."""
-        self.ids.clear(), self.weights.clear()
+        self.ids.clear(), self.weights.clear(), self.own.clear(), self.left.clear()
         self.mode = "record"
+
+    def leave(self, gate_w: torch.Tensor) -> None:
+        """This router (an MoE layer outside `engine.moe`: Qwen3.5's MTP head) keeps its own picks in both
+        modes (until `reset`)."""
+        self.left.add(gate_w.data_ptr())
 
     def take(self, engine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """After a forward of `rows` rows: per MoE layer, (picks int32 [rows, A], weights fp32 [rows, A]) on
@@ -79,6 +94,15 @@ class Routing:
         for m in engine.moe:
             bi, bw = self._buffers(m.experts.gate_w, m.experts.top_k)
             out.append((bi[:rows].cpu(), bw[:rows].cpu()))
+        return out
+
+    def take_own(self, engine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After a forward in replay mode: per MoE layer, what its router picked itself (as `take`)."""
+        out = []
+        for m in engine.moe:
+            self._buffers(m.experts.gate_w, m.experts.top_k)
+            oi, ow = self.own[m.experts.gate_w.data_ptr()]
+            out.append((oi[:rows].cpu(), ow[:rows].cpu()))
         return out
 
     def give(self, engine, picks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
