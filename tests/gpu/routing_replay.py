@@ -32,6 +32,8 @@ class Routing:
         self.weights: dict[int, torch.Tensor] = {}  # fp32 [MAX_ROWS, A]
         self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # replay: the router's own (ids, weights)
         self.left: set[int] = set()                 # gate_w addresses of layers that route themselves (`leave`)
+        self.followed: dict[int, list] = {}         # gate_w address -> every eager call's (ids, weights) (`follow`)
+        self.cursor: dict[int, int] = {}
         self.monkeypatch = monkeypatch
         monkeypatch.setattr(kernels, "route_fused", self._route)
         monkeypatch.setattr(route_normed, "route_normed", self._route_normed)     # the norm in the routing's launch
@@ -61,8 +63,11 @@ class Routing:
     def _share(self, gate_w, top_k, ids, w):
         """ids, w of a routing: recorded, or overwritten by the ones given."""
         T = ids.shape[0]
-        if gate_w.data_ptr() in self.left:
+        key = gate_w.data_ptr()
+        if key in self.left:
             return ids, w
+        if key in self.followed:
+            return self._follow_call(key, ids, w)
         if T > MAX_ROWS:
             raise RuntimeError(f"routing_replay: {T} rows, more than its buffers' {MAX_ROWS}")
         bi, bw = self._buffers(gate_w, top_k)
@@ -80,12 +85,44 @@ class Routing:
     def reset(self) -> None:
         """Before another engine loads (its layers' addresses may be the last one's)."""
         self.ids.clear(), self.weights.clear(), self.own.clear(), self.left.clear()
+        self.followed.clear(), self.cursor.clear()
         self.mode = "record"
 
     def leave(self, gate_w: torch.Tensor) -> None:
         """This router (an MoE layer outside `engine.moe`: Qwen3.5's MTP head) keeps its own picks in both
         modes (until `reset`)."""
+        self.followed.pop(gate_w.data_ptr(), None)
         self.left.add(gate_w.data_ptr())
+
+    def follow(self, gate_w: torch.Tensor, given: list | None = None) -> list:
+        """This router (an MoE layer outside `engine.moe`, run eagerly any number of times a step: Qwen3.5's
+        MTP head) shares its picks call by call (until `reset`): in record mode every call's (ids, weights)
+        is appended to the list returned; in replay mode each call takes the next of `given`."""
+        key = gate_w.data_ptr()
+        self.left.discard(key)
+        self.followed[key] = [] if given is None else list(given)
+        self.cursor[key] = 0
+        return self.followed[key]
+
+    def followed_left(self, gate_w: torch.Tensor) -> int:
+        """Replay mode: the given calls of a followed router not taken yet."""
+        key = gate_w.data_ptr()
+        return len(self.followed[key]) - self.cursor[key]
+
+    def _follow_call(self, key: int, ids: torch.Tensor, w: torch.Tensor):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("routing_replay: a followed router inside a graph capture")
+        calls = self.followed[key]
+        if self.mode == "record":
+            calls.append((ids.to(torch.int32).cpu(), w.float().cpu()))
+            return ids, w
+        i = self.cursor[key]
+        if i >= len(calls):
+            raise RuntimeError(f"routing_replay: a followed router's call {i + 1}, {len(calls)} given")
+        self.cursor[key] = i + 1
+        ids.copy_(calls[i][0].to(ids.device, ids.dtype))
+        w.copy_(calls[i][1].to(w.device, w.dtype))
+        return ids, w
 
     def take(self, engine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """After a forward of `rows` rows: per MoE layer, (picks int32 [rows, A], weights fp32 [rows, A]) on

@@ -553,34 +553,37 @@ def _mtp_rows(eng, vocab: int, around=None) -> list[torch.Tensor]:
     return rows
 
 
-def test_the_mtp_head_drafts_on_cuda_as_on_the_cpu(models, oracle, routing):
+def test_the_mtp_head_drafts_on_cuda_as_on_the_cpu(models, routing):
     """The head (runtime/backends/hybrid_mtp.py) following replayed decode graphs, against the CPU
-    engine's head on the tiny model (the model's layers take the CPU's picks; the heads route themselves);
-    then greedy MTP speculation against plain steps, as the other drafts
-    (tests/gpu/test_speculative_gpu.check_greedy)."""
+    engine's head on the tiny model (the model's layers take the CPU's picks forward by forward, the head's
+    router the CPU head's call by call); then greedy MTP speculation against plain steps, as the other
+    drafts (tests/gpu/test_speculative_gpu.check_greedy)."""
     from test_speculative_gpu import check_greedy
     from runtime.options import DraftOptions
     routers = CpuRouters()
     cpu, _ = _load(models("tiny"), device="cpu", mtp=True)
-    picks = []
     try:
         gates = [m.experts.gate_w.data_ptr() for m in cpu.moe]
-
-        def record(i, ids, run):
-            with routers.recording() as calls:
-                out = run()
-            picks.append([next((c[1], c[2]) for c in calls if c[0] == g) for g in gates])
-            return out
-        want = _mtp_rows(cpu, cpu.info.vocab_size, record)
+        head_gate = cpu.mtp_head.moe.experts.gate_w.data_ptr()
+        with routers.recording() as calls:        # the head also runs outside the forwards (the drafts)
+            want = _mtp_rows(cpu, cpu.info.vocab_size)
     finally:
         cpu.close()
         routers.close()
+    per_layer = [[(c[1], c[2]) for c in calls if c[0] == g] for g in gates]
+    assert len({len(p) for p in per_layer}) == 1, [len(p) for p in per_layer]
+    picks = [list(step) for step in zip(*per_layer)]              # per forward, per layer
+    head_calls = [(c[1], c[2]) for c in calls if c[0] == head_gate]
     eng, _ = _load(models("tiny"), mtp=True)
     try:
         assert eng.graphs is not None and eng.has_mtp, eng.graph_error
-        routing.leave(eng.mtp_head.moe.experts.gate_w)
-        _compare(_mtp_rows(eng, eng.info.vocab_size, Picks(routing, eng, picks)), want, TOL,
-                 "tiny MTP drafts, CUDA (graphs) vs CPU")
+        head = eng.mtp_head.moe.experts.gate_w
+        routing.follow(head, head_calls)
+        given = Picks(routing, eng, picks)
+        _compare(_mtp_rows(eng, eng.info.vocab_size, given), want, TOL, "tiny MTP drafts, CUDA (graphs) vs CPU")
+        assert len(given.own) == len(picks) and routing.followed_left(head) == 0, \
+            (len(given.own), len(picks), routing.followed_left(head))
+        routing.leave(head)                      # speculation: the head drafts with its own picks
         routing.mode = "record"
         eng.reset_graphs()
         prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -596,17 +599,23 @@ def test_the_mtp_head_drafts_on_cuda_as_on_the_cpu(models, oracle, routing):
 
 
 def test_the_mtp_head_reads_the_same_hidden_states_with_graphs_at_real_width(models, routing):
-    """Graphs against eager, the model's layers taking the eager run's picks (the heads route themselves)."""
-    got, rec = {}, None
+    """Graphs against eager, the model's layers taking the eager run's picks forward by forward and the
+    head's router the eager head's call by call."""
+    got, rec, head_calls = {}, None, None
     for graphs in (False, True):
         routing.reset()
         eng, _ = _load(models("real"), mtp=True, graphs=graphs)
         try:
-            routing.leave(eng.mtp_head.moe.experts.gate_w)
-            wrap = Picks(routing, eng) if rec is None else Picks(routing, eng, rec.picks)
+            head = eng.mtp_head.moe.experts.gate_w
+            if rec is None:
+                head_calls = routing.follow(head)
+                rec = wrap = Picks(routing, eng)
+            else:
+                routing.follow(head, head_calls)
+                wrap = Picks(routing, eng, rec.picks)
             got[graphs] = _mtp_rows(eng, eng.info.vocab_size, wrap)
-            rec = rec or wrap
             if graphs:
+                assert routing.followed_left(head) == 0, routing.followed_left(head)
                 assert eng.graphs is not None, eng.graph_error
                 _record(test="qwen35_hybrid_mtp", size="real", head_bytes=eng.telemetry()["mtp_head_bytes"])
         finally:

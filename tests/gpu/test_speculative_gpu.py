@@ -85,6 +85,16 @@ class Recording(Engine):
     def position(self) -> int:
         return self.engine.position
 
+    @property
+    def has_mtp(self) -> bool:                 # an MTP head drafts through the wrapped engine (mtp_draft's
+        return getattr(self.engine, "has_mtp", False)      # forwards are its own: not recorded here)
+
+    def mtp_enable(self) -> None:
+        self.engine.mtp_enable()
+
+    def mtp_draft(self, tokens, k, choose):
+        return self.engine.mtp_draft(tokens, k, choose)
+
 
 def repeat_prompt(vocab: int, seed: int = 1, n: int = 16, times: int = 3) -> list[int]:
     """n random tokens, `times` times over: lookup finds drafts from the first step."""
@@ -100,6 +110,8 @@ def speculate(target: Engine, prompt: list[int], draft: DraftOptions, opts: Samp
     target.reset()
     if draft_engine is not None:
         draft_engine.reset()
+    if draft.mode == "mtp":
+        target.mtp_enable()            # as the app's decoder does before the prefill: no rebuild of the head later
     target.forward(prompt[:-1])
     gen = torch.Generator().manual_seed(seed)
     dec = make_decoder(target, draft, opts, gen, draft_engine=draft_engine)
