@@ -13,9 +13,9 @@
 # issue-19 tests time gaps), cheap and broad files first. LANES=N (N > 1) runs the files that may share the GPU
 # in N processes side by side (most of a file's time is loads, synthetic models and the Python between small
 # kernels, and the H200's 141 GB hold several files' models and float32 references), then the SOLO files alone
-# (default: those three, and two whose comparisons do not share expert picks and so count on the GPU summing in
-# the same order run after run, which other processes upset: offload against all in VRAM, and the routing prior's
-# worker chats, which also timed out on shared cores); each file's log is kept whole. Each file runs under its own
+# (default: those three, and the routing prior's worker chats, which timed out on oversubscribed cores: before
+# the thread limit below; test_offload_gpu was solo too until its comparisons shared expert picks); each file's
+# log is kept whole. Each file runs under its own
 # limit (FILE:SECONDS, the defaults below; never past what is left of LIMIT): SIGINT at the limit, so pytest
 # writes its summary and JUnit XML, SIGKILL 20 s later. pytest-timeout fails a test that runs past TEST_S (a
 # traceback instead of silence). Synthetic models are written once for the whole run under $WORK/models
@@ -61,8 +61,7 @@ LANES=${LANES:-1}
 # CPU threads of each file's torch (synthetic models, float32 references): the cores shared among the lanes.
 # At 16 each, 4 lanes on 16 cores made a Qwen3.5 real-width synthesis run past 300 s (oversubscribed).
 THREADS=$(( $(nproc) / LANES )); [ "$THREADS" -lt 1 ] && THREADS=1
-SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py
-test_offload_gpu.py test_route_prior_gpu.py"}
+SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py test_route_prior_gpu.py"}
 SOLO=$(echo $SOLO)                        # one line, single spaces: solo() matches " name "
 ALL="$GROUP_A $GROUP_B $GROUP_C $GROUP_D"
 limit_of() { local l=${1#*:}; [ "$l" = "$1" ] && l=120; echo "$l"; }     # file[:seconds] -> seconds

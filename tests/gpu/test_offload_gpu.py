@@ -8,7 +8,11 @@ forward (grouped kernels, in place), then again after re-placements, and the nai
 Offload moves bytes, not arithmetic: the same kernels add the same products. What may differ is the
 order of the split-K atomics (fp32) and, from it, an fp16 rounding of the expert's intermediate h;
 measured on the H200: 1.1e-3 to 2.5e-3 relative on the logits of 8 layers (the all-in-VRAM engine's
-own run-to-run spread is of that order). TOL is the GPU engine's tolerance (tests/gpu/test_exl2_engine.py).
+own run-to-run spread is of that order). Where a router's k-th and (k+1)-th logits nearly tie, such a
+rounding picks another expert, and that row differs by a choice (~3e-2, and every row it reaches after):
+so the offloaded runs take the picks and weights the all-in-VRAM run made (tests/gpu/routing_replay.py),
+except under forced uniform routing, whose picks are shared by construction. TOL is the GPU engine's
+tolerance (tests/gpu/test_exl2_engine.py).
 With MOEDESK_GPU_REPORT=FILE set, measured figures are appended to FILE as JSON lines.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ import pytest
 import torch
 
 from gpu_figures import record as _record
+from routing_replay import Routing
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -29,32 +34,64 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))      # routing statistics go here
 
 
+@pytest.fixture
+def routing(monkeypatch):
+    """Installed before the test's engines load (graphs captured at load hold its copies)."""
+    r = Routing(monkeypatch)
+    yield r
+    r.undo()
+
+
 def _load(path, **off):
     from runtime.backends import exl2
     opts = LoadOptions(offload=OffloadOptions(context_length=512, **off))
     return exl2.load(path, opts, lambda *a: None)
 
 
-def _script(eng, toks, lend: bool = False) -> dict[str, torch.Tensor]:
+class Shared:
+    """The all-in-VRAM run's picks, per forward of `_script` (recorded there), for the offloaded runs."""
+
+    def __init__(self, routing: Routing):
+        self.routing = routing
+        self.picks: dict[str, list] = {}
+
+    def replay(self, eng) -> None:
+        """Before an offloaded engine's `_script`: its MoE layers take the recorded picks from now on
+        (graphs captured again with the replay in them; forwards between scripts take the last ones)."""
+        if self.routing.mode != "replay":
+            self.routing.mode = "replay"
+            if eng.graphs is not None:
+                eng.reset_graphs()
+
+
+def _script(eng, toks, lend: bool = False, shared: Shared | None = None) -> dict[str, torch.Tensor]:
     """Prefill, decode, verify, rows, rollback. lend: after the first decode step, wait for the
     staging pages lent to cold experts (copies started at that step) and point them, so the steps
-    after read those experts from the pages."""
+    after read those experts from the pages. shared: record each forward's picks (the routing in
+    record mode), or give them (replay mode)."""
     out = {}
+
+    def forward(key, tokens):
+        if shared is not None and shared.routing.mode == "replay":
+            shared.routing.give(eng, shared.picks[key])
+        out[key] = eng.forward(tokens)
+        if shared is not None and shared.routing.mode == "record":
+            shared.picks[key] = shared.routing.take(eng, len(tokens))
     eng.reset()
-    out["prefill_40"] = eng.forward(toks[:40])
+    forward("prefill_40", toks[:40])
     for i in range(40, 44):
-        out[f"decode_{i}"] = eng.forward([toks[i]])
+        forward(f"decode_{i}", [toks[i]])
         if lend and i == 40:
             from exllamav2.device import set_device_streams
             set_device_streams()                          # table writes on the stream the steps run on
             eng.offload.settle_lending()
             assert eng.telemetry()["expert_lent"] > 0
     for R in (2, 5, 8):
-        out[f"verify_{R}"] = eng.forward(toks[44:44 + R])
+        forward(f"verify_{R}", toks[44:44 + R])
         eng.truncate(44)
-    out["rows_24"] = eng.forward(toks[44:68])
+    forward("rows_24", toks[44:68])
     eng.truncate(44)
-    out["decode_after_rollback"] = eng.forward([toks[44]])
+    forward("decode_after_rollback", [toks[44]])
     return {k: v.float().cpu() for k, v in out.items()}
 
 
@@ -70,9 +107,10 @@ def _code_bytes(eng) -> int:
     return sum(p.qweight.numel() * 4 for m in eng.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
 
 
-def _all_in_vram(path, seed: int, uniform: bool = False):
+def _all_in_vram(path, seed: int, uniform: bool = False, shared: Shared | None = None):
     """The reference run, every expert in VRAM: (tokens, its outputs, expert code bytes, other VRAM in
-    use, prefill scratch), for sizing a budget that forces offload. uniform: under forced uniform routing."""
+    use, prefill scratch), for sizing a budget that forces offload. uniform: under forced uniform routing.
+    shared: its picks recorded there (and its routing reset for the next load)."""
     from runtime.backends.exl2_offload import prefill_scratch_bytes
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref, applied = _load(path)
@@ -80,12 +118,14 @@ def _all_in_vram(path, seed: int, uniform: bool = False):
         assert ref.offload is None and applied["offload.ram_budget_gb"].startswith("ignored")
         if uniform:
             _uniform(ref)
-        want = _script(ref, toks)
+        want = _script(ref, toks, shared=shared)
         codes = _code_bytes(ref)
         others = torch.cuda.memory_allocated() - codes
         scratch = prefill_scratch_bytes(ref.model.config)
     finally:
         ref.close()
+    if shared is not None:
+        shared.routing.reset()                            # the next engine's layers may take these addresses
     return toks, want, codes, others, scratch
 
 
@@ -102,8 +142,9 @@ def _finish_swaps(eng, toks) -> None:
     eng.forward([toks[16]])
 
 
-def test_offload_matches_all_in_vram(moe_8l):
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4)
+def test_offload_matches_all_in_vram(moe_8l, routing):
+    shared = Shared(routing)
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4, shared=shared)
     # Half the experts' codes beside everything else: every layer keeps some, staging the rest.
     budget = others + scratch + codes // 2 + (64 << 20)
     torch.cuda.reset_peak_memory_stats()
@@ -117,7 +158,8 @@ def test_offload_matches_all_in_vram(moe_8l):
         assert all(0 < r < 128 for r in res), res
         assert tel["expert_paths"] == ["stream"] * 8 and tel["expert_staging_capacity"] > 0
         assert tel["vram_budget_used_bytes"] <= tel["vram_budget_bytes"]
-        got = _script(eng, toks, lend=True)
+        shared.replay(eng)
+        got = _script(eng, toks, lend=True, shared=shared)
         errs = _compare(got, want, "placed at load")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
@@ -136,14 +178,14 @@ def test_offload_matches_all_in_vram(moe_8l):
         _finish_swaps(eng, toks)
         assert not any(lo.pending for lo in m.layers)
         assert eng.telemetry()["expert_promotions"] >= 8
-        _compare(_script(eng, toks), want, "after re-placement")
+        _compare(_script(eng, toks, shared=shared), want, "after re-placement")
 
         # The naive baseline (layer loop, copies on demand) computes the same.
         graphs, eng.graphs = eng.graphs, None
         run = eng.experiment
         eng.set_experiment(run.replace(naive=True))
         try:
-            _compare(_script(eng, toks), want, "naive")
+            _compare(_script(eng, toks, shared=shared), want, "naive")
         finally:
             eng.set_experiment(run)
             eng.graphs = graphs
@@ -151,22 +193,25 @@ def test_offload_matches_all_in_vram(moe_8l):
         eng.close()
 
 
-def test_forced_mixed_placement_and_new_budget(moe_8l):
+def test_forced_mixed_placement_and_new_budget(moe_8l, routing):
     """place_experts (any residency) and set_vram_budget (the load-time planner again) keep logits."""
+    shared = Shared(routing)
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(6)).tolist()
     ref, _ = _load(moe_8l)
     try:
-        want = _script(ref, toks)
+        want = _script(ref, toks, shared=shared)
     finally:
         ref.close()
+    routing.reset()
     eng, _ = _load(moe_8l, vram_budget_gb=100.0, placement="stream")
     try:
         assert eng.telemetry()["expert_path_counts"] == {"vram": 8}        # everything fits
-        _compare(_script(eng, toks), want, "all resident through the tables")
+        shared.replay(eng)
+        _compare(_script(eng, toks, shared=shared), want, "all resident through the tables")
         eng.place_experts([list(range(i, 128, 3)) for i in range(3)] + [[5], [], [0, 127]] + [list(range(64))] * 2)
         tel = eng.telemetry()
         assert tel["expert_residents"] == [43, 43, 42, 1, 0, 2, 64, 64]      # range(i, 128, 3)
-        _compare(_script(eng, toks), want, "forced mixed")
+        _compare(_script(eng, toks, shared=shared), want, "forced mixed")
         ledger = tel["vram_budget_items"]
         cb = eng.offload.layers[0].code_bytes
         small = (sum(v for k, v in ledger.items() if k not in ("hot experts", "prefill staging"))
@@ -175,7 +220,7 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
         tel = eng.telemetry()
         assert tel["vram_budget_used_bytes"] <= tel["vram_budget_bytes"]
         assert 0 < sum(tel["expert_residents"]) < 8 * 128
-        _compare(_script(eng, toks), want, f"set_vram_budget({small:.2f})")
+        _compare(_script(eng, toks, shared=shared), want, f"set_vram_budget({small:.2f})")
     finally:
         eng.close()
 
@@ -184,7 +229,7 @@ def test_forced_mixed_placement_and_new_budget(moe_8l):
                                                   ("experts", 0.0, "hostfunc"), ("cut", 0.0, "memops"),
                                                   ("cut", 0.0, "hostfunc")],
                          ids=["static", "balanced", "static-hostfunc", "cut", "cut-hostfunc"])
-def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signal):
+def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balance, signal):
     """placement 'cpu': decode steps compute part of each layer's cold experts on the CPU (a worker
     thread the step's stream signals: a doorbell written and waited for by stream memory operations,
     which must work on this GPU, or host nodes) while the GPU kernels skip them; verify rows and
@@ -200,7 +245,8 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
     monkeypatch.setattr(mgr, "CPU_SPLIT", split)
     if signal == "hostfunc":
         monkeypatch.setattr(cpu_signal, "_SIGNAL", ("hostfunc", "forced by the test"))
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8)
+    shared = Shared(routing)
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8, shared=shared)
     measured = {}
     real_costs = cpu_share.CpuShare._split_costs
 
@@ -216,7 +262,8 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         assert tel["expert_paths"] == ["cpu+stream"] * 8 and tel["cpu_expert_path"] == "on", tel
         assert tel["cpu_expert_signal"].startswith(signal), tel["cpu_expert_signal"]
         assert all(n > 0 for n in tel["cpu_expert_owned"])
-        got = _script(eng, toks, lend=True)
+        shared.replay(eng)
+        got = _script(eng, toks, lend=True, shared=shared)
         errs = _compare(got, want, "cpu path")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
@@ -233,7 +280,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
             run = eng.experiment
             eng.set_experiment(run.replace(fixed_cut=True))
             m.set_cut(128)
-            _compare(_script(eng, toks), want, "cpu path, cut 128 of 768")
+            _compare(_script(eng, toks, shared=shared), want, "cpu path, cut 128 of 768")
             eng.set_experiment(run)
         _record(test="cpu_path", split=split, balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
@@ -251,7 +298,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, split, balance, signa
         _finish_swaps(eng, toks)
         assert all(moved[lo.index] in lo.expert_slot and moved[lo.index] not in lo.cpu.owned_set
                    for lo in m.layers)
-        _compare(_script(eng, toks), want, "cpu path after re-placement")
+        _compare(_script(eng, toks, shared=shared), want, "cpu path after re-placement")
     finally:
         eng.close()
 
@@ -314,18 +361,20 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
         eng.close()
 
 
-def test_verify_rows_read_per_row_match_all_in_vram(moe_8l):
+def test_verify_rows_read_per_row_match_all_in_vram(moe_8l, routing):
     """MOEDESK_VERIFY_READS=rows: offloaded layers verify 2/5/8 rows through the split-K GEMVs (cold
     experts read in place per row), graphs captured under that choice; the logits as all in VRAM."""
     from runtime import tuning
     from runtime.tuning import Tuning
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4)
+    shared = Shared(routing)
+    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4, shared=shared)
     budget = others + scratch + codes // 2 + (64 << 20)
     with tuning.use(Tuning(verify_reads="rows")):
         eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")
         try:
             assert eng.telemetry()["expert_paths"] == ["stream"] * 8
-            _compare(_script(eng, toks), want, "verify reads per row")
+            shared.replay(eng)
+            _compare(_script(eng, toks, shared=shared), want, "verify reads per row")
             assert eng.telemetry()["decode_graphs"], eng.telemetry().get("graph_error")
         finally:
             eng.close()
