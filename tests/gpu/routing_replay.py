@@ -152,6 +152,34 @@ class Routing:
                 bw[:w.shape[0]].copy_(w)
 
 
+class Picks:
+    """Wraps each forward of a test's script on `engine` (`__call__(key, tokens, run)`, run() the forward):
+    records its picks (`picks[key]`: per MoE layer (ids, weights), as `Routing.take`), or, with `given`
+    (another run's `picks`, by the same keys), gives them and keeps what the engine's routers picked
+    themselves (`own[key]`). With `given` the routing goes to replay mode; graphs the engine holds are
+    captured again with the replay in them (from a record mode: a replay mode set before the engine loaded
+    needs none)."""
+
+    def __init__(self, routing: Routing, engine, given=None):
+        self.routing, self.engine, self.given = routing, engine, given
+        self.picks: dict = {}
+        self.own: dict = {}
+        if given is not None and routing.mode != "replay":
+            routing.mode = "replay"
+            if getattr(engine, "graphs", None) is not None:
+                engine.reset_graphs()
+
+    def __call__(self, key, tokens, run):
+        if self.given is not None:
+            self.routing.give(self.engine, self.given[key])
+        out = run()
+        if self.given is None:
+            self.picks[key] = self.routing.take(self.engine, len(tokens))
+        else:
+            self.own[key] = self.routing.take_own(self.engine, len(tokens))
+        return out
+
+
 class RouterView(NamedTuple):
     """What a reference MoE layer's router made of a forward's rows, whichever picks it was then given."""
     own: torch.Tensor       # int64 [T, A]: its own top-A experts, sorted

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gpu_figures import record as _record
-from routing_replay import Routing
+from routing_replay import Picks, Routing
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -48,35 +48,15 @@ def _load(path, **off):
     return exl2.load(path, opts, lambda *a: None)
 
 
-class Shared:
-    """The all-in-VRAM run's picks, per forward of `_script` (recorded there), for the offloaded runs."""
-
-    def __init__(self, routing: Routing):
-        self.routing = routing
-        self.picks: dict[str, list] = {}
-
-    def replay(self, eng) -> None:
-        """Before an offloaded engine's `_script`: its MoE layers take the recorded picks from now on
-        (graphs captured again with the replay in them; forwards between scripts take the last ones)."""
-        if self.routing.mode != "replay":
-            self.routing.mode = "replay"
-            if eng.graphs is not None:
-                eng.reset_graphs()
-
-
-def _script(eng, toks, lend: bool = False, shared: Shared | None = None) -> dict[str, torch.Tensor]:
+def _script(eng, toks, lend: bool = False, wrap: Picks | None = None) -> dict[str, torch.Tensor]:
     """Prefill, decode, verify, rows, rollback. lend: after the first decode step, wait for the
     staging pages lent to cold experts (copies started at that step) and point them, so the steps
-    after read those experts from the pages. shared: record each forward's picks (the routing in
-    record mode), or give them (replay mode)."""
+    after read those experts from the pages. wrap: records each forward's picks, or gives them."""
     out = {}
 
     def forward(key, tokens):
-        if shared is not None and shared.routing.mode == "replay":
-            shared.routing.give(eng, shared.picks[key])
-        out[key] = eng.forward(tokens)
-        if shared is not None and shared.routing.mode == "record":
-            shared.picks[key] = shared.routing.take(eng, len(tokens))
+        run = (lambda: eng.forward(tokens))
+        out[key] = wrap(key, tokens, run) if wrap is not None else run()
     eng.reset()
     forward("prefill_40", toks[:40])
     for i in range(40, 44):
@@ -107,10 +87,10 @@ def _code_bytes(eng) -> int:
     return sum(p.qweight.numel() * 4 for m in eng.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
 
 
-def _all_in_vram(path, seed: int, uniform: bool = False, shared: Shared | None = None):
+def _all_in_vram(path, seed: int, uniform: bool = False, routing: Routing | None = None):
     """The reference run, every expert in VRAM: (tokens, its outputs, expert code bytes, other VRAM in
-    use, prefill scratch), for sizing a budget that forces offload. uniform: under forced uniform routing.
-    shared: its picks recorded there (and its routing reset for the next load)."""
+    use, prefill scratch, its picks per forward with `routing`, else None), for sizing a budget that forces
+    offload. uniform: under forced uniform routing."""
     from runtime.backends.exl2_offload import prefill_scratch_bytes
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref, applied = _load(path)
@@ -118,15 +98,16 @@ def _all_in_vram(path, seed: int, uniform: bool = False, shared: Shared | None =
         assert ref.offload is None and applied["offload.ram_budget_gb"].startswith("ignored")
         if uniform:
             _uniform(ref)
-        want = _script(ref, toks, shared=shared)
+        rec = Picks(routing, ref) if routing is not None else None
+        want = _script(ref, toks, wrap=rec)
         codes = _code_bytes(ref)
         others = torch.cuda.memory_allocated() - codes
         scratch = prefill_scratch_bytes(ref.model.config)
     finally:
         ref.close()
-    if shared is not None:
-        shared.routing.reset()                            # the next engine's layers may take these addresses
-    return toks, want, codes, others, scratch
+    if routing is not None:
+        routing.reset()                                   # the next engine's layers may take these addresses
+    return toks, want, codes, others, scratch, rec.picks if rec is not None else None
 
 
 def _finish_swaps(eng, toks) -> None:
@@ -143,8 +124,7 @@ def _finish_swaps(eng, toks) -> None:
 
 
 def test_offload_matches_all_in_vram(moe_8l, routing):
-    shared = Shared(routing)
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4, shared=shared)
+    toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=4, routing=routing)
     # Half the experts' codes beside everything else: every layer keeps some, staging the rest.
     budget = others + scratch + codes // 2 + (64 << 20)
     torch.cuda.reset_peak_memory_stats()
@@ -158,8 +138,7 @@ def test_offload_matches_all_in_vram(moe_8l, routing):
         assert all(0 < r < 128 for r in res), res
         assert tel["expert_paths"] == ["stream"] * 8 and tel["expert_staging_capacity"] > 0
         assert tel["vram_budget_used_bytes"] <= tel["vram_budget_bytes"]
-        shared.replay(eng)
-        got = _script(eng, toks, lend=True, shared=shared)
+        got = _script(eng, toks, lend=True, wrap=Picks(routing, eng, picks))
         errs = _compare(got, want, "placed at load")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
@@ -178,14 +157,14 @@ def test_offload_matches_all_in_vram(moe_8l, routing):
         _finish_swaps(eng, toks)
         assert not any(lo.pending for lo in m.layers)
         assert eng.telemetry()["expert_promotions"] >= 8
-        _compare(_script(eng, toks, shared=shared), want, "after re-placement")
+        _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "after re-placement")
 
         # The naive baseline (layer loop, copies on demand) computes the same.
         graphs, eng.graphs = eng.graphs, None
         run = eng.experiment
         eng.set_experiment(run.replace(naive=True))
         try:
-            _compare(_script(eng, toks, shared=shared), want, "naive")
+            _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "naive")
         finally:
             eng.set_experiment(run)
             eng.graphs = graphs
@@ -195,23 +174,23 @@ def test_offload_matches_all_in_vram(moe_8l, routing):
 
 def test_forced_mixed_placement_and_new_budget(moe_8l, routing):
     """place_experts (any residency) and set_vram_budget (the load-time planner again) keep logits."""
-    shared = Shared(routing)
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(6)).tolist()
     ref, _ = _load(moe_8l)
     try:
-        want = _script(ref, toks, shared=shared)
+        rec = Picks(routing, ref)
+        want = _script(ref, toks, wrap=rec)
+        picks = rec.picks
     finally:
         ref.close()
     routing.reset()
     eng, _ = _load(moe_8l, vram_budget_gb=100.0, placement="stream")
     try:
         assert eng.telemetry()["expert_path_counts"] == {"vram": 8}        # everything fits
-        shared.replay(eng)
-        _compare(_script(eng, toks, shared=shared), want, "all resident through the tables")
+        _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "all resident through the tables")
         eng.place_experts([list(range(i, 128, 3)) for i in range(3)] + [[5], [], [0, 127]] + [list(range(64))] * 2)
         tel = eng.telemetry()
         assert tel["expert_residents"] == [43, 43, 42, 1, 0, 2, 64, 64]      # range(i, 128, 3)
-        _compare(_script(eng, toks, shared=shared), want, "forced mixed")
+        _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "forced mixed")
         ledger = tel["vram_budget_items"]
         cb = eng.offload.layers[0].code_bytes
         small = (sum(v for k, v in ledger.items() if k not in ("hot experts", "prefill staging"))
@@ -220,7 +199,7 @@ def test_forced_mixed_placement_and_new_budget(moe_8l, routing):
         tel = eng.telemetry()
         assert tel["vram_budget_used_bytes"] <= tel["vram_budget_bytes"]
         assert 0 < sum(tel["expert_residents"]) < 8 * 128
-        _compare(_script(eng, toks, shared=shared), want, f"set_vram_budget({small:.2f})")
+        _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, f"set_vram_budget({small:.2f})")
     finally:
         eng.close()
 
@@ -245,8 +224,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
     monkeypatch.setattr(mgr, "CPU_SPLIT", split)
     if signal == "hostfunc":
         monkeypatch.setattr(cpu_signal, "_SIGNAL", ("hostfunc", "forced by the test"))
-    shared = Shared(routing)
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=8, shared=shared)
+    toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=8, routing=routing)
     measured = {}
     real_costs = cpu_share.CpuShare._split_costs
 
@@ -262,8 +240,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
         assert tel["expert_paths"] == ["cpu+stream"] * 8 and tel["cpu_expert_path"] == "on", tel
         assert tel["cpu_expert_signal"].startswith(signal), tel["cpu_expert_signal"]
         assert all(n > 0 for n in tel["cpu_expert_owned"])
-        shared.replay(eng)
-        got = _script(eng, toks, lend=True, shared=shared)
+        got = _script(eng, toks, lend=True, wrap=Picks(routing, eng, picks))
         errs = _compare(got, want, "cpu path")
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
@@ -280,7 +257,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
             run = eng.experiment
             eng.set_experiment(run.replace(fixed_cut=True))
             m.set_cut(128)
-            _compare(_script(eng, toks, shared=shared), want, "cpu path, cut 128 of 768")
+            _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "cpu path, cut 128 of 768")
             eng.set_experiment(run)
         _record(test="cpu_path", split=split, balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
                 cpu_pairs=tel["cpu_expert_pairs"], owned=tel["cpu_expert_owned"],
@@ -298,7 +275,7 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
         _finish_swaps(eng, toks)
         assert all(moved[lo.index] in lo.expert_slot and moved[lo.index] not in lo.cpu.owned_set
                    for lo in m.layers)
-        _compare(_script(eng, toks, shared=shared), want, "cpu path after re-placement")
+        _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "cpu path after re-placement")
     finally:
         eng.close()
 
@@ -331,7 +308,7 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement):
     if placement == "cpu":
         monkeypatch.setattr(cpu_share.CpuShare, "_split_costs",
                             lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0, 1.0))
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=10, uniform=True)
+    toks, want, codes, others, scratch, _ = _all_in_vram(moe_8l, seed=10, uniform=True)
     budget = others + scratch + codes // 2 + (64 << 20)
     eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement=placement, cpu_threads=4)
     try:
@@ -366,15 +343,13 @@ def test_verify_rows_read_per_row_match_all_in_vram(moe_8l, routing):
     experts read in place per row), graphs captured under that choice; the logits as all in VRAM."""
     from runtime import tuning
     from runtime.tuning import Tuning
-    shared = Shared(routing)
-    toks, want, codes, others, scratch = _all_in_vram(moe_8l, seed=4, shared=shared)
+    toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=4, routing=routing)
     budget = others + scratch + codes // 2 + (64 << 20)
     with tuning.use(Tuning(verify_reads="rows")):
         eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")
         try:
             assert eng.telemetry()["expert_paths"] == ["stream"] * 8
-            shared.replay(eng)
-            _compare(_script(eng, toks, shared=shared), want, "verify reads per row")
+            _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "verify reads per row")
             assert eng.telemetry()["decode_graphs"], eng.telemetry().get("graph_error")
         finally:
             eng.close()

@@ -53,7 +53,7 @@ import torch
 
 from gpu_figures import record as _record, rel as _rel
 from gpu_env import child_env
-from routing_replay import Routing, router_factor
+from routing_replay import Picks, Routing, router_factor
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -113,30 +113,6 @@ def _steps(vocab: int):
         yield "truncate", 73 + keep
         yield "forward", toks[90 + keep:92 + keep]
         yield "forward", [toks[100 + keep]]
-
-
-class Picks:
-    """Wraps each forward of a script: records its picks (`picks`: per forward, per MoE layer (ids, weights)),
-    or gives the picks of `given` and keeps what the engine's routers picked themselves (`own`)."""
-
-    def __init__(self, routing: Routing, eng, given: list | None = None):
-        self.routing, self.eng, self.given = routing, eng, given
-        self.picks: list = []
-        self.own: list = []
-        if given is not None and routing.mode != "replay":
-            routing.mode = "replay"
-            if getattr(eng, "graphs", None) is not None:
-                eng.reset_graphs()         # captured again, with the replay in them
-
-    def __call__(self, i: int, ids: list[int], run):
-        if self.given is not None:
-            self.routing.give(self.eng, self.given[i])
-        out = run()
-        if self.given is None:
-            self.picks.append(self.routing.take(self.eng, len(ids)))
-        else:
-            self.own.append(self.routing.take_own(self.eng, len(ids)))
-        return out
 
 
 def _run(eng, steps, around=None) -> list[torch.Tensor]:
@@ -273,11 +249,11 @@ def _oracle_ahead(oracle):
 _ORACLE_TEST = "test_cuda_matches_the_cpu_engine_eager_and_with_graphs"
 
 
-def _check_routers(own: list, want: Oracle, size: str, what: str) -> None:
+def _check_routers(own: dict, want: Oracle, size: str, what: str) -> None:
     """The CUDA engine's own picks (replaying the CPU's) against the CPU router's under the same history:
     equal except at near ties; its weights over equal picks within the logits' tolerance x router_factor."""
     parted, worst, factor = [], 0.0, router_factor(min(want.spread))
-    for i, (mine, theirs, gaps) in enumerate(zip(own, want.picks, want.gaps)):
+    for i, (mine, theirs, gaps) in enumerate(zip(own.values(), want.picks, want.gaps)):
         for layer, ((ids, w), (cids, cw), gap) in enumerate(zip(mine, theirs, gaps)):
             a, b = ids.long().sort(dim=-1), cids.long().sort(dim=-1)
             same = (a.values == b.values).all(dim=-1)
