@@ -22,15 +22,10 @@
 # (MOEDESK_GPU_MODELS) and removed at the end (KEEP_MODELS=1 keeps them). Each file's process gets a
 # MOEDESK_HOME of its own (module-scoped fixtures load before the tests' own homes are set): no lane reads
 # routing statistics another wrote. Lanes share the CPU's cores too (OMP_NUM_THREADS, below).
-# Seen on the H200 with LANES=2 at 7dc0403 (the near-tie tests sharing picks): gdn_fla, speculative and
-# route_normed whole, no failure; test_exl2_engine 7 of 11 tests in its 200 s, test_dense_gemv 1 of 24 in 60 s
-# (limits raised since); test_mixtral_dbrx alone took 374 s.
-# Seen on the H200 with LANES=4 at 0ccd9f7: tests that compare against a reference without sharing its
-# expert picks (test_exl2_engine's MoE with graphs, the draft-model test) failed, by 3-4e-2 at verify rows; they
-# had passed alone at earlier commits. A likely cause, not confirmed: exllamav2's GEMM adds its K splits with
-# atomics, in an order the GPU's scheduling decides, which other processes change, so near ties of the router
-# part otherwise. A file's failure under lanes is confirmed alone (FILES=...)
-# before it is called a bug.
+# Comparisons that run beside other processes must share expert picks (tests/gpu/routing_replay.py): the GPU's
+# kernels do not sum in the same order run to run, so a router's near tie may part between two runs (what the
+# H200 showed, in lanes and alone: bench/results/gpu-tests-*.log). A file's failure under lanes is confirmed
+# alone (FILES=...) before it is called a bug.
 # Files in $OUT (at most 6):
 #   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
 #                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
@@ -44,13 +39,11 @@ LIMIT=${LIMIT:-540}                       # seconds for the whole script
 TEST_S=${TEST_S:-300}                     # pytest-timeout: one test at most
 PY=${PYTHON:-python3}
 WORK=${WORK:-$(mktemp -d -t gpu-suite.XXXXXX)}
-# file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's expected time on the H200
-# (measured there before the float32 references moved to the GPU, estimated after); a file gets less when
-# the earlier ones overran. All of them take more than one call: GROUP=a, b, c and d split them into
-# calls (a: its files took 371 s on the H200 at d64f1ea; b, c and d ~8 minutes estimated) (partly guessed: a file the call had no time
-# left for is listed "not run"; run it with FILES); FILES (file or file:seconds) overrides both. Group c's
-# Qwen3.5 engine file (estimated 540 s since the MTP head, graphs under offload and the CPU path joined it)
-# goes first: fla's file may be left for a second call (FILES=test_gdn_fla_gpu.py).
+# file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's time on the H200 alone (its logs:
+# bench/results/gpu-*.log); a file gets less when the earlier ones overran (a file the call had no time left for
+# is listed "not run"; run it with FILES). The whole suite takes more than one call: GROUP=a, b, c and d split it
+# into calls of about 8 minutes each, one file at a time; FILES (file or file:seconds) overrides both. Group c's
+# Qwen3.5 engine file goes first: fla's file may be left for a second call (FILES=test_gdn_fla_gpu.py).
 GROUP_A="test_reference_gpu.py:60 test_exl2_gpu.py:90 test_layer_hooks_gpu.py:45 test_convert_gpu.py:120
 test_load_repack_gpu.py:60 test_exl2_engine.py:300 test_out_of_memory_gpu.py:60 test_speculative_gpu.py:120
 test_warmup_gpu.py:300 test_route_normed_gpu.py:90"
