@@ -8,12 +8,16 @@ from __future__ import annotations
 import torch
 
 
-def router_view(layer, spec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """A reference MoE layer's router on its input h [T, H]: its own top-k experts (int64 [T, k], sorted), its
-    k-th minus (k+1)-th logit (float32 [T]) and its logits' standard deviation over rows and experts."""
-    logits = torch.nn.functional.linear(h.float(), layer.router)
-    top = torch.topk(logits, spec.top_k + 1, dim=-1)
+def logit_view(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Router logits [T, E] -> the top-k experts (int64 [T, k], sorted), the k-th minus (k+1)-th logit
+    (float32 [T]) and the logits' standard deviation over rows and experts."""
+    top = torch.topk(logits, top_k + 1, dim=-1)
     return top.indices[:, :-1].sort(dim=-1).values, top.values[:, -2] - top.values[:, -1], float(logits.std())
+
+
+def router_view(layer, spec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A reference MoE layer's router on its input h [T, H]: `logit_view` of its logits."""
+    return logit_view(torch.nn.functional.linear(h.float(), layer.router), spec.top_k)
 
 
 def router_gaps(ref, module, tokens) -> torch.Tensor:

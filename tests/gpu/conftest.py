@@ -183,6 +183,16 @@ def tiny_dense(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def routing(monkeypatch):
+    """The MoE layers' picks, recorded or replayed (routing_replay.Routing), for one test: installed before
+    the test's engines load (graphs captured at load hold its copies)."""
+    from routing_replay import Routing
+    r = Routing(monkeypatch)
+    yield r
+    r.undo()
+
+
+@pytest.fixture
 def references(moe_2l, dense_2l, llama_2l):
     """kind -> the float32 reference, on the GPU (the CPU's weights and arithmetic there, without TF32);
     closed after the test, its VRAM given back."""

@@ -75,7 +75,7 @@ class Routing:
             bi[:T].copy_(ids)
             bw[:T].copy_(w)
         else:
-            oi, ow = self.own[gate_w.data_ptr()]
+            oi, ow = self.own[key]
             oi[:T].copy_(ids)
             ow[:T].copy_(w)
             ids.copy_(bi[:T])

@@ -34,14 +34,6 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))      # routing statistics go here
 
 
-@pytest.fixture
-def routing(monkeypatch):
-    """Installed before the test's engines load (graphs captured at load hold its copies)."""
-    r = Routing(monkeypatch)
-    yield r
-    r.undo()
-
-
 def _load(path, **off):
     from runtime.backends import exl2
     opts = LoadOptions(offload=OffloadOptions(context_length=512, **off))

@@ -53,8 +53,9 @@ import torch
 
 from gpu_figures import record as _record, rel as _rel
 from gpu_env import child_env
-from routing_replay import Picks, Routing, router_factor
+from routing_replay import Picks, router_factor
 from runtime.options import LoadOptions, OffloadOptions
+from tests.router_ties import logit_view
 
 pytestmark = pytest.mark.gpu
 TOL = 2e-2              # fp16 activations and exllamav2's fp16 GEMM against float32
@@ -83,14 +84,6 @@ def models(synthetic):
         return synthetic(f"{name}-{layers}l-every{every}-3.0bpw-s1",
                          lambda out: synth.write_synthetic(shape, 3.0, out, seed=1))
     return get
-
-
-@pytest.fixture
-def routing(monkeypatch):
-    """Installed before the test's engines load (graphs captured at load hold its copies)."""
-    r = Routing(monkeypatch)
-    yield r
-    r.undo()
 
 
 def _load(path, device="cuda", **kw):
@@ -173,10 +166,8 @@ class CpuRouters:
         r = self.real(x, gate_w, top_k, renormalize)
         calls = getattr(self.local, "calls", None)
         if calls is not None:
-            logits = x.float() @ gate_w.float().T
-            top = torch.topk(logits, top_k + 1, dim=-1).values
-            calls.append((gate_w.data_ptr(), r.ids.to(torch.int32).cpu(), r.weights.float().cpu(),
-                          (top[:, -2] - top[:, -1]).cpu(), float(logits.std())))
+            _, gap, spread = logit_view(x.float() @ gate_w.float().T, top_k)
+            calls.append((gate_w.data_ptr(), r.ids.to(torch.int32).cpu(), r.weights.float().cpu(), gap.cpu(), spread))
         return r
 
     @contextmanager
