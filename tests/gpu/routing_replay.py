@@ -114,7 +114,7 @@ class Routing:
             raise RuntimeError("routing_replay: a followed router inside a graph capture")
         calls = self.followed[key]
         if self.mode == "record":
-            calls.append((ids.to(torch.int32).cpu(), w.float().cpu()))
+            calls.append((ids.to("cpu", torch.int32, copy=True), w.to("cpu", torch.float32, copy=True)))
             return ids, w
         i = self.cursor[key]
         if i >= len(calls):
@@ -130,7 +130,7 @@ class Routing:
         out = []
         for m in engine.moe:
             bi, bw = self._buffers(m.experts.gate_w, m.experts.top_k)
-            out.append((bi[:rows].cpu(), bw[:rows].cpu()))
+            out.append((bi[:rows].to("cpu", copy=True), bw[:rows].to("cpu", copy=True)))
         return out
 
     def take_own(self, engine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,7 +139,7 @@ class Routing:
         for m in engine.moe:
             self._buffers(m.experts.gate_w, m.experts.top_k)
             oi, ow = self.own[m.experts.gate_w.data_ptr()]
-            out.append((oi[:rows].cpu(), ow[:rows].cpu()))
+            out.append((oi[:rows].to("cpu", copy=True), ow[:rows].to("cpu", copy=True)))
         return out
 
     def give(self, engine, picks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -150,6 +150,13 @@ class Routing:
                 bi, bw = self._buffers(m.experts.gate_w, m.experts.top_k)
                 bi[:ids.shape[0]].copy_(ids)
                 bw[:w.shape[0]].copy_(w)
+                self.own[m.experts.gate_w.data_ptr()][0][:ids.shape[0]].fill_(-1)   # until its router runs (`missed`)
+
+    def missed(self, engine, rows: int) -> list[int]:
+        """After a forward that `give` prepared: the MoE layers whose router never ran through the replay
+        (their own picks still read -1), so never took the picks given: a replay that did not hold."""
+        return [i for i, m in enumerate(engine.moe)
+                if bool((self.own[m.experts.gate_w.data_ptr()][0][:rows] < 0).any())]
 
 
 class Picks:
@@ -176,6 +183,8 @@ class Picks:
         if self.given is None:
             self.picks[key] = self.routing.take(self.engine, len(tokens))
         else:
+            missed = self.routing.missed(self.engine, len(tokens))
+            assert not missed, f"{key}: MoE layers {missed} did not take the picks given (the replay did not hold)"
             self.own[key] = self.routing.take_own(self.engine, len(tokens))
         return out
 

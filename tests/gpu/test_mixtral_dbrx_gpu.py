@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from gpu_figures import record as _record, rel as _rel
-from routing_replay import Routing, compare_with_reference
+from routing_replay import Picks, Routing, compare_with_reference
 from test_exl2_engine import _tol
 from runtime.options import LoadOptions, OffloadOptions
 
@@ -157,17 +157,12 @@ def _vs_reference_both(kind, size, path, ref):
 
 def _script(eng, toks, routing: Routing, picks: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The checks' outputs and the picks each forward made: recorded (picks None), or replayed from another
-    engine's (graphs captured again with the replay in them)."""
-    out, made = {}, {}
-    if picks is not None:
-        routing.mode = "replay"
-        eng.reset_graphs()
+    engine's (graphs captured again with the replay in them; every layer must take them: `Picks`)."""
+    rec = Picks(routing, eng, picks)
+    out = {}
 
     def forward(key, tokens):
-        if picks is not None:
-            routing.give(eng, picks[key])
-        out[key] = eng.forward(tokens)
-        made[key] = routing.take(eng, len(tokens))
+        out[key] = rec(key, tokens, lambda: eng.forward(tokens))
     eng.reset()
     forward("prefill_40", toks[:40])
     for i in range(40, 44):
@@ -178,10 +173,7 @@ def _script(eng, toks, routing: Routing, picks: dict | None = None) -> tuple[dic
     forward("rows_24", toks[44:68])
     eng.truncate(44)
     forward("decode_after_rollback", [toks[44]])
-    if picks is not None:
-        for key, p in picks.items():              # the replay held: every layer took the picks given
-            assert all(torch.equal(a[0], b[0]) for a, b in zip(made[key], p)), f"{key}: the replay did not hold"
-    return {k: v.float().cpu() for k, v in out.items()}, made
+    return {k: v.float().cpu() for k, v in out.items()}, rec.picks
 
 
 def _compare(got, want, label, size):
