@@ -545,9 +545,15 @@ def test_a_trial_s_end_frees_the_cpu_copies_it_set_aside(slow_pcie):
 
 
 def test_no_expert_worth_the_cpu_at_real_overheads():
+    from runtime.backends.exl2_offload import OffloadSetup, cpu_path_applied
     m = _manager()                                               # tiny experts: 30 us of overhead wins
     m.apply([[0], [1]])
     assert not m.cpu_active and "no cold expert is worth the CPU" in m.cpu_reason
+    setup = OffloadSetup(m.vram, MemoryBudget(1 << 30, "RAM"), None, "cpu", False, {})
+    cpu_path_applied(setup, m)
+    assert setup.applied["offload.placement"] == (
+        f"ignored: no layer computes experts on the CPU ({m.cpu_reason}); cold experts are read from host RAM "
+        "by the GPU ('stream')")
 
 
 def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
@@ -568,6 +574,10 @@ def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
         cpu_path_applied(setup, m)
         assert setup.applied["offload.cpu_threads"].startswith(want), setup.applied
         assert setup.applied["offload.placement"].startswith(want if policy == "cpu" else "applied")
+        # where it is ignored, cold experts are named only where there are some
+        cold = any(len(keep) < 8 for keep in layout)
+        assert ("cold experts are read from host RAM" in setup.applied["offload.placement"]) == \
+            (cold and policy == "cpu" and want == "ignored"), setup.applied
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
