@@ -1046,10 +1046,8 @@ def test_the_cpu_rate_is_measured_within_its_time_cap(monkeypatch):
         _time.sleep(0.02)
 
     monkeypatch.setattr(cpath.CpuPath, "run_host", slow)
-    t0 = _time.perf_counter()
     bps = cpath.cpu_bytes_per_s(packs, list(range(E)), 1, threads=1, repeats=1000, cap_s=0.1)
-    took = _time.perf_counter() - t0
-    assert took < 1.0 and len(calls) < 30, (took, len(calls))      # 2 x 1000 x E calls uncapped
+    assert len(calls) < 30, len(calls)                            # 2 x 1000 x E calls uncapped
     assert bps > 0
     cpath._THROUGHPUT.clear()
 

@@ -93,7 +93,9 @@ def test_idle_work_runs_between_commands_and_yields_within_one_step():
     engine = w.engine = IdleEngine(left=1000)
     serving = threading.Thread(target=w.serve, daemon=True)
     serving.start()
-    time.sleep(0.3)
+    deadline = time.time() + 5
+    while engine.done < 3 and time.time() < deadline:
+        time.sleep(0.01)
     assert engine.done >= 3                                       # idle: the engine works ahead
     w.on_line(P.encode(P.Unload(request_id="u")))                 # queued when on_line returns
     t0 = time.perf_counter()
@@ -101,7 +103,8 @@ def test_idle_work_runs_between_commands_and_yields_within_one_step():
     while not any(isinstance(e, P.Unloaded) for _, e in out.events) and time.time() < deadline:
         time.sleep(0.005)
     assert any(isinstance(e, P.Unloaded) for _, e in out.events)
-    assert sum(t > t0 for t in engine.starts) == 0                # no step started once the command waited
+    # the command waited for one step at most: the one the worker may have begun just as it was queued
+    assert sum(t > t0 for t in engine.starts) <= 1, [t - t0 for t in engine.starts if t > t0]
     assert engine.closed and engine.left > 0
     w.on_line(P.encode(P.Shutdown()))
     serving.join(5)
