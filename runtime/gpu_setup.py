@@ -491,7 +491,7 @@ def build(progress: ProgressFn = lambda done, total, line: None, archs: Optional
     lines: list[str] = []
     log = build_dir / "build.log"
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.gpu_setup", "--child"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.gpu_setup", "--child", str(build_dir / EXT)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 encoding="utf-8", errors="replace")
         (build_dir / "building.pid").write_text(str(proc.pid), encoding="utf-8")
@@ -514,9 +514,12 @@ def build(progress: ProgressFn = lambda done, total, line: None, archs: Optional
     return module, time.perf_counter() - t0
 
 
-def _child() -> int:
-    """In the build's own process: exllamav2's JIT build, with torch's verbose output (ninja's lines)."""
+def _child(folder: Path) -> int:
+    """In the build's own process: exllamav2's JIT build in `folder` (its build lock held: a stopped
+    earlier build's baton is no wait), with torch's verbose output (ninja's lines)."""
     import torch.utils.cpp_extension as cpp_extension
+
+    from runtime.build_lock import one_build
     load = cpp_extension.load
 
     def verbose_load(*args, **kwargs):
@@ -525,7 +528,10 @@ def _child() -> int:
 
     cpp_extension.load = verbose_load        # exllamav2.ext calls it at import, with verbose=False
     try:
-        import exllamav2.ext
+        with one_build(folder) as stale:
+            if stale:
+                print(f"removed the lock of a build that was stopped before it finished ({folder})", flush=True)
+            import exllamav2.ext
     except Exception as e:       # the compiler's output is above; a traceback would push it out of the tail
         last = [line for line in str(e).splitlines() if line.strip()][-1:] or [""]
         print(f"error: {type(e).__name__}: {last[0]}", flush=True)
@@ -534,16 +540,17 @@ def _child() -> int:
     return 0
 
 
-def prepare_import(archs: Optional[Sequence[str]] = None) -> bool:
-    """Before the worker imports exllamav2: True when a built extension will be imported (prebuilt, or this
-    machine's cached build, put on sys.path); else exllamav2's own JIT build is pointed at the cache and the
-    toolchain, and will build at import (the slow fallback)."""
+def prepare_import(archs: Optional[Sequence[str]] = None) -> tuple[bool, Optional[Path]]:
+    """Before the worker imports exllamav2: (True, None) when a built extension will be imported (prebuilt,
+    or this machine's cached build, put on sys.path); else exllamav2's own JIT build is pointed at the cache
+    and the toolchain, and will build at import (the slow fallback): (False, the folder it builds in, whose
+    lock the importer holds: runtime/build_lock.py), the folder None where no toolchain was found."""
     if prebuilt_importable():
-        return True
+        return True, None
     status = kernel_status(archs)
     if status.state == "cached":
         sys.path.insert(0, str(status.build_dir / EXT))
-        return True
+        return True, None
     if status.build_dir is not None and status.toolchain is not None:
         status.build_dir.mkdir(parents=True, exist_ok=True)
         env = build_environment(cuda_home_for(status.toolchain), status.build_dir, archs or gpu_archs())
@@ -553,10 +560,11 @@ def prepare_import(archs: Optional[Sequence[str]] = None) -> bool:
         cpp_extension = sys.modules.get("torch.utils.cpp_extension")
         if cpp_extension is not None:       # imported already (the CPU expert kernel): it read CUDA_HOME then
             cpp_extension.CUDA_HOME = env["CUDA_HOME"]
-    return False
+        return False, status.build_dir / EXT
+    return False, None
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--child"]:                     # the build's own process, started by build()
-        sys.exit(_child())
+    if sys.argv[1:2] == ["--child"] and len(sys.argv) == 3:     # the build's own process, started by build()
+        sys.exit(_child(Path(sys.argv[2])))
     sys.exit("usage: moedesk-cli setup-gpu [--check] [--arch-list LIST] [--json]")

@@ -252,7 +252,7 @@ def test_prepare_import_puts_the_cached_build_first_on_sys_path(machine, monkeyp
     build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
     touch(build_dir / "exllamav2_ext" / "exllamav2_ext.so")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    assert g.prepare_import(["9.0"]) is True
+    assert g.prepare_import(["9.0"]) == (True, None)
     assert sys.path[0] == str(build_dir / "exllamav2_ext")
 
 
@@ -262,8 +262,8 @@ def test_prepare_import_points_the_fallback_jit_build_at_the_cache(machine, monk
     monkeypatch.setattr(g, "wheel_toolchain", lambda: g.Toolchain("wheels", cu, "13.0.88", (cu,)))
     for name in ("CUDA_HOME", "CUDA_PATH", "PATH", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST"):
         monkeypatch.setenv(name, "was-set")
-    assert g.prepare_import(["9.0"]) is False
     build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
+    assert g.prepare_import(["9.0"]) == (False, build_dir / "exllamav2_ext")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)
     home = g.kernels_root() / "cuda-home-13.0.88"
     assert os.environ["CUDA_HOME"] == str(home) and "CUDA_PATH" not in os.environ and not g.missing_pieces(home)
@@ -277,10 +277,12 @@ def test_a_failed_build_leaves_its_log_and_raises_with_the_last_lines(machine, m
     build here) refuses, and the failure comes back as the compiler's last lines, kept in failed.log."""
     cu = cu13_wheels(machine / "site")
     monkeypatch.setattr(g, "wheel_toolchain", lambda: g.Toolchain("wheels", cu, "13.0.88", (cu,)))
+    build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
+    touch(build_dir / "exllamav2_ext" / "lock")          # torch's baton from a build stopped midway: no wait
     seen = []
     with pytest.raises(g.KernelBuildError) as info:
         g.build(lambda d, t, line: seen.append((d, t)), ["9.0"])
-    build_dir = g.kernels_root() / g.cache_key("0.3.2", TORCH_13, ["9.0"])
+    assert "removed the lock of a build that was stopped" in (build_dir / "build.log").read_text()
     assert info.value.message.startswith("Could not build the GPU kernels") and info.value.detail
     assert info.value.detail.splitlines()[-1] in (build_dir / "failed.log").read_text()
     assert not (build_dir / "building.pid").exists()
@@ -338,9 +340,11 @@ def test_the_cuda_backend_imports_the_cached_build_and_reports_a_failed_fallback
         def __getattr__(self, name):
             raise RuntimeError("Error building extension 'exllamav2_ext'\nq_gemm.cu(12): error: boom")
     monkeypatch.setitem(sys.modules, "exllamav2.ext", FailingExt("exllamav2.ext"))
+    touch(build_dir / "exllamav2_ext" / "lock")          # torch's baton, left by a build stopped midway
     steps.clear()
     with pytest.raises(EngineError) as info:
         exl2.build_kernels(lambda stage, text, done, total: steps.append(text))
+    assert not (build_dir / "exllamav2_ext" / "lock").exists()       # the import ran under the build lock
     assert steps == ["Building GPU kernels, one time"]
     assert isinstance(info.value, KernelBuildFailed) and info.value.detail.endswith("error: boom")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(build_dir)

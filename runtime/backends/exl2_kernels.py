@@ -3,11 +3,13 @@ exists) and its quantized GEMM's autotuning run to the end, so neither happens i
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
 import torch
 
+from runtime.build_lock import one_build
 from runtime.engine import ProgressFn
 from runtime.errors import KernelBuildFailed
 
@@ -20,11 +22,12 @@ def build_kernels(progress: ProgressFn) -> float:
     from runtime.paths import cache_dir
     triton_cc.prepare(cache_dir())       # a C compiler for Triton's launchers where the machine has none
     archs = gpu_setup.gpu_archs()
-    cached = gpu_setup.prepare_import(archs)
+    cached, folder = gpu_setup.prepare_import(archs)
     progress("kernels", "Loading GPU kernels" if cached else "Building GPU kernels, one time", 0, 1)
     t0 = time.perf_counter()
     try:
-        from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
+        with one_build(folder) if folder is not None else contextlib.nullcontext():   # a stopped build's lock
+            from exllamav2.ext import exllamav2_ext  # noqa: F401  (compiles on first import)
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] not in ("exllamav2", "exllamav2_ext"):
             # a package exllamav2 imports is missing from this install (not a build problem)

@@ -188,6 +188,17 @@ def build_kernel_in_background() -> None:
     threading.Thread(target=build, name="cpu-expert-kernel-build", daemon=True).start()
 
 
+def kernel_folder(name: str):
+    """Where the kernel `name` is built: under torch's extension root, one folder per Python and torch build
+    (a module built against another torch must not be imported)."""
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import get_default_build_root
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path(get_default_build_root()) / f"moedesk-{py}-torch{torch.__version__}" / name
+
+
 def load_kernel():
     """Build (once, cached by torch) and import the C++ kernel; raises CpuExpertsError saying why not."""
     if _EXT is not None:                  # built: no lock (called before every forward with the CPU path)
@@ -207,12 +218,15 @@ def _load_kernel():
         else:
             try:
                 from torch.utils.cpp_extension import load
+                from runtime.build_lock import one_build
                 src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
                 march = tuning.current().cpu_kernel_march                     # e.g. haswell: AVX2 only
-                _EXT = load(name="moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_")),
-                            sources=[src], verbose=False,
-                            extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17", "-fopenmp"],
-                            extra_ldflags=["-fopenmp"])
+                name = "moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_"))
+                with one_build(kernel_folder(name)):             # (a stopped earlier build left no wait behind)
+                    _EXT = load(name=name, sources=[src], build_directory=str(kernel_folder(name)), verbose=False,
+                                extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17",
+                                              "-fopenmp"],
+                                extra_ldflags=["-fopenmp"])
             except Exception as e:                          # compiler errors, missing headers
                 _EXT_ERROR = f"building the EXL2 CPU kernel failed: {str(e).strip()[-2000:]}"
     if _EXT is None:
