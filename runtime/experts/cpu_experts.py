@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -188,11 +189,10 @@ def build_kernel_in_background() -> None:
     threading.Thread(target=build, name="cpu-expert-kernel-build", daemon=True).start()
 
 
-def kernel_folder(name: str):
+def kernel_folder(name: str) -> Path:
     """Where the kernel `name` is built: under torch's extension root, one folder per Python and torch build
     (a module built against another torch must not be imported)."""
     import sys
-    from pathlib import Path
 
     from torch.utils.cpp_extension import get_default_build_root
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
@@ -222,8 +222,9 @@ def _load_kernel():
                 src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
                 march = tuning.current().cpu_kernel_march                     # e.g. haswell: AVX2 only
                 name = "moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_"))
-                with one_build(kernel_folder(name)):             # (a stopped earlier build left no wait behind)
-                    _EXT = load(name=name, sources=[src], build_directory=str(kernel_folder(name)), verbose=False,
+                folder = kernel_folder(name)
+                with one_build(folder):                          # (a stopped earlier build left no wait behind)
+                    _EXT = load(name=name, sources=[src], build_directory=str(folder), verbose=False,
                                 extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17",
                                               "-fopenmp"],
                                 extra_ldflags=["-fopenmp"])
