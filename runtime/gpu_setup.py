@@ -312,13 +312,19 @@ def built_module(build_dir: Path) -> Optional[Path]:
 
 
 def build_running(build_dir: Path) -> bool:
-    """A build of this key is running now (its process id is in building.pid and alive)."""
+    """A build of this key is running now: building.pid names a live process, and that process is a build
+    child (`-m runtime.gpu_setup --child`). A file left by a build whose parent was stopped may name, after
+    a restart, another program that got the number: that one is not building."""
     try:
         pid = int((build_dir / "building.pid").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     import psutil
-    return psutil.pid_exists(pid)
+    try:
+        command = psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError):                 # gone, or another user's
+        return False
+    return "runtime.gpu_setup" in command and "--child" in command
 
 
 def prebuilt_importable() -> bool:

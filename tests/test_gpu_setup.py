@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -233,9 +234,18 @@ def test_kernel_states(machine, monkeypatch):
     monkeypatch.setattr(g, "find_compiler", lambda: None)
     assert g.kernel_status(["8.9"]).state == "no_compiler"
     monkeypatch.setattr(g, "find_compiler", lambda: "/usr/bin/c++")
-    touch(st.build_dir / "building.pid", str(os.getpid()))
-    assert g.kernel_status(["8.9"]).state == "building"
-    (st.build_dir / "building.pid").write_text("999999999")                   # a build that died
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "runtime.gpu_setup",
+                              "--child", str(st.build_dir / "exllamav2_ext")])      # a build child, as ps sees it
+    try:
+        touch(st.build_dir / "building.pid", str(child.pid))
+        assert g.kernel_status(["8.9"]).state == "building"
+    finally:
+        child.kill()
+        child.wait()
+    assert g.kernel_status(["8.9"]).state == "buildable"                   # the build died
+    (st.build_dir / "building.pid").write_text(str(os.getpid()))           # its number, taken by another program
+    assert g.kernel_status(["8.9"]).state == "buildable"
+    (st.build_dir / "building.pid").write_text("999999999")
     assert g.kernel_status(["8.9"]).state == "buildable"
     touch(st.build_dir / "failed.log", "\n".join(f"l{i}" for i in range(40)) + "\nfatal error: x.h: No such file\n")
     failed = g.kernel_status(["8.9"])
