@@ -166,15 +166,7 @@ def test_offload_matches_all_in_vram(moe_8l, routing):
 
 def test_forced_mixed_placement_and_new_budget(moe_8l, routing):
     """place_experts (any residency) and set_vram_budget (the load-time planner again) keep logits."""
-    toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(6)).tolist()
-    ref, _ = _load(moe_8l)
-    try:
-        rec = Picks(routing, ref)
-        want = _script(ref, toks, wrap=rec)
-        picks = rec.picks
-    finally:
-        ref.close()
-    routing.reset()
+    toks, want, *_, picks = _all_in_vram(moe_8l, seed=6, routing=routing)
     eng, _ = _load(moe_8l, vram_budget_gb=100.0, placement="stream")
     try:
         assert eng.telemetry()["expert_path_counts"] == {"vram": 8}        # everything fits
