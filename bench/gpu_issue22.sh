@@ -26,6 +26,8 @@
 # MIXTRAL_BUDGETS=24 measures Mixtral at 24 GB only; MIXTRAL_BENCH_S is the least time the step starts with (300 by
 # default). On the H200 that run took more than 248 s: load 133 s, calibration 18 s, choosing the expert path 74 s,
 # then killed before its decode figures; give it 420 s and a call of its own (after the synth's ~65 s).
+# PROFILE=DIR writes a profiler table of 16 decode steps per budget there (bench.offload --profile): which kernels
+# the decode time goes to, for what bounds a figure.
 # MIXTRAL=0 or DBRX=0 leaves that model's steps out; DONE="mixtral-bench dbrx-bench" counts those steps as
 # done (a fresh machine has no markers: steps an earlier session's machine finished). Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
@@ -59,7 +61,8 @@ bench_offload() {   # model dir, label, budgets
     local model=$1 label=$2 budgets=$3
     timeout $(( $(left) - 5 )) $PY -m bench.offload --model "$model" --label "$label" --bpw 3.0 \
         --budgets "$budgets" --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 \
-        --prefetch-modes "" --placement auto --out bench/results 2>&1 | tee -a "$OUT/gpu_issue22.log"
+        --prefetch-modes "" --placement auto ${PROFILE:+--profile "$PROFILE"} --out bench/results 2>&1 \
+        | tee -a "$OUT/gpu_issue22.log"
     local rc=${PIPESTATUS[0]} f
     log "offload benchmark $label: exit $rc"
     f=$(ls -t bench/results/offload-"$label"-*.json 2>/dev/null | head -1)
