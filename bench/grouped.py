@@ -9,8 +9,10 @@ expert count. Needs a CUDA device.
     python -m bench.grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
         [--configs 16,64,64,64,4,0 16,128,128,64,8,0 ...] [--json OUT]
 
-Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), relative difference to the
-first shape. The default shape (MOEDESK_GROUPED unset) is always measured first. `--orders` says how the
+Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), GB/s of expert weights (the
+codes and scales of the experts the rows picked, each counted once: at a few rows, where the split-K GEMVs
+run, read once per (row, expert) pair, the rate to hold against the HBM's), relative difference to the
+first shape. `--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line). The default shape (MOEDESK_GROUPED unset) is always measured first. `--orders` says how the
 kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered" through each
 projection's permutation per tile (as before the orders were used; the same layer as "layer"), "layer"
 one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
@@ -78,6 +80,11 @@ def with_order(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, order: s
     return w1, w3, w2, kernels.InputOrder() if order == "gathered" else kernels.input_order(w1, w3, w2)
 
 
+def _expert_bytes(p: PackedExperts) -> int:
+    """One expert's codes and scales of this projection, in bytes."""
+    return p.words_per_expert * 4 + p.scales[0].numel() * p.scales.element_size()
+
+
 def _time(fn, reps: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -111,10 +118,14 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
     ids = torch.rand(rows, s.experts, device="cuda", generator=gen).topk(s.experts_per_token, dim=1).indices
     w = torch.full((rows, s.experts_per_token), 1.0 / s.experts_per_token, device="cuda")
     flops = rows * s.experts_per_token * 6 * s.hidden * s.expert_intermediate
+    weight_bytes = ids.unique().numel() * sum(_expert_bytes(p) for p in (w1, w3, w2))
     before, out = tuning.current().grouped, []
     weights = "expert" if order_name == "expert" else "layer"
     ref = refs.get(weights)
-    for text in [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]:
+    shapes = [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]
+    if rows * s.experts_per_token <= tuning.current().gemv_max_pairs:
+        shapes = shapes[:1]                            # the split-K GEMVs: no grouped launch shape applies
+    for text in shapes:
         g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
         try:
             with tuning.use(tuning.with_changes(grouped=g)):
@@ -126,12 +137,12 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
             continue
         diff = 0.0 if ref is None else ((y - ref).abs().max() / ref.abs().max()).item()
         r = {"order": order_name, "config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9,
-             "rel_diff": diff}
+             "weights_gb_s": weight_bytes / ms / 1e6, "rel_diff": diff}
         if ref is None:
             ref = refs[weights] = y
         out.append(r)
         say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
-            f"diff {diff:.1e}")
+            f"{r['weights_gb_s']:7.0f} GB/s of weights  diff {diff:.1e}")
     return out
 
 

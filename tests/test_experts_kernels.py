@@ -256,3 +256,13 @@ def test_cpu_share_mask_refuses_bad_arguments():
         cpu_share_mask(torch.zeros(2, 2, dtype=torch.int32), owned, resident, 512, out)
     with pytest.raises(ValueError, match="share 2000 outside 0..1024"):
         cpu_share_mask(torch.zeros(1, 2, dtype=torch.int32), owned, resident, 2000, out)
+
+
+def test_the_grouped_benchmark_counts_each_experts_codes_and_scales():
+    """bench.grouped's GB/s: one expert's bytes of a projection are its int32 code words and its fp16 scales."""
+    from bench.check_experts import random_layer
+    from bench.grouped import _expert_bytes
+    la = random_layer(4, 64, 96, 2, 4, "cpu")
+    for p in (la.w1, la.w3, la.w2):
+        want = p.qweight[0].numel() * 4 + (p.in_features // p.group) * p.out_features * 2
+        assert _expert_bytes(p) == want > 0
