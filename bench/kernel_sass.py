@@ -1,0 +1,181 @@
+"""Static cost of the decode expert kernels: the split-K GEMVs (`_gate_up_splitk`, `_down_splitk`) compiled for a
+GPU on any machine, no GPU needed (Triton's own ptxas and cuobjdump), and their K loop's machine instructions
+counted per weight.
+
+    python -m bench.kernel_sass [--shape mixtral-8x22b] [--bits 3] [--group 128] [--arch 90]
+        [--bn 64] [--ksplit 4] [--warps 4] [--json OUT]
+
+Why: a GEMV that reads its weights far below the HBM's rate while the GPU is busy is bound by issuing
+instructions, not by memory. Each of an SM's four schedulers issues at most one warp instruction per clock,
+so a loop of L instructions over W weights per thread per pass costs L / W thread-instructions per weight, and
+the kernel cannot beat SMs x 4 x 32 x clock / (L / W) weights per second, however fast the memory. The
+Mixtral-8x22B decode step on the H200 (3 bits; bench/results/offload-mixtral-8x22b-130gb-*-profile.txt) spent
+14.6 of its 18.2 ms of kernels in these two GEMVs, reading 12.7 GB of expert weights: 0.87 TB/s of a 4.3 TB/s
+HBM. This tool shows the reason without a GPU, and tells a kernel change's effect on that bound before any
+device time is spent on it.
+
+Per kernel: the loop's instructions, the weights each thread handles per pass (BK x BN, gate and up both for
+the first kernel, over the warps' threads), instructions per weight, barriers per pass (layout changes through
+shared memory), and the loop's most frequent instructions. The K tile is what the engine uses: the scale
+group, at most 128 rows. Launch shapes (BN, KSPLIT, warps) are timed on the GPU at load; give the ones to study.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+KERNELS = ("gate_up", "down")
+_POINTERS = {
+    "gate_up": {"x_ptr": "*fp16", "ids_ptr": "*i32", "skip_ptr": "*u8", "cut_ptr": "*i32", "q1": "*i32",
+                "o1": "*i64", "s1": "*fp16", "p1": "*i32", "q3": "*i32", "o3": "*i64", "s3": "*fp16",
+                "p3": "*i32", "gu_ptr": "*fp32", "P": "i32"},
+    "down": {"gu_ptr": "*fp32", "ids_ptr": "*i32", "skip_ptr": "*u8", "cut_ptr": "*i32", "rw_ptr": "*fp32",
+             "q2": "*i32", "o2": "*i64", "s2": "*fp16", "p2": "*i32", "out_ptr": "*fp32", "P": "i32"},
+}
+# one SASS instruction line: /*0a90*/ [@P0 |@!P1 ] OPCODE[.MODIFIERS] operands ;
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+@dataclass
+class LoopCost:
+    kernel: str
+    K: int
+    N: int
+    bits: int
+    bk: int
+    bn: int
+    ksplit: int
+    warps: int
+    loop_instructions: int
+    weights_per_thread: int
+    instructions_per_weight: float
+    barriers_per_pass: int
+    top: dict
+
+
+def _tools() -> tuple[str, str]:
+    """Triton's bundled ptxas (it compiles) and cuobjdump (it disassembles); a clear error without them."""
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump = os.path.join(bin_dir, "cuobjdump")
+    if not os.path.exists(cuobjdump) or not os.path.exists(os.path.join(bin_dir, "ptxas")):
+        raise RuntimeError(f"Triton's NVIDIA tools (ptxas, cuobjdump) are not in {bin_dir}: this Triton "
+                           "cannot compile for an NVIDIA GPU here")
+    return bin_dir, cuobjdump
+
+
+def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
+                   warps: int, arch: int) -> bytes:
+    """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from runtime.experts import triton_kernels as tk
+    if kernel == "gate_up":
+        fn = tk._gate_up_splitk
+        const = dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn, KSPLIT=ksplit,
+                     SKIP=False)
+    elif kernel == "down":
+        fn = tk._down_splitk
+        const = dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit, SKIP=False,
+                     ORDERED=True)
+    else:
+        raise ValueError(f"kernel: one of {', '.join(KERNELS)}, got {kernel!r}")
+    names = fn.arg_names
+    sig = {n: _POINTERS[kernel].get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, line) of every instruction in the cubin."""
+    _, cuobjdump = _tools()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2), m.group(0)) for m in _INSTRUCTION.finditer(out)]
+
+
+def main_loop(code: list[tuple[int, str, str]], passes: int) -> list[tuple[int, str, str]]:
+    """The longest backward branch's body: the K loop (the only loop of these kernels) of `passes` passes."""
+    best: list = []
+    for addr, op, line in code:
+        m = _BRANCH.search(line) if op == "BRA" else None
+        if m and m.group(1) is not None and int(m.group(1), 16) < addr:
+            body = [c for c in code if int(m.group(1), 16) <= c[0] <= addr]
+            if len(body) > len(best):
+                best = body
+    if not best:
+        raise RuntimeError(f"no loop in the kernel's machine code: the compiler unrolled its "
+                           f"{passes} pass{'es' if passes != 1 else ''} (K / (K tile x KSPLIT)); a shape with a longer K or a larger KSPLIT keeps the loop")
+    return best
+
+
+def loop_cost(kernel: str, K: int, N: int, bits: int, group: int, bn: int, ksplit: int, warps: int,
+              arch: int = 90) -> LoopCost:
+    bk = min(128, group)
+    if K % (bk * ksplit):
+        raise ValueError(f"{kernel}: K {K} is not a whole number of {ksplit} slices of {bk}-row tiles")
+    body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch)),
+                     K // (bk * ksplit))
+    ops = collections.Counter(op for _, op, _ in body)
+    weights = (2 if kernel == "gate_up" else 1) * bk * bn // (32 * warps)
+    return LoopCost(kernel, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
+                    ops["BAR"], dict(ops.most_common(10)))
+
+
+def run(shape: str, bits: int, group: int, bn: int, ksplit: int, warps: int, arch: int) -> list[LoopCost]:
+    from runtime.exl2.shapes import SHAPES
+    s = SHAPES[shape]
+    if not s.is_moe:
+        raise ValueError(f"shape {shape!r} is not an MoE shape")
+    h, i = s.hidden, s.expert_intermediate
+    return [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch),
+            loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from runtime.exl2.shapes import SHAPES
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_sass", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="mixtral-8x22b")
+    p.add_argument("--bits", type=int, default=3, choices=(2, 3, 4, 8), help="stored bits per code")
+    p.add_argument("--group", type=int, default=128, help="rows per scale group (the K tile: at most 128 of them)")
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    p.add_argument("--bn", type=int, default=64)
+    p.add_argument("--ksplit", type=int, default=4)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.shape not in SHAPES or not SHAPES[a.shape].is_moe:
+        p.error(f"unknown MoE shape {a.shape!r}; choose from {sorted(k for k, s in SHAPES.items() if s.is_moe)}")
+    try:
+        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"# {a.shape}, {a.bits}-bit codes, groups of {a.group}, sm_{a.arch}, BN {a.bn}, KSPLIT {a.ksplit}, "
+          f"{a.warps} warps")
+    for r in res:
+        top = ", ".join(f"{k} {v}" for k, v in r.top.items())
+        print(f"{r.kernel:8s} K {r.K:6d} N {r.N:6d}: {r.loop_instructions} instructions per pass over "
+              f"{r.weights_per_thread} weights per thread = {r.instructions_per_weight:.2f} per weight; "
+              f"{r.barriers_per_pass} barriers per pass; {top}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"shape": a.shape, "arch": a.arch, "results": [asdict(r) for r in res]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

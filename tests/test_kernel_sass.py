@@ -1,0 +1,46 @@
+"""bench.kernel_sass: the decode expert kernels compiled for an H200 on this machine (no GPU), their K loop found
+in the machine code and its instructions counted per weight."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+kernel_sass = pytest.importorskip("bench.kernel_sass")
+
+
+@pytest.fixture(autouse=True)
+def _tools_or_skip(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    try:
+        kernel_sass._tools()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_k_loop_of_both_gemvs_is_found_and_counted_per_weight(bits):
+    gate_up, down = kernel_sass.run("qwen3-30b-a3b", bits, 128, bn=64, ksplit=1, warps=4, arch=90)
+    assert (gate_up.kernel, gate_up.K, gate_up.N, down.kernel, down.K, down.N) == ("gate_up", 2048, 768, "down", 768, 2048)
+    assert gate_up.weights_per_thread == 2 * 128 * 64 // 128 and down.weights_per_thread == 128 * 64 // 128
+    for r in (gate_up, down):
+        # every weight is unpacked, scaled and multiplied in the loop: several instructions each, not hundreds
+        assert 3 < r.instructions_per_weight < 60, r
+        assert r.loop_instructions == round(r.instructions_per_weight * r.weights_per_thread)
+        assert sum(r.top.values()) <= r.loop_instructions and ("SHF" in r.top or "LOP3" in r.top)
+
+
+def test_main_prints_and_writes_the_figures_and_refuses_what_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "sass.json"
+    assert kernel_sass.main(["--shape", "qwen3-30b-a3b", "--bits", "4", "--ksplit", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gate_up" in text and "down" in text and "per weight" in text
+    assert [r["kernel"] for r in json.loads(out.read_text())["results"]] == ["gate_up", "down"]
+    assert kernel_sass.main(["--shape", "qwen3-30b-a3b", "--ksplit", "5"]) == 1
+    assert "not a whole number of 5 slices" in capsys.readouterr().err
+    assert kernel_sass.main(["--shape", "tiny-dbrx", "--ksplit", "1"]) == 1      # down: K 128, one pass
+    assert "the compiler unrolled its 1 pass (K / (K tile x KSPLIT))" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kernel_sass.main(["--shape", "qwen3-0.6b"])
+    assert "unknown MoE shape" in capsys.readouterr().err
