@@ -9,15 +9,16 @@ expert count. Needs a CUDA device.
     python -m bench.grouped [--shape q125-a11] [--rows 2048] [--bits 3.0]
         [--configs 16,64,64,64,4,0 16,128,128,64,8,0 ...] [--json OUT]
 
-Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), GB/s of expert weights (the
-codes and scales of the experts the rows picked, each counted once: at a few rows, where the split-K GEMVs
-run, read once per (row, expert) pair, the rate to hold against the HBM's), relative difference to the
-first shape. `--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line). The default shape (MOEDESK_GROUPED unset) is always measured first. `--orders` says how the
-kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered" through each
-projection's permutation per tile (as before the orders were used; the same layer as "layer"), "layer"
-one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
-converter's); down's permutation is the identity, as a load packs it. "gathered" and "layer" compute the
-same sums: their difference is 0.
+Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), GB/s of expert weights (the codes
+and scales of the experts the rows picked, each counted once: at a few rows, where the split-K GEMVs run, read
+once per (row, expert) pair, the rate to hold against the HBM's), relative difference to the first shape.
+`--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line per way of summing a
+tile, `--sums weights columns`). The default shape (MOEDESK_GROUPED unset) is always measured first.
+`--orders` says how the kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered"
+through each projection's permutation per tile (as before the orders were used; the same layer as "layer"),
+"layer" one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
+converter's); down's permutation is the identity, as a load packs it. "gathered" and "layer" compute the same
+sums: their difference is 0.
 
     python -m bench.grouped --shape mixtral-8x22b --orders gathered layer --configs 16,64,64,64,4,0
 """
@@ -98,20 +99,21 @@ def _time(fn, reps: int) -> float:
 
 
 def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 10, say=print,
-        orders: Sequence[str] = ("layer",)) -> list[dict]:
+        orders: Sequence[str] = ("layer",), sums: Sequence[str] = ("weights",)) -> list[dict]:
     if not torch.cuda.is_available():
         raise RuntimeError("the grouped kernels' benchmark needs a CUDA device")
     out: list[dict] = []
     base, refs = layer(shape, bits), {}
     for order in orders:
         say(f"# input order: {order}")
-        out += _run(shape, rows, configs, reps, say, order, *with_order(*base, order), refs)
+        out += _run(shape, rows, configs, reps, say, order, *with_order(*base, order), refs, sums)
     return out
 
 
 def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_name: str, w1, w3, w2, order,
-         refs: dict) -> list[dict]:
-    """One order over the shapes; refs: the first output of each layer ("expert" has its own weights)."""
+         refs: dict, sums: Sequence[str]) -> list[dict]:
+    """One order over the shapes (split-K: over the ways of summing a tile); refs: the first output of each
+    layer ("expert" has its own weights)."""
     s = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(rows, s.hidden, device="cuda", generator=gen) * 0.5).half()
@@ -123,12 +125,13 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
     weights = "expert" if order_name == "expert" else "layer"
     ref = refs.get(weights)
     shapes = [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]
+    runs = [(text, tuning.current().gemv_sums) for text in shapes]
     if rows * s.experts_per_token <= tuning.current().gemv_max_pairs:
-        shapes = shapes[:1]                            # the split-K GEMVs: no grouped launch shape applies
-    for text in shapes:
+        runs = [(shapes[0], m) for m in sums]          # the split-K GEMVs: no grouped launch shape applies
+    for text, m in runs:
         g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
         try:
-            with tuning.use(tuning.with_changes(grouped=g)):
+            with tuning.use(tuning.with_changes(grouped=g, gemv_sums=m)):
                 y = kernels.experts_forward(x, ids, w, w1, w3, w2, order=order)
                 ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2, order=order), reps)
         except Exception as e:                         # a shape the compiler or the device refuses
@@ -136,12 +139,13 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
             out.append({"order": order_name, "config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
             continue
         diff = 0.0 if ref is None else ((y - ref).abs().max() / ref.abs().max()).item()
-        r = {"order": order_name, "config": dataclasses.asdict(g), "ms_per_layer": ms, "tflops": flops / ms / 1e9,
+        r = {"order": order_name, "config": dataclasses.asdict(g), "sums": m, "ms_per_layer": ms,
+             "tflops": flops / ms / 1e9,
              "weights_gb_s": weight_bytes / ms / 1e6, "rel_diff": diff}
         if ref is None:
             ref = refs[weights] = y
         out.append(r)
-        say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
+        say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {m:7s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
             f"{r['weights_gb_s']:7.0f} GB/s of weights  diff {diff:.1e}")
     return out
 
@@ -154,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", nargs="*", default=SWEEP, help="bm_small,bm_large,bn,bk,warps,stages each")
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=["gathered", "layer"],
                    help="how the kernels read their input, each timed over the shapes (module docstring)")
+    p.add_argument("--sums", nargs="+", choices=("weights", "columns"), default=["weights"],
+                   help="with few rows (the split-K GEMVs): each way of summing a tile timed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -167,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     print(f"# {torch.cuda.get_device_name()}, {a.shape}, {a.rows} rows, {a.bits} bits", flush=True)
-    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True), orders=a.orders)
+    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True), orders=a.orders,
+              sums=a.sums)
     if a.json:
         with open(a.json, "w") as f:
             from bench.engine import git_commit

@@ -3,7 +3,7 @@ GPU on any machine, no GPU needed (Triton's own ptxas and cuobjdump), and their 
 counted per weight.
 
     python -m bench.kernel_sass [--shape mixtral-8x22b] [--bits 3] [--group 128] [--arch 90]
-        [--bn 64] [--ksplit 4] [--warps 4] [--json OUT]
+        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns] [--json OUT]
 
 Why: a GEMV that reads its weights far below the HBM's rate while the GPU is busy is bound by issuing
 instructions, not by memory. Each of an SM's four schedulers issues at most one warp instruction per clock,
@@ -18,6 +18,8 @@ Per kernel: the loop's instructions, the weights each thread handles per pass (B
 the first kernel, over the warps' threads), instructions per weight, barriers per pass (layout changes through
 shared memory), and the loop's most frequent instructions. The K tile is what the engine uses: the scale
 group, at most 128 rows. Launch shapes (BN, KSPLIT, warps) are timed on the GPU at load; give the ones to study.
+`--sums columns` compiles the kernels as MOEDESK_GEMV_SUMS=columns runs them (the scale and the codes' offset
+once per column sum, `triton_kernels._tile_dot`).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 @dataclass
 class LoopCost:
     kernel: str
+    sums: str
     K: int
     N: int
     bits: int
@@ -74,8 +77,10 @@ def _tools() -> tuple[str, str]:
 
 
 def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
-                   warps: int, arch: int) -> bytes:
+                   warps: int, arch: int, sums: str = "weights") -> bytes:
     """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order)."""
+    if sums not in ("weights", "columns"):
+        raise ValueError(f"sums: weights or columns, got {sums!r}")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,11 +89,11 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
     if kernel == "gate_up":
         fn = tk._gate_up_splitk
         const = dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn, KSPLIT=ksplit,
-                     SKIP=False)
+                     SKIP=False, COLUMNS=sums == "columns")
     elif kernel == "down":
         fn = tk._down_splitk
         const = dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit, SKIP=False,
-                     ORDERED=True)
+                     ORDERED=True, COLUMNS=sums == "columns")
     else:
         raise ValueError(f"kernel: one of {', '.join(KERNELS)}, got {kernel!r}")
     names = fn.arg_names
@@ -118,31 +123,33 @@ def main_loop(code: list[tuple[int, str, str]], passes: int) -> list[tuple[int, 
                 best = body
     if not best:
         raise RuntimeError(f"no loop in the kernel's machine code: the compiler unrolled its "
-                           f"{passes} pass{'es' if passes != 1 else ''} (K / (K tile x KSPLIT)); a shape with a longer K or a larger KSPLIT keeps the loop")
+                           f"{passes} pass{'es' if passes != 1 else ''} (K / (K tile x KSPLIT)); a shape with a longer "
+                           "K or a larger KSPLIT keeps the loop")
     return best
 
 
 def loop_cost(kernel: str, K: int, N: int, bits: int, group: int, bn: int, ksplit: int, warps: int,
-              arch: int = 90) -> LoopCost:
+              arch: int = 90, sums: str = "weights") -> LoopCost:
     bk = min(128, group)
     if K % (bk * ksplit):
         raise ValueError(f"{kernel}: K {K} is not a whole number of {ksplit} slices of {bk}-row tiles")
-    body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch)),
+    body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch, sums)),
                      K // (bk * ksplit))
     ops = collections.Counter(op for _, op, _ in body)
     weights = (2 if kernel == "gate_up" else 1) * bk * bn // (32 * warps)
-    return LoopCost(kernel, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
+    return LoopCost(kernel, sums, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
                     ops["BAR"], dict(ops.most_common(10)))
 
 
-def run(shape: str, bits: int, group: int, bn: int, ksplit: int, warps: int, arch: int) -> list[LoopCost]:
+def run(shape: str, bits: int, group: int, bn: int, ksplit: int, warps: int, arch: int,
+        sums: str = "weights") -> list[LoopCost]:
     from runtime.exl2.shapes import SHAPES
     s = SHAPES[shape]
     if not s.is_moe:
         raise ValueError(f"shape {shape!r} is not an MoE shape")
     h, i = s.hidden, s.expert_intermediate
-    return [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch),
-            loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch)]
+    return [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch, sums),
+            loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch, sums)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -155,17 +162,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bn", type=int, default=64)
     p.add_argument("--ksplit", type=int, default=4)
     p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--sums", default="weights", choices=("weights", "columns"),
+                   help="how a tile is summed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.shape not in SHAPES or not SHAPES[a.shape].is_moe:
         p.error(f"unknown MoE shape {a.shape!r}; choose from {sorted(k for k, s in SHAPES.items() if s.is_moe)}")
     try:
-        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch)
+        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch, a.sums)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {a.shape}, {a.bits}-bit codes, groups of {a.group}, sm_{a.arch}, BN {a.bn}, KSPLIT {a.ksplit}, "
-          f"{a.warps} warps")
+          f"{a.warps} warps, sums over {a.sums}")
     for r in res:
         top = ", ".join(f"{k} {v}" for k, v in r.top.items())
         print(f"{r.kernel:8s} K {r.K:6d} N {r.N:6d}: {r.loop_instructions} instructions per pass over "

@@ -93,6 +93,10 @@ class Tuning:
                              "verify's rows (2-9): each chosen expert once through the grouped kernels (union), "
                              "or per row and expert through the split-K GEMVs (rows) as all-in-VRAM layers do.",
                              choices=("union", "rows"))
+    gemv_sums: str = knob("weights", "MOEDESK_GEMV_SUMS", "How the split-K GEMVs sum a tile: every weight scaled "
+                          "and centred (weights), or the scale and the codes' offset applied once to each column's sum "
+                          "(columns: fewer instructions per weight, bench.kernel_sass; off until measured).",
+                          choices=("weights", "columns"))
     cut_align: int = knob(64, "MOEDESK_CUT_ALIGN", "Rows of a step of the CPU cut of an expert's intermediate.",
                           choices=(32, 64, 128))
     # the CPU expert path (runtime/experts/cpu_path.py, cpu_signal.py, cpu_experts.py, manager.py)

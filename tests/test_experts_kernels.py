@@ -48,6 +48,18 @@ def test_decode_kernels_with_other_launch_shapes(splitk):
         ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
 
 
+@pytest.mark.parametrize("args", [
+    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5"],
+    ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3"],
+    ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
+     "--rows", "1,9"],                                      # 3-bit with tiles of >= 64 rows
+])
+def test_decode_kernels_summing_columns_match_the_oracle(args):
+    """MOEDESK_GEMV_SUMS=columns: the split-K GEMVs take each tile's scale and the codes' offset once per column
+    sum (fewer instructions per weight) and still give the oracle's result."""
+    test_kernels_match_oracle_in_interpreter(args, None, {"MOEDESK_GEMV_SUMS": "columns"})
+
+
 @pytest.mark.parametrize("bits", ["3", "4"])
 @pytest.mark.parametrize("grouped", ["16,16,32,64,4,0", "32,32,64,128,8,2"])
 def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
@@ -188,16 +200,19 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
-@pytest.mark.parametrize("bits,splitk,align", [("4", None, "64"), ("3", None, "64"), ("4", "32x3", "64"),
-                                               ("4", "128x2", "64"), ("3", None, "32")])
-def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align):
+@pytest.mark.parametrize("bits,splitk,align,sums", [
+    ("4", None, "64", "weights"), ("3", None, "64", "weights"), ("4", "32x3", "64", "weights"),
+    ("4", "128x2", "64", "weights"), ("3", None, "32", "weights"), ("3", None, "64", "columns"),
+    ("4", "32x3", "32", "columns")])
+def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, sums):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
     for the default and the other launch shapes; also with experts cut between the two (the CPU's
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
     the layer is put in down's intermediate order (bit for bit the same output). Cut steps of 32
-    rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align)
+    rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row). The same with
+    each tile summed by columns (MOEDESK_GEMV_SUMS)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align, MOEDESK_GEMV_SUMS=sums)
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]

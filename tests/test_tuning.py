@@ -29,6 +29,7 @@ def test_an_empty_environment_gives_the_defaults():
 
 def test_each_variable_sets_its_field():
     env = {"MOEDESK_GEMV_MAX_PAIRS": "32", "MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2",
+           "MOEDESK_GEMV_SUMS": "columns",
            "MOEDESK_CUT_ALIGN": "32", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_CPU_KERNEL_MARCH": "x86-64-v3",
            "MOEDESK_AUTO_CPU_PATH": "0", "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_BALANCE": "0",
            "MOEDESK_LEND_STAGING": "0", "MOEDESK_PREFETCH": "2", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
@@ -36,7 +37,8 @@ def test_each_variable_sets_its_field():
            "MOEDESK_GRAPH_ATTN": "bmm", "MOEDESK_CAPTURE_MODE": "global", "MOEDESK_PREFILL_ATTN": "matmul",
            "MOEDESK_DENSE_GEMV": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
     t = Tuning.from_environment(env)
-    assert t == Tuning(gemv_max_pairs=32, grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), cut_align=32,
+    assert t == Tuning(gemv_max_pairs=32, grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), gemv_sums="columns",
+                       cut_align=32,
                        cpu_signal="hostfunc", cpu_kernel_march="x86-64-v3", auto_cpu_path=False, cpu_split="experts",
                        cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
                        route="torch", moe_add="plain", verify_reads="rows",
@@ -48,6 +50,7 @@ def test_each_variable_sets_its_field():
 
 @pytest.mark.parametrize("name,value,says", [
     ("MOEDESK_CUT_ALIGN", "48", "one of 32, 64, 128"),
+    ("MOEDESK_GEMV_SUMS", "rows", "one of weights, columns"),
     ("MOEDESK_PIN_AHEAD", "5", "0 to 4"),
     ("MOEDESK_CUT_ALIGN", "sixty", "one of 32, 64, 128"),
     ("MOEDESK_PREFETCH", "9", "0 to 8"),

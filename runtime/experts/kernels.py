@@ -423,24 +423,24 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     rw = weights.reshape(P).to(torch.float32)
     # with a cut, down's K tile divides cut_align(), so the GPU's part of a split expert starts on a tile
     bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=cut_align() if has_skip else 128)
-    x = x.contiguous()
+    x, cols = x.contiguous(), tuning.current().gemv_sums == "columns"
 
     def gate_up(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(I1, c.bn), c.ksplit)
         _gate_up_splitk[grid](
             x, ids_f, skip_t, cut_t, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
-            KSPLIT=c.ksplit, SKIP=has_skip, num_warps=c.warps)
+            KSPLIT=c.ksplit, SKIP=has_skip, COLUMNS=cols, num_warps=c.warps)
 
     def down(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
         _down_splitk[grid](
             gu, ids_f, skip_t, cut_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, ORDERED=ordered,
-            num_warps=c.warps)
+            COLUMNS=cols, num_warps=c.warps)
 
-    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, x.device)
-    key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, x.device)
+    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, cols, x.device)
+    key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, cols, x.device)
     if key1 not in _CHOSEN or key2 not in _CHOSEN:
         scratch = torch.empty_like(buf)
         c1 = _choose(key1, _candidates(H, I1, P, bk1), lambda c: gate_up(c, scratch[: 2 * P * I1]))

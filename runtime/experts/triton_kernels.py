@@ -18,12 +18,11 @@ import triton.language as tl
 # (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
 WALIGN: tl.constexpr = tl.constexpr(16)
 @triton.jit
-def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Rows k0..k0+BK (packed order) x columns offs_n of expert e: float32 [BK, BN]. Its codes start
-    `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host memory).
-    A tile lies within one scale group (GROUP a multiple of BK) or spans whole groups (BK a multiple
-    of GROUP, both powers of two)."""
+def _codes_tile(qw_ptr, base, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                BK: tl.constexpr, BN: tl.constexpr):
+    """Rows k0..k0+BK (packed order) x columns offs_n of an expert's codes: int32 [BK, BN], 0 .. 2^BITS - 1.
+    They start `base` int32 words after qw_ptr (the expert's entry in the offset table: a VRAM slot or host
+    memory)."""
     if BITS == 3:
         # two planes (runtime/experts/pack.py): K/16 words of low 2-bit pairs, then K/32 of high bits
         lo_rows = k0 // 16 + tl.arange(0, BK // 16)
@@ -45,6 +44,22 @@ def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, 
         shifts = tl.arange(0, PER) * BITS
         u = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)     # [BK/PER, PER, BN]
         u = tl.reshape(u, (BK, BN))
+    return u
+
+
+@triton.jit
+def _scale_row(sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr, GROUP: tl.constexpr):
+    """Expert e's scales of the group holding row k0, columns offs_n: float16 [BN]."""
+    return tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Rows k0..k0+BK (packed order) x columns offs_n of expert e, centred and scaled: float32 [BK, BN]
+    (`_codes_tile`). A tile lies within one scale group (GROUP a multiple of BK) or spans whole groups (BK
+    a multiple of GROUP, both powers of two)."""
+    u = _codes_tile(qw_ptr, base, k0, offs_n, mask_n, K, N, BITS, BK, BN)
     if BK > GROUP:                              # several scale groups in the tile (grouped kernels)
         NG: tl.constexpr = BK // GROUP
         g_rows = k0 // GROUP + tl.arange(0, NG)
@@ -52,8 +67,24 @@ def _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, 
                     mask=mask_n[None, :], other=0.0)
         w = tl.reshape((u - (1 << (BITS - 1))).to(tl.float32), (NG, GROUP, BN)) * s.to(tl.float32)[:, None, :]
         return tl.reshape(w, (BK, BN))
-    s = tl.load(sc_ptr + e * (K // GROUP) * N + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
+    s = _scale_row(sc_ptr, e, k0, offs_n, mask_n, K, N, GROUP)
     return (u - (1 << (BITS - 1))).to(tl.float32) * s.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _tile_dot(v, qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+              GROUP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, COLUMNS: tl.constexpr):
+    """v float32 [BK] times the tile of rows k0..k0+BK: float32 [BN]. COLUMNS: the tile lies within one scale
+    group (BK <= GROUP, as the split-K GEMVs' tiles do), so its scale and the codes' offset 2^(BITS-1) are
+    applied once to each column's sum, sum(v * u) - 2^(BITS-1) * sum(v), instead of to every weight; the sums
+    differ from the other order's in their last bits only."""
+    if COLUMNS:
+        tl.static_assert(BK <= GROUP, "one scale group per tile")
+        u = _codes_tile(qw_ptr, base, k0, offs_n, mask_n, K, N, BITS, BK, BN).to(tl.float32)
+        col = tl.sum(v[:, None] * u, axis=0) - (1 << (BITS - 1)) * tl.sum(v, axis=0)
+        return col * _scale_row(sc_ptr, e, k0, offs_n, mask_n, K, N, GROUP).to(tl.float32)
+    w = _dequant_tile(qw_ptr, base, sc_ptr, e, k0, offs_n, mask_n, K, N, BITS, GROUP, BK, BN)
+    return tl.sum(v[:, None] * w, axis=0)
 
 
 @triton.jit
@@ -245,7 +276,8 @@ def _route_normed(x_ptr, nw_ptr, eps, xn_ptr, w_ptr, logits_ptr, done_ptr, ids_p
 @triton.jit
 def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K: tl.constexpr,
                          N: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
-                         G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr):
+                         G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
+                         COLUMNS: tl.constexpr):
     wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
     wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -257,11 +289,9 @@ def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t,
         k0 = ks + kk
         rows = k0 + tl.arange(0, BK)
         x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
-        w1 = _dequant_tile(q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN)
-        acc1 += tl.sum(x1[:, None] * w1, axis=0)
+        acc1 += _tile_dot(x1, q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN, COLUMNS)
         x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
-        w3 = _dequant_tile(q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN)
-        acc3 += tl.sum(x3[:, None] * w3, axis=0)
+        acc3 += _tile_dot(x3, q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN, COLUMNS)
     tl.atomic_add(gu_ptr + p * N + offs_n, acc1, mask=mask_n)
     tl.atomic_add(gu_ptr + P * N + p * N + offs_n, acc3, mask=mask_n)
 
@@ -270,11 +300,11 @@ def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t,
 def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P,
                     K: tl.constexpr, N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
                     BITS3: tl.constexpr, G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                    KSPLIT: tl.constexpr, SKIP: tl.constexpr):
+                    KSPLIT: tl.constexpr, SKIP: tl.constexpr, COLUMNS: tl.constexpr = False):
     """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller).
     SKIP: a pair whose expert has skip_ptr[e] != 0 (uint8 [E]) leaves its first cut_ptr[0] columns
     (int32 [1]) to the CPU path, which computes them elsewhere: a cut of N or more leaves the whole
-    expert. Without SKIP, skip_ptr and cut_ptr are not read."""
+    expert. Without SKIP, skip_ptr and cut_ptr are not read. COLUMNS: see _tile_dot."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -282,16 +312,16 @@ def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s
         lo = tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0)
         if lo < (tl.program_id(1) + 1) * BN:
             _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K, N,
-                                 BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
+                                 BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS)
     else:
         _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, 0, K, N,
-                             BITS1, G1, BITS3, G3, BK, BN, KSPLIT)
+                             BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS)
 
 
 @triton.jit
 def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                HS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-               ORDERED: tl.constexpr):
+               ORDERED: tl.constexpr, COLUMNS: tl.constexpr):
     if ORDERED:                         # down's permutation is the identity: gate/up's columns in runs
         idx = k0 + tl.arange(0, BK)
     else:
@@ -299,15 +329,14 @@ def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.
     g = tl.load(gu_ptr + p * HS + idx)
     u = tl.load(gu_ptr + P * HS + p * HS + idx)
     h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
-    w = _dequant_tile(q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN)
-    return acc + tl.sum(h[:, None] * w, axis=0)
+    return acc + _tile_dot(h, q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN, COLUMNS)
 
 
 @triton.jit
 def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K: tl.constexpr,
                       N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                       BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr, CUT: tl.constexpr,
-                      ORDERED: tl.constexpr):
+                      ORDERED: tl.constexpr, COLUMNS: tl.constexpr):
     wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
@@ -317,10 +346,10 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
         if CUT:          # tiles below k_start (known at run time) are the CPU's
             if ks + kk >= k_start:
                 acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                                 BITS, G, BK, BN, ORDERED)
+                                 BITS, G, BK, BN, ORDERED, COLUMNS)
         else:
             acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                             BITS, G, BK, BN, ORDERED)
+                             BITS, G, BK, BN, ORDERED, COLUMNS)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
 
@@ -329,12 +358,12 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
 def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
                  N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
-                 SKIP: tl.constexpr, ORDERED: tl.constexpr = False):
+                 SKIP: tl.constexpr, ORDERED: tl.constexpr = False, COLUMNS: tl.constexpr = False):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
     weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller).
     SKIP: as _gate_up_splitk: a marked pair's first cut_ptr[0] rows of K (a multiple of BK) are the
     CPU's; a cut of K or more leaves the whole expert. ORDERED: down's permutation is the identity
-    (pack.align_intermediate): gu is read in runs, the permutation not at all."""
+    (pack.align_intermediate): gu is read in runs, the permutation not at all. COLUMNS: see _tile_dot."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -343,10 +372,10 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
         k_start = tl.maximum(ks, tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0))
         if k_start < ks + K // KSPLIT:
             _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K, N, HS, NOUT,
-                              BITS, G, BK, BN, KSPLIT, True, ORDERED)
+                              BITS, G, BK, BN, KSPLIT, True, ORDERED, COLUMNS)
     else:
         _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, ks, K, N, HS, NOUT,
-                          BITS, G, BK, BN, KSPLIT, False, ORDERED)
+                          BITS, G, BK, BN, KSPLIT, False, ORDERED, COLUMNS)
 
 
 @triton.jit
