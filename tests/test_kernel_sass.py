@@ -44,3 +44,13 @@ def test_main_prints_and_writes_the_figures_and_refuses_what_does_not_fit(tmp_pa
     with pytest.raises(SystemExit):
         kernel_sass.main(["--shape", "qwen3-0.6b"])
     assert "unknown MoE shape" in capsys.readouterr().err
+
+
+def test_both_ways_of_summing_a_tile_compile_and_are_counted():
+    """--sums columns compiles the kernels as MOEDESK_GEMV_SUMS=columns runs them; an unknown way is refused."""
+    rows = {sums: kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=64, ksplit=1, warps=4, arch=90, sums=sums)
+            for sums in ("weights", "columns")}
+    for sums, res in rows.items():
+        assert [r.sums for r in res] == [sums, sums] and all(3 < r.instructions_per_weight < 60 for r in res)
+    with pytest.raises(ValueError, match="sums: weights or columns"):
+        kernel_sass.compile_kernel("down", 768, 2048, 4, 128, 128, 64, 1, 4, 90, sums="rows")
