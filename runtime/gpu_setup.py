@@ -534,9 +534,7 @@ def _child(folder: Path) -> int:
 
     cpp_extension.load = verbose_load        # exllamav2.ext calls it at import, with verbose=False
     try:
-        with one_build(folder) as stale:
-            if stale:
-                print(f"removed the lock of a build that was stopped before it finished ({folder})", flush=True)
+        with one_build(folder):          # a dead build's baton removed is said once, by one_build's warning
             import exllamav2.ext
     except Exception as e:       # the compiler's output is above; a traceback would push it out of the tail
         last = [line for line in str(e).splitlines() if line.strip()][-1:] or [""]

@@ -292,7 +292,7 @@ def test_a_failed_build_leaves_its_log_and_raises_with_the_last_lines(machine, m
     seen = []
     with pytest.raises(g.KernelBuildError) as info:
         g.build(lambda d, t, line: seen.append((d, t)), ["9.0"])
-    assert "removed the lock of a build that was stopped" in (build_dir / "build.log").read_text()
+    assert (build_dir / "build.log").read_text().count("stopped before it finished") == 1   # said once
     assert info.value.message.startswith("Could not build the GPU kernels") and info.value.detail
     assert info.value.detail.splitlines()[-1] in (build_dir / "failed.log").read_text()
     assert not (build_dir / "building.pid").exists()
