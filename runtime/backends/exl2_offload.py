@@ -221,10 +221,9 @@ def cpu_path_applied(setup: OffloadSetup, manager, decision: str = "") -> None:
     if decision and setup.policy == "auto":
         setup.applied["offload.placement"] = f"applied: {decision}"
     if setup.policy == "cpu":
-        cold = any(lo.path != "vram" for lo in manager.layers)
         setup.applied["offload.placement"] = (f"ignored: no layer computes experts on the CPU ({manager.cpu_reason})"
-                                              + ("; cold experts are read from host RAM by the GPU ('stream')"
-                                                 if cold else ""))
+                                              + ("" if manager.all_in_vram
+                                                 else "; cold experts are read from host RAM by the GPU ('stream')"))
 
 
 def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:

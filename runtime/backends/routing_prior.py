@@ -45,10 +45,10 @@ def measure_at_load(engine, progress: ProgressFn) -> bool:
     if manager is None or manager.prior_reason is None:
         return False
     room = min(MAX_TOKENS, engine.info.context_length - engine.position - 1)
-    if all(lo.path == "vram" for lo in manager.layers) or room < MIN_TOKENS:
+    if manager.all_in_vram or room < MIN_TOKENS:
         # every expert resident (nothing to choose), or no room for the prompt (and a prefill-sized
         # forward: no decode graph is captured): no prior at this load, and no placement waits for one
-        manager.prior_not_measured("every expert is in VRAM" if all(lo.path == "vram" for lo in manager.layers)
+        manager.prior_not_measured("every expert is in VRAM" if manager.all_in_vram
                                    else f"{room} tokens of room in the context (fewer than {MIN_TOKENS})")
         return False
     progress("load", MESSAGE, 0, 1)

@@ -224,6 +224,11 @@ class OffloadManager:
         self.cpu.build(resident)
         log.info("expert placement: %s", ", ".join(f"{n} layers {k}" for k, n in self.path_counts().items()))
 
+    @property
+    def all_in_vram(self) -> bool:
+        """Every layer's experts are resident: none is cold."""
+        return all(lo.path == "vram" for lo in self.layers)
+
     def path_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for lo in self.layers:
