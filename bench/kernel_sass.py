@@ -65,15 +65,16 @@ class LoopCost:
     top: dict
 
 
-def _tools() -> tuple[str, str]:
-    """Triton's bundled ptxas (it compiles) and cuobjdump (it disassembles); a clear error without them."""
+def _tools() -> str:
+    """Triton's bundled cuobjdump (it disassembles), once it and ptxas (it compiles) are found; a clear error
+    without them."""
     import triton
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cuobjdump = os.path.join(bin_dir, "cuobjdump")
     if not os.path.exists(cuobjdump) or not os.path.exists(os.path.join(bin_dir, "ptxas")):
         raise RuntimeError(f"Triton's NVIDIA tools (ptxas, cuobjdump) are not in {bin_dir}: this Triton "
                            "cannot compile for an NVIDIA GPU here")
-    return bin_dir, cuobjdump
+    return cuobjdump
 
 
 def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
@@ -81,6 +82,7 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
     """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order)."""
     if sums not in ("weights", "columns"):
         raise ValueError(f"sums: weights or columns, got {sums!r}")
+    _tools()                                   # ptxas, or the clear error before Triton's own
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,7 +106,7 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
 
 def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
     """(address, opcode, line) of every instruction in the cubin."""
-    _, cuobjdump = _tools()
+    cuobjdump = _tools()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
