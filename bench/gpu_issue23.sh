@@ -10,8 +10,9 @@
 #              name on PYTHONPATH, so `runtime.demo.find_gguf` finds it. Needs the gguf wheel in .whl/
 #              (`bash ../shared/gpu/prep-wheels.sh gguf`): transformers reads GGUF through it.
 #   export     the demo as an HF safetensors folder (bench.convert_quality's export_demo)
-#   exllamav2  exllamav2's own converter at each BPW (default 2.5 3 4 6, head 6 bits) from that folder,
-#              its seconds logged
+#   exllamav2  exllamav2's own converter: its measurement pass once (-om), then each BPW (default 2.5 3 4 6,
+#              head 6 bits) from that measurement (-m), as its users convert one model at several widths;
+#              the seconds of each logged
 #   quality    `python -m bench.convert_quality --device cuda --exllamav2-dir ...`: one table, the same held-out
 #              text and evaluation code for unquantized, round-to-nearest, ours and exllamav2's
 #   memory     `python -m bench.convert_memory --shape q125-a11 --layers 2 --device cuda`: conversion time and
@@ -75,13 +76,24 @@ p = Path(sys.argv[1]); p.mkdir(parents=True, exist_ok=True); export_demo(p)" "$H
     [ -f "$HF/config.json" ] && done_ export && log "exported: $(du -sh "$HF" | cut -f1)"
 fi
 
+MEASURED=$ROOT/exllamav2-measurement.json
+if [ -f "$ROOT/done/export" ] && step exllamav2-measure 60; then
+    t=$(date +%s)
+    rm -rf "$ROOT/exl2-work-measure"
+    timeout $(( $(left) - 5 )) $PY -m exllamav2.conversion.convert_exl2 -i "$HF" -o "$ROOT/exl2-work-measure" -nr \
+        -om "$MEASURED" > "$OUT/exllamav2-measure.log" 2>&1
+    rc=$?
+    tail -2 "$OUT/exllamav2-measure.log" | tee -a "$OUT/gpu_issue23.log"
+    log "exllamav2 convert_exl2 -om (its measurement pass, shared by every width): exit $rc in $(( $(date +%s) - t )) s"
+    [ "$rc" = 0 ] && [ -f "$MEASURED" ] && done_ exllamav2-measure
+fi
 for b in $BPW; do
-    [ -f "$ROOT/done/export" ] || break
+    [ -f "$ROOT/done/exllamav2-measure" ] || break
     if step "exllamav2-$b" 60; then
         t=$(date +%s)
         rm -rf "$ROOT/exl2-work-$b"
         timeout $(( $(left) - 5 )) $PY -m exllamav2.conversion.convert_exl2 -i "$HF" -o "$ROOT/exl2-work-$b" -nr \
-            -cf "$ROOT/quality/exllamav2/$b" -b "$b" -hb 6 > "$OUT/exllamav2-$b.log" 2>&1
+            -m "$MEASURED" -cf "$ROOT/quality/exllamav2/$b" -b "$b" -hb 6 > "$OUT/exllamav2-$b.log" 2>&1
         rc=$?
         tail -2 "$OUT/exllamav2-$b.log" | tee -a "$OUT/gpu_issue23.log"
         log "exllamav2 convert_exl2 -b $b: exit $rc in $(( $(date +%s) - t )) s"
