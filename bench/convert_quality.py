@@ -97,10 +97,16 @@ def main(argv=None) -> int:
                         "(convert falls back to uniform widths there); --no-measure: every linear at --bpw")
     p.add_argument("--work", default="bench/.convert_quality", help="scratch folder (HF export, models)")
     p.add_argument("--exllamav2-dir", help="folders <DIR>/<bpw> written by exllamav2's convert.py")
+    p.add_argument("--methods", nargs="+", choices=("rtn", "gptq", "exllamav2"), default=None,
+                   help="which columns to measure beside the unquantized model (default: all; exllamav2's needs "
+                   "--exllamav2-dir): a GPU call with time for exllamav2's column alone leaves ours to the CPU")
     p.add_argument("--device", default="cpu", help="where our converter runs its layers and GPTQ (cpu or cuda); "
                    "the perplexities are computed on the CPU either way")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    methods = tuple(args.methods or ("rtn", "gptq") + (("exllamav2",) if args.exllamav2_dir else ()))
+    if "exllamav2" in methods and not args.exllamav2_dir:
+        p.error("--methods exllamav2 needs --exllamav2-dir (the folders exllamav2's converter wrote)")
 
     from runtime.exl2.caldata import default_texts
     from runtime.exl2.convert import calibration_ids, convert
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
                                                        "seq_len": args.seq_len, "damp": args.damp,
                                                        "group_size": CONVERT_GROUP_SIZE,
                                                        "measured_allocation": args.measure},
-            "table": rows,
+            "methods": list(methods), "table": rows,
             "notes": ("Perplexity of the held-out text in one window, every model evaluated by the same code "
                       "(EXL2 linears dequantized into the transformers model). 'seconds': conversion time on this "
                       "device (on a CPU: shared with other work; null where an earlier run converted the model, the part left when it resumed one). rtn = round-to-nearest (writer.quantize_model), gptq = "
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
     print(rows[-1], flush=True)
     write(rows)
     for bpw in args.bpw:
-        for method in ("rtn", "gptq") + (("exllamav2",) if args.exllamav2_dir else ()):
+        for method in methods:
             folder = work / (f"rtn-{bpw:g}" if method == "rtn" else f"{method}-{bpw:g}-{run_tag}")
             t0, made = time.perf_counter(), method != "exllamav2" and not folder.exists()
             if method == "rtn" and not folder.exists():
