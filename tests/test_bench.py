@@ -88,3 +88,13 @@ def test_offload_bench_picks_the_qwen35_engine_for_a_qwen35_folder(tiny_qwen35, 
     assert engine_for(str(tiny_qwen35)) == "hybrid"
     write_synthetic("tiny-moe", 4.0, tmp_path / "moe")
     assert engine_for(str(tmp_path / "moe")) == "exl2"
+
+
+def test_convert_quality_refuses_exllamav2s_column_without_its_folders(capsys):
+    """--methods exllamav2 names a column that only exllamav2's converter's output can fill: without
+    --exllamav2-dir the benchmark says so before it exports or converts anything."""
+    from bench.convert_quality import main
+    with pytest.raises(SystemExit) as e:
+        main(["--methods", "rtn", "exllamav2", "--work", "/nonexistent/never-made"])
+    assert e.value.code == 2
+    assert "--methods exllamav2 needs --exllamav2-dir" in capsys.readouterr().err
