@@ -147,8 +147,8 @@ def main(argv=None) -> int:
                       + ("measured" if args.measure else "uniform") + " widths; its bpw counts every stored bit, "
                       "as exllamav2's -b, while rtn's counts code bits; calibration in 'calibration'). "
                       + ("exllamav2's column: its own convert_exl2 at -b bpw, -hb 6, from the same HF folder."
-                         if args.exllamav2_dir else "exllamav2's own converter needs CUDA and was not run here; its "
-                         "column is missing.")),
+                         if "exllamav2" in methods else "exllamav2's own converter needs CUDA and was not run here; "
+                         "its column is missing.")),
         }
         path.write_text(json.dumps(result, indent=2))
 
