@@ -17,11 +17,8 @@ from runtime.errors import CudaUnavailable, ModelNotFound
 from runtime.options import LoadOptions
 
 NO_CUDA_NOTE = "No NVIDIA GPU found: models run on the CPU."
-# Qwen3.5-MoE has its own GPU engine (runtime/backends/hybrid.py), asked for by the backend "cuda".
+# Qwen3.5-MoE has its own GPU engine (runtime/backends/hybrid.py) for its EXL2 folders.
 HYBRID = modelfolder.qwen35.ARCHITECTURES
-# Architectures "auto" runs on the CPU reference engine even where a GPU is: the hybrid engine has been
-# tested against the reference on the CPU only so far; it becomes the default once its GPU tests pass.
-CPU_ONLY: tuple[str, ...] = HYBRID
 
 
 @dataclass(frozen=True)
@@ -78,9 +75,6 @@ def open_engine(model: str, options: LoadOptions, progress: ProgressFn,
             and not info.is_exl2):
         choice = BackendChoice("cpu", f"The GPU engine runs {info.architecture} from EXL2 folders only: the CPU "
                                       "reference engine runs this one.", "cpu")
-    elif choice.backend == "cuda" and options.offload.backend == "auto" and info.architecture in CPU_ONLY:
-        choice = BackendChoice("cpu", f"The GPU engine for {info.architecture} is not yet verified on a GPU: the "
-                                      "CPU reference engine runs it (the backend 'cuda' tries the GPU engine).", "cpu")
     if choice.backend == "cuda" and info.architecture in HYBRID:
         from runtime.backends import hybrid as backend
     elif choice.backend == "cuda":

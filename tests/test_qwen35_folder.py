@@ -211,10 +211,9 @@ def test_a_config_implying_far_more_tensors_than_stored_fails_before_the_layout_
     assert "4 layers imply at least 49" in e.value.message
 
 
-def test_cuda_backend_runs_it_in_the_hybrid_engine_and_auto_on_the_cpu_until_verified(tiny, monkeypatch):
-    """On a GPU machine the backend "cuda" hands an EXL2 Qwen3.5 folder to the hybrid engine (run here on
-    the CPU: its load is called with the device forced); "auto" keeps it on the CPU reference engine until
-    the hybrid engine's GPU tests have passed, and says so."""
+def test_on_a_gpu_machine_cuda_and_auto_run_it_in_the_hybrid_engine(tiny, monkeypatch):
+    """On a GPU machine the backends "cuda" and "auto" both hand an EXL2 Qwen3.5 folder to the hybrid
+    engine (run here on the CPU: its load is called with the device forced)."""
     from runtime import loader
     from runtime.backends import hybrid
     from runtime.options import LoadOptions, OffloadOptions
@@ -228,22 +227,16 @@ def test_cuda_backend_runs_it_in_the_hybrid_engine_and_auto_on_the_cpu_until_ver
         return real(path, options, progress, device="cpu")
     monkeypatch.setattr(hybrid, "load", on_cpu)
     assert loader.choose_backend("auto").backend == "cuda"
-    engine, applied = loader.open_engine(str(tiny), LoadOptions(offload=OffloadOptions(backend="auto")),
-                                         lambda *a: None, require_tokenizer=False)
-    try:
-        assert calls == [] and type(engine).__module__ == "runtime.reference.hybrid"
-        assert applied["offload.backend"].startswith("applied: cpu (The GPU engine for "
-                                                     "Qwen3_5MoeForConditionalGeneration is not yet verified")
-    finally:
-        engine.close()
-    engine, applied = loader.open_engine(str(tiny), LoadOptions(offload=OffloadOptions(backend="cuda")),
-                                         lambda *a: None, require_tokenizer=False)
-    try:
-        assert calls == [tiny] and isinstance(engine, hybrid.HybridExl2Engine)
-        assert applied["offload.backend"].startswith("applied: cuda (Using the GPU engine on a test GPU")
-        assert engine.info.num_experts == 16 and engine.forward([1, 2, 3]).shape == (3, 1024)
-    finally:
-        engine.close()
+    for backend in ("auto", "cuda"):
+        engine, applied = loader.open_engine(str(tiny), LoadOptions(offload=OffloadOptions(backend=backend)),
+                                             lambda *a: None, require_tokenizer=False)
+        try:
+            assert calls.pop() == tiny and isinstance(engine, hybrid.HybridExl2Engine), backend
+            assert applied["offload.backend"].startswith("applied: cuda (Using the GPU engine on a test GPU")
+            assert engine.info.num_experts == 16 and engine.forward([1, 2, 3]).shape == (3, 1024)
+        finally:
+            engine.close()
+    assert calls == []
 
 
 def test_auto_backend_on_a_gpu_machine_runs_a_plain_folder_on_the_cpu_and_says_why(plain, monkeypatch):

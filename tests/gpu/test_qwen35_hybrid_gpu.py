@@ -346,12 +346,10 @@ def test_the_cpu_expert_path_under_graphs_matches_all_in_vram(size, models, monk
     _compare(got, want, _tol(TOL_PATH, size), f"{size} CPU expert path under graphs vs all in VRAM")
 
 
-def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models, monkeypatch):
-    """`auto` on a GPU: the hybrid engine on CUDA once loader.CPU_ONLY no longer holds Qwen3.5 back (it does
-    until this module passes on a GPU; emptied here, so this test is what lifting it will rely on)."""
+def test_the_loader_runs_qwen35_on_cuda_in_the_hybrid_engine(models):
+    """`auto` on a GPU: the hybrid engine on CUDA."""
     from runtime import loader
     from runtime.backends.hybrid import HybridExl2Engine
-    monkeypatch.setattr(loader, "CPU_ONLY", ())
     eng, applied = loader.open_engine(str(models("tiny")), LoadOptions(offload=OffloadOptions(context_length=1024)),
                                       lambda *a: None, require_tokenizer=False)
     try:
