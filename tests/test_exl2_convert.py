@@ -195,6 +195,17 @@ def test_measured_allocation_hits_the_bpw_target(tmp_path):
     assert chosen == {"a": 3.0, "b": 2.0}
 
 
+def test_candidates_reach_two_bits_over_the_target_from_4_bits_on():
+    """One bit under the target to one over, every half bit, within EXL2's 2..8.5; from WIDE_FROM (4) bits on
+    also two over (it lowered the demo's perplexity at 4 and 6 bits, and raised it at 2.5 and 3)."""
+    from runtime.exl2.allocate import WIDE_FROM, candidates
+    assert candidates(2.5) == [2.0, 2.5, 3.0, 3.5]
+    assert candidates(3.0) == [2.0, 2.5, 3.0, 3.5, 4.0]
+    assert max(candidates(WIDE_FROM - 0.25)) == WIDE_FROM + 0.75
+    assert candidates(4.0) == [3.0, 3.5, 4.0, 4.5, 5.0, 6.0]
+    assert candidates(8.0) == [7.0, 7.5, 8.0, 8.5]
+
+
 def test_uniform_widths_store_the_bpw_target(tmp_path):
     # without the measured allocation every linear stores at most --bpw bits per weight, scales included
     src = tiny_checkpoint(tmp_path / "hf", "llama")

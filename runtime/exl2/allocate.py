@@ -1,9 +1,9 @@
 """Bit allocation between the linears of a layer, measured on the calibration data.
 
-Each linear is quantized (GPTQ) at a few candidate sizes around the target (one bit under it to two over:
-a small, sensitive linear such as v_proj is worth a much wider code than the average), each the widest mix of two
-adjacent widths that stores at most that many bits per weight (format.stored_target: the first,
-act-order rows get the wider codes, as in exllamav2's mixes). The error of each candidate is measured
+Each linear is quantized (GPTQ) at a few candidate sizes around the target (one bit under it to one over,
+and from 4 bits on two over: see STEPS), each the widest mix of two adjacent widths that stores at most
+that many bits per weight (format.stored_target: the first, act-order rows get the wider codes, as in
+exllamav2's mixes). The error of each candidate is measured
 on the layer's real inputs as the relative output error
     ||X W^T - X Wq^T||^2 / ||X W^T||^2 = tr(D H D^T) / tr(W H W^T),   D = W - Wq,  H = 2 X^T X,
 and candidates are chosen greedily: starting from the smallest everywhere, the upgrade with the
@@ -26,10 +26,14 @@ from runtime.options import CONVERT_MEASURE_MIN_TOKENS
 
 from . import format as fmt
 
-# Candidate stored bits per weight around the target. The +2 candidate: on the demo model at 4.0, per-layer
-# allocation gave every layer's v_proj 6 bits once it could, and perplexity fell by about 3% against the
-# candidates up to +1 (same candidates' errors, the two allocations compared); 7 and 8 bits gained no more.
-STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
+# Candidate stored bits per weight around the target, and the one more two bits over it from WIDE_FROM bits
+# on. Measured on the demo model (bench.convert_quality, the per-layer allocation from the same candidates'
+# errors): at 4.0 the +2 candidate went to every layer's v_proj and lowered the perplexity by about 3%, at
+# 6.0 slightly; at 2.5 and 3.0 it raised it (2.5: 177 -> 254): where every linear's error is large, the
+# relative error of a small projection's own output overstates what a wide code there is worth beside the
+# MLP's large matrices.
+STEPS = (-1.0, -0.5, 0.0, 0.5, 1.0)
+WIDE_STEP, WIDE_FROM = 2.0, 4.0
 
 
 def choose_allocation(tokens: int, measure: Optional[bool] = None, min_tokens: Optional[int] = None) -> dict:
@@ -57,7 +61,8 @@ def choose_allocation(tokens: int, measure: Optional[bool] = None, min_tokens: O
 
 
 def candidates(bits: float) -> list[float]:
-    return sorted({min(8.5, max(2.0, bits + s)) for s in STEPS})
+    steps = STEPS + ((WIDE_STEP,) if bits >= WIDE_FROM else ())
+    return sorted({min(8.5, max(2.0, bits + s)) for s in steps})
 
 
 def stored_bpw(tensors: Mapping[str, torch.Tensor], weights: int) -> float:
