@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,20 @@ MOE_ARCHITECTURES = {
     **{arch: MoeNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size")
        for arch in qwen35.ARCHITECTURES},
 }
+
+_TRANSFORMERS_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\b")
+
+
+def stored_name(architecture: str, name: str) -> str:
+    """A decoder-layer tensor's name as transformers' modules give it (router `mlp.gate`, experts
+    `mlp.experts.E.gate_proj`, Qwen3-MoE's names) -> its name in the Hub's checkpoints and EXL2 folders of
+    that architecture (Mixtral: `block_sparse_moe.gate`, `block_sparse_moe.experts.E.w1`); others unchanged."""
+    moe = MOE_ARCHITECTURES.get(architecture)
+    if moe is None:
+        return name
+    name = _TRANSFORMERS_EXPERT.sub(lambda m: f".{moe.experts}.{m[1]}.{getattr(moe, m[2])}", name)
+    return name.replace(".mlp.experts.", f".{moe.experts}.").replace(".mlp.gate.", f".{moe.router}.")
+
 
 # DBRX's config.json nests its sizes; they are copied under the names the other architectures use
 # (config key <- (section, key)), then bounded like theirs

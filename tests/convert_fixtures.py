@@ -13,7 +13,8 @@ TEXT = " ".join(f"The {w} of the river ran past the {v} town at {n} in the morni
 
 
 def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2) -> Path:
-    """A random-weight HF model folder of the given architecture (llama, qwen3, qwen3_moe)."""
+    """A random-weight HF model folder of the given architecture (llama, qwen3, qwen3_moe, mixtral), its
+    tensors named as transformers saves them (Mixtral's as the Hub holds them: block_sparse_moe.experts.E.w1)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -24,6 +25,8 @@ def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int 
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif arch == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
+    elif arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
     else:
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=64))

@@ -48,7 +48,7 @@ def _stored_bpw(tensors):
     return stored / weights
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
     import transformers as tf
     src = tiny_checkpoint(tmp_path / "hf", arch)
@@ -71,8 +71,14 @@ def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
     err_gptq = (_logits(out, ids.tolist()) - ref).norm()
     err_rtn = (_logits(tmp_path / "rtn", ids.tolist()) - ref).norm()
     assert err_gptq < 0.8 * err_rtn, (float(err_gptq), float(err_rtn))
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "mixtral"):
         assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 2 * 4
+    if arch == "mixtral":            # the Hub's EXL2 names, as exllamav2's converter writes them
+        names = set(_tensors(out))
+        assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w1.q_weight",
+                "model.layers.1.block_sparse_moe.experts.3.w3.q_weight",
+                "model.layers.1.block_sparse_moe.experts.3.w2.q_weight"} <= names, sorted(names)[:20]
+        assert not any(".mlp." in n for n in names), sorted(n for n in names if ".mlp." in n)[:5]
 
 
 def test_interrupted_conversion_resumes_where_it_stopped(tmp_path):

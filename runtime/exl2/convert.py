@@ -61,6 +61,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime import cpu_load, qwen35
+from runtime.modelfolder import stored_name
 from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
                              CONVERT_HEAD_BITS, CONVERT_MEASURE_MIN_TOKENS)
 
@@ -75,6 +76,8 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
     "LlamaForCausalLM": ("llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding", "LlamaRMSNorm"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding", "Qwen3RMSNorm"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding", "Qwen3MoeRMSNorm"),
+    # its tensors named as the Hub's checkpoints and EXL2 folders hold them (modelfolder.stored_name)
+    "MixtralForCausalLM": ("mixtral", "MixtralDecoderLayer", "MixtralRotaryEmbedding", "MixtralRMSNorm"),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
@@ -225,18 +228,18 @@ def _load_layer(layer: torch.nn.Module, ckpt: Checkpoint, prefix: str) -> None:
 
     with torch.no_grad():
         for key, param in layer.state_dict().items():
-            full = prefix + key
+            full = stored_name(ckpt.arch, prefix + key)
             if ckpt.has(full):
                 put(param, full)
             elif key.endswith("experts.gate_up_proj"):
-                base, inter = full[: -len("gate_up_proj")], param.shape[1] // 2
+                base, inter = prefix + key[: -len("gate_up_proj")], param.shape[1] // 2
                 for e in range(param.shape[0]):
-                    put(param[e, :inter], f"{base}{e}.gate_proj.weight")
-                    put(param[e, inter:], f"{base}{e}.up_proj.weight")
+                    put(param[e, :inter], stored_name(ckpt.arch, f"{base}{e}.gate_proj.weight"))
+                    put(param[e, inter:], stored_name(ckpt.arch, f"{base}{e}.up_proj.weight"))
             elif key.endswith("experts.down_proj"):
-                base = full[: -len("down_proj")]
+                base = prefix + key[: -len("down_proj")]
                 for e in range(param.shape[0]):
-                    put(param[e], f"{base}{e}.down_proj.weight")
+                    put(param[e], stored_name(ckpt.arch, f"{base}{e}.down_proj.weight"))
             else:
                 raise ConvertError(f"{ckpt.path}: tensor {full} is missing from the checkpoint")
 
@@ -397,6 +400,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
                                          hessian_budget)
             except CalibrationError as e:
                 raise ConvertError(str(e)) from e
+            tensors = {stored_name(ckpt.arch, k): v for k, v in tensors.items()}
             hidden = _run_layer(layer, rotary, hidden)
             del layer                                              # before the next layer is read
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4

@@ -24,6 +24,8 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from runtime.modelfolder import stored_name
+
 from . import format as fmt
 
 SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
@@ -216,6 +218,7 @@ def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     fmt.resolve_bits(bits, name="bits")                 # fail before any work, not at the last tensor
     fmt.resolve_bits(head_bits, name="head_bits")
     config = exllamav2_config(hf_config)
+    arch = config["architectures"][0]
     tied = bool(config.get("tie_word_embeddings", False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     if total is None:
@@ -225,15 +228,16 @@ def quantize_model(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
         for name, tensor in items:
             if _FUSED_EXPERTS.match(name):
                 for prefix, weight in _split_fused_experts(name, tensor):
+                    prefix = stored_name(arch, prefix)
                     writer.add_all(prefix, fmt.quantize(weight, bits, group_size, name=prefix))
             elif _LINEAR.match(name) or (name == "lm_head.weight" and not tied):
                 b = head_bits if name == "lm_head.weight" else bits
-                prefix = name[: -len(".weight")]
+                prefix = stored_name(arch, name[: -len(".weight")])
                 writer.add_all(prefix, fmt.quantize(tensor, b, group_size, name=prefix))
             elif name == "lm_head.weight" or _SKIP.search(name):
                 pass                                        # tied to the embeddings / a buffer
             elif tensor.is_floating_point():
-                writer.add(name, tensor.to(torch.float16))
+                writer.add(stored_name(arch, name), tensor.to(torch.float16))
             else:
                 raise ValueError(f"{name}: unexpected {tensor.dtype} tensor in a model's state dict")
             done += 1
