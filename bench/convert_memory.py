@@ -53,7 +53,8 @@ def bench_shape(name: str, layers: int, experts: int | None, vocab: int | None,
         notes.append("Qwen3.5's hybrid layers written as Qwen3-MoE layers of the same widths (full attention, "
                      "no shared expert): the converter does not read Gated DeltaNet layers")
     if full.architecture not in ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
-        raise SystemExit(f"--shape {name}: the converter reads Qwen3-MoE, Qwen3 and Llama; not {full.architecture}")
+        raise SystemExit(f"--shape {name}: this benchmark writes Qwen3-MoE, Qwen3 and Llama checkpoints; not "
+                         f"{full.architecture}")
     s = full.with_layers(layers)
     if top_k is not None:
         if not full.is_moe or not 1 <= top_k <= full.experts_per_token:

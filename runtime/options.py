@@ -47,6 +47,7 @@ MAX_PROMPT_CHARS = 1 << 23            # a rendered or raw prompt, before it reac
 
 # EXL2 conversion (moedesk-cli convert, runtime/exl2/convert.py).
 CONVERT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",    # what convert handles
+                         "MixtralForCausalLM", "DbrxForCausalLM",
                          "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
 CONVERT_HEAD_BITS = 6                 # bits of lm_head
 CONVERT_CALIBRATION_ROWS = 32         # calibration sequences (fewer when the text is short)

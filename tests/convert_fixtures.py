@@ -13,8 +13,9 @@ TEXT = " ".join(f"The {w} of the river ran past the {v} town at {n} in the morni
 
 
 def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2) -> Path:
-    """A random-weight HF model folder of the given architecture (llama, qwen3, qwen3_moe, mixtral), its
-    tensors named as transformers saves them (Mixtral's as the Hub holds them: block_sparse_moe.experts.E.w1)."""
+    """A random-weight HF model folder of the given architecture (llama, qwen3, qwen3_moe, mixtral, dbrx), its
+    tensors named as transformers saves them (as the Hub holds them: Mixtral's block_sparse_moe.experts.E.w1,
+    DBRX's transformer.blocks.N with its fused Wqkv and stacked experts)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -25,6 +26,11 @@ def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int 
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     elif arch == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
+    elif arch == "dbrx":             # clip_qkv that bites, top-2 of 4 divided by their 1-norm
+        model = tf.DbrxForCausalLM(tf.DbrxConfig(
+            d_model=64, n_heads=4, n_layers=layers, vocab_size=VOCAB, max_seq_len=512, tie_word_embeddings=False,
+            attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=500000.0),
+            ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2, moe_normalize_expert_weights=1.0)))
     elif arch == "mixtral":
         model = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
     else:

@@ -48,14 +48,21 @@ def _stored_bpw(tensors):
     return stored / weights
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "dbrx"])
 def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
     import transformers as tf
     src = tiny_checkpoint(tmp_path / "hf", arch)
     # the same weights rounded to nearest at 3 code bits, through the existing writer; the converter gets
     # the bits per weight that stores (--bpw counts scales and permutation, which weigh a lot in tiny linears)
     model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    quantize_model(model.state_dict(), json.loads((src / "config.json").read_text()), 3.0, 6, tmp_path / "rtn")
+    state = model.state_dict()
+    if arch == "dbrx":               # the writer reads DBRX under exllamav2's names, as the engines do
+        from safetensors.torch import load_file
+        from tests.test_reference_parity import _dbrx_as_exllamav2_names
+        shutil.copytree(src, tmp_path / "named")
+        _dbrx_as_exllamav2_names(tmp_path / "named", model.config)
+        state = load_file(str(tmp_path / "named" / "model.safetensors"))
+    quantize_model(state, json.loads((src / "config.json").read_text()), 3.0, 6, tmp_path / "rtn")
     rtn_bpw = _stored_bpw(_tensors(tmp_path / "rtn"))
     out = _convert(src, tmp_path / "q", min(rtn_bpw, 8.5))
     cfg = json.loads((out / "config.json").read_text())
@@ -71,14 +78,16 @@ def test_converted_model_loads_and_beats_round_to_nearest(tmp_path, arch):
     err_gptq = (_logits(out, ids.tolist()) - ref).norm()
     err_rtn = (_logits(tmp_path / "rtn", ids.tolist()) - ref).norm()
     assert err_gptq < 0.8 * err_rtn, (float(err_gptq), float(err_rtn))
-    if arch in ("qwen3_moe", "mixtral"):
+    if arch in ("qwen3_moe", "mixtral", "dbrx"):
         assert qc["experts_routed"] + qc["experts_all_token_fallback"] == 2 * 4
-    if arch == "mixtral":            # the Hub's EXL2 names, as exllamav2's converter writes them
-        names = set(_tensors(out))
-        assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w1.q_weight",
-                "model.layers.1.block_sparse_moe.experts.3.w3.q_weight",
-                "model.layers.1.block_sparse_moe.experts.3.w2.q_weight"} <= names, sorted(names)[:20]
-        assert not any(".mlp." in n for n in names), sorted(n for n in names if ".mlp." in n)[:5]
+    if arch in ("mixtral", "dbrx"):  # the Hub's EXL2 names, as exllamav2's converter writes them
+        names, up = set(_tensors(out)), {"mixtral": "w3", "dbrx": "v1"}[arch]
+        want = {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.input_layernorm.weight",
+                "model.embed_tokens.weight", "model.norm.weight", "lm_head.q_weight",
+                *(f"model.layers.1.self_attn.{p}_proj.q_weight" for p in "qkvo"),
+                *(f"model.layers.1.block_sparse_moe.experts.3.{p}.q_weight" for p in ("w1", up, "w2"))}
+        assert want <= names, sorted(want - names)
+        assert not any(".mlp." in n or "transformer." in n for n in names), sorted(names)[:5]
 
 
 def test_interrupted_conversion_resumes_where_it_stopped(tmp_path):

@@ -10,12 +10,14 @@ Flow (exllamav2's converter works the same way in outline):
    layer's inputs, so later layers are calibrated on what the quantized model really computes.
 3. The final norm's outputs calibrate `lm_head` (absent when tied to the embeddings).
 Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) takes the same steps with the reference engine's
-own layers in place of transformers' modules: convert_qwen35.py (on the CPU).
+own layers in place of transformers' modules: convert_qwen35.py (on the CPU). Mixtral's tensors keep the
+Hub's names (modelfolder.stored_name); DBRX's blocks are rebuilt and renamed as exllamav2 names them
+(convert_dbrx.py).
 Memory: one layer's weights (float32) plus the calibration activations (rows x seq_len x hidden, float32,
 twice; the experts' inputs once more in float16) plus the Hessians: the dense linears' (inputs shared
 by several linears share one) and at most `hessian_budget` bytes of experts' Hessians (calibrate.py).
 
-MoE experts (Qwen3-MoE): each expert's gate/up Hessian sums only the tokens the router sent to it and its
+MoE experts (Qwen3-MoE, Mixtral, DBRX): each expert's gate/up Hessian sums only the tokens the router sent to it and its
 down Hessian only its own intermediate activations of those tokens; experts routed too few tokens fall
 back to all the layer's tokens (calibrate.py; the fallbacks are counted in quantization_config).
 
@@ -53,6 +55,7 @@ import os
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -65,7 +68,7 @@ from runtime.modelfolder import stored_name
 from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
                              CONVERT_HEAD_BITS, CONVERT_MEASURE_MIN_TOKENS)
 
-from . import allocate, caldata
+from . import allocate, caldata, convert_dbrx
 from . import format as fmt
 from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
                         quantize_layer)
@@ -78,6 +81,8 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding", "Qwen3MoeRMSNorm"),
     # its tensors named as the Hub's checkpoints and EXL2 folders hold them (modelfolder.stored_name)
     "MixtralForCausalLM": ("mixtral", "MixtralDecoderLayer", "MixtralRotaryEmbedding", "MixtralRMSNorm"),
+    # its blocks rebuilt, read and renamed by convert_dbrx.py; its final norm a bias-free LayerNorm
+    convert_dbrx.ARCH: ("dbrx", "DbrxBlock", "DbrxRotaryEmbedding", None),
 }
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
@@ -202,11 +207,14 @@ def staging_dir(out_dir: Path) -> Path:
 def _classes(arch: str):
     mod_name, layer_cls, rope_cls, norm_cls = ARCHITECTURES[arch]
     mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
-    return getattr(mod, layer_cls), getattr(mod, rope_cls), getattr(mod, norm_cls)
+    return getattr(mod, layer_cls), getattr(mod, rope_cls), getattr(mod, norm_cls) if norm_cls else None
 
 
 def _new_layer(layer_cls, cfg, i: int, device: str) -> torch.nn.Module:
     """The decoder-layer module with uninitialised float32 parameters (filled by _load_layer)."""
+    if layer_cls.__name__ == "DbrxBlock":
+        with torch.device("meta"):
+            return convert_dbrx.new_layer(cfg, i).to_empty(device=device).float().eval()
     with torch.device("meta"):
         layer = layer_cls(cfg, layer_idx=i)
     persistent = set(layer.state_dict())
@@ -338,6 +346,8 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         n_layers = cfg.num_hidden_layers
         tied = bool(ckpt.config.get("tie_word_embeddings", False))
         embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
+        if ckpt.arch == convert_dbrx.ARCH:
+            embed_name, norm_name = convert_dbrx.EMBED, convert_dbrx.NORM
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
                 "bits_counted": "stored", "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT,
                 "measure": measure,
@@ -378,6 +388,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             hidden = f.get_tensor("hidden")
     hidden = hidden.to(device)
     rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
+    out_name = convert_dbrx.stored_name if ckpt.arch == convert_dbrx.ARCH else partial(stored_name, ckpt.arch)
     jobs_done = lambda jobs: quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured)  # noqa: E731
     done_now = 0
     for i in range(k, n_layers):
@@ -391,7 +402,10 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         else:
             prefix = f"model.layers.{i}."
             layer = _new_layer(layer_cls, cfg, i, device)
-            _load_layer(layer, ckpt, prefix)
+            if ckpt.arch == convert_dbrx.ARCH:
+                convert_dbrx.load_layer(layer, ckpt, cfg, i, ConvertError)
+            else:
+                _load_layer(layer, ckpt, prefix)
             collector = Collector(layer)
             _run_layer(layer, rotary, hidden)
             collector.remove()
@@ -400,7 +414,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
                                          hessian_budget)
             except CalibrationError as e:
                 raise ConvertError(str(e)) from e
-            tensors = {stored_name(ckpt.arch, k): v for k, v in tensors.items()}
+            tensors = {out_name(k): v for k, v in tensors.items()}
             hidden = _run_layer(layer, rotary, hidden)
             del layer                                              # before the next layer is read
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
@@ -430,7 +444,8 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             if hybrid is not None:
                 acc.add(hybrid.head_input(hidden))
             else:
-                norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps).to(device)
+                norm = (norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps) if norm_cls else convert_dbrx.head_norm(cfg))
+                norm = norm.to(device)
                 norm.weight.data = ckpt.get(norm_name).to(device)
                 acc.add(norm(hidden))
         head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
@@ -458,12 +473,13 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         shutil.rmtree(assembled)
     try:
         with ModelWriter(assembled) as writer:
-            writer.add(embed_name, ckpt.get_raw(embed_name).to(torch.float16))
+            renamed = {convert_dbrx.EMBED: convert_dbrx.OUT_EMBED, convert_dbrx.NORM: convert_dbrx.OUT_NORM}
+            writer.add(renamed.get(embed_name, embed_name), ckpt.get_raw(embed_name).to(torch.float16))
             for i in range(n_layers):
                 with safe_open(str(staging / f"layer-{i:05d}.safetensors"), "pt") as f:
                     for name in f.keys():
                         writer.add(name, f.get_tensor(name))
-            writer.add(norm_name, ckpt.get(norm_name).to(torch.float16))
+            writer.add(renamed.get(norm_name, norm_name), ckpt.get(norm_name).to(torch.float16))
             if head is not None:
                 writer.add_all("lm_head", head)
             for name, tensor in mtp.items():

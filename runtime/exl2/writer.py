@@ -163,7 +163,8 @@ class ModelWriter:
 # HF state dict -> EXL2 folder
 
 _LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-                     r"|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
+                     r"|mlp\.experts\.\d+\.(gate|up|down)_proj"
+                     r"|block_sparse_moe\.experts\.\d+\.(w1|w2|w3|v1))\.weight$")   # experts as stored (Mixtral, DBRX)
 _SKIP = re.compile(r"rotary_emb\.inv_freq$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
