@@ -6,7 +6,7 @@ same evaluation code.
         [--out bench/results/] [--work DIR]
 
 The calibrated conversions use the converter's default calibration (exllamav2's standard set where it is
-installed, caldata.py) and group size; 'stored_bpw' is what the quantized linears take on disk (codes,
+installed, caldata.py) and group size; 'stored_bpw' is what the decoder's quantized linears take on disk (codes,
 scales, group table, permutation), the measure exllamav2's -b targets and the converter's --bpw now
 means (round-to-nearest's bpw still counts code bits: its 'stored_bpw' is higher).
 
@@ -63,27 +63,36 @@ def perplexity(model, ids: torch.Tensor) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, ids[1:]).item())
 
 
-def load_exl2_into(model, original: dict, folder: Path) -> float:
+def load_exl2_into(model, original: dict, folder: Path) -> tuple[float, float | None]:
     """Put an EXL2 folder's dequantized linears (and fp16 tensors) into the transformers model; -> the
-    quantized linears' stored bits per weight (codes, scales, groups, permutation: what exllamav2 counts)."""
+    decoder's quantized linears' stored bits per weight (codes, scales, groups, permutation: what exllamav2's
+    -b and our --bpw count) and lm_head's (None where it is not quantized: tied to the embeddings, as our
+    converter leaves the demo's; exllamav2's quantizes it at -hb even then)."""
     from runtime.exl2 import format as fmt
     stored = {}
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             stored.update({k: f.get_tensor(k) for k in f.keys()})
-    state, bits, weights = {}, 0, 0
+    state, bits, weights, head = {}, 0, 0, None
+    if "lm_head.q_weight" in stored and model.lm_head.weight is model.get_input_embeddings().weight:
+        # a head quantized apart from the embeddings it was tied to: the model computes with both, as
+        # exllamav2 does (loaded tied, the dequantized head would overwrite the embeddings too)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     for name, ref in original.items():
         prefix = name[: -len(".weight")]
         if f"{prefix}.q_weight" in stored:
             q = {k: stored[f"{prefix}.{k}"] for k in fmt.REQUIRED_KEYS}
             state[name] = fmt.dequantize(q, out_features=ref.shape[0])
-            bits, weights = bits + fmt.stored_bits(q), weights + ref.numel()
+            if prefix == "lm_head":
+                head = fmt.stored_bits(q) / ref.numel()
+            else:
+                bits, weights = bits + fmt.stored_bits(q), weights + ref.numel()
         elif name in stored:
             state[name] = stored[name].float()
         else:
             state[name] = ref                  # tied lm_head
     model.load_state_dict(state)
-    return bits / max(weights, 1)
+    return bits / max(weights, 1), head
 
 
 def main(argv=None) -> int:
@@ -170,8 +179,9 @@ def main(argv=None) -> int:
             elif method == "exllamav2":
                 folder = Path(args.exllamav2_dir) / f"{bpw:g}"
             seconds = round(time.perf_counter() - t0, 1)
-            stored_bpw = load_exl2_into(model, original, folder)
+            stored_bpw, head_bpw = load_exl2_into(model, original, folder)
             rows.append({"method": method, "bpw": bpw, "stored_bpw": round(stored_bpw, 4),
+                         "head_stored_bpw": None if head_bpw is None else round(head_bpw, 4),
                          "perplexity": perplexity(model, ids),
                          "seconds": seconds if made else None})     # None: converted by an earlier run
             print(rows[-1], flush=True)

@@ -98,3 +98,27 @@ def test_convert_quality_refuses_exllamav2s_column_without_its_folders(capsys):
         main(["--methods", "rtn", "exllamav2", "--work", "/nonexistent/never-made"])
     assert e.value.code == 2
     assert "--methods exllamav2 needs --exllamav2-dir" in capsys.readouterr().err
+
+
+def test_convert_quality_counts_the_head_apart_and_unties_a_quantized_one(tmp_path):
+    """exllamav2's converter quantizes lm_head even where it is tied to the embeddings. The evaluation then
+    computes with both, as exllamav2 does (loaded into the tied model, the dequantized head had replaced the
+    embeddings too), and counts the head's bits apart from the decoder's (what -b and --bpw count)."""
+    import torch
+    import transformers as tf
+    from bench.convert_quality import load_exl2_into
+    from runtime.exl2.writer import quantize_model
+    from tests.convert_fixtures import tiny_checkpoint
+    from tests.test_exl2_convert import _stored_bpw, _tensors
+    src = tiny_checkpoint(tmp_path / "hf", "llama", layers=1)
+    model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.model.embed_tokens.weight = model.lm_head.weight         # tied, as the demo model is
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    config = json.loads((src / "config.json").read_text())
+    quantize_model(original, config, 4.0, 6, tmp_path / "q")        # untied config: lm_head quantized at 6
+    tensors = _tensors(tmp_path / "q")
+    decoder, head = load_exl2_into(model, original, tmp_path / "q")
+    assert decoder == pytest.approx(_stored_bpw(tensors)) and 6 < head < 7.5
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"].float())
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
