@@ -48,6 +48,7 @@ import torch
 from gpu_figures import record as _record, rel as _rel
 from routing_replay import Picks, Routing, compare_with_reference
 from test_exl2_engine import _tol
+from runtime.exl2.shapes import get_shape
 from runtime.options import LoadOptions, OffloadOptions
 
 pytestmark = pytest.mark.gpu
@@ -118,6 +119,29 @@ def test_matches_reference(kind, size, models):
         ref.close()
         del ref
         torch.cuda.empty_cache()                # its VRAM back before the next load plans its budget
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
+def test_a_converted_checkpoint_matches_reference(kind, tmp_path):
+    """A random checkpoint at the miniature's widths, as the Hub publishes it (Mixtral's block_sparse_moe
+    names; DBRX's transformer.blocks with fused Wqkv and stacked experts, its clip_qkv reached), converted by
+    our converter on the CPU: the CUDA engine runs the folder within the miniatures' tolerances of the float32
+    reference of the same folder, with and without graphs."""
+    from runtime import reference
+    from runtime.exl2 import convert as cv
+    from tests.convert_fixtures import TEXT, tiny_checkpoint
+    shape = get_shape(SHAPES[kind][1])
+    src = tiny_checkpoint(tmp_path / "hf", kind, hidden=shape.hidden, head_dim=shape.head_dim, vocab=shape.vocab,
+                          experts=shape.experts, top_k=shape.experts_per_token)
+    out = cv.convert(src, tmp_path / "q", 6.0, calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None,
+                     measure=False)
+    ref = reference.load(out, LoadOptions(), lambda *a: None, precision="float32", device="cuda")[0]
+    try:
+        _vs_reference_both(kind, "tiny", out, ref)
+    finally:
+        ref.close()
+        del ref
+        torch.cuda.empty_cache()
 
 
 def _vs_reference_both(kind, size, path, ref):
