@@ -118,7 +118,7 @@ def estimate_layer_bytes(s: Shape, tokens: int, budget: int, bits: float) -> dic
     attn = h * (q + 2 * kv) + q * h
     if s.is_moe:
         mlp = s.experts * 3 * h * s.expert_intermediate + s.experts * h
-        per_expert = calibrate.hessian_bytes(h) + calibrate.hessian_bytes(s.expert_intermediate)
+        per_expert = calibrate.expert_bytes(h, s.expert_intermediate)     # Hessians, inverse, GPTQ loop
         group = min(s.experts, calibrate.experts_per_group(h, s.expert_intermediate, budget))
         experts_h = group * per_expert + calibrate.hessian_bytes(h)
         routed = tokens * h * 2 + tokens * s.experts_per_token * 8

@@ -24,7 +24,7 @@ def _convert(src, out, budget, measure=False):
 @pytest.mark.parametrize("measure", [False, True])
 def test_expert_groups_give_the_same_model_for_every_budget(tmp_path, measure):
     src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1 if measure else 2)
-    per_expert = calibrate.hessian_bytes(HIDDEN) + calibrate.hessian_bytes(INTER)
+    per_expert = calibrate.expert_bytes(HIDDEN, INTER)
     runs = {}
     for budget in (1, 3 * per_expert, 1 << 40):              # 1 expert, groups of 3 + 1, all 4 at once
         reports = _convert(src, tmp_path / f"q{budget}", budget, measure)
@@ -105,13 +105,14 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
     assert any("8 of 16 experts" in n for n in notes)
     with pytest.raises(SystemExit, match="--experts must be between top-k 2 and 16"):
         cm.bench_shape("tiny-moe", 1, 1, None, top_k=2)
-    with pytest.raises(SystemExit, match="converter reads"):
+    with pytest.raises(SystemExit, match="this benchmark writes Qwen3-MoE, Qwen3 and Llama checkpoints"):
         cm.bench_shape("tiny-mixtral", 1, None, None)
     q35, _, notes35 = cm.bench_shape("qwen3.5-122b-a10b", 1, None, None)
     assert (q35.architecture, q35.experts, q35.hidden, q35.expert_intermediate) == ("Qwen3MoeForCausalLM", 256, 3072, 1024)
 
     assert cm.main(["--shape", "tiny-moe", "--layers", "1", "--experts", "8", "--top-k", "2", "--vocab", "512",
-                    "--rows", "2", "--seq-len", "32", "--hessian-memory", str(3 * 700_000 / 2**30),
+                    "--rows", "2", "--seq-len", "32",
+                    "--hessian-memory", str(3.5 * calibrate.expert_bytes(s.hidden, s.expert_intermediate) / 2**30),
                     "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
     result = json.loads(next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json")).read_text())
     (layer,) = result["layers"]

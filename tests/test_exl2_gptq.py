@@ -122,3 +122,24 @@ def test_one_inverse_per_hessian_reused_for_every_linear_that_shares_it():
     assert all(torch.equal(a[k], b[k]) for k in a)             # the prepared inverse is the same computation
     with pytest.raises(fmt.Exl2FormatError, match="does not match"):
         quantize_gptq(w[:, :96], prep, 4)
+
+
+def test_many_weights_in_one_loop_are_bit_for_bit_what_each_gets_alone():
+    """quantize_gptq_many (a group of experts in one column loop): each weight, with its own Hessian, its own
+    act order and dead channels, gets exactly the tensors quantize_gptq gives it alone, for a mix of widths;
+    weights of other shapes are refused, naming the weight."""
+    from runtime.exl2.gptq import prepare, quantize_gptq_many
+    torch.manual_seed(3)
+    weights, preps = [], []
+    for e in range(3):
+        x = torch.randn(400, 96) * torch.linspace(0.2, 2.0, 96)[torch.randperm(96)]
+        x[:, e] = 0                                          # a dead channel, a different one each
+        weights.append(torch.randn(72, 96) * 0.02)
+        preps.append(prepare(2 * x.T @ x, damp=0.01, tokens=400))
+    assert not torch.equal(preps[0].perm, preps[1].perm)
+    many = quantize_gptq_many(weights, preps, [5, 4], 32, bits_prop=[0.3, 0.7], names=["a", "b", "c"])
+    for w, p, got in zip(weights, preps, many):
+        alone = quantize_gptq(w, p, [5, 4], 32, bits_prop=[0.3, 0.7])
+        assert got.keys() == alone.keys() and all(torch.equal(got[k], alone[k]) for k in alone)
+    with pytest.raises(fmt.Exl2FormatError, match="b: weight of shape \\[72, 64\\]"):
+        quantize_gptq_many([weights[0], weights[1][:, :64]], preps[:2], 4, 32, names=["a", "b"])

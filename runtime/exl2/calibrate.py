@@ -6,10 +6,13 @@ summed while it runs: its hook keeps the tokens it receives (float16, float32 wh
 overflow) and the router's top-k choice, once per layer. After the run the dense linears are quantized
 and their Hessians dropped; then the experts are calibrated in groups: for a group, one pass over the
 kept tokens sums each expert's gate/up Hessian from the tokens routed to it and its down Hessian from
-its own intermediate activations of them, and each expert is quantized and its Hessians dropped before
-the next group starts. A group holds as many experts as `hessian_budget` bytes of float64 Hessians allow
-(at least one), so a 128- or 256-expert layer never holds all its experts' Hessians at once; an expert's
-Hessians depend only on its own weights and tokens, so the result is bit-identical for every budget.
+its own intermediate activations of them; the group's gates are GPTQ'd in one column loop, then their ups,
+then their downs (gptq.quantize_gptq_many: on a GPU the loop's small operations are latency-bound, so one
+loop for the group is several times faster than one per expert), and the group's Hessians are dropped
+before the next group starts. A group holds as many experts as `hessian_budget` bytes allow (expert_bytes:
+Hessians, inverses, the loop's weights; at least one), so a 128- or 256-expert layer never holds all its
+experts' Hessians at once; an expert's result depends only on its own weights and tokens, bit for bit, so
+the model is the same for every budget.
 
 An expert routed fewer than MIN_EXPERT_TOKENS_PER_INPUT x in_features tokens would be calibrated on a
 nearly singular Hessian; it falls back to the Hessian of all the layer's tokens for gate/up and of all
@@ -23,7 +26,7 @@ import torch
 
 from . import allocate
 from . import format as fmt
-from .gptq import HessianAccumulator, prepare, quantize_gptq
+from .gptq import HessianAccumulator, prepare, quantize_gptq_many
 
 MIN_EXPERT_TOKENS_PER_INPUT = 2      # expert tokens below this x in_features -> all-token Hessian
 DEFAULT_HESSIAN_BUDGET = 2 << 30     # bytes of expert Hessians held at once (float64)
@@ -38,9 +41,16 @@ def hessian_bytes(width: int) -> int:
     return width * width * H_BYTES
 
 
+def expert_bytes(hidden: int, inter: int) -> int:
+    """What one expert of a group holds while the group is quantized: its gate/up and down Hessians (float64),
+    its gate/up Hessian's damped inverse (float32, kept for gate and up) and its share of the group's GPTQ
+    loop (the weights being quantized and their codes, float32)."""
+    return hessian_bytes(hidden) + hessian_bytes(inter) + hidden * hidden * 4 + 2 * (inter + 31) // 32 * 32 * hidden * 4
+
+
 def experts_per_group(hidden: int, inter: int, budget: int) -> int:
-    """How many experts' gate/up and down Hessians fit in `budget` bytes (at least one)."""
-    return max(1, int(budget) // (hessian_bytes(hidden) + hessian_bytes(inter)))
+    """How many experts fit in `budget` bytes (expert_bytes; at least one)."""
+    return max(1, int(budget) // expert_bytes(hidden, inter))
 
 
 class RoutedInputs:
@@ -160,29 +170,44 @@ class _Results:
         self.pending: list[tuple[str, int, object]] = []         # (key, numel, set_weight) when measuring
         self.cands: dict[tuple[str, float], dict] = {}
         self.errors: dict[str, dict] = {}
-        self._prepared = None                                        # (Hessian, gptq.prepare of it)
+        self._prepared: dict[int, tuple] = {}                   # id(Hessian) -> (Hessian, gptq.prepare of it)
+
+    def _prepare(self, items) -> list:
+        """The damped inverse of each item's Hessian: linears given the same Hessian one after another (q/k/v,
+        an expert's gate and up) share one; inverses no item needs any more are freed first."""
+        need = {id(h) for _, _, h, _ in items}
+        self._prepared = {k: v for k, v in self._prepared.items() if k in need}
+        for key, _, h, _ in items:
+            if id(h) not in self._prepared:
+                hh, tokens = (h.h, h.tokens) if isinstance(h, HessianAccumulator) else (h, None)
+                self._prepared[id(h)] = (h, prepare(hh, damp=self.damp, tokens=tokens, name=key))
+                self.stats["hessian_inverses"] = self.stats.get("hessian_inverses", 0) + 1
+        return [self._prepared[id(h)][1] for _, _, h, _ in items]
 
     def quantize(self, key: str, w: torch.Tensor, h, set_weight) -> None:
-        """h: a HessianAccumulator (its token count sets GPTQ's damping floor) or a bare Hessian. Linears
-        given the same h one after another (q/k/v, gate/up) share one damped inverse."""
-        if self._prepared is None or self._prepared[0] is not h:
-            self._prepared = None                                   # the previous inverse is freed first
-            hh, tokens = (h.h, h.tokens) if isinstance(h, HessianAccumulator) else (h, None)
-            self._prepared = (h, prepare(hh, damp=self.damp, tokens=tokens, name=key))
-            self.stats["hessian_inverses"] = self.stats.get("hessian_inverses", 0) + 1
-        prep = self._prepared[1]
+        """h: a HessianAccumulator (its token count sets GPTQ's damping floor) or a bare Hessian."""
+        self.quantize_many([(key, w, h, set_weight)])
+
+    def quantize_many(self, items) -> None:
+        """(key, weight, Hessian, set_weight) of linears of one shape (a group of experts' gate, up or down):
+        GPTQ'd together, each candidate width in one column loop (gptq.quantize_gptq_many: bit for bit what
+        each gets alone)."""
+        preps = self._prepare(items)
+        keys, ws = [k for k, _, _, _ in items], [w for _, w, _, _ in items]
         for b in self.widths:
-            mix, props = fmt.stored_target(b, w.shape[1], w.shape[0], self.group_size)
-            q = quantize_gptq(w, prep, list(mix), self.group_size, bits_prop=props, name=key)
-            if not self.measure:
-                self._keep(key, w.numel(), w.shape[0], q, set_weight)
-                return
-            deq = fmt.dequantize(q, out_features=w.shape[0]).to(w.device)
-            hh = h.h if isinstance(h, HessianAccumulator) else h
-            self.errors.setdefault(key, {})[b] = (allocate.stored_bpw(q, w.numel()),
-                                                  allocate.relative_error(w, deq, hh))
-            self.cands[key, b] = q
-        self.pending.append((key, w.numel(), w.shape[0], set_weight))
+            mix, props = fmt.stored_target(b, ws[0].shape[1], ws[0].shape[0], self.group_size)
+            qs = quantize_gptq_many(ws, preps, list(mix), self.group_size, bits_prop=props, names=keys)
+            for (key, w, h, set_weight), q in zip(items, qs):
+                if not self.measure:
+                    self._keep(key, w.numel(), w.shape[0], q, set_weight)
+                    continue
+                deq = fmt.dequantize(q, out_features=w.shape[0]).to(w.device)
+                hh = h.h if isinstance(h, HessianAccumulator) else h
+                self.errors.setdefault(key, {})[b] = (allocate.stored_bpw(q, w.numel()),
+                                                      allocate.relative_error(w, deq, hh))
+                self.cands[key, b] = q
+        if self.measure:
+            self.pending += [(key, w.numel(), w.shape[0], set_weight) for key, w, _, set_weight in items]
 
     def _keep(self, key, numel, out_features, q, set_weight) -> None:
         self.tensors.update({f"{key}.{k}": v for k, v in q.items()})
@@ -192,7 +217,7 @@ class _Results:
         set_weight(fmt.dequantize(q, out_features=out_features))
 
     def finish(self) -> dict[str, torch.Tensor]:
-        self._prepared = None
+        self._prepared = {}
         if self.measure:
             chosen = allocate.allocate(self.errors, {k: n for k, n, _, _ in self.pending}, self.bits)
             for key, numel, out_features, set_weight in self.pending:
@@ -235,7 +260,7 @@ def quantize_layer(layer: torch.nn.Module, prefix: str, bits, group_size: int, d
             except CalibrationError as e:
                 raise CalibrationError(f"{prefix}{e}") from None
             res.quantize(f"{prefix}{name}", mod.weight.data, h, _set_linear(mod))
-    res._prepared = None
+    res._prepared = {}
     for key in list(collector.acc):                              # dense Hessians done with
         collector.held(-hessian_bytes(collector.acc.pop(key).h.shape[0]))
     t0 = time.perf_counter()
@@ -264,17 +289,21 @@ def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict
     for g0 in range(0, mod.num_experts, group):
         experts = list(range(g0, min(mod.num_experts, g0 + group)))
         hs = inputs.expert_hessians(experts, routed)
-        collector.held(sum(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter) for e in experts))
+        held = sum(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter) for e in experts)
+        collector.held(held)
         for e in experts:
-            h_in, h_down = hs.pop(e)
             stats["experts_routed" if routed[e] else "experts_all_token_fallback"] += 1
-            h_in = h_in or all_in
-            gu, down = mod.gate_up_proj.data[e], mod.down_proj.data[e]
-            res.quantize(f"{key}.{e}.gate_proj", gu[:inter], h_in, _set_view(gu[:inter]))
-            res.quantize(f"{key}.{e}.up_proj", gu[inter:], h_in, _set_view(gu[inter:]))
-            res.quantize(f"{key}.{e}.down_proj", down, h_down, _set_view(down))
-            collector.held(-(hessian_bytes(hidden_in) * routed[e] + hessian_bytes(inter)))
-            del h_in, h_down
+        gu, down = mod.gate_up_proj.data, mod.down_proj.data
+        h_in = {e: hs[e][0] or all_in for e in experts}
+        # the group's gates in one GPTQ loop, then their ups (the same inverses), then their downs
+        res.quantize_many([(f"{key}.{e}.gate_proj", gu[e, :inter], h_in[e], _set_view(gu[e, :inter]))
+                           for e in experts])
+        res.quantize_many([(f"{key}.{e}.up_proj", gu[e, inter:], h_in[e], _set_view(gu[e, inter:]))
+                           for e in experts])
+        res.quantize_many([(f"{key}.{e}.down_proj", down[e], hs[e][1], _set_view(down[e])) for e in experts])
+        res._prepared = {}
+        collector.held(-held)
+        del hs, h_in
     if all_in is not None:
         collector.held(-hessian_bytes(hidden_in))
     inputs.x.clear()

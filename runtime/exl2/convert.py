@@ -15,7 +15,8 @@ Hub's names (modelfolder.stored_name); DBRX's blocks are rebuilt and renamed as 
 (convert_dbrx.py).
 Memory: one layer's weights (float32) plus the calibration activations (rows x seq_len x hidden, float32,
 twice; the experts' inputs once more in float16) plus the Hessians: the dense linears' (inputs shared
-by several linears share one) and at most `hessian_budget` bytes of experts' Hessians (calibrate.py).
+by several linears share one) and at most `hessian_budget` bytes for a group of experts (their Hessians,
+inverses and batched GPTQ loop: calibrate.expert_bytes).
 
 MoE experts (Qwen3-MoE, Mixtral, DBRX): each expert's gate/up Hessian sums only the tokens the router sent to it and its
 down Hessian only its own intermediate activations of those tokens; experts routed too few tokens fall
@@ -286,7 +287,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
-    `hessian_budget` bounds the bytes of experts' Hessians held at once (it does not change the result).
+    `hessian_budget` bounds the bytes a group of experts holds at once (calibrate.expert_bytes: their
+    Hessians, inverses and batched GPTQ loop; it does not change the result).
     `device` runs the layers, Hessians and GPTQ there ("cuda"); `progress` gets a dict per finished layer
     (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
     """
@@ -522,7 +524,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
                    help=f"tokens per calibration sequence (default {CONVERT_CALIBRATION_SEQ_LEN})")
     p.add_argument("--hessian-memory", type=float, default=DEFAULT_HESSIAN_BUDGET / 2**30,
-                   help="GiB of MoE experts' Hessians held at once; experts are calibrated in groups that fit "
+                   help="GiB a group of MoE experts holds at once (Hessians, inverses, the GPTQ loop); experts are "
+                        "calibrated in groups that fit "
                         f"(default {DEFAULT_HESSIAN_BUDGET / 2**30:g}; does not change the result)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where layers, Hessians and GPTQ run")
     p.add_argument("--threads", type=int, default=0,

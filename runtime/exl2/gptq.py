@@ -131,38 +131,66 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | Prepared, bits=4
     fmt.quantize(weight[:1], bits, group_size, bits_prop=bits_prop, name=name)    # validates widths, sizes, range
     prep = hessian if isinstance(hessian, Prepared) else prepare(hessian, damp=damp, tokens=tokens,
                                                                  use_act_order=use_act_order, name=name)
-    dev, perm, u = prep.u.device, prep.perm, prep.u
-    w = weight.detach().to(dev, torch.float32)
-    out = w.shape[0]
+    return quantize_gptq_many([weight], [prep], bits, group_size, bits_prop=bits_prop, names=[name])[0]
+
+
+def quantize_gptq_many(weights: Sequence[torch.Tensor], preps: Sequence[Prepared], bits=4,
+                       group_size: int | Mapping[int, int] = 128, *, bits_prop: Sequence[float] | None = None,
+                       names: Sequence[str] | None = None) -> list[dict[str, torch.Tensor]]:
+    """GPTQ of several weights of one shape [out, in], each with its own prepared Hessian (the experts of a
+    layer), in one column loop: its elementwise steps run on all of them at once, so the loop's many small
+    operations are launched once for all rather than once each (on a GPU they are latency-bound). Every
+    weight's result is bit for bit what it gets alone (the same operations on the same values; the scale
+    search and the block updates run weight by weight). -> one EXL2 tensor set each (on the CPU)."""
+    names = list(names or [f"weight{i}" for i in range(len(weights))])
+    if not weights or len(preps) != len(weights) or len(names) != len(weights):
+        raise ValueError(f"{len(weights)} weights, {len(preps)} Hessians and {len(names)} names: one of each")
+    shape = weights[0].shape
+    for w, p, name in zip(weights, preps, names):
+        if w.dim() != 2 or w.shape != shape or w.shape[1] != p.in_features:
+            raise fmt.Exl2FormatError(name, f"weight of shape {list(w.shape)} with a Hessian of {p.in_features} "
+                                            f"inputs among weights of shape {list(shape)}")
+        if not torch.isfinite(w).all():
+            raise fmt.Exl2FormatError(name, "weight has non-finite values")
+    fmt.quantize(weights[0][:1], bits, group_size, bits_prop=bits_prop, name=names[0])  # widths, sizes, range
+    dev = preps[0].u.device
+    out, in_features = shape
     n = out + (-out % 32)
-    wp = torch.nn.functional.pad(w[:, perm], (0, 0, 0, n - out))      # [N, in] packed order (a copy)
-    del w
-    if prep.dead.any():
-        wp[:, prep.dead[perm]] = 0.0
-    mix, props = fmt.resolve_bits(bits, bits_prop, name)
+    wp = torch.zeros((len(weights), n, in_features), device=dev)    # [E, N, in] packed order, padded rows 0
+    for e, (w, p) in enumerate(zip(weights, preps)):
+        wp[e, :out] = w.detach().to(dev, torch.float32)[:, p.perm]
+        if p.dead.any():
+            wp[e][:, p.dead[p.perm]] = 0.0
+    mix, props = fmt.resolve_bits(bits, bits_prop, names[0])
     gs = dict(group_size) if isinstance(group_size, Mapping) else {b: int(group_size) for b in mix}
     groups = fmt.plan_groups(in_features, mix, props, gs)
 
-    codes = torch.empty_like(wp)                        # centred codes, [N, in]
-    qscale = torch.empty((len(groups), n), device=dev)
-    qsm = torch.empty(len(groups), dtype=torch.float16, device=dev)
+    codes = torch.empty_like(wp)                        # centred codes, [E, N, in]
+    qscale = torch.empty((len(weights), len(groups), n), device=dev)
+    qsm = torch.empty((len(weights), len(groups)), dtype=torch.float16, device=dev)
     b0 = 0
     for g, (b, rows) in enumerate(groups):             # one group = one lazy-update block
         b1 = b0 + rows
         zero = 1 << (b - 1)
         # the group's scales from its weights as the error feedback has left them (exllamav2 does the same)
-        qscale[g], qsm[g], step = fmt.search_scales(wp[:, b0:b1].t(), b)
-        wb = wp[:, b0:b1].clone()
+        steps = []
+        for e in range(len(weights)):
+            qscale[e, g], qsm[e, g], step = fmt.search_scales(wp[e, :, b0:b1].t(), b)
+            steps.append(step)
+        step = torch.stack(steps)                                       # [E, N]
+        wb = wp[:, :, b0:b1].clone()
         err = torch.zeros_like(wb)
-        ub = u[b0:b1, b0:b1]
+        ub = torch.stack([p.u[b0:b1, b0:b1] for p in preps])            # [E, rows, rows]
         for j in range(rows):
-            q = torch.clamp(torch.round(wb[:, j] / step), -zero, zero - 1)
-            codes[:, b0 + j] = q
-            e = (wb[:, j] - q * step) / ub[j, j]
-            wb[:, j:] -= e.unsqueeze(1) * ub[j, j:].unsqueeze(0)
-            err[:, j] = e
-        wp[:, b1:] -= err @ u[b0:b1, b1:]
+            q = torch.clamp(torch.round(wb[:, :, j] / step), -zero, zero - 1)
+            codes[:, :, b0 + j] = q
+            e = (wb[:, :, j] - q * step) / ub[:, j, j].unsqueeze(1)
+            wb[:, :, j:] -= e.unsqueeze(2) * ub[:, j, j:].unsqueeze(1)
+            err[:, :, j] = e
+        for e, p in enumerate(preps):
+            wp[e, :, b1:] -= err[e] @ p.u[b0:b1, b1:]
         b0 = b1
-    codes[out:] = 0                                     # padded columns hold the zero code
-    qscale[:, out:] = 16                                # as the plain quantizer leaves them
-    return fmt.assemble(codes.t().to(torch.int64), qscale, qsm, groups, perm, name)
+    codes[:, out:] = 0                                  # padded columns hold the zero code
+    qscale[:, :, out:] = 16                             # as the plain quantizer leaves them
+    return [fmt.assemble(codes[e].t().to(torch.int64), qscale[e], qsm[e], groups, p.perm, name)
+            for e, (p, name) in enumerate(zip(preps, names))]
