@@ -7,7 +7,7 @@
    of the shape (runtime/exl2/shapes.py) cut to --layers layers, with transformers' tensor names and
    random bf16 weights (N(0, 0.02); norms 1). --experts and --vocab shrink it where the full layer would
    not fit the machine or the time; the projection below scales back up. Qwen3.5's hybrid shapes are
-   written as Qwen3-MoE layers of the same widths (the converter does not read Gated DeltaNet layers).
+   written as Qwen3-MoE layers of the same widths (this benchmark writes no Gated DeltaNet layers).
 2. Converts it with `runtime.exl2.convert.convert` in this process on --device, while a thread samples
    the process's RSS; per layer it records wall time, the time in the experts, peak RSS during the layer
    and the peak bytes of Hessians held (the converter's own count).
@@ -51,7 +51,7 @@ def bench_shape(name: str, layers: int, experts: int | None, vocab: int | None,
         full = replace(full, architecture="Qwen3MoeForCausalLM", full_attention_interval=0,
                        intermediate=full.expert_intermediate, shared_intermediate=0)
         notes.append("Qwen3.5's hybrid layers written as Qwen3-MoE layers of the same widths (full attention, "
-                     "no shared expert): the converter does not read Gated DeltaNet layers")
+                     "no shared expert): this benchmark writes no Gated DeltaNet layers")
     if full.architecture not in ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
         raise SystemExit(f"--shape {name}: this benchmark writes Qwen3-MoE, Qwen3 and Llama checkpoints; not "
                          f"{full.architecture}")

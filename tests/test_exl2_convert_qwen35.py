@@ -272,3 +272,25 @@ def test_a_converted_qwen35_runs_on_the_gpu_engines_code_as_on_the_reference(tmp
     finally:
         ref.close()
         eng.close()
+
+
+def test_qwen35_experts_are_calibrated_in_groups_that_fit_the_budget(tmp_path, monkeypatch):
+    """Qwen3.5's routed experts keep their inputs and the router's picks while the layer runs, and sum their
+    Hessians group by group as they are quantized (calibrate._quantize_experts): a budget of one expert's
+    worth takes them one at a time, a large one all six at once, and the model is the same, tensor for tensor.
+    (Summing every expert's Hessians during the run had held 256 x 84 MB a layer at Qwen3.5-122B's widths.)"""
+    from runtime.exl2 import calibrate
+    src = tiny_qwen35(tmp_path / "hf", scale=0.5)
+    groups = []
+    real = calibrate.RoutedInputs.expert_hessians
+    monkeypatch.setattr(calibrate.RoutedInputs, "expert_hessians",
+                        lambda self, experts, routed: groups.append(len(experts)) or real(self, experts, routed))
+    models = {}
+    for budget in (1, 1 << 40):
+        groups.clear()
+        out = cv.convert(src, tmp_path / f"q{budget}", 4.0, calibration_text=TEXT, rows=8, seq_len=64,
+                         say=lambda m: None, measure=False, hessian_budget=budget)
+        models[budget] = (_tensors(out), list(groups))
+    (one, small), (all_, large) = models[1], models[1 << 40]
+    assert set(small) == {1} and set(large) == {6}, (small, large)
+    assert one.keys() == all_.keys() and all(torch.equal(one[k], all_[k]) for k in one)

@@ -21,6 +21,7 @@ tokens through its own gate/up for down_proj (counted as experts_all_token_fallb
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -226,12 +227,19 @@ class _Results:
         return self.tensors
 
 
-def quantize_jobs(jobs, bits, group_size: int, damp: float, stats: dict, measure: bool) -> dict[str, torch.Tensor]:
+def quantize_jobs(jobs, bits, group_size: int, damp: float, stats: dict, measure: bool,
+                  experts: tuple | None = None) -> dict[str, torch.Tensor]:
     """GPTQ each (name, weight, hessian, set dequantized weight) job (layers calibrated outside this module,
-    e.g. convert_qwen35.py); -> the quantized tensors. With `measure`, widths allocated as for a layer."""
+    e.g. convert_qwen35.py); -> the quantized tensors. With `measure`, widths allocated as for a layer.
+    `experts`: (RoutedInputs, key, hessian budget) of the layer's experts, quantized in groups as
+    quantize_layer does (their module gives each expert's weights and setters by `parts(e)`)."""
     res = _Results(bits, group_size, damp, stats, measure)
     for key, w, h, set_weight in jobs:
         res.quantize(key, w, h, set_weight)
+    if experts is not None:
+        inputs, key, budget = experts
+        res._prepared = {}
+        _quantize_experts(inputs, key, res, stats, SimpleNamespace(held=lambda n: None), budget)
     return res.finish()
 
 
@@ -274,7 +282,15 @@ def quantize_layer(layer: torch.nn.Module, prefix: str, bits, group_size: int, d
     return tensors
 
 
-def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict, collector: Collector,
+def _fused_parts(mod, e: int, inter: int) -> dict:
+    """Expert e of a fused experts module (gate_up_proj [E, 2I, H], down_proj [E, H, I]): part -> (weight, set
+    the dequantized weight), views into the module's parameters."""
+    gu, down = mod.gate_up_proj.data, mod.down_proj.data
+    return {"gate_proj": (gu[e, :inter], _set_view(gu[e, :inter])),
+            "up_proj": (gu[e, inter:], _set_view(gu[e, inter:])), "down_proj": (down[e], _set_view(down[e]))}
+
+
+def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict, collector,
                       budget: int) -> None:
     mod = inputs.mod
     hidden_in, inter = mod.gate_up_proj.shape[-1], mod.down_proj.shape[-1]
@@ -293,17 +309,16 @@ def _quantize_experts(inputs: RoutedInputs, key: str, res: _Results, stats: dict
         collector.held(held)
         for e in experts:
             stats["experts_routed" if routed[e] else "experts_all_token_fallback"] += 1
-        gu, down = mod.gate_up_proj.data, mod.down_proj.data
-        h_in = {e: hs[e][0] or all_in for e in experts}
+        parts = {e: mod.parts(e) if hasattr(mod, "parts") else _fused_parts(mod, e, inter) for e in experts}
+        hess = {e: {"gate_proj": hs[e][0] or all_in, "up_proj": hs[e][0] or all_in, "down_proj": hs[e][1]}
+                for e in experts}
         # the group's gates in one GPTQ loop, then their ups (the same inverses), then their downs
-        res.quantize_many([(f"{key}.{e}.gate_proj", gu[e, :inter], h_in[e], _set_view(gu[e, :inter]))
-                           for e in experts])
-        res.quantize_many([(f"{key}.{e}.up_proj", gu[e, inter:], h_in[e], _set_view(gu[e, inter:]))
-                           for e in experts])
-        res.quantize_many([(f"{key}.{e}.down_proj", down[e], hs[e][1], _set_view(down[e])) for e in experts])
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            res.quantize_many([(f"{key}.{e}.{part}", parts[e][part][0], hess[e][part], parts[e][part][1])
+                               for e in experts])
         res._prepared = {}
         collector.held(-held)
-        del hs, h_in
+        del hs, hess, parts
     if all_in is not None:
         collector.held(-hessian_bytes(hidden_in))
     inputs.x.clear()

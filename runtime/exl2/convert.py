@@ -391,7 +391,9 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     hidden = hidden.to(device)
     rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
     out_name = convert_dbrx.stored_name if ckpt.arch == convert_dbrx.ARCH else partial(stored_name, ckpt.arch)
-    jobs_done = lambda jobs: quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured)  # noqa: E731
+    def jobs_done(jobs, experts=None):           # Qwen3.5's layers: their linears, then their experts in groups
+        return quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured,
+                             None if experts is None else (*experts, hessian_budget))
     done_now = 0
     for i in range(k, n_layers):
         if stop_after_layers is not None and done_now >= stop_after_layers:
@@ -399,8 +401,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         t0 = time.perf_counter()
         collector = None
         if hybrid is not None:
-            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done, MIN_EXPERT_TOKENS_PER_INPUT,
-                                                    state["stats"])
+            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done)
         else:
             prefix = f"model.layers.{i}."
             layer = _new_layer(layer_cls, cfg, i, device)
@@ -454,7 +455,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
                              name="lm_head")
     mtp = {}
     if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
-        mtp = hybrid.quantize_mtp(ids, hidden, jobs_done, MIN_EXPERT_TOKENS_PER_INPUT, state["stats"])
+        mtp = hybrid.quantize_mtp(ids, hidden, jobs_done)
     del hidden
 
     config = exllamav2_config(ckpt.config)

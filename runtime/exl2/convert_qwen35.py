@@ -27,6 +27,7 @@ from runtime.reference import qwen35 as q35
 from runtime.reference import rope
 from runtime.reference.weights import Linear
 
+from .calibrate import RoutedInputs
 from .gptq import HessianAccumulator
 
 PLAIN_LINEARS = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
@@ -44,6 +45,35 @@ class _Recording(Linear):
         if self.keep is not None:
             self.keep.append(x)
         return super().__call__(x)
+
+
+class _Rows:
+    """Expert e's weight on demand, with the shape and device of the stacked tensor it stands for."""
+
+    def __init__(self, get, shape: tuple[int, ...], device):
+        self.get, self.shape, self.device = get, torch.Size(shape), device
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.get(e)
+
+
+class _ExpertWeights:
+    """What calibrate.RoutedInputs and calibrate._quantize_experts read of an experts module, over the layer's
+    per-expert weights by Hugging Face prefix (no stacked copy): gate_up_proj[e], down_proj[e], and each
+    expert's parts with the setters that put the dequantized weights back for the layer's second run."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], m: str, n: int):
+        self.weights, self.m, self.num_experts, self.act_fn = weights, m, n, F.silu
+        gate, down = weights[f"{m}.0.gate_proj"], weights[f"{m}.0.down_proj"]
+        self.gate_up_proj = _Rows(lambda e: torch.cat([weights[f"{m}.{e}.gate_proj"], weights[f"{m}.{e}.up_proj"]]),
+                                  (n, 2 * gate.shape[0], gate.shape[1]), gate.device)
+        self.down_proj = _Rows(lambda e: weights[f"{m}.{e}.down_proj"], (n, *down.shape), down.device)
+
+    def parts(self, e: int) -> dict:
+        def setter(name: str):
+            return lambda d: self.weights.__setitem__(name, d)
+        names = {part: f"{self.m}.{e}.{part}" for part in ("gate_proj", "up_proj", "down_proj")}
+        return {part: (self.weights[name], setter(name)) for part, name in names.items()}
 
 
 class _RowState:
@@ -126,9 +156,10 @@ class HybridLayers:
                 out[r] = q35.layer_forward(layer, self.spec, _RowState(self.spec, t), 0, hidden[r], rot, mask, 0, t)
         return out
 
-    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor, min_tokens_per_input: int, stats: dict):
-        """Run the layer at prefix p over the calibration rows recording every linear's input Hessian ->
-        (weights by HF prefix, jobs for convert.py: (name, weight, hessian, set dequantized weight))."""
+    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor):
+        """Run the layer at prefix p over the calibration rows recording every linear's input Hessian and the
+        routed experts' inputs -> (weights by HF prefix, jobs for convert.py: (name, weight, hessian, set
+        dequantized weight), the experts for calibrate.quantize_jobs: (RoutedInputs, their prefix))."""
         spec = self.spec
         weights = self._weights(p, lay)
         layer = self._layer(p, kind, weights)
@@ -140,11 +171,6 @@ class HybridLayers:
         layer.out = _Recording(layer.out.weight, acc["out"])
         layer.shared_gate_up = _Recording(layer.shared_gate_up.weight, acc["moe"], moe_inputs)
         layer.shared_down = _Recording(layer.shared_down.weight, acc["shared_down"])
-        for j in range(spec.experts):
-            gu, dn = layer.experts_gate_up[j].weight, layer.experts_down[j].weight
-            acc[f"e{j}.in"], acc[f"e{j}.down"] = HessianAccumulator(gu.shape[1]), HessianAccumulator(dn.shape[1])
-            layer.experts_gate_up[j] = _Recording(gu, acc[f"e{j}.in"])
-            layer.experts_down[j] = _Recording(dn, acc[f"e{j}.down"])
         self.run(layer, hidden)
 
         a = f"{p}.self_attn" if kind == qwen35.FULL else f"{p}.linear_attn"
@@ -152,48 +178,36 @@ class HybridLayers:
         source.update({f"{a}.o_proj": "out", f"{a}.out_proj": "out", f"{p}.mlp.shared_expert.gate_proj": "moe",
                        f"{p}.mlp.shared_expert.up_proj": "moe", f"{p}.mlp.shared_expert.down_proj": "shared_down"})
         jobs = []
-
-        def job(name: str, h: HessianAccumulator) -> None:
-            jobs.append((name, weights[name], h, lambda d, name=name: weights.__setitem__(name, d)))
         for name, key in source.items():
             if name in weights:
-                job(name, acc[key])
-        x_all = torch.cat(moe_inputs) if moe_inputs else torch.zeros(0, spec.hidden)
+                jobs.append((name, weights[name], acc[key], lambda d, name=name: weights.__setitem__(name, d)))
+        # the routed experts: their inputs and the router's picks kept, their Hessians summed group by group
+        # when they are quantized (calibrate._quantize_experts), as for the other MoE architectures
         m = f"{p}.mlp.experts"
-        for j in range(spec.experts):
-            if acc[f"e{j}.in"].tokens < min_tokens_per_input * spec.hidden:
-                gate, up = F.linear(x_all, weights[f"{m}.{j}.gate_proj"]), F.linear(x_all, weights[f"{m}.{j}.up_proj"])
-                down = HessianAccumulator(gate.shape[-1])
-                down.add(F.silu(gate) * up)
-                h_in, h_down = acc["moe"], down
-                stats["experts_all_token_fallback"] += 1
-            else:
-                h_in, h_down = acc[f"e{j}.in"], acc[f"e{j}.down"]
-                stats["experts_routed"] += 1
-            job(f"{m}.{j}.gate_proj", h_in)
-            job(f"{m}.{j}.up_proj", h_in)
-            job(f"{m}.{j}.down_proj", h_down)
-        return weights, jobs
+        inputs = RoutedInputs(_ExpertWeights(weights, m, spec.experts))
+        with torch.no_grad():
+            for x in moe_inputs:
+                inputs.add(x, ref_model._route(layer, spec, x)[1])
+        return weights, jobs, (inputs, m)
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm (1 + weight) of the calibration hidden states: what lm_head reads."""
         w = 1.0 + self.ckpt.get(self.norm_name)
         return F.rms_norm(hidden, (self.spec.hidden,), w, self.spec.eps)
 
-    def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
-                       stats: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """-> (tensors to write for layer i, the next layer's inputs through the dequantized layer)."""
         p, kind = self._prefix(i), self.spec.kinds[i]
-        weights, jobs = self.calibrate(p, kind, self.layout, hidden, min_tokens_per_input, stats)
-        tensors = quantize_jobs(jobs)
+        weights, jobs, experts = self.calibrate(p, kind, self.layout, hidden)
+        tensors = quantize_jobs(jobs, experts)
         tensors.update(self.plain_tensors(p, self.layout))
         return tensors, self.run(self._layer(p, kind, weights), hidden)
 
     def has_mtp(self) -> bool:
         return qwen35.has_mtp(set(self.ckpt.shard_of))
 
-    def quantize_mtp(self, ids: torch.Tensor, hidden: torch.Tensor, quantize_jobs, min_tokens_per_input: int,
-                     stats: dict) -> dict[str, torch.Tensor]:
+    def quantize_mtp(self, ids: torch.Tensor, hidden: torch.Tensor, quantize_jobs) -> dict[str, torch.Tensor]:
         """The MTP head (reference/mtp.py), calibrated on what it reads when drafting: the quantized model's
         final hidden states h_i and the embeddings of the tokens t_{i+1} after them (ids [rows, T])."""
         lay, h, eps = qwen35.mtp_layout(self.config, set(self.ckpt.shard_of)), self.spec.hidden, self.spec.eps
@@ -213,8 +227,8 @@ class HybridLayers:
         tensors = quantize_jobs(jobs)
         x = F.linear(x, fc[f"{qwen35.MTP}.fc"])                        # through the dequantized fc
         p = f"{qwen35.MTP}.layers.0"
-        _, jobs = self.calibrate(p, qwen35.FULL, lay, x, min_tokens_per_input, stats)
-        tensors.update(quantize_jobs(jobs))
+        _, jobs, experts = self.calibrate(p, qwen35.FULL, lay, x)
+        tensors.update(quantize_jobs(jobs, experts))
         tensors.update(self.plain_tensors(p, lay))
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             tensors[f"{qwen35.MTP}.{name}.weight"] = self.ckpt.get(f"{qwen35.MTP}.{name}.weight").to(torch.float16)
