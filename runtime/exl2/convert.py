@@ -213,9 +213,6 @@ def _classes(arch: str):
 
 def _new_layer(layer_cls, cfg, i: int, device: str) -> torch.nn.Module:
     """The decoder-layer module with uninitialised float32 parameters (filled by _load_layer)."""
-    if layer_cls.__name__ == "DbrxBlock":
-        with torch.device("meta"):
-            return convert_dbrx.new_layer(cfg, i).to_empty(device=device).float().eval()
     with torch.device("meta"):
         layer = layer_cls(cfg, layer_idx=i)
     persistent = set(layer.state_dict())
@@ -404,10 +401,10 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done)
         else:
             prefix = f"model.layers.{i}."
-            layer = _new_layer(layer_cls, cfg, i, device)
             if ckpt.arch == convert_dbrx.ARCH:
-                convert_dbrx.load_layer(layer, ckpt, cfg, i, ConvertError)
+                layer = convert_dbrx.new_layer(cfg, i, ckpt, device, ConvertError)
             else:
+                layer = _new_layer(layer_cls, cfg, i, device)
                 _load_layer(layer, ckpt, prefix)
             collector = Collector(layer)
             _run_layer(layer, rotary, hidden)

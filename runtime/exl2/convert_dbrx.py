@@ -21,27 +21,28 @@ import re
 import torch
 from torch import nn
 
+from runtime import modelfolder
+
 ARCH = "DbrxForCausalLM"
 EMBED, NORM = "transformer.wte.weight", "transformer.norm_f.weight"          # read
 OUT_EMBED, OUT_NORM = "model.embed_tokens.weight", "model.norm.weight"         # written
 
-_RENAMES = (                   # the rebuilt block's names -> exllamav2's, inside model.layers.N.
-    (r"\.norm_attn_norm\.norm_1\.", ".input_layernorm."),
-    (r"\.norm_attn_norm\.norm_2\.", ".post_attention_layernorm."),
+_RENAMES = (                   # the rebuilt block's names -> exllamav2's, inside model.layers.N.; the router
+    (r"\.norm_attn_norm\.norm_1\.", ".input_layernorm."),                # and experts as transformers names
+    (r"\.norm_attn_norm\.norm_2\.", ".post_attention_layernorm."),        # them, then modelfolder's table
     (r"\.norm_attn_norm\.attn\.Wqkv\.([qkv])\b", r".self_attn.\1_proj"),
     (r"\.norm_attn_norm\.attn\.out_proj\b", ".self_attn.o_proj"),
-    (r"\.ffn\.router\.gate\.", ".block_sparse_moe.gate."),
-    (r"\.ffn\.experts\.fused\.(\d+)\.gate_proj\b", r".block_sparse_moe.experts.\1.w1"),
-    (r"\.ffn\.experts\.fused\.(\d+)\.up_proj\b", r".block_sparse_moe.experts.\1.v1"),
-    (r"\.ffn\.experts\.fused\.(\d+)\.down_proj\b", r".block_sparse_moe.experts.\1.w2"),
+    (r"\.ffn\.router\.gate\.", ".mlp.gate."),
+    (r"\.ffn\.experts\.fused\.", ".mlp.experts."),
 )
 
 
 def stored_name(name: str) -> str:
-    """A tensor of the rebuilt block (under `model.layers.N.`) -> its name in the EXL2 folder."""
+    """A tensor of the rebuilt block (under `model.layers.N.`) -> its name in the EXL2 folder (the experts' and
+    the router's from modelfolder.MOE_ARCHITECTURES, as the engines read them)."""
     for pattern, repl in _RENAMES:
         name = re.sub(pattern, repl, name)
-    return name
+    return modelfolder.stored_name(ARCH, name)
 
 
 class _Qkv(nn.Module):
@@ -92,8 +93,17 @@ def _sizes(cfg) -> tuple[int, int, int, int]:
             cfg.ffn_config.moe_num_experts)
 
 
-def new_layer(cfg, i: int) -> nn.Module:
-    """DbrxBlock i rebuilt as above, on the meta device (convert._new_layer places it)."""
+def new_layer(cfg, i: int, ckpt, device: str, error: type[Exception]) -> nn.Module:
+    """DbrxBlock i rebuilt as above, in float32 on `device`, filled from the checkpoint (load_layer)."""
+    with torch.device("meta"):
+        block = _rebuilt(cfg, i)
+    block = block.to_empty(device=device).float().eval()
+    load_layer(block, ckpt, cfg, i, error)
+    return block
+
+
+def _rebuilt(cfg, i: int) -> nn.Module:
+    """transformers' DbrxBlock i with its Wqkv, router and experts replaced as the module docstring says."""
     from transformers import MixtralConfig
     from transformers.models.dbrx.modeling_dbrx import DbrxBlock
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
