@@ -91,8 +91,9 @@ class RoutedInputs:
         out = {e: (HessianAccumulator(gu_all.shape[-1], device=dev) if routed[e] else None,
                    HessianAccumulator(dn_all.shape[-1], device=dev)) for e in experts}
         with torch.no_grad():
-            for x, idx in zip(self.x, self.top_k):
-                for e in experts:
+            for e in experts:                   # an expert's weight read once (a copy where it is not stacked)
+                gu = gu_all[e]
+                for x, idx in zip(self.x, self.top_k):
                     rows = x[(idx == e).any(dim=-1)] if routed[e] else x
                     if rows.shape[0] == 0:
                         continue
@@ -100,7 +101,7 @@ class RoutedInputs:
                     h_in, h_down = out[e]
                     if h_in is not None:
                         h_in.add(rows)
-                    gate, up = torch.nn.functional.linear(rows, gu_all[e]).chunk(2, dim=-1)
+                    gate, up = torch.nn.functional.linear(rows, gu).chunk(2, dim=-1)
                     h_down.add(self.mod.act_fn(gate) * up)
         return out
 
