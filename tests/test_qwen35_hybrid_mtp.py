@@ -260,3 +260,20 @@ def test_the_decoders_never_sample_an_image_or_video_placeholder(eng):
         del eng.forward
     assert tok not in media
     eng.reset()
+
+
+def test_no_attention_of_the_engine_or_its_head_may_run_on_cudnn(eng, monkeypatch):
+    """cuDNN's attention built a new plan for every attended length on the H200 (~25 ms each: every MTP head
+    run of a decode step paid it) and kept its workspaces allocated (the second prefill chunk at a 24 GB
+    budget ran out of memory): prefill chunks, decode steps, verifies and the head's runs all leave it out."""
+    from runtime.backends import hybrid_layers
+    real, seen = hybrid_layers.F.scaled_dot_product_attention, []
+
+    def sdpa(q, *a, **kw):
+        seen.append((q.shape[2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(q, *a, **kw)
+    monkeypatch.setattr(hybrid_layers.F, "scaled_dot_product_attention", sdpa)
+    prompt = _tokens(9, 5)
+    _greedy(eng, prompt, 6, DraftOptions(mode="mtp", draft_tokens=3, adaptive=False))
+    assert len({rows for rows, _ in seen}) > 2, seen          # prefill, decode, verify and head rows were seen
+    assert not any(cudnn for _, cudnn in seen), seen

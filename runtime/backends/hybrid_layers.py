@@ -47,6 +47,12 @@ CHUNK = deltanet.CHUNK
 # cuDNN: it failed inside a captured graph on the H200 (runtime/backends/exl2_graph.py) and builds its
 # execution plans (kernels compiled and loaded) on a new shape's first call; not flash, which takes no mask.
 STATIC_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The attention kernels of an eager forward (prefill chunks, the MTP head's rows): flash where no mask is
+# needed (one row), else as a static forward. Not cuDNN's either: on the H200 it built a new execution plan
+# for every attended length (~25 ms of host time per call, so each MTP head run of a decode step paid it),
+# and at a 24 GB budget 0.48 GiB stayed allocated after the first 512-row prefill chunk (its plans'
+# workspaces, by all signs), so the next chunk's request of 0.47 GiB ran out of memory.
+EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def delta_recurrent(q, k, v, g, beta, state: torch.Tensor, hist: Optional[torch.Tensor],
@@ -175,10 +181,7 @@ class AttentionLayer:
         else:
             mask = None
         q = q.reshape(t, nkv, groups, d).permute(1, 2, 0, 3).reshape(1, nkv, groups * t, d)
-        if static:                      # what a CUDA graph captures: see STATIC_ATTENTION
-            with sdpa_kernel(STATIC_ATTENTION):
-                o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
-        else:
+        with sdpa_kernel(STATIC_ATTENTION if static else EAGER_ATTENTION):     # what a CUDA graph captures
             o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
         o = o.view(nkv, groups, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)
         return self.out(o.to(h.dtype) * torch.sigmoid(gate))
