@@ -219,6 +219,26 @@ def test_a_long_forward_runs_in_chunks_with_every_row(ref, eng, monkeypatch):
     _close(last, ref.forward(seq[40:50])[-1:], "prefill in one chunk")
 
 
+def test_a_prefill_in_chunks_runs_the_head_on_its_last_row_only(ref, eng, monkeypatch):
+    """A prefill's chunks computed every row's logits and kept the first chunk's alive in the list of
+    outputs: at qwen3.5-122b-a10b's 248,320-token vocabulary a 512-row chunk's are 0.47 GiB in float32, and
+    the second chunk ran out of memory at a 24 GB budget on the H200."""
+    monkeypatch.setattr(hybrid, "PREFILL_CHUNK", 16)
+    seq = _untied_tokens(ref, 50, 9)
+    rows, head = [], eng.model.head
+
+    class Head:
+        def __call__(self, x):
+            rows.append(x.shape[0])
+            return head(x)
+    monkeypatch.setattr(eng.model, "head", Head())
+    ref.reset(), eng.reset()
+    last = eng.prefill(seq[:40])
+    assert rows == [1, 1, 1], rows                  # chunks of 16, 16 and 8 rows
+    _close(last, ref.forward(seq[:40])[-1:], "the last row of a prefill in chunks")
+    _both(ref, eng, [seq[40]], "decode after it")
+
+
 def test_the_cuda_linear_feeds_exllamav2_what_its_linear_would(folder, monkeypatch):
     """QuantLinear's CUDA implementation on a stand-in of exllamav2's extension (the real one needs a
     GPU): it is handed q_perm = argsort(q_invperm) and every tensor of each part, writes [T, N] fp16

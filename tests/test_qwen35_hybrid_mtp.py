@@ -264,8 +264,7 @@ def test_the_decoders_never_sample_an_image_or_video_placeholder(eng):
 
 def test_no_attention_of_the_engine_or_its_head_may_run_on_cudnn(eng, monkeypatch):
     """cuDNN's attention built a new plan for every attended length on the H200 (~25 ms each: every MTP head
-    run of a decode step paid it) and kept its workspaces allocated (the second prefill chunk at a 24 GB
-    budget ran out of memory): prefill chunks, decode steps, verifies and the head's runs all leave it out."""
+    run of a decode step paid it): prefill chunks, decode steps, verifies and the head's runs all leave it out."""
     from runtime.backends import hybrid_layers
     real, seen = hybrid_layers.F.scaled_dot_product_attention, []
 

@@ -49,9 +49,8 @@ CHUNK = deltanet.CHUNK
 STATIC_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # The attention kernels of an eager forward (prefill chunks, the MTP head's rows): flash where no mask is
 # needed (one row), else as a static forward. Not cuDNN's either: on the H200 it built a new execution plan
-# for every attended length (~25 ms of host time per call, so each MTP head run of a decode step paid it),
-# and at a 24 GB budget 0.48 GiB stayed allocated after the first 512-row prefill chunk (its plans'
-# workspaces, by all signs), so the next chunk's request of 0.47 GiB ran out of memory.
+# for every attended length (~25 ms of host time per call, profiled: each MTP head run of a decode step
+# paid it, as its attended length grows by one a step).
 EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
