@@ -123,8 +123,9 @@ class HybridExl2Engine(MtpHooks, Engine):
                 for s in range(0, len(ids), PREFILL_CHUNK):
                     part, start = ids[s:s + PREFILL_CHUNK], self.position
                     keep = [] if self.mtp_on else None
-                    out = self._run(part, last_only, keep=keep)
-                    outs = [out] if last_only else outs + [out]
+                    if last_only:
+                        outs.clear()            # the last chunk's row is the answer: no earlier one is kept
+                    outs.append(self._run(part, last_only, keep=keep))
                     self.tokens += part
                     if keep:
                         self._mtp_follow(start, part, keep[0])

@@ -180,7 +180,7 @@ class AttentionLayer:
         else:
             mask = None
         q = q.reshape(t, nkv, groups, d).permute(1, 2, 0, 3).reshape(1, nkv, groups * t, d)
-        with sdpa_kernel(STATIC_ATTENTION if static else EAGER_ATTENTION):     # what a CUDA graph captures
+        with sdpa_kernel(STATIC_ATTENTION if static else EAGER_ATTENTION):     # see the two lists' notes
             o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask)
         o = o.view(nkv, groups, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)
         return self.out(o.to(h.dtype) * torch.sigmoid(gate))
