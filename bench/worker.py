@@ -116,7 +116,7 @@ def placement_of(extra: dict) -> tuple[str, Optional[str]]:
         return ("cpu path" if decision.get("path") == "cpu" else "gpu only"), decision.get("summary")
     if "cpu_expert_path" in extra:
         return ("cpu path" if extra["cpu_expert_path"] == "on" else "gpu only"), extra["cpu_expert_path"]
-    if "expert_hit_rate" in extra:
+    if "expert_pairs" in extra:
         return "offload", None
     return "all on one device", None
 
@@ -127,6 +127,7 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
     a = Answer(mode, turn, name, after_load)
     arrivals: list[tuple[float, int]] = []
     extra: dict = {}
+    hit_rate = None             # a field of the event itself, as the app's gauge reads it, not of its extra
     t0 = time.perf_counter()
     for ev in client.generate(request):
         now = time.perf_counter()
@@ -135,6 +136,7 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
             a.text += ev.text
         elif isinstance(ev, P.Telemetry):
             extra = ev.extra or extra
+            hit_rate = ev.expert_hit_rate if ev.expert_hit_rate is not None else hit_rate
         elif isinstance(ev, P.Error):
             raise P.exception_for(ev)
         elif isinstance(ev, P.Finished):
@@ -156,7 +158,7 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
         a.graphs_captured = len(extra["graph_shapes"])
     a.graph_error = extra.get("graph_error")
     a.idle_work = extra.get("idle_work")
-    a.expert_hit_rate = extra.get("expert_hit_rate")
+    a.expert_hit_rate = hit_rate
     a.cpu_expert_bytes_per_token = extra.get("cpu_expert_bytes_per_token")
     return a
 

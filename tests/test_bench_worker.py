@@ -165,6 +165,29 @@ def test_with_offload_the_roofline_is_the_placements():
     assert bare["roofline_tps"] == pytest.approx(4000 / 3) and "upper bound" in bare["roofline_note"]
 
 
+def test_an_answer_takes_the_hit_rate_from_the_telemetry_event():
+    """The worker sends the expert hit rate as a field of its Telemetry event (the app's gauge reads it
+    there), not in `extra`: read from `extra`, every offloaded answer of the H200 runs had none, so the
+    worker benchmark gave the all-resident roofline at a 24 GB budget instead of the placement's."""
+    from bench.worker import ask
+    from runtime import protocol as P
+    from runtime.records import GenerationStats
+
+    class Client:
+        def generate(self, request):
+            rid = request.request_id
+            yield P.Telemetry(request_id=rid, extra={"expert_pairs": 0})      # no pick counted yet: no rate
+            yield P.Telemetry(request_id=rid, expert_hit_rate=0.25, extra={"expert_pairs": 8})
+            yield P.TokenDelta(request_id=rid, text="a")
+            yield P.TokenDelta(request_id=rid, text="b")
+            yield P.Telemetry(request_id=rid, expert_hit_rate=0.375,
+                              extra={"expert_pairs": 16, "cpu_expert_bytes_per_token": 1e6})
+            yield P.Finished(request_id=rid, reason="length", stats=GenerationStats(3, 2, 0.1, 30.0, 20.0, 0.2))
+    a = ask(Client(), P.Generate(request_id="r1", prompt="x"), "none", 0, "first_answer", True)
+    assert a.expert_hit_rate == 0.375 and a.cpu_expert_bytes_per_token == 1e6
+    assert a.placement == "offload" and a.generated_tokens == 2 and a.text == "ab"
+
+
 def test_the_result_carries_the_last_answers_roofline():
     from bench.worker import Answer, result_of
     from runtime.options import DraftOptions
