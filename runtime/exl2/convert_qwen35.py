@@ -71,7 +71,7 @@ class _ExpertWeights:
 
     def parts(self, e: int) -> dict:
         def setter(name: str):
-            return lambda d: self.weights.__setitem__(name, d)
+            return lambda d: self.weights.__setitem__(name, d.to(self.weights[name].device))
         names = {part: f"{self.m}.{e}.{part}" for part in ("gate_proj", "up_proj", "down_proj")}
         return {part: (self.weights[name], setter(name)) for part, name in names.items()}
 
@@ -79,20 +79,21 @@ class _ExpertWeights:
 class _RowState:
     """One calibration row's cache for one layer (index 0 of its kind)."""
 
-    def __init__(self, spec: q35.Spec, length: int):
+    def __init__(self, spec: q35.Spec, length: int, device: torch.device):
         shape = (1, spec.kv_heads, length, spec.head_dim)
-        self.kv = SimpleNamespace(k=torch.zeros(shape), v=torch.zeros(shape))
-        self.conv = [torch.zeros(spec.conv_kernel - 1, spec.conv_channels)]
-        self.recurrent = [torch.zeros(spec.lin_value_heads, spec.lin_key_dim, spec.lin_value_dim)]
+        self.kv = SimpleNamespace(k=torch.zeros(shape, device=device), v=torch.zeros(shape, device=device))
+        self.conv = [torch.zeros(spec.conv_kernel - 1, spec.conv_channels, device=device)]
+        self.recurrent = [torch.zeros(spec.lin_value_heads, spec.lin_key_dim, spec.lin_value_dim, device=device)]
 
     def record(self, i, mixed, g, beta) -> None:
         pass
 
 
 class HybridLayers:
-    """The per-layer work of convert.py for Qwen3.5-MoE checkpoints."""
+    """The per-layer work of convert.py for Qwen3.5-MoE checkpoints, run on `device` (the layer's weights,
+    its forward, the Hessians; GPTQ runs where the Hessian is)."""
 
-    def __init__(self, ckpt, seq_len: int, error):
+    def __init__(self, ckpt, seq_len: int, error, device: str = "cpu"):
         where = str(ckpt.path / "config.json")
         try:
             self.config = qwen35.read_config(ckpt.config, where)
@@ -102,7 +103,9 @@ class HybridLayers:
         self.ckpt, self.error, self.p0 = ckpt, error, qwen35.prefix(self.config)
         self.n_layers = self.spec.layers
         self.embed_name, self.norm_name = f"{self.p0}.embed_tokens.weight", f"{self.p0}.norm.weight"
-        self.cos, self.sin = rope.tables(self.spec.rope, self.spec.rotary_dim, seq_len, torch.float32)
+        self.device = torch.device(device)
+        self.cos, self.sin = (x.to(self.device) for x in rope.tables(self.spec.rope, self.spec.rotary_dim, seq_len,
+                                                                      torch.float32))
         self.layout = qwen35.layout(self.config, set(ckpt.shard_of))
 
     # -- reading -------------------------------------------------------------------------------
@@ -110,19 +113,23 @@ class HybridLayers:
     def _prefix(self, i: int) -> str:
         return f"{self.p0}.layers.{i}"
 
+    def _get(self, name: str) -> torch.Tensor:
+        """A stored tensor (float32) on the layers' device."""
+        return self.ckpt.get(name).to(self.device)
+
     def _weights(self, p: str, lay) -> dict[str, torch.Tensor]:
         """Every float32 linear weight of the layer at prefix p by Hugging Face prefix (stacked experts split)."""
         out = {}
         for name, shape in lay.linears.items():
             if name.startswith(p + "."):
-                w = self.ckpt.get(f"{name}.weight")
+                w = self._get(f"{name}.weight")
                 if tuple(w.shape) != shape:
                     raise self.error(f"{self.ckpt.path}: {name}.weight has shape {list(w.shape)}, the config "
                                      f"implies {list(shape)}")
                 out[name] = w
         if self.ckpt.has(f"{p}.mlp.experts.gate_up_proj"):
             m = f"{p}.mlp.experts"
-            gate_up, down = self.ckpt.get(f"{m}.gate_up_proj"), self.ckpt.get(f"{m}.down_proj")
+            gate_up, down = self._get(f"{m}.gate_up_proj"), self._get(f"{m}.down_proj")
             inter = gate_up.shape[1] // 2
             for j in range(self.spec.experts):
                 out[f"{m}.{j}.gate_proj"], out[f"{m}.{j}.up_proj"] = gate_up[j, :inter], gate_up[j, inter:]
@@ -130,7 +137,7 @@ class HybridLayers:
         return out
 
     def _layer(self, p: str, kind: str, weights: dict[str, torch.Tensor]) -> q35.Layer:
-        return q35.build_layer(kind, p, self.spec, "float32", weights.__getitem__, self.ckpt.get, False)
+        return q35.build_layer(kind, p, self.spec, "float32", weights.__getitem__, self._get, False)
 
     def plain_tensors(self, p: str, lay) -> dict[str, torch.Tensor]:
         """What the layer at prefix p keeps in fp16: its norms, convolution, decay, router and small gates."""
@@ -149,11 +156,12 @@ class HybridLayers:
         """hidden [rows, T, H] -> the layer's outputs, each row from position 0."""
         t = hidden.shape[1]
         rot = self.cos[:t, None], self.sin[:t, None]
-        mask = ref_model._mask(0, t, 0, self.spec.heads // self.spec.kv_heads)
+        mask = ref_model._mask(0, t, 0, self.spec.heads // self.spec.kv_heads, device=hidden.device)
         out = torch.empty_like(hidden)
         with torch.no_grad():
             for r in range(hidden.shape[0]):
-                out[r] = q35.layer_forward(layer, self.spec, _RowState(self.spec, t), 0, hidden[r], rot, mask, 0, t)
+                out[r] = q35.layer_forward(layer, self.spec, _RowState(self.spec, t, hidden.device), 0, hidden[r],
+                                           rot, mask, 0, t)
         return out
 
     def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor):
@@ -163,7 +171,7 @@ class HybridLayers:
         spec = self.spec
         weights = self._weights(p, lay)
         layer = self._layer(p, kind, weights)
-        acc = {k: HessianAccumulator(n) for k, n in (("proj", spec.hidden), ("moe", spec.hidden),
+        acc = {k: HessianAccumulator(n, device=self.device) for k, n in (("proj", spec.hidden), ("moe", spec.hidden),
                                                       ("out", layer.out.weight.shape[1]),
                                                       ("shared_down", layer.shared_down.weight.shape[1]))}
         moe_inputs: list[torch.Tensor] = []
@@ -180,7 +188,8 @@ class HybridLayers:
         jobs = []
         for name, key in source.items():
             if name in weights:
-                jobs.append((name, weights[name], acc[key], lambda d, name=name: weights.__setitem__(name, d)))
+                jobs.append((name, weights[name], acc[key],
+                             lambda d, name=name: weights.__setitem__(name, d.to(self.device))))
         # the routed experts: their inputs and the router's picks kept, their Hessians summed group by group
         # when they are quantized (calibrate._quantize_experts), as for the other MoE architectures
         m = f"{p}.mlp.experts"
@@ -192,7 +201,7 @@ class HybridLayers:
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm (1 + weight) of the calibration hidden states: what lm_head reads."""
-        w = 1.0 + self.ckpt.get(self.norm_name)
+        w = 1.0 + self._get(self.norm_name)
         return F.rms_norm(hidden, (self.spec.hidden,), w, self.spec.eps)
 
     def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs
@@ -213,17 +222,18 @@ class HybridLayers:
         lay, h, eps = qwen35.mtp_layout(self.config, set(self.ckpt.shard_of)), self.spec.hidden, self.spec.eps
 
         def centred(name: str) -> torch.Tensor:
-            return 1.0 + self.ckpt.get(f"{qwen35.MTP}.{name}.weight")
-        e = F.rms_norm(F.embedding(ids[:, 1:], self.ckpt.get(self.embed_name)), (h,), centred("pre_fc_norm_embedding"), eps)
+            return 1.0 + self._get(f"{qwen35.MTP}.{name}.weight")
+        e = F.rms_norm(F.embedding(ids[:, 1:].to(self.device), self._get(self.embed_name)), (h,),
+                       centred("pre_fc_norm_embedding"), eps)
         x = torch.cat([e, F.rms_norm(self.head_input(hidden)[:, :-1], (h,), centred("pre_fc_norm_hidden"), eps)], -1)
-        fc = {f"{qwen35.MTP}.fc": self.ckpt.get(f"{qwen35.MTP}.fc.weight")}
+        fc = {f"{qwen35.MTP}.fc": self._get(f"{qwen35.MTP}.fc.weight")}
         if tuple(fc[f"{qwen35.MTP}.fc"].shape) != (h, 2 * h):
             raise self.error(f"{self.ckpt.path}: {qwen35.MTP}.fc.weight has shape {list(fc[f'{qwen35.MTP}.fc'].shape)}, "
                              f"the config implies {[h, 2 * h]}")
-        acc = HessianAccumulator(2 * h)
+        acc = HessianAccumulator(2 * h, device=self.device)
         acc.add(x)
         jobs = [(f"{qwen35.MTP}.fc", fc[f"{qwen35.MTP}.fc"], acc,
-                 lambda d: fc.__setitem__(f"{qwen35.MTP}.fc", d))]
+                 lambda d: fc.__setitem__(f"{qwen35.MTP}.fc", d.to(self.device)))]
         tensors = quantize_jobs(jobs)
         x = F.linear(x, fc[f"{qwen35.MTP}.fc"])                        # through the dequantized fc
         p = f"{qwen35.MTP}.layers.0"

@@ -68,10 +68,10 @@ def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         gc, bc = g[s:s + chunk].t(), beta[s:s + chunk].t()                          # [HV, c]
         c = qc.shape[1]
         cum = gc.cumsum(-1)                                                         # G [HV, c]
-        upper = torch.ones(c, c, dtype=torch.bool).triu(1)
+        upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
         decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(upper, float("-inf")).exp()   # D [HV, c, c]
         a = (kc @ kc.transpose(1, 2)) * decay * bc[:, :, None]
-        system = a.tril(-1) + torch.eye(c)                                          # I + A
+        system = a.tril(-1) + torch.eye(c, device=q.device)                         # I + A
         rhs = torch.cat([vc * bc[..., None], kc * (bc * cum.exp())[..., None]], dim=-1)
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         u, w = solved[..., :vc.shape[-1]], solved[..., vc.shape[-1]:]
