@@ -1,5 +1,5 @@
-"""The converter's two guards: no measured bit allocation on a calibration too small to measure on (unless
-asked), and a deliberate CPU thread count for the conversion, put back afterwards."""
+"""The converter's guards: no measured bit allocation on a calibration too small to measure on (unless
+asked), a deliberate CPU thread count for the conversion, put back afterwards, and the device it runs on."""
 from __future__ import annotations
 
 import json
@@ -111,3 +111,59 @@ def test_the_thread_count_is_logged_retuned_per_layer_and_put_back(tmp_path, mon
     assert "CPU threads: 1 as asked" in said and torch.get_num_threads() == before
     with pytest.raises(cv.ConvertError, match="threads must be 0 .automatic. or a positive count, got -2"):
         _convert(src, tmp_path / "bad", False, threads=-2)
+
+
+def test_auto_device_takes_the_gpu_with_room_else_the_cpu_and_resumes_where_it_started(tmp_path, monkeypatch):
+    """The CLI's and the model manager's default: CUDA when a GPU has room for a layer beside what else holds
+    it, the CPU otherwise; an interrupted conversion resumes on the device it started on (the other rounds
+    differently: its settings record the device)."""
+    src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=2)
+    out = tmp_path / "q"
+    assert cv.choose_device("cpu", src, out, 1 << 30) == ("cpu", "as asked")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cv.choose_device("auto", src, out, 1 << 30) == ("cpu", "no CUDA GPU is visible")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    layer = cv.Checkpoint(src).total_bytes() * 3 // 2            # bf16 -> float32 and a half more, per layer
+    need = layer + (1 << 30) + cv.AUTO_MARGIN
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need, 80 << 30))
+    device, why = cv.choose_device("auto", src, out, 1 << 30)
+    assert device == "cuda" and "free" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need - 1, 80 << 30))  # a model loaded beside it
+    device, why = cv.choose_device("auto", src, out, 1 << 30)
+    assert device == "cpu" and "a layer needs about" in why
+    # resuming: the device the staging folder's settings record, whatever the GPU has free now
+    staging = cv.staging_dir(out)
+    staging.mkdir()
+    (staging / "state.json").write_text(json.dumps({"settings": {"bits": 4.0}, "layers_done": 1}))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
+    assert cv.choose_device("auto", src, out, 1 << 30)[0] == "cpu"
+    (staging / "state.json").write_text(json.dumps({"settings": {"device": "cuda"}, "layers_done": 1}))
+    assert cv.choose_device("auto", src, out, 1 << 30)[0] == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(cv.ConvertError, match="started on cuda and resumes only there"):
+        cv.choose_device("auto", src, out, 1 << 30)
+
+
+def test_the_cli_converts_on_the_auto_device_and_says_which(tmp_path, monkeypatch, capsys):
+    from runtime.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    src = tiny_checkpoint(tmp_path / "hf", "llama", layers=1)
+    cal = tmp_path / "cal.txt"
+    cal.write_text(TEXT)
+    assert main(["convert", "--model", str(src), "--bpw", "4", "--out", str(tmp_path / "q"), "--calibration",
+                 str(cal), "--rows", "2", "--seq-len", "64"]) == 0
+    assert "device: cpu (no CUDA GPU is visible)" in capsys.readouterr().out
+
+
+def test_auto_device_keeps_qwen35_on_the_cpu_and_a_gpu_out_of_memory_says_what_to_do(tmp_path, monkeypatch):
+    from tests.test_exl2_convert_qwen35 import tiny_qwen35
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
+    device, why = cv.choose_device("auto", tiny_qwen35(tmp_path / "q35"), tmp_path / "o", 1 << 30)
+    assert device == "cpu" and "--device cuda tries it" in why
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(cv, "_convert", oom)
+    with pytest.raises(cv.ConvertError, match="ran out of memory .*Tried to allocate 2.00 GiB.*resume"):
+        cv.convert(tmp_path / "hf", tmp_path / "x", 4.0, calibration_text=TEXT, device="cuda")

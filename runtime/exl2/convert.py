@@ -88,6 +88,7 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
 BATCH_ROWS = 4                       # calibration sequences per forward
+AUTO_MARGIN = 1 << 30                # device="auto": VRAM kept beyond a layer's estimate (context, activations)
 STORED_BPW_MIN, STORED_BPW_MAX = 2.0, 8.5    # --bpw range (2-bit codes store ~2.2, 8-bit ~8.2)
 
 Say = Callable[[str], None]
@@ -286,14 +287,23 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
     `hessian_budget` bounds the bytes a group of experts holds at once (calibrate.expert_bytes: their
     Hessians, inverses and batched GPTQ loop; it does not change the result).
-    `device` runs the layers, Hessians and GPTQ there ("cuda"); `progress` gets a dict per finished layer
+    `device` runs the layers, Hessians and GPTQ there ("cuda"; "auto": `choose_device`); `progress` gets a dict per finished layer
     (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
     """
     if threads < 0:
         raise ConvertError(f"threads must be 0 (automatic) or a positive count, got {threads}")
+    asked = device
+    device, why = choose_device(device, model_dir, out_dir, hessian_budget)
+    if asked == "auto":
+        say(f"device: {device} ({why})")
     if device != "cpu":
-        return _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len,
-                        group_size, damp, say, measure, stop_after_layers, hessian_budget, device, progress)
+        try:
+            return _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len,
+                            group_size, damp, say, measure, stop_after_layers, hessian_budget, device, progress)
+        except torch.cuda.OutOfMemoryError as e:
+            raise ConvertError(f"the GPU ran out of memory ({str(e).splitlines()[0][:160]}); the finished layers are "
+                               f"kept: free GPU memory (unload the chat's model, close other programs) and run it "
+                               f"again to resume, or convert on the CPU (--device cpu) into another folder") from None
     cores = cpu_load.physical_cores()
     n, why = cpu_load.conversion_threads(cores, None if threads else cpu_load.measure_others(), threads)
     governor = None if threads else cpu_load.ThreadGovernor(cores)
@@ -311,6 +321,36 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
         return _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len,
                         group_size, damp, say, measure, stop_after_layers, hessian_budget, device, progress,
                         f"CPU threads: {why}", retune)
+
+
+def choose_device(device: str, model_dir, out_dir, hessian_budget: int) -> tuple[str, str]:
+    """-> (device, why). "auto": the device an interrupted conversion into out_dir started on; else CUDA when
+    torch sees a GPU with room for one layer (its float32 weights and a half more, the Hessian budget, a
+    margin: what is free, so a model loaded beside it counts), else the CPU. Any other value as given."""
+    if device != "auto":
+        return device, "as asked"
+    staging = staging_dir(Path(out_dir))
+    try:
+        started = json.loads((staging / "state.json").read_text())["settings"].get("device", "cpu")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        started = None
+    if started == "cpu" or started and torch.cuda.is_available():
+        return started, "where the interrupted conversion being resumed started"
+    if started:
+        raise ConvertError(f"{staging}: the interrupted conversion started on {started} and resumes only there, and "
+                           f"no CUDA GPU is visible now; resume it where a GPU is, or remove that folder to start over")
+    if not torch.cuda.is_available():
+        return "cpu", "no CUDA GPU is visible"
+    ckpt = Checkpoint(model_dir)
+    if ckpt.arch in qwen35.ARCHITECTURES:
+        return "cpu", "Qwen3.5-MoE's conversion on CUDA has not run on a GPU yet; --device cuda tries it"
+    layers = {n.split(".layers.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".layers." in n}
+    layers |= {n.split(".blocks.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".blocks." in n}
+    need = ckpt.total_bytes() * 3 // max(1, len(layers)) + hessian_budget + AUTO_MARGIN   # bf16 -> fp32 x 1.5
+    free = torch.cuda.mem_get_info()[0]
+    if free < need:
+        return "cpu", f"the GPU has {free / 2**30:.1f} GiB free, a layer needs about {need / 2**30:.1f} GiB"
+    return "cuda", f"the GPU has {free / 2**30:.1f} GiB free, a layer needs about {need / 2**30:.1f} GiB"
 
 
 def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len, group_size,
@@ -332,10 +372,8 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     ckpt = Checkpoint(model_dir)
     hybrid = None
     if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
-        if device != "cpu":
-            raise ConvertError(f"{ckpt.arch}: its layers are calibrated on the CPU only; use the device cpu")
         from .convert_qwen35 import HybridLayers
-        hybrid = HybridLayers(ckpt, seq_len, ConvertError)
+        hybrid = HybridLayers(ckpt, seq_len, ConvertError, device)
         n_layers, tied = hybrid.n_layers, bool(hybrid.config.get("tie_word_embeddings", False))
         embed_name, norm_name = hybrid.embed_name, hybrid.norm_name
     else:
@@ -525,7 +563,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB a group of MoE experts holds at once (Hessians, inverses, the GPTQ loop); experts are "
                         "calibrated in groups that fit "
                         f"(default {DEFAULT_HESSIAN_BUDGET / 2**30:g}; does not change the result)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where layers, Hessians and GPTQ run")
+    p.add_argument("--device", default="auto",
+                   help="where layers, Hessians and GPTQ run: auto (default: where an interrupted conversion started, "
+                        "else the GPU when one has room for a layer, else the CPU), cpu or cuda")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the conversion (default 0: the physical cores less those other programs "
                         "keep busy, looked at again after each layer)")
