@@ -14,7 +14,9 @@
 #      (`bench-worker --draft mtp`: the way a user meets it, the first answer included)
 #   5. WORKER24=1: the same at a 24 GB budget (MTP's verify cost with offload: its answers' verify rows
 #      and times)
-#   6. CHAT=1: one question through `moedesk-cli chat` at 24 GB with MTP drafting
+#   6. VERIFY=1: the verify cost at 24 GB (`bench-spec --what verify --vram-budget 24`: a target forward over
+#      K+1 rows, K = 0..8, against the one-row step, with the union of experts each forward reads)
+#   7. CHAT=1: one question through `moedesk-cli chat` at 24 GB with MTP drafting
 # A fresh machine compiles Triton's and fla's kernels on first use: one call rarely holds all of it.
 set -u
 OUT=${OUT:-/tmp/issue24-out}
@@ -25,6 +27,7 @@ TESTS=${TESTS:-1}
 OFFLOAD=${OFFLOAD:-1}
 WORKER=${WORKER:-1}
 WORKER24=${WORKER24:-1}
+VERIFY=${VERIFY:-1}
 CHAT=${CHAT:-1}
 TRACE=${TRACE:-qwen3-30b-a3b}            # bench/routing_traces.PROFILES: none is published for 256 experts
 PY=${PYTHON:-python3}
@@ -49,7 +52,7 @@ if [ "$TESTS" = 1 ]; then
 fi
 
 M=$ROOT/qwen3.5-122b-a10b-3.0
-if [ "$OFFLOAD$WORKER$WORKER24$CHAT" != 0000 ] && [ ! -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
+if [ "$OFFLOAD$WORKER$WORKER24$VERIFY$CHAT" != 00000 ] && [ ! -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
     rm -rf "$M"
     log "synth qwen3.5-122b-a10b 3.0 bpw -> $M"
     timeout $(( $(left) - 10 )) $PY -m runtime.cli synth --shape qwen3.5-122b-a10b --bpw 3.0 --out "$M" 2>&1 | tail -2 \
@@ -80,6 +83,15 @@ worker() {          # label, extra flags
 }
 if [ "$WORKER" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then worker vram; fi
 if [ "$WORKER24" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then worker 24gb --vram-budget 24; fi
+
+if [ "$VERIFY" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
+    log "verify cost at 24 GB; $(left) s left"
+    timeout $(( $(left) - 10 )) $PY -m runtime.cli bench-spec --model "$M" --backend cuda --what verify \
+        --vram-budget 24 --context 2048 --label qwen3.5-122b-a10b-24gb --out bench/results 2>&1 \
+        | tee -a "$OUT/gpu_issue24.log"
+    log "verify cost: exit ${PIPESTATUS[0]}"
+    copy_new "spec-verify-cost-qwen3.5-122b-a10b-24gb-*.json"
+fi
 
 if [ "$CHAT" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 120 ]; then
     log "chat through a worker at 24 GB with MTP drafting"

@@ -261,10 +261,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime import paths
     from runtime.errors import EngineError
+    from runtime.loader import open_engine
     from runtime.options import LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
     label = args.label or (args.model if args.model == paths.DEMO_ALIAS else Path(folder).name)
-    loader = _backend(args.backend)
     say = lambda msg: print(msg, flush=True)                         # noqa: E731
     lookup = args.what in ("lookup", "all")
     copies = ["plain", "adaptive"] + ([f"k{args.draft_tokens}"] if args.fixed_k else []) if lookup else ["plain"]
@@ -272,8 +272,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name in copies:                      # the lookup benchmark decodes on one copy per mode
             off = OffloadOptions(cpu_threads=args.threads, vram_budget_gb=args.vram_budget,
-                                 context_length=max(4096, 2 * args.context))
-            engines[name], _ = loader.load(folder, LoadOptions(offload=off), lambda *a: None)
+                                 context_length=max(4096, 2 * args.context), backend=args.backend)
+            # the app's choice of engine for the folder (Qwen3.5-MoE's own on CUDA, exllamav2's for the others)
+            engines[name], _ = open_engine(str(folder), LoadOptions(offload=off), lambda *a: None)
     except EngineError as e:
         for engine in engines.values():
             engine.close()
@@ -300,11 +301,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for e in engines.values():
             e.close()
-
-
-def _backend(name: str):
-    if name == "cuda":
-        from runtime.backends import exl2
-        return exl2
-    from runtime import reference
-    return reference
