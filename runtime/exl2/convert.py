@@ -287,8 +287,8 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
     `hessian_budget` bounds the bytes a group of experts holds at once (calibrate.expert_bytes: their
     Hessians, inverses and batched GPTQ loop; it does not change the result).
-    `device` runs the layers, Hessians and GPTQ there ("cuda"; "auto": `choose_device`); `progress` gets a dict per finished layer
-    (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
+    `device` runs the layers, Hessians and GPTQ there ("cuda"; "auto": `choose_device`); `progress` gets a
+    dict per finished layer (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
     """
     if threads < 0:
         raise ConvertError(f"threads must be 0 (automatic) or a positive count, got {threads}")

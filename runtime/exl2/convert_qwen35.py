@@ -171,9 +171,9 @@ class HybridLayers:
         spec = self.spec
         weights = self._weights(p, lay)
         layer = self._layer(p, kind, weights)
-        acc = {k: HessianAccumulator(n, device=self.device) for k, n in (("proj", spec.hidden), ("moe", spec.hidden),
-                                                      ("out", layer.out.weight.shape[1]),
-                                                      ("shared_down", layer.shared_down.weight.shape[1]))}
+        widths = (("proj", spec.hidden), ("moe", spec.hidden), ("out", layer.out.weight.shape[1]),
+                  ("shared_down", layer.shared_down.weight.shape[1]))
+        acc = {k: HessianAccumulator(n, device=self.device) for k, n in widths}
         moe_inputs: list[torch.Tensor] = []
         layer.proj = _Recording(layer.proj.weight, acc["proj"])
         layer.out = _Recording(layer.out.weight, acc["out"])
