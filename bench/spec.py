@@ -246,6 +246,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--what", choices=("lookup", "verify", "all"), default="all")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate per run")
     p.add_argument("--draft-tokens", type=int, default=4, help="K for n-gram drafting (the adaptive maximum)")
+    p.add_argument("--draft", choices=("off", "ngram", "mtp"), default="off",
+                   help="the drafting the engine is loaded for, as the app loads it (Qwen3.5-MoE's engine: mtp "
+                        "loads the head; both size the rollback window to --draft-tokens + 1)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the lookup benchmark")
     p.add_argument("--fixed-k", action="store_true", help="lookup: also run n-gram drafting with a fixed K")
     p.add_argument("--label", help="model name for the results (default: the folder's name)")
@@ -262,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime import paths
     from runtime.errors import EngineError
     from runtime.loader import open_engine
-    from runtime.options import LoadOptions, OffloadOptions
+    from runtime.options import DraftOptions, LoadOptions, OffloadOptions
     folder = paths.resolve_model(args.model)
     label = args.label or (args.model if args.model == paths.DEMO_ALIAS else Path(folder).name)
     say = lambda msg: print(msg, flush=True)                         # noqa: E731
@@ -274,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
             off = OffloadOptions(cpu_threads=args.threads, vram_budget_gb=args.vram_budget,
                                  context_length=max(4096, 2 * args.context), backend=args.backend)
             # the app's choice of engine for the folder (Qwen3.5-MoE's own on CUDA, exllamav2's for the others)
-            engines[name], _ = open_engine(str(folder), LoadOptions(offload=off), lambda *a: None)
+            draft = DraftOptions(mode=args.draft, draft_tokens=args.draft_tokens)
+            engines[name], _ = open_engine(str(folder), LoadOptions(offload=off, draft=draft), lambda *a: None)
     except EngineError as e:
         for engine in engines.values():
             engine.close()

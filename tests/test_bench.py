@@ -93,22 +93,24 @@ def test_offload_bench_picks_the_qwen35_engine_for_a_qwen35_folder(tiny_qwen35, 
 def test_bench_spec_loads_through_the_apps_engine_choice(tiny_qwen35, tmp_path, monkeypatch):
     """bench-spec loaded with exllamav2's engine on CUDA whatever the folder, so Qwen3.5-MoE's verify cost
     could not be measured; it now opens the engine the app would (runtime/loader.open_engine) for the backend
-    asked, and the verify-cost result says which engine ran (here the CPU's, Qwen3.5's reference)."""
+    and the drafting asked (on Qwen3.5-MoE's GPU engine the drafting sizes the rollback window a verify stays
+    in), and the verify-cost result says which engine ran (here the CPU's, Qwen3.5's reference)."""
     import json
     from bench import spec
     from runtime import loader
     asked, real = [], loader.open_engine
 
     def spy(model, options, progress, **kw):
-        asked.append((model, options.offload.backend, options.offload.vram_budget_gb))
+        asked.append((model, options.offload.backend, options.offload.vram_budget_gb, options.draft.mode,
+                      options.draft.draft_tokens))
         return real(model, options, progress, **kw)
     monkeypatch.setattr(loader, "open_engine", spy)
     p = argparse.ArgumentParser()
     spec.add_arguments(p)
     args = p.parse_args(["--model", str(tiny_qwen35), "--what", "verify", "--backend", "cpu", "--context", "32",
-                         "--tokens", "8", "--out", str(tmp_path)])
+                         "--tokens", "8", "--out", str(tmp_path), "--draft", "mtp", "--draft-tokens", "3"])
     assert spec.run(args) == 0
-    assert asked == [(str(tiny_qwen35), "cpu", None)]
+    assert asked == [(str(tiny_qwen35), "cpu", None, "mtp", 3)]
     (out,) = tmp_path.glob("spec-verify-cost-*.json")
     r = json.loads(out.read_text())["bench"]
     assert r["kind"] == "speculative_verify_cost" and len(r["verify_cost"]) == 9        # K = 0..8

@@ -64,9 +64,11 @@ def test_verify_cost_reads_routing_and_both_baselines(graphs):
     assert [c.rows for c in t.costs] == [1, 2, 3, 4, 5]
     assert t.step_kind == ("cuda_graph" if graphs else "layer_loop")
     assert eng.graphs is not None if graphs else eng.graphs is None      # restored after the loop runs
-    # per repeat (3 with the warm-up): the step and K = 0 through the graph, the rest through the loop
-    assert eng.graph_steps == (6 if graphs else 0)
-    assert eng.loop_forwards == 1 + 3 * (1 + 4 + 4) + (0 if graphs else 6)
+    # per repeat (3 with the warm-up), 11 timed forwards (the step, the loop's row, K = 0..4, 4 repeated
+    # tokens), each after an untimed one-row forward: the step, K = 0 and the 10 one-row forwards outside the
+    # loop through the graph, the rest through the loop (after the prefill)
+    assert eng.graph_steps == (3 * 12 if graphs else 0)
+    assert eng.loop_forwards == 1 + 3 * (2 + 4 + 4) + (0 if graphs else 3 * 12)
     assert t.costs[0].experts == TOP_K                                     # one row: exactly top-k experts
     for c in t.costs[1:]:
         assert TOP_K <= c.experts <= min(E, c.rows * TOP_K)
@@ -116,3 +118,14 @@ def test_lockstep_gives_every_mode_the_same_tokens_and_its_own_time():
     assert runs["adaptive"].draft["mode"] == "ngram" and runs["adaptive"].steps <= 20
     assert all(r.wall_s > 0 and r.tps > 0 for r in runs.values())
     assert engines["plain"].position == 6 + 20 - 1                        # the generation loop's contract
+
+
+def test_verify_result_records_the_engines_rollback_window():
+    """Rows past a hybrid engine's rollback window run as a prompt's would: the result says where it lies."""
+    eng = RoutedEngine(graphs=True)
+    said = []
+    eng.telemetry = lambda: {"rollback_window": 5}
+    fields = bench_verify.verify_result(eng, context=8, forced=False, n_tokens=4, say=said.append)
+    assert fields["bench"]["rollback_window"] == 5 and any("rollback window 5 rows" in s for s in said)
+    assert bench_verify.verify_result(RoutedEngine(graphs=True), 8, False, 4, said.append)["bench"][
+        "rollback_window"] is None
