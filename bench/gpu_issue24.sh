@@ -7,15 +7,18 @@
 #   1. TESTS=1: the GPU tests of the engine (GROUP c of bench/gpu_suite.sh: fla's kernels, the engine
 #      against the CPU, decode graphs with and without offload, the MTP head), at most TEST_S seconds
 #   2. synthesize qwen3.5-122b-a10b at 3.0 bpw (~49 GB on disk) once under $ROOT
-#   3. OFFLOAD=1: the offload benchmark at 24 GB, uniform routing, the trace-driven routing beside it on
-#      the same load, a 2048-token prompt's time to first token, the naive baseline in the same run; the
-#      app's placement ("auto": the CPU expert path timed against streaming, both recorded)
+#   3. OFFLOAD=1: the offload benchmark: first all in VRAM (a load of its own: a 2048-token prompt's time to
+#      first token, decode, its roofline, decode without graphs as its baseline), then at 24 GB, uniform
+#      routing, the trace-driven routing beside it on the same load, the 2048-token prompt's time to first
+#      token, the naive baseline in the same run; the app's placement ("auto": the CPU expert path timed
+#      against streaming, both recorded)
 #   4. WORKER=1: the worker benchmark all in VRAM, plain decoding and MTP drafting side by side
 #      (`bench-worker --draft mtp`: the way a user meets it, the first answer included)
 #   5. WORKER24=1: the same at a 24 GB budget (MTP's verify cost with offload: its answers' verify rows
 #      and times)
-#   6. VERIFY=1: the verify cost at 24 GB (`bench-spec --what verify --vram-budget 24`: a target forward over
-#      K+1 rows, K = 0..8, against the one-row step, with the union of experts each forward reads)
+#   6. VERIFY=1: the verify cost at 24 GB (`bench-spec --what verify --vram-budget 24 --draft mtp`: loaded as
+#      the app loads it for MTP drafting, head and rollback window; a target forward over K+1 rows, K = 0..8,
+#      against the one-row step, with the union of experts each forward reads)
 #   7. CHAT=1: one question through `moedesk-cli chat` at 24 GB with MTP drafting
 # A fresh machine compiles Triton's and fla's kernels on first use: one call rarely holds all of it.
 set -u
@@ -64,7 +67,7 @@ if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
     log "offload benchmark at 24 GB, uniform routing (trace $TRACE beside it); $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets 24 \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
-        --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto \
+        --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \
         --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
     log "offload benchmark: exit ${PIPESTATUS[0]}"
     copy_new "offload-qwen3.5-122b-a10b-*.json"
@@ -87,7 +90,7 @@ if [ "$WORKER24" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
 if [ "$VERIFY" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
     log "verify cost at 24 GB; $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m runtime.cli bench-spec --model "$M" --backend cuda --what verify \
-        --vram-budget 24 --context 2048 --label qwen3.5-122b-a10b-24gb --out bench/results 2>&1 \
+        --vram-budget 24 --context 2048 --draft mtp --label qwen3.5-122b-a10b-24gb --out bench/results 2>&1 \
         | tee -a "$OUT/gpu_issue24.log"
     log "verify cost: exit ${PIPESTATUS[0]}"
     copy_new "spec-verify-cost-qwen3.5-122b-a10b-24gb-*.json"

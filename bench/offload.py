@@ -470,6 +470,49 @@ def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
             "pcie_bytes_per_token": d["naive"] / n, "hit_rate": d["hits"] / max(1, d["pairs"])}
 
 
+def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: float,
+                        progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every expert in VRAM (a load without a budget, as the app loads a model that fits), in a load of its
+    own: time to first token for --prompt, decode, the roofline (weight bytes per token over the HBM copy
+    bandwidth: the rig's `hbm`, and this run's `hbm_run`), and the baseline in the same run: decode through
+    the layer loop, without the decode graphs."""
+    opts = LoadOptions(offload=OffloadOptions(context_length=a.context, placement=a.placement))
+    progress("loading with every expert in VRAM")
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    engine, _ = backend.load(a.model, opts, load_progress(lambda m: progress(f"  {m}")))
+    try:
+        if engine.offload is not None:
+            raise SystemExit(f"{a.model}: its experts do not all fit in VRAM (--all-in-vram)")
+        ids = _prompt(engine, a.prompt, 1)
+        engine.reset()                                 # warm-up: kernel shapes, the graph buckets below
+        engine.forward(_prompt(engine, 64, 2))
+        _, tok = ttft(engine, ids)
+        decode(engine, tok, a.decode + 8, seed=3)
+        t_first, tok = ttft(engine, ids)
+        tps, tok = decode(engine, tok, a.decode)
+        tel = engine.telemetry()
+        per_token = (tel.get("weight_bytes_per_token_parts") or weight_bytes_per_token(engine))["total"]
+        out = {"ttft_s": t_first, "prefill_tps": a.prompt / t_first, "decode_tps": tps,
+               "decode_ms_per_token": 1e3 / tps, "hbm_bytes_per_token": per_token,
+               "roofline": {"tps": hbm / per_token}, "roofline_measured_ceilings": {"tps": hbm_run / per_token},
+               "roofline_fraction": tps * per_token / hbm, "decode_graphs": getattr(engine, "graphs", None) is not None,
+               "peak_vram_reserved_gb": torch.cuda.max_memory_reserved() / GiB if torch.cuda.is_available() else None}
+        if not a.no_naive:
+            graphs, engine.graphs = getattr(engine, "graphs", None), None
+            try:
+                decode(engine, tok, 2, seed=4)             # the layer loop's shapes
+                naive_tps, _ = decode(engine, tok, a.naive_decode, seed=6)
+            finally:
+                engine.graphs = graphs
+            out["naive"] = {"name": "the layer loop, no decode graphs", "decode_tps": naive_tps,
+                            "decode_tokens": a.naive_decode}
+        return out
+    finally:
+        engine.close()
+        gc.collect()
+
+
 def _oracles(text: str) -> list:
     out = []
     for v in text.split(","):
@@ -519,6 +562,8 @@ def main(argv=None) -> int:
     ap.add_argument("--naive-decode", type=int, default=32, help="decode tokens for the (slow) naive baseline")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--reload", action="store_true", help="load the model again for every budget")
+    ap.add_argument("--all-in-vram", action="store_true", help="first, in a load of its own without a budget: "
+                    "every expert in VRAM (ttft, decode, roofline, decode without graphs as its baseline)")
     ap.add_argument("--placement", choices=("stream", "cpu", "auto"), default="stream",
                     help="cold experts: read over PCIe only, partly computed on the CPU, or the app's default "
                          "(the CPU path where the planner predicts a gain)")
@@ -584,7 +629,10 @@ def main(argv=None) -> int:
             "grouped_kernels": dataclasses.asdict(tuning.current().grouped),    # prefill launch shape
             "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
             "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
-            "notes": (("Routing forced uniform: each token's experts drawn at random (speed only). "
+            "notes": (("Budget 'all': every expert in VRAM, a load of its own without a budget, measured before "
+                       "the budgets' load; its baseline decodes through the layer loop without the decode graphs. "
+                       if a.all_in_vram else "")
+                      + ("Routing forced uniform: each token's experts drawn at random (speed only). "
                        if a.routing == "uniform" else
                        f"Routing forced from a trace (profile {a.trace_profile}: popularity skew and reuse between "
                        "nearby tokens as published for real Qwen-family MoEs, bench/routing_traces.py). "
@@ -609,6 +657,12 @@ def main(argv=None) -> int:
         (out / name).write_text(json.dumps(result, indent=1, default=str))
         return out / name
 
+    if a.all_in_vram:
+        r = results["all"] = measure_all_in_vram(backend, a, rig_hbm, hbm, progress)
+        write()
+        print(f"all in VRAM: decode {r['decode_tps']:.1f} tok/s (roofline {r['roofline']['tps']:.1f}, "
+              f"{r['roofline_fraction']:.1%} of it), ttft {r['ttft_s']:.2f} s for {a.prompt} tokens; without "
+              f"graphs: decode {(r.get('naive') or {}).get('decode_tps', float('nan')):.1f} tok/s", flush=True)
     engine = None
     try:
         for i, b in enumerate(budgets):

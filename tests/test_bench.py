@@ -148,3 +148,51 @@ def test_convert_quality_counts_the_head_apart_and_unties_a_quantized_one(tmp_pa
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"].float())
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monkeypatch):
+    """bench.offload --all-in-vram: a load without a budget (every expert in VRAM), time to first token for the
+    prompt, decode next to the roofline of the weight bytes per token, and decode without the graphs as its
+    baseline, the graphs put back after; a model whose experts are offloaded is refused."""
+    import types
+    import torch
+    from bench import offload
+    from runtime.backends import hybrid
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)        # the timers' sync, on the CPU here
+    loaded, decodes, engines, closed_with = [], [], [], []
+
+    class Graphs:                                  # stands for the decode graphs (the CPU engine has none)
+        def captured(self):
+            return [(256, 1)]
+    graphs = Graphs()
+
+    def fake_decode(engine, tok, n, seed=5):       # decode's own timing is the GPU's; here: with what graphs
+        decodes.append((n, engine.graphs))
+        return 100.0 + n, tok
+    monkeypatch.setattr(offload, "decode", fake_decode)
+
+    def load(path, options, progress, host_experts=None):
+        loaded.append(options.offload.vram_budget_gb)
+        engine, applied = hybrid.load(path, options, progress, device="cpu", host_experts=host_experts)
+        engine.graphs = graphs
+        engines.append(engine)
+        real_close = engine.close
+        engine.close = lambda: (closed_with.append(engine.graphs), real_close())
+        return engine, applied
+    backend = types.SimpleNamespace(load=load)
+    a = argparse.Namespace(model=str(tiny_qwen35), context=256, placement="auto", prompt=24, decode=3, no_naive=False,
+                           naive_decode=2)
+    r = offload.measure_all_in_vram(backend, a, hbm=2e12, hbm_run=1e12, progress=lambda m: None)
+    assert loaded == [None]
+    assert r["ttft_s"] > 0 and r["prefill_tps"] == pytest.approx(24 / r["ttft_s"]) and r["decode_tps"] == 103
+    assert r["hbm_bytes_per_token"] == engines[0]._bytes_per_token
+    assert r["roofline"]["tps"] == pytest.approx(2e12 / r["hbm_bytes_per_token"]) and r["decode_graphs"]
+    assert r["roofline_measured_ceilings"]["tps"] == pytest.approx(r["roofline"]["tps"] / 2)
+    assert r["naive"] == {"name": "the layer loop, no decode graphs", "decode_tps": 102.0, "decode_tokens": 2}
+    # warm-up and timed decode with the graphs; the baseline's warm-up and its timed run without
+    assert decodes == [(11, graphs), (3, graphs), (2, None), (2, None)]
+    assert closed_with[0] is graphs and engines[0].model is None                  # put back, then closed
+
+    with pytest.raises(SystemExit, match="do not all fit in VRAM"):
+        offload.measure_all_in_vram(types.SimpleNamespace(load=lambda p, o, pr: load(p, o, pr, host_experts=True)),
+                                    a, 2e12, 1e12, lambda m: None)
