@@ -64,7 +64,7 @@ if [ "$OFFLOAD$WORKER$WORKER24$VERIFY$CHAT" != 00000 ] && [ ! -f "$M/config.json
 fi
 
 if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
-    log "offload benchmark at 24 GB, uniform routing (trace $TRACE beside it); $(left) s left"
+    log "offload benchmark all in VRAM, then at 24 GB, uniform routing (trace $TRACE beside it); $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets 24 \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
         --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \

@@ -38,6 +38,7 @@ import torch
 
 from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
 from bench.engine import git_commit, machine
+from bench.verify import layer_loop
 from runtime import tuning
 from runtime.engine import offered, random_tokens
 from runtime.experts import manager as expert_manager
@@ -207,16 +208,20 @@ def uniform_roofline(engine, hbm_other: float, hbm: float, h2d: float, ram: floa
             "pcie_and_cpu_serial_tps": 1 / (t_gpu + t_split)}
 
 
-def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float, h2d: float,
-                   ram: float) -> dict[str, Any]:
-    ids = _prompt(engine, prompt, 1)
-    # warm-up: every kernel shape compiled, the graph buckets of the decode below captured
+def warm_up(engine, ids: list[int], n_decode: int) -> None:
+    """Every kernel shape compiled, the graph buckets of a decode of n_decode after the prompt `ids` captured."""
     engine.reset()
     engine.forward(_prompt(engine, 64, 2))
     for _ in range(4):
         engine.forward([1])
     _, tok = ttft(engine, ids)
     decode(engine, tok, n_decode + 8, seed=3)
+
+
+def measure_budget(engine, prompt: int, n_decode: int, n_naive: int, hbm: float, h2d: float,
+                   ram: float) -> dict[str, Any]:
+    ids = _prompt(engine, prompt, 1)
+    warm_up(engine, ids, n_decode)
     # time to first token, then decode after it
     before = _counts(engine)
     t_first, tok = ttft(engine, ids)
@@ -456,16 +461,15 @@ def measure_without_cpu_path(engine, prompt: int, n_decode: int, hbm: float, h2d
 
 def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
     """The baseline on the same placement: layer loop, host sync per layer, on-demand copies."""
-    graphs, engine.graphs = engine.graphs, None          # kept as captured: the baseline runs none
-    run = engine.experiment
-    engine.set_experiment(run.replace(naive=True))
-    try:
-        engine.forward([1])                                  # warm the layer loop's shapes
-        t_first, tok = ttft(engine, ids)
-        tps, tok, d = decode_counted(engine, tok, n, warm=2)
-    finally:
-        engine.set_experiment(run)
-        engine.graphs = graphs
+    with layer_loop(engine):              # set aside before the experiment changes: kept as captured
+        run = engine.experiment
+        engine.set_experiment(run.replace(naive=True))
+        try:
+            engine.forward([1])                              # warm the layer loop's shapes
+            t_first, tok = ttft(engine, ids)
+            tps, tok, d = decode_counted(engine, tok, n, warm=2)
+        finally:
+            engine.set_experiment(run)
     return {"ttft_s": t_first, "decode_tps": tps, "decode_tokens": n,
             "pcie_bytes_per_token": d["naive"] / n, "hit_rate": d["hits"] / max(1, d["pairs"])}
 
@@ -485,10 +489,7 @@ def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: flo
         if engine.offload is not None:
             raise SystemExit(f"{a.model}: its experts do not all fit in VRAM (--all-in-vram)")
         ids = _prompt(engine, a.prompt, 1)
-        engine.reset()                                 # warm-up: kernel shapes, the graph buckets below
-        engine.forward(_prompt(engine, 64, 2))
-        _, tok = ttft(engine, ids)
-        decode(engine, tok, a.decode + 8, seed=3)
+        warm_up(engine, ids, a.decode)
         t_first, tok = ttft(engine, ids)
         tps, tok = decode(engine, tok, a.decode)
         tel = engine.telemetry()
@@ -499,12 +500,9 @@ def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: flo
                "roofline_fraction": tps * per_token / hbm, "decode_graphs": getattr(engine, "graphs", None) is not None,
                "peak_vram_reserved_gb": torch.cuda.max_memory_reserved() / GiB if torch.cuda.is_available() else None}
         if not a.no_naive:
-            graphs, engine.graphs = getattr(engine, "graphs", None), None
-            try:
+            with layer_loop(engine):
                 decode(engine, tok, 2, seed=4)             # the layer loop's shapes
                 naive_tps, _ = decode(engine, tok, a.naive_decode, seed=6)
-            finally:
-                engine.graphs = graphs
             out["naive"] = {"name": "the layer loop, no decode graphs", "decode_tps": naive_tps,
                             "decode_tokens": a.naive_decode}
         return out

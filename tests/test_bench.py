@@ -162,8 +162,14 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
     loaded, decodes, engines, closed_with = [], [], [], []
 
     class Graphs:                                  # stands for the decode graphs (the CPU engine has none)
+        vocab, steps = 0, 0
+
         def captured(self):
             return [(256, 1)]
+
+        def step(self, ids, at, keep):             # a replay: the warm-up's one-row steps
+            self.steps += 1
+            return torch.zeros(len(ids), self.vocab)
     graphs = Graphs()
 
     def fake_decode(engine, tok, n, seed=5):       # decode's own timing is the GPU's; here: with what graphs
@@ -174,7 +180,7 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
     def load(path, options, progress, host_experts=None):
         loaded.append(options.offload.vram_budget_gb)
         engine, applied = hybrid.load(path, options, progress, device="cpu", host_experts=host_experts)
-        engine.graphs = graphs
+        engine.graphs, graphs.vocab = graphs, engine.info.vocab_size
         engines.append(engine)
         real_close = engine.close
         engine.close = lambda: (closed_with.append(engine.graphs), real_close())
@@ -190,7 +196,7 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
     assert r["roofline_measured_ceilings"]["tps"] == pytest.approx(r["roofline"]["tps"] / 2)
     assert r["naive"] == {"name": "the layer loop, no decode graphs", "decode_tps": 102.0, "decode_tokens": 2}
     # warm-up and timed decode with the graphs; the baseline's warm-up and its timed run without
-    assert decodes == [(11, graphs), (3, graphs), (2, None), (2, None)]
+    assert decodes == [(11, graphs), (3, graphs), (2, None), (2, None)] and graphs.steps == 4
     assert closed_with[0] is graphs and engines[0].model is None                  # put back, then closed
 
     with pytest.raises(SystemExit, match="do not all fit in VRAM"):
