@@ -8,7 +8,8 @@
 #      against the CPU, decode graphs with and without offload, the MTP head), at most TEST_S seconds
 #   2. synthesize qwen3.5-122b-a10b at 3.0 bpw (~49 GB on disk) once under $ROOT
 #   3. OFFLOAD=1: the offload benchmark: first all in VRAM (a load of its own: a 2048-token prompt's time to
-#      first token, decode, its roofline, decode without graphs as its baseline), then at 24 GB, uniform
+#      first token, decode, its roofline, decode without graphs as its baseline), then at BUDGETS GB (24 by
+#      default; BUDGETS="" measures the all-in-VRAM load alone), uniform
 #      routing, the trace-driven routing beside it on the same load, the 2048-token prompt's time to first
 #      token, the naive baseline in the same run; the app's placement ("auto": the CPU expert path timed
 #      against streaming, both recorded)
@@ -64,7 +65,7 @@ if [ "$OFFLOAD$WORKER$WORKER24$VERIFY$CHAT" != 00000 ] && [ ! -f "$M/config.json
 fi
 
 if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
-    log "offload benchmark all in VRAM, then at 24 GB, uniform routing (trace $TRACE beside it); $(left) s left"
+    log "offload benchmark all in VRAM, then at ${BUDGETS-24} GB, uniform routing (trace $TRACE beside it); $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets 24 \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
         --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \

@@ -553,7 +553,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--label", default=None, help="model name or shape for the results (default: folder name)")
     ap.add_argument("--bpw", type=float)
-    ap.add_argument("--budgets", default="24,12,48", help="VRAM budgets in GB (GiB), first one loads")
+    ap.add_argument("--budgets", default="24,12,48", help="VRAM budgets in GB (GiB), first one loads; empty: "
+                    "none (with --all-in-vram: that load alone)")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--decode", type=int, default=128)
@@ -592,7 +593,9 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args(argv)
-    budgets = [float(b) for b in a.budgets.split(",")]
+    budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
+    if not budgets and not a.all_in_vram:
+        ap.error("--budgets is empty: name a budget, or measure --all-in-vram alone")
     import importlib
     backend = importlib.import_module(f"runtime.backends.{engine_for(a.model)}")
     label = a.label or Path(a.model).name
@@ -609,7 +612,7 @@ def main(argv=None) -> int:
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
     def write() -> Path:
-        head = results.get(f"{budgets[0]:g}", {})
+        head = results.get(f"{budgets[0]:g}" if budgets else "all", {})
         result = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "machine": machine(), "device": torch.cuda.get_device_name(0),
@@ -617,8 +620,9 @@ def main(argv=None) -> int:
             "prompt_tokens": a.prompt, "decode_tokens": a.decode, "naive_decode_tokens": a.naive_decode,
             "ceilings": {"rig": RIG, "measured": {"hbm_copy_gib_s": hbm / GiB, "pinned_h2d_gib_s": h2d / GiB}},
             # the headline (first budget), in the fields every result file has
-            "vram_budget_gb": budgets[0], "decode_tps": head.get("decode_tps"), "ttft_s": head.get("ttft_s"),
-            "prefill_tps": head.get("prefill_tps"), "roofline_tps": (head.get("roofline") or {}).get("overlapped_tps"),
+            "vram_budget_gb": budgets[0] if budgets else None, "decode_tps": head.get("decode_tps"),
+            "ttft_s": head.get("ttft_s"), "prefill_tps": head.get("prefill_tps"),
+            "roofline_tps": (head.get("roofline") or {}).get("overlapped_tps" if budgets else "tps"),
             "draft": None, "baseline": ({"name": "naive: on-demand copies, host sync per layer, no overlap",
                                          **head["naive"]} if head.get("naive") else None),
             "budgets": results,

@@ -202,3 +202,12 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
     with pytest.raises(SystemExit, match="do not all fit in VRAM"):
         offload.measure_all_in_vram(types.SimpleNamespace(load=lambda p, o, pr: load(p, o, pr, host_experts=True)),
                                     a, 2e12, 1e12, lambda m: None)
+
+
+def test_offload_bench_refuses_no_budget_without_all_in_vram(capsys):
+    """An empty --budgets measures the all-in-VRAM load alone; without --all-in-vram it would measure nothing,
+    and is refused before any model is read."""
+    from bench import offload
+    with pytest.raises(SystemExit):
+        offload.main(["--model", "/nonexistent", "--budgets", ""])
+    assert "--budgets is empty" in capsys.readouterr().err
