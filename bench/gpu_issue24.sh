@@ -66,7 +66,7 @@ fi
 
 if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
     log "offload benchmark all in VRAM, then at ${BUDGETS-24} GB, uniform routing (trace $TRACE beside it); $(left) s left"
-    timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets 24 \
+    timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets "${BUDGETS-24}" \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
         --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \
         --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
