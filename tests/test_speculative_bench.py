@@ -129,3 +129,22 @@ def test_verify_result_records_the_engines_rollback_window():
     assert fields["bench"]["rollback_window"] == 5 and any("rollback window 5 rows" in s for s in said)
     assert bench_verify.verify_result(RoutedEngine(graphs=True), 8, False, 4, said.append)["bench"][
         "rollback_window"] is None
+
+
+def test_verify_cost_times_rows_past_the_rollback_window_last():
+    """A forward wider than a hybrid engine's rollback window replays the context at its truncate, which slows
+    the forwards after it: the baselines and the rows within the window are all timed before any wider row."""
+    eng = RoutedEngine(graphs=True)
+    eng.telemetry = lambda: {"rollback_window": 3}
+    sizes = []
+    real_forward = eng.forward
+    eng.forward = lambda tokens: (sizes.append(len(tokens)), real_forward(tokens))[1]
+    t = bench_verify.verify_cost(eng, context=8, k_max=4, repeats=2)
+    assert [c.rows for c in t.costs] == [1, 2, 3, 4, 5] and all(c.seconds > 0 for c in t.costs)
+    assert all(c.repeat_seconds > 0 for c in t.costs[1:])
+    sizes = sizes[1:]                                                        # the context's prefill
+    first_wide = next(i for i, n in enumerate(sizes) if n > 3)
+    assert max(i for i, n in enumerate(sizes) if 1 < n <= 3) < first_wide
+    assert sorted(set(sizes[first_wide:])) == [1, 4, 5]                      # each still after a one-row forward
+    # 3 repeats of each pass: the step, the loop's row, rows 1..3 (2 and 3 twice) in the first; rows 4, 5 twice
+    assert len(sizes) == 2 * (3 * (2 + 1 + 2 * 2) + 3 * (2 * 2))
