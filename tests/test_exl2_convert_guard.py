@@ -155,12 +155,15 @@ def test_the_cli_converts_on_the_auto_device_and_says_which(tmp_path, monkeypatc
     assert "device: cpu (no CUDA GPU is visible)" in capsys.readouterr().out
 
 
-def test_auto_device_keeps_qwen35_on_the_cpu_and_a_gpu_out_of_memory_says_what_to_do(tmp_path, monkeypatch):
+def test_auto_device_takes_qwen35_to_a_gpu_with_room_and_a_gpu_out_of_memory_says_what_to_do(tmp_path, monkeypatch):
     from tests.test_exl2_convert_qwen35 import tiny_qwen35
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
     device, why = cv.choose_device("auto", tiny_qwen35(tmp_path / "q35"), tmp_path / "o", 1 << 30)
-    assert device == "cpu" and "--device cuda tries it" in why
+    assert device == "cuda" and "80.0 GiB free" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 20, 80 << 30))
+    device, why = cv.choose_device("auto", tiny_qwen35(tmp_path / "q35b"), tmp_path / "o", 1 << 30)
+    assert device == "cpu" and "a layer needs about" in why
 
     def oom(*a, **k):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -10,7 +10,7 @@ Flow (exllamav2's converter works the same way in outline):
    layer's inputs, so later layers are calibrated on what the quantized model really computes.
 3. The final norm's outputs calibrate `lm_head` (absent when tied to the embeddings).
 Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) takes the same steps with the reference engine's
-own layers in place of transformers' modules: convert_qwen35.py (on the CPU). Mixtral's tensors keep the
+own layers in place of transformers' modules: convert_qwen35.py (on either device). Mixtral's tensors keep the
 Hub's names (modelfolder.stored_name); DBRX's blocks are rebuilt and renamed as exllamav2 names them
 (convert_dbrx.py).
 Memory: one layer's weights (float32) plus the calibration activations (rows x seq_len x hidden, float32,
@@ -342,8 +342,6 @@ def choose_device(device: str, model_dir, out_dir, hessian_budget: int) -> tuple
     if not torch.cuda.is_available():
         return "cpu", "no CUDA GPU is visible"
     ckpt = Checkpoint(model_dir)
-    if ckpt.arch in qwen35.ARCHITECTURES:
-        return "cpu", "Qwen3.5-MoE's conversion on CUDA has not run on a GPU yet; --device cuda tries it"
     layers = {n.split(".layers.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".layers." in n}
     layers |= {n.split(".blocks.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".blocks." in n}
     need = ckpt.total_bytes() * 3 // max(1, len(layers)) + hessian_budget + AUTO_MARGIN   # bf16 -> fp32 x 1.5
