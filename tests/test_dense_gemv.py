@@ -1,4 +1,4 @@
-"""A dense EXL2 linear through the experts' split-K GEMV (`TritonExl2Linear`, `kernels.linear_decode`)
+"""A dense EXL2 linear through the experts' split-K GEMV (`TritonExl2Linear`, `linear_gemv.linear_decode`)
 equals the dequantized weight (runtime/exl2/format.py) at 1..9 rows, on the CPU under Triton's
 interpreter; more rows go to its fallback; the tuning switch picks it in `quant_linear.cuda_exl2`.
 
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7      # + 7: the rows summed without the dot
+CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7 + 5 + 6   # + 7: the rows summed without the dot
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -160,7 +160,7 @@ def test_the_tuning_switch_picks_the_gemv(monkeypatch, on):
 @interpreted
 @pytest.mark.parametrize("t", [0, 10])
 def test_linear_decode_refuses_row_counts_it_does_not_take(t):
-    from runtime.experts.kernels import linear_decode
+    from runtime.experts.linear_gemv import linear_decode
     from runtime.experts.pack import pack_experts
     p = pack_experts([exl2_linear(64, 128, 4, 1)], "p")
     with pytest.raises(ValueError, match=f"{t} rows"):
@@ -179,7 +179,7 @@ def test_linear_decode_is_fp16_at_1_to_9_rows(bits, splitk):
     """`linear_decode` itself returns fp16 [T, sum(outs)] equal to x @ W.T, q/k/v fused, with K whole
     (KSPLIT 1: stored straight into the output) and cut in 4 (fp32 atomics, then one cast)."""
     from runtime import tuning
-    from runtime.experts.kernels import linear_decode
+    from runtime.experts.linear_gemv import linear_decode
     parts = [exl2_linear(n, 128, bits, s) for n, s in ((256, 20), (32, 21), (32, 22))]
     packs = _packs(parts)
     with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
@@ -195,7 +195,8 @@ def test_fused_columns_with_each_part_its_own_shape(monkeypatch, ks):
     an uninitialised output; when one part splits K, every part goes into the zeroed fp32 buffer (k
     by atomics, q and v by stores) and lands in its own columns all the same."""
     from runtime.experts import kernels
-    from runtime.experts.kernels import SplitK, linear_decode
+    from runtime.experts.kernels import SplitK
+    from runtime.experts.linear_gemv import linear_decode
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((96, 23), (40, 24), (64, 25))]
     outs = [96, 33, 64]                                     # k: 7 padded columns cut
     packs = _packs(parts)
@@ -215,7 +216,8 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit, dot):
     dtype, fp16) or with zeros in its own block (KSPLIT > 1: added, fp32): its block holds x @ W.T,
     the padded rows (up to 16; without the dot up to the power of two) and the other columns are
     untouched."""
-    from runtime.experts.kernels import SplitK, linear_rows_block
+    from runtime.experts.kernels import SplitK
+    from runtime.experts.linear_gemv import linear_rows_block
     from runtime.experts.triton_kernels import _linear_splitk
     part = exl2_linear(48, 128, 4, 26)
     p = _packs([part])[0]
@@ -223,8 +225,8 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit, dot):
     out = torch.full((t + 3, 60), float("nan"), dtype=torch.float16 if ksplit == 1 else torch.float32)
     if ksplit > 1:
         out[:t, 5:45] = 0
-    _linear_splitk[(3, ksplit)](x, p.qweight, p.scales, p.perm, out, t, 60, 5, K=128, N=p.out_features, NOUT=40,
-                                BITS=p.bits, G=p.group, BK=32, BN=16, KSPLIT=ksplit, DOT=dot,
+    _linear_splitk[(3, ksplit)](x, p.qweight, p.scales, p.perm, out, out, out, t, 60, 5, K=128, N=p.out_features,
+                                NOUT=40, BITS=p.bits, G=p.group, BK=32, BN=16, KSPLIT=ksplit, DOT=dot,
                                 BT=linear_rows_block(t, SplitK(16, ksplit, dot=dot)))
     want = reference([part], [40], x)
     got = out[:t, 5:45]
@@ -236,12 +238,75 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit, dot):
 
 
 @interpreted
+@pytest.mark.parametrize("t,ksplit,dot,add", [(1, 2, True, False), (5, 4, True, True), (1, 4, True, True),
+                                              (3, 2, False, False), (9, 8, True, False)])
+def test_kernel_finishes_a_cut_k_in_its_own_launch(t, ksplit, dot, add):
+    """FINISH: the K slices add into the float32 workspace and count per column block; the last one stores
+    the block in fp16 into the output (ADD: added to what it holds), and the workspace and counters are
+    zero again; the output's other rows and columns are untouched."""
+    from runtime.experts.kernels import SplitK
+    from runtime.experts.linear_gemv import linear_rows_block
+    from runtime.experts.triton_kernels import _linear_splitk
+    part = exl2_linear(48, 128, 4, 27)
+    p = _packs([part])[0]
+    x = rows(t, 128, seed=80 + t)
+    out = torch.full((t + 3, 60), float("nan"), dtype=torch.float16)
+    base = rows(t, 40, seed=90 + t)
+    out[:t, 5:45] = base
+    ws, cnt = torch.zeros(t * 40 + 7), torch.zeros(5, dtype=torch.int32)
+    _linear_splitk[(3, ksplit)](x, p.qweight, p.scales, p.perm, out[:, 5:], ws, cnt, t, 60, 0, K=128,
+                                N=p.out_features, NOUT=40, BITS=p.bits, G=p.group, BK=16, BN=16, KSPLIT=ksplit,
+                                DOT=dot, ADD=add, FINISH=True, BT=linear_rows_block(t, SplitK(16, ksplit, dot=dot)))
+    want = reference([part], [40], x) + (base.float() if add else 0)
+    close(out[:t, 5:45], want)
+    assert not ws.any() and not cnt.any()
+    rest = out.clone()
+    rest[:t, 5:45] = float("nan")
+    assert rest.isnan().all()
+
+
+@interpreted
+@pytest.mark.parametrize("splitk", ["32x1", "64x4", "16x8"])
+@pytest.mark.parametrize("room", [True, False])
+def test_linear_into_stores_or_adds_into_its_destinations(monkeypatch, splitk, room):
+    """`TritonExl2Linear.into`: q, k and v straight into a graph's own tensors, o added into the residual
+    stream (rows further apart than the part is wide), K whole or cut; with a workspace (each part one
+    launch, the workspace zero after) and without one, as in a graph capture when none fits (a zeroed
+    buffer, added and cast)."""
+    from runtime import tuning
+    from runtime.experts import linear_gemv
+    if not room:
+        monkeypatch.setattr(linear_gemv, "workspace", lambda *a: None)
+    q, k, v = (exl2_linear(n, 128, 4, s) for n, s in ((256, 30), (32, 31), (32, 32)))
+    o = exl2_linear(128, 256, 4, 33)
+    qkv, lo = gemv([q, k, v], [256, 32, 32]), gemv([o], [128])
+    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
+        for t in (1, 4, 9):
+            x = rows(t, 128, seed=100 + t)
+            dq, dk, dv = (torch.full((t, n), float("nan"), dtype=torch.float16) for n in (256, 32, 32))
+            qkv.into(x, [dq, dk, dv])
+            close(torch.cat([dq, dk, dv], dim=1), reference([q, k, v], [256, 32, 32], x))
+            h = rows(t, 256, seed=110 + t)
+            resid = torch.full((t, 200), float("nan"), dtype=torch.float16)
+            resid[:, :128] = rows(t, 128, seed=120 + t)
+            before = resid[:, :128].float().clone()
+            lo.into(h, [resid[:, :128]], add=True)
+            close(resid[:, :128], before + reference([o], [128], h))
+            assert resid[:, 128:].isnan().all()
+    for ws, cnt in linear_gemv._WORKSPACES.get(torch.device("cpu"), []):
+        assert not ws.any() and not cnt.any()
+    with pytest.raises(Exception, match="destinations of"):
+        qkv.into(rows(1, 128), [dq[:1], dk[:1]])
+
+
+@interpreted
 @pytest.mark.parametrize("ks", [1, 2])
 def test_linear_decode_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
     """The shapes that sum a verify's rows on the CUDA cores (no padding to 16 for a tensor-core dot),
     which the timing may pick at 2..8 rows: the same x @ W.T, q/k/v fused."""
     from runtime.experts import kernels
-    from runtime.experts.kernels import SplitK, linear_decode
+    from runtime.experts.kernels import SplitK
+    from runtime.experts.linear_gemv import linear_decode
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((256, 60), (32, 61), (32, 62))]
     outs, packs = [256, 32, 32], _packs(parts)
     for t in range(2, 9):
@@ -255,7 +320,7 @@ def test_linear_decode_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
 def test_linear_candidates_without_the_dot_only_at_a_few_rows():
     """2..FMA_MAX_ROWS rows: every shape also without the dot where its [rows, BK, BN] block is small
     enough, the default (with the dot) still first; one row or more rows: the dot's shapes only."""
-    from runtime.experts.kernels import FMA_MAX_ROWS, FMA_MAX_TILE, linear_candidates, linear_rows_block
+    from runtime.experts.linear_gemv import FMA_MAX_ROWS, FMA_MAX_TILE, linear_candidates, linear_rows_block
     one = linear_candidates(2048, 4096, 128)
     assert all(c.dot for c in one) and linear_candidates(2048, 4096, 128, FMA_MAX_ROWS + 1) == one
     for t in (2, 3, 4, 8):
@@ -271,7 +336,8 @@ def test_linear_candidates_keep_k_whole_and_divide_k():
     columns alone are few programs), the default first, every K cut a whole number of tiles; a forced
     shape is the only one."""
     from runtime import tuning
-    from runtime.experts.kernels import SplitK, _ksplit, linear_candidates
+    from runtime.experts.kernels import SplitK, _ksplit
+    from runtime.experts.linear_gemv import linear_candidates
     for n in (512, 2048, 4096):
         cands = linear_candidates(2048, n, 128)
         assert cands[0] == SplitK(64, _ksplit(2048, 128, -(-n // 64)))

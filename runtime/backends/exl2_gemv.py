@@ -4,8 +4,9 @@ In the exllamav2 engine's decode graphs (runtime/backends/exl2_graph.py) each at
 exllamav2's fused `q_attn_forward_1` (norm, q/k/v GEMMs, head norms, RoPE) and its epilogue
 `q_attn_forward_2` (o GEMM added into the residual). With the switch on, `install` gives every plain
 attention (pre-norm, residual, no bias, no post-norm, no prologue of its architecture's own) two hooks
-that the graph calls instead: `moedesk_qkv` (exllamav2's norm, our GEMV for q, k and v fused, its head
-norms and RoPE) and `moedesk_o` (x += our GEMV of o). The GEMVs are `TritonExl2Linear`s packed from the
+that the graph calls instead: `moedesk_qkv` (exllamav2's norm, our GEMV for q, k and v, each part stored
+straight into the graph's q, k and v, its head norms and RoPE) and `moedesk_o` (our GEMV of o added into x
+by the kernel). The GEMVs are `TritonExl2Linear`s packed from the
 model folder's EXL2 tensors (exllamav2's own copies have their codes reordered by its Q matrices): the
 attention weights are held twice in VRAM, so only loads without offload take them.
 """
@@ -92,11 +93,7 @@ def gemv_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:
     if T > lin.max_rows:                                  # exllamav2's prologue, as without the hook
         ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, pos32, q, k, v, sin, cos, [], none_tensor)
         return
-    y = lin(pre_norm(a, x.view(T, -1)))
-    col = 0
-    for out in (q.view(T, -1), k.view(T, -1), v.view(T, -1)):
-        out.copy_(y[:, col: col + out.shape[1]])
-        col += out.shape[1]
+    lin.into(pre_norm(a, x.view(T, -1)), [q.view(T, -1), k.view(T, -1), v.view(T, -1)])
     Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     if a.q_norm is not None:
         rms = a.archparams.headnorm == "rmsnorm"
@@ -114,7 +111,7 @@ def gemv_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:
 def gemv_o(a, lin, x, o, T: int) -> None:
     """The graph's attention epilogue: x fp16 [1, T, H] += o [1, T, Hq*D] @ W_o.T (in place)."""
     if T <= lin.max_rows:
-        x.view(T, -1).add_(lin(o.view(T, -1)))
+        lin.into(o.view(T, -1), [x.view(T, -1)], add=True)
     else:                                                 # exllamav2's epilogue, as without the hook
         from exllamav2.ext import exllamav2_ext as ext, none_tensor
         ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], none_tensor)

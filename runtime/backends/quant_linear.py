@@ -148,7 +148,7 @@ class TritonExl2Linear:
 
     def __init__(self, parts: Sequence[dict], outs: Sequence[int], names: Sequence[str], device: torch.device,
                  fallback: QuantLinear | None):
-        from runtime.experts.kernels import LINEAR_MAX_ROWS, linear_tile
+        from runtime.experts.linear_gemv import LINEAR_MAX_ROWS, linear_tile
         from runtime.experts.pack import PackError, pack_experts
         self.max_rows = LINEAR_MAX_ROWS
         self.packs, self.outs = [], [int(o) for o in outs]
@@ -179,8 +179,16 @@ class TritonExl2Linear:
                 raise EngineError(f"{x.shape[0]} rows: the split-K GEMV takes 1..{self.max_rows} and there is "
                                   "no fallback")
             return self.fallback(x)
-        from runtime.experts.kernels import linear_decode
+        from runtime.experts.linear_gemv import linear_decode
         return linear_decode(x.half(), self.packs, self.outs)
+
+    def into(self, x: torch.Tensor, dests: Sequence[torch.Tensor], add: bool = False) -> None:
+        """Part i of x (fp16, 1..max_rows rows) into dests[i] fp16 [T, outs[i]] (a decode graph's q, k and v),
+        or added to it (`add`: the residual stream), each in one launch (linear_gemv.linear_into)."""
+        from runtime.experts.linear_gemv import linear_into
+        if [d.shape[1] for d in dests] != self.outs:
+            raise EngineError(f"destinations of {[d.shape[1] for d in dests]} columns, the parts have {self.outs}")
+        linear_into(x.half(), self.packs, dests, add)
 
     def nbytes(self) -> int:
         return self.stored_bytes

@@ -21,7 +21,7 @@ import triton
 from runtime import tuning
 from runtime.experts.pack import PackedExperts, intermediate_aligned
 from runtime.experts.triton_kernels import (_add_from_host, _cpu_inputs, _cpu_share_mask, _down_grouped, _down_splitk,
-                                            _gate_up_grouped, _gate_up_splitk, _gather_pairs, _linear_splitk, _prefetch_copy,
+                                            _gate_up_grouped, _gate_up_splitk, _gather_pairs, _prefetch_copy,
                                             _prefetch_plan, _router_logits, _softmax_topk)
 
 # Up to Tuning.gemv_max_pairs (token, expert) pairs (64), the split-K GEMVs (one weight read per pair);
@@ -450,102 +450,6 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     gate_up(c1, gu)
     down(c2, out)
     return out
-
-
-LINEAR_MAX_ROWS = 9      # linear_decode: a decode step or a verify of up to 8 drafts
-
-
-def linear_tile(p: PackedExperts) -> int:
-    """K tile of `linear_decode` for one packed dense linear; ValueError when its layout fits none."""
-    if p.num_experts != 1:
-        raise ValueError(f"a dense linear is one packed expert, got {p.num_experts}")
-    return _bk(p, cap=128)
-
-
-FMA_MAX_ROWS = 8          # the dense GEMV sums rows on the CUDA cores up to this many (more: the dot only)
-FMA_MAX_TILE = 16384      # ... with at most this many products in a program's [rows, BK, BN] block
-
-
-def linear_rows_block(T: int, c: SplitK) -> int:
-    """The row block (BT) `_linear_splitk` runs T rows in under shape c: 1, 16 for the dot, else the
-    power of two >= T."""
-    return 1 if T == 1 else 16 if c.dot else 1 << (T - 1).bit_length()
-
-
-def linear_candidates(K: int, N: int, bk: int, rows: int = 1) -> list[SplitK]:
-    """Launch shapes of `linear_decode` for one part (every row in each program, so the grid is
-    cdiv(N, BN) x KSPLIT whatever the rows): the default first (what the interpreter and a capture
-    use), then the shapes worth timing, KSPLIT 1 (no memset, no atomics, no cast) among them; at 2 to
-    FMA_MAX_ROWS rows each also without the tensor-core dot (which pads a verify's few rows to 16);
-    the timing keeps whichever is faster on this GPU."""
-    default = SplitK(64, _ksplit(K, bk, triton.cdiv(N, 64)))
-    forced = tuning.current().splitk
-    if forced:
-        bn, ks = forced
-        return [SplitK(bn, ks) if K % (ks * bk) == 0 else default]
-    out = [default]
-    for bn in (16, 32, 64, 128):
-        for ks in (1, 2, 4, 8):
-            c, programs = SplitK(bn, ks), triton.cdiv(N, bn) * ks
-            if K % (ks * bk) == 0 and (ks == 1 or 32 <= programs <= 2048) and c not in out:
-                out.append(c)
-    if 1 < rows <= FMA_MAX_ROWS:           # K whole or halved only: each shape is one more compilation at load
-        fma = [SplitK(c.bn, c.ksplit, c.warps, dot=False) for c in out if c.ksplit <= 2]
-        out += [c for c in fma if linear_rows_block(rows, c) * bk * c.bn <= FMA_MAX_TILE and c not in out]
-    return out
-
-
-def _linear_launch(x: torch.Tensor, p: PackedExperts, n_out: int, bk: int, c: SplitK, dst: torch.Tensor,
-                   col: int) -> None:
-    T, K = x.shape
-    _linear_splitk[(triton.cdiv(n_out, c.bn), c.ksplit)](
-        x, p.qweight, p.scales, p.perm, dst, T, dst.shape[1], col, K=K, N=p.out_features, NOUT=n_out,
-        BITS=p.bits, G=p.group, BK=bk, BN=c.bn, BT=linear_rows_block(T, c), KSPLIT=c.ksplit, DOT=c.dot,
-        num_warps=c.warps)
-
-
-def linear_decode(x: torch.Tensor, packs: list[PackedExperts], outs: list[int]) -> torch.Tensor:
-    """Dense EXL2 linears (each packed as one expert, the same K) on few rows: x fp16 [T, K] ->
-    fp16 [T, sum(outs)], part i's first outs[i] columns side by side (a fused projection). One launch
-    per part, each program computing every row, so the weights are read once per call; shapes timed
-    once per shape and row count on the GPU (`_choose`, in a graph). Parts launched with KSPLIT 1 store
-    fp16 into an uninitialised output; if any part splits K, all go into one zeroed fp32 buffer
-    (atomics), cast to fp16 at the end. Nothing read on the host: capturable once the shapes are chosen."""
-    T, K = x.shape
-    if not 0 < T <= LINEAR_MAX_ROWS:
-        raise ValueError(f"linear_decode: {T} rows, the split-K GEMV takes 1..{LINEAR_MAX_ROWS}")
-    if x.dtype != torch.float16:
-        raise ValueError(f"linear_decode: fp16 input expected, got {x.dtype}")
-    x = x.contiguous()
-    plan, col = [], 0
-    for p, n_out in zip(packs, outs):
-        if p.in_features != K or not 0 < n_out <= p.out_features:
-            raise ValueError(f"linear_decode: part [K {p.in_features}, N {p.out_features}] asked for {n_out} "
-                             f"columns of {K}-wide rows")
-        bk = linear_tile(p)
-        key = ("linear", K, p.out_features, n_out, T, p.bits, p.group, x.device)
-        if key in _CHOSEN:
-            c = _CHOSEN[key]
-        else:                  # each shape timed alone, with the memset and cast that splitting K brings
-            s16 = torch.empty((T, n_out), dtype=torch.float16, device=x.device)
-            s32 = torch.empty((T, n_out), dtype=torch.float32, device=x.device)
-
-            def trial(c: SplitK, p=p, n_out=n_out, bk=bk, s16=s16, s32=s32):
-                if c.ksplit == 1:
-                    _linear_launch(x, p, n_out, bk, c, s16, 0)
-                else:
-                    s32.zero_()
-                    _linear_launch(x, p, n_out, bk, c, s32, 0)
-                    s16.copy_(s32)
-            c = _choose(key, linear_candidates(K, n_out, bk, T), trial, graph=True)
-        plan.append((p, n_out, bk, c, col))
-        col += n_out
-    split = any(c.ksplit > 1 for _, _, _, c, _ in plan)
-    out = (torch.zeros if split else torch.empty)((T, col), dtype=torch.float32 if split else torch.float16,
-                                                  device=x.device)
-    for p, n_out, bk, c, col in plan:
-        _linear_launch(x, p, n_out, bk, c, out, col)
-    return out.half() if split else out
 
 
 # -- decode prefetch of the next layer's likely cold experts (runtime/experts/prefetch.py) ------------

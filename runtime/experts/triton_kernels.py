@@ -379,15 +379,18 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
 
 
 @triton.jit
-def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, T, LDO, COL0, K: tl.constexpr, N: tl.constexpr,
-                   NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BT: tl.constexpr, KSPLIT: tl.constexpr, DOT: tl.constexpr = True):
+def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, ws_ptr, cnt_ptr, T, LDO, COL0, K: tl.constexpr,
+                   N: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+                   BN: tl.constexpr, BT: tl.constexpr, KSPLIT: tl.constexpr, DOT: tl.constexpr = True,
+                   ADD: tl.constexpr = False, FINISH: tl.constexpr = False):
     """One dense linear packed as a single expert (no routing weight, no SiLU): x fp16 [T, K] @ W for all
     T <= BT rows over one K slice, into columns COL0..COL0+NOUT of out [T, LDO] (NOUT <= N stored
     columns). Each weight tile is dequantized once for all rows: BT 1 a GEMV; DOT, BT 16 (rows padded) a
     tensor-core dot on the fp16 tile; not DOT, the rows' products summed in fp32 on the CUDA cores (BT a
-    power of two >= T: no padding to 16 for a verify's few rows). KSPLIT 1 stores in out's dtype (fp16 or
-    fp32, nothing zeroed); KSPLIT > 1 adds into out fp32 (zeroed by the caller). Grid (cdiv(NOUT, BN),
+    power of two >= T: no padding to 16 for a verify's few rows). KSPLIT 1 stores in out's dtype (ADD: added
+    to what out holds). KSPLIT > 1: FINISH, the slices add into ws fp32 [T, NOUT] and count in cnt_ptr's
+    entry of their column block; the last one stores the sum as KSPLIT 1 does and sets both back to zero
+    (they start at zero); not FINISH, they add into out fp32 (zeroed by the caller). Grid (cdiv(NOUT, BN),
     KSPLIT)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask_n = offs_n < NOUT
@@ -408,10 +411,25 @@ def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, T, LDO, COL0, K: tl.cons
         else:
             acc += tl.sum(xv.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)      # [BT, BK, BN] -> [BT, BN]
     ptrs = out_ptr + offs_t[:, None] * LDO + COL0 + offs_n[None, :]
+    mask = mask_t[:, None] & mask_n[None, :]
     if KSPLIT == 1:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
+        if ADD:
+            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif FINISH:
+        wptrs = ws_ptr + offs_t[:, None] * NOUT + offs_n[None, :]
+        tl.atomic_add(wptrs, acc, mask=mask)                  # acq_rel: visible before this slice counts
+        tl.debug_barrier()                                    # every thread's adds issued before the count
+        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
+        if done == KSPLIT - 1:                                # the last slice: every other one has added
+            total = tl.atomic_add(wptrs, tl.zeros([BT, BN], dtype=tl.float32), mask=mask)   # read where added
+            tl.store(wptrs, tl.zeros([BT, BN], dtype=tl.float32), mask=mask)
+            if ADD:
+                total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tl.program_id(0), 0)
     else:
-        tl.atomic_add(ptrs, acc, mask=mask_t[:, None] & mask_n[None, :])
+        tl.atomic_add(ptrs, acc, mask=mask)
 
 
 @triton.jit
