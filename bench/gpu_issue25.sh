@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The prefill kernels' input orders on the H200, in one call of at most LIMIT seconds (420 by default):
+# Issue 25's measurements on the H200 (the prefill kernels' input orders, the engine's switches), in one call
+# of at most LIMIT seconds (420 by default):
 #   grouped  `python -m bench.grouped` on one MoE layer of each SHAPES (default qwen3-30b-a3b, mixtral-8x22b,
 #            dbrx), ROWS rows (default 512 2048): the same layer read through the permutations per tile (as
 #            before) and in its one input order (the Hub's files), a few launch shapes each; JSON per shape
 #   tests    the grouped kernels' GPU test in each order (tests/gpu/test_exl2_engine.py -k input_order) and the
 #            one-launch MoE entry's (tests/gpu/test_route_normed_gpu.py)
-#   engine   `python -m bench.cuda --baseline none` on qwen3-30b-a3b at 4.0 bpw (written here, ~16 GB):
-#            prefill of 512 and 4096 tokens, time to first token, decode, kernels per token (ENGINE=0 leaves
-#            it out); once per ROUTES (default "fused normed": the MoE block's norm and routing in three
-#            launches, then in one, runtime/experts/route_normed.py). SHAPES="" leaves the grouped step out.
+#   engine   `python -m bench.cuda --baseline none --profile` on qwen3-30b-a3b at 4.0 bpw (written here, ~16 GB):
+#            prefill of 512 and 4096 tokens, time to first token, decode, kernels per token and the GPU's busy
+#            fraction (ENGINE=0 leaves it out); once per VARIANTS entry, LABEL:VAR=VALUE[,VAR=VALUE...] (default:
+#            fused, the MoE block's norm and routing in three launches; normed, in one (MOEDESK_ROUTE=normed,
+#            runtime/experts/route_normed.py); dense, attention's q/k/v/o through our split-K GEMV
+#            (MOEDESK_DENSE_GEMV=1, runtime/experts/linear_gemv.py); dense-normed, both), in that order.
+#   q125     Q125=1: the same on q125-a11 at 3.0 bpw all in VRAM (~50 GB written here), VARIANTS_Q125 (default:
+#            fused only), decode only (prompt 512). SHAPES="" leaves the grouped step out. The profiles go into
+#            $OUT/prof.tar.gz (one file: the call brings back 8 at most).
 # Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run from
 # the repository root. JSON goes into bench/results/ and, with a log, into $OUT.
 set -u
@@ -18,7 +24,9 @@ ROOT=${ROOT:-/tmp/m25}
 PY=${PYTHON:-python3}
 SHAPES=${SHAPES-"qwen3-30b-a3b mixtral-8x22b dbrx"}   # set and empty: no grouped step
 ROWS=${ROWS:-"512 2048"}
-ROUTES=${ROUTES:-"fused normed"}           # the engine step once per MOEDESK_ROUTE, in this order
+VARIANTS=${VARIANTS:-"fused:MOEDESK_ROUTE=fused normed:MOEDESK_ROUTE=normed dense:MOEDESK_DENSE_GEMV=1
+dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed"}   # the engine step once per entry, in this order
+VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused"}
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
 STEPS_LOG=$OUT/gpu_issue25.log
@@ -44,15 +52,28 @@ if [ "$(left)" -ge 90 ]; then
         "tests/gpu/test_exl2_engine.py::test_grouped_kernels_in_the_layers_input_order_at_real_size" 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -8 | tee -a "$OUT/gpu_issue25.log"
 fi
-if [ "${ENGINE:-1}" = 1 ] && [ "$(left)" -ge 150 ]; then
-    [ -f "$ROOT/q30b/README.md" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$ROOT/q30b" | tail -1
-    for route in $ROUTES; do
-        [ "$(left)" -ge 100 ] || { log "bench.cuda route $route waits: $(left) s left"; continue; }
-        MOEDESK_ROUTE=$route timeout $(( $(left) - 10 )) $PY -m bench.cuda --model "$ROOT/q30b" \
-            --label qwen3-30b-a3b --bpw 4.0 --prompts 512,4096 --decode 128 --baseline none \
-            --note "issue 25: route $route" 2>&1 | tail -20 | tee -a "$OUT/gpu_issue25.log"
-        log "bench.cuda route $route: exit ${PIPESTATUS[0]}"
+engine() {          # model dir, label, bpw, prompts, variants: bench.cuda once per variant
+    local dir=$1 label=$2 bpw=$3 prompts=$4 v name envs
+    for v in $5; do
+        name=${v%%:*}
+        envs=${v#*:}
+        [ "$(left)" -ge 100 ] || { log "bench.cuda $label $name waits: $(left) s left"; continue; }
+        # shellcheck disable=SC2046
+        env $(echo "$envs" | tr ',' ' ') timeout $(( $(left) - 10 )) $PY -m bench.cuda --model "$dir" \
+            --label "$label-$name" --bpw "$bpw" --prompts "$prompts" --decode 128 --baseline none \
+            --profile "$OUT/prof" --note "issue 25: $envs" 2>&1 | tail -6 | tee -a "$OUT/gpu_issue25.log"
+        log "bench.cuda $label $name ($envs): exit ${PIPESTATUS[0]}"
     done
-    find bench/results -maxdepth 1 -name "cuda-qwen3-30b-a3b*.json" -newer "$MARK" -exec cp {} "$OUT"/ \; 2>/dev/null
+}
+if [ "${ENGINE:-1}" = 1 ] && [ "$(left)" -ge 150 ]; then
+    [ -f "$ROOT/q30b/README.md" ] || $PY -m runtime.cli synth --shape qwen3-30b-a3b --bpw 4.0 --out "$ROOT/q30b" \
+        | tail -1
+    engine "$ROOT/q30b" qwen3-30b-a3b 4.0 512,4096 "$VARIANTS"
 fi
+if [ "${Q125:-0}" = 1 ] && [ "$(left)" -ge 200 ]; then
+    [ -f "$ROOT/q125/README.md" ] || $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$ROOT/q125" | tail -1
+    engine "$ROOT/q125" q125-a11 3.0 512 "$VARIANTS_Q125"
+fi
+find bench/results -maxdepth 1 -name "cuda-*.json" -newer "$MARK" -exec cp {} "$OUT"/ \; 2>/dev/null
+[ -d "$OUT/prof" ] && tar -czf "$OUT/prof.tar.gz" -C "$OUT" prof && rm -rf "$OUT/prof"
 log "done"
