@@ -211,3 +211,26 @@ def test_offload_bench_refuses_no_budget_without_all_in_vram(capsys):
     with pytest.raises(SystemExit):
         offload.main(["--model", "/nonexistent", "--budgets", ""])
     assert "--budgets is empty" in capsys.readouterr().err
+
+
+def test_the_prefill_profile_runs_the_prefill_the_app_runs(tmp_path, monkeypatch):
+    """bench.cuda's prefill profile times `prefill` (the head on the last row), as its timed prefill does:
+    through `forward` the head ran over every row, 31% of a 4096-token profile's kernel time."""
+    import torch
+    from bench import cuda
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    class Engine:
+        def reset(self):
+            calls.append("reset")
+
+        def prefill(self, ids):
+            calls.append(("prefill", len(ids)))
+            return torch.zeros(1, 8)
+
+        def forward(self, ids):
+            raise AssertionError("the profile ran a forward over every row's logits")
+    r = cuda.profile_prefill(Engine(), tmp_path / "p.txt", 12)
+    assert calls == ["reset", ("prefill", 12), "reset", ("prefill", 12)] and r["tokens"] == 12
+    assert "prefill of 12 tokens" in (tmp_path / "p.txt").read_text()
