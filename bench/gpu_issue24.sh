@@ -12,7 +12,8 @@
 #      default; BUDGETS="" measures the all-in-VRAM load alone), uniform
 #      routing, the trace-driven routing beside it on the same load, the 2048-token prompt's time to first
 #      token, the naive baseline in the same run; the app's placement ("auto": the CPU expert path timed
-#      against streaming, both recorded)
+#      against streaming, both recorded). PROFILE=1: each load's decode step profiled too (16 steps: the
+#      kernels' time, launches a token, the GPU's busy fraction), the tables back as $OUT/prof.tar.gz
 #   4. WORKER=1: the worker benchmark all in VRAM, plain decoding and MTP drafting side by side
 #      (`bench-worker --draft mtp`: the way a user meets it, the first answer included)
 #   5. WORKER24=1: the same at a 24 GB budget (MTP's verify cost with offload: its answers' verify rows
@@ -65,11 +66,13 @@ if [ "$OFFLOAD$WORKER$WORKER24$VERIFY$CHAT" != 00000 ] && [ ! -f "$M/config.json
 fi
 
 if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
-    log "offload benchmark all in VRAM, then at ${BUDGETS-24} GB, uniform routing (trace $TRACE beside it); $(left) s left"
-    timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 --budgets "${BUDGETS-24}" \
+    log "offload benchmark all in VRAM, then at ${BUDGETS-24} GB, uniform routing (trace $TRACE beside it);" \
+        "$(left) s left"
+    timeout $(( $(left) - 10 )) $PY -m bench.offload --model "$M" --label qwen3.5-122b-a10b --bpw 3.0 \
+        --budgets "${BUDGETS-24}" \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
         --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \
-        --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
+        ${PROFILE:+--profile "$OUT/prof"} --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
     log "offload benchmark: exit ${PIPESTATUS[0]}"
     copy_new "offload-qwen3.5-122b-a10b-*.json"
 else
@@ -103,5 +106,6 @@ if [ "$CHAT" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 120 ]; then
         --max-tokens 32 --temperature 0 "Name three colours." 2>&1 | tail -5 | tee -a "$OUT/gpu_issue24.log"
     log "chat: exit ${PIPESTATUS[0]}"
 fi
+[ -d "$OUT/prof" ] && tar -czf "$OUT/prof.tar.gz" -C "$OUT" prof && rm -rf "$OUT/prof"
 log "done"
 ls -la "$OUT" | tee -a "$OUT/gpu_issue24.log"

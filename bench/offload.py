@@ -499,6 +499,11 @@ def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: flo
                "roofline": {"tps": hbm / per_token}, "roofline_measured_ceilings": {"tps": hbm_run / per_token},
                "roofline_fraction": tps * per_token / hbm, "decode_graphs": getattr(engine, "graphs", None) is not None,
                "peak_vram_reserved_gb": torch.cuda.max_memory_reserved() / GiB if torch.cuda.is_available() else None}
+        if getattr(a, "profile", None):                   # what the step's time goes to (kernels a token)
+            from bench.cuda import profile_decode
+            Path(a.profile).mkdir(parents=True, exist_ok=True)
+            out["profile"] = profile_decode(engine, Path(a.profile) / f"offload-{Path(a.model).name}-all.txt")
+            progress(f"profiled: {out['profile']}")
         if not a.no_naive:
             with layer_loop(engine):
                 decode(engine, tok, 2, seed=4)             # the layer loop's shapes
@@ -577,7 +582,7 @@ def main(argv=None) -> int:
                     help="--routing trace: the profile of bench/routing_traces.PROFILES")
     ap.add_argument("--calibrate", type=int, default=256,
                     help="tokens decoded after each load before planning again from their routing (0: off)")
-    ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget")
+    ap.add_argument("--profile", help="folder for profiler tables of 16 decode steps per budget (and all in VRAM)")
     ap.add_argument("--try-threads", default="", help="CPU path team sizes to decode with again on the same "
                     "placement, e.g. 12,15 (the placement's split stays as planned)")
     ap.add_argument("--try-cuts", default="", help="experts cut between CPU and GPU: decode again with the "

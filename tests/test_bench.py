@@ -150,7 +150,7 @@ def test_convert_quality_counts_the_head_apart_and_unties_a_quantized_one(tmp_pa
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
 
-def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monkeypatch):
+def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monkeypatch, tmp_path):
     """bench.offload --all-in-vram: a load without a budget (every expert in VRAM), time to first token for the
     prompt, decode next to the roofline of the weight bytes per token, and decode without the graphs as its
     baseline, the graphs put back after; a model whose experts are offloaded is refused."""
@@ -187,7 +187,7 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
         return engine, applied
     backend = types.SimpleNamespace(load=load)
     a = argparse.Namespace(model=str(tiny_qwen35), context=256, placement="auto", prompt=24, decode=3, no_naive=False,
-                           naive_decode=2)
+                           naive_decode=2, profile=None)
     r = offload.measure_all_in_vram(backend, a, hbm=2e12, hbm_run=1e12, progress=lambda m: None)
     assert loaded == [None]
     assert r["ttft_s"] > 0 and r["prefill_tps"] == pytest.approx(24 / r["ttft_s"]) and r["decode_tps"] == 103
@@ -198,6 +198,12 @@ def test_offload_bench_measures_all_in_vram_with_its_baseline(tiny_qwen35, monke
     # warm-up and timed decode with the graphs; the baseline's warm-up and its timed run without
     assert decodes == [(11, graphs), (3, graphs), (2, None), (2, None)] and graphs.steps == 4
     assert closed_with[0] is graphs and engines[0].model is None                  # put back, then closed
+
+    profiled = []
+    monkeypatch.setattr("bench.cuda.profile_decode", lambda engine, path: profiled.append(path) or {"steps": 16})
+    r = offload.measure_all_in_vram(backend, argparse.Namespace(**{**vars(a), "profile": str(tmp_path / "prof")}),
+                                    hbm=2e12, hbm_run=1e12, progress=lambda m: None)
+    assert r["profile"] == {"steps": 16} and profiled == [tmp_path / "prof" / f"offload-{tiny_qwen35.name}-all.txt"]
 
     with pytest.raises(SystemExit, match="do not all fit in VRAM"):
         offload.measure_all_in_vram(types.SimpleNamespace(load=lambda p, o, pr: load(p, o, pr, host_experts=True)),
