@@ -120,6 +120,9 @@ class Tuning:
     route: str = knob("fused", "MOEDESK_ROUTE", "Routing: the fused kernel after the norm's, the norm and routing "
                       "in one launch (normed: RMSNorm layers; not yet measured), or plain torch (to compare).",
                       choices=("fused", "normed", "torch"))
+    align: str = knob("torch", "MOEDESK_ALIGN", "How a prefill's pairs are sorted into the grouped kernels' "
+                      "blocks: torch ops, or one Triton launch (kernel; not yet measured).",
+                      choices=("torch", "kernel"))
     moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "
                         "(fused) or by torch (plain).", choices=("fused", "plain"))
     pin_ahead: int = knob(1, "MOEDESK_PIN_AHEAD", "Blocks of page-locked host RAM for offloaded experts (4 GiB "

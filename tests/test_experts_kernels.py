@@ -177,6 +177,32 @@ def test_align_groups_pairs_by_expert_in_whole_blocks():
         assert sorted(seen) == list(range(P))                     # every pair exactly once
 
 
+def test_align_in_one_launch_equals_the_torch_ops_bit_for_bit():
+    """MOEDESK_ALIGN=kernel: the same pairs and block experts as `kernels.align`, in one Triton program, under
+    the interpreter (hot experts, experts never picked, a single pair, more blocks than experts)."""
+    from tests.interpreted import run_interpreted
+    run_interpreted("""
+import torch
+from runtime.experts import align_kernel, kernels
+g = torch.Generator().manual_seed(0)
+cases = [(1, 128, 16), (7, 4, 16), (300, 128, 16), (4096, 128, 64), (50, 3, 64), (1000, 256, 64), (260, 60, 32)]
+for P, E, bm in cases:
+    ids = torch.randint(0, E, (P,), generator=g).to(torch.int32)
+    if P > 100:
+        ids[: P // 3] = 5
+    want, got = kernels.align(ids, E, bm), align_kernel.align(ids, E, bm)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (P, E, bm)
+print("aligned")
+""", "aligned")
+
+
+def test_kernels_with_the_one_launch_align_match_the_oracle():
+    """The grouped kernels (17 and 40 rows) fed by the one-launch align give the oracle's output."""
+    test_kernels_match_oracle_in_interpreter(
+        ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "4", "--rows", "17,40"], None,
+        extra_env={"MOEDESK_ALIGN": "kernel"})
+
+
 def test_ksplit_keeps_whole_tiles():
     from runtime.experts.kernels import SM_TARGET, _ksplit
     for K, bk, programs in [(2048, 128, 96), (768, 128, 256), (4096, 128, 192), (64, 32, 8), (2048, 128, 2000)]:

@@ -33,7 +33,8 @@ def test_each_variable_sets_its_field():
            "MOEDESK_CUT_ALIGN": "32", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_CPU_KERNEL_MARCH": "x86-64-v3",
            "MOEDESK_AUTO_CPU_PATH": "0", "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_BALANCE": "0",
            "MOEDESK_LEND_STAGING": "0", "MOEDESK_PREFETCH": "2", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
-           "MOEDESK_ROUTE": "torch", "MOEDESK_MOE_ADD": "plain", "MOEDESK_VERIFY_READS": "rows",
+           "MOEDESK_ROUTE": "torch", "MOEDESK_ALIGN": "kernel", "MOEDESK_MOE_ADD": "plain",
+           "MOEDESK_VERIFY_READS": "rows",
            "MOEDESK_GRAPH_ATTN": "bmm", "MOEDESK_CAPTURE_MODE": "global", "MOEDESK_PREFILL_ATTN": "matmul",
            "MOEDESK_DENSE_GEMV": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
     t = Tuning.from_environment(env)
@@ -41,7 +42,7 @@ def test_each_variable_sets_its_field():
                        cut_align=32,
                        cpu_signal="hostfunc", cpu_kernel_march="x86-64-v3", auto_cpu_path=False, cpu_split="experts",
                        cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
-                       route="torch", moe_add="plain", verify_reads="rows",
+                       route="torch", align="kernel", moe_add="plain", verify_reads="rows",
                        graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, graphs=False,
                        warmup=False, template_timeout_s=0.5)
     named = {env for env, _, _ in t.describe()}

@@ -136,7 +136,11 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     bk1, bk2 = _bk_span(w1, w3, want=g.bk), _bk_span(w2, want=g.bk)
     bm, bn = (g.bm_large if P >= 4096 else g.bm_small), g.bn
     launch = dict(num_warps=g.warps, **({"num_stages": g.stages} if g.stages else {}))
-    pairs, bexp = align(ids_f, w1.num_experts, bm)
+    if t.align == "kernel":                   # one launch (runtime/experts/align_kernel.py)
+        from runtime.experts.align_kernel import align as align_one
+        pairs, bexp = align_one(ids_f, w1.num_experts, bm)
+    else:
+        pairs, bexp = align(ids_f, w1.num_experts, bm)
     nb = bexp.numel()
     order = order or InputOrder()
     xin, xmode = x, 0

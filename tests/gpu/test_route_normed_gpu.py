@@ -90,3 +90,18 @@ def test_the_engine_with_the_fused_entry_matches_the_reference(moe_2l, reference
     _record(test="route_normed_vs_reference", **seen)
     assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [17, 512, 4096])
+def test_the_prefill_sort_in_one_launch_equals_the_torch_ops(shape, tokens):
+    """MOEDESK_ALIGN=kernel (runtime/experts/align_kernel.py) on the GPU: the same pairs and block experts as
+    `kernels.align`, bit for bit, at the prefill's pair counts (one expert hot, as real routing has)."""
+    from runtime.experts import align_kernel, kernels
+    E, A, _ = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.randint(0, E, (tokens * A,), generator=g, device="cuda", dtype=torch.int32)
+    ids[: tokens * A // 4] = 3
+    for bm in (16, 64):
+        want, got = kernels.align(ids, E, bm), align_kernel.align(ids, E, bm)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), bm
