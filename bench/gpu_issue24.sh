@@ -106,6 +106,6 @@ if [ "$CHAT" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 120 ]; then
         --max-tokens 32 --temperature 0 "Name three colours." 2>&1 | tail -5 | tee -a "$OUT/gpu_issue24.log"
     log "chat: exit ${PIPESTATUS[0]}"
 fi
-[ -d "$OUT/prof" ] && tar -czf "$OUT/prof.tar.gz" -C "$OUT" prof && rm -rf "$OUT/prof"
+pack_profiles
 log "done"
 ls -la "$OUT" | tee -a "$OUT/gpu_issue24.log"

@@ -76,5 +76,5 @@ if [ "${Q125:-0}" = 1 ] && [ "$(left)" -ge 200 ]; then
     engine "$ROOT/q125" q125-a11 3.0 512 "$VARIANTS_Q125"
 fi
 find bench/results -maxdepth 1 -name "cuda-*.json" -newer "$MARK" -exec cp {} "$OUT"/ \; 2>/dev/null
-[ -d "$OUT/prof" ] && tar -czf "$OUT/prof.tar.gz" -C "$OUT" prof && rm -rf "$OUT/prof"
+pack_profiles
 log "done"

@@ -474,6 +474,15 @@ def measure_naive(engine, ids: list[int], n: int) -> dict[str, Any]:
             "pcie_bytes_per_token": d["naive"] / n, "hit_rate": d["hits"] / max(1, d["pairs"])}
 
 
+def profile_after_prompt(engine, prompt: int, path: Path) -> dict[str, Any]:
+    """bench.cuda.profile_decode's decode steps after a fresh prefill of `prompt` tokens, its table into path."""
+    from bench.cuda import profile_decode
+    path.parent.mkdir(parents=True, exist_ok=True)
+    engine.reset()
+    engine.prefill(_prompt(engine, prompt, 1))
+    return profile_decode(engine, path)
+
+
 def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: float,
                         progress: Callable[[str], None]) -> dict[str, Any]:
     """Every expert in VRAM (a load without a budget, as the app loads a model that fits), in a load of its
@@ -500,9 +509,8 @@ def measure_all_in_vram(backend, a: argparse.Namespace, hbm: float, hbm_run: flo
                "roofline_fraction": tps * per_token / hbm, "decode_graphs": getattr(engine, "graphs", None) is not None,
                "peak_vram_reserved_gb": torch.cuda.max_memory_reserved() / GiB if torch.cuda.is_available() else None}
         if getattr(a, "profile", None):                   # what the step's time goes to (kernels a token)
-            from bench.cuda import profile_decode
-            Path(a.profile).mkdir(parents=True, exist_ok=True)
-            out["profile"] = profile_decode(engine, Path(a.profile) / f"offload-{Path(a.model).name}-all.txt")
+            out["profile"] = profile_after_prompt(engine, a.prompt,
+                                                  Path(a.profile) / f"offload-{Path(a.model).name}-all.txt")
             progress(f"profiled: {out['profile']}")
         if not a.no_naive:
             with layer_loop(engine):
@@ -720,12 +728,8 @@ def main(argv=None) -> int:
                 progress(f"whole context: peak reserved {r['context_peak']['peak_reserved_gb']:.2f} GiB of "
                          f"{r['context_peak']['budget_gb']:.2f}")
             if a.profile:
-                from bench.cuda import profile_decode
-                prof = Path(a.profile)
-                prof.mkdir(parents=True, exist_ok=True)
-                engine.reset()
-                engine.prefill(_prompt(engine, a.prompt, 1))
-                r["profile"] = profile_decode(engine, prof / f"offload-{label}-{b:g}gb-{stamp}.txt")
+                r["profile"] = profile_after_prompt(engine, a.prompt,
+                                                    Path(a.profile) / f"offload-{label}-{b:g}gb-{stamp}.txt")
                 progress(f"profiled: {r['profile']}")
             if engine.offload.cpu_active and a.try_threads:
                 r["other_threads"] = [measure_threads(engine, int(t), a.prompt, a.decode) for t in a.try_threads.split(",")]

@@ -130,10 +130,12 @@ def verify_cost(engine: Any, context: int, k_max: int = 8, repeats: int = 7, see
     engine.reset()
     engine.prefill(rand(context))
     had_graph = getattr(engine, "graphs", None) is not None
-    window = (engine.telemetry().get("rollback_window") if hasattr(engine, "telemetry") else None) or k_max + 1
+    window = engine.telemetry().get("rollback_window") or k_max + 1
     samples: dict[str, list[tuple[float, Optional[float]]]] = {}
     for widths in (range(1, min(window, k_max + 1) + 1), range(window + 1, k_max + 2)):
-        for rep in range(repeats + 1 if len(widths) else 0):
+        if not widths:
+            continue
+        for rep in range(repeats + 1):
             got = {}
             if widths[0] == 1:
                 got["step"] = timed(rand(1))

@@ -50,8 +50,9 @@ def _align(ids_ptr, pairs_ptr, bexp_ptr, P, NB, E: tl.constexpr, BE: tl.constexp
 
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As `kernels.align` (ids int [P] -> pairs int32 [B * bm], block_expert int32 [B]), in one launch."""
+    from runtime.experts.kernels import align_blocks
     P = ids.numel()
-    nblocks = (P + min(num_experts, P) * (bm - 1)) // bm
+    nblocks = align_blocks(P, num_experts, bm)
     ids = ids.to(torch.int32).contiguous()
     pairs = torch.empty(nblocks * bm, dtype=torch.int32, device=ids.device)
     bexp = torch.empty(nblocks, dtype=torch.int32, device=ids.device)

@@ -49,13 +49,18 @@ def _bk_span(*packs: PackedExperts, want: int) -> int:
     return _bk(*packs, cap=want)
 
 
+def align_blocks(P: int, num_experts: int, bm: int) -> int:
+    """Blocks of bm rows that P pairs take at most, each expert's run padded to whole blocks."""
+    return (P + min(num_experts, P) * (bm - 1)) // bm
+
+
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs sorted by expert, each expert's run padded to whole blocks of bm rows; all on the device.
 
     ids: int [P] expert of each pair. Returns (pairs int32 [B*bm], P = padding; block_expert int32 [B],
-    -1 = unused block), B an upper bound that depends only on P, so no host synchronisation."""
+    -1 = unused block), B an upper bound that depends only on P (`align_blocks`), so no host synchronisation."""
     P = ids.numel()
-    nblocks = (P + min(num_experts, P) * (bm - 1)) // bm
+    nblocks = align_blocks(P, num_experts, bm)
     ids = ids.long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
         0, ids, torch.ones_like(ids))                                        # [E]; bincount would sync

@@ -126,14 +126,10 @@ def linear_into(x: torch.Tensor, packs: Sequence[PackedExperts], dests: Sequence
             c = kernels._choose(key, linear_candidates(K, n_out, bk, T),
                                 lambda c, p=p, bk=bk, s=scratch: _launch(x, p, bk, c, s, ws, False), graph=True)
         plan.append((p, d, bk, c))
-    if ws is not None or all(c.ksplit == 1 for *_, c in plan):
-        for p, d, bk, c in plan:
+    for p, d, bk, c in plan:
+        if ws is not None or c.ksplit == 1:
             _launch(x, p, bk, c, d, ws, add)
-        return
-    for p, d, bk, c in plan:                  # during a capture without a workspace that fits
-        if c.ksplit == 1:
-            _launch(x, p, bk, c, d, None, add)
-        else:
+        else:                                 # K cut during a capture without a workspace that fits
             acc = torch.zeros(d.shape, dtype=torch.float32, device=x.device)
             _launch(x, p, bk, c, acc, None, False)
             d.add_(acc) if add else d.copy_(acc)
