@@ -16,6 +16,11 @@ import triton.language as tl
 CHUNK = 128               # pairs compared with every expert at a time
 
 
+def align_blocks(P: int, num_experts: int, bm: int) -> int:
+    """Blocks of bm rows that P pairs take at most, each expert's run padded to whole blocks (both aligns)."""
+    return (P + min(num_experts, P) * (bm - 1)) // bm
+
+
 @triton.jit
 def _align(ids_ptr, pairs_ptr, bexp_ptr, P, NB, E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
            CH: tl.constexpr, BB: tl.constexpr):
@@ -50,7 +55,6 @@ def _align(ids_ptr, pairs_ptr, bexp_ptr, P, NB, E: tl.constexpr, BE: tl.constexp
 
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As `kernels.align` (ids int [P] -> pairs int32 [B * bm], block_expert int32 [B]), in one launch."""
-    from runtime.experts.kernels import align_blocks
     P = ids.numel()
     nblocks = align_blocks(P, num_experts, bm)
     ids = ids.to(torch.int32).contiguous()

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from runtime import tuning
+from runtime.experts.align_kernel import align as align_one, align_blocks
 from runtime.experts.pack import PackedExperts, intermediate_aligned
 from runtime.experts.triton_kernels import (_add_from_host, _cpu_inputs, _cpu_share_mask, _down_grouped, _down_splitk,
                                             _gate_up_grouped, _gate_up_splitk, _gather_pairs, _prefetch_copy,
@@ -47,11 +48,6 @@ def _bk_span(*packs: PackedExperts, want: int) -> int:
     if pow2(want) and all(pow2(p.group) and want % p.group == 0 and p.in_features % want == 0 for p in packs):
         return want
     return _bk(*packs, cap=want)
-
-
-def align_blocks(P: int, num_experts: int, bm: int) -> int:
-    """Blocks of bm rows that P pairs take at most, each expert's run padded to whole blocks."""
-    return (P + min(num_experts, P) * (bm - 1)) // bm
 
 
 def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +138,6 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     bm, bn = (g.bm_large if P >= 4096 else g.bm_small), g.bn
     launch = dict(num_warps=g.warps, **({"num_stages": g.stages} if g.stages else {}))
     if t.align == "kernel":                   # one launch (runtime/experts/align_kernel.py)
-        from runtime.experts.align_kernel import align as align_one
         pairs, bexp = align_one(ids_f, w1.num_experts, bm)
     else:
         pairs, bexp = align(ids_f, w1.num_experts, bm)
