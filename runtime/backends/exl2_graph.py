@@ -245,12 +245,30 @@ class DecodeGraphs:
                 x = m.forward(x)
         return x.view(T, -1)                                           # [T, V'] logits
 
+    def _routing_state(self) -> list[torch.Tensor]:
+        """Device tensors a capture's warm-up run must leave as it found them: each MoE layer's routing
+        counts (the statistics count the tokens answers route, not a warm-up's) and its forced picks'
+        counter (benchmarks: a warm-up took sets the next real step then missed, so the picks after a
+        capture depended on how many graphs had been captured)."""
+        from runtime.experts.exl2_module import OwnMoE
+        out = []
+        for m in self.body:
+            if isinstance(m, OwnMoE) and m.experts is not None:
+                out.append(m.experts.counts)
+                if m.experts.forced is not None:
+                    out.append(m.experts.forced.step)
+        return out
+
     def _capture(self, L: int, T: int):
         s = self.stream
+        kept = self._routing_state()
+        saved = [t.clone() for t in kept]
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             out = self._step(L, T)                                     # warm-up: compiles, runs the real step
         torch.cuda.current_stream().wait_stream(s)
+        for t, was in zip(kept, saved):
+            t.copy_(was)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         # "relaxed": calls that are unsafe but harmless during a capture (a library allocating its

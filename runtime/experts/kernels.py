@@ -277,15 +277,18 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     _softmax_topk[(T,)](logits, ids, rw, counts, table, step, table.shape[0], E=E, BE=triton.next_power_of_2(E),
                         A=top_k, BA=triton.next_power_of_2(top_k), RENORM=renormalize,
                         FORCED=forced is not None, num_warps=4)
+    if forced is not None:
+        forced.advance(T)
     return ids, rw
 
 
 @dataclass
 class UniformPicks:
     """Benchmarks only: `rows` sets of A distinct experts drawn uniformly at random (int32 [rows, A],
-    on the device), and a counter (int64 [1]) that hands each routed row the next set; a layer's
-    counter starts at its own offset, so layers draw independently. Graph-capturable: the counter
-    lives on the device."""
+    on the device), and a counter (int64 [1]): a routing launch of T rows hands row t the set at counter
+    + t, then moves the counter on by T (`advance`), so which row takes which set does not depend on the
+    order the launch's programs run in. A layer's counter starts at its own offset, so layers draw
+    independently. Graph-capturable: the counter lives on the device."""
     table: torch.Tensor
     step: torch.Tensor
 
@@ -294,6 +297,10 @@ class UniformPicks:
         g = torch.Generator().manual_seed(seed)
         table = torch.rand((rows, E), generator=g).topk(top_k, dim=-1).indices.to(torch.int32)
         return UniformPicks(table.to(device), torch.zeros(1, dtype=torch.int64, device=device))
+
+    def advance(self, rows: int) -> None:
+        """After a routing launch of `rows` rows (queued after it on the same stream)."""
+        self.step.add_(rows)
 
     def for_layer(self, index: int) -> "UniformPicks":
         """The same sets, read from an offset of its own (a counter per layer)."""

@@ -54,4 +54,6 @@ def route_normed(h: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torc
         h, norm_w, float(eps), x, gate_w, logits, counters.for_rows(T), ids, rw, counts, table, step, table.shape[0],
         H=H, E=E, EB=EB, BH=bh, BE=triton.next_power_of_2(E), A=top_k, BA=triton.next_power_of_2(top_k),
         RENORM=renormalize, FORCED=forced is not None, num_warps=4)
+    if forced is not None:
+        forced.advance(T)
     return x, ids, rw

@@ -197,8 +197,9 @@ def _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t
                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr, FORCED: tl.constexpr,
                  VOLATILE: tl.constexpr):
     """Row t: softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts.
-    FORCED (benchmarks): the same work, then the picks replaced by the next of N rows of `table`
-    (A distinct experts each; the row taken by an atomic counter at `step_ptr`), weights 1 / A.
+    FORCED (benchmarks): the same work, then the picks replaced by row (*step_ptr + t) % N of `table` (A
+    distinct experts each), weights 1 / A: row t of a launch takes the t-th set after the counter, whatever
+    order the programs run in; the launcher moves the counter past the launch's rows after it.
     VOLATILE: the logits were written by other programs of this launch (read past the L1 cache)."""
     offs_e = tl.arange(0, BE)
     mask_e = offs_e < E
@@ -219,7 +220,7 @@ def _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t
     if RENORM:
         sel_w = sel_w / tl.sum(tl.where(mask_a, sel_w, 0.0), axis=0)
     if FORCED:
-        row = tl.atomic_add(step_ptr, 1) % N
+        row = (tl.load(step_ptr) + t) % N
         sel_i = tl.load(table_ptr + row * A + offs_a, mask=mask_a, other=0)
         sel_w = tl.where(mask_a, 1.0 / A, 0.0)
     tl.store(ids_ptr + t * A + offs_a, sel_i, mask=mask_a)
