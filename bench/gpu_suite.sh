@@ -26,6 +26,7 @@
 # kernels do not sum in the same order run to run, so a router's near tie may part between two runs (what the
 # H200 showed, in lanes and alone: bench/results/gpu-tests-*.log). A file's failure under lanes is confirmed
 # alone (FILES=...) before it is called a bug.
+# A warning in machine.txt and the output where fewer than MIN_DISK_GB (30) are free under $WORK.
 # Files in $OUT (at most 6):
 #   summary.txt     one line per file: passed/failed/skipped/errors/not run (of those collected), its
 #                   seconds, and whether its limit stopped it; "not run" for a file no time was left for
@@ -89,6 +90,13 @@ say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
     df -h "$WORK" | tail -1 | awk '{print "disk " $4 " free"}'
     nproc | sed 's/^/cores /'
 } > "$OUT/machine.txt"
+# The files' synthetic models and float32 references take tens of GB of disk at once in lanes: on a machine
+# whose disk still held a benchmark's models (63 of 64 GB), whole files failed with "No space left on device".
+free_gb=$(df -Pk "$WORK" | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "${free_gb:-0}" -lt "${MIN_DISK_GB:-30}" ]; then
+    echo "WARNING: $free_gb GB of disk free under $WORK (fewer than ${MIN_DISK_GB:-30}): files may fail for want of space" \
+        | tee -a "$OUT/machine.txt"
+fi
 : > "$OUT/summary.txt"
 
 run_file() {        # file[:seconds] basetemp: one pytest process for the file, under its limit
