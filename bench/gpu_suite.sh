@@ -94,8 +94,8 @@ say() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/pytest.log"; }
 # whose disk still held a benchmark's models (63 of 64 GB), whole files failed with "No space left on device".
 free_gb=$(df -Pk "$WORK" | awk 'NR == 2 {print int($4 / 1048576)}')
 if [ "${free_gb:-0}" -lt "${MIN_DISK_GB:-30}" ]; then
-    echo "WARNING: $free_gb GB of disk free under $WORK (fewer than ${MIN_DISK_GB:-30}): files may fail for want of space" \
-        | tee -a "$OUT/machine.txt"
+    echo "WARNING: $free_gb GB of disk free under $WORK (fewer than ${MIN_DISK_GB:-30}):" \
+        "files may fail for want of space" | tee -a "$OUT/machine.txt"
 fi
 : > "$OUT/summary.txt"
 

@@ -188,6 +188,8 @@ want = picks.table[[(start + t) % 1000 for t in range(7)]]
 assert torch.equal(ids, want)                               # row t takes the t-th set after the counter
 assert int(b.step) == start + 7 and torch.allclose(w, torch.full((7, A), 1 / A))
 assert torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=E).int())
+one, _ = route_fused(x[:1], gate, A, torch.zeros(E, dtype=torch.int32), forced=b)  # a decode step: the kernel moves it
+assert torch.equal(one, picks.table[[(start + 7) % 1000]]) and int(b.step) == start + 8
 real, _ = route_fused(x, gate, A, torch.zeros(E, dtype=torch.int32))
 assert not torch.equal(real, ids)                                                   # not the router's picks
 try:

@@ -46,6 +46,8 @@ x, ids, w = route_normed(h, norm_w, 1e-5, gate, 4, counts, RowCounters("cpu"), f
 want = picks.table[[(start + t) % 100 for t in range(7)]]
 assert torch.equal(ids, want)                               # row t takes the t-th set after the counter
 assert int(picks.step) == start + 7 and torch.allclose(w, torch.full((7, 4), 0.25))
+_, one, _ = route_normed(h[:1], norm_w, 1e-5, gate, 4, counts, RowCounters("cpu"), forced=picks)
+assert torch.equal(one, picks.table[[(start + 7) % 100]]) and int(picks.step) == start + 8
 for bad, says in [((h, torch.ones(32).half(), 1e-5, gate, 4), "do not agree"),
                   ((torch.randn(2, 60).half(), torch.ones(60).half(), 1e-5, torch.randn(16, 60).half(), 4),
                    "not a multiple of 32"),

@@ -256,13 +256,16 @@ def router_logits(x: torch.Tensor, gate_w: torch.Tensor, out: torch.Tensor,
 
 
 def topk_outputs(T: int, top_k: int, device, forced: Optional["UniformPicks"], who: str):
-    """A routing launch's outputs (ids int32 [T, A], weights fp32 [T, A]) and `forced`'s table and step (the
-    ids twice where it is None: the kernel reads neither)."""
+    """A routing launch's outputs (ids int32 [T, A], weights fp32 [T, A]), `forced`'s table and step (the
+    ids twice where it is None: the kernel reads neither) and the kernel's FORCED: 0 none, 1 one row (the
+    kernel moves the counter), 2 several rows (`UniformPicks.after_launch` moves it)."""
     if forced is not None and forced.table.shape[1] != top_k:
         raise ValueError(f"{who}: pick sets of {forced.table.shape[1]} experts for top-k {top_k}")
     ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
     rw = torch.empty((T, top_k), dtype=torch.float32, device=device)
-    return (ids, rw, *((forced.table, forced.step) if forced is not None else (ids, ids)))
+    if forced is None:
+        return ids, rw, ids, ids, 0
+    return ids, rw, forced.table, forced.step, 1 if T == 1 else 2
 
 
 def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch.Tensor,
@@ -272,13 +275,13 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
     row takes the next pick set of `forced` instead (equal weights)."""
     T, H = x.shape
     E = gate_w.shape[0]
-    ids, rw, table, step = topk_outputs(T, top_k, x.device, forced, "route_fused")
+    ids, rw, table, step, mode = topk_outputs(T, top_k, x.device, forced, "route_fused")
     logits = router_logits(x, gate_w, torch.empty((T, E), dtype=torch.float32, device=x.device))
     _softmax_topk[(T,)](logits, ids, rw, counts, table, step, table.shape[0], E=E, BE=triton.next_power_of_2(E),
                         A=top_k, BA=triton.next_power_of_2(top_k), RENORM=renormalize,
-                        FORCED=forced is not None, num_warps=4)
+                        FORCED=mode, num_warps=4)
     if forced is not None:
-        forced.advance(T)
+        forced.after_launch(T)
     return ids, rw
 
 
@@ -286,9 +289,9 @@ def route_fused(x: torch.Tensor, gate_w: torch.Tensor, top_k: int, counts: torch
 class UniformPicks:
     """Benchmarks only: `rows` sets of A distinct experts drawn uniformly at random (int32 [rows, A],
     on the device), and a counter (int64 [1]): a routing launch of T rows hands row t the set at counter
-    + t, then moves the counter on by T (`advance`), so which row takes which set does not depend on the
-    order the launch's programs run in. A layer's counter starts at its own offset, so layers draw
-    independently. Graph-capturable: the counter lives on the device."""
+    + t and the counter moves on by T, so which row takes which set does not depend on the order the
+    launch's programs run in. A layer's counter starts at its own offset, so layers draw independently.
+    Graph-capturable: the counter lives on the device."""
     table: torch.Tensor
     step: torch.Tensor
 
@@ -298,9 +301,11 @@ class UniformPicks:
         table = torch.rand((rows, E), generator=g).topk(top_k, dim=-1).indices.to(torch.int32)
         return UniformPicks(table.to(device), torch.zeros(1, dtype=torch.int64, device=device))
 
-    def advance(self, rows: int) -> None:
-        """After a routing launch of `rows` rows (queued after it on the same stream)."""
-        self.step.add_(rows)
+    def after_launch(self, rows: int) -> None:
+        """After a routing launch of `rows` rows, on its stream: the counter moved on past them (a launch
+        of one row moved it itself)."""
+        if rows > 1:
+            self.step.add_(rows)
 
     def for_layer(self, index: int) -> "UniformPicks":
         """The same sets, read from an offset of its own (a counter per layer)."""

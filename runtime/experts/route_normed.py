@@ -49,11 +49,11 @@ def route_normed(h: torch.Tensor, norm_w: torch.Tensor, eps: float, gate_w: torc
     h = h.contiguous()
     x = torch.empty((T, H), dtype=torch.float16, device=h.device)
     logits = torch.empty((T, E), dtype=torch.float32, device=h.device)
-    ids, rw, table, step = topk_outputs(T, top_k, h.device, forced, "route_normed")
+    ids, rw, table, step, mode = topk_outputs(T, top_k, h.device, forced, "route_normed")
     _route_normed[(T, triton.cdiv(E, EB))](
         h, norm_w, float(eps), x, gate_w, logits, counters.for_rows(T), ids, rw, counts, table, step, table.shape[0],
         H=H, E=E, EB=EB, BH=bh, BE=triton.next_power_of_2(E), A=top_k, BA=triton.next_power_of_2(top_k),
-        RENORM=renormalize, FORCED=forced is not None, num_warps=4)
+        RENORM=renormalize, FORCED=mode, num_warps=4)
     if forced is not None:
-        forced.advance(T)
+        forced.after_launch(T)
     return x, ids, rw

@@ -197,9 +197,11 @@ def _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t
                  BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr, RENORM: tl.constexpr, FORCED: tl.constexpr,
                  VOLATILE: tl.constexpr):
     """Row t: softmax over E, the A largest (ties: lowest index first), renormalised; counts chosen experts.
-    FORCED (benchmarks): the same work, then the picks replaced by row (*step_ptr + t) % N of `table` (A
-    distinct experts each), weights 1 / A: row t of a launch takes the t-th set after the counter, whatever
-    order the programs run in; the launcher moves the counter past the launch's rows after it.
+    FORCED (benchmarks; kernels.topk_outputs): the same work, then the picks replaced by a row of the N rows
+    of `table` (A distinct experts each), weights 1 / A. FORCED 1, a launch of one row: the row at the
+    counter *step_ptr, moved on by an atomic (a decode step's graph has no launch for it); 2, several rows:
+    row t takes the row at counter + t, whatever order the programs run in, and the launcher moves the
+    counter past the launch's rows after it.
     VOLATILE: the logits were written by other programs of this launch (read past the L1 cache)."""
     offs_e = tl.arange(0, BE)
     mask_e = offs_e < E
@@ -220,7 +222,10 @@ def _select_topk(logits_ptr, ids_ptr, rw_ptr, cnt_ptr, table_ptr, step_ptr, N, t
     if RENORM:
         sel_w = sel_w / tl.sum(tl.where(mask_a, sel_w, 0.0), axis=0)
     if FORCED:
-        row = (tl.load(step_ptr) + t) % N
+        if FORCED == 1:
+            row = tl.atomic_add(step_ptr, 1) % N
+        else:
+            row = (tl.load(step_ptr) + t) % N
         sel_i = tl.load(table_ptr + row * A + offs_a, mask=mask_a, other=0)
         sel_w = tl.where(mask_a, 1.0 / A, 0.0)
     tl.store(ids_ptr + t * A + offs_a, sel_i, mask=mask_a)
