@@ -13,7 +13,7 @@ Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), GB/s 
 and scales of the experts the rows picked, each counted once: at a few rows, where the split-K GEMVs run, read
 once per (row, expert) pair, the rate to hold against the HBM's), relative difference to the first shape.
 `--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line per way of summing a
-tile, `--sums weights columns`). The default shape (MOEDESK_GROUPED unset) is always measured first.
+tile, `--sums weights columns rows`). The default shape (MOEDESK_GROUPED unset) is always measured first.
 `--orders` says how the kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered"
 through each projection's permutation per tile (as before the orders were used; the same layer as "layer"),
 "layer" one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", nargs="*", default=SWEEP, help="bm_small,bm_large,bn,bk,warps,stages each")
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=["gathered", "layer"],
                    help="how the kernels read their input, each timed over the shapes (module docstring)")
-    p.add_argument("--sums", nargs="+", choices=("weights", "columns"), default=["weights"],
+    p.add_argument("--sums", nargs="+", choices=("weights", "columns", "rows"), default=["weights"],
                    help="with few rows (the split-K GEMVs): each way of summing a tile timed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)

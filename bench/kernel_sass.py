@@ -3,7 +3,7 @@ GPU on any machine, no GPU needed (Triton's own ptxas and cuobjdump), and their 
 counted per weight.
 
     python -m bench.kernel_sass [--shape mixtral-8x22b] [--bits 3] [--group 128] [--arch 90]
-        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns] [--json OUT]
+        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns|rows] [--json OUT]
 
 Why: a GEMV that reads its weights far below the HBM's rate while the GPU is busy is bound by issuing
 instructions, not by memory. Each of an SM's four schedulers issues at most one warp instruction per clock,
@@ -19,7 +19,8 @@ the first kernel, over the warps' threads), instructions per weight, barriers pe
 shared memory), and the loop's most frequent instructions. The K tile is what the engine uses: the scale
 group, at most 128 rows. Launch shapes (BN, KSPLIT, warps) are timed on the GPU at load; give the ones to study.
 `--sums columns` compiles the kernels as MOEDESK_GEMV_SUMS=columns runs them (the scale and the codes' offset
-once per column sum, `triton_kernels._tile_dot`).
+once per column sum, `triton_kernels._tile_dot`); `--sums rows` as MOEDESK_GEMV_SUMS=rows (each thread sums whole
+columns of the tile's code words, `gemv_rows.py`; its launch shapes have 128 columns per warp: `--bn 128 --warps 1`).
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def _tools() -> str:
 def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
                    warps: int, arch: int, sums: str = "weights") -> bytes:
     """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order)."""
-    if sums not in ("weights", "columns"):
-        raise ValueError(f"sums: weights or columns, got {sums!r}")
+    if sums not in ("weights", "columns", "rows"):
+        raise ValueError(f"sums: weights, columns or rows, got {sums!r}")
     _tools()                                   # ptxas, or the clear error before Triton's own
     import triton
     from triton.backends.compiler import GPUTarget
@@ -91,11 +92,11 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
     if kernel == "gate_up":
         fn = tk._gate_up_splitk
         const = dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn, KSPLIT=ksplit,
-                     SKIP=False, COLUMNS=sums == "columns")
+                     SKIP=False, COLUMNS=sums == "columns", ROWS=sums == "rows")
     elif kernel == "down":
         fn = tk._down_splitk
         const = dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit, SKIP=False,
-                     ORDERED=True, COLUMNS=sums == "columns")
+                     ORDERED=True, COLUMNS=sums == "columns", ROWS=sums == "rows")
     else:
         raise ValueError(f"kernel: one of {', '.join(KERNELS)}, got {kernel!r}")
     names = fn.arg_names
@@ -164,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bn", type=int, default=64)
     p.add_argument("--ksplit", type=int, default=4)
     p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--sums", default="weights", choices=("weights", "columns"),
+    p.add_argument("--sums", default="weights", choices=("weights", "columns", "rows"),
                    help="how a tile is summed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -95,8 +95,10 @@ class Tuning:
                              choices=("union", "rows"))
     gemv_sums: str = knob("weights", "MOEDESK_GEMV_SUMS", "How the split-K GEMVs sum a tile: every weight scaled "
                           "and centred (weights), or the scale and the codes' offset applied once to each column's sum "
-                          "(columns: fewer instructions per weight, bench.kernel_sass; off until measured).",
-                          choices=("weights", "columns"))
+                          "(columns: fewer instructions per weight, bench.kernel_sass), or as columns but each thread "
+                          "summing whole columns of the tile's code words (rows: no data moved between threads; 4- and "
+                          "8-bit codes, 3-bit ones by columns; runtime/experts/gemv_rows.py). Off until measured.",
+                          choices=("weights", "columns", "rows"))
     cut_align: int = knob(64, "MOEDESK_CUT_ALIGN", "Rows of a step of the CPU cut of an expert's intermediate.",
                           choices=(32, 64, 128))
     # the CPU expert path (runtime/experts/cpu_path.py, cpu_signal.py, cpu_experts.py, manager.py)

@@ -54,10 +54,24 @@ def test_decode_kernels_with_other_launch_shapes(splitk):
     ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
      "--rows", "1,9"],                                      # 3-bit with tiles of >= 64 rows
 ])
-def test_decode_kernels_summing_columns_match_the_oracle(args):
+@pytest.mark.parametrize("sums", ["columns", "rows"])
+def test_decode_kernels_summing_columns_match_the_oracle(args, sums):
     """MOEDESK_GEMV_SUMS=columns: the split-K GEMVs take each tile's scale and the codes' offset once per column
-    sum (fewer instructions per weight) and still give the oracle's result."""
-    test_kernels_match_oracle_in_interpreter(args, None, {"MOEDESK_GEMV_SUMS": "columns"})
+    sum (fewer instructions per weight) and still give the oracle's result. rows: the same sums with each thread
+    summing whole columns of the tile's code words (gemv_rows.py: 4 bits, 8 for the 5-bit groups; 3 bits by
+    columns)."""
+    test_kernels_match_oracle_in_interpreter(args, None, {"MOEDESK_GEMV_SUMS": sums})
+
+
+def test_summing_rows_takes_shapes_of_128_columns_a_warp_and_tiles_of_16_word_rows():
+    """The launch shapes timed for the rows sums hold every row of a thread's columns in that thread: 128
+    columns per warp, the default first; a K tile is at most 16 rows of words (128 rows of 4-bit codes, 64 of
+    8-bit ones)."""
+    from runtime.experts.kernels import SplitK, _candidates
+    got = _candidates(2048, 768, 8, 128, rows=True)
+    assert got[0] == SplitK(128, got[0].ksplit, 1) and all(c.bn == 128 * c.warps for c in got), got
+    assert {c.bn for c in got} == {128, 256, 512} and all(2048 % (c.ksplit * 128) == 0 for c in got)
+    assert all(c.bn in (32, 64, 128) and c.warps == 4 for c in _candidates(2048, 768, 8, 128))
 
 
 @pytest.mark.parametrize("bits", ["3", "4"])
@@ -229,7 +243,7 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
 @pytest.mark.parametrize("bits,splitk,align,sums", [
     ("4", None, "64", "weights"), ("3", None, "64", "weights"), ("4", "32x3", "64", "weights"),
     ("4", "128x2", "64", "weights"), ("3", None, "32", "weights"), ("3", None, "64", "columns"),
-    ("4", "32x3", "32", "columns")])
+    ("4", "32x3", "32", "columns"), ("4", None, "64", "rows"), ("5,4", None, "32", "rows")])
 def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, sums):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,

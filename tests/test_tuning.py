@@ -51,7 +51,7 @@ def test_each_variable_sets_its_field():
 
 @pytest.mark.parametrize("name,value,says", [
     ("MOEDESK_CUT_ALIGN", "48", "one of 32, 64, 128"),
-    ("MOEDESK_GEMV_SUMS", "rows", "one of weights, columns"),
+    ("MOEDESK_GEMV_SUMS", "words", "one of weights, columns, rows"),
     ("MOEDESK_PIN_AHEAD", "5", "0 to 4"),
     ("MOEDESK_CUT_ALIGN", "sixty", "one of 32, 64, 128"),
     ("MOEDESK_PREFETCH", "9", "0 to 8"),

@@ -328,18 +328,21 @@ class SplitK:
 _CHOSEN: dict[tuple, SplitK] = {}
 
 
-def _candidates(K: int, N: int, P: int, bk: int) -> list[SplitK]:
-    """The default first (what the interpreter and a capture use), then the shapes worth timing."""
-    default = SplitK(64, _ksplit(K, bk, P * triton.cdiv(N, 64)))
+def _candidates(K: int, N: int, P: int, bk: int, rows: bool = False) -> list[SplitK]:
+    """The default first (what the interpreter and a capture use), then the shapes worth timing. rows (the
+    tile summed by rows of code words, gemv_rows.py): column blocks of 128 per warp, so that each thread holds
+    every row of its columns."""
+    first = 128 if rows else 64
+    default = SplitK(first, _ksplit(K, bk, P * triton.cdiv(N, first)), 1 if rows else 4)
     forced = tuning.current().splitk                      # one shape, for tests and experiments
     if forced:
         bn, ks = forced
         return [SplitK(bn, ks) if K % (ks * bk) == 0 else default]
     out = [default]
-    for bn in (32, 64, 128):
+    for bn in ((128, 256, 512) if rows else (32, 64, 128)):
         for ks in (1, 2, 3, 4, 6, 8, 12, 16):
             programs = P * triton.cdiv(N, bn) * ks
-            c = SplitK(bn, ks)
+            c = SplitK(bn, ks, bn // 128 if rows else 4)
             if K % (ks * bk) == 0 and 128 <= programs <= 4096 and c not in out:
                 out.append(c)          # each new shape is one more compilation on first use: keep few
     return out
@@ -437,30 +440,36 @@ def experts_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     gu, out = buf[: 2 * P * I1], buf[2 * P * I1:].view(T, H)
     ids_f = ids.reshape(P).to(torch.int32)
     rw = weights.reshape(P).to(torch.float32)
-    # with a cut, down's K tile divides cut_align(), so the GPU's part of a split expert starts on a tile
-    bk1, bk2 = _bk(w1, w3, cap=128), _bk(w2, cap=cut_align() if has_skip else 128)
-    x, cols = x.contiguous(), tuning.current().gemv_sums == "columns"
+    x, sums = x.contiguous(), tuning.current().gemv_sums
+    rows1 = sums == "rows" and w1.bits in (4, 8) and w3.bits in (4, 8)      # gemv_rows.py; 3 bits by columns
+    rows2 = sums == "rows" and w2.bits in (4, 8)
+    cols1, cols2 = sums != "weights" and not rows1, sums != "weights" and not rows2
+    # with a cut, down's K tile divides cut_align(), so the GPU's part of a split expert starts on a tile; summed
+    # by rows, a tile is at most 16 rows of words (each thread holds them all, for each of its columns)
+    bk1 = _bk(w1, w3, cap=min(128, 512 // max(w1.bits, w3.bits)) if rows1 else 128)
+    bk2 = _bk(w2, cap=min(cut_align() if has_skip else 128, 512 // w2.bits if rows2 else 128))
 
     def gate_up(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(I1, c.bn), c.ksplit)
         _gate_up_splitk[grid](
             x, ids_f, skip_t, cut_t, w1.qweight, w1.woff, w1.scales, w1.perm, w3.qweight, w3.woff, w3.scales, w3.perm, dst, P,
             K=H, N=I1, A=A, BITS1=w1.bits, G1=w1.group, BITS3=w3.bits, G3=w3.group, BK=bk1, BN=c.bn,
-            KSPLIT=c.ksplit, SKIP=has_skip, COLUMNS=cols, num_warps=c.warps)
+            KSPLIT=c.ksplit, SKIP=has_skip, COLUMNS=cols1, ROWS=rows1, num_warps=c.warps)
 
     def down(c: SplitK, dst: torch.Tensor):
         grid = (P, triton.cdiv(H2, c.bn), c.ksplit)
         _down_splitk[grid](
             gu, ids_f, skip_t, cut_t, rw, w2.qweight, w2.woff, w2.scales, w2.perm, dst, P, K=I2, N=H2, HS=I1, NOUT=H, A=A,
             BITS=w2.bits, G=w2.group, BK=bk2, BN=c.bn, KSPLIT=c.ksplit, SKIP=has_skip, ORDERED=ordered,
-            COLUMNS=cols, num_warps=c.warps)
+            COLUMNS=cols2, ROWS=rows2, num_warps=c.warps)
 
-    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, cols, x.device)
-    key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, cols, x.device)
+    key1 = ("gate_up", H, I1, P, w1.bits, w1.group, w3.bits, w3.group, cols1, rows1, x.device)
+    key2 = ("down", I2, H2, P, w2.bits, w2.group, bk2, cols2, rows2, x.device)
     if key1 not in _CHOSEN or key2 not in _CHOSEN:
         scratch = torch.empty_like(buf)
-        c1 = _choose(key1, _candidates(H, I1, P, bk1), lambda c: gate_up(c, scratch[: 2 * P * I1]))
-        c2 = _choose(key2, _candidates(I2, H2, P, bk2), lambda c: down(c, scratch[2 * P * I1:].view(T, H)))
+        c1 = _choose(key1, _candidates(H, I1, P, bk1, rows1), lambda c: gate_up(c, scratch[: 2 * P * I1]))
+        c2 = _choose(key2, _candidates(I2, H2, P, bk2, rows2),
+                     lambda c: down(c, scratch[2 * P * I1:].view(T, H)))
     else:
         c1, c2 = _CHOSEN[key1], _CHOSEN[key2]
     gate_up(c1, gu)

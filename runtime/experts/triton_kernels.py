@@ -14,6 +14,8 @@ the expert indices on the device, so a decode step can be captured in a CUDA gra
 import triton
 import triton.language as tl
 
+from runtime.experts.gemv_rows import rows_dot
+
 # Every entry of an expert offset table (PackedExperts.woff) is a multiple of this many int32 words
 # (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
 WALIGN: tl.constexpr = tl.constexpr(16)
@@ -283,7 +285,7 @@ def _route_normed(x_ptr, nw_ptr, eps, xn_ptr, w_ptr, logits_ptr, done_ptr, ids_p
 def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K: tl.constexpr,
                          N: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr, BITS3: tl.constexpr,
                          G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
-                         COLUMNS: tl.constexpr):
+                         COLUMNS: tl.constexpr, ROWS: tl.constexpr):
     wb1 = tl.multiple_of(tl.load(o1 + e), WALIGN)                                       # codes: offset table
     wb3 = tl.multiple_of(tl.load(o3 + e), WALIGN)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -293,11 +295,17 @@ def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t,
     acc3 = tl.zeros([BN], dtype=tl.float32)
     for kk in range(0, K // KSPLIT, BK):
         k0 = ks + kk
-        rows = k0 + tl.arange(0, BK)
-        x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
-        acc1 += _tile_dot(x1, q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN, COLUMNS)
-        x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
-        acc3 += _tile_dot(x3, q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN, COLUMNS)
+        if ROWS:                                                  # gemv_rows.py
+            acc1 += rows_dot(x_ptr, p1, t * K, 0, q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN,
+                             0, False)
+            acc3 += rows_dot(x_ptr, p3, t * K, 0, q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN,
+                             0, False)
+        else:
+            rows = k0 + tl.arange(0, BK)
+            x1 = tl.load(x_ptr + t * K + tl.load(p1 + e * K + rows)).to(tl.float32)
+            acc1 += _tile_dot(x1, q1, wb1, s1, e, k0, offs_n, mask_n, K, N, BITS1, G1, BK, BN, COLUMNS)
+            x3 = tl.load(x_ptr + t * K + tl.load(p3 + e * K + rows)).to(tl.float32)
+            acc3 += _tile_dot(x3, q3, wb3, s3, e, k0, offs_n, mask_n, K, N, BITS3, G3, BK, BN, COLUMNS)
     tl.atomic_add(gu_ptr + p * N + offs_n, acc1, mask=mask_n)
     tl.atomic_add(gu_ptr + P * N + p * N + offs_n, acc3, mask=mask_n)
 
@@ -306,11 +314,12 @@ def _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t,
 def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P,
                     K: tl.constexpr, N: tl.constexpr, A: tl.constexpr, BITS1: tl.constexpr, G1: tl.constexpr,
                     BITS3: tl.constexpr, G3: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                    KSPLIT: tl.constexpr, SKIP: tl.constexpr, COLUMNS: tl.constexpr = False):
+                    KSPLIT: tl.constexpr, SKIP: tl.constexpr, COLUMNS: tl.constexpr = False,
+                    ROWS: tl.constexpr = False):
     """Partial gate and up sums over one K slice, added into gu fp32 [2, P, N] (zeroed by the caller).
     SKIP: a pair whose expert has skip_ptr[e] != 0 (uint8 [E]) leaves its first cut_ptr[0] columns
     (int32 [1]) to the CPU path, which computes them elsewhere: a cut of N or more leaves the whole
-    expert. Without SKIP, skip_ptr and cut_ptr are not read. COLUMNS: see _tile_dot."""
+    expert. Without SKIP, skip_ptr and cut_ptr are not read. COLUMNS: see _tile_dot; ROWS: gemv_rows.py."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -318,16 +327,19 @@ def _gate_up_splitk(x_ptr, ids_ptr, skip_ptr, cut_ptr, q1, o1, s1, p1, q3, o3, s
         lo = tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0)
         if lo < (tl.program_id(1) + 1) * BN:
             _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, lo, K, N,
-                                 BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS)
+                                 BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS, ROWS)
     else:
         _gate_up_splitk_body(x_ptr, q1, o1, s1, p1, q3, o3, s3, p3, gu_ptr, P, p, t, e, 0, K, N,
-                             BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS)
+                             BITS1, G1, BITS3, G3, BK, BN, KSPLIT, COLUMNS, ROWS)
 
 
 @triton.jit
 def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.constexpr, N: tl.constexpr,
                HS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-               ORDERED: tl.constexpr, COLUMNS: tl.constexpr):
+               ORDERED: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr):
+    if ROWS:                            # gemv_rows.py: h of rows j, j + per, ... as each code row needs it
+        return acc + rows_dot(gu_ptr, p2, p * HS, P * HS + p * HS, q2, wb2, s2, e, k0, offs_n, mask_n, K, N,
+                              BITS, G, BK, BN, 1, ORDERED)
     if ORDERED:                         # down's permutation is the identity: gate/up's columns in runs
         idx = k0 + tl.arange(0, BK)
     else:
@@ -342,7 +354,7 @@ def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.
 def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K: tl.constexpr,
                       N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                       BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr, CUT: tl.constexpr,
-                      ORDERED: tl.constexpr, COLUMNS: tl.constexpr):
+                      ORDERED: tl.constexpr, COLUMNS: tl.constexpr, ROWS: tl.constexpr):
     wb2 = tl.multiple_of(tl.load(o2 + e), WALIGN)                                       # codes: offset table
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
@@ -352,10 +364,10 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
         if CUT:          # tiles below k_start (known at run time) are the CPU's
             if ks + kk >= k_start:
                 acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                                 BITS, G, BK, BN, ORDERED, COLUMNS)
+                                 BITS, G, BK, BN, ORDERED, COLUMNS, ROWS)
         else:
             acc = _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, ks + kk, offs_n, mask_n, K, N, HS,
-                             BITS, G, BK, BN, ORDERED, COLUMNS)
+                             BITS, G, BK, BN, ORDERED, COLUMNS, ROWS)
     rw = tl.load(rw_ptr + p)
     tl.atomic_add(out_ptr + t * NOUT + offs_n, acc * rw, mask=offs_n < NOUT)
 
@@ -364,12 +376,14 @@ def _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_sta
 def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, K: tl.constexpr,
                  N: tl.constexpr, HS: tl.constexpr, NOUT: tl.constexpr, A: tl.constexpr, BITS: tl.constexpr,
                  G: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, KSPLIT: tl.constexpr,
-                 SKIP: tl.constexpr, ORDERED: tl.constexpr = False, COLUMNS: tl.constexpr = False):
+                 SKIP: tl.constexpr, ORDERED: tl.constexpr = False, COLUMNS: tl.constexpr = False,
+                 ROWS: tl.constexpr = False):
     """h = SiLU(gate) * up (rounded to fp16, as the tensor-core path), then down over one K slice,
     weighted by the routing weight and added into out fp32 [T, NOUT] (zeroed by the caller).
     SKIP: as _gate_up_splitk: a marked pair's first cut_ptr[0] rows of K (a multiple of BK) are the
     CPU's; a cut of K or more leaves the whole expert. ORDERED: down's permutation is the identity
-    (pack.align_intermediate): gu is read in runs, the permutation not at all. COLUMNS: see _tile_dot."""
+    (pack.align_intermediate): gu is read in runs, the permutation not at all. COLUMNS: see _tile_dot; ROWS:
+    gemv_rows.py."""
     p = tl.program_id(0)
     t = p // A
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -378,10 +392,10 @@ def _down_splitk(gu_ptr, ids_ptr, skip_ptr, cut_ptr, rw_ptr, q2, o2, s2, p2, out
         k_start = tl.maximum(ks, tl.where(tl.load(skip_ptr + e) != 0, tl.load(cut_ptr), 0))
         if k_start < ks + K // KSPLIT:
             _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, k_start, K, N, HS, NOUT,
-                              BITS, G, BK, BN, KSPLIT, True, ORDERED, COLUMNS)
+                              BITS, G, BK, BN, KSPLIT, True, ORDERED, COLUMNS, ROWS)
     else:
         _down_splitk_body(gu_ptr, rw_ptr, q2, o2, s2, p2, out_ptr, P, p, t, e, ks, K, N, HS, NOUT,
-                          BITS, G, BK, BN, KSPLIT, False, ORDERED, COLUMNS)
+                          BITS, G, BK, BN, KSPLIT, False, ORDERED, COLUMNS, ROWS)
 
 
 @triton.jit

@@ -164,16 +164,17 @@ def test_moe_layer_rows_are_independent_at_real_size():
         assert e < (1e-4 if n <= 8 else TOLERANCE)
 
 
-@pytest.mark.parametrize("bits", [3, 4])
-def test_gemv_sums_by_columns_match_the_oracle_at_real_size(bits):
-    """MOEDESK_GEMV_SUMS=columns (each tile's scale and the codes' offset taken once per column sum): the
-    split-K GEMVs at qwen3-30b-a3b's layer shape, 1 to 9 rows, match the fp32 oracle as the default sums do."""
+@pytest.mark.parametrize("sums,bits", [("columns", 3), ("columns", 4), ("rows", 4)])
+def test_gemv_sums_by_columns_match_the_oracle_at_real_size(sums, bits):
+    """MOEDESK_GEMV_SUMS=columns (each tile's scale and the codes' offset taken once per column sum) and rows (the
+    same, each thread summing whole columns of the tile's code words, runtime/experts/gemv_rows.py): the split-K
+    GEMVs at qwen3-30b-a3b's layer shape, 1 to 9 rows, match the fp32 oracle as the default sums do."""
     from bench.check_experts import TOLERANCE, check, random_layer
     from runtime import tuning
     layer = random_layer(128, 2048, 768, 8, bits, "cuda", group_size=128)
-    with tuning.use(tuning.with_changes(gemv_sums="columns")):
+    with tuning.use(tuning.with_changes(gemv_sums=sums)):
         for r in check(layer, [1, 2, 5, 9], "cuda"):
-            _record(test="moe_layer_columns_vs_oracle", bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
+            _record(test=f"moe_layer_{sums}_vs_oracle", bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
             assert r.rel_err < TOLERANCE, r
 
 
