@@ -46,11 +46,16 @@ def test_main_prints_and_writes_the_figures_and_refuses_what_does_not_fit(tmp_pa
     assert "unknown MoE shape" in capsys.readouterr().err
 
 
-def test_both_ways_of_summing_a_tile_compile_and_are_counted():
-    """--sums columns compiles the kernels as MOEDESK_GEMV_SUMS=columns runs them; an unknown way is refused."""
-    rows = {sums: kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=64, ksplit=1, warps=4, arch=90, sums=sums)
-            for sums in ("weights", "columns")}
-    for sums, res in rows.items():
+def test_every_way_of_summing_a_tile_compiles_and_is_counted():
+    """--sums columns and rows compile the kernels as MOEDESK_GEMV_SUMS runs them; summed by rows of code words
+    at the launch shape they are timed in (128 columns a warp), nothing moves between threads: no barrier in the
+    loop (gemv_rows.py). An unknown way is refused."""
+    got = {sums: kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=64, ksplit=1, warps=4, arch=90, sums=sums)
+           for sums in ("weights", "columns")}
+    got["rows"] = kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=128, ksplit=1, warps=1, arch=90, sums="rows")
+    for sums, res in got.items():
         assert [r.sums for r in res] == [sums, sums] and all(3 < r.instructions_per_weight < 60 for r in res)
-    with pytest.raises(ValueError, match="sums: weights or columns"):
-        kernel_sass.compile_kernel("down", 768, 2048, 4, 128, 128, 64, 1, 4, 90, sums="rows")
+    assert [r.barriers_per_pass for r in got["rows"]] == [0, 0], got["rows"]
+    assert all(r.barriers_per_pass > 0 for r in got["weights"]), got["weights"]
+    with pytest.raises(ValueError, match="sums: weights, columns or rows"):
+        kernel_sass.compile_kernel("down", 768, 2048, 4, 128, 128, 64, 1, 4, 90, sums="words")
