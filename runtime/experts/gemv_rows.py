@@ -6,11 +6,12 @@ threads holding its rows: both move data between threads through shared memory, 
 the words tile stays as loaded: code j of every word is one shift and mask, multiplied by the inputs of rows j,
 j + per, j + 2 per, ... (loaded as a vector of their own), and accumulated into a [BK / per, BN] float32 tile,
 summed over its rows once per K tile; the codes' offset and the tile's scale are then applied once per column,
-as the column sums do. With BN = 128 x warps (the launch shapes `kernels.rows_candidates` times) each thread
-holds every row of its four columns, so that sum stays in the thread: compiled for sm_90 at qwen3-30b-a3b's
-gate/up shape, 4.80 instructions per 4-bit weight and no barrier, against 7.90 and 6.19 with 20-24 barriers a
-pass for the weight and column sums (runtime/experts/NOTES.md). Codes of 4 and 8 bits; 3-bit ones (two bit
-planes) sum by columns. Any BN gives the same sums; only the threads' share of the work changes.
+as the column sums do. With BN = 128 x warps (the launch shapes `kernels._candidates(..., rows=True)` times)
+each thread holds every row of its four columns, so that sum stays in the thread: compiled for sm_90 at
+qwen3-30b-a3b's shape, gate/up 5.83 and down 8.32 instructions per 4-bit weight and no barrier, against 7.90 /
+8.17 and 6.19 / 6.47 with 10-24 barriers a pass for the weight and column sums (runtime/experts/NOTES.md).
+Codes of 4 and 8 bits; 3-bit ones (two bit planes) sum by columns. Any BN gives the same sums; only the
+threads' share of the work changes.
 
 The inputs of a tile come from one of two places (SRC): gate/up's x row through the expert's permutation, or
 down's h = SiLU(gate) * up from the gate/up output (in runs where down's permutation is the identity, else
@@ -18,6 +19,15 @@ through it), rounded to fp16 as the other sums round it.
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def silu_h(gate_ptr, up_ptr, idx):
+    """h = SiLU(gate) * up of the gate/up output's entries idx (a pair's gate and up rows), rounded to fp16 as
+    the tensor-core path rounds it, as float32: down's input, for every way of summing a tile."""
+    g = tl.load(gate_ptr + idx)
+    u = tl.load(up_ptr + idx)
+    return (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -33,9 +43,7 @@ def _inputs(src_ptr, perm_ptr, row_off, up_off, e, kj, K: tl.constexpr, SRC: tl.
     if SRC == 0:
         v = tl.load(src_ptr + row_off + idx).to(tl.float32)
     else:
-        g = tl.load(src_ptr + row_off + idx)
-        u = tl.load(src_ptr + up_off + idx)
-        v = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
+        v = silu_h(src_ptr + row_off, src_ptr + up_off, idx)
     return v
 
 

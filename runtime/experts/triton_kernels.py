@@ -14,7 +14,7 @@ the expert indices on the device, so a decode step can be captured in a CUDA gra
 import triton
 import triton.language as tl
 
-from runtime.experts.gemv_rows import rows_dot
+from runtime.experts.gemv_rows import rows_dot, silu_h
 
 # Every entry of an expert offset table (PackedExperts.woff) is a multiple of this many int32 words
 # (runtime/experts/offload.py checks it), so the code loads stay 128-bit vectors.
@@ -344,9 +344,7 @@ def _down_tile(acc, gu_ptr, q2, wb2, s2, p2, P, p, e, k0, offs_n, mask_n, K: tl.
         idx = k0 + tl.arange(0, BK)
     else:
         idx = tl.load(p2 + e * K + k0 + tl.arange(0, BK))
-    g = tl.load(gu_ptr + p * HS + idx)
-    u = tl.load(gu_ptr + P * HS + p * HS + idx)
-    h = (g / (1.0 + tl.exp(-g)) * u).to(tl.float16).to(tl.float32)
+    h = silu_h(gu_ptr + p * HS, gu_ptr + P * HS + p * HS, idx)
     return acc + _tile_dot(h, q2, wb2, s2, e, k0, offs_n, mask_n, K, N, BITS, G, BK, BN, COLUMNS)
 
 
