@@ -28,6 +28,27 @@ def test_out_of_memory_recognised():
     assert not _is_oom(ValueError("out of memory"))
 
 
+@pytest.mark.parametrize("step,words", [("check", "first checks on the GPU"), ("build", "weights and a 4096-token"),
+                                        ("engine", "decode graphs"), ("warm-up", "warm-up")])
+def test_out_of_memory_at_any_step_of_a_load_is_an_out_of_memory_error(monkeypatch, tmp_path, step, words):
+    """The H200 showed a load with 8 MiB of the GPU free run out in its first check (the prefill attention's
+    probe, whose kernel loaded on first use): torch raised an AcceleratorError, which the load mapped only
+    in its build and engine steps, so it reached the caller raw. Every step's out-of-memory is OutOfMemory."""
+    from runtime.backends import exl2
+    from runtime.errors import OutOfMemory
+    from runtime.options import OffloadOptions
+    monkeypatch.setattr(exl2, "return_cached_memory", lambda: None)
+    monkeypatch.setattr(exl2, "_free_vram", lambda: (8 << 20, "0.0 GiB free of 140.0 GiB"))
+    loading = exl2._Loading(tmp_path, LoadOptions(offload=OffloadOptions(context_length=4096)), lambda *a: None,
+                            "own", True)
+    loading.step = step
+    make = loading.failure(RuntimeError("CUDA error: out of memory"))     # an AcceleratorError is a RuntimeError
+    assert make is not None
+    err = make()
+    assert isinstance(err, OutOfMemory) and words in err.message and err.free_bytes == 8 << 20, err.message
+    assert loading.failure(RuntimeError("shape mismatch")) is None
+
+
 def test_out_of_memory_under_a_budget_names_the_budget_and_where():
     """A load held to a VRAM budget that runs out says so (the GPU's free memory, the only figure
     before, said 137 GiB free), and its detail keeps torch's words and the frames it came from."""

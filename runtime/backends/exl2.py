@@ -554,9 +554,11 @@ class _Loading:
             err = OutOfMemory(str(e) or "out of host memory while loading experts")
         elif self.step == "build" and isinstance(e, (ValueError, KeyError, AssertionError, OSError)):
             err = InvalidModel(self.path, f"could not load the model: {type(e).__name__}: {e}")
-        elif self.step in ("build", "engine") and _is_oom(e):
-            what = ("the decode graphs" if self.step == "engine" else
-                    f"the model's weights and a {self.off.context_length}-token {self.off.kv_cache} KV cache")
+        elif _is_oom(e):                        # at any step: with the GPU nearly full, even a first check's kernels
+            ctx = f"a {self.off.context_length}-token {self.off.kv_cache} KV cache"
+            what = {"check": "the load's first checks on the GPU (the prefill attention's, before any weights)",
+                    "build": f"the model's weights and {ctx}", "engine": "the decode graphs",
+                    "warm-up": "the kernels' warm-up and the first decode graphs"}.get(self.step, self.step)
             cap = self.setup.vram.total_bytes if self.setup is not None and self.setup.capped else None
             return lambda text=str(e), context=_oom_context(e): _oom(what, RuntimeError(text), cap, context)
         else:
