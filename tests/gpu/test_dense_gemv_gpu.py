@@ -100,11 +100,14 @@ def test_gemv_replays_in_a_cuda_graph(dev):
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
-def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, moe_2l, dense_2l, llama_2l, references):
+def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, moe_2l, dense_2l, llama_2l, references,
+                                                              routing):
     """The exllamav2 engine's decode graphs with the switch on (exl2_gemv.install's hooks on every
     attention): decode and verify of 1..8 rows through captured graphs against the float32 reference,
-    the same script and tolerances as test_exl2_engine.py."""
-    from test_exl2_engine import ROWS, _load_exl2, _script, _tol
+    the same script and tolerances as test_exl2_engine.py; the MoE model's reference routed as the engine
+    routed (test_exl2_engine.moe_checks: on the H200 its own routing parted at a near tie and the verify
+    rows came out 3.0-3.5e-2 off)."""
+    from test_exl2_engine import ROWS, _load_exl2, _script, _tol, moe_checks
     path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     ref = references(kind)
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -113,10 +116,12 @@ def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, moe_2l,
         try:
             hooked = [m for m in eng.model.modules if getattr(m, "moedesk_o", None) is not None]
             assert len(hooked) == 2, "both layers' attention take the GEMV"
-            errs = _script(eng, ref, toks)
+            if kind == "moe":
+                _, bad = moe_checks(eng, ref, toks, routing, "moe, dense GEMV")
+            else:
+                bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in _script(eng, ref, toks).items() if not e < _tol(k)]
             tel = eng.telemetry()
         finally:
             eng.close()
     assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
-    bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in errs.items() if not e < _tol(k)]
     assert not bad, "\n".join(bad)

@@ -146,13 +146,30 @@ def test_batched_vs_stepwise(kind, moe_2l, dense_2l, llama_2l):
             stock.close()
 
 
-def test_moe_layer_rows_are_independent_at_real_size():
+@pytest.fixture(scope="module")
+def real_layer():
+    """bits -> a random expert layer of qwen3-30b-a3b's shape (128 experts, hidden 2048, intermediate 768, top-8),
+    made once for the file's tests that only read it: quantizing and packing one on the CPU took most of a
+    test's 220 s in lanes on the H200, and over 300 s with four files beside it."""
+    from bench.check_experts import random_layer
+    made = {}
+
+    def get(bits: int):
+        if bits not in made:
+            made[bits] = random_layer(128, 2048, 768, 8, bits, "cuda", group_size=128)
+        return made[bits]
+    yield get
+    made.clear()
+    torch.cuda.empty_cache()
+
+
+def test_moe_layer_rows_are_independent_at_real_size(real_layer):
     """qwen3-30b-a3b's layer shape: batched rows equal the same rows one at a time (GEMV path to fp32
     summation order: its launch shape is chosen per row count and it accumulates with atomics, so h
     can round differently in fp16; tensor-core path within fp16 rounding), and every path matches
     the fp32 oracle."""
-    from bench.check_experts import TOLERANCE, check, random_layer
-    layer = random_layer(128, 2048, 768, 8, 4, "cuda", group_size=128)
+    from bench.check_experts import TOLERANCE, check
+    layer = real_layer(4)
     for r in check(layer, [1, 2, 3, 4, 5, 8, 9, 33, 512], "cuda"):
         _record(test="moe_layer_vs_oracle", rows=r.rows, path=r.path, rel_err=r.rel_err)
         assert r.rel_err < TOLERANCE, r
@@ -165,13 +182,13 @@ def test_moe_layer_rows_are_independent_at_real_size():
 
 
 @pytest.mark.parametrize("sums,bits", [("columns", 3), ("columns", 4), ("rows", 4)])
-def test_gemv_sums_by_columns_match_the_oracle_at_real_size(sums, bits):
+def test_gemv_sums_by_columns_match_the_oracle_at_real_size(sums, bits, real_layer):
     """MOEDESK_GEMV_SUMS=columns (each tile's scale and the codes' offset taken once per column sum) and rows (the
     same, each thread summing whole columns of the tile's code words, runtime/experts/gemv_rows.py): the split-K
     GEMVs at qwen3-30b-a3b's layer shape, 1 to 9 rows, match the fp32 oracle as the default sums do."""
-    from bench.check_experts import TOLERANCE, check, random_layer
+    from bench.check_experts import TOLERANCE, check
     from runtime import tuning
-    layer = random_layer(128, 2048, 768, 8, bits, "cuda", group_size=128)
+    layer = real_layer(bits)
     with tuning.use(tuning.with_changes(gemv_sums=sums)):
         for r in check(layer, [1, 2, 5, 9], "cuda"):
             _record(test=f"moe_layer_{sums}_vs_oracle", bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)

@@ -3,8 +3,8 @@
 Model: conftest's moe_8l at a VRAM budget that keeps about half of each layer's experts resident
 ("stream" placement: no CPU path trials). A fresh load (empty user cache) prefills the calibration
 prompt in the model's chat template and places the hot experts by it; the prompt of a different
-conversation then routes mostly to that placement, its first decode steps hit about as often as the
-steady state's (issue 19's done-means in figures: within 10%), and the next load uses the saved
+conversation then routes mostly to that placement, its first decode steps (reading an answer's tokens) hit
+about as often as the steady state's (issue 19's done-means in figures: within 10%), and the next load uses the saved
 statistics without a calibration prefill. A load with the prior off (MOEDESK_ROUTE_PRIOR=0) gives the
 blind placement to compare with. MOEDESK_GPU_REPORT=<file> appends the figures as JSON lines.
 """
@@ -25,6 +25,34 @@ GiB = 1024 ** 3
 FIRST, STEADY_AFTER, STEADY = 32, 320, 64         # decode steps: the first answer's, then to settle, then measured
 QUESTION = ("Write a short story about a lighthouse keeper who finds a message in a bottle, and explain "
             "in two sentences why lighthouses were built on rocks and headlands.")
+# The answer the decode steps read, a token a step (teacher forcing): on random weights a greedy decode falls
+# into a loop of a few tokens within a few dozen steps, so its "steady state" routed the loop's few experts
+# (a hit rate of 0.99 on the H200 at 541be85, against 0.79 for the first answer), which no real answer does.
+ANSWER = """The keeper of the Skerry light had kept the lamp for eleven winters when the bottle came ashore.
+It was green glass, thick as a thumb at the base, stopped with wax that had gone grey in the salt. He found it
+on a Tuesday in March, wedged between two black rocks below the landing stage, while he was checking the
+rope on the supply boat's mooring ring. Inside was a single sheet of paper folded into eight, dry as the day
+it was written. The hand was careful and a little old fashioned: a child's hand, he thought, practising
+letters. It said that a girl named Ada, aged nine, lived in a grey house at the end of Harbour Row in a
+town he had never heard of, that she had a brother who snored and a cat who did not, and that if anybody
+found this letter they should write back and tell her what the sea was like where they were.
+He read it three times by the window of the watch room while the kettle boiled. Then he took out the log
+book, turned to a clean page at the back, and began to answer. He told her that the sea at the Skerry was
+never the same colour twice: pewter in the morning, bottle green at noon, and at dusk a purple so deep
+that the first sweep of the lamp seemed to cut it in half. He told her about the gannets that dived like
+dropped knives, the seals that sang on the north ledge in autumn, and the storm of the previous January,
+when spray had reached the gallery rail ninety feet above the tide and the whole tower had hummed like a
+struck bell. He wrote that he had a cat too, a tabby called Fresnel after the lens, who slept on the warm
+brass housing of the clockwork and disapproved of visitors.
+When the relief boat came at the end of the month, he gave the letter to the skipper with money for the
+stamp. Spring came, and then summer, and he forgot about it, or nearly. In September a parcel arrived with
+the stores: a photograph of a grey house, a drawing of a lighthouse with far too many windows, and a note
+that said the sea at Harbour Row was brown and cross and smelled of fish, and could she please visit.
+Lighthouses were built on rocks and headlands because those are the places where ships are wrecked: the
+light has to stand on the danger itself, so that a captain who sees it knows exactly where the hazard lies.
+High ground also carries the beam farther over the curve of the sea, and solid rock gives the tower a
+foundation that waves cannot wash away, which is why the oldest lights still stand where they were built."""
+
 
 
 def _load(path, **off):
@@ -41,31 +69,36 @@ def budget(moe_8l, tmp_path_factory) -> float:
     return offload_budget(moe_8l, 0.5, tmp_path_factory.mktemp("probe"))
 
 
-def _prompt(path) -> list[int]:
+def _prompt(path) -> tuple[list[int], list[int]]:
+    """The question in the model's chat template, and the answer's tokens (at least the decode steps')."""
     from runtime.tokenizer import Tokenizer
-    return Tokenizer.from_folder(path).encode_chat([{"role": "user", "content": QUESTION}])
+    tok = Tokenizer.from_folder(path)
+    answer = tok.encode(" ".join(ANSWER.split()))
+    assert len(answer) >= FIRST + STEADY_AFTER + STEADY, len(answer)
+    return tok.encode_chat([{"role": "user", "content": QUESTION}]), answer
 
 
-def _hit_rate(eng, tok: int, steps: int) -> tuple[int, float]:
+def _hit_rate(eng, toks: list[int]) -> float:
+    """The decode steps of `toks`, one a step; the share of their expert picks that hit VRAM."""
     t0 = eng.telemetry()
-    for _ in range(steps):
-        tok = int(eng.forward([tok])[-1].argmax().item())
+    for tok in toks:
+        eng.forward([tok])
     t1 = eng.telemetry()
     pairs = t1["expert_pairs"] - t0["expert_pairs"]
-    return tok, (t1["expert_hits"] - t0["expert_hits"]) / pairs
+    return (t1["expert_hits"] - t0["expert_hits"]) / pairs
 
 
-def _answer(eng, prompt: list[int]) -> dict:
-    """The prompt's routing (prefill + the first decode steps) and the hit rates of the first steps
-    and of the steady state after re-placement; the cache rolled back."""
+def _answer(eng, prompt: list[int], answer: list[int]) -> dict:
+    """The prompt's routing (prefill + the first decode steps of `answer`) and the hit rates of the first
+    steps and of the steady state after re-placement; the cache rolled back."""
     m = eng.offload
     before = m.routing_counts()
-    tok = int(eng.prefill(prompt)[-1].argmax().item())
+    eng.prefill(prompt)
     eng.prepare_decode(FIRST + STEADY_AFTER + STEADY + 1)
-    tok, first = _hit_rate(eng, tok, FIRST)
+    first = _hit_rate(eng, answer[:FIRST])
     routed = (m.routing_counts() - before) % (1 << 32)
-    tok, _ = _hit_rate(eng, tok, STEADY_AFTER)
-    _, steady = _hit_rate(eng, tok, STEADY)
+    _hit_rate(eng, answer[FIRST:FIRST + STEADY_AFTER])
+    steady = _hit_rate(eng, answer[FIRST + STEADY_AFTER:FIRST + STEADY_AFTER + STEADY])
     eng.truncate(0)
     return {"routed": routed, "first": first, "steady": steady}
 
@@ -80,7 +113,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
     from runtime import tuning
     from runtime.backends.routing_prior import MESSAGE
     from runtime.experts.route_prior import PRIOR_TOKENS
-    prompt = _prompt(moe_8l)
+    prompt, answer = _prompt(moe_8l)
     allocated = torch.cuda.memory_allocated()
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "blind"))
     with tuning.use(tuning.with_changes(route_prior=False)):
@@ -88,7 +121,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
     try:
         assert MESSAGE not in messages and eng.offload.stats.tokens < PRIOR_TOKENS / 4
         blind_resident = [lo.resident() for lo in eng.offload.layers]
-        blind = _answer(eng, prompt)
+        blind = _answer(eng, prompt, answer)
     finally:
         eng.close()
     assert_closed_freed(allocated)                      # the next load finds the same VRAM
@@ -104,7 +137,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
         resident = [lo.resident() for lo in m.layers]
         assert resident != blind_resident, "the placement after load is the blind one"
         assert m.telemetry().expert_pairs == 0                               # the prior is no answer's traffic
-        got = _answer(eng, prompt)
+        got = _answer(eng, prompt, answer)
     finally:
         eng.close()
     assert_closed_freed(allocated)

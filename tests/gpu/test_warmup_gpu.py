@@ -100,9 +100,10 @@ def test_graphs_captured_ahead_leave_the_logits_alone(moe_2l):
         eng.close()
 
 
-def _load_close_call(path, monkeypatch, tmp_path):
+def _load_close_call(path, monkeypatch, tmp_path, routing=None):
     """An "auto" load whose forced rates make the planner predict ~20% (within +-25%), at a budget
-    that holds half the experts: both paths are timed at load."""
+    that holds half the experts: both paths are timed at load. `routing` (routing_replay.Routing, installed
+    before): reset for the second load, whose layers may take the first one's addresses."""
     from runtime.experts import cpu_share
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
@@ -115,6 +116,8 @@ def _load_close_call(path, monkeypatch, tmp_path):
     others = torch.cuda.memory_allocated() - codes
     scratch = prefill_scratch_bytes(ref.model.config)
     ref.close()
+    if routing is not None:
+        routing.reset()
     return _load(path, context_length=512, placement="auto", cpu_threads=4,
                  vram_budget_gb=(others + scratch + codes // 2 + (64 << 20)) / GiB)
 
@@ -137,23 +140,29 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
         eng.close()
 
 
-def _prompt_and_logits(eng, n: int, seed: int):
-    """n random tokens, the first 32 prefilled; their position, and the next token's logits (rolled back)."""
+def _prompt_and_logits(eng, n: int, seed: int, routing):
+    """n random tokens, the first 32 prefilled; their position, the next token's logits (rolled back), and
+    `again()`, that token's forward at that position with the picks it made then (routing_replay: the CPU
+    path and the GPU's round apart, and on random weights a near tie of the 8th and 9th router logits then
+    parts the picks: 1.8-2.6e-2 on the H200, a choice, not an error). From here the engine replays."""
+    from routing_replay import Picks
     toks = torch.randint(0, 151936, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     eng.prefill(toks[:32])
     pos = eng.position
-    want = eng.forward([toks[32]])[-1].clone()
+    record = Picks(routing, eng)
+    want = record("next", toks[32:33], lambda: eng.forward([toks[32]]))[-1].clone()
     eng.truncate(pos)
-    return toks, pos, want
+    replay = Picks(routing, eng, record.picks)
+    return toks, pos, want, lambda: replay("next", toks[32:33], lambda: eng.forward([toks[32]]))[-1]
 
 
-def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatch, tmp_path):
+def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatch, tmp_path, routing):
     """Idle time with the CPU path off and a new measurement asked for: its copies are built one MoE
     layer an idle step, a forward between the steps (a command) runs the GPU-only path with the
     logits it had, and after the trial (whichever path it keeps) the logits are still those."""
-    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
+    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path, routing)
     try:
-        toks, pos, want = _prompt_and_logits(eng, 40, 1)
+        toks, pos, want, again = _prompt_and_logits(eng, 40, 1, routing)
         eng._drop_graphs()
         eng.offload.set_cpu_path(False, "off for the test")
         eng.path_judge.ask_again()
@@ -167,27 +176,27 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
             if eng.offload.cpu._building is not None:             # a build in progress: nothing of it active
                 building += 1
                 assert not eng.offload.cpu_active and all(lo.cpu is None for lo in eng.offload.layers)
-                got = eng.forward([toks[32]])[-1]
+                got = again()
                 eng.truncate(pos)
                 assert _rel(got, want) < TOL, _rel(got, want)
         assert building >= 1 + 2, building                         # the rates, then a step per layer's copies
         assert eng.offload.cpu._building is None and eng.path_judge.trials >= 1
-        got = eng.forward([toks[32]])[-1]
+        got = again()
         assert _rel(got, want) < TOL, _rel(got, want)
         print(f"idle recheck: {len(times)} idle steps, {building} building copies; longest {max(times):.3f} s")
     finally:
         eng.close()
 
 
-def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeypatch, tmp_path):
+def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeypatch, tmp_path, routing):
     """Idle time re-measuring the paths with commands between its steps: each step times one run of
     TRIAL_CHUNK decode steps at most and leaves the cache where it found it; a command between two
     steps (a prefill that moves the cache into another bucket, graphs dropped) leaves the trial
     valid: every path still gets TRIAL_STEPS timed steps, a decision is made, the logits are as before."""
     from runtime.experts.path_judge import TRIAL_STEPS
-    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path)
+    eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path, routing)
     try:
-        toks, pos, want = _prompt_and_logits(eng, 200, 2)
+        toks, pos, want, again = _prompt_and_logits(eng, 200, 2, routing)
         judge, trials = eng.path_judge, eng.path_judge.trials
         seen, record = [], judge.record
         judge.record = lambda path, s, why="": (seen.append((path, len(s or ()))), record(path, s, why))
@@ -210,7 +219,7 @@ def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeyp
         assert judge.trials == trials + 1 and judge is eng.path_judge, (judge.trials, trials)
         assert seen and all(n == TRIAL_STEPS for _, n in seen), seen
         eng.truncate(pos)
-        got = eng.forward([toks[32]])[-1]
+        got = again()
         assert _rel(got, want) < TOL, _rel(got, want)
         print(f"idle recheck with commands between: {len(times)} idle steps, longest {max(times):.3f} s; {seen}")
     finally:
