@@ -441,6 +441,7 @@ class _Loading:
             raise CudaUnavailable("No CUDA GPU is available to this process: use the CPU engine (backend cpu).")
         if not (self.path / "config.json").is_file():
             raise InvalidModel(self.path, "config.json missing")
+        return_cached_memory()      # the first checks' kernels load outside torch's allocator, from what the driver has
 
     def prepare_kernels(self) -> None:
         build_kernels(self.progress)
