@@ -7,7 +7,8 @@
 #   OUT=DIR bench/gpu_suite.sh                      # every file, in the order below
 #   OUT=DIR GROUP=a bench/gpu_suite.sh              # GROUP_A's files; GROUP=b, c and d the others
 #   OUT=DIR FILES="test_exl2_engine.py:200 test_offload_gpu.py" bench/gpu_suite.sh
-#   OUT=DIR GROUP=shared LANES=3 bench/gpu_suite.sh  # the files that may share the GPU, 3 at a time
+#   OUT=DIR GROUP=shared LANES=3 bench/gpu_suite.sh  # the files that may share the GPU, 3 at a time (not 4:
+#                   on the H200's 16 cores four lanes ran most files to their limits, their CPU work starved)
 #   OUT=DIR GROUP=solo bench/gpu_suite.sh           # the SOLO files, one at a time
 # One pytest process per file, one file at a time (the out-of-memory test fills the GPU; the warm-up and
 # issue-19 tests time gaps), cheap and broad files first. LANES=N (N > 1) runs the files that may share the GPU
