@@ -143,8 +143,9 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
 def _prompt_and_logits(eng, n: int, seed: int, routing):
     """n random tokens, the first 32 prefilled; their position, the next token's logits (rolled back), and
     `again()`, that token's forward at that position with the picks it made then (routing_replay: the CPU
-    path and the GPU's round apart, and on random weights a near tie of the 8th and 9th router logits then
-    parts the picks: 1.8-2.6e-2 on the H200, a choice, not an error). From here the engine replays."""
+    path and the GPU's round apart, and where the 8th and 9th router logits nearly tie the picks may part; on
+    the H200 at 541be85 the rechecks' logits came out 1.8e-2 and 2.6e-2 off with each forward routing itself,
+    and within TOL with the picks replayed, at 5bdd370). From here the engine replays."""
     from routing_replay import Picks
     toks = torch.randint(0, 151936, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     eng.prefill(toks[:32])
