@@ -313,8 +313,9 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement, rou
     picks alone); the oracle keeping every forced pick (every copy is an expert the layer then picks, so the
     pages are read); the oracle keeping none (copies of experts not picked: the pages and step tables change,
     nothing reads them); the router's own prediction (scored, near chance); the oracle again, and eagerly (no
-    decode graphs). The logits equal all in VRAM's in every phase. On the H200 at ab83c40 the CPU path's oracle phase came out 1.1-1.5e-2 off from the first
-    decode step (its copying-off phase 4.6e-3, the stream placement's phases 3.1-5.7e-3)."""
+    decode graphs). The logits equal all in VRAM's in every phase. On the H200 at ab83c40 the CPU path's
+    oracle phase came out 1.1-1.5e-2 off from the first decode step (its copying-off phase 4.6e-3, the stream
+    placement's phases 3.1-5.7e-3)."""
     from runtime.experts import cpu_share
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts

@@ -54,7 +54,6 @@ High ground also carries the beam farther over the curve of the sea, and solid r
 foundation that waves cannot wash away, which is why the oldest lights still stand where they were built."""
 
 
-
 def _load(path, **off):
     from runtime.backends import exl2
     opts = LoadOptions(offload=OffloadOptions(context_length=1024, **off))
