@@ -165,6 +165,49 @@ def test_copying_starts_when_predictions_come_true_and_stops_when_they_fail():
     assert tel["pages"] == 1 and tel["mode"] == "on" and tel["candidates"] == 308 and tel["copies_used"] == 255
 
 
+def test_a_plan_waits_for_its_release_and_predicts_from_the_residual_kept(monkeypatch):
+    """After layer l only its residual is kept: the side stream's prediction, plan and copy start when
+    layer l+1's q/k/v are queued (the decode graphs' `release_prefetch`; exllamav2's GEMM there is wrong
+    beside a kernel reading host memory) or, on other paths, at l+1's router (`planned`); never for
+    another layer, once per forward, from the residual as layer l left it."""
+    from runtime.experts import kernels
+    m = _manager(1)
+    m.place(free_bytes=20 * m.layers[0].code_bytes)
+    pf = m.prefetch
+    calls = []
+    monkeypatch.setattr(kernels, "predict_logits", lambda h, norm, gate, out: calls.append(("predict", h.clone())))
+    monkeypatch.setattr(kernels, "prefetch_plan",
+                        lambda *a, **k: calls.append(("plan", k["plan"], k["ids"] is not None)))
+    monkeypatch.setattr(kernels, "prefetch_copy", lambda *a, **k: calls.append(("copy",)))
+    l0, l1, l2 = m.layers
+    assert [lo.path for lo in m.layers] == ["stream"] * 3
+    h = torch.randn(1, l0.packs[0].in_features).half()
+    kept, ids = h.clone(), torch.zeros(1, TOP_K, dtype=torch.int32)
+    pf.begin()
+    pf.after_layer(l0, h, ids)
+    h.add_(1)                                   # the next attention adds into the residual in place
+    assert calls == []
+    pf.release(l2)                              # another layer's call: not this plan
+    assert calls == [] and not pf.planned(l2)
+    m.release_prefetch(l1.layer)                # as the decode graphs call it
+    assert [c[0] for c in calls] == ["predict", "plan", "copy"] and torch.equal(calls[0][1], kept)
+    assert calls[1][1:] == (True, False)        # planned; nothing to score (layer 0 had no prediction)
+    assert pf.planned(l1) and len(calls) == 3   # its router finds it launched
+    calls.clear()
+    pf.after_layer(l1, h, ids)                  # no release call (the layer loop): the router releases
+    assert calls == []
+    assert pf.planned(l2) and [c[0] for c in calls] == ["predict", "plan", "copy"]
+    assert calls[1][1:] == (True, True)         # layer 1's own prediction scored with it
+    calls.clear()
+    pf.after_layer(l2, h, ids)                  # the last layer: its prediction scored at once, nothing planned
+    assert calls == [("plan", False, True)]
+    calls.clear()
+    pf.after_layer(l0, h, ids)
+    pf.begin()                                  # a new forward drops what was pending
+    m.release_prefetch(l1.layer)
+    assert calls == [] and not pf.planned(l1)
+
+
 def test_the_page_count_is_checked():
     from runtime.tuning import Tuning
     assert Tuning.from_environment({"MOEDESK_PREFETCH": "2"}).prefetch_pages == 2

@@ -138,6 +138,8 @@ class Exl2Engine(Engine):
         if graphs:
             from runtime.backends.exl2_graph import DecodeGraphs
             self.graphs = DecodeGraphs.build_if_supported(model, cache)
+            if self.graphs is not None and offload is not None:
+                self.graphs.after_qkv = offload.release_prefetch
         self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
         self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
         self._trial = None              # its measurement in progress (idle time): a generator of steps

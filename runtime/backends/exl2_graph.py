@@ -125,6 +125,12 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # (L, T) ->
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
+        # Called with the MoE layer after an attention once its q/k/v projections are queued (the offload
+        # manager's release_prefetch: runtime/experts/prefetch.py says why not before), or None.
+        self.after_qkv = None
+        from runtime.experts.exl2_module import OwnMoE
+        self.moe_after = {i: n.experts for i, (m, n) in enumerate(zip(self.body, self.body[1:]))
+                          if isinstance(m, self.Attention) and isinstance(n, OwnMoE) and n.experts is not None}
         kind = tuning.current().graph_attn                      # one of ATTENTION_KINDS
         # SDPA inside a captured graph failed on the test machine (torch 2.11, cuDNN attention): opt-in only.
         if kind == "sdpa" and not self._pick_attention():
@@ -156,7 +162,7 @@ class DecodeGraphs:
 
     # -- the captured step ---------------------------------------------------------------------------
 
-    def _attention(self, a, x: torch.Tensor, L: int, T: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, a, x: torch.Tensor, L: int, T: int, mask: torch.Tensor | None, moe=None) -> torch.Tensor:
         Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         q = torch.empty((1, T, Hq * D), dtype=torch.float16, device=x.device)
         k = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
@@ -171,6 +177,8 @@ class DecodeGraphs:
         else:
             self.ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, self.pos32, q, k, v,
                                       ctx.sin[a.rope_index], ctx.cos[a.rope_index], [], self.none)
+        if moe is not None and self.after_qkv is not None:
+            self.after_qkv(moe)
         K = self.cache.key_states[a.layer_idx]                        # [1, S, Hk, D]
         V = self.cache.value_states[a.layer_idx]
         if self.attention == "triton":
@@ -238,9 +246,9 @@ class DecodeGraphs:
     def _step(self, L: int, T: int) -> torch.Tensor:
         x = self.x_in[:, :T].clone()                                   # [1, T, H]
         mask = self._mask(L, T)
-        for m in self.body:
+        for i, m in enumerate(self.body):
             if isinstance(m, self.Attention):
-                x = self._attention(m, x, L, T, mask)
+                x = self._attention(m, x, L, T, mask, self.moe_after.get(i))
             else:
                 x = m.forward(x)
         return x.view(T, -1)                                           # [T, V'] logits

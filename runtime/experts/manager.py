@@ -315,6 +315,13 @@ class OffloadManager:
             self._exclude = True
         self.staging.start_first(rows)
 
+    def release_prefetch(self, layer) -> None:
+        """The decode graphs' call once the attention before MoE `layer` (an ExpertLayer) has queued its
+        q/k/v projections: the decode prefetch's plan for that layer starts (prefetch.DecodePrefetch.release)."""
+        pf = self.hooks.prefetch
+        if pf is not None and layer.offload is not None:
+            pf.release(layer.offload)
+
     def step_boundary(self, rows: int) -> None:
         """Before each forward (the engine calls it): finish promotions, maybe start new ones."""
         with self.lock:

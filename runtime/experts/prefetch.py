@@ -2,11 +2,22 @@
 
 A decode step reads cold experts in place (PCIe, and the CPU from RAM), so host RAM is busy during
 each layer's expert phase and idle between two of them (attention, norms, router: ~7 ms per token at
-q125-a11's 24 GB budget on the H200). The prefetch moves reads into that gap. After MoE layer l, in the
-step's own stream order (so it is captured into the decode graph like everything else):
+q125-a11's 24 GB budget on the H200). The prefetch moves reads into that gap. After MoE layer l the
+residual h is kept (`h`, one row per layer: the next attention adds into h in place), and once layer
+l+1's q/k/v projections are queued (`release`), a side stream predicts, plans and copies (captured into
+the decode graph like everything else):
 
-    layer l experts ─ join ─ + residual h ──────── layer l+1: attention ── router ── CPU part ── wait(copied) ── GPU kernels
-                                        └─ side stream: logits(h · norm_{l+1}, router_{l+1}) ─ plan ─ copy ─┘
+    layer l experts ─ + h ─ keep h ─ layer l+1: q/k/v ─ attention ─ o ─ router ─ CPU part ─ wait(copied) ─ GPU kernels
+                                                  └─ side: logits(h · norm_{l+1}, router_{l+1}) ─ plan ─ copy ─┘
+
+Why not from h on: exllamav2's quantized GEMM clears its output from the blocks of the first K slice
+while the blocks of the other slices add into it (q_gemm_kernel.cuh, `clear`), correct only while the
+first slice's blocks run first. A kernel reading host memory beside it (the copy) holds SMs' loads
+for microseconds; on the H200 the q/k/v outputs then came out wrong in some decode steps (relative
+errors up to 0.1 on the next layer's input, tests/gpu/test_offload_gpu.py). Its o projection adds
+into the residual without clearing, and the rest of the gap is our own kernels: the side stream
+starts after q/k/v. The decode graphs call `release` there (runtime/backends/exl2_graph.py); other
+paths release at the next layer's router (`planned`), where the copy overlaps little.
 
 - **Prediction**: layer l+1's router applied to the residual stream after layer l, scaled by layer
   l+1's norm weight (the RMS factor does not change the ranking): its top-k picks, of which the first
@@ -74,12 +85,14 @@ class DecodePrefetch:
         self.desc = torch.zeros((L, 3, 2 + self.P), dtype=torch.int64, device=dev)     # from w1's qweight
         self.score = torch.zeros((L, 4), dtype=torch.int64, device=dev)
         self.logits = torch.zeros(E, dtype=torch.float32, device=dev)
+        self.h = torch.zeros((L, layers[0].packs[0].in_features), dtype=torch.float16, device=dev)   # kept residuals
         self.on = torch.zeros(1, dtype=torch.int32, device=dev)     # copying starts once predictions prove out
         self.copying = False
         self.stream = torch.cuda.Stream(dev) if self.cuda else None
         self.planned_ev = self._event()
         self.copied_ev = self._event()
         self._planned: Optional[int] = None      # the layer planned for in this forward (host side)
+        self._pending: Optional[tuple] = None    # (layer offload, its ids or None, next layer): to `release`
         self._scored: set[int] = set()           # layers whose candidates this forward planned
         self._snap_host = torch.zeros((L, 4), dtype=torch.int64, pin_memory=self.cuda)
         self._snap_event = None
@@ -113,6 +126,7 @@ class DecodePrefetch:
 
     def begin(self) -> None:
         self._planned = None
+        self._pending = None
         self._scored = set()
 
     def _next(self, index: int) -> Optional[int]:
@@ -122,37 +136,48 @@ class DecodePrefetch:
         return None
 
     def after_layer(self, lo, h: torch.Tensor, ids: torch.Tensor) -> None:
-        """After layer lo's experts and the residual add (h [1, H] fp16, its picks ids [1, A]): score its
-        own prediction, and plan and copy the next offloaded layer's on the side stream."""
-        from runtime.experts.kernels import predict_logits, prefetch_copy, prefetch_plan
+        """After layer lo's experts and the residual add (h [1, H] fp16, its picks ids [1, A]), on the
+        compute stream: keep h for the next offloaded layer's plan (`release` launches it), or, for the
+        last one, score lo's own prediction."""
+        from runtime.experts.kernels import prefetch_plan
         i = lo.index
         nxt = self._next(i)
         scored = i in self._scored
-        if nxt is None and not scored:
+        if nxt is None:
+            if scored:
+                prefetch_plan(None, lo.mask, None, None, None, None, None, self.cand[i], self.copy[i], self.on,
+                              ids=ids, prev_cand=self.cand[i], prev_copy=self.copy[i], score=self.score[i],
+                              top_k=self.top_k, plan=False)
             return
-        dev = self.device
-        cur = torch.cuda.current_stream(dev) if self.cuda else None
-        if nxt is not None and cur is not None:
+        self.h[nxt].copy_(h.reshape(-1))
+        self._pending = (lo, ids if scored else None, nxt)
+
+    def release(self, target=None) -> None:
+        """Launch the pending plan on the side stream, after everything queued on the compute stream so
+        far: score the layer before, predict from its kept residual, plan and copy for the next. target
+        (a layer offload): only if the plan is for it. Called once the target's q/k/v are queued."""
+        from runtime.experts.kernels import predict_logits, prefetch_copy, prefetch_plan
+        if self._pending is None or (target is not None and target.index != self._pending[2]):
+            return
+        lo, ids, nxt = self._pending
+        self._pending = None
+        i = lo.index
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if cur is not None:
             self.stream.wait_stream(cur)
-            for t in (h, ids):                        # read on the side stream: not reused before it has
-                t.record_stream(self.stream)
-        ctx = torch.cuda.stream(self.stream) if (nxt is not None and cur is not None) else _null()
-        with ctx:
-            args = dict(ids=ids if scored else None, prev_cand=self.cand[i], prev_copy=self.copy[i], score=self.score[i])
-            if nxt is None:
-                prefetch_plan(None, lo.mask, None, None, None, None, None, self.cand[i],
-                              self.copy[i], self.on, top_k=self.top_k, plan=False, **args)
-                return
+            if ids is not None:
+                ids.record_stream(self.stream)        # read on the side stream: not reused before it has
+        with torch.cuda.stream(self.stream) if cur is not None else _null():
             nl = self.layers[nxt]
             layer = nl.layer
             gate = layer.gate_w if layer.predict_gate is None else layer.predict_gate   # LayerNorm: folded
-            predict_logits(h.reshape(1, -1), layer.norm_w, gate, self.logits)
+            predict_logits(self.h[nxt:nxt + 1], layer.norm_w, gate, self.logits)
             cpu = nl.cpu
-            oracle = self.experiment.oracle(nxt)
             prefetch_plan(self.logits, nl.mask, [p.woff for p in nl.packs], list(self.steps[nxt]),
                           self.page_words[nxt], cpu.skip if cpu is not None else None,
                           self.step_skip[nxt] if cpu is not None else None, self.cand[nxt], self.copy[nxt],
-                          self.on, top_k=self.top_k, plan=True, oracle=oracle, **args)
+                          self.on, ids=ids, prev_cand=self.cand[i], prev_copy=self.copy[i], score=self.score[i],
+                          top_k=self.top_k, plan=True, oracle=self.experiment.oracle(nxt))
             if self.planned_ev is not None:
                 self.planned_ev.record(self.stream)
             prefetch_copy(nl.packs[0].qweight, self.desc[nxt], self.copy[nxt], max(p.words_per_expert for p in nl.packs))
@@ -162,8 +187,11 @@ class DecodePrefetch:
         self._scored.add(nxt)
 
     def planned(self, lo) -> bool:
-        """Whether this forward planned for layer lo; if so, its router waits for the plan (the
-        oracle reads the pick counter the router moves; the step mask must be written)."""
+        """Whether this forward planned for layer lo (its plan released here if it was still pending);
+        if so, its router waits for the plan (the oracle reads the pick counter the router moves; the
+        step mask must be written)."""
+        if self._pending is not None and self._pending[2] == lo.index:
+            self.release(lo)
         if self._planned != lo.index:
             return False
         if self.planned_ev is not None:

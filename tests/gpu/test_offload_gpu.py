@@ -313,9 +313,10 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement, rou
     picks alone); the oracle keeping every forced pick (every copy is an expert the layer then picks, so the
     pages are read); the oracle keeping none (copies of experts not picked: the pages and step tables change,
     nothing reads them); the router's own prediction (scored, near chance); the oracle again, and eagerly (no
-    decode graphs). The logits equal all in VRAM's in every phase. On the H200 at ab83c40 the CPU path's
-    oracle phase came out 1.1-1.5e-2 off from the first decode step (its copying-off phase 4.6e-3, the stream
-    placement's phases 3.1-5.7e-3)."""
+    decode graphs). The logits equal all in VRAM's in every phase. Until the side stream waited for the next
+    attention's q/k/v (runtime/experts/prefetch.py says why), the copying phases came out 1e-2 to 2e-2 off on
+    the H200 in both placements, varying from run to run, also with the copies written elsewhere and never
+    read: exllamav2's q/k/v GEMMs beside the copy kernel."""
     from runtime.experts import cpu_share
     from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
