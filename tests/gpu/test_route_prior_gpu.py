@@ -209,7 +209,7 @@ def test_the_hybrid_engine_measures_the_same_prior(tiny_q35, monkeypatch, tmp_pa
             if 0 < len(r) < m.E:
                 nth = np.sort(freq[lo.index])[::-1][len(r) - 1]
                 assert freq[lo.index, r].min() >= nth - 1e-12, (lo.index, r, freq[lo.index])
-        ids = _prompt(tiny_q35)
+        ids, _ = _prompt(tiny_q35)
         assert eng.prefill(ids).shape[-1] == eng.info.vocab_size          # the engine answers as before
     finally:
         eng.close()
