@@ -152,12 +152,12 @@ class DecodePrefetch:
         self.h[nxt].copy_(h.reshape(-1))
         self._pending = (lo, ids if scored else None, nxt)
 
-    def release(self, target=None) -> None:
-        """Launch the pending plan on the side stream, after everything queued on the compute stream so
-        far: score the layer before, predict from its kept residual, plan and copy for the next. target
-        (a layer offload): only if the plan is for it. Called once the target's q/k/v are queued."""
+    def release(self, target) -> None:
+        """Launch the pending plan for `target` (a layer offload; nothing if none is pending for it) on the
+        side stream, after everything queued on the compute stream so far: score the layer before, predict
+        from its kept residual, plan and copy for the target. Called once the target's q/k/v are queued."""
         from runtime.experts.kernels import predict_logits, prefetch_copy, prefetch_plan
-        if self._pending is None or (target is not None and target.index != self._pending[2]):
+        if self._pending is None or target.index != self._pending[2]:
             return
         lo, ids, nxt = self._pending
         self._pending = None
@@ -190,8 +190,7 @@ class DecodePrefetch:
         """Whether this forward planned for layer lo (its plan released here if it was still pending);
         if so, its router waits for the plan (the oracle reads the pick counter the router moves; the
         step mask must be written)."""
-        if self._pending is not None and self._pending[2] == lo.index:
-            self.release(lo)
+        self.release(lo)
         if self._planned != lo.index:
             return False
         if self.planned_ev is not None:
