@@ -6,6 +6,8 @@
 #            before) and in its one input order (the Hub's files), a few launch shapes each; JSON per shape
 #   tests    the grouped kernels' GPU test in each order (tests/gpu/test_exl2_engine.py -k input_order) and the
 #            one-launch MoE entry's (tests/gpu/test_route_normed_gpu.py)
+#   prologue PROLOGUE=1 (default): attention's decode prologue three ways, one layer at 4 and 3 bits
+#            (`python -m bench.check_dense_gemv --check --prologue`), and its GPU test at real size
 #   engine   `python -m bench.cuda --baseline none --profile` on qwen3-30b-a3b at 4.0 bpw (written here, ~16 GB):
 #            prefill of 512 and 4096 tokens, time to first token, decode, kernels per token and the GPU's busy
 #            fraction (ENGINE=0 leaves it out); once per VARIANTS entry, LABEL:VAR=VALUE[,VAR=VALUE...] (default:
@@ -13,8 +15,9 @@
 #            runtime/experts/route_normed.py); dense, attention's q/k/v/o through our split-K GEMV
 #            (MOEDESK_DENSE_GEMV=1, runtime/experts/linear_gemv.py); dense-normed, both; align, the prefill's
 #            pairs sorted in one launch, MOEDESK_ALIGN=kernel, runtime/experts/align_kernel.py; rows, the MoE
-#            GEMVs' tiles summed by rows of code words, MOEDESK_GEMV_SUMS=rows, runtime/experts/gemv_rows.py), in
-#            that order.
+#            GEMVs' tiles summed by rows of code words, MOEDESK_GEMV_SUMS=rows, runtime/experts/gemv_rows.py;
+#            qkv-normed, attention's prologue in one launch and the MoE block's routing in one,
+#            MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed, runtime/experts/qkv_prologue.py), in that order.
 #   q125     Q125=1: the same on q125-a11 at 3.0 bpw all in VRAM (~50 GB written here), VARIANTS_Q125 (default:
 #            fused only), decode only (prompt 512). SHAPES="" leaves the grouped step out. The profiles go into
 #            $OUT/prof.tar.gz (one file: the call brings back 8 at most).
@@ -28,7 +31,8 @@ PY=${PYTHON:-python3}
 SHAPES=${SHAPES-"qwen3-30b-a3b mixtral-8x22b dbrx"}   # set and empty: no grouped step
 ROWS=${ROWS:-"512 2048"}
 VARIANTS=${VARIANTS:-"fused:MOEDESK_ROUTE=fused normed:MOEDESK_ROUTE=normed dense:MOEDESK_DENSE_GEMV=1
-dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed align:MOEDESK_ALIGN=kernel rows:MOEDESK_GEMV_SUMS=rows"}
+dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed align:MOEDESK_ALIGN=kernel rows:MOEDESK_GEMV_SUMS=rows
+qkv-normed:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed"}
 VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused"}
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
@@ -54,6 +58,14 @@ if [ "$(left)" -ge 90 ]; then
     timeout $(( $(left) - 20 )) $PY -m pytest tests/gpu/test_route_normed_gpu.py -rA -p no:cacheprovider \
         "tests/gpu/test_exl2_engine.py::test_grouped_kernels_in_the_layers_input_order_at_real_size" 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -8 | tee -a "$OUT/gpu_issue25.log"
+fi
+if [ "${PROLOGUE:-1}" = 1 ] && [ "$(left)" -ge 120 ]; then
+    timeout $(( $(left) - 60 )) $PY -m bench.check_dense_gemv --check --bits 4,3 --prologue 2>&1 \
+        | tee -a "$OUT/gpu_issue25.log"
+    log "check_dense_gemv --prologue: exit ${PIPESTATUS[0]}"
+    timeout $(( $(left) - 30 )) $PY -m pytest -m gpu -rA -p no:cacheprovider \
+        "tests/gpu/test_dense_gemv_gpu.py::test_one_launch_prologue_at_real_size_eager_and_in_a_graph" 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -6 | tee -a "$OUT/gpu_issue25.log"
 fi
 engine() {          # model dir, label, bpw, prompts, variants: bench.cuda once per variant
     local dir=$1 label=$2 bpw=$3 prompts=$4 v name envs

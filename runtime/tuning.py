@@ -139,6 +139,9 @@ class Tuning:
     dense_gemv: bool = knob(False, "MOEDESK_DENSE_GEMV", "Dense EXL2 projections (attention's q/k/v/o) on "
                             "1-9 rows through the experts' split-K GEMV instead of exllamav2's GEMM (1: on; "
                             "off until measured).")
+    qkv_fused: bool = knob(False, "MOEDESK_QKV_FUSED", "Attention's decode prologue (norm, q/k/v, head norms, "
+                           "RoPE) in one launch of the split-K GEMV, its o through the GEMV too (1: on; implies "
+                           "MOEDESK_DENSE_GEMV for the attentions it takes; off until measured).")
     graphs: bool = knob(True, "MOEDESK_NO_GRAPHS", "Decode through CUDA graphs (set the variable to turn off).",
                         flag=True)
     warmup: bool = knob(True, "MOEDESK_NO_WARMUP", "Warm the kernels up at load (set the variable to turn off).",

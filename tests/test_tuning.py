@@ -36,14 +36,15 @@ def test_each_variable_sets_its_field():
            "MOEDESK_ROUTE": "torch", "MOEDESK_ALIGN": "kernel", "MOEDESK_MOE_ADD": "plain",
            "MOEDESK_VERIFY_READS": "rows",
            "MOEDESK_GRAPH_ATTN": "bmm", "MOEDESK_CAPTURE_MODE": "global", "MOEDESK_PREFILL_ATTN": "matmul",
-           "MOEDESK_DENSE_GEMV": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
+           "MOEDESK_DENSE_GEMV": "1", "MOEDESK_QKV_FUSED": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
     t = Tuning.from_environment(env)
     assert t == Tuning(gemv_max_pairs=32, grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), gemv_sums="columns",
                        cut_align=32,
                        cpu_signal="hostfunc", cpu_kernel_march="x86-64-v3", auto_cpu_path=False, cpu_split="experts",
                        cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
                        route="torch", align="kernel", moe_add="plain", verify_reads="rows",
-                       graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, graphs=False,
+                       graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, qkv_fused=True,
+                       graphs=False,
                        warmup=False, template_timeout_s=0.5)
     named = {env for env, _, _ in t.describe()}
     assert named == set(env), "every field is read from one variable, and the test sets each"

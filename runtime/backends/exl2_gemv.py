@@ -9,6 +9,10 @@ straight into the graph's q, k and v, its head norms and RoPE) and `moedesk_o` (
 by the kernel). The GEMVs are `TritonExl2Linear`s packed from the
 model folder's EXL2 tensors (exllamav2's own copies have their codes reordered by its Q matrices): the
 attention weights are held twice in VRAM, so only loads without offload take them.
+
+With the switch MOEDESK_QKV_FUSED the prologue is one launch where the attention allows it (`fused_qkv`: an
+RMSNorm before, RMS head norms without bias or none, NEOX RoPE over whole heads or none;
+runtime/experts/qkv_prologue.py), else the hooks above.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ def install(model, folder=None) -> int:
     """Hooks on every attention it applies to (see the module docstring), their launch shapes chosen
     (before any capture); returns how many attentions have them. Nothing with the switch off.
     folder: the model's tensors (a ModelFolder, closed here; default: the model's own folder)."""
-    if not tuning.current().dense_gemv:
+    t = tuning.current()
+    if not (t.dense_gemv or t.qkv_fused):
         return 0
     from exllamav2.attn import ExLlamaV2Attention
     from runtime.backends.quant_linear import TritonExl2Linear, exl2_parts, is_exl2, settle_gemv
@@ -63,7 +68,10 @@ def install(model, folder=None) -> int:
                 continue                                  # a layout the GEMV does not take: exllamav2's
             settle_gemv(qkv)
             settle_gemv(o)
-            a.moedesk_qkv = functools.partial(gemv_qkv, a, qkv)
+            fused = t.qkv_fused and _fusable(a)
+            if fused:
+                settle_fused(a, qkv)
+            a.moedesk_qkv = functools.partial(fused_qkv if fused else gemv_qkv, a, qkv)
             a.moedesk_o = functools.partial(gemv_o, a, o)
             n += 1
     finally:
@@ -81,6 +89,59 @@ def _plain(a) -> bool:
     if not a.has_norm or not a.has_residual or a.post_layernorm:
         return False
     return not any(lin.has_bias or lin.f_key for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+
+
+def _fusable(a) -> bool:
+    """The one-launch prologue's cases (qkv_prologue.py): an RMSNorm before, RMS head norms without bias or
+    none, heads of a power of two from 16, a hidden size its norm's steps divide, NEOX RoPE or none (a partial
+    rotation is found per call, from the tables' width)."""
+    from exllamav2.architecture import RopeStyle
+    from exllamav2.rmsnorm import ExLlamaV2RMSNorm
+    from runtime.experts.qkv_prologue import XB
+    D = a.head_dim
+    if not isinstance(a.pre_layernorm, ExLlamaV2RMSNorm) or D < 16 or D & (D - 1) or a.q_proj.in_features % XB \
+            or a.archparams.rope_style not in (RopeStyle.NONE, RopeStyle.NEOX):
+        return False
+    if a.q_norm is None and getattr(a, "k_norm", None) is None:
+        return True
+    return a.archparams.headnorm == "rmsnorm" and all(
+        n is not None and n.bias is None and n.weight.shape[-1] == D and n.weight.is_contiguous()
+        for n in (a.q_norm, a.k_norm))
+
+
+def settle_fused(a, lin) -> None:
+    """The one-launch prologue's shapes chosen at every row count it takes (timed, with host synchronisations),
+    before any graph capture; tables of zeros stand in for the RoPE's (the timing does not read them). On a GPU
+    only: elsewhere nothing is timed."""
+    dev = lin.packs[0].scales.device
+    if dev.type != "cuda":
+        return
+    Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    table = torch.zeros((1, D), dtype=torch.float16, device=dev)      # rows of D: the rotation of whole heads
+    pos = torch.zeros(1, dtype=torch.int32, device=dev)
+    for T in range(1, lin.max_rows + 1):
+        x = torch.zeros((1, T, lin.in_features), dtype=torch.float16, device=dev)
+        q, k, v = (torch.empty((1, T, h * D), dtype=torch.float16, device=dev) for h in (Hq, Hk, Hk))
+        fused_qkv(a, lin, x, T, pos, q, k, v, table, table)
+
+
+def fused_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:
+    """`gemv_qkv` in one launch (runtime/experts/qkv_prologue.py) where the RoPE is NEOX over whole heads or
+    none; else, and above the GEMV's rows, `gemv_qkv`."""
+    from exllamav2.architecture import RopeStyle
+    from runtime.experts.qkv_prologue import qkv_prologue
+    style, D = a.archparams.rope_style, a.head_dim
+    if T > lin.max_rows or style not in (RopeStyle.NONE, RopeStyle.NEOX) \
+            or style == RopeStyle.NEOX and sin.shape[-1] != D:
+        gemv_qkv(a, lin, x, T, pos32, q, k, v, sin, cos)
+        return
+    ln = a.pre_layernorm
+    norms = None if a.q_norm is None else (a.q_norm, a.k_norm)
+    qkv_prologue(x.view(T, -1), ln.weight, ln.variance_epsilon, lin.packs,
+                 (a.num_attention_heads, a.num_key_value_heads, D), q.view(T, -1), k.view(T, -1), v.view(T, -1),
+                 None if norms is None else tuple(n.weight.data for n in norms),
+                 (0.0, 0.0) if norms is None else tuple(n.variance_epsilon for n in norms),
+                 (sin, cos, pos32) if style == RopeStyle.NEOX else None)
 
 
 def gemv_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:

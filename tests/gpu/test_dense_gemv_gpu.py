@@ -1,5 +1,6 @@
 """The split-K GEMV for dense EXL2 linears (`TritonExl2Linear`) against exllamav2's GEMM
-(`CudaExl2Linear`) and the dequantized weights, on real widths, eager and inside a CUDA graph.
+(`CudaExl2Linear`) and the dequantized weights, on real widths, eager and inside a CUDA graph; attention's
+prologue in one launch (`qkv_prologue`) against the steps it fuses; the engine's decode graphs with either.
 
 Run on the GPU test machine:  python -m pytest -m gpu tests/gpu/test_dense_gemv_gpu.py
 The timing of one layer's q/k/v/o both ways: python -m bench.check_dense_gemv --check --bits 4,3,6
@@ -99,25 +100,73 @@ def test_gemv_replays_in_a_cuda_graph(dev):
             assert (y.float() - want).abs().max() <= 1e-3 * want.abs().max(), (t, seed)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
-def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, moe_2l, dense_2l, llama_2l, references,
-                                                              routing):
+def test_one_launch_prologue_at_real_size_eager_and_in_a_graph(dev):
+    """Attention's prologue in one launch (runtime/experts/qkv_prologue.py, MOEDESK_QKV_FUSED) at
+    Qwen3-30B-A3B's widths (hidden 2048, 32 / 4 heads of 128; q at 4 bits, k at 6, v at 3): equal to the steps
+    it fuses (tests/test_qkv_prologue.reference) at 1..9 rows with K cut as the timing chose; then captured in
+    a CUDA graph, replayed on new inputs and positions, equal to the eager call."""
+    from runtime.experts.pack import pack_experts
+    from runtime.experts.qkv_prologue import qkv_prologue
+    from tests.test_qkv_prologue import _tables, reference
+    K, heads = 2048, (32, 4, 128)
+    parts = [_parts(K, (n,), b, seed=s)[0] for n, b, s in ((4096, 4, 1), (512, 6, 2), (512, 3, 3))]
+    packs = [pack_experts([t], f"p{i}", device=dev) for i, t in enumerate(parts)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    norm_w = (torch.rand(K, generator=g, device=dev) + 0.5).half()
+    head_w = tuple((torch.rand(128, generator=g, device=dev) + 0.5).half() for _ in range(2))
+    sin, cos = (t.to(dev) for t in _tables(S=4096, base=1e6, D=128))
+    pos = torch.tensor([1000], dtype=torch.int32, device=dev)
+
+    def outs(T):
+        return [torch.empty((T, h * 128), dtype=torch.float16, device=dev) for h in (32, 4, 4)]
+
+    for T in range(1, 10):
+        x = torch.randn((T, K), generator=g, device=dev).half()
+        q, k, v = outs(T)
+        qkv_prologue(x, norm_w, 1e-6, packs, heads, q, k, v, head_w, (1e-6, 1e-6), (sin, cos, pos))
+        want = reference(x, norm_w, 1e-6, parts, head_w, (1e-6, 1e-6), (sin, cos, pos), heads)
+        for got, w, name in zip((q, k, v), want, "qkv"):
+            assert _rel(got, w) < 2e-3, (name, T, _rel(got, w))
+    for T in (1, 9):
+        x = torch.zeros((T, K), dtype=torch.float16, device=dev)
+        q, k, v = outs(T)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            qkv_prologue(x, norm_w, 1e-6, packs, heads, q, k, v, head_w, (1e-6, 1e-6), (sin, cos, pos))
+        for seed, at in ((1, 7), (2, 3000)):
+            x.copy_(torch.randn((T, K), generator=torch.Generator(device=dev).manual_seed(seed), device=dev).half())
+            pos.fill_(at)
+            graph.replay()
+            torch.cuda.synchronize()
+            again = outs(T)                       # split-K sums land in any order: equal to rounding
+            qkv_prologue(x, norm_w, 1e-6, packs, heads, *again, head_w, (1e-6, 1e-6), (sin, cos, pos))
+            for got, w, name in zip((q, k, v), again, "qkv"):
+                assert (got.float() - w.float()).abs().max() <= 1e-3 * w.float().abs().max(), (name, T, seed)
+
+
+@pytest.mark.parametrize("kind,switch", [("moe", "dense_gemv"), ("dense", "dense_gemv"), ("llama", "dense_gemv"),
+                                         ("moe", "qkv_fused"), ("llama", "qkv_fused")])
+def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, switch, moe_2l, dense_2l, llama_2l,
+                                                              references, routing):
     """The exllamav2 engine's decode graphs with the switch on (exl2_gemv.install's hooks on every
-    attention): decode and verify of 1..8 rows through captured graphs against the float32 reference,
-    the same script and tolerances as test_exl2_engine.py; the MoE model's reference routed as the engine
-    routed (test_exl2_engine.moe_checks: on the H200 its own routing parted at a near tie and the verify
-    rows came out 3.0-3.5e-2 off)."""
+    attention; with qkv_fused, the prologue in one launch): decode and verify of 1..8 rows through captured
+    graphs against the float32 reference, the same script and tolerances as test_exl2_engine.py; the MoE
+    model's reference routed as the engine routed (test_exl2_engine.moe_checks: on the H200 its own routing
+    parted at a near tie and the verify rows came out 3.0-3.5e-2 off)."""
     from test_exl2_engine import ROWS, _load_exl2, _script, _tol, moe_checks
+    from runtime.backends.exl2_gemv import fused_qkv
     path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     ref = references(kind)
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    with tuning.use(tuning.with_changes(dense_gemv=True)):
+    with tuning.use(tuning.with_changes(**{switch: True})):
         eng = _load_exl2(path, graphs=True)
         try:
             hooked = [m for m in eng.model.modules if getattr(m, "moedesk_o", None) is not None]
             assert len(hooked) == 2, "both layers' attention take the GEMV"
+            fused = [m.moedesk_qkv.func is fused_qkv for m in hooked]
+            assert fused == [switch == "qkv_fused"] * 2, fused
             if kind == "moe":
-                _, bad = moe_checks(eng, ref, toks, routing, "moe, dense GEMV")
+                _, bad = moe_checks(eng, ref, toks, routing, f"moe, {switch}")
             else:
                 bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in _script(eng, ref, toks).items() if not e < _tol(k)]
             tel = eng.telemetry()
