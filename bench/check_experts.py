@@ -89,10 +89,14 @@ def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
     return [(False, "splitk")] + ([(True, "grouped(union)")] if rows > 1 else [])
 
 
-def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> list[CheckResult]:
+def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1,
+          residual: bool = False) -> list[CheckResult]:
     """Each row count through every kernel path, the grouped kernels reading the input as the layer's
-    permutations allow (kernels.input_order)."""
+    permutations allow (kernels.input_order). residual: the split-K path also with a residual to add into
+    (`moe_finish.experts_added`: the down kernel's last slice adds it with MOEDESK_MOE_FINISH), checked as
+    (out - residual) against the oracle."""
     from runtime.experts.kernels import experts_forward, input_order
+    from runtime.experts.moe_finish import experts_added
     order = input_order(layer.w1, layer.w3, layer.w2)
     g = torch.Generator().manual_seed(seed)
     H = layer.gate_w.shape[1]
@@ -104,6 +108,11 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1) -> li
         for union, path in kernel_paths(T, layer.top_k):
             y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union, order=order)
             out.append(CheckResult(T, path, ((y - ref).norm() / ref.norm()).item()))
+            if residual and path == "splitk":
+                res = (torch.randn(T, H, generator=g) * 0.1).half().to(device)
+                z = experts_added(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res, order=order)
+                assert z.dtype == torch.float16 and z.shape == res.shape, (z.dtype, z.shape)
+                out.append(CheckResult(T, "splitk+res", ((z.float() - res.float() - ref).norm() / ref.norm()).item()))
             if order.ordered_down or path.startswith("grouped") and (order.shared is not None or order.per_expert):
                 # the same sums as the per-tile gathers (the split-K GEMVs: down reading gate/up's output in runs)
                 y0 = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
@@ -224,6 +233,8 @@ def main(argv=None) -> int:
                     help="the intermediate in down's order first (pack.align_intermediate: down reads h in runs)")
     ap.add_argument("--skip", action="store_true",
                     help="split-K kernels with a skip mask + the skipped experts computed apart vs no mask")
+    ap.add_argument("--residual", action="store_true",
+                    help="the split-K path also adding into a residual (MOEDESK_MOE_FINISH: in the down kernel)")
     a = ap.parse_args(argv)
     bits = [int(b) for b in a.bits.split(",")]
     props = None if len(bits) == 1 else [1 / len(bits)] * len(bits)
@@ -256,7 +267,7 @@ def main(argv=None) -> int:
     print("input order:", "one per layer" if o.shared is not None else "one per expert" if o.per_expert else "each its own",
           "| down reads h", "in runs" if o.ordered_down else "through its permutation")
     bad = 0
-    for r in check(layer, [int(x) for x in a.rows.split(",")], a.device):
+    for r in check(layer, [int(x) for x in a.rows.split(",")], a.device, residual=a.residual):
         ok = r.rel_err < TOLERANCE
         bad += not ok
         print(f"rows {r.rows:4d}  {r.path:8s}  rel err {r.rel_err:.2e}  {'ok' if ok else 'FAIL'}")

@@ -11,13 +11,16 @@
 #   engine   `python -m bench.cuda --baseline none --profile` on qwen3-30b-a3b at 4.0 bpw (written here, ~16 GB):
 #            prefill of 512 and 4096 tokens, time to first token, decode, kernels per token and the GPU's busy
 #            fraction (ENGINE=0 leaves it out); once per VARIANTS entry, LABEL:VAR=VALUE[,VAR=VALUE...] (default:
-#            fused, the MoE block's norm and routing in three launches; normed, in one (MOEDESK_ROUTE=normed,
+#            fused, the MoE block's norm and routing in three launches; one-launch, every one-launch switch below
+#            at once (qkv-normed's and finish's); normed, the norm and routing in one (MOEDESK_ROUTE=normed,
 #            runtime/experts/route_normed.py); dense, attention's q/k/v/o through our split-K GEMV
 #            (MOEDESK_DENSE_GEMV=1, runtime/experts/linear_gemv.py); dense-normed, both; align, the prefill's
 #            pairs sorted in one launch, MOEDESK_ALIGN=kernel, runtime/experts/align_kernel.py; rows, the MoE
 #            GEMVs' tiles summed by rows of code words, MOEDESK_GEMV_SUMS=rows, runtime/experts/gemv_rows.py;
 #            qkv-normed, attention's prologue in one launch and the MoE block's routing in one,
-#            MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed, runtime/experts/qkv_prologue.py), in that order.
+#            MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed, runtime/experts/qkv_prologue.py; finish, the decode experts
+#            in two launches, the residual added by down's, MOEDESK_MOE_FINISH=1, runtime/experts/moe_finish.py),
+#            in the list's order.
 #   q125     Q125=1: the same on q125-a11 at 3.0 bpw all in VRAM (~50 GB written here), VARIANTS_Q125 (default:
 #            fused only), decode only (prompt 512). SHAPES="" leaves the grouped step out. The profiles go into
 #            $OUT/prof.tar.gz (one file: the call brings back 8 at most).
@@ -30,9 +33,10 @@ ROOT=${ROOT:-/tmp/m25}
 PY=${PYTHON:-python3}
 SHAPES=${SHAPES-"qwen3-30b-a3b mixtral-8x22b dbrx"}   # set and empty: no grouped step
 ROWS=${ROWS:-"512 2048"}
-VARIANTS=${VARIANTS:-"fused:MOEDESK_ROUTE=fused normed:MOEDESK_ROUTE=normed dense:MOEDESK_DENSE_GEMV=1
-dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed align:MOEDESK_ALIGN=kernel rows:MOEDESK_GEMV_SUMS=rows
-qkv-normed:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed"}
+VARIANTS=${VARIANTS:-"fused:MOEDESK_ROUTE=fused one-launch:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed,MOEDESK_MOE_FINISH=1
+normed:MOEDESK_ROUTE=normed qkv-normed:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed finish:MOEDESK_MOE_FINISH=1
+dense:MOEDESK_DENSE_GEMV=1 dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed align:MOEDESK_ALIGN=kernel
+rows:MOEDESK_GEMV_SUMS=rows"}
 VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused"}
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results

@@ -48,7 +48,7 @@ WORK=${WORK:-$(mktemp -d -t gpu-suite.XXXXXX)}
 # Qwen3.5 engine file goes first: fla's file may be left for a second call (FILES=test_gdn_fla_gpu.py).
 GROUP_A="test_reference_gpu.py:60 test_exl2_gpu.py:90 test_layer_hooks_gpu.py:45 test_convert_gpu.py:120
 test_load_repack_gpu.py:60 test_exl2_engine.py:480 test_out_of_memory_gpu.py:60 test_speculative_gpu.py:120
-test_warmup_gpu.py:300 test_route_normed_gpu.py:90"
+test_warmup_gpu.py:300 test_route_normed_gpu.py:150"
 GROUP_B="test_offload_gpu.py:360 test_mixtral_dbrx_gpu.py:480"
 GROUP_C="test_qwen35_hybrid_gpu.py:540 test_gdn_fla_gpu.py:150"
 GROUP_D="test_issue19_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu.py:480 test_roofline_gpu.py:150"

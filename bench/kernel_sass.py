@@ -105,6 +105,31 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["cubin"]
 
 
+def compile_jit(fn, types: dict, const: dict, warps: int, arch: int) -> bytes:
+    """The cubin of any of the project's Triton kernels: `types` the Triton types of its runtime arguments
+    (those not named: "*fp16"), `const` its constexprs."""
+    _tools()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else types.get(n, "*fp16") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, shared and local (spilled) memory of the cubin's kernel, as cuobjdump reports them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tools(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not found:
+        raise RuntimeError(f"cuobjdump -res-usage: no resource line in {out!r}")
+    return dict(zip(("registers", "stack", "shared", "local"), map(int, found.groups())))
+
+
 def disassemble(cubin: bytes) -> list[tuple[int, str, str]]:
     """(address, opcode, line) of every instruction in the cubin."""
     cuobjdump = _tools()

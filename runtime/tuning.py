@@ -127,6 +127,9 @@ class Tuning:
                       choices=("torch", "kernel"))
     moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "
                         "(fused) or by torch (plain).", choices=("fused", "plain"))
+    moe_finish: bool = knob(False, "MOEDESK_MOE_FINISH", "Decode experts of layers all in VRAM in two launches: "
+                            "gate/up's last K slice stores SiLU(gate) x up, down's adds the sum into the residual "
+                            "(no memset, no add; runtime/experts/moe_finish.py; 1: on, off until measured).")
     pin_ahead: int = knob(1, "MOEDESK_PIN_AHEAD", "Blocks of page-locked host RAM for offloaded experts (4 GiB "
                           "each) prepared ahead of the load, on as many threads.", min=0, max=4)
     # the EXL2 backend (runtime/backends/)

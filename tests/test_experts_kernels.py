@@ -321,3 +321,87 @@ def test_the_grouped_benchmark_counts_each_experts_codes_and_scales():
     for p in (la.w1, la.w3, la.w2):
         want = p.qweight[0].numel() * 4 + (p.in_features // p.group) * p.out_features * 2
         assert _expert_bytes(p) == want > 0
+
+
+@pytest.mark.parametrize("args,splitk,sums", [
+    (["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,17"], None,
+     "weights"),
+    (["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "1,3"], "32x2",
+     "weights"),
+    (["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
+      "--rows", "1,9"], "128x1", "columns"),
+    (["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--aligned",
+      "--rows", "1,3"], "32x3", "columns"),
+    (["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "2"], None,
+     "rows"),                                                 # the rows sums: the three launches and torch's add
+])
+def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk, sums):
+    """MOEDESK_MOE_FINISH: the split-K path with a residual (runtime/experts/moe_finish.py: gate/up's last slice
+    stores SiLU(gate) x up, down's last adds the sum into the residual) gives residual + the oracle's sum, K
+    whole or cut, summed by weights or columns, down reading h in runs or through its permutation."""
+    rows = [int(t) for t in args[-1].split(",")]
+    top_k = int(args[args.index("--top-k") + 1])
+    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_MOE_FINISH="1", MOEDESK_GEMV_SUMS=sums)
+    if splitk:
+        env["MOEDESK_SPLITK"] = splitk
+    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--residual", *args],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr[-3000:]
+    added = [line for line in r.stdout.splitlines() if "splitk+res" in line]
+    assert len(added) == sum(t * top_k <= 64 for t in rows) and all(line.endswith(" ok") for line in added), r.stdout
+
+
+def test_the_two_launches_take_the_split_k_range_and_leave_their_workspace_at_zero():
+    """experts_finish itself (not the fallback) runs where `takes` says, K whole and cut in 2 and 4, equal to the
+    three launches plus torch's add to fp16 rounding; its workspace and counters are zero after; the switch off,
+    too many pairs or the rows sums are not taken."""
+    from tests.interpreted import run_interpreted
+    run_interpreted("""
+import torch
+from runtime import tuning
+from runtime.experts import kernels, linear_gemv, moe_finish
+from runtime.experts.layer import route
+from bench.check_experts import random_layer
+layer = random_layer(6, 128, 128, 3, 4, "cpu", seed=5)
+g = torch.Generator().manual_seed(6)
+for ks in (1, 2, 4):
+    with tuning.use(tuning.with_changes(moe_finish=True, splitk=(32, ks))):
+        kernels._CHOSEN.clear()
+        for T in (1, 3):
+            x = torch.randn(T, 128, generator=g).half()
+            res = (torch.randn(T, 128, generator=g) * 0.1).half()
+            r = route(x, layer.gate_w, 3)
+            assert moe_finish.takes(x, r.ids)
+            got = moe_finish.experts_finish(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res)
+            want = torch.add(res, kernels.experts_decode(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2))
+            err = (got.float() - want.float()).abs().max().item()
+            assert got.dtype == torch.float16 and err <= 2e-3 * want.float().abs().max().item(), (ks, T, err)
+            ws, counts = linear_gemv._WORKSPACES[torch.device("cpu")][-1]
+            assert not ws.any() and not counts.any(), (ks, T)
+x = torch.zeros(22, 128).half()
+ids = torch.zeros(22, 3, dtype=torch.int32)
+with tuning.use(tuning.with_changes(moe_finish=True)):
+    assert moe_finish.takes(x[:21], ids[:21]) and not moe_finish.takes(x, ids)       # 64 pairs at most
+with tuning.use(tuning.with_changes(moe_finish=True, gemv_sums="rows")):
+    assert not moe_finish.takes(x[:1], ids[:1])
+assert not moe_finish.takes(x[:1], ids[:1])
+print("finish ok")
+""", "finish ok")
+
+
+def test_a_layer_given_a_residual_returns_it_added_and_offloaded_layers_refuse_one():
+    """ExpertLayer(residual=): residual + the experts' sum, a new fp16 tensor rounded once (here the oracle's
+    path, on the CPU); a layer with an offload manager takes no residual (its kernels add nothing)."""
+    import torch
+
+    from bench.check_experts import random_layer
+    layer = random_layer(4, 64, 64, 2, 4, "cpu", seed=3)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).half()
+    res = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).half()
+    y = layer(x)
+    got = layer(x, residual=res)
+    assert got.dtype == torch.float16 and got.data_ptr() != res.data_ptr()
+    assert torch.equal(got, (res.float() + y).half())
+    layer.offload = object()
+    with pytest.raises(ValueError, match="all in VRAM"):
+        layer(x, residual=res)

@@ -262,38 +262,17 @@ def test_it_compiles_for_an_h200_with_nothing_spilled(monkeypatch, rows_block, k
     """Compiled for sm_90 on this machine (Triton's own ptxas, no GPU), at Qwen3-30B-A3B's widths, 3-bit v among
     4-bit q and k: what the interpreter does not check (the compiler's view of the code), and no registers
     spilled to local memory (bench.kernel_sass's tools)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel_sass = pytest.importorskip("bench.kernel_sass")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     try:
-        cuobjdump = kernel_sass._tools()
+        kernel_sass._tools()
     except RuntimeError as e:
         pytest.skip(str(e))
     from runtime.experts.qkv_prologue import XB, _qkv_prologue
     types_ = {"eps": "fp32", "qeps": "fp32", "keps": "fp32", "pos_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-              "T": "i32", "qns": "i32", "kns": "i32"}
-    for name in _qkv_prologue.arg_names:
-        if name[0] in "qp" and name[1:] in "123":
-            types_[name] = "*i32"
+              "T": "i32", "qns": "i32", "kns": "i32", **{f"{c}{i}": "*i32" for c in "qp" for i in "123"}}
     const = dict(K=2048, HQ=32, HK=4, D=128, N1=4096, BITS1=4, G1=128, N2=512, BITS2=4, G2=128, N3=512, BITS3=3,
                  G3=128, BK=64 if not dot else 128, BT=rows_block, KSPLIT=ksplit, DOT=dot, HEADNORM=True, ROPE=True,
                  XB=XB)
-    names = _qkv_prologue.arg_names
-    sig = {n: "constexpr" if n in const else types_.get(n, "*fp16") for n in names}
-    src = ASTSource(fn=_qkv_prologue, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
-    assert found, usage
-    regs, stack, local = map(int, found.groups())
-    assert 0 < regs <= 255 and stack == 0 and local == 0, usage
+    usage = kernel_sass.resource_usage(kernel_sass.compile_jit(_qkv_prologue, types_, const, warps, 90))
+    assert 0 < usage["registers"] <= 255 and usage["stack"] == 0 and usage["local"] == 0, usage

@@ -34,6 +34,7 @@ def test_each_variable_sets_its_field():
            "MOEDESK_AUTO_CPU_PATH": "0", "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_BALANCE": "0",
            "MOEDESK_LEND_STAGING": "0", "MOEDESK_PREFETCH": "2", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
            "MOEDESK_ROUTE": "torch", "MOEDESK_ALIGN": "kernel", "MOEDESK_MOE_ADD": "plain",
+           "MOEDESK_MOE_FINISH": "1",
            "MOEDESK_VERIFY_READS": "rows",
            "MOEDESK_GRAPH_ATTN": "bmm", "MOEDESK_CAPTURE_MODE": "global", "MOEDESK_PREFILL_ATTN": "matmul",
            "MOEDESK_DENSE_GEMV": "1", "MOEDESK_QKV_FUSED": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
@@ -42,7 +43,7 @@ def test_each_variable_sets_its_field():
                        cut_align=32,
                        cpu_signal="hostfunc", cpu_kernel_march="x86-64-v3", auto_cpu_path=False, cpu_split="experts",
                        cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
-                       route="torch", align="kernel", moe_add="plain", verify_reads="rows",
+                       route="torch", align="kernel", moe_add="plain", moe_finish=True, verify_reads="rows",
                        graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, qkv_fused=True,
                        graphs=False,
                        warmup=False, template_timeout_s=0.5)

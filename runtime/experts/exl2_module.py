@@ -96,13 +96,17 @@ class OwnMoE(ExLlamaV2MoEMLP):
                 intermediates: bool = False, loras=None, **kwargs):
         B, S, H = hidden_states.shape
         norm = self.post_attention_layernorm
+        # all in VRAM, MOEDESK_MOE_FINISH: the down kernel adds the sum into the residual (moe_finish.py)
+        res = hidden_states.view(-1, H) if tuning.current().moe_finish and self.experts.offload is None else None
         if tuning.current().route == "normed" and isinstance(norm, ExLlamaV2RMSNorm):
             # the norm in the routing's launch (runtime/experts/route_normed.py)
-            y = self.experts(hidden_states.view(-1, H), norm=(norm.weight.data, norm.variance_epsilon))
+            y = self.experts(hidden_states.view(-1, H), norm=(norm.weight.data, norm.variance_epsilon), residual=res)
         else:
             x = norm.forward(hidden_states.view(-1, H))                          # [T, H] fp16
-            y = self.experts(x.half())                                           # [T, H] fp32
-        if tuning.current().moe_add == "plain":
+            y = self.experts(x.half(), residual=res)                             # [T, H] fp32 (fp16 with res)
+        if res is not None:
+            out = y.view(B, S, H)
+        elif tuning.current().moe_add == "plain":
             out = (hidden_states.view(-1, H) + y.to(hidden_states.dtype)).view(B, S, H)
         else:
             out = torch.empty_like(hidden_states)

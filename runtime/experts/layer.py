@@ -103,16 +103,21 @@ class ExpertLayer:
             from runtime.experts.kernels import input_order
             self.order = input_order(w1, w3, w2)
 
-    def __call__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x fp16 [T, H] (normed) -> fp32 [T, H], the weighted sum of the chosen experts. norm (CUDA): x is
-        the residual stream, normed here by RMSNorm (weight, eps) in the routing's launch (route_normed)."""
+        the residual stream, normed here by RMSNorm (weight, eps) in the routing's launch (route_normed).
+        residual fp16 [T, H] (a layer all in VRAM): residual + that sum, a new fp16 [T, H], added by the
+        kernels where they can (moe_finish.experts_added)."""
+        if residual is not None and self.offload is not None:
+            raise ValueError("a residual is added by the experts' kernels of layers all in VRAM only")
         if x.is_cuda:
             from runtime.experts.kernels import experts_forward, route_fused
             self._ids = None
             if norm is None and tuning.current().route == "torch":    # the unfused routing, for comparisons
                 r = route(x, self.gate_w, self.top_k, self.renormalize)
                 self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
-                return experts_forward(x, r.ids, r.weights, self.w1, self.w3, self.w2, order=self.order)
+                return self._all_resident(x, r.ids, r.weights, residual)
             lo, hooks = self.offload, self.hooks
             pf = hooks.prefetch if hooks is not None and x.shape[0] == 1 else None
             planned = pf is not None and pf.planned(lo)       # experts copied ahead for this layer
@@ -126,7 +131,7 @@ class ExpertLayer:
                 ids, w = route_fused(x, self.gate_w, self.top_k, self.counts, self.renormalize, forced=self.forced)
             self._ids = ids
             if lo is None:
-                return experts_forward(x, ids, w, self.w1, self.w3, self.w2, order=self.order)
+                return self._all_resident(x, ids, w, residual)
             cpu = lo.cpu                                      # runtime/experts/cpu_path.py
             if cpu is not None and x.shape[0] == 1 and hooks.cpu_decode:
                 # Decode: the CPU computes the experts it owns, or the first part of each (its cut),
@@ -147,7 +152,16 @@ class ExpertLayer:
             return y
         r = route(x, self.gate_w, self.top_k, self.renormalize)
         self.counts.index_add_(0, r.ids.reshape(-1), torch.ones_like(r.ids.reshape(-1), dtype=torch.int32))
-        return experts_reference(x, r, self.w1, self.w3, self.w2)
+        y = experts_reference(x, r, self.w1, self.w3, self.w2)
+        return y if residual is None else torch.add(residual, y, out=torch.empty_like(residual))
+
+    def _all_resident(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                      residual: torch.Tensor | None) -> torch.Tensor:
+        from runtime.experts.kernels import experts_forward
+        if residual is None:
+            return experts_forward(x, ids, w, self.w1, self.w3, self.w2, order=self.order)
+        from runtime.experts.moe_finish import experts_added
+        return experts_added(x, ids, w, self.w1, self.w3, self.w2, residual, order=self.order)
 
     def fold_layer_norm(self, weight: torch.Tensor) -> None:
         """For a bias-free LayerNorm of `weight` [H] before the router: `predict_gate` [E, H] with

@@ -195,6 +195,23 @@ def test_gemv_sums_by_columns_match_the_oracle_at_real_size(sums, bits, real_lay
             assert r.rel_err < TOLERANCE, r
 
 
+@pytest.mark.parametrize("sums,bits", [("weights", 4), ("columns", 3)])
+def test_two_launch_experts_add_into_the_residual_at_real_size(sums, bits, real_layer):
+    """MOEDESK_MOE_FINISH (runtime/experts/moe_finish.py: gate/up's last K slice stores h, down's adds the sum into
+    the residual): at qwen3-30b-a3b's layer shape, 1 to 9 rows, residual + the fp32 oracle's sum."""
+    from bench.check_experts import TOLERANCE, check
+    from runtime import tuning
+    from runtime.experts import kernels
+    layer = real_layer(bits)
+    with tuning.use(tuning.with_changes(gemv_sums=sums, moe_finish=True)):
+        results = check(layer, [1, 2, 5, 9], "cuda", residual=True)
+    for r in results:
+        _record(test="moe_finish_vs_oracle", sums=sums, bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
+        assert r.rel_err < TOLERANCE, r
+    assert sum(r.path == "splitk+res" for r in results) == 4, results
+    assert any(k[0] == "down_finish" for k in kernels._CHOSEN), "the two launches ran"
+
+
 @pytest.mark.parametrize("perms", ["layer", "expert"])
 def test_grouped_kernels_in_the_layers_input_order_at_real_size(perms):
     """qwen3-30b-a3b's layer shape with one gate/up order per layer (the Hub's EXL2 files) or per expert (our

@@ -68,26 +68,30 @@ def test_the_fused_entry_replays_in_a_cuda_graph():
         assert int(counters.buf.abs().sum()) == 0, seed
 
 
-def test_the_engine_with_the_fused_entry_matches_the_reference(moe_2l, references):
+@pytest.mark.parametrize("finish", [False, True])
+def test_the_engine_with_the_fused_entry_matches_the_reference(moe_2l, references, finish):
     """qwen3-30b-a3b's shape, 2 layers, graphs on: prefill, decode, verify of 1..8 rows and a rollback, the
-    reference routed as the engine routed (test_exl2_engine.moe_checks: near ties of 128 experts)."""
+    reference routed as the engine routed (test_exl2_engine.moe_checks: near ties of 128 experts). finish: the
+    experts in two launches, the residual added by down's (MOEDESK_MOE_FINISH, runtime/experts/moe_finish.py)."""
     from routing_replay import Routing
     from test_exl2_engine import ROWS, _load_exl2, moe_checks
+    from runtime.experts import kernels
     ref = references("moe")
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     routing = Routing(pytest.MonkeyPatch())
     try:
-        with tuning.use(tuning.with_changes(route="normed")):
+        with tuning.use(tuning.with_changes(route="normed", moe_finish=finish)):
             eng = _load_exl2(moe_2l, graphs=True)
             try:
                 assert all(m.experts._counters is not None for m in eng.moe), "the fused entry did not run"
-                seen, bad = moe_checks(eng, ref, toks, routing, "route normed")
+                seen, bad = moe_checks(eng, ref, toks, routing, "route normed" + (", finish" if finish else ""))
+                assert not finish or any(k[0] == "down_finish" for k in kernels._CHOSEN), "the two launches ran"
                 tel = eng.telemetry()
             finally:
                 eng.close()
     finally:
         routing.undo()
-    _record(test="route_normed_vs_reference", **seen)
+    _record(test="route_normed_vs_reference", finish=finish, **seen)
     assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
     assert not bad, "\n".join(bad)
 
