@@ -6,15 +6,11 @@ comparison with the bmm path at real sizes on the GPU."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[1]
 
 # Triton decides at import time whether kernels run in its interpreter, for the whole process, and a
 # GPU run of the suite must not get interpreted kernels: the kernel tests run in a child pytest with
@@ -26,11 +22,8 @@ CHILD_TESTS = 22 + 54 + 3 + 1 + 3 + 1 + 1
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernel_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert f"{CHILD_TESTS} passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
+    from tests.interpreted import run_child_pytest
+    run_child_pytest(__file__, CHILD_TESTS, timeout=300, stop_first=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,13 @@ decides at import time for the whole process) and are skipped in the parent."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
 CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7 + 5 + 6   # + 7: the rows summed without the dot
@@ -24,11 +21,8 @@ CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7 + 5 + 6   # + 7
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_gemv_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert f"{CHILD_TESTS} passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
+    from tests.interpreted import run_child_pytest
+    run_child_pytest(__file__, CHILD_TESTS)
 
 
 def exl2_linear(n: int, k: int, bits, seed: int, group=32, props=None) -> dict:
@@ -395,6 +389,17 @@ def _standin_exllamav2(monkeypatch, calls: list):
     return Attention, RMSNorm
 
 
+def attention_tensors(layers: int, H: int, Hq: int, Hk: int, D: int, seed: int) -> dict:
+    """A model folder's EXL2 tensors of `layers` attentions l0, l1, ... (4-bit q/k/v/o, random)."""
+    tensors = {}
+    for layer in range(layers):
+        for name, n, k in (("q_proj", Hq * D, H), ("k_proj", Hk * D, H), ("v_proj", Hk * D, H), ("o_proj", H, Hq * D)):
+            seed += 1
+            for part, t in exl2_linear(n, k, 4, seed).items():
+                tensors[f"l{layer}.{name}.{part}"] = t
+    return tensors
+
+
 def _attention(Attention, RMSNorm, key, H, Hq, Hk, D, **changes):
     def lin(name, n, k):
         return types.SimpleNamespace(key=f"{key}.{name}", out_features=n, in_features=k, has_bias=False,
@@ -422,12 +427,7 @@ def test_exl2_engine_hooks(monkeypatch):
     calls = []
     Attention, RMSNorm = _standin_exllamav2(monkeypatch, calls)
     H, Hq, Hk, D = 128, 4, 2, 32
-    tensors, seed = {}, 0
-    for layer in range(4):
-        for name, n, k in (("q_proj", Hq * D, H), ("k_proj", Hk * D, H), ("v_proj", Hk * D, H), ("o_proj", H, Hq * D)):
-            seed += 1
-            for part, t in exl2_linear(n, k, 4, seed).items():
-                tensors[f"l{layer}.{name}.{part}"] = t
+    tensors = attention_tensors(4, H, Hq, Hk, D, seed=0)
     plain = _attention(Attention, RMSNorm, "l0", H, Hq, Hk, D)
     biased = _attention(Attention, RMSNorm, "l1", H, Hq, Hk, D)
     biased.q_proj.has_bias = True

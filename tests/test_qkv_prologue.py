@@ -8,16 +8,12 @@ parent."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
 CHILD_TESTS = 6 + 2 + 1 + 1 + 1                # the tests marked `interpreted` below, parameters counted
@@ -27,11 +23,8 @@ K, HQ, HK, D = 256, 4, 2, 32                     # a Qwen3 attention scaled down
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_prologue_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert f"{CHILD_TESTS} passed" in r.stdout, r.stdout[-2000:]              # every kernel test ran
+    from tests.interpreted import run_child_pytest
+    run_child_pytest(__file__, CHILD_TESTS, timeout=900)
 
 
 def _linear(n: int, k: int, bits, seed: int, group: int = 32) -> dict:
@@ -202,19 +195,14 @@ def test_install_gives_the_attentions_it_takes_the_one_launch_prologue(monkeypat
     """With MOEDESK_QKV_FUSED: a plain attention's prologue is one launch whose q/k/v equal the steps'; an
     attention with a LayerNorm before, GPTJ's RoPE or a head norm's bias keeps the GEMV's hooks (exllamav2's RoPE
     called); a call with a RoPE other than NEOX or past 9 rows goes the hooks' way; o is the GEMV's either way."""
-    from test_dense_gemv import _Folder, _attention, _standin_exllamav2, exl2_linear
+    from test_dense_gemv import _Folder, _attention, _standin_exllamav2, attention_tensors
 
     from runtime import tuning
     from runtime.backends import exl2_gemv
     from runtime.modelfolder import EXL2_PARTS
     calls = []
     Attention, RMSNorm = _standin_exllamav2(monkeypatch, calls)
-    tensors, seed = {}, 40
-    for layer in range(4):
-        for name, n, k in (("q_proj", HQ * D, K), ("k_proj", HK * D, K), ("v_proj", HK * D, K), ("o_proj", K, HQ * D)):
-            seed += 1
-            for part, t in exl2_linear(n, k, 4, seed).items():
-                tensors[f"l{layer}.{name}.{part}"] = t
+    tensors = attention_tensors(4, K, HQ, HK, D, seed=40)
     plain = _attention(Attention, RMSNorm, "l0", K, HQ, HK, D)
     layer_norm = _attention(Attention, RMSNorm, "l1", K, HQ, HK, D, pre_layernorm=object())
     gptj = _attention(Attention, RMSNorm, "l2", K, HQ, HK, D)
