@@ -3,7 +3,11 @@ GPU on any machine, no GPU needed (Triton's own ptxas and cuobjdump), and their 
 counted per weight.
 
     python -m bench.kernel_sass [--shape mixtral-8x22b] [--bits 3] [--group 128] [--arch 90]
-        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns|rows] [--json OUT]
+        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns|rows] [--finish] [--prologue] [--json OUT]
+
+--finish adds the two-launch experts' kernels (runtime/experts/moe_finish.py) at the same constants; --prologue
+attention's one-launch prologue (runtime/experts/qkv_prologue.py, one row, heads of the shape's head size) and
+`_linear_splitk` over q at the same tile.
 
 Why: a GEMV that reads its weights far below the HBM's rate while the GPU is busy is bound by issuing
 instructions, not by memory. Each of an SM's four schedulers issues at most one warp instruction per clock,
@@ -35,7 +39,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-KERNELS = ("gate_up", "down")
+KERNELS = ("gate_up", "down", "gate_up_finish", "down_finish", "qkv_prologue", "linear")
 _POINTERS = {
     "gate_up": {"x_ptr": "*fp16", "ids_ptr": "*i32", "skip_ptr": "*u8", "cut_ptr": "*i32", "q1": "*i32",
                 "o1": "*i64", "s1": "*fp16", "p1": "*i32", "q3": "*i32", "o3": "*i64", "s3": "*fp16",
@@ -43,6 +47,11 @@ _POINTERS = {
     "down": {"gu_ptr": "*fp32", "ids_ptr": "*i32", "skip_ptr": "*u8", "cut_ptr": "*i32", "rw_ptr": "*fp32",
              "q2": "*i32", "o2": "*i64", "s2": "*fp16", "p2": "*i32", "out_ptr": "*fp32", "P": "i32"},
 }
+# the other kernels' runtime arguments that are not fp16 pointers (compile_jit)
+_TYPES = {"ids_ptr": "*i32", "q1": "*i32", "q2": "*i32", "q3": "*i32", "p1": "*i32", "p2": "*i32", "p3": "*i32",
+          "o1": "*i64", "o2": "*i64", "o3": "*i64", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "rw_ptr": "*fp32",
+          "P": "i32", "eps": "fp32", "qeps": "fp32", "keps": "fp32", "pos_ptr": "*i32", "T": "i32", "qns": "i32",
+          "kns": "i32", "q_ptr": "*i32", "p_ptr": "*i32", "LDO": "i32", "COL0": "i32"}
 # one SASS instruction line: /*0a90*/ [@P0 |@!P1 ] OPCODE[.MODIFIERS] operands ;
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
 _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
@@ -80,9 +89,25 @@ def _tools() -> str:
 
 def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
                    warps: int, arch: int, sums: str = "weights") -> bytes:
-    """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order)."""
+    """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order). The
+    two-launch experts' kernels (runtime/experts/moe_finish.py) take the same constants but the rows sums;
+    "linear" is `_linear_splitk` at one row, N columns, K cut, finishing in its launch."""
     if sums not in ("weights", "columns", "rows"):
         raise ValueError(f"sums: weights, columns or rows, got {sums!r}")
+    if kernel in ("gate_up_finish", "down_finish", "linear"):
+        from runtime.experts import moe_finish
+        from runtime.experts import triton_kernels as tk
+        if sums == "rows":
+            raise ValueError(f"{kernel}: sums over weights or columns only")
+        const = {"gate_up_finish": dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn,
+                                        KSPLIT=ksplit, COLUMNS=sums == "columns"),
+                 "down_finish": dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit,
+                                     ORDERED=True, COLUMNS=sums == "columns"),
+                 "linear": dict(K=K, N=N, NOUT=N, BITS=bits, G=group, BK=bk, BN=bn, BT=1, KSPLIT=ksplit, DOT=True,
+                                ADD=False, FINISH=ksplit > 1)}[kernel]
+        fn = {"gate_up_finish": moe_finish._gate_up_finish, "down_finish": moe_finish._down_finish,
+              "linear": tk._linear_splitk}[kernel]
+        return compile_jit(fn, _TYPES, const, warps, arch)
     _tools()                                   # ptxas, or the clear error before Triton's own
     import triton
     from triton.backends.compiler import GPUTarget
@@ -163,21 +188,50 @@ def loop_cost(kernel: str, K: int, N: int, bits: int, group: int, bn: int, kspli
         raise ValueError(f"{kernel}: K {K} is not a whole number of {ksplit} slices of {bk}-row tiles")
     body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch, sums)),
                      K // (bk * ksplit))
+    return _cost(kernel, sums, K, N, bits, bk, bn, ksplit, warps, body)
+
+
+def _cost(kernel: str, sums: str, K: int, N: int, bits: int, bk: int, bn: int, ksplit: int, warps: int,
+          body: list) -> LoopCost:
     ops = collections.Counter(op for _, op, _ in body)
-    weights = (2 if kernel == "gate_up" else 1) * bk * bn // (32 * warps)
+    weights = (2 if kernel.startswith("gate_up") else 1) * bk * bn // (32 * warps)
     return LoopCost(kernel, sums, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
                     ops["BAR"], dict(ops.most_common(10)))
 
 
+def prologue_cost(shape: str, bits: int, group: int, ksplit: int, warps: int, arch: int = 90) -> list[LoopCost]:
+    """Attention's one-launch prologue (runtime/experts/qkv_prologue.py, one row, every part at `bits`) and
+    `_linear_splitk` over q alone at the same tile (a head of columns): the K loop of each, per weight."""
+    from runtime.exl2.shapes import SHAPES
+    from runtime.experts.qkv_prologue import XB, _qkv_prologue
+    s = SHAPES[shape]
+    K, D, bk = s.hidden, s.head_dim, min(128, group)
+    if K % (bk * ksplit):
+        raise ValueError(f"qkv_prologue: K {K} is not a whole number of {ksplit} slices of {bk}-row tiles")
+    nq, nkv = s.heads * D, s.kv_heads * D
+    const = dict(K=K, HQ=s.heads, HK=s.kv_heads, D=D, N1=nq, BITS1=bits, G1=group, N2=nkv, BITS2=bits, G2=group,
+                 N3=nkv, BITS3=bits, G3=group, BK=bk, BT=1, KSPLIT=ksplit, DOT=True, HEADNORM=True, ROPE=True, XB=XB)
+    passes = K // (bk * ksplit)
+    body = main_loop(disassemble(compile_jit(_qkv_prologue, _TYPES, const, warps, arch)), passes)
+    linear = main_loop(disassemble(compile_kernel("linear", K, nq, bits, group, bk, D, ksplit, warps, arch)), passes)
+    return [_cost("qkv_prologue", "weights", K, nq + 2 * nkv, bits, bk, D, ksplit, warps, body),
+            _cost("linear", "weights", K, nq, bits, bk, D, ksplit, warps, linear)]
+
+
 def run(shape: str, bits: int, group: int, bn: int, ksplit: int, warps: int, arch: int,
-        sums: str = "weights") -> list[LoopCost]:
+        sums: str = "weights", finish: bool = False) -> list[LoopCost]:
+    """The split-K GEMVs' K loops at the shape's expert widths; finish: the two-launch experts' kernels beside."""
     from runtime.exl2.shapes import SHAPES
     s = SHAPES[shape]
     if not s.is_moe:
         raise ValueError(f"shape {shape!r} is not an MoE shape")
     h, i = s.hidden, s.expert_intermediate
-    return [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch, sums),
-            loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch, sums)]
+    out = [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch, sums),
+           loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch, sums)]
+    if finish:
+        out += [loop_cost("gate_up_finish", h, i, bits, group, bn, ksplit, warps, arch, sums),
+                loop_cost("down_finish", i, h, bits, group, bn, ksplit, warps, arch, sums)]
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -192,12 +246,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--sums", default="weights", choices=("weights", "columns", "rows"),
                    help="how a tile is summed (MOEDESK_GEMV_SUMS)")
+    p.add_argument("--finish", action="store_true",
+                   help="also the two-launch experts' kernels (MOEDESK_MOE_FINISH, runtime/experts/moe_finish.py)")
+    p.add_argument("--prologue", action="store_true",
+                   help="also attention's one-launch prologue and _linear_splitk over q (MOEDESK_QKV_FUSED)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.shape not in SHAPES or not SHAPES[a.shape].is_moe:
         p.error(f"unknown MoE shape {a.shape!r}; choose from {sorted(k for k, s in SHAPES.items() if s.is_moe)}")
     try:
-        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch, a.sums)
+        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch, a.sums, a.finish)
+        if a.prologue:
+            res += prologue_cost(a.shape, a.bits, a.group, a.ksplit, a.warps, a.arch)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -205,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{a.warps} warps, sums over {a.sums}")
     for r in res:
         top = ", ".join(f"{k} {v}" for k, v in r.top.items())
-        print(f"{r.kernel:8s} K {r.K:6d} N {r.N:6d}: {r.loop_instructions} instructions per pass over "
+        print(f"{r.kernel:14s} K {r.K:6d} N {r.N:6d}: {r.loop_instructions} instructions per pass over "
               f"{r.weights_per_thread} weights per thread = {r.instructions_per_weight:.2f} per weight; "
               f"{r.barriers_per_pass} barriers per pass; {top}")
     if a.json:

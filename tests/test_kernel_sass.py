@@ -81,3 +81,17 @@ def test_the_two_launch_moe_kernels_compile_with_nothing_spilled(bits, ksplit, c
                                                                  dict(const, SKIP=False, ROWS=False), 4, 90))
         assert 0 < usage["registers"] <= 255 and usage["local"] == 0, (fn, usage)
         assert usage["stack"] <= was["stack"], (fn, usage, was)
+
+
+def test_the_one_launch_kernels_are_counted_beside_the_ones_they_stand_for(capsys):
+    """`--finish` adds the two-launch experts' kernels, `--prologue` attention's one-launch prologue and
+    `_linear_splitk` over q: their K loops found and counted per weight, in the same ranges as the GEMVs'."""
+    assert kernel_sass.main(["--shape", "qwen3-30b-a3b", "--bits", "4", "--ksplit", "2", "--finish",
+                             "--prologue"]) == 0
+    lines = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " per weight" in line]
+    assert lines == ["gate_up", "down", "gate_up_finish", "down_finish", "qkv_prologue", "linear"], lines
+    for r in kernel_sass.run("qwen3-30b-a3b", 3, 128, bn=64, ksplit=2, warps=4, arch=90, finish=True)[2:] + \
+            kernel_sass.prologue_cost("qwen3-30b-a3b", 3, 128, ksplit=2, warps=4):
+        assert 3 < r.instructions_per_weight < 60, r
+    with pytest.raises(ValueError, match="weights or columns"):
+        kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=128, ksplit=2, warps=1, arch=90, sums="rows", finish=True)
