@@ -73,7 +73,8 @@ def _store_head(y, offs_t, mask_t, hn_ptr, hns, heps, sin_ptr, cos_ptr, pos_ptr,
         at = pos[:, None] * D + (cols % HALF)[None, :]                      # exllamav2: both halves at col % half
         c = tl.load(cos_ptr + at, mask=mask_t[:, None], other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + at, mask=mask_t[:, None], other=0.0).to(tl.float32)
-        other = tl.reshape(tl.flip(tl.reshape(y, (BT, 2, HALF)), 1), (BT, D))  # each column's partner, halves swapped
+        lo, hi = tl.split(tl.permute(tl.reshape(y, (BT, 2, HALF)), (0, 2, 1)))     # the halves, [BT, HALF] each
+        other = tl.reshape(tl.permute(tl.join(hi, lo), (0, 2, 1)), (BT, D))      # each column's partner
         y = y * c + tl.where(cols < HALF, -1.0, 1.0)[None, :] * other * s
     tl.store(out_ptr + offs_t[:, None] * LDO + head * D + cols[None, :], y.to(tl.float16), mask=mask_t[:, None])
 
