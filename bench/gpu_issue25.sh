@@ -22,7 +22,7 @@
 #            in two launches, the residual added by down's, MOEDESK_MOE_FINISH=1, runtime/experts/moe_finish.py),
 #            in the list's order.
 #   q125     Q125=1: the same on q125-a11 at 3.0 bpw all in VRAM (~50 GB written here), VARIANTS_Q125 (default:
-#            fused only), decode only (prompt 512). SHAPES="" leaves the grouped step out. The profiles go into
+#            fused and one-launch), decode only (prompt 512). SHAPES="" leaves the grouped step out. The profiles go into
 #            $OUT/prof.tar.gz (one file: the call brings back 8 at most).
 # Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run from
 # the repository root. JSON goes into bench/results/ and, with a log, into $OUT.
@@ -37,7 +37,7 @@ VARIANTS=${VARIANTS:-"fused:MOEDESK_ROUTE=fused one-launch:MOEDESK_QKV_FUSED=1,M
 normed:MOEDESK_ROUTE=normed qkv-normed:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed finish:MOEDESK_MOE_FINISH=1
 dense:MOEDESK_DENSE_GEMV=1 dense-normed:MOEDESK_DENSE_GEMV=1,MOEDESK_ROUTE=normed align:MOEDESK_ALIGN=kernel
 rows:MOEDESK_GEMV_SUMS=rows"}
-VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused"}
+VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused one-launch:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed,MOEDESK_MOE_FINISH=1"}
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
 STEPS_LOG=$OUT/gpu_issue25.log
