@@ -108,11 +108,6 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
         fn = {"gate_up_finish": moe_finish._gate_up_finish, "down_finish": moe_finish._down_finish,
               "linear": tk._linear_splitk}[kernel]
         return compile_jit(fn, _TYPES, const, warps, arch)
-    _tools()                                   # ptxas, or the clear error before Triton's own
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from runtime.experts import triton_kernels as tk
     if kernel == "gate_up":
         fn = tk._gate_up_splitk
@@ -124,16 +119,13 @@ def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, 
                      ORDERED=True, COLUMNS=sums == "columns", ROWS=sums == "rows")
     else:
         raise ValueError(f"kernel: one of {', '.join(KERNELS)}, got {kernel!r}")
-    names = fn.arg_names
-    sig = {n: _POINTERS[kernel].get(n, "constexpr") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["cubin"]
+    return compile_jit(fn, _POINTERS[kernel], const, warps, arch)
 
 
 def compile_jit(fn, types: dict, const: dict, warps: int, arch: int) -> bytes:
     """The cubin of any of the project's Triton kernels: `types` the Triton types of its runtime arguments
     (those not named: "*fp16"), `const` its constexprs."""
-    _tools()
+    _tools()                                   # ptxas, or the clear error before Triton's own
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -68,16 +68,14 @@ def test_the_two_launch_moe_kernels_compile_with_nothing_spilled(bits, ksplit, c
     than the split-K kernels they stand for (3-bit codes summed by columns keep 8 bytes in both)."""
     from runtime.experts import triton_kernels as tk
     from runtime.experts.moe_finish import _down_finish, _gate_up_finish
-    types = {"ids_ptr": "*i32", "skip_ptr": "*u8", "cut_ptr": "*i32", "q1": "*i32", "q3": "*i32", "q2": "*i32",
-             "p1": "*i32", "p3": "*i32", "p2": "*i32", "o1": "*i64", "o3": "*i64", "o2": "*i64", "ws_ptr": "*fp32",
-             "cnt_ptr": "*i32", "rw_ptr": "*fp32", "gu_ptr": "*fp32", "P": "i32"}   # the rest fp16
     gate_up = dict(K=2048, N=768, A=8, BITS1=bits, G1=128, BITS3=bits, G3=128, BK=128, BN=64, KSPLIT=ksplit,
                    COLUMNS=columns)
     down = dict(K=768, N=2048, HS=768, NOUT=2048, A=8, BITS=bits, G=128, BK=128, BN=64, KSPLIT=ksplit,
                 ORDERED=True, COLUMNS=columns)
-    for fn, old, const in ((_gate_up_finish, tk._gate_up_splitk, gate_up), (_down_finish, tk._down_splitk, down)):
-        usage = kernel_sass.resource_usage(kernel_sass.compile_jit(fn, types, const, 4, 90))
-        was = kernel_sass.resource_usage(kernel_sass.compile_jit(old, dict(types, out_ptr="*fp32"),
+    for fn, name, const in ((_gate_up_finish, "gate_up", gate_up), (_down_finish, "down", down)):
+        usage = kernel_sass.resource_usage(kernel_sass.compile_jit(fn, kernel_sass._TYPES, const, 4, 90))
+        old = getattr(tk, f"_{name}_splitk")
+        was = kernel_sass.resource_usage(kernel_sass.compile_jit(old, kernel_sass._POINTERS[name],
                                                                  dict(const, SKIP=False, ROWS=False), 4, 90))
         assert 0 < usage["registers"] <= 255 and usage["local"] == 0, (fn, usage)
         assert usage["stack"] <= was["stack"], (fn, usage, was)

@@ -257,10 +257,8 @@ def test_it_compiles_for_an_h200_with_nothing_spilled(monkeypatch, rows_block, k
     except RuntimeError as e:
         pytest.skip(str(e))
     from runtime.experts.qkv_prologue import XB, _qkv_prologue
-    types_ = {"eps": "fp32", "qeps": "fp32", "keps": "fp32", "pos_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-              "T": "i32", "qns": "i32", "kns": "i32", **{f"{c}{i}": "*i32" for c in "qp" for i in "123"}}
     const = dict(K=2048, HQ=32, HK=4, D=128, N1=4096, BITS1=4, G1=128, N2=512, BITS2=4, G2=128, N3=512, BITS3=3,
                  G3=128, BK=64 if not dot else 128, BT=rows_block, KSPLIT=ksplit, DOT=dot, HEADNORM=True, ROPE=True,
                  XB=XB)
-    usage = kernel_sass.resource_usage(kernel_sass.compile_jit(_qkv_prologue, types_, const, warps, 90))
+    usage = kernel_sass.resource_usage(kernel_sass.compile_jit(_qkv_prologue, kernel_sass._TYPES, const, warps, 90))
     assert 0 < usage["registers"] <= 255 and usage["stack"] == 0 and usage["local"] == 0, usage

@@ -25,7 +25,7 @@ from runtime.experts import kernels
 from runtime.experts.kernels import SplitK, _bk, _ksplit
 from runtime.experts.linear_gemv import FMA_MAX_ROWS, FMA_MAX_TILE, LINEAR_MAX_ROWS, linear_rows_block, workspace
 from runtime.experts.pack import PackedExperts
-from runtime.experts.triton_kernels import _dequant_tile
+from runtime.experts.triton_kernels import _dequant_tile, last_slice, take_sums
 
 XB = 256            # columns of x per step of the programs' sums of squares
 
@@ -84,20 +84,16 @@ def _finish(acc, hb, offs_t, mask_t, ws_ptr, cnt_ptr, hn_ptr, hns, heps, sin_ptr
             NT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KSPLIT: tl.constexpr, NORM: tl.constexpr,
             ROPE: tl.constexpr):
     """This slice's sums of head block hb: stored when K is whole; else added into the workspace, and the last
-    slice stores the head and leaves its workspace and counter at zero (linear_gemv's FINISH)."""
+    slice stores the head (triton_kernels.last_slice, take_sums)."""
     if KSPLIT == 1:
         _store_head(acc, offs_t, mask_t, hn_ptr, hns, heps, sin_ptr, cos_ptr, pos_ptr, out_ptr, LDO, head, D, BT,
                     NORM, ROPE)
     else:
         wptrs = ws_ptr + offs_t[:, None] * (NT * D) + hb * D + tl.arange(0, D)[None, :]
         mask = mask_t[:, None] & (tl.arange(0, D) < D)[None, :]
-        tl.atomic_add(wptrs, acc, mask=mask)                  # acq_rel: visible before this slice counts
-        tl.debug_barrier()                                    # every thread's adds issued before the count
-        done = tl.atomic_add(cnt_ptr + hb, 1)
-        if done == KSPLIT - 1:                                # the last slice: every other one has added
-            total = tl.atomic_add(wptrs, tl.zeros([BT, D], dtype=tl.float32), mask=mask)   # read where added
-            total = tl.where(mask, total, 0.0)                # rows past T: nothing defined was read
-            tl.store(wptrs, tl.zeros([BT, D], dtype=tl.float32), mask=mask)
+        tl.atomic_add(wptrs, acc, mask=mask)
+        if last_slice(cnt_ptr + hb, KSPLIT):
+            total = tl.where(mask, take_sums(wptrs, acc, mask), 0.0)      # rows past T: nothing defined was read
             _store_head(total, offs_t, mask_t, hn_ptr, hns, heps, sin_ptr, cos_ptr, pos_ptr, out_ptr, LDO, head, D,
                         BT, NORM, ROPE)
             tl.store(cnt_ptr + hb, 0)

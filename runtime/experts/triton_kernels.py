@@ -436,18 +436,35 @@ def _linear_splitk(x_ptr, q_ptr, s_ptr, p_ptr, out_ptr, ws_ptr, cnt_ptr, T, LDO,
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     elif FINISH:
         wptrs = ws_ptr + offs_t[:, None] * NOUT + offs_n[None, :]
-        tl.atomic_add(wptrs, acc, mask=mask)                  # acq_rel: visible before this slice counts
-        tl.debug_barrier()                                    # every thread's adds issued before the count
-        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1)
-        if done == KSPLIT - 1:                                # the last slice: every other one has added
-            total = tl.atomic_add(wptrs, tl.zeros([BT, BN], dtype=tl.float32), mask=mask)   # read where added
-            tl.store(wptrs, tl.zeros([BT, BN], dtype=tl.float32), mask=mask)
+        tl.atomic_add(wptrs, acc, mask=mask)
+        if last_slice(cnt_ptr + tl.program_id(0), KSPLIT):
+            total = take_sums(wptrs, acc, mask)
             if ADD:
                 total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + tl.program_id(0), 0)
     else:
         tl.atomic_add(ptrs, acc, mask=mask)
+
+
+# A split-K launch finishing in itself (`_linear_splitk`'s FINISH, qkv_prologue.py, moe_finish.py): each program
+# adds its sums into a float32 workspace (acq_rel atomics: visible before it counts), then `last_slice`; the last
+# takes them whole (`take_sums`) and, after its stores, sets the counter back to zero (there, not sooner: on sm_90
+# a reset inside `last_slice` gave qkv_prologue's 16-row shapes a stack frame). Both are zero between launches.
+@triton.jit
+def last_slice(c_ptr, SLICES):
+    """Count this program's slice at c_ptr once its adds are issued: True for the last of SLICES (every other
+    one has added)."""
+    tl.debug_barrier()                                    # every thread's adds issued before the count
+    return tl.atomic_add(c_ptr, 1) == SLICES - 1
+
+
+@triton.jit
+def take_sums(wptrs, like, mask):
+    """The sums at wptrs (shaped as `like`), read where they were added, and the workspace set back to zero."""
+    total = tl.atomic_add(wptrs, tl.zeros_like(like), mask=mask)
+    tl.store(wptrs, tl.zeros_like(like), mask=mask)
+    return total
 
 
 @triton.jit
