@@ -58,7 +58,8 @@ LABELS = {
     "sampling.top_p": "Top-p", "sampling.top_k": "Top-k", "sampling.min_p": "Min-p",
     "sampling.max_tokens": "Max tokens", "sampling.context_overflow": "When the chat is full",
     "server.enabled": "Local server", "server.port": "Port", "server.allow_other_devices": "Allow other devices",
-    "server.max_queue": "Queue length",
+    "server.max_queue": "Queue length", "server.allowed_origins": "Allowed origins",
+    "server.allowed_hosts": "Allowed host names",
 }
 CHOICE_LABELS = {
     "app.theme": {"system": "Follow the system", "light": "Light", "dark": "Dark"},
@@ -145,6 +146,8 @@ def _fmt(path: str, value: Any) -> str:
         return SPECIAL_TEXT.get(path, "none")
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ", ".join(value) or "none"
     if path in SPECIAL_TEXT and value == 0:
         return SPECIAL_TEXT[path]
     return CHOICE_LABELS.get(path, {}).get(value, str(value))
@@ -175,6 +178,7 @@ class _Field:
         self.hint.setWordWrap(True)
         self.hint.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.editor = self._make_editor(base, meta, on_change)
+        self.status.setWordWrap(isinstance(self.editor, QLineEdit))      # a list's problem is a sentence
         for w in (self.label, self.editor, self.hint):
             w.setToolTip(hint)
 
@@ -204,6 +208,9 @@ class _Field:
             lo = float(meta["min"]) if meta.get("min") is not None else 0.0
             ed.setRange(lo - 0.5 if self.optional else lo, float(meta["max"]) if meta.get("max") is not None else 4096.0)
             ed.valueChanged.connect(on_change)
+        elif typing.get_origin(base) is tuple:          # a list of texts: written separated by commas
+            ed = QLineEdit(placeholderText="none")
+            ed.textChanged.connect(on_change)
         else:
             raise TypeError(f"{self.path}: no editor for options of type {base!r}")
         if isinstance(ed, (QSpinBox, QDoubleSpinBox)) and self.path in SPECIAL_TEXT:
@@ -220,6 +227,8 @@ class _Field:
             return ed.currentData()
         if isinstance(ed, QCheckBox):
             return ed.isChecked()
+        if isinstance(ed, QLineEdit):
+            return tuple(part.strip() for part in ed.text().replace("\n", ",").split(",") if part.strip())
         v = ed.value()
         if self.optional and v <= ed.minimum():
             return None
@@ -236,6 +245,8 @@ class _Field:
             ed.setCurrentIndex(i)
         elif isinstance(ed, QCheckBox):
             ed.setChecked(bool(value))
+        elif isinstance(ed, QLineEdit):
+            ed.setText(", ".join(value))
         else:
             ed.setValue(ed.minimum() if value is None else value)
 
@@ -468,10 +479,24 @@ class SettingsPanel(QDialog):
         no_key = self.fields["server.allow_other_devices"].value() and not self.key_edit.text().strip()
         self.key_status.setText("needed for other devices" if no_key else "")
         self.key_status.setStyleSheet(_status_style("needs reload") if no_key else "")
-        missing = missing or no_key
+        missing = missing or no_key or self._bad_server_lists()
         self.apply_button.setEnabled(not missing)
         self.reload_button.setEnabled(bool(reload) and self._has_model and not missing)
         self.reload_button.setVisible(self._has_model)
+
+    def _bad_server_lists(self) -> bool:
+        """Mark an allowed origin or host that the server would refuse; True when there is one."""
+        from app.serve.guard import parse_hosts, parse_origins
+        bad = False
+        for path, parse in (("server.allowed_origins", parse_origins), ("server.allowed_hosts", parse_hosts)):
+            f = self.fields[path]
+            try:
+                parse(f.value())
+            except ValueError as e:
+                f.status.setText(str(e))
+                f.status.setStyleSheet(_status_style("needs reload"))
+                bad = True
+        return bad
 
     def _status_text(self, path: str, f: _Field, needs_reload: bool) -> str:
         if needs_reload:

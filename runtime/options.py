@@ -119,6 +119,11 @@ class ServeOptions:
     port: int = opt(8642, "TCP port of the server.", min=1, max=65535)
     allow_other_devices: bool = opt(False, "Listen on every network address (needs an API key), not only this computer.")
     max_queue: int = opt(8, "Requests that may wait for the engine; one more is refused with 503.", min=0, max=1024)
+    allowed_origins: tuple[str, ...] = opt((), "Web pages and browser extensions that may use the server, by origin "
+                                               "(e.g. chrome-extension://ID, http://localhost:3000; * for any); "
+                                               "empty = none, only programs.")
+    allowed_hosts: tuple[str, ...] = opt((), "Other names the server answers to besides localhost and its own "
+                                             "addresses (e.g. a reverse proxy's or a LAN name; * for any).")
 
 
 T = TypeVar("T")

@@ -183,3 +183,24 @@ def test_a_full_queue_answers_503_with_retry_after(qtbot, desk):
     r = second["r"]
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
     qtbot.waitUntil(lambda: "r" in first, timeout=30000)
+
+
+def test_the_apps_server_answers_only_its_host_names_and_allowed_origins(qtbot, desk):
+    def get(url, **headers):
+        got = in_thread(lambda: httpx.get(f"{url}/models", headers={"Authorization": "Bearer k1", **headers},
+                                          timeout=30))
+        qtbot.waitUntil(lambda: "r" in got, timeout=30000)
+        return got["r"]
+    url = desk.server.url
+    assert get(url, origin="http://localhost:3000").json()["error"]["code"] == "origin_not_allowed"
+    assert get(url, host="evil.example").json()["error"]["code"] == "host_not_allowed"
+    allowed = dataclasses.replace(desk.settings, server=dataclasses.replace(
+        desk.settings.server, allowed_origins=("http://localhost:3000",), allowed_hosts=("gpu-box.lan",)))
+    apply_settings(desk, allowed, reload=False)
+    url = desk.server.url
+    r = get(url, origin="http://localhost:3000")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert get(url, host="gpu-box.lan").status_code == 200
+    bad = dataclasses.replace(allowed, server=dataclasses.replace(allowed.server, allowed_origins=("example.com",)))
+    apply_settings(desk, bad, reload=False)
+    assert desk.server.url is None and "allowed origin 'example.com'" in desk.window.banner.detail.text()

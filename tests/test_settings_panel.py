@@ -200,3 +200,22 @@ def test_the_engines_word_on_the_expert_path_shows_beside_placement(panel):
     assert "CPU expert path on" in text and "34.1" in text
     panel.show_telemetry(P.Telemetry(request_id="", extra={}))      # other figures leave it alone
     assert "CPU expert path on" in panel.fields["offload.placement"].status.text()
+
+
+def test_the_servers_allowed_origins_and_hosts_are_lists_checked_before_apply(panel):
+    origins, hosts = panel.fields["server.allowed_origins"], panel.fields["server.allowed_hosts"]
+    assert origins.editor.text() == "" and "Default: none." in origins.hint.text()
+    origins.editor.setText("chrome-extension://abcdef, http://localhost:3000,")
+    hosts.editor.setText("gpu-box.lan")
+    assert panel.settings().server.allowed_origins == ("chrome-extension://abcdef", "http://localhost:3000")
+    assert panel.settings().server.allowed_hosts == ("gpu-box.lan",)
+    assert panel.apply_button.isEnabled()
+    origins.editor.setText("localhost:3000/app")                  # no scheme, a path: the server would refuse it
+    assert not panel.apply_button.isEnabled() and "allowed origin 'localhost:3000/app'" in origins.status.text()
+    origins.editor.setText("*")
+    hosts.editor.setText("http://gpu-box.lan")
+    assert not panel.apply_button.isEnabled() and "allowed host" in hosts.status.text()
+    hosts.editor.setText("")
+    assert panel.apply_button.isEnabled() and origins.status.text() == hosts.status.text() == ""
+    panel.set_settings(Settings())
+    assert panel.settings() == Settings()

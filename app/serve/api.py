@@ -7,13 +7,15 @@ events with `"stream": true`). The engine runs one generation at a time (batch 1
 for it in arrival order, at most `max_queue` of them; one more is refused with 503 at once.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
-(bad JSON, a bad or unsupported field, a conversation longer than the context: code
-`context_length_exceeded`), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for
-a request body over `MAX_BODY_BYTES`, 503 when the queue is full or no model is loaded.
+(bad or too deeply nested JSON, a bad or unsupported field, max_tokens over the context, a conversation
+longer than the context: code `context_length_exceeded`; a Host name the server does not serve), 401 for a
+missing or wrong key, 403 for a web page (Origin) not allowed, 404 for an unknown model or route, 413 for a
+request body over `MAX_BODY_BYTES`, 503 when the queue is full or no model is loaded, 500 for anything else.
 
-A streaming client that goes away mid-answer cancels its generation (the protocol's `cancel`); the
-slot is released once the engine has confirmed the end, so the next request finds the worker free.
-The key is compared in constant time and never logged.
+A client that goes away cancels its request wherever it is, queued or generating, streaming or not
+(`app.serve.disconnect`; the protocol's `cancel`); the slot is released once the engine has confirmed the
+end, so the next request finds the worker free. Before any route, `app.serve.guard` refuses foreign Host
+names and web pages (Origins) the user did not allow. The key is compared in constant time and never logged.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import time
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, Sequence
 
 import anyio
 from starlette.applications import Starlette
@@ -34,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.serve import guard
 from runtime import protocol as P
 from runtime.options import OptionError, SamplingOptions, from_dict
 
@@ -126,6 +129,9 @@ def _sampling(body: dict, model: ServedModel) -> SamplingOptions:
         if body.get(name) is not None:
             fields[name] = body[name]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > model.context_length:
+        raise ApiError(400, f"max_tokens: {max_tokens} is more than this model's context of {model.context_length} "
+                            "tokens (prompt and answer together)", param="max_tokens")
     fields["max_tokens"] = model.context_length if max_tokens is None else max_tokens
     stop = body.get("stop")
     if stop is not None:
@@ -295,6 +301,8 @@ class Api:
             body = json.loads(data)
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is JSON nested too deeply to read", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}",
                            code="invalid_json")
@@ -389,11 +397,21 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
     return ApiError(exc.status_code, exc.detail or "error", code=code).response()
 
 
-def create_app(backend: Backend, api_key: Optional[str] = None, max_queue: int = 8) -> Starlette:
+async def _internal_error(_request: Request, exc: Exception) -> Response:
+    log.error("a request failed: %s: %s", type(exc).__name__, str(exc)[:300])
+    return ApiError(500, "the server failed on this request (see its log)", type="server_error",
+                    code="internal_error").response()
+
+
+def create_app(backend: Backend, api_key: Optional[str] = None, max_queue: int = 8,
+               allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = ()) -> Starlette:
+    """The API; `allowed_origins` / `allowed_hosts` extend what `app.serve.guard` accepts (ValueError in words)."""
     api = Api(backend, api_key, max_queue)
     routes = [Route("/v1/models", api.models, methods=["GET"]),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
-    app = Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+    app = Starlette(routes=routes, middleware=guard.middleware(allowed_origins, allowed_hosts),
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
     app.state.api = api
     return app

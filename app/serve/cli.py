@@ -1,10 +1,13 @@
 """`moedesk serve`: the OpenAI-compatible server without the GUI, in front of its own worker process.
 
     moedesk serve --model NAME_OR_DIR [--port P] [--host H] [--api-key K] [--max-queue N]
+                  [--allow-origin ORIGIN]... [--allow-host NAME]...
                   [--backend auto|cuda|cpu] [--vram-budget GB] [--draft none|ngram|DIR] [--draft-tokens K]
 
 Binds 127.0.0.1 by default; any other address needs an API key (`--api-key`, or the environment
 variable MOEDESK_API_KEY, which keeps it out of the process list). `--port 0` picks a free port.
+It answers only to localhost and its own addresses, and to no web page: `--allow-origin` lets a page or
+browser extension in by its origin, `--allow-host` adds a host name (see `app.serve.guard`).
 Once the model is loaded it prints one line, `Serving MODEL at http://HOST:PORT/v1`, on stdout.
 Exit status 0 after Ctrl+C; 1 with a one-line error on stderr when the model cannot be loaded,
 the address cannot be bound, or the engine process dies.
@@ -69,9 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help=f"key clients must send (Authorization: Bearer KEY); or set {KEY_ENV}")
     p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
                    help=f"requests that may wait for the engine (default {DEFAULTS.max_queue})")
+    p.add_argument("--allow-origin", action="append", default=list(DEFAULTS.allowed_origins), metavar="ORIGIN",
+                   help="a web page or browser extension that may use the server, e.g. chrome-extension://ID or "
+                        "http://localhost:3000 (repeat for more; * for any page); by default none")
+    p.add_argument("--allow-host", action="append", default=list(DEFAULTS.allowed_hosts), metavar="NAME",
+                   help="another host name the server answers to (a reverse proxy's, a LAN name; repeat for more)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.serve import guard
     from app.serve.api import create_app
     from app.serve.worker_backend import WorkerBackend, served_model
     from runtime import protocol as P
@@ -86,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         return _fail("--max-queue must be 0 or more")
     try:
+        guard.parse_origins(args.allow_origin)
+        guard.parse_hosts(args.allow_host)
+    except ValueError as e:
+        return _fail(str(e))
+    try:
         options = load_options(args)
     except OptionError as e:
         return _fail(f"bad option {e}")
@@ -99,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"moedesk serve: {ready.engine_note} Loading {args.model}…", file=sys.stderr, flush=True)
         loaded = client.load(args.model, options, on_progress=_progress_printer())
         server = make_server(create_app(WorkerBackend(client, loaded, on_death=lambda words: _stop(server, words)),
-                                        api_key=key, max_queue=args.max_queue))
+                                        api_key=key, max_queue=args.max_queue, allowed_origins=args.allow_origin,
+                                        allowed_hosts=args.allow_host))
         print(f"Serving {served_model(loaded).id} at {url_of(sock, args.host)}", flush=True)
         server.run(sockets=[sock])
         return 1 if getattr(server, "moedesk_failure", None) else 0

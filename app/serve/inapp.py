@@ -122,12 +122,16 @@ class LocalServer(QObject):
         if not is_loopback(host) and not api_key:
             return self._refuse("Allowing other devices needs an API key: create one first.")
         try:
+            app = create_app(self.backend, api_key=api_key, max_queue=options.max_queue,
+                             allowed_origins=options.allowed_origins, allowed_hosts=options.allowed_hosts)
+        except ValueError as e:
+            return self._refuse(f"The local server cannot start: {e}.")
+        try:
             sock = bind(host, options.port)
         except OSError as e:
             return self._refuse(f"The local server cannot listen on port {options.port}: {e.strerror or e}. "
                                 "Pick another port.")
-        self._server = make_server(create_app(self.backend, api_key=api_key, max_queue=options.max_queue),
-                                   log_level="warning")
+        self._server = make_server(app, log_level="warning")
         self.url = url_of(sock, "127.0.0.1" if is_loopback(host) else _lan_address())
         self._thread = threading.Thread(target=self._serve, args=(self._server, sock), name="local-server",
                                         daemon=True)

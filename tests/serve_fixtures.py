@@ -1,0 +1,41 @@
+"""A real `moedesk serve` with the demo model on a free loopback port, for the server's tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def running_server(demo_model: Path, home: Path, *args: str) -> Iterator[tuple[str, Path, str]]:
+    """Yields (base URL, its stderr log, the served model's name); stops it with Ctrl+C (exit status 0)."""
+    log = home / "stderr.txt"
+    env = dict(os.environ, MOEDESK_HOME=str(home), PYTHONPATH=str(ROOT))
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "app.launch", "serve", "--model", str(demo_model),
+                                 "--port", "0", *args],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
+    line = proc.stdout.readline()       # "Serving NAME at URL" once loaded (EOF if it failed)
+    if not line.startswith("Serving"):
+        proc.kill()
+        pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()    # its access log: never let the pipe fill
+    try:
+        yield line.split(" at ")[1].strip(), log, line.split()[1]
+    finally:
+        proc.send_signal(signal.SIGINT)             # Ctrl+C: a clean stop, the worker ended with it
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, log.read_text()
