@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from app.serve import remote
+from app.serve import remote_http
 from app.serve.remote import RemoteConfig, RemoteEngine, RemoteError, list_models, normalise_url
 from runtime.protocol import ChatMessage
 from runtime.options import SamplingOptions
@@ -109,12 +109,12 @@ def test_a_server_that_drops_mid_stream_keeps_the_partial_answer(qtbot, scripted
 
 
 def test_a_silent_server_times_out(qtbot, scripted, monkeypatch):
-    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(remote_http, "IDLE_TIMEOUT_S", 0.5)
     stop = threading.Event()
     _, events = run_engine(qtbot, scripted(lambda h: stop.wait(5)))
     stop.set()
     assert events[-1][0] == "error" and events[-1][1].code == "remote_timeout"
-    assert "sent nothing for" in events[-1][1].message
+    assert "sent no event for 0.5 s" in events[-1][1].message
 
 
 def test_a_whole_answer_gives_stream_timing_and_stop_is_immediate(qtbot, scripted):
