@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from convert_fixtures import tiny_checkpoint
+from convert_fixtures import link_out, tiny_checkpoint
 from fakehub import Branch, Repo, fake_hub  # noqa: F401 (fake_hub is a fixture)
 
 from app.hub import convert as app_convert
@@ -281,12 +281,7 @@ def test_the_app_side_never_imports_torch():
 def test_a_local_source_linking_out_of_its_folder_is_refused_before_it_is_queued(qtbot, dialog, tmp_path, warnings,
                                                                                  name):
     src = tiny_checkpoint(tmp_path / "Linked")
-    secret = tmp_path / "secret"
-    if (src / name).exists():
-        (src / name).rename(secret)
-    else:
-        secret.write_text("{{ 'another file' }}")
-    (src / name).symlink_to(secret)
+    secret = link_out(src, name, tmp_path)
     dialog.start_conversion(False, str(src), 4.0)
     qtbot.waitUntil(lambda: len(warnings) == 1, timeout=20_000)
     assert warnings[0].startswith(f"{src / name}: is a link to {secret}, outside the model folder")

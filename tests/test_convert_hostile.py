@@ -12,7 +12,7 @@ import pytest
 from runtime.cli import main
 from runtime.exl2 import convert as cv
 from runtime.exl2 import convert_check
-from tests.convert_fixtures import TEXT, tiny_checkpoint
+from tests.convert_fixtures import TEXT, link_out, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +47,7 @@ def convert(model, out, **kw):
 
 @pytest.mark.parametrize("name", ["chat_template.jinja", "model.safetensors", "tokenizer_config.json"])
 def test_a_link_out_of_the_source_folder_is_refused_not_copied(src, tmp_path, capsys, name):
-    secret = tmp_path / "secret"
-    if (src / name).exists():
-        (src / name).rename(secret)
-    else:
-        secret.write_text("{{ 'the contents of another file' }}")
-    (src / name).symlink_to(secret)
+    secret = link_out(src, name, tmp_path)
     line = cli(capsys, src, tmp_path / "out")
     assert f"{src / name}: is a link to {secret}, outside the model folder" in line
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
