@@ -74,6 +74,7 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
                 startup_model(settings) if model == "auto" else model)
     wire(desk)
     apply_server(desk)
+    show_secrets_notice(desk)
     window.gauges_dock.setVisible(settings.app.show_gauges)
     if store_notice:
         window.notice.add("Conversations", store_notice)
@@ -155,9 +156,18 @@ def open_models(desk: Desk) -> ModelManagerDialog:
         app = QApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(desk.models.shutdown)
+    show_secrets_notice(desk)
     desk.models.show()
     desk.models.raise_()
     return desk.models
+
+
+def show_secrets_notice(desk: Desk) -> None:
+    """A damaged secrets file set aside (app.secrets): the user is told once, and what was kept."""
+    from app.secrets import check_file
+    words = check_file()
+    if words:
+        desk.window.notice.add("Secrets file damaged", words)
 
 
 def connect_engine(desk: Desk, engine) -> list:
@@ -224,7 +234,10 @@ def use_remote(desk: Desk, config) -> None:
     from app.secrets import set_secret
     from app.serve.remote import RemoteEngine
     engine = RemoteEngine(config)
-    set_secret(f"remote:{engine.config.base_url}", config.api_key)
+    try:
+        set_secret(f"remote:{engine.config.base_url}", config.api_key)
+    except OSError as e:                                 # the chat goes on; the key is asked for next time
+        desk.window.notice.add("The server's key was not saved", str(e))
     desk.settings = dataclasses.replace(desk.settings, app=dataclasses.replace(
         desk.settings.app, remote_url=engine.config.base_url, remote_model=config.model))
     save_settings(desk.settings)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
-                               QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+                               QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QMessageBox, QPushButton,
                                QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from app.settings import AppSettings, Settings
@@ -510,6 +510,10 @@ class SettingsPanel(QDialog):
         from app.secrets import get_secret, set_secret
         key = self.key_edit.text().strip() or None
         if key != get_secret(SERVER_KEY):
-            set_secret(SERVER_KEY, key)
+            try:
+                set_secret(SERVER_KEY, key)
+            except OSError as e:                         # unreadable secrets file: never overwritten
+                QMessageBox.warning(self, "The API key was not saved", str(e))
+                return
         self.apply_requested.emit(self.settings(), reload and bool(self.needs_reload()))
         self.accept()

@@ -10,7 +10,13 @@ runs in a helper process (started once, reused) under these bounds:
 - output: at most `MAX_PROMPT_CHARS` characters, counted while the template writes;
 - operators: `**`, `*` and `+` are intercepted (which also keeps jinja from folding them at compile time):
   integers of more than `MAX_INT_BITS` bits, and text or lists past the output bound, are refused;
-- the optimizer is off; the helper's address space is capped (`MAX_MEMORY_BYTES`) where the OS allows.
+- the optimizer is off; the helper's address space is capped (`MAX_MEMORY_BYTES`) where the OS allows;
+- CPU time: each request may use the render's timeout and `CPU_MARGIN_S` more (RLIMIT_CPU, where the OS has it),
+  so a helper nobody waits for any more stops on its own;
+- its parent: the helper dies with the process that started it. A thread of the helper reads its requests and
+  ends the helper the moment stdin closes, which happens however the parent ends (SIGKILL included), on every OS;
+  on Linux the kernel also kills it when its parent does (PR_SET_PDEATHSIG, asked for where the helper is started
+  from the main thread: the signal follows the thread that started it).
 
 Failures come back as exceptions of runtime/errors.py naming the template's file: TemplateError for a
 broken or runaway template, TemplateRefused when it refuses the messages (raise_exception), ContextOverflow
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+import os
 import queue
 import subprocess
 import sys
@@ -36,6 +44,9 @@ MAX_INT_BITS = 1 << 16                 # ~20,000 decimal digits
 MAX_LIST_ITEMS = 1 << 20
 MAX_MEMORY_BYTES = 2 << 30
 START_TIMEOUT_S = 60.0                 # starting the helper (not counted in the render's time)
+CPU_MARGIN_S = 2.0                     # CPU seconds a request may use beyond the render's timeout
+PDEATHSIG_FLAG = "--die-with-parent"   # Linux: the helper asks the kernel to kill it when its parent dies
+PR_SET_PDEATHSIG = 1                   # <linux/prctl.h>
 
 
 def timeout_s() -> float:
@@ -48,8 +59,10 @@ def timeout_s() -> float:
 class _Helper:
     def __init__(self):
         from runtime.client import worker_command, worker_env
-        self.proc = subprocess.Popen(worker_command() + [HELPER_FLAG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=None, env=worker_env())
+        tied = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
+        command = worker_command() + [HELPER_FLAG] + ([PDEATHSIG_FLAG] if tied else [])
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                     env=worker_env())
         self.lines: "queue.Queue[Optional[bytes]]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name="chat-template-helper").start()
         if self._answer(time.monotonic() + START_TIMEOUT_S, lambda: False) != {"ready": True}:
@@ -75,6 +88,7 @@ class _Helper:
             return "died" if line is None else json.loads(line)
 
     def ask(self, request: dict, should_stop: Callable[[], bool]) -> Any:
+        request = {**request, "cpu_s": timeout_s() + CPU_MARGIN_S}
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         return self._answer(time.monotonic() + timeout_s(), should_stop)
@@ -213,20 +227,59 @@ def _handle(env, compiled: dict, request: dict) -> dict:
 
 def serve() -> int:
     """The helper's loop: one JSON request per line on stdin, one JSON answer per line on stdout."""
+    if PDEATHSIG_FLAG in sys.argv[1:]:
+        _die_with_parent()
     try:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     except (ImportError, ValueError, OSError):
         pass                                    # no such limit on this OS: the wall clock still holds
+    requests: "queue.Queue[bytes]" = queue.Queue()
+    threading.Thread(target=_read_requests, args=(sys.stdin.buffer, requests), daemon=True,
+                     name="requests").start()
     out = sys.stdout.buffer
     env, compiled = _environment(), {}
     out.write(b'{"ready": true}\n')
     out.flush()
-    for line in sys.stdin.buffer:
-        answer = _handle(env, compiled, json.loads(line))
+    while True:
+        request = json.loads(requests.get())
+        _limit_cpu(request.get("cpu_s", TEMPLATE_TIMEOUT_S + CPU_MARGIN_S))
+        answer = _handle(env, compiled, request)
         out.write(json.dumps(answer, ensure_ascii=True).encode() + b"\n")
         out.flush()
-    return 0
+
+
+def _read_requests(stdin, requests: "queue.Queue[bytes]") -> None:
+    """Requests to the main thread; stdin closing means the parent is gone: the helper ends now, even while a
+    template renders."""
+    try:
+        for line in stdin:
+            requests.put(line)
+    finally:
+        os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL from the kernel when the parent (the thread that started the helper) ends."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass                                    # stdin closing still ends the helper
+
+
+def _limit_cpu(seconds: float) -> None:
+    """The helper may use `seconds` more CPU time from now (then SIGXCPU ends it), where the OS has RLIMIT_CPU."""
+    try:
+        import resource
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        soft = math.ceil(usage.ru_utime + usage.ru_stime + max(seconds, 1.0))
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def inside(folder: Path, path: Path) -> Path:
     return path
 
 
-def _check_links(folder: Path) -> None:
+def check_links(folder: Path) -> None:
     """No entry of the folder (the files we and exllamav2 open live there) may link outside it."""
     for entry in sorted(folder.iterdir()):
         inside(folder, entry)
@@ -161,7 +161,9 @@ class FolderInfo:
 # ----------------------------------------------------------------------------------------------
 # Config
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json of `folder`, every size the engines use bounded (CONFIG_BOUNDS) and consistent, DBRX's and
+    Qwen3.5's nested sizes flattened; a named model_invalid or unsupported_architecture otherwise."""
     path = folder / "config.json"
     if not path.is_file():
         raise InvalidModel(path, "missing: a model folder needs config.json")
@@ -400,7 +402,7 @@ def _check_entry(entry: Any) -> str:
 # ----------------------------------------------------------------------------------------------
 # The folder as a whole
 
-def _weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
+def weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
     """(tensor name -> shard file name, shard file name -> header), honouring the index if any."""
     index = folder / "model.safetensors.index.json"
     headers: dict[str, dict] = {}
@@ -470,28 +472,18 @@ def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missin
     return is_exl2
 
 
-def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
-    folder = Path(path)
-    if not folder.exists():
-        raise ModelNotFound(folder, "no such model folder")
-    if not folder.is_dir():
-        raise ModelNotFound(folder, "not a folder")
-    _check_links(folder)
-    config = _read_config(folder)
-    has_tokenizer = (folder / "tokenizer.json").is_file()
-    if require_tokenizer and not has_tokenizer:
-        raise InvalidModel(folder / "tokenizer.json", "missing: the model has no tokenizer")
-    shard_of, headers = _weight_files(folder)
+def check_weights(folder: Path, config: dict, shard_of: dict[str, str], headers: dict[str, dict],
+                  lay: Layout | None = None) -> tuple[Layout, bool]:
+    """Every tensor the config implies (`lay`; by default the architecture's layout, MTP head included) stored
+    with the shape the config implies, checked on the headers before any tensor is read or built from the
+    config's sizes; -> (the layout, whether a linear is stored as EXL2)."""
     names = set(shard_of)
-    implied = implied_tensors(config, names)
-    if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
-        raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} weight "
-                                               f"tensors; the weights hold only {len(names)}")
-    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
-        raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
-                                      "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
-                                      "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
-    lay = layout(config, names)
+    if lay is None:
+        implied = implied_tensors(config, names)
+        if implied > 2 * len(names) + 1000:   # before building the layout (a missing tensor is named below)
+            raise _invalid(folder / "config.json", f"{config['num_hidden_layers']} layers imply at least {implied} "
+                                                   f"weight tensors; the weights hold only {len(names)}")
+        lay = layout(config, names)
 
     def where(name: str) -> Path:
         return folder / shard_of[name]
@@ -502,6 +494,27 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
     if config["architectures"][0] in qwen35.ARCHITECTURES and qwen35.has_mtp(names):
         # the multi-token-prediction head, a draft both engines load when asked: checked as the model is
         _check_tensors(qwen35.mtp_layout(config, names), names, shard_of, headers, where, missing_in)
+    return lay, is_exl2
+
+
+def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelNotFound(folder, "no such model folder")
+    if not folder.is_dir():
+        raise ModelNotFound(folder, "not a folder")
+    check_links(folder)
+    config = read_config(folder)
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    if require_tokenizer and not has_tokenizer:
+        raise InvalidModel(folder / "tokenizer.json", "missing: the model has no tokenizer")
+    shard_of, headers = weight_files(folder)
+    names = set(shard_of)
+    if config["architectures"][0] == "DbrxForCausalLM" and "transformer.wte.weight" in names:
+        raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
+                                      "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
+                                      "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
+    lay, is_exl2 = check_weights(folder, config, shard_of, headers)
 
     num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
     data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())

@@ -42,3 +42,14 @@ def tiny_checkpoint(path: Path, arch: str = "llama", seed: int = 0, layers: int 
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, vocab, vocab - 8, 512)
     return path
+
+
+def link_out(folder: Path, name: str, outside: Path) -> Path:
+    """`folder/name` made a link to a file outside the folder (the file moved there, or a new one): -> that file."""
+    secret = outside / f"secret-{name}"
+    if (folder / name).exists():
+        (folder / name).rename(secret)
+    else:
+        secret.write_text("{{ 'the contents of another file' }}")
+    (folder / name).symlink_to(secret)
+    return secret

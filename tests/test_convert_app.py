@@ -3,11 +3,13 @@ or a local folder, converted by moedesk-cli in its own process, with progress, r
 resumed after a restart, and nothing partial in the model list."""
 import json
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from convert_fixtures import tiny_checkpoint
+from convert_fixtures import link_out, tiny_checkpoint
 from fakehub import Branch, Repo, fake_hub  # noqa: F401 (fake_hub is a fixture)
 
 from app.hub import convert as app_convert
@@ -271,3 +273,53 @@ def test_the_app_side_never_imports_torch():
                        env={**__import__("os").environ, "QT_QPA_PLATFORM": "offscreen",
                             "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+# -- hostile inputs: links out of a local source, a damaged state, a converter that ignores SIGTERM
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "config.json", "model.safetensors"])
+def test_a_local_source_linking_out_of_its_folder_is_refused_before_it_is_queued(qtbot, dialog, tmp_path, warnings,
+                                                                                 name):
+    src = tiny_checkpoint(tmp_path / "Linked")
+    secret = link_out(src, name, tmp_path)
+    dialog.start_conversion(False, str(src), 4.0)
+    qtbot.waitUntil(lambda: len(warnings) == 1, timeout=20_000)
+    assert warnings[0].startswith(f"{src / name}: is a link to {secret}, outside the model folder")
+    assert dialog.conversions.table.rowCount() == 0 and not (tmp_path / "models" / app_convert.RECORDS).exists()
+
+
+def test_a_damaged_partial_state_does_not_stop_the_model_manager(qtbot, tmp_path):
+    models = tmp_path / "models"
+    job = "Tiny-exl2-4.0bpw"
+    (models / app_convert.RECORDS).mkdir(parents=True)
+    (models / app_convert.RECORDS / f"{job}.json").write_text(json.dumps(
+        {"id": job, "source": str(tmp_path / "Tiny"), "bpw": 4.0, "hub": False, "download_id": "", "layers": 3}))
+    (models / app_convert.RECORDS / "y-exl2-4.0bpw.json").write_text(json.dumps(
+        {"id": "y-exl2-4.0bpw", "source": 5, "bpw": 4.0, "hub": False, "download_id": "", "layers": 3}))
+    (models / f".{job}.partial").mkdir()
+    (models / f".{job}.partial" / "state.json").write_text('{"layers_done": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    d = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(d)
+    assert d.conversions.row_text(job) == ("paused", "layer 0 of 3", "Unfinished from an earlier session: press Resume.")
+    assert d.conversions.table.rowCount() == 1
+    (models / f".{job}.partial" / "state.json").write_text('{"layers_done": 99}')
+    assert d.conversions.manager._partial_state() == {job: 0}
+    d.shutdown()
+
+
+def test_cancel_kills_a_converter_that_ignores_sigterm(qtbot, tmp_path, monkeypatch):
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                      "print('layer 1/3 quantized', flush=True); time.sleep(120)"]
+    monkeypatch.setattr(app_convert, "convert_command", lambda: stubborn)
+    events = []
+    manager = app_convert.ConvertManager(tmp_path / "models", on_event=events.append)
+    job = manager.start_local(tiny_checkpoint(tmp_path / "Tiny"), 4.0)
+    qtbot.waitUntil(lambda: any(e.done == 1 and e.state is JobState.RUNNING for e in events), timeout=30_000)
+    proc = manager._proc
+    t0 = time.monotonic()
+    manager.cancel(job.id)
+    assert manager.wait(job.id, 30).state is JobState.CANCELLED
+    took = time.monotonic() - t0
+    assert proc.poll() == -signal.SIGKILL and took < app_convert.KILL_GRACE_S + 5, took
+    assert not manager.partial_dir(job).exists()
+    manager.shutdown()

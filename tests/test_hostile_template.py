@@ -101,3 +101,73 @@ def test_a_prompt_too_long_never_reaches_the_tokenizer(tmp_path, demo_model):
 def test_a_template_source_too_large_is_refused(tmp_path, demo_model):
     with pytest.raises(EngineError, match="chat_template.jinja.*characters"):
         Tokenizer.from_folder(folder_with(tmp_path, demo_model, "x" * (2 << 20)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The helper never outlives its parent, and is bounded in CPU time on its own
+
+PARENT = f"""
+import sys, threading, time
+from runtime import chat_template
+threading.Thread(target=chat_template.run, args=({{"template": {FOREVER!r}, "variables": {{}}}}, "t"),
+                 daemon=True).start()                  # not the main thread: no parent-death signal on Linux
+while chat_template._helper is None:
+    time.sleep(0.02)
+print(chat_template._helper.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_parent_takes_its_helper_with_it_through_the_pipe_alone():
+    """Started from another thread, the helper has no parent-death signal: its stdin closing must end it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from runtime.client import worker_env
+    env = worker_env({**os.environ, "MOEDESK_TEMPLATE_TIMEOUT_S": "600"})
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, env=env)
+    helper = None
+    try:
+        helper = psutil.Process(int(parent.stdout.readline()))
+        assert "--die-with-parent" not in helper.cmdline()
+        deadline = time.monotonic() + 30
+        while helper.cpu_times().user < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)                                     # rendering
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while helper.is_running() and helper.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE, "the helper outlived its parent"
+    finally:
+        if helper is not None and helper.is_running():
+            helper.kill()
+        parent.kill()
+        parent.wait()
+
+
+def test_a_helper_past_its_cpu_time_stops_on_its_own():
+    """A render nobody waits for (its parent stuck, the wall clock not watched) ends at its CPU budget."""
+    import subprocess
+
+    pytest.importorskip("resource")                               # RLIMIT_CPU: not on every OS
+    import signal
+
+    from runtime.chat_template import HELPER_FLAG
+    from runtime.client import worker_command, worker_env
+    helper = subprocess.Popen(worker_command() + [HELPER_FLAG], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=worker_env())
+    try:
+        assert json.loads(helper.stdout.readline()) == {"ready": True}
+        helper.stdin.write(json.dumps({"template": FOREVER, "variables": {}, "cpu_s": 1}).encode() + b"\n")
+        helper.stdin.flush()                                     # stdin stays open: only the CPU bound can end it
+        t0 = time.perf_counter()
+        assert helper.wait(timeout=30) == -signal.SIGXCPU
+        assert time.perf_counter() - t0 < 10
+    finally:
+        helper.kill()
+        helper.wait()

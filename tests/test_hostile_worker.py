@@ -160,3 +160,46 @@ def test_a_command_line_beyond_the_bound_is_refused_and_the_worker_reads_on(work
     ev = _answer(worker, timeout=120)
     assert isinstance(ev, P.Error) and ev.code == "bad_json" and str(P.MAX_LINE_BYTES) in ev.message, ev
     _still_serving(worker)
+
+
+def _gone(proc, timeout: float) -> bool:
+    """Whether `proc` (a psutil.Process) ended within `timeout` (a zombie nobody reaped yet counts as ended)."""
+    import psutil
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_worker_killed_while_a_template_renders_takes_its_helper_with_it(tmp_path, tiny_models, sig):
+    """The helper once spun on at 100% CPU under PID 1 for minutes after its worker was killed."""
+    import signal
+
+    import psutil
+    env = {k: v for k, v in os.environ.items() if k != "MOEDESK_MODELS"}
+    env.update(MOEDESK_HOME=str(tmp_path / "home"), MOEDESK_TEMPLATE_TIMEOUT_S="600")
+    w = WorkerClient(env=env)
+    w.start()
+    helper = None
+    try:
+        w.load(str(tiny_models[1]), CPU)                        # the template compiles in the helper at load
+        helper = next(p for p in psutil.Process(w.proc.pid).children() if "--chat-templates" in p.cmdline())
+        w.send(P.Generate(request_id="loop", messages=ASK))
+        busy = helper.cpu_times().user
+        deadline = time.monotonic() + 30
+        while helper.cpu_times().user < busy + 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)                                     # the template is rendering
+        assert helper.cpu_times().user >= busy + 0.3
+        os.kill(w.proc.pid, getattr(signal, sig))
+        assert _gone(helper, 5), f"the chat template helper outlived its worker ({sig})"
+    finally:
+        if helper is not None and helper.is_running():
+            helper.kill()
+        w.proc.kill()
+        w.proc.wait()

@@ -1,6 +1,7 @@
 """A hostile Hub on loopback: commit ids and ETags that are paths, listings that lie about sizes, a server that
 never stops sending. Nothing may be written outside the models folder and the cache, and nothing half-received
 may be left behind where a resume cannot use it."""
+import json
 import os
 import time
 from pathlib import Path
@@ -95,6 +96,34 @@ def test_a_manifest_with_a_forged_commit_is_not_resumed(tmp_path):
     (stage / staging.MANIFEST).write_text('{"repo_id": "x/y", "branch": "4.0bpw", "commit": "../../etc", '
                                           '"files": []}')
     assert staging.staged_jobs(models) == []
+
+
+GOOD_FILE = {"path": "config.json", "size": 10, "sha256": None, "blob_id": "0" * 40}
+
+
+@pytest.mark.parametrize("manifest", [
+    {"files": [{**GOOD_FILE, "size": "abc"}]}, {"files": [{**GOOD_FILE, "size": -1}]},
+    {"files": [{**GOOD_FILE, "size": True}]}, {"files": [{**GOOD_FILE, "path": 5}]},
+    {"files": [{**GOOD_FILE, "blob_id": "abc"}]}, {"files": [{**GOOD_FILE, "sha256": ["x"]}]},
+    {"files": [{**GOOD_FILE, "extra": 1}]}, {"files": [[1]]}, {"files": {"a": 1}}, {"repo_id": ["x"]},
+    {"branch": None}, {"bpw": "4"}, {"commit": 7}, "[1]", "\xff\xfe", "[" * 100_000,
+])
+def test_a_damaged_manifest_does_not_stop_the_model_manager(qtbot, tmp_path, manifest):
+    """A size of "abc" once stopped the model manager from opening; the download it stood for is left alone."""
+    from app.models_dialog import ModelManagerDialog
+    models = paths.models_dir()
+    good = {"repo_id": "x/y", "branch": "4.0bpw", "commit": "a" * 40, "bpw": 4.0, "files": [GOOD_FILE]}
+    for name, data in (("x--y--4.0bpw", good), ("x--z--4.0bpw", manifest)):
+        stage = staging.staging_dir(models, name)
+        stage.mkdir(parents=True)
+        text = json.dumps({**good, **data}) if isinstance(data, dict) else data
+        (stage / staging.MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert [job.id for job in staging.staged_jobs(models)] == ["x--y--4.0bpw"]
+    d = ModelManagerDialog(models_dir=models)
+    qtbot.addWidget(d)
+    assert [p.job_id for p in d.manager.all()] == ["x--y--4.0bpw"]
+    assert staging.staging_dir(models, "x--z--4.0bpw").is_dir()        # left alone, not deleted
+    d.shutdown()
 
 
 def test_an_oversized_config_is_not_read(hub):

@@ -60,6 +60,18 @@ def checked_commit(commit: object, where: str) -> str:
     return commit
 
 
+def checked_file(f: RemoteFile, where: str) -> RemoteFile:
+    """`f` when its path is text, its size a byte count and its hash of the form it is checked against once
+    downloaded; else a `HubError` naming `where` (a listing, a download manifest)."""
+    if not isinstance(f.path, str) or isinstance(f.size, bool) or not isinstance(f.size, int) or f.size < 0:
+        raise HubError(f"{where} gives {str(f.size)[:80]!r} as the size of {str(f.path)[:200]!r}: not a byte count. "
+                       "Refusing it.")
+    digest, pattern = (f.sha256, _SHA256) if f.sha256 is not None else (f.blob_id, _COMMIT)
+    if not isinstance(digest, str) or not pattern.fullmatch(digest):
+        raise HubError(f"{where} gives {str(digest)[:80]!r} as the hash of {f.path}: not a hash. Refusing it.")
+    return f
+
+
 class LimitedWriter:
     """A binary file stand-in for `http_get` that refuses to grow past `limit` bytes: the bytes the Hub lists
     for the file. Raises `TooLargeError` before writing the chunk that would pass it."""
@@ -202,13 +214,9 @@ class HubClient:
             raise translate(exc, what) from exc
         if any(not isinstance(f.size, int) or f.size < 0 for f in tree):
             raise HubError(f"The Hub listed a file size that is not a byte count while {what}. Refusing the listing.")
-        files = tuple(RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else None, f.blob_id)
+        files = tuple(checked_file(RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else None, f.blob_id),
+                                   f"The Hub's listing of {repo_id} at {branch}")
                       for f in tree if not is_ignored(f.path))
-        for f in files:                         # what each file is checked against once downloaded
-            digest, pattern = (f.sha256, _SHA256) if f.sha256 is not None else (f.blob_id, _COMMIT)
-            if not isinstance(digest, str) or not pattern.fullmatch(digest):
-                raise HubError(f"The Hub listed {str(digest)[:80]!r} as the hash of {f.path} while {what}: not a "
-                               "hash. Refusing the listing.")
         if not any(f.path.endswith(".safetensors") for f in files):
             return None
         config, access = {}, ""

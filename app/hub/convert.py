@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,6 +36,8 @@ from app.hub.queue import DownloadManager
 from app.hub.staging import remove_staging, safe_name
 from app.telemetry import fmt_bytes
 from runtime.client import worker_env
+from runtime.errors import ModelFolderError
+from runtime.modelfolder import check_links, read_json
 from runtime.options import CONVERT_ARCHITECTURES, CONVERT_HEAD_BITS
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ SOURCE_FILES = re.compile(r"(config\.json|generation_config\.json|model(-\d+-of-
 _LAYER = re.compile(r"^layer (\d+)/(\d+) quantized")
 _RESUME = re.compile(r"^resuming after layer (\d+) of (\d+)")
 _ERROR = "moedesk-cli convert: "
+KILL_GRACE_S = 3.0                   # Pause or Cancel: SIGTERM, then SIGKILL this long after if it still runs
 # The converter's words for a partial folder left by a run with other settings (runtime/exl2/convert.py):
 # in the app, Cancel is what starts over.
 _OTHER_SETTINGS = "an interrupted conversion with other settings is there"
@@ -61,6 +65,13 @@ def _explain(error: str) -> str:
                 "options) and cannot be resumed: press Cancel, then convert the model again.")
     return error
 BPW_RANGE = (2.0, 8.0)
+
+
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    """A converter still running KILL_GRACE_S after it was asked to stop: killed (it ignored SIGTERM)."""
+    if proc.poll() is None:
+        log.warning("the converter (pid %d) did not stop within %g s of SIGTERM: killing it", proc.pid, KILL_GRACE_S)
+        proc.kill()
 
 
 def convert_command() -> list[str]:
@@ -169,11 +180,12 @@ def local_source(folder: Path) -> int:
     if not folder.is_dir():
         raise ConvertPlanError(f"{folder} is not a folder.")
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConvertPlanError(f"{folder} has no config.json: it is not a Hugging Face model folder.") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConvertPlanError(f"{folder / 'config.json'} cannot be read: {exc}") from None
+        check_links(folder)                   # the converter refuses them too: say so before anything is queued
+        if not (folder / "config.json").is_file():
+            raise ConvertPlanError(f"{folder} has no config.json: it is not a Hugging Face model folder.")
+        config = read_json(folder / "config.json")
+    except ModelFolderError as exc:
+        raise ConvertPlanError(exc.message) from None
     layers = check_config(config, str(folder))
     if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -254,7 +266,7 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
                 trusted = (job.id == path.stem and output_name(job.source, job.bpw) == job.id
                            and check_bpw(job.bpw) and isinstance(job.hub, bool) and isinstance(job.layers, int)
                            and job.download_id == (safe_name(job.source, "main") if job.hub else ""))
-            except (OSError, ValueError, TypeError, RecursionError, HubError):
+            except (OSError, ValueError, TypeError, AttributeError, RecursionError, HubError):
                 trusted = False
             if not trusted or job.id in self._jobs:
                 continue                                # not ours to trust (it names what it deletes): left alone
@@ -305,10 +317,11 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
     def _partial_state(self) -> dict[str, int]:
         out = {}
         for job in self._jobs.values():
-            try:
-                out[job.id] = int(json.loads((self.partial_dir(job) / "state.json").read_text())["layers_done"])
-            except (OSError, ValueError, KeyError, TypeError):
-                out[job.id] = 0
+            try:                                 # the converter's file, checked by it: here only shown
+                done = read_json(self.partial_dir(job) / "state.json").get("layers_done")
+            except (ModelFolderError, AttributeError):
+                done = None
+            out[job.id] = done if type(done) is int and 0 <= done <= job.layers else 0
         return out
 
     def _on_download(self, p: DownloadProgress) -> None:
@@ -350,8 +363,12 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
                                "Cancelled; its partial files were deleted.")
 
     def _interrupt(self) -> None:                        # holds self._cv
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()                             # its finished layers are on disk: it may stop at once
+            killer = threading.Timer(KILL_GRACE_S, _kill_if_running, (proc,))
+            killer.daemon = True
+            killer.start()
 
     def _run(self, job: ConvertJob) -> ConvertProgress:
         try:

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from app.hub.browse import Quant, RemoteFile, checked_commit
+from app.hub.browse import Quant, RemoteFile, checked_commit, checked_file
 from app.hub.errors import HubError, NotEnoughDiskSpace, UnsafePathError
 from app.telemetry import fmt_bytes
 
@@ -88,12 +88,19 @@ MANIFEST_ERRORS = (ValueError, KeyError, TypeError, RecursionError, HubError)   
 
 
 def read_manifest(stage: Path) -> DownloadJob:
-    data = json.loads((stage / MANIFEST).read_text())
-    files = tuple(RemoteFile(**f) for f in data["files"])
+    """The job a manifest written by `write_manifest` describes, each field checked (it is a file on disk, which
+    anything may have changed); one of MANIFEST_ERRORS otherwise."""
+    data = json.loads((stage / MANIFEST).read_text(encoding="utf-8"))
+    where = f"The download manifest in {stage}"
+    files = tuple(checked_file(RemoteFile(**f), where) for f in data["files"])
     for f in files:
         safe_relpath(f.path)
-    commit = checked_commit(data["commit"], f"the download manifest in {stage}")
-    return DownloadJob(stage.name, data["repo_id"], data["branch"], commit, files, data.get("bpw"))
+    commit = checked_commit(data["commit"], where)
+    repo_id, branch, bpw = data["repo_id"], data["branch"], data.get("bpw")
+    if not (isinstance(repo_id, str) and isinstance(branch, str)
+            and (bpw is None or isinstance(bpw, (int, float)) and not isinstance(bpw, bool))):
+        raise HubError(f"{where} gives a repository, branch or bits per weight that are not what they should be.")
+    return DownloadJob(stage.name, repo_id, branch, commit, files, bpw)
 
 
 def bytes_on_disk(job: DownloadJob, models_dir: Path) -> int:

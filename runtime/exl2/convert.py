@@ -28,6 +28,8 @@ After each layer its quantized tensors go to `layer-NNNNN.safetensors`, the next
 temporary name and renamed). A conversion started again with the same settings continues after the
 last finished layer. The model folder is assembled inside the staging folder by the streaming writer
 and renamed into place at the very end, so a folder at the output path is always a finished model.
+The source folder is untrusted and checked before anything is built from it (links out of it, config sizes, headers,
+the index, every tensor's shape), as are the output path, the staging folder and its state.json (convert_check.py).
 
     moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H] [--[no-]measure]
                         [--threads N]
@@ -61,7 +63,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from runtime import cpu_load, qwen35
@@ -71,6 +73,7 @@ from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_L
 
 from . import allocate, caldata, convert_dbrx
 from . import format as fmt
+from .convert_check import ConvertError, check_output, check_source, copy_extras, make_staging, read_state, staging_dir
 from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
                         quantize_layer)
 from .gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, quantize_gptq
@@ -85,17 +88,12 @@ ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary 
     # its blocks rebuilt, read and renamed by convert_dbrx.py; its final norm a bias-free LayerNorm
     convert_dbrx.ARCH: ("dbrx", "DbrxBlock", "DbrxRotaryEmbedding", None),
 }
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DISK_MARGIN = 64 << 20               # bytes kept free beyond the estimate
 BATCH_ROWS = 4                       # calibration sequences per forward
 AUTO_MARGIN = 1 << 30                # device="auto": VRAM kept beyond a layer's estimate (context, activations)
 STORED_BPW_MIN, STORED_BPW_MAX = 2.0, 8.5    # --bpw range (2-bit codes store ~2.2, 8-bit ~8.2)
 
 Say = Callable[[str], None]
-
-
-class ConvertError(RuntimeError):
-    """A conversion that cannot go on; the message says what is wrong and where."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,47 +103,10 @@ class Checkpoint:
     """An HF model folder: config.json plus safetensors weights, read one tensor at a time."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        cfg_file = self.path / "config.json"
-        if not cfg_file.is_file():
-            raise ConvertError(f"{self.path}: no config.json; expected a Hugging Face model folder")
-        try:
-            self.config = json.loads(cfg_file.read_text())
-        except (OSError, ValueError) as e:
-            raise ConvertError(f"{cfg_file}: unreadable ({e})") from e
-        archs = self.config.get("architectures") or []
-        self.arch = next((a for a in archs if a in ARCHITECTURES or a in qwen35.ARCHITECTURES), None)
-        if self.arch is None:
-            raise ConvertError(f"{cfg_file}: architecture {archs} is not supported; the converter handles "
-                               f"{', '.join((*ARCHITECTURES, *qwen35.ARCHITECTURES))}")
-        if self.config.get("quantization_config"):
-            raise ConvertError(f"{cfg_file}: the checkpoint is already quantized "
-                               f"({self.config['quantization_config'].get('quant_method', '?')}); "
-                               f"convert the original fp16/bf16 weights")
-        self.shard_of = self._shards()
+        source = check_source(path)         # links, config sizes, headers, index, shapes: convert_check.py
+        self.path, self.config, self.arch, self.sizes = source.path, source.config, source.arch, source.sizes
+        self.shard_of = source.shard_of
         self._open: dict[str, object] = {}
-
-    def _shards(self) -> dict[str, Path]:
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise ConvertError(f"{index}: not a safetensors index ({e})") from e
-            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
-            if missing:
-                raise ConvertError(f"{self.path}: missing shards {', '.join(missing)} named in "
-                                   f"model.safetensors.index.json; download them first")
-            return {name: self.path / f for name, f in weight_map.items()}
-        single = self.path / "model.safetensors"
-        if single.is_file():
-            with safe_open(single, "pt") as f:
-                return {name: single for name in f.keys()}
-        pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise ConvertError(f"{self.path}: weights are pickle files ({', '.join(pickles)}), which can run code "
-                               f"when loaded and are refused; use a safetensors copy of the model")
-        raise ConvertError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
 
     def has(self, name: str) -> bool:
         return name in self.shard_of
@@ -155,9 +116,12 @@ class Checkpoint:
         if name not in self.shard_of:
             raise ConvertError(f"{self.path}: tensor {name} is missing from the checkpoint")
         shard = str(self.shard_of[name])
-        if shard not in self._open:
-            self._open = {shard: safe_open(shard, "pt")}       # one shard open at a time
-        return self._open[shard].get_tensor(name)
+        try:
+            if shard not in self._open:
+                self._open = {shard: safe_open(shard, "pt")}       # one shard open at a time
+            return self._open[shard].get_tensor(name)
+        except (OSError, SafetensorError) as e:                    # changed since it was checked
+            raise ConvertError(f"{shard}: cannot read tensor {name} ({e})") from None
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_raw(name).to(torch.float32)
@@ -182,12 +146,14 @@ def calibration_ids(tokenizer, texts, rows: int, seq_len: int, source: str) -> t
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)                  # a file made anew: never written through a link left there
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     os.replace(tmp, path)
 
 
 def _write_state(staging: Path, state: dict) -> None:
     tmp = staging / "state.json.tmp"
+    tmp.unlink(missing_ok=True)
     tmp.write_text(json.dumps(state, indent=2))
     os.replace(tmp, staging / "state.json")
 
@@ -197,10 +163,6 @@ def _check_disk(where: Path, need: int, what: str) -> None:
     if free < need + DISK_MARGIN:
         raise ConvertError(f"{where}: not enough disk space to {what}: {need / 2**20:.0f} MiB needed "
                            f"(+{DISK_MARGIN >> 20} MiB margin), {free / 2**20:.0f} MiB free")
-
-
-def staging_dir(out_dir: Path) -> Path:
-    return out_dir.parent / f".{out_dir.name}.partial"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +294,7 @@ def choose_device(device: str, model_dir, out_dir, hessian_budget: int) -> tuple
     staging = staging_dir(Path(out_dir))
     try:
         started = json.loads((staging / "state.json").read_text())["settings"].get("device", "cpu")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         started = None
     if started == "cpu" or started and torch.cuda.is_available():
         return started, "where the interrupted conversion being resumed started"
@@ -365,8 +327,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise ConvertError(f"device {device!r} is not available here; use cpu or a visible cuda device")
     out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise ConvertError(f"{out_dir}: already exists; choose another output folder or remove it")
+    staging = check_output(out_dir)
     ckpt = Checkpoint(model_dir)
     hybrid = None
     if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
@@ -375,7 +336,10 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         n_layers, tied = hybrid.n_layers, bool(hybrid.config.get("tie_word_embeddings", False))
         embed_name, norm_name = hybrid.embed_name, hybrid.norm_name
     else:
-        cfg = AutoConfig.from_pretrained(ckpt.path)
+        try:
+            cfg = AutoConfig.from_pretrained(ckpt.path)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ConvertError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({e})") from None
         cfg._attn_implementation = "sdpa"
         layer_cls, rope_cls, norm_cls = _classes(ckpt.arch)
         n_layers = cfg.num_hidden_layers
@@ -391,24 +355,21 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
         settings["device"] = device.split(":")[0]
 
-    staging = staging_dir(out_dir)
-    state = {"settings": settings, "layers_done": 0, "rows_used": 0,
-             "stats": {"experts_routed": 0, "experts_all_token_fallback": 0}}
-    if (staging / "state.json").is_file():
-        old = json.loads((staging / "state.json").read_text())
-        if old.get("settings") != settings:
-            raise ConvertError(f"{staging}: an interrupted conversion with other settings is there; run it again "
-                               f"with the same settings to resume, or remove that folder to start over")
-        state = old
+    state = read_state(staging, settings, n_layers, ckpt.sizes["hidden_size"])
+    if state is not None:
         say(f"resuming after layer {state['layers_done']} of {n_layers}")
     else:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir(exist_ok=True)
+        state = {"settings": settings, "layers_done": 0, "rows_used": 0,
+                 "stats": {"experts_routed": 0, "experts_all_token_fallback": 0}}
+        make_staging(staging)
     # output ~ bits/8 of the fp32 count, kept twice at the end (layer files + assembled model)
     _check_disk(staging, int(ckpt.total_bytes() / 2 * max(bits, head_bits) / 8 * 2), "convert this model")
 
     k = state["layers_done"]
-    tok = AutoTokenizer.from_pretrained(ckpt.path)
+    try:
+        tok = AutoTokenizer.from_pretrained(ckpt.path)
+    except Exception as e:                        # whatever the library raises on broken tokenizer files
+        raise ConvertError(f"{ckpt.path}: its tokenizer cannot be read ({type(e).__name__}: {e})") from None
     ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
     allocation = allocate.choose_allocation(ids.numel(), measure)
     measured = allocation["widths"] == "measured"
@@ -523,10 +484,8 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             writer.finish(config)
     except OSError as e:
         raise ConvertError(f"{assembled}: writing the model failed ({e}); free space and run again") from e
-    for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                  "generation_config.json", "chat_template.jinja"):
-        if (ckpt.path / extra).is_file():
-            shutil.copy2(ckpt.path / extra, assembled / extra)
+    copy_extras(ckpt.path, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                            "generation_config.json", "chat_template.jinja"), assembled)
     os.replace(assembled, out_dir)
     shutil.rmtree(staging)
     say(f"wrote {out_dir}")
@@ -589,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
                 calibration_source=source, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
                 hessian_budget=int(args.hessian_memory * 2**30), device=args.device, threads=args.threads)
         return 0
-    except (ConvertError, fmt.Exl2FormatError) as e:
+    except (ConvertError, fmt.Exl2FormatError, OSError) as e:       # OSError: its message names the file
         print(f"moedesk-cli convert: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

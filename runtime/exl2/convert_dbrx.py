@@ -93,6 +93,25 @@ def _sizes(cfg) -> tuple[int, int, int, int]:
             cfg.ffn_config.moe_num_experts)
 
 
+def original_layout(config: dict) -> modelfolder.Layout:
+    """The tensors a DBRX checkpoint stores as the Hub holds it (`transformer.*`, stacked experts), with the shapes
+    its config (flattened and bounded by modelfolder.read_config) implies: checked before any block is built."""
+    hidden, vocab, width, experts = (config[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
+                                                         "num_experts"))
+    kv = modelfolder.kv_heads(config) * modelfolder.head_dim(config)
+    plain: dict[str, tuple[int, ...]] = {EMBED: (vocab, hidden), NORM: (hidden,)}
+    if not config.get("tie_word_embeddings", False):
+        plain["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        b = f"transformer.blocks.{i}."
+        plain.update({f"{b}norm_attn_norm.norm_1.weight": (hidden,), f"{b}norm_attn_norm.norm_2.weight": (hidden,),
+                      f"{b}norm_attn_norm.attn.Wqkv.weight": (hidden + 2 * kv, hidden),
+                      f"{b}norm_attn_norm.attn.out_proj.weight": (hidden, hidden),
+                      f"{b}ffn.router.layer.weight": (experts, hidden),
+                      **{f"{b}ffn.experts.mlp.{w}": (experts * width, hidden) for w in ("w1", "v1", "w2")}})
+    return modelfolder.Layout(plain, {})
+
+
 def new_layer(cfg, i: int, ckpt, device: str, error: type[Exception]) -> nn.Module:
     """DbrxBlock i rebuilt as above, in float32 on `device`, filled from the checkpoint (load_layer)."""
     with torch.device("meta"):
