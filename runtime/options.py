@@ -67,6 +67,8 @@ CONVERT_MEASURE_MIN_TOKENS = 4096
 # Import of GPTQ-family builds (moedesk-cli import, runtime/exl2/gptq_import.py).
 IMPORT_BPW = 6.0                      # stored bits per weight of the linears a build kept in 16 bits
 IMPORT_WIDTHS = (4, 5, 6, 8)          # EXL2 code widths the imported linears may take (at least the build's bits)
+IMPORT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")     # what import handles
 
 @dataclass(frozen=True)
 class SamplingOptions:

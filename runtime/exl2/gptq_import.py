@@ -373,8 +373,12 @@ def _source_folder(source: str, say: Say) -> Path:
         return folder
     if folder.exists() or source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise ImportFailed(f"{source}: not a model folder, nor a repository name such as owner/model")
-    from app.hub.imports import download_source             # the app's resumable Hub downloads (no torch)
-    return download_source(source, say)
+    from app.hub.errors import HubError
+    from app.hub.fetch import download_source                # the app's resumable Hub downloads (no torch)
+    try:
+        return download_source(source, say)
+    except HubError as e:
+        raise ImportFailed(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,14 +21,13 @@ import torch
 from runtime import gptq_spec, qwen35
 from runtime.errors import ModelFolderError
 from runtime.modelfolder import MOE_ARCHITECTURES, ModelFolder, layout, read_json, stored_name
+from runtime.options import IMPORT_ARCHITECTURES
 
 from . import format as fmt
 from .calibrate import CalibrationError, Collector, quantize_jobs
 from .convert_qwen35 import PLAIN_LINEARS
 from .gptq_tensors import RepackStats, repack, unpack
 
-IMPORT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                        *qwen35.ARCHITECTURES)
 SAFETENSORS_DTYPE = {torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
                      torch.float32: "F32"}
 GROUP_SIZE = 32                      # rows per scale group of the linears quantized here (the converter's)
