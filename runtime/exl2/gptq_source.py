@@ -26,11 +26,12 @@ from runtime.options import IMPORT_ARCHITECTURES
 from . import format as fmt
 from .calibrate import CalibrationError, Collector, quantize_jobs
 from .convert_qwen35 import PLAIN_LINEARS
-from .gptq_tensors import RepackStats, repack, unpack
+from .gptq_tensors import RepackStats, repack_many, unpack
 
 SAFETENSORS_DTYPE = {torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
                      torch.float32: "F32"}
 GROUP_SIZE = 32                      # rows per scale group of the linears quantized here (the converter's)
+BATCH = 64                           # quantized linears of one shape repacked together (an MoE layer's experts)
 
 
 class ImportFailed(RuntimeError):
@@ -67,7 +68,8 @@ class Source:
         self.shard_of = {n: self.path / f for n, f in info.shard_of.items()}
         for p in self.quantized:                                       # K.weight: the imported weight
             self.shard_of[f"{p}.weight"] = self.shard_of[f"{p}.qweight"]
-        self._weights: dict[str, torch.Tensor] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}     # the imported linears of the layer at hand
+        self._weights: dict[str, torch.Tensor] = {}                # and their dequantized weights, when asked for
         self.stats = RepackStats()
 
     # -- what convert.Checkpoint offers -----------------------------------------------------------
@@ -77,8 +79,8 @@ class Source:
 
     def get_raw(self, name: str) -> torch.Tensor:
         prefix = name[: -len(".weight")]
-        if name.endswith(".weight") and prefix in self._weights:
-            return self._weights[prefix]
+        if name.endswith(".weight") and prefix in self._tensors:
+            return self._weight(prefix)
         if name.endswith(".weight") and prefix in self.shapes and f"{prefix}.qweight" in self.shard_of:
             raise ImportFailed(f"{prefix}: read before it was imported (a bug of the import's order)")
         if name not in self.shard_of:
@@ -98,27 +100,52 @@ class Source:
         return [p for p in self.quantized if p.startswith(prefix)]
 
     def import_linears(self, prefixes: list[str]) -> dict[str, torch.Tensor]:
-        """Repack each quantized linear into EXL2 -> its tensors by stored name; its dequantized weight is kept
-        (`get_raw(K.weight)`) until `forget()`, and its error added to `stats`."""
-        out = {}
+        """Repack each quantized linear into EXL2 -> its tensors by stored name; its dequantized weight is made when
+        asked for (`get_raw(K.weight)`) until `forget()`, and its error added to `stats`. Linears of one shape and
+        width (a layer's experts) are repacked together, BATCH at a time."""
+        batches: dict[tuple, list] = {}
         for p in prefixes:
-            parts = {k: self.folder.tensor(f"{p}.{k}") for k in (*gptq_spec.GPTQ_PARTS, "g_idx")
-                     if self.has(f"{p}.{k}")}
+            parts = {k: self.folder.tensor(f"{p}.{k}") for k in (*gptq_spec.GPTQ_PARTS, "g_idx") if self.has(f"{p}.{k}")}
             rows, cols = self.shapes[p]
             lay = gptq_spec.linear_layout(self.spec, p, rows, cols, lambda n: _header(parts, p, n),
                                           lambda n: self.path / n)
             try:
                 lin = unpack(parts, self.spec, lay, p, self.device)
-                tensors, stats = repack(lin, max(self.width or lay.bits, lay.bits), p)
             except ModelFolderError as e:
                 raise ImportFailed(f"{self.path}: {e.file}: {e.problem}") from None
-            self.stats.add(stats, p)
-            self._weights[p] = fmt.dequantize(tensors, out_features=rows, device=self.device)
-            out.update({f"{p}.{k}": v for k, v in tensors.items()})
+            width = max(self.width or lay.bits, lay.bits)
+            batch = batches.setdefault((rows, cols, lay.bits, width, lin.scales.shape[0]), [])
+            batch.append((p, lin))
+            if len(batch) == BATCH:
+                self._repack(batch, width)
+                batch.clear()
+        for (_, _, _, width, _), batch in batches.items():
+            if batch:
+                self._repack(batch, width)
+        out = {}
+        for p in prefixes:
+            out.update({f"{p}.{k}": v for k, v in self._tensors[p].items()})
         return out
+
+    def _repack(self, batch: list, width: int) -> None:
+        names = [p for p, _ in batch]
+        try:
+            results = repack_many([lin for _, lin in batch], width, names)
+        except ModelFolderError as e:
+            raise ImportFailed(f"{self.path}: {e.file}: {e.problem}") from None
+        for name, (tensors, stats) in zip(names, results):
+            self.stats.add(stats, name)
+            self._tensors[name] = tensors
+
+    def _weight(self, prefix: str) -> torch.Tensor:
+        if prefix not in self._weights:
+            self._weights[prefix] = fmt.dequantize(self._tensors[prefix], out_features=self.shapes[prefix][0],
+                                                   device=self.device)
+        return self._weights[prefix]
 
     def forget(self) -> None:
         self._weights.clear()
+        self._tensors.clear()
 
 
 def _header(parts: dict, prefix: str, name: str) -> dict | None:

@@ -36,7 +36,7 @@ from runtime.gptq_spec import GptqSpec, LinearLayout
 from . import format as fmt
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble n of an AWQ word holds column AWQ_ORDER[n] of its eight
-SEARCH_ELEMENTS = 1 << 22                  # float32 temporaries of the step search at most per chunk of groups
+SEARCH_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 25}   # float32 elements of one chunk of the step search's groups
 
 
 @dataclass
@@ -140,16 +140,14 @@ def dequantize(lin: GptqLinear) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # EXL2 groups and steps
 
-def packed_order(lin: GptqLinear, name: str) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """(perm: input rows sorted by group, stable; [(source group, rows)] of the groups that hold rows).
-    A group of other than a multiple of 32 rows is refused, naming g_idx."""
-    perm = torch.sort(lin.group, stable=True).indices
+def _group_rows(lin: GptqLinear, name: str) -> list[int]:
+    """Input rows of each source group; a group of other than a multiple of 32 rows is refused, naming g_idx."""
     counts = torch.bincount(lin.group, minlength=lin.scales.shape[0]).tolist()
     for g, n in enumerate(counts):
         if n % 32:
             raise InvalidModel(f"{name}.g_idx", f"group {g} holds {n} input rows: EXL2 groups hold multiples of 32 "
                                                 f"rows, so this act-order layout cannot be represented")
-    return perm, [(g, n) for g, n in enumerate(counts) if n]
+    return counts
 
 
 def _levels(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,33 +191,75 @@ def _search(w: torch.Tensor, ideals: list[torch.Tensor], levels: torch.Tensor, w
     return best_k + 1, c, d
 
 
-def _chunks(groups: list[tuple[int, int]], n_cols: int):
+def _chunks(groups: list[tuple[int, int]], n_cols: int, device: torch.device):
     """Runs of consecutive groups of equal rows, cut so that [groups, rows, N] stays under SEARCH_ELEMENTS."""
-    i = 0
+    i, elements = 0, SEARCH_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
     while i < len(groups):
         rows, j = groups[i][1], i + 1
-        cap = max(1, SEARCH_ELEMENTS // (rows * n_cols))
+        cap = max(1, elements // (rows * n_cols))
         while j < len(groups) and groups[j][1] == rows and j - i < cap:
             j += 1
         yield i, j, rows
         i = j
 
 
+def _stack(lins: list[GptqLinear]) -> GptqLinear:
+    """Linears of one shape as one: rows stacked, each one's groups after the previous ones' (they stay apart)."""
+    if len(lins) == 1:
+        return lins[0]
+    offsets = [0]
+    for lin in lins[:-1]:
+        offsets.append(offsets[-1] + lin.scales.shape[0])
+    return GptqLinear(torch.cat([x.codes for x in lins]), torch.cat([x.zeros for x in lins]),
+                      torch.cat([x.scales for x in lins]), torch.cat([x.group + o for x, o in zip(lins, offsets)]),
+                      lins[0].bits)
+
+
 def repack(lin: GptqLinear, width: int, name: str) -> tuple[dict[str, torch.Tensor], RepackStats]:
     """EXL2 tensors (format.py) of width `width` >= the source's bits, and how far they are from the source."""
-    k_in, out = lin.codes.shape
-    if width < lin.bits or (width,) not in fmt.SUPPORTED_MIXES:
-        raise ValueError(f"{name}: EXL2 width {width} for {lin.bits}-bit codes (4, 5, 6 or 8, at least the source's)")
+    return repack_many([lin], width, [name])[0]
+
+
+def repack_many(lins: list[GptqLinear], width: int, names: list[str]) -> list[tuple[dict[str, torch.Tensor], RepackStats]]:
+    """`repack` of linears of one shape and width in one pass (an MoE layer's experts: their groups searched
+    together, hundreds of small linears without a loop over them); each result as `repack` gives it."""
+    k_in, out = lins[0].codes.shape
+    if width < lins[0].bits or (width,) not in fmt.SUPPORTED_MIXES:
+        raise ValueError(f"{names[0]}: EXL2 width {width} for {lins[0].bits}-bit codes (4, 5, 6 or 8, at least the "
+                         f"source's)")
     if k_in % 32 or k_in > fmt.MAX_IN_FEATURES:
-        raise InvalidModel(name, f"{k_in} inputs: EXL2 takes multiples of 32 up to {fmt.MAX_IN_FEATURES}")
-    perm, groups = packed_order(lin, name)
+        raise InvalidModel(names[0], f"{k_in} inputs: EXL2 takes multiples of 32 up to {fmt.MAX_IN_FEATURES}")
+    counts = [_group_rows(lin, name) for lin, name in zip(lins, names)]
+    lin = _stack(lins)
+    perm = torch.sort(lin.group, stable=True).indices                 # packed row k is input row perm[k]
+    groups = [(g, n) for g, n in enumerate(c for cs in counts for c in cs) if n]
+    codes, qscale, mx, per_group = _encode(lin, width, perm, groups)
+    results, row, g0 = [], 0, 0
+    for i, name in enumerate(names):
+        rows = [n for n in counts[i] if n]
+        g1 = g0 + len(rows)
+        stats = RepackStats(weights=k_in * out, linears=1, exact=int(bool((per_group["max"][g0:g1] == 0).all())),
+                            sq_error=float(per_group["err"][g0:g1].sum()), sq_weight=float(per_group["w"][g0:g1].sum()),
+                            source_noise=float(per_group["noise"][g0:g1].sum()),
+                            max_error=float(per_group["max"][g0:g1].max()))
+        tensors = fmt.assemble(codes[row:row + k_in], qscale[g0:g1], (mx[g0:g1].float() * 256).to(torch.float16),
+                               [(width, r) for r in rows], perm[row:row + k_in] - i * k_in, name)
+        results.append((tensors, stats))
+        row, g0 = row + k_in, g1
+    return results
+
+
+def _encode(lin: GptqLinear, width: int, perm: torch.Tensor, groups: list[tuple[int, int]]):
+    """The search over every group -> (centred codes [K, N] in packed order, qscale [G, N], mx fp16 [G], per group
+    float64 sums on the CPU: "err" squared error, "w" squared weights, "noise" the source's rounding noise, "max")."""
+    k_in, out = lin.codes.shape
     dev, n = lin.codes.device, out + (-out % 32)
     codes = torch.zeros((k_in, n), dtype=torch.int16, device=dev)
     qscale = torch.full((len(groups), n), 16.0, device=dev)
     mx = torch.empty(len(groups), dtype=torch.float16, device=dev)
-    stats, exact, row = RepackStats(weights=k_in * out, linears=1), True, 0
-    src_groups = torch.tensor([g for g, _ in groups], device=dev)
-    for i, j, rows in _chunks(groups, out):
+    sums = {k: torch.empty(len(groups), dtype=torch.float64, device=dev) for k in ("err", "w", "noise", "max")}
+    src_groups, row = torch.tensor([g for g, _ in groups], device=dev), 0
+    for i, j, rows in _chunks(groups, out, dev):
         src = src_groups[i:j]
         rows_in = perm[row:row + (j - i) * rows].view(j - i, rows)                   # [g, R] input rows
         jc = lin.codes[rows_in].float() - lin.zeros[src].unsqueeze(1).float()         # [g, R, N]
@@ -229,18 +269,13 @@ def repack(lin: GptqLinear, width: int, name: str) -> tuple[dict[str, torch.Tens
         if not bool((lin.zeros[src] == 1 << (lin.bits - 1)).all()):                 # asymmetric: no-clip step too
             half = 1 << (width - 1)
             ideals.append(torch.maximum(w.amax(1) / (half - 1), -w.amin(1) / half))
-        top = torch.stack(ideals).amax(0).amax(1)                                      # [g]
-        mx[i:j], levels = _levels(top)
+        mx[i:j], levels = _levels(torch.stack(ideals).amax(0).amax(1))
         qs, c, d = _search(w, ideals, levels, width)
         qscale[i:j, :out], codes[row:row + (j - i) * rows, :out] = qs, c.view(-1, out).to(torch.int16)
         err = (d - w).abs()
-        exact &= bool((err == 0).all())
-        stats.sq_error += float(err.square().sum())
-        stats.sq_weight += float(w.square().sum())
-        stats.source_noise += float((s.square() * rows / 12).sum())
-        stats.max_error = max(stats.max_error, float(err.max()))
+        sums["err"][i:j] = err.double().square().sum(dim=(1, 2))
+        sums["w"][i:j] = w.double().square().sum(dim=(1, 2))
+        sums["noise"][i:j] = (s.double().square() * rows / 12).sum(dim=1)
+        sums["max"][i:j] = err.amax(dim=(1, 2)).double()
         row += (j - i) * rows
-    stats.exact = int(exact)
-    tensors = fmt.assemble(codes.cpu(), qscale.cpu(), (mx.float() * 256).to(torch.float16).cpu(),
-                           [(width, r) for _, r in groups], perm.cpu(), name)
-    return tensors, stats
+    return codes.cpu(), qscale.cpu(), mx.cpu(), {k: v.cpu() for k, v in sums.items()}
