@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     full = get_shape(args.shape)
     s = full.with_layers(args.layers)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gptq-import-"))
-    src, dst = work / "gptq", work / "exl2"
+    mode = "calibrated" if args.calibrate else "rtn"
+    src, dst = work / "gptq", work / f"exl2-{mode}"          # one staging folder per mode: a cut run resumes
     t0 = time.perf_counter()
     build_bytes = write_build(s, src, args.group_size, args.mtp) if not (src / "config.json").is_file() else \
         sum(f.stat().st_size for f in src.iterdir())
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
                   f"4-bit GPTQ v1 (g{args.group_size}, random codes, log-normal scales), the rest fp16 N(0, 0.02)",
                   "projection: the mean layer time after the first x the model's layers + embeddings, head and "
                   "assembly as measured (they do not grow with the layers); memory is per layer (one at a time)",
+                  "import_report: random codes are uniform over 0..15, so the extreme codes weigh more than in "
+                  "trained weights: its added_noise is pessimistic (bench/gptq_quality.py measures a real model's)",
+                  "an import resumed in this run (a cut earlier call) counts only the layers done here",
                   "disk: the import's output is about the build's size (the layer files become its shards); "
                   "a whole build and its import need about twice projection.build_bytes",
                   *([] if args.mtp else ["the MTP head left out (bf16 in the Hub's builds: its 256 experts are "
@@ -185,7 +189,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M")
-    mode = "calibrated" if args.calibrate else "rtn"
     path = out / f"gptq-import-{args.shape}-{mode}-{device.split(':')[0]}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
     pr = result["projection"]
