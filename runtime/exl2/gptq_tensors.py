@@ -103,7 +103,7 @@ def _unpack_cols(words: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
     parts = (words.unsqueeze(2) >> shifts) & mask                                  # [R, C/per, per]: nibble n
     if order is not None:
-        parts = parts[:, :, torch.argsort(torch.tensor(order))]                    # column c of each eight
+        parts = parts[:, :, torch.argsort(torch.tensor(order, device=words.device))]   # column c of each eight
     return parts.reshape(words.shape[0], -1).to(torch.int16)
 
 
