@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The import's GPU figures (issue 54) in steps that a warm machine resumes (markers under $ROOT/done), each call at
 # most LIMIT seconds (540 by default):
+#   tests       tests/gpu/test_gptq_import_gpu.py: the repack on CUDA byte for byte the CPU's, a calibrated
+#               Qwen3.5-MoE import on CUDA
 #   rtn         python -m bench.gptq_import --layers $LAYERS --no-calibrate: a synthetic GPTQ build of
 #               Qwen3.5-122B-A10B cut to LAYERS layers (experts 4-bit g32, the rest fp16; ~1.5 GB a layer, 3 GB of
 #               embeddings and head), imported with its 16-bit linears rounded to nearest: the repack alone
@@ -24,6 +26,11 @@ STEPS_LOG=$OUT/gpu_issue54.log
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(df -h /tmp | tail -1)"
 
+if step tests 120; then
+    timeout $(( $(left) - 10 )) $PY -m pytest tests/gpu/test_gptq_import_gpu.py -q -p no:cacheprovider 2>&1 \
+        | tail -5 | tee -a "$STEPS_LOG"
+    [ "${PIPESTATUS[0]}" = 0 ] && done_ tests
+fi
 for mode in rtn calibrated; do
     flag=$([ $mode = rtn ] && echo --no-calibrate || echo --calibrate)
     if step $mode 240; then
