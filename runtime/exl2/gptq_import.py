@@ -337,6 +337,8 @@ def _transformers_parts(source: Source, plan: Plan, measured: bool) -> SimpleNam
 
 
 def _minutes(seconds: float) -> str:
+    if seconds < 30:
+        return "no time"
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{max(1, round(seconds / 60))} min"
 
 
