@@ -29,16 +29,9 @@ from runtime.modelfolder import ModelFolder, validate  # noqa: E402
 from runtime.reference import load  # noqa: E402
 from tests.convert_fixtures import TEXT, tiny_checkpoint  # noqa: E402
 from tests.gptq_fixtures import dequantize, gptq_folder  # noqa: E402
+from tests.test_exl2_convert_qwen35 import one_thread  # noqa: E402,F401 (autouse: one torch thread)
 
 TOL_FP32 = 1e-4                      # tests/test_reference_parity.py's
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)          # tiny matrices: a thread team only costs on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 def _hf(tmp_path, arch: str, hidden: int = 64):

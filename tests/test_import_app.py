@@ -14,6 +14,7 @@ from app.hub import convert as app_convert
 from app.hub.browse import HubClient
 from app.hub.download import JobState
 from app.models_dialog import ModelManagerDialog
+from test_convert_app import warnings  # noqa: F401 (the fixture: message boxes collected, not shown)
 
 pytest.importorskip("torch")
 REPO = "tester/Tiny-MoE-GPTQ-Int4"
@@ -40,13 +41,6 @@ def dialog(qtbot, tmp_path, fake_hub, monkeypatch):
     qtbot.addWidget(d)
     yield d
     d.shutdown()
-
-
-@pytest.fixture
-def warnings(monkeypatch):
-    shown = []
-    monkeypatch.setattr("app.models_dialog.QMessageBox.warning", lambda *a: shown.append(a[2]))
-    return shown
 
 
 def test_a_gptq_build_is_listed_found_and_its_fit_estimated(fake_hub, tmp_path):
