@@ -42,7 +42,8 @@ class ConvertForm(QDialog):
         self.bpw_spin.setSingleStep(0.5)
         self.bpw_spin.setDecimals(1)
         self.bpw_spin.setValue(4.0)
-        note = QLabel("The original (fp16/bf16) safetensors checkpoint of a Llama, Qwen3 or Qwen3-MoE model. "
+        note = QLabel("The original (fp16/bf16) safetensors checkpoint of a Llama, Qwen3 or Qwen3-MoE model, or a "
+                      "GPTQ / AutoRound / AWQ build of one (imported: its 4-bit experts kept, the rest at these bits). "
                       "The conversion runs on the CPU, layer by layer; it continues where it stopped if the app "
                       "closes. The model appears in the list once complete.")
         note.setWordWrap(True)

@@ -123,3 +123,12 @@ def test_the_cli_downloads_a_repository_then_imports_it(fake_hub, tmp_path, monk
     assert main(["import", "tester/Missing", "--no-calibrate"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moedesk-cli import: ")
+
+
+def test_convert_to_exl2_imports_a_local_gptq_folder(qtbot, dialog, tmp_path):
+    """"Convert to EXL2…" on a GPTQ build: imported (its experts kept), not refused as already quantized."""
+    src = tmp_path / "Local-GPTQ"
+    gptq_folder(tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=2), src)
+    dialog.start_conversion(False, str(src), 6.0)
+    qtbot.waitUntil(lambda: "Local-GPTQ-exl2" in [m.name for m in dialog._local], timeout=120_000)
+    assert dialog.conversions.manager.job("Local-GPTQ-exl2").kind == "import"

@@ -182,9 +182,14 @@ def check_space(models_dir: Path, need: int, what: str, margin: int) -> None:
                                  "per weight.", need + margin, free)
 
 
-def hub_source(hub: HubClient, repo_id: str, kind: str = "convert") -> Quant:
+def kind_of(config: dict) -> str:
+    """"import" for a GPTQ-family build (its config's quant_method), else "convert"."""
+    return "import" if isinstance(config, dict) and gptq_spec.quant_method(config) in gptq_spec.METHODS else "convert"
+
+
+def hub_source(hub: HubClient, repo_id: str, kind: str | None = None) -> Quant:
     """The main branch of `repo_id` reduced to what the converter (or the import) reads; checked before any
-    download."""
+    download. `kind` None: from its config (a GPTQ-family build is imported)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(repo_id)
@@ -198,7 +203,7 @@ def hub_source(hub: HubClient, repo_id: str, kind: str = "convert") -> Quant:
                                "safetensors.")
     if quant.access:
         raise ConvertPlanError(quant.access)
-    return source_files(quant, kind)
+    return source_files(quant, kind or kind_of(quant.config))
 
 
 def source_files(quant: Quant, kind: str = "convert") -> Quant:
@@ -214,7 +219,7 @@ def source_files(quant: Quant, kind: str = "convert") -> Quant:
     return replace(quant, files=files, bpw=None, head_bits=None)
 
 
-def local_source(folder: Path, kind: str = "convert") -> int:
+def local_source(folder: Path, kind: str | None = "convert") -> int:
     """The layer count of a local checkpoint; ConvertPlanError when it cannot be converted (or imported)."""
     if not folder.is_dir():
         raise ConvertPlanError(f"{folder} is not a folder.")
@@ -224,7 +229,7 @@ def local_source(folder: Path, kind: str = "convert") -> int:
         raise ConvertPlanError(f"{folder} has no config.json: it is not a Hugging Face model folder.") from None
     except (OSError, ValueError, RecursionError) as exc:
         raise ConvertPlanError(f"{folder / 'config.json'} cannot be read: {exc}") from None
-    layers = check_config(config, str(folder), kind)
+    layers = check_config(config, str(folder), kind or kind_of(config))
     if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -269,10 +274,10 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
         return self.models_dir / RECORDS / f"{job_id}.json"
 
     # -- what the dialog calls (and pause, cancel, state, job, wait of JobQueue)
-    def start_hub(self, quant: Quant, bpw: float, kind: str = "convert") -> ConvertJob:
-        """Download `quant` (from `hub_source` / `source_files`) and convert or import it (`kind`); raises
-        HubError before any byte when it cannot."""
-        bpw = check_bpw(bpw)
+    def start_hub(self, quant: Quant, bpw: float, kind: str | None = None) -> ConvertJob:
+        """Download `quant` (from `hub_source` / `source_files`) and convert or import it (`kind`; None: import a
+        GPTQ-family build, convert anything else); raises HubError before any byte when it cannot."""
+        bpw, kind = check_bpw(bpw), kind or kind_of(quant.config)
         job = ConvertJob(output_name(quant.repo_id, bpw, kind), quant.repo_id, bpw, True,
                          safe_name(quant.repo_id, quant.branch), check_config(quant.config, quant.repo_id, kind), kind)
         self._check_new(job)
@@ -286,9 +291,14 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
             self.downloads.enqueue(quant)
         return job
 
-    def start_local(self, folder: Path, bpw: float, kind: str = "convert") -> ConvertJob:
+    def start_local(self, folder: Path, bpw: float, kind: str | None = None) -> ConvertJob:
         bpw = check_bpw(bpw)
         folder = Path(folder).resolve()
+        if kind is None:
+            try:
+                kind = kind_of(json.loads((folder / "config.json").read_text()))
+            except (OSError, ValueError, RecursionError):
+                kind = "convert"                          # local_source says what is wrong with it
         job = ConvertJob(output_name(str(folder), bpw, kind), str(folder), bpw, False, "", local_source(folder, kind),
                          kind)
         self._check_new(job)
