@@ -123,9 +123,10 @@ def read_spec(config: dict, path: Path | str) -> GptqSpec:
     if packing == "awq" and bits != 4:
         raise _refuse(path, "bits", bits, "AWQ's interleaved packing is read for 4-bit codes only")
     if method == "gptq":
-        fmt = qc.get("checkpoint_format", "gptq")
+        key = "checkpoint_format" if "checkpoint_format" in qc or "format" not in qc else "format"  # GPTQModel's older
+        fmt = qc.get(key, "gptq")
         if fmt not in ("gptq", "gptq_v2"):
-            raise _refuse(path, "checkpoint_format", fmt, "the import reads gptq and gptq_v2")
+            raise _refuse(path, key, fmt, "the import reads gptq and gptq_v2")
         zero_offset = 0 if fmt == "gptq_v2" else 1
         if qc.get("is_marlin_format"):
             raise _refuse(path, "is_marlin_format", True, "Marlin's repacked layout is not read")

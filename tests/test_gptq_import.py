@@ -188,8 +188,10 @@ def test_an_interrupted_import_resumes_to_the_same_folder(tmp_path):
 # Refusals, by name
 
 def _config_with(folder, **changes):
+    """The folder's quantization_config with `changes` (None: the key removed)."""
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"].update(changes)
+    config["quantization_config"] = {k: v for k, v in config["quantization_config"].items() if v is not None}
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -207,6 +209,8 @@ def built(tmp_path_factory):
     ({"quant_method": "fp8"}, UnsupportedArchitecture, "'quantization_config.quant_method' is 'fp8'"),
     ({"checkpoint_format": "marlin"}, UnsupportedArchitecture, "'quantization_config.checkpoint_format' is 'marlin'"),
     ({"pack_dtype": "int16"}, UnsupportedArchitecture, "'quantization_config.pack_dtype' is 'int16'"),
+    ({"checkpoint_format": None, "format": "bitblas"}, UnsupportedArchitecture,
+     "'quantization_config.format' is 'bitblas'"),
     ({"sym": "yes"}, InvalidModel, "'quantization_config.sym' is 'yes': must be true or false"),
     ({"group_size": 64}, InvalidModel, "qzeros' is I32[2, 8]; 4-bit codes of [64, 64] in 1 groups need I32[1, 8]"),
 ])
