@@ -1,4 +1,5 @@
-"""The model manager's "Convert to EXL2…": the form that picks a source and a width, and the conversions table.
+"""The model manager's "Convert to EXL2…": the form that picks a source and a width, and the conversions table
+(conversions, and imports of GPTQ-family builds: progress, time left, pause, resume, cancel).
 
 The work itself is `app.hub.convert.ConvertManager` (download of a Hub original, then `moedesk-cli convert` in
 its own process); this module only shows it. Events come from background threads as a queued signal.
@@ -41,7 +42,8 @@ class ConvertForm(QDialog):
         self.bpw_spin.setSingleStep(0.5)
         self.bpw_spin.setDecimals(1)
         self.bpw_spin.setValue(4.0)
-        note = QLabel("The original (fp16/bf16) safetensors checkpoint of a Llama, Qwen3 or Qwen3-MoE model. "
+        note = QLabel("The original (fp16/bf16) safetensors checkpoint of a Llama, Qwen3 or Qwen3-MoE model, or a "
+                      "GPTQ / AutoRound / AWQ build of one (imported: its 4-bit experts kept, the rest at these bits). "
                       "The conversion runs on the CPU, layer by layer; it continues where it stopped if the app "
                       "closes. The model appears in the list once complete.")
         note.setWordWrap(True)
@@ -77,12 +79,13 @@ class ConvertForm(QDialog):
 
 
 class ConversionsPanel(JobsPanel):
-    """One row per conversion: what, state, a progress bar (bytes while downloading, layers while converting)."""
+    """One row per conversion or import: what, state, a progress bar (bytes while downloading, layers while
+    converting), the time left (from the layers done so far in this run)."""
     event = Signal(object)                    # ConvertProgress, from a background thread
     finished_model = Signal(str)              # a conversion completed: the model list should refresh
 
     def __init__(self, manager_factory, parent=None):
-        super().__init__("Conversions", ["Conversion", "State", "Progress", "Details"], select_new=True,
+        super().__init__("Conversions", ["Conversion", "State", "Progress", "Time left", "Details"], select_new=True,
                          parent=parent)
         self._states: dict[str, JobState] = {}
         self.event.connect(self._on_event)
@@ -101,7 +104,10 @@ class ConversionsPanel(JobsPanel):
     def row_text(self, job_id: str) -> tuple[str, str, str]:
         """(state, progress bar text, details) of a job's row: what the user reads."""
         r = self._rows[job_id]
-        return self.table.item(r, 1).text(), self.table.cellWidget(r, 2).format(), self.table.item(r, 3).text()
+        return self.table.item(r, 1).text(), self.table.cellWidget(r, 2).format(), self.table.item(r, 4).text()
+
+    def time_left(self, job_id: str) -> str:
+        return self.table.item(self._rows[job_id], 3).text()
 
     def _on_event(self, p: ConvertProgress) -> None:
         if p.phase == "download":
@@ -110,11 +116,18 @@ class ConversionsPanel(JobsPanel):
             text = f"layer {p.done} of {p.total}" if p.total else "—"
         row = self.show_progress(p.job_id, p.done, p.total, text)
         state = "downloading" if p.phase == "download" and p.state is JobState.RUNNING else p.state.value
-        self.show_texts(row, {1: state, 3: p.message}, p.message)
+        left = "" if p.eta_s is None or p.state is not JobState.RUNNING else _duration(p.eta_s)
+        self.show_texts(row, {1: state, 3: left, 4: p.message}, p.message)
         self._states[p.job_id] = p.state
         self._update_buttons()
         if p.state is JobState.DONE:
             self.finished_model.emit(p.job_id)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
 
 
 def grab_conversions(path) -> Path:

@@ -1,4 +1,6 @@
 """The model manager: local models, the Hub's EXL2 quants with a fit verdict each, and the download queue.
+GPTQ-family builds (GPTQ, AutoRound, AWQ) are listed beside them ("INT4 (GPTQ) — imports in minutes"): Download
+fetches one and imports it into EXL2, shown under Conversions with its progress and time left.
 
 Self-contained: `ModelManagerDialog(parent, engine_client=None)`; it emits `load_requested(path)` when the
 user asks to load a local model. Hub calls and imports run on worker threads; their results, and download
@@ -22,7 +24,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QGridLayout, QHB
 
 from app.convert_panel import ConversionsPanel, ConvertForm
 from app.hub.browse import HubClient, Quant, sign_in
-from app.hub.convert import ConvertManager, hub_source
+from app.hub.convert import ConvertManager, hub_source, source_files
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
@@ -33,6 +35,7 @@ from app.jobs_panel import JobsPanel, cell, new_table
 from app.telemetry import fmt_bytes
 from app.wheel import scroll_past_inputs
 from runtime import paths
+from runtime.options import IMPORT_BPW
 
 KV_TYPES = ("fp16", "q8", "q6", "q4")
 
@@ -346,11 +349,14 @@ class ModelManagerDialog(QDialog):
     def fit_text(self, q: Quant) -> tuple[str, str]:
         if q.access:
             return "gated: sign in to download it and to see its fit", q.access
+        if q.refusal:
+            return f"cannot import: {q.refusal}", q.refusal
         if not q.config or q.bpw is None:
             return "unknown: no config.json or bits per weight", ""
-        try:
-            est = estimate_fit(ModelShape.from_config(q.config), q.bpw, self.context_spin.value(),
-                               self.kv_combo.currentText(), self.vram, self.ram, q.head_bits or 6.0)
+        try:      # an import: its experts at their own bits, the linears it kept in 16 bits at IMPORT_BPW
+            rest = IMPORT_BPW if q.kind == "import" else q.bpw
+            est = estimate_fit(ModelShape.from_config(q.config), rest, self.context_spin.value(),
+                               self.kv_combo.currentText(), self.vram, self.ram, q.head_bits or 6.0, q.bpw)
         except FitError as exc:
             return f"unknown: {exc}", ""
         return est.text, est.assumptions
@@ -365,6 +371,8 @@ class ModelManagerDialog(QDialog):
             bits = f"{q.bpw:g}" if q.bpw else "?"
             if q.head_bits:
                 bits += f" (head {q.head_bits:g})"
+            if q.kind == "import":
+                bits = f"{q.label} — imports in minutes"
             for c, text in enumerate([q.branch, bits, fmt_bytes(q.size_bytes), fit]):
                 t.setItem(r, c, cell(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
@@ -376,6 +384,9 @@ class ModelManagerDialog(QDialog):
             self.start_download(self._quants[rows[0].row()])
 
     def start_download(self, quant: Quant) -> None:
+        if quant.kind == "import":
+            self.start_import(quant)
+            return
         try:
             job = self.manager.enqueue(quant)
         except HubError as exc:                    # e.g. not enough disk space: refused before any byte
@@ -383,6 +394,21 @@ class ModelManagerDialog(QDialog):
             QMessageBox.warning(self, "Cannot download", str(exc))
             return
         self.hub_status.setText(f"Queued {job.repo_id} ({job.branch}): see Downloads.")
+
+    def start_import(self, quant: Quant) -> None:
+        """Download a GPTQ-family build and import it into EXL2 (refused in words, before any byte, where it
+        cannot be: the field named)."""
+        if quant.refusal:
+            self._convert_refused(HubError(f"{quant.repo_id} cannot be imported: {quant.refusal}"))
+            return
+        try:
+            job = self.conversions.manager.start_hub(source_files(quant, "import"), IMPORT_BPW, "import")
+        except HubError as exc:
+            self._convert_refused(exc)
+            return
+        self.conversions.select(job.id)
+        self.hub_status.setText(f"Downloading {quant.repo_id} and importing it as {job.id}: see Conversions. It "
+                                "appears in the model list once imported.")
 
     def _sign_in(self) -> None:
         token, ok = QInputDialog.getText(self, "Sign in to Hugging Face",

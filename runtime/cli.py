@@ -5,6 +5,7 @@
     moedesk-cli import-demo [--bits B] [--force]
     moedesk-cli synth --shape NAME --bpw B --out DIR
     moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
+    moedesk-cli import PATH_OR_REPO [--out DIR] [--bpw B] [--width W] [--no-calibrate]
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
     moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
@@ -23,6 +24,8 @@ SUBCOMMANDS = {
     "synth": ("runtime.exl2.synth", "Write a random-weight EXL2 model with the shapes of a real one."),
     "convert": ("runtime.exl2.convert", "Quantize a Hugging Face checkpoint to EXL2 with calibration (GPTQ), "
                                         "layer by layer; resumable."),
+    "import": ("runtime.exl2.gptq_import", "Import a GPTQ / AutoRound / AWQ build (a folder or a Hub repository) "
+                                           "into EXL2, layer by layer; resumable."),
     "bench": ("bench.engine", "Measure prefill and decode speed; write JSON to bench/results/."),
     "setup-gpu": ("runtime.setup_gpu", "Build the GPU engine's kernels once (exllamav2's CUDA extension), "
                                       "with a CUDA toolkit or NVIDIA's Python packages."),

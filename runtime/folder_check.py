@@ -39,8 +39,11 @@ def check_rope(config: dict, path: Path | str) -> dict:
     for key in needed.get(rope_type, ()):
         if key not in params:
             raise _invalid(path, f"'{where}{key}' is missing: rope type {rope_type!r} needs it")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         _check_number(params, key, path, 0.0, 1e9, where)
+    if not isinstance(params.get("truncate", True), bool):
+        raise _invalid(path, f"'{where}truncate' must be true or false, got {params['truncate']!r}")
     if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise _invalid(path, f"'{where}high_freq_factor' must be above low_freq_factor")
     _check_number(params, "rope_theta", path, 0.0, 1e12, where)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from runtime import qwen35
+from runtime import gptq_spec, qwen35
 from runtime.errors import InvalidModel, ModelFolderError, ModelNotFound, UnsupportedArchitecture  # noqa: F401
 from runtime.folder_check import Layout, _check_number, _invalid, check_rope  # noqa: F401
 
@@ -156,6 +156,7 @@ class FolderInfo:
     has_tokenizer: bool
     config: dict[str, Any] = field(repr=False, default_factory=dict)
     shard_of: dict[str, str] = field(repr=False, default_factory=dict)   # tensor name -> shard file
+    gptq: Any = None                 # runtime.gptq_spec.GptqSpec of a GPTQ-family build (validate(gptq=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,9 +439,10 @@ def weight_files(folder: Path) -> tuple[dict[str, str], dict[str, dict]]:
     return shard_of, headers
 
 
-def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missing_in: Path) -> bool:
+def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missing_in: Path, gptq=None) -> bool:
     """Every tensor of `lay` present with the shape the config implies (plain, or EXL2 with every part,
-    its columns and permutation matching); True when a linear is stored as EXL2."""
+    its columns and permutation matching, or GPTQ-family parts where `gptq`, the folder's GptqSpec, is given);
+    True when a linear is stored as EXL2."""
     for name, shape in lay.plain.items():
         if name not in names:
             raise InvalidModel(missing_in, f"tensor {name!r} is missing")
@@ -455,6 +457,13 @@ def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missin
             if got != (out, inp):
                 raise InvalidModel(where(f"{prefix}.weight"),
                                    f"tensor '{prefix}.weight' has shape {list(got)}, the config implies {[out, inp]}")
+            continue
+        if f"{prefix}.qweight" in names:
+            if gptq is None:
+                raise UnsupportedArchitecture(where(f"{prefix}.qweight"), "a GPTQ-family build (qweight, qzeros, scales): "
+                                              "import it into EXL2 first (moedesk-cli import FOLDER)")
+            gptq_spec.linear_layout(gptq, prefix, out, inp, lambda n: headers[shard_of[n]][n] if n in names else None,
+                                    lambda n: where(n) if n in names else missing_in)
             continue
         if f"{prefix}.q_weight" not in names:
             raise InvalidModel(missing_in, f"tensor '{prefix}.weight' is missing")
@@ -473,10 +482,11 @@ def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missin
 
 
 def check_weights(folder: Path, config: dict, shard_of: dict[str, str], headers: dict[str, dict],
-                  lay: Layout | None = None) -> tuple[Layout, bool]:
+                  lay: Layout | None = None, spec=None) -> tuple[Layout, bool]:
     """Every tensor the config implies (`lay`; by default the architecture's layout, MTP head included) stored
     with the shape the config implies, checked on the headers before any tensor is read or built from the
-    config's sizes; -> (the layout, whether a linear is stored as EXL2)."""
+    config's sizes (`spec`, a GPTQ-family build's GptqSpec: its quantized parts checked against it);
+    -> (the layout, whether a linear is stored as EXL2)."""
     names = set(shard_of)
     if lay is None:
         implied = implied_tensors(config, names)
@@ -490,14 +500,16 @@ def check_weights(folder: Path, config: dict, shard_of: dict[str, str], headers:
 
     index = folder / "model.safetensors.index.json"
     missing_in = index if index.is_file() else folder / next(iter(headers)) if len(headers) == 1 else folder
-    is_exl2 = _check_tensors(lay, names, shard_of, headers, where, missing_in)
+    is_exl2 = _check_tensors(lay, names, shard_of, headers, where, missing_in, spec)
     if config["architectures"][0] in qwen35.ARCHITECTURES and qwen35.has_mtp(names):
         # the multi-token-prediction head, a draft both engines load when asked: checked as the model is
-        _check_tensors(qwen35.mtp_layout(config, names), names, shard_of, headers, where, missing_in)
+        _check_tensors(qwen35.mtp_layout(config, names), names, shard_of, headers, where, missing_in, spec)
     return lay, is_exl2
 
 
-def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderInfo:
+def validate(path: str | os.PathLike, require_tokenizer: bool = True, gptq: bool = False) -> FolderInfo:
+    """The folder checked (see the module docstring); `gptq`: a GPTQ-family build is accepted (its quantized linears
+    checked against its quantization_config, `FolderInfo.gptq` set) instead of refused: what the import reads."""
     folder = Path(path)
     if not folder.exists():
         raise ModelNotFound(folder, "no such model folder")
@@ -514,7 +526,8 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         raise UnsupportedArchitecture(folder / shard_of["transformer.wte.weight"],
                                       "DBRX weights in their original layout (transformer.blocks.*, stacked experts) are "
                                       "not read; use an EXL2 conversion, which names them as model.layers.* per expert")
-    lay, is_exl2 = check_weights(folder, config, shard_of, headers)
+    spec = gptq_spec.read_spec(config, folder / "config.json") if gptq else None
+    lay, is_exl2 = check_weights(folder, config, shard_of, headers, spec=spec)
 
     num_params = sum(math.prod(s) for s in lay.plain.values()) + sum(o * i for o, i in lay.linears.values())
     data_bytes = sum(max((e["data_offsets"][1] for e in h.values()), default=0) for h in headers.values())
@@ -532,7 +545,7 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
         num_experts=config["num_experts"] if moe else 0,
         experts_per_token=config["num_experts_per_tok"] if moe else 0,
         is_exl2=is_exl2 or (isinstance(qc, dict) and qc.get("quant_method") == "exl2"),
-        has_tokenizer=has_tokenizer, config=config, shard_of=shard_of)
+        has_tokenizer=has_tokenizer, config=config, shard_of=shard_of, gptq=spec)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,8 +554,8 @@ def validate(path: str | os.PathLike, require_tokenizer: bool = True) -> FolderI
 class ModelFolder:
     """A validated folder whose tensors are read on demand (torch and safetensors imported lazily)."""
 
-    def __init__(self, path: str | os.PathLike, require_tokenizer: bool = False):
-        self.info = validate(path, require_tokenizer=require_tokenizer)
+    def __init__(self, path: str | os.PathLike, require_tokenizer: bool = False, gptq: bool = False):
+        self.info = validate(path, require_tokenizer=require_tokenizer, gptq=gptq)
         self.path = self.info.path
         self.config = self.info.config
         self._handles: dict[str, Any] = {}

@@ -64,6 +64,12 @@ CONVERT_GROUP_SIZE = 32               # input rows per scale group (exllamav2's 
 # at 3 bpw. Counts between the two are not measured.
 CONVERT_MEASURE_MIN_TOKENS = 4096
 
+# Import of GPTQ-family builds (moedesk-cli import, runtime/exl2/gptq_import.py).
+IMPORT_BPW = 6.0                      # stored bits per weight of the linears a build kept in 16 bits
+IMPORT_WIDTHS = (4, 5, 6, 8)          # EXL2 code widths the imported linears may take (at least the build's bits)
+IMPORT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")     # what import handles
+
 @dataclass(frozen=True)
 class SamplingOptions:
     temperature: float = opt(0.7, "Randomness of sampling; 0 always picks the most likely token.", min=0.0, max=5.0)

@@ -32,6 +32,10 @@ def _configs():
         "qwen3_moe": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32,
                                                                num_experts=8, num_experts_per_tok=3,
                                                                norm_topk_prob=True, mlp_only_layers=[1])),
+        # YaRN rope scaling (Qwen3's long-context setting, at a size where the ramp falls inside the head)
+        "qwen3_moe_yarn": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
         # raw top-k probabilities
         "qwen3_moe_unnormalised": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
             **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,

@@ -1,4 +1,6 @@
 """Browse the Hub for EXL2 quants: search repos, list their branches with bits per weight and download size.
+GPTQ-family builds (GPTQ, AutoRound, AWQ) of the architectures the import takes are listed too (`Quant.kind`
+"import"): downloaded, then imported into EXL2 (app/hub/convert.py).
 
 EXL2 repos keep one quant per git branch (`4.0bpw`, `6_5`, `8.0bpw-h8`...). A branch counts as a quant when
 its tree holds `.safetensors` files. Bits per weight come from config.json's `quantization_config` when
@@ -24,12 +26,15 @@ from huggingface_hub.utils import build_hf_headers
 
 from app.hub.errors import HubAccessError, HubError, TooLargeError, translate
 
-from runtime import tuning
+from runtime import gptq_spec, tuning
+from runtime.errors import ModelFolderError
+from runtime.options import IMPORT_ARCHITECTURES
 
 # Never downloaded: pickled checkpoints are never loaded (safetensors only) and GGUF is another format.
 IGNORED_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt", "*.gguf", "*.msgpack", "*.h5")
 
 CONFIG_MAX_BYTES = 4 << 20        # a config.json is kilobytes; more is not read
+GPTQ_WORDS = ("gptq", "autoround", "auto-round", "awq", "int4", "int8")   # in the names of GPTQ-family builds
 _COMMIT = re.compile(r"[0-9a-f]{40}")          # a git commit id, or a git blob id
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _BRANCH_BPW = re.compile(r"^(?:b)?(\d{1,2})(?:[._](\d{1,3}))?\s*(?:bpw|b)?(?:[-_]?h(?:b)?(\d{1,2}))?$", re.I)
@@ -127,6 +132,9 @@ class Quant:
     files: tuple[RemoteFile, ...]
     config: dict = field(default_factory=dict, compare=False)
     access: str = ""           # non-empty: why the files cannot be fetched now (gated repo without a token)
+    kind: str = "exl2"         # "exl2", or "import": a GPTQ-family build, imported into EXL2 once downloaded
+    label: str = ""            # an import's: "INT4 (GPTQ)"
+    refusal: str = ""          # an import's: why it cannot be imported (the field named), or ""
 
     @property
     def size_bytes(self) -> int:
@@ -174,14 +182,16 @@ class HubClient:
             raise translate(exc, what) from exc
 
     def search(self, query: str = "", limit: int = 50) -> list[RepoSummary]:
-        """Repos tagged `exl2`, then repos with "exl2" in their name, most downloaded first."""
+        """Repos tagged `exl2`, then repos with "exl2" in their name, then GPTQ-family builds (GPTQ, AutoRound,
+        AWQ in their name: imported once downloaded), most downloaded first."""
         self.check_online(f"searching for {query!r}")
         found: dict[str, RepoSummary] = {}
         try:
-            for tagged in (True, False):
+            for tagged, words, default in ((True, ("",), "exl2"), (False, ("exl2",), "exl2"),
+                                           (False, GPTQ_WORDS, "gptq")):
                 kwargs = {"filter": "exl2"} if tagged else {}
-                for m in self.api.list_models(search=query or "exl2", sort="downloads", limit=limit, **kwargs):
-                    if tagged or "exl2" in m.id.lower():
+                for m in self.api.list_models(search=query or default, sort="downloads", limit=limit, **kwargs):
+                    if tagged or any(w in m.id.lower() for w in words):
                         found.setdefault(m.id, RepoSummary(m.id, m.downloads or 0, m.likes or 0,
                                                            bool(m.gated), tuple(m.tags or ())))
         except Exception as exc:
@@ -227,6 +237,8 @@ class HubClient:
             except HubAccessError as exc:       # gated: the listing is public, the files are not
                 access = str(exc)
         bpw, head_bits = parse_branch_bpw(branch)
+        if gptq_spec.quant_method(config) in gptq_spec.METHODS:
+            return self._gptq_build(Quant(repo_id, branch, commit, None, None, files, config, access))
         qc = config.get("quantization_config") or {}
         if isinstance(qc, dict) and qc.get("quant_method") == "exl2":
             try:
@@ -235,6 +247,23 @@ class HubClient:
             except (TypeError, ValueError):
                 pass                            # not numbers: the branch name's figures stand
         return Quant(repo_id, branch, commit, bpw, head_bits, files, config, access)
+
+    @staticmethod
+    def _gptq_build(quant: Quant) -> Quant:
+        """A GPTQ-family branch: its label, the bits per weight its experts will store once imported (codes, and a
+        4-bit EXL2 scale per column of each group), or why it cannot be imported."""
+        import dataclasses
+        config = quant.config
+        archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+        try:
+            spec = gptq_spec.read_spec(config, "config.json")
+        except ModelFolderError as exc:
+            return dataclasses.replace(quant, kind="import", label="GPTQ-family", refusal=exc.problem)
+        if not any(a in IMPORT_ARCHITECTURES for a in archs):
+            return dataclasses.replace(quant, kind="import", label=spec.label,
+                                       refusal=f"architecture {', '.join(map(str, archs)) or '?'} is not imported")
+        group = spec.group_size if spec.group_size > 0 else 4096
+        return dataclasses.replace(quant, kind="import", label=spec.label, bpw=round(spec.bits + 4 / group, 3))
 
     def _config(self, repo_id: str, commit: str, size: int) -> dict:
         """config.json at `commit`, read into memory (at most its listed `size`, itself bounded)."""

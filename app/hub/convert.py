@@ -1,4 +1,5 @@
-"""Convert an original Hugging Face checkpoint to EXL2 from the app: download it, then run `moedesk-cli convert`.
+"""Convert an original Hugging Face checkpoint to EXL2 from the app: download it, then run `moedesk-cli convert`;
+or import a GPTQ-family build (GPTQ, AutoRound, AWQ) the same way with `moedesk-cli import` (a job's `kind`).
 
 The source is a Hub repository (its main branch) or a local folder. A Hub source is downloaded with the app's
 own download machinery (`DownloadManager`: resumable, verified, hostile listings refused) into
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,10 +37,11 @@ from app.hub.jobs import ENDED, RESUMABLE, JobQueue
 from app.hub.queue import DownloadManager
 from app.hub.staging import remove_staging, safe_name
 from app.telemetry import fmt_bytes
+from runtime import gptq_spec
 from runtime.client import worker_env
 from runtime.errors import ModelFolderError
 from runtime.modelfolder import check_links, read_json
-from runtime.options import CONVERT_ARCHITECTURES, CONVERT_HEAD_BITS
+from runtime.options import CONVERT_ARCHITECTURES, CONVERT_HEAD_BITS, IMPORT_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,12 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SOURCE_FILES = re.compile(r"(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
                           r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
                           r"special_tokens_map\.json|tokenizer\.model|chat_template\.jinja)")
-_LAYER = re.compile(r"^layer (\d+)/(\d+) quantized")
+_LAYER = re.compile(r"^layer (\d+)/(\d+) (?:quantized|imported)")
 _RESUME = re.compile(r"^resuming after layer (\d+) of (\d+)")
-_ERROR = "moedesk-cli convert: "
+_ERROR = re.compile(r"^moedesk-cli (?:convert|import): ")
+KINDS = ("convert", "import")
 KILL_GRACE_S = 3.0                   # Pause or Cancel: SIGTERM, then SIGKILL this long after if it still runs
+_VERB = {"convert": "Converting", "import": "Importing"}
 # The converter's words for a partial folder left by a run with other settings (runtime/exl2/convert.py):
 # in the app, Cancel is what starts over.
 _OTHER_SETTINGS = "an interrupted conversion with other settings is there"
@@ -60,7 +65,7 @@ _OTHER_SETTINGS = "an interrupted conversion with other settings is there"
 
 def _explain(error: str) -> str:
     """The converter's error line in the model manager's words."""
-    if _OTHER_SETTINGS in error:
+    if _OTHER_SETTINGS in error or "an interrupted import with other settings is there" in error:
         return ("This conversion was started with other settings (another version of MoE Desk, or other "
                 "options) and cannot be resumed: press Cancel, then convert the model again.")
     return error
@@ -79,6 +84,11 @@ def convert_command() -> list[str]:
     return [sys.executable, "-m", "runtime.cli", "convert"]
 
 
+def import_command() -> list[str]:
+    """The import's command line (`moedesk-cli import`), to which the job's arguments are appended."""
+    return [sys.executable, "-m", "runtime.cli", "import"]
+
+
 class ConvertPlanError(HubError):
     """A conversion that cannot start; the message says why in words."""
 
@@ -91,6 +101,7 @@ class ConvertJob:
     hub: bool
     download_id: str = ""     # the source's download (Hub sources)
     layers: int = 0           # num_hidden_layers of the source, when known
+    kind: str = "convert"     # "convert" (moedesk-cli convert) or "import" (moedesk-cli import: a GPTQ-family build)
 
 
 @dataclass(frozen=True)
@@ -101,9 +112,15 @@ class ConvertProgress:
     done: int                 # bytes (download) or layers (convert)
     total: int
     message: str = ""
+    eta_s: float | None = None    # converting: time left, from this run's layers so far
 
 
-def output_name(source: str, bpw: float) -> str:
+def output_name(source: str, bpw: float, kind: str = "convert") -> str:
+    if kind == "import":
+        try:
+            return gptq_spec.import_name(source)
+        except ModelFolderError:
+            raise ConvertPlanError(f"Cannot make a model name from {source!r}.") from None
     base = source.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{base}-exl2-{bpw:.1f}bpw").lstrip("._-")
     if not name or name.startswith("exl2-"):
@@ -117,10 +134,12 @@ def check_bpw(bpw: float) -> float:
     return float(bpw)
 
 
-def check_config(config: dict, where: str) -> int:
-    """The source's layer count; ConvertPlanError when the converter cannot handle it."""
+def check_config(config: dict, where: str, kind: str = "convert") -> int:
+    """The source's layer count; ConvertPlanError when the converter (or the import) cannot handle it."""
     if not isinstance(config, dict) or not config:
         raise ConvertPlanError(f"{where} has no readable config.json: it is not a Hugging Face model.")
+    if kind == "import":
+        return check_import_config(config, where)
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not any(a in CONVERT_ARCHITECTURES for a in archs):
         raise ConvertPlanError(f"{where} is a {', '.join(map(str, archs)) or 'model of unknown architecture'}: "
@@ -130,14 +149,37 @@ def check_config(config: dict, where: str) -> int:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise ConvertPlanError(f"{where} is already quantized ({method}): pick the original (fp16/bf16) "
                                "repository of this model.")
-    layers = config.get("num_hidden_layers")
+    return _layers(config, where)
+
+
+def _layers(config: dict, where: str) -> int:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))     # multimodal: under text_config
     if not isinstance(layers, int) or not 0 < layers < 100_000:
         raise ConvertPlanError(f"{where}: config.json gives no valid num_hidden_layers ({layers!r}).")
     return layers
 
 
-def output_bytes(weight_bytes: int, bpw: float) -> int:
-    """Disk the conversion needs: the output (16-bit weights at bpw / 16 each) twice, layer files then model."""
+def check_import_config(config: dict, where: str) -> int:
+    """The layer count of a GPTQ-family build the import takes; ConvertPlanError naming what it cannot take."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not any(a in IMPORT_ARCHITECTURES for a in archs):
+        raise ConvertPlanError(f"{where} is a {', '.join(map(str, archs)) or 'model of unknown architecture'}: "
+                               f"the import handles {', '.join(IMPORT_ARCHITECTURES)} only.")
+    if gptq_spec.quant_method(config) is None:
+        raise ConvertPlanError(f"{where} is not quantized (no quantization_config): convert it to EXL2 instead.")
+    try:
+        gptq_spec.read_spec(config, where)
+    except ModelFolderError as exc:
+        raise ConvertPlanError(f"{where} cannot be imported: {exc.problem}.") from None
+    return _layers(config, where)
+
+
+def output_bytes(weight_bytes: int, bpw: float, kind: str = "convert") -> int:
+    """Disk the conversion needs: the output (16-bit weights at bpw / 16 each) twice, layer files then model;
+    an import's output weighs about its source (its layer files become the model's shards)."""
+    if kind == "import":
+        return int(weight_bytes)
     return int(weight_bytes / 16 * max(bpw, CONVERT_HEAD_BITS)) * 2
 
 
@@ -150,8 +192,14 @@ def check_space(models_dir: Path, need: int, what: str, margin: int) -> None:
                                  "per weight.", need + margin, free)
 
 
-def hub_source(hub: HubClient, repo_id: str) -> Quant:
-    """The main branch of `repo_id` reduced to what the converter reads; checked before any download."""
+def kind_of(config: dict) -> str:
+    """"import" for a GPTQ-family build (its config's quant_method), else "convert"."""
+    return "import" if isinstance(config, dict) and gptq_spec.quant_method(config) in gptq_spec.METHODS else "convert"
+
+
+def hub_source(hub: HubClient, repo_id: str, kind: str | None = None) -> Quant:
+    """The main branch of `repo_id` reduced to what the converter (or the import) reads; checked before any
+    download. `kind` None: from its config (a GPTQ-family build is imported)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(repo_id)
@@ -165,7 +213,13 @@ def hub_source(hub: HubClient, repo_id: str) -> Quant:
                                "safetensors.")
     if quant.access:
         raise ConvertPlanError(quant.access)
-    check_config(quant.config, repo_id)
+    return source_files(quant, kind or kind_of(quant.config))
+
+
+def source_files(quant: Quant, kind: str = "convert") -> Quant:
+    """`quant` (a listed branch) reduced to the files the converter or the import reads, its config checked."""
+    repo_id = quant.repo_id
+    check_config(quant.config, repo_id, kind)
     files = tuple(f for f in quant.files if SOURCE_FILES.fullmatch(f.path))
     weights = [f.path for f in files if f.path.endswith(".safetensors")]
     index = next((f for f in files if f.path == "model.safetensors.index.json"), None)
@@ -175,8 +229,8 @@ def hub_source(hub: HubClient, repo_id: str) -> Quant:
     return replace(quant, files=files, bpw=None, head_bits=None)
 
 
-def local_source(folder: Path) -> int:
-    """The layer count of a local original checkpoint; ConvertPlanError when it cannot be converted."""
+def local_source(folder: Path, kind: str | None = "convert") -> int:
+    """The layer count of a local checkpoint; ConvertPlanError when it cannot be converted (or imported)."""
     if not folder.is_dir():
         raise ConvertPlanError(f"{folder} is not a folder.")
     try:
@@ -186,7 +240,7 @@ def local_source(folder: Path) -> int:
         config = read_json(folder / "config.json")
     except ModelFolderError as exc:
         raise ConvertPlanError(exc.message) from None
-    layers = check_config(config, str(folder))
+    layers = check_config(config, str(folder), kind or kind_of(config))
     if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -206,10 +260,12 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
     wait_s = 120.0
 
     def __init__(self, models_dir: Path, on_event: Callable[[ConvertProgress], None] | None = None,
-                 command: list[str] | None = None, margin_bytes: int = 100_000_000, hub: str | None = None):
+                 command: list[str] | None = None, margin_bytes: int = 100_000_000, hub: str | None = None,
+                 import_cmd: list[str] | None = None):
         super().__init__(on_event)
         self.models_dir = Path(models_dir)
         self.command = command or convert_command()
+        self.import_cmd = import_cmd or import_command()
         self.margin_bytes = margin_bytes
         self.downloads = DownloadManager(on_event=self._on_download, models_dir=self.models_dir / SOURCES,
                                          margin_bytes=margin_bytes, hub=hub)
@@ -229,15 +285,16 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
         return self.models_dir / RECORDS / f"{job_id}.json"
 
     # -- what the dialog calls (and pause, cancel, state, job, wait of JobQueue)
-    def start_hub(self, quant: Quant, bpw: float) -> ConvertJob:
-        """Download `quant` (from `hub_source`) and convert it; raises HubError before any byte when it cannot."""
-        bpw = check_bpw(bpw)
-        job = ConvertJob(output_name(quant.repo_id, bpw), quant.repo_id, bpw, True,
-                         safe_name(quant.repo_id, quant.branch), check_config(quant.config, quant.repo_id))
+    def start_hub(self, quant: Quant, bpw: float, kind: str | None = None) -> ConvertJob:
+        """Download `quant` (from `hub_source` / `source_files`) and convert or import it (`kind`; None: import a
+        GPTQ-family build, convert anything else); raises HubError before any byte when it cannot."""
+        bpw, kind = check_bpw(bpw), kind or kind_of(quant.config)
+        job = ConvertJob(output_name(quant.repo_id, bpw, kind), quant.repo_id, bpw, True,
+                         safe_name(quant.repo_id, quant.branch), check_config(quant.config, quant.repo_id, kind), kind)
         self._check_new(job)
         weights = sum(f.size for f in quant.files if f.path.endswith(".safetensors"))
-        check_space(self.models_dir, quant.size_bytes + output_bytes(weights, bpw),
-                    f"download and convert {quant.repo_id}", self.margin_bytes)
+        check_space(self.models_dir, quant.size_bytes + output_bytes(weights, bpw, kind),
+                    f"download and {kind} {quant.repo_id}", self.margin_bytes)
         self._save(job)
         if self.source_dir(job).is_dir():               # downloaded by an earlier attempt
             self._enqueue(job.id)
@@ -245,12 +302,18 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
             self.downloads.enqueue(quant)
         return job
 
-    def start_local(self, folder: Path, bpw: float) -> ConvertJob:
+    def start_local(self, folder: Path, bpw: float, kind: str | None = None) -> ConvertJob:
         bpw = check_bpw(bpw)
         folder = Path(folder).resolve()
-        job = ConvertJob(output_name(str(folder), bpw), str(folder), bpw, False, "", local_source(folder))
+        if kind is None:
+            try:
+                kind = kind_of(json.loads((folder / "config.json").read_text()))
+            except (OSError, ValueError, RecursionError):
+                kind = "convert"                          # local_source says what is wrong with it
+        job = ConvertJob(output_name(str(folder), bpw, kind), str(folder), bpw, False, "", local_source(folder, kind),
+                         kind)
         self._check_new(job)
-        check_space(self.models_dir, output_bytes(weight_bytes(folder), bpw), f"convert {folder.name}",
+        check_space(self.models_dir, output_bytes(weight_bytes(folder), bpw, kind), f"{kind} {folder.name}",
                     self.margin_bytes)
         self._save(job)
         self._enqueue(job.id)
@@ -263,8 +326,8 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
         for path in sorted((self.models_dir / RECORDS).glob("*.json")):
             try:
                 job = ConvertJob(**json.loads(path.read_text()))
-                trusted = (job.id == path.stem and output_name(job.source, job.bpw) == job.id
-                           and check_bpw(job.bpw) and isinstance(job.hub, bool) and isinstance(job.layers, int)
+                trusted = (job.id == path.stem and job.kind in KINDS
+                           and output_name(job.source, job.bpw, job.kind) == job.id and check_bpw(job.bpw) and isinstance(job.hub, bool) and isinstance(job.layers, int)
                            and job.download_id == (safe_name(job.source, "main") if job.hub else ""))
             except (OSError, ValueError, TypeError, AttributeError, RecursionError, HubError):
                 trusted = False
@@ -296,9 +359,9 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
     def _check_new(self, job: ConvertJob) -> None:
         current = self._last.get(job.id)
         if current and current.state not in ENDED:
-            raise ConvertPlanError(f"{job.id} is being converted already: see Conversions.")
+            raise ConvertPlanError(f"{job.id} is being made already: see Conversions.")
         if self.out_dir(job).exists():
-            raise ConvertPlanError(f"A model named {job.id} exists already: delete it first to convert again.")
+            raise ConvertPlanError(f"A model named {job.id} exists already: delete it first to {job.kind} again.")
 
     def _save(self, job: ConvertJob) -> None:
         self._record(job.id).parent.mkdir(parents=True, exist_ok=True)
@@ -333,8 +396,9 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
             return
         if p.state is JobState.CANCELLED:
             return                                       # the conversion's cancel emits its own event
-        message = p.message if p.state is not JobState.RUNNING else f"Downloading the original: {p.message}"
-        self._emit(ConvertProgress(job.id, p.state, "download", p.done_bytes, p.total_bytes, message))
+        what = "the build" if job.kind == "import" else "the original"
+        message = p.message if p.state is not JobState.RUNNING else f"Downloading {what}: {p.message}"
+        self._emit(ConvertProgress(job.id, p.state, "download", p.done_bytes, p.total_bytes, message, p.eta_s))
 
     def _enqueue(self, job_id: str) -> None:
         job = self._jobs[job_id]
@@ -381,51 +445,66 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
             with self._cv:
                 self._proc = None
 
+    def _command(self, job: ConvertJob, src: Path, out: Path) -> list[str]:
+        if job.kind == "import":
+            return [*self.import_cmd, str(src), "--out", str(out), "--bpw", f"{job.bpw:g}"]
+        return [*self.command, "--model", str(src), "--bpw", f"{job.bpw:g}", "--out", str(out),
+                "--head-bits", str(CONVERT_HEAD_BITS)]
+
     def _convert(self, job: ConvertJob) -> ConvertProgress:
         src, out = self.source_dir(job), self.out_dir(job)
         if out.exists():
             return self._finished(job)
         try:
             if not self.partial_dir(job).exists():
-                check_space(self.models_dir, output_bytes(weight_bytes(src), job.bpw), f"convert {job.source}",
-                            self.margin_bytes)
+                check_space(self.models_dir, output_bytes(weight_bytes(src), job.bpw, job.kind),
+                            f"{job.kind} {job.source}", self.margin_bytes)
         except (HubError, OSError) as exc:
             return ConvertProgress(job.id, JobState.FAILED, "convert", 0, job.layers, str(exc))
         done, total = self._partial_state()[job.id], job.layers
-        cmd = [*self.command, "--model", str(src), "--bpw", f"{job.bpw:g}", "--out", str(out),
-               "--head-bits", str(CONVERT_HEAD_BITS)]
         with self._cv:
             if self._stop_reason.get(job.id):
                 return self._stopped(job, done)
-            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          encoding="utf-8", errors="replace", env=worker_env(), bufsize=1)
+            self._proc = subprocess.Popen(self._command(job, src, out), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace",
+                                          env=worker_env(), bufsize=1)
             proc = self._proc
         self._emit(ConvertProgress(job.id, JobState.RUNNING, "convert", done, total,
-                                   f"Converting: layer {done} of {total} done"))
-        error, tail = "", deque(maxlen=20)
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            m = _LAYER.match(line) or _RESUME.match(line)
-            if m:
-                done, total = int(m.group(1)), int(m.group(2))
-                what = "Resuming after layer" if m.re is _RESUME else "Converting: layer"
-                self._emit(ConvertProgress(job.id, JobState.RUNNING, "convert", done, total,
-                                           f"{what} {done} of {total} done"))
-            elif line.startswith(_ERROR):
-                error = _explain(line[len(_ERROR):])
-            elif line:                                   # the allocation used and why, the CPU threads, notes
-                log.info("conversion %s: %s", job.id, line)
+                                   f"{_VERB[job.kind]}: layer {done} of {total} done"))
+        done, total, error, last = self._follow(job, proc, done, total)
         code = proc.wait()
         if self._stop_reason.get(job.id):
             return self._stopped(job, done)
         if code == 0 and out.is_dir():
             return self._finished(job)
         if not error:
-            last = next((t for t in reversed(tail) if t.strip()), "")
-            error = (f"The converter stopped unexpectedly (exit code {code}{': ' + last if last else ''}). "
-                     "Press Resume: it continues after the last finished layer.")
+            error = (f"The {'import' if job.kind == 'import' else 'converter'} stopped unexpectedly (exit code "
+                     f"{code}{': ' + last if last else ''}). Press Resume: it continues after the last finished layer.")
         return ConvertProgress(job.id, JobState.FAILED, "convert", done, total, error)
+
+    def _follow(self, job: ConvertJob, proc, done: int, total: int) -> tuple[int, int, str, str]:
+        """Read the process's lines until it ends: layer events with the time left (from this run's own layers),
+        the error line, the rest to the log. -> (layers done, total, error in words, last line)."""
+        error, tail, start = "", deque(maxlen=20), None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            m = _LAYER.match(line) or _RESUME.match(line)
+            if m:
+                done, total = int(m.group(1)), int(m.group(2))
+                eta = None
+                if m.re is _RESUME or start is None:
+                    start = (time.monotonic(), done)         # the first layer of this run starts the clock
+                elif done > start[1]:
+                    eta = (time.monotonic() - start[0]) / (done - start[1]) * (total - done)
+                what = "Resuming after layer" if m.re is _RESUME else f"{_VERB[job.kind]}: layer"
+                self._emit(ConvertProgress(job.id, JobState.RUNNING, "convert", done, total,
+                                           f"{what} {done} of {total} done", eta))
+            elif _ERROR.match(line):
+                error = _explain(_ERROR.sub("", line))
+            elif line:                                   # the allocation used and why, the CPU threads, notes
+                log.info("%s %s: %s", job.kind, job.id, line)
+        return done, total, error, next((t for t in reversed(tail) if t.strip()), "")
 
     def _stopped(self, job: ConvertJob, done: int) -> ConvertProgress:
         if self._stop_reason.get(job.id) == "cancel":
@@ -437,4 +516,4 @@ class ConvertManager(JobQueue[ConvertJob, ConvertProgress]):
             shutil.rmtree(self.source_dir(job), ignore_errors=True)
         self._record(job.id).unlink(missing_ok=True)
         return ConvertProgress(job.id, JobState.DONE, "convert", job.layers, job.layers,
-                               f"Converted: {job.id} is in the model list.")
+                               f"{'Imported' if job.kind == 'import' else 'Converted'}: {job.id} is in the model list.")

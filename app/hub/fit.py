@@ -186,10 +186,12 @@ class FitEstimate:
 
 
 def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vram_bytes: float,
-                 ram_bytes: float, head_bits: float = 6.0) -> FitEstimate:
-    """Where the weights and KV cache go for `context` tokens, and whether that fits (see the module docstring)."""
-    if not 1.0 <= bpw <= 16.0:
-        raise FitError(f"bits per weight must be between 1 and 16 (got {bpw})", "bpw")
+                 ram_bytes: float, head_bits: float = 6.0, expert_bpw: float | None = None) -> FitEstimate:
+    """Where the weights and KV cache go for `context` tokens, and whether that fits (see the module docstring).
+    `expert_bpw`: the experts' own bits per weight where they differ from the rest (an imported GPTQ build's)."""
+    expert_bpw = bpw if expert_bpw is None else expert_bpw
+    if not (1.0 <= bpw <= 16.0 and 1.0 <= expert_bpw <= 16.0):
+        raise FitError(f"bits per weight must be between 1 and 16 (got {bpw}, experts {expert_bpw})", "bpw")
     if kv_cache not in KV_BYTES_PER_ELEMENT:
         raise FitError(f"KV cache type must be one of {sorted(KV_BYTES_PER_ELEMENT)} (got {kv_cache!r})", "kv_cache")
     if context <= 0:
@@ -204,7 +206,7 @@ def estimate_fit(shape: ModelShape, bpw: float, context: int, kv_cache: str, vra
 
     # What lives in RAM whatever happens, and the experts that move between the two
     ram_fixed = shape.embedding_params() * FP16 + RAM_RESERVE_BYTES
-    experts = shape.expert_params() * bpw / 8
+    experts = shape.expert_params() * expert_bpw / 8
 
     vram_left = vram_bytes - gpu_fixed
     if vram_left >= experts:

@@ -493,6 +493,7 @@ class _Loading:
         self.step = "build"
         self.model = ExLlamaV2(self.config)
         exl2_arch.install(self.model, self.arch)
+        exl2_arch.install_rope(self.model, self.arch)     # RoPE tables from runtime/reference/rope.py
         if self.is_moe and self.moe == "own":
             from runtime.experts.exl2_module import install
             install(self.model, host_ram=self.setup.ram, host_arena=self.setup.arena, renormalize=self.arch.renormalize)

@@ -56,6 +56,8 @@ class ArchPlan:
     renormalize: bool = True         # top-k weights divided by their sum
     clip_qkv: float = 0.0            # 0: no clamp
     window: int = 0                  # the sliding window that caps the context (0: none)
+    rope: object = None              # runtime.reference.rope.RopeConfig: the RoPE tables' one source
+    head_dim: int = 0
 
 
 def read_config(path: Path) -> dict:
@@ -103,7 +105,12 @@ def plan(config: dict, where: str = "config.json") -> ArchPlan:
             if type(w) is not int or w < 1:
                 raise InvalidModel(where, f"'sliding_window' must be a positive integer or null, got {w!r}")
             window = w
-    return ArchPlan(arch, renormalize, clip, window)
+    from runtime.modelfolder import flat_config, head_dim
+    from runtime.reference.rope import rope_config
+    flat = flat_config(config)
+    if not isinstance(flat.get("num_attention_heads"), int) or not isinstance(flat.get("hidden_size"), int):
+        raise InvalidModel(where, "'hidden_size' and 'num_attention_heads' must be integers")
+    return ArchPlan(arch, renormalize, clip, window, rope_config(flat, where), head_dim(flat))
 
 
 def cap_context(p: ArchPlan, off):
@@ -114,6 +121,32 @@ def cap_context(p: ArchPlan, off):
                 f"applied: capped at {p.window}, the model's sliding window (this engine attends the "
                 "whole context, which is exact up to the window)")
     return off, "applied"
+
+
+def rope_tables(p: ArchPlan, length: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin, cos) in exllamav2's layout, fp16 [1, 1, S, D] (NEOX: each half repeated), from
+    runtime/reference/rope.py's `tables`: the frequencies and scaling every engine uses (exllamav2's own
+    YaRN uses the context length where transformers uses original_max_position_embeddings, and only past it)."""
+    from runtime.reference import rope
+    cos, sin = rope.tables(p.rope, p.head_dim, length, torch.float32)
+    return sin.half()[None, None].to(device), cos.half()[None, None].to(device)
+
+
+def own_rope_tables(context_cls) -> None:
+    """exllamav2's device context (`context_cls`, ExLlamaV2DeviceContext) made to keep our tables: after its own
+    prepare_sincos, the first table pair is replaced by `rope_tables` of the model's ArchPlan (set by
+    `install`). Once per process; models without a plan keep exllamav2's."""
+    original = context_cls.prepare_sincos
+    if getattr(original, "moedesk_rope", False):
+        return
+
+    def prepare_sincos(self):
+        original(self)
+        p = getattr(self.model, "moedesk_arch", None)
+        if p is not None and p.rope is not None and self.sin and self.sin[0].numel() > 1:
+            self.sin[0], self.cos[0] = rope_tables(p, self.model.config.max_seq_len, self.sin[0].device)
+    prepare_sincos.moedesk_rope = True
+    context_cls.prepare_sincos = prepare_sincos
 
 
 # -- CUDA side: exllamav2 imported inside ------------------------------------------------------------
@@ -137,6 +170,17 @@ def install(model, p: ArchPlan) -> int:
             m.moedesk_qkv = functools.partial(clipped_qkv, m, p.clip_qkv)
             n += 1
     return n
+
+
+def install_rope(model, p: ArchPlan) -> None:
+    """After `model` is built: its RoPE tables are ours (`own_rope_tables`), those of every device context
+    prepared already made again."""
+    from exllamav2.device import ExLlamaV2DeviceContext
+    model.moedesk_arch = p
+    own_rope_tables(ExLlamaV2DeviceContext)
+    for ctx in getattr(model, "device_context", None) or []:
+        if getattr(ctx, "ready", False):
+            ctx.prepare_sincos()
 
 
 def _clamped(forward, clip: float):

@@ -202,6 +202,11 @@ def exllamav2_config(hf_config: dict) -> dict:
             cfg["rope_theta"] = rope["rope_theta"]
         if cfg.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
             cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "yarn" \
+            and "original_max_position_embeddings" not in scaling:      # exllamav2 needs it; transformers' default
+        cfg["rope_scaling"] = {**scaling, "original_max_position_embeddings": cfg.get(
+            "original_max_position_embeddings") or cfg.get("max_position_embeddings")}
     cfg.pop("dtype", None)
     cfg["torch_dtype"] = "float16"
     return cfg
