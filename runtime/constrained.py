@@ -167,9 +167,12 @@ def choose(raw: torch.Tensor, history: Sequence[int], opts: Any, generator: Any 
     return tok
 
 
-def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt_len: int, tool_format: str) -> Optional[Steering]:
+def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt: Sequence[int], prefix_tokens: int,
+                 tool_format: str) -> Optional[Steering]:
     """The steering a protocol Generate asks for (None when it asks nothing). BadRequest names a grammar
-    llguidance cannot compile or a token id outside the vocabulary."""
+    llguidance cannot compile or a token id outside the vocabulary. The last `prefix_tokens` of `prompt`
+    are an answer begun earlier (`answer_prefix`): the grammar reads them first, and penalties count them
+    as the answer's."""
     grammar, where = None, ""
     if cmd.json_schema is not None and cmd.tools is not None and cmd.tools.choice in ("required", "function"):
         raise BadRequest("generate: json_schema and a forced tool call cannot both shape the answer")
@@ -180,8 +183,6 @@ def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt_len: int, tool_for
             grammar, where = grammars.schema_grammar(cmd.json_schema), "json_schema"
     except grammars.GrammarError as e:
         raise BadRequest(str(e)) from None
-    if grammar is not None and cmd.answer_prefix:
-        raise BadRequest("generate: an answer_prefix cannot be continued under a grammar (tools, json_schema)")
     pen = cmd.penalties
     if grammar is None and pen is None and cmd.logprobs is None:
         return None
@@ -193,9 +194,15 @@ def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt_len: int, tool_for
             raise BadRequest(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})")
         bias[int(key)] = float(value)
     constraint = None
+    answer_start = len(prompt) - prefix_tokens
     if grammar is not None:
         constraint = Constraint.compile(grammar, grammar_tokenizer(tokenizer, vocab), vocab, where)
-    return Steering(constraint, pen.presence if pen else 0.0, pen.frequency if pen else 0.0, bias, prompt_len,
+        begun = list(prompt[answer_start:])
+        if constraint.valid_prefix(begun) != len(begun):
+            raise BadRequest("answer_prefix: the answer begun so far does not follow the request's grammar")
+        for tok in begun:
+            constraint.advance(tok)
+    return Steering(constraint, pen.presence if pen else 0.0, pen.frequency if pen else 0.0, bias, answer_start,
                     cmd.logprobs)
 
 

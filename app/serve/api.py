@@ -5,6 +5,7 @@
 Routes: GET /v1/models and /v1/models/{id}, POST /v1/chat/completions and /v1/completions (plain JSON,
 or server-sent events with `"stream": true`). The engine runs one generation at a time (batch 1):
 requests wait for it in arrival order, at most `max_queue` of them; one more is refused with 503 at once.
+A long answer takes turns with waiting requests (app/serve/fair.py), so a short one is not stuck behind it.
 
 Fields sent as null count as absent. Tool calls (app/serve/tools.py), response_format, logprobs,
 penalties and logit_bias (app/serve/fields.py) travel to the worker, which renders tools through the
@@ -41,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.serve import fields as F
+from app.serve.fair import turns
 from app.serve.tools import Call, CallParser, Text, chat_messages, tool_request
 from runtime import protocol as P
 from runtime.options import OptionError, SamplingOptions, from_dict
@@ -245,7 +247,7 @@ class Api:
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options: expected an object", param="stream_options")
         include_usage = stream and options.get("include_usage") is True
-        events = self._generation(gen)
+        events = turns(self, gen)                 # fair turns on the engine (app/serve/fair.py)
         first = await events.__anext__()          # waits for the queue and the prefill
         if isinstance(first, P.Error):
             await events.aclose()
