@@ -174,6 +174,15 @@ def test_schema_constrained_answers_validate(client):
     any_object = chat(client, messages=ask, response_format={"type": "json_object"}, max_tokens=120)
     assert isinstance(json.loads(any_object.choices[0].message.content), dict)
 
+    from pydantic import BaseModel
+
+    class Person(BaseModel):                         # docs/api.md's example: the client's own parse()
+        name: str
+        age: int
+    parsed = client.chat.completions.parse(model="demo", response_format=Person, messages=ask, temperature=0,
+                                           max_tokens=120)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+
 
 def test_a_schema_the_library_cannot_compile_is_a_400_naming_the_part(client):
     bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}

@@ -190,7 +190,7 @@ def merged(pieces: list) -> list:
 
 ANSWERS = {
     "hermes": ("Voilà, café <tool_calx> first. " + CALL + "\n" + CALL.replace("Paris", "Zürich") + " done",
-               ["Voilà, café <tool_calx> first. ", (0, "get_weather", {"city": "Paris", "unit": "celsius"}), "\n",
+               ["Voilà, café <tool_calx> first. ", (0, "get_weather", {"city": "Paris", "unit": "celsius"}),
                 (1, "get_weather", {"city": "Zürich", "unit": "celsius"}), " done"]),
     "mistral": ('[TOOL_CALLS] [{"name": "a", "arguments": {"x": "é"}}, {"name": "b", "arguments": "{\\"y\\": 2}"}]',
                 [(0, "a", {"x": "é"}), (1, "b", {"y": 2})]),

@@ -176,6 +176,7 @@ class CallParser:
         self.buf = ""
         self.inside = False
         self.count = 0
+        self.space = ""
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
@@ -189,7 +190,7 @@ class CallParser:
                     self.buf = self.buf[len(self.buf) - keep:]
                     return out
                 self._text(out, self.buf[:at])
-                self.buf, self.inside = self.buf[at + len(self.syntax.open):], True
+                self.buf, self.inside, self.space = self.buf[at + len(self.syntax.open):], True, ""
             elif self.syntax.close and self.syntax.close in self.buf:
                 body, _, self.buf = self.buf.partition(self.syntax.close)
                 self.inside = False
@@ -204,13 +205,19 @@ class CallParser:
         if self.inside:
             out.extend(p for p in self._parse(self.buf, closed=False) if isinstance(p, Call))
         else:
-            self._text(out, self.buf)
-        self.buf, self.inside = "", False
+            self._text(out, self.buf, last=True)
+        self.buf, self.inside, self.space = "", False, ""
         return out
 
-    def _text(self, out: list[Piece], text: str) -> None:
+    def _text(self, out: list[Piece], text: str, last: bool = False) -> None:
+        """Text as content; whitespace after a call is held until words follow it (the lines between
+        calls, and after the last, are no content), whatever pieces the text came in."""
+        if self.count and not text.strip():
+            self.space = "" if last else self.space + text
+            return
         if text:
-            out.append(Text(text))
+            out.append(Text(self.space + text))
+            self.space = ""
 
     def _parse(self, body: str, closed: bool = True) -> list[Piece]:
         try:
