@@ -63,6 +63,20 @@ def _stats(seconds: list[float]) -> dict:
             "p99_us": round(us[min(len(us) - 1, int(len(us) * 0.99))], 2), "max_us": round(us[-1], 2)}
 
 
+def _walk(tokens: list[int], mask: Callable, advance: Callable, sync: Callable, compile_s: float) -> dict:
+    """Per token of `tokens`: the time to mask (and apply) and the time to advance by it."""
+    masked, advanced = [], []
+    for tok in tokens:
+        t0 = time.perf_counter()
+        mask()
+        sync()
+        t1 = time.perf_counter()
+        advance(tok)
+        masked.append(t1 - t0), advanced.append(time.perf_counter() - t1)
+    return {"compile_ms": round(compile_s * 1e3, 3), "mask_and_apply": _stats(masked), "advance": _stats(advanced),
+            "total": _stats([a + b for a, b in zip(masked, advanced)])}
+
+
 def _timed(fn: Callable, acc: list, sync: Callable[[], None]) -> Callable:
     def run(*args, **kw):
         t0 = time.perf_counter()
@@ -85,16 +99,8 @@ def llguidance_cost(tokenizer, vocab: int, device, sync) -> dict:
         t0 = time.perf_counter()
         c = Constraint.compile(schema_grammar(schema), gtok, vocab)
         compile_s = time.perf_counter() - t0
-        masked, advance = [], []
-        for tok in tokenizer.encode(json.dumps(example)):
-            t0 = time.perf_counter()
-            c.mask(row)                                  # what the runtime does per token: mask, apply
-            sync()
-            t1 = time.perf_counter()
-            c.advance(tok)
-            masked.append(t1 - t0), advance.append(time.perf_counter() - t1)
-        out[name] = {"compile_ms": round(compile_s * 1e3, 3), "mask_and_apply": _stats(masked),
-                     "advance": _stats(advance), "total": _stats([a + b for a, b in zip(masked, advance)])}
+        # what the runtime does per token: mask and apply (runtime/constrained.py), then advance
+        out[name] = _walk(tokenizer.encode(json.dumps(example)), lambda: c.mask(row), c.advance, sync, compile_s)
     return out
 
 
@@ -115,17 +121,10 @@ def xgrammar_cost(tokenizer, vocab: int, device, sync) -> Optional[dict]:
         compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         compile_s = time.perf_counter() - t0
         matcher, bits = xgr.GrammarMatcher(compiled), xgr.allocate_token_bitmask(1, vocab)
-        masked, advance = [], []
-        for tok in tokenizer.encode(json.dumps(example)):
-            t0 = time.perf_counter()
+        def mask(matcher=matcher, bits=bits) -> None:
             matcher.fill_next_token_bitmask(bits)
             xgr.apply_token_bitmask_inplace(row, bits.to(device))
-            sync()
-            t1 = time.perf_counter()
-            matcher.accept_token(tok)
-            masked.append(t1 - t0), advance.append(time.perf_counter() - t1)
-        out[name] = {"compile_ms": round(compile_s * 1e3, 3), "mask_and_apply": _stats(masked),
-                     "advance": _stats(advance), "total": _stats([a + b for a, b in zip(masked, advance)])}
+        out[name] = _walk(tokenizer.encode(json.dumps(example)), mask, matcher.accept_token, sync, compile_s)
     return out
 
 

@@ -5,40 +5,27 @@ One server for the whole module (loading the demo model is the slow part); answe
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from app.serve.api import EngineQueue, QueueFull
+from tests import serve_process
 
 pytestmark = pytest.mark.slow
 
 KEY = "test-key-123"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory):
-    home = tmp_path_factory.mktemp("serve-home")
-    log = home / "stderr.txt"
-    env = dict(os.environ, MOEDESK_HOME=str(home), PYTHONPATH=str(ROOT))
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "app.launch", "serve", "--model", str(demo_model),
-                                 "--port", "0", "--api-key", KEY, "--max-queue", "8"],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
-    line = proc.stdout.readline()       # "Serving NAME at URL" once loaded (EOF if it failed)
-    if not line.startswith("Serving"):
-        proc.kill()
-        pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
+    proc, line, log = serve_process.start(demo_model, tmp_path_factory.mktemp("serve-home"), "--api-key", KEY,
+                                          "--max-queue", "8")
     url = line.split(" at ")[1].strip()
     yield url, log, line.split()[1]
     proc.send_signal(signal.SIGINT)             # Ctrl+C: a clean stop, the worker ended with it

@@ -10,22 +10,19 @@ come out right because the worker's grammar allows nothing else. Answers are gre
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from tests import serve_process
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                   "required": ["city", "unit"], "additionalProperties": False}
@@ -42,16 +39,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory):
-    home = tmp_path_factory.mktemp("serve-tools-home")
-    log = home / "stderr.txt"
-    env = dict(os.environ, MOEDESK_HOME=str(home), PYTHONPATH=str(ROOT))
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "app.launch", "serve", "--model", str(demo_model),
-                                 "--port", "0"], stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
-    line = proc.stdout.readline()
-    if not line.startswith("Serving"):
-        proc.kill()
-        pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
+    proc, line, log = serve_process.start(demo_model, tmp_path_factory.mktemp("serve-tools-home"))
     yield line.split(" at ")[1].strip(), log
     proc.send_signal(signal.SIGINT)                      # Ctrl+C
     assert proc.wait(30) == 0, log.read_text()
