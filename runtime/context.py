@@ -16,7 +16,7 @@ many to leave out, so a long chat costs a few template renders, not one per turn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from runtime.errors import BadRequest, ContextOverflow
 
@@ -39,11 +39,14 @@ def _turn_starts(messages: Sequence[dict]) -> list[int]:
 
 
 def fit_prompt(tokenizer: Any, messages: Sequence[dict], context: int, max_tokens: int, policy: str,
-               answer_prefix: str = "", should_stop: Callable[[], bool] = lambda: False) -> FittedPrompt:
+               answer_prefix: str = "", should_stop: Callable[[], bool] = lambda: False,
+               tools: Optional[list] = None) -> FittedPrompt:
     messages = list(messages)
     prefix_ids = tokenizer.encode(answer_prefix) if answer_prefix else []
 
     def encode(kept: list[dict]) -> list[int]:
+        if tools:
+            return tokenizer.encode_chat(kept, should_stop=should_stop, tools=tools) + prefix_ids
         return tokenizer.encode_chat(kept, should_stop=should_stop) + prefix_ids
 
     full = encode(messages)

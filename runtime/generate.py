@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from runtime import sampling as _sampling
+from runtime.constrained import Steering, choose
 from runtime.engine import Engine, offered
 from runtime.errors import BadRequest, ContextOverflow
 from runtime.options import DraftOptions, SamplingOptions
@@ -48,14 +48,14 @@ class GenerationResult:
 
 
 class PlainDecoder:
-    """One token per step: forward the pending token, sample the next."""
+    """One token per step: forward the pending token, sample the next (through the request's steering)."""
 
-    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Any):
-        self.engine, self.opts, self.generator = engine, opts, generator
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Any, steer: Optional[Steering] = None):
+        self.engine, self.opts, self.generator, self.steer = engine, opts, generator, steer
 
     def step(self, tokens: list[int], max_new: Optional[int] = None) -> list[int]:
         logits = offered(self.engine, self.engine.forward(tokens[-1:]))   # [1, V]
-        return [_sampling.sample(logits[-1].float(), tokens, self.opts, self.generator)]
+        return [choose(logits[-1].float(), tokens, self.opts, self.generator, self.steer)]
 
     def stats(self) -> Optional[DraftStats]:
         return None
@@ -69,15 +69,16 @@ def make_generator(seed: Optional[int]):
 
 
 def make_decoder(engine: Engine, sampling: SamplingOptions, generator: Any,
-                 draft: Optional[DraftOptions] = None, draft_engine: Optional[Engine] = None):
+                 draft: Optional[DraftOptions] = None, draft_engine: Optional[Engine] = None,
+                 steer: Optional[Steering] = None):
     """The plain decoder, or a speculative one when drafting is on."""
     if draft is None or draft.mode == "off":
-        return PlainDecoder(engine, sampling, generator)
+        return PlainDecoder(engine, sampling, generator, steer)
     if draft.mode == "model" and draft_engine is None:
         raise BadRequest("draft mode 'model' needs a draft model: load one with the model (options.draft.model)")
     from runtime import speculative
     try:
-        return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine)
+        return speculative.make_decoder(engine, draft, sampling, generator, draft_engine=draft_engine, steer=steer)
     except ValueError as e:
         raise BadRequest(f"speculative decoding: {e}") from None
 
@@ -95,14 +96,19 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
              decoder: Any = None, on_text: Optional[TextFn] = None, on_step: Optional[StepFn] = None,
              should_stop: Callable[[], bool] = lambda: False, generator: Any = None,
              cached: Sequence[int] = (), prefill_chunk: int = 512, ignore_eos: bool = False,
-             answer_prefix_tokens: int = 0) -> GenerationResult:
+             answer_prefix_tokens: int = 0, steer: Optional[Steering] = None,
+             skip_special_tokens: bool = True) -> GenerationResult:
     """Generate an answer to `prompt` (token ids). `cached` is what the engine's cache holds now.
 
     The cache is reused only when the prompt continues it (the next turn of the same conversation);
     any other prompt is prefilled from scratch. `answer_prefix_tokens`: the prompt ends with that many
     tokens of an answer begun earlier (Continue); the text streamed out continues it. Reusing part of a different prompt would make the
     answer depend on what was asked before: logits of a prompt split differently between prefill
-    calls differ in the last bits, and near-ties in greedy decoding can flip on that."""
+    calls differ in the last bits, and near-ties in greedy decoding can flip on that.
+
+    `steer` (runtime/constrained.py): the request's grammar, penalties and logprobs; the decoder must
+    sample through the same one. `skip_special_tokens=False` keeps special tokens in the text (Mistral's
+    [TOOL_CALLS], which the tool-call parser reads)."""
     prompt = list(prompt)
     context = engine.info.context_length
     if not prompt:
@@ -112,10 +118,10 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
                               f"shorten it or load the model with a longer context length",
                               tokens=len(prompt), limit=context)
     generator = generator if generator is not None else make_generator(sampling.seed)
-    decoder = decoder or PlainDecoder(engine, sampling, generator)
+    decoder = decoder or PlainDecoder(engine, sampling, generator, steer)
     live = LiveStats(prompt_tokens=len(prompt))
     step_hook = on_step or (lambda _live: None)
-    detok = tokenizer.stream_decoder()
+    detok = tokenizer.stream_decoder(skip_special_tokens)
     if answer_prefix_tokens:
         detok.push(prompt[len(prompt) - answer_prefix_tokens:])   # context for the first new token's text
     stops = StopMatcher(sampling.stop)
@@ -152,7 +158,7 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     live.prefill_tps = live.prefilled_tokens / max(t_prefill - t0, 1e-9)
 
     # First token, from the prefill logits.
-    tokens = prompt + [_sampling.sample(offered(engine, logits)[-1].float(), prompt, sampling, generator)]
+    tokens = prompt + [choose(offered(engine, logits)[-1].float(), prompt, sampling, generator, steer)]
     t_first = time.perf_counter()
     live.phase, live.ttft_s = "decode", t_first - t0
     new = [tokens[-1]]

@@ -14,6 +14,13 @@ Version 2 added `count` / `token_count` (tokens of a conversation as the model's
 it), `Generate.answer_prefix` (continue a stopped answer), `GenerationStats.dropped_messages` (turns
 left out to fit the context) and `Ready.libraries`.
 
+Version 3 added what the OpenAI-compatible API needs: tool calls in messages (`ChatMessage.tool_calls`,
+role "tool" with `tool_call_id`), `Generate.tools` (functions the model may call, and how: auto, none,
+required, one named function), `Generate.json_schema` (the answer must be JSON valid for it: enforced
+token by token in the worker, runtime/constrained.py), `Generate.logprobs` (each token's log-probability
+and its top alternatives, on `TokenDelta.logprobs`), `Generate.penalties` (presence, frequency, logit
+bias) and `Loaded.tool_format` (how the model writes tool calls, runtime/tool_format.py).
+
 Errors carry a stable `code` (the `ErrorCode` values below) plus a message in words and a detail
 (e.g. the last lines of a compiler log); `exception_for` maps an error event back to an exception.
 """
@@ -30,7 +37,7 @@ from runtime import options as _options
 from runtime.options import DraftOptions, LoadOptions, OptionError, SamplingOptions
 from runtime.records import DraftStats, GenerationStats  # noqa: F401  (records carried inside messages)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 # The longest command line the worker reads (bytes, newline included): far above the longest prompt
@@ -70,9 +77,56 @@ class ProtocolError(ValueError):
 # Plain-data records carried inside messages (the engine's statistics live in runtime/records.py)
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str              # JSON text of an object, as the model wrote it (or the client sent it)
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    role: str       # "system" | "user" | "assistant"
+    role: str       # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()    # an assistant's calls
+    tool_call_id: str = ""                   # a tool message: the call it answers
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)   # JSON schema of the arguments
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[Tool, ...]
+    choice: str = "auto"        # "auto" | "none" | "required" | "function" (the one named in `name`)
+    name: str = ""
+    parallel: bool = True       # more than one call per answer allowed
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's: presence and frequency over the answer's tokens so far, and a bias per token id."""
+    presence: float = 0.0
+    frequency: float = 0.0
+    logit_bias: dict[str, float] = field(default_factory=dict)     # token id (as text) -> -100..100
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] = ()
+    top: tuple[TopLogprob, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,6 +162,10 @@ class Generate:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     draft: Optional[DraftOptions] = None     # None: keep what the load command set
     answer_prefix: str = ""                  # the answer so far: generation continues it (Continue)
+    tools: Optional[ToolRequest] = None      # functions the model may call (rendered by its chat template)
+    json_schema: Optional[dict[str, Any]] = None   # the answer is JSON valid for this schema (grammar-enforced)
+    logprobs: Optional[int] = None           # report each token's logprob with this many alternatives (0-20)
+    penalties: Optional[Penalties] = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +230,7 @@ class Loaded:
     vocab_size: int
     load_s: float
     applied: dict[str, str] = field(default_factory=dict)  # option path -> "applied" | "ignored: why"
+    tool_format: str = ""        # how the model writes tool calls (runtime/tool_format.FORMATS), "" unknown
 
 
 @dataclass(frozen=True)
@@ -186,6 +245,7 @@ class TokenDelta:
     request_id: str
     text: str                    # never splits a UTF-8 character
     tokens: int = 1              # tokens this delta covers
+    logprobs: tuple[TokenLogprob, ...] = ()   # of those tokens, when the generate asked for them
 
 
 @dataclass(frozen=True)

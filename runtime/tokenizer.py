@@ -145,18 +145,32 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    should_stop: Callable[[], bool] = lambda: False) -> str:
+                    should_stop: Callable[[], bool] = lambda: False, tools: Optional[list] = None) -> str:
         if self.template is None:
             raise _invalid(self.folder, "the model has no chat template (neither chat_template.jinja nor "
                                         "tokenizer_config.json's chat_template); send a raw prompt instead")
         return self.template.render(messages, should_stop, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                     pad_token=self.pad_token or "", unk_token=self.unk_token or "",
-                                    tools=None, documents=None)
+                                    tools=tools or None, documents=None)
 
-    def encode_chat(self, messages: Sequence[dict], should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], should_stop: Callable[[], bool] = lambda: False,
+                    tools: Optional[list] = None) -> list[int]:
         # The rendered template already holds the special tokens (as Hugging Face's apply_chat_template).
-        return self.encode(self.render_chat(messages, should_stop=should_stop), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, should_stop=should_stop, tools=tools), add_special_tokens=False)
+
+    def tool_format(self) -> str:
+        """How the model writes tool calls, from its chat template (runtime/tool_format.py)."""
+        from runtime.tool_format import detect
+        return detect(self.template.text if self.template is not None else None)
+
+    def special_id(self, text: str) -> Optional[int]:
+        """The id of the one token that is exactly `text` (e.g. Mistral's [TOOL_CALLS]), else None."""
+        return self._tok.token_to_id(text)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what the grammar library builds its view from)."""
+        return self._tok.to_str()
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt, with whatever special tokens the tokenizer itself adds (e.g. BOS)."""

@@ -286,7 +286,7 @@ class Worker:
         self.send(P.Loaded(request_id=cmd.request_id, model=cmd.model, path=str(info.path),
                            architecture=info.architecture, backend=engine.backend,
                            context_length=info.context_length, vocab_size=info.vocab_size,
-                           load_s=t_end - t0, applied=applied))
+                           load_s=t_end - t0, applied=applied, tool_format=tokenizer.tool_format()))
         t = self.telemetry(cmd.request_id)
         compiled = kernel_cache_entries()
         compiled = compiled - compiled_before if compiled is not None and compiled_before is not None else None
@@ -308,22 +308,26 @@ class Worker:
         return draft_engine
 
     def generate(self, cmd: P.Generate) -> None:
+        from runtime.constrained import logprob_events, steering_for
         from runtime.context import FittedPrompt, fit_prompt
         from runtime.generate import generate, make_decoder, make_generator
+        from runtime.tool_format import chat_inputs
         if self.engine is None:
             raise NoModel("no model is loaded: send load first")
         if cmd.prompt is not None and cmd.messages:
             raise BadRequest("generate: give messages or prompt, not both")
+        fmt = self.tokenizer.tool_format()
         if cmd.prompt is not None:
-            if cmd.answer_prefix:
-                raise BadRequest("generate: answer_prefix needs messages, not a prompt")
+            if cmd.answer_prefix or cmd.tools is not None:
+                raise BadRequest("generate: answer_prefix and tools need messages, not a prompt")
             fitted = FittedPrompt(self.tokenizer.encode_prompt(cmd.prompt), 0, 0)
         elif cmd.messages:
             t0 = time.perf_counter()
+            messages, tools = chat_inputs(cmd.messages, cmd.tools, fmt)
             try:
-                fitted = fit_prompt(self.tokenizer, [{"role": m.role, "content": m.content} for m in cmd.messages],
-                                    self.engine.info.context_length, cmd.sampling.max_tokens,
-                                    cmd.sampling.context_overflow, cmd.answer_prefix, should_stop=self._cancel.is_set)
+                fitted = fit_prompt(self.tokenizer, messages, self.engine.info.context_length, cmd.sampling.max_tokens,
+                                    cmd.sampling.context_overflow, cmd.answer_prefix, should_stop=self._cancel.is_set,
+                                    tools=tools)
             except Cancelled:     # cancelled while the chat template rendered: nothing was generated
                 self._done_generating(cmd)
                 self.send(P.Finished(request_id=cmd.request_id, reason="cancelled", stats=P.GenerationStats(
@@ -334,11 +338,15 @@ class Worker:
         prompt = fitted.tokens
         generator = make_generator(cmd.sampling.seed)
         draft = cmd.draft if cmd.draft is not None else self.load_options.draft
-        decoder = make_decoder(self.engine, cmd.sampling, generator, draft, self.draft_engine)
+        vocab = self.engine.info.vocab_size
+        steer = steering_for(cmd, self.tokenizer, vocab, prompt, fitted.prefix_tokens, fmt)   # grammar, penalties...
+        decoder = make_decoder(self.engine, cmd.sampling, generator, draft, self.draft_engine, steer)
         rid = cmd.request_id
+        scored = steer is not None and steer.top_logprobs is not None
 
         def on_text(text: str, tokens: int) -> None:
-            self.send(P.TokenDelta(request_id=rid, text=text, tokens=tokens))
+            lps = logprob_events(steer.pop_records(tokens), self.tokenizer, vocab) if scored else ()
+            self.send(P.TokenDelta(request_id=rid, text=text, tokens=tokens, logprobs=lps))
 
         def on_step(live) -> None:
             self._live = live
@@ -355,7 +363,8 @@ class Worker:
         try:
             result = generate(self.engine, self.tokenizer, prompt, cmd.sampling, decoder=decoder, on_text=on_text,
                               on_step=on_step, should_stop=self._cancel.is_set, generator=generator, cached=cached,
-                              answer_prefix_tokens=fitted.prefix_tokens)
+                              answer_prefix_tokens=fitted.prefix_tokens, steer=steer,
+                              skip_special_tokens=not (cmd.tools is not None and fmt == "mistral"))
         except BaseException:
             self._reset_cache()
             raise

@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextlib.contextmanager
-def running_server(demo_model: Path, home: Path, *args: str) -> Iterator[tuple[str, Path, str]]:
-    """Yields (base URL, its stderr log, the served model's name); stops it with Ctrl+C (exit status 0)."""
+def running_server(demo_model: Path, home: Path, *args: str,
+                   quiet_stdout: bool = False) -> Iterator[tuple[str, Path, str]]:
+    """Yields (base URL, its stderr log, the served model's name); stops it with Ctrl+C (exit status 0).
+    `quiet_stdout`: checks that stdout held the Serving line and nothing else (logs belong on stderr)."""
     log = home / "stderr.txt"
     env = dict(os.environ, MOEDESK_HOME=str(home), PYTHONPATH=str(ROOT))
     with open(log, "w") as err:
@@ -28,7 +30,9 @@ def running_server(demo_model: Path, home: Path, *args: str) -> Iterator[tuple[s
     if not line.startswith("Serving"):
         proc.kill()
         pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
-    threading.Thread(target=proc.stdout.read, daemon=True).start()    # its access log: never let the pipe fill
+    rest: list[str] = []
+    reader = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
+    reader.start()                                  # whatever else it prints: never let the pipe fill
     try:
         yield line.split(" at ")[1].strip(), log, line.split()[1]
     finally:
@@ -39,3 +43,6 @@ def running_server(demo_model: Path, home: Path, *args: str) -> Iterator[tuple[s
             proc.kill()
             raise
     assert code == 0, log.read_text()
+    reader.join(5)
+    if quiet_stdout:
+        assert "".join(rest) == "", f"stdout after the Serving line: {''.join(rest)[:500]!r}"

@@ -2,9 +2,16 @@
 
     app = create_app(backend, api_key="...", max_queue=8)     # an ASGI app; uvicorn serves it
 
-Routes: GET /v1/models, POST /v1/chat/completions and /v1/completions (plain JSON, or server-sent
-events with `"stream": true`). The engine runs one generation at a time (batch 1): requests wait
-for it in arrival order, at most `max_queue` of them; one more is refused with 503 at once.
+Routes: GET /v1/models and /v1/models/{id}, POST /v1/chat/completions and /v1/completions (plain JSON,
+or server-sent events with `"stream": true`). The engine runs one generation at a time (batch 1):
+requests wait for it in arrival order, at most `max_queue` of them; one more is refused with 503 at once.
+A long answer takes turns with waiting requests (app/serve/fair.py), so a short one is not stuck behind it.
+
+Fields sent as null count as absent. Tool calls (app/serve/tools.py), response_format, logprobs,
+penalties and logit_bias (app/serve/fields.py) travel to the worker, which renders tools through the
+model's chat template and enforces schemas token by token (runtime/constrained.py). A conversation
+over the context is a 400 `context_length_exceeded` unless the request allows turns to be left out
+(the extension field `context_overflow`); a left-out max_tokens means up to the end of the context.
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
 (bad or too deeply nested JSON, a bad or unsupported field, max_tokens over the context, a conversation
@@ -37,6 +44,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from app.serve import guard
+from app.serve import fields as F
+from app.serve.fair import turns
+from app.serve.tools import Call, CallParser, Text, chat_messages, tool_request
 from runtime import protocol as P
 from runtime.options import OptionError, SamplingOptions, from_dict
 
@@ -47,9 +57,8 @@ MAX_STOP_STRINGS = 4
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "cancelled": "stop"}
 # Fields accepted only at their neutral value (the engine has no such feature).
-NEUTRAL = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logprobs": (False, None),
-           "top_logprobs": (0, None), "logit_bias": (None,), "tools": (None,), "tool_choice": (None, "none"),
-           "functions": (None,), "echo": (False, None), "suffix": (None, ""), "best_of": (1, None)}
+NEUTRAL = {"functions": (None,), "function_call": (None, "none"), "echo": (False, None), "suffix": (None, ""),
+           "best_of": (1, None), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,)}
 
 Sink = Callable[[Any], None]
 log = logging.getLogger("moedesk.serve")
@@ -57,10 +66,11 @@ log = logging.getLogger("moedesk.serve")
 
 @dataclass(frozen=True)
 class ServedModel:
-    id: str                       # what /v1/models lists and requests name
+    id: str                       # what /v1/models lists and requests name: the model folder's name
     context_length: int
     created: int
-    aliases: tuple[str, ...] = ()  # other names a request may use (the folder path it was loaded from)
+    aliases: tuple[str, ...] = ()  # other names a request may use (the name or path it was loaded by, "demo")
+    tool_format: str = "generic"   # how the model writes tool calls (runtime/tool_format.py)
 
 
 class Backend(Protocol):
@@ -133,6 +143,7 @@ def _sampling(body: dict, model: ServedModel) -> SamplingOptions:
         raise ApiError(400, f"max_tokens: {max_tokens} is more than this model's context of {model.context_length} "
                             "tokens (prompt and answer together)", param="max_tokens")
     fields["max_tokens"] = model.context_length if max_tokens is None else max_tokens
+    fields["context_overflow"] = F.context_policy(body)
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -145,35 +156,6 @@ def _sampling(body: dict, model: ServedModel) -> SamplingOptions:
         raise ApiError(400, f"{e.path}: {e.problem}", param=e.path) from None
 
 
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):        # content parts: only text ones
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}[{i}]: only text content parts are supported", param=where)
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"{where}: expected text", param=where)
-
-
-def _messages(body: dict) -> tuple[P.ChatMessage, ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: expected a non-empty list of {role, content}", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}]: expected an object", param="messages")
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role: {m.get('role')!r} is not supported "
-                                "(system, developer, user or assistant)", param="messages")
-        out.append(P.ChatMessage(role, _content(m.get("content"), f"messages[{i}].content")))
-    return tuple(out)
-
-
 def _prompt(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -183,12 +165,29 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
+def _generate(body: dict, kind: str, rid: str, sampling: SamplingOptions) -> P.Generate:
+    """The protocol's generate for a request (BadField names a bad field)."""
+    extras = dict(json_schema=F.json_schema(body), logprobs=F.logprobs(body, kind), penalties=F.penalties(body))
+    if kind != "chat":
+        if body.get("tools"):
+            raise F.BadField("tools: only /v1/chat/completions takes tools", "tools")
+        return P.Generate(request_id=rid, prompt=_prompt(body), sampling=sampling, **extras)
+    tools = tool_request(body)
+    if tools is not None and extras["json_schema"] is not None and tools.choice != "none":
+        raise F.BadField("response_format: a JSON answer and tool calls cannot both shape one answer; "
+                         "give one of them (or tool_choice \"none\")", "response_format")
+    return P.Generate(request_id=rid, messages=chat_messages(body), sampling=sampling, tools=tools, **extras)
+
+
 # ----------------------------------------------------------------------------------------------
 # Responses: protocol events -> OpenAI objects
 
 def _usage(stats: P.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    if stats.dropped_messages:               # only where the request allowed it (context_overflow)
+        usage["dropped_messages"] = stats.dropped_messages
+    return usage
 
 
 def _error_for(ev: P.Error) -> ApiError:
@@ -239,14 +238,14 @@ class Api:
 
     async def _run(self, raw: Request, kind: str) -> Response:
         self._check_key(raw)
-        body = await self._json(raw)
+        body = F.present(await self._json(raw))
         model = self._model(body)
         sampling = _sampling(body, model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if kind == "chat":
-            gen = P.Generate(request_id=rid, messages=_messages(body), sampling=sampling)
-        else:
-            gen = P.Generate(request_id=rid, prompt=_prompt(body), sampling=sampling)
+        try:
+            gen = _generate(body, kind, rid, sampling)
+        except F.BadField as e:
+            raise ApiError(400, str(e), param=e.param) from None
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream: expected true or false", param="stream")
@@ -254,26 +253,27 @@ class Api:
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options: expected an object", param="stream_options")
         include_usage = stream and options.get("include_usage") is True
-        events = self._generation(gen)
+        events = turns(self, gen)                 # fair turns on the engine (app/serve/fair.py)
         first = await events.__anext__()          # waits for the queue and the prefill
         if isinstance(first, P.Error):
             await events.aclose()
             raise _error_for(first)
-        shape = _Shape(kind, rid, model.id)
+        shape = _Shape(kind, rid, model.id, model.tool_format if gen.tools and gen.tools.choice != "none" else None,
+                       gen.logprobs is not None)
         if stream:
             return StreamingResponse(shape.sse(first, events, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, last = [], first
+        deltas, last = [], first
         try:
             async for ev in _chain(first, events):
                 last = ev
                 if isinstance(ev, P.TokenDelta):
-                    text.append(ev.text)
+                    deltas.append(ev)
         finally:
             await events.aclose()
         if isinstance(last, P.Error):
             raise _error_for(last)
-        return JSONResponse(shape.whole("".join(text), last))
+        return JSONResponse(shape.whole(deltas, last))
 
     # -- checks ----------------------------------------------------------------------------------
     def _check_key(self, raw: Request) -> None:
@@ -324,9 +324,18 @@ class Api:
     async def models(self, raw: Request) -> Response:
         self._check_key(raw)
         served = self.backend.served_model()
-        data = [] if served is None else [{"id": served.id, "object": "model", "created": served.created,
-                                           "owned_by": "moedesk", "context_length": served.context_length}]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [] if served is None else [_model_object(served)]})
+
+    async def model(self, raw: Request) -> Response:
+        """GET /v1/models/{id}: the served model by its id or an alias (its object names the id)."""
+        self._check_key(raw)
+        name = raw.path_params["model"]
+        served = self.backend.served_model()
+        if served is None or (name != served.id and name not in served.aliases):
+            known = f"; this server serves {served.id!r}" if served is not None else ""
+            raise ApiError(404, f"the model {name!r} does not exist here{known}", code="model_not_found",
+                           param="model")
+        return JSONResponse(_model_object(served))
 
     async def chat(self, raw: Request) -> Response:
         return await self._run(raw, "chat")
@@ -335,42 +344,100 @@ class Api:
         return await self._run(raw, "completion")
 
 
+def _model_object(served: ServedModel) -> dict:
+    return {"id": served.id, "object": "model", "created": served.created, "owned_by": "moedesk",
+            "context_length": served.context_length, "aliases": list(served.aliases)}
+
+
 @dataclass
 class _Shape:
-    """The OpenAI objects of one request: chat.completion(.chunk) or text_completion."""
+    """The OpenAI objects of one request: chat.completion(.chunk) or text_completion. With `tool_format`
+    the answer's text is read into content and tool calls (app/serve/tools.py); with `logprobs` each
+    token's log-probabilities go with the text that carries them."""
     kind: str
     id: str
     model: str
+    tool_format: Optional[str] = None
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        self.offset = 0                           # characters of completion text sent (logprobs' text_offset)
 
     def _obj(self, chunk: bool, choice: dict, **extra) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [choice] if choice else [], **extra}
 
-    def whole(self, text: str, fin: P.Finished) -> dict:
-        body = ({"message": {"role": "assistant", "content": text}} if self.kind == "chat"
-                else {"text": text, "logprobs": None})
-        return self._obj(False, {"index": 0, **body, "finish_reason": FINISH_REASONS[fin.reason]},
+    def _lp(self, items: list) -> Optional[dict]:
+        if not self.logprobs:
+            return None
+        out = F.shaped(self.kind, items, self.offset)
+        self.offset += sum(len(t.token) for t in items)
+        return out
+
+    def whole(self, deltas: list[P.TokenDelta], fin: P.Finished) -> dict:
+        text = "".join(d.text for d in deltas)
+        lps = self._lp([lp for d in deltas for lp in d.logprobs])
+        finish = FINISH_REASONS[fin.reason]
+        if self.kind != "chat":
+            return self._obj(False, {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish},
+                             usage=_usage(fin.stats))
+        message: dict = {"role": "assistant", "content": text}
+        if self.tool_format:
+            parser = CallParser(self.tool_format)
+            pieces = parser.feed(text) + parser.finish()
+            calls = [p.whole() for p in pieces if isinstance(p, Call)]
+            if calls:
+                content = "".join(p.text for p in pieces if isinstance(p, Text)).strip()
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        return self._obj(False, {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish},
                          usage=_usage(fin.stats))
 
-    def _delta(self, text: Optional[str], finish: Optional[str], first: bool = False) -> dict:
+    def _chunk(self, delta: dict, lps: list, finish: Optional[str] = None) -> str:
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return self._obj(True, {"index": 0, "delta": delta, "finish_reason": finish})
-        return self._obj(True, {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish})
+            return _sse(self._obj(True, {"index": 0, "delta": delta, "logprobs": self._lp(lps),
+                                         "finish_reason": finish}))
+        return _sse(self._obj(True, {"index": 0, "text": delta.get("content", ""), "logprobs": self._lp(lps),
+                                     "finish_reason": finish}))
+
+    def _pieces(self, pieces: list, lps: list) -> list[str]:
+        """Chunks for parsed pieces; the pending logprobs go with the first of them (and are then spent)."""
+        out = []
+        for piece in pieces:
+            if isinstance(piece, Call):
+                for d in piece.deltas():
+                    out.append(self._chunk({"tool_calls": [d]}, lps))
+                    lps = []
+            elif piece.text:
+                out.append(self._chunk({"content": piece.text}, lps))
+                lps = []
+        return out
 
     async def sse(self, first: Any, events: AsyncIterator[Any], include_usage: bool) -> AsyncIterator[str]:
+        parser = CallParser(self.tool_format) if self.tool_format and self.kind == "chat" else None
+        pending: list = []                       # logprobs of text not sent yet (held back by the parser)
+        called = False
         try:
             if self.kind == "chat":
-                yield _sse(self._delta("", None, first=True))
+                yield self._chunk({"role": "assistant", "content": ""}, [])
             async for ev in _chain(first, events):
                 if isinstance(ev, P.TokenDelta):
-                    yield _sse(self._delta(ev.text, None))
+                    pending += ev.logprobs
+                    pieces = parser.feed(ev.text) if parser else [Text(ev.text)]
+                    called = called or any(isinstance(p, Call) for p in pieces)
+                    for chunk in self._pieces(pieces, pending):
+                        pending = []
+                        yield chunk
                 elif isinstance(ev, P.Finished):
-                    yield _sse(self._delta(None, FINISH_REASONS[ev.reason]))
+                    pieces = parser.finish() if parser else []
+                    called = called or any(isinstance(p, Call) for p in pieces)
+                    for chunk in self._pieces(pieces, pending):
+                        pending = []
+                        yield chunk
+                    finish = FINISH_REASONS[ev.reason]
+                    yield self._chunk({}, pending, "tool_calls" if called and finish == "stop" else finish)
                     if include_usage:
                         yield _sse(self._obj(True, {}, usage=_usage(ev.stats)))
                 elif isinstance(ev, P.Error):        # after the headers went out: an error event in the stream
@@ -408,6 +475,7 @@ def create_app(backend: Backend, api_key: Optional[str] = None, max_queue: int =
     """The API; `allowed_origins` / `allowed_hosts` extend what `app.serve.guard` accepts (ValueError in words)."""
     api = Api(backend, api_key, max_queue)
     routes = [Route("/v1/models", api.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", api.model, methods=["GET"]),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
     app = Starlette(routes=routes, middleware=guard.middleware(allowed_origins, allowed_hosts),

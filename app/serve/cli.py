@@ -59,9 +59,17 @@ def url_of(sock: socket.socket, host: str) -> str:
 
 
 def make_server(app, log_level: str = "info"):
-    """A uvicorn server for the ASGI `app` (run it with `server.run(sockets=[sock])`)."""
+    """A uvicorn server for the ASGI `app` (run it with `server.run(sockets=[sock])`); its logs, the
+    request lines included, go to stderr (stdout carries only the `Serving ...` line)."""
+    import copy
+
     import uvicorn
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5))
+    from uvicorn.config import LOGGING_CONFIG
+    logs = copy.deepcopy(LOGGING_CONFIG)
+    for handler in logs["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
+                                         log_config=logs))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,12 +116,13 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     client = WorkerClient(client_name="moedesk serve")
+    backend = None
     try:
         ready = client.start()
         print(f"moedesk serve: {ready.engine_note} Loading {args.model}…", file=sys.stderr, flush=True)
         loaded = client.load(args.model, options, on_progress=_progress_printer())
-        server = make_server(create_app(WorkerBackend(client, loaded, on_death=lambda words: _stop(server, words)),
-                                        api_key=key, max_queue=args.max_queue, allowed_origins=args.allow_origin,
+        backend = WorkerBackend(client, loaded, on_death=lambda words: _stop(server, words))
+        server = make_server(create_app(backend, api_key=key, max_queue=args.max_queue, allowed_origins=args.allow_origin,
                                         allowed_hosts=args.allow_host))
         print(f"Serving {served_model(loaded).id} at {url_of(sock, args.host)}", flush=True)
         server.run(sockets=[sock])
@@ -124,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"timeout: {e}")
     finally:
         sock.close()
+        if backend is not None:
+            backend.close()
         client.stop()
 
 

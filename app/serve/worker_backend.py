@@ -13,16 +13,22 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from app.serve.api import ServedModel, Sink
+from runtime import paths
 from runtime import protocol as P
 from runtime.client import WorkerClient, WorkerDied
 
 
 def served_model(loaded: P.Loaded, created: Optional[int] = None) -> ServedModel:
-    """The API's name for a loaded model: the name it was loaded by, or its folder's name for a path."""
-    given = loaded.model
-    name = Path(given).name if ("/" in given or "\\" in given) else given
-    aliases = tuple(a for a in {given, Path(loaded.path).name} if a and a != name)
-    return ServedModel(name, loaded.context_length, created or int(time.time()), aliases)
+    """The API's name for a loaded model: its folder's name, however it was loaded (by name, "demo" or a
+    path), so that a client's model id stays valid across reloads. Aliases: the name or path it was loaded
+    by, and "demo" for the demo model."""
+    name = Path(loaded.path).name or loaded.model
+    names = [loaded.model, Path(loaded.model).name]
+    if name == paths.DEMO_MODEL_NAME:
+        names.append(paths.DEMO_ALIAS)
+    aliases = tuple(sorted({a for a in names if a and a != name}))
+    return ServedModel(name, loaded.context_length, created or int(time.time()), aliases,
+                       loaded.tool_format or "generic")
 
 
 class WorkerBackend:
@@ -32,7 +38,12 @@ class WorkerBackend:
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()
         self._on_death = on_death
+        self._closing = False
         threading.Thread(target=self._pump, name="serve-events", daemon=True).start()
+
+    def close(self) -> None:
+        """The server is stopping (Ctrl+C): the engine process ends next, and that is no death to report."""
+        self._closing = True
 
     def served_model(self) -> Optional[ServedModel]:
         return self._model
@@ -63,6 +74,8 @@ class WorkerBackend:
                 ev = self.client.next_event(None)
             except WorkerDied as e:
                 self._model = None
+                if self._closing:
+                    return
                 words = f"the engine process ended ({e.message}); restart the server"
                 with self._lock:
                     rids = list(self._sinks)

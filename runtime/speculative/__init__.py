@@ -23,17 +23,18 @@ __all__ = ["make_decoder", "SpeculativeDecoder"]
 
 
 def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions, generator=None,
-                 draft_engine: Optional[Engine] = None) -> SpeculativeDecoder:
-    """A decoder for one request. Raises ValueError naming the problem for an unusable combination."""
+                 draft_engine: Optional[Engine] = None, steer=None) -> SpeculativeDecoder:
+    """A decoder for one request. Raises ValueError naming the problem for an unusable combination.
+    `steer`: the request's grammar, penalties and logprobs (runtime/constrained.py), or None."""
     if draft.mode == "model":
         if draft_engine is None:
             raise ValueError("draft.mode is 'model' but no draft model is loaded (set draft.model)")
-        drafter = ModelDrafter(draft_engine, sampling, generator)
+        drafter = ModelDrafter(draft_engine, sampling, generator, steer)
     elif draft.mode == "mtp":
         if not getattr(engine, "has_mtp", False):
             raise ValueError(f"draft.mode is 'mtp' but {engine.info.name} has no multi-token-prediction head "
                              f"(mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
-        drafter = MtpDrafter(engine, sampling, generator)
+        drafter = MtpDrafter(engine, sampling, generator, steer)
     elif draft.mode == "ngram":
         drafter = NgramDrafter()
     elif draft.mode == "off":
@@ -48,7 +49,7 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         # load): a longer verify could not be taken back but by running the whole conversation again
         draft = dataclasses.replace(draft, draft_tokens=max(1, most))
     return SpeculativeDecoder(engine, drafter, draft, sampling, generator,
-                              policy=_policy(engine, draft, draft_engine))
+                              policy=_policy(engine, draft, draft_engine), steer=steer)
 
 
 _POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> {(mode, K, adaptive, draft engine): policy}

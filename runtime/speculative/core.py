@@ -13,6 +13,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from runtime import sampling
+from runtime.constrained import Steering, choose
 from runtime.engine import Engine, offered
 from runtime.options import SamplingOptions
 
@@ -66,15 +67,15 @@ def timed_forward(engine: Engine, tokens: Sequence[int]) -> tuple[torch.Tensor, 
 
 
 def plain_step(target: Engine, tokens: list[int], opts: SamplingOptions,
-               generator: Optional[torch.Generator]) -> StepResult:
+               generator: Optional[torch.Generator], steer: Optional[Steering] = None) -> StepResult:
     """Ordinary decoding: feed the pending token, sample the next one."""
     logits, dt = timed_forward(target, tokens[-1:])                      # [1, V]
-    tok = sampling.sample(logits[0], tokens, opts, generator)
+    tok = choose(logits[0], tokens, opts, generator, steer)
     return StepResult([tok], drafted=0, accepted=0, rows=1, forward_s=dt)
 
 
 def speculative_step(target: Engine, drafter: "Drafter", tokens: list[int], k: int, opts: SamplingOptions,
-                     generator: Optional[torch.Generator]) -> StepResult:
+                     generator: Optional[torch.Generator], steer: Optional[Steering] = None) -> StepResult:
     """Draft up to k tokens, verify them with one target forward over K+1 rows, keep the longest
     valid prefix, and roll both caches back to it. With no draft (lookup found nothing) this is
     exactly a plain step.
@@ -88,12 +89,21 @@ def speculative_step(target: Engine, drafter: "Drafter", tokens: list[int], k: i
     so they include the same repetition penalty, temperature, top-k, top-p and min-p. At temperature
     0 both are one-hot on the argmax, and the rule reduces to: accept while d_i equals the target's
     argmax, then emit the target's argmax.
+
+    With a request's steering (a grammar, penalties), p_i is computed from row i as steered after
+    tokens + d_1..d_{i-1}: a draft the grammar refuses has p_i(d_i) = 0 and is rejected by the rule,
+    and the token emitted in its place comes from the grammar's own mask. Drafts from lookup (q one-hot)
+    are cut at the first one the grammar refuses before the verify: rejecting d_j for sure and drawing
+    from normalise(max(0, p_j - onehot(d_j))) = p_j is what the bonus draw from row j does, so the cut
+    is exact and spares the rows after it.
     """
     # Draft: K <= k tokens, with the distributions they were drawn from.
     t0 = time.perf_counter()
     proposal = drafter.propose(tokens, k)
     draft_s = time.perf_counter() - t0
     drafts = proposal.tokens
+    if steer is not None and proposal.q is None:
+        drafts = drafts[:steer.valid_prefix(drafts)]
     K = len(drafts)
 
     # Verify: row i holds the target's logits after tokens + d_1..d_i.
@@ -101,33 +111,44 @@ def speculative_step(target: Engine, drafter: "Drafter", tokens: list[int], k: i
 
     # Accept or reject each draft in turn. Greedy without a penalty: every row's choice in one read
     # of the device (one wait, not one per row).
-    greedy = _argmax_rows(logits[:K + 1]) if opts.temperature == 0 and opts.repetition_penalty == 1.0 else None
+    plain = opts.temperature == 0 and opts.repetition_penalty == 1.0 and steer is None
+    greedy = _argmax_rows(logits[:K + 1]) if plain else None
     history = list(tokens)
     new: list[int] = []
     for i, d in enumerate(drafts):
+        row = steer.row(logits[i], history) if steer is not None else logits[i]
         if opts.temperature == 0:
-            best = greedy[i] if greedy is not None else sampling.sample(logits[i], history, opts)
+            best = greedy[i] if greedy is not None else sampling.sample(row, history, opts)
             if best != d:
+                _took(steer, logits[i], best)
                 new.append(best)
                 break
         else:
-            p = sampling.probabilities(logits[i], history, opts)          # [V]
+            p = sampling.probabilities(row, history, opts)               # [V]
             q = proposal.q[i] if proposal.q is not None else _one_hot(d, p)
             p, q = _same_size(p, q)
             if not _accepts(p[d].item(), q[d].item(), generator):
-                new.append(sampling.draw(_residual(p, q), generator))
+                tok = sampling.draw(_residual(p, q), generator)
+                _took(steer, logits[i], tok)
+                new.append(tok)
                 break
+        _took(steer, logits[i], d)
         new.append(d)
         history.append(d)
     else:
         # All K accepted: the target's last row gives one more token for free.
-        new.append(greedy[K] if greedy is not None else sampling.sample(logits[K], history, opts, generator))
+        new.append(greedy[K] if greedy is not None else choose(logits[K], history, opts, generator, steer))
 
     # Roll back both caches: keep tokens + the accepted drafts; the last new token stays pending.
     accepted = len(new) - 1
     target.truncate(len(tokens) + accepted)
     drafter.rollback(len(tokens) + accepted)
     return StepResult(new, drafted=K, accepted=accepted, rows=K + 1, forward_s=dt, draft_s=draft_s)
+
+
+def _took(steer: Optional[Steering], raw: torch.Tensor, token: int) -> None:
+    if steer is not None:
+        steer.took(raw, token)
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:

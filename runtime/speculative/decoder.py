@@ -22,8 +22,10 @@ class SpeculativeDecoder:
     `tokens + new[:-1]` (the contract of runtime/generate.py's plain decoder)."""
 
     def __init__(self, target: Engine, drafter: Optional[Drafter], draft: DraftOptions,
-                 opts: SamplingOptions, generator: Optional[torch.Generator], policy: Optional[DraftPolicy] = None):
+                 opts: SamplingOptions, generator: Optional[torch.Generator], policy: Optional[DraftPolicy] = None,
+                 steer=None):
         self.target = target
+        self.steer = steer                    # the request's grammar, penalties, logprobs (or None)
         self.drafter = drafter
         self.opts = opts
         self.generator = generator
@@ -56,10 +58,10 @@ class SpeculativeDecoder:
 
         # Draft and verify; or decode plainly (asking lookup, for free, what it would have drafted).
         if k > 0:
-            result = speculative_step(self.target, self.drafter, tokens, k, self.opts, self.generator)
+            result = speculative_step(self.target, self.drafter, tokens, k, self.opts, self.generator, self.steer)
         else:
             lookup = self._shadow_proposal(tokens)
-            result = plain_step(self.target, tokens, self.opts, self.generator)
+            result = plain_step(self.target, tokens, self.opts, self.generator, self.steer)
             if lookup is not None:
                 self.policy.shadow(lookup == result.new[0])
 

@@ -20,15 +20,24 @@ from runtime.speculative.core import Proposal, timed_forward
 
 
 def _pick(row: torch.Tensor, history: list[int], opts: SamplingOptions, generator: Optional[torch.Generator],
-          qs: list[torch.Tensor]) -> int:
+          qs: list[torch.Tensor], steer=None) -> Optional[int]:
     """One draft token from a row of logits: greedy at temperature 0, else drawn from
-    `sampling.probabilities` (kept in `qs` for the acceptance test); appended to `history`."""
+    `sampling.probabilities` (kept in `qs` for the acceptance test); appended to `history`. `steer`: a
+    fork of the request's steering (its grammar's copy advances with the drafts); None when it allows
+    no token at all (the grammar's answer is complete): drafting stops there."""
+    raw = row
+    if steer is not None:
+        row = steer.row(raw, history)
+        if bool(torch.isinf(row).all()):
+            return None
     if opts.temperature == 0:
         d = sampling.sample(row, history, opts)
     else:
         q = sampling.probabilities(row, history, opts)                    # [V]
         d = sampling.draw(q, generator)
         qs.append(q)
+    if steer is not None:
+        steer.took(raw, d)
     history.append(d)
     return d
 
@@ -42,10 +51,11 @@ class ModelDrafter:
 
     mode = "model"
 
-    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator]):
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator], steer=None):
         self.engine = engine
         self.opts = opts
         self.generator = generator
+        self.steer = steer                # the request's steering: drafts follow a copy of its grammar
         self.cached: list[int] = []
         self.forward_s = 0.0          # time spent in draft forwards (for the cost model)
         self.forwards = 0
@@ -62,12 +72,15 @@ class ModelDrafter:
         history = list(tokens)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
+        fork = self.steer.fork() if self.steer is not None else None
         for i in range(k):
             logits, dt = timed_forward(self.engine, feed)                 # [len(feed), V]
             self.forward_s += dt
             self.forwards += 1
             self.cached += feed
-            d = _pick(logits[-1], history, self.opts, self.generator, qs)
+            d = _pick(logits[-1], history, self.opts, self.generator, qs, fork)
+            if d is None:
+                break
             drafts.append(d)
             feed = [d]
         q = torch.stack(qs) if qs else None                               # [K, V] or None at temperature 0
@@ -91,20 +104,25 @@ class MtpDrafter:
 
     mode = "mtp"
 
-    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator]):
+    def __init__(self, engine: Engine, opts: SamplingOptions, generator: Optional[torch.Generator], steer=None):
         engine.mtp_enable()                      # before the prefill: the head sees the whole conversation
         self.engine = engine
         self.opts = opts
         self.generator = generator
+        self.steer = steer
         self.draft_s = 0.0
         self.drafted = 0
 
     def propose(self, tokens: list[int], k: int) -> Proposal:
         history = list(tokens)
         qs: list[torch.Tensor] = []
+        fork = self.steer.fork() if self.steer is not None else None
 
         def choose(row: torch.Tensor) -> int:
-            return _pick(row, history, self.opts, self.generator, qs)
+            d = _pick(row, history, self.opts, self.generator, qs, fork)
+            if d is None:                    # the grammar's answer is complete: its end-of-sequence then
+                d = _pick(row, history, self.opts, self.generator, qs)
+            return d
 
         t0 = time.perf_counter()
         drafts = self.engine.mtp_draft(tokens, k, choose)
