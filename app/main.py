@@ -193,8 +193,7 @@ def use_engine(desk: Desk, engine) -> None:
     """Chat with `engine` from now on: the local EngineClient, or a RemoteEngine (app.serve.remote)."""
     if engine is desk.engine:
         return
-    stream = desk.session.stream
-    if stream is not None:                       # the old engine's answer ends here, its text kept
+    for stream in list(desk.session.streams.values()):   # the old engine's answers end here, their text kept
         desk.engine.cancel(stream.request_id)
         desk.session.fail_request(stream.request_id, SWITCHED)
     for link in desk.engine_links:
