@@ -47,6 +47,7 @@ class Desk:
     engine: Any = None         # the engine the chat uses: `client`, or a remote one (use_engine)
     engine_links: list = dataclasses.field(default_factory=list)
     server: Any = None         # the local OpenAI-compatible server (app.serve.inapp.LocalServer)
+    server_indicator: Any = None   # its words in the status bar (app.server_indicator.ServerIndicator)
 
 
 def startup_model(settings: Settings) -> Optional[str]:
@@ -259,8 +260,11 @@ def apply_server(desk: Desk) -> None:
         if not desk.settings.server.enabled:
             return
         from app.serve.inapp import LocalServer
+        from app.server_indicator import ServerIndicator
         desk.server = LocalServer(desk.client, desk.window)
         desk.server.status.connect(lambda words: desk.window.statusBar().showMessage(words, 8000))
+        desk.server_indicator = ServerIndicator(desk.server)
+        desk.window.statusBar().addPermanentWidget(desk.server_indicator)
         app = QApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(desk.server.stop)

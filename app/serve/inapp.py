@@ -3,6 +3,7 @@
     server = LocalServer(client)                 # client: app.engine_client.EngineClient
     server.status.connect(label.setText)         # words: "Serving demo at http://127.0.0.1:8642/v1", errors
     problem = server.apply(ServeOptions(enabled=True), api_key)   # None, or why it could not start
+    server.history.changed.connect(...)          # its requests: in flight and ended (app.serve.request_log)
     server.stop()
 
 Threads: the HTTP side runs on the server thread's asyncio loop; the engine client lives on the GUI
@@ -20,6 +21,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.serve.api import ServedModel, Sink, create_app
 from app.serve.cli import bind, is_loopback, make_server, url_of
+from app.serve.request_log import RequestHistory, RequestLog, current
 from app.serve.worker_backend import served_model
 from runtime import protocol as P
 from runtime.options import ServeOptions
@@ -29,6 +31,7 @@ class QtBackend(QObject):
     """The API's engine backend over the GUI's EngineClient (see `app.serve.api.Backend`)."""
     _start = Signal(object, object)      # Generate, sink: from the server thread
     _cancel = Signal(str)
+    model_changed = Signal()             # served_model() changed (loaded, unloaded, engine gone)
 
     def __init__(self, client, parent=None):
         super().__init__(parent)
@@ -51,7 +54,8 @@ class QtBackend(QObject):
         return self._model
 
     def start(self, request: P.Generate, sink: Sink) -> None:
-        self._start.emit(request, sink)
+        live = current()                 # the HTTP request this generation serves: its log notes the end
+        self._start.emit(request, live.watch(request.request_id, sink) if live is not None else sink)
 
     def cancel(self, request_id: str) -> None:
         self._cancel.emit(request_id)
@@ -59,6 +63,7 @@ class QtBackend(QObject):
     # -- GUI thread -------------------------------------------------------------------------------
     def _set_model(self, model: Optional[ServedModel]) -> None:
         self._model = model
+        self.model_changed.emit()
 
     def _on_loaded(self, ev: P.Loaded) -> None:
         self._set_model(served_model(ev))
@@ -103,6 +108,7 @@ class LocalServer(QObject):
     def __init__(self, client, parent=None):
         super().__init__(parent)
         self.backend = QtBackend(client, self)
+        self.history = RequestHistory(self)
         self.url: Optional[str] = None
         self._server = None
         self._thread: Optional[threading.Thread] = None
@@ -126,8 +132,9 @@ class LocalServer(QObject):
         except OSError as e:
             return self._refuse(f"The local server cannot listen on port {options.port}: {e.strerror or e}. "
                                 "Pick another port.")
-        self._server = make_server(create_app(self.backend, api_key=api_key, max_queue=options.max_queue),
-                                   log_level="warning")
+        api = create_app(self.backend, api_key=api_key, max_queue=options.max_queue)
+        self._server = make_server(RequestLog(api, self.history.started, self.history.ended), log_level="warning")
+        self.history.reset()
         self.url = url_of(sock, "127.0.0.1" if is_loopback(host) else _lan_address())
         self._thread = threading.Thread(target=self._serve, args=(self._server, sock), name="local-server",
                                         daemon=True)
