@@ -38,10 +38,12 @@ class QtBackend(QObject):
         self.client = client
         self._sinks: dict[str, Sink] = {}
         self._model: Optional[ServedModel] = None
+        # app.idle_unload.IdleUnloader: a model unloaded for idleness is still served, and loaded again first
+        self.waker = None
         self._start.connect(self._on_start)          # queued: emitted from another thread
         self._cancel.connect(self._on_cancel)
         client.loaded.connect(self._on_loaded)
-        client.unloaded.connect(lambda _ev: self._set_model(None))
+        client.unloaded.connect(self._on_unloaded)
         client.worker_died.connect(self._on_died)
         client.token.connect(self._on_token)
         client.finished.connect(lambda ev: self._end(ev.request_id, ev))
@@ -68,8 +70,14 @@ class QtBackend(QObject):
     def _on_loaded(self, ev: P.Loaded) -> None:
         self._set_model(served_model(ev))
 
+    def _on_unloaded(self, _ev) -> None:
+        if self.waker is None or self.waker.asleep is None:
+            self._set_model(None)
+
     def _on_start(self, request: P.Generate, sink: Sink) -> None:
         self._sinks[request.request_id] = sink
+        if self.waker is not None:
+            self.waker.wake()
         self.client.submit(request)
 
     def _on_cancel(self, request_id: str) -> None:
