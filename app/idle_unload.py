@@ -3,8 +3,8 @@ and load it again, with the same options, before the next request.
 
     unloader = IdleUnloader(client)             # client: app.engine_client.EngineClient
     unloader.set_minutes(settings.app.unload_idle_minutes)       # 0: never
-    unloader.unloaded_idle.connect(...)         # words for the window, once the model went
     unloader.wake()                             # before a chat's or the local server's request
+    unloader.words                              # what the last idle unload did, in words (for the banner)
 
 The count starts when the engine becomes idle with a model loaded and starts again after every
 answer (a chat's or the local server's); loading, an answer or a waiting request stop it. While the
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, QTimer
 
 from runtime import paths
 from runtime.options import LoadOptions
 
 
 class IdleUnloader(QObject):
-    unloaded_idle = Signal(str)          # the model was unloaded for idleness: words for the window
-
     def __init__(self, client, parent=None):
         super().__init__(parent)
         self.client = client
@@ -59,7 +57,8 @@ class IdleUnloader(QObject):
 
     def _idle(self) -> bool:
         c = self.client
-        return c.state == "idle" and c.loaded_event is not None and c.last_load is not None and not c.generating
+        return (c.state == "idle" and c.loaded_event is not None and c.last_load is not None and not c.generating
+                and c.loading is None)
 
     def _arm(self) -> None:
         if self.seconds > 0 and self._idle():
@@ -77,4 +76,3 @@ class IdleUnloader(QObject):
         after = f"{minutes:g} minute{'s' if minutes != 1 else ''}" if minutes >= 1 else f"{self.seconds:g} s"
         self.words = (f"{name} was unloaded after {after} without requests, freeing its memory; "
                       f"the next message or API request loads it again.")
-        self.unloaded_idle.emit(self.words)

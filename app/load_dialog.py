@@ -41,6 +41,7 @@ GROUPS = (("Memory and placement", "offload", OffloadOptions,
            ("context_length", "vram_budget_gb", "placement", "ram_budget_gb", "kv_cache", "cpu_threads", "backend")),
           ("Speculative decoding", "draft", DraftOptions, ("mode", "model", "draft_tokens", "adaptive")))
 MOE_ONLY = ("offload.placement", "offload.ram_budget_gb")     # what a model without experts has no use for
+GPU_ONLY = ("offload.vram_budget_gb", "offload.kv_cache") + MOE_ONLY    # what the CPU engine does not take
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class FitNote:
     words: str
     ok: Optional[bool]          # None: unknown
     detail: str = ""            # the assumptions (tooltip)
+
+
+def on_cpu(off: OffloadOptions, engine: str) -> bool:
+    """Whether the CPU reference engine runs the model (`engine`: what "auto" picks here)."""
+    return off.backend == "cpu" or (off.backend == "auto" and engine != "cuda")
 
 
 def fit_note(info: FolderInfo, off: OffloadOptions, vram: float, ram: float, engine: str,
@@ -58,7 +64,7 @@ def fit_note(info: FolderInfo, off: OffloadOptions, vram: float, ram: float, eng
         shape = ModelShape.from_config(info.config)
     except FitError as e:
         return FitNote(f"Fit unknown: {e}", None)
-    if off.backend == "cpu" or (off.backend == "auto" and engine != "cuda"):
+    if on_cpu(off, engine):
         per_weight = CPU_BYTES_PER_WEIGHT.get(DEFAULT_PRECISION, 1.0)
         need = shape.total_params() * per_weight
         ok = need <= ram
@@ -249,8 +255,9 @@ class LoadDialog(QDialog):
         self.fields["draft.model"].editor.setEnabled(mode == "model")
         for p in ("draft.draft_tokens", "draft.adaptive"):
             self.fields[p].editor.setEnabled(mode != "off")
-        for p in MOE_ONLY:
-            self.fields[p].editor.setEnabled(self.has_experts)
+        cpu = on_cpu(opts.offload, self.engine)
+        for p in GPU_ONLY:
+            self.fields[p].editor.setEnabled(not cpu and (self.has_experts or p not in MOE_ONLY))
         for path, f in self.fields.items():
             reported = self._applied.get(path, "") if self.loaded else ""
             f.status.setText(reported if len(reported) <= 40 else reported[:39] + "…")

@@ -99,7 +99,6 @@ def wire(desk: Desk) -> None:
     desk.engine = client
     desk.unloader = IdleUnloader(client, window)
     desk.unloader.set_minutes(desk.settings.app.unload_idle_minutes)
-    desk.unloader.unloaded_idle.connect(lambda words: window.statusBar().showMessage(words, 10000))
     desk.engine_links = connect_engine(desk, client)
 
     # Chat and window -> the engine in use (the local worker, or a remote server, which never sleeps).

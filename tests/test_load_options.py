@@ -81,6 +81,12 @@ def test_the_dialog_updates_the_fit_as_options_change(qtbot):
         32768, 8.0, "vram", "ngram")
     dialog.defaults_button.click()
     assert dialog.options() == LoadOptions()
+    engine = dialog.fields["offload.backend"].editor
+    engine.setCurrentIndex(engine.findData("cpu"))          # the CPU engine takes no budgets, cache width, placement
+    assert dialog.fit.text().startswith("✓ CPU engine")
+    assert not any(dialog.fields[p].editor.isEnabled() for p in ("offload.vram_budget_gb", "offload.kv_cache",
+                                                                  "offload.placement", "offload.ram_budget_gb"))
+    assert dialog.fields["offload.context_length"].editor.isEnabled()
 
 
 def test_a_model_without_experts_has_no_placement_to_choose(qtbot, demo_model):
@@ -228,6 +234,33 @@ def test_the_server_keeps_its_model_through_an_idle_unload(qtbot, make_desk):
     assert out["answer"].status_code == 200
     assert out["answer"].json()["choices"][0]["message"]["content"].startswith("You said: wake up.")
     assert desk.client.loaded_event is not None
+
+
+def test_no_idle_unload_while_a_load_is_in_flight(qtbot):
+    """A second load sent while the first one ran: the first one's `loaded` leaves the client's state idle,
+    but the second load is still running; unloading then would throw it away."""
+    from PySide6.QtCore import QObject, Signal
+
+    from app.idle_unload import IdleUnloader
+
+    class Client(QObject):
+        state_changed, loaded = Signal(str), Signal(object)
+        state, loaded_event, generating, loading = "idle", object(), None, "load-2"
+        last_load = ("demo", LoadOptions())
+        unloads: list = []
+
+        def unload(self):
+            self.unloads.append(1)
+    client = Client()
+    unloader = IdleUnloader(client)
+    unloader.set_minutes(0.001)
+    client.state_changed.emit("idle")
+    qtbot.wait(300)
+    assert client.unloads == [] and unloader.asleep is None
+    client.loading = None                       # the second load is done
+    client.loaded.emit(object())
+    qtbot.waitUntil(lambda: client.unloads == [1], timeout=3000)
+    assert unloader.asleep == ("demo", LoadOptions()) and "0.06 s" in unloader.words
 
 
 def test_idle_unload_is_a_validated_setting():

@@ -25,7 +25,7 @@ IdRole = Qt.ItemDataRole.UserRole + 1
 HtmlRole = Qt.ItemDataRole.UserRole + 2      # the entry as HTML: search hits in bold
 GroupRole = Qt.ItemDataRole.UserRole + 3     # the heading painted above this entry (the first of its group)
 GROUPS = ("Pinned", "Today", "Yesterday", "Last 7 days", "Older")
-MARKS = {"writing": "✎ writing…", "queued": "⏳ queued"}     # session.writing() values, in words
+MARKS = {"writing": "✎ writing…", "queued": "◷ queued"}     # session.writing() values, in words
 
 
 def when(ts: float, now: Optional[float] = None) -> str:
