@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import threading
 from pathlib import Path
 
@@ -14,13 +13,12 @@ import httpx
 import pytest
 from PySide6.QtCore import Qt
 
-from app.main import build
 from app.settings import AppSettings, Settings
 from runtime import paths
 from runtime.modelfolder import FolderInfo
 from runtime.options import DraftOptions, LoadOptions, OffloadOptions, SamplingOptions, ServeOptions
+from tests.test_chat_session import make_desk  # noqa: F401 (a fixture)
 
-FAKE = [sys.executable, "-m", "tests.fake_worker"]
 GIB = 1024 ** 3
 QWEN3_30B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
@@ -136,35 +134,17 @@ def test_a_damaged_options_file_is_set_aside_with_words(text, where):
 
 # -- through the window --------------------------------------------------------------------------------
 
-@pytest.fixture
-def make_desk(qtbot, monkeypatch):
-    made = []
-
-    def factory(app: AppSettings = AppSettings(), server: ServeOptions = ServeOptions()):
-        monkeypatch.setenv("FAKE_WORKER_DELAY", "0.02")
-        desk = build(Settings(app=app, sampling=SamplingOptions(max_tokens=5), server=server),
-                     worker_command=FAKE, model="demo")
-        desk.memory = (24 * GIB, 64 * GIB, "NVIDIA GeForce RTX 4090")
-        qtbot.addWidget(desk.window)
-        desk.window.show()
-        with qtbot.waitSignal(desk.client.loaded, timeout=30000):
-            desk.client.start()
-        made.append(desk)
-        return desk
-    yield factory
-    for d in made:
-        if d.server is not None:
-            d.server.stop()
-        d.client.shutdown(wait=True)
-        d.gauges.timer.stop()
-        d.store.close()
+def desk_with(make_desk, app: AppSettings = AppSettings(), server: ServeOptions = ServeOptions()):
+    desk = make_desk(settings=Settings(app=app, sampling=SamplingOptions(max_tokens=5), server=server))
+    desk.memory = (24 * GIB, 64 * GIB, "NVIDIA GeForce RTX 4090")       # a staged machine for the fit
+    return desk
 
 
 def test_the_picker_opens_load_options_that_are_sent_and_remembered(qtbot, make_desk, demo_model):
     from app.model_options import ModelOptions
     from tests.test_desk_defects import _demo_in_models_folder
     _demo_in_models_folder(demo_model)
-    desk = make_desk()
+    desk = desk_with(make_desk)
     picker = desk.window.chat.picker
     assert desk.client.last_load[1] == LoadOptions()
     assert picker.options_button.isEnabled()
@@ -197,7 +177,7 @@ def test_the_picker_opens_load_options_that_are_sent_and_remembered(qtbot, make_
 
 
 def test_the_model_unloads_when_idle_and_the_next_message_loads_it_again(qtbot, make_desk):
-    desk = make_desk(app=AppSettings(unload_idle_minutes=0.005))           # 0.3 s
+    desk = desk_with(make_desk, app=AppSettings(unload_idle_minutes=0.005))           # 0.3 s
     options = desk.client.last_load[1]
     with qtbot.waitSignal(desk.client.unloaded, timeout=10000):
         pass
@@ -218,7 +198,8 @@ def test_the_model_unloads_when_idle_and_the_next_message_loads_it_again(qtbot, 
 
 def test_the_server_keeps_its_model_through_an_idle_unload(qtbot, make_desk):
     from tests.test_serve_inapp import free_port
-    desk = make_desk(app=AppSettings(unload_idle_minutes=0.005), server=ServeOptions(enabled=True, port=free_port()))
+    desk = desk_with(make_desk, app=AppSettings(unload_idle_minutes=0.005),
+                     server=ServeOptions(enabled=True, port=free_port()))
     with qtbot.waitSignal(desk.client.unloaded, timeout=10000):
         pass
     url = desk.server.url

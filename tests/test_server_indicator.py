@@ -8,33 +8,12 @@ import sys
 import threading
 
 import httpx
-import pytest
 
 from app.main import apply_settings, build
-from app.secrets import set_secret
 from app.settings import Settings
-from app.settings_panel import SERVER_KEY
-from runtime.options import SamplingOptions, ServeOptions
-from tests.test_serve_inapp import free_port
+from tests.test_serve_inapp import desk  # noqa: F401 (a fixture: the app with its server on, scripted worker)
 
 FAKE = [sys.executable, "-m", "tests.fake_worker"]
-
-
-@pytest.fixture
-def desk(qtbot, monkeypatch):
-    monkeypatch.setenv("FAKE_WORKER_DELAY", "0.05")
-    set_secret(SERVER_KEY, "k1")
-    settings = Settings(sampling=SamplingOptions(max_tokens=30), server=ServeOptions(enabled=True, port=free_port()))
-    d = build(settings, worker_command=FAKE, model="m")
-    qtbot.addWidget(d.window)
-    d.window.show()
-    with qtbot.waitSignal(d.client.loaded, timeout=30000):
-        d.client.start()
-    yield d
-    d.server.stop()
-    d.client.shutdown(wait=True)
-    d.gauges.timer.stop()
-    d.store.close()
 
 
 def _post(url: str, body: dict, key: str = "k1") -> dict:
@@ -50,6 +29,7 @@ def _post(url: str, body: dict, key: str = "k1") -> dict:
 
 
 def test_the_window_shows_the_running_server_and_its_requests(qtbot, desk):
+    desk.window.show()
     indicator = desk.server_indicator
     assert indicator is not None and indicator.isVisible()
     host_port = desk.server.url.split("//")[1].split("/")[0]
@@ -80,6 +60,7 @@ def test_the_window_shows_the_running_server_and_its_requests(qtbot, desk):
 
 
 def test_the_indicator_follows_the_server_and_the_model(qtbot, desk):
+    desk.window.show()
     indicator = desk.server_indicator
     with qtbot.waitSignal(desk.client.unloaded, timeout=10000):
         desk.window.chat.picker.eject_requested.emit()
