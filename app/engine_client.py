@@ -262,6 +262,12 @@ class EngineClient(EngineSignals):
     def is_running(self) -> bool:
         return self.pid() is not None
 
+    @property
+    def loading(self) -> Optional[str]:
+        """The request id of the load in flight, if any (the state may say idle meanwhile: an earlier
+        load's `loaded` came first)."""
+        return self._loading
+
     # -- commands ---------------------------------------------------------------------------
     def holds(self, model: str, options: Optional[LoadOptions] = None) -> bool:
         """Whether `model` (a name, 'demo' or a folder) with `options` is loaded or being loaded now."""

@@ -170,7 +170,7 @@ def switch_to_gpu(desk) -> bool:
     """The GPU kernels were just built: an idle engine running on the CPU restarts (on the GPU now) and
     reloads its model. A busy one is left alone; its next start takes the GPU."""
     ready = desk.window.ready
-    if ready is None or ready.engine != "cpu" or desk.session.busy:
+    if ready is None or ready.engine != "cpu" or desk.session.generating:
         return False
     desk.client.restart()
     return True

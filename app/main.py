@@ -20,6 +20,8 @@ from app.chat.session import ChatSession
 from app.engine_client import EngineClient
 from app.gauges import GaugesPanel
 from app.hub.local import mark_used
+from app.idle_unload import IdleUnloader
+from app.model_options import ModelOptions
 from app.models_dialog import ModelManagerDialog
 from app.settings import Settings, load_settings, save_settings
 from app.settings_panel import SettingsPanel
@@ -28,6 +30,7 @@ from app.store_recovery import open_store
 from app.window import MainWindow
 from runtime import tuning
 from runtime import paths
+from runtime.options import LoadOptions
 
 INTERRUPTED = "The app closed while this answer was being written; the text so far was kept."
 SWITCHED = "The engine was switched while this answer was being written; the text so far was kept."
@@ -47,6 +50,11 @@ class Desk:
     engine: Any = None         # the engine the chat uses: `client`, or a remote one (use_engine)
     engine_links: list = dataclasses.field(default_factory=list)
     server: Any = None         # the local OpenAI-compatible server (app.serve.inapp.LocalServer)
+    server_indicator: Any = None   # its words in the status bar (app.server_indicator.ServerIndicator)
+    model_options: ModelOptions = dataclasses.field(default_factory=ModelOptions)   # load options per model
+    unloader: Any = None       # unloads the local model when idle (app.idle_unload.IdleUnloader)
+    memory: Optional[tuple] = None    # (VRAM bytes, RAM bytes, GPU name) for fit estimates, read once
+    load_dialog: Any = None    # the open load-options dialog (app.load_dialog.LoadDialog)
 
 
 def startup_model(settings: Settings) -> Optional[str]:
@@ -71,13 +79,15 @@ def build(settings: Optional[Settings] = None, worker_command: Optional[Sequence
     gauges = GaugesPanel(columns=5)
     window = MainWindow(store, session, gauges)
     desk = Desk(settings, store, session, client, gauges, window,
-                startup_model(settings) if model == "auto" else model)
+                startup_model(settings) if model == "auto" else model, model_options=ModelOptions.load())
     wire(desk)
     apply_server(desk)
     show_secrets_notice(desk)
     window.gauges_dock.setVisible(settings.app.show_gauges)
     if store_notice:
         window.notice.add("Conversations", store_notice)
+    if desk.model_options.warning:
+        window.notice.add("Load options were reset", desk.model_options.warning)
     if warning:
         window.notice.add("Settings were reset", warning)
     return desk
@@ -88,11 +98,17 @@ def wire(desk: Desk) -> None:
     GUI thread, so every connection here runs there; the views never see the process."""
     client, session, window, gauges = desk.client, desk.session, desk.window, desk.gauges
     desk.engine = client
+    desk.unloader = IdleUnloader(client, window)
+    desk.unloader.set_minutes(desk.settings.app.unload_idle_minutes)
     desk.engine_links = connect_engine(desk, client)
 
-    # Chat and window -> the engine in use (the local worker, or a remote server).
-    session.generate_requested.connect(
-        lambda rid, msgs, sampling, prefix: desk.engine.generate(rid, msgs, sampling, answer_prefix=prefix))
+    # Chat and window -> the engine in use (the local worker, or a remote server, which never sleeps).
+    def generate(rid, msgs, sampling, prefix) -> None:
+        if desk.engine is client:
+            desk.unloader.wake()            # a model unloaded for idleness loads again first
+        desk.engine.generate(rid, msgs, sampling, answer_prefix=prefix)
+
+    session.generate_requested.connect(generate)
     session.cancel_requested.connect(lambda rid: desk.engine.cancel(rid))
     window.restart_requested.connect(lambda: desk.engine.restart())
     client.state_changed.connect(lambda _s: gauges.set_worker_pid(client.pid()) if desk.engine is client else None)
@@ -101,7 +117,8 @@ def wire(desk: Desk) -> None:
     chat = window.chat
     chat.meter.count_requested.connect(lambda rid, msgs: desk.engine.count(rid, msgs))
     chat.picker.load_requested.connect(lambda model: load_local(desk, model))
-    chat.picker.eject_requested.connect(lambda: desk.engine.unload())
+    chat.picker.eject_requested.connect(lambda: (desk.unloader.forget(), desk.engine.unload()))
+    chat.picker.options_requested.connect(lambda model: open_load_dialog(desk, model))
 
     def load_first_model(_ready) -> None:
         # Only the first start loads here; restart() reloads what was loaded itself.
@@ -134,16 +151,69 @@ def wire(desk: Desk) -> None:
     client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
 
 
-def load_local(desk: Desk, model: str) -> None:
+def load_local(desk: Desk, model: str, options: Optional[LoadOptions] = None) -> None:
     """Chat with the local engine again (if a remote one was in use) and load `model` there."""
     use_engine(desk, desk.client)
-    load_model(desk, model)
+    load_model(desk, model, options)
 
 
-def load_model(desk: Desk, model: str) -> None:
-    """Load `model` with the settings' options, unless it is loaded (or loading) with them already."""
-    if desk.client.load(model, desk.settings.load) is None:
-        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already.", 4000)
+def options_for(desk: Desk, model: str) -> LoadOptions:
+    """The load options of `model`: its own (remembered from its load dialog), else the settings' defaults."""
+    return desk.model_options.get(model) or desk.settings.load
+
+
+def load_model(desk: Desk, model: str, options: Optional[LoadOptions] = None) -> None:
+    """Load `model` with `options` (by default its own or the settings'), unless it is loaded (or loading)
+    with them already."""
+    desk.unloader.forget()
+    if desk.client.load(model, options or options_for(desk, model)) is None:
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already with these options.",
+                                            4000)
+
+
+def remember_options(desk: Desk, model: str, options: LoadOptions) -> None:
+    """Keep `model`'s own load options; options equal to the settings' defaults are not kept (later changes
+    to the defaults then reach it)."""
+    try:
+        if options == desk.settings.load:
+            desk.model_options.forget(model)
+        else:
+            desk.model_options.put(model, options)
+    except OSError as e:
+        desk.window.statusBar().showMessage(f"The load options could not be saved: {e.strerror or e}", 8000)
+
+
+def machine_memory(desk: Desk) -> tuple:
+    """(VRAM bytes, RAM bytes, GPU name), read once."""
+    if desk.memory is None:
+        from app.hub.fit import detect_memory
+        desk.memory = detect_memory()
+    return desk.memory
+
+
+def open_load_dialog(desk: Desk, model: str):
+    """The load options of `model` (from the chat's model picker): Load uses them, Save remembers them."""
+    from app.load_dialog import LoadDialog
+    client = desk.client
+    own = desk.model_options.get(model)
+    loaded = (client.loaded_event is not None and client.last_load is not None
+              and paths.same_model(client.last_load[0], model))
+    dialog = LoadDialog(model, client.last_load[1] if loaded else own or desk.settings.load, desk.settings.load,
+                        remembered=own is not None, loaded=loaded,
+                        applied=client.loaded_event.applied if loaded else None, memory=machine_memory(desk),
+                        engine=client.ready_event.engine if client.ready_event else "cpu", parent=desk.window)
+    def load(m: str, options: LoadOptions, remember: bool) -> None:
+        if remember:
+            remember_options(desk, m, options)
+        load_local(desk, m, options)
+
+    dialog.load_requested.connect(load)
+    dialog.save_requested.connect(lambda m, options: remember_options(desk, m, options))
+    dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    dialog.destroyed.connect(lambda *_: setattr(desk, "load_dialog", None))
+    desk.load_dialog = dialog
+    dialog.open()
+    return dialog
 
 
 def open_models(desk: Desk) -> ModelManagerDialog:
@@ -187,7 +257,7 @@ def connect_engine(desk: Desk, engine) -> list:
         engine.error.connect(window.on_engine_error),
         engine.worker_died.connect(window.on_worker_died),
         engine.worker_died.connect(lambda *_: gauges.engine_gone()),
-        engine.unloaded.connect(window.on_unloaded),
+        engine.unloaded.connect(lambda ev: on_unloaded(desk, engine, ev)),
         # Engine -> the chat header's context meter.
         engine.token_count.connect(window.chat.meter.on_count),
         # Engine -> gauges.
@@ -199,12 +269,20 @@ def connect_engine(desk: Desk, engine) -> list:
     ]
 
 
+def on_unloaded(desk: Desk, engine, ev) -> None:
+    """No model any more; one unloaded for idleness sleeps: the chat may send (it loads again first)."""
+    desk.window.on_unloaded(ev)
+    if engine is desk.client and desk.unloader.asleep is not None:
+        desk.window.chat.set_engine_ready(True)
+        desk.window.banner.show_state(f"{paths.display_name(desk.unloader.asleep[0])} · unloaded while idle",
+                                      desk.unloader.words)
+
+
 def use_engine(desk: Desk, engine) -> None:
     """Chat with `engine` from now on: the local EngineClient, or a RemoteEngine (app.serve.remote)."""
     if engine is desk.engine:
         return
-    stream = desk.session.stream
-    if stream is not None:                       # the old engine's answer ends here, its text kept
+    for stream in list(desk.session.streams.values()):   # the old engine's answers end here, their text kept
         desk.engine.cancel(stream.request_id)
         desk.session.fail_request(stream.request_id, SWITCHED)
     for link in desk.engine_links:
@@ -262,9 +340,15 @@ def apply_settings(desk: Desk, settings: Settings, reload: bool) -> None:
     if app is not None:
         theme.apply(app, settings.app.theme)
     save_settings(settings)
+    desk.unloader.set_minutes(settings.app.unload_idle_minutes)
     apply_server(desk)
     if reload and desk.client.last_load is not None:
-        desk.client.load(desk.client.last_load[0], settings.load)
+        model = desk.client.last_load[0]
+        if desk.model_options.get(model) is not None:
+            desk.window.statusBar().showMessage(f"{paths.display_name(model)} has load options of its own (⚙ beside "
+                                                "the model list): it keeps them; Settings holds the defaults for "
+                                                "the other models.", 10000)
+        desk.client.load(model, options_for(desk, model))
 
 
 def apply_server(desk: Desk) -> None:
@@ -273,8 +357,12 @@ def apply_server(desk: Desk) -> None:
         if not desk.settings.server.enabled:
             return
         from app.serve.inapp import LocalServer
+        from app.server_indicator import ServerIndicator
         desk.server = LocalServer(desk.client, desk.window)
         desk.server.status.connect(lambda words: desk.window.statusBar().showMessage(words, 8000))
+        desk.server.backend.waker = desk.unloader       # a request wakes a model unloaded for idleness
+        desk.server_indicator = ServerIndicator(desk.server)
+        desk.window.statusBar().addPermanentWidget(desk.server_indicator)
         app = QApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(desk.server.stop)

@@ -12,8 +12,11 @@ screen for this machine), and the first-run screen on a staged GPU machine in th
 welcome-gpu-toolkit-not-needed.png, welcome-gpu-building.png, welcome-gpu-failed.png,
 welcome-gpu-ready.png; then local-server.png (Settings → Local server, running) and remote-server.png
 (the model manager's "Remote server…" tab). `--only server` writes just the last two (no worker
-needed). Uses a temporary data dir, so the user's
-conversations are neither shown nor touched.
+needed). Also chat-list.png (the chat list grouped by date with a pinned chat, one chat writing and one
+queued behind it), load-dialog.png (a model's load options with the fit estimate: a staged Qwen3-30B-A3B
+on a staged 24 GiB GPU), server-indicator.png (the window while the local server answers a request: the
+status bar says so) and request-log.png (the log a click away). Uses a temporary data dir, so the user's
+conversations are neither shown nor touched; the older chats in the list are staged.
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
     try:
         desk.client.start()
         wait_for(lambda: win.loaded is not None, timeout_s, "the demo model to load")
+        stage_chats(desk.store)
         desk.session.send(QUESTIONS[0])
         wait_for(lambda: not desk.session.busy, timeout_s, "the first answer")
         desk.session.default_sampling = SamplingOptions(temperature=0.8, seed=7, max_tokens=60)
@@ -111,6 +115,9 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         settle()
         written.append(_save(panel.grab(), out / "settings.png"))
         panel.close()
+        written.append(grab_staged_load_dialog(out / "load-dialog.png"))
+        written.append(shoot_chat_list(desk, out / "chat-list.png", timeout_s))
+        written += shoot_server_indicator(desk, out, timeout_s)
         from app.firstrun import grab_welcome
         from app.models_dialog import grab_model_manager
         written.append(grab_model_manager(out / "model-manager.png"))
@@ -123,6 +130,107 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         win.close()
         desk.client.shutdown(wait=True)
         desk.store.close()
+    return written
+
+
+STAGED_CHATS = (("Fix the flaky upload test", 10, True), ("Sourdough starter schedule", 3, False),
+                ("Packing list for Lisbon", 1, False), ("Compare MoE offload strategies", 24, False))
+
+
+def stage_chats(store) -> None:
+    """Older chats for the list (title, days ago, pinned): what a list looks like after a few weeks."""
+    now = time.time()
+    for title, days, pinned in STAGED_CHATS:
+        c = store.create_conversation(title)
+        store.add_message(c.id, "user", title)
+        store.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now - days * 86400, c.id))
+        if pinned:
+            store.set_pinned(c.id, True)
+
+
+def shoot_chat_list(desk, path: Path, timeout_s: float) -> Path:
+    """The chat list while a new chat's answer streams and a message sent in another new chat waits for it;
+    then both are deleted (their answers stopped) and the chat open before comes back."""
+    from runtime.options import SamplingOptions
+    session, win = desk.session, desk.window
+    back, sampling = session.conversation.id if session.conversation else None, session.default_sampling
+    session.default_sampling = SamplingOptions(temperature=0.0, max_tokens=400)
+    win.new_chat()
+    session.send("Write a short story about a lighthouse keeper.")
+    wait_for(lambda: len(session.model.items[-1].content) >= 20 or not session.busy, timeout_s,
+             "the story to get going")
+    win.new_chat()
+    session.send("And what is the capital of Italy?")
+    settle()
+    shot = _save(win.conversations.grab(), path)
+    for cid in list(session.streams):
+        session.delete(cid)
+    session.default_sampling = sampling
+    session.open(back)
+    settle()
+    return shot
+
+
+def grab_staged_load_dialog(path: Path) -> Path:
+    """The load options of a staged Qwen3-30B-A3B 4.0 bpw (its real config) with a 12 GiB VRAM budget,
+    a 32k context, a Q8 cache and n-gram drafting."""
+    from app.load_dialog import grab_load_dialog
+    from runtime.modelfolder import FolderInfo
+    from runtime.options import DraftOptions, LoadOptions, OffloadOptions
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+              "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+              "max_position_embeddings": 40960}
+    name = "Qwen3-30B-A3B-exl2-4.0bpw"
+    info = FolderInfo(Path(name), name, "Qwen3MoeForCausalLM", "qwen3_moe", 30_532_122_624, 3_338_000_000, 4.0,
+                      16_400_000_000, 151936, 48, 128, 8, True, True, config)
+    options = LoadOptions(OffloadOptions(vram_budget_gb=12.0, context_length=32768, kv_cache="q8"),
+                          DraftOptions(mode="ngram"))
+    return grab_load_dialog(path, name, options=options, info=info)
+
+
+def shoot_server_indicator(desk, out: Path, timeout_s: float) -> list[Path]:
+    """The local server switched on in the running app, one API request streaming through it (the window's
+    status bar says so), then the request log."""
+    import dataclasses
+    import socket
+    import threading
+
+    import httpx
+
+    from app.main import apply_settings
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = desk.settings
+    apply_settings(desk, dataclasses.replace(settings, server=dataclasses.replace(settings.server, enabled=True,
+                                                                                 port=port)), reload=False)
+    url, model = desk.server.url, desk.server.backend.served_model().id
+    body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 120,
+            "stream": True, "temperature": 0}
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            httpx.get(f"{url}/models", timeout=timeout_s)          # what a client asks first
+            with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=timeout_s) as r:
+                for _ in r.iter_lines():
+                    pass
+        finally:
+            done.set()
+    threading.Thread(target=ask, daemon=True).start()
+    history = desk.server.history
+    wait_for(lambda: history.served == 1 and history.in_flight == 1 or done.is_set(), timeout_s,
+             "the API request to arrive")
+    settle(300)
+    written = [_save(desk.window.grab(), out / "server-indicator.png")]
+    wait_for(done.is_set, timeout_s, "the API request to end")
+    wait_for(lambda: history.in_flight == 0, timeout_s, "the request log to note the end")
+    dialog = desk.server_indicator.show_log()
+    settle()
+    written.append(_save(dialog.grab(), out / "request-log.png"))
+    dialog.close()
+    apply_settings(desk, settings, reload=False)
     return written
 
 

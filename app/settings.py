@@ -41,6 +41,9 @@ class AppSettings:
     theme: str = opt("system", "Colours: follow the system, or always light or dark.",
                      choices=("system", "light", "dark"))
     show_gauges: bool = opt(True, "Show the VRAM / RAM / speed gauges under the chat.")
+    unload_idle_minutes: float = opt(0.0, "Unload the model after this many minutes without a request from a chat or "
+                                          "the local server, freeing its memory; the next request loads it again "
+                                          "(0 = never).", min=0.0, max=10080.0)
     remote_url: Optional[str] = opt(None, "The remote OpenAI-compatible server last chatted with (its key is kept "
                                           "in secrets.json).")
     remote_model: Optional[str] = opt(None, "The model chosen on that server.")
@@ -130,14 +133,19 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def _recover(path: Path, problem: str) -> LoadResult:
+    backup, where = set_aside(path)
+    warning = f"Your settings file {path} was damaged: {problem}. Default settings are in use. {where}"
+    return LoadResult(Settings(), warning, backup)
+
+
+def set_aside(path: Path) -> tuple[Optional[Path], str]:
+    """Rename a damaged file to `<name>.bak-<YYYYmmdd-HHMMSS>`: (the backup or None, where it went in words)."""
     backup = _backup_path(path)
     try:
         os.replace(path, backup)
-        where = f"The old file was kept as {backup.name}."
+        return backup, f"The old file was kept as {backup.name}."
     except OSError as e:
-        backup, where = None, f"It could not be backed up ({e}) and will be overwritten on the next save."
-    warning = f"Your settings file {path} was damaged: {problem}. Default settings are in use. {where}"
-    return LoadResult(Settings(), warning, backup)
+        return None, f"It could not be backed up ({e}) and will be overwritten on the next save."
 
 
 def _backup_path(path: Path) -> Path:

@@ -48,7 +48,7 @@ SPIN_MAX = 2**31 - 1        # QSpinBox's range is a 32-bit int; a larger option 
 DraftCompatibility = Callable[[Path, Path], Any]
 
 LABELS = {
-    "app.theme": "Theme", "app.show_gauges": "Show gauges",
+    "app.theme": "Theme", "app.show_gauges": "Show gauges", "app.unload_idle_minutes": "Unload when idle (minutes)",
     "offload.vram_budget_gb": "VRAM budget (GiB)", "offload.ram_budget_gb": "RAM budget (GiB)",
     "offload.cpu_threads": "CPU threads", "offload.kv_cache": "KV cache",
     "offload.context_length": "Context length", "offload.placement": "Expert placement",
@@ -71,7 +71,7 @@ CHOICE_LABELS = {
 }
 # Shown at the spin box's lowest value, which stands for None (or 0 where 0 means "automatic").
 SPECIAL_TEXT = {"offload.vram_budget_gb": "All free VRAM", "offload.ram_budget_gb": "What is free",
-                "offload.cpu_threads": "Automatic", "sampling.seed": "Random",
+                "offload.cpu_threads": "Automatic", "sampling.seed": "Random", "app.unload_idle_minutes": "Never",
                 "sampling.top_k": "No limit"}
 SERVER_KEY = "server_api_key"      # the local server's key, in app.secrets
 HIDDEN = {"app.last_model", "app.remote_url", "app.remote_model", "sampling.stop"}
@@ -162,7 +162,7 @@ def _status_style(text: str) -> str:
     return "color: gray; font-style: italic;" if text else ""
 
 
-class _Field:
+class OptionField:
     """One option's row: editor, status and hint, and how to read and write its value."""
 
     def __init__(self, path: str, tp: Any, default: Any, meta: dict, on_change: Callable[[], None]):
@@ -255,6 +255,22 @@ def path_is_model(path: str) -> bool:
     return path == "draft.model"
 
 
+def fill_draft_models(f: OptionField, models: list[LocalModel]) -> None:
+    """The draft-model picker's entries: "(none)", then `models`, unusable ones disabled with the reason;
+    the chosen one stays chosen."""
+    combo: QComboBox = f.editor  # type: ignore[assignment]
+    current = f.value() if combo.count() else None
+    combo.clear()
+    combo.addItem("(none)", None)
+    for m in models:
+        combo.addItem(m.name if m.problem is None else f"{m.name} — {m.problem}", m.name)
+        item = combo.model().item(combo.count() - 1)
+        if m.problem is not None:
+            item.setEnabled(False)
+            item.setToolTip(m.problem)
+    f.set_value(current)
+
+
 class SettingsPanel(QDialog):
     apply_requested = Signal(object, bool)   # (Settings, reload)
 
@@ -271,7 +287,7 @@ class SettingsPanel(QDialog):
         self._applied: dict[str, str] = {}
         self._placement_note = ""                  # the engine's live word on the expert path (telemetry)
         self._loading = True
-        self.fields: dict[str, _Field] = {}
+        self.fields: dict[str, OptionField] = {}
         lay = QVBoxLayout(self)
         body = QWidget()
         body_lay = QVBoxLayout(body)
@@ -313,7 +329,7 @@ class SettingsPanel(QDialog):
             path = f"{key}.{name}"
             if path in HIDDEN:
                 continue
-            f = self.fields[path] = _Field(path, hints[name], default, meta, self._on_changed)
+            f = self.fields[path] = OptionField(path, hints[name], default, meta, self._on_changed)
             grid.addWidget(f.label, row, 0)
             grid.addWidget(f.editor, row, 1)
             grid.addWidget(f.status, row, 2)
@@ -432,19 +448,8 @@ class SettingsPanel(QDialog):
 
     def refresh_models(self) -> None:
         """Re-list the local models for the draft picker; unusable ones are shown disabled with the reason."""
-        f = self.fields["draft.model"]
-        combo: QComboBox = f.editor  # type: ignore[assignment]
-        current = f.value() if combo.count() else None
         was_loading, self._loading = self._loading, True
-        combo.clear()
-        combo.addItem("(none)", None)
-        for m in list_local_models(self._models_dir, self._target, self._compatible):
-            combo.addItem(m.name if m.problem is None else f"{m.name} — {m.problem}", m.name)
-            item = combo.model().item(combo.count() - 1)
-            if m.problem is not None:
-                item.setEnabled(False)
-                item.setToolTip(m.problem)
-        f.set_value(current)
+        fill_draft_models(self.fields["draft.model"], list_local_models(self._models_dir, self._target, self._compatible))
         self._loading = was_loading
         if not was_loading:
             self._on_changed()
@@ -498,7 +503,7 @@ class SettingsPanel(QDialog):
                 bad = True
         return bad
 
-    def _status_text(self, path: str, f: _Field, needs_reload: bool) -> str:
+    def _status_text(self, path: str, f: OptionField, needs_reload: bool) -> str:
         if needs_reload:
             return "needs reload" if self._has_model else "used at next load"
         reported = self._applied.get(path, self._applied.get(path.split(".", 1)[1]))

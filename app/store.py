@@ -41,7 +41,7 @@ from runtime.options import OptionError, SamplingOptions, from_dict, to_dict
 from runtime.protocol import GenerationStats, from_plain
 
 DB_NAME = "conversations.sqlite3"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 BUSY_TIMEOUT_MS = 10_000
 STATES = ("streaming", "done", "error", "cancelled")
 ROLES = ("system", "user", "assistant")
@@ -75,6 +75,7 @@ class Conversation:
     system_prompt: str = ""
     sampling: Optional[SamplingOptions] = None   # None: the app's defaults
     preset: str = ""                             # name of the preset the settings came from
+    pinned: bool = False                         # listed above the others, whatever its date
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,13 @@ def _v4(fts: bool) -> list[str]:
     ]
 
 
+def _v5(fts: bool) -> list[str]:
+    """Pinned chats: listed on top of the chat list."""
+    return ["ALTER TABLE conversations ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"]
+
+
 # Each step: the SQL statements (run in one transaction with the version bump) for one version.
-MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2, 3: _v3, 4: _v4}
+MIGRATIONS: dict[int, Callable[[bool], list[str]]] = {1: _v1, 2: _v2, 3: _v3, 4: _v4, 5: _v5}
 _WRITER_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -281,9 +287,13 @@ class Store:
         return _conversation(row)
 
     def conversations(self) -> list[Conversation]:
-        """Most recently updated first."""
-        rows = self.db.execute(f"SELECT {_CONV_COLS} FROM conversations ORDER BY updated DESC, id DESC")
+        """Pinned ones first, then by last update, most recent first."""
+        rows = self.db.execute(f"SELECT {_CONV_COLS} FROM conversations ORDER BY pinned DESC, updated DESC, id DESC")
         return [_conversation(r) for r in rows]
+
+    def set_pinned(self, conversation_id: int, pinned: bool) -> None:
+        with self._write():
+            self.db.execute("UPDATE conversations SET pinned = ? WHERE id = ?", (int(bool(pinned)), conversation_id))
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         title = title.strip()
@@ -571,13 +581,13 @@ class _Immediate:
         return False
 
 
-_CONV_COLS = "id, title, created, updated, model, system_prompt, sampling, preset"
+_CONV_COLS = "id, title, created, updated, model, system_prompt, sampling, preset, pinned"
 _MSG_COLS = "id, conversation_id, role, content, created, model, state, stats, error, COALESCE(slot, id)"
 
 
 def _conversation(row: tuple) -> Conversation:
-    cid, title, created, updated, model, sp, sampling, preset = row
-    return Conversation(cid, title, created, updated, model, sp, _sampling_from(sampling), preset)
+    cid, title, created, updated, model, sp, sampling, preset, pinned = row
+    return Conversation(cid, title, created, updated, model, sp, _sampling_from(sampling), preset, bool(pinned))
 
 
 def _message(row: tuple) -> Message:

@@ -175,6 +175,7 @@ class MainWindow(QMainWindow):
         self.conversations.rename_requested.connect(self.rename_chat)
         self.conversations.delete_requested.connect(self.delete_chat)
         self.conversations.export_requested.connect(self.export_chat)
+        self.conversations.pin_requested.connect(session.pin)
         self.banner.restart_requested.connect(self.restart_requested)
         self.banner.choose_model_requested.connect(self.models_requested)
         self.chat.settings_requested.connect(self.edit_chat_settings)
@@ -211,6 +212,8 @@ class MainWindow(QMainWindow):
         act(chat, "&Regenerate", lambda: self.session.regenerate(), "Ctrl+R")
         act(chat, "S&earch chats", self.focus_search, QKeySequence.StandardKey.Find)
         act(chat, "Re&name chat…", lambda: self._current(self.rename_chat), "F2")
+        act(chat, "&Pin or unpin chat", lambda: self._current(lambda cid: self.session.pin(
+            cid, not self.store.conversation(cid).pinned)), tip="Pinned chats stay on top of the list")
         act(chat, "&Delete chat…", lambda: self._current(self.delete_chat))
         act(chat, "Chat se&ttings…", self.edit_chat_settings, "Ctrl+Shift+P")
         engine = bar.addMenu("&Engine")
@@ -289,6 +292,7 @@ class MainWindow(QMainWindow):
 
     def _refresh_list(self) -> None:
         conv = self.session.conversation
+        self.conversations.set_writing(self.session.writing())
         self.conversations.refresh(select=conv.id if conv else None)
 
     def _on_conversation(self, conv) -> None:

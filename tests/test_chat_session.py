@@ -27,9 +27,9 @@ FAKE = [sys.executable, "-m", "tests.fake_worker"]
 def make_desk(qtbot, monkeypatch):
     made = []
 
-    def factory(delay: float = 0.02, max_tokens: int = 40):
+    def factory(delay: float = 0.02, max_tokens: int = 40, settings: Settings | None = None):
         monkeypatch.setenv("FAKE_WORKER_DELAY", str(delay))
-        settings = Settings(sampling=SamplingOptions(max_tokens=max_tokens))
+        settings = settings or Settings(sampling=SamplingOptions(max_tokens=max_tokens))
         desk = build(settings, worker_command=FAKE, model="demo")
         desk.window.confirm = lambda title, question: True
         qtbot.addWidget(desk.window)
@@ -40,6 +40,8 @@ def make_desk(qtbot, monkeypatch):
         return desk
     yield factory
     for d in made:
+        if d.server is not None:
+            d.server.stop()
         d.client.shutdown(wait=True)
         d.gauges.timer.stop()
         d.store.close()

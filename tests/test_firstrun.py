@@ -159,9 +159,10 @@ def test_a_finished_build_moves_an_idle_cpu_engine_to_the_gpu(qtbot):
 
     restarts = []
     desk = SimpleNamespace(window=SimpleNamespace(ready=SimpleNamespace(engine="cpu")),
-                           session=SimpleNamespace(busy=False), client=SimpleNamespace(restart=lambda: restarts.append(1)))
+                           session=SimpleNamespace(generating=False),
+                           client=SimpleNamespace(restart=lambda: restarts.append(1)))
     assert firstrun.switch_to_gpu(desk) and restarts == [1]
-    desk.session.busy = True                                            # mid-answer: left alone
+    desk.session.generating = True                                      # mid-answer, in any chat: left alone
     assert not firstrun.switch_to_gpu(desk)
-    desk.session.busy, desk.window.ready.engine = False, "cuda"         # already on the GPU
+    desk.session.generating, desk.window.ready.engine = False, "cuda"   # already on the GPU
     assert not firstrun.switch_to_gpu(desk) and restarts == [1]

@@ -1,17 +1,21 @@
-"""The conversation list on the left: new, search, open, rename, delete, export.
+"""The conversation list on the left: new, search, open, rename, pin, delete, export.
 
 Reads the store to list and search; every change goes out as a signal (the window confirms deletes
-and asks for titles and file names).
+and asks for titles and file names). Without a search the chats are grouped under headings (`GROUPS`:
+pinned ones first, then by their last message: today, yesterday, the last 7 days, older); the delegate
+paints a group's heading above its first entry, so every row is a chat. A chat whose answer is being
+written, or waits for another chat's, says so under its title (`set_writing`).
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Optional
 
 import html
 
 from PySide6.QtCore import QPoint, QPointF, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QPalette, QTextDocument
+from PySide6.QtGui import QFont, QPalette, QTextDocument
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QMenu,
                                QPushButton, QStyle, QStyledItemDelegate, QVBoxLayout, QWidget)
 
@@ -19,6 +23,9 @@ from app.store import HIT_END, HIT_START, Store
 
 IdRole = Qt.ItemDataRole.UserRole + 1
 HtmlRole = Qt.ItemDataRole.UserRole + 2      # the entry as HTML: search hits in bold
+GroupRole = Qt.ItemDataRole.UserRole + 3     # the heading painted above this entry (the first of its group)
+GROUPS = ("Pinned", "Today", "Yesterday", "Last 7 days", "Older")
+MARKS = {"writing": "✎ writing…", "queued": "◷ queued"}     # session.writing() values, in words
 
 
 def when(ts: float, now: Optional[float] = None) -> str:
@@ -35,10 +42,24 @@ def when(ts: float, now: Optional[float] = None) -> str:
     return f"{lt.tm_mday} {time.strftime('%b %Y', lt)}"
 
 
-def entry_html(title: str, sub: str) -> str:
-    """A list entry as HTML: the title, and under it the date or the search snippet with its hits in bold."""
+def group_of(ts: float, now: Optional[float] = None) -> str:
+    """The date heading of a chat last updated at `ts` (local calendar days; a time ahead of the clock
+    is today)."""
+    days = (datetime.date.fromtimestamp(now or time.time()) - datetime.date.fromtimestamp(ts)).days
+    if days <= 0:
+        return "Today"
+    if days == 1:
+        return "Yesterday"
+    return "Last 7 days" if days < 7 else "Older"
+
+
+def entry_html(title: str, sub: str, mark: str = "") -> str:
+    """A list entry as HTML: the title, and under it the date or the search snippet with its hits in bold,
+    after the writing mark if any."""
     snippet = html.escape(sub).replace(HIT_START, "<b><u>").replace(HIT_END, "</u></b>")
-    return f"{html.escape(title)}<br><small>{snippet}</small>" if sub else html.escape(title)
+    if mark:
+        snippet = f"<b>{html.escape(mark)}</b>" + (f" · {snippet}" if snippet else "")
+    return f"{html.escape(title)}<br><small>{snippet}</small>" if snippet else html.escape(title)
 
 
 def plain(text: str) -> str:
@@ -46,7 +67,24 @@ def plain(text: str) -> str:
 
 
 class _EntryDelegate(QStyledItemDelegate):
-    """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets)."""
+    """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets), under its
+    group's heading when it is the first of its group."""
+
+    @staticmethod
+    def _heading_height(option, index) -> int:
+        return int(option.fontMetrics.height() * 1.8) if index.data(GroupRole) else 0
+
+    def _paint_heading(self, painter, option, text: str, height: int) -> None:
+        painter.save()
+        font = QFont(option.font)          # a copy: the entry below keeps its own font
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 0.85)
+        painter.setFont(font)
+        painter.setPen(option.palette.color(QPalette.ColorRole.PlaceholderText))
+        r = option.rect
+        painter.drawText(r.x() + 4, r.y(), r.width() - 8, height,
+                         int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignBottom), text)
+        painter.restore()
 
     def _doc(self, option, index, colour: str = "") -> QTextDocument:
         doc = QTextDocument()
@@ -61,6 +99,10 @@ class _EntryDelegate(QStyledItemDelegate):
     def paint(self, painter, option, index) -> None:
         self.initStyleOption(option, index)
         option.text = ""
+        heading = self._heading_height(option, index)
+        if heading:                  # the heading stays out of the entry's own (selectable) area
+            self._paint_heading(painter, option, index.data(GroupRole), heading)
+            option.rect = option.rect.adjusted(0, heading, 0, 0)
         style = option.widget.style() if option.widget else QApplication.style()
         style.drawControl(QStyle.ControlElement.CE_ItemViewItem, option, painter, option.widget)
         selected = bool(option.state & QStyle.StateFlag.State_Selected)
@@ -73,7 +115,7 @@ class _EntryDelegate(QStyledItemDelegate):
 
     def sizeHint(self, option, index) -> QSize:  # noqa: N802
         doc = self._doc(option, index)
-        return QSize(int(doc.idealWidth()), int(doc.size().height()))
+        return QSize(int(doc.idealWidth()), int(doc.size().height()) + self._heading_height(option, index))
 
 
 class ConversationList(QWidget):
@@ -82,6 +124,7 @@ class ConversationList(QWidget):
     rename_requested = Signal(int)
     delete_requested = Signal(int)
     export_requested = Signal(int, str)     # conversation id, "md" | "json"
+    pin_requested = Signal(int, bool)       # conversation id, pinned
 
     def __init__(self, store: Store, parent=None):
         super().__init__(parent)
@@ -90,8 +133,9 @@ class ConversationList(QWidget):
         self.new_button.setToolTip("Start a new conversation (Ctrl+N)")
         self.new_button.clicked.connect(self.new_requested)
         self.search = QLineEdit(placeholderText="Search chats  (Ctrl+F)", clearButtonEnabled=True)
-        self.search.textChanged.connect(lambda _: (self._pinned.clear(), self._search_timer.start()))
-        self._pinned: set[int] = set()         # chats made during this search, listed though they do not match
+        self.search.textChanged.connect(lambda _: (self._kept.clear(), self._search_timer.start()))
+        self._kept: set[int] = set()           # chats made during this search, listed though they do not match
+        self.writing: dict[int, str] = {}      # chat id -> "writing" | "queued" (ChatSession.writing)
         self._search_timer = QTimer(self, singleShot=True, interval=150, timeout=self.refresh)
         self.list = QListWidget()
         self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
@@ -123,30 +167,42 @@ class ConversationList(QWidget):
         item = self.list.currentItem()
         return item.data(IdRole) if item is not None else None
 
+    def set_writing(self, writing: dict[int, str]) -> None:
+        """Which chats have an answer in progress ("writing") or waiting ("queued"); refresh to show it."""
+        self.writing = dict(writing)
+
     def refresh(self, select: Optional[int] = None) -> None:
         """Reload from the store (or the search results), keeping the selection."""
         keep = select if select is not None else self.current_id()
         query = self.search.text().strip()
+        rows: list[tuple[int, str, str, Optional[str]]] = []     # id, title, sub line, heading above it
         if query:
-            rows = [(h.conversation_id, h.title, h.snippet) for h in self.store.search(query)]
+            rows = [(h.conversation_id, h.title, h.snippet, None) for h in self.store.search(query)]
             listed = {self.list.item(i).data(IdRole) for i in range(self.list.count())}
             if select is not None and select not in listed:      # a chat made while searching stays in sight
-                self._pinned.add(select)
-            found = {cid for cid, _, _ in rows}
-            for cid in sorted(self._pinned - found, reverse=True):
+                self._kept.add(select)
+            found = {row[0] for row in rows}
+            for cid in sorted(self._kept - found, reverse=True):
                 try:
-                    rows.insert(0, (cid, self.store.conversation(cid).title, "open chat"))
+                    rows.insert(0, (cid, self.store.conversation(cid).title, "open chat", None))
                 except KeyError:
-                    self._pinned.discard(cid)                    # deleted meanwhile
+                    self._kept.discard(cid)                      # deleted meanwhile
         else:
-            rows = [(c.id, c.title, when(c.updated)) for c in self.store.conversations()]
+            now, last = time.time(), None
+            for c in self.store.conversations():                 # pinned first, then newest first
+                group = "Pinned" if c.pinned else group_of(c.updated, now)
+                rows.append((c.id, c.title, when(c.updated, now), group if group != last else None))
+                last = group
         self._selecting = True
         try:
             self.list.clear()
-            for cid, title, sub in rows:
-                item = QListWidgetItem(plain(f"{title}\n{sub}" if sub else title))   # what Ctrl+C copies
-                item.setData(HtmlRole, entry_html(title, sub))
+            for cid, title, sub, heading in rows:
+                mark = MARKS.get(self.writing.get(cid, ""), "")
+                shown = f"{mark} · {sub}" if mark and sub else mark or sub
+                item = QListWidgetItem(plain(f"{title}\n{shown}" if shown else title))   # what Ctrl+C copies
+                item.setData(HtmlRole, entry_html(title, sub, mark))
                 item.setData(IdRole, cid)
+                item.setData(GroupRole, heading)
                 item.setToolTip(title)
                 self.list.addItem(item)
                 if cid == keep:
@@ -177,7 +233,9 @@ class ConversationList(QWidget):
         if item is None:
             return
         cid = item.data(IdRole)
+        pinned = self.store.conversation(cid).pinned
         menu = QMenu(self)
+        menu.addAction("Unpin" if pinned else "Pin to top", lambda: self.pin_requested.emit(cid, not pinned))
         menu.addAction("Rename…", lambda: self.rename_requested.emit(cid))
         menu.addAction("Export as Markdown…", lambda: self.export_requested.emit(cid, "md"))
         menu.addAction("Export as JSON…", lambda: self.export_requested.emit(cid, "json"))

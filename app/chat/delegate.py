@@ -19,7 +19,7 @@ from PySide6.QtGui import (QAbstractTextDocumentLayout, QColor, QFontMetrics, QP
 from PySide6.QtWidgets import QStyledItemDelegate, QStyleOptionViewItem
 
 from app.chat import markdown
-from app.chat.model import ChatItem, IdRole, ItemRole
+from app.chat.model import IN_PROGRESS, QUEUED, ChatItem, IdRole, ItemRole
 from runtime import paths
 
 MARGIN_X, MARGIN_Y, PAD = 14, 5, 10   # outside the bubble, and inside it
@@ -120,6 +120,8 @@ class MessageDelegate(QStyledItemDelegate):
                 bits.append(html.escape(paths.display_name(it.model)))
             if it.state == "streaming":
                 bits.append("writing…")
+            elif it.state == QUEUED:
+                bits.append("queued: starts when the answer in another chat ends")
             elif it.stats is not None:
                 bits.append(f"{it.stats.generated_tokens} tokens")
                 if it.stats.decode_tps:
@@ -130,12 +132,12 @@ class MessageDelegate(QStyledItemDelegate):
                 bits.append("stopped")
         link = markdown.app_link
         links = []
-        if it.versions > 1 and it.state != "streaming":
+        if it.versions > 1 and it.state not in IN_PROGRESS:
             older = f'<a href="{link("older")}">‹</a>' if it.version > 1 else '<span>‹</span>'
             newer = f'<a href="{link("newer")}">›</a>' if it.version < it.versions else '<span>›</span>'
             links.append(f'<span style="font-size: medium;">{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}</span>')
         links.append(f'<a href="{link("copy")}">Copy</a>')
-        if it.state != "streaming":
+        if it.state not in IN_PROGRESS:
             if it.role == "user":
                 links.append(f'<a href="{link("edit")}">Edit</a>')
             if it.role == "assistant" and is_last:
@@ -153,7 +155,7 @@ class MessageDelegate(QStyledItemDelegate):
             kept = " The text above was kept." if it.content else ""
             return (f'<p style="color:#d1242f;">⚠ {html.escape(it.error or "The answer was interrupted.")}'
                     f'{kept}</p>')
-        if it.state == "streaming" and not it.content:
+        if it.state in IN_PROGRESS and not it.content:
             return f'<p style="color:{self.palette.muted};">…</p>'
         return ""
 

@@ -67,6 +67,7 @@ class _Combo(QComboBox):
 class ModelPicker(QWidget):
     load_requested = Signal(str)       # an entry's key
     eject_requested = Signal()
+    options_requested = Signal(str)    # the shown entry's key: its load options (app/load_dialog.py)
 
     def __init__(self, entries: Callable[[], Sequence[ModelEntry]] = local_entries, parent=None):
         super().__init__(parent)
@@ -86,11 +87,15 @@ class ModelPicker(QWidget):
         self.load_button.clicked.connect(lambda: self._picked(self.combo.currentIndex()))
         self.eject_button = QToolButton(text="⏏", toolTip="Unload the model and free its memory")
         self.eject_button.clicked.connect(self.eject_requested)
+        self.options_button = QToolButton(text="⚙", toolTip="Load options for this model: context length, GPU "
+                                                            "budget, placement, KV cache, drafting, with the fit")
+        self.options_button.clicked.connect(self._options)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(2)
         lay.addWidget(self.combo, 1)
         lay.addWidget(self.load_button)
+        lay.addWidget(self.options_button)
         lay.addWidget(self.eject_button)
         self.refresh()
 
@@ -134,6 +139,13 @@ class ModelPicker(QWidget):
         combo.blockSignals(False)
         self.load_button.setVisible(wanted >= 0 and not paths.same_model(self.wanted, self.loaded))
         self.eject_button.setEnabled(self.loaded is not None)
+        shown = combo.currentIndex()
+        self.options_button.setEnabled(0 <= shown < len(self.entries) and self.entries[shown].loadable)
+
+    def _options(self) -> None:
+        index = self.combo.currentIndex()
+        if 0 <= index < len(self.entries) and self.entries[index].loadable:
+            self.options_requested.emit(self.entries[index].key)
 
     def _picked(self, index: int) -> None:
         if not 0 <= index < len(self.entries):

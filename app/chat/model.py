@@ -16,13 +16,15 @@ from runtime.protocol import GenerationStats
 
 ContentRole = Qt.ItemDataRole.UserRole + 1
 RoleRole = Qt.ItemDataRole.UserRole + 2         # "user" | "assistant" | "system"
-StateRole = Qt.ItemDataRole.UserRole + 3        # "streaming" | "done" | "error" | "cancelled"
+StateRole = Qt.ItemDataRole.UserRole + 3        # "streaming" | "queued" | "done" | "error" | "cancelled"
 StatsRole = Qt.ItemDataRole.UserRole + 4        # GenerationStats or None
 ErrorRole = Qt.ItemDataRole.UserRole + 5        # words, when state is "error"
 IdRole = Qt.ItemDataRole.UserRole + 6           # the store's message id
 ModelNameRole = Qt.ItemDataRole.UserRole + 7
 IsLastRole = Qt.ItemDataRole.UserRole + 8       # the last row (Regenerate is offered there)
 ItemRole = Qt.ItemDataRole.UserRole + 9         # the whole ChatItem (one call for the delegate)
+QUEUED = "queued"         # in the view only: the answer waits while another chat's answer is written
+IN_PROGRESS = ("streaming", QUEUED)
 
 
 @dataclass

@@ -8,6 +8,11 @@ fork, save as it streams.
 Streaming text is kept in memory and written to the store every `FLUSH_MS` while it changes, so a
 crash loses at most that much; the final text, state and stats are written at once when the answer
 ends (finished, error, or the worker dying).
+
+An answer belongs to its chat: each chat has at most one answer in progress (`streams`, by chat id),
+and Stop stops the open chat's own. A message sent in another chat while one is being answered waits
+for the engine (the engine client keeps it until the running answer ends): its answer shows as
+"queued" (`QUEUED`, in the view only; the store says "streaming") and the status line says so.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Optional
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.chat.markdown import strip_thinking
-from app.chat.model import ChatItem, MessageListModel
+from app.chat.model import QUEUED, ChatItem, MessageListModel
 from app.store import Conversation, Store
 from runtime.options import SamplingOptions
 from runtime.protocol import ChatMessage, Finished, TokenDelta, WorkerError
@@ -47,6 +52,7 @@ class _Stream:
     text: str = ""
     dirty: bool = False
     cancelling: bool = False
+    queued: bool = False          # another chat's answer was asked for first and has not ended
 
 
 class ChatSession(QObject):
@@ -55,7 +61,7 @@ class ChatSession(QObject):
     cancel_requested = Signal(str)                     # request id
     conversation_changed = Signal(object)              # the open Conversation, or None
     conversations_changed = Signal()                   # titles or order changed: refresh the list
-    busy_changed = Signal(bool)                        # an answer is streaming
+    busy_changed = Signal(bool)                        # the open chat's answer started or ended
     notice = Signal(str)                               # a short line for the status bar
 
     def __init__(self, store: Store, default_sampling: SamplingOptions = SamplingOptions(), parent=None):
@@ -65,13 +71,31 @@ class ChatSession(QObject):
         self.model = MessageListModel(self)
         self.conversation: Optional[Conversation] = None
         self.model_name = ""                    # the loaded model, recorded on each answer
-        self.stream: Optional[_Stream] = None
+        self.streams: dict[int, _Stream] = {}    # chat id -> its answer in progress, in the order asked
         self._issued: set[str] = set()           # request ids this session asked for
         self._flush = QTimer(self, interval=FLUSH_MS, timeout=self.flush)
 
     @property
+    def stream(self) -> Optional[_Stream]:
+        """The open chat's answer in progress, if any."""
+        return self.streams.get(self.conversation.id) if self.conversation is not None else None
+
+    @property
     def busy(self) -> bool:
+        """The open chat has an answer in progress (its Send becomes Stop)."""
         return self.stream is not None
+
+    @property
+    def generating(self) -> bool:
+        """Some chat has an answer in progress."""
+        return bool(self.streams)
+
+    def writing(self) -> dict[int, str]:
+        """Chat id -> "writing" or "queued", for every chat with an answer in progress."""
+        return {cid: QUEUED if s.queued else "writing" for cid, s in self.streams.items()}
+
+    def _stream_of(self, request_id: str) -> Optional[_Stream]:
+        return next((s for s in self.streams.values() if s.request_id == request_id), None)
 
     def issued(self, request_id: str) -> bool:
         """Whether a request (and so an error about it) belongs to this chat."""
@@ -82,8 +106,8 @@ class ChatSession(QObject):
         self.conversation = self.store.conversation(conversation_id) if conversation_id is not None else None
         self.model.set_messages(self.store.messages(conversation_id) if conversation_id is not None else [])
         s = self.stream
-        if s is not None and self.conversation is not None and s.conversation_id == self.conversation.id:
-            self.model.update(self.model.row_of(s.message_id), content=s.text)
+        if s is not None:
+            self.model.update(self.model.row_of(s.message_id), content=s.text, state=self._shown_state(s))
         self.conversation_changed.emit(self.conversation)
 
     def new_conversation(self) -> None:
@@ -97,10 +121,18 @@ class ChatSession(QObject):
             self.conversation_changed.emit(self.conversation)
         self.conversations_changed.emit()
 
+    def pin(self, conversation_id: int, pinned: bool) -> None:
+        """Pinned chats are listed on top, whatever their date."""
+        self.store.set_pinned(conversation_id, pinned)
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.conversation = self.store.conversation(conversation_id)
+        self.conversations_changed.emit()
+
     def delete(self, conversation_id: int) -> None:
-        if self.stream is not None and self.stream.conversation_id == conversation_id:
-            self.stop()
-            self._end_stream("cancelled")
+        s = self.streams.get(conversation_id)
+        if s is not None:
+            self._cancel(s)
+            self._end_stream(s, "cancelled")
         self.store.delete_conversation(conversation_id)
         if self.conversation is not None and self.conversation.id == conversation_id:
             self.open(None)
@@ -126,7 +158,7 @@ class ChatSession(QObject):
         if not text:
             return False
         if self.busy:
-            self.notice.emit("An answer is still being written: wait for it or press Stop (Esc).")
+            self.notice.emit("An answer is still being written in this chat: wait for it or press Stop (Esc).")
             return False
         if self.conversation is None:
             title = title_from(text)
@@ -186,9 +218,9 @@ class ChatSession(QObject):
             return False
         history = self.history()[:-1]              # up to the question; the answer so far is the prefix
         self.store.update_message(last.id, state="streaming", error="")
-        self.model.update(len(items) - 1, state="streaming", error="")
-        self._start_stream(last.id, last.content)
-        self.generate_requested.emit(self.stream.request_id, history, self.sampling(), last.content)
+        s = self._start_stream(last.id, last.content)
+        self.model.update(len(items) - 1, state=self._shown_state(s), error="")
+        self.generate_requested.emit(s.request_id, history, self.sampling(), last.content)
         return True
 
     def show_version(self, message_id: int, step: int) -> bool:
@@ -220,9 +252,14 @@ class ChatSession(QObject):
         return dataclasses.replace(m, version=ids.index(m.id) + 1, versions=len(ids))
 
     def stop(self) -> None:
-        if self.stream is not None and not self.stream.cancelling:
-            self.stream.cancelling = True
-            self.cancel_requested.emit(self.stream.request_id)
+        """Stop the open chat's answer (never another chat's)."""
+        if self.stream is not None:
+            self._cancel(self.stream)
+
+    def _cancel(self, s: _Stream) -> None:
+        if not s.cancelling:
+            s.cancelling = True
+            self.cancel_requested.emit(s.request_id)
 
     def _answer(self, slot: Optional[int] = None) -> None:
         conv = self.conversation
@@ -231,16 +268,28 @@ class ChatSession(QObject):
             self.conversation = conv = self.store.conversation(conv.id)
         history = self.history()
         m = self.store.add_message(conv.id, "assistant", "", model=self.model_name, state="streaming", slot=slot)
-        self.model.append(ChatItem.from_message(self._with_versions(m) if slot is not None else m))
-        self._start_stream(m.id, "")
-        self.generate_requested.emit(self.stream.request_id, history, self.sampling(), "")
+        s = self._start_stream(m.id, "")
+        item = ChatItem.from_message(self._with_versions(m) if slot is not None else m)
+        item.state = self._shown_state(s)
+        self.model.append(item)
+        self.generate_requested.emit(s.request_id, history, self.sampling(), "")
 
-    def _start_stream(self, message_id: int, text: str) -> None:
-        self.stream = _Stream(f"chat-{uuid.uuid4().hex[:10]}", message_id, self.conversation.id, text)
-        self._issued.add(self.stream.request_id)
+    def _start_stream(self, message_id: int, text: str) -> _Stream:
+        ahead = next(iter(self.streams.values()), None)        # another chat's answer, asked for first
+        s = _Stream(f"chat-{uuid.uuid4().hex[:10]}", message_id, self.conversation.id, text, queued=ahead is not None)
+        self.streams[s.conversation_id] = s
+        self._issued.add(s.request_id)
         self._flush.start()
+        if ahead is not None:
+            title = self.store.conversation(ahead.conversation_id).title
+            self.notice.emit(f"Queued: the answer in “{title}” is being written; this one starts when it ends.")
         self.busy_changed.emit(True)
         self.conversations_changed.emit()
+        return s
+
+    @staticmethod
+    def _shown_state(s: _Stream) -> str:
+        return QUEUED if s.queued else "streaming"
 
     def history(self) -> tuple[ChatMessage, ...]:
         out = []
@@ -254,57 +303,72 @@ class ChatSession(QObject):
 
     # -- what the engine says -------------------------------------------------------------------
     def on_token(self, ev: TokenDelta) -> None:
-        s = self.stream
-        if s is None or ev.request_id != s.request_id:
+        s = self._stream_of(ev.request_id)
+        if s is None:
             return
+        if s.queued:                              # its turn came
+            self._set_queued(s, False)
         s.text += ev.text
         s.dirty = True
-        row = self._row()
+        row = self._row(s)
         if row is not None:
             self.model.append_text(row, ev.text)
 
     def on_finished(self, ev: Finished) -> None:
-        if self.stream is None or ev.request_id != self.stream.request_id:
+        s = self._stream_of(ev.request_id)
+        if s is None:
             return
         if ev.stats.dropped_messages:
             self.notice.emit(f"The chat outgrew the model's context: the oldest {ev.stats.dropped_messages} "
                              f"messages were left out of this answer's prompt.")
-        self._end_stream("cancelled" if ev.reason == "cancelled" else "done", stats=ev.stats)
+        self._end_stream(s, "cancelled" if ev.reason == "cancelled" else "done", stats=ev.stats)
 
     def on_error(self, request_id: str, err: WorkerError) -> None:
-        if self.stream is None or request_id != self.stream.request_id:
-            return
-        self._end_stream("error", error=err.message)
+        s = self._stream_of(request_id)
+        if s is not None:
+            self._end_stream(s, "error", error=err.message)
 
     def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
-        if self.stream is not None:
-            self._end_stream("error", error=words)
+        for s in list(self.streams.values()):
+            self._end_stream(s, "error", error=words)
 
     def fail_request(self, request_id: str, words: str) -> None:
-        """The request could not even be sent (no engine running)."""
-        if self.stream is not None and self.stream.request_id == request_id:
-            self._end_stream("error", error=words)
+        """The request could not even be sent (no engine running), or its engine was let go."""
+        s = self._stream_of(request_id)
+        if s is not None:
+            self._end_stream(s, "error", error=words)
 
     def flush(self) -> None:
-        s = self.stream
-        if s is not None and s.dirty:
-            self.store.update_message(s.message_id, content=s.text)
-            s.dirty = False
+        for s in self.streams.values():
+            if s.dirty:
+                self.store.update_message(s.message_id, content=s.text)
+                s.dirty = False
 
-    def _end_stream(self, state: str, stats=None, error: str = "") -> None:
-        s, self.stream = self.stream, None
-        self._flush.stop()
+    def _end_stream(self, s: _Stream, state: str, stats=None, error: str = "") -> None:
+        del self.streams[s.conversation_id]
+        if not self.streams:
+            self._flush.stop()
         self.store.update_message(s.message_id, content=s.text, state=state, stats=stats,
                                   error=error if state == "error" else None)
-        if self.conversation is not None and self.conversation.id == s.conversation_id:
-            row = self.model.row_of(s.message_id)
+        row = self._row(s)
+        if row is not None:
             self.model.update(row, content=s.text, state=state, stats=stats, error=error or None)
-        self.busy_changed.emit(False)
+        nxt = next(iter(self.streams.values()), None)
+        if nxt is not None and nxt.queued:       # the next chat's answer runs now
+            self._set_queued(nxt, False)
+        self.busy_changed.emit(self.busy)
         self.conversations_changed.emit()
 
-    def _row(self) -> Optional[int]:
-        s = self.stream
-        if s is None or self.conversation is None or self.conversation.id != s.conversation_id:
+    def _set_queued(self, s: _Stream, queued: bool) -> None:
+        s.queued = queued
+        row = self._row(s)
+        if row is not None:
+            self.model.update(row, state=self._shown_state(s))
+        self.conversations_changed.emit()        # the chat list's mark: queued -> writing
+
+    def _row(self, s: _Stream) -> Optional[int]:
+        """The row of `s`'s answer when its chat is the open one."""
+        if self.conversation is None or self.conversation.id != s.conversation_id:
             return None
         last = len(self.model.items) - 1
         if last >= 0 and self.model.items[last].id == s.message_id:

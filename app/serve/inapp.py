@@ -3,6 +3,7 @@
     server = LocalServer(client)                 # client: app.engine_client.EngineClient
     server.status.connect(label.setText)         # words: "Serving demo at http://127.0.0.1:8642/v1", errors
     problem = server.apply(ServeOptions(enabled=True), api_key)   # None, or why it could not start
+    server.history.changed.connect(...)          # its requests: in flight and ended (app.serve.request_log)
     server.stop()
 
 Threads: the HTTP side runs on the server thread's asyncio loop; the engine client lives on the GUI
@@ -20,6 +21,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.serve.api import ServedModel, Sink, create_app
 from app.serve.cli import bind, is_loopback, make_server, url_of
+from app.serve.request_log import RequestHistory, RequestLog, current
 from app.serve.worker_backend import served_model
 from runtime import protocol as P
 from runtime.options import ServeOptions
@@ -29,16 +31,19 @@ class QtBackend(QObject):
     """The API's engine backend over the GUI's EngineClient (see `app.serve.api.Backend`)."""
     _start = Signal(object, object)      # Generate, sink: from the server thread
     _cancel = Signal(str)
+    model_changed = Signal()             # served_model() changed (loaded, unloaded, engine gone)
 
     def __init__(self, client, parent=None):
         super().__init__(parent)
         self.client = client
         self._sinks: dict[str, Sink] = {}
         self._model: Optional[ServedModel] = None
+        # app.idle_unload.IdleUnloader: a model unloaded for idleness is still served, and loaded again first
+        self.waker = None
         self._start.connect(self._on_start)          # queued: emitted from another thread
         self._cancel.connect(self._on_cancel)
         client.loaded.connect(self._on_loaded)
-        client.unloaded.connect(lambda _ev: self._set_model(None))
+        client.unloaded.connect(self._on_unloaded)
         client.worker_died.connect(self._on_died)
         client.token.connect(self._on_token)
         client.finished.connect(lambda ev: self._end(ev.request_id, ev))
@@ -51,7 +56,8 @@ class QtBackend(QObject):
         return self._model
 
     def start(self, request: P.Generate, sink: Sink) -> None:
-        self._start.emit(request, sink)
+        live = current()                 # the HTTP request this generation serves: its log notes the end
+        self._start.emit(request, live.watch(request.request_id, sink) if live is not None else sink)
 
     def cancel(self, request_id: str) -> None:
         self._cancel.emit(request_id)
@@ -59,12 +65,19 @@ class QtBackend(QObject):
     # -- GUI thread -------------------------------------------------------------------------------
     def _set_model(self, model: Optional[ServedModel]) -> None:
         self._model = model
+        self.model_changed.emit()
 
     def _on_loaded(self, ev: P.Loaded) -> None:
         self._set_model(served_model(ev))
 
+    def _on_unloaded(self, _ev) -> None:
+        if self.waker is None or self.waker.asleep is None:
+            self._set_model(None)
+
     def _on_start(self, request: P.Generate, sink: Sink) -> None:
         self._sinks[request.request_id] = sink
+        if self.waker is not None:
+            self.waker.wake()
         self.client.submit(request)
 
     def _on_cancel(self, request_id: str) -> None:
@@ -103,6 +116,7 @@ class LocalServer(QObject):
     def __init__(self, client, parent=None):
         super().__init__(parent)
         self.backend = QtBackend(client, self)
+        self.history = RequestHistory(self)
         self.url: Optional[str] = None
         self._server = None
         self._thread: Optional[threading.Thread] = None
@@ -131,7 +145,8 @@ class LocalServer(QObject):
         except OSError as e:
             return self._refuse(f"The local server cannot listen on port {options.port}: {e.strerror or e}. "
                                 "Pick another port.")
-        self._server = make_server(app, log_level="warning")
+        self._server = make_server(RequestLog(app, self.history.started, self.history.ended), log_level="warning")
+        self.history.reset()
         self.url = url_of(sock, "127.0.0.1" if is_loopback(host) else _lan_address())
         self._thread = threading.Thread(target=self._serve, args=(self._server, sock), name="local-server",
                                         daemon=True)
