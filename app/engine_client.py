@@ -407,7 +407,8 @@ class EngineClient(EngineSignals):
             self.loaded_event = None
             self.unloaded.emit(ev)
         elif kind == "token":
-            self.token.emit(ev)
+            if ev.text:          # "" only counts a token whose text is held back: nothing to show yet
+                self.token.emit(ev)
         elif kind == "finished":
             if ev.request_id == self.generating:
                 self.generating = None

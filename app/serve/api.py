@@ -368,7 +368,8 @@ class _Shape:
                 yield _sse(self._delta("", None, first=True))
             async for ev in _chain(first, events):
                 if isinstance(ev, P.TokenDelta):
-                    yield _sse(self._delta(ev.text, None))
+                    if ev.text:          # a token whose text is held back adds nothing to send yet
+                        yield _sse(self._delta(ev.text, None))
                 elif isinstance(ev, P.Finished):
                     yield _sse(self._delta(None, FINISH_REASONS[ev.reason]))
                     if include_usage:
