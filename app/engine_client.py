@@ -124,6 +124,31 @@ def describe_exit(exit_code: int, crashed: bool, oom_killed: Optional[bool] = No
     return f"The engine was killed by signal {exit_code} ({name})."
 
 
+# What to do about each of the engine's error codes (runtime.protocol.ErrorCode), in words: shown under its message.
+ERROR_ADVICE = {
+    "model_not_found": "There is no model by that name or in that folder on this computer: choose one of your "
+                       "models, or download one.",
+    "model_invalid": "The model's folder is incomplete or damaged: download or import it again, or choose another.",
+    "unsupported_architecture": "MoE Desk cannot run this kind of model: choose another one.",
+    "out_of_memory": "The model does not fit in memory with these settings: lower the context length or the memory "
+                     "budgets in Settings, or choose a smaller model.",
+    "cuda_unavailable": "The GPU engine cannot run on this computer: models run on the CPU engine instead (Settings, "
+                        "Engine).",
+    "kernel_build_failed": "The GPU engine's kernels did not build: the engine's log below says why.",
+    "context_overflow": "The conversation is longer than the model's context: start a new chat, or load the model "
+                        "with a longer context (Settings).",
+    "busy": "The engine is still writing an answer: wait for it, or press Stop.",
+    "no_model": "No model is loaded: choose one in the chat's model list.",
+    "version_mismatch": "The engine and the app come from different versions: install MoE Desk again.",
+}
+
+
+def error_advice(code: str) -> str:
+    """What the user can do about an engine error, in words (never its code)."""
+    return ERROR_ADVICE.get(code, "This is a fault in MoE Desk, not in what you did: the engine's log below has "
+                                  "the details, and Restart engine starts afresh.")
+
+
 class LineBuffer:
     """Splits a byte stream into complete lines; a partial line waits for the rest."""
 

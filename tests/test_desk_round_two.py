@@ -88,3 +88,60 @@ def test_after_the_engine_dies_the_line_greys_its_last_figures(qtbot, make_desk)
     for key in ("decode_tps", "ttft"):
         assert not strip[key].isEnabled(), key        # as its tile: greyed, not live
     assert strip["ram"].isEnabled()
+
+
+# -- the main window -------------------------------------------------------------------------------
+
+def test_the_first_window_fits_the_screen_with_its_title_bar(qtbot, desk):
+    free = desk.window.screen().availableGeometry()
+    win = desk.window
+    assert win.width() <= free.width() and win.height() + 24 <= free.height()    # a title bar still fits
+    from app.window import first_size
+    from PySide6.QtCore import QSize
+    assert first_size(QSize(1920, 1080)) == (1280, 800)              # where there is room: as before
+    w, h = first_size(QSize(1280, 800))
+    assert h <= 800 - 40 and w <= 1280
+
+
+def test_window_geometry_is_kept_under_the_apps_home(qtbot, desk):
+    from runtime import paths
+    desk.window.resize(700, 500)
+    _settle(qtbot)
+    desk.window.close()
+    kept = paths.config_dir() / "window.ini"
+    assert kept.is_file() and str(kept).startswith(os.environ["MOEDESK_HOME"])
+    again = build(Settings(), model=None)
+    qtbot.addWidget(again.window)
+    again.window.restore_geometry()
+    assert (again.window.width(), again.window.height()) == (700, 500)
+    again.gauges.timer.stop()
+    again.store.close()
+
+
+def test_an_engine_error_says_what_to_do_in_words_not_its_code(qtbot, desk):
+    from runtime.protocol import WorkerError
+    desk.client.error.emit("load-1", WorkerError("model_not_found", "/no/such/folder: no such model folder", ""))
+    detail = desk.window.banner.detail.text()
+    assert "model_not_found" not in detail and "Error code" not in detail
+    assert "choose one of your models" in detail
+    desk.client.error.emit("x", WorkerError("internal", "the worker failed to handle a command", "Traceback…"))
+    assert "internal" not in desk.window.banner.detail.text().split()
+
+
+def test_the_engine_death_log_is_as_tall_as_its_lines(qtbot, desk):
+    banner = desk.window.banner
+    line = banner.log.fontMetrics().lineSpacing()
+    desk.window.on_worker_died(9, "The engine was killed (signal 9, SIGKILL).", ["one line"])
+    _settle(qtbot)
+    assert banner.log.isVisible() and banner.log.height() <= 2 * line + 16
+    desk.window.on_worker_died(9, "The engine was killed.", [f"line {i}" for i in range(30)])
+    _settle(qtbot)
+    assert 11 * line < banner.log.height() <= 12 * line + 16
+
+
+def test_an_export_keeps_the_title_as_it_reads():
+    from app.window import export_file_name
+    assert export_file_name("Why is the sky blue? A long question about…", "md") == \
+        "Why is the sky blue_ A long question about….md"
+    assert export_file_name("Crème brûlée: 日本語", "json") == "Crème brûlée_ 日本語.json"
+    assert export_file_name("a/b\\c\n..", "md") == "a_b_c_.md" and export_file_name(" . ", "md") == "chat.md"
