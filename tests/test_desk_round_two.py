@@ -145,3 +145,64 @@ def test_an_export_keeps_the_title_as_it_reads():
         "Why is the sky blue_ A long question about….md"
     assert export_file_name("Crème brûlée: 日本語", "json") == "Crème brûlée_ 日本語.json"
     assert export_file_name("a/b\\c\n..", "md") == "a_b_c_.md" and export_file_name(" . ", "md") == "chat.md"
+
+
+# -- the chat panel --------------------------------------------------------------------------------
+
+def test_enter_without_a_model_says_why_and_keeps_the_text(qtbot, desk):
+    from PySide6.QtCore import Qt
+    box = desk.window.chat.input
+    box.setPlainText("Hello there")
+    qtbot.keyClick(box, Qt.Key.Key_Return)
+    assert "No model is loaded" in desk.window.statusBar().currentMessage()
+    assert box.toPlainText() == "Hello there" and desk.session.conversation is None
+
+
+def test_a_long_chat_title_is_cut_with_an_ellipsis(qtbot, desk):
+    win, title = desk.window, desk.window.chat.title
+    win.resize(640, 440)
+    conv = desk.store.create_conversation("Supercalifragilisticexpialidocious questions about quantum chromodynamics")
+    desk.session.open(conv.id)
+    _settle(qtbot)
+    shown = title.shown_text()
+    assert shown.endswith("…") and len(shown) > 4
+    assert title.fontMetrics().horizontalAdvance(shown) <= title.contentsRect().width()
+    assert title.toolTip() == conv.title
+
+
+def test_the_model_picker_stays_put_as_the_meter_counts(qtbot, desk):
+    win, chat = desk.window, desk.window.chat
+    win.resize(1280, 760)
+    _settle(qtbot)
+    where = chat.picker.mapTo(win, chat.picker.rect().topLeft()), chat.picker.width()
+    meter = chat.meter
+    meter.set_model_context(131072)
+    meter.history_tokens, meter.total_tokens, meter._typed = 123456, 124000, "typed"
+    meter._show()
+    _settle(qtbot)
+    assert (chat.picker.mapTo(win, chat.picker.rect().topLeft()), chat.picker.width()) == where
+    assert meter.isVisible() and meter.width() >= meter.sizeHint().width()
+
+
+def test_the_meter_counts_the_question_while_its_answer_streams(qtbot, make_desk):
+    d = make_desk(delay=0.05, max_tokens=200)
+    meter = d.window.chat.meter
+    send(qtbot, d, "one two three four five", wait=False)
+    assert d.session.busy
+    qtbot.waitUntil(lambda: (meter.used or 0) > 0, timeout=5000)
+    assert meter.used == 4 + 5 and d.session.busy              # the scripted count: 4 a message + its words
+    d.window.chat.escape()
+    qtbot.waitUntil(lambda: not d.session.busy, timeout=5000)
+
+
+def test_the_meter_counts_a_message_being_edited_once(qtbot, make_desk):
+    d = make_desk(max_tokens=3)
+    send(qtbot, d, "one two three")
+    meter, chat = d.window.chat.meter, d.window.chat
+    first = d.session.model.items[0]
+    chat.begin_edit(first.id)
+    assert chat.input.toPlainText() == "one two three"
+    qtbot.waitUntil(lambda: meter.total_tokens is not None and not meter._asked, timeout=5000)
+    assert meter.used == 4 + 3                 # the edited message's new text, not it and its old text
+    chat.escape()                              # the edit cancelled: the whole chat again
+    qtbot.waitUntil(lambda: meter.used is not None and meter.used > 7 and not meter._asked, timeout=5000)
