@@ -206,3 +206,67 @@ def test_the_meter_counts_a_message_being_edited_once(qtbot, make_desk):
     assert meter.used == 4 + 3                 # the edited message's new text, not it and its old text
     chat.escape()                              # the edit cancelled: the whole chat again
     qtbot.waitUntil(lambda: meter.used is not None and meter.used > 7 and not meter._asked, timeout=5000)
+
+
+# -- the messages ----------------------------------------------------------------------------------
+
+def _anchors(doc):
+    """{href: (block, first char, end char)} of a rendered message's links."""
+    out = {}
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            if frag.isValid() and frag.charFormat().isAnchor():
+                href = frag.charFormat().anchorHref()
+                start, end = frag.position() - block.position(), frag.position() + frag.length() - block.position()
+                b, s0, _ = out.get(href, (block, start, end))
+                out[href] = (b, s0, end)
+            it += 1
+        block = block.next()
+    return out
+
+
+def _answer_doc(desk, qtbot, size):
+    from app.chat.model import ChatItem
+    from runtime.records import GenerationStats
+    desk.window.resize(*size)
+    model = desk.session.model
+    model.append(ChatItem(1, "user", "Tell me a story about a lighthouse"))
+    model.append(ChatItem(2, "assistant", "Once upon a time…", model="SmolLM2-135M-Instruct-exl2-8.0bpw",
+                          stats=GenerationStats(38, 160, 0.19, 200.0, 21.5, 7.6), version=2, versions=3))
+    _settle(qtbot)
+    view = desk.window.chat.view
+    opt = view._option()
+    return view.delegate.document(model.index(1), view.delegate._text_width(opt), opt.font).doc
+
+
+def test_message_links_never_break_inside_a_word(qtbot, desk):
+    """At 640x440 the answer's text is some 380 px wide; a chat list dragged wider or a larger font makes
+    it narrower: at every width each link stays whole on its line (it used to break, "Regen|erate")."""
+    from app.chat import markdown
+    doc = _answer_doc(desk, qtbot, (640, 440))
+    view = desk.window.chat.view
+    opt = view._option()
+    index = desk.session.model.index(1)
+    for width in range(260, 720, 20):
+        doc = view.delegate.document(index, width, opt.font).doc
+        doc.size()                                      # laid out at this width
+        links = _anchors(doc)
+        assert {markdown.app_link(k) for k in ("older", "newer", "copy", "regenerate", "fork")} <= set(links)
+        for href, (block, start, end) in links.items():
+            layout = block.layout()
+            first, last = layout.lineForTextPosition(start), layout.lineForTextPosition(end - 1)
+            assert first.lineNumber() == last.lineNumber(), (width, href)
+
+
+def test_the_version_arrows_are_clickable_targets(qtbot, desk):
+    from app.chat import markdown
+    doc = _answer_doc(desk, qtbot, (1280, 760))
+    links = _anchors(doc)
+    for kind in ("older", "newer"):
+        block, start, end = links[markdown.app_link(kind)]
+        line = block.layout().lineForTextPosition(start)
+        width = line.cursorToX(end)[0] - line.cursorToX(start)[0]
+        assert width >= 20 and line.height() >= 18, (kind, width, line.height())
