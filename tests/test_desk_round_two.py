@@ -270,3 +270,40 @@ def test_the_version_arrows_are_clickable_targets(qtbot, desk):
         line = block.layout().lineForTextPosition(start)
         width = line.cursorToX(end)[0] - line.cursorToX(start)[0]
         assert width >= 20 and line.height() >= 18, (kind, width, line.height())
+
+
+# -- the chat list ---------------------------------------------------------------------------------
+
+def _rows_fit(lst) -> list:
+    """Rows whose room in the list differs from their painted entry's height: taller, it spills over the
+    next row (the selection's highlight and text over the next title); shorter, it leaves a gap."""
+    from PySide6.QtWidgets import QStyleOptionViewItem
+    bad, bottom = [], None
+    for i in range(lst.count()):
+        rect = lst.visualItemRect(lst.item(i))
+        opt = QStyleOptionViewItem()
+        opt.rect, opt.font = rect, lst.font()
+        need = lst.itemDelegate()._doc(opt, lst.model().index(i, 0)).size().height()
+        if abs(need - rect.height()) > 1 or (bottom is not None and rect.top() < bottom):
+            bad.append((i, rect, need))
+        bottom = rect.bottom() + 1
+    return bad
+
+
+def test_each_chat_entry_keeps_to_its_row_at_any_width(qtbot, desk):
+    win, lst = desk.window, desk.window.conversations.list
+    win.resize(1280, 760)
+    _settle(qtbot)
+    for title in ("Hello there, how are you today", "What is the capital of France and why is it there?",
+                  "Short"):                  # as a new user makes them: a chat, Ctrl+N, another
+        c = desk.store.create_conversation(title)
+        desk.store.add_message(c.id, "user", title)
+        desk.window.conversations.refresh(select=c.id)
+        _settle(qtbot)
+        assert _rows_fit(lst) == []
+    win.resize(640, 440)                     # the list narrows: titles wrap onto more lines
+    _settle(qtbot, 150)
+    assert _rows_fit(lst) == []
+    win.resize(1280, 760)
+    _settle(qtbot, 150)
+    assert _rows_fit(lst) == []

@@ -10,7 +10,7 @@ from typing import Optional
 
 import html
 
-from PySide6.QtCore import QPoint, QPointF, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QPoint, QPointF, QRectF, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QPalette, QTextDocument
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QMenu,
                                QPushButton, QStyle, QStyledItemDelegate, QVBoxLayout, QWidget)
@@ -46,16 +46,18 @@ def plain(text: str) -> str:
 
 
 class _EntryDelegate(QStyledItemDelegate):
-    """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets)."""
+    """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets), as tall as its
+    text wrapped to the list's width: measured at that width too (the list asks for size hints with
+    stale widths), and clipped to its row."""
 
-    def _doc(self, option, index, colour: str = "") -> QTextDocument:
+    def _doc(self, option, index, colour: str = "", width: Optional[int] = None) -> QTextDocument:
         doc = QTextDocument()
         doc.setDefaultFont(option.font)
         doc.setDocumentMargin(4)
         if colour:
             doc.setDefaultStyleSheet(f"body {{ color: {colour}; }}")
         doc.setHtml(index.data(HtmlRole) or html.escape(index.data(Qt.ItemDataRole.DisplayRole) or ""))
-        doc.setTextWidth(max(40, option.rect.width()))
+        doc.setTextWidth(max(40, option.rect.width() if width is None else width))
         return doc
 
     def paint(self, painter, option, index) -> None:
@@ -68,11 +70,12 @@ class _EntryDelegate(QStyledItemDelegate):
         doc = self._doc(option, index, option.palette.color(role).name())
         painter.save()
         painter.translate(QPointF(option.rect.topLeft()))
-        doc.drawContents(painter)
+        doc.drawContents(painter, QRectF(0, 0, option.rect.width(), option.rect.height()))
         painter.restore()
 
     def sizeHint(self, option, index) -> QSize:  # noqa: N802
-        doc = self._doc(option, index)
+        view = option.widget
+        doc = self._doc(option, index, width=view.viewport().width() if view is not None else None)
         return QSize(int(doc.idealWidth()), int(doc.size().height()))
 
 
@@ -98,6 +101,7 @@ class ConversationList(QWidget):
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
         self.list.setWordWrap(True)
+        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)     # entries measured again as the list narrows
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.setItemDelegate(_EntryDelegate(self.list))
         buttons = QHBoxLayout()
