@@ -173,6 +173,7 @@ class _Field:
         self.label = QLabel(LABELS.get(path, path.split(".")[-1].replace("_", " ").capitalize()))
         self.status = QLabel("")
         self.status.setObjectName("optionStatus")
+        self.status.setWordWrap(True)          # the engine's word on an option can be a sentence
         hint = f"{meta.get('help', '')} Default: {_fmt(path, default)}."
         self.hint = QLabel(hint)
         self.hint.setWordWrap(True)
@@ -319,6 +320,7 @@ class SettingsPanel(QDialog):
             grid.addWidget(f.status, row, 2)
             grid.addWidget(f.hint, row + 1, 1, 1, 2)
             row += 2
+        grid.setColumnStretch(2, 1)              # the status column takes what is left, and wraps in it
         if key == "server":
             self._server_rows(grid, row)
         return box

@@ -307,3 +307,49 @@ def test_each_chat_entry_keeps_to_its_row_at_any_width(qtbot, desk):
     win.resize(1280, 760)
     _settle(qtbot, 150)
     assert _rows_fit(lst) == []
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+APPLIED_ON_CPU = {      # what the worker reports for the demo model on the CPU engine (its `loaded` event)
+    "offload.backend": "applied: cpu (No NVIDIA GPU found: models run on the CPU.)",
+    "offload.context_length": "applied",
+    "offload.cpu_threads": "applied: automatic, up to 2 (the physical cores less those other programs keep busy)",
+    "offload.vram_budget_gb": "ignored: CPU reference engine uses no GPU memory",
+    "offload.ram_budget_gb": "ignored: CPU reference engine keeps every weight in RAM",
+    "offload.kv_cache": "ignored: CPU reference engine keeps the cache in bfloat16",
+    "offload.placement": "ignored: CPU reference engine computes every expert on the CPU"}
+
+
+def _cut_labels(root, viewport) -> list:
+    """Visible labels of `root` that reach past `viewport` or whose wrapped text is taller than the label."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QLabel
+    out = []
+    for label in root.findChildren(QLabel):
+        if not label.isVisibleTo(root) or not label.text():
+            continue
+        right = label.mapTo(viewport, QPoint(label.width(), 0)).x()
+        if right > viewport.width() + 1:
+            out.append(("past the edge", label.text()[:40], right, viewport.width()))
+        elif label.wordWrap() and label.heightForWidth(label.width()) > label.height() + 1:
+            out.append(("cut", label.text()[:40], label.heightForWidth(label.width()), label.height()))
+        elif not label.wordWrap() and label.sizeHint().width() > label.width() + 1 and label.minimumWidth() == 0 \
+                and not hasattr(label, "shown_text"):
+            out.append(("clipped", label.text()[:40], label.sizeHint().width(), label.width()))
+    return out
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_settings_at_their_default_size_need_no_sideways_scroll_and_cut_no_text(qtbot, loaded):
+    from PySide6.QtWidgets import QScrollArea
+    from app.settings_panel import SettingsPanel
+    panel = SettingsPanel(Settings(), has_model=loaded)
+    qtbot.addWidget(panel)
+    if loaded:
+        panel.show_applied(APPLIED_ON_CPU)
+    panel.show()
+    _settle(qtbot, 100)
+    scroll = panel.findChild(QScrollArea)
+    assert scroll.horizontalScrollBar().maximum() == 0
+    assert _cut_labels(scroll.widget(), scroll.viewport()) == []
