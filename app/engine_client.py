@@ -311,6 +311,11 @@ class EngineClient(EngineSignals):
         self._set_state(State.LOADING)
         return request_id
 
+    @property
+    def loading(self) -> bool:
+        """A load was sent and its answer has not come yet."""
+        return self._loading is not None
+
     def unload(self, request_id: Optional[str] = None) -> str:
         request_id = request_id or f"unload-{uuid.uuid4().hex[:8]}"
         self.last_load = None

@@ -131,7 +131,9 @@ def wire(desk: Desk) -> None:
     window.settings_requested.connect(open_settings)
     window.models_requested.connect(lambda: open_models(desk))
     client.loaded.connect(remember_model)
-    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
+    # "Last used" of the model manager: when it was loaded, and each answer it wrote since.
+    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))
+    client.finished.connect(lambda _ev: client.loaded_event is not None and mark_used(Path(client.loaded_event.path)))
 
 
 def load_local(desk: Desk, model: str) -> None:
@@ -143,7 +145,8 @@ def load_local(desk: Desk, model: str) -> None:
 def load_model(desk: Desk, model: str) -> None:
     """Load `model` with the settings' options, unless it is loaded (or loading) with them already."""
     if desk.client.load(model, desk.settings.load) is None:
-        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already.", 4000)
+        how = "is being loaded now" if desk.client.loading else "is loaded already"
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} {how}.", 4000)
 
 
 def open_models(desk: Desk) -> ModelManagerDialog:

@@ -353,3 +353,84 @@ def test_settings_at_their_default_size_need_no_sideways_scroll_and_cut_no_text(
     scroll = panel.findChild(QScrollArea)
     assert scroll.horizontalScrollBar().maximum() == 0
     assert _cut_labels(scroll.widget(), scroll.viewport()) == []
+
+
+# -- the model manager -----------------------------------------------------------------------------
+
+@pytest.fixture
+def manager(qtbot, tmp_path):
+    from app.models_dialog import ModelManagerDialog
+    d = ModelManagerDialog(models_dir=tmp_path / "models")
+    qtbot.addWidget(d)
+    yield d
+    d.shutdown()
+
+
+def test_download_and_the_job_buttons_are_enabled_only_where_they_apply(qtbot, manager):
+    from app.hub.download import DownloadProgress, JobState
+    d = manager
+    d.set_memory(24 * 1024 ** 3, 64 * 1024 ** 3, "Test GPU")
+    d.show()
+    d.tabs.setCurrentIndex(1)
+    assert d.quant_table.rowCount() == 0 and not d.download_button.isEnabled()      # nothing to download
+    assert "Pick a model" in d.download_button.toolTip()
+    buttons = (d.pause_button, d.resume_button, d.cancel_button)
+    assert d.download_table.rowCount() == 0 and not any(b.isEnabled() for b in buttons)   # an empty list
+    d._on_download_event(DownloadProgress("x--4.0bpw", JobState.RUNNING, 10, 100, 1e6, 90.0, "f", "Downloading"))
+    assert [b.isEnabled() for b in buttons] == [True, False, True]
+    d._on_download_event(DownloadProgress("x--4.0bpw", JobState.PAUSED, 10, 100, 0.0, None, "f", "Paused"))
+    assert [b.isEnabled() for b in buttons] == [False, True, True]
+    d._on_download_event(DownloadProgress("x--4.0bpw", JobState.DONE, 100, 100, 0.0, None, "", "Done"))
+    assert not any(b.isEnabled() for b in buttons)
+
+
+def test_recommended_models_read_whole_without_a_sideways_scroll(qtbot, manager):
+    from PySide6.QtCore import QRect, Qt
+    d = manager
+    d.resize(1000, 640)
+    d.set_memory(0, 64 * 1024 ** 3, "No NVIDIA GPU (no NVIDIA driver is installed)")   # the CPU engine's list
+    d.show()
+    d.tabs.setCurrentIndex(1)
+    _settle(qtbot, 100)
+    lst = d.repo_list
+    assert lst.count() >= 1 and "runs on the CPU engine" in lst.item(0).text()
+    assert lst.horizontalScrollBar().maximum() == 0
+    fm = lst.fontMetrics()
+    for i in range(lst.count()):
+        rect = lst.visualItemRect(lst.item(i))
+        assert rect.right() <= lst.viewport().width()
+        need = fm.boundingRect(QRect(0, 0, rect.width(), 10_000), Qt.TextFlag.TextWordWrap, lst.item(i).text())
+        assert need.height() <= rect.height(), lst.item(i).text()
+
+
+def test_no_gpu_is_said_in_words_in_the_model_manager(qtbot, manager, monkeypatch):
+    import pynvml
+    from app.hub.fit import detect_memory
+
+    def refuse():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    monkeypatch.setattr(pynvml, "nvmlInit", refuse)
+    vram, ram, words = detect_memory()
+    assert vram == 0 and "NVMLError" not in words and "no NVIDIA driver is installed" in words
+    manager.set_memory(vram, ram, words)
+    assert "NVMLError" not in manager.memory_label.text() and "0 B VRAM" not in manager.memory_label.text()
+
+
+def test_last_used_is_the_last_answer_not_the_load(qtbot, make_desk):
+    from pathlib import Path
+    from app.hub.local import last_used_map, mark_used
+    d = make_desk(max_tokens=2)
+    folder = Path(d.client.loaded_event.path)
+    mark_used(folder, when=1000.0)                 # loaded long ago
+    send(qtbot, d, "Hello")
+    assert last_used_map()[folder.name] > 1000.0
+
+
+def test_load_while_loading_says_it_is_loading(qtbot, make_desk):
+    from app.main import load_model
+    d = make_desk()
+    d.client.load("some-other-model", d.settings.load)       # a load in flight (the scripted worker is slow to
+    assert d.client._loading is not None                      # answer only after its progress event)
+    load_model(d, "some-other-model")
+    words = d.window.statusBar().currentMessage()
+    assert "being loaded" in words and "loaded already" not in words
