@@ -137,6 +137,8 @@ class WelcomeDialog(QDialog):
         self.demo_log.setText(log)
         self.demo_log.setVisible(bool(log))
         self.demo_retry.setVisible(retry)
+        if self.isVisible():
+            self.adjustSize()         # grown to the panel: the findings above keep their lines
 
     def _demo_clicked(self) -> None:
         if self.demo_state == "ready":

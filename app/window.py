@@ -317,7 +317,7 @@ class MainWindow(QMainWindow):
 
     def on_engine_state(self, state: str) -> None:
         ready = state in ("idle", "generating") and self.loaded is not None
-        self.chat.set_engine_ready(ready)
+        self.chat.set_engine_ready(ready, loading=state == "loading")
         if state == "starting":
             self.banner.show_state("Starting the engine…", kind="busy")
         elif state == "idle" and self.loaded is None and self.banner.kind != "error":

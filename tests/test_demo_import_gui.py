@@ -43,6 +43,9 @@ def test_a_failed_preparation_says_why_and_offers_to_try_again(qtbot):
     with qtbot.waitSignal(job.failed, timeout=30_000):
         pass
     assert d.demo_retry.isVisible() and "No space left" in d.demo_text.text()
+    qtbot.wait(50)
+    from tests.test_desk_round_two import _cut_labels
+    assert _cut_labels(d, d) == []                  # the screen grew to the panel: no line of it is cut
     assert d.demo_btn.text() == "Chat with the demo model" and d.choice == "close"
 
 

@@ -158,6 +158,15 @@ def test_enter_without_a_model_says_why_and_keeps_the_text(qtbot, desk):
     assert box.toPlainText() == "Hello there" and desk.session.conversation is None
 
 
+def test_enter_while_the_model_loads_says_it_is_loading(qtbot, desk):
+    from PySide6.QtCore import Qt
+    desk.window.on_engine_state("loading")
+    box = desk.window.chat.input
+    box.setPlainText("Hello there")
+    qtbot.keyClick(box, Qt.Key.Key_Return)
+    assert "still loading" in desk.window.statusBar().currentMessage() and box.toPlainText() == "Hello there"
+
+
 def test_a_long_chat_title_is_cut_with_an_ellipsis(qtbot, desk):
     win, title = desk.window, desk.window.chat.title
     win.resize(640, 440)

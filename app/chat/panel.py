@@ -21,6 +21,7 @@ from app.chat.view import ChatView
 from app.elided import ElidedLabel
 
 NO_MODEL_WORDS = "No model is loaded: pick one in the model list above (or Engine → Models…, Ctrl+M), then send again."
+LOADING_WORDS = "The model is still loading (its progress is above the chat): send again once it is ready."
 
 
 class InputBox(QPlainTextEdit):
@@ -124,7 +125,7 @@ class ChatPanel(QWidget):
         session.conversation_changed.connect(self._on_conversation)
         self.input.textChanged.connect(lambda: self.meter.set_typed(self.input.toPlainText()))
         self.meter.policy_chosen.connect(self.set_overflow_policy)
-        self.engine_ready = False
+        self.engine_ready = self.loading = False
         self._on_busy(False)
         self._on_conversation(None)
         self.input.setPlainText(self.drafts.get(None))
@@ -135,7 +136,7 @@ class ChatPanel(QWidget):
         if not text.strip():
             return
         if not self.engine_ready and not self.session.busy:     # say why nothing is sent; the text stays
-            self.session.notice.emit(NO_MODEL_WORDS)
+            self.session.notice.emit(LOADING_WORDS if self.loading else NO_MODEL_WORDS)
             return
         if not self.send_button.isEnabled():
             return
@@ -178,9 +179,9 @@ class ChatPanel(QWidget):
             self._count_again()
 
     # -- state ----------------------------------------------------------------------------------
-    def set_engine_ready(self, ready: bool) -> None:
-        """Sending needs a loaded model that is not busy elsewhere."""
-        self.engine_ready = ready
+    def set_engine_ready(self, ready: bool, loading: bool = False) -> None:
+        """Sending needs a loaded model that is not busy elsewhere (`loading`: one is on its way)."""
+        self.engine_ready, self.loading = ready, loading
         self._on_busy(self.session.busy)
 
     def set_overflow_policy(self, policy: str) -> None:
