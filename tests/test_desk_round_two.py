@@ -179,6 +179,17 @@ def test_a_long_chat_title_is_cut_with_an_ellipsis(qtbot, desk):
     assert title.toolTip() == conv.title
 
 
+def test_a_long_model_name_in_the_picker_is_cut_with_an_ellipsis(qtbot, desk):
+    win, combo = desk.window, desk.window.chat.picker.combo
+    win.resize(640, 440)
+    combo.addItem("● SmolLM2-135M-Instruct-exl2-8.0bpw-with-a-much-longer-name")
+    combo.setCurrentIndex(combo.count() - 1)
+    _settle(qtbot)
+    shown = combo.shown_text()
+    assert shown.endswith("…") and shown[:-1] in combo.currentText()
+    combo.grab()                                              # paints without error
+
+
 def test_the_model_picker_stays_put_as_the_meter_counts(qtbot, desk):
     win, chat = desk.window, desk.window.chat
     win.resize(1280, 760)
