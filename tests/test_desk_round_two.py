@@ -12,17 +12,7 @@ from app.main import build
 from app.settings import Settings
 from runtime.protocol import Telemetry
 from tests.test_chat_session import make_desk, send  # noqa: F401 (make_desk is a fixture)
-
-
-@pytest.fixture
-def desk(qtbot):
-    """The window with no engine started."""
-    d = build(Settings(), model=None)
-    qtbot.addWidget(d.window)
-    d.window.show()
-    yield d
-    d.gauges.timer.stop()
-    d.store.close()
+from tests.test_window_size import desk  # noqa: F401 (the window with no engine started: a fixture)
 
 
 def _settle(qtbot, ms: int = 60) -> None:

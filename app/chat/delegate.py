@@ -133,7 +133,8 @@ class MessageDelegate(QStyledItemDelegate):
         if it.versions > 1 and it.state != "streaming":
             # The arrows as targets a pointer finds: large, with room on either side inside the link.
             bare = 'style="text-decoration: none;"'
-            older = f'<a {bare} href="{link("older")}">&nbsp;‹&nbsp;</a>' if it.version > 1 else '<span>&nbsp;‹&nbsp;</span>'
+            older = (f'<a {bare} href="{link("older")}">&nbsp;‹&nbsp;</a>' if it.version > 1
+                     else '<span>&nbsp;‹&nbsp;</span>')
             newer = (f'<a {bare} href="{link("newer")}">&nbsp;›&nbsp;</a>' if it.version < it.versions
                      else '<span>&nbsp;›&nbsp;</span>')
             links.append(f'<span style="font-size: xx-large;">{older}</span>{it.version}/{it.versions}'

@@ -20,7 +20,8 @@ from app.chat.session import ChatSession
 from app.chat.view import ChatView
 from app.elided import ElidedLabel
 
-NO_MODEL_WORDS = "No model is loaded: pick one in the model list above (or Engine → Models…, Ctrl+M), then send again."
+NO_MODEL_WORDS = ("No model is loaded: pick one in the model list above (or Engine → Models…, Ctrl+M), then send "
+                  "again.")
 LOADING_WORDS = "The model is still loading (its progress is above the chat): send again once it is ready."
 
 
