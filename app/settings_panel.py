@@ -179,7 +179,6 @@ class _Field:
         self.hint.setWordWrap(True)
         self.hint.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.editor = self._make_editor(base, meta, on_change)
-        self.status.setWordWrap(isinstance(self.editor, QLineEdit))      # a list's problem is a sentence
         for w in (self.label, self.editor, self.hint):
             w.setToolTip(hint)
 
