@@ -14,7 +14,6 @@ from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleS
 
 from app.hub.convert import BPW_RANGE, ConvertManager, ConvertProgress
 from app.hub.download import JobState
-from app.hub.jobs import ACTIVE, ENDED, RESUMABLE
 from app.jobs_panel import JobsPanel
 from app.telemetry import fmt_bytes
 
@@ -87,19 +86,10 @@ class ConversionsPanel(JobsPanel):
     def __init__(self, manager_factory, parent=None):
         super().__init__("Conversions", ["Conversion", "State", "Progress", "Time left", "Details"], select_new=True,
                          parent=parent)
-        self._states: dict[str, JobState] = {}
         self.event.connect(self._on_event)
-        self.table.itemSelectionChanged.connect(self._update_buttons)
         self.manager: ConvertManager = manager_factory(self.event.emit)
-        self._update_buttons()
         for progress in self.manager.restore():
             self._on_event(progress)
-
-    def _update_buttons(self) -> None:
-        state = self._states.get(self.selected_job())
-        self.pause_button.setEnabled(state in ACTIVE)
-        self.resume_button.setEnabled(state in RESUMABLE)
-        self.cancel_button.setEnabled(state is not None and state not in ENDED)
 
     def row_text(self, job_id: str) -> tuple[str, str, str]:
         """(state, progress bar text, details) of a job's row: what the user reads."""
@@ -118,8 +108,7 @@ class ConversionsPanel(JobsPanel):
         state = "downloading" if p.phase == "download" and p.state is JobState.RUNNING else p.state.value
         left = "" if p.eta_s is None or p.state is not JobState.RUNNING else _duration(p.eta_s)
         self.show_texts(row, {1: state, 3: left, 4: p.message}, p.message)
-        self._states[p.job_id] = p.state
-        self._update_buttons()
+        self.set_state(p.job_id, p.state)
         if p.state is JobState.DONE:
             self.finished_model.emit(p.job_id)
 

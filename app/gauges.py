@@ -27,6 +27,8 @@ from PySide6.QtGui import QPainter, QPainterPath, QPalette, QPen
 from PySide6.QtWidgets import (QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QToolButton,
                                QVBoxLayout, QWidget)
 
+from app.elided import ElidedLabel
+
 from runtime.cpu_load import CONTENDED_CPUS, physical_cores
 
 from app.telemetry import (DASH, History, NvmlMonitor, NvmlState, RamSampler, fmt_bytes,
@@ -125,6 +127,7 @@ class Gauge(QFrame):
         self.spark.update()
 
 
+QWIDGETSIZE_MAX = (1 << 24) - 1
 STRIP = (("decode_tps", "Decode"), ("ttft", "First token"), ("ram", "RAM"), ("vram", "VRAM"))
 GPU_ONLY = ("vram", "expert_hit_rate", "pcie")        # never a value without an NVIDIA GPU / on the CPU or a remote engine
 
@@ -161,6 +164,11 @@ class GaugesPanel(QWidget):
             label.setTextFormat(Qt.TextFormat.RichText)
             self.strip_labels[key] = label
             strip.addWidget(label)
+        # Said only while other programs hold CPU cores the engine would use (runtime.cpu_load): in the line,
+        # cut with "…" where it is narrow (the whole of it in its tooltip), so the dock keeps its height.
+        self.cpu_note = ElidedLabel()
+        self.cpu_note.setVisible(False)
+        strip.addWidget(self.cpu_note)
         strip.addStretch(1)
         self.details_button = QToolButton(text="Details ▸", checkable=True, autoRaise=True,
                                           toolTip="Show every gauge with its history")
@@ -177,12 +185,9 @@ class GaugesPanel(QWidget):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         lay.addLayout(strip)
-        # Said only while other programs hold CPU cores the engine would use (runtime.cpu_load).
-        self.cpu_note = QLabel(wordWrap=True, visible=False)
-        self.cpu_note.setContentsMargins(6, 0, 6, 2)
-        lay.addWidget(self.cpu_note)
         lay.addWidget(self.details, 1)
         self._layout_tiles()
+        self.set_expanded(False)
         self.timer = QTimer(self)
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self.poll)
@@ -199,6 +204,9 @@ class GaugesPanel(QWidget):
         if expanded:
             tiles = self.details.widget()
             self.details.setMinimumHeight(min(tiles.sizeHint().height(), 260))
+            self.setMaximumHeight(QWIDGETSIZE_MAX)
+        else:        # the line alone: a dock around the panel shrinks back to it (no empty room left)
+            self.setMaximumHeight(self.layout().sizeHint().height())
         self.updateGeometry()
 
     @property
@@ -229,9 +237,10 @@ class GaugesPanel(QWidget):
 
     def _refresh_strip(self) -> None:
         for key, title in STRIP:
-            label = self.strip_labels[key]
+            label, value = self.strip_labels[key], self.gauges[key].value
             label.setVisible(self.shown(key))
-            label.setText(f"{title} <b>{self.gauges[key].value.text()}</b>&nbsp;&nbsp;")
+            label.setText(f"{title} <b>{value.text()}</b>&nbsp;&nbsp;")
+            label.setEnabled(value.isEnabled())          # greyed as its tile is: not live (the engine stopped)
 
     # -- polled: NVML and psutil only -------------------------------------------------------
     def set_worker_pid(self, pid: Optional[int]) -> None:

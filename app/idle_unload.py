@@ -58,7 +58,7 @@ class IdleUnloader(QObject):
     def _idle(self) -> bool:
         c = self.client
         return (c.state == "idle" and c.loaded_event is not None and c.last_load is not None and not c.generating
-                and c.loading is None)
+                and not c.loading)
 
     def _arm(self) -> None:
         if self.seconds > 0 and self._idle():

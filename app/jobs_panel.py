@@ -6,6 +6,9 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QProgressBar, QPushButton,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from app.hub.download import JobState
+from app.hub.jobs import ACTIVE, ENDED, RESUMABLE
+
 
 def cell(text: str, tip: str = "") -> QTableWidgetItem:
     """A read-only table cell."""
@@ -29,15 +32,18 @@ def new_table(headers: list[str]) -> QTableWidget:
 
 
 class JobsPanel(QWidget):
-    """`title`, Pause, Resume and Cancel (each calls the manager's method of that name with the selected job),
-    over a table of `headers` with a row per job; `select_new` selects each new row, else only the first."""
+    """`title`, Pause, Resume and Cancel (each calls the manager's method of that name with the selected job,
+    and is enabled only where it applies to that job's state, `set_state`), over a table of `headers` with a
+    row per job; `select_new` selects each new row, else only the first."""
 
     def __init__(self, title: str, headers: list[str], manager=None, select_new: bool = False, parent=None):
         super().__init__(parent)
         self.manager = manager
         self._select_new = select_new
         self._rows: dict[str, int] = {}              # job id -> row
+        self._states: dict[str, JobState] = {}       # job id -> its last state
         self.table = new_table(headers)
+        self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.horizontalHeader().setSectionResizeMode(2, QHeaderView.Fixed)
         self.table.setColumnWidth(2, 230)
         controls = QHBoxLayout()
@@ -49,6 +55,7 @@ class JobsPanel(QWidget):
         v.setContentsMargins(0, 0, 0, 0)
         v.addLayout(controls)
         v.addWidget(self.table)
+        self._update_buttons()
 
     def _button(self, row: QHBoxLayout, label: str) -> QPushButton:
         b = QPushButton(label)
@@ -60,6 +67,16 @@ class JobsPanel(QWidget):
         job_id = self.selected_job()
         if job_id:
             getattr(self.manager, action)(job_id)
+
+    def set_state(self, job_id: str, state: JobState) -> None:
+        self._states[job_id] = state
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        state = self._states.get(self.selected_job())
+        self.pause_button.setEnabled(state in ACTIVE)
+        self.resume_button.setEnabled(state in RESUMABLE)
+        self.cancel_button.setEnabled(state is not None and state not in ENDED)
 
     def selected_job(self) -> str | None:
         rows = self.table.selectionModel().selectedRows()

@@ -1,88 +1,29 @@
 """The GPU kernels' one-time build, in the background of the welcome screen.
 
-`KernelBuild` runs `moedesk-cli setup-gpu --json` (runtime.gpu_setup) as a child process and turns its
-JSON lines into signals; `KernelBuildPanel` shows the states in words: building with progress, built,
+`KernelBuild` runs `moedesk-cli setup-gpu --json` (runtime.gpu_setup) as a child process (app.child_job) and
+turns its JSON lines into signals; `KernelBuildPanel` shows the states in words: building with progress, built,
 failed (with the compiler's last lines and what to do). The engine keeps working on the CPU meanwhile
 (runtime.loader chooses the CPU engine while a build runs).
 """
 from __future__ import annotations
 
-import json
 import sys
 
-from PySide6.QtCore import QObject, QProcess, Qt, Signal
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
+from app.child_job import ChildJob
 from runtime.gpu_setup import KernelStatus
 
 
-class KernelBuild(QObject):
-    """One background build. Signals: progress(done, total), done(seconds), failed(message, detail)."""
-
-    progress = Signal(int, int)
-    done = Signal(float)
-    failed = Signal(str, str)
+class KernelBuild(ChildJob):
+    """One background build (`moedesk-cli setup-gpu --json`). Signals: progress(done, total), done(seconds),
+    failed(message, detail)."""
 
     def __init__(self, parent: QObject | None = None, command: list[str] | None = None):
-        super().__init__(parent)
-        self.command = command or [sys.executable, "-m", "runtime.cli", "setup-gpu", "--json"]
-        self.proc = QProcess(self)
-        self.proc.setProcessChannelMode(QProcess.MergedChannels)
-        self.proc.readyReadStandardOutput.connect(self._read)
-        self.proc.finished.connect(self._finished)
-        self._buffer = b""
-        self._ended = False
-        self._lines: list[str] = []
-
-    def start(self) -> None:
-        from app.engine_client import worker_environment
-        from PySide6.QtCore import QProcessEnvironment
-        env = QProcessEnvironment()
-        for k, v in worker_environment().items():
-            env.insert(k, v)
-        self.proc.setProcessEnvironment(env)
-        self.proc.start(self.command[0], self.command[1:])
-
-    def running(self) -> bool:
-        return self.proc.state() != QProcess.NotRunning
-
-    def _read(self) -> None:
-        self._buffer += bytes(self.proc.readAllStandardOutput())
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for raw in lines:
-            self.handle_line(raw.decode("utf-8", "replace"))
-
-    def handle_line(self, line: str) -> None:
-        """One line of setup-gpu --json: an event, or stray output kept for a failure's detail."""
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            self._lines = (self._lines + [line])[-40:]
-            return
-        kind = ev.get("event") if isinstance(ev, dict) else None
-        if kind == "progress":
-            self.progress.emit(int(ev["done"]), int(ev["total"]))
-        elif kind == "done":
-            self._ended = True
-            self.done.emit(float(ev.get("seconds", 0.0)))
-        elif kind == "failed":
-            self._ended = True
-            self.failed.emit(ev.get("message", "The GPU kernels did not build."), ev.get("detail", ""))
-
-    def _finished(self, code: int, _status) -> None:
-        self._read()
-        if not self._ended:
-            self._ended = True
-            if code == 0:
-                self.done.emit(0.0)
-            else:
-                self.failed.emit(f"The GPU kernel build stopped (exit status {code}).", "\n".join(self._lines))
-
-    def stop(self) -> None:
-        if self.running():
-            self.proc.kill()
-            self.proc.waitForFinished(3000)
+        super().__init__(command or [sys.executable, "-m", "runtime.cli", "setup-gpu", "--json"],
+                         "The GPU kernel build", parent)
 
 
 class KernelBuildPanel(QFrame):

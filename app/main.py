@@ -148,7 +148,9 @@ def wire(desk: Desk) -> None:
     window.settings_requested.connect(open_settings)
     window.models_requested.connect(lambda: open_models(desk))
     client.loaded.connect(remember_model)
-    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))     # "Last used" of the model manager
+    # "Last used" of the model manager: when it was loaded, and each answer it wrote since.
+    client.loaded.connect(lambda ev: mark_used(Path(ev.path)))
+    client.finished.connect(lambda _ev: client.loaded_event is not None and mark_used(Path(client.loaded_event.path)))
 
 
 def load_local(desk: Desk, model: str, options: Optional[LoadOptions] = None) -> None:
@@ -167,8 +169,8 @@ def load_model(desk: Desk, model: str, options: Optional[LoadOptions] = None) ->
     with them already."""
     desk.unloader.forget()
     if desk.client.load(model, options or options_for(desk, model)) is None:
-        desk.window.statusBar().showMessage(f"{paths.display_name(model)} is loaded already with these options.",
-                                            4000)
+        how = "is being loaded now" if desk.client.loading else "is loaded already with these options"
+        desk.window.statusBar().showMessage(f"{paths.display_name(model)} {how}.", 4000)
 
 
 def remember_options(desk: Desk, model: str, options: LoadOptions) -> None:

@@ -126,8 +126,9 @@ class ModelManagerDialog(QDialog):
         t = self.local_table
         t.setRowCount(len(self._local))
         for r, m in enumerate(self._local):
-            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used)) if m.last_used else "never"
             loaded = self.is_loaded(m)
+            used = ("in use now" if loaded else time.strftime("%Y-%m-%d %H:%M", time.localtime(m.last_used))
+                    if m.last_used else "never")
             status = "loaded — in use" if loaded else "ready" if m.loadable else "cannot load"
             cells = [("● " if loaded else "") + m.name, m.architecture or "—",
                      _params(m.num_params) if m.num_params else "—",
@@ -247,7 +248,9 @@ class ModelManagerDialog(QDialog):
         top.addWidget(self.signin_button)
         self.hub_status = QLabel("Search the Hugging Face Hub for EXL2 quants.")
         self.hub_status.setWordWrap(True)
-        self.repo_list = QListWidget()
+        self.repo_list = QListWidget(wordWrap=True)          # a recommendation's verdict is read whole
+        self.repo_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.repo_list.setResizeMode(QListWidget.ResizeMode.Adjust)
         self.repo_list.currentItemChanged.connect(lambda item, _: item and self.show_repo(item.data(Qt.UserRole)))
         self.quant_table = new_table(["Branch", "Bits/weight", "Download size", "Fit on this machine"])
         self.context_spin = QSpinBox()
@@ -261,6 +264,8 @@ class ModelManagerDialog(QDialog):
         self.memory_label = QLabel()
         self.download_button = QPushButton("Download")
         self.download_button.clicked.connect(self._download_selected)
+        self.quant_table.itemSelectionChanged.connect(self._quant_selection_changed)
+        self._quant_selection_changed()
         opts = QHBoxLayout()
         opts.addWidget(QLabel("Context"))
         opts.addWidget(self.context_spin)
@@ -286,7 +291,8 @@ class ModelManagerDialog(QDialog):
 
     def set_memory(self, vram: float, ram: float, gpu: str) -> None:
         self.vram, self.ram, self.gpu = vram, ram, gpu
-        self.memory_label.setText(f"{gpu}: {fmt_bytes(vram)} VRAM · {fmt_bytes(ram)} RAM")
+        self.memory_label.setText(f"{gpu}: {fmt_bytes(vram)} VRAM · {fmt_bytes(ram)} RAM" if vram > 0 else
+                                  f"{gpu} · {fmt_bytes(ram)} RAM for the CPU engine")
         self._fill_quants()
         if not self._searched:
             self.show_recommended()
@@ -377,6 +383,12 @@ class ModelManagerDialog(QDialog):
                 t.setItem(r, c, cell(text, why if c == 3 else q.access))
         if self._quants and not t.selectionModel().selectedRows():
             t.selectRow(0)
+
+    def _quant_selection_changed(self) -> None:
+        picked = bool(self.quant_table.selectionModel().selectedRows())
+        self.download_button.setEnabled(picked)
+        self.download_button.setToolTip("Download the selected branch into the models folder" if picked else
+                                        "Pick a model on the left, then one of its branches, to download it")
 
     def _download_selected(self) -> None:
         rows = self.quant_table.selectionModel().selectedRows()
@@ -517,6 +529,7 @@ class ModelManagerDialog(QDialog):
         eta = (f"{int(p.eta_s // 60)} min {int(p.eta_s % 60)} s" if p.eta_s is not None else "—") if running else ""
         self.downloads.show_texts(row, {1: p.state.value, 3: f"{fmt_bytes(p.speed_bps)}/s" if running else "",
                                         4: eta, 5: p.message}, p.message)
+        self.downloads.set_state(p.job_id, p.state)
         if p.state is JobState.DONE:
             self.refresh_local()
 

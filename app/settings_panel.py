@@ -173,12 +173,12 @@ class OptionField:
         self.label = QLabel(LABELS.get(path, path.split(".")[-1].replace("_", " ").capitalize()))
         self.status = QLabel("")
         self.status.setObjectName("optionStatus")
+        self.status.setWordWrap(True)          # the engine's word on an option can be a sentence
         hint = f"{meta.get('help', '')} Default: {_fmt(path, default)}."
         self.hint = QLabel(hint)
         self.hint.setWordWrap(True)
         self.hint.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.editor = self._make_editor(base, meta, on_change)
-        self.status.setWordWrap(isinstance(self.editor, QLineEdit))      # a list's problem is a sentence
         for w in (self.label, self.editor, self.hint):
             w.setToolTip(hint)
 
@@ -335,6 +335,7 @@ class SettingsPanel(QDialog):
             grid.addWidget(f.status, row, 2)
             grid.addWidget(f.hint, row + 1, 1, 1, 2)
             row += 2
+        grid.setColumnStretch(2, 1)              # the status column takes what is left, and wraps in it
         if key == "server":
             self._server_rows(grid, row)
         return box

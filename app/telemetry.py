@@ -204,7 +204,7 @@ class NvmlMonitor:
         try:
             nvml.nvmlInit()
         except Exception as e:
-            self._fail(NvmlState.NO_GPU, _no_driver_words(e))
+            self._fail(NvmlState.NO_GPU, no_driver_words(e))
             return False
         try:
             self._count = int(nvml.nvmlDeviceGetCount())
@@ -236,7 +236,7 @@ class NvmlMonitor:
             pass   # already gone: nothing left to release
 
 
-def _no_driver_words(e: Exception) -> str:
+def no_driver_words(e: Exception) -> str:
     """NVML's refusal in a user's words ("NVML Shared Library Not Found" means no NVIDIA driver)."""
     text = str(e)
     if "Library Not Found" in text or "Function Not Found" in text:

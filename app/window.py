@@ -21,6 +21,7 @@ from app.chat.header import REMOTE_COUNT
 from app.chat.panel import ChatPanel
 from app.chat.session import ChatSession
 from app.chat.settings_dialog import ConversationSettingsDialog
+from app.engine_client import error_advice
 from app.store import Store
 from runtime import paths
 from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
@@ -28,6 +29,9 @@ from runtime.protocol import Loaded, Progress, Ready, Unloaded, WorkerError
 STDERR_SHOWN = 12
 LOAD_ERRORS = ("model_not_found", "model_invalid", "unsupported_architecture")   # "Choose a model…" helps
 MIN_SIZE = (640, 440)      # the chat stays usable down to this, status bar included (tests/test_window_size.py)
+FIRST_SIZE = (1280, 800)   # the first window, where the screen has the room
+FRAME_ROOM = (16, 48)      # left on the screen for the window manager's frame and title bar
+UNSAFE_IN_NAMES = set('<>:"/\\|?*')     # not allowed in file names on one system or another
 CHATS_MIN_WIDTH = 190
 
 
@@ -51,7 +55,7 @@ class EngineBanner(QFrame):
         self.detail.setEnabled(False)
         self.progress = QProgressBar(maximumHeight=14, textVisible=False)
         self.progress.setVisible(False)
-        self.log = QPlainTextEdit(readOnly=True, maximumHeight=150)
+        self.log = QPlainTextEdit(readOnly=True)
         self.log.setVisible(False)
         f = self.log.font()
         f.setFamily("monospace")
@@ -90,7 +94,10 @@ class EngineBanner(QFrame):
         self.restart.setVisible(kind == "error")
         self.log.setVisible(bool(lines))
         if lines:
-            self.log.setPlainText("\n".join(lines[-STDERR_SHOWN:]))
+            shown = lines[-STDERR_SHOWN:]
+            self.log.setPlainText("\n".join(shown))
+            margins = 2 * (self.log.frameWidth() + round(self.log.document().documentMargin()))
+            self.log.setFixedHeight(len(shown) * self.log.fontMetrics().lineSpacing() + margins + 2)
         # Colour only for errors: a style sheet would pin the palette and miss a theme change.
         self.setStyleSheet("EngineBanner { border: 1px solid #d1242f; }" if kind == "error" else "")
         self.headline.setStyleSheet("color: #d1242f;" if kind == "error" else "")
@@ -187,7 +194,7 @@ class MainWindow(QMainWindow):
         # The status bar is there from the start: a first message must not push the window's content up.
         self.statusBar().setSizeGripEnabled(True)
         self.setMinimumSize(*MIN_SIZE)
-        self.resize(1280, 800)
+        self.resize(*first_size(self.screen().availableGeometry().size()))
 
     # -- menus and shortcuts --------------------------------------------------------------------
     def _actions(self) -> None:
@@ -263,8 +270,7 @@ class MainWindow(QMainWindow):
     def export_chat(self, conversation_id: int, fmt: str, path: Optional[Path] = None) -> Optional[Path]:
         conv = self.store.conversation(conversation_id)
         if path is None:
-            safe = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title).strip() or "chat"
-            name, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{safe}.{fmt}",
+            name, _ = QFileDialog.getSaveFileName(self, "Export chat", export_file_name(conv.title, fmt),
                                                   "Markdown (*.md)" if fmt == "md" else "JSON (*.json)")
             if not name:
                 return None
@@ -315,7 +321,7 @@ class MainWindow(QMainWindow):
 
     def on_engine_state(self, state: str) -> None:
         ready = state in ("idle", "generating") and self.loaded is not None
-        self.chat.set_engine_ready(ready)
+        self.chat.set_engine_ready(ready, loading=state == "loading")
         if state == "starting":
             self.banner.show_state("Starting the engine…", kind="busy")
         elif state == "idle" and self.loaded is None and self.banner.kind != "error":
@@ -367,7 +373,7 @@ class MainWindow(QMainWindow):
             self.chat.set_engine_ready(False)
             self.chat.picker.set_loaded(None)
             self.chat.meter.set_model_context(None)
-        self.banner.show_state(err.message, f"Error code: {err.code}", kind="error", lines=lines,
+        self.banner.show_state(err.message, error_advice(err.code), kind="error", lines=lines,
                                choose_model=load_failed)
 
     def on_worker_died(self, exit_code: int, words: str, stderr_lines: list) -> None:
@@ -381,7 +387,7 @@ class MainWindow(QMainWindow):
 
     # -- window state ---------------------------------------------------------------------------
     def restore_geometry(self) -> None:
-        s = QSettings("moedesk", "moedesk")
+        s = window_state_file()
         if s.value("geometry") is not None:
             self.restoreGeometry(s.value("geometry"))
             self.restoreState(s.value("state"))
@@ -389,7 +395,28 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self.session.flush()
         self.chat.save_draft()
-        s = QSettings("moedesk", "moedesk")
+        s = window_state_file()
         s.setValue("geometry", self.saveGeometry())
         s.setValue("state", self.saveState())
         super().closeEvent(event)
+
+
+def first_size(available) -> tuple[int, int]:
+    """The first window's size: FIRST_SIZE, less where the screen's free area (`available`, a QSize) is
+    smaller, leaving room for the window's frame and title bar; never below MIN_SIZE."""
+    return (max(MIN_SIZE[0], min(FIRST_SIZE[0], available.width() - FRAME_ROOM[0])),
+            max(MIN_SIZE[1], min(FIRST_SIZE[1], available.height() - FRAME_ROOM[1])))
+
+
+def window_state_file() -> QSettings:
+    """Where the window's size, place and docks are kept: beside the app's other settings (under
+    MOEDESK_HOME when it is set), not in Qt's per-user default location."""
+    return QSettings(str(paths.config_dir() / "window.ini"), QSettings.Format.IniFormat)
+
+
+def export_file_name(title: str, fmt: str) -> str:
+    """The file name an export of the chat `title` suggests: the title as it reads ("…" and accents kept),
+    less what file systems refuse (path separators, <>:"|?*, control characters, a trailing dot or space)."""
+    name = "".join("_" if c in UNSAFE_IN_NAMES or ord(c) < 32 else c for c in title)
+    name = " ".join(name.split()).rstrip(" .")[:120] or "chat"
+    return f"{name}.{fmt}"

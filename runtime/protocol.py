@@ -243,8 +243,8 @@ class Unloaded:
 class TokenDelta:
     type: typing.ClassVar[str] = "token"
     request_id: str
-    text: str                    # never splits a UTF-8 character
-    tokens: int = 1              # tokens this delta covers
+    text: str                    # never splits a UTF-8 character; "" while the tokens' text is held back
+    tokens: int = 1              # tokens this delta covers (each token is sent as it is generated)
     logprobs: tuple[TokenLogprob, ...] = ()   # of those tokens, when the generate asked for them
 
 

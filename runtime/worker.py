@@ -7,10 +7,12 @@ Threads: a reader thread decodes commands and answers the quick ones at once (he
 cancel, and refusals such as busy); load, unload and generate run in order on the main thread.
 Because the reader keeps reading while a generation runs, `cancel` sets a flag that the loop
 checks before every decode step (and that stops a chat template still rendering in its helper
-process). While no command waits, the main thread runs the engine's idle work one bounded step at a
-time (`Engine.idle_work`: decode graphs captured ahead of need), looking at the queue between steps,
-so a command waits for one step at most. Every failure becomes an `error` event and the worker keeps
-serving; stdin closing (the parent died) or `shutdown` ends it.
+process). The engine's idle work (`Engine.idle_work`: decode graphs captured ahead of need, a placement
+measured again) runs one bounded step at a time: after a load, all of it before `loaded` is sent (a
+client usually asks for its first answer at once, and a step can take a second or more: a graph capture,
+a layer's CPU copies); later, while no command waits, looking at the queue between steps, so a command
+waits for one step at most. Every failure becomes an `error` event and the worker keeps serving; stdin
+closing (the parent died) or `shutdown` ends it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from runtime import tuning
 from runtime import protocol as P
@@ -32,6 +34,8 @@ from runtime.worker_errors import error_event
 
 TELEMETRY_INTERVAL_S = 0.5
 EOF_GRACE_S = 10.0
+AHEAD_MAX_STEPS = 64     # idle-work steps a load runs before it reports `loaded` (the rest: in idle time)
+AHEAD = "Preparing for the first answer"
 _END = object()          # the reader's "stdin closed" marker in the command queue
 
 
@@ -280,6 +284,9 @@ class Worker:
         self.engine, self.tokenizer, self.load_options = engine, tokenizer, cmd.options
         self.governor = governor
         self._adapt_threads()          # other programs' load, measured over the load
+        t_ahead = time.perf_counter()
+        if self._work_ahead(lambda n: self.send(P.Progress(cmd.request_id, "warmup", AHEAD, n, 0))):
+            marks.append(("warmup", AHEAD, t_ahead))
         info = engine.info
         t_end = time.perf_counter()
         self.load_stages = load_stages(marks, t_end)
@@ -292,6 +299,17 @@ class Worker:
         compiled = compiled - compiled_before if compiled is not None and compiled_before is not None else None
         self.send(dataclasses.replace(t, extra=dict(t.extra, load_stages=self.load_stages,
                                                     kernels_compiled_in_load=compiled)))
+
+    def _work_ahead(self, progress: Callable[[int], None]) -> int:
+        """The engine's idle work, done now (at most AHEAD_MAX_STEPS steps): left to idle time it would
+        delay the first answer, asked for as soon as the load is reported, by the step running then. Each
+        step done is reported to `progress`; -> the steps done. A failing step is logged and ends it."""
+        steps = 0
+        while steps < AHEAD_MAX_STEPS and self._idle_step():
+            steps += 1
+            progress(steps)
+        self._idle = {"steps": 0, "seconds": 0.0, "longest_s": 0.0}   # what a command waits behind: from now on
+        return steps
 
     def _load_draft(self, model: Optional[str], options, tokenizer, progress):
         from runtime.loader import open_engine

@@ -43,6 +43,10 @@ def answer_tokens(g: Generate) -> list[str]:
     return words[:g.sampling.max_tokens]
 
 
+def count(cmd: CountTokens) -> int:
+    return sum(4 + len(m.content.split()) for m in cmd.messages)
+
+
 def main() -> None:
     q: "queue.Queue" = queue.Queue()
     threading.Thread(target=reader, args=(q,), daemon=True).start()
@@ -67,7 +71,7 @@ def main() -> None:
             if model is None:
                 send(Error("no_model", "No model is loaded.", request_id=cmd.request_id))
             else:
-                send(TokenCount(cmd.request_id, sum(4 + len(m.content.split()) for m in cmd.messages), CONTEXT))
+                send(TokenCount(cmd.request_id, count(cmd), CONTEXT))
         elif isinstance(cmd, Generate):
             if model is None:
                 send(Error("no_model", "No model is loaded.", request_id=cmd.request_id))
@@ -83,9 +87,13 @@ def main() -> None:
                     nxt = q.get_nowait()
                 except queue.Empty:
                     continue
-                if nxt is not None and isinstance(protocol.decode_command(nxt), Cancel):
+                waiting = protocol.decode_command(nxt) if nxt is not None else None
+                if isinstance(waiting, Cancel):
                     reason = "cancelled"
                     break
+                if isinstance(waiting, CountTokens):        # answered at once, as the real worker does
+                    send(TokenCount(waiting.request_id, count(waiting), CONTEXT))
+                    continue
                 pending.append(nxt)
             total = time.time() - start
             send(Finished(cmd.request_id, reason, GenerationStats(len(cmd.messages) * 5, n, DELAY, 500.0,

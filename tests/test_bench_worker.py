@@ -33,6 +33,7 @@ def test_bench_worker_writes_the_worker_result(demo_model, tmp_path):
         assert PER_ANSWER <= set(a) and a["generated_tokens"] >= 1 and a["ttft_s"] > 0
         assert a["worker_decode_tps"] is None or a["worker_decode_tps"] > 0
         assert a["delta_tokens"] == a["generated_tokens"], a
+        assert a["decode_tps"] > 0 and a["decode_source"] == "client", a      # every answer carries its decode
         if a["mode"] == "ngram":        # where the time went: drafts, verifies, plain steps, the policy's verdicts
             assert a["drafted_tokens"] >= a["accepted_tokens"] >= 0 and a["plain_steps"] >= 0
             assert a["verify_forwards"] >= 0 and a["draft_decisions"][0].startswith("step 0: ")
@@ -213,3 +214,35 @@ def test_ceilings_measured_in_a_child_and_a_failure_leaves_no_roofline(monkeypat
     assert roofline.measure_ceilings_apart("cuda") == {}
     r = roofline.roofline({"weight_bytes_per_token": 1e8}, "cpu", {})
     assert r["roofline_tps"] is None and "not computed" in r["roofline_note"]
+
+
+class _Events:
+    """A client whose answer arrives as the scripted events, a few ms apart."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def generate(self, request):
+        import time
+        for ev in self.events:
+            time.sleep(0.002)
+            yield ev
+
+
+def test_every_answer_carries_its_decode_figure():
+    """Tokens arriving one by one are timed on the client side; an answer whose deltas came in one lump
+    (its text held back by an older worker) still carries a decode figure: the worker's, marked as such."""
+    from bench.worker import ask
+    from runtime import protocol as P
+    from runtime.options import SamplingOptions
+    req = P.Generate(request_id="r", messages=(P.ChatMessage("user", "hi"),), sampling=SamplingOptions())
+    done = P.Finished("r", "length", P.GenerationStats(3, 6, 0.2, 50.0, 37.3, 0.4))
+    steady = ask(_Events([P.TokenDelta("r", "", 1)] * 5 + [P.TokenDelta("r", "ab", 1), done]), req, "none", 0,
+                 "first_answer", True)
+    assert steady.decode_source == "client" and steady.decode_tps > 0 and steady.delta_tokens == 6
+    lump = ask(_Events([P.TokenDelta("r", "abcdef", 6), done]), req, "none", 0, "first_answer", True)
+    assert lump.decode_tps == 37.3 and lump.decode_source == "worker"
+    one = ask(_Events([P.TokenDelta("r", "a", 1), P.Finished("r", "eos", P.GenerationStats(3, 1, 0.2, 50.0, None,
+                                                                                            0.2))]),
+              req, "none", 0, "first_answer", True)
+    assert one.decode_tps is None and one.decode_source is None

@@ -208,7 +208,7 @@ def test_search_hits_show_no_brackets_and_new_chats_stay_listed(qtbot, make_desk
     ids = [lst.list.item(i).data(Qt.ItemDataRole.UserRole + 1) for i in range(lst.list.count())]
     assert desk.session.conversation.id in ids
     lst.search.clear()
-    qtbot.waitUntil(lambda: lst.list.count() == 2, timeout=3000)
+    qtbot.waitUntil(lambda: lst.list.count() == 2 and not lst._search_timer.isActive(), timeout=3000)
 
 
 def test_ctrl_comma_opens_settings(qtbot, make_desk):

@@ -99,6 +99,17 @@ def test_generates_until_eos_with_stats(tok):
     assert engine.cache == prompt + script[:-1] == res.cache_tokens
 
 
+def test_every_token_is_reported_as_it_comes_even_while_its_text_is_held_back(tok):
+    """A run of tokens whose text stays incomplete (a synthetic model's random bytes: the whole answer held
+    back until its end) still reaches the client one delta per token, so its arrival times measure
+    decoding: the worker benchmark had no decode figure for such an answer and its first token late."""
+    engine, prompt, script = _setup(tok, answer="日本語🙂")
+    res, deltas = _run(engine, tok, prompt)
+    assert res.text == "日本語🙂" == "".join(t for t, _ in deltas)
+    assert [n for _, n in deltas] == [1] * (len(script) - 1)       # one delta per token but the end token
+    assert any(t == "" for t, _ in deltas) and all(REPLACEMENT not in t for t, _ in deltas)
+
+
 def test_stop_string_ends_answer_and_is_never_emitted(tok):
     engine, prompt, _ = _setup(tok)
     res, deltas = _run(engine, tok, prompt, SamplingOptions(temperature=0.0, stop=("STOP",)))

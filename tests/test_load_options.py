@@ -227,7 +227,7 @@ def test_no_idle_unload_while_a_load_is_in_flight(qtbot):
 
     class Client(QObject):
         state_changed, loaded = Signal(str), Signal(object)
-        state, loaded_event, generating, loading = "idle", object(), None, "load-2"
+        state, loaded_event, generating, loading = "idle", object(), None, True
         last_load = ("demo", LoadOptions())
         unloads: list = []
 
@@ -239,7 +239,7 @@ def test_no_idle_unload_while_a_load_is_in_flight(qtbot):
     client.state_changed.emit("idle")
     qtbot.wait(300)
     assert client.unloads == [] and unloader.asleep is None
-    client.loading = None                       # the second load is done
+    client.loading = False                      # the second load is done
     client.loaded.emit(object())
     qtbot.waitUntil(lambda: client.unloads == [1], timeout=3000)
     assert unloader.asleep == ("demo", LoadOptions()) and "0.06 s" in unloader.words

@@ -14,7 +14,7 @@ from typing import Optional
 
 import html
 
-from PySide6.QtCore import QPoint, QPointF, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QPoint, QPointF, QRectF, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QFont, QPalette, QTextDocument
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QMenu,
                                QPushButton, QStyle, QStyledItemDelegate, QVBoxLayout, QWidget)
@@ -68,7 +68,8 @@ def plain(text: str) -> str:
 
 class _EntryDelegate(QStyledItemDelegate):
     """Paints an entry's HTML (so a search hit shows in bold, never as markers or brackets), under its
-    group's heading when it is the first of its group."""
+    group's heading when it is the first of its group, as tall as its text wrapped to the list's width:
+    measured at that width too (the list asks for size hints with stale widths), and clipped to its row."""
 
     @staticmethod
     def _heading_height(option, index) -> int:
@@ -86,14 +87,14 @@ class _EntryDelegate(QStyledItemDelegate):
                          int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignBottom), text)
         painter.restore()
 
-    def _doc(self, option, index, colour: str = "") -> QTextDocument:
+    def _doc(self, option, index, colour: str = "", width: Optional[int] = None) -> QTextDocument:
         doc = QTextDocument()
         doc.setDefaultFont(option.font)
         doc.setDocumentMargin(4)
         if colour:
             doc.setDefaultStyleSheet(f"body {{ color: {colour}; }}")
         doc.setHtml(index.data(HtmlRole) or html.escape(index.data(Qt.ItemDataRole.DisplayRole) or ""))
-        doc.setTextWidth(max(40, option.rect.width()))
+        doc.setTextWidth(max(40, option.rect.width() if width is None else width))
         return doc
 
     def paint(self, painter, option, index) -> None:
@@ -110,11 +111,12 @@ class _EntryDelegate(QStyledItemDelegate):
         doc = self._doc(option, index, option.palette.color(role).name())
         painter.save()
         painter.translate(QPointF(option.rect.topLeft()))
-        doc.drawContents(painter)
+        doc.drawContents(painter, QRectF(0, 0, option.rect.width(), option.rect.height()))
         painter.restore()
 
     def sizeHint(self, option, index) -> QSize:  # noqa: N802
-        doc = self._doc(option, index)
+        view = option.widget
+        doc = self._doc(option, index, width=view.viewport().width() if view is not None else None)
         return QSize(int(doc.idealWidth()), int(doc.size().height()) + self._heading_height(option, index))
 
 
@@ -142,6 +144,7 @@ class ConversationList(QWidget):
         self.list.customContextMenuRequested.connect(self._menu)
         self.list.currentItemChanged.connect(self._on_current)
         self.list.setWordWrap(True)
+        self.list.setResizeMode(QListWidget.ResizeMode.Adjust)     # entries measured again as the list narrows
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.setItemDelegate(_EntryDelegate(self.list))
         buttons = QHBoxLayout()

@@ -133,9 +133,14 @@ class MessageDelegate(QStyledItemDelegate):
         link = markdown.app_link
         links = []
         if it.versions > 1 and it.state not in IN_PROGRESS:
-            older = f'<a href="{link("older")}">‹</a>' if it.version > 1 else '<span>‹</span>'
-            newer = f'<a href="{link("newer")}">›</a>' if it.version < it.versions else '<span>›</span>'
-            links.append(f'<span style="font-size: medium;">{older}&nbsp;{it.version}/{it.versions}&nbsp;{newer}</span>')
+            # The arrows as targets a pointer finds: large, with room on either side inside the link.
+            bare = 'style="text-decoration: none;"'
+            older = (f'<a {bare} href="{link("older")}">&nbsp;‹&nbsp;</a>' if it.version > 1
+                     else '<span>&nbsp;‹&nbsp;</span>')
+            newer = (f'<a {bare} href="{link("newer")}">&nbsp;›&nbsp;</a>' if it.version < it.versions
+                     else '<span>&nbsp;›&nbsp;</span>')
+            links.append(f'<span style="font-size: xx-large;">{older}</span>{it.version}/{it.versions}'
+                         f'<span style="font-size: xx-large;">{newer}</span>')
         links.append(f'<a href="{link("copy")}">Copy</a>')
         if it.state not in IN_PROGRESS:
             if it.role == "user":
@@ -147,7 +152,7 @@ class MessageDelegate(QStyledItemDelegate):
             links.append(f'<a href="{link("fork")}">Fork</a>')
         meta = f' <span style="color:{p.muted};">· {" · ".join(bits)}</span>' if bits else ""
         return (f'<table width="100%" cellspacing="0" cellpadding="0"><tr><td><b>{who}</b>{meta}</td>'
-                f'<td align="right" style="font-size: small;">{"&nbsp;&nbsp;".join(links)}</td></tr></table>'
+                f'<td align="right" style="font-size: small;">{"&nbsp; ".join(links)}</td></tr></table>'
                 f'<p style="margin: 0; font-size: 4px;">&nbsp;</p>')
 
     def _footer(self, it: ChatItem) -> str:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from PySide6.QtCore import QTimer, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QActionGroup
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QMenu, QSizePolicy, QToolButton, QWidget
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QMenu, QSizePolicy, QStyle, QStyleOptionComboBox,
+                               QStylePainter, QToolButton, QWidget)
 
 from runtime import paths
 from runtime.context import answer_room
@@ -62,6 +63,22 @@ class _Combo(QComboBox):
     def showPopup(self) -> None:  # noqa: N802
         self.about_to_open.emit()      # the folder may have changed since (downloads, imports)
         super().showPopup()
+
+    def shown_text(self) -> str:
+        """The current entry as painted: cut with "…" where the box is narrow (Qt's own box just clips it)."""
+        opt = QStyleOptionComboBox()
+        self.initStyleOption(opt)
+        room = self.style().subControlRect(QStyle.ComplexControl.CC_ComboBox, opt,
+                                           QStyle.SubControl.SC_ComboBoxEditField, self).width()
+        return self.fontMetrics().elidedText(self.currentText(), Qt.TextElideMode.ElideRight, max(0, room - 4))
+
+    def paintEvent(self, _event) -> None:  # noqa: N802
+        p = QStylePainter(self)
+        opt = QStyleOptionComboBox()
+        self.initStyleOption(opt)
+        p.drawComplexControl(QStyle.ComplexControl.CC_ComboBox, opt)
+        opt.currentText = self.shown_text()
+        p.drawControl(QStyle.ControlElement.CE_ComboBoxLabel, opt)
 
 
 class ModelPicker(QWidget):

@@ -18,6 +18,11 @@ from app.chat.drafts import Drafts
 from app.chat.header import ContextMeter, ModelPicker, local_entries
 from app.chat.session import ChatSession
 from app.chat.view import ChatView
+from app.elided import ElidedLabel
+
+NO_MODEL_WORDS = ("No model is loaded: pick one in the model list above (or Engine → Models…, Ctrl+M), then send "
+                  "again.")
+LOADING_WORDS = "The model is still loading (its progress is above the chat): send again once it is ready."
 
 
 class InputBox(QPlainTextEdit):
@@ -55,15 +60,14 @@ class ChatPanel(QWidget):
         self.editing: Optional[int] = None      # message id being edited
         self.drafts = drafts if drafts is not None else Drafts()
         self._draft_of: Optional[int] = None    # the conversation whose draft the input box holds
-        self.title = QLabel("New chat")
-        self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)   # cut by width
+        self.title = ElidedLabel("New chat")          # cut with "…" by width, whole in its tooltip
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.title.setMinimumWidth(80)
         f = self.title.font()
         f.setPointSizeF(f.pointSizeF() * 1.15)
         f.setBold(True)
         self.title.setFont(f)
-        self.settings_hint = QLabel()
+        self.settings_hint = ElidedLabel()
         self.settings_hint.setEnabled(False)
         self.settings_hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.settings_button = QToolButton(text="Chat settings…", autoRaise=True,
@@ -74,9 +78,9 @@ class ChatPanel(QWidget):
         top = QHBoxLayout()
         top.addWidget(self.title, 2)
         top.addWidget(self.picker, 2)
-        top.addWidget(self.meter)
-        sub = QHBoxLayout()
+        sub = QHBoxLayout()          # the meter's text changes width as it counts: here it moves nothing but the hint
         sub.addWidget(self.settings_hint, 1)
+        sub.addWidget(self.meter)
         sub.addWidget(self.settings_button)
 
         self.view = ChatView()
@@ -122,17 +126,20 @@ class ChatPanel(QWidget):
         session.conversation_changed.connect(self._on_conversation)
         self.input.textChanged.connect(lambda: self.meter.set_typed(self.input.toPlainText()))
         self.meter.policy_chosen.connect(self.set_overflow_policy)
-        self.engine_ready = False
+        self.engine_ready = self.loading = False
         self._on_busy(False)
         self._on_conversation(None)
         self.input.setPlainText(self.drafts.get(None))
 
     # -- actions --------------------------------------------------------------------------------
     def submit(self) -> None:
-        if not self.send_button.isEnabled():
-            return
         text = self.input.toPlainText()
         if not text.strip():
+            return
+        if not self.engine_ready and not self.session.busy:     # say why nothing is sent; the text stays
+            self.session.notice.emit(LOADING_WORDS if self.loading else NO_MODEL_WORDS)
+            return
+        if not self.send_button.isEnabled():
             return
         if self.meter.full() and self.session.sampling().context_overflow == "stop" and self.editing is None:
             self.session.notice.emit("This chat is full: start a new chat, fork an earlier message, or let the "
@@ -164,15 +171,18 @@ class ChatPanel(QWidget):
         self.edit_banner.setText("✎ Editing a message: sending replaces it and everything after it. Esc cancels.")
         self.edit_banner.setVisible(True)
         self.input.setFocus()
+        self._count_again()
 
     def _end_edit(self) -> None:
-        self.editing = None
+        editing, self.editing = self.editing, None
         self.edit_banner.setVisible(False)
+        if editing is not None:
+            self._count_again()
 
     # -- state ----------------------------------------------------------------------------------
-    def set_engine_ready(self, ready: bool) -> None:
-        """Sending needs a loaded model that is not busy elsewhere."""
-        self.engine_ready = ready
+    def set_engine_ready(self, ready: bool, loading: bool = False) -> None:
+        """Sending needs a loaded model that is not busy elsewhere (`loading`: one is on its way)."""
+        self.engine_ready, self.loading = ready, loading
         self._on_busy(self.session.busy)
 
     def set_overflow_policy(self, policy: str) -> None:
@@ -182,12 +192,15 @@ class ChatPanel(QWidget):
         self.session.set_settings(conv.system_prompt if conv else "", sampling, conv.preset if conv else "")
 
     def _count_again(self) -> None:
+        """The meter counts the chat as the next request would send it: up to the message being edited (the
+        input box holds its new text), the question just sent included while its answer streams."""
         s = self.session.sampling()
-        self.meter.set_conversation(self.session.history(), s.max_tokens, s.context_overflow)
+        rows = [i for i, it in enumerate(self.session.model.items) if it.id == self.editing]
+        upto = rows[0] if rows else None          # (an edit being sent has replaced its message already)
+        self.meter.set_conversation(self.session.history(upto), s.max_tokens, s.context_overflow)
 
     def _on_busy(self, busy: bool) -> None:
-        if not busy:
-            self._count_again()
+        self._count_again()
         self.send_button.setEnabled(not busy and self.engine_ready)
         self.stop_button.setEnabled(busy)
         self.send_button.setVisible(not busy)       # one place for Send / Stop: the box keeps its height

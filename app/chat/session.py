@@ -291,11 +291,12 @@ class ChatSession(QObject):
     def _shown_state(s: _Stream) -> str:
         return QUEUED if s.queued else "streaming"
 
-    def history(self) -> tuple[ChatMessage, ...]:
+    def history(self, upto: Optional[int] = None) -> tuple[ChatMessage, ...]:
+        """The chat as a request sends it (the messages before row `upto`, when given)."""
         out = []
         if self.conversation is not None and self.conversation.system_prompt.strip():
             out.append(ChatMessage("system", self.conversation.system_prompt))
-        for it in self.model.items:
+        for it in self.model.items[:upto]:
             content = strip_thinking(it.content) if it.role == "assistant" else it.content
             if content:
                 out.append(ChatMessage(it.role, content))

@@ -243,4 +243,5 @@ def detect_memory() -> tuple[float, float, str]:
         finally:
             pynvml.nvmlShutdown()
     except Exception as exc:   # no driver, no GPU: not an error for the estimate
-        return 0.0, ram, f"no NVIDIA GPU found ({exc.__class__.__name__})"
+        from app.telemetry import no_driver_words
+        return 0.0, ram, f"No NVIDIA GPU ({no_driver_words(exc)})"
