@@ -6,8 +6,6 @@ its own process); this module only shows it. Events come from background threads
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QButtonGroup, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QGridLayout,
                                QLabel, QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
@@ -117,20 +115,3 @@ def _duration(seconds: float) -> str:
     if seconds >= 3600:
         return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
     return f"{int(seconds // 60)} min {int(seconds % 60)} s"
-
-
-def grab_conversions(path) -> Path:
-    """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
-    the events a live conversion sends are fed to the same slot."""
-    from app.models_dialog import screenshot_dialog
-
-    with screenshot_dialog(path) as dialog:
-        panel = dialog.conversions
-        panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
-                                        "Paused after layer 9: press Resume to continue."))
-        panel._on_event(ConvertProgress("SmolLM2-1.7B-Instruct-exl2-4.0bpw", JobState.RUNNING, "convert", 17, 24,
-                                        "Converting: layer 17 of 24 done"))
-        dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
-                                    "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
-                                    "list once complete.")
-    return Path(path)

@@ -213,35 +213,15 @@ class WelcomeDialog(QDialog):
         self.accept()
 
 
-def load_demo(desk) -> None:
-    """"Chat with the demo model": make sure it is in the models folder (copied from the bundle when
-    frozen), then load it now, or as soon as the engine is ready."""
-    from app.demo_install import DemoMissing, ensure_demo_model
-    try:
-        ensure_demo_model()
-    except DemoMissing as e:
-        desk.window.banner.show_state("The demo model is not available", str(e), choose_model=True)
-        return
-    desk.model = paths.DEMO_ALIAS
-    if desk.window.ready is not None and desk.client.is_running():
-        from app.main import load_model
-        load_model(desk, paths.DEMO_ALIAS)
-    # otherwise main's ready handler loads desk.model when the engine has started
-
-
-def open_model_manager(desk) -> QDialog:
-    """"Browse models…": the app's model manager, whose Load button loads into this app's engine."""
-    from app.main import open_models
-    return open_models(desk)
-
-
-def offer_welcome(desk) -> WelcomeDialog | None:
-    """Show the welcome screen once (first start), over the window, without blocking the event loop."""
+def offer_welcome(desk, load_demo, open_models) -> WelcomeDialog | None:
+    """Show the welcome screen once (first start), over the window, without blocking the event loop;
+    its "Chat with the demo model" calls `load_demo(desk)`, its "Browse models…" `open_models(desk)`
+    (app.main's, which wires the app: this module never imports it)."""
     if not should_show_welcome():
         return None
     dialog = WelcomeDialog(parent=desk.window)
     dialog.demo_requested.connect(lambda: load_demo(desk))
-    dialog.browse_requested.connect(lambda: open_model_manager(desk))
+    dialog.browse_requested.connect(lambda: open_models(desk))
     dialog.kernels_ready.connect(lambda: switch_to_gpu(desk))
     dialog.finished.connect(lambda _r: mark_welcome_done())        # closed with the window's X too
     dialog.open()

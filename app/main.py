@@ -218,6 +218,21 @@ def open_load_dialog(desk: Desk, model: str):
     return dialog
 
 
+def load_demo(desk: Desk) -> None:
+    """The welcome screen's "Chat with the demo model": make sure it is in the models folder (copied from
+    the bundle when frozen), then load it now, or as soon as the engine is ready."""
+    from app.demo_install import DemoMissing, ensure_demo_model
+    try:
+        ensure_demo_model()
+    except DemoMissing as e:
+        desk.window.banner.show_state("The demo model is not available", str(e), choose_model=True)
+        return
+    desk.model = paths.DEMO_ALIAS
+    if desk.window.ready is not None and desk.client.is_running():
+        load_model(desk, paths.DEMO_ALIAS)
+    # otherwise the ready handler (wire) loads desk.model when the engine has started
+
+
 def open_models(desk: Desk) -> ModelManagerDialog:
     """The model manager (one per app: downloads outlive its window): its Load goes to the local engine
     (`load_local`), its remote server replaces it (`use_remote`)."""
@@ -419,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from app import firstrun, smoke
     smoke_test = smoke.start(desk, question) if question else None
     if smoke_test is None:
-        firstrun.offer_welcome(desk)
+        firstrun.offer_welcome(desk, load_demo, open_models)
     desk.client.start()
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)

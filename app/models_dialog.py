@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QGridLayout, QHB
 
 from app.convert_panel import ConversionsPanel, ConvertForm
 from app.hub.browse import HubClient, Quant, sign_in
-from app.hub.convert import ConvertManager, hub_source, source_files
+from app.hub.convert import ConvertManager, ConvertProgress, hub_source, source_files
 from app.hub.download import DownloadProgress, JobState
 from app.hub.errors import HubError
 from app.hub.fit import FitError, ModelShape, detect_memory, estimate_fit, exl2_size_bytes
@@ -615,4 +615,19 @@ def grab_model_manager(path: str | Path) -> Path:
                                                    int(total * 0.41), total, 48.2e6, total * 0.59 / 48.2e6,
                                                    "model-00002-of-00004.safetensors",
                                                    "Downloading model-00002-of-00004.safetensors"))
+    return Path(path)
+
+
+def grab_conversions(path) -> Path:
+    """A PNG of the model manager converting a model, for `make screenshots`: no network, no converter;
+    the events a live conversion sends are fed to the same slot."""
+    with screenshot_dialog(path) as dialog:
+        panel = dialog.conversions
+        panel._on_event(ConvertProgress("Qwen3-8B-exl2-3.0bpw", JobState.PAUSED, "convert", 9, 36,
+                                        "Paused after layer 9: press Resume to continue."))
+        panel._on_event(ConvertProgress("SmolLM2-1.7B-Instruct-exl2-4.0bpw", JobState.RUNNING, "convert", 17, 24,
+                                        "Converting: layer 17 of 24 done"))
+        dialog.local_status.setText("Converting HuggingFaceTB/SmolLM2-1.7B-Instruct to "
+                                    "SmolLM2-1.7B-Instruct-exl2-4.0bpw: see Conversions below. It appears in this "
+                                    "list once complete.")
     return Path(path)

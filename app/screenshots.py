@@ -121,7 +121,7 @@ def shoot(out: Path, model: str, timeout_s: float = 600.0) -> list[Path]:
         from app.firstrun import grab_welcome
         from app.models_dialog import grab_model_manager
         written.append(grab_model_manager(out / "model-manager.png"))
-        from app.convert_panel import grab_conversions
+        from app.models_dialog import grab_conversions
         written.append(grab_conversions(out / "model-manager-convert.png"))
         written.append(grab_welcome(out / "welcome.png"))
         written.extend(grab_kernel_states(out))

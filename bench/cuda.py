@@ -28,32 +28,10 @@ from typing import Any, Optional
 import torch
 
 from bench.engine import git_commit, machine
+from bench.roofline import hbm_bandwidth, sync_time
 from runtime.options import LoadOptions, OffloadOptions
 
 GB = 1e9
-
-
-def _sync_time(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
-def hbm_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (as ceilings.py)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-
-    def copies():
-        for _ in range(reps):
-            dst.copy_(src)
-    dt = _sync_time(copies) / reps
-    src = dst = None
-    torch.cuda.empty_cache()
-    return 2 * nbytes / dt
 
 
 def weight_bytes_per_token(engine) -> dict[str, int]:
@@ -109,7 +87,7 @@ def measure(engine, prompts: list[int], decode: int, seed: int = 0) -> dict[str,
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         engine.reset()
         box = {}
-        dt = _sync_time(lambda: box.update(tok=int(engine.prefill(ids)[-1].argmax())))
+        dt = sync_time(lambda: box.update(tok=int(engine.prefill(ids)[-1].argmax())))
         out["prefill_s"][n] = dt
         out["prefill_tps"][n] = n / dt
         if n == prompts[0]:

@@ -171,18 +171,6 @@ def measure_transformers(folder: Path, prompt: list[int], decode_tokens: int) ->
                           f"{torch.get_num_threads()}")
 
 
-def memory_read_gbps() -> float:
-    """Host memory read bandwidth, GB/s: best of a few sums over a 256 MB tensor."""
-    import torch
-    x = torch.ones(64 * 2**20, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
-
-
 def machine() -> dict[str, Any]:
     import psutil
     import torch

@@ -36,8 +36,9 @@ from typing import Any, Callable
 import psutil
 import torch
 
-from bench.cuda import _sync_time, hbm_bandwidth, weight_bytes_per_token
+from bench.cuda import weight_bytes_per_token
 from bench.engine import git_commit, machine
+from bench.roofline import hbm_bandwidth, pinned_h2d_bandwidth, sync_time
 from bench.verify import layer_loop
 from runtime import tuning
 from runtime.engine import offered, random_tokens
@@ -46,21 +47,6 @@ from runtime.options import LoadOptions, OffloadOptions
 
 GiB = 1024 ** 3
 RIG = {"hbm_copy_gib_s": 4000.0, "pinned_h2d_gib_s": 51.4, "host_ram_read_gib_s": 57.6}   # H200 rig ceilings
-
-
-def pinned_h2d_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """Host (page-locked) to device copy bandwidth in bytes/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-
-    def copies():
-        for _ in range(reps):
-            dst.copy_(src, non_blocking=True)
-    dt = _sync_time(copies) / reps
-    src = dst = None
-    torch.cuda.empty_cache()
-    return nbytes / dt
 
 
 def _counts(engine) -> dict[str, float]:
@@ -103,7 +89,7 @@ def _prompt(engine, n: int, seed: int) -> list[int]:
 def ttft(engine, ids: list[int]) -> tuple[float, int]:
     engine.reset()
     box = {}
-    dt = _sync_time(lambda: box.update(tok=int(offered(engine, engine.prefill(ids))[-1].argmax())))
+    dt = sync_time(lambda: box.update(tok=int(offered(engine, engine.prefill(ids))[-1].argmax())))
     return dt, box["tok"]
 
 

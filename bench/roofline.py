@@ -1,13 +1,13 @@
 """The roofline a benchmark reports beside its speeds: tokens/s if a decode step only had to read its
 weights once, at the bandwidth measured on the machine it ran on.
 
-- CPU engines: host memory read bandwidth (bench/engine.py `memory_read_gbps`) / the weight bytes per
+- CPU engines: host memory read bandwidth (`memory_read_gbps` below) / the weight bytes per
   token the engine reports (`weight_bytes_per_token`).
-- CUDA engines: HBM copy bandwidth, read plus write (bench/cuda.py `hbm_bandwidth`) / the same bytes
+- CUDA engines: HBM copy bandwidth, read plus write (`hbm_bandwidth` below) / the same bytes
   (for the EXL2 engine, which reports none, from the folder's tensor sizes: bench/weight_bytes.py). With expert offload, where the telemetry gives the expert hit rate and the bytes
   per token by part, the placement's bound too (runtime/experts/placement.py `bytes_roofline`): the
   resident share of the top-k experts and the dense weights from HBM, the cold share over PCIe (pinned
-  host->device bandwidth, bench/offload.py) or, the CPU path's share, from host RAM.
+  host->device bandwidth, `pinned_h2d_bandwidth` below) or, the CPU path's share, from host RAM.
 
 The ceilings are measured before the model loads (`measure_ceilings`); the worker benchmark measures
 them in a child process (`measure_ceilings_apart`), so that its own process holds no CUDA context (a few
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,13 +33,64 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def memory_read_gbps() -> float:
+    """Host memory read bandwidth, GB/s: best of a few sums over a 256 MB tensor."""
+    import torch
+    x = torch.ones(64 * 2**20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def sync_time(fn) -> float:
+    """Seconds `fn` takes on the GPU, synchronised before and after."""
+    import torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def hbm_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+
+    def copies():
+        for _ in range(reps):
+            dst.copy_(src)
+    dt = sync_time(copies) / reps
+    src = dst = None
+    torch.cuda.empty_cache()
+    return 2 * nbytes / dt
+
+
+def pinned_h2d_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Host (page-locked) to device copy bandwidth in bytes/s."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+
+    def copies():
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+    dt = sync_time(copies) / reps
+    src = dst = None
+    torch.cuda.empty_cache()
+    return nbytes / dt
+
+
 def measure_ceilings(cuda: bool) -> dict[str, float]:
     """Bandwidths in GB/s: host memory read; with `cuda`, HBM copy and pinned host->device too."""
-    from bench.engine import memory_read_gbps
     out = {"host_read_gbps": memory_read_gbps()}
     if cuda:
-        from bench.cuda import hbm_bandwidth
-        from bench.offload import pinned_h2d_bandwidth
         out["hbm_copy_gbps"] = hbm_bandwidth() / GB
         out["pinned_h2d_gbps"] = pinned_h2d_bandwidth() / GB
     return out

@@ -260,7 +260,7 @@ def test_a_record_naming_other_folders_is_not_trusted(qtbot, tmp_path):
 
 
 def test_screenshot_helper_writes_a_png(qtbot, tmp_path):
-    from app.convert_panel import grab_conversions
+    from app.models_dialog import grab_conversions
     out = grab_conversions(tmp_path / "shots" / "model-manager-convert.png")
     assert out.is_file() and out.stat().st_size > 10_000
 

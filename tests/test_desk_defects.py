@@ -69,12 +69,12 @@ def _demo_in_models_folder(demo_model) -> None:
 
 
 def test_what_is_loaded_is_not_loaded_again(qtbot, make_desk, demo_model):
-    from app import firstrun
+    from app.main import load_demo
     _demo_in_models_folder(demo_model)
     desk = make_desk()
     loads = []
     desk.client.loaded.connect(loads.append)
-    firstrun.load_demo(desk)                     # the welcome screen's "Chat with the demo model"
+    load_demo(desk)                              # the welcome screen's "Chat with the demo model"
     assert desk.client.state == "idle" and desk.client._loading is None
     desk.window.models_requested.emit()          # Models → Load on the same folder, by its path
     desk.models.load_requested.emit(str(paths.models_dir() / paths.DEMO_MODEL_NAME))
