@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue "what the user runs is what we measure", on the H200 in one call (about 9 minutes at most).
+# What the user runs, measured as the app runs it: the worker benchmark, the warm-up and routing-prior GPU
+# tests and repeated loads at a 24 GB budget, on the H200 in one call (about 9 minutes at most).
 # Assumes exllamav2's extension is ready and the Python deps importable (e.g. after
 # `source .whl/preamble.sh`); run from the repository root. Writes JSON into bench/results/ and copies
 # it, with a log, into $OUT.
@@ -18,12 +19,12 @@
 #      routing), the later ones reuse its decision; each with its stages' wall time
 # ONLY=placement: steps 1 and 4 alone (five loads in about 6 minutes on the H200; LIMIT=590)
 set -u
-OUT=${OUT:-/tmp/issue19-out}
+OUT=${OUT:-/tmp/gpu-app-path-out}
 MODEL=${MODEL:-/tmp/m/q125}
 LIMIT=${LIMIT:-560}                       # seconds for the whole script
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results
-STEPS_LOG=$OUT/gpu_issue19.log
+STEPS_LOG=$OUT/gpu_app_path.log
 . "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 STAMP=$(mktemp); trap 'rm -f "$STAMP"' EXIT
 newest() { find bench/results -maxdepth 1 -name "$1" -newer "$STAMP" -printf '%T@ %p\n' 2>/dev/null | sort -nr | head -1 | cut -d' ' -f2; }   # this run's only
@@ -34,7 +35,7 @@ log "Triton cache: $(ls "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null |
 if [ ! -f "$MODEL/config.json" ]; then
     log "synth q125-a11 3.0 bpw -> $MODEL"
     rm -rf "$MODEL"
-    timeout 240 $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$MODEL" 2>&1 | tail -2 | tee -a "$OUT/gpu_issue19.log"
+    timeout 240 $PY -m runtime.cli synth --shape q125-a11 --bpw 3.0 --out "$MODEL" 2>&1 | tail -2 | tee -a "$OUT/gpu_app_path.log"
 fi
 log "synth done"
 
@@ -45,7 +46,7 @@ rm -f "$STATS" && log "routing statistics of the model removed: the worker's loa
 budget=$(( $(left) - 160 ))                # the GPU tests after it; the JSON is on disk after every answer
 log "worker benchmark at 24 GB, both draft modes on one load (at most $budget s)"
 timeout "$budget" $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
-    --label q125-a11-24gb --max-tokens 160 --draft both --out bench/results 2>&1 | tee -a "$OUT/gpu_issue19.log"
+    --label q125-a11-24gb --max-tokens 160 --draft both --out bench/results 2>&1 | tee -a "$OUT/gpu_app_path.log"
 log "worker benchmark: exit ${PIPESTATUS[0]}"
 W=$(newest "worker-q125-a11-24gb-NVIDIA*.json")
 log "worker JSON: ${W:-none}"
@@ -56,7 +57,7 @@ if [ "$(left)" -gt 190 ]; then              # text where drafts rarely match: sa
     log "worker benchmark at 24 GB, sampled (drafts rarely match), two turns"
     timeout $(( $(left) - 150 )) $PY -m runtime.cli bench-worker --model "$MODEL" --backend cuda --vram-budget 24 \
         --label q125-a11-24gb-t1 --max-tokens 160 --draft both --turns 2 --temperature 1.0 --out bench/results 2>&1 \
-        | tail -12 | tee -a "$OUT/gpu_issue19.log"
+        | tail -12 | tee -a "$OUT/gpu_app_path.log"
     W=$(newest "worker-q125-a11-24gb-t1-*.json")
     [ -n "$W" ] && cp "$W" "$OUT"/
 fi
@@ -65,7 +66,7 @@ if [ "$(left)" -gt 70 ]; then
     log "GPU warm-up and routing-prior tests"
     MOEDESK_GPU_REPORT="$OUT/route_prior.jsonl" timeout $(( $(left) - 5 )) $PY -m pytest \
         tests/gpu/test_warmup_gpu.py tests/gpu/test_route_prior_gpu.py -q -s 2>&1 | tail -20 \
-        | tee -a "$OUT/gpu_issue19.log"
+        | tee -a "$OUT/gpu_app_path.log"
 fi
 
 fi
@@ -74,10 +75,10 @@ log "placement loads at 24 GB (uniform routing), $(left) s left"
 if [ "$(left)" -gt 150 ]; then
     timeout $(( $(left) - 5 )) $PY -m bench.placement_loads --model "$MODEL" --label q125-a11 --bpw 3.0 \
         --vram-budget 24 --loads 5 --deadline-s $(( $(left) - 15 )) --out bench/results 2>&1 \
-        | tee -a "$OUT/gpu_issue19.log"
+        | tee -a "$OUT/gpu_app_path.log"
     P=$(newest "placement-loads-q125-a11-*.json")
     log "placement JSON: ${P:-none}"
     [ -n "$P" ] && cp "$P" "$OUT"/
 fi
 log "done"
-ls -la "$OUT" | tee -a "$OUT/gpu_issue19.log"
+ls -la "$OUT" | tee -a "$OUT/gpu_app_path.log"

@@ -10,8 +10,8 @@
 # keyed by each kernel's source, its compile-time arguments and the GPU: a kernel changed since is compiled
 # again, the rest are found. The torch extension root holds the CPU expert kernel (runtime/experts/
 # cpu_experts.py, built at the first load with the CPU path). Compiling is the suspected share of the GPU
-# suite's slow cases (test_dense_gemv_gpu's took 23-34 s each, two of them under 1 s, on 2026-12-04:
-# bench/results/gpu-tests-20261204-suite.log): a run with the cache restored tells. MAX_MB (60) bounds the
+# suite's slow cases (test_dense_gemv_gpu's took 23-34 s each, two of them under 1 s, on 2026-12-04,
+# the suite's log committed at be03b0e): a run with the cache restored tells. MAX_MB (60) bounds the
 # whole, as the carry into a call is bounded.
 set -u
 what=${1:?restore or save}

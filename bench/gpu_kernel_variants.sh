@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25's measurements on the H200 (the prefill kernels' input orders, the engine's switches), in one call
+# Kernel variants on the H200 (the prefill kernels' input orders, the engine's switches), in one call
 # of at most LIMIT seconds (420 by default):
 #   grouped  `python -m bench.grouped` on one MoE layer of each SHAPES (default qwen3-30b-a3b, mixtral-8x22b,
 #            dbrx), ROWS rows (default 512 2048): the same layer read through the permutations per tile (as
@@ -27,9 +27,9 @@
 # Assumes exllamav2's extension is ready and the Python deps importable (`source .whl/preamble.sh`); run from
 # the repository root. JSON goes into bench/results/ and, with a log, into $OUT.
 set -u
-OUT=${OUT:-/tmp/issue25-out}
+OUT=${OUT:-/tmp/gpu-kernel-variants-out}
 LIMIT=${LIMIT:-420}
-ROOT=${ROOT:-/tmp/m25}
+ROOT=${ROOT:-/tmp/m-variants}
 PY=${PYTHON:-python3}
 SHAPES=${SHAPES-"qwen3-30b-a3b mixtral-8x22b dbrx"}   # set and empty: no grouped step
 ROWS=${ROWS:-"512 2048"}
@@ -40,7 +40,7 @@ rows:MOEDESK_GEMV_SUMS=rows"}
 VARIANTS_Q125=${VARIANTS_Q125:-"fused:MOEDESK_ROUTE=fused one-launch:MOEDESK_QKV_FUSED=1,MOEDESK_ROUTE=normed,MOEDESK_MOE_FINISH=1"}
 CONFIGS=${CONFIGS:-"16,64,64,64,4,0 16,64,128,64,8,0 16,64,128,64,8,3 16,128,128,64,8,3"}
 mkdir -p "$OUT" "$ROOT" bench/results
-STEPS_LOG=$OUT/gpu_issue25.log
+STEPS_LOG=$OUT/gpu_kernel_variants.log
 . "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 MARK=$(mktemp)                   # results written after this are this run's
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
@@ -53,7 +53,7 @@ for shape in $SHAPES; do
         f=bench/results/grouped-orders-$shape-$rows-$STAMP.json
         # shellcheck disable=SC2086
         timeout $(( $(left) - 30 )) $PY -m bench.grouped --shape "$shape" --rows "$rows" --orders gathered layer \
-            --configs $CONFIGS --json "$f" 2>&1 | tee -a "$OUT/gpu_issue25.log"
+            --configs $CONFIGS --json "$f" 2>&1 | tee -a "$OUT/gpu_kernel_variants.log"
         log "grouped $shape $rows rows: exit ${PIPESTATUS[0]}"
         [ -f "$f" ] && cp "$f" "$OUT"/
     done
@@ -61,15 +61,15 @@ done
 if [ "$(left)" -ge 90 ]; then
     timeout $(( $(left) - 20 )) $PY -m pytest tests/gpu/test_route_normed_gpu.py -rA -p no:cacheprovider \
         "tests/gpu/test_exl2_engine.py::test_grouped_kernels_in_the_layers_input_order_at_real_size" 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -8 | tee -a "$OUT/gpu_issue25.log"
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -8 | tee -a "$OUT/gpu_kernel_variants.log"
 fi
 if [ "${PROLOGUE:-1}" = 1 ] && [ "$(left)" -ge 120 ]; then
     timeout $(( $(left) - 60 )) $PY -m bench.check_dense_gemv --check --bits 4,3 --prologue 2>&1 \
-        | tee -a "$OUT/gpu_issue25.log"
+        | tee -a "$OUT/gpu_kernel_variants.log"
     log "check_dense_gemv --prologue: exit ${PIPESTATUS[0]}"
     timeout $(( $(left) - 30 )) $PY -m pytest -m gpu -rA -p no:cacheprovider \
         "tests/gpu/test_dense_gemv_gpu.py::test_one_launch_prologue_at_real_size_eager_and_in_a_graph" 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -6 | tee -a "$OUT/gpu_issue25.log"
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -6 | tee -a "$OUT/gpu_kernel_variants.log"
 fi
 engine() {          # model dir, label, bpw, prompts, variants: bench.cuda once per variant
     local dir=$1 label=$2 bpw=$3 prompts=$4 v name envs
@@ -80,7 +80,7 @@ engine() {          # model dir, label, bpw, prompts, variants: bench.cuda once 
         # shellcheck disable=SC2046
         env $(echo "$envs" | tr ',' ' ') timeout $(( $(left) - 10 )) $PY -m bench.cuda --model "$dir" \
             --label "$label-$name" --bpw "$bpw" --prompts "$prompts" --decode 128 --baseline none \
-            --profile "$OUT/prof" --note "issue 25: $envs" 2>&1 | tail -6 | tee -a "$OUT/gpu_issue25.log"
+            --profile "$OUT/prof" --note "kernel variant: $envs" 2>&1 | tail -6 | tee -a "$OUT/gpu_kernel_variants.log"
         log "bench.cuda $label $name ($envs): exit ${PIPESTATUS[0]}"
     done
 }

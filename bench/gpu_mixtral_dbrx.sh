@@ -32,14 +32,14 @@
 # done (a fresh machine has no markers: steps an earlier session's machine finished). Host memory: at 24 GB the experts' codes (~50 GB) are
 # page-locked, plus the CPU path's copies.
 set -u
-OUT=${OUT:-/tmp/issue22-out}
-ROOT=${ROOT:-/tmp/m22}
+OUT=${OUT:-/tmp/gpu-mixtral-dbrx-out}
+ROOT=${ROOT:-/tmp/m-mixtral-dbrx}
 LIMIT=${LIMIT:-540}
 TEST_S=${TEST_S:-420}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results "$ROOT/done"
 for s in ${DONE:-}; do touch "$ROOT/done/$s"; done
-STEPS_LOG=$OUT/gpu_issue22.log
+STEPS_LOG=$OUT/gpu_mixtral_dbrx.log
 . "$(dirname "$0")/gpu_steps.sh"         # left, log, step, done_
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
@@ -51,7 +51,7 @@ have() { [ -f "$1/README.md" ]; }       # a synthetic folder written whole (synt
 synth() {           # shape, dir
     rm -rf "$M" "$D"
     timeout $(( $(left) - 5 )) $PY -m runtime.cli synth --shape "$1" --bpw 3.0 --out "$2" 2>&1 | tail -2 \
-        | tee -a "$OUT/gpu_issue22.log"
+        | tee -a "$OUT/gpu_mixtral_dbrx.log"
     local rc=${PIPESTATUS[0]}
     log "synth $1: exit $rc, $(du -sh "$2" 2>/dev/null | cut -f1)"
     [ "$rc" = 0 ]
@@ -62,7 +62,7 @@ bench_offload() {   # model dir, label, budgets
     timeout $(( $(left) - 5 )) $PY -m bench.offload --model "$model" --label "$label" --bpw 3.0 \
         --budgets "$budgets" --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 \
         --prefetch-modes "" --placement auto ${PROFILE:+--profile "$PROFILE"} --out bench/results 2>&1 \
-        | tee -a "$OUT/gpu_issue22.log"
+        | tee -a "$OUT/gpu_mixtral_dbrx.log"
     local rc=${PIPESTATUS[0]} f
     log "offload benchmark $label: exit $rc"
     f=$(ls -t bench/results/offload-"$label"-*.json 2>/dev/null | head -1)
@@ -74,8 +74,8 @@ chat() {            # dir, label
     timeout $(( $(left) - 5 )) $PY -m runtime.cli chat --model "$1" --backend cuda --vram-budget 24 --draft ngram \
         --max-tokens 48 --temperature 0 --json "Name three colours." > "$OUT/chat-$2.jsonl" 2> "$OUT/chat-$2.err"
     local rc=$?
-    grep -E '"type": ?"(ready|loaded|finished|error)"' "$OUT/chat-$2.jsonl" | cut -c1-1500 | tee -a "$OUT/gpu_issue22.log"
-    tail -3 "$OUT/chat-$2.err" | tee -a "$OUT/gpu_issue22.log"
+    grep -E '"type": ?"(ready|loaded|finished|error)"' "$OUT/chat-$2.jsonl" | cut -c1-1500 | tee -a "$OUT/gpu_mixtral_dbrx.log"
+    tail -3 "$OUT/chat-$2.err" | tee -a "$OUT/gpu_mixtral_dbrx.log"
     log "chat $2: exit $rc"
     [ "$rc" = 0 ]
 }
@@ -101,7 +101,7 @@ if 'attn_config' in cfg:
 (out / 'config.json').write_text(json.dumps(cfg, indent=2))" "$shape" "$d" 2>&1 | tail -2
         for rows in 1 2; do
             timeout $(( $(left) - 5 )) $PY -m bench.check_reference "$d" --past 27 --rows $rows --device cuda 2>&1 \
-                | tail -12 | tee -a "$OUT/gpu_issue22.log"
+                | tail -12 | tee -a "$OUT/gpu_mixtral_dbrx.log"
         done
         rm -rf "$d"
     done
@@ -116,7 +116,7 @@ sys.path.insert(0, 'tests/gpu')
 from test_mixtral_dbrx_gpu import _synth
 _synth('tiny-dbrx', 2, Path(sys.argv[1]))" "$d" 2>&1 | tail -2
     timeout $(( $(left) - 5 )) $PY -m bench.check_reload "$d" --rechoose --loads 6 2>&1 | tail -12 \
-        | tee -a "$OUT/gpu_issue22.log"
+        | tee -a "$OUT/gpu_mixtral_dbrx.log"
     done_ reload
 fi
 if [ "${TESTS:-1}" = 1 ] && step tests 120; then
@@ -124,7 +124,7 @@ if [ "${TESTS:-1}" = 1 ] && step tests 120; then
         timeout -s INT -k 20 "$(( TEST_S < $(left) ? TEST_S : $(left) ))" $PY -m pytest tests/gpu/test_mixtral_dbrx_gpu.py \
         -v -rA -p no:cacheprovider --basetemp="$ROOT/pytest" > "$OUT/gpu_tests.log" 2>&1
     rc=$?
-    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -24 | tee -a "$OUT/gpu_issue22.log"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -24 | tee -a "$OUT/gpu_mixtral_dbrx.log"
     log "GPU tests: exit $rc (124: out of time)"
     [ "$rc" = 0 ] && done_ tests
     rm -rf "$ROOT/pytest" "$ROOT/gpu-models"

@@ -24,8 +24,8 @@
 #   7. CHAT=1: one question through `moedesk-cli chat` at 24 GB with MTP drafting
 # A fresh machine compiles Triton's and fla's kernels on first use: one call rarely holds all of it.
 set -u
-OUT=${OUT:-/tmp/issue24-out}
-ROOT=${ROOT:-/tmp/m24}
+OUT=${OUT:-/tmp/gpu-qwen35-out}
+ROOT=${ROOT:-/tmp/m-qwen35}
 LIMIT=${LIMIT:-570}
 TEST_S=${TEST_S:-560}
 TESTS=${TESTS:-1}
@@ -37,7 +37,7 @@ CHAT=${CHAT:-1}
 TRACE=${TRACE:-qwen3-30b-a3b}            # bench/routing_traces.PROFILES: none is published for 256 experts
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" bench/results "$ROOT"
-STEPS_LOG=$OUT/gpu_issue24.log
+STEPS_LOG=$OUT/gpu_qwen35.log
 . "$(dirname "$0")/gpu_steps.sh"         # T0, left, log
 export MOEDESK_COMMIT=${MOEDESK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export MOEDESK_HOME=${MOEDESK_HOME:-$ROOT/home}
@@ -47,12 +47,12 @@ STAMP=$(date +%s)
 
 copy_new() {        # results of this call only (the tree's bench/results holds earlier runs)
     find bench/results -maxdepth 1 -name "$1" -newermt "@$STAMP" -exec cp {} "$OUT"/ \; -exec echo "JSON: {}" \; \
-        | tee -a "$OUT/gpu_issue24.log"
+        | tee -a "$OUT/gpu_qwen35.log"
 }
 
 if [ "$TESTS" = 1 ]; then
     log "GPU tests, group c (at most $TEST_S s)"
-    GROUP=c LIMIT="$TEST_S" OUT="$OUT" bash bench/gpu_suite.sh 2>&1 | tail -60 | tee -a "$OUT/gpu_issue24.log"
+    GROUP=c LIMIT="$TEST_S" OUT="$OUT" bash bench/gpu_suite.sh 2>&1 | tail -60 | tee -a "$OUT/gpu_qwen35.log"
     log "GPU tests: exit ${PIPESTATUS[0]}"
 fi
 
@@ -61,7 +61,7 @@ if [ "$OFFLOAD$WORKER$WORKER24$VERIFY$CHAT" != 00000 ] && [ ! -f "$M/config.json
     rm -rf "$M"
     log "synth qwen3.5-122b-a10b 3.0 bpw -> $M"
     timeout $(( $(left) - 10 )) $PY -m runtime.cli synth --shape qwen3.5-122b-a10b --bpw 3.0 --out "$M" 2>&1 | tail -2 \
-        | tee -a "$OUT/gpu_issue24.log"
+        | tee -a "$OUT/gpu_qwen35.log"
     log "synth: exit ${PIPESTATUS[0]}, $(du -sh "$M" | cut -f1)"
 fi
 
@@ -72,7 +72,7 @@ if [ "$OFFLOAD" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 240 ]; then
         --budgets "${BUDGETS-24}" \
         --context 4096 --prompt 2048 --decode 64 --naive-decode 8 --calibrate 64 --routing uniform \
         --other-routing "trace" --trace-profile "$TRACE" --prefetch-modes "" --placement auto --all-in-vram \
-        ${PROFILE:+--profile "$OUT/prof"} --out bench/results 2>&1 | tee -a "$OUT/gpu_issue24.log"
+        ${PROFILE:+--profile "$OUT/prof"} --out bench/results 2>&1 | tee -a "$OUT/gpu_qwen35.log"
     log "offload benchmark: exit ${PIPESTATUS[0]}"
     copy_new "offload-qwen3.5-122b-a10b-*.json"
 else
@@ -84,7 +84,7 @@ worker() {          # label, extra flags
     log "worker benchmark $label, plain and MTP drafting; $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m bench.worker --model "$M" --backend cuda --draft mtp --turns 2 \
         --max-tokens 96 --label "qwen3.5-122b-a10b-$label" --out bench/results "$@" 2>&1 \
-        | tee -a "$OUT/gpu_issue24.log"
+        | tee -a "$OUT/gpu_qwen35.log"
     log "worker benchmark $label: exit ${PIPESTATUS[0]}"
     copy_new "worker-qwen3.5-122b-a10b-$label-*.json"
 }
@@ -95,7 +95,7 @@ if [ "$VERIFY" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 200 ]; then
     log "verify cost at 24 GB; $(left) s left"
     timeout $(( $(left) - 10 )) $PY -m runtime.cli bench-spec --model "$M" --backend cuda --what verify \
         --vram-budget 24 --context 2048 --draft mtp --label qwen3.5-122b-a10b-24gb --out bench/results 2>&1 \
-        | tee -a "$OUT/gpu_issue24.log"
+        | tee -a "$OUT/gpu_qwen35.log"
     log "verify cost: exit ${PIPESTATUS[0]}"
     copy_new "spec-verify-cost-qwen3.5-122b-a10b-24gb-*.json"
 fi
@@ -103,9 +103,9 @@ fi
 if [ "$CHAT" = 1 ] && [ -f "$M/config.json" ] && [ "$(left)" -gt 120 ]; then
     log "chat through a worker at 24 GB with MTP drafting"
     timeout $(( $(left) - 5 )) $PY -m runtime.cli chat --model "$M" --backend cuda --vram-budget 24 --draft mtp \
-        --max-tokens 32 --temperature 0 "Name three colours." 2>&1 | tail -5 | tee -a "$OUT/gpu_issue24.log"
+        --max-tokens 32 --temperature 0 "Name three colours." 2>&1 | tail -5 | tee -a "$OUT/gpu_qwen35.log"
     log "chat: exit ${PIPESTATUS[0]}"
 fi
 pack_profiles
 log "done"
-ls -la "$OUT" | tee -a "$OUT/gpu_issue24.log"
+ls -la "$OUT" | tee -a "$OUT/gpu_qwen35.log"

@@ -1,5 +1,5 @@
-# Sourced by the H200 scripts (gpu_issue*.sh): the time left of LIMIT since T0, a log line into $STEPS_LOG,
-# and, for the scripts that run in steps a warm machine resumes (gpu_issue22.sh, gpu_issue23.sh), the step
+# Sourced by the H200 scripts (gpu_*.sh): the time left of LIMIT since T0, a log line into $STEPS_LOG,
+# and, for the scripts that run in steps a warm machine resumes (gpu_mixtral_dbrx.sh, gpu_converter.sh, gpu_gptq_import.sh), the step
 # markers under $ROOT/done. Expects LIMIT and STEPS_LOG set (ROOT where step and done_ are used); sets T0.
 # pack_profiles: the profiler tables under $OUT/prof into one archive.
 T0=$(date +%s)

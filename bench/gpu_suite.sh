@@ -11,7 +11,7 @@
 #                   on the H200's 16 cores four lanes ran most files to their limits, their CPU work starved)
 #   OUT=DIR GROUP=solo bench/gpu_suite.sh           # the SOLO files, one at a time
 # One pytest process per file, one file at a time (the out-of-memory test fills the GPU; the warm-up and
-# issue-19 tests time gaps), cheap and broad files first. LANES=N (N > 1) runs the files that may share the GPU
+# load-measures tests time gaps), cheap and broad files first. LANES=N (N > 1) runs the files that may share the GPU
 # in N processes side by side (most of a file's time is loads, synthetic models and the Python between small
 # kernels, and the H200's 141 GB hold several files' models and float32 references), then the SOLO files alone
 # (default: those three, and the routing prior's worker chats, which timed out on oversubscribed cores: before
@@ -25,7 +25,7 @@
 # routing statistics another wrote. Lanes share the CPU's cores too (OMP_NUM_THREADS, below).
 # Comparisons that run beside other processes must share expert picks (tests/gpu/routing_replay.py): the GPU's
 # kernels do not sum in the same order run to run, so a router's near tie may part between two runs (what the
-# H200 showed, in lanes and alone: bench/results/gpu-tests-*.log). A file's failure under lanes is confirmed
+# H200 showed, in lanes and alone, in the suite's logs of 2026-12-03 and -04). A file's failure under lanes is confirmed
 # alone (FILES=...) before it is called a bug.
 # A warning in machine.txt and the output where fewer than MIN_DISK_GB (30) are free under $WORK.
 # Files in $OUT (at most 6):
@@ -51,12 +51,12 @@ test_load_repack_gpu.py:60 test_exl2_engine.py:480 test_out_of_memory_gpu.py:60 
 test_warmup_gpu.py:300 test_route_normed_gpu.py:150"
 GROUP_B="test_offload_gpu.py:360 test_mixtral_dbrx_gpu.py:480"
 GROUP_C="test_qwen35_hybrid_gpu.py:540 test_gdn_fla_gpu.py:150"
-GROUP_D="test_issue19_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu.py:480 test_roofline_gpu.py:150"
+GROUP_D="test_load_measures_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu.py:480 test_roofline_gpu.py:150"
 LANES=${LANES:-1}
 # CPU threads of each file's torch (synthetic models, float32 references): the cores shared among the lanes.
 # At 16 each, 4 lanes on 16 cores made a Qwen3.5 real-width synthesis run past 300 s (oversubscribed).
 THREADS=$(( $(nproc) / LANES )); [ "$THREADS" -lt 1 ] && THREADS=1
-SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_issue19_gpu.py test_route_prior_gpu.py"}
+SOLO=${SOLO:-"test_out_of_memory_gpu.py test_warmup_gpu.py test_load_measures_gpu.py test_route_prior_gpu.py"}
 SOLO=$(echo $SOLO)                        # one line, single spaces: solo() matches " name "
 ALL="$GROUP_A $GROUP_B $GROUP_C $GROUP_D"
 limit_of() { local l=${1#*:}; [ "$l" = "$1" ] && l=120; echo "$l"; }     # file[:seconds] -> seconds
@@ -146,7 +146,7 @@ run_file() {        # file[:seconds] basetemp: one pytest process for the file, 
 if [ "$LANES" -gt 1 ]; then
     # Files that may share the GPU go into LANES queues, longest limit first onto the queue with the least
     # seconds so far; the lanes run side by side, then the SOLO files one at a time with the GPU to
-    # themselves (the out-of-memory test fills the GPU; the warm-up and issue-19 tests time gaps).
+    # themselves (the out-of-memory test fills the GPU; the warm-up and load-measures tests time gaps).
     declare -a lane_files lane_secs
     for ((i = 0; i < LANES; i++)); do lane_files[i]=""; lane_secs[i]=0; done
     solo_run=""

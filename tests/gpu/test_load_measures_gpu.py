@@ -1,4 +1,4 @@
-"""What the user runs is what the load measures (issue 19's findings), on the GPU.
+"""What the user runs is what the load measures (findings of the first worker benchmarks), on the GPU.
 
 Model: conftest's moe_8l (with two MoE layers no budget offloads: staging alone costs every expert).
 "auto" placement at a budget that keeps about three quarters of the experts resident (gpu_budget): the
