@@ -253,6 +253,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-k", action="store_true", help="lookup: also run n-gram drafting with a fixed K")
     p.add_argument("--label", help="model name for the results (default: the folder's name)")
     p.add_argument("--context", type=int, default=512, help="context tokens for the verify-cost benchmark")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="verify: timed repeats after the warm-up one, whose medians are reported")
     p.add_argument("--forced-acceptance", action="store_true",
                    help="also time decoding with every draft accepted (labelled in the results)")
     p.add_argument("--prompt", choices=sorted(PROMPTS), help="run the lookup benchmark on this prompt only")
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
                                     args.tokens, args.draft_tokens, say, args.prompt, args.rounds)
         if args.what in ("verify", "all"):
             from bench.verify import verify_result
-            fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say)
+            fields = verify_result(engine, args.context, args.forced_acceptance, args.tokens, say, args.repeats)
             if args.vram_budget:
                 fields["vram_budget_gb"] = args.vram_budget
                 fields["offload"] = {k: v for k, v in engine.telemetry().items()

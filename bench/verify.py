@@ -216,9 +216,10 @@ def forced_acceptance_decode(engine: Any, prompt: list[int], k: int, n_tokens: i
     return produced / (time.perf_counter() - t0)
 
 
-def verify_result(engine: Any, context: int, forced: bool, n_tokens: int, say=print) -> dict:
-    """Run the benchmark; returns the fields of the result file (see bench.record)."""
-    t = verify_cost(engine, context)
+def verify_result(engine: Any, context: int, forced: bool, n_tokens: int, say=print, repeats: int = 7) -> dict:
+    """Run the benchmark (`repeats` timed repeats after the warm-up one); returns the fields of the result
+    file (see bench.record)."""
+    t = verify_cost(engine, context, repeats=repeats)
     tables = {base: {f"{a:.1f}": {str(k): round(v, 3) for k, v in speedup_at(t.costs, a, base).items()}
                      for a in ACCEPTANCE_RATES} for base in ("step", "loop")}
     say(f"one-row step ({t.step_kind}) {t.step_s * 1e3:.2f} ms, one-row layer loop {t.loop_s * 1e3:.2f} ms")

@@ -108,7 +108,8 @@ def test_bench_spec_loads_through_the_apps_engine_choice(tiny_qwen35, tmp_path, 
     p = argparse.ArgumentParser()
     spec.add_arguments(p)
     args = p.parse_args(["--model", str(tiny_qwen35), "--what", "verify", "--backend", "cpu", "--context", "32",
-                         "--tokens", "8", "--out", str(tmp_path), "--draft", "mtp", "--draft-tokens", "3"])
+                         "--tokens", "8", "--out", str(tmp_path), "--draft", "mtp", "--draft-tokens", "3",
+                         "--repeats", "1"])       # the plumbing, not the medians: one timed repeat
     assert spec.run(args) == 0
     assert asked == [(str(tiny_qwen35), "cpu", None, "mtp", 3)]
     (out,) = tmp_path.glob("spec-verify-cost-*.json")
