@@ -41,8 +41,8 @@ LIMIT=${LIMIT:-540}                       # seconds for the whole script
 TEST_S=${TEST_S:-300}                     # pytest-timeout: one test at most
 PY=${PYTHON:-python3}
 WORK=${WORK:-$(mktemp -d -t gpu-suite.XXXXXX)}
-# file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's time on the H200 alone (its logs:
-# bench/results/gpu-*.log); a file gets less when the earlier ones overran (a file the call had no time left for
+# file:seconds, cheap and broad first. Each limit is about 1.5-2 x the file's time on the H200 alone (the suite's
+# logs of 2026-12-01 to -04, in git history); a file gets less when the earlier ones overran (a file the call had no time left for
 # is listed "not run"; run it with FILES). The whole suite takes more than one call: GROUP=a, b, c and d split it
 # into calls of about 8 minutes each, one file at a time; FILES (file or file:seconds) overrides both. Group c's
 # Qwen3.5 engine file goes first: fla's file may be left for a second call (FILES=test_gdn_fla_gpu.py).

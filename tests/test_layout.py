@@ -1,14 +1,20 @@
-"""The runtime's layout, read from its source with `ast` (nothing is imported): no benchmark or
-diagnostic inside it, no import cycle among its modules, modules a reader can hold in mind."""
+"""The repository's layout, read from its source with `ast` (nothing is imported): no benchmark or
+diagnostic inside the runtime, no import cycle anywhere (runtime/, app/, bench/, tests/, packaging/),
+runtime modules a reader can hold in mind, and a code map (docs/code-map.md) that names every file by
+its path."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "runtime"
+PACKAGES = ("runtime", "app", "bench", "tests", "packaging")   # every folder of Python in the repository
+MAPPED = ("runtime", "app", "bench")                           # the code map's folders
+CODE_MAP = ROOT / "docs" / "code-map.md"
 MAX_LINES = 600
 
 
@@ -19,6 +25,11 @@ def module_name(path: Path) -> str:
 
 def runtime_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(RUNTIME.rglob("*.py"))}
+
+
+def repository_modules() -> dict[str, Path]:
+    return {module_name(p): p for top in PACKAGES for p in sorted((ROOT / top).rglob("*.py"))
+            if "__pycache__" not in p.parts}
 
 
 def imported_names(path: Path, name: str, modules: set[str]) -> list[tuple[str, int]]:
@@ -40,11 +51,10 @@ def imported_names(path: Path, name: str, modules: set[str]) -> list[tuple[str, 
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Runtime module -> the runtime modules it imports by name. A package's __init__ that runs
-    because one of its modules is imported is not an edge: a package importing its own modules is
-    the ordinary shape of a package, not a cycle."""
-    mods = runtime_modules()
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of `mods` it imports by name. A package's __init__ that runs because one
+    of its modules is imported is not an edge: a package importing its own modules is the ordinary
+    shape of a package, not a cycle."""
     return {name: {t for t, _ in imported_names(path, name, set(mods)) if t in mods and t != name}
             for name, path in mods.items()}
 
@@ -98,8 +108,17 @@ def test_the_runtime_never_imports_the_benchmarks():
     assert offenders == []
 
 
-def test_no_import_cycle_among_runtime_modules():
-    assert cycles(import_graph()) == []
+def test_no_import_cycle_anywhere_in_the_repository():
+    """Module-level and function-level imports alike: a lazy import that closes a circle still ties
+    the modules into one knot a reader must hold at once."""
+    assert cycles(import_graph(repository_modules())) == []
+
+
+def test_the_repository_graph_sees_app_and_bench():
+    """The check reaches past runtime/: app/main imports app/firstrun (inside main()), and the
+    benchmarks import the roofline."""
+    graph = import_graph(repository_modules())
+    assert "app.firstrun" in graph["app.main"] and "bench.roofline" in graph["bench.engine"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -128,15 +147,42 @@ def test_every_runtime_module_within_the_limit():
     assert over == {}
 
 
-def test_the_readmes_code_map_names_every_module():
-    """README.md's "Code map" section names every module and script of runtime/, app/ and bench/ (by file
-    name)."""
+def mapped_files() -> list[str]:
+    """Every module and script of runtime/, app/ and bench/ (and the runtime's C++ source), as its path
+    from the repository root."""
+    return sorted(str(p.relative_to(ROOT)) for top in MAPPED for pattern in ("*.py", "*.sh", "*.cpp")
+                  for p in (ROOT / top).rglob(pattern)
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
+
+
+def map_paths(text: str) -> set[str]:
+    """The paths a map names: every `code span` that is a path under one of the mapped folders."""
+    spans = re.findall(r"`([^`\n]+)`", text)
+    return {s for s in spans if s.startswith(tuple(f"{top}/" for top in MAPPED)) and " " not in s}
+
+
+def test_the_code_map_names_every_file_by_its_path():
+    """docs/code-map.md names each file by its path (25 files share 12 names: `engine.py` alone says
+    nothing), and names no file that is gone."""
+    named = map_paths(CODE_MAP.read_text())
+    missing = [p for p in mapped_files() if p not in named]
+    assert not missing, f"docs/code-map.md does not name: {missing}"
+    gone = sorted(p for p in named if not p.endswith("/") and not (ROOT / p).exists())
+    assert not gone, f"docs/code-map.md names files that do not exist: {gone}"
+
+
+def test_a_file_named_only_by_its_name_is_missing():
+    text = "- `runtime/worker.py`: commands in; `engine.py`, `app/` and `runtime/reference/engine.py`\n"
+    assert map_paths(text) == {"runtime/worker.py", "app/", "runtime/reference/engine.py"}
+
+
+def test_the_readme_maps_every_package_and_links_the_full_map():
+    """README.md's short "Code map" names every package folder (`runtime/experts/`) and links
+    docs/code-map.md, where every file is."""
     text = (ROOT / "README.md").read_text()
     start = text.index("## Code map")
     section = text[start:text.index("\n## ", start + 1)]
-    missing = []
-    for top in ("runtime", "app", "bench"):
-        for path in sorted([*(ROOT / top).rglob("*.py"), *(ROOT / top).rglob("*.sh")]):
-            if path.name != "__init__.py" and "__pycache__" not in path.parts and f"`{path.name}`" not in section:
-                missing.append(str(path.relative_to(ROOT)))
-    assert not missing, f"README.md's code map does not name: {missing}"
+    packages = sorted(f"{p.parent.relative_to(ROOT)}/" for top in MAPPED for p in (ROOT / top).rglob("__init__.py"))
+    missing = [p for p in packages if f"`{p}`" not in section]
+    assert not missing, f"README.md's code map does not name the packages: {missing}"
+    assert "(docs/code-map.md)" in section

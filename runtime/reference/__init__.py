@@ -20,7 +20,7 @@ from runtime.engine import ModelInfo, ProgressFn
 from runtime.errors import OutOfMemory
 from runtime.options import LoadOptions
 
-# Weight precision of the reference engine, measured on the demo model (README, "CPU reference engine",
+# Weight precision of the reference engine, measured on the demo model (docs/engines.md, "CPU reference engine",
 # has the figures): int8 weights decode faster than float32 or bfloat16 ones (a decode step is bound by
 # the bytes of weights it reads) and keep the demo model's answers; "float32" is for parity checks.
 DEFAULT_PRECISION = "int8"
