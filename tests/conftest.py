@@ -54,3 +54,13 @@ def demo_model() -> Path:
     if not (DEMO_DIR / "config.json").exists():
         pytest.fail(f"demo model missing at {DEMO_DIR}: run `make test` (it imports it) or `moedesk-cli import-demo`")
     return DEMO_DIR
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`) each worker's torch gets its share of the cores, not all of them:
+    two workers' teams of two threads on two cores wait at every barrier for the other's (a small
+    operation then costs many times its work). Processes the tests start choose their own threads."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and workers.isdigit() and int(workers) > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
