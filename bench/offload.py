@@ -43,6 +43,7 @@ from bench.verify import layer_loop
 from runtime import tuning
 from runtime.engine import offered, random_tokens
 from runtime.experts import manager as expert_manager
+from runtime.experts.cpu_share import CPU_BALANCE
 from runtime.options import LoadOptions, OffloadOptions
 
 GiB = 1024 ** 3
@@ -118,7 +119,7 @@ def decode_counted(engine, tok: int, n: int, warm: int) -> tuple[float, int, dic
 def force_uniform_routing(engine) -> None:
     """Every MoE layer picks its experts uniformly at random from now on, after its router has run as
     always (graphs captured again). The pick sets (2 MB for 128 experts, top-8) are outside the ledger."""
-    from runtime.experts.kernels import UniformPicks
+    from runtime.experts.routing import UniformPicks
     first = engine.moe[0].experts
     picks = UniformPicks.draw(first.num_experts, first.top_k, first.gate_w.device)
     engine.set_experiment(engine.experiment.replace(
@@ -628,8 +629,8 @@ def main(argv=None) -> int:
             "calibration_tokens": a.calibrate, "routing": a.routing, "prefetch_oracles": a.prefetch_oracle,
             "prefetch_pages": expert_manager.PREFETCH_PAGES,
             "grouped_kernels": dataclasses.asdict(tuning.current().grouped),    # prefill launch shape
-            "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
-            "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
+            "cpu_balance": CPU_BALANCE,                                       # whole experts' balanced split
+            "cpu_split": "cut",                                               # where the layout allows it
             "notes": (("Budget 'all': every expert in VRAM, a load of its own without a budget, measured before "
                        "the budgets' load; its baseline decodes through the layer loop without the decode graphs. "
                        if a.all_in_vram else "")

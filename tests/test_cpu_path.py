@@ -460,18 +460,12 @@ def test_a_lent_expert_is_the_gpus_until_its_page_is_taken_back(slow_pcie):
 
 
 def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slow_pcie, monkeypatch):
-    from runtime.experts import manager as mgr
     m = _manager(policy="auto")
     m.apply([[0], [1]])
     assert m.cpu_active and m.cpu_reason == "" and m.telemetry().cpu_expert_path == "on"
     m = _manager(policy="stream")
     m.apply([[0], [1]])
     assert not m.cpu_active and m.cpu_reason == "placement 'stream'"
-    monkeypatch.setattr(mgr, "AUTO_CPU", False)
-    m = _manager(policy="auto")
-    m.apply([[0], [1]])
-    assert not m.cpu_active and "MOEDESK_AUTO_CPU_PATH=0" in m.cpu_reason
-    monkeypatch.setattr(mgr, "AUTO_CPU", True)
     short = MemoryBudget(1000, "RAM")                            # "auto": stream, and say why
     m = _manager(policy="auto", ram=short)
     m.apply([[0], [1]])
@@ -696,15 +690,15 @@ def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
 
 
 def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkeypatch):
-    from runtime.experts import cpu_share, manager as mgr
-    from runtime.experts.kernels import SHARE_DEN
+    from runtime.experts import cpu_share
+    from runtime.experts.cpu_device import SHARE_DEN
     from runtime.experts.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
-    assert mgr.CPU_BALANCE == 1.5                                         # the default
-    monkeypatch.setattr(mgr, "CPU_BALANCE", 0.0)
+    assert cpu_share.CPU_BALANCE == 1.5
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", 0.0)                    # the static split, to compare
     static = _manager(n=1)
     static.apply([[0]])
-    monkeypatch.setattr(mgr, "CPU_BALANCE", 1.5)
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", 1.5)
     wide = _manager(n=1)
     wide.apply([[0]])
     a, b = static.layers[0].cpu, wide.layers[0].cpu
@@ -717,12 +711,6 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     assert b.share is None
     static.close()
     wide.close()
-    from runtime.tuning import Tuning
-    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "0"}).cpu_balance == 0.0
-    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "1.5"}).cpu_balance == 1.5
-    for bad in ("yes", "0.5", "-1"):
-        with pytest.raises(ValueError, match="MOEDESK_CPU_BALANCE"):
-            Tuning.from_environment({"MOEDESK_CPU_BALANCE": bad})
 
 
 def _aligned_layer(inter=128):
@@ -793,13 +781,12 @@ def _cut_manager(n=2):
 
 
 def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance(monkeypatch):
-    """MOEDESK_CPU_SPLIT=cut (the default): every cold expert gets a copy of its first rows, one cut
+    """The cut split (wherever the layout allows it): every cold expert gets a copy of its first rows, one cut
     for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
     climbs by measured decode step times: to a neighbour measured 1% faster, else to one not measured
     lately (the worker's counts say which first), else it stays."""
-    from runtime.experts import cpu_share, manager as mgr
+    from runtime.experts import cpu_share
     from runtime.experts.placement import CpuSplitCosts
-    assert mgr.CPU_SPLIT == "cut"
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     m = _cut_manager()
     m.apply([[0, 1], [2]])
@@ -889,14 +876,6 @@ def test_the_cpu_copies_leave_the_cut_room_to_climb(monkeypatch):
     assert share._copy_width(10752, 5056, 64, owned) == 7744
 
 
-def test_the_cut_split_mode_is_checked(monkeypatch):
-    from runtime.tuning import Tuning
-    assert Tuning.from_environment({"MOEDESK_CPU_SPLIT": "experts"}).cpu_split == "experts"
-    with pytest.raises(ValueError, match="MOEDESK_CPU_SPLIT='halves'"):
-        Tuning.from_environment({"MOEDESK_CPU_SPLIT": "halves"})
-
-
-
 # -- the CPU copies a step at a time (the worker's idle time: a command waits for one step at most) ---------
 
 def _cpu_paths(m):
@@ -977,7 +956,7 @@ def test_stepped_and_at_once_builds_cut_alike(monkeypatch):
 
 _PINNED_IO_CHECK = """
 import torch
-from runtime.experts.kernels import add_from_host, cpu_inputs
+from runtime.experts.cpu_device import add_from_host, cpu_inputs
 H, A, E = 96, 3, 10
 x, ids = torch.randn(1, H).half(), torch.tensor([[7, 2, 5]], dtype=torch.int32)
 w, mask = torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([0, 1, 0, 0, 0, 1, 0, 1, 0, 0], dtype=torch.uint8)

@@ -133,7 +133,7 @@ def test_placement_of_few_large_experts_fills_the_budget(shape, budget_gb):
 def test_cpu_cut_of_few_large_experts(shape):
     """The CPU split at the real sizes: every cold expert cut, a share in (0, 1), and the cut the
     manager derives from it a multiple of the kernels' alignment within the intermediate."""
-    from runtime.experts.kernels import CUT_ALIGN
+    from runtime.experts.decode import CUT_ALIGN
     from runtime.experts.placement import CpuSplitCosts, plan_cpu_split, plan_resident
     s = SHAPES[shape]
     cb = _bytes_per_expert(shape)

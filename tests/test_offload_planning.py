@@ -172,7 +172,7 @@ def test_routing_concentration_and_uniform_roofline():
 
 _FORCED_ROUTING_CHECK = """
 import torch
-from runtime.experts.kernels import UniformPicks, route_fused
+from runtime.experts.routing import UniformPicks, route_fused
 torch.manual_seed(0)
 E, A, H = 16, 4, 64
 picks = UniformPicks.draw(E, A, "cpu", rows=1000, seed=3)

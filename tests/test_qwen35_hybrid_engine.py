@@ -309,7 +309,7 @@ def test_an_experiment_reaches_every_moe_layer_and_the_offload_manager(folder):
     MoE layer (uniform routing: the GPU kernels apply them, this CPU path keeps the router's) and the rest
     to the offload manager; a wrong number of pick sets is refused in words; NO_EXPERIMENT undoes it."""
     from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-    from runtime.experts.kernels import UniformPicks
+    from runtime.experts.routing import UniformPicks
     off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
                          window=WINDOW, host_experts=True)
     try:

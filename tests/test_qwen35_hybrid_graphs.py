@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime import tuning
+from runtime.experts.shapes import CAPTURE_MODE
 from runtime.backends import hybrid
 from runtime.backends.exl2_graph import bucket
 from runtime.backends.hybrid_graphs import StepGraphs
@@ -248,7 +248,7 @@ def test_the_gpu_tests_sequence_captures_each_bucket_and_row_count_once_and_repl
         assert eng.graphs.captured() == every, eng.graphs.captured()
         assert (eng.position, eng.tokens) == (3, [5, 6, 7]) and _same_state(eng, before)
         captures = [e for e in fake.log if e[0] == "capture"]
-        mode = tuning.current().capture_mode
+        mode = CAPTURE_MODE
         first_pool = ("pool of", id(eng.graphs.graphs[(512, 3)][0]))
         assert captures[0] == ("capture", 3, 512, None, "side", mode), captures[0]
         # idle time: the decode step of this bucket and the next two first, then the verifies'

@@ -49,8 +49,7 @@ def test_saved_statistics_say_a_first_load_measures_and_a_later_one_does_not(tmp
     from runtime import tuning
     off = tuning.Tuning.from_environment({"MOEDESK_ROUTE_PRIOR": "0"})
     assert not off.route_prior
-    with tuning.use(off):
-        assert routing_prior.saved_statistics(model, L, E, cache=tmp_path)[3] is None
+    assert routing_prior.saved_statistics(model, L, E, cache=tmp_path, route_prior=off.route_prior)[3] is None
 
 
 # -- what is counted, with which weight --------------------------------------------------------------

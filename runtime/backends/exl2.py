@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from runtime import tuning
 from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_gemv import settle_kernels
@@ -35,6 +34,7 @@ from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, Inval
                             UnsupportedArchitecture)
 from runtime.experts.budget import BudgetError
 from runtime.options import LoadOptions
+from runtime.tuning import Tuning, current as current_tuning
 
 SUPPORTED = exl2_arch.SUPPORTED     # per-architecture differences: runtime/backends/exl2_arch.py
 GiB = 1024 ** 3
@@ -92,7 +92,7 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
     `_attn_torch` runs, and its SDPA branch is not causal (`causal_sdpa_attention`): it is replaced,
     once per process, by the wrapper, then checked on a small problem; if the check fails (a torch
     whose SDPA backends mishandle the lower-right bias), cuDNN's SDPA is turned off and, failing that,
-    exllamav2's matmul attention (explicit mask) runs. `MOEDESK_PREFILL_ATTN=matmul` forces the latter."""
+    exllamav2's matmul attention (explicit mask) runs."""
     from exllamav2 import attn as xattn
     if (xattn.has_flash_attn and not config.no_flash_attn) or (xattn.has_xformers and not config.no_xformers):
         return "flash-attn" if xattn.has_flash_attn and not config.no_flash_attn else "xformers"
@@ -102,9 +102,6 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
             config.no_sdpa = True
             return "matmul (this torch has no lower-right causal bias)"
         cls._attn_torch = causal_sdpa_attention(cls._attn_torch)
-    if tuning.current().prefill_attn == "matmul":
-        config.no_sdpa = True
-        return "matmul (forced)"
     if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
         return "sdpa (causal)"
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -399,11 +396,12 @@ class Exl2Engine(Engine):
 
 
 def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
-         graphs: bool = True, warm: bool = True) -> tuple[Engine, dict[str, str]]:
+         graphs: bool = True, warm: bool = True, tuning: Optional[Tuning] = None) -> tuple[Engine, dict[str, str]]:
     """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's).
     warm: compile kernels and capture the first decode graphs at load (Exl2Engine.warm_up), and
-    settle the CPU expert path by measured decode steps ("auto" placement)."""
-    loading = _Loading(Path(path), options, progress, moe, graphs)
+    settle the CPU expert path by measured decode steps ("auto" placement). tuning: the engine tuning
+    (default: the process's, runtime/tuning.py), read here once and handed to what the load builds."""
+    loading = _Loading(Path(path), options, progress, moe, graphs, tuning or current_tuning())
     try:
         loading.check_folder()
         loading.prepare_kernels()
@@ -412,7 +410,7 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
         for step in (loading.build_model, loading.allocate_cache, loading.place_experts):
             on_cores(physical_cores(), step)    # the repacking's host work, the CPU path's copies: every core
         loading.make_engine()
-        if warm and tuning.current().warmup:
+        if warm and loading.tuning.warmup:
             loading.warm_up()
             loading.settle_expert_path()
         return loading.engine, loading.applied
@@ -428,8 +426,10 @@ def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
 class _Loading:
     """One load in progress, step by step; what the steps opened, so that `close` frees it on failure."""
 
-    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, moe: str, graphs: bool):
+    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, moe: str, graphs: bool,
+                 tuning: Optional[Tuning] = None):
         self.path, self.options, self.off, self.progress = path, options, options.offload, progress
+        self.tuning = tuning or current_tuning()
         self.moe, self.graphs = moe, graphs
         self.applied: dict[str, str] = {}
         self.step = "check"                     # the step running: says what an out-of-memory meant
@@ -473,8 +473,7 @@ class _Loading:
         # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
         config.max_dq_size = MAX_DQ_ELEMENTS
         is_moe = self.is_moe = bool(config.arch.lm.is_moe)
-        use_graphs = (self.graphs and off.kv_cache == "fp16" and (self.moe == "own" or not is_moe)
-                      and tuning.current().graphs)
+        use_graphs = self.graphs and off.kv_cache == "fp16" and (self.moe == "own" or not is_moe)
         if use_graphs:
             config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
         self.config, self.use_graphs = config, use_graphs
@@ -484,7 +483,8 @@ class _Loading:
     def plan_offload(self) -> None:
         """Budgets and the allocator cap (runtime/backends/exl2_offload)."""
         from runtime.backends import exl2_offload
-        self.setup = exl2_offload.prepare(self.path, self.config, self.off, self.is_moe and self.moe == "own")
+        self.setup = exl2_offload.prepare(self.path, self.config, self.off, self.is_moe and self.moe == "own",
+                                          self.tuning)
         self.applied.update(self.setup.applied)
         self.applied["offload.backend"] = "applied"
 
@@ -496,7 +496,10 @@ class _Loading:
         exl2_arch.install_rope(self.model, self.arch)     # RoPE tables from runtime/reference/rope.py
         if self.is_moe and self.moe == "own":
             from runtime.experts.exl2_module import install
-            install(self.model, host_ram=self.setup.ram, host_arena=self.setup.arena, renormalize=self.arch.renormalize)
+            ram = self.setup.ram
+            on_host = None if ram is None else lambda what, n: ram.reserve(
+                what, n, "raise the RAM budget, close other programs, or raise the VRAM budget")
+            install(self.model, on_host, self.setup.arena, self.arch.renormalize, self.tuning)
         self.model.load(callback=lambda i, total: self.progress("load", "Loading weights", i, total))
 
     def allocate_cache(self) -> None:
@@ -505,7 +508,7 @@ class _Loading:
         self.cache = _cache_class(self.off.kv_cache)(self.model, max_seq_len=self.off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
         progress("load", "Tuning GPU kernels", 0, 1)
-        settle_kernels(self.model, offload=self.setup.offload)
+        settle_kernels(self.model, offload=self.setup.offload, splitk=self.tuning.splitk)
         progress("load", "Tuning GPU kernels", 1, 1)
 
     def place_experts(self) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from runtime import tuning
 from runtime.experts.path_judge import read_decision
 
 DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.paths.cache_dir)
@@ -17,12 +16,13 @@ DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.p
 
 def key_for(model_path, budget) -> str:
     """What a saved decision is valid for: the model folder, the VRAM budget (to 1/4 GiB), the CPU
-    threads asked for, the CPU split, and the machine (host, cores, GPU)."""
+    threads asked for, the CPU split ("cut": one since the whole-experts switch went, kept so that saved
+    decisions stay found), and the machine (host, cores, GPU)."""
     vram = round(budget.vram.total_bytes / (1 << 28)) / 4 if budget is not None else None
     threads = budget.cpu_threads if budget is not None else 0
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return (f"{Path(model_path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
-            f"{tuning.current().cpu_split}|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
+            f"cut|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
 
 
 def decisions_file() -> Path:

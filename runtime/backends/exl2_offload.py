@@ -20,11 +20,11 @@ from typing import Optional
 
 import torch
 
-from runtime import tuning
 from runtime.errors import OutOfMemory
 from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
 from runtime.experts.pack import HostArena
 from runtime.options import OffloadOptions
+from runtime.tuning import Tuning
 
 log = logging.getLogger(__name__)
 SCRATCH_MARGIN = 512 << 20      # allocator fragmentation, graph pools, library workspaces
@@ -41,6 +41,7 @@ class OffloadSetup:
     applied: dict[str, str] = field(default_factory=dict)
     cpu_threads: int = 0                    # the CPU expert path's threads (0: the physical cores)
     stats_warning: Optional[str] = None
+    tuning: Tuning = field(default_factory=Tuning)   # the load's (route_prior, lend_staging)
 
     @property
     def offload(self) -> bool:
@@ -129,8 +130,9 @@ def _held_before(vram: MemoryBudget) -> None:
         vram.reserve(HELD_BEFORE, held, "close other models in this process or raise the VRAM budget")
 
 
-def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSetup:
-    """Budgets and the allocator cap for a load; raises OutOfMemory in words."""
+def prepare(path: Path, config, off: OffloadOptions, own_moe: bool, tuning: Tuning = Tuning()) -> OffloadSetup:
+    """Budgets and the allocator cap for a load; raises OutOfMemory in words. tuning: the load's (pages
+    locked ahead, the routing prior, lending)."""
     return_cached_memory()                    # free means free for the driver too, not cached by torch
     free, total = torch.cuda.mem_get_info()
     # what torch still holds unused (blocks of a live tensor's segment) is free for this load too
@@ -177,12 +179,11 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool) -> OffloadSe
             applied["offload.placement"] = f"ignored: {why}"
     else:
         applied["offload.cpu_threads"] = "applied"          # settled after placement (cpu_path_applied)
-        from runtime.experts.manager import AUTO_CPU
-        if off.placement == "cpu" or (off.placement == "auto" and AUTO_CPU):
+        if off.placement in ("cpu", "auto"):
             from runtime.experts.cpu_experts import build_kernel_in_background
             build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
-    return OffloadSetup(vram, ram, HostArena(ahead=tuning.current().pin_ahead) if ram is not None else None, off.placement, capped, applied,
-                        cpu_threads=off.cpu_threads)
+    return OffloadSetup(vram, ram, HostArena(ahead=tuning.pin_ahead) if ram is not None else None, off.placement,
+                        capped, applied, cpu_threads=off.cpu_threads, tuning=tuning)
 
 
 def replace_for_budget(setup: OffloadSetup, manager, vram_budget_gb: float) -> None:
@@ -273,9 +274,10 @@ def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool
     from runtime.experts.manager import OffloadManager
     from runtime.backends.routing_prior import saved_statistics
     layers = [m.experts for m in moe_layers(model)]
-    stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts)
+    stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts,
+                                                                     route_prior=setup.tuning.route_prior)
     manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
-                             cpu_threads=setup.cpu_threads, ram=setup.ram)
+                             cpu_threads=setup.cpu_threads, ram=setup.ram, lend_staging=setup.tuning.lend_staging)
     manager.prior_reason = prior              # measured after the warm-up (routing_prior.measure_at_load)
     from runtime.backends.exl2_decisions import saved_off
     # no CPU copies that a saved decision drops at once (again at the routing prior's placement)

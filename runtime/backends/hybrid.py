@@ -38,7 +38,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runtime import tuning
 from runtime.backends import exl2_offload, hybrid_layers, hybrid_mtp
 from runtime.backends.hybrid_mtp import MtpHead, MtpHooks
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
@@ -51,6 +50,7 @@ from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, Engine
 from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.experiment import NO_EXPERIMENT
 from runtime.options import LoadOptions
+from runtime.tuning import Tuning, current as current_tuning
 from runtime.reference.mtp import MtpCache
 
 REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
@@ -411,13 +411,14 @@ def rollback_window(options: LoadOptions) -> int:
 def load(path, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
          device: Optional[str] = None, window: Optional[int] = None, dtype: Optional[torch.dtype] = None,
          graphs: Optional[bool] = None, host_experts: Optional[bool] = None,
-         mtp: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
+         mtp: Optional[bool] = None, tuning: Optional[Tuning] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
     """Load a Qwen3.5-MoE EXL2 folder. device: "cuda" (default, needs a GPU) or "cpu" (tests: the
     projections dequantized). window: rollback rows (default from the draft options). dtype: activations
     (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
     host memory for offload (default: as the budgets decide, CUDA only). mtp: load the folder's MTP head
     (default: when the draft options choose "mtp"; it holds one layer's weights, its experts in VRAM; left
-    out, it is read on first use where there is room)."""
+    out, it is read on first use where there is room). tuning: the engine tuning (default: the process's)."""
+    tuning = tuning or current_tuning()
     from runtime import qwen35
     from runtime.modelfolder import ModelFolder
     from runtime.reference import qwen35 as reference35
@@ -449,13 +450,13 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                    f"applied: capped at {context}, the model's max_position_embeddings",
                    "offload.kv_cache": "applied" if off.kv_cache == "fp16" else
                    f"ignored: the Qwen3.5 engine keeps its attention cache in {str(dtype).removeprefix('torch.')}"}
-        setup = _prepare_offload(folder, spec, off, cuda, host_experts, applied)
+        setup = _prepare_offload(folder, spec, off, cuda, host_experts, applied, tuning)
         progress("load", "Loading weights", 0, spec.layers + 1)
         model = hybrid_layers.load(
             folder, spec, dev, dtype, context, host=setup.arena if setup is not None and setup.offload else None,
             on_host=(lambda what, n: setup.ram.reserve(what, n, "raise the RAM budget or the VRAM budget"))
             if setup is not None and setup.offload else None,
-            progress=lambda done, total: progress("load", "Loading weights", done, total))
+            progress=lambda done, total: progress("load", "Loading weights", done, total), tuning=tuning)
         head = None
         if options.draft.mode == "mtp" if mtp is None else mtp:
             progress("load", "Loading the multi-token-prediction head", 0, 1)
@@ -476,7 +477,7 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
                                bits_per_weight=info.bits_per_weight,
                                extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
                                       "num_params": info.num_params, "active_params": info.active_params})
-        use_graphs = cuda and tuning.current().graphs if graphs is None else graphs
+        use_graphs = cuda if graphs is None else graphs
         engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda),
                                   mtp_head=head)
         if head is None and qwen35.has_mtp(set(folder.info.shard_of)):
@@ -513,7 +514,7 @@ def load(path, options: Optional[LoadOptions] = None, progress: Optional[Progres
     raise err from None
 
 
-def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool], applied: dict):
+def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool], applied: dict, tuning: Tuning):
     """Budgets (runtime/backends/exl2_offload.prepare) on CUDA; None on the CPU (unless host_experts,
     for tests: every expert's codes in host memory, placed by hand)."""
     from types import SimpleNamespace
@@ -524,13 +525,14 @@ def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool]
             return None
         from runtime.backends.exl2_offload import OffloadSetup
         from runtime.experts.pack import HostArena
-        return OffloadSetup(MemoryBudget(1 << 50), MemoryBudget(1 << 50), HostArena(1 << 20), "stream", False)
+        return OffloadSetup(MemoryBudget(1 << 50), MemoryBudget(1 << 50), HostArena(1 << 20), "stream", False,
+                            tuning=tuning)
     from runtime.backends import exl2_offload
     config = SimpleNamespace(num_hidden_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
                              intermediate_size=folder.config["moe_intermediate_size"])
     if host_experts is False:
         off = dataclasses.replace(off, placement="vram")
-    setup = exl2_offload.prepare(folder.path, config, off, own_moe=True)
+    setup = exl2_offload.prepare(folder.path, config, off, own_moe=True, tuning=tuning)
     if host_experts and not setup.offload:
         raise EngineError("offload was asked for but the budgets keep every expert in VRAM")
     applied.update(setup.applied)
@@ -554,11 +556,13 @@ def _start_offload(setup, model, path: Path, off, progress):
                           + s.conv_channels * 8) + 16 * s.vocab * 4 + (512 << 20)
         setup.vram.reserve("prefill scratch", scratch, "lower the context length")
         from runtime.backends.routing_prior import saved_statistics
-        stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts)
+        stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts,
+                                                                         route_prior=setup.tuning.route_prior)
     else:
         stats_file, stats, prior = None, None, None
     manager = OffloadManager(layers, setup.vram, setup.policy if cuda else "stream", stats, stats_file,
-                             cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None)
+                             cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None,
+                             lend_staging=setup.tuning.lend_staging)
     manager.prior_reason = prior                  # measured once the engine is made (routing_prior.py)
     if cuda:
         from runtime.backends.exl2_decisions import saved_off

@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from runtime import tuning
 from runtime.engine import ProgressFn
 from runtime.errors import BadRequest
 from runtime.experts.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
@@ -24,15 +23,17 @@ log = logging.getLogger(__name__)
 MESSAGE = "Placing experts: from a calibration prompt"
 
 
-def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional[Path] = None):
+def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional[Path] = None,
+                     route_prior: bool = True):
     """(statistics or None, their file, a warning or None, why a prior is measured or None) for a
-    model about to be placed; `cache`: the user cache (default runtime.paths.cache_dir())."""
+    model about to be placed; `cache`: the user cache (default runtime.paths.cache_dir()); route_prior:
+    False measures none (Tuning.route_prior: the experts placed as if routing were uniform)."""
     if cache is None:
         from runtime.paths import cache_dir
         cache = cache_dir()
     stats_file = stats_path(cache, model_dir)
     stats, warning = RoutingStats.load(stats_file, layers, experts)
-    reason = prior_reason(stats, warning) if tuning.current().route_prior else None
+    reason = prior_reason(stats, warning) if route_prior else None
     return stats, stats_file, warning, reason
 
 

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from runtime import cpu_load, tuning
+from runtime import cpu_load
 from runtime.experts import cpu_experts as ce
 from runtime.experts import cpu_signal
 from runtime.experts.cpu_signal import _call_host, launch_host_func, signal_kind
@@ -49,6 +49,7 @@ from runtime.experts.cpu_signal import _call_host, launch_host_func, signal_kind
 from runtime.experts.cpu_signal import kick, signal_status  # noqa: F401
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.offload import inference_mode_methods
+from runtime.experts.decode import CUT_ALIGN
 from runtime.experts.pack import PackedExperts, intermediate_aligned
 
 MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
@@ -142,8 +143,8 @@ class _Proj:
 
 def _projections(packs: Sequence[PackedExperts], name: str, width: Optional[int] = None) -> list[_Proj]:
     """Gate, up, down as the CPU copies hold them (width: the first `width` intermediate features
-    only, a multiple of Tuning.cut_align), checked against the CPU kernel's tiles."""
-    align = tuning.current().cut_align
+    only, a multiple of CUT_ALIGN), checked against the CPU kernel's tiles."""
+    align = CUT_ALIGN
     w1, w3, w2 = packs
     H, I = w1.in_features, w2.in_features
     if width is None:
@@ -240,7 +241,7 @@ class CpuPath:
                  name: str = "layer", ram: Optional[MemoryBudget] = None, device=None,
                  width: Optional[int] = None):
         """width: the copies hold each expert's first `width` intermediate features (a multiple of
-        Tuning.cut_align): the CPU computes that part of every owned pick (up to `set_cut`) and the
+        CUT_ALIGN): the CPU computes that part of every owned pick (up to `set_cut`) and the
         GPU the rest. None: whole experts, each owned pick computed by the CPU alone."""
         w1 = packs[0]
         self.E, self.H, self.top_k, self.name = w1.num_experts, w1.in_features, top_k, name
@@ -314,16 +315,16 @@ class CpuPath:
     def set_share(self, share: Optional[float]) -> None:
         """Balanced split: the CPU takes at most `share` (0..1) of each token's cold picks, from the
         experts it owns; None: every owned pick (the static split)."""
-        from runtime.experts.kernels import SHARE_DEN
+        from runtime.experts.cpu_device import SHARE_DEN
         if share is not None and not 0.0 <= share <= 1.0:
             raise ValueError(f"{self.name}: CPU share {share} outside 0..1")
         self.share = None if share is None else int(round(share * SHARE_DEN))
 
     def set_cut(self, rows: int) -> None:
         """Experts cut between CPU and GPU: the CPU computes the first `rows` intermediate features
-        of each owned pick (a multiple of Tuning.cut_align, 1..width). The device value is written
+        of each owned pick (a multiple of CUT_ALIGN, 1..width). The device value is written
         in stream order, the worker's at once: call it with no step queued (the stream synchronised)."""
-        align = tuning.current().cut_align
+        align = CUT_ALIGN
         if self.cut is None:
             raise ValueError(f"{self.name}: the CPU copies are whole experts; there is no cut to move")
         if rows <= 0 or rows > self.width or rows % align:
@@ -368,9 +369,9 @@ class CpuPath:
         if self.share is not None:
             if resident is None:
                 raise ValueError(f"{self.name}: a balanced split needs the layer's resident mask")
-            from runtime.experts.kernels import cpu_share_mask
+            from runtime.experts.cpu_device import cpu_share_mask
             mask = cpu_share_mask(ids, mask, resident, self.share, self.step_mask)
-        from runtime.experts.kernels import cpu_inputs
+        from runtime.experts.cpu_device import cpu_inputs
         cpu_inputs(x, ids, w, mask, self.x, self.ids, self.w, self.owned)   # one launch into pinned memory
         if self.slot:
             cpu_signal.doorbell().ring(stream, self.slot)
@@ -384,7 +385,7 @@ class CpuPath:
             cpu_signal.doorbell().wait(stream, self.slot)
         else:
             launch_host_func(stream, self.wait_fn, self.ctx_addr)
-        from runtime.experts.kernels import add_from_host
+        from runtime.experts.cpu_device import add_from_host
         return add_from_host(y, self.y)                       # read in place over PCIe, one launch
 
     def run_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,17 @@
   GPU, an evicted one with a CPU copy to the CPU (offload.py); the owned sets are planned anew only
   at the next placement. Verify rows and prefill keep the GPU paths.
 
-How a layer's cold picks are shared (MOEDESK_CPU_SPLIT, read by runtime/experts/manager.py): "cut" (the
-default where the layout allows it) gives the CPU the first part of every cold pick's intermediate
-features and the GPU the rest, in the ratio of their rates, re-balanced while decoding (`rebalance`);
-"experts" gives each pick whole to one side (the balanced or static split).
-
-The balanced split (MOEDESK_CPU_SPLIT=experts; MOEDESK_CPU_BALANCE=0 gives the static split): CPU copies
-of this many times the experts the static split would own, and each decode step gives the CPU its
-planned share of the token's own cold picks (cpu_path.CpuPath.set_share) instead of every owned pick.
+How a layer's cold picks are shared: "cut" (wherever the layout allows it) gives the CPU the first part of
+every cold pick's intermediate features and the GPU the rest, in the ratio of their rates, re-balanced while
+decoding (`rebalance`); it beat whole experts to either side at every budget measured (40.6 against 37.0
+tok/s at 24 GB, docs/engine-notes.md). Elsewhere ("experts", or a test asking for it) each pick goes whole to
+one side, balanced: CPU copies of CPU_BALANCE times the experts a static split would own, and each decode
+step gives the CPU its planned share of the token's own cold picks (cpu_path.CpuPath.set_share).
 
 "auto" takes the CPU path where the planner predicts AUTO_CPU_MIN_GAIN and host RAM holds the copies,
 then keeps it only where timed decode steps say it is faster (path_judge.py); its cost is CPU copies in
 host RAM, a longer load and all but two cores busy while generating. What it gained on the H200, run by
-run: runtime/experts/NOTES.md. MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
+run: docs/engine-notes.md. Placement "stream" leaves it out.
 """
 from __future__ import annotations
 
@@ -43,6 +41,8 @@ from runtime.experts.staging import Staging
 log = logging.getLogger(__name__)
 CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
 AUTO_CPU_MIN_GAIN = 0.10       # "auto" takes the CPU path from this predicted gain (placement "cpu": any gain)
+CPU_SPLIT = "cut"              # how cold picks are shared where the layout allows a cut (module docstring)
+CPU_BALANCE = 1.5              # balanced split of whole experts: CPU copies of this many times the static split's
 CUT_HEADROOM = 128        # "cut": CPU copies at least this many rows wider than the planned cut ...
 CUT_ROOM = 0.25           # ... and this share of the expert's rows wider where the RAM budget holds it
 REBALANCE_EVERY = 16      # forwards between looks at the balance ("cut")
@@ -55,12 +55,11 @@ CUT_STEPS = 32            # a move of the cut shifts at least 1/CUT_STEPS of eve
 class CpuShare:
     """The layers' CPU paths (LayerOffload.cpu), why there are none, and the cut they share.
 
-    policy: the placement ("cpu", "auto", or another, which leaves the CPU out); auto_cpu, split_mode,
-    balance: MOEDESK_AUTO_CPU_PATH, MOEDESK_CPU_SPLIT, MOEDESK_CPU_BALANCE as the manager read them."""
+    policy: the placement ("cpu", "auto", or another, which leaves the CPU out). The split (CPU_SPLIT) and
+    the balance of whole experts (CPU_BALANCE) are read at construction (tests set others)."""
 
     def __init__(self, layers: list[LayerOffload], staging: Staging, stats: RoutingStats, policy: str,
-                 threads: int, ram: Optional[MemoryBudget], on_stage: Callable[[str], None],
-                 auto_cpu: bool, split_mode: str, balance: float):
+                 threads: int, ram: Optional[MemoryBudget], on_stage: Callable[[str], None]):
         self.layers, self.staging, self.stats = layers, staging, stats
         self.E = layers[0].num_experts
         self.top_k = layers[0].layer.top_k
@@ -68,7 +67,7 @@ class CpuShare:
         self.cuda = self.device.type == "cuda"
         self.policy, self.threads, self.ram = policy, threads, ram
         self.on_stage = on_stage
-        self.auto_cpu, self.split_mode, self.balance = auto_cpu, split_mode, balance
+        self.split_mode, self.balance = CPU_SPLIT, CPU_BALANCE
         self.experiment: Experiment = NO_EXPERIMENT
         self.reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
         self.split: Optional[CpuSplit] = None
@@ -192,10 +191,8 @@ class CpuShare:
         self.split = None
         self.predicted_gain, self.unavailable = None, ""
         self.skipped_for_prior = False
-        if self.policy != "cpu" and not (self.policy == "auto" and self.auto_cpu):
-            self.reason = self.unavailable = (
-                "MOEDESK_AUTO_CPU_PATH=0 leaves the CPU expert path to placement 'cpu'"
-                if self.policy == "auto" else f"placement '{self.policy}'")
+        if self.policy not in ("cpu", "auto"):
+            self.reason = self.unavailable = f"placement '{self.policy}'"
             return
         if all(len(r) == self.E for r in resident):
             self.reason = self.unavailable = "every expert is in VRAM"
@@ -215,7 +212,15 @@ class CpuShare:
         yield "measured the CPU's and PCIe's rates"
         if self._building is not paths:           # dropped meanwhile: a new placement or switch
             return
-        from runtime.experts.kernels import CUT_ALIGN
+        planned = self._planned(resident, costs, force)
+        if planned is not None:
+            yield from self._copies(paths, threads, *planned)
+
+    def _planned(self, resident: list[list[int]], costs: CpuSplitCosts, force: bool):
+        """The CPU's share of the cold experts at the measured rates, and the cut where experts are cut:
+        (split, cut, width), or None with the reason set (no gain, nothing worth it, a routing prior or a
+        saved decision coming)."""
+        from runtime.experts.decode import CUT_ALIGN
         from runtime.experts.pack import intermediate_aligned
         I = self.layers[0].packs[2].in_features
         cut_mode = (self.split_mode == "cut" and I % CUT_ALIGN == 0 and I >= 2 * CUT_ALIGN
@@ -238,24 +243,31 @@ class CpuShare:
             # now would be dropped then (9 s of copying on the H200 for q125-a11 at 24 GB)
             self.reason = "no CPU copies before the routing prior's placement"
             self.skipped_for_prior = True
-            return
+            return None
         if self.policy == "auto" and split.gain < AUTO_CPU_MIN_GAIN and not force:
             self.reason = f"the measured rates predict a gain of {split.gain:.0%} (< {AUTO_CPU_MIN_GAIN:.0%})"
-            return
+            return None
         if not any(split.owned):
             self.reason = self.unavailable = (
                 f"at the measured rates (CPU {costs.cpu_bytes_per_s / 1e9:.1f} GB/s, PCIe "
                 f"{costs.pcie_bytes_per_s / 1e9:.1f} GB/s) and {self.planned_for} no cold expert is worth the CPU")
-            return
+            return None
         saved, self.saved_off = self.saved_off, ""
         if saved and self.policy == "auto" and not force:
             self.reason = saved               # timed slower on an earlier load: no copies to drop again
-            return
+            return None
         cut = width = None
         if cut_mode:                          # one cut for all layers: their ratio of rates is the same
             f = float(np.mean([s for s, o in zip(split.shares, split.owned) if o]))
             cut = int(min(I, max(CUT_ALIGN, round(f * I / CUT_ALIGN) * CUT_ALIGN)))
             width = self._copy_width(I, cut, CUT_ALIGN, split.owned)
+        return split, cut, width
+
+    def _copies(self, paths: list, threads: int, split: CpuSplit, cut: Optional[int],
+                width: Optional[int]) -> Iterator[str]:
+        """The CPU's copies, one MoE layer's a step, then the path on; a short RAM budget or page-locked memory
+        leaves "auto" streaming (and says why), placement "cpu" failing."""
+        from runtime.experts import cpu_path
         self.on_stage("Placing experts: copying cold experts for the CPU")
         try:
             for i, (lo, owned) in enumerate(zip(self.layers, split.owned)):
@@ -285,8 +297,8 @@ class CpuShare:
         self._balance_prev = self.balance_totals()
         log.info("CPU expert path: %d threads, %s experts%s; predicted cold-expert time %.0f -> %.0f us/token",
                  threads, sum(len(o) for o in split.owned),
-                 f", the first {cut} of {I} intermediate rows of each" if cut is not None else "",
-                 split.stream_s * 1e6, split.split_s * 1e6)
+                 f", the first {cut} of {self.layers[0].packs[2].in_features} intermediate rows of each"
+                 if cut is not None else "", split.stream_s * 1e6, split.split_s * 1e6)
 
     def _activate(self, paths: list, split: CpuSplit, cut: Optional[int]) -> None:
         """A build's last step: its copies become the layers' CPU paths. Ownership as the experts are
@@ -351,7 +363,7 @@ class CpuShare:
         """Every layer's cut to `rows` (a multiple of CUT_ALIGN within the copies), the stream
         synchronised first; "cut" only."""
         if self.cut is None:
-            raise ValueError("the CPU path does not cut experts here (MOEDESK_CPU_SPLIT, placement, layout)")
+            raise ValueError("the CPU path does not cut experts here (the split, the placement, the layout)")
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         for lo in self.layers:
@@ -384,7 +396,7 @@ class CpuShare:
         else the cut stays. Times, not the counts, decide: across runs the fastest cut had the CPU
         finishing first in 12% to 78% of layer calls (runtime/experts/NOTES.md). Between forwards,
         with the stream synchronised (the worker's copy of the cut changes at once)."""
-        from runtime.experts.kernels import CUT_ALIGN
+        from runtime.experts.decode import CUT_ALIGN
         steps, self._window = sorted(self._window), []
         if len(steps) < REBALANCE_EVERY // 2 or not self.active:   # a prefill or pause in the window
             return

@@ -1,7 +1,6 @@
 """Expert offload for a whole model: the coordinator of the rooms below, the object the engine calls.
 
-Each idea lives in its own module; this one wires them together, reads their environment settings
-(once, below) and gives the engine one object:
+Each idea lives in its own module; this one wires them together and gives the engine one object:
 
 - **Placement and re-placement** (runtime/experts/residency.py): hot slots per layer in a VRAM budget,
   swapped between steps as the routing shifts. `place` plans, `apply` fills slots and staging.
@@ -9,7 +8,7 @@ Each idea lives in its own module; this one wires them together, reads their env
   experts, the pages lent to cold experts between prefills, and the naive baseline's copies.
 - **The CPU's share** (runtime/experts/cpu_share.py): CPU copies of the cold experts (or of their
   first rows, the cut, moved while decoding).
-- **Decode prefetch** (runtime/experts/prefetch.py, `MOEDESK_PREFETCH` pages, 1 by default on a GPU):
+- **Decode prefetch** (runtime/experts/prefetch.py, `prefetch_pages`, 1 by default on a GPU):
   after each MoE layer of a decode step, the next layer's router applied to the residual stream
   predicts its picks, and the likeliest cold one is copied into a VRAM page on a side stream while
   host RAM is idle (that layer's attention); copying runs only while 90% of the predictions come true.
@@ -34,7 +33,6 @@ from typing import Generator, Optional
 import numpy as np
 import torch
 
-from runtime import tuning
 from runtime.experts import prefetch as decode_prefetch
 from runtime.experts.budget import MemoryBudget
 from runtime.experts.cpu_share import CpuShare
@@ -53,19 +51,8 @@ log = logging.getLogger(__name__)
 # The VRAM ledger's items a placement reserves (and gives back when it places again); the rest is fixed
 OFFLOAD_ITEMS = ("hot experts", "prefill staging", "decode prefetch")
 
-# -- settings from the tuning (runtime/tuning.py), read once ---------------------------------------------
-
-# "auto" takes the CPU path where the planner predicts a gain (runtime/experts/cpu_share.py);
-# MOEDESK_AUTO_CPU_PATH=0 leaves it to "cpu".
-AUTO_CPU = tuning.current().auto_cpu_path
-# How a layer's cold picks are shared between CPU and GPU: "cut" or "experts" (runtime/experts/cpu_share.py).
-CPU_SPLIT = tuning.current().cpu_split
-# The balanced split ("experts"): CPU copies of this many times the experts the static split would own; 0: static.
-CPU_BALANCE = tuning.current().cpu_balance
-# Staging pages lent to cold experts between prefills (0: off, to compare).
-LEND_STAGING = tuning.current().lend_staging
-# Experts per layer copied ahead while decoding (runtime/experts/prefetch.py); 0: none.
-PREFETCH_PAGES = tuning.current().prefetch_pages
+PREFETCH_PAGES = 1     # experts per layer copied ahead while decoding, on a GPU (leaving the prefetch out of the
+                       # step lost: 37.1-37.6 against 38.8-40.1 tok/s at 24 GB on the H200, docs/engine-notes.md)
 
 
 class LayerHooks:
@@ -91,7 +78,8 @@ class OffloadManager:
                  stats: Optional[RoutingStats] = None, stats_file: Optional[Path] = None,
                  replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25,
                  cpu_threads: int = 0, ram: Optional[MemoryBudget] = None,
-                 prefetch_pages: Optional[int] = None, experiment: Experiment = NO_EXPERIMENT):
+                 prefetch_pages: Optional[int] = None, experiment: Experiment = NO_EXPERIMENT,
+                 lend_staging: bool = True):
         if not layers:
             raise ValueError("offload needs at least one MoE layer")
         self.layers = [LayerOffload(layer, i) for i, layer in enumerate(layers)]
@@ -112,12 +100,12 @@ class OffloadManager:
         self.counters = Counters()
         self._exclude = False                              # the last forward was prefill-sized
         side = torch.cuda.Stream(self.device) if self.cuda else None      # promotions, lending copies
-        self.staging = Staging(self.layers, self.counters, self.stats, side, LEND_STAGING and self.cuda)
+        self.staging = Staging(self.layers, self.counters, self.stats, side, lend_staging and self.cuda)
         self.residency = Residency(self.layers, self.stats, self.counters, self.staging, side,
                                    replace_every, max_promotions, margin)
-        # "cpu", or "auto" (with AUTO_CPU): the CPU path
+        # "cpu" or "auto": the CPU path
         self.cpu = CpuShare(self.layers, self.staging, self.stats, policy, cpu_threads, ram,
-                            lambda message: self.on_stage(message), AUTO_CPU, CPU_SPLIT, CPU_BALANCE)
+                            lambda message: self.on_stage(message))
         self.cpu.prior_due = lambda: self.prior_reason is not None
         # Decode prefetch (runtime/experts/prefetch.py): pages per layer, on a GPU by default.
         self.prefetch_pages = (PREFETCH_PAGES if self.cuda else 0) if prefetch_pages is None else prefetch_pages
@@ -207,7 +195,7 @@ class OffloadManager:
         self.vram.reserve("hot experts", sum(len(r) * b for r, b in zip(resident, cb)))
         if most_cold and self.prefetch_pages:
             self.vram.reserve("decode prefetch", self.prefetch_pages * max(cb),
-                              "set MOEDESK_PREFETCH=0, or raise the VRAM budget")
+                              "raise the VRAM budget")
         if capacity:
             self.staging.allocate(capacity)
         self.on_stage("Placing experts: filling the hot experts' slots")

@@ -46,13 +46,16 @@ from typing import Optional
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from runtime.experts.experiment import NO_EXPERIMENT, Experiment
 from runtime.experts.offload import inference_mode_methods, word_distance
 from runtime.experts.pack import PackedExperts
+from runtime.experts.routing import UniformPicks, router_logits
 
 
-# MOEDESK_PREFETCH (runtime/tuning.py, handed over by runtime/experts/manager.py): experts per layer copied
+# manager.PREFETCH_PAGES (handed over by runtime/experts/manager.py): experts per layer copied
 # ahead while decoding (one page each, all layers sharing them); 0: none. One q125-a11 expert (7.1 MB at
 # 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two layers' expert phases.
 WINDOW = 64          # forwards between looks at the score
@@ -139,7 +142,6 @@ class DecodePrefetch:
         """After layer lo's experts and the residual add (h [1, H] fp16, its picks ids [1, A]), on the
         compute stream: keep h for the next offloaded layer's plan (`release` launches it), or, for the
         last one, score lo's own prediction."""
-        from runtime.experts.kernels import prefetch_plan
         i = lo.index
         nxt = self._next(i)
         scored = i in self._scored
@@ -156,7 +158,6 @@ class DecodePrefetch:
         """Launch the pending plan for `target` (a layer offload; nothing if none is pending for it) on the
         side stream, after everything queued on the compute stream so far: score the layer before, predict
         from its kept residual, plan and copy for the target. Called once the target's q/k/v are queued."""
-        from runtime.experts.kernels import predict_logits, prefetch_copy, prefetch_plan
         if self._pending is None or target.index != self._pending[2]:
             return
         lo, ids, nxt = self._pending
@@ -264,3 +265,143 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+# -- the kernels: the next layer's prediction, its plan and score, the copies --------------------------
+
+def predict_logits(h: torch.Tensor, norm_w: Optional[torch.Tensor], gate_w: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out fp32 [E] = (h [1, H] * norm_w [H]) . gate_w[e]: the next layer's router on the residual stream,
+    normed by its weight only (the RMS factor does not change the ranking)."""
+    H, E = h.shape[-1], gate_w.shape[0]
+    if h.numel() != H or out.numel() != E or out.dtype != torch.float32:
+        raise ValueError(f"predict_logits: one row of {H} into fp32 [{E}], got {list(h.shape)} into "
+                         f"{out.dtype} {list(out.shape)}")
+    return router_logits(h.reshape(1, H), gate_w, out, norm_w)
+
+
+def prefetch_plan(logits, mask, tables, steps, pages, skip, step_skip, cand, copy, on, ids, prev_cand,
+                  prev_copy, score, top_k: int, plan: bool, oracle: Optional[tuple[UniformPicks, float]] = None) -> None:
+    """Launch `_prefetch_plan` (one program). tables/steps: the next layer's three offset tables and
+    their step copies (int64 [E]); pages int64 [3, P]; skip/step_skip uint8 [E] or None; cand/copy
+    int32 [P] (the next layer's); ids int32 [1, A] and prev_cand/prev_copy int32 [P] (this layer's,
+    None: nothing to score); score int64 [4]."""
+    E, P = mask.numel(), cand.numel()
+    score_it = ids is not None
+    dummy = score
+    t = oracle[0] if oracle is not None else None
+    _prefetch_plan[(1,)](
+        logits if plan else dummy, mask, *(tables if plan else (dummy,) * 3), *(steps if plan else (dummy,) * 3),
+        pages if plan else dummy, skip if skip is not None else dummy, step_skip if step_skip is not None else dummy,
+        cand, copy, on, ids if score_it else dummy, prev_cand if score_it else dummy,
+        prev_copy if score_it else dummy, score, t.table if t is not None else dummy,
+        t.step if t is not None else dummy, t.table.shape[0] if t is not None else 1,
+        float(oracle[1]) if oracle is not None else 0.0,
+        E=E, BE=triton.next_power_of_2(E), A=top_k, BA=triton.next_power_of_2(top_k), P=P,
+        BP=max(2, triton.next_power_of_2(P)), PLAN=plan, SCORE=score_it, SKIP=skip is not None,
+        ORACLE=oracle is not None, num_warps=4)
+
+
+PREFETCH_BLOCKS = 16      # programs per projection and page of a prefetch copy
+
+
+def prefetch_copy(base: torch.Tensor, desc: torch.Tensor, copy: torch.Tensor, words: int) -> None:
+    """Copy each expert of `copy` (int32 [P], -1: none) from host memory into its VRAM page, reading it
+    in place over PCIe; addresses in desc (int64 [3, 2 + P], words from base's address); `words`: the
+    most words of one projection of an expert."""
+    P, block = copy.numel(), 2048
+    nit = triton.cdiv(triton.cdiv(words, PREFETCH_BLOCKS), block)
+    _prefetch_copy[(P, 3, PREFETCH_BLOCKS)](base, desc, copy, P=P, D=desc.shape[1], NIT=nit, BLOCK=block,
+                                            num_warps=4)
+
+
+@triton.jit
+def _prefetch_plan(logits_ptr, mask_ptr, o1, o2, o3, s1, s2, s3, page_ptr, skip_ptr, sskip_ptr,
+                   cand_ptr, copy_ptr, on_ptr, ids_ptr, pcand_ptr, pcopy_ptr, score_ptr,
+                   otab_ptr, ostep_ptr, n_rows, oracle_q,
+                   E: tl.constexpr, BE: tl.constexpr, A: tl.constexpr, BA: tl.constexpr,
+                   P: tl.constexpr, BP: tl.constexpr, PLAN: tl.constexpr, SCORE: tl.constexpr,
+                   SKIP: tl.constexpr, ORACLE: tl.constexpr):
+    """One program. SCORE: this layer's prediction (made by the layer before) against its picks `ids`:
+    score[0..3] += candidates, candidates picked, copies, copies picked. PLAN: the next layer's
+    candidates, its top-A predicted picks (by `logits`) that are cold there (mask 0), the first P in
+    rank order; the copies are the candidates when *on_ptr, none otherwise; its step tables s1..s3
+    are its tables o1..o3 with each copied expert pointed at its page (page_ptr [3, P] word offsets),
+    and (SKIP) its step mask the CPU mask without the copied experts. ORACLE (benchmarks, uniform
+    routing): the picks the next layer will draw from `otab` (row *ostep_ptr), each kept with
+    probability oracle_q and otherwise replaced by a pseudo-random expert."""
+    a = tl.arange(0, BA)
+    am = a < A
+    k = tl.arange(0, BP)
+    km = k < P
+    if SCORE:
+        ids = tl.load(ids_ptr + a, mask=am, other=-2)
+        pc = tl.load(pcand_ptr + k, mask=km, other=-1)
+        pp = tl.load(pcopy_ptr + k, mask=km, other=-1)
+        c_hit = tl.max(((pc[:, None] == ids[None, :]) & (pc[:, None] >= 0)).to(tl.int64), axis=1)
+        p_hit = tl.max(((pp[:, None] == ids[None, :]) & (pp[:, None] >= 0)).to(tl.int64), axis=1)
+        tl.store(score_ptr + 0, tl.load(score_ptr + 0) + tl.sum((pc >= 0).to(tl.int64), axis=0))
+        tl.store(score_ptr + 1, tl.load(score_ptr + 1) + tl.sum(c_hit, axis=0))
+        tl.store(score_ptr + 2, tl.load(score_ptr + 2) + tl.sum((pp >= 0).to(tl.int64), axis=0))
+        tl.store(score_ptr + 3, tl.load(score_ptr + 3) + tl.sum(p_hit, axis=0))
+    if PLAN:
+        e = tl.arange(0, BE)
+        me = e < E
+        if ORACLE:
+            row = tl.load(ostep_ptr) % n_rows
+            truth = tl.load(otab_ptr + row * A + a, mask=am, other=0)
+            h = (row * 2654435761 + a * 40503 + 12345) % 1000003                  # a cheap hash of (row, pick)
+            keep = (h.to(tl.float32) / 1000003.0) < oracle_q
+            sel = tl.where(keep, truth, ((h * 7919) % E).to(tl.int32))
+        else:
+            z = tl.load(logits_ptr + e, mask=me, other=float("-inf"))
+            sel = tl.zeros([BA], dtype=tl.int32)
+            for j in tl.static_range(A):
+                mx = tl.max(z, axis=0)
+                i = tl.min(tl.where(z == mx, e, BE), axis=0)
+                sel = tl.where(a == j, i, sel)
+                z = tl.where(e == i, float("-inf"), z)
+        cold = am & (tl.load(mask_ptr + sel, mask=am, other=1) == 0)
+        rank = tl.cumsum(cold.to(tl.int32), axis=0)
+        pick = cold[None, :] & (rank[None, :] == k[:, None] + 1)                 # [BP, BA]
+        cand = tl.sum(tl.where(pick, sel[None, :] + 1, 0), axis=1) - 1           # -1: none
+        on = tl.load(on_ptr)
+        copy = tl.where(on != 0, cand, -1)
+        tl.store(cand_ptr + k, cand, mask=km)
+        tl.store(copy_ptr + k, copy, mask=km)
+        v1 = tl.load(o1 + e, mask=me, other=0)
+        v2 = tl.load(o2 + e, mask=me, other=0)
+        v3 = tl.load(o3 + e, mask=me, other=0)
+        if SKIP:
+            sk = tl.load(skip_ptr + e, mask=me, other=0)
+        for j in tl.static_range(P):
+            cj = tl.sum(tl.where(k == j, copy, 0), axis=0)
+            v1 = tl.where(e == cj, tl.load(page_ptr + j), v1)
+            v2 = tl.where(e == cj, tl.load(page_ptr + P + j), v2)
+            v3 = tl.where(e == cj, tl.load(page_ptr + 2 * P + j), v3)
+            if SKIP:
+                sk = tl.where(e == cj, 0, sk)
+        tl.store(s1 + e, v1, mask=me)
+        tl.store(s2 + e, v2, mask=me)
+        tl.store(s3 + e, v3, mask=me)
+        if SKIP:
+            tl.store(sskip_ptr + e, sk, mask=me)
+
+
+@triton.jit
+def _prefetch_copy(base_ptr, desc_ptr, copy_ptr, P: tl.constexpr, D: tl.constexpr, NIT: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program (k, j, b): words [b, b + 1) x NIT x BLOCK of projection j of copy k's expert, from host
+    memory to its page. desc [3, D] int64, words from base_ptr: [cold stack, words per expert, pages]."""
+    kk = tl.program_id(0)
+    j = tl.program_id(1)
+    b = tl.program_id(2)
+    e = tl.load(copy_ptr + kk).to(tl.int64)
+    if e >= 0:
+        W = tl.load(desc_ptr + j * D + 1)
+        src = tl.load(desc_ptr + j * D) + e * W
+        dst = tl.load(desc_ptr + j * D + 2 + kk)
+        for it in range(NIT):
+            offs = (b * NIT + it) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < W
+            tl.store(base_ptr + dst + offs, tl.load(base_ptr + src + offs, mask=m, cache_modifier=".cg"), mask=m)

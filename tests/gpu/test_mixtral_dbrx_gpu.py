@@ -223,7 +223,7 @@ def _compare(got, want, label, size):
 @pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
 def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
     from runtime.backends.exl2_offload import prefill_scratch_bytes, return_cached_memory
-    from runtime.experts import cpu_share, manager as mgr
+    from runtime.experts import cpu_share
     from runtime.experts.placement import CpuSplitCosts
     path = models(kind, size, 4)
     routing = Routing(monkeypatch)
@@ -282,7 +282,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
 
     # the CPU computes the first part of every cold pick, the GPU the rest (split forced: equal rates)
     real_costs = cpu_share.CpuShare._split_costs
-    monkeypatch.setattr(mgr, "CPU_SPLIT", "cut")
+    monkeypatch.setattr(cpu_share, "CPU_SPLIT", "cut")
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(
         50e9, 50e9, 0.0, real_costs(self, resident, threads).cpu_bytes_ratio))
     eng, applied = load(placement="cpu", cpu_threads=4)

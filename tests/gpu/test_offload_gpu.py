@@ -207,17 +207,16 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
     prefill keep the GPU paths. The split is forced (equal CPU and PCIe rates, no overhead) so every
     layer owns experts whatever this host measures; the measured rates are recorded. Balanced: copies
     of 1.5x the experts, each step's mask computed on the device from the token's picks
-    (MOEDESK_CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
-    the planned cut and at one set while the decode graphs stay captured (MOEDESK_CPU_SPLIT). No routing
+    (cpu_share.CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
+    the planned cut and at one set while the decode graphs stay captured (cpu_share.CPU_SPLIT). No routing
     prior: the experts are placed by uniform statistics, so every layer keeps some cold (the calibration
     prompt's picks in this synthetic model's layer 0 fell on 110 of its 128 experts, which the budget then
     kept in VRAM, and a layer whose cold experts no statistic picks gives the CPU nothing)."""
     from runtime import tuning
     from runtime.experts import cpu_share, cpu_signal
-    from runtime.experts import manager as mgr
     from runtime.experts.placement import CpuSplitCosts
-    monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
-    monkeypatch.setattr(mgr, "CPU_SPLIT", split)
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", balance)
+    monkeypatch.setattr(cpu_share, "CPU_SPLIT", split)
     if signal == "hostfunc":
         monkeypatch.setattr(cpu_signal, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=8, routing=routing)
@@ -372,20 +371,3 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement, rou
         assert tel["decode_graphs"] or not graphs, tel.get("graph_error")
         if placement == "cpu":
             assert tel["cpu_expert_path"] == "on" and cpu_pairs > 0, (tel["cpu_expert_path"], cpu_pairs)
-
-
-def test_verify_rows_read_per_row_match_all_in_vram(moe_8l, routing):
-    """MOEDESK_VERIFY_READS=rows: offloaded layers verify 2/5/8 rows through the split-K GEMVs (cold
-    experts read in place per row), graphs captured under that choice; the logits as all in VRAM."""
-    from runtime import tuning
-    from runtime.tuning import Tuning
-    toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=4, routing=routing)
-    budget = others + scratch + codes // 2 + (64 << 20)
-    with tuning.use(Tuning(verify_reads="rows")):
-        eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")
-        try:
-            assert eng.telemetry()["expert_paths"] == ["stream"] * 8
-            _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "verify reads per row")
-            assert eng.telemetry()["decode_graphs"], eng.telemetry().get("graph_error")
-        finally:
-            eng.close()

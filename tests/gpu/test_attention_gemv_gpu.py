@@ -1,16 +1,15 @@
-"""The split-K GEMV for dense EXL2 linears (`TritonExl2Linear`) against exllamav2's GEMM
-(`CudaExl2Linear`) and the dequantized weights, on real widths, eager and inside a CUDA graph; attention's
-prologue in one launch (`qkv_prologue`) against the steps it fuses; the engine's decode graphs with either.
+"""The decode graphs' attention in our launches (runtime/backends/exl2_gemv.py, the default for loads without
+offload): o through the split-K GEMV (`linear_gemv.linear_into`) against exllamav2's GEMM (`CudaExl2Linear`)
+and the dequantized weights, on real widths, eager and inside a CUDA graph; attention's prologue in one launch
+(`qkv_prologue`) against the steps it fuses; the engine's decode graphs with both.
 
-Run on the GPU test machine:  python -m pytest -m gpu tests/gpu/test_dense_gemv_gpu.py
-The timing of one layer's q/k/v/o both ways: python -m bench.check_dense_gemv --check --bits 4,3,6
+Run on the GPU test machine:  python -m pytest -m gpu tests/gpu/test_attention_gemv_gpu.py
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime import tuning
 from runtime.exl2 import format as fmt
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +38,15 @@ def dev():
     return torch.device("cuda")
 
 
+def _into(x: torch.Tensor, packs, outs) -> torch.Tensor:
+    """x [T, K] through linear_into, the parts side by side in one fp16 output."""
+    from runtime.experts.linear_gemv import linear_into
+    out = torch.empty((x.shape[0], sum(outs)), dtype=torch.float16, device=x.device)
+    cols = [0] + torch.tensor(outs).cumsum(0).tolist()
+    linear_into(x, packs, [out[:, a:b] for a, b in zip(cols, cols[1:])])
+    return out
+
+
 # Every bit width on the fused q/k/v of three parts, and 4 bits on the other shapes: the twenty cases of every width
 # on every shape had outgrown a call's time (23-34 s a case in the suite on the H200, two under 1 s; timing and
 # compiling launch shapes the suspects).
@@ -47,61 +55,51 @@ CASES = [(b, *SHAPES[0]) for b in (3, 4, 6, 8, 4.5)] + [(4, *shape) for shape in
 
 @pytest.mark.parametrize("bits,label,k,outs", CASES)
 def test_gemv_matches_exllamav2_and_the_weights(dev, bits, label, k, outs):
-    from runtime.backends.quant_linear import CudaExl2Linear, TritonExl2Linear, cuda_exl2, settle_autotune
+    from runtime.backends.quant_linear import CudaExl2Linear, settle_autotune
+    from runtime.experts.pack import pack_experts
     parts = _parts(k, outs, bits, seed=len(label) + k)
     names = [f"{label}.{i}" for i in range(len(outs))]
-    with tuning.use(tuning.with_changes(dense_gemv=True)):
-        gemv = cuda_exl2(parts, outs, names, dev)
-    assert isinstance(gemv, TritonExl2Linear) and isinstance(gemv.fallback, CudaExl2Linear)
+    packs = [pack_experts([t], n, device=dev) for t, n in zip(parts, names)]
     ex = CudaExl2Linear(parts, outs, names, dev)
-    settle_autotune([gemv, ex])
+    settle_autotune([ex])
     w = torch.cat([fmt.dequantize(t) for t in parts]).to(dev).float()
     g = torch.Generator(device=dev).manual_seed(0)
-    fallback, rows_to_fallback = gemv.fallback, []
-
-    def spy(x):                                 # which calls reached exllamav2's GEMM (its atomics' order varies
-        rows_to_fallback.append(x.shape[0])     # between calls: bit-for-bit equality with another call is luck)
-        return fallback(x)
-    gemv.fallback = spy
-    for t in list(range(1, 10)) + [16, 40]:                                  # 16, 40: the fallback
+    for t in range(1, 10):
         x = torch.randn((t, k), generator=g, device=dev).half()
         want = x.float() @ w.T
-        got, ref = gemv(x), ex(x)
+        got, ref = _into(x, packs, outs), ex(x)
         assert got.dtype == torch.float16 and got.shape == (t, sum(outs))
         e_got, e_ref = _rel(got, want), _rel(ref, want)
         assert e_got < 2e-3, (t, e_got)
         assert e_got <= 2 * e_ref + 1e-4, (t, e_got, e_ref)                   # no worse than exllamav2's
-    assert rows_to_fallback == [16, 40], rows_to_fallback                   # exllamav2's own GEMM above 9 rows
 
 
 def test_gemv_replays_in_a_cuda_graph(dev):
     """Graph-capturable: after the launch shapes are chosen, a captured call replays to the eager result
     (to the rounding of the split-K atomics' order) for new inputs written into the captured input."""
-    from runtime.backends.quant_linear import TritonExl2Linear, settle_gemv
+    from runtime.experts.pack import pack_experts
     label, k, outs = SHAPES[0]
-    parts = _parts(k, outs, 4, seed=7)
-    lin = TritonExl2Linear(parts, outs, ["q", "k", "v"], dev, fallback=None)
-    settle_gemv(lin)
+    packs = [pack_experts([t], f"p{i}", device=dev) for i, t in enumerate(_parts(k, outs, 4, seed=7))]
     for t in (1, 9):
         x = torch.zeros((t, k), dtype=torch.float16, device=dev)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            lin(x)                                                            # warm on the side stream
+            _into(x, packs, outs)                                             # shapes chosen, warm on the side stream
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            y = lin(x)
+            y = _into(x, packs, outs)
         for seed in (1, 2):
             x.copy_(torch.randn((t, k), generator=torch.Generator(device=dev).manual_seed(seed), device=dev).half())
             graph.replay()
             torch.cuda.synchronize()
-            want = lin(x).float()                 # split-K sums land in any order: equal to rounding
+            want = _into(x, packs, outs).float()          # split-K sums land in any order: equal to rounding
             assert (y.float() - want).abs().max() <= 1e-3 * want.abs().max(), (t, seed)
 
 
 def test_one_launch_prologue_at_real_size_eager_and_in_a_graph(dev):
-    """Attention's prologue in one launch (runtime/experts/qkv_prologue.py, MOEDESK_QKV_FUSED) at
+    """Attention's prologue in one launch (runtime/experts/qkv_prologue.py) at
     Qwen3-30B-A3B's widths (hidden 2048, 32 / 4 heads of 128; q at 4 bits, k at 6, v at 3): equal to the steps
     it fuses (tests/test_qkv_prologue.reference) at 1..9 rows with K cut as the timing chose; then captured in
     a CUDA graph, replayed on new inputs and positions, equal to the eager call."""
@@ -144,33 +142,31 @@ def test_one_launch_prologue_at_real_size_eager_and_in_a_graph(dev):
                 assert (got.float() - w.float()).abs().max() <= 1e-3 * w.float().abs().max(), (name, T, seed)
 
 
-@pytest.mark.parametrize("kind,switch", [("moe", "dense_gemv"), ("dense", "dense_gemv"), ("llama", "dense_gemv"),
-                                         ("moe", "qkv_fused"), ("llama", "qkv_fused")])
-def test_exl2_engine_graphs_with_the_gemv_match_the_reference(dev, kind, switch, moe_2l, dense_2l, llama_2l,
-                                                              references, routing):
-    """The exllamav2 engine's decode graphs with the switch on (exl2_gemv.install's hooks on every
-    attention; with qkv_fused, the prologue in one launch): decode and verify of 1..8 rows through captured
-    graphs against the float32 reference, the same script and tolerances as test_exl2_engine.py; the MoE
-    model's reference routed as the engine routed (test_exl2_engine.moe_checks: on the H200 its own routing
-    parted at a near tie and the verify rows came out 3.0-3.5e-2 off)."""
+@pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
+def test_exl2_engine_graphs_in_our_launches_match_the_reference(dev, kind, moe_2l, dense_2l, llama_2l, references,
+                                                                routing):
+    """The exllamav2 engine's decode graphs as a load without offload makes them (exl2_gemv.install: the
+    prologue in one launch and o through the GEMV on every attention; the MoE layers' norm, routing and experts
+    in three launches): decode and verify of 1..8 rows through captured graphs against the float32 reference,
+    the same script and tolerances as test_exl2_engine.py; the MoE model's reference routed as the engine
+    routed (test_exl2_engine.moe_checks: on the H200 its own routing parted at a near tie and the verify rows
+    came out 3.0-3.5e-2 off)."""
     from test_exl2_engine import ROWS, _load_exl2, _script, _tol, moe_checks
     from runtime.backends.exl2_gemv import fused_qkv
     path = {"moe": moe_2l, "dense": dense_2l, "llama": llama_2l}[kind]
     ref = references(kind)
     toks = torch.randint(0, ref.info.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    with tuning.use(tuning.with_changes(**{switch: True})):
-        eng = _load_exl2(path, graphs=True)
-        try:
-            hooked = [m for m in eng.model.modules if getattr(m, "moedesk_o", None) is not None]
-            assert len(hooked) == 2, "both layers' attention take the GEMV"
-            fused = [m.moedesk_qkv.func is fused_qkv for m in hooked]
-            assert fused == [switch == "qkv_fused"] * 2, fused
-            if kind == "moe":
-                _, bad = moe_checks(eng, ref, toks, routing, f"moe, {switch}")
-            else:
-                bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in _script(eng, ref, toks).items() if not e < _tol(k)]
-            tel = eng.telemetry()
-        finally:
-            eng.close()
+    eng = _load_exl2(path, graphs=True)
+    try:
+        hooked = [m for m in eng.model.modules if getattr(m, "moedesk_o", None) is not None]
+        assert len(hooked) == 2, "both layers' attention take our launches"
+        assert all(m.moedesk_qkv.func is fused_qkv for m in hooked)
+        if kind == "moe":
+            _, bad = moe_checks(eng, ref, toks, routing, "moe")
+        else:
+            bad = [f"{k}: {e:.2e} >= {_tol(k)}" for k, e in _script(eng, ref, toks).items() if not e < _tol(k)]
+        tel = eng.telemetry()
+    finally:
+        eng.close()
     assert tel["decode_graphs"] and sorted(t for _, t in tel["graph_shapes"]) == sorted(ROWS), tel
     assert not bad, "\n".join(bad)

@@ -1,6 +1,6 @@
-"""A dense EXL2 linear through the experts' split-K GEMV (`TritonExl2Linear`, `linear_gemv.linear_decode`)
-equals the dequantized weight (runtime/exl2/format.py) at 1..9 rows, on the CPU under Triton's
-interpreter; more rows go to its fallback; the tuning switch picks it in `quant_linear.cuda_exl2`.
+"""A dense EXL2 linear through the experts' split-K GEMV (`linear_gemv.linear_into`: attention's o in the decode
+graphs) equals the dequantized weight (runtime/exl2/format.py) at 1..9 rows, on the CPU under Triton's
+interpreter; `exl2_gemv.install` gives the attentions it takes the one-launch prologue and o's GEMV.
 
 As in test_attention_kernel.py, the kernel tests run in a child pytest with TRITON_INTERPRET=1 (Triton
 decides at import time for the whole process) and are skipped in the parent."""
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1 + 10 + 2 + 4 + 1 + 7 + 5 + 6   # + 7: the rows summed without the dot
+CHILD_TESTS = 8 + 2 + 1 + 2 + 10 + 2 + 7 + 5 + 6 + 2 + 1 + 3   # + 3: the tests without a kernel
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -45,9 +45,14 @@ def close(got, want):
     assert err <= 2e-3 * want.abs().max().item() + 1e-4, err
 
 
-def gemv(parts, outs, fallback=None):
-    from runtime.backends.quant_linear import TritonExl2Linear
-    return TritonExl2Linear(parts, outs, [f"p{i}" for i in range(len(parts))], torch.device("cpu"), fallback)
+def linear_decode(x, packs, outs, splitk=None):
+    """x fp16 [T, K] -> fp16 [T, sum(outs)]: part i's first outs[i] columns side by side (a fused projection),
+    each part into its own columns of one output through `linear_into`."""
+    from runtime.experts.linear_gemv import linear_into
+    out = torch.empty((x.shape[0], sum(outs)), dtype=torch.float16)
+    cols = [0] + list(torch.tensor(outs).cumsum(0).tolist())
+    linear_into(x, packs, [out[:, a:b] for a, b in zip(cols, cols[1:])], splitk=splitk)
+    return out
 
 
 def rows(t: int, k: int, seed: int = 1):
@@ -64,25 +69,22 @@ def rows(t: int, k: int, seed: int = 1):
 def test_q_k_v_fused_and_o_at_1_to_9_rows(bits, props, group):
     q, k, v = (exl2_linear(n, 128, bits, s, group, props) for n, s in ((256, 0), (32, 1), (32, 2)))
     o = exl2_linear(128, 256, bits, 3, group, props)
-    qkv, lo = gemv([q, k, v], [256, 32, 32]), gemv([o], [128])
-    assert (qkv.in_features, qkv.out_features, lo.in_features, lo.out_features) == (128, 320, 256, 128)
+    qkv, lo = _packs([q, k, v]), _packs([o])
     for t in range(1, 10):
         x = rows(t, 128, seed=t)
-        close(qkv(x), reference([q, k, v], [256, 32, 32], x))
+        close(linear_decode(x, qkv, [256, 32, 32]), reference([q, k, v], [256, 32, 32], x))
         h = rows(t, 256, seed=10 + t)
-        close(lo(h), reference([o], [128], h))
+        close(linear_decode(h, lo, [128]), reference([o], [128], h))
 
 
 @interpreted
 @pytest.mark.parametrize("splitk", ["32x1", "128x2"])
 def test_other_launch_shapes(splitk):
     """Launch shapes the GPU may pick by timing (narrow / wide column blocks, K cut in 1 or 2)."""
-    from runtime import tuning
     t = exl2_linear(96, 256, 4, 5)
-    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
-        for r in (1, 4, 9):
-            x = rows(r, 256, seed=r)
-            close(gemv([t], [96])(x), reference([t], [96], x))
+    for r in (1, 4, 9):
+        x = rows(r, 256, seed=r)
+        close(linear_decode(x, _packs([t]), [96], tuple(int(v) for v in splitk.split("x"))), reference([t], [96], x))
 
 
 @interpreted
@@ -91,74 +93,17 @@ def test_padded_columns_are_cut():
     asked-for columns."""
     a, b = exl2_linear(64, 128, 4, 7), exl2_linear(64, 128, 4, 8)
     x = rows(3, 128)
-    close(gemv([a, b], [40, 64])(x), reference([a, b], [40, 64], x))
-
-
-@interpreted
-def test_more_rows_go_to_the_fallback():
-    from runtime.backends.quant_linear import CpuExl2Linear
-    t = exl2_linear(64, 128, 4, 9)
-    fb = CpuExl2Linear([t], [64], ["p0"], torch.float32)
-    lin = gemv([t], [64], fallback=fb)
-    x = rows(10, 128)
-    y = lin(x)
-    assert y.dtype == torch.float32                                            # the fallback's, not the GEMV's
-    assert torch.equal(y, fb(x))
-    with pytest.raises(Exception, match="10 rows"):
-        gemv([t], [64])(x)
-
-
-@interpreted
-def test_bad_parts_are_refused_with_their_names():
-    from runtime.errors import InvalidModel
-    a, b = exl2_linear(64, 128, 4, 1), exl2_linear(64, 256, 4, 2)
-    with pytest.raises(InvalidModel, match="p1.*256 inputs.*128"):
-        gemv([a, b], [64, 64])
-    with pytest.raises(InvalidModel, match="p0.*80 output features but 64"):
-        gemv([a], [80])
-
-
-@interpreted
-@pytest.mark.parametrize("on", [False, True])
-def test_the_tuning_switch_picks_the_gemv(monkeypatch, on):
-    """quant_linear.cuda_exl2 (what `build` runs on CUDA): exllamav2's GEMM alone with the switch off,
-    the GEMV in front of it with the switch on; here exllamav2 is a stand-in that multiplies by the
-    dequantized weight, so the CUDA-side construction runs on the CPU."""
-    from runtime import tuning
-    from runtime.backends import quant_linear
-    from runtime.exl2 import format as exl2
-    made = {}
-
-    def make_q_matrix(w, temp_dq, max_dq_rows):
-        made[len(made)] = exl2.dequantize({k: v for k, v in w.items() if k != "q_perm"}).float()
-        return len(made) - 1
-
-    def gemm_half_q_half(x, handle, y, force_cuda):
-        y.copy_((x.float() @ made[handle].T).half())
-
-    ext = types.SimpleNamespace(make_q_matrix=make_q_matrix, exllamav2_ext=types.SimpleNamespace(
-        gemm_half_q_half=gemm_half_q_half))
-    monkeypatch.setitem(sys.modules, "exllamav2", types.SimpleNamespace(ext=ext))
-    monkeypatch.setitem(sys.modules, "exllamav2.ext", ext)
-    q, k = exl2_linear(64, 128, 4, 1), exl2_linear(32, 128, 3, 2)
-    with tuning.use(tuning.with_changes(dense_gemv=on)):
-        lin = quant_linear.cuda_exl2([q, k], [64, 32], ["q", "k"], torch.device("cpu"))
-    assert type(lin) is (quant_linear.TritonExl2Linear if on else quant_linear.CudaExl2Linear)
-    for t in (1, 9, 12):
-        x = rows(t, 128, seed=t)
-        close(lin(x), reference([q, k], [64, 32], x))
-    if on:
-        assert isinstance(lin.fallback, quant_linear.CudaExl2Linear)
+    close(linear_decode(x, _packs([a, b]), [40, 64]), reference([a, b], [40, 64], x))
 
 
 @interpreted
 @pytest.mark.parametrize("t", [0, 10])
-def test_linear_decode_refuses_row_counts_it_does_not_take(t):
-    from runtime.experts.linear_gemv import linear_decode
+def test_linear_into_refuses_row_counts_it_does_not_take(t):
+    from runtime.experts.linear_gemv import linear_into
     from runtime.experts.pack import pack_experts
     p = pack_experts([exl2_linear(64, 128, 4, 1)], "p")
     with pytest.raises(ValueError, match=f"{t} rows"):
-        linear_decode(torch.zeros(t, 128, dtype=torch.float16), [p], [64])
+        linear_into(torch.zeros(t, 128, dtype=torch.float16), [p], [torch.empty((t, 64), dtype=torch.float16)])
 
 
 def _packs(parts):
@@ -170,16 +115,14 @@ def _packs(parts):
 @pytest.mark.parametrize("splitk", ["32x1", "64x4"])
 @pytest.mark.parametrize("bits", [3, 4, 6, 8, 4.5])
 def test_linear_decode_is_fp16_at_1_to_9_rows(bits, splitk):
-    """`linear_decode` itself returns fp16 [T, sum(outs)] equal to x @ W.T, q/k/v fused, with K whole
-    (KSPLIT 1: stored straight into the output) and cut in 4 (fp32 atomics, then one cast)."""
-    from runtime import tuning
-    from runtime.experts.linear_gemv import linear_decode
+    """`linear_into` stores fp16 equal to x @ W.T, q/k/v fused, with K whole (KSPLIT 1: stored straight into
+    the output) and cut in 4 (the workspace, finished in the launch)."""
     parts = [exl2_linear(n, 128, bits, s) for n, s in ((256, 20), (32, 21), (32, 22))]
     packs = _packs(parts)
-    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
-        for t in range(1, 10):
-            x = rows(t, 128, seed=30 + t)
-            close(linear_decode(x, packs, [256, 32, 32]), reference(parts, [256, 32, 32], x))
+    for t in range(1, 10):
+        x = rows(t, 128, seed=30 + t)
+        close(linear_decode(x, packs, [256, 32, 32], tuple(int(v) for v in splitk.split("x"))),
+              reference(parts, [256, 32, 32], x))
 
 
 @interpreted
@@ -188,16 +131,16 @@ def test_fused_columns_with_each_part_its_own_shape(monkeypatch, ks):
     """Each part of a fused projection runs its own chosen shape: q, k and v with K whole store fp16 into
     an uninitialised output; when one part splits K, every part goes into the zeroed fp32 buffer (k
     by atomics, q and v by stores) and lands in its own columns all the same."""
-    from runtime.experts import kernels
-    from runtime.experts.kernels import SplitK
-    from runtime.experts.linear_gemv import linear_decode
+    from runtime.experts import shapes
+    from runtime.experts.shapes import SplitK
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((96, 23), (40, 24), (64, 25))]
     outs = [96, 33, 64]                                     # k: 7 padded columns cut
     packs = _packs(parts)
     for t in (1, 2, 9):
-        chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, torch.device("cpu")): SplitK(bn, k)
+        chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, None, torch.device("cpu")): SplitK(bn, k)
                   for p, n, bn, k in zip(packs, outs, (32, 16, 64), ks)}
-        monkeypatch.setattr(kernels, "_CHOSEN", chosen)
+        monkeypatch.setattr(shapes, "CHOSEN", chosen)
+        monkeypatch.setattr("runtime.experts.linear_gemv.CHOSEN", chosen)
         x = rows(t, 128, seed=40 + t)
         close(linear_decode(x, packs, outs), reference(parts, outs, x))
 
@@ -210,9 +153,8 @@ def test_kernel_writes_its_rows_and_columns_only(t, ksplit, dot):
     dtype, fp16) or with zeros in its own block (KSPLIT > 1: added, fp32): its block holds x @ W.T,
     the padded rows (up to 16; without the dot up to the power of two) and the other columns are
     untouched."""
-    from runtime.experts.kernels import SplitK
-    from runtime.experts.linear_gemv import linear_rows_block
-    from runtime.experts.triton_kernels import _linear_splitk
+    from runtime.experts.linear_gemv import _linear_splitk, linear_rows_block
+    from runtime.experts.shapes import SplitK
     part = exl2_linear(48, 128, 4, 26)
     p = _packs([part])[0]
     x = rows(t, 128, seed=50 + t)
@@ -238,9 +180,8 @@ def test_kernel_finishes_a_cut_k_in_its_own_launch(t, ksplit, dot, add):
     """FINISH: the K slices add into the float32 workspace and count per column block; the last one stores
     the block in fp16 into the output (ADD: added to what it holds), and the workspace and counters are
     zero again; the output's other rows and columns are untouched."""
-    from runtime.experts.kernels import SplitK
-    from runtime.experts.linear_gemv import linear_rows_block
-    from runtime.experts.triton_kernels import _linear_splitk
+    from runtime.experts.linear_gemv import _linear_splitk, linear_rows_block
+    from runtime.experts.shapes import SplitK
     part = exl2_linear(48, 128, 4, 27)
     p = _packs([part])[0]
     x = rows(t, 128, seed=80 + t)
@@ -263,50 +204,48 @@ def test_kernel_finishes_a_cut_k_in_its_own_launch(t, ksplit, dot, add):
 @pytest.mark.parametrize("splitk", ["32x1", "64x4", "16x8"])
 @pytest.mark.parametrize("room", [True, False])
 def test_linear_into_stores_or_adds_into_its_destinations(monkeypatch, splitk, room):
-    """`TritonExl2Linear.into`: q, k and v straight into a graph's own tensors, o added into the residual
-    stream (rows further apart than the part is wide), K whole or cut; with a workspace (each part one
-    launch, the workspace zero after) and without one, as in a graph capture when none fits (a zeroed
-    buffer, added and cast)."""
-    from runtime import tuning
-    from runtime.experts import linear_gemv
+    """`linear_into`: q, k and v straight into a graph's own tensors, o added into the residual stream (rows
+    further apart than the part is wide), K whole or cut; with a workspace (each part one launch, the
+    workspace zero after) and without one, as in a graph capture when none fits (a zeroed buffer, added and
+    cast)."""
+    from runtime.experts import linear_gemv, shapes
+    from runtime.experts.linear_gemv import linear_into
     if not room:
         monkeypatch.setattr(linear_gemv, "workspace", lambda *a: None)
     q, k, v = (exl2_linear(n, 128, 4, s) for n, s in ((256, 30), (32, 31), (32, 32)))
     o = exl2_linear(128, 256, 4, 33)
-    qkv, lo = gemv([q, k, v], [256, 32, 32]), gemv([o], [128])
-    with tuning.use(tuning.with_changes(splitk=tuple(int(v) for v in splitk.split("x")))):
-        for t in (1, 4, 9):
-            x = rows(t, 128, seed=100 + t)
-            dq, dk, dv = (torch.full((t, n), float("nan"), dtype=torch.float16) for n in (256, 32, 32))
-            qkv.into(x, [dq, dk, dv])
-            close(torch.cat([dq, dk, dv], dim=1), reference([q, k, v], [256, 32, 32], x))
-            h = rows(t, 256, seed=110 + t)
-            resid = torch.full((t, 200), float("nan"), dtype=torch.float16)
-            resid[:, :128] = rows(t, 128, seed=120 + t)
-            before = resid[:, :128].float().clone()
-            lo.into(h, [resid[:, :128]], add=True)
-            close(resid[:, :128], before + reference([o], [128], h))
-            assert resid[:, 128:].isnan().all()
-    for ws, cnt in linear_gemv._WORKSPACES.get(torch.device("cpu"), []):
+    qkv, lo = _packs([q, k, v]), _packs([o])
+    force = tuple(int(v) for v in splitk.split("x"))
+    for t in (1, 4, 9):
+        x = rows(t, 128, seed=100 + t)
+        dq, dk, dv = (torch.full((t, n), float("nan"), dtype=torch.float16) for n in (256, 32, 32))
+        linear_into(x, qkv, [dq, dk, dv], splitk=force)
+        close(torch.cat([dq, dk, dv], dim=1), reference([q, k, v], [256, 32, 32], x))
+        h = rows(t, 256, seed=110 + t)
+        resid = torch.full((t, 200), float("nan"), dtype=torch.float16)
+        resid[:, :128] = rows(t, 128, seed=120 + t)
+        before = resid[:, :128].float().clone()
+        linear_into(h, lo, [resid[:, :128]], add=True, splitk=force)
+        close(resid[:, :128], before + reference([o], [128], h))
+        assert resid[:, 128:].isnan().all()
+    for ws, cnt in shapes._WORKSPACES.get(torch.device("cpu"), []):
         assert not ws.any() and not cnt.any()
-    with pytest.raises(Exception, match="destinations of"):
-        qkv.into(rows(1, 128), [dq[:1], dk[:1]])
+    with pytest.raises(ValueError, match="2 destinations"):
+        linear_into(rows(1, 128), qkv, [dq[:1], dk[:1]])
 
 
 @interpreted
 @pytest.mark.parametrize("ks", [1, 2])
-def test_linear_decode_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
+def test_linear_into_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
     """The shapes that sum a verify's rows on the CUDA cores (no padding to 16 for a tensor-core dot),
     which the timing may pick at 2..8 rows: the same x @ W.T, q/k/v fused."""
-    from runtime.experts import kernels
-    from runtime.experts.kernels import SplitK
-    from runtime.experts.linear_gemv import linear_decode
+    from runtime.experts.shapes import SplitK
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((256, 60), (32, 61), (32, 62))]
     outs, packs = [256, 32, 32], _packs(parts)
     for t in range(2, 9):
-        monkeypatch.setattr(kernels, "_CHOSEN", {("linear", 128, p.out_features, n, t, p.bits, p.group,
-                                                  torch.device("cpu")): SplitK(16, ks, dot=False)
-                                                 for p, n in zip(packs, outs)})
+        chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, None, torch.device("cpu")):
+                  SplitK(16, ks, dot=False) for p, n in zip(packs, outs)}
+        monkeypatch.setattr("runtime.experts.linear_gemv.CHOSEN", chosen)
         x = rows(t, 128, seed=70 + t)
         close(linear_decode(x, packs, outs), reference(parts, outs, x))
 
@@ -329,16 +268,14 @@ def test_linear_candidates_keep_k_whole_and_divide_k():
     """Every part has KSPLIT 1 shapes to time (the grid no longer grows with the rows, so k/v's 512
     columns alone are few programs), the default first, every K cut a whole number of tiles; a forced
     shape is the only one."""
-    from runtime import tuning
-    from runtime.experts.kernels import SplitK, _ksplit
     from runtime.experts.linear_gemv import linear_candidates
+    from runtime.experts.shapes import SplitK, ksplit
     for n in (512, 2048, 4096):
         cands = linear_candidates(2048, n, 128)
-        assert cands[0] == SplitK(64, _ksplit(2048, 128, -(-n // 64)))
+        assert cands[0] == SplitK(64, ksplit(2048, 128, -(-n // 64)))
         assert any(c.ksplit == 1 for c in cands) and any(c.ksplit > 1 for c in cands)
         assert all(2048 % (c.ksplit * 128) == 0 for c in cands) and len(set(cands)) == len(cands)
-    with tuning.use(tuning.with_changes(splitk=(32, 1))):
-        assert linear_candidates(2048, 512, 128) == [SplitK(32, 1)]
+    assert linear_candidates(2048, 512, 128, forced=(32, 1)) == [SplitK(32, 1)]
 
 
 class _Folder:
@@ -418,15 +355,14 @@ def _attention(Attention, RMSNorm, key, H, Hq, Hk, D, **changes):
 
 @interpreted
 def test_exl2_engine_hooks(monkeypatch):
-    """exl2_gemv.install (the exllamav2 engine's decode graphs): plain attentions get the hooks, the others
-    (a bias, a post-norm, a prologue of the architecture's own) keep exllamav2's fused path; the hooks'
-    q/k/v (norm, projections, head norms) and x + o @ W_o.T equal the dequantized weights'; above 9 rows
-    exllamav2's prologue and epilogue run; with the switch off nothing is installed."""
-    from runtime import tuning
+    """exl2_gemv.install (the exllamav2 engine's decode graphs, a load without offload), with no switch to turn
+    on: plain attentions get the one-launch prologue and o through the GEMV, the others (a bias, a post-norm,
+    a prologue of the architecture's own) keep exllamav2's fused path; x + o @ W_o.T equals the dequantized
+    weight's; above 9 rows exllamav2's prologue and epilogue run."""
     from runtime.backends import exl2_gemv
     calls = []
     Attention, RMSNorm = _standin_exllamav2(monkeypatch, calls)
-    H, Hq, Hk, D = 128, 4, 2, 32
+    H, Hq, Hk, D = 256, 4, 2, 32
     tensors = attention_tensors(4, H, Hq, Hk, D, seed=0)
     plain = _attention(Attention, RMSNorm, "l0", H, Hq, Hk, D)
     biased = _attention(Attention, RMSNorm, "l1", H, Hq, Hk, D)
@@ -434,37 +370,24 @@ def test_exl2_engine_hooks(monkeypatch):
     post = _attention(Attention, RMSNorm, "l2", H, Hq, Hk, D, post_layernorm=object())
     own = _attention(Attention, RMSNorm, "l3", H, Hq, Hk, D, moedesk_qkv=print)
     model = types.SimpleNamespace(modules=[object(), plain, biased, post, own])
-    with tuning.use(tuning.with_changes(dense_gemv=False)):
-        assert exl2_gemv.install(model, _Folder(tensors)) == 0
-    assert not hasattr(plain, "moedesk_o")
     folder = _Folder(tensors)
-    with tuning.use(tuning.with_changes(dense_gemv=True)):
-        assert exl2_gemv.install(model, folder) == 1
-    assert folder.closed and plain.moedesk_o is not None and own.moedesk_qkv is print
+    assert exl2_gemv.install(model, folder) == 1
+    assert folder.closed and plain.moedesk_qkv.func is exl2_gemv.fused_qkv and own.moedesk_qkv is print
+    assert plain.moedesk_o.func is exl2_gemv.gemv_o
     assert not any(hasattr(a, "moedesk_o") for a in (biased, post, own))
+    assert exl2_gemv.install(model, _Folder(tensors)) == 1                  # a second graph build: as it was
 
     from runtime.exl2 import format as exl2
     from runtime.modelfolder import EXL2_PARTS
-    w = {n: exl2.dequantize({p: tensors[f"l0.{n}.{p}"] for p in EXL2_PARTS})
-         for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    w_o = exl2.dequantize({p: tensors[f"l0.o_proj.{p}"] for p in EXL2_PARTS})
     for T in (1, 9):
         x = rows(T, H, seed=T).view(1, T, H)
-        q, k, v = (torch.empty((1, T, n * D), dtype=torch.float16) for n in (Hq, Hk, Hk))
-        calls.clear()
-        plain.moedesk_qkv(x, T, None, q, k, v, None, None)
-        assert calls == [("rope", Hq, True), ("rope", Hk, True)]
-        xf = x.view(T, H).float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * plain.pre_layernorm.weight).half().float()
-        for got, name, heads, norm in ((q, "q_proj", Hq, plain.q_norm), (k, "k_proj", Hk, plain.k_norm),
-                                       (v, "v_proj", Hk, None)):
-            want = (normed @ w[name].T).half().float().view(T, heads, D)
-            if norm is not None:
-                want = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
-            assert (got.float().view(T, heads, D) - want).abs().max() <= 2e-2 * want.abs().max(), name
         o = rows(T, Hq * D, seed=20 + T).view(1, T, Hq * D)
         before = x.clone()
+        calls.clear()
         plain.moedesk_o(x, o, T)
-        close(x.view(T, H), before.view(T, H).float() + o.view(T, -1).float() @ w["o_proj"].T)
+        assert calls == []
+        close(x.view(T, H), before.view(T, H).float() + o.view(T, -1).float() @ w_o.T)
     calls.clear()
     x10 = rows(10, H).view(1, 10, H)
     plain.moedesk_qkv(x10, 10, None, *(torch.empty(1) for _ in range(3)), None, None)
@@ -477,21 +400,21 @@ def test_a_shape_that_does_not_compile_here_is_passed_over(monkeypatch):
     skipped and the fastest of the others kept; the default failing is an error."""
     from triton.runtime.errors import OutOfResources
 
-    from runtime.experts import kernels
-    from runtime.experts.kernels import SplitK
-    monkeypatch.setattr(kernels, "interpreting", lambda: False)
-    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels.torch.cuda, "is_current_stream_capturing", lambda: False)
+    from runtime.experts import shapes
+    from runtime.experts.shapes import SplitK
+    monkeypatch.setattr(shapes, "interpreting", lambda: False)
+    monkeypatch.setattr(shapes.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(shapes.torch.cuda, "is_current_stream_capturing", lambda: False)
     times = {SplitK(64, 1): 3.0, SplitK(16, 1, dot=False): 1.0, SplitK(32, 1, dot=False): 2.0}
     current = []
-    monkeypatch.setattr(kernels, "_time_eager", lambda run: times[current[-1]])
+    monkeypatch.setattr(shapes, "_time_eager", lambda run: times[current[-1]])
 
     def launch(c):
         current.append(c)
         if c == SplitK(16, 1, dot=False):
             raise OutOfResources(300000, 232448, "shared memory")
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
-    assert kernels._choose("k", list(times), launch) == SplitK(32, 1, dot=False)
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(shapes, "CHOSEN", {})
+    assert shapes.choose("k", list(times), launch) == SplitK(32, 1, dot=False)
+    monkeypatch.setattr(shapes, "CHOSEN", {})
     with pytest.raises(OutOfResources):
-        kernels._choose("k2", [SplitK(16, 1, dot=False), SplitK(64, 1)], launch)
+        shapes.choose("k2", [SplitK(16, 1, dot=False), SplitK(64, 1)], launch)
