@@ -152,9 +152,9 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     """The kernels with about half the experts cold (host memory, read in place or staged for many
     rows) against the same layer all resident: `rel_err` is the largest difference
     relative to the largest output."""
-    from runtime.experts.budget import MemoryBudget
+    from runtime.budget import MemoryBudget
     from runtime.experts.layer import experts_forward
-    from runtime.experts.manager import OffloadManager
+    from runtime.offload.manager import OffloadManager
     import dataclasses
     ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     host = HostArena(1 << 20)
@@ -213,7 +213,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     for cut in cuts:
         cpu = None
         try:
-            from runtime.experts.cpu_path import WHOLE, CpuPath
+            from runtime.cpu.path import WHOLE, CpuPath
             cpu = CpuPath((layer.w1, layer.w3, layer.w2), list(range(E)), top_k, threads=1, device="cpu",
                           width=cut) if device == "cpu" else None
         except ValueError:

@@ -20,7 +20,7 @@ The placement check (`compare_policies`): per layer, a cache of C expert slots r
 LRU (every miss copied in, the least recently used out), by the manager's frequency placement (the
 most routed experts of a calibration prefix resident, then swaps when a cold expert's decayed count
 beats the weakest resident's by the manager's margin, at most 2 per 16 tokens:
-runtime/experts/manager.OffloadManager.decide), and by the same rule on recent counts (a short
+runtime/offload/residency.Residency.decide), and by the same rule on recent counts (a short
 half-life, more swaps: a mix of the two). Hit rates alone favour recency; what the GPU pays is the
 PCIe traffic, where every LRU miss is read in place and copied in as well. Pure numpy.
 """

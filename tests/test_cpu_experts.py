@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from runtime.cpu import experts as ce
 from runtime.exl2 import format as fmt
-from runtime.experts import cpu_experts as ce
 
 H, I, E, A = 256, 128, 6, 3
 # Relative max error vs the float64 forward of the fp16-dequantized weights (max |y - ref| / max |ref|):

@@ -240,7 +240,7 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
 
 _SHARE_MASK_CHECK = """
 import torch
-from runtime.experts.cpu_device import SHARE_DEN, cpu_share_mask
+from runtime.cpu.device import SHARE_DEN, cpu_share_mask
 g = torch.Generator().manual_seed(0)
 E, A = 12, 5
 cases = [(int(s), i) for i, s in enumerate(torch.randint(0, SHARE_DEN + 1, (60,), generator=g))]
@@ -275,7 +275,7 @@ def test_cpu_share_mask_gives_the_cpu_its_share_of_each_tokens_cold_picks():
 
 def test_cpu_share_mask_refuses_bad_arguments():
     import torch
-    from runtime.experts.cpu_device import cpu_share_mask
+    from runtime.cpu.device import cpu_share_mask
     owned, resident, out = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="one row of expert ids"):
         cpu_share_mask(torch.zeros(2, 2, dtype=torch.int32), owned, resident, 512, out)

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from runtime.experts.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
-from runtime.experts.placement import PathCosts, decode_roofline, plan_placement
-from runtime.experts.routing_stats import RoutingStats, drift, stats_path
+from runtime.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
+from runtime.offload.placement import PathCosts, decode_roofline, plan_placement
+from runtime.offload.routing_stats import RoutingStats, drift, stats_path
 
 GiB_s = float(GB)
 RIG = PathCosts(pcie_bytes_per_s=51.7 * GiB_s, cpu_bytes_per_s=92 * GiB_s)  # measured H200-rig ceilings

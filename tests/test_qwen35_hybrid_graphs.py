@@ -24,12 +24,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.experts.shapes import CAPTURE_MODE
 from runtime.backends import hybrid
 from runtime.backends.exl2_graph import bucket
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.experts.layer import ExpertLayer, route
 from runtime.experts.pack import dequantize_packed
+from runtime.experts.shapes import CAPTURE_MODE
 from runtime.options import LoadOptions, OffloadOptions
 
 K = 5
@@ -503,7 +503,8 @@ def test_under_offload_short_steps_replay_graphs_and_a_replacement_drops_them(fo
             off.forward([seq[i]])
         off.forward(seq[23:23 + WINDOW])
         assert [e[0] for e in api.log] == ["capture", "replay", "replay", "capture"], api.log
-        monkeypatch.setattr(off.offload, "stage_worth", lambda rows: rows >= 2)   # as for a long forward
+        begin = off.offload.begin_forward
+        monkeypatch.setattr(off.offload, "begin_forward", lambda rows: begin(rows) or rows >= 2)   # as for a long one
         off.forward(seq[30:33])
         assert len(api.log) == 4, "a staged forward went through a graph"
         monkeypatch.undo()

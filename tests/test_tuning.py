@@ -194,7 +194,7 @@ def test_the_engine_reads_no_tuning_global_inside_its_modules():
     """The engine's tuning is read once at load (an engine's `load`, from `current()` under another name) and
     handed to constructors: no module of the engine calls `tuning.current()` (a captured CUDA graph keeps what
     it saw). The process-wide reads left are the chat template's timeout and the CPU kernel's build flags."""
-    allowed = {"runtime/chat_template.py", "runtime/experts/cpu_experts.py", "runtime/cpu/experts.py"}
+    allowed = {"runtime/chat_template.py", "runtime/cpu/experts.py", "runtime/cpu/experts.py"}
     offenders = []
     for path in sorted((ROOT / "runtime").rglob("*.py")):
         rel = str(path.relative_to(ROOT))

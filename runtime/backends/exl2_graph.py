@@ -122,7 +122,7 @@ class DecodeGraphs:
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
         # Called with the MoE layer after an attention once its q/k/v projections are queued (the offload
-        # manager's release_prefetch: runtime/experts/prefetch.py says why not before), or None.
+        # manager's release_prefetch: runtime/offload/prefetch.py says why not before), or None.
         self.after_qkv = None
         from runtime.experts.exl2_module import OwnMoE
         self.moe_after = {i: n.experts for i, (m, n) in enumerate(zip(self.body, self.body[1:]))

@@ -1,4 +1,4 @@
-"""The routing prior at load (runtime/experts/route_prior.py), for any engine with expert offload.
+"""The routing prior at load (runtime/offload/route_prior.py), for any engine with expert offload.
 
 `saved_statistics` reads a model's saved routing statistics for the offload's start and says whether
 this load measures a prior; `measure_at_load` then runs the calibration prefill (after the warm-up's
@@ -6,7 +6,7 @@ kernels, before the expert path is timed: the paths are timed on the placement t
 hands its routing counts to the manager and lets it place the experts again, once. Behind the load's
 progress: "Placing experts: from a calibration prompt". The engine's part is `prefill`, `truncate`,
 `position`, `vocab`, `info` and `offload`: the exllamav2 engine (runtime/backends/exl2.py, through
-exl2_placement.settle_cpu_path) and the Qwen3.5 hybrid engine (hybrid.py) run the same.
+expert_path.settle_cpu_path) and the Qwen3.5 hybrid engine (hybrid.py) run the same.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Optional
 
 from runtime.engine import ProgressFn
 from runtime.errors import BadRequest
-from runtime.experts.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
-from runtime.experts.routing_stats import RoutingStats, stats_path
+from runtime.offload.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
+from runtime.offload.routing_stats import RoutingStats, stats_path
 
 log = logging.getLogger(__name__)
 MESSAGE = "Placing experts: from a calibration prompt"

@@ -95,7 +95,7 @@ class OwnMoE(ExLlamaV2Module):
                 self.on_host(f"experts of {self.key}.{name}", pack.cold.numel() * 4)
 
         # gate and up packed with the intermediate in down's packed order: a cold expert can then be
-        # cut between the CPU and the GPU by ranges (runtime/experts/cpu_path.py); done while packing,
+        # cut between the CPU and the GPU by ranges (runtime/cpu/path.py); done while packing,
         # not by moving every expert's codes from host memory to the GPU and back afterwards
         try:
             packs = pack_layer(load, self.key, device=self.device(),

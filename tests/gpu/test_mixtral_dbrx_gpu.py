@@ -222,9 +222,9 @@ def _compare(got, want, label, size):
 @pytest.mark.parametrize("size", ["real", "tiny"])
 @pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
 def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
-    from runtime.backends.exl2_offload import prefill_scratch_bytes, return_cached_memory
-    from runtime.experts import cpu_share
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.backends.gpu_offload import prefill_scratch_bytes, return_cached_memory
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     path = models(kind, size, 4)
     routing = Routing(monkeypatch)
     ref, applied = _load(path)
@@ -239,7 +239,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
     finally:
         ref.close()
     # what torch still holds unused after the hand-back a load starts with: a budgeted load's ledger
-    # counts it (exl2_offload.HELD_BEFORE), so the budget includes it
+    # counts it (gpu_offload.HELD_BEFORE), so the budget includes it
     return_cached_memory()
     held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     expert = codes // n_experts
@@ -292,8 +292,8 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         tel = eng.telemetry()
         assert set(tel["expert_paths"]) == {"cpu+stream"} and tel["cpu_expert_path"] == "on", tel
         m = eng.offload
-        assert m.cut is not None and m.cut % 64 == 0 and 0 < m.cut < eng.moe[0].experts.w2.in_features
-        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} cpu cut {m.cut}", size)
+        assert m.cpu.cut is not None and m.cpu.cut % 64 == 0 and 0 < m.cpu.cut < eng.moe[0].experts.w2.in_features
+        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} cpu cut {m.cpu.cut}", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert tel["cpu_expert_pairs"] > 0 and "cpu_expert_errors" not in tel, tel

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.experts.budget import GB, BudgetError, gb
+from runtime.budget import GB, BudgetError, gb
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def plan_cpu_split(freq: np.ndarray, resident: list[list[int]], code_bytes, top_
 
     oversubscribe > 1 (the balanced split): the CPU gets copies of that many times the experts, and
     `shares` says what part of a token's cold picks it should compute, so that a step can give it
-    that part of each token's own picks (kernels.cpu_share_mask) rather than whatever the static set
+    that part of each token's own picks (cpu/device.cpu_share_mask) rather than whatever the static set
     happens to catch.
 
     cut (experts cut between the two): the CPU owns every cold expert and computes the same part

@@ -1,4 +1,4 @@
-"""How a decode step's stream signals the CPU path's worker thread (runtime/experts/cpu_path.py), and
+"""How a decode step's stream signals the CPU path's worker thread (runtime/cpu/path.py), and
 back: stream memory operations on a page-locked doorbell ("memops"), or host nodes ("hostfunc"), chosen
 once per process (`signal_kind`); the CUDA driver calls behind them, through ctypes.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from runtime.experts import cpu_experts as ce
+from runtime.cpu import experts as ce
 
 CU_STREAM_WAIT_VALUE_EQ = 0x1
 SIGNAL_KINDS = ("memops", "hostfunc")

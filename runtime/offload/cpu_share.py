@@ -1,6 +1,6 @@
 """What the CPU computes of the cold experts: which ones, which rows of each (the cut), moved while decoding.
 
-- **CPU path** (placements "auto" and "cpu"; runtime/experts/cpu_path.py): after each placement,
+- **CPU path** (placements "auto" and "cpu"; runtime/cpu/path.py): after each placement,
   the CPU gets copies of the first rows of every cold expert ("cut", the default: the part that
   balances its expected time against PCIe's for the rest, placement.plan_cpu_split, from measured
   rates; moved while decoding by `rebalance`), or of whole experts ("experts"); "auto" takes it where
@@ -30,13 +30,14 @@ from typing import Callable, Generator, Iterator, Optional, TypeVar
 import numpy as np
 import torch
 
-from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.cpu_experts import CpuExpertsError
-from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-from runtime.experts.offload import LayerOffload, inference_mode_methods
-from runtime.experts.placement import CpuSplit, CpuSplitCosts, plan_cpu_split
-from runtime.experts.routing_stats import RoutingStats
-from runtime.experts.staging import Staging
+from runtime.budget import BudgetError, MemoryBudget
+from runtime.cpu.experts import CpuExpertsError
+from runtime.experts.pack import inference_mode_methods
+from runtime.offload.experiment import NO_EXPERIMENT, Experiment
+from runtime.offload.placement import CpuSplit, CpuSplitCosts, plan_cpu_split
+from runtime.offload.routing_stats import RoutingStats
+from runtime.offload.slots import LayerOffload
+from runtime.offload.staging import Staging
 
 log = logging.getLogger(__name__)
 CPU_OVERHEAD_S = 30e-6         # CPU path, per layer and token: copies to and from pinned memory, signals
@@ -59,14 +60,14 @@ class CpuShare:
     the balance of whole experts (CPU_BALANCE) are read at construction (tests set others)."""
 
     def __init__(self, layers: list[LayerOffload], staging: Staging, stats: RoutingStats, policy: str,
-                 threads: int, ram: Optional[MemoryBudget], on_stage: Callable[[str], None]):
+                 threads: int, ram: Optional[MemoryBudget]):
         self.layers, self.staging, self.stats = layers, staging, stats
         self.E = layers[0].num_experts
         self.top_k = layers[0].layer.top_k
         self.device = layers[0].device
         self.cuda = self.device.type == "cuda"
         self.policy, self.threads, self.ram = policy, threads, ram
-        self.on_stage = on_stage
+        self.on_stage: Callable[[str], None] = lambda message: None   # a placement's parts, said (the load's progress)
         self.split_mode, self.balance = CPU_SPLIT, CPU_BALANCE
         self.experiment: Experiment = NO_EXPERIMENT
         self.reason = "not placed yet"                 # why no layer uses the CPU path ("" when some do)
@@ -82,13 +83,13 @@ class CpuShare:
         self._window: list[float] = []                     # decode step times (s) since the last look
         self._t_prev: Optional[float] = None               # when the previous forward started, if one row
         # "auto": an earlier load of this model at this budget on this machine timed the CPU path
-        # slower (exl2_offload.start reads the saved decision): the next placement builds no copies
+        # slower (gpu_offload.start reads the saved decision): the next placement builds no copies
         # (the judge would drop them; the H200's first load spent 29 s copying them), and says this
         # reason. Once; the judge's own measurement builds them (force).
         self.saved_off = ""
         self.planned_for = ""           # what routing the CPU's share was planned for (telemetry, logs)
         # whether the load will measure a routing prior and place again (the manager's prior_reason)
-        self.prior_due: Callable[[], bool] = lambda: False
+        self.prior_due = False
         self.skipped_for_prior = False  # the last placement made no copies, waiting for the prior's
 
     @property
@@ -130,7 +131,7 @@ class CpuShare:
             for lo, cpu in zip(self.layers, paths):
                 lo.cpu = cpu
                 if cpu is not None:            # ownership after promotions and lending while set aside
-                    lo._write_entries(list(range(self.E)))
+                    lo.write_entries(list(range(self.E)))
             self.reason = ""
         elif not on and keep and self.active:
             self.release_parked()
@@ -187,7 +188,7 @@ class CpuShare:
                 self._close_building()
 
     def _build(self, resident: list[list[int]], force: bool, paths: list) -> Iterator[str]:
-        from runtime.experts import cpu_path
+        from runtime.cpu import path as cpu_path
         self.split = None
         self.predicted_gain, self.unavailable = None, ""
         self.skipped_for_prior = False
@@ -199,7 +200,7 @@ class CpuShare:
             return
         try:
             from runtime import cpu_load
-            from runtime.experts import cpu_experts
+            from runtime.cpu import experts as cpu_experts
             if not cpu_experts.kernel_loaded():       # its first build on a machine: ~30 s, said as such
                 self.on_stage("Placing experts: building the CPU expert kernel")
                 cpu_experts.load_kernel()
@@ -238,7 +239,7 @@ class CpuShare:
             split = self._plan(np.full_like(freq, 1.0 / self.E), resident, costs, cut_mode)
             self.planned_for = (f"uniform routing (the statistics route {cold_share(freq, resident):.1%} of "
                                 "the picks to cold experts)")
-        if self.policy == "auto" and self.prior_due() and not force:
+        if self.policy == "auto" and self.prior_due and not force:
             # the load places the experts again by the routing prior it measures next: copies made
             # now would be dropped then (9 s of copying on the H200 for q125-a11 at 24 GB)
             self.reason = "no CPU copies before the routing prior's placement"
@@ -267,7 +268,7 @@ class CpuShare:
                 width: Optional[int]) -> Iterator[str]:
         """The CPU's copies, one MoE layer's a step, then the path on; a short RAM budget or page-locked memory
         leaves "auto" streaming (and says why), placement "cpu" failing."""
-        from runtime.experts import cpu_path
+        from runtime.cpu import path as cpu_path
         self.on_stage("Placing experts: copying cold experts for the CPU")
         try:
             for i, (lo, owned) in enumerate(zip(self.layers, split.owned)):
@@ -311,7 +312,7 @@ class CpuShare:
                 continue
             lo.cpu = cpu
             for e in owned:
-                cpu.own(e, lo._words(e) is None)
+                cpu.own(e, lo.table_words(e) is None)
             if cut is not None:
                 cpu.set_cut(cut)
             elif self.balance:
@@ -326,7 +327,7 @@ class CpuShare:
     def _split_costs(self, resident: list[list[int]], threads: int) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)
         and, on a GPU, pinned host-to-device bandwidth."""
-        from runtime.experts import cpu_path
+        from runtime.cpu import path as cpu_path
         lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
         cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
         cpu = cpu_path.cpu_bytes_per_s(lo.packs, cold, self.top_k, threads)
@@ -340,7 +341,7 @@ class CpuShare:
     def _copy_width(self, I: int, cut: int, align: int, owned: list) -> int:
         """The copies' rows for a planned cut (`copy_widths`): wide where the RAM budget holds every
         owned expert's copy at that width with a tenth of it to spare, else narrow."""
-        from runtime.experts import cpu_path
+        from runtime.cpu import path as cpu_path
         narrow, wide = copy_widths(I, cut, align)
         if wide == narrow or self.ram is None:
             return wide
@@ -377,13 +378,13 @@ class CpuShare:
         """Before each forward: maybe move the cut, time the step, wake the worker's polling."""
         if self.split is None:
             return
-        from runtime.experts import cpu_path
+        from runtime.cpu.doorbell import kick
         if self.cut is not None and not self.experiment.fixed_cut and not self.experiment.naive:
             if forwards % REBALANCE_EVERY == 0:
                 self.rebalance(forwards)
                 self._t_prev = None             # a move synchronises: not part of a step's time
             self._time_step(rows)
-        cpu_path.kick()                         # the worker polls its doorbell without pause again
+        kick()                                  # the worker polls its doorbell without pause again
 
     def rebalance(self, forwards: int) -> None:
         """"cut": climb to the cut whose decode steps are fastest, one `cut_stride` at a time.
@@ -394,7 +395,7 @@ class CpuShare:
         is taken; else a neighbour not measured within REBALANCE_KEEP forwards is tried (first the
         side the worker's counts point at: more rows to the CPU when it finished first more often);
         else the cut stays. Times, not the counts, decide: across runs the fastest cut had the CPU
-        finishing first in 12% to 78% of layer calls (runtime/experts/NOTES.md). Between forwards,
+        finishing first in 12% to 78% of layer calls (docs/engine-notes.md). Between forwards,
         with the stream synchronised (the worker's copy of the cut changes at once)."""
         from runtime.experts.decode import CUT_ALIGN
         steps, self._window = sorted(self._window), []

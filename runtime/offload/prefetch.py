@@ -35,7 +35,7 @@ paths release at the next layer's router (`planned`), where the copy overlaps li
 
 Routing that cannot be predicted (uniform, as the benchmarks force) makes every copy a wasted PCIe read;
 the switch turns copying off there. Benchmarks can also hand the plan the next layer's forced picks
-(runtime/experts/experiment.py's `prefetch_oracle`, kept with a set probability) to measure what a
+(runtime/offload/experiment.py's `prefetch_oracle`, kept with a set probability) to measure what a
 given accuracy buys.
 Letters: L MoE layers, E experts, A experts per token, P pages.
 """
@@ -49,13 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-from runtime.experts.offload import inference_mode_methods, word_distance
-from runtime.experts.pack import PackedExperts
+from runtime.experts.pack import PackedExperts, inference_mode_methods
 from runtime.experts.routing import UniformPicks, router_logits
+from runtime.offload.experiment import NO_EXPERIMENT, Experiment
+from runtime.offload.slots import word_distance
 
 
-# manager.PREFETCH_PAGES (handed over by runtime/experts/manager.py): experts per layer copied
+# manager.PREFETCH_PAGES (handed over by runtime/offload/manager.py): experts per layer copied
 # ahead while decoding (one page each, all layers sharing them); 0: none. One q125-a11 expert (7.1 MB at
 # 3 bpw) takes ~140 us over PCIe on the H200, about the gap between two layers' expert phases.
 WINDOW = 64          # forwards between looks at the score
@@ -71,7 +71,7 @@ class DecodePrefetch:
     """Pages, per-layer step tables and masks, counters and the side stream of the decode prefetch."""
 
     def __init__(self, layers: list, pages: int, experiment: Experiment = NO_EXPERIMENT):
-        self.layers = layers                     # runtime/experts/offload.LayerOffload, one per MoE layer
+        self.layers = layers                     # runtime/offload/slots.LayerOffload, one per MoE layer
         self.top_k = layers[0].layer.top_k
         self.device = layers[0].device
         self.cuda = self.device.type == "cuda"

@@ -57,7 +57,7 @@ def cpu_share_mask(ids: torch.Tensor, owned: torch.Tensor, resident: torch.Tenso
     """The experts the CPU computes for one token (one decode row), on the device: of the token's
     cold picks (resident[e] == 0), those the CPU has copies of (owned[e] != 0), in pick order, up to
     round(share / SHARE_DEN * cold picks); the rest go over PCIe. So every layer's split follows the
-    token's own picks instead of only the average (runtime/experts/cpu_path.py, balanced split).
+    token's own picks instead of only the average (runtime/cpu/path.py, balanced split).
 
     ids int32 [1, A]; owned uint8 [E]; resident int32 [E]; out uint8 [E] (written whole)."""
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -82,7 +82,7 @@ def cpu_inputs(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mask: torch.
     """One launch instead of four copies: a decode row's x fp16 [1, H], ids int32 [1, A], weights fp32
     [1, A] and mask uint8 [E] (device) written into the CPU path's page-locked buffers of the same
     shapes, through their addresses (unified addressing: stores over PCIe). The stream operation
-    that rings the worker after it fences them (cpu_path.py)."""
+    that rings the worker after it fences them (path.py)."""
     for src, dst in ((x, x_h), (ids, ids_h), (w, w_h), (mask, mask_h)):
         if src.dtype != dst.dtype or src.numel() != dst.numel() or not src.is_contiguous():
             raise ValueError(f"cpu_inputs: {src.dtype} {list(src.shape)} into {dst.dtype} {list(dst.shape)}")

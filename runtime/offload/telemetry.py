@@ -1,6 +1,6 @@
 """Expert-offload statistics: the traffic counters the rooms add to, and the telemetry snapshot.
 
-`Counters` is shared by the rooms of runtime/experts/manager.py (staging and lending add the bytes they
+`Counters` is shared by the rooms of runtime/offload/manager.py (staging and lending add the bytes they
 copy, re-placement the bytes it promotes); `OffloadTelemetry` is what `OffloadManager.telemetry()`
 returns, a frozen snapshot whose `as_dict()` gives the keys the worker's telemetry event carries
 (runtime/backends/exl2.py merges them into the engine's).
@@ -113,61 +113,67 @@ class OffloadTelemetry:
         return out
 
 
-def collect(m) -> OffloadTelemetry:
-    """The snapshot of an OffloadManager `m` (runtime/experts/manager.py); read-only, any thread."""
-    with m.lock:
-        hp = [lo.hit_counts() for lo in m.layers]
+def collect(layers: list, hp: list[tuple[int, int]], share, staging, prefetch, counters: Counters,
+            vram) -> OffloadTelemetry:
+    """The snapshot of an offload manager's rooms (runtime/offload/manager.py): its layers (slots.LayerOffload)
+    and their (hits, pairs) so far, the CPU share, staging, the decode prefetch the steps run (or None), the
+    traffic counters and the VRAM ledger. Read-only, any thread."""
     hits, pairs = sum(h for h, _ in hp), sum(n for _, n in hp)
-    cpu = [lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0) for lo in m.layers]
+    cpu = [lo.cpu.counters() if lo.cpu is not None else (0, 0, 0, 0) for lo in layers]
     # over PCIe: the cold picks the CPU left alone, and the GPU's part of those it was cut into
     cold_bytes = sum((n - h - c[2] * (lo.cpu.cpu_part() if lo.cpu is not None else 1.0)) * lo.code_bytes
-                     for (h, n), c, lo in zip(hp, cpu, m.layers))
+                     for (h, n), c, lo in zip(hp, cpu, layers))
     # the decode prefetch: a copy picked is one of the misses above (its expert came over PCIe once);
     # a copy not picked moved its bytes for nothing
-    prefetch = m.prefetch_in_step
-    pf = prefetch.score.tolist() if prefetch is not None else [[0] * 4] * len(m.layers)
-    wasted = sum((s[2] - s[3]) * lo.code_bytes for s, lo in zip(pf, m.layers))
-    counters = m.counters
+    pf = prefetch.score.tolist() if prefetch is not None else [[0] * 4] * len(layers)
+    wasted = sum((s[2] - s[3]) * lo.code_bytes for s, lo in zip(pf, layers))
     moved = cold_bytes + wasted + sum(counters.bytes.values())
     calls = max((c[1] for c in cpu), default=0)
-    share = m.cpu
     cut = None
     if share.cut is not None and share.active:
         first = share.balance_totals()
-        cut = CpuCutFigures(rows=share.cut, of=m.layers[0].packs[2].in_features, copied=share.cut_width,
+        cut = CpuCutFigures(rows=share.cut, of=layers[0].packs[2].in_features, copied=share.cut_width,
                             cpu_first_share=first[0] / max(1, first[0] + first[1]),
                             cpu_idle_ms_per_token=first[2] / 1e6 / calls if calls else None,
                             moves=list(share.cut_log[-8:]))
     on = not share.reason
     signal = gain = None
     if on:
-        from runtime.experts import cpu_path
-        signal = cpu_path.signal_status()
+        from runtime.cpu.doorbell import signal_status
+        signal = signal_status()
         gain = share.split.gain if share.split else None
     return OffloadTelemetry(
         cpu_expert_ms_per_token=sum(c[0] for c in cpu) / 1e6 / calls if calls else None,
         cpu_expert_pairs=sum(c[2] for c in cpu),
-        cpu_expert_owned=[len(lo.cpu.owned_set) if lo.cpu is not None else 0 for lo in m.layers],
-        cpu_expert_bytes_per_token=(sum(c[2] * lo.cpu.pick_bytes() for c, lo in zip(cpu, m.layers)
+        cpu_expert_owned=[len(lo.cpu.owned_set) if lo.cpu is not None else 0 for lo in layers],
+        cpu_expert_bytes_per_token=(sum(c[2] * lo.cpu.pick_bytes() for c, lo in zip(cpu, layers)
                                         if lo.cpu is not None) / calls if calls else None),
         cpu_expert_path="on" if on else f"off: {share.reason}",
         cpu_expert_cut=cut, cpu_expert_signal=signal, cpu_expert_predicted_gain=gain,
-        cpu_expert_errors=tuple(f"layer {lo.index}: {c[3]}" for c, lo in zip(cpu, m.layers) if c[3]),
+        cpu_expert_errors=tuple(f"layer {lo.index}: {c[3]}" for c, lo in zip(cpu, layers) if c[3]),
         expert_hit_rate=hits / pairs if pairs else None,
         pcie_bytes_per_token=moved / counters.tokens_counted if counters.tokens_counted > 0 else None,
         expert_pairs=pairs, expert_hits=hits,
         expert_zero_copy_bytes=cold_bytes, expert_moved_bytes=dict(counters.bytes),
-        expert_residents=[len(lo.expert_slot) for lo in m.layers],
-        expert_lent=sum(len(lo.lent) for lo in m.layers),
-        expert_lent_pending=len(m.staging.lending),
+        expert_residents=[len(lo.expert_slot) for lo in layers],
+        expert_lent=sum(len(lo.lent) for lo in layers),
+        expert_lent_pending=len(staging.lending),
         expert_prefetch=prefetch.telemetry() if prefetch is not None else None,
         expert_prefetch_wasted_bytes=wasted,
-        expert_paths=[lo.path for lo in m.layers],
-        expert_path_counts=m.path_counts(),
-        expert_promotions=sum(lo.promotions for lo in m.layers),
-        expert_promotions_pending=sum(len(lo.pending) for lo in m.layers),
-        expert_staging_capacity=m.staging.capacity,
-        vram_budget_bytes=m.vram.total_bytes, vram_budget_used_bytes=m.vram.used_bytes,
-        vram_budget_items=dict(m.vram.items),
+        expert_paths=[lo.path for lo in layers],
+        expert_path_counts=path_counts(layers),
+        expert_promotions=sum(lo.promotions for lo in layers),
+        expert_promotions_pending=sum(len(lo.pending) for lo in layers),
+        expert_staging_capacity=staging.capacity,
+        vram_budget_bytes=vram.total_bytes, vram_budget_used_bytes=vram.used_bytes,
+        vram_budget_items=dict(vram.items),
         tokens_seen=counters.tokens,
     )
+
+
+def path_counts(layers: list) -> dict[str, int]:
+    """How many layers take each expert path ("vram", "stream", "cpu+stream"), in the layers' order."""
+    out: dict[str, int] = {}
+    for lo in layers:
+        out[lo.path] = out.get(lo.path, 0) + 1
+    return out

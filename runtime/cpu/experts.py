@@ -12,7 +12,7 @@ weight read, before scales):
   "int4"  0.5   torch's CPU int4 groupwise path, in EXL2's packed row order so its groups line up with
                 EXL2's: 2/3/4-bit codes are kept (scales rounded to bf16), 5/6/8-bit groups requantized
   "exl2"  b/8   the EXL2 codes themselves (3-bit stays 3-bit), repacked losslessly into column tiles
-                and read by a small C++ kernel (runtime/experts/csrc/exl2_cpu.cpp)
+                and read by a small C++ kernel (runtime/cpu/csrc/exl2_cpu.cpp)
 Every expert used by several of the T rows is read once for all of them. The torch formats loop over
 experts in Python; the exl2 kernel does the whole layer in one call with the GIL released.
 `CpuExpertRunner` runs forwards on a dedicated thread so the caller (the GPU's stream) overlaps.
@@ -270,7 +270,7 @@ class CpuExperts:
     def from_flat(cls, hidden: int, inter: int, flat: Mapping[str, torch.Tensor],
                   name: str = "layer") -> "CpuExperts":
         """An exl2 store over ready flat buffers laid out as `_flatten` lays them: qw int32, sc fp16,
-        grp int32 [*, 4], perm int32, desc int64 [E, 3, 8] (runtime/experts/cpu_path.cpu_store)."""
+        grp int32 [*, 4], perm int32, desc int64 [E, 3, 8] (runtime/cpu/path.cpu_store)."""
         want = {"qw": torch.int32, "sc": torch.float16, "grp": torch.int32, "perm": torch.int32, "desc": torch.int64}
         for key, dtype in want.items():
             t = flat.get(key)

@@ -1,7 +1,7 @@
 """Whether the CPU expert path runs ("auto" placement), decided by measured decode steps.
 
 The planner predicts the CPU path's gain from two rates measured once at load (the CPU kernel's and
-PCIe's, runtime/experts/placement.plan_cpu_split). On the H200 one noisy measurement flipped the
+PCIe's, runtime/offload/placement.plan_cpu_split). On the H200 one noisy measurement flipped the
 choice between loads of the same model (39.6 tokens/s with the path, 29.3 without, "a gain of 0%").
 So the choice is measured, once per model, budget and machine, and kept:
 
@@ -21,13 +21,14 @@ So the choice is measured, once per model, budget and machine, and kept:
   path already chosen is left only for one faster by more than `TIE` (hysteresis), and the new
   decision is saved.
 
-Pure logic and a small JSON file; the steps are timed by the engine (runtime/backends/exl2_placement.py).
+Pure logic and a small JSON file; the steps are timed by the engine (runtime/backends/expert_path.py).
 """
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
+import platform
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -254,3 +255,36 @@ def write_decision(file: Path, key: str, judge: PathJudge) -> None:
         tmp.replace(file)
     except OSError:
         pass
+
+
+# -- where the decisions are kept, and what one is valid for --------------------------------------------
+
+DECISIONS_FILE = "expert-path-decisions.json"     # in the user cache (runtime.paths.cache_dir)
+
+
+def key_for(model_path, budget) -> str:
+    """What a saved decision is valid for: the model folder, the VRAM budget (to 1/4 GiB), the CPU
+    threads asked for, the CPU split ("cut": one since the whole-experts switch went, kept so that saved
+    decisions stay found), and the machine (host, cores, GPU)."""
+    vram = round(budget.vram.total_bytes / (1 << 28)) / 4 if budget is not None else None
+    threads = budget.cpu_threads if budget is not None else 0
+    import torch
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"{Path(model_path).resolve()}|vram {vram} GiB|threads {threads or 'auto'}|split "
+            f"cut|{platform.node()}|{os.cpu_count()} cpus|{gpu}")
+
+
+def decisions_file() -> Path:
+    from runtime.paths import cache_dir
+    return cache_dir() / DECISIONS_FILE
+
+
+def saved_off(model_path, budget) -> str:
+    """Where "auto" placement will run the GPU-only path anyway: the reason a decision saved by an
+    earlier load gives (the judge reuses it untimed), else "" (nothing saved, or the CPU path)."""
+    if budget is None or getattr(budget, "policy", "auto") != "auto":
+        return ""
+    prior = read_decision(decisions_file(), key_for(model_path, budget))
+    if prior is None or prior.get("path") != "stream":
+        return ""
+    return f"as measured on an earlier load ({prior.get('reason', '')})"

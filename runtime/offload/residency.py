@@ -2,7 +2,7 @@
 
 - **Placement** (`plan`): after every other allocation, the VRAM left (minus prefill scratch) is
   split into two double-buffered staging areas and hot slots per layer, chosen by
-  runtime/experts/placement.py from the routing statistics (uniform when none are known; a first
+  runtime/offload/placement.py from the routing statistics (uniform when none are known; a first
   load measures a prior and places again: route_prior.py).
 - **Decode / verify** (few rows): the kernels read hot experts from VRAM and cold ones from pinned
   host memory in place (offload.py): nothing to schedule, graph-capturable.
@@ -21,12 +21,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.offload import LayerOffload, inference_mode_methods
-from runtime.experts.placement import plan_resident
-from runtime.experts.routing_stats import RoutingStats
-from runtime.experts.staging import Staging
-from runtime.experts.telemetry import Counters
+from runtime.budget import BudgetError, MemoryBudget
+from runtime.experts.pack import inference_mode_methods
+from runtime.offload.placement import plan_resident
+from runtime.offload.routing_stats import RoutingStats
+from runtime.offload.slots import LayerOffload
+from runtime.offload.staging import Staging
+from runtime.offload.telemetry import Counters
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
   (side stream) and the tables point at them: more picks read from VRAM, fewer over PCIe or by the
   CPU. They stay cold for the placement and the CPU keeps their copies; before the next forward
   that stages (or the naive baseline) every one goes back to host memory first (`reclaim`).
-- **Naive baseline** (runtime/experts/experiment.py, benchmark only, no graphs): every cold expert a
+- **Naive baseline** (runtime/offload/experiment.py, benchmark only, no graphs): every cold expert a
   step needs is copied into VRAM on demand after a host synchronisation per layer, nothing overlapped.
 
 Letters: E experts per layer, C staging capacity (experts).
@@ -23,11 +23,11 @@ from typing import Optional
 
 import torch
 
-from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-from runtime.experts.offload import LayerOffload, inference_mode_methods, word_distance
-from runtime.experts.pack import PackedExperts
-from runtime.experts.routing_stats import RoutingStats
-from runtime.experts.telemetry import Counters
+from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.offload.experiment import NO_EXPERIMENT, Experiment
+from runtime.offload.routing_stats import RoutingStats
+from runtime.offload.slots import LayerOffload, word_distance
+from runtime.offload.telemetry import Counters
 
 STAGE_PAIRS_PER_EXPERT = 2     # stage a layer's cold experts when rows x top-k >= this x E
 # ... and never below this many rows: forwards of up to 9 rows (a decode step, a verify of 8 drafts)

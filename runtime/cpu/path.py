@@ -1,7 +1,7 @@
 """The CPU path for cold experts in a decode step (one row): part of a layer's cold experts computed
 by the CPU from host RAM while the GPU reads the rest over PCIe.
 
-Per offloaded layer, a `CpuPath` owns CPU-format copies (runtime/experts/cpu_experts.py, format exl2)
+Per offloaded layer, a `CpuPath` owns CPU-format copies (runtime/cpu/experts.py, format exl2)
 of the experts it may compute, a device mask `skip` (uint8 [E]: 1 = the CPU computes this expert's
 part), the cut (`width` given: the CPU's part of such an expert is its first `cut` intermediate
 features, the copies holding `width` of them, the GPU's kernels computing the rest; whole experts
@@ -11,7 +11,7 @@ it is captured into the decode step's CUDA graph):
     router ─ x, ids, w, mask -> pinned (one kernel) ─ submit ─ GPU kernels (skip mask, cut) ─ wait ─ y += y_cpu (read in place)
                                                      └──── worker thread: the owned experts' part ────┘
 
-`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`cpu_signal.signal_kind`):
+`submit` and `wait` (csrc/exl2_cpu.cpp) come in two kinds, chosen once per process (`doorbell.signal_kind`):
 - "memops" (the default where the driver takes them and a captured graph replays them): the stream
   writes the layer's doorbell value into page-locked memory (cuStreamWriteValue32; its memory barrier
   orders the inputs written before it), and after its kernels writes the same value into `arrive` and waits
@@ -21,14 +21,14 @@ it is captured into the decode step's CUDA graph):
 - "hostfunc": host nodes (cuLaunchHostFunc) calling moedesk_cpu_submit / moedesk_cpu_wait: submit
   hands the context to the worker and returns at once, wait holds the stream until it is done. Each
   host node is a round trip through the driver's callback thread: at q125-a11's 24 GB budget on the
-  H200, four per layer cost ~9 ms of a 33.6 ms step (runtime/experts/NOTES.md).
+  H200, four per layer cost ~9 ms of a 33.6 ms step (docs/engine-notes.md).
 Either way the GPU's kernels and the CPU's work overlap on one stream, whatever the driver does with
 graph branches, and the worker runs plain C over the pointers in `HostCtx`: no CUDA call, no Python.
 The mask itself travels with the step (copied from `skip`, a device tensor written in stream order),
 so a change of ownership between steps reaches the GPU and the CPU at the same step.
 
-Which experts a layer's CPU owns and the first cut: runtime/experts/placement.plan_cpu_split; the cut
-moves between steps (`set_cut`, runtime/experts/manager._rebalance). What the copies cost in
+Which experts a layer's CPU owns and the first cut: runtime/offload/placement.plan_cpu_split; the cut
+moves between steps (`set_cut`, runtime/offload/cpu_share.CpuShare.rebalance). What the copies cost in
 host RAM is reserved on the RAM ledger. Letters: E experts, H hidden, A experts per token.
 """
 from __future__ import annotations
@@ -42,15 +42,12 @@ from typing import Optional, Sequence
 import torch
 
 from runtime import cpu_load
-from runtime.experts import cpu_experts as ce
-from runtime.experts import cpu_signal
-from runtime.experts.cpu_signal import _call_host, launch_host_func, signal_kind
-# manager.py calls these as cpu_path.kick and cpu_path.signal_status
-from runtime.experts.cpu_signal import kick, signal_status  # noqa: F401
-from runtime.experts.budget import MemoryBudget
-from runtime.experts.offload import inference_mode_methods
+from runtime.budget import MemoryBudget
+from runtime.cpu import doorbell as cpu_signal
+from runtime.cpu import experts as ce
+from runtime.cpu.doorbell import _call_host, launch_host_func, signal_kind
 from runtime.experts.decode import CUT_ALIGN
-from runtime.experts.pack import PackedExperts, intermediate_aligned
+from runtime.experts.pack import PackedExperts, inference_mode_methods, intermediate_aligned
 
 MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
 WHOLE = 1 << 30       # the GPU kernels' cut for whole experts: past any expert's width
@@ -272,7 +269,7 @@ class CpuPath:
             self.store_index[self.stored] = torch.arange(len(self.stored), dtype=torch.int32)
             self.skip = torch.zeros(E, dtype=torch.uint8, device=self.device)   # experts the CPU may compute
             # Balanced split (set_share): per step, the experts of `skip` the CPU computes for this token,
-            # at most its share of the token's cold picks (kernels.cpu_share_mask); None: all of `skip`.
+            # at most its share of the token's cold picks (device.cpu_share_mask); None: all of `skip`.
             self.share: Optional[int] = None
             self.step_mask = torch.zeros(E, dtype=torch.uint8, device=self.device)
             # The cut (set_cut): intermediate rows of an owned pick the CPU computes, the GPU the rest;
@@ -315,7 +312,7 @@ class CpuPath:
     def set_share(self, share: Optional[float]) -> None:
         """Balanced split: the CPU takes at most `share` (0..1) of each token's cold picks, from the
         experts it owns; None: every owned pick (the static split)."""
-        from runtime.experts.cpu_device import SHARE_DEN
+        from runtime.cpu.device import SHARE_DEN
         if share is not None and not 0.0 <= share <= 1.0:
             raise ValueError(f"{self.name}: CPU share {share} outside 0..1")
         self.share = None if share is None else int(round(share * SHARE_DEN))
@@ -359,7 +356,7 @@ class CpuPath:
         """Hand the CPU part of this layer to the worker for x fp16 [1, H], ids int32 [1, A], w fp32
         [1, A] (device tensors written on `stream`, the current stream): the GPU kernels queued next run
         while the CPU computes; `join` collects the result. Returns the mask and the cut the GPU
-        kernels take (kernels.experts_forward); with a share set, `resident` (int32 [E], 1 = in a VRAM
+        kernels take (layer.experts_forward); with a share set, `resident` (int32 [E], 1 = in a VRAM
         slot) says which picks are cold. owned: this step's mask instead of `skip` (uint8 [E] on the
         device: the decode prefetch's, without the experts it copied into VRAM for this layer)."""
         if x.shape != self.x.shape or ids.shape != self.ids.shape or w.shape != self.w.shape:
@@ -369,9 +366,9 @@ class CpuPath:
         if self.share is not None:
             if resident is None:
                 raise ValueError(f"{self.name}: a balanced split needs the layer's resident mask")
-            from runtime.experts.cpu_device import cpu_share_mask
+            from runtime.cpu.device import cpu_share_mask
             mask = cpu_share_mask(ids, mask, resident, self.share, self.step_mask)
-        from runtime.experts.cpu_device import cpu_inputs
+        from runtime.cpu.device import cpu_inputs
         cpu_inputs(x, ids, w, mask, self.x, self.ids, self.w, self.owned)   # one launch into pinned memory
         if self.slot:
             cpu_signal.doorbell().ring(stream, self.slot)
@@ -385,7 +382,7 @@ class CpuPath:
             cpu_signal.doorbell().wait(stream, self.slot)
         else:
             launch_host_func(stream, self.wait_fn, self.ctx_addr)
-        from runtime.experts.cpu_device import add_from_host
+        from runtime.cpu.device import add_from_host
         return add_from_host(y, self.y)                       # read in place over PCIe, one launch
 
     def run_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -2,24 +2,26 @@
 
 Each idea lives in its own module; this one wires them together and gives the engine one object:
 
-- **Placement and re-placement** (runtime/experts/residency.py): hot slots per layer in a VRAM budget,
+- **Placement and re-placement** (runtime/offload/residency.py): hot slots per layer in a VRAM budget,
   swapped between steps as the routing shifts. `place` plans, `apply` fills slots and staging.
-- **Staging and lending** (runtime/experts/staging.py): prefill's double-buffered copies of cold
+- **Staging and lending** (runtime/offload/staging.py): prefill's double-buffered copies of cold
   experts, the pages lent to cold experts between prefills, and the naive baseline's copies.
-- **The CPU's share** (runtime/experts/cpu_share.py): CPU copies of the cold experts (or of their
+- **The CPU's share** (runtime/offload/cpu_share.py): CPU copies of the cold experts (or of their
   first rows, the cut, moved while decoding).
-- **Decode prefetch** (runtime/experts/prefetch.py, `prefetch_pages`, 1 by default on a GPU):
+- **Decode prefetch** (runtime/offload/prefetch.py, `prefetch_pages`, 1 by default on a GPU):
   after each MoE layer of a decode step, the next layer's router applied to the residual stream
   predicts its picks, and the likeliest cold one is copied into a VRAM page on a side stream while
   host RAM is idle (that layer's attention); copying runs only while 90% of the predictions come true.
   Its pages are reserved and placed here.
-- **Statistics and telemetry** (runtime/experts/telemetry.py): traffic counters and the snapshot.
-- **Experiments** (runtime/experts/experiment.py): benchmark-only switches in one argument, given by
+- **Statistics and telemetry** (runtime/offload/telemetry.py): traffic counters and the snapshot.
+- **Experiments** (runtime/offload/experiment.py): benchmark-only switches in one argument, given by
   `set_experiment` (the app runs with none).
 
-The layers do not see this object: each gets its expert source (offload.LayerOffload, `layer.offload`)
+The layers do not see this object: each gets its expert source (slots.LayerOffload, `layer.offload`)
 and a `LayerHooks` (`layer.hooks`): staging's before/after, the prefetch a decode step uses, and
-whether its CPU path may run.
+whether its CPU path may run. The engine calls the manager for what concerns every room (placement,
+the boundaries around a forward, telemetry, close) and the room itself for what is its alone: the CPU
+share (`cpu`: the path on or off, the cut; runtime/backends/expert_path.py), staging (`staging`).
 
 Letters: L MoE layers, E experts per layer, A experts per token, C staging capacity (experts).
 """
@@ -28,23 +30,23 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Generator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from runtime.experts import prefetch as decode_prefetch
-from runtime.experts.budget import MemoryBudget
-from runtime.experts.cpu_share import CpuShare
-from runtime.experts.experiment import NO_EXPERIMENT, Experiment
+from runtime.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.offload import LayerOffload, cold_base, inference_mode_methods
-from runtime.experts.pack import PackedExperts
-from runtime.experts.residency import Residency
-from runtime.experts.route_prior import absorb_prior
-from runtime.experts.routing_stats import RoutingStats
-from runtime.experts.staging import Staging
-from runtime.experts.telemetry import Counters, OffloadTelemetry, collect
+from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.offload import prefetch as decode_prefetch
+from runtime.offload.cpu_share import CpuShare
+from runtime.offload.experiment import NO_EXPERIMENT, Experiment
+from runtime.offload.residency import Residency
+from runtime.offload.route_prior import absorb_prior
+from runtime.offload.routing_stats import RoutingStats
+from runtime.offload.slots import LayerOffload, cold_base
+from runtime.offload.staging import Staging
+from runtime.offload.telemetry import Counters, OffloadTelemetry, collect, path_counts
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,12 @@ class OffloadManager:
                  replace_every: int = 16, max_promotions: int = 2, margin: float = 0.25,
                  cpu_threads: int = 0, ram: Optional[MemoryBudget] = None,
                  prefetch_pages: Optional[int] = None, experiment: Experiment = NO_EXPERIMENT,
-                 lend_staging: bool = True):
+                 lend_staging: bool = True, prior_reason: Optional[str] = None, saved_off: str = ""):
+        """policy: the placement ("auto", "cpu", "stream", "vram"); stats, stats_file: the routing statistics
+        and where they are saved; cpu_threads, ram: the CPU path's team and RAM ledger; prefetch_pages: the decode
+        prefetch's (None: PREFETCH_PAGES on a GPU); lend_staging: Tuning.lend_staging; prior_reason: why the
+        load measures a routing prior (routing_prior.saved_statistics), or None; saved_off: a saved path
+        decision that rules out CPU copies at the first placement (path_judge.saved_off)."""
         if not layers:
             raise ValueError("offload needs at least one MoE layer")
         self.layers = [LayerOffload(layer, i) for i, layer in enumerate(layers)]
@@ -89,13 +96,11 @@ class OffloadManager:
         self.cuda = self.device.type == "cuda"
         self.vram = vram
         self.policy = "stream" if policy in ("auto", "cpu") else policy
-        self.on_stage = lambda message: None   # says which part of a placement runs (the load's progress)
         self.stats = stats or RoutingStats.empty(len(layers), self.E)
         self.stats_file = stats_file
-        self.prior_reason: Optional[str] = None    # why the load measures a routing prior (route_prior.py)
         self.prior_source = ""                      # what the measured prior came from, in words
         self._prior_mark: Optional[tuple[np.ndarray, float]] = None     # the statistics right after it
-        self.saved_off = ""         # a saved path decision that rules out CPU copies at load (exl2_decisions)
+        self.saved_off = saved_off  # a saved path decision that rules out CPU copies at load (expert_path)
         self.lock = threading.Lock()
         self.counters = Counters()
         self._exclude = False                              # the last forward was prefill-sized
@@ -104,10 +109,10 @@ class OffloadManager:
         self.residency = Residency(self.layers, self.stats, self.counters, self.staging, side,
                                    replace_every, max_promotions, margin)
         # "cpu" or "auto": the CPU path
-        self.cpu = CpuShare(self.layers, self.staging, self.stats, policy, cpu_threads, ram,
-                            lambda message: self.on_stage(message))
-        self.cpu.prior_due = lambda: self.prior_reason is not None
-        # Decode prefetch (runtime/experts/prefetch.py): pages per layer, on a GPU by default.
+        self.cpu = CpuShare(self.layers, self.staging, self.stats, policy, cpu_threads, ram)
+        self.cpu.saved_off = saved_off
+        self.prior_reason = prior_reason
+        # Decode prefetch (runtime/offload/prefetch.py): pages per layer, on a GPU by default.
         self.prefetch_pages = (PREFETCH_PAGES if self.cuda else 0) if prefetch_pages is None else prefetch_pages
         self.prefetch: Optional[decode_prefetch.DecodePrefetch] = None
         self.hooks = LayerHooks(self.staging)
@@ -116,6 +121,26 @@ class OffloadManager:
         for lo in self.layers:
             lo.layer.offload = lo
             lo.layer.hooks = self.hooks
+
+    @property
+    def prior_reason(self) -> Optional[str]:
+        """Why the load measures a routing prior (route_prior.py), or None: the CPU share makes no copies
+        before the prior's placement."""
+        return self._prior_reason
+
+    @prior_reason.setter
+    def prior_reason(self, reason: Optional[str]) -> None:
+        self._prior_reason = reason
+        self.cpu.prior_due = reason is not None
+
+    @property
+    def on_stage(self) -> Callable[[str], None]:
+        """Hears which part of a placement runs (the load's progress); nothing by default."""
+        return self.cpu.on_stage
+
+    @on_stage.setter
+    def on_stage(self, hear: Callable[[str], None]) -> None:
+        self.cpu.on_stage = hear
 
     # -- experiments -------------------------------------------------------------------------------
 
@@ -141,9 +166,6 @@ class OffloadManager:
 
     # -- placement ---------------------------------------------------------------------------------
 
-    def code_bytes(self) -> list[int]:
-        return self.residency.code_bytes()
-
     def fixed_bytes(self) -> int:
         """VRAM the ledger holds beside the placement's items (OFFLOAD_ITEMS): the weights, the KV
         cache, workspaces, prefill scratch, as the load measured and reserved them."""
@@ -153,8 +175,8 @@ class OffloadManager:
         """The VRAM budget at which this model, loaded as now (same context and cache), keeps
         `resident` experts per layer in VRAM under uniform routing: the fixed items plus what
         residency.offload_bytes says the hot slots, staging and prefetch pages take."""
-        from runtime.experts.residency import offload_bytes
-        return self.fixed_bytes() + offload_bytes(self.code_bytes(), self.E, resident, self.prefetch_pages)
+        from runtime.offload.residency import offload_bytes
+        return self.fixed_bytes() + offload_bytes(self.residency.code_bytes(), self.E, resident, self.prefetch_pages)
 
     def place(self, free_bytes: Optional[int] = None, freq: Optional[np.ndarray] = None) -> None:
         """Fill hot slots and staging from `free_bytes` of VRAM (default: what the ledger has left
@@ -172,7 +194,7 @@ class OffloadManager:
         cold experts (default: the most any layer leaves cold, + 1). Reserved in the VRAM ledger."""
         if len(resident) != len(self.layers):
             raise ValueError(f"{len(resident)} resident lists for {len(self.layers)} MoE layers")
-        cb = self.code_bytes()
+        cb = self.residency.code_bytes()
         most_cold = max(self.E - len(r) for r in resident)
         if capacity is None:
             capacity = min(self.E, most_cold + 1) if most_cold else 0
@@ -210,90 +232,20 @@ class OffloadManager:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.cpu.build(resident)
-        log.info("expert placement: %s", ", ".join(f"{n} layers {k}" for k, n in self.path_counts().items()))
+        log.info("expert placement: %s", ", ".join(f"{n} layers {k}" for k, n in path_counts(self.layers).items()))
 
     @property
     def all_in_vram(self) -> bool:
         """Every layer's experts are resident: none is cold."""
         return all(lo.path == "vram" for lo in self.layers)
 
-    def path_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for lo in self.layers:
-            out[lo.path] = out.get(lo.path, 0) + 1
-        return out
-
-    @property
-    def stage_capacity(self) -> int:
-        return self.staging.capacity
-
-    def stage_worth(self, rows: int) -> bool:
-        """Whether a forward of `rows` tokens stages the cold experts (the engine's prefill asks)."""
-        return self.staging.worth(rows)
-
-    def settle_lending(self) -> None:
-        """Wait for lending copies in flight and point their experts (tests, benchmarks)."""
-        self.staging.settle_lending()
-
-    # -- the CPU path (runtime/experts/cpu_share.py), as the engine and the path judge see it --------------
-
-    @property
-    def cpu_active(self) -> bool:
-        return self.cpu.active
-
-    @property
-    def cpu_policy(self) -> str:
-        return self.cpu.policy
-
-    @property
-    def cpu_reason(self) -> str:
-        """Why no layer uses the CPU path ("" when some do); the path judge words it after measuring."""
-        return self.cpu.reason
-
-    @cpu_reason.setter
-    def cpu_reason(self, reason: str) -> None:
-        self.cpu.reason = reason
-
-    @property
-    def cpu_predicted_gain(self) -> Optional[float]:
-        return self.cpu.predicted_gain
-
-    @property
-    def cpu_unavailable(self) -> str:
-        return self.cpu.unavailable
-
-    @property
-    def cut(self) -> Optional[int]:
-        return self.cpu.cut
-
-    @property
-    def cut_width(self) -> int:
-        return self.cpu.cut_width
-
-    def set_cut(self, rows: int) -> None:
-        self.cpu.set_cut(rows)
-
-    def balance_totals(self) -> tuple[int, int, int]:
-        return self.cpu.balance_totals()
-
-    def set_cpu_path(self, on: bool, reason: str = "measured slower", keep: bool = False) -> bool:
-        return self.cpu.set_path(on, reason, keep)
-
-    def set_cpu_path_steps(self, on: bool, reason: str = "measured slower",
-                           keep: bool = False) -> Generator[str, None, bool]:
-        """set_cpu_path one bounded step at a time (the worker's idle time; cpu_share.set_path_steps)."""
-        return self.cpu.set_path_steps(on, reason, keep)
-
-    def release_parked_cpu_path(self) -> None:
-        """A trial's end: the CPU copies it set aside, if any, freed (cpu_share.release_parked)."""
-        self.cpu.release_parked()
-
     # -- around a forward --------------------------------------------------------------------------------
 
-    def begin_forward(self, rows: int) -> None:
+    def begin_forward(self, rows: int) -> bool:
         """Called by the engine before a forward of `rows` tokens (after `step_boundary`): start
-        staging the first layer. Prefill-sized forwards stay out of the hit rate (their pairs are
-        accounted up to here now, and dropped at the next boundary)."""
+        staging the first layer; True when this forward stages its cold experts (copies scheduled from the
+        host per call: the engine runs it eagerly, not through a decode graph). Prefill-sized forwards stay
+        out of the hit rate (their pairs are accounted up to here now, and dropped at the next boundary)."""
         self.staging.begin_forward(rows)
         if self.prefetch_in_step is not None:
             self.prefetch_in_step.begin()
@@ -302,6 +254,7 @@ class OffloadManager:
                 lo.account()
             self._exclude = True
         self.staging.start_first(rows)
+        return self.staging.worth(rows)
 
     def release_prefetch(self, layer) -> None:
         """The decode graphs' call once the attention before MoE `layer` (an ExpertLayer) has queued its
@@ -332,7 +285,10 @@ class OffloadManager:
     # -- telemetry and persistence ---------------------------------------------------------------------
 
     def telemetry(self) -> OffloadTelemetry:
-        return collect(self)
+        """The snapshot the engine's telemetry carries (read-only, any thread)."""
+        with self.lock:
+            hits = [lo.hit_counts() for lo in self.layers]
+        return collect(self.layers, hits, self.cpu, self.staging, self.prefetch_in_step, self.counters, self.vram)
 
     def routing_counts(self) -> np.ndarray:
         """[L, E] picks counted on the device since load (int32 counters, wrapping; a sync)."""
@@ -388,7 +344,8 @@ class OffloadManager:
             self.prefetch_in_step.reset_score()
 
     def save_stats(self) -> None:
-        """Absorb the counts since the last snapshot and write the statistics file (a sync: at close)."""
+        """Absorb the counts since the last snapshot and write the statistics file (a sync: at close, or a
+        benchmark keeping a load's statistics for the next)."""
         self.residency.save_stats(self.stats_file)
 
     def close(self) -> None:

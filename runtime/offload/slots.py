@@ -2,7 +2,7 @@
 
 Every projection (gate, up, down) keeps all E experts' codes in pinned host memory (`cold`, which
 GPU kernels read at its own address over PCIe) and S of them in a VRAM stack of slots (`qweight`).
-The kernels find expert e's codes at `qweight`'s base + `woff[e]` int32 words (kernels.py), so
+The kernels find expert e's codes at `qweight`'s base + `woff[e]` int32 words (runtime/experts/decode.py, grouped.py), so
 moving an expert is one table write: `slot * words` for a resident expert, the distance from the
 slot stack to its place in `cold` for a cold one. No branch in the kernels, no host synchronisation
 in a step: a decode step captured in a CUDA graph reads whatever the table says when it runs.
@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import PackedExperts
+from runtime.experts.pack import PackedExperts, inference_mode_methods
 
 
 def cold_base(p: PackedExperts) -> int:
@@ -45,18 +45,6 @@ def word_distance(a: torch.Tensor, base: torch.Tensor) -> int:
         raise ValueError(f"expert code stacks {d} bytes apart: not a multiple of 64 (allocations are "
                          "aligned to 64 bytes or more)")
     return d // 4
-
-
-def inference_mode_methods(cls):
-    """Run every method of `cls` under torch.inference_mode(): the tables, masks and counters these
-    classes update in place were created while exllamav2 loaded the model (inside inference mode), and
-    torch refuses in-place updates of such tensors outside it."""
-    import functools
-    for name, fn in list(vars(cls).items()):
-        if callable(fn) and not isinstance(fn, (staticmethod, classmethod, type)) and (
-                not name.startswith("__") or name == "__init__"):
-            setattr(cls, name, functools.wraps(fn)(torch.inference_mode()(fn)))
-    return cls
 
 
 @inference_mode_methods
@@ -83,7 +71,7 @@ class LayerOffload:
         self.pairs = torch.zeros((), dtype=torch.int64, device=dev)
         self.tables_host = [[0] * E for _ in self.packs]                 # mirrors of the woff tables
         self.promotions = 0
-        self.cpu = None              # runtime/experts/cpu_path.CpuPath when the CPU computes some cold experts
+        self.cpu = None              # runtime/cpu/path.CpuPath when the CPU computes some cold experts
         self.set_slots(0)
 
     # -- sizes -------------------------------------------------------------------------------------
@@ -150,7 +138,7 @@ class LayerOffload:
         for s, e in enumerate(experts):
             self.slot_expert[s] = e
             self.expert_slot[e] = s
-        self._write_entries(experts)
+        self.write_entries(experts)
 
     # -- re-placement between steps ------------------------------------------------------------------
 
@@ -160,7 +148,7 @@ class LayerOffload:
         s = self.expert_slot.pop(e)
         self.account()
         self.slot_expert[s] = -1
-        self._write_entries([e])
+        self.write_entries([e])
         return s
 
     def promote(self, e: int, slot: int, side: Optional[torch.cuda.Stream]) -> None:
@@ -195,7 +183,7 @@ class LayerOffload:
             self.expert_slot[e] = s
             self.lent.pop(e, None)                  # promoted while lent: its page until now
             self.promotions += 1
-        self._write_entries(done)
+        self.write_entries(done)
         return done
 
     # -- lent pages (between prefills) ----------------------------------------------------------------
@@ -213,7 +201,7 @@ class LayerOffload:
         self.account()
         for e, pg in pages.items():
             self.lent[e] = [word_distance(t, p.qweight) for t, p in zip(pg, self.packs)]
-        self._write_entries(list(pages))
+        self.write_entries(list(pages))
 
     def unlend(self) -> list[int]:
         """Point every lent expert back at host memory (compute stream); returns them. Their pages
@@ -222,30 +210,30 @@ class LayerOffload:
         if back:
             self.account()
             self.lent = {}
-            self._write_entries(back)
+            self.write_entries(back)
         return back
 
-    def _words(self, e: int) -> Optional[list[int]]:
+    def table_words(self, e: int) -> Optional[list[int]]:
         """Table words of expert e: its slot's, its lent page's, or None (host memory)."""
         if e in self.expert_slot:
             return [self.expert_slot[e] * p.words_per_expert for p in self.packs]
         return self.lent.get(e)
 
-    def _write_entries(self, experts: list[int]) -> None:
-        """Rewrite the entries of `experts` from `_words` (slot, lent page or host memory), one copy per
+    def write_entries(self, experts: list[int]) -> None:
+        """Rewrite the entries of `experts` from `table_words` (slot, lent page or host memory), one copy per
         table and one for the mask, in stream order. A resident or lent expert is the GPU's; a cold one
         the CPU's if it has a copy."""
         if not experts:
             return
         for j, p in enumerate(self.packs):
             for e in experts:
-                w = self._words(e)
+                w = self.table_words(e)
                 self.tables_host[j][e] = w[j] if w is not None else cold_base(p) + e * p.words_per_expert
             _upload(p.woff, self.tables_host[j], torch.int64)
-        _upload(self.mask, [int(self._words(e) is not None) for e in range(self.num_experts)], torch.int32)
+        _upload(self.mask, [int(self.table_words(e) is not None) for e in range(self.num_experts)], torch.int32)
         if self.cpu is not None:
             for e in experts:
-                self.cpu.own(e, self._words(e) is None and self.cpu.stores(e))
+                self.cpu.own(e, self.table_words(e) is None and self.cpu.stores(e))
 
     # -- accounting ------------------------------------------------------------------------------------
 

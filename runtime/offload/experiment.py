@@ -6,17 +6,17 @@ they captured and passes it on here: forced picks to the layers, the rest to the
 
 - **naive**: the naive baseline: every cold expert a step needs is copied into VRAM on demand after a
   host synchronisation per layer, nothing overlapped (no graphs: the caller runs the layer loop).
-- **forced_routing**: per MoE layer, pick sets (kernels.UniformPicks) that replace the router's picks
+- **forced_routing**: per MoE layer, pick sets (routing.UniformPicks) that replace the router's picks
   after it has run (bench.offload --routing uniform or trace). It measures a placement under the
   routing the roofline assumes; what the model outputs means nothing. `routing_label` names it
   ("uniform", "trace ..."): an expert-path decision timed under forced routing is saved apart from
-  the model's own (runtime/backends/exl2_placement.decision_key).
+  the model's own (runtime/backends/expert_path.decision_key).
 - **prefetch_oracle**: the decode prefetch is handed the next layer's forced picks, each kept with this
   probability, to measure what a given prediction accuracy buys (needs forced_routing).
 - **prefetch**: False leaves the decode prefetch out of the step altogether (its pages stay reserved).
 - **fixed_cut**: the CPU path's cut is not moved while decoding (benchmarks of fixed cuts).
 - **lend_staging**: False leaves the staging pages empty between prefills (what lending gains).
-- **trial_stream**: the expert-path decision's timed steps (runtime/backends/exl2_placement.time_decode_steps)
+- **trial_stream**: the expert-path decision's timed steps (runtime/backends/expert_path.time_decode_steps)
   decode a fixed random token stream, as bench.offload's decode does, instead of the model's own greedy
   continuation: on random weights that continuation falls into a loop over a few experts, which stay in
   VRAM, so the trial times steps the benchmark never runs (the likely reason, not confirmed, why Mixtral

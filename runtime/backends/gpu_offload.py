@@ -1,13 +1,14 @@
-"""Expert offload in the CUDA engine's load: budgets, the allocator cap, and placement after load.
+"""Expert offload in either GPU engine's load: budgets, the allocator cap, and placement after load.
 
-`prepare` runs before the model is built: it turns the user's settings into a VRAM and a RAM budget
-(runtime/experts/budget.py), caps torch's allocator at the VRAM budget
+Both GPU engines (runtime/backends/exl2.py, hybrid.py) load through here. `prepare` runs before the model is
+built: it turns the user's settings into a VRAM and a RAM budget
+(runtime/budget.py), caps torch's allocator at the VRAM budget
 (`torch.cuda.set_per_process_memory_fraction`, so a 24 GB card is emulated for real on a larger one),
 and decides whether experts are offloaded: with a VRAM budget or a model bigger than the free VRAM,
 unless the placement is "vram". Offloaded experts are packed into pinned host RAM as they load
 (runtime/experts/exl2_module.py). `start` runs after every module and the KV cache are allocated:
 it enters them in the VRAM ledger with a reserve for prefill scratch, and places hot experts in
-what is left (runtime/experts/manager.py). Imports torch; exllamav2 objects come from the caller.
+what is left (runtime/offload/manager.py). Imports torch; exllamav2 objects come from the caller.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from typing import Optional
 
 import torch
 
+from runtime.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
 from runtime.errors import OutOfMemory
-from runtime.experts.budget import GB, BudgetError, MemoryBudget, gb, ram_budget, vram_budget
 from runtime.experts.pack import HostArena
 from runtime.options import OffloadOptions
 from runtime.tuning import Tuning
@@ -180,7 +181,7 @@ def prepare(path: Path, config, off: OffloadOptions, own_moe: bool, tuning: Tuni
     else:
         applied["offload.cpu_threads"] = "applied"          # settled after placement (cpu_path_applied)
         if off.placement in ("cpu", "auto"):
-            from runtime.experts.cpu_experts import build_kernel_in_background
+            from runtime.cpu.experts import build_kernel_in_background
             build_kernel_in_background()     # while the weights load: placing needs it (its rate, copies)
     return OffloadSetup(vram, ram, HostArena(ahead=tuning.pin_ahead) if ram is not None else None, off.placement,
                         capped, applied, cpu_threads=off.cpu_threads, tuning=tuning)
@@ -213,16 +214,16 @@ def replace_for_budget(setup: OffloadSetup, manager, vram_budget_gb: float) -> N
 
 def cpu_path_applied(setup: OffloadSetup, manager, decision: str = "") -> None:
     """After placement: whether the CPU expert path runs, in `setup.applied` (placement, cpu_threads);
-    `decision`: how that was decided (runtime/experts/path_judge.py), in words."""
-    if manager.cpu_active:       # "auto" says how it decided; "cpu" is just applied
+    `decision`: how that was decided (runtime/offload/path_judge.py), in words."""
+    if manager.cpu.active:       # "auto" says how it decided; "cpu" is just applied
         setup.applied["offload.placement"] = f"applied: {decision}" if decision and setup.policy == "auto" else "applied"
         setup.applied["offload.cpu_threads"] = "applied"
         return
-    setup.applied["offload.cpu_threads"] = f"ignored: {manager.cpu_reason}"
+    setup.applied["offload.cpu_threads"] = f"ignored: {manager.cpu.reason}"
     if decision and setup.policy == "auto":
         setup.applied["offload.placement"] = f"applied: {decision}"
     if setup.policy == "cpu":
-        setup.applied["offload.placement"] = (f"ignored: no layer computes experts on the CPU ({manager.cpu_reason})"
+        setup.applied["offload.placement"] = (f"ignored: no layer computes experts on the CPU ({manager.cpu.reason})"
                                               + ("" if manager.all_in_vram
                                                  else "; cold experts are read from host RAM by the GPU ('stream')"))
 
@@ -251,44 +252,47 @@ def prefill_scratch_bytes(config, matmul_attention: bool = False) -> int:
     return moe + logits + attention + hidden + SCRATCH_MARGIN
 
 
-def start(setup: OffloadSetup, model, config, path: Path, matmul_attention: bool = False, progress=None):
-    """After load: enter what is allocated in the VRAM ledger, then place hot experts (or None);
-    `progress(stage, message, done, total)` hears each part of the placement."""
+def start(setup: OffloadSetup, layers: list, path: Path, scratch_bytes: int, progress=None):
+    """After the weights and the cache (either engine): enter what is allocated in the VRAM ledger with a
+    reserve of `scratch_bytes` for a prefill chunk, then make the offload manager over the MoE layers
+    (`layers`, ExpertLayer) and place hot experts; None where nothing is offloaded. `progress(stage, message,
+    done, total)` hears each part of the placement. On the CPU (tests: every expert's codes in host memory)
+    the manager streams and nothing is placed: the test places by hand."""
+    from runtime.offload.path_judge import saved_off
+    from runtime.backends.routing_prior import saved_statistics
+    from runtime.offload.manager import OffloadManager
+    cuda = layers[0].gate_w.is_cuda if layers else torch.cuda.is_available()
     vram = setup.vram
     if setup.arena is not None:
         setup.arena.finish()              # the weights are in: no block page-locked ahead of need stays
-    if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
+    if cuda and hasattr(torch._C, "_host_emptyCache"):
         torch.cuda.synchronize()          # the repacking's page-locked batches (pack._gather) go back
         torch._C._host_emptyCache()
-    what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated()
+    what, used = "weights, KV cache and kernel workspaces", torch.cuda.memory_allocated() if cuda else 0
     if not setup.offload:                 # the ledger is telemetry only (the allocator cap is the limit)
-        if vram.fits(used):
+        if cuda and vram.fits(used):
             vram.reserve(what, used)
         return None
-    try:
+    stats = stats_file = prior = None
+    if cuda:
         vram.reserve(what, used, "lower the context length, quantize the KV cache, or raise the VRAM budget")
-        vram.reserve("prefill scratch", prefill_scratch_bytes(config, matmul_attention), "lower the context length")
-    except BudgetError as e:
-        raise budget_error(e) from None
-    from runtime.experts.exl2_module import moe_layers
-    from runtime.experts.manager import OffloadManager
-    from runtime.backends.routing_prior import saved_statistics
-    layers = [m.experts for m in moe_layers(model)]
-    stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts,
-                                                                     route_prior=setup.tuning.route_prior)
-    manager = OffloadManager(layers, vram, setup.policy, stats, stats_file,
-                             cpu_threads=setup.cpu_threads, ram=setup.ram, lend_staging=setup.tuning.lend_staging)
-    manager.prior_reason = prior              # measured after the warm-up (routing_prior.measure_at_load)
-    from runtime.backends.exl2_decisions import saved_off
+        vram.reserve("prefill scratch", scratch_bytes, "lower the context length")
+        stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts,
+                                                                         route_prior=setup.tuning.route_prior)
     # no CPU copies that a saved decision drops at once (again at the routing prior's placement)
-    manager.cpu.saved_off = manager.saved_off = saved_off(path, setup)
+    manager = OffloadManager(layers, vram, setup.policy if cuda else "stream", stats, stats_file,
+                             cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None,
+                             lend_staging=setup.tuning.lend_staging, prior_reason=prior,
+                             saved_off=saved_off(path, setup) if cuda else "")
+    if not cuda:
+        return manager
     if progress is not None:
         manager.on_stage = lambda message: progress("load", message, 0, 1)
     try:
         manager.place()
-    except BudgetError as e:
+    except BaseException:
         manager.close()
-        raise budget_error(e) from None
+        raise
     finally:
         manager.on_stage = lambda message: None       # later placements belong to no load's progress
     cpu_path_applied(setup, manager)

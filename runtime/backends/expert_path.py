@@ -1,4 +1,4 @@
-"""The GPU engines' side of the CPU-path decision (runtime/experts/path_judge.py): time decode
+"""The GPU engines' side of the CPU-path decision (runtime/offload/path_judge.py): time decode
 steps with the CPU expert path on and off (more rounds where they are close), keep the faster; at the
 first load of a model at a budget on a machine, behind the progress, then saved in the user cache
 (`decision_key`) and reused by later loads; again in the worker's idle time when the live steps drift.
@@ -12,9 +12,11 @@ end (as an answer decodes); the cache is rolled back after each run (the engine'
 it has one: the Qwen3.5 engine's DeltaNet states cannot be truncated past its rollback window without
 replaying the conversation).
 
-Both GPU engines (runtime/backends/exl2.py, hybrid.py) provide what the trial uses: `offload`, `budget`,
-`path_judge`, `decision_save`, `_trial`, `info`, `vocab`, `position`, `forward`, `truncate`, `graphs`,
-`_prepare_graph`, `prepare_graphs` and `_drop_graphs`; each keeps a `StepClock` for the drift check."""
+Both GPU engines (runtime/backends/exl2.py, hybrid.py) provide what the trial uses: gpu_engine.GpuEngine's
+`offload`, `setup`, `path_judge`, `decision_save`, `_trial` and `_drop_graphs`, and `info`, `vocab`,
+`position`, `forward`, `truncate`, `graphs`, `_prepare_graph`, `prepare_graphs`; each keeps a `StepClock`
+for the drift check. The decisions are saved in the user cache (path_judge.decisions_file), keyed by
+what one is valid for (path_judge.key_for)."""
 from __future__ import annotations
 
 import statistics
@@ -25,22 +27,22 @@ from typing import Generator, Iterator, Optional
 
 import torch
 
-from runtime.backends.exl2_decisions import DECISIONS_FILE, decisions_file, key_for, saved_off  # noqa: F401
 from runtime.engine import ProgressFn, offered, random_tokens
-from runtime.experts.path_judge import TRIAL_CHUNK, TRIAL_STEPS, PathJudge, read_decision, write_decision
+from runtime.offload.path_judge import (TRIAL_CHUNK, TRIAL_STEPS, PathJudge, decisions_file, key_for, read_decision,
+                                       write_decision)
 
 
 def make_judge(manager, prior: Optional[dict] = None) -> PathJudge:
     """The judge for a manager just placed: its policy, its predicted gain, what rules the path out,
     and the decision saved by an earlier load (`prior`)."""
-    return PathJudge(policy=manager.cpu_policy, predicted_gain=manager.cpu_predicted_gain,
-                     unavailable=manager.cpu_unavailable, running=current_path(manager), prior=prior)
+    return PathJudge(policy=manager.cpu.policy, predicted_gain=manager.cpu.predicted_gain,
+                     unavailable=manager.cpu.unavailable, running=current_path(manager), prior=prior)
 
 
 def decision_key(engine) -> str:
     """What the engine's decision is saved under: the model, budget and machine (key_for), and the
     forced routing a benchmark runs (a path timed under it says nothing of the model's own routing)."""
-    key = key_for(engine.info.path, engine.budget)
+    key = key_for(engine.info.path, engine.setup)
     experiment = getattr(engine, "experiment", None)
     if getattr(experiment, "forced_routing", None) is not None:
         key += f"|forced routing {getattr(experiment, 'routing_label', '') or 'unnamed'}"
@@ -50,7 +52,7 @@ def decision_key(engine) -> str:
 
 
 def current_path(manager) -> str:
-    return "cpu" if manager.cpu_active else "stream"
+    return "cpu" if manager.cpu.active else "stream"
 
 
 class StepClock:
@@ -110,12 +112,12 @@ def time_decode_steps(engine, steps: int = TRIAL_STEPS, seed: int = 0) -> list[f
 
 
 def switch_path(engine, on: bool, reason: str, keep: bool = False) -> Generator[str, None, bool]:
-    """The CPU path on or off (the manager's set_cpu_path_steps: building the copies takes a step per
+    """The CPU path on or off (its CPU share's set_path_steps: building the copies takes a step per
     MoE layer, and commands may run between the steps, on the GPU-only path); graphs dropped before,
     and after where steps were yielded (a command's captures ran the GPU-only path). Closed midway,
     the copies made so far are freed. Returns whether the CPU path runs."""
     engine._drop_graphs()
-    steps = engine.offload.set_cpu_path_steps(on, reason, keep)
+    steps = engine.offload.cpu.set_path_steps(on, reason, keep)
     stepped = False
     try:
         while True:
@@ -285,7 +287,7 @@ def trial(engine, judge: PathJudge, save: Optional[tuple[Path, str]] = None) -> 
     try:
         yield from _trial(engine, manager, judge, save)
     finally:
-        manager.release_parked_cpu_path()
+        manager.cpu.release_parked()
 
 
 def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) -> Iterator[str]:
@@ -301,8 +303,8 @@ def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) 
                 if current_path(manager) != path:
                     if not (yield from switch_path(engine, path == "cpu", "measuring the GPU-only path", keep=True)):
                         if path == "cpu":
-                            judge.record("cpu", None, manager.cpu_reason)
-                            yield f"the CPU path could not be built ({manager.cpu_reason})"
+                            judge.record("cpu", None, manager.cpu.reason)
+                            yield f"the CPU path could not be built ({manager.cpu.reason})"
                             continue
                     yield f"switched to the {'CPU' if path == 'cpu' else 'GPU-only'} expert path"
                 if not (yield from _time_path(engine, judge, path, footing, settle=path not in timed)):
@@ -326,19 +328,19 @@ def _trial(engine, manager, judge: PathJudge, save: Optional[tuple[Path, str]]) 
                 judge.ask_again()
         yield "kept the faster path"
     if best == "stream":
-        manager.cpu_reason = judge.reason
+        manager.cpu.reason = judge.reason
     if save is not None and judge.fresh:
         write_decision(save[0], save[1], judge)
 
 
 def set_vram_budget(engine, vram_budget_gb: float) -> None:
     """Either engine's `set_vram_budget` (benchmarks): the offloaded experts placed again for another
-    VRAM budget without reloading (exl2_offload.replace_for_budget), captured graphs (which hold the
+    VRAM budget without reloading (gpu_offload.replace_for_budget), captured graphs (which hold the
     old slots' addresses) dropped first; the CPU path then by the prediction until `recheck_placement`
     (saved decisions are per budget: none is saved until then)."""
-    from runtime.backends.exl2_offload import replace_for_budget
+    from runtime.backends.gpu_offload import replace_for_budget
     engine._drop_graphs()
-    replace_for_budget(engine.budget, engine.offload, vram_budget_gb)
+    replace_for_budget(engine.setup, engine.offload, vram_budget_gb)
     engine.path_judge = make_judge(engine.offload)
     engine.path_judge.decide()
     engine.decision_save = None
@@ -366,7 +368,7 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
     graphs not captured yet (at load: all of them; after a switch: those it dropped). `load`: first
     the routing prior where the model has no saved statistics (routing_prior.py), so the paths are
     timed on the placement the answers get."""
-    from runtime.backends.exl2_offload import cpu_path_applied
+    from runtime.backends.gpu_offload import cpu_path_applied
     if load:
         from runtime.backends.routing_prior import measure_at_load
         measure_at_load(engine, progress)
@@ -382,7 +384,7 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
         runs = -(-TRIAL_STEPS // TRIAL_CHUNK)               # per path: a capture, the runs of timed steps
         n = (1 + runs) * len(judge.plan()) + 3             # one round (close medians take more)
         n += SETTLE_MAX_STEPS // TRIAL_CHUNK if "cpu" in judge.plan() else 0      # the cut settling, at most
-        if not engine.offload.cpu_active:                  # building the CPU copies: a step per layer, + 1
+        if not engine.offload.cpu.active:                  # building the CPU copies: a step per layer, + 1
             n += len(getattr(engine.offload, "layers", ())) + 1
         for i, msg in enumerate(trial(engine, judge, save)):
             progress("warmup", f"Choosing the expert path: {msg}", min(i, n - 1), n)
@@ -390,9 +392,9 @@ def settle_cpu_path(engine, progress: ProgressFn, measure: bool = False, load: b
         judge.decide()
         if judge.path != current_path(engine.offload):      # the saved path (or, today never, the prediction's)
             engine._drop_graphs()
-            engine.offload.set_cpu_path(judge.path == "cpu", judge.reason)
+            engine.offload.cpu.set_path(judge.path == "cpu", judge.reason)
             if judge.path == "stream":
-                engine.offload.cpu_reason = judge.reason
+                engine.offload.cpu.reason = judge.reason
         progress("warmup", f"Expert path: {judge.summary()}", 1, 1)
     engine.prepare_graphs(progress)                         # the load's graphs, on the path that runs
-    cpu_path_applied(engine.budget, engine.offload, judge.summary())
+    cpu_path_applied(engine.setup, engine.offload, judge.summary())

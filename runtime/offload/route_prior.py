@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from runtime.experts.routing_stats import RoutingStats
+from runtime.offload.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 
