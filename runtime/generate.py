@@ -159,18 +159,28 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     tokens = prompt + [choose(offered(engine, logits)[-1].float(), prompt, sampling, generator, steer)]
     t_first = time.perf_counter()
     live.phase, live.ttft_s = "decode", t_first - t0
-    new = [tokens[-1]]
     generated: list[int] = []
-    reason = None
+    reason = _decode(decoder, tokens, generated, limit, eos, lambda tok: stops.feed(detok.push([tok])), emit, live,
+                     step_hook, should_stop, t_first)
+    if reason != "stop_string":
+        emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
+    return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
 
-    # Decode: account for each new token, then ask the decoder for more.
+
+def _decode(decoder: Any, tokens: list[int], generated: list[int], limit: int, eos: frozenset,
+            feed: Callable[[int], tuple[str, bool]], emit: Callable[[str, int], None], live: LiveStats,
+            step_hook: StepFn, should_stop: Callable[[], bool], t_first: float) -> str:
+    """Decode after the first token (tokens[-1]): account for each new token (into `generated`, its text
+    through `feed` to the stop strings and `emit`), then ask the decoder for more; the reason it ended."""
+    new = [tokens[-1]]
     while True:
+        reason = None
         for tok in new:
             generated.append(tok)
             if tok in eos:
                 reason = "eos"
                 break
-            text, stopped = stops.feed(detok.push([tok]))
+            text, stopped = feed(tok)
             emit(text, 1)
             if stopped:
                 reason = "stop_string"
@@ -184,16 +194,11 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
         live.draft = decoder.stats()
         step_hook(live)
         if reason:
-            break
+            return reason
         if should_stop():
-            reason = "cancelled"
-            break
+            return "cancelled"
         new = decoder.step(tokens, max_new=limit - len(generated))   # drafting never runs past the limit
         tokens.extend(new)
-
-    if reason != "stop_string":
-        emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
-    return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
 
 
 def _finish(reason: str, live: LiveStats, t0: float, t_first: Optional[float], generated: list[int],
