@@ -231,6 +231,30 @@ def test_bench_runs_on_a_tiny_shape(tmp_path):
     assert bench_cpu.main(["--shapes", "tiny-moe", "--formats", "int8", "--rows", "1", "--calls", "1",
                            "--pool-mb", "1", "--threads", "1", "--json", str(tmp_path / "b.json")]) == 0
     assert '"format": "int8"' in (tmp_path / "b.json").read_text()
+
+
+def test_bench_measures_read_bandwidth_per_team_and_the_kernels_share_of_it(tmp_path):
+    """Several widths and team sizes in one run; per row the read bandwidth of its team, measured just
+    before it, and the kernel's fraction of it; the JSON names the vector path taken (forced: avx2)."""
+    import json
+    from bench import cpu_experts as bench_cpu
+    _kernel_or_skip()
+    out = tmp_path / "b.json"
+    try:
+        assert bench_cpu.main(["--shapes", "tiny-moe", "--formats", "exl2", "--rows", "1", "4", "--bits", "2.5", "4.0",
+                               "--calls", "2", "--pool-mb", "1", "--threads", "1", "2", "--read-mb", "16",
+                               "--isa", "avx2", "--json", str(out)]) == 0
+    finally:
+        ce.load_kernel().set_isa("auto")
+    data = json.loads(out.read_text())
+    assert data["isa"] == "avx2" and data["machine"]["numa_nodes"] >= 1 and set(data["machine"]["read_gbps"]) == {"1", "2"}
+    assert data["machine"]["load_average"] and data["machine"]["load_average_end"] and data["git_commit"]
+    rows = data["results"]
+    assert [(r["bits"], r["threads"], r["rows"]) for r in rows] == [(b, t, n) for b in (2.5, 4.0) for t in (1, 2) for n in (1, 4)]
+    for r in rows:
+        assert r["kernel"] == "avx2" and r["read_gbps"] > 0
+        assert r["bandwidth_fraction"] == pytest.approx(r["gb_per_s"] / r["read_gbps"])
+        assert r["gb_per_s_per_thread"] == pytest.approx(r["gb_per_s"] / r["threads"])
     with pytest.raises(ValueError, match="not an MoE shape"):
         bench_cpu.run_bench(["tiny-dense"], ("int8",))
 

@@ -612,6 +612,20 @@ def test_pack_tiles_keeps_every_code(bits):
         ce.load_kernel().pack_tiles(words[:-1], bits, K)
 
 
+def test_an_automatic_team_is_sized_from_the_rates_it_reaches():
+    """The fewest threads within 5% of the best measured rate: a memory that saturates at 6 threads gets 7
+    of 14 (the candidates halve: 14, 7, 3, 1), a VM whose second core is busy gets 1 of 2."""
+    seen = []
+
+    def saturating(packs, experts, top_k, threads):
+        seen.append(threads)
+        return min(threads, 6) * 5e9
+    assert cpath.sized_team(None, [0, 1], 2, 14, saturating) == (7, {1: 5e9, 3: 15e9, 7: 30e9, 14: 30e9})
+    assert sorted(seen) == [1, 3, 7, 14]
+    assert cpath.sized_team(None, [0], 2, 2, lambda p, e, k, t: {1: 25e9, 2: 17e9}[t])[0] == 1
+    assert cpath.sized_team(None, [0], 2, 1, lambda p, e, k, t: 9e9) == (1, {1: 9e9})
+
+
 def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
     import psutil
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if not logical else 32)
@@ -1205,3 +1219,13 @@ def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):
         m.apply([[0], [1]])
     assert cpu_share.alloc_failure(MemoryError()).startswith("host RAM ran out while copying")
     assert "ValueError: odd" in cpu_share.alloc_failure(ValueError("odd"))
+
+
+def test_a_store_is_spread_over_the_numa_nodes_without_changing_it():
+    """interleave_pages: every node online (one here), the pages' contents kept (moved, not cleared)."""
+    k = ce.load_kernel()
+    nodes = k.numa_nodes()
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    assert nodes >= 1 and k.interleave_pages(t) == nodes
+    assert torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
+    assert ce.spread(torch.empty(16, dtype=torch.float16)).shape == (16,)

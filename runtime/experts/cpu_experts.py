@@ -147,6 +147,15 @@ def convert_expert(expert: ExpertTensors, format: str, name: str = "expert") -> 
     return ExpertWeights("int8", tensors)
 
 
+def spread(t: torch.Tensor) -> torch.Tensor:
+    """`t` (new, not yet written) with its pages interleaved over the NUMA nodes where the machine has
+    several (the kernel's interleave_pages): a team on every socket then reads every memory controller."""
+    k = load_kernel()
+    if k.numa_nodes() > 1:
+        k.interleave_pages(t)
+    return t
+
+
 def flatten(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Projections as _to_exl2 gives them -> flat buffers qw int32, sc fp16, grp int32 [*, 4], perm int32
     (one allocation each) and desc int64 [P, 8], the offsets of projection p: (qw, sc, grp, G, perm, K, N, Q)."""
@@ -155,7 +164,7 @@ def flatten(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torc
         k, n, q = t["shape"].tolist()
         desc.append([off[0], off[1], off[2], t["grp"].shape[0], off[3], k, n, q])
         off = [off[0] + t["qw"].numel(), off[1] + t["sc"].numel(), off[2] + t["grp"].shape[0], off[3] + t["perm"].numel()]
-    flat = {"qw": torch.empty(off[0], dtype=torch.int32), "sc": torch.empty(off[1], dtype=torch.float16),
+    flat = {"qw": spread(torch.empty(off[0], dtype=torch.int32)), "sc": spread(torch.empty(off[1], dtype=torch.float16)),
             "grp": torch.empty((off[2], 4), dtype=torch.int32), "perm": torch.empty(off[3], dtype=torch.int32)}
     for d, t in zip(desc, parts):
         for key, o in (("qw", d[0]), ("sc", d[1]), ("grp", d[2]), ("perm", d[4])):

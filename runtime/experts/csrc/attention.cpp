@@ -150,19 +150,17 @@ void part(const float* q, int G, const uint16_t* k, const uint16_t* v, int64_t n
   part_scalar(q, G, k, v, n, D, s, m, l, acc);
 }
 
-}  // namespace
-
-void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* k, const uint16_t* v,
-            int64_t ld, int64_t start, int64_t window, uint16_t* out, int threads) {
+// q [T, NH, D] float32, scaled by D**-0.5 -> out (decode's).
+void core(const float* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* k, const uint16_t* v,
+          int64_t ld, int64_t start, int64_t window, uint16_t* out, int threads) {
   const int64_t G = NH / KVH, GB = (G + MAX_G - 1) / MAX_G;             // query heads in blocks of MAX_G
   const int64_t NS = (start + T + SPLIT - 1) / SPLIT, items = KVH * GB * T * NS;
-  const float scale = 1.f / std::sqrt((float)D);
   // per item: m, l [MAX_G], acc [MAX_G][D]
   std::vector<float> parts(items * MAX_G * (2 + D));
   std::vector<int64_t> used(items, 0);
 #pragma omp parallel num_threads(std::max(1, threads))
   {
-    std::vector<float> qf(MAX_G * D), s(MAX_G * SPLIT);
+    std::vector<float> merged(D), s(MAX_G * SPLIT);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t sp = it % NS, t = (it / NS) % T, gb = (it / (NS * T)) % GB, h = it / (NS * T * GB);
@@ -170,12 +168,8 @@ void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, co
       const int64_t j0 = std::max(lo, sp * SPLIT), j1 = std::min(pos + 1, (sp + 1) * SPLIT);
       if (j1 <= j0) continue;
       const int g0 = (int)(gb * MAX_G), ng = (int)std::min<int64_t>(MAX_G, G - g0);
-      for (int g = 0; g < ng; ++g) {
-        const uint16_t* qr = q + (t * NH + h * G + g0 + g) * D;
-        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = bf16(qr[i]) * scale;
-      }
       float* pm = parts.data() + it * MAX_G * (2 + D);
-      part(qf.data(), ng, k + (h * ld + j0) * D, v + (h * ld + j0) * D, j1 - j0, D, s.data(), pm, pm + MAX_G,
+      part(q + (t * NH + h * G + g0) * D, ng, k + (h * ld + j0) * D, v + (h * ld + j0) * D, j1 - j0, D, s.data(), pm, pm + MAX_G,
            pm + 2 * MAX_G);
       used[it] = 1;
     }
@@ -188,7 +182,7 @@ void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, co
         float M = -INFINITY, L = 0.f;
         for (int64_t sp = 0; sp < NS; ++sp)
           if (used[o * NS + sp]) M = std::max(M, parts[(o * NS + sp) * MAX_G * (2 + D) + g]);
-        std::vector<float>& a = qf;                  // reused as the merged output
+        std::vector<float>& a = merged;
         for (int64_t i = 0; i < D; ++i) a[i] = 0.f;
         for (int64_t sp = 0; sp < NS; ++sp) {
           if (!used[o * NS + sp]) continue;
@@ -202,6 +196,59 @@ void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, co
       }
     }
   }
+}
+
+
+// Rotate one head x [D] (float32) by position's cos, sin [D] (bf16): x * cos + (-x2, x1) * sin.
+void rope(float* x, const uint16_t* cos, const uint16_t* sin, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    x[i] = a * bf16(cos[i]) - b * bf16(sin[i]);
+    x[i + h] = b * bf16(cos[i + h]) + a * bf16(sin[i + h]);
+  }
+}
+
+void rms(float* x, const float* w, int64_t D, float eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < D; ++i) ss += (double)x[i] * x[i];
+  const float inv = (float)(1.0 / std::sqrt(ss / D + eps));
+  for (int64_t i = 0; i < D; ++i) x[i] = x[i] * inv * w[i];
+}
+
+}  // namespace
+
+void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* k, const uint16_t* v,
+            int64_t ld, int64_t start, int64_t window, uint16_t* out, int threads) {
+  const float scale = 1.f / std::sqrt((float)D);
+  std::vector<float> qf(T * NH * D);
+  for (int64_t i = 0; i < T * NH * D; ++i) qf[i] = bf16(q[i]) * scale;
+  core(qf.data(), T, NH, KVH, D, k, v, ld, start, window, out, threads);
+}
+
+void decode_qkv(const uint16_t* qkv, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* cos,
+                const uint16_t* sin, const float* qk_norm, float eps, uint16_t* k, uint16_t* v, int64_t ld,
+                int64_t start, int64_t window, uint16_t* out, int threads) {
+  const float scale = 1.f / std::sqrt((float)D);
+  const int64_t W = (NH + 2 * KVH) * D;
+  std::vector<float> qf(T * NH * D), head(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* row = qkv + t * W;
+    for (int64_t n = 0; n < NH + KVH; ++n) {               // q heads, then k heads: normed, rotated
+      for (int64_t i = 0; i < D; ++i) head[i] = bf16(row[n * D + i]);
+      if (qk_norm) rms(head.data(), qk_norm + n * D, D, eps);
+      rope(head.data(), cos + t * D, sin + t * D, D);
+      if (n < NH) {
+        for (int64_t i = 0; i < D; ++i) qf[(t * NH + n) * D + i] = head[i] * scale;
+      } else {
+        uint16_t* dst = k + ((n - NH) * ld + start + t) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = to_bf16(head[i]);
+      }
+    }
+    for (int64_t h = 0; h < KVH; ++h)
+      std::memcpy(v + (h * ld + start + t) * D, row + (NH + KVH + h) * D, D * sizeof(uint16_t));
+  }
+  core(qf.data(), T, NH, KVH, D, k, v, ld, start, window, out, threads);
 }
 
 }  // namespace attn

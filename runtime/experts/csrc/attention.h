@@ -10,4 +10,11 @@ namespace attn {
 void decode(const uint16_t* q, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* k, const uint16_t* v,
             int64_t ld, int64_t start, int64_t window, uint16_t* out, int threads);
 
+// The same from the q/k/v projection's output qkv [T, (NH + 2 KVH) * D] bf16 (q heads, k heads, v heads):
+// q and k heads RMS-normalised per head (qk_norm [NH + KVH, D] float32, eps; null: not), rotated by the
+// rows' cos, sin [T, D] bf16 (rotate-half), k and v written into the cache at start .. start + T - 1.
+void decode_qkv(const uint16_t* qkv, int64_t T, int64_t NH, int64_t KVH, int64_t D, const uint16_t* cos,
+                const uint16_t* sin, const float* qk_norm, float eps, uint16_t* k, uint16_t* v, int64_t ld,
+                int64_t start, int64_t window, uint16_t* out, int threads);
+
 }  // namespace attn

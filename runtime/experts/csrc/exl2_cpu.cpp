@@ -38,6 +38,15 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cctype>
+#include <fstream>
+#include <string>
+
 #include "attention.h"
 #include "qdot.h"
 
@@ -64,14 +73,16 @@ struct Acts {
   std::vector<int8_t> xa;
   std::vector<float> sx;
   std::vector<int32_t> sq;
+  int64_t XB = 0;                  // bytes of xa per row
   void fill(const qdot::Codes& c, const void* src, bool bf16, int64_t ld, const int64_t* rows, int R) {
-    xa.resize((size_t)R * qdot::act_bytes(c));
+    XB = qdot::act_bytes(c);
+    xa.resize((size_t)R * XB);
     sx.resize((size_t)R * c.G);
     sq.resize((size_t)R * c.G);
     qdot::quantize(c, src, bf16, ld, rows, R, xa.data(), sx.data(), sq.data());
   }
   void tile(int isa, const qdot::Codes& c, int64_t t, int R, float res[][TILE]) const {
-    qdot::tile(isa, c, t, xa.data(), sx.data(), sq.data(), R, res);
+    qdot::tile(isa, c, t, xa.data(), XB, sx.data(), sq.data(), R, res);
   }
 };
 
@@ -347,6 +358,38 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t 
   auto out = torch::empty({T, NH * D}, q.options());
   attn::decode((const uint16_t*)q.data_ptr(), T, NH, KVH, D, (const uint16_t*)k.data_ptr(), (const uint16_t*)v.data_ptr(),
                S, start, window, (uint16_t*)out.data_ptr(), at::get_num_threads());
+  return out;
+}
+
+// The attention of a decoder layer for a few new rows from its q/k/v projection qkv [T, (NH + 2 KVH) * D]
+// bfloat16: q and k heads normalised (qk_norm [NH + KVH, D] float32, or none) and rotated (cos, sin [T, D]
+// bfloat16, the rows' positions), k and v written into one layer's cache k, v [KVH, S, D] at start..,
+// then `attend`'s -> [T, NH * D] bfloat16.
+torch::Tensor attend_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                         int64_t start, int64_t window, c10::optional<torch::Tensor> qk_norm, double eps) {
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kBFloat16 && k.is_contiguous() && v.sizes() == k.sizes() &&
+              v.scalar_type() == torch::kBFloat16 && v.is_contiguous(), "k, v: contiguous bfloat16 [KVH, S, D]");
+  const int64_t KVH = k.size(0), S = k.size(1), D = k.size(2), T = qkv.size(0);
+  TORCH_CHECK(D >= 2 && D <= 256 && D % 2 == 0, "head size ", D, ": even, 2 to 256");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kBFloat16 && qkv.is_contiguous() &&
+              qkv.size(1) % D == 0 && qkv.size(1) / D > 2 * KVH, "qkv: contiguous bfloat16 [T, (NH + 2 KVH) * ", D, "]");
+  const int64_t NH = qkv.size(1) / D - 2 * KVH;
+  TORCH_CHECK(NH % KVH == 0, NH, " query heads do not share ", KVH, " kv heads evenly");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == torch::kBFloat16 &&
+                t->is_contiguous(), "cos, sin: contiguous bfloat16 [", T, ", ", D, "]");
+  TORCH_CHECK(start >= 0 && start + T <= S && T >= 1, "rows at ", start, "..", start + T - 1, " outside the cache's ", S);
+  const float* qn = nullptr;
+  if (qk_norm) {
+    TORCH_CHECK(qk_norm->dim() == 2 && qk_norm->size(0) == NH + KVH && qk_norm->size(1) == D &&
+                qk_norm->scalar_type() == torch::kFloat32 && qk_norm->is_contiguous(), "qk_norm: float32 [", NH + KVH,
+                ", ", D, "]");
+    qn = qk_norm->data_ptr<float>();
+  }
+  auto out = torch::empty({T, NH * D}, qkv.options());
+  attn::decode_qkv((const uint16_t*)qkv.data_ptr(), T, NH, KVH, D, (const uint16_t*)cos.data_ptr(),
+                   (const uint16_t*)sin.data_ptr(), qn, (float)eps, (uint16_t*)k.data_ptr(), (uint16_t*)v.data_ptr(), S,
+                   start, window, (uint16_t*)out.data_ptr(), at::get_num_threads());
   return out;
 }
 
@@ -804,6 +847,53 @@ void to_planes(torch::Tensor qw, torch::Tensor grp, bool back) {
   });
 }
 
+// NUMA nodes online (Linux sysfs "0-1,3" lists), as a bit mask; 1 (node 0) where it cannot tell.
+uint64_t online_nodes() {
+  std::ifstream f("/sys/devices/system/node/online");
+  std::string text;
+  uint64_t mask = 0;
+  if (f && std::getline(f, text)) {
+    size_t i = 0;
+    while (i < text.size()) {
+      size_t j = i;
+      while (j < text.size() && isdigit((unsigned char)text[j])) ++j;
+      if (j == i) break;
+      int lo = std::stoi(text.substr(i, j - i)), hi = lo;
+      if (j < text.size() && text[j] == '-') {
+        size_t k = ++j;
+        while (k < text.size() && isdigit((unsigned char)text[k])) ++k;
+        hi = k > j ? std::stoi(text.substr(j, k - j)) : lo;
+        j = k;
+      }
+      for (int n = lo; n <= hi && n < 64; ++n) mask |= 1ull << n;
+      i = j + (j < text.size() && text[j] == ',');
+      if (j < text.size() && text[j] != ',') break;
+    }
+  }
+  return mask ? mask : 1;
+}
+
+// A store's pages spread round-robin over every NUMA node online (mbind MPOL_INTERLEAVE; pages already
+// touched are moved), so that a team on all sockets reads from every memory controller instead of the
+// one where the loading thread ran. -> nodes spread over, 0 where the kernel refused (or not Linux).
+int64_t interleave_pages(torch::Tensor t) {
+#if defined(__linux__) && defined(SYS_mbind)
+  const uint64_t mask = online_nodes();
+  const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t a = ((uintptr_t)t.data_ptr() + page - 1) & ~(page - 1);
+  const uintptr_t b = ((uintptr_t)t.data_ptr() + t.nbytes()) & ~(page - 1);
+  if (b <= a) return __builtin_popcountll(mask);
+  const long MPOL_INTERLEAVE_ = 3, MPOL_MF_MOVE_ = 1 << 1;
+  if (syscall(SYS_mbind, (void*)a, (unsigned long)(b - a), MPOL_INTERLEAVE_, &mask, 64UL, MPOL_MF_MOVE_) != 0) return 0;
+  return __builtin_popcountll(mask);
+#else
+  (void)t;
+  return 0;
+#endif
+}
+
+int64_t numa_nodes() { return __builtin_popcountll(online_nodes()); }
+
 // The vector path calls take ("avx512_vnni", "avx2", "scalar"); isa_supported: the best this CPU runs.
 std::string isa() { return qdot::isa_name(qdot::active()); }
 std::string isa_supported() { return qdot::isa_name(qdot::supported()); }
@@ -851,8 +941,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &attend, "attention of a few new rows over a bfloat16 KV cache", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("start"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("attend_qkv", &attend_qkv, "a layer's attention of a few new rows from its q/k/v projection",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"), py::arg("start"),
+        py::arg("window") = 0, py::arg("qk_norm") = py::none(), py::arg("eps") = 1e-6,
+        py::call_guard<py::gil_scoped_release>());
   m.def("to_planes", &to_planes, "one projection's tiles: EXL2 column streams -> the kernel's layout (back: reverse)",
         py::arg("qw"), py::arg("grp"), py::arg("back") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("interleave_pages", &interleave_pages, "spread a tensor's pages over the NUMA nodes online; -> nodes",
+        py::arg("t"));
+  m.def("numa_nodes", &numa_nodes, "NUMA nodes online");
   m.def("read_gbps", &read_gbps, "read bandwidth of a team of `threads` streaming `bytes` (best of `reps`), GB/s",
         py::arg("threads"), py::arg("bytes"), py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
 }

@@ -204,11 +204,10 @@ void group_scalar(int bits, const uint32_t* w, const int8_t* x, int chunks, int3
     }
 }
 
-void tile_scalar(const Codes& c, int64_t tile, const int8_t* xa, const float* sx, const int32_t* sq, int R,
+void tile_scalar(const Codes& c, int64_t tile, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq, int R,
                  float res[][TILE]) {
   const uint32_t* tw = c.qw + tile * c.Q * TILE;
   const uint16_t* ts = c.sc + tile * c.G * TILE;
-  const int64_t XB = act_bytes(c);
   for (int r = 0; r < R; ++r) std::fill(res[r], res[r] + TILE, 0.f);
   int64_t xo = 0;
   for (int64_t g = 0; g < c.Gu; ++g) {
@@ -391,9 +390,8 @@ QDOT_VNNI void rows_vnni(const Codes& c, int64_t tile, const int8_t* xa, int64_t
 }
 
 // Rows in pairs: a pair shares each extraction (the codes of a tile stay in L1 between pairs).
-QDOT_VNNI void tile_vnni(const Codes& c, int64_t tile, const int8_t* xa, const float* sx, const int32_t* sq, int R,
-                         float res[][TILE]) {
-  const int64_t XB = act_bytes(c);
+QDOT_VNNI void tile_vnni(const Codes& c, int64_t tile, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq,
+                         int R, float res[][TILE]) {
   for (int r = 0; r < R; r += 2) {
     if (R - r >= 2) rows_vnni<2>(c, tile, xa + r * XB, XB, sx + r * c.G, sq + r * c.G, res + r);
     else rows_vnni<1>(c, tile, xa + r * XB, XB, sx + r * c.G, sq + r * c.G, res + r);
@@ -476,11 +474,10 @@ QDOT_AVX2 QDOT_INLINE void group_avx2(const uint32_t* w, const int8_t* x, int ch
   for (int h = 0; h < 2; ++h) out[h] = TWO ? _mm256_add_epi32(acc[h][0], _mm256_slli_epi32(acc[h][1], SH1)) : acc[h][0];
 }
 
-QDOT_AVX2 void tile_avx2(const Codes& c, int64_t tile, const int8_t* xa, const float* sx, const int32_t* sq, int R,
-                         float res[][TILE]) {
+QDOT_AVX2 void tile_avx2(const Codes& c, int64_t tile, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq,
+                         int R, float res[][TILE]) {
   const uint32_t* tw = c.qw + tile * c.Q * TILE;
   const uint16_t* ts = c.sc + tile * c.G * TILE;
-  const int64_t XB = act_bytes(c);
   __m256 tot[MAX_T][2];
   for (int r = 0; r < R; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
   int64_t xo = 0;
@@ -567,7 +564,8 @@ void quantize_rows(const Codes& c, const void* src, int64_t ld, const int64_t* r
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t sum = 0;
       for (int k = 0; k < n; ++k) {
-        const int v = (int)std::lrintf(xp[r0 + k] * inv);
+        const float f = xp[r0 + k] * inv;                // rounded half away from zero, inline
+        const int v = (int)(f + (f >= 0.f ? 0.5f : -0.5f));
         q[k] = (int8_t)std::max(-127, std::min(127, v));
         sum += q[k];
       }
@@ -597,13 +595,13 @@ void quantize(const Codes& c, const void* src, bool bf16, int64_t ld, const int6
   else quantize_rows<false>(c, src, ld, rows, R, xa, sx, sq);
 }
 
-void tile(int isa, const Codes& c, int64_t t, const int8_t* xa, const float* sx, const int32_t* sq, int R,
+void tile(int isa, const Codes& c, int64_t t, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq, int R,
           float res[][TILE]) {
 #if QDOT_X86
-  if (isa == AVX512_VNNI) return tile_vnni(c, t, xa, sx, sq, R, res);
-  if (isa == AVX2) return tile_avx2(c, t, xa, sx, sq, R, res);
+  if (isa == AVX512_VNNI) return tile_vnni(c, t, xa, XB, sx, sq, R, res);
+  if (isa == AVX2) return tile_avx2(c, t, xa, XB, sx, sq, R, res);
 #endif
-  tile_scalar(c, t, xa, sx, sq, R, res);
+  tile_scalar(c, t, xa, XB, sx, sq, R, res);
 }
 
 Isa supported() {

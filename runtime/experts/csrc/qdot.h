@@ -40,9 +40,9 @@ int64_t act_bytes(const Codes& c);
 // Row r of x is src + rows[r] * ld, in input order (float32, or bfloat16 when `bf16`).
 void quantize(const Codes& c, const void* src, bool bf16, int64_t ld, const int64_t* rows, int R, int8_t* xa,
               float* sx, int32_t* sq);
-// res[r][j] = sum_k W[tile * 16 + j, k] * x[r, k], r < R (R <= MAX_T), from quantize's output.
-void tile(int isa, const Codes& c, int64_t tile, const int8_t* xa, const float* sx, const int32_t* sq, int R,
-          float res[][TILE]);
+// res[r][j] = sum_k W[tile * 16 + j, k] * x[r, k], r < R (R <= MAX_T), from quantize's output (XB: act_bytes).
+void tile(int isa, const Codes& c, int64_t tile, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq,
+          int R, float res[][TILE]);
 
 // One tile's words (EXL2 column streams, group by group) -> the kernel's planes, in place; and back.
 bool valid_bits(int bits);
