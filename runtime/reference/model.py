@@ -77,8 +77,9 @@ def _mask(start: int, end: int, window: int, groups: int, device=None) -> Option
 
 
 # Up to this many new rows (decode, verify) attention runs in the CPU kernel's loop (csrc/attention.cpp,
-# where the int8 precision has the kernel): torch's fused kernel costs ~190 us a layer on the demo model's
-# 3 query rows at 512 cached tokens; prefill keeps torch's.
+# where the int8 precision has the kernel), with the q/k norms, RoPE and the cache's writes: torch's fused
+# kernel costs ~190 us a layer on the demo model's 3 query rows at 512 cached tokens and the rest ~10
+# torch operations; prefill keeps torch's.
 ATTEND_MAX_ROWS = 8
 
 
@@ -87,6 +88,11 @@ def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, x: torch.Tensor
     """The attention of the residual stream x [T, H] (normed here), before the output projection: [T, NH*D]."""
     t, d, nh, nkv = x.shape[0], spec.head_dim, spec.heads, spec.kv_heads
     qkv = _normed(layer.qkv, x, layer.attn_norm, spec)                        # [T, (NH+2*KVH)*D]
+    if t <= ATTEND_MAX_ROWS and layer.o.q is not None and cache.k.dtype == qkv.dtype == torch.bfloat16 \
+            and not spec.clip_qkv:                                            # all of it in the CPU kernel's call
+        qk_norm = None if layer.qk_norm is None else layer.qk_norm_f32
+        return layer.o.q.ext.attend_qkv(qkv, rot[0].view(t, d), rot[1].view(t, d), cache.k[i], cache.v[i], start,
+                                        spec.sliding_window, qk_norm, spec.eps)
     if spec.clip_qkv:
         qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
     qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)                         # q and k heads together
@@ -95,7 +101,7 @@ def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, x: torch.Tensor
     qk = rope.apply(qk, *rot)
     cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)                     # [KVH, T, D]
     cache.v[i, :, start:end] = qkv[:, (nh + nkv) * d:].view(t, nkv, d).transpose(0, 1)
-    if t <= ATTEND_MAX_ROWS and layer.o.q is not None and cache.k.dtype == torch.bfloat16:   # the CPU kernel's
+    if t <= ATTEND_MAX_ROWS and layer.o.q is not None and cache.k.dtype == torch.bfloat16:   # (DBRX's clip)
         return layer.o.q.ext.attend(qk[:, :nh].contiguous(), cache.k[i], cache.v[i], start, spec.sliding_window)
     q = qk[:, :nh].reshape(t, nkv, nh // nkv, d).permute(1, 2, 0, 3).reshape(1, nkv, -1, d)  # [1, KVH, G*T, D]
     # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the slower math path)

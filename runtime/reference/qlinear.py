@@ -21,6 +21,7 @@ import torch
 GROUP = 128        # input rows per scale of quantized plain weights
 CHUNK = 32         # the kernel's rows per chunk: K is padded up to a multiple
 TILE = 16          # the kernel's columns per tile: N is padded up to a multiple
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel():
@@ -73,6 +74,8 @@ class QLinear:
         self.out_features = int(self.desc[:, 6].sum())
         self.bias = bias
         self.ext = ext
+        self._forward = ext.linear_forward
+        self._store = (self.flat["qw"], self.flat["sc"], self.flat["grp"], self.flat["perm"], self.desc)
 
     @classmethod
     def from_exl2(cls, parts: Sequence[Mapping[str, torch.Tensor]], outs: Sequence[int], bias, ext,
@@ -92,14 +95,15 @@ class QLinear:
         """x [..., K] (act "silu_mul": [..., 2K], gate then up) -> [..., N]; norm: float32 [K], the input
         RMS-normalised and scaled by it first; residual [..., N] of x's dtype: the result added to it in
         place (the bias too), and it returned."""
+        if x.dim() == 2 and x.dtype in KERNEL_DTYPES and x.is_contiguous() and \
+                (residual is None or residual.dim() == 2) and self.bias is None:
+            return self._forward(x, *self._store, norm, eps, act, residual)        # a decode step's calls
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype not in (torch.float32, torch.bfloat16):
+        if x2.dtype not in KERNEL_DTYPES:
             x2 = x2.float()
-        f = self.flat
         res = None if residual is None else residual.view(-1, self.out_features)
-        y = self.ext.linear_forward(x2.contiguous(), f["qw"], f["sc"], f["grp"], f["perm"], self.desc, norm, eps,
-                                     act, res)
+        y = self._forward(x2.contiguous(), *self._store, norm, eps, act, res)
         if self.bias is not None:
             y = y.add_(self.bias) if residual is not None else y + self.bias
         return y.view(*lead, self.out_features)

@@ -10,6 +10,7 @@ H hidden, V vocab, I intermediate, E experts, D head dim, Q = heads*D, K = kv he
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -164,6 +165,11 @@ class Layer:
     router: Optional[torch.Tensor] = None  # [E, H] float32 (MoE layers)
     experts_gate_up: Optional[list[Linear]] = None   # E x [2I, H]
     experts_down: Optional[list[Linear]] = None      # E x [H, I]
+
+    @functools.cached_property
+    def qk_norm_f32(self) -> Optional[torch.Tensor]:
+        """qk_norm as the CPU kernel's attention takes it."""
+        return None if self.qk_norm is None else self.qk_norm.float().contiguous()
 
 
 @dataclass
