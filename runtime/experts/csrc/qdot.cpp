@@ -251,13 +251,13 @@ struct Exps {                 // the range of e over B's extractions
 // Copies of each accumulator, so that a row's chain of dependent vpdpbusd (latency 4 cycles) stays
 // short: 8, 4 and 2 bits add into few powers of two.
 template <int B, int RB>
-constexpr int copies() { return RB == 2 ? (B == 8 ? 2 : 1) : (B == 8 ? 4 : B == 4 || B == 2 ? 2 : 1); }
+constexpr int copies() { return RB == 4 ? 1 : RB == 2 ? (B == 8 ? 2 : 1) : (B == 8 ? 4 : B == 4 || B == 2 ? 2 : 1); }
 
 typedef __m512i Acc[MAX_E * MAX_CP];
 
 template <int EMIN, int RB, int CP>
 QDOT_VNNI QDOT_INLINE void dot(Acc* acc, int e, int copy, __m512i val, const int8_t* const* x, int pos) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) {
     int32_t xv;
     std::memcpy(&xv, x[r] + pos, 4);
@@ -303,13 +303,13 @@ QDOT_VNNI QDOT_INLINE void group_vnni(const uint32_t* w, const int8_t* const* x,
   constexpr Planes P = planes_of(B);
   constexpr int EMIN = Exps<B>::MIN, NE = Exps<B>::N, CP = copies<B, RB>(), NB = blocks_of(B);
   Acc acc[RB];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
     for (int e = 0; e < NE * CP; ++e) acc[r][e] = _mm512_setzero_si512();
   for (int c = 0; c < chunks; ++c, w += B * TILE) {
     const int8_t* xc[RB];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) xc[r] = x[r] + c * NB * 32;
     if constexpr (B == 3) {
       chunk3_vnni<RB, CP>(w, xc, acc);
@@ -317,13 +317,13 @@ QDOT_VNNI QDOT_INLINE void group_vnni(const uint32_t* w, const int8_t* const* x,
       stream_vnni<P.pw[0], P.sh[0], EMIN, RB, CP>(w, xc, acc);
       if constexpr (P.n == 2) {
         const int8_t* xh[RB];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) xh[r] = xc[r] + 32;
         stream_vnni<P.pw[1], P.sh[1], EMIN, RB, CP>(w + P.pw[0] * TILE, xh, acc);
       }
     }
   }
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) {
     __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 16
@@ -352,12 +352,24 @@ QDOT_VNNI void run_vnni(const Codes& c, const uint32_t* tw, const uint16_t* ts, 
     __m512i sums[RB];
     group_vnni<B, RB>(tw + (int64_t)gr[1] * TILE, x, chunks, sums);
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ts + g * TILE)));
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const __m512i z = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(sq[r * c.G + g] << (B - 1)));
       tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(s, _mm512_set1_ps(sx[r * c.G + g])), tot[r]);
       x[r] += chunks * blocks_of(B) * 32;
     }
+  }
+}
+
+// run_vnni for RB rows; 5 and 6 bits (up to 9 powers of two a row) take 4 rows as two pairs (registers).
+template <int B, int RB>
+QDOT_VNNI QDOT_INLINE void run_rows(const Codes& c, const uint32_t* tw, const uint16_t* ts, int64_t g0, int64_t g1,
+                                    const int8_t* const* x, const float* sx, const int32_t* sq, __m512* tot) {
+  if constexpr (RB == 4 && (B == 5 || B == 6)) {
+    run_vnni<B, 2>(c, tw, ts, g0, g1, x, sx, sq, tot);
+    run_vnni<B, 2>(c, tw, ts, g0, g1, x + 2, sx + 2 * c.G, sq + 2 * c.G, tot + 2);
+  } else {
+    run_vnni<B, RB>(c, tw, ts, g0, g1, x, sx, sq, tot);
   }
 }
 
@@ -377,24 +389,27 @@ QDOT_VNNI void rows_vnni(const Codes& c, int64_t tile, const int8_t* xa, int64_t
     int64_t n = 0;
     for (g1 = g0; g1 < c.Gu && c.grp[g1 * 4] == bits; ++g1) n += group_act_bytes(bits, c.grp[g1 * 4 + 3]);
     switch (bits) {
-      case 2: run_vnni<2, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
-      case 3: run_vnni<3, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
-      case 4: run_vnni<4, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
-      case 5: run_vnni<5, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
-      case 6: run_vnni<6, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
-      default: run_vnni<8, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      case 2: run_rows<2, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      case 3: run_rows<3, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      case 4: run_rows<4, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      case 5: run_rows<5, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      case 6: run_rows<6, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
+      default: run_rows<8, RB>(c, tw, ts, g0, g1, x, sx, sq, tot); break;
     }
     for (int r = 0; r < RB; ++r) x[r] += n;
   }
   for (int r = 0; r < RB; ++r) _mm512_storeu_ps(res[r], tot[r]);
 }
 
-// Rows in pairs: a pair shares each extraction (the codes of a tile stay in L1 between pairs).
+// Rows in fours, pairs and ones: they share each extraction (the codes of a tile stay in L1 between them).
 QDOT_VNNI void tile_vnni(const Codes& c, int64_t tile, const int8_t* xa, int64_t XB, const float* sx, const int32_t* sq,
                          int R, float res[][TILE]) {
-  for (int r = 0; r < R; r += 2) {
-    if (R - r >= 2) rows_vnni<2>(c, tile, xa + r * XB, XB, sx + r * c.G, sq + r * c.G, res + r);
-    else rows_vnni<1>(c, tile, xa + r * XB, XB, sx + r * c.G, sq + r * c.G, res + r);
+  for (int r = 0, rb; r < R; r += rb) {
+    rb = R - r >= 4 ? 4 : R - r >= 2 ? 2 : 1;
+    const int8_t* x = xa + r * XB;
+    if (rb == 4) rows_vnni<4>(c, tile, x, XB, sx + r * c.G, sq + r * c.G, res + r);
+    else if (rb == 2) rows_vnni<2>(c, tile, x, XB, sx + r * c.G, sq + r * c.G, res + r);
+    else rows_vnni<1>(c, tile, x, XB, sx + r * c.G, sq + r * c.G, res + r);
   }
 }
 
