@@ -139,12 +139,13 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
     }
     return d;
   };
-  // Scratch: activations quantized for gate, up and down of each expert, gate/up outputs [X, 2, T, I].
+  // Scratch: activations quantized for gate, up and down of each expert, gate/up outputs [X, 2, T, I],
+  // down's [X, T, H].
   std::vector<Acts> acts(X * 3);
-  std::unique_ptr<float[]> gu(new float[X * 2 * T * I]);
+  std::unique_ptr<float[]> gu(new float[X * 2 * T * I]), dn(new float[X * T * H]);
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
 
-  // One thread team for the whole call; four loops with a barrier after each. Items are handed out
+  // One thread team for the whole call; five loops with a barrier after each. Items are handed out
   // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
   const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
 #pragma omp parallel num_threads(std::max(1, threads))
@@ -178,18 +179,25 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
       for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
       acts[j * 3 + 2].fill(down(used[j]), h.data(), false, I, ident.data(), R);
     }
-    // 4. down: one tile of H per item, all experts summed into it with their routing weights.
+    // 4. down: one (expert, tile of H) per item, each expert's tiles in turn (one stream at a time),
+    // into its own rows of dn; 5. summed into y with the routing weights, one tile of H per item.
 #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < X * tiles_h; ++i) {
+      const int64_t j = i / tiles_h, tile = i % tiles_h;
+      const int R = (int)rows[j].size();
+      acts[j * 3 + 2].tile(isa, down(used[j]), tile, R, res);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dn[(j * T + r) * H + tile * TILE + c] = res[r][c];
+    }
+#pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles_h; ++tile)
-      for (int64_t j = 0; j < X; ++j) {
-        const int R = (int)rows[j].size();
-        acts[j * 3 + 2].tile(isa, down(used[j]), tile, R, res);
-        for (int r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < X; ++j)
+        for (int r = 0; r < (int)rows[j].size(); ++r) {
           float* dst = y + rows[j][r] * H + tile * TILE;
+          const float* src = &dn[(j * T + r) * H + tile * TILE];
           const float wgt = rws[j][r];
-          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * res[r][c];
+          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * src[c];
         }
-      }
   }
 }
 
