@@ -84,9 +84,9 @@ def test_the_cpu_kernel_builds_in_its_own_folder_under_the_lock(tmp_path, monkey
         calls.append((name, build_directory))
         return module
     monkeypatch.setattr(cpp_extension, "load", load)
-    folder = ce.kernel_folder("moedesk_exl2_cpu")
+    folder = ce.kernel_folder(ce.KERNEL_NAME)
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    assert folder == tmp_path / f"moedesk-{py}-torch{torch.__version__}" / "moedesk_exl2_cpu"
+    assert folder == tmp_path / f"moedesk-{py}-torch{torch.__version__}" / ce.KERNEL_NAME
     folder.mkdir(parents=True)
     (folder / BATON).touch()
     assert ce.load_kernel() is module

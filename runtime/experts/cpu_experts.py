@@ -247,9 +247,9 @@ def _load_kernel():
             try:
                 from torch.utils.cpp_extension import load
                 from runtime.build_lock import one_build
-                folder = kernel_folder("moedesk_exl2_cpu")
+                folder = kernel_folder(KERNEL_NAME)
                 with one_build(folder):                          # (a stopped earlier build left no wait behind)
-                    _EXT = load(name="moedesk_exl2_cpu", sources=[str(CSRC / f) for f in SOURCES],
+                    _EXT = load(name=KERNEL_NAME, sources=[str(CSRC / f) for f in SOURCES],
                                 build_directory=str(folder), verbose=False, extra_cflags=kernel_cflags(),
                                 extra_ldflags=["-fopenmp"])
             except Exception as e:                          # compiler errors, missing headers
@@ -262,6 +262,9 @@ def _load_kernel():
 
 
 CSRC = Path(__file__).parent / "csrc"
+# The module's name and build folder: not the fp32 kernel's (moedesk_exl2_cpu), so that a checkout of an older
+# commit (a before/after comparison) keeps its own build instead of rebuilding over this one.
+KERNEL_NAME = "moedesk_cpu_kernels"
 SOURCES = ("exl2_cpu.cpp", "qdot.cpp", "attention.cpp")       # and the headers they include
 
 
