@@ -91,8 +91,9 @@ class Tuning:
                             "bm_small,bm_large,bn,bk,warps,stages (bench.grouped times others).")
     splitk: Optional[tuple[int, int]] = knob(None, "MOEDESK_SPLITK", "One split-K GEMV launch shape BNxKSPLIT "
                                              "instead of the fastest timed (empty: timed; tests cut K with it).")
-    cpu_kernel_march: str = knob("native", "MOEDESK_CPU_KERNEL_MARCH", "The -march the CPU kernel is built "
-                                 "for, e.g. haswell (AVX2 only).")
+    cpu_kernel_isa: str = knob("auto", "MOEDESK_CPU_KERNEL_ISA", "The vector path of the CPU kernels: the best "
+                               "this CPU runs (auto), or a lower one forced (docs/cpu-kernel.md).",
+                               choices=("auto", "avx512_vnni", "avx2", "scalar"))
     # expert offload (runtime/offload/)
     lend_staging: bool = knob(True, "MOEDESK_LEND_STAGING", "Lend the staging pages to cold experts between "
                               "prefills (0: off; it lost in two of four runs, docs/engine-notes.md).")
@@ -152,10 +153,6 @@ def _parse(tp: Any, f: dataclasses.Field, name: str, text: str) -> Any:
         if low in ("0", "false", "no", "off"):
             return False
         raise bad("want 1 (on) or 0 (off)")
-    if f.name == "cpu_kernel_march":
-        if not text.replace("-", "").replace("_", "").isalnum():
-            raise bad("not a -march value")
-        return text
     m = f.metadata
     try:
         value = tp(text)

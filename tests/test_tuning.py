@@ -31,7 +31,7 @@ def test_what_is_left_is_launch_shapes_load_steps_and_what_won_somewhere():
     signal, ...): what is left names launch shapes, load steps, and lending (which lost in two runs of
     four). A variable that named a cut switch is no longer read."""
     assert [f.name for f in dataclasses.fields(Tuning)] == [
-        "grouped", "splitk", "cpu_kernel_march", "lend_staging", "route_prior", "pin_ahead", "warmup",
+        "grouped", "splitk", "cpu_kernel_isa", "lend_staging", "route_prior", "pin_ahead", "warmup",
         "template_timeout_s"]
     gone = {"MOEDESK_QKV_FUSED": "0", "MOEDESK_ROUTE": "torch", "MOEDESK_MOE_FINISH": "0", "MOEDESK_ALIGN": "torch",
             "MOEDESK_DENSE_GEMV": "1", "MOEDESK_GEMV_SUMS": "rows", "MOEDESK_GRAPH_ATTN": "bmm",
@@ -40,11 +40,11 @@ def test_what_is_left_is_launch_shapes_load_steps_and_what_won_somewhere():
 
 
 def test_each_variable_sets_its_field():
-    env = {"MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2", "MOEDESK_CPU_KERNEL_MARCH": "x86-64-v3",
+    env = {"MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2", "MOEDESK_CPU_KERNEL_ISA": "avx2",
            "MOEDESK_LEND_STAGING": "0", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
            "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
     t = Tuning.from_environment(env)
-    assert t == Tuning(grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), cpu_kernel_march="x86-64-v3",
+    assert t == Tuning(grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), cpu_kernel_isa="avx2",
                        lend_staging=False, route_prior=False, pin_ahead=3, warmup=False, template_timeout_s=0.5)
     named = {env for env, _, _ in t.describe()}
     assert named == set(env), "every field is read from one variable, and the test sets each"
@@ -57,7 +57,7 @@ def test_each_variable_sets_its_field():
     ("MOEDESK_GROUPED", "16,64", "six integers"),
     ("MOEDESK_GROUPED", "16,64,48,32,4,0", "not a power of two"),
     ("MOEDESK_SPLITK", "64", "BNxKSPLIT"),
-    ("MOEDESK_CPU_KERNEL_MARCH", "native;rm", "not a -march value"),
+    ("MOEDESK_CPU_KERNEL_ISA", "avx9", "one of auto, avx512_vnni, avx2, scalar"),
     ("MOEDESK_TEMPLATE_TIMEOUT_S", "0", "0.001 to 3600"),
 ])
 def test_a_bad_value_names_the_variable_and_what_it_allows(name, value, says):
