@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.exl2 import calibrate
+from runtime.exl2 import allocate, calibrate
 from runtime.exl2 import convert as cv
 from tests.convert_fixtures import TEXT, tiny_checkpoint
 from tests.test_exl2_convert import _tensors
@@ -24,7 +24,8 @@ def _convert(src, out, budget, measure=False):
 @pytest.mark.parametrize("measure", [False, True])
 def test_expert_groups_give_the_same_model_for_every_budget(tmp_path, measure):
     src = tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1 if measure else 2)
-    per_expert = calibrate.expert_bytes(HIDDEN, INTER)
+    widths = len(allocate.candidates(3.0)) if measure else 1      # a group's loop runs every candidate width
+    per_expert = calibrate.expert_bytes(HIDDEN, INTER, widths)     # 3 of these: 3 experts, routed or not
     runs = {}
     for budget in (1, 3 * per_expert, 1 << 40):              # 1 expert, groups of 3 + 1, all 4 at once
         reports = _convert(src, tmp_path / f"q{budget}", budget, measure)
@@ -45,7 +46,7 @@ def test_expert_groups_give_the_same_model_for_every_budget(tmp_path, measure):
 
 def test_routed_tokens_and_fallback_follow_the_router():
     """An expert's gate/up Hessian sums exactly the tokens routed to it; an expert routed none falls back
-    to all tokens for down_proj."""
+    to all tokens for down_proj (the experts fed all tokens summed in one batched product: each its own)."""
     torch.manual_seed(0)
     mod = type("Experts", (torch.nn.Module,), {})()
     mod.num_experts, mod.act_fn = 3, torch.nn.functional.silu
@@ -57,10 +58,16 @@ def test_routed_tokens_and_fallback_follow_the_router():
     inputs.add(x[:4], top[:4])
     inputs.add(x[4:], top[4:])
     assert inputs.routed_counts().tolist() == [6, 6, 0]
-    hs = inputs.expert_hessians([0, 2], {0: True, 2: False})
+    gate_up, down, tokens = inputs.expert_hessians([0, 2], {0: True, 2: False})
     xs = x.half().double()
-    assert torch.allclose(hs[0][0].h, 2 * xs.t() @ xs) and hs[0][0].tokens == 6
-    assert hs[2][0] is None and hs[2][1].tokens == 6                  # all tokens through expert 2
+    assert torch.allclose(gate_up[0].h, 2 * xs.t() @ xs) and gate_up[0].tokens == 6
+    assert 2 not in gate_up and tokens == [6, 6]                      # all tokens through expert 2
+
+    def act(e):                                                       # its intermediate activations of x
+        y = xs @ mod.gate_up_proj[e].detach().double().t()
+        return torch.nn.functional.silu(y[:, :4]) * y[:, 4:]
+    for i, e in enumerate((0, 2)):                                    # each its own down Hessian, in its row
+        assert torch.allclose(down[i], 2 * act(e).t() @ act(e), rtol=1e-5, atol=1e-6), e
 
 
 def test_layers_are_read_one_at_a_time_each_tensor_once(tmp_path, monkeypatch):
@@ -105,24 +112,45 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
     assert any("8 of 16 experts" in n for n in notes)
     with pytest.raises(SystemExit, match="--experts must be between top-k 2 and 16"):
         cm.bench_shape("tiny-moe", 1, 1, None, top_k=2)
-    with pytest.raises(SystemExit, match="this benchmark writes Qwen3-MoE, Qwen3 and Llama checkpoints"):
+    with pytest.raises(SystemExit, match="this benchmark writes Qwen3.5-MoE, Qwen3-MoE, Qwen3 and Llama checkpoints"):
         cm.bench_shape("tiny-mixtral", 1, None, None)
-    q35, _, notes35 = cm.bench_shape("qwen3.5-122b-a10b", 1, None, None)
-    assert (q35.architecture, q35.experts, q35.hidden, q35.expert_intermediate) == ("Qwen3MoeForCausalLM", 256, 3072, 1024)
+    q35, _, notes35 = cm.bench_shape("qwen3.5-122b-a10b", 2, None, 4096)
+    assert (q35.architecture, q35.experts, q35.hidden, q35.expert_intermediate) == (cm.QWEN35, 256, 3072, 1024)
+    assert q35.full_attention_interval == 2 and q35.first_special == 4096 - 32       # DeltaNet, then attention
 
     assert cm.main(["--shape", "tiny-moe", "--layers", "1", "--experts", "8", "--top-k", "2", "--vocab", "512",
                     "--rows", "2", "--seq-len", "32",
-                    "--hessian-memory", str(3.5 * calibrate.expert_bytes(s.hidden, s.expert_intermediate) / 2**30),
+                    "--hessian-memory",     # 64 tokens: every expert falls back to all tokens
+                    str(3.5 * calibrate.expert_bytes(s.hidden, s.expert_intermediate, routed=False) / 2**30),
                     "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
-    result = json.loads(next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json")).read_text())
+    first = next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json"))
+    result = json.loads(first.read_text())
     (layer,) = result["layers"]
     assert layer["experts_per_group"] == 3 and 0 < layer["hessian_peak_bytes"] <= 4 * 655_360
-    assert layer["peak_rss_bytes"] > 0 and result["full"]["experts"] == 16
+    assert layer["peak_rss_bytes"] > 0 and result["full"]["experts"] == 16 and layer["kind"] == "decoder"
+    assert {"read", "gptq", "hessians"} <= set(layer["phases"]) and "other" in result["phases_mean_s"]
     pr = result["projection"]
     per_layer = layer["seconds"] + layer["expert_seconds"]               # experts x 16/8
     assert pr["seconds_per_layer"] == pytest.approx(per_layer, abs=0.06)
     assert pr["model_seconds"] == pytest.approx(2 * per_layer + result["head_and_assembly_s"] * 1024 / 512, abs=0.5)
     assert result["experts_routed"] + result["experts_all_token_fallback"] == 8
+    for key in ("date", "git_commit", "machine", "device", "model", "bpw", "vram_budget_gb", "context",
+                "prompt_tokens", "prefill_tps", "decode_tps", "ttft_s", "roofline_tps", "draft", "baseline", "notes"):
+        assert key in result, key
+
+    # Qwen3.5's hybrid layers as they are: a DeltaNet layer and an attention layer, projected by kind
+    assert cm.main(["--shape", "tiny-qwen3.5", "--layers", "2", "--experts", "8", "--vocab", "512", "--rows", "2",
+                    "--seq-len", "32", "--work", str(tmp_path / "w35"), "--out", str(tmp_path / "out"),
+                    "--baseline", str(first)]) == 0
+    r35 = json.loads(next((tmp_path / "out").glob("convert-memory-tiny-qwen3.5-cpu-*.json")).read_text())
+    assert [r["kind"] for r in r35["layers"]] == ["linear_attention", "full_attention"]
+    pr = r35["projection"]
+    assert pr["layers_by_kind"] == {"linear_attention": 3, "full_attention": 1}
+    by = pr["seconds_per_layer_by_kind"]
+    assert pr["mtp_seconds"] == by["full_attention"]
+    assert pr["model_seconds"] == pytest.approx(3 * by["linear_attention"] + 2 * by["full_attention"]
+                                                + pr["head_seconds"], abs=0.5)
+    assert r35["baseline"]["seconds_per_layer"] == result["projection"]["seconds_per_layer"]
 
 
 def test_new_layer_is_built_without_initialising_and_keeps_unsaved_buffers():
