@@ -436,6 +436,18 @@ def _best_multiplier(w, qscale, top, grid, zero) -> torch.Tensor:
     return grid.gather(1, torch.argmin(total, dim=1, keepdim=True)).squeeze(1)
 
 
+_GRIDS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _grids(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SCALE_GRID and (0, *SCALE_FINE) as float64 tensors on `device`, made once (a copy from host memory to a
+    GPU waits for the GPU's queue: once per group it would stall the loop)."""
+    if device not in _GRIDS:
+        _GRIDS[device] = (torch.tensor(SCALE_GRID, dtype=torch.float64, device=device),
+                          torch.tensor((0.0, *SCALE_FINE), dtype=torch.float64, device=device))
+    return _GRIDS[device]
+
+
 def search_scales(w: torch.Tensor, bits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scales of groups w [rows, *B, N] (packed order: rows are input channels, N output columns; B any batch of
     independent groups, e.g. experts x candidate widths) that may clip the largest weights when that lowers the
@@ -452,9 +464,8 @@ def search_scales(w: torch.Tensor, bits) -> tuple[torch.Tensor, torch.Tensor, to
     base = (w.abs().amax(dim=0) + 1e-12) / ((torch.exp2(bits) - 1) / 2)      # no-clipping step per column [B, N]
     top = base.amax(dim=1).clamp(min=2.0 ** -14)                               # [B]
     qscale = torch.clamp(torch.round(torch.sqrt(base / top.unsqueeze(1)) * 16), 1, 16)
-    grid = torch.tensor(SCALE_GRID, dtype=torch.float64, device=w.device).expand(w.shape[1], -1)
-    coarse = _best_multiplier(w, qscale, top, grid, zero)
-    fine = torch.tensor((0.0, *SCALE_FINE), dtype=torch.float64, device=w.device)
+    grid, fine = _grids(w.device)
+    coarse = _best_multiplier(w, qscale, top, grid.expand(w.shape[1], -1), zero)
     mult = _best_multiplier(w, qscale, top, coarse.unsqueeze(1) + fine, zero)
     qsm = (top * mult.to(torch.float32)).to(torch.float16)                     # [B]
     err = _clip_error(w, group_steps(qscale, qsm.unsqueeze(1)), zero)
