@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bench.convert_quality import HELDOUT, MODEL, export_demo, load_exl2_into, perplexity
+from bench.convert_quality import MODEL, demo_and_text, load_exl2_into, perplexity
 from bench.engine import git_commit, machine
 from runtime.options import CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN
 
@@ -71,11 +71,7 @@ def main(argv=None) -> int:
     from runtime.exl2.convert import convert
     from runtime.exl2.requantize import requantize
     work = Path(args.work)
-    hf_dir = work / "hf"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model, tok = export_demo(hf_dir)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+    hf_dir, model, tok, original, ids = demo_and_text(work)
     text, source_name, note = default_texts()
     common = dict(calibration_text=text, calibration_source=source_name, rows=args.rows, seq_len=args.seq_len,
                   say=lambda m: None, device=args.device)

@@ -10,9 +10,8 @@ import torch
 from runtime.exl2 import convert as cv
 from runtime.exl2 import format as fmt
 from runtime.exl2 import requantize as rq
-from runtime.reference import load
 from tests.convert_fixtures import TEXT, tiny_checkpoint
-from tests.test_exl2_convert import _tensors
+from tests.test_exl2_convert import _logits, _tensors
 
 KW = dict(calibration_text=TEXT, rows=4, seq_len=64, say=lambda m: None, measure=False)
 
@@ -32,14 +31,6 @@ def _linears(tensors: dict) -> set[str]:
 def _bits(tensors: dict, prefix: str) -> float:
     q = {p: tensors[f"{prefix}.{p}"] for p in fmt.REQUIRED_KEYS}
     return fmt.stored_bits(q) / (q["q_invperm"].shape[0] * q["q_weight"].shape[1])
-
-
-def _logits(folder, ids):
-    engine, _ = load(folder, precision="float32")
-    try:
-        return engine.forward(ids)
-    finally:
-        engine.close()
 
 
 def test_all_experts_requantized_everything_else_copied(source, tmp_path):

@@ -69,7 +69,7 @@ from safetensors.torch import save_file
 from runtime import cpu_load, qwen35
 from runtime.modelfolder import stored_name
 from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
-                             CONVERT_HEAD_BITS, CONVERT_MEASURE_MIN_TOKENS)
+                             CONVERT_HEAD_BITS)
 
 from . import allocate, caldata, convert_args, convert_dbrx
 from . import format as fmt
