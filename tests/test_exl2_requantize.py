@@ -86,3 +86,16 @@ def test_bad_requests_are_refused_in_one_line(source, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moedesk-cli requantize: ") and "missing" in err[0]
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_qwen35_with_its_mtp_head(tmp_path):
+    """Qwen3.5-MoE (DeltaNet and attention layers through our own forward, the MTP head last): every routed
+    expert of the 4 layers and of the MTP head requantized, nothing else touched."""
+    from tests.test_exl2_convert_qwen35 import tiny_qwen35
+    hf = tiny_qwen35(tmp_path / "hf", scale=0.5, mtp=True)
+    q4 = cv.convert(hf, tmp_path / "q4", 4.0, **KW)
+    out = rq.requantize(q4, tmp_path / "q3", 3.0, **KW)
+    a, b = _tensors(q4), _tensors(out)
+    assert a.keys() == b.keys()
+    changed = {k.rsplit(".", 1)[0] for k in a if not torch.equal(a[k], b[k])}
+    assert changed == {p for p in _linears(a) if ".mlp.experts." in p} and len(changed) == (4 + 1) * 6 * 3
