@@ -48,6 +48,7 @@ class Exl2Source:
             raise cv.ConvertError(f"{path}: not an EXL2 model (no quantized linears); convert its weights instead")
         self.path = self.folder.path
         self.config = modelfolder.read_json(self.path / "config.json", "config.json")
+        self.sizes = self.folder.info.config            # flattened and bounded by the loader (convert_check.Source's)
         arch = self.config["architectures"][0]
         if arch not in cv.ARCHITECTURES and arch not in qwen35.ARCHITECTURES or arch == cv.convert_dbrx.ARCH:
             raise cv.ConvertError(f"{self.path / 'config.json'}: requantizing {arch} is not supported; it handles "
