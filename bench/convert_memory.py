@@ -20,7 +20,9 @@
    experts' share x full / converted experts), plus the MTP head as one more attention layer where the full model
    has one, plus the head scaled by vocabulary; memory per layer = the measured peak RSS, less the converter's
    own estimate of what it held at this size, plus that estimate at the full size. --baseline names an earlier
-   result of this benchmark, whose projection is set beside this one ("baseline").
+   result of this benchmark, whose projection is set beside this one ("baseline"). The JSON is written after
+   every layer too ("complete": false, the head left out of the projection), so a run stopped by a time limit
+   keeps the layers it finished.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import argparse
 import datetime as dt
 import json
 import multiprocessing
+import os
 import resource
 import shutil
 import sys
@@ -167,8 +170,9 @@ class RssSampler(threading.Thread):
         return peak
 
 
-def project(layers: list[dict], s: Shape, full: Shape, head_s: float) -> dict:
-    """The full model's conversion time from the measured layers (see the module's docstring, step 3)."""
+def project(layers: list[dict], s: Shape, full: Shape, head_s: float | None) -> dict:
+    """The full model's conversion time from the measured layers (see the module's docstring, step 3); head_s
+    None (a run cut before the head): the head left out of model_seconds."""
     scale = (full.experts / s.experts) if s.is_moe else 1.0
     per_kind: dict[str, list[float]] = {}
     for r in layers:
@@ -179,11 +183,13 @@ def project(layers: list[dict], s: Shape, full: Shape, head_s: float) -> dict:
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
     mtp = mean.get("full_attention", overall) if full.is_hybrid else 0.0       # one more attention layer
     layers_s = sum(n * mean.get(k, overall) for k, n in counts.items()) + mtp
-    head = head_s * full.vocab / s.vocab
+    head = None if head_s is None else head_s * full.vocab / s.vocab
+    total = layers_s + (head or 0.0)
     return {"seconds_per_layer": round((layers_s - mtp) / full.layers, 1),
             "seconds_per_layer_by_kind": {k: round(v, 1) for k, v in mean.items()},
-            "layers_by_kind": counts, "mtp_seconds": round(mtp, 1), "head_seconds": round(head, 1),
-            "model_seconds": round(layers_s + head, 1), "model_hours": round((layers_s + head) / 3600, 2)}
+            "layers_by_kind": counts, "mtp_seconds": round(mtp, 1),
+            "head_seconds": None if head is None else round(head, 1),
+            "model_seconds": round(total, 1), "model_hours": round(total / 3600, 2)}
 
 
 def phases(layers: list[dict]) -> dict[str, float]:
@@ -208,8 +214,72 @@ def baseline(path: str | None) -> dict | None:
             "model_hours": pr["model_hours"], "converted": old.get("converted"), "machine": old.get("machine")}
 
 
-def main(argv=None) -> int:
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def result(run: dict, end: dict | None) -> dict:
+    """The JSON of a run: after each layer (end None: the layers so far, the head not reached) and at the end
+    (end: the conversion's seconds, the RSS after the layers, the converted model's quantization_config)."""
+    import torch
+
     from bench.engine import git_commit, machine
+    args, s, full, layers, budget = run["args"], run["shape"], run["full"], run["layers"], run["budget"]
+    qc = (end or {}).get("quantization_config", {})
+    tokens = qc.get("calibration", {}).get("rows", args.rows) * args.seq_len
+    head_s = None if end is None else end["convert_s"] - sum(r["seconds"] for r in layers)   # embeddings, head, assembly
+    est_budget = budget or calibrate.DEFAULT_HESSIAN_BUDGET
+    est_here = estimate_layer_bytes(s, tokens, est_budget, args.bpw)
+    est_full = estimate_layer_bytes(full, tokens, est_budget, args.bpw)
+    peak_layer_rss = max(r["peak_rss_bytes"] for r in layers)
+    total, active = param_counts(full)
+    cut = [] if end else [f"cut after {len(layers)} of {s.layers} layers (the run was stopped or is still going): the "
+                          f"head and assembly not reached, left out of model_seconds"]
+    return {
+        "bench": "convert_memory", "complete": end is not None,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(), "machine": machine(), "device": run["device"], "model": args.shape,
+        "bpw": args.bpw, "vram_budget_gb": args.vram_gb if run["device"] != "cpu" else None, "context": None,
+        "prompt_tokens": None, "prefill_tps": None, "decode_tps": None, "ttft_s": None, "roofline_tps": None,
+        "draft": None, "baseline": baseline(args.baseline), "torch_threads": torch.get_num_threads(),
+        "shape": args.shape,
+        "converted": {"layers": s.layers, "experts": s.experts, "hidden": s.hidden,
+                      "expert_intermediate": s.expert_intermediate, "vocab": s.vocab},
+        "full": {"layers": full.layers, "experts": full.experts, "vocab": full.vocab,
+                 "params_total": total, "params_active": active},
+        "settings": {"bpw": args.bpw, "rows": tokens // args.seq_len, "seq_len": args.seq_len,
+                     "measured_allocation": qc.get("measured_allocation"), "hessian_budget_bytes": budget,
+                     "experts_per_group": layers[0]["experts_per_group"], "distinct_experts": args.distinct_experts},
+        "checkpoint_write_s": run["checkpoint_write_s"],
+        "convert_s": None if end is None else round(end["convert_s"], 1),
+        "head_and_assembly_s": None if head_s is None else round(head_s, 1),
+        "phases_mean_s": phases(layers), "layers": layers, "rss_before_convert_bytes": run["rss_before_convert_bytes"],
+        "rss_after_layers_peak_bytes": (end or {}).get("rss_after_layers_peak_bytes"),
+        "peak_rss_bytes_ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "experts_routed": qc.get("experts_routed"), "experts_all_token_fallback": qc.get("experts_all_token_fallback"),
+        "estimate_per_layer_bytes": {"converted": est_here, "full": est_full},
+        "projection": dict(project(layers, s, full, head_s), **{
+            "peak_rss_per_layer_bytes": int(peak_layer_rss - sum(est_here.values()) + sum(est_full.values())),
+            "hessian_peak_bytes": est_full["hessians"],
+            "head_gptq_bytes_estimate": int(HEAD_FP32_COPIES * full.vocab * full.hidden * 4)}),
+        "notes": run["notes"] + args.note + cut + [
+            "projection: time = per kind of layer its measured mean (experts' time x full/run experts) x the full "
+            "model's count of that kind, + the MTP head as one more attention layer (Qwen3.5), + head time x full/run "
+            "vocabulary; memory is per layer (one layer at a time): measured peak RSS - the converter's estimate "
+            "here + its estimate at full size (estimate_per_layer_bytes)",
+            "the checkpoint was just written, so its layers are read from the page cache, not the disk; on a model "
+            "larger than the RAM the converter reads each next layer from disk while it quantizes this one",
+            "peak RSS includes the mapped safetensors pages of the shard being read (file-backed, reclaimable)",
+            f"head_gptq_bytes_estimate: {HEAD_FP32_COPIES} float32 copies of vocab x hidden (the RSS rise measured "
+            "for GPTQ of a 16384 x 4096 head on the CPU), not measured at full size",
+        ] + (["synthetic weights: the experts' are drawn for --distinct-experts experts and repeated; the router is "
+              "random, so every expert gets its own tokens"] if s.is_moe else []),
+    }
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.convert_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3.5-122b-a10b")
     p.add_argument("--layers", type=int, default=2)
@@ -258,6 +328,13 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M")
+    path = Path(args.out) / f"convert-memory-{args.shape}-{args.device.split(':')[0]}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run = {"args": args, "shape": s, "full": full, "notes": notes, "layers": layers, "budget": budget,
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "checkpoint_write_s": round(write_s, 1),
+           "rss_before_convert_bytes": base_rss}
+
     def progress(rep: dict) -> None:
         rep = dict(rep, peak_rss_bytes=sampler.take())
         if cuda:
@@ -268,6 +345,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v:.1f}" for k, v in rep["phases"].items())
               + f"), peak RSS {rep['peak_rss_bytes'] / 2**30:.2f} GiB"
               + (f", peak GPU {rep['peak_cuda_bytes'] / 2**30:.2f} GiB" if cuda else ""), flush=True)
+        _write(path, result(run, None))             # a run cut by a time limit keeps the layers it finished
 
     text, source, note = caldata.default_texts()         # the converter's default calibration set
     if note:
@@ -280,62 +358,13 @@ def main(argv=None) -> int:
     tail_rss = sampler.take()
     sampler.stop.set()
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
-    tokens = qc["calibration"]["rows"] * args.seq_len
-    head_s = total_s - sum(r["seconds"] for r in layers)      # embeddings, head GPTQ, assembling the folder
-
-    est_budget = budget or calibrate.DEFAULT_HESSIAN_BUDGET
-    est_here = estimate_layer_bytes(s, tokens, est_budget, args.bpw)
-    est_full = estimate_layer_bytes(full, tokens, est_budget, args.bpw)
-    peak_layer_rss = max(r["peak_rss_bytes"] for r in layers)
-    total, active = param_counts(full)
-    proj = project(layers, s, full, head_s)
-    result = {
-        "bench": "convert_memory", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "machine": machine(),
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "model": args.shape, "bpw": args.bpw,
-        "vram_budget_gb": args.vram_gb if cuda else None, "context": None, "prompt_tokens": None,
-        "prefill_tps": None, "decode_tps": None, "ttft_s": None, "roofline_tps": None, "draft": None,
-        "baseline": baseline(args.baseline), "torch_threads": torch.get_num_threads(), "shape": args.shape,
-        "converted": {"layers": s.layers, "experts": s.experts, "hidden": s.hidden,
-                      "expert_intermediate": s.expert_intermediate, "vocab": s.vocab},
-        "full": {"layers": full.layers, "experts": full.experts, "vocab": full.vocab,
-                 "params_total": total, "params_active": active},
-        "settings": {"bpw": args.bpw, "rows": qc["calibration"]["rows"], "seq_len": args.seq_len,
-                     "measured_allocation": qc["measured_allocation"], "hessian_budget_bytes": budget,
-                     "experts_per_group": layers[0]["experts_per_group"], "distinct_experts": args.distinct_experts},
-        "checkpoint_write_s": round(write_s, 1), "convert_s": round(total_s, 1), "head_and_assembly_s": round(head_s, 1),
-        "phases_mean_s": phases(layers), "layers": layers, "rss_before_convert_bytes": base_rss,
-        "rss_after_layers_peak_bytes": tail_rss,
-        "peak_rss_bytes_ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "experts_routed": qc.get("experts_routed"), "experts_all_token_fallback": qc.get("experts_all_token_fallback"),
-        "estimate_per_layer_bytes": {"converted": est_here, "full": est_full},
-        "projection": dict(proj, **{
-            "peak_rss_per_layer_bytes": int(peak_layer_rss - sum(est_here.values()) + sum(est_full.values())),
-            "hessian_peak_bytes": est_full["hessians"],
-            "head_gptq_bytes_estimate": int(HEAD_FP32_COPIES * full.vocab * full.hidden * 4)}),
-        "notes": notes + args.note + [
-            "projection: time = per kind of layer its measured mean (experts' time x full/run experts) x the full "
-            "model's count of that kind, + the MTP head as one more attention layer (Qwen3.5), + head time x full/run "
-            "vocabulary; memory is per layer (one layer at a time): measured peak RSS - the converter's estimate "
-            "here + its estimate at full size (estimate_per_layer_bytes)",
-            "the checkpoint was just written, so its layers are read from the page cache, not the disk; on a model "
-            "larger than the RAM the converter reads each next layer from disk while it quantizes this one",
-            "peak RSS includes the mapped safetensors pages of the shard being read (file-backed, reclaimable)",
-            f"head_gptq_bytes_estimate: {HEAD_FP32_COPIES} float32 copies of vocab x hidden (the RSS rise measured "
-            "for GPTQ of a 16384 x 4096 head on the CPU), not measured at full size",
-        ] + (["synthetic weights: the experts' are drawn for --distinct-experts experts and repeated; the router is "
-              "random, so every expert gets its own tokens"] if s.is_moe else []),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M")
-    path = out / f"convert-memory-{args.shape}-{args.device.split(':')[0]}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2))
-    pr = result["projection"]
+    res = result(run, {"convert_s": total_s, "rss_after_layers_peak_bytes": tail_rss, "quantization_config": qc})
+    _write(path, res)
+    pr = res["projection"]
     print(f"wrote {path}: {pr['seconds_per_layer']} s per full layer ({pr['seconds_per_layer_by_kind']}), "
           f"{pr['model_hours']} h for {full.layers} layers and the head, "
           f"{pr['peak_rss_per_layer_bytes'] / 2**30:.1f} GiB peak RSS per layer"
-          + (f"; baseline {result['baseline']['model_hours']} h" if result["baseline"] else ""))
+          + (f"; baseline {res['baseline']['model_hours']} h" if res["baseline"] else ""))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -125,6 +125,7 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
                     "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")]) == 0
     first = next((tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json"))
     result = json.loads(first.read_text())
+    assert result["complete"] is True and len(list((tmp_path / "out").glob("*.json"))) == 1     # rewritten, not added
     (layer,) = result["layers"]
     assert layer["experts_per_group"] == 3 and 0 < layer["hessian_peak_bytes"] <= 4 * 655_360
     assert layer["peak_rss_bytes"] > 0 and result["full"]["experts"] == 16 and layer["kind"] == "decoder"
@@ -151,6 +152,25 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
     assert pr["model_seconds"] == pytest.approx(3 * by["linear_attention"] + 2 * by["full_attention"]
                                                 + pr["head_seconds"], abs=0.5)
     assert r35["baseline"]["seconds_per_layer"] == result["projection"]["seconds_per_layer"]
+
+
+def test_bench_keeps_the_layers_of_a_run_cut_short(tmp_path, monkeypatch):
+    """A run stopped before its end (a GPU call's time limit) leaves the JSON of the layers it finished."""
+    import functools
+    import json
+
+    from bench import convert_memory as cm
+    monkeypatch.setattr(cv, "convert", functools.partial(cv.convert, stop_after_layers=1))
+    with pytest.raises(cv.ConvertError, match="stopped after layer 1 of 2"):
+        cm.main(["--shape", "tiny-moe", "--layers", "2", "--experts", "4", "--top-k", "2", "--vocab", "512",
+                 "--rows", "2", "--seq-len", "32", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "out")])
+    (path,) = (tmp_path / "out").glob("convert-memory-tiny-moe-cpu-*.json")
+    result = json.loads(path.read_text())
+    assert result["complete"] is False and [r["layer"] for r in result["layers"]] == [0]
+    pr = result["projection"]
+    assert pr["head_seconds"] is None and result["convert_s"] is None
+    assert pr["model_seconds"] == pytest.approx(2 * pr["seconds_per_layer"], abs=0.2)     # the layers alone
+    assert any("cut after 1 of 2 layers" in n for n in result["notes"])
 
 
 def test_new_layer_is_built_without_initialising_and_keeps_unsaved_buffers():
