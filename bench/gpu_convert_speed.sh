@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The converter's speed and quality on the GPU (issue 54, items 3 and 4), in steps that a warm machine resumes
+# The batched converter's speed and quality on the GPU, in steps that a warm machine resumes
 # (markers under $ROOT/done), each call at most LIMIT seconds (560 by default). STEPS picks which are tried, in
 # this order (default "speed tests q125": the headline first):
 #   speed    `python -m bench.convert_memory --shape qwen3.5-122b-a10b --layers 2 --vocab 32768 --device cuda
@@ -15,10 +15,11 @@
 #   q125     the speed step's benchmark at the q125-a11 shape (Qwen3-MoE, 128 experts of 4096 x 1536, one layer,
 #            no cap): the shape the recorded figure was measured on, like for like
 #   quality  the demo's perplexity table with our converter on CUDA (bench.convert_quality --device cuda --methods
-#            rtn gptq) through bench/gpu_issue23.sh, which assembles the demo's GGUF from two halves carried in
-#            two calls (its header: `SPLIT=1 bash bench/gpu_issue23.sh` here first; then a call carrying
-#            .gguf23/1 with STEPS=quality, no preamble; then one carrying .gguf23/2 and .whl). Its work folder is
-#            $ROOT/m23: a call cut short resumes there.
+#            rtn gptq) through bench/gpu_converter.sh, which assembles the demo's GGUF from two halves carried in
+#            two calls (its header; needs the gguf wheel in .whl/): `SPLIT=1 bash bench/gpu_converter.sh` here
+#            first, then a call carrying .gguf-parts/1 (no preamble: `STEPS=quality bash
+#            bench/gpu_convert_speed.sh`), then one carrying .gguf-parts/2 and .whl (with the preamble, the same
+#            command). Its work folder is $ROOT/converter: a call cut short resumes there.
 # Assumes `source .whl/preamble.sh`; run from the repository root. JSON goes to bench/results/ and, with a log,
 # to $OUT.
 set -u
@@ -49,7 +50,7 @@ for s in $STEPS; do
     case "$s" in
     speed)
         step speed 300 && convert_memory speed --shape qwen3.5-122b-a10b --layers 2 --vocab 32768 --vram-gb 24 \
-            --work "$ROOT/qwen35" --note "issue 54: the GPU capped at 24 GiB (torch's per-process memory fraction)" ;;
+            --work "$ROOT/qwen35" --note "the GPU capped at 24 GiB (torch's per-process memory fraction)" ;;
     tests)
         if step tests 150; then
             timeout $(( $(left) - 10 )) $PY -m pytest tests/gpu/test_convert_gpu.py -q -p no:cacheprovider 2>&1 \
@@ -58,13 +59,13 @@ for s in $STEPS; do
         fi ;;
     q125)
         step q125 300 && convert_memory q125 --shape q125-a11 --layers 1 --vocab 32768 --work "$ROOT/q125" \
-            --note "issue 54: the recorded figure's shape, all 128 experts" ;;
+            --note "the recorded figure's shape, all 128 experts" ;;
     quality)
         if [ ! -f "$ROOT/done/quality" ]; then
-            OUT=$OUT ROOT=$ROOT/m23 LIMIT=$(left) METHODS="rtn gptq" \
+            OUT=$OUT ROOT=$ROOT/converter LIMIT=$(left) METHODS="rtn gptq" \
                 DONE="exllamav2-measure exllamav2-2.5 exllamav2-3 exllamav2-4 exllamav2-6 memory" \
-                bash "$(dirname "$0")/gpu_issue23.sh"
-            [ -f "$ROOT/m23/done/quality" ] && done_ quality
+                bash "$(dirname "$0")/gpu_converter.sh"
+            [ -f "$ROOT/converter/done/quality" ] && done_ quality
         fi ;;
     *)
         log "unknown step $s (speed, tests, q125 or quality)"; exit 2 ;;
