@@ -1,15 +1,15 @@
 """Time and memory of the calibrated converter on a random bf16 checkpoint of a real model's shape.
 
     python -m bench.convert_memory --shape qwen3.5-122b-a10b --layers 2 [--experts N] [--top-k K] [--vocab V]
-        [--rows 32] [--seq-len 512] [--bpw 3] [--hessian-memory GiB] [--device cpu|cuda] [--vram-gb G]
-        [--baseline RESULT.json] [--distinct-experts N] [--out bench/results/]
+        [--deltanet-only] [--rows 32] [--seq-len 512] [--bpw 3] [--hessian-memory GiB] [--device cpu|cuda]
+        [--vram-gb G] [--baseline RESULT.json] [--distinct-experts N] [--out bench/results/]
 
 1. Writes a Hugging Face folder (config.json, one safetensors shard per layer with an index, a tokenizer)
    of the shape (runtime/exl2/shapes.py) cut to --layers layers, with the Hub's tensor names and random bf16
    weights (N(0, 0.02); norms 1, Qwen3.5's (1 + w) norms 0). Qwen3.5's hybrid layers are written as they are
    (Gated DeltaNet and gated attention; cut to fewer layers than its attention interval, the last layer is the
-   attention one); its MTP head is not written. The experts' weights are drawn for --distinct-experts experts
-   and repeated (drawing 2.4 B numbers a layer took longer than converting them). --experts and --vocab shrink
+   attention one, or none with --deltanet-only); its MTP head is not written. The experts' weights are drawn for
+   --distinct-experts experts and repeated (drawing 2.4 B numbers a layer took longer than converting them). --experts and --vocab shrink
    the model where the full one would not fit the machine or the time; the projection scales back up.
 2. Converts it with `runtime.exl2.convert.convert` in this process on --device (--vram-gb caps the GPU memory
    torch may take, to show what a smaller card holds), while a thread samples the process's RSS; per layer it
@@ -18,7 +18,8 @@
 3. Writes JSON to --out: the measurements, the settings, and a projection to the full model: time = for each
    kind of layer (Qwen3.5: DeltaNet, attention) its measured mean x the full model's count of that kind (the
    experts' share x full / converted experts), plus the MTP head as one more attention layer where the full model
-   has one, plus the head scaled by vocabulary; memory per layer = the measured peak RSS, less the converter's
+   has one, plus the head scaled by vocabulary (a kind not converted here is counted at the mean of the layers that
+   were: "kinds_at_measured_mean"); memory per layer = the measured peak RSS, less the converter's
    own estimate of what it held at this size, plus that estimate at the full size. --baseline names an earlier
    result of this benchmark, whose projection is set beside this one ("baseline"). The JSON is written after
    every layer too ("complete": false, the head left out of the projection), so a run stopped by a time limit
@@ -53,7 +54,7 @@ ROWS, SEQ_LEN = CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN     # the 
 
 
 def bench_shape(name: str, layers: int, experts: int | None, vocab: int | None,
-                top_k: int | None = None) -> tuple[Shape, Shape, list[str]]:
+                top_k: int | None = None, deltanet_only: bool = False) -> tuple[Shape, Shape, list[str]]:
     """(the shape converted here, the full shape, notes on what differs)."""
     full = get_shape(name)
     notes = []
@@ -61,7 +62,14 @@ def bench_shape(name: str, layers: int, experts: int | None, vocab: int | None,
         raise SystemExit(f"--shape {name}: this benchmark writes Qwen3.5-MoE, Qwen3-MoE, Qwen3 and Llama "
                          f"checkpoints; not {full.architecture}")
     s = full.with_layers(layers)
-    if full.is_hybrid and layers < full.full_attention_interval:
+    if deltanet_only:
+        if not full.is_hybrid or layers >= full.full_attention_interval:
+            raise SystemExit(f"--deltanet-only needs a hybrid shape and fewer layers than its attention interval "
+                             f"({full.full_attention_interval or 'none'} for {name}), got --layers {layers}")
+        notes.append(f"{layers} of {full.layers} layers, all Gated DeltaNet (the kind of "
+                     f"{_layer_types(full).count('linear_attention')} of them); the gated-attention layers and the "
+                     f"MTP head are projected at the DeltaNet layers' time")
+    elif full.is_hybrid and layers < full.full_attention_interval:
         s = replace(s, full_attention_interval=layers)
         notes.append(f"{layers} of {full.layers} layers, the last one gated attention and the others Gated DeltaNet "
                      f"(the model has one attention layer in {full.full_attention_interval})")
@@ -181,13 +189,14 @@ def project(layers: list[dict], s: Shape, full: Shape, head_s: float | None) -> 
     overall = sum(sum(v) for v in per_kind.values()) / len(layers)
     kinds = _layer_types(full) if full.is_hybrid else ["decoder"] * full.layers
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    unmeasured = [k for k in counts if k not in mean]             # counted at the measured layers' mean
     mtp = mean.get("full_attention", overall) if full.is_hybrid else 0.0       # one more attention layer
     layers_s = sum(n * mean.get(k, overall) for k, n in counts.items()) + mtp
     head = None if head_s is None else head_s * full.vocab / s.vocab
     total = layers_s + (head or 0.0)
     return {"seconds_per_layer": round((layers_s - mtp) / full.layers, 1),
             "seconds_per_layer_by_kind": {k: round(v, 1) for k, v in mean.items()},
-            "layers_by_kind": counts, "mtp_seconds": round(mtp, 1),
+            "layers_by_kind": counts, "kinds_at_measured_mean": unmeasured, "mtp_seconds": round(mtp, 1),
             "head_seconds": None if head is None else round(head, 1),
             "model_seconds": round(total, 1), "model_hours": round(total / 3600, 2)}
 
@@ -286,6 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, help="experts per layer to write (default: the shape's)")
     p.add_argument("--vocab", type=int, help="vocabulary to write (default: the shape's)")
     p.add_argument("--top-k", type=int, help="experts per token (default: the shape's; lower to write fewer experts)")
+    p.add_argument("--deltanet-only", action="store_true",
+                   help="Qwen3.5 cut to fewer layers than its attention interval: all of them Gated DeltaNet "
+                        "(default: the last one gated attention)")
     p.add_argument("--rows", type=int, default=ROWS)
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--bpw", type=float, default=3.0)
@@ -302,7 +314,7 @@ def main(argv=None) -> int:
     import torch
 
     from runtime.exl2 import convert as cv
-    s, full, notes = bench_shape(args.shape, args.layers, args.experts, args.vocab, args.top_k)
+    s, full, notes = bench_shape(args.shape, args.layers, args.experts, args.vocab, args.top_k, args.deltanet_only)
     budget = None if args.hessian_memory is None else int(args.hessian_memory * 2**30)
     cuda = args.device.startswith("cuda")
     if args.vram_gb and cuda:

@@ -154,6 +154,30 @@ def test_bench_converts_a_cut_down_shape_and_projects_the_full_model(tmp_path):
     assert r35["baseline"]["seconds_per_layer"] == result["projection"]["seconds_per_layer"]
 
 
+def test_bench_converts_deltanet_layers_alone_and_says_what_it_projects(tmp_path):
+    """One Gated DeltaNet layer (the kind of most of Qwen3.5's layers) in one GPU call: the attention layers and
+    the MTP head are projected at its time, and the JSON names the kind it did not measure."""
+    import json
+
+    from bench import convert_memory as cm
+    with pytest.raises(SystemExit, match="--deltanet-only needs a hybrid shape .* got --layers 4"):
+        cm.bench_shape("tiny-qwen3.5", 4, None, None, deltanet_only=True)
+    with pytest.raises(SystemExit, match="--deltanet-only needs a hybrid shape"):
+        cm.bench_shape("tiny-moe", 1, None, None, deltanet_only=True)
+    assert cm.main(["--shape", "tiny-qwen3.5", "--layers", "1", "--deltanet-only", "--experts", "8", "--vocab", "512",
+                    "--rows", "2", "--seq-len", "32", "--work", str(tmp_path / "w"), "--out", str(tmp_path)]) == 0
+    r = json.loads(next(tmp_path.glob("convert-memory-tiny-qwen3.5-cpu-*.json")).read_text())
+    assert [x["kind"] for x in r["layers"]] == ["linear_attention"]
+    pr = r["projection"]
+    assert pr["kinds_at_measured_mean"] == ["full_attention"]
+    by = pr["seconds_per_layer_by_kind"]
+    assert list(by) == ["linear_attention"] and pr["layers_by_kind"] == {"linear_attention": 3, "full_attention": 1}
+    assert pr["mtp_seconds"] == pytest.approx(by["linear_attention"], abs=0.11)
+    assert pr["seconds_per_layer"] == pytest.approx(by["linear_attention"], abs=0.11)
+    assert pr["model_seconds"] == pytest.approx(5 * pr["seconds_per_layer"] + pr["head_seconds"], abs=0.5)
+    assert any("all Gated DeltaNet" in n for n in r["notes"])
+
+
 def test_bench_keeps_the_layers_of_a_run_cut_short(tmp_path, monkeypatch):
     """A run stopped before its end (a GPU call's time limit) leaves the JSON of the layers it finished."""
     import functools
