@@ -197,6 +197,44 @@ def test_bench_keeps_the_layers_of_a_run_cut_short(tmp_path, monkeypatch):
     assert any("cut after 1 of 2 layers" in n for n in result["notes"])
 
 
+def test_gpu_speed_script_takes_its_steps_and_runs_its_check_on_the_cpu(tmp_path):
+    """bench/gpu_convert_speed.sh: steps as arguments (unknown ones refused before anything runs), -n prints the
+    speed step's command, and its check step runs the same path on the CPU and writes the JSON into $OUT."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OUT=str(tmp_path / "out"), ROOT=str(tmp_path / "root"), PYTHON=sys.executable,
+               PYTHONPATH=str(repo))
+
+    def script(*args):
+        return subprocess.run(["bash", "bench/gpu_convert_speed.sh", *args], cwd=repo, env=env, text=True,
+                              capture_output=True, timeout=300)
+
+    assert "bench/gpu_convert_speed.sh speed" in script("--help").stdout
+    bad = script("speed", "sped")
+    assert bad.returncode == 2 and "unknown step or option 'sped'" in bad.stderr
+    assert not (tmp_path / "out").exists()
+    dry = script("-n", "speed")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    cmd = next(line for line in dry.stdout.splitlines() if "would run:" in line)
+    for arg in ("bench.convert_memory", "--shape qwen3.5-122b-a10b", "--layers 1", "--deltanet-only",
+                "--vram-gb 24", f"--out {tmp_path / 'out'}", "--device cuda"):
+        assert arg in cmd
+    assert not list((tmp_path / "out").glob("*.json")) and not (tmp_path / "root" / "done" / "speed").exists()
+    check = script("check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    (path,) = (tmp_path / "out").glob("convert-memory-tiny-qwen3.5-cpu-*.json")
+    r = json.loads(path.read_text())
+    assert r["complete"] and r["projection"]["kinds_at_measured_mean"] == ["full_attention"]
+    assert r["baseline"]["model_hours"] == 21.23
+    assert "h projected (baseline 21.23 h)" in check.stdout
+    assert "convert_memory check: exit 0" in (tmp_path / "out" / "gpu_convert_speed.log").read_text()
+
+
 def test_new_layer_is_built_without_initialising_and_keeps_unsaved_buffers():
     class Plain(torch.nn.Module):
         def __init__(self, cfg, layer_idx):
