@@ -20,6 +20,7 @@ from runtime.experts.layer import ExpertLayer, experts_reference, route
 from runtime.experts.pack import HostArena, pack_experts
 
 TOLERANCE = 2e-3     # fp16 operands (x, h, tile weights in the dot path) with fp32 accumulation
+HOST_TOLERANCE = 3e-2  # the CPU path's host function: the integer kernel rounds activations to int8 per group
 
 
 @dataclass
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         bad = 0
         for r in check_skip(a.experts, a.hidden, a.inter, a.top_k, bits if props else bits[0],
                             [int(x) for x in a.rows.split(",")], a.device, props, a.group):
-            ok = r.rel_err < TOLERANCE
+            ok = r.rel_err < (HOST_TOLERANCE if r.path.endswith("cpu host") else TOLERANCE)
             bad += not ok
             print(f"rows {r.rows:4d}  {r.path:22s}  max diff {r.rel_err:.2e}  {'ok' if ok else 'FAIL'}")
         return 1 if bad else 0

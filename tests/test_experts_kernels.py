@@ -251,7 +251,8 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, su
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
     the layer is put in down's intermediate order (bit for bit the same output). Cut steps of 32
     rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row). The same with
-    each tile summed by columns (MOEDESK_GEMV_SUMS)."""
+    each tile summed by columns (MOEDESK_GEMV_SUMS). The host function computes with int8 activations (the
+    integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align, MOEDESK_GEMV_SUMS=sums)
     if splitk:
         env["MOEDESK_SPLITK"] = splitk

@@ -88,6 +88,7 @@ class Linear:
                  exl2: Optional[tuple[list, list[int]]] = None):
         """exl2: (EXL2 tensor sets, out features) of the projections `weight` was dequantized from."""
         self.bias = None if bias is None else bias.to(_act_dtype(precision))
+        self.in_features = weight.shape[1]               # kept: the int8 kernel's linear holds no float weight
         self.q = None
         self._norm: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (norm weight, its float32 copy)
         if precision == "int8" and (ext := qlinear.kernel()) is not None:
