@@ -96,6 +96,22 @@ def test_exl2_kernel_is_exact_on_codes(layer):
         assert _rel(store.forward(x, ids, w), ce.reference_forward(exact, x, ids, w)) < 2e-6
 
 
+def test_exact_scales_are_what_the_store_computes_with(tmp_path):
+    """Experts with exact scales (q_scale_exact, as the GPTQ import writes them): the exl2 store's codes times those
+    scales, not the steps of q_scale / q_scale_max; read from a model folder with them too."""
+    from bench.check_experts import with_exact_scales
+    gen = torch.Generator().manual_seed(11)
+    experts = [{p: with_exact_scales(t, gen) for p, t in _expert(gen, 4).items()} for _ in range(E)]
+    steps = [{p: {k: v for k, v in t.items() if k != "q_scale_exact"} for p, t in e.items()} for e in experts]
+    assert _dense(experts)[0][0].shape == (I, H) and not torch.equal(_dense(experts)[0][0], _dense(steps)[0][0])
+    x, ids, w = _routing(torch.Generator().manual_seed(3), 4)
+    store = ce.CpuExperts.from_exl2(experts, "bf16")
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts), x, ids, w)) < TOL["bf16"]
+    _kernel_or_skip()
+    store = ce.CpuExperts.from_exl2(experts, "exl2")
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts, exact=True), x, ids, w)) < 2e-6
+
+
 @pytest.mark.parametrize("bits", [[8, 6], [6, 5], [5, 4], [4, 3, 2]])
 def test_exl2_kernel_every_width(bits):
     _kernel_or_skip()
@@ -184,3 +200,16 @@ def test_experts_from_a_model_folder(tmp_path):
     assert _rel(store.forward(x, ids, w), ce.reference_forward(dense, x, ids, w)) < TOL["int8"]
     with pytest.raises(ce.CpuExpertsError, match="expert 99"):
         ce.read_experts(folder, 0, [99])
+
+
+def test_experts_from_an_import_carry_their_exact_scales(tmp_path):
+    from runtime.exl2.gptq_import import import_model
+    from runtime.modelfolder import ModelFolder
+    from tests.convert_fixtures import tiny_checkpoint
+    from tests.gptq_fixtures import dequantize, gptq_folder
+    build = gptq_folder(tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1), tmp_path / "gptq", group_size=32)
+    import_model(tmp_path / "gptq", tmp_path / "out", calibrate=False, say=lambda m: None)
+    expert = ce.read_experts(ModelFolder(tmp_path / "out"), 0, [2])[0]
+    assert all("q_scale_exact" in t for t in expert.values())
+    down = build["model.layers.0.mlp.experts.2.down_proj"]
+    assert torch.equal(fmt.dequantize(expert["down"], out_features=64), dequantize(down, 4, "gptq", 1, 32, 64))
