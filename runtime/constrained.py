@@ -217,8 +217,8 @@ def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt: Sequence[int], pr
 
 
 def logprob_events(records: list, tokenizer: Any, vocab: int) -> tuple:
-    """Kept records as protocol TokenLogprob values (token text and bytes from the model's tokenizer)."""
-    from runtime import protocol as P
+    """Kept records as plain tuples (token text, logprob, bytes, alternatives as (text, logprob, bytes)); the
+    worker turns them into the protocol's TokenLogprob values (only the edge imports the protocol)."""
     gtok = grammar_tokenizer(tokenizer, vocab)
 
     def piece(tok: int) -> tuple[str, tuple[int, ...]]:
@@ -227,8 +227,8 @@ def logprob_events(records: list, tokenizer: Any, vocab: int) -> tuple:
     out = []
     for tok, lp, top in records:
         text, raw = piece(tok)
-        alts = tuple(P.TopLogprob(*_named(piece(t), v)) for t, v in top)
-        out.append(P.TokenLogprob(text, _finite(lp), raw, alts))
+        alts = tuple(_named(piece(t), v) for t, v in top)
+        out.append((text, _finite(lp), raw, alts))
     return tuple(out)
 
 

@@ -105,8 +105,9 @@ class Tuning:
     cpu_signal: str = knob("auto", "MOEDESK_CPU_SIGNAL", "How a decode step's stream signals the CPU thread: "
                            "stream memory operations where they work (auto), or one of them forced.",
                            choices=("auto", "memops", "hostfunc"))
-    cpu_kernel_march: str = knob("native", "MOEDESK_CPU_KERNEL_MARCH", "The -march the CPU kernel is built "
-                                 "for, e.g. haswell (AVX2 only).")
+    cpu_kernel_isa: str = knob("auto", "MOEDESK_CPU_KERNEL_ISA", "The vector path of the CPU kernels: the best "
+                               "this CPU runs (auto), or a lower one forced (docs/cpu-kernel.md).",
+                               choices=("auto", "avx512_vnni", "avx2", "scalar"))
     auto_cpu_path: bool = knob(True, "MOEDESK_AUTO_CPU_PATH", "Placement 'auto' takes the CPU expert path "
                                "where it pays (0: only placement 'cpu' does).")
     cpu_split: str = knob("cut", "MOEDESK_CPU_SPLIT", "How cold picks are shared: each cut between CPU and "
@@ -198,10 +199,6 @@ def _parse(tp: Any, f: dataclasses.Field, name: str, text: str) -> Any:
         if low in ("0", "false", "no", "off"):
             return False
         raise bad("want 1 (on) or 0 (off)")
-    if f.name == "cpu_kernel_march":
-        if not text.replace("-", "").replace("_", "").isalnum():
-            raise bad("not a -march value")
-        return text
     m = f.metadata
     try:
         value = tp(text)

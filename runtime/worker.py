@@ -363,7 +363,9 @@ class Worker:
         scored = steer is not None and steer.top_logprobs is not None
 
         def on_text(text: str, tokens: int) -> None:
-            lps = logprob_events(steer.pop_records(tokens), self.tokenizer, vocab) if scored else ()
+            lps = tuple(P.TokenLogprob(text, lp, raw, tuple(P.TopLogprob(*alt) for alt in alts))
+                        for text, lp, raw, alts in logprob_events(steer.pop_records(tokens), self.tokenizer, vocab)
+                        ) if scored else ()
             self.send(P.TokenDelta(request_id=rid, text=text, tokens=tokens, logprobs=lps))
 
         def on_step(live) -> None:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from runtime.build_lock import BATON, LOCK, one_build
 
@@ -76,17 +77,19 @@ def test_the_cpu_kernel_builds_in_its_own_folder_under_the_lock(tmp_path, monkey
     monkeypatch.setattr(ce, "_EXT_ERROR", None)
     calls = []
 
+    module = SimpleNamespace(set_isa=lambda name: True)
+
     def load(name, sources, build_directory, **kw):
         assert not (Path(build_directory) / BATON).exists(), "load ran with the dead build's baton in place"
         calls.append((name, build_directory))
-        return "module"
+        return module
     monkeypatch.setattr(cpp_extension, "load", load)
-    folder = ce.kernel_folder("moedesk_exl2_cpu")
+    folder = ce.kernel_folder(ce.KERNEL_NAME)
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    assert folder == tmp_path / f"moedesk-{py}-torch{torch.__version__}" / "moedesk_exl2_cpu"
+    assert folder == tmp_path / f"moedesk-{py}-torch{torch.__version__}" / ce.KERNEL_NAME
     folder.mkdir(parents=True)
     (folder / BATON).touch()
-    assert ce.load_kernel() == "module"
+    assert ce.load_kernel() is module
     assert calls and calls[0][1] == str(ce.kernel_folder(calls[0][0])) and not (folder / BATON).exists()
 
 

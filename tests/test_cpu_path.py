@@ -78,6 +78,11 @@ def _rel(y, ref):
     return float((y.double() - ref).abs().max() / max(float(ref.abs().max()), 1e-30))
 
 
+# The kernel against a float64 oracle of the dequantized weights: it multiplies int8 activations (one scale per
+# group of each row's inputs), so its results differ by that rounding (tests/test_cpu_experts.py: TOL["exl2"], as for the int8 format).
+INT8_ACT = 3e-2
+
+
 @pytest.mark.parametrize("bits", [3, 4, [4, 3, 2], [5, 4], [3, 2]])
 def test_host_entry_matches_oracle_for_owned_experts(bits):
     experts, packs = _layer(bits)
@@ -97,7 +102,7 @@ def test_host_entry_matches_oracle_for_owned_experts(bits):
             if not any(int(e) in owned for e in ids[0]):
                 assert torch.equal(y, torch.zeros(1, H)), "no owned pair: zeros"
             else:
-                assert _rel(y, ref) < 1e-5, (bits, owned)
+                assert _rel(y, ref) < INT8_ACT, (bits, owned)
     n, calls, pairs, status = cp.counters()
     assert calls == 16 and status == 0 and n > 0 and pairs > 0
     if bits == 3:                         # after the load's warm-up the counts start from zero again
@@ -190,7 +195,7 @@ def test_the_c_entries_through_their_addresses_with_a_hand_built_context():
     call(wait)(ctypes.addressof(ctx))
     assert ctx.submitted == ctx.done == 1
     assert ctx.status == 0 and ctx.calls == 1 and ctx.pairs == 4
-    assert _rel(y, _restricted(dense, x, ids, w, {1, 4})) < 1e-5
+    assert _rel(y, _restricted(dense, x, ids, w, {1, 4})) < INT8_ACT
     owned[4] = 0
     index[1] = -1                                # owned expert 1 fine; now mark an unstored one owned
     owned[2] = 1
@@ -582,13 +587,21 @@ def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
 def test_pack_tiles_keeps_every_code(bits):
-    """The GPU layout (3 bits: two planes) -> per column a stream of b-bit codes in tiles of 16 columns."""
+    """The GPU layout (3 bits: two planes) -> tiles of 16 columns in the kernel's order (per column and
+    chunk of 32 rows, 3 bits: 2-bit fields and third bits; 4 and 8: EXL2's stream), which to_planes takes
+    back to a stream of b-bit codes per column."""
     from runtime.experts.pack import _pack_words, _unpack_words
     K, N = 64, 32
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (K, N), generator=torch.Generator().manual_seed(bits))
     words = _pack_words(codes.to(torch.int8), bits)
-    tiles = ce.load_kernel().pack_tiles(words, bits, K)                   # [N/16, Q, 16]
-    stream = tiles.permute(1, 0, 2).reshape(-1, N).to(torch.int64) & 0xFFFFFFFF   # [Q, N]
+    tiles = ce.load_kernel().pack_tiles(words, bits, K)                   # [N/16, Q, 16], the kernel's order
+    whole = torch.tensor([[bits, 0, 0, K]], dtype=torch.int32)
+    stream = tiles.clone()
+    ce.load_kernel().to_planes(stream, whole, back=True)                  # EXL2's column streams
+    again = stream.clone()
+    ce.load_kernel().to_planes(again, whole)
+    assert torch.equal(again, tiles)
+    stream = stream.permute(1, 0, 2).reshape(-1, N).to(torch.int64) & 0xFFFFFFFF   # [Q, N]
     bit = torch.arange(K) * bits
     pair = torch.cat([stream, torch.zeros(1, N, dtype=torch.int64)])
     v = (pair[bit // 32] | (pair[bit // 32 + 1] << 32)) >> (bit % 32)[:, None]
@@ -597,6 +610,20 @@ def test_pack_tiles_keeps_every_code(bits):
     assert torch.equal(_unpack_words(words, bits, K) - (1 << (bits - 1)), codes.to(torch.int64))
     with pytest.raises(RuntimeError, match="rows for K"):
         ce.load_kernel().pack_tiles(words[:-1], bits, K)
+
+
+def test_an_automatic_team_is_sized_from_the_rates_it_reaches():
+    """The fewest threads within 5% of the best measured rate: a memory that saturates at 6 threads gets 7
+    of 14 (the candidates halve: 14, 7, 3, 1), a VM whose second core is busy gets 1 of 2."""
+    seen = []
+
+    def saturating(packs, experts, top_k, threads):
+        seen.append(threads)
+        return min(threads, 6) * 5e9
+    assert cpath.sized_team(None, [0, 1], 2, 14, saturating) == (7, {1: 5e9, 3: 15e9, 7: 30e9, 14: 30e9})
+    assert sorted(seen) == [1, 3, 7, 14]
+    assert cpath.sized_team(None, [0], 2, 2, lambda p, e, k, t: {1: 25e9, 2: 17e9}[t])[0] == 1
+    assert cpath.sized_team(None, [0], 2, 1, lambda p, e, k, t: 9e9) == (1, {1: 9e9})
 
 
 def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
@@ -760,10 +787,11 @@ def test_a_cut_computes_the_first_intermediate_rows_and_moves_within_its_copies(
             h = (torch.nn.functional.silu(g1) * u)
             y += we * (h @ dequantize_packed(layer.w2, e)[:, :rows].double().T)
         return y
-    assert _rel(wide.run_host(x, ids, w), part(128)) < 1e-4
+    assert _rel(part(64), part(128)) > 10 * INT8_ACT             # the cut is not lost in the kernel's rounding
+    assert _rel(wide.run_host(x, ids, w), part(128)) < INT8_ACT
     wide.set_cut(64)
     assert int(wide.cut_dev) == 64 and wide.ctx.cut == 64
-    assert _rel(wide.run_host(x, ids, w), part(64)) < 1e-4
+    assert _rel(wide.run_host(x, ids, w), part(64)) < INT8_ACT
     assert torch.equal(wide.run_host(x, ids, w), narrow.run_host(x, ids, w))
     for bad in (0, 32, 192):
         with pytest.raises(ValueError, match="want a multiple of 64 in 64..128"):
@@ -1191,3 +1219,13 @@ def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):
         m.apply([[0], [1]])
     assert cpu_share.alloc_failure(MemoryError()).startswith("host RAM ran out while copying")
     assert "ValueError: odd" in cpu_share.alloc_failure(ValueError("odd"))
+
+
+def test_a_store_is_spread_over_the_numa_nodes_without_changing_it():
+    """interleave_pages: every node online (one here), the pages' contents kept (moved, not cleared)."""
+    k = ce.load_kernel()
+    nodes = k.numa_nodes()
+    t = torch.arange(1 << 20, dtype=torch.int32)
+    assert nodes >= 1 and k.interleave_pages(t) == nodes
+    assert torch.equal(t, torch.arange(1 << 20, dtype=torch.int32))
+    assert ce.spread(torch.empty(16, dtype=torch.float16)).shape == (16,)

@@ -59,7 +59,7 @@ def test_gpu_without_a_toolchain_says_how_to_get_one(tmp_path, monkeypatch):
 def test_welcome_dialog_offers_demo_and_marks_done(qtbot, tmp_path, monkeypatch):
     from app import firstrun
     monkeypatch.setattr(machine, "probe_gpu", lambda: (None, None, None, "no NVIDIA driver answered"))
-    dlg = firstrun.WelcomeDialog(machine.check_machine(tmp_path))
+    dlg = firstrun.WelcomeDialog(machine.check_machine(tmp_path), demo=("ready", ""))   # demo imported already
     qtbot.addWidget(dlg)
     assert firstrun.should_show_welcome()
     with qtbot.waitSignal(dlg.demo_requested, timeout=1000):

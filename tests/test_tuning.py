@@ -30,7 +30,7 @@ def test_an_empty_environment_gives_the_defaults():
 def test_each_variable_sets_its_field():
     env = {"MOEDESK_GEMV_MAX_PAIRS": "32", "MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2",
            "MOEDESK_GEMV_SUMS": "columns",
-           "MOEDESK_CUT_ALIGN": "32", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_CPU_KERNEL_MARCH": "x86-64-v3",
+           "MOEDESK_CUT_ALIGN": "32", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_CPU_KERNEL_ISA": "avx2",
            "MOEDESK_AUTO_CPU_PATH": "0", "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_BALANCE": "0",
            "MOEDESK_LEND_STAGING": "0", "MOEDESK_PREFETCH": "2", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
            "MOEDESK_ROUTE": "torch", "MOEDESK_ALIGN": "kernel", "MOEDESK_MOE_ADD": "plain",
@@ -41,7 +41,7 @@ def test_each_variable_sets_its_field():
     t = Tuning.from_environment(env)
     assert t == Tuning(gemv_max_pairs=32, grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), gemv_sums="columns",
                        cut_align=32,
-                       cpu_signal="hostfunc", cpu_kernel_march="x86-64-v3", auto_cpu_path=False, cpu_split="experts",
+                       cpu_signal="hostfunc", cpu_kernel_isa="avx2", auto_cpu_path=False, cpu_split="experts",
                        cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
                        route="torch", align="kernel", moe_add="plain", moe_finish=True, verify_reads="rows",
                        graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, qkv_fused=True,
@@ -69,7 +69,7 @@ def test_each_variable_sets_its_field():
     ("MOEDESK_GROUPED", "16,64", "six integers"),
     ("MOEDESK_GROUPED", "16,64,48,32,4,0", "not a power of two"),
     ("MOEDESK_SPLITK", "64", "BNxKSPLIT"),
-    ("MOEDESK_CPU_KERNEL_MARCH", "native;rm", "not a -march value"),
+    ("MOEDESK_CPU_KERNEL_ISA", "avx9", "one of auto, avx512_vnni, avx2, scalar"),
     ("MOEDESK_TEMPLATE_TIMEOUT_S", "0", "0.001 to 3600"),
 ])
 def test_a_bad_value_names_the_variable_and_what_it_allows(name, value, says):

@@ -76,7 +76,8 @@ def _layout(t: Mapping[str, torch.Tensor], name: str):
 # Conversion of one expert
 
 def _to_exl2(t: Mapping[str, torch.Tensor], out: int, name: str) -> dict[str, torch.Tensor]:
-    """Lossless: q_weight cut into tiles of 16 columns [N/16, Q, 16], fp16 scales [N/16, G, 16]."""
+    """Lossless: q_weight cut into tiles of 16 columns [N/16, Q, 16] (the kernel's order of the bits of each
+    chunk of 32 rows, csrc/qdot.cpp), fp16 scales [N/16, G, 16]."""
     k, n, groups, perm = _layout(t, name)
     qw = t["q_weight"].contiguous()
     q = qw.shape[0]
@@ -84,10 +85,13 @@ def _to_exl2(t: Mapping[str, torch.Tensor], out: int, name: str) -> dict[str, to
     scale = scale[perm]                                                  # packed order [K, N]
     first = torch.tensor([g.first_row for g in groups])
     sc = scale[first].to(torch.float16)                                  # [G, N]
+    grp = torch.tensor([[g.bits, g.first_qrow, g.first_row, g.rows] for g in groups], dtype=torch.int32)
+    tiles = qw.view(q, n // 16, 16).permute(1, 0, 2).contiguous()
+    load_kernel().to_planes(tiles, grp)                                  # the kernel's order of the same bits
     return {
-        "qw": qw.view(q, n // 16, 16).permute(1, 0, 2).contiguous(),
+        "qw": tiles,
         "sc": sc.view(len(groups), n // 16, 16).permute(1, 0, 2).contiguous(),
-        "grp": torch.tensor([[g.bits, g.first_qrow, g.first_row, g.rows] for g in groups], dtype=torch.int32),
+        "grp": grp,
         "perm": perm.to(torch.int32),
         "shape": torch.tensor([k, out, q], dtype=torch.int64),           # K, N (logical), Q
     }
@@ -141,6 +145,32 @@ def convert_expert(expert: ExpertTensors, format: str, name: str = "expert") -> 
         tensors[key] = (m / s[:, None]).round().clamp(-127, 127).to(torch.int8)
         tensors[key + "_s"] = s.bfloat16()
     return ExpertWeights("int8", tensors)
+
+
+def spread(t: torch.Tensor) -> torch.Tensor:
+    """`t` (new, not yet written) with its pages interleaved over the NUMA nodes where the machine has
+    several (the kernel's interleave_pages): a team on every socket then reads every memory controller."""
+    k = load_kernel()
+    if k.numa_nodes() > 1:
+        k.interleave_pages(t)
+    return t
+
+
+def flatten(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Projections as _to_exl2 gives them -> flat buffers qw int32, sc fp16, grp int32 [*, 4], perm int32
+    (one allocation each) and desc int64 [P, 8], the offsets of projection p: (qw, sc, grp, G, perm, K, N, Q)."""
+    desc, off = [], [0, 0, 0, 0]
+    for t in parts:
+        k, n, q = t["shape"].tolist()
+        desc.append([off[0], off[1], off[2], t["grp"].shape[0], off[3], k, n, q])
+        off = [off[0] + t["qw"].numel(), off[1] + t["sc"].numel(), off[2] + t["grp"].shape[0], off[3] + t["perm"].numel()]
+    flat = {"qw": spread(torch.empty(off[0], dtype=torch.int32)), "sc": spread(torch.empty(off[1], dtype=torch.float16)),
+            "grp": torch.empty((off[2], 4), dtype=torch.int32), "perm": torch.empty(off[3], dtype=torch.int32)}
+    for d, t in zip(desc, parts):
+        for key, o in (("qw", d[0]), ("sc", d[1]), ("grp", d[2]), ("perm", d[4])):
+            src = t[key] if key == "grp" else t[key].reshape(-1)
+            flat[key][o:o + src.shape[0]] = src
+    return flat, torch.tensor(desc, dtype=torch.int64)
 
 
 def read_experts(folder, layer: int, experts: Sequence[int]) -> list[dict[str, dict[str, torch.Tensor]]]:
@@ -209,8 +239,6 @@ def load_kernel():
 def _load_kernel():
     global _EXT, _EXT_ERROR
     if _EXT is None and _EXT_ERROR is None:
-        import os
-
         from runtime.gpu_setup import compiler_advice, find_compiler
         if find_compiler() is None:
             _EXT_ERROR = "no C++ compiler on PATH (or in CXX). " + compiler_advice()
@@ -218,20 +246,43 @@ def _load_kernel():
             try:
                 from torch.utils.cpp_extension import load
                 from runtime.build_lock import one_build
-                src = os.path.join(os.path.dirname(__file__), "csrc", "exl2_cpu.cpp")
-                march = tuning.current().cpu_kernel_march                     # e.g. haswell: AVX2 only
-                name = "moedesk_exl2_cpu" + ("" if march == "native" else "_" + march.replace("-", "_"))
-                folder = kernel_folder(name)
+                folder = kernel_folder(KERNEL_NAME)
                 with one_build(folder):                          # (a stopped earlier build left no wait behind)
-                    _EXT = load(name=name, sources=[src], build_directory=str(folder), verbose=False,
-                                extra_cflags=["-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17",
-                                              "-fopenmp"],
+                    _EXT = load(name=KERNEL_NAME, sources=[str(CSRC / f) for f in SOURCES],
+                                build_directory=str(folder), verbose=False, extra_cflags=kernel_cflags(),
                                 extra_ldflags=["-fopenmp"])
             except Exception as e:                          # compiler errors, missing headers
                 _EXT_ERROR = f"building the EXL2 CPU kernel failed: {str(e).strip()[-2000:]}"
+            if _EXT is not None:
+                _set_isa(_EXT, tuning.current().cpu_kernel_isa)
     if _EXT is None:
         raise CpuExpertsError(_EXT_ERROR)
     return _EXT
+
+
+CSRC = Path(__file__).parent / "csrc"
+# The module's name and build folder: not the fp32 kernel's (moedesk_exl2_cpu), so that a checkout of an older
+# commit (a before/after comparison) keeps its own build instead of rebuilding over this one.
+KERNEL_NAME = "moedesk_cpu_kernels"
+SOURCES = ("exl2_cpu.cpp", "qdot.cpp", "attention.cpp")       # and the headers they include
+
+
+def kernel_cflags() -> list[str]:
+    """The kernel's compiler flags: no -march (the x86-64 baseline; the vector paths carry their own target
+    attributes and are chosen at run time), and a digest of every file under csrc/, which torch's build
+    cache then keys on (it hashes the listed sources, not the headers they include)."""
+    import hashlib
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir()) if p.is_file())).hexdigest()
+    return ["-O3", "-ffp-contract=fast", "-std=c++17", "-fopenmp", f"-DMOEDESK_CSRC={digest[:16]}"]
+
+
+def _set_isa(ext, name: str) -> None:
+    """Take the vector path `name` (tuning's cpu_kernel_isa: auto, or a lower one forced); a path this CPU
+    cannot run is an error that says what it runs."""
+    if not ext.set_isa(name):
+        global _EXT, _EXT_ERROR
+        _EXT, _EXT_ERROR = None, (f"MOEDESK_CPU_KERNEL_ISA={name}: this CPU runs {ext.isa_supported()} at best "
+                                  f"(avx512_vnni > avx2 > scalar)")
 
 
 def kernel_unavailable_reason() -> str | None:
@@ -296,24 +347,10 @@ class CpuExperts:
     def _flatten(self) -> None:
         """Copy every expert's tiles into flat buffers (one allocation each) with a descriptor table
         [E, 3, 8] of per expert and projection offsets."""
-        parts = [[{k.split(".", 1)[1]: v for k, v in ew.tensors.items() if k.startswith(p + ".")} for p in PROJS]
-                 for ew in self.experts]
-        desc, off = [], [0, 0, 0, 0]
-        for expert in parts:
-            for t in expert:
-                k, n, q = t["shape"].tolist()
-                desc.append([off[0], off[1], off[2], t["grp"].shape[0], off[3], k, n, q])
-                off = [off[0] + t["qw"].numel(), off[1] + t["sc"].numel(), off[2] + t["grp"].shape[0],
-                       off[3] + t["perm"].numel()]
-        first = parts[0][0]
-        flat = {"qw": torch.empty(off[0], dtype=first["qw"].dtype), "sc": torch.empty(off[1], dtype=first["sc"].dtype),
-                "grp": torch.empty((off[2], 4), dtype=first["grp"].dtype),
-                "perm": torch.empty(off[3], dtype=first["perm"].dtype)}
-        for d, t in zip(desc, (t for expert in parts for t in expert)):
-            for key, o in (("qw", d[0]), ("sc", d[1]), ("grp", d[2]), ("perm", d[4])):
-                src = t[key] if key == "grp" else t[key].reshape(-1)
-                flat[key][o:o + src.shape[0]] = src
-        self._flat = flat | {"desc": torch.tensor(desc, dtype=torch.int64).view(-1, 3, 8)}
+        parts = [{k.split(".", 1)[1]: v for k, v in ew.tensors.items() if k.startswith(p + ".")}
+                 for ew in self.experts for p in PROJS]
+        flat, desc = flatten(parts)
+        self._flat = flat | {"desc": desc.view(-1, 3, 8)}
         self.experts = [ExpertWeights("exl2", {k: v for k, v in ew.tensors.items() if k.endswith(".shape")})
                         for ew in self.experts]                  # the flat copy is the one kept
         self._expert_bytes = self._flat_bytes()

@@ -207,8 +207,8 @@ def _cpu_store(packs: Sequence[PackedExperts], stored: Sequence[int], name: str,
     N = [p.N for p in projs]
     K = [p.K for p in projs]
     per = [sum(q * n for q, n in zip(Q, N)), sum(g * n for g, n in zip(G, N)), sum(G), sum(K)]
-    qw = torch.empty((S, per[0]), dtype=torch.int32)
-    sc = torch.empty((S, per[1]), dtype=torch.float16)
+    qw = ce.spread(torch.empty((S, per[0]), dtype=torch.int32))            # over the NUMA nodes, if several
+    sc = ce.spread(torch.empty((S, per[1]), dtype=torch.float16))
     grp = torch.empty((S, per[2], 4), dtype=torch.int32)
     perm = torch.empty((S, per[3]), dtype=torch.int32)
     desc = torch.empty((S, 3, 8), dtype=torch.int64)
@@ -461,6 +461,25 @@ def pcie_bytes_per_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> 
 
 
 _THROUGHPUT: dict[tuple, float] = {}
+
+
+# An automatic team is the fewest threads whose measured rate is within this much of the best candidate's:
+# past that, more threads buy no bytes (the memory is the limit) but wait at each call's barriers and take
+# cores from the thread feeding the GPU and from other programs.
+TEAM_SLACK = 0.05
+
+
+def sized_team(packs: Sequence[PackedExperts], experts: Sequence[int], top_k: int, limit: int,
+               measure=None) -> tuple[int, dict[int, float]]:
+    """The CPU path's team sized from the bytes per second it reaches on this machine (cpu_bytes_per_s,
+    or `measure` with its arguments), not from the core count: of `limit` threads (the cores left free,
+    resolve_threads), and halving down to 1, the fewest within TEAM_SLACK of the best. -> (threads,
+    {threads: bytes per second measured})."""
+    measure = measure or cpu_bytes_per_s
+    counts = sorted({max(1, limit >> i) for i in range(max(1, limit).bit_length())})
+    rates = {t: measure(packs, experts, top_k, t) for t in counts}
+    best = max(rates.values())
+    return min(t for t, r in rates.items() if r >= (1 - TEAM_SLACK) * best), rates
 
 
 MEASURE_CAP_S = 2.0            # the CPU rate's warm-up, and its timed calls, each stop after this long

@@ -208,6 +208,7 @@ class CpuShare:
                 cpu_experts.load_kernel()
             threads = cpu_path.resolve_threads(self.threads, None if self.threads else cpu_load.measure_others())
             self.on_stage("Placing experts: measuring the CPU's and PCIe's rates")
+            threads = threads if self.threads else self._team(resident, threads)
             costs = self._split_costs(resident, threads)
         except CpuExpertsError as e:
             self.reason = self.unavailable = f"the CPU expert kernel is unavailable: {e}"
@@ -310,6 +311,17 @@ class CpuShare:
     def _plan(self, freq: np.ndarray, resident: list[list[int]], costs: CpuSplitCosts, cut_mode: bool) -> CpuSplit:
         return plan_cpu_split(freq, resident, [lo.code_bytes for lo in self.layers], self.top_k, costs,
                               oversubscribe=1.0 if cut_mode else max(1.0, self.balance), cut=cut_mode)
+
+    def _team(self, resident: list[list[int]], limit: int) -> int:
+        """Automatic threads: the team sized from the CPU kernel's rates measured at `limit` threads and
+        fewer (cpu_path.sized_team), on the layer _split_costs measures (its rate then comes from the cache)."""
+        from runtime.experts import cpu_path
+        lo = max(self.layers, key=lambda l: self.E - len(resident[l.index]))
+        cold = [e for e in range(self.E) if e not in set(resident[lo.index])]
+        threads, rates = cpu_path.sized_team(lo.packs, cold, self.top_k, limit)
+        log.info("CPU expert path: %d of %d threads (GB/s by team: %s)", threads, limit,
+                 ", ".join(f"{t}: {r / 1e9:.1f}" for t, r in sorted(rates.items())))
+        return threads
 
     def _split_costs(self, resident: list[list[int]], threads: int) -> CpuSplitCosts:
         """Measured once per process: the CPU kernel's rate (on the layer with the most cold experts)

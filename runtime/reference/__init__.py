@@ -20,9 +20,10 @@ from runtime.engine import ModelInfo, ProgressFn
 from runtime.errors import OutOfMemory
 from runtime.options import LoadOptions
 
-# Weight precision of the reference engine, measured on the demo model (docs/engines.md, "CPU reference engine",
-# has the figures): int8 weights decode faster than float32 or bfloat16 ones (a decode step is bound by
-# the bytes of weights it reads) and keep the demo model's answers; "float32" is for parity checks.
+# Weight precision of the reference engine, measured on the demo model (docs/cpu-kernel.md has the figures):
+# "int8" runs the CPU kernel's integer dot products (an EXL2 folder's own codes, plain weights as 8-bit
+# codes; qlinear.py), faster than float32 or bfloat16 weights (a decode step is bound by the bytes of weights
+# it reads), and keeps the demo model's answers; "float32" is for parity checks.
 DEFAULT_PRECISION = "int8"
 
 IGNORED = "ignored: CPU reference engine "

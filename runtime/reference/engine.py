@@ -67,6 +67,7 @@ class ReferenceEngine(Engine):
 
     def telemetry(self) -> dict[str, Any]:
         return {"weights": self.weights.precision if self.weights else None,
+                "cpu_kernel": self.weights.lm_head.kernel if self.weights else None,
                 "weight_bytes_per_token": self._bytes_per_token,
                 "cpu_threads": torch.get_num_threads()}
 

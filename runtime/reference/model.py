@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.reference import rope
-from runtime.reference.weights import Layer, Spec, Weights
+from runtime.reference.weights import Layer, Linear, Spec, Weights
 
 
 class KVCache:
@@ -40,23 +40,28 @@ def forward(w: Weights, spec: Spec, cache: KVCache, cos: torch.Tensor, sin: torc
     rot = cos[start:end, None], sin[start:end, None]                          # [T, 1, D] each
     mask = _mask(start, end, spec.sliding_window, groups, x.device)
     for i, layer in enumerate(w.layers):
-        h = _norm(x, layer.attn_norm, spec)
-        x = x + _attention(layer, spec, cache, i, h, rot, mask, start, end)
+        x = layer.o.add_to(x, _attention(layer, spec, cache, i, x, rot, mask, start, end))
         if trace is not None:
             trace.append(x.clone())
-        h = _norm(x, layer.mlp_norm, spec)
-        x = x + (_mlp(layer, h) if layer.gate_up is not None else _moe(layer, spec, h))
+        if layer.gate_up is not None:
+            x = layer.down.add_to(x, _normed(layer.gate_up, x, layer.mlp_norm, spec), silu_mul=True)
+        else:
+            x = x + _moe(layer, spec, _norm(x, layer.mlp_norm, spec))
         if trace is not None:
             trace.append(x.clone())
     cache.length = end
-    x = _norm(x, w.norm, spec)
-    return w.lm_head(x).float()                                               # [T, V]
+    return _normed(w.lm_head, x, w.norm, spec).float()                          # [T, V]
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, spec: Spec) -> torch.Tensor:
     if spec.layer_norm:                                                       # DBRX: LayerNorm without bias
         return F.layer_norm(x, (spec.hidden,), weight, None, spec.eps)
     return F.rms_norm(x, (spec.hidden,), weight, spec.eps)
+
+
+def _normed(linear: Linear, x: torch.Tensor, weight: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """linear(_norm(x)): RMS norms in the CPU kernel's call where the linear has one."""
+    return linear(_norm(x, weight, spec)) if spec.layer_norm else linear.normed(x, weight, spec.eps)
 
 
 def _mask(start: int, end: int, window: int, groups: int, device=None) -> Optional[torch.Tensor]:
@@ -71,10 +76,23 @@ def _mask(start: int, end: int, window: int, groups: int, device=None) -> Option
     return mask.repeat(groups, 1)
 
 
-def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor,
+# Up to this many new rows (decode, verify) attention runs in the CPU kernel's loop (csrc/attention.cpp,
+# where the int8 precision has the kernel), with the q/k norms, RoPE and the cache's writes: torch's fused
+# kernel costs ~190 us a layer on the demo model's 3 query rows at 512 cached tokens and the rest ~10
+# torch operations; prefill keeps torch's.
+ATTEND_MAX_ROWS = 8
+
+
+def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, x: torch.Tensor,
                rot: tuple[torch.Tensor, torch.Tensor], mask, start: int, end: int) -> torch.Tensor:
-    t, d, nh, nkv = h.shape[0], spec.head_dim, spec.heads, spec.kv_heads
-    qkv = layer.qkv(h)                                                        # [T, (NH+2*KVH)*D]
+    """The attention of the residual stream x [T, H] (normed here), before the output projection: [T, NH*D]."""
+    t, d, nh, nkv = x.shape[0], spec.head_dim, spec.heads, spec.kv_heads
+    qkv = _normed(layer.qkv, x, layer.attn_norm, spec)                        # [T, (NH+2*KVH)*D]
+    if t <= ATTEND_MAX_ROWS and layer.o.q is not None and cache.k.dtype == qkv.dtype == torch.bfloat16 \
+            and not spec.clip_qkv:                                            # all of it in the CPU kernel's call
+        qk_norm = None if layer.qk_norm is None else layer.qk_norm_f32
+        return layer.o.q.ext.attend_qkv(qkv, rot[0].view(t, d), rot[1].view(t, d), cache.k[i], cache.v[i], start,
+                                        spec.sliding_window, qk_norm, spec.eps)
     if spec.clip_qkv:
         qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
     qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)                         # q and k heads together
@@ -83,16 +101,12 @@ def _attention(layer: Layer, spec: Spec, cache: KVCache, i: int, h: torch.Tensor
     qk = rope.apply(qk, *rot)
     cache.k[i, :, start:end] = qk[:, nh:].transpose(0, 1)                     # [KVH, T, D]
     cache.v[i, :, start:end] = qkv[:, (nh + nkv) * d:].view(t, nkv, d).transpose(0, 1)
+    if t <= ATTEND_MAX_ROWS and layer.o.q is not None and cache.k.dtype == torch.bfloat16:   # (DBRX's clip)
+        return layer.o.q.ext.attend(qk[:, :nh].contiguous(), cache.k[i], cache.v[i], start, spec.sliding_window)
     q = qk[:, :nh].reshape(t, nkv, nh // nkv, d).permute(1, 2, 0, 3).reshape(1, nkv, -1, d)  # [1, KVH, G*T, D]
     # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the slower math path)
     o = F.scaled_dot_product_attention(q, cache.k[i:i + 1, :, :end], cache.v[i:i + 1, :, :end], attn_mask=mask)
-    o = o.view(nkv, nh // nkv, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)  # [T, NH*D]
-    return layer.o(o)
-
-
-def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
-    gate, up = layer.gate_up(h).chunk(2, dim=-1)                              # [T, I] each
-    return layer.down(F.silu(gate) * up)
+    return o.view(nkv, nh // nkv, t, d).permute(2, 0, 1, 3).reshape(t, nh * d)  # [T, NH*D]
 
 
 def _expert(layer: Layer, e: int, h: torch.Tensor) -> torch.Tensor:

@@ -2,22 +2,25 @@
 
 Fusions (done once at load): q/k/v into one [Q+2K, H] matrix, gate/up into one [2I, H] matrix (per
 expert for MoE). Storage precision is chosen per load: "float32" (parity with transformers),
-"bfloat16" (half the bytes per token) or "int8" (weight-only, per-output-channel scales, bfloat16
-activations through torch's int8 weight-packed matmul).
+"bfloat16" (half the bytes per token) or "int8" (integer codes and int8 activations through the CPU
+kernel, qlinear.py: an EXL2 folder's own codes, plain weights as 8-bit codes per group; bfloat16
+activations between the projections).
 
 H hidden, V vocab, I intermediate, E experts, D head dim, Q = heads*D, K = kv heads*D.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim,
+from runtime.modelfolder import (EXL2_PARTS, MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim,
                                  is_moe_layer, kv_heads)
 from runtime.errors import UnsupportedArchitecture
+from runtime.reference import qlinear
 from runtime.reference.rope import RopeConfig, rope_config
 
 PRECISIONS = ("float32", "bfloat16", "int8")
@@ -76,11 +79,26 @@ class Spec:
 
 
 class Linear:
-    """y = x @ W.T (+ b), with W stored as float, or as int8 codes [out, in] and scales [out]."""
+    """y = x @ W.T (+ b). W stored as float ("float32", "bfloat16"); for "int8", as integer codes read by the
+    CPU kernel (qlinear.QLinear: an EXL2 linear's own codes when `exl2` gives its tensors, else 8-bit codes
+    per group of inputs), int8 activations; where that kernel cannot be built (no C++ compiler), as int8
+    codes [out, in] with one scale per row, torch's int8 kernel."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], precision: str):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], precision: str,
+                 exl2: Optional[tuple[list, list[int]]] = None):
+        """exl2: (EXL2 tensor sets, out features) of the projections `weight` was dequantized from."""
         self.bias = None if bias is None else bias.to(_act_dtype(precision))
-        if precision == "int8":
+        self.q = None
+        self._norm: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (norm weight, its float32 copy)
+        if precision == "int8" and (ext := qlinear.kernel()) is not None:
+            from runtime.experts.cpu_experts import CpuExpertsError
+            try:
+                self.q = qlinear.QLinear.from_exl2(*exl2, self.bias, ext) if exl2 else None
+            except CpuExpertsError:                         # groups the kernel cannot take: requantized
+                self.q = None
+            self.q = self.q or qlinear.QLinear.from_float(weight, self.bias, ext)
+            self.weight = self.scale = None
+        elif precision == "int8":
             scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)            # [out]
             self.weight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale.to(torch.bfloat16)
@@ -88,10 +106,8 @@ class Linear:
             self.weight = weight.to(_act_dtype(precision)).contiguous()
             self.scale = None
 
-    # Above this many rows (prefill) dequantizing to bf16 and using the bf16 GEMM is faster than
-    # torch's int8 kernel, which streams the weights once per few rows (measured: the two are about
-    # even near this row count, the bf16 GEMM far ahead at prefill chunks); decode and verify-K stay
-    # on the int8 kernel.
+    # torch's int8 kernel (no C++ compiler here): above this many rows (prefill) dequantizing to bf16 and
+    # using the bf16 GEMM is faster than torch's int8 kernel, which streams the weights once per few rows.
     INT8_KERNEL_MAX_ROWS = 32
 
     # torch's int8 kernel reads past the row for inputs not a multiple of 16 wide (a segfault, measured
@@ -99,6 +115,8 @@ class Linear:
     INT8_KERNEL_WIDTH = 16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q is not None:
+            return self.q(x)
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] > self.INT8_KERNEL_MAX_ROWS or x.shape[-1] % self.INT8_KERNEL_WIDTH:
@@ -106,7 +124,32 @@ class Linear:
         y = torch._weight_int8pack_mm(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias
 
+    def normed(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x) * weight): in the CPU kernel's call where there is one (no torch operation)."""
+        if self.q is None:
+            return self(F.rms_norm(x, (x.shape[-1],), weight, eps))
+        if self._norm is None or self._norm[0] is not weight:
+            self._norm = (weight, weight.float().contiguous())
+        return self.q(x, norm=self._norm[1], eps=eps)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """residual + self(x), or self(silu(gate) * up) of x = [gate | up]; the CPU kernel adds into
+        `residual` in place (a tensor of the forward's own) and returns it."""
+        if self.q is None:
+            if silu_mul:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate) * up
+            return residual + self(x)
+        return self.q(x, act="silu_mul" if silu_mul else "none", residual=residual)
+
+    @property
+    def kernel(self) -> str:
+        """What computes it: the CPU kernel's vector path, or torch."""
+        return self.q.ext.isa() if self.q is not None else "torch"
+
     def nbytes(self) -> int:
+        if self.q is not None:
+            return self.q.nbytes()
         return self.weight.numel() * self.weight.element_size() + (0 if self.scale is None else self.scale.numel() * 2)
 
 
@@ -122,6 +165,11 @@ class Layer:
     router: Optional[torch.Tensor] = None  # [E, H] float32 (MoE layers)
     experts_gate_up: Optional[list[Linear]] = None   # E x [2I, H]
     experts_down: Optional[list[Linear]] = None      # E x [H, I]
+
+    @functools.cached_property
+    def qk_norm_f32(self) -> Optional[torch.Tensor]:
+        """qk_norm as the CPU kernel's attention takes it."""
+        return None if self.qk_norm is None else self.qk_norm.float().contiguous()
 
 
 @dataclass
@@ -164,12 +212,18 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
     def tensor(name: str) -> torch.Tensor:
         return folder.tensor(name).to(device)
 
+    def exl2(prefixes: list[str], ws: list[torch.Tensor]) -> Optional[tuple[list, list[int]]]:
+        """The EXL2 tensor sets of the projections (the integer kernel keeps their codes), or None."""
+        if precision != "int8" or not all(folder.has(f"{p}.q_weight") for p in prefixes):
+            return None
+        return [{part: folder.tensor(f"{p}.{part}") for part in EXL2_PARTS} for p in prefixes], [w.shape[0] for w in ws]
+
     def fused(prefixes: list[str]) -> Linear:
         ws = [folder.linear(p, f32, device) for p in prefixes]
         bs = [None if (b := folder.bias(p, f32)) is None else b.to(device) for p in prefixes]
         bias = None if all(b is None for b in bs) else \
             torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(ws, bs)])
-        return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, precision)
+        return Linear(torch.cat(ws) if len(ws) > 1 else ws[0], bias, precision, exl2(prefixes, ws))
 
     layers = []
     for i in range(spec.layers):
@@ -197,7 +251,8 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
     embed = tensor("model.embed_tokens.weight")
     head = folder.linear("lm_head", f32, device) if folder.has("lm_head.weight") or folder.has("lm_head.q_weight") \
         else embed
+    head_exl2 = exl2(["lm_head"], [head]) if head is not embed else None
     weights = Weights(embed.to(dt).contiguous(), layers, tensor("model.norm.weight").to(dt),
-                      Linear(head.to(f32), None, precision), dt, precision)
+                      Linear(head.to(f32), None, precision, head_exl2), dt, precision)
     progress(spec.layers + 1, spec.layers + 1)
     return weights

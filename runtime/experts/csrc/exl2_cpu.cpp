@@ -1,19 +1,20 @@
-// Routed experts of one MoE layer on the CPU, reading EXL2 codes as stored (2..8 bits per weight).
+// Routed experts of one MoE layer on the CPU, reading EXL2 codes as stored (2..8 bits per weight), and the
+// CPU engine's dense projections; the integer kernels are in qdot.cpp (qdot.h: layout and entries).
 //
 // Letters: T rows (1..8), H hidden, I expert width, K input features of a projection, N its outputs,
 // G its groups, Q its packed rows (int32 words per column), X experts used by the T rows.
 //
-// Layout (built by runtime/experts/cpu_experts.py, lossless repack of the EXL2 tensors):
-//   qw    int32 [N/16, Q, 16]   q_weight cut into tiles of 16 columns, each tile contiguous,
-//                               so one tile is one sequential stream of Q*64 bytes
+// Store (built by runtime/experts/cpu_experts.py and cpu_path.py; lossless, the bits of the EXL2 tensors):
+//   qw    int32 [N/16, Q, 16]   tiles of 16 columns, each tile contiguous (one sequential stream of Q*64
+//                               bytes), codes in qdot's layout (to_planes)
 //   sc    fp16  [N/16, G, 16]   exllamav2's scale of group g and column n (fp16, exact)
 //   grp   int32 [G, 4]          (bits, first packed row, first input row, rows) of each group
 //   perm  int32 [K]             packed row k multiplies input feature perm[k]
 //   desc  int64 [E, 3, 8]       per expert and projection (gate, up, down): offsets of the above
-//                               (qw, sc, grp, G, perm, K, N, Q)
-// A tile reads its codes once for all T rows: per group, sum_k raw_code[k, n] * x[t, perm[k]], minus
-// 2**(b-1) * sum_k x[t, perm[k]], times the group's scale. Vectors are GCC vector extensions
-// (16 lanes): AVX-512 where the compiler targets it, two AVX2 halves otherwise, scalar at worst.
+//                               (qw, sc, grp, G, perm, K, N, Q); a dense layer's: [P, 8], P projections
+// Per call, each row's input to a projection is quantized to int8 per group of its codes (qdot::quantize),
+// then each tile of 16 columns reads its codes once for all T rows (qdot::tile). The vector path
+// (AVX-512 VNNI, AVX2, scalar) is chosen at run time from one build (qdot::active).
 // Threads: one OpenMP team per call, torch.set_num_threads of the calling thread. The GIL is released
 // by the binding, so a dedicated Python thread runs it while others drive the GPU.
 // Second entry: moedesk_cpu_experts_host(ctx) (plain C, raw pointers, no torch call, no Python), run
@@ -37,18 +38,22 @@
 #include <utility>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cctype>
+#include <fstream>
+#include <string>
+
+#include "attention.h"
+#include "qdot.h"
+
 namespace {
 
-typedef float f16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-constexpr int TILE = 16;
-constexpr int MAX_T = 8;
-
-struct Proj {
-  int64_t qw, sc, grp, G, perm, K, N, Q;
-  int64_t Gu;  // groups used: G, or fewer for a cut down projection (G stays the scales' tile stride)
-};
+using qdot::TILE;
+constexpr int MAX_T = 8;          // rows of an experts call (decode, or verifying a few drafted tokens)
 
 struct Layer {
   const uint32_t* qw;
@@ -56,167 +61,30 @@ struct Layer {
   const int32_t* grp;
   const int32_t* perm;
   const int64_t* desc;
-  Proj proj(int64_t e, int p) const {
-    const int64_t* d = desc + (e * 3 + p) * 8;
-    return {d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[3]};
+  // Projection p of expert e (of a dense layer: e = 0, p its index), its pointers at their offsets.
+  qdot::Codes proj(int64_t e, int p, int per = 3) const {
+    const int64_t* d = desc + (e * per + p) * 8;
+    return {qw + d[0], (const uint16_t*)sc + d[1], grp + d[2] * 4, perm + d[4], d[3], d[3], d[5], d[6], d[7]};
   }
 };
 
-// Code of row I of a 32-row chunk as a float. A code that lies inside one word is masked in place, not
-// shifted: it converts to code * 2**s exactly, and the row's x was scaled by 2**-s when gathered
-// (see gather), which saves one instruction per 16 weights. Codes straddling two words are shifted.
-// Masks of the 32 rows of a chunk, kept in memory: the AND then reads its mask as a memory operand
-// instead of materialising 32 different constants in registers (two extra instructions a row).
-template <int B>
-struct Masks {
-  alignas(64) uint32_t m[32][TILE];
-  Masks() {
-    for (int i = 0; i < 32; ++i) {
-      const int s = (i * B) & 31;
-      const uint32_t v = s + B > 32 ? (1u << B) - 1 : (uint32_t)(((1ull << B) - 1) << s);
-      for (int j = 0; j < TILE; ++j) m[i][j] = v;
-    }
+// Quantized activations of up to MAX_T rows for one projection (qdot::quantize's output).
+struct Acts {
+  std::vector<int8_t> xa;
+  std::vector<float> sx;
+  std::vector<int32_t> sq;
+  int64_t XB = 0;                  // bytes of xa per row
+  void fill(const qdot::Codes& c, const void* src, bool bf16, int64_t ld, const int64_t* rows, int R) {
+    XB = qdot::act_bytes(c);
+    xa.resize((size_t)R * XB);
+    sx.resize((size_t)R * c.G);
+    sq.resize((size_t)R * c.G);
+    qdot::quantize(c, src, bf16, ld, rows, R, xa.data(), sx.data(), sq.data());
+  }
+  void tile(int isa, const qdot::Codes& c, int64_t t, int R, float res[][TILE]) const {
+    qdot::tile(isa, c, t, xa.data(), XB, sx.data(), sq.data(), R, res);
   }
 };
-
-template <int B>
-static const Masks<B>& masks() {
-  static const Masks<B> m;
-  return m;
-}
-
-template <int B, int I>
-static inline __attribute__((always_inline)) f16v code_at(const u16v* w, const Masks<B>& M) {
-  constexpr int bit = I * B, wi = bit >> 5, s = bit & 31;
-  u16v mask;
-  __builtin_memcpy(&mask, M.m[I], sizeof(u16v));
-  if constexpr (s + B > 32) {
-    u16v v = ((w[wi] >> s) | (w[wi + 1] << (32 - s))) & mask;
-    return __builtin_convertvector((i16v)v, f16v);
-  } else {
-    u16v v = w[wi] & mask;
-    return __builtin_convertvector(v, f16v);
-  }
-}
-
-// 2**-s for a row whose code is masked in place (s its bit offset in its word), 1 for a straddling one.
-static inline float row_scale(int bits, int64_t row_in_group) {
-  const int bit = (int)(row_in_group % 32) * bits, s = bit & 31;
-  return s + bits > 32 ? 1.f : std::ldexp(1.f, -s);
-}
-
-// NA accumulators per row so that T * NA >= 4 FMA chains run in parallel (an FMA waits ~4 cycles
-// for its accumulator; one chain would cap a core at ~4 weights per cycle).
-template <int T>
-constexpr int chains() { return T >= 4 ? 1 : 4 / T; }
-
-template <int T, int B, size_t... I>
-static inline __attribute__((always_inline)) void chunk(const uint32_t* w, const float* const* x, int64_t r,
-                                                        f16v (*a)[chains<T>()], const Masks<B>& M,
-                                                        std::index_sequence<I...>) {
-  u16v wv[B];
-#pragma GCC unroll 8
-  for (int j = 0; j < B; ++j) __builtin_memcpy(&wv[j], w + j * TILE, sizeof(u16v));
-  auto step = [&](auto ic) __attribute__((always_inline)) {
-    constexpr int i = decltype(ic)::value;
-    f16v f = code_at<B, i>(wv, M);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) a[t][i % chains<T>()] += f * x[t][r + i];
-  };
-  (step(std::integral_constant<int, (int)I>{}), ...);
-}
-
-// Accumulators and row pointers live in locals so they stay in registers across the unrolled chunk.
-template <int T, int B>
-static void group_sum(const uint32_t* w, const float* x, int64_t K, int64_t rows, f16v* out) {
-  constexpr int NA = chains<T>();
-  f16v a[T][NA];
-  const float* xr[T];
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) {
-    xr[t] = x + t * K;
-    for (int c = 0; c < NA; ++c) a[t][c] = f16v{};
-  }
-  const Masks<B>& M = masks<B>();
-  for (int64_t c = 0; c < rows / 32; ++c)
-    chunk<T, B>(w + c * B * TILE, xr, c * 32, a, M, std::make_index_sequence<32>{});
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < NA; ++c) out[t] += a[t][c];
-}
-
-// One tile of 16 columns of projection P for T rows: res[t][j] = sum_k W[n0 + j, k] * x[t, k].
-// xp [T, K] holds x in packed order, xs [T, G] its sums per group.
-template <int T>
-static void tile_gemv(const Layer& L, const Proj& P, int64_t tile, const float* xp, const float* xs,
-                      float res[][TILE]) {
-  const uint32_t* tw = L.qw + P.qw + tile * P.Q * TILE;
-  const at::Half* ts = L.sc + P.sc + tile * P.G * TILE;
-  const int32_t* grp = L.grp + P.grp * 4;
-  f16v tot[T];
-  for (int t = 0; t < T; ++t) tot[t] = f16v{};
-  for (int64_t g = 0; g < P.Gu; ++g) {
-    const int bits = grp[g * 4], q0 = grp[g * 4 + 1], r0 = grp[g * 4 + 2], rows = grp[g * 4 + 3];
-    f16v a[T];
-    for (int t = 0; t < T; ++t) a[t] = f16v{};
-    const uint32_t* w = tw + (int64_t)q0 * TILE;
-    const float* x = xp + r0;
-    switch (bits) {
-      case 2: group_sum<T, 2>(w, x, P.K, rows, a); break;
-      case 3: group_sum<T, 3>(w, x, P.K, rows, a); break;
-      case 4: group_sum<T, 4>(w, x, P.K, rows, a); break;
-      case 5: group_sum<T, 5>(w, x, P.K, rows, a); break;
-      case 6: group_sum<T, 6>(w, x, P.K, rows, a); break;
-      case 8: group_sum<T, 8>(w, x, P.K, rows, a); break;
-      default: break;  // validated in Python
-    }
-    f16v s;
-    for (int j = 0; j < TILE; ++j) s[j] = (float)ts[g * TILE + j];
-    const float zero = (float)(1 << (bits - 1));
-    for (int t = 0; t < T; ++t) tot[t] += (a[t] - zero * xs[t * P.G + g]) * s;
-  }
-  for (int t = 0; t < T; ++t) __builtin_memcpy(res[t], &tot[t], sizeof(f16v));
-}
-
-// Row counts are rounded up to 1, 2, 4 or 8 (fewer instantiations, a quicker build); the extra rows
-// of xp and xs are zeros and their results are not used.
-static void tile_dispatch(int R, const Layer& L, const Proj& P, int64_t tile, const float* xp, const float* xs,
-                          float res[][TILE]) {
-  if (R == 1) tile_gemv<1>(L, P, tile, xp, xs, res);
-  else if (R == 2) tile_gemv<2>(L, P, tile, xp, xs, res);
-  else if (R <= 4) tile_gemv<4>(L, P, tile, xp, xs, res);
-  else tile_gemv<8>(L, P, tile, xp, xs, res);
-}
-
-static int padded_rows(int T) { return T <= 2 ? T : (T <= 4 ? 4 : 8); }
-
-// x [R, K] rows (row r is src + rows[r] * ld) -> xp [R, K] in packed order, each row scaled by its
-// row_scale, and xs [R, G] the group sums of the unscaled values.
-static void gather(const Layer& L, const Proj& P, const float* src, int64_t ld, const int64_t* rows, int R,
-                   float* xp, float* xs) {
-  const int32_t* perm = L.perm + P.perm;
-  const int32_t* grp = L.grp + P.grp * 4;
-  for (int r = 0; r < R; ++r) {
-    const float* s = src + rows[r] * ld;
-    float* d = xp + r * P.K;
-    for (int64_t k = 0; k < P.K; ++k) d[k] = s[perm[k]];
-    for (int64_t g = 0; g < P.Gu; ++g) {
-      const int bits = grp[g * 4], r0 = grp[g * 4 + 2], n = grp[g * 4 + 3];
-      float tab[32];
-      for (int i = 0; i < 32; ++i) tab[i] = row_scale(bits, i);
-      float acc = 0.f;
-      for (int k = 0; k < n; ++k) {
-        acc += d[r0 + k];
-        d[r0 + k] *= tab[k & 31];
-      }
-      xs[r * P.G + g] = acc;
-    }
-  }
-  // Rows R .. padded_rows(R) - 1 are read by the kernel (its row count is rounded up): zeros.
-  const int RP = padded_rows(R);
-  std::fill(xp + (int64_t)R * P.K, xp + (int64_t)RP * P.K, 0.f);
-  std::fill(xs + (int64_t)R * P.G, xs + (int64_t)RP * P.G, 0.f);
-}
 
 static inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
@@ -240,7 +108,7 @@ struct Pairs {
 static int64_t bad_shapes(const Layer& L, const Pairs& S, int64_t H) {
   const int64_t I = L.proj(S.used[0], 0).N;
   for (size_t j = 0; j < S.used.size(); ++j) {
-    Proj g = L.proj(S.used[j], 0), u = L.proj(S.used[j], 1), d = L.proj(S.used[j], 2);
+    qdot::Codes g = L.proj(S.used[j], 0), u = L.proj(S.used[j], 1), d = L.proj(S.used[j], 2);
     if (!(g.K == H && u.K == H && g.N == I && u.N == I && d.K == I && d.N == H)) return (int64_t)j;
   }
   return -1;
@@ -258,30 +126,26 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
   const auto& used = S.used;
   const auto& rows = S.rows;
   const auto& rws = S.rws;
+  const int isa = qdot::active();
   const int64_t I = cut > 0 ? std::min(cut, L.proj(used[0], 0).N) : L.proj(used[0], 0).N;
   // down limited to its first I rows: whole groups (the store cuts its groups at every possible cut)
   auto down = [&](int64_t e) {
-    Proj d = L.proj(e, 2);
+    qdot::Codes d = L.proj(e, 2);
     if (I < d.K) {
-      const int32_t* grp = L.grp + d.grp * 4;
       int64_t g = 0;
-      while (g < d.G && grp[g * 4 + 2] < I) ++g;
+      while (g < d.G && d.grp[g * 4 + 2] < I) ++g;
       d.K = I;
       d.Gu = g;
     }
     return d;
   };
-  // Scratch: xg/xu/xd [X, T, K] in packed order, sums [X, T, G], gate/up/h [X, T, I].
-  int64_t maxG = 0;
-  for (int64_t j = 0; j < X; ++j)
-    for (int p = 0; p < 3; ++p) maxG = std::max(maxG, L.proj(used[j], p).G);
-  const int TP = padded_rows(T);    // row stride of the scratch blocks below (not zero-filled: gather
-                                    // writes every row the kernel reads)
-  std::unique_ptr<float[]> xg(new float[X * 2 * TP * H]), xsum(new float[X * 3 * TP * maxG]),
-      gu(new float[X * 2 * TP * I]), hp(new float[X * TP * I]);
+  // Scratch: activations quantized for gate, up and down of each expert, gate/up outputs [X, 2, T, I],
+  // down's [X, T, H].
+  std::vector<Acts> acts(X * 3);
+  std::unique_ptr<float[]> gu(new float[X * 2 * T * I]), dn(new float[X * T * H]);
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
 
-  // One thread team for the whole call; four loops with a barrier after each. Items are handed out
+  // One thread team for the whole call; five loops with a barrier after each. Items are handed out
   // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
   const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
 #pragma omp parallel num_threads(std::max(1, threads))
@@ -290,45 +154,110 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
     std::vector<float> h(T * I);
     std::vector<int64_t> ident(T);
     for (int r = 0; r < T; ++r) ident[r] = r;
-    // 1. x gathered into each gate/up's packed order.
+    // 1. x quantized for each gate/up (each has its own input order).
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n1; ++i) {
       const int64_t j = i / 2; const int p = (int)(i % 2);
-      gather(L, L.proj(used[j], p), xd, H, rows[j].data(), (int)rows[j].size(), &xg[i * TP * H],
-             &xsum[(j * 3 + p) * TP * maxG]);
+      acts[j * 3 + p].fill(L.proj(used[j], p), xd, false, H, rows[j].data(), (int)rows[j].size());
     }
     // 2. gate and up, one tile of 16 columns per item.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n2; ++i) {
       const int64_t j = i / (2 * tiles_i), p = (i / tiles_i) % 2, tile = i % tiles_i;
       const int R = (int)rows[j].size();
-      tile_dispatch(R, L, L.proj(used[j], (int)p), tile, &xg[(j * 2 + p) * TP * H],
-                    &xsum[(j * 3 + p) * TP * maxG], res);
-      float* dst = &gu[(j * 2 + p) * TP * I];
+      acts[j * 3 + p].tile(isa, L.proj(used[j], (int)p), tile, R, res);
+      float* dst = &gu[(j * 2 + p) * T * I];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < TILE && tile * TILE + c < I; ++c) dst[r * I + tile * TILE + c] = res[r][c];
     }
-    // 3. h = silu(gate) * up, gathered into down's packed order.
+    // 3. h = silu(gate) * up, quantized for down.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < X; ++j) {
       const int R = (int)rows[j].size();
-      const float* g = &gu[(j * 2) * TP * I];
-      const float* u = &gu[(j * 2 + 1) * TP * I];
+      const float* g = &gu[(j * 2) * T * I];
+      const float* u = &gu[(j * 2 + 1) * T * I];
       for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
-      gather(L, down(used[j]), h.data(), I, ident.data(), R, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG]);
+      acts[j * 3 + 2].fill(down(used[j]), h.data(), false, I, ident.data(), R);
     }
-    // 4. down: one tile of H per item, all experts summed into it with their routing weights.
+    // 4. down: one (expert, tile of H) per item, each expert's tiles in turn (one stream at a time),
+    // into its own rows of dn; 5. summed into y with the routing weights, one tile of H per item.
 #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < X * tiles_h; ++i) {
+      const int64_t j = i / tiles_h, tile = i % tiles_h;
+      const int R = (int)rows[j].size();
+      acts[j * 3 + 2].tile(isa, down(used[j]), tile, R, res);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dn[(j * T + r) * H + tile * TILE + c] = res[r][c];
+    }
+#pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles_h; ++tile)
-      for (int64_t j = 0; j < X; ++j) {
-        const int R = (int)rows[j].size();
-        tile_dispatch(R, L, down(used[j]), tile, &hp[j * TP * I], &xsum[(j * 3 + 2) * TP * maxG], res);
-        for (int r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < X; ++j)
+        for (int r = 0; r < (int)rows[j].size(); ++r) {
           float* dst = y + rows[j][r] * H + tile * TILE;
+          const float* src = &dn[(j * T + r) * H + tile * TILE];
           const float wgt = rws[j][r];
-          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * res[r][c];
+          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * src[c];
+        }
+  }
+}
+
+// The projections of a dense layer (P of them, one input, outputs side by side) for R <= qdot::MAX_T rows of
+// x (float32 [R, ldx]): y [R, sum N] (row stride ldy), float32 or bfloat16, written or (add) added to.
+static void run_dense(const Layer& L, int P, const float* x, int64_t ldx, int R, void* y, int64_t ldy, bool bf16,
+                      bool add, int threads) {
+  const int isa = qdot::active();
+  std::vector<Acts> acts(P);
+  std::vector<int64_t> first(P + 1, 0), col(P + 1, 0), ident(R);
+  for (int r = 0; r < R; ++r) ident[r] = r;
+  for (int p = 0; p < P; ++p) {
+    const qdot::Codes c = L.proj(0, p, P);
+    first[p + 1] = first[p] + (c.N + TILE - 1) / TILE;
+    col[p + 1] = col[p] + c.N;
+  }
+#pragma omp parallel num_threads(std::max(1, threads))
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int p = 0; p < P; ++p) acts[p].fill(L.proj(0, p, P), x, false, ldx, ident.data(), R);
+    float res[qdot::MAX_T][TILE];
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < first[P]; ++i) {
+      int p = 0;
+      while (i >= first[p + 1]) ++p;
+      const qdot::Codes c = L.proj(0, p, P);
+      const int64_t tile = i - first[p];
+      acts[p].tile(isa, c, tile, R, res);
+      const int n = (int)std::min<int64_t>(TILE, c.N - tile * TILE);
+      const int64_t c0 = col[p] + tile * TILE;
+      for (int r = 0; r < R; ++r) {
+        if (bf16) {
+          at::BFloat16* d = (at::BFloat16*)y + r * ldy + c0;
+          for (int j = 0; j < n; ++j) d[j] = at::BFloat16(add ? (float)d[j] + res[r][j] : res[r][j]);
+        } else {
+          float* d = (float*)y + r * ldy + c0;
+          for (int j = 0; j < n; ++j) d[j] = add ? d[j] + res[r][j] : res[r][j];
         }
       }
+    }
+  }
+}
+
+// Rows of x (float32 or bfloat16 [R, W], row stride W) -> float32 [R, K], the projections' input: x itself
+// (W = K), RMS-normalised and scaled by norm [K] (float32; eps), or silu(x[:, :K]) * x[:, K:] (W = 2K).
+static void dense_input(const void* x, bool bf16, int64_t W, int R, int64_t K, const float* norm, double eps,
+                        bool silu_mul, float* out) {
+  for (int r = 0; r < R; ++r) {
+    float* o = out + r * K;
+    for (int64_t k = 0; k < W && k < (silu_mul ? 2 * K : K); ++k) {
+      const float v = bf16 ? (float)((const at::BFloat16*)x)[r * W + k] : ((const float*)x)[r * W + k];
+      if (silu_mul && k >= K) o[k - K] *= v;
+      else o[k] = silu_mul ? silu(v) : v;
+    }
+    if (norm) {
+      double ss = 0;
+      for (int64_t k = 0; k < K; ++k) ss += (double)o[k] * o[k];
+      const float inv = (float)(1.0 / std::sqrt(ss / K + eps));
+      for (int64_t k = 0; k < K; ++k) o[k] = o[k] * inv * norm[k];
+    }
   }
 }
 
@@ -365,6 +294,110 @@ torch::Tensor experts_forward(torch::Tensor x, torch::Tensor ids, torch::Tensor 
   // Built with -fopenmp; torch ships libgomp.so.1, which the dynamic linker shares with this module.
   // The team size is torch's thread count of the calling thread (torch.set_num_threads).
   run_pairs(L, x.data_ptr<float>(), T, H, S, out.data_ptr<float>(), at::get_num_threads());
+  return out;
+}
+
+// x [T, K] float32 or bfloat16 (any T: blocks of qdot::MAX_T rows) -> [T, sum N] of the same dtype: the P
+// projections of desc [P, 8] (one input K, outputs side by side), a dense layer of the CPU engine. A
+// projection's packed rows may exceed K by padding to a multiple of 32 (zero weights whose perm reads input 0).
+// The input may first be RMS-normalised (norm: weight [K] float32, eps) or be silu(gate) * up (act
+// "silu_mul": x [T, 2K], gate then up); with `residual` [T, sum N] (x's dtype) the result is added to it in
+// place and it is returned. Both save the engine a torch operation (and its allocation) per use.
+torch::Tensor linear_forward(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor grp,
+                             torch::Tensor perm, torch::Tensor desc, c10::optional<torch::Tensor> norm, double eps,
+                             const std::string& act, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat32 ||
+              x.scalar_type() == torch::kBFloat16), "x: float32 or bfloat16 [T, K] contiguous");
+  TORCH_CHECK(desc.dim() == 2 && desc.size(1) == 8 && desc.size(0) >= 1 && desc.scalar_type() == torch::kInt64,
+              "desc: int64 [P, 8]");
+  TORCH_CHECK(act == "none" || act == "silu_mul", "act: none or silu_mul, got '", act, "'");
+  const bool silu_mul = act == "silu_mul";
+  const int64_t K = silu_mul ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(!silu_mul || x.size(1) % 2 == 0, "act silu_mul: x has an odd width ", x.size(1));
+  const int P = (int)desc.size(0);
+  Layer L{(const uint32_t*)qw.data_ptr<int32_t>(), sc.data_ptr<at::Half>(), grp.data_ptr<int32_t>(),
+          perm.data_ptr<int32_t>(), desc.data_ptr<int64_t>()};
+  int64_t N = 0;
+  for (int p = 0; p < P; ++p) {
+    const qdot::Codes c = L.proj(0, p, P);
+    TORCH_CHECK(c.K >= K && c.K < K + qdot::CHUNK, "projection ", p, " takes ", c.K, " packed rows, its input has ",
+                K);      // rows past the inputs: zero weights
+    N += c.N;
+  }
+  const float* nw = nullptr;
+  if (norm) {
+    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == K && norm->scalar_type() == torch::kFloat32 && norm->is_contiguous(),
+                "norm: float32 [", K, "]");
+    nw = norm->data_ptr<float>();
+  }
+  const int64_t T = x.size(0);
+  torch::Tensor y;
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == torch::IntArrayRef({T, N}) && residual->scalar_type() == x.scalar_type() &&
+                residual->is_contiguous(), "residual: contiguous [", T, ", ", N, "] of x's dtype");
+    y = *residual;
+  } else {
+    y = torch::empty({T, N}, x.options());
+  }
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const int64_t es = x.element_size();
+  std::vector<float> xin((size_t)std::min<int64_t>(qdot::MAX_T, T) * K);
+  for (int64_t t = 0; t < T; t += qdot::MAX_T) {
+    const int R = (int)std::min<int64_t>(qdot::MAX_T, T - t);
+    dense_input((const char*)x.data_ptr() + t * x.size(1) * es, bf16, x.size(1), R, K, nw, eps, silu_mul, xin.data());
+    run_dense(L, P, xin.data(), K, R, (char*)y.data_ptr() + t * N * es, N, bf16, residual.has_value(),
+              at::get_num_threads());
+  }
+  return y;
+}
+
+// q [T, NH, D] bfloat16 (contiguous), k and v one layer's cache [KVH, S, D] bfloat16 (contiguous), the
+// new rows at positions start .. start + T - 1 already in it -> [T, NH * D] bfloat16: attention of a few
+// rows (attention.cpp), causal, window > 0 a sliding window.
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t start, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.is_contiguous(), "q: contiguous bfloat16 [T, NH, D]");
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kBFloat16 && k.is_contiguous() && v.sizes() == k.sizes() &&
+              v.scalar_type() == torch::kBFloat16 && v.is_contiguous(), "k, v: contiguous bfloat16 [KVH, S, D]");
+  const int64_t T = q.size(0), NH = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1);
+  TORCH_CHECK(D >= 1 && D <= 256, "head size ", D, ": 1 to 256");
+  TORCH_CHECK(k.size(2) == D && KVH > 0 && NH % KVH == 0, "q [", T, ", ", NH, ", ", D, "] and k [", KVH, ", ", S,
+              ", ", k.size(2), "]: heads or head size disagree");
+  TORCH_CHECK(start >= 0 && start + T <= S && T >= 1, "rows at ", start, "..", start + T - 1, " outside the cache's ", S);
+  auto out = torch::empty({T, NH * D}, q.options());
+  attn::decode((const uint16_t*)q.data_ptr(), T, NH, KVH, D, (const uint16_t*)k.data_ptr(), (const uint16_t*)v.data_ptr(),
+               S, start, window, (uint16_t*)out.data_ptr(), at::get_num_threads());
+  return out;
+}
+
+// The attention of a decoder layer for a few new rows from its q/k/v projection qkv [T, (NH + 2 KVH) * D]
+// bfloat16: q and k heads normalised (qk_norm [NH + KVH, D] float32, or none) and rotated (cos, sin [T, D]
+// bfloat16, the rows' positions), k and v written into one layer's cache k, v [KVH, S, D] at start..,
+// then `attend`'s -> [T, NH * D] bfloat16.
+torch::Tensor attend_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                         int64_t start, int64_t window, c10::optional<torch::Tensor> qk_norm, double eps) {
+  TORCH_CHECK(k.dim() == 3 && k.scalar_type() == torch::kBFloat16 && k.is_contiguous() && v.sizes() == k.sizes() &&
+              v.scalar_type() == torch::kBFloat16 && v.is_contiguous(), "k, v: contiguous bfloat16 [KVH, S, D]");
+  const int64_t KVH = k.size(0), S = k.size(1), D = k.size(2), T = qkv.size(0);
+  TORCH_CHECK(D >= 2 && D <= 256 && D % 2 == 0, "head size ", D, ": even, 2 to 256");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kBFloat16 && qkv.is_contiguous() &&
+              qkv.size(1) % D == 0 && qkv.size(1) / D > 2 * KVH, "qkv: contiguous bfloat16 [T, (NH + 2 KVH) * ", D, "]");
+  const int64_t NH = qkv.size(1) / D - 2 * KVH;
+  TORCH_CHECK(NH % KVH == 0, NH, " query heads do not share ", KVH, " kv heads evenly");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == torch::kBFloat16 &&
+                t->is_contiguous(), "cos, sin: contiguous bfloat16 [", T, ", ", D, "]");
+  TORCH_CHECK(start >= 0 && start + T <= S && T >= 1, "rows at ", start, "..", start + T - 1, " outside the cache's ", S);
+  const float* qn = nullptr;
+  if (qk_norm) {
+    TORCH_CHECK(qk_norm->dim() == 2 && qk_norm->size(0) == NH + KVH && qk_norm->size(1) == D &&
+                qk_norm->scalar_type() == torch::kFloat32 && qk_norm->is_contiguous(), "qk_norm: float32 [", NH + KVH,
+                ", ", D, "]");
+    qn = qk_norm->data_ptr<float>();
+  }
+  auto out = torch::empty({T, NH * D}, qkv.options());
+  attn::decode_qkv((const uint16_t*)qkv.data_ptr(), T, NH, KVH, D, (const uint16_t*)cos.data_ptr(),
+                   (const uint16_t*)sin.data_ptr(), qn, (float)eps, (uint16_t*)k.data_ptr(), (uint16_t*)v.data_ptr(), S,
+                   start, window, (uint16_t*)out.data_ptr(), at::get_num_threads());
   return out;
 }
 
@@ -760,12 +793,14 @@ void pack_tiles_into(std::vector<torch::Tensor> words, int64_t bits, int64_t K, 
               out.scalar_type());
   uint32_t* dst = (uint32_t*)out.data_ptr<int32_t>();
   const int64_t ld = out.stride(0), tiles = N / TILE;
+  const int32_t whole[4] = {(int32_t)bits, 0, 0, (int32_t)K};       // one group: the layout is per chunk
   at::parallel_for(0, S * tiles, 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t j = i / tiles, t = i % tiles;
       uint32_t* o = dst + j * ld + t * Q * TILE;
       if (plain) pack_tile<true>(src[j], bits, K, N, t, o);
       else pack_tile<false>(src[j], bits, K, N, t, o);
+      qdot::to_planes(o, whole, 1);
     }
   });
 }
@@ -788,14 +823,100 @@ int64_t wait_entry_address() { return (int64_t)(uintptr_t)&moedesk_cpu_wait; }
 
 int64_t host_ctx_size() { return (int64_t)sizeof(MoedeskCpuCtx); }
 
-std::string isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__)
-  return "avx2";
+namespace {
+void check_store(const torch::Tensor& qw, const torch::Tensor& grp) {
+  TORCH_CHECK(qw.dim() == 3 && qw.size(2) == TILE && qw.scalar_type() == torch::kInt32 && qw.is_contiguous() &&
+              qw.device().is_cpu(), "qw: contiguous int32 [N/16, Q, 16] on the CPU");
+  TORCH_CHECK(grp.dim() == 2 && grp.size(1) == 4 && grp.scalar_type() == torch::kInt32 && grp.is_contiguous(),
+              "grp: contiguous int32 [G, 4]");
+  const int32_t* g = grp.data_ptr<int32_t>();
+  int64_t q = 0;
+  for (int64_t i = 0; i < grp.size(0); ++i) {
+    TORCH_CHECK(qdot::valid_bits(g[i * 4]) && g[i * 4 + 3] > 0 && g[i * 4 + 3] % qdot::CHUNK == 0 && g[i * 4 + 1] == q,
+                "grp[", i, "] = (", g[i * 4], ", ", g[i * 4 + 1], ", ", g[i * 4 + 2], ", ", g[i * 4 + 3],
+                "): want 2..8 bits (not 7), rows a multiple of 32, packed rows following the group before");
+    q += (int64_t)g[i * 4 + 3] * g[i * 4] / 32;
+  }
+  TORCH_CHECK(q == qw.size(1), "grp: its groups take ", q, " packed rows, qw has ", qw.size(1));
+}
+}  // namespace
+
+// One projection's tiles [N/16, Q, 16], EXL2 column streams -> the kernel's layout, in place (and back).
+void to_planes(torch::Tensor qw, torch::Tensor grp, bool back) {
+  check_store(qw, grp);
+  uint32_t* w = (uint32_t*)qw.data_ptr<int32_t>();
+  const int32_t* g = grp.data_ptr<int32_t>();
+  const int64_t tiles = qw.size(0), Q = qw.size(1), G = grp.size(0);
+  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (back) qdot::from_planes(w + t * Q * TILE, g, G);
+      else qdot::to_planes(w + t * Q * TILE, g, G);
+    }
+  });
+}
+
+// NUMA nodes online (Linux sysfs "0-1,3" lists), as a bit mask; 1 (node 0) where it cannot tell.
+uint64_t online_nodes() {
+  std::ifstream f("/sys/devices/system/node/online");
+  std::string text;
+  uint64_t mask = 0;
+  if (f && std::getline(f, text)) {
+    size_t i = 0;
+    while (i < text.size()) {
+      size_t j = i;
+      while (j < text.size() && isdigit((unsigned char)text[j])) ++j;
+      if (j == i) break;
+      int lo = std::stoi(text.substr(i, j - i)), hi = lo;
+      if (j < text.size() && text[j] == '-') {
+        size_t k = ++j;
+        while (k < text.size() && isdigit((unsigned char)text[k])) ++k;
+        hi = k > j ? std::stoi(text.substr(j, k - j)) : lo;
+        j = k;
+      }
+      for (int n = lo; n <= hi && n < 64; ++n) mask |= 1ull << n;
+      i = j + (j < text.size() && text[j] == ',');
+      if (j < text.size() && text[j] != ',') break;
+    }
+  }
+  return mask ? mask : 1;
+}
+
+// A store's pages spread round-robin over every NUMA node online (mbind MPOL_INTERLEAVE; pages already
+// touched are moved), so that a team on all sockets reads from every memory controller instead of the
+// one where the loading thread ran. -> nodes spread over, 0 where the kernel refused (or not Linux).
+int64_t interleave_pages(torch::Tensor t) {
+#if defined(__linux__) && defined(SYS_mbind)
+  const uint64_t mask = online_nodes();
+  const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t a = ((uintptr_t)t.data_ptr() + page - 1) & ~(page - 1);
+  const uintptr_t b = ((uintptr_t)t.data_ptr() + t.nbytes()) & ~(page - 1);
+  if (b <= a) return __builtin_popcountll(mask);
+  const long MPOL_INTERLEAVE_ = 3, MPOL_MF_MOVE_ = 1 << 1;
+  if (syscall(SYS_mbind, (void*)a, (unsigned long)(b - a), MPOL_INTERLEAVE_, &mask, 64UL, MPOL_MF_MOVE_) != 0) return 0;
+  return __builtin_popcountll(mask);
 #else
-  return "generic";
+  (void)t;
+  return 0;
 #endif
+}
+
+int64_t numa_nodes() { return __builtin_popcountll(online_nodes()); }
+
+// The vector path calls take ("avx512_vnni", "avx2", "scalar"); isa_supported: the best this CPU runs.
+std::string isa() { return qdot::isa_name(qdot::active()); }
+std::string isa_supported() { return qdot::isa_name(qdot::supported()); }
+
+// Force a path by name ("auto": the best supported); false when this CPU cannot run it.
+bool set_isa(const std::string& name) {
+  for (int i = qdot::SCALAR; i <= qdot::AVX512_VNNI; ++i)
+    if (name == qdot::isa_name(i)) return qdot::force(i);
+  TORCH_CHECK(name == "auto", "isa: auto, avx512_vnni, avx2 or scalar, got '", name, "'");
+  return qdot::force(-1);
+}
+
+double read_gbps(int64_t threads, int64_t bytes, int64_t reps) {
+  TORCH_CHECK(threads >= 1 && bytes >= 64 && reps >= 1, "read_gbps: threads >= 1, bytes >= 64, reps >= 1");
+  return qdot::read_gbps((int)threads, bytes, (int)reps);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -819,5 +940,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release_slot", &release_slot, "free a doorbell value", py::arg("value"));
   m.def("kick", &kick, "wake the worker into spinning (a forward is starting)");
   m.def("host_ctx_size", &host_ctx_size, "sizeof(MoedeskCpuCtx), to check its ctypes mirror");
-  m.def("isa", &isa, "vector instruction set the kernel was compiled for");
+  m.def("isa", &isa, "the vector path the kernels take: avx512_vnni, avx2 or scalar");
+  m.def("isa_supported", &isa_supported, "the best vector path this CPU runs");
+  m.def("set_isa", &set_isa, "force a vector path by name (auto: the best); false if this CPU lacks it", py::arg("name"));
+  m.def("linear_forward", &linear_forward, "a dense layer's projections (desc [P, 8]) for x [T, K]",
+        py::arg("x"), py::arg("qw"), py::arg("sc"), py::arg("grp"), py::arg("perm"), py::arg("desc"),
+        py::arg("norm") = py::none(), py::arg("eps") = 1e-6, py::arg("act") = "none", py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend", &attend, "attention of a few new rows over a bfloat16 KV cache", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("start"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("attend_qkv", &attend_qkv, "a layer's attention of a few new rows from its q/k/v projection",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"), py::arg("start"),
+        py::arg("window") = 0, py::arg("qk_norm") = py::none(), py::arg("eps") = 1e-6,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("to_planes", &to_planes, "one projection's tiles: EXL2 column streams -> the kernel's layout (back: reverse)",
+        py::arg("qw"), py::arg("grp"), py::arg("back") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("interleave_pages", &interleave_pages, "spread a tensor's pages over the NUMA nodes online; -> nodes",
+        py::arg("t"));
+  m.def("numa_nodes", &numa_nodes, "NUMA nodes online");
+  m.def("read_gbps", &read_gbps, "read bandwidth of a team of `threads` streaming `bytes` (best of `reps`), GB/s",
+        py::arg("threads"), py::arg("bytes"), py::arg("reps") = 3, py::call_guard<py::gil_scoped_release>());
 }
