@@ -152,20 +152,17 @@ def test_exact_scales_are_what_the_store_computes_with(tmp_path):
     _kernel_or_skip()
     store = ce.CpuExperts.from_exl2(experts, "exl2")
     assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts), x, ids, w)) < TOL["exl2"]
-    scales = packed_scales(store._flat["sc"], store._flat["desc"].view(-1, 8))
-    assert all(torch.equal(s, experts[j // 3][ce.PROJS[j % 3]]["q_scale_exact"]) for j, s in enumerate(scales))
+    for e, p in ((e, p) for e in range(E) for p in ce.PROJS):
+        exact = experts[e][p]["q_scale_exact"]
+        assert torch.equal(packed_scales(store._flat["sc"], store._flat["desc"][e, ce.PROJS.index(p)], exact.shape[1]),
+                           exact), (e, p)
 
 
-def packed_scales(sc: torch.Tensor, desc: torch.Tensor) -> list[torch.Tensor]:
-    """The kernel's scale stream `sc` (flat fp16, per projection [N/16, G, 16] at desc[p, 1], G = desc[p, 3])
-    read back per projection as [G, N] (N padded as stored)."""
-    ends = [*desc[1:, 1].tolist(), sc.numel()]
-    out = []
-    for d, end in zip(desc.tolist(), ends):
-        g = d[3]
-        n = (end - d[1]) // g
-        out.append(sc[d[1]:end].view(n // 16, g, 16).permute(1, 0, 2).reshape(g, n))
-    return out
+def packed_scales(sc: torch.Tensor, desc: torch.Tensor, n: int) -> torch.Tensor:
+    """The scales of one projection in the kernel's flat stream `sc` ([N/16, G, 16] from desc[1], G = desc[3]),
+    as [G, n] (n: its columns as stored, padded)."""
+    g, o = int(desc[3]), int(desc[1])
+    return sc[o:o + g * n].view(n // 16, g, 16).permute(1, 0, 2).reshape(g, n)
 
 
 @pytest.mark.parametrize("bits", [[8, 6], [6, 5], [5, 4], [4, 3, 2], 2, 3])
