@@ -25,8 +25,9 @@ def _unpack_along_cols(words: np.ndarray, bits: int, order=None) -> np.ndarray:
 
 
 def dequantize(parts: dict[str, torch.Tensor], bits: int, packing: str, zero_offset: int, group_size: int,
-               out: int) -> torch.Tensor:
-    """The documented dequantization, in numpy: W [out, in] = fp16(scale * (q - zero)), as float32."""
+               out: int, fp16: bool = True) -> torch.Tensor:
+    """The documented dequantization, in numpy: W [out, in] = fp16(scale * (q - zero)), as float32; fp16=False:
+    scale * (q - zero) in float64, the product before its rounding (what an integer kernel multiplies)."""
     qw, qz = parts["qweight"].numpy(), parts["qzeros"].numpy()
     scales = parts["scales"].float().numpy().astype(np.float64)
     if packing == "awq":
@@ -37,6 +38,8 @@ def dequantize(parts: dict[str, torch.Tensor], bits: int, packing: str, zero_off
     inp = codes.shape[0]
     g_idx = parts["g_idx"].numpy() if "g_idx" in parts else np.arange(inp) // (inp if group_size == -1 else group_size)
     w = scales[g_idx] * (codes - zeros[g_idx])                                            # [in, out] exact
+    if not fp16:
+        return torch.from_numpy(w.T[:out].copy())
     return torch.from_numpy(w.astype(np.float16).astype(np.float32).T[:out].copy())
 
 

@@ -9,6 +9,9 @@ AutoRound and AWQ document their packing (tests/gptq_fixtures.py):
   steps of each group and column finds, to within 1%;
 - the CPU engine's logits on the imported folder against transformers' fp32 model holding the build's own weights
   (the independent dequantization) and the imported 16-bit linears, at the reference engine's tolerance (1e-4);
+  at its int8 precision within the CPU kernel's (3% of the largest logit: int8 activations);
+- the CPU kernel's readers (the CPU engine's int8 linears and experts, the CPU expert store) hold the build's exact
+  scales and compute with the build's own weights;
 - the experts as the GPU engines pack them (runtime/experts/pack.py, here through the hybrid engine's load on
   the CPU) hold the build's weights bit for bit;
 - an interrupted import resumes to the same folder; hostile quantization_config values and tensors are refused by
@@ -37,6 +40,7 @@ from tests.gptq_fixtures import dequantize, gptq_folder  # noqa: E402
 from tests.test_exl2_convert_qwen35 import one_thread  # noqa: E402,F401 (autouse: one torch thread)
 
 TOL_FP32 = 1e-4                      # tests/test_reference_parity.py's
+TOL_INT8 = 3e-2                      # tests/test_qlinear.py's (int8 activations), of the logits' largest
 
 
 def _hf(tmp_path, arch: str, hidden: int = 64):
@@ -201,11 +205,14 @@ def _dequantized_copy(imported, hf, out, build: dict, opts: dict):
     return out
 
 
-@pytest.mark.parametrize("case, calibrate", [("qwen3moe-gptq-g32", True),
-                                             ("qwen3moe-gptqv2-g128-actorder", False),
-                                             ("mixtral-gptq-g32-actorder", False),
-                                             ("qwen35-autoround-g32-actorder", True)])
-def test_the_cpu_engine_on_an_import_matches_transformers(tmp_path, case, calibrate):
+@pytest.mark.parametrize("case, calibrate, precision", [("qwen3moe-gptq-g32", True, "float32"),
+                                                        ("qwen3moe-gptqv2-g128-actorder", False, "float32"),
+                                                        ("mixtral-gptq-g32-actorder", False, "float32"),
+                                                        ("qwen35-autoround-g32-actorder", True, "float32"),
+                                                        ("qwen3moe-attention-g128", False, "int8")])
+def test_the_cpu_engine_on_an_import_matches_transformers(tmp_path, case, calibrate, precision):
+    """float32: at the reference engine's tolerance; int8 (the CPU kernel reads the imported codes and exact scales,
+    int8 activations): within the kernel's tolerance of the logits' scale (tests/test_qlinear.py's)."""
     arch, hidden, opts, _ = CASES[case]
     hf = _hf(tmp_path, arch, hidden)
     build = gptq_folder(hf, tmp_path / "gptq", **opts)
@@ -217,13 +224,72 @@ def test_the_cpu_engine_on_an_import_matches_transformers(tmp_path, case, calibr
     seq = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([seq])).logits[0].float()
-    engine, _ = load(out, precision="float32")
+    engine, _ = load(out, precision=precision)
     try:
         got = torch.cat([engine.forward(seq[:10]), engine.forward(seq[10:11]), engine.forward(seq[11:])])
     finally:
         engine.close()
     assert ref.abs().max() > 0.5, "logits too small for the comparison to mean anything"
-    assert (got - ref).abs().max().item() <= TOL_FP32
+    if precision == "float32":
+        assert (got - ref).abs().max().item() <= TOL_FP32
+    else:
+        rel = (got - ref).abs().max().item() / ref.abs().max().item()
+        assert rel <= TOL_INT8, f"int8: largest difference {rel:.4f} of the largest logit"
+
+
+def _on_codes_grid(parts: list[dict], rows: int, gen: torch.Generator) -> torch.Tensor:
+    """x [rows, K] that the CPU kernel's int8 rounding keeps for every projection of `parts` (EXL2 tensor sets of one
+    input; one activation scale per group of codes): integers in -127..127 times 2**-6, 127 at an input of every
+    group of every projection."""
+    x = torch.randint(-127, 128, (rows, parts[0]["q_invperm"].numel()), generator=gen).float()
+    for t in parts:
+        first = torch.argsort(t["q_invperm"].long())[[g.first_row for g in fmt.read_layout(t)[2]]]
+        x[:, first] = 127.0
+    return x * 2.0 ** -6
+
+
+def _kernel_holds_the_build(flat: dict, desc: torch.Tensor, folder, prefixes: list[str], build: dict) -> None:
+    """Projections `prefixes` of one input as the CPU kernel stores them (flat buffers, desc [P, 8]): their scale
+    stream is the import's exact scales, and on inputs int8 keeps the kernel's output is the float64 product with
+    the build's own weights (scale * (q - zero) before fp16's rounding), up to float32 sums."""
+    from runtime.experts import cpu_experts as ce
+    from tests.test_cpu_experts import packed_scales
+    tensors = [folder.exl2_tensors(p) for p in prefixes]
+    for d, t, p in zip(desc, tensors, prefixes):
+        exact = t["q_scale_exact"]
+        assert torch.equal(packed_scales(flat["sc"], d, exact.shape[1]), exact), f"{p}: not the build's scales"
+    x = _on_codes_grid(tensors, 3, torch.Generator().manual_seed(len(prefixes)))
+    want = torch.cat([dequantize(build[p], 4, "gptq", 1, 32, int(d[6]), fp16=False) for d, p in zip(desc, prefixes)])
+    y = ce.load_kernel().linear_forward(x, flat["qw"], flat["sc"], flat["grp"], flat["perm"], desc)
+    ref = x.double() @ want.T
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 2e-6, prefixes
+
+
+def test_the_integer_kernel_computes_with_an_imports_exact_scales(tmp_path):
+    """The CPU kernel's readers of an import (experts and attention quantized, act order): the CPU engine's int8
+    precision (runtime/reference/weights.py, qlinear.py: attention, each expert) and the CPU expert store (its exl2
+    format) pack the build's fp16 scales, and compute with the build's own weights."""
+    from runtime.experts import cpu_experts as ce
+    from tests.test_cpu_experts import _kernel_or_skip
+    _kernel_or_skip()
+    build = gptq_folder(_hf(tmp_path, "qwen3_moe"), tmp_path / "gptq", method="gptq", group_size=32, desc_act=True,
+                        which=_attention)
+    out = import_model(tmp_path / "gptq", tmp_path / "out", calibrate=False, say=_quiet)
+    folder = ModelFolder(out)
+    engine, _ = load(out, precision="int8")
+    try:
+        layer, a, e = engine.weights.layers[1], "model.layers.1.self_attn", "model.layers.1.mlp.experts.2"
+        for lin, prefixes in ((layer.qkv, [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]), (layer.o, [f"{a}.o_proj"]),
+                              (layer.experts_gate_up[2], [f"{e}.gate_proj", f"{e}.up_proj"]),
+                              (layer.experts_down[2], [f"{e}.down_proj"])):
+            assert lin.kernel != "torch", prefixes
+            _kernel_holds_the_build(lin.q.flat, lin.q.desc, folder, prefixes, build)
+    finally:
+        engine.close()
+    store = ce.CpuExperts.from_exl2(ce.read_experts(folder, 1, [0, 2]), "exl2")
+    desc = store._flat["desc"][1]
+    _kernel_holds_the_build(store._flat, desc[:2], folder, [f"{e}.gate_proj", f"{e}.up_proj"], build)
+    _kernel_holds_the_build(store._flat, desc[2:], folder, [f"{e}.down_proj"], build)
 
 
 def test_the_hybrid_engine_packs_an_imports_experts_as_the_build_holds_them(tmp_path):
