@@ -57,6 +57,15 @@ def export_demo(hf_dir: Path):
     return model, tok
 
 
+def demo_and_text(work: Path):
+    """The demo exported under work/hf -> (that folder, the model, its unquantized state, the held-out ids)."""
+    hf_dir = work / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    model, tok = export_demo(hf_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    return hf_dir, model, tok, original, tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+
+
 def perplexity(model, ids: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(ids.unsqueeze(0)).logits[0, :-1].float()
@@ -124,11 +133,7 @@ def main(argv=None) -> int:
     from runtime.exl2.writer import quantize_model
     from runtime.demo import hf_config
     work = Path(args.work)
-    hf_dir = work / "hf"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model, tok = export_demo(hf_dir)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+    hf_dir, model, tok, original, ids = demo_and_text(work)
     cal_texts, cal_name, note = default_texts()
     if note:
         print(f"note: {note}", flush=True)

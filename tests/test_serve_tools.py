@@ -212,9 +212,9 @@ def test_logit_bias_and_penalties(client, demo_model):
     banned = {str(t): -100 for t in set(tok.encode(" Paris") + tok.encode("Paris"))}
     assert "Paris" not in chat(client, messages=ask, max_tokens=12, logit_bias=banned).choices[0].message.content
     story = [{"role": "user", "content": "Tell me a story about a dragon."}]
-    plain = chat(client, messages=story, max_tokens=30).choices[0].message.content
+    plain = chat(client, messages=story, max_tokens=60).choices[0].message.content
     assert plain.count("dragon") >= 2                                # greedy says "dragon" again...
-    penalised = chat(client, messages=story, max_tokens=30, frequency_penalty=2.0, presence_penalty=1.0)
+    penalised = chat(client, messages=story, max_tokens=60, frequency_penalty=2.0, presence_penalty=1.0)
     assert penalised.choices[0].message.content.count("dragon") == 1  # ...penalised, once
 
 
