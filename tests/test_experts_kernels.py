@@ -28,6 +28,8 @@ def _results(args: list[str]) -> int:
     ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "5", "--bits", "3", "--rows", "1,13"],
     ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
      "--rows", "1,33"],                                     # 3-bit with tiles of >= 64 rows
+    ["--experts", "6", "--hidden", "64", "--inter", "64", "--top-k", "3", "--bits", "4", "--exact",
+     "--rows", "1,3,25"],                                   # imported GPTQ experts: exact scales (q_scale_exact)
 ])
 @pytest.mark.parametrize("splitk", [None])
 def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
