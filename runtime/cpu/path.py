@@ -47,7 +47,8 @@ from runtime.cpu import doorbell as cpu_signal
 from runtime.cpu import experts as ce
 from runtime.cpu.doorbell import _call_host, launch_host_func, signal_kind
 from runtime.experts.decode import CUT_ALIGN
-from runtime.experts.pack import PackedExperts, inference_mode_methods, intermediate_aligned
+from runtime.experts.pack import PackedExperts, intermediate_aligned
+from runtime.inference_mode import inference_mode_methods
 
 MAX_ROWS = 1          # decode only: verify rows and prefill keep the GPU paths
 WHOLE = 1 << 30       # the GPU kernels' cut for whole experts: past any expert's width

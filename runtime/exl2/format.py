@@ -8,6 +8,8 @@ On-disk layout of one quantized linear layer `K` (HF weight W of shape [out, in]
     K.q_groups     int16  [2G]                pairs (bits of group g, first q_weight row of group g)
     K.q_invperm    int32  [in]                inverse input permutation (q_perm = argsort(q_invperm))
     K.bias         fp16   [N]                 optional, left to the caller
+    K.q_scale_exact fp16  [G, N]              optional (ours, not exllamav2's): the exact scale of each group
+                                              and column, taken instead of q_scale / q_scale_max below
 
 N = out rounded up to a multiple of 32: padded columns hold the zero code 2**(b-1), so their weights
 dequantize to 0. Rows are input channels in "packed order" (the quantizer's activation order, here
@@ -25,6 +27,13 @@ ext.py make_q_matrix), all in fp16 with one rounding per operation:
     Wt[k,n]    = fp16((code[k,n] - 2**(b_g-1)) * scale[g(k),n])   k a packed row in group g(k)
     W.T        = Wt[q_invperm]                                    [in, N];  W = (W.T).T, first `out` rows
 
+With `q_scale_exact`, scale[g,n] = q_scale_exact[g,n]: any fp16 value, where q_scale / q_scale_max give one of
+16 steps per group. The GPTQ import (gptq_tensors.py) writes it so that a build's free per-column scales survive
+bit for bit; q_scale / q_scale_max then hold the nearest steps, for readers that know only those (exllamav2's
+own QMatrix). Every reader here that makes a dense scale per group and column takes it: `dequantize` (the CPU
+engine, the oracle), runtime/experts/pack.py (the GPU experts) and the CPU experts' packing. Its values must be
+finite (`read_layout` checks them).
+
 Bit mixes: any descending subset of {8,6,5,4,3,2} runs (exllamav2 falls back to its general GEMM
 kernel); `SUPPORTED_MIXES` are the ones with a specialised kernel (comp_units/kernel_select.cuh)
 plus [8, 4], which exllamav2's own converter emits. The quantizer only produces those.
@@ -41,6 +50,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
+
+from runtime.folder_check import EXL2_EXACT
 
 from .bitpack import pack_codes, pack_scales, unpack_codes, unpack_scales
 
@@ -201,6 +212,13 @@ def read_layout(tensors: Mapping[str, torch.Tensor], name: str = "tensor") -> tu
         raise Exl2FormatError(name, f"groups cover {row} input rows but q_invperm has {in_features}")
     if not torch.equal(torch.sort(inv.to(torch.int64)).values, torch.arange(in_features, device=inv.device)):
         raise Exl2FormatError(f"{name}.q_invperm", f"not a permutation of 0..{in_features - 1}")
+    exact = tensors.get(EXL2_EXACT)
+    if exact is not None:
+        if exact.dtype != torch.float16 or tuple(exact.shape) != (ngroups, n):
+            raise Exl2FormatError(f"{name}.{EXL2_EXACT}", f"expected float16 [{ngroups}, {n}] (a scale per group and "
+                                                          f"column), got {exact.dtype} {list(exact.shape)}")
+        if not bool(torch.isfinite(exact).all()):
+            raise Exl2FormatError(f"{name}.{EXL2_EXACT}", "holds scales that are not finite numbers")
     return in_features, n, groups
 
 
@@ -218,9 +236,12 @@ def _decode(tensors, name):
         q1 = groups[j].first_qrow if j < len(groups) else qw.shape[0]
         codes[r0:r1] = unpack_codes(qw[groups[i].first_qrow:q1], b) - (1 << (b - 1))
         i = j
-    mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)                  # [G] fp16, as make_q_matrix
-    qscale = unpack_scales(tensors["q_scale"])                                  # [G, N]
-    scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)               # [G, N] fp16, as dq_scale
+    if EXL2_EXACT in tensors:
+        scale = tensors[EXL2_EXACT]                                             # [G, N] fp16, checked above
+    else:
+        mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)              # [G] fp16, as make_q_matrix
+        qscale = unpack_scales(tensors["q_scale"])                              # [G, N]
+        scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)           # [G, N] fp16, as dq_scale
     row_group = torch.repeat_interleave(torch.arange(len(groups), device=qw.device),
                                         torch.tensor([g.rows for g in groups], device=qw.device))
     return codes, scale[row_group], tensors["q_invperm"].to(torch.int64)

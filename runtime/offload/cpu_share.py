@@ -32,7 +32,7 @@ import torch
 
 from runtime.budget import BudgetError, MemoryBudget
 from runtime.cpu.experts import CpuExpertsError
-from runtime.experts.pack import inference_mode_methods
+from runtime.inference_mode import inference_mode_methods
 from runtime.offload.experiment import NO_EXPERIMENT, Experiment
 from runtime.offload.placement import CpuSplit, CpuSplitCosts, plan_cpu_split
 from runtime.offload.routing_stats import RoutingStats

@@ -37,7 +37,8 @@ import torch
 
 from runtime.budget import MemoryBudget
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.experts.pack import PackedExperts
+from runtime.inference_mode import inference_mode_methods
 from runtime.offload import prefetch as decode_prefetch
 from runtime.offload.cpu_share import CpuShare
 from runtime.offload.experiment import NO_EXPERIMENT, Experiment

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.experts.pack import PackedExperts
+from runtime.inference_mode import inference_mode_methods
 from runtime.experts.routing import UniformPicks, router_logits
 from runtime.offload.experiment import NO_EXPERIMENT, Experiment
 from runtime.offload.slots import word_distance

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from runtime.budget import BudgetError, MemoryBudget
-from runtime.experts.pack import inference_mode_methods
+from runtime.inference_mode import inference_mode_methods
 from runtime.offload.placement import plan_resident
 from runtime.offload.routing_stats import RoutingStats
 from runtime.offload.slots import LayerOffload

@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 import torch
 
 from runtime.experts.layer import ExpertLayer
-from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.experts.pack import PackedExperts
+from runtime.inference_mode import inference_mode_methods
 
 
 def cold_base(p: PackedExperts) -> int:

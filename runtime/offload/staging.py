@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from runtime.experts.pack import PackedExperts, inference_mode_methods
+from runtime.experts.pack import PackedExperts
+from runtime.inference_mode import inference_mode_methods
 from runtime.offload.experiment import NO_EXPERIMENT, Experiment
 from runtime.offload.routing_stats import RoutingStats
 from runtime.offload.slots import LayerOffload, word_distance
