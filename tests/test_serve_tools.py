@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve_fixtures import running_server
+from tests.serve_fixtures import no_end_of_answer, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -271,8 +271,7 @@ def test_left_out_max_tokens_keeps_every_turn(client):
 # --- fair turns ------------------------------------------------------------------------------------------
 
 def test_a_short_request_is_not_stuck_behind_a_long_one(client, demo_model):
-    from runtime.tokenizer import Tokenizer
-    eos = {str(t): -100 for t in Tokenizer.from_folder(demo_model).eos_ids}      # the long one never stops early
+    eos = no_end_of_answer(demo_model)                                              # the long one never stops early
     done: dict = {}
 
     def long_answer():
