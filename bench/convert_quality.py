@@ -57,17 +57,28 @@ def export_demo(hf_dir: Path):
     return model, tok
 
 
+def demo_and_text(work: Path):
+    """The demo exported under work/hf -> (that folder, the model, its unquantized state, the held-out ids)."""
+    hf_dir = work / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    model, tok = export_demo(hf_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    return hf_dir, model, tok, original, tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+
+
 def perplexity(model, ids: torch.Tensor) -> float:
     with torch.no_grad():
         logits = model(ids.unsqueeze(0)).logits[0, :-1].float()
     return math.exp(torch.nn.functional.cross_entropy(logits, ids[1:]).item())
 
 
-def load_exl2_into(model, original: dict, folder: Path) -> tuple[float, float | None]:
+def load_exl2_into(model, original: dict, folder: Path, exact: bool = True) -> tuple[float, float | None]:
     """Put an EXL2 folder's dequantized linears (and fp16 tensors) into the transformers model; -> the
-    decoder's quantized linears' stored bits per weight (codes, scales, groups, permutation: what exllamav2's
-    -b and our --bpw count) and lm_head's (None where it is not quantized: tied to the embeddings, as our
-    converter leaves the demo's; exllamav2's quantizes it at -hb even then)."""
+    decoder's quantized linears' stored bits per weight (codes, scales, groups, permutation, exact scales where
+    stored: what exllamav2's -b and our --bpw count) and lm_head's (None where it is not quantized: tied to the
+    embeddings, as our converter leaves the demo's; exllamav2's quantizes it at -hb even then). exact: the
+    linears' exact scales (q_scale_exact) taken where stored, as our readers do; False: q_scale / q_scale_max
+    only, as exllamav2's own Q matrix reads them."""
     from runtime.exl2 import format as fmt
     stored = {}
     for shard in sorted(folder.glob("*.safetensors")):
@@ -81,8 +92,8 @@ def load_exl2_into(model, original: dict, folder: Path) -> tuple[float, float | 
     for name, ref in original.items():
         prefix = name[: -len(".weight")]
         if f"{prefix}.q_weight" in stored:
-            q = {k: stored[f"{prefix}.{k}"] for k in fmt.REQUIRED_KEYS}
-            state[name] = fmt.dequantize(q, out_features=ref.shape[0])
+            q = {k: stored[f"{prefix}.{k}"] for k in (*fmt.REQUIRED_KEYS, fmt.EXL2_EXACT) if f"{prefix}.{k}" in stored}
+            state[name] = fmt.dequantize(q if exact else {k: q[k] for k in fmt.REQUIRED_KEYS}, out_features=ref.shape[0])
             if prefix == "lm_head":
                 head = fmt.stored_bits(q) / ref.numel()
             else:
@@ -122,11 +133,7 @@ def main(argv=None) -> int:
     from runtime.exl2.writer import quantize_model
     from runtime.demo import hf_config
     work = Path(args.work)
-    hf_dir = work / "hf"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model, tok = export_demo(hf_dir)
-    original = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = tok(HELDOUT.read_text(), return_tensors="pt")["input_ids"][0]
+    hf_dir, model, tok, original, ids = demo_and_text(work)
     cal_texts, cal_name, note = default_texts()
     if note:
         print(f"note: {note}", flush=True)

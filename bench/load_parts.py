@@ -32,7 +32,7 @@ from runtime.experts import pack
 from runtime.experts.pack import HostArena, pack_layer
 from runtime.experts.st_read import MappedFiles
 
-KEYS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+KEYS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_scale_exact")   # the last: where stored
 ROLES = {"down_proj": ("down_proj", "w2"), "gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3", "v1")}
 
 
@@ -101,7 +101,7 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
         out = []
         for p in experts[role]:
             t = {}
-            for k in KEYS:
+            for k in (k for k in KEYS if f"{p}.{k}" in index):
                 f, _, _ = index[f"{p}.{k}"]
                 t[k] = (STFile.open(str(f)).get_tensor(f"{p}.{k}", device=dev) if reader == "exllamav2"
                         else opened[f].get_tensor(f"{p}.{k}"))
@@ -125,11 +125,11 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
     def gather_all() -> None:
         for role in ROLES:
             ts = [{k: files.tensor(str(index[f"{p}.{k}"][0]), index[f"{p}.{k}"][1], index[f"{p}.{k}"][2], k)
-                   for k in KEYS} for p in experts[role]]
+                   for k in KEYS if f"{p}.{k}" in index} for p in experts[role]]
             K, N = ts[0]["q_invperm"].numel(), ts[0]["q_weight"].shape[-1]
             step = max(1, keep // (K * N))
             for e0 in range(0, len(ts), step):
-                pack._gather(ts[e0:e0 + step], dev)
+                pack._gather(ts[e0:e0 + step], dev, pack._layout(ts[e0], "gather").unpacked)
     cpu_load.on_cores(cores, gather_all)
     res["mapped_gather_s"] = time.perf_counter() - t
     files.close()
@@ -138,7 +138,7 @@ def measure(folder: Path, layer: int, dev: torch.device, first: int = 0) -> dict
         if load is None:
             def load(role, files=files):
                 return [{k: files.tensor(str(index[f"{p}.{k}"][0]), index[f"{p}.{k}"][1], index[f"{p}.{k}"][2],
-                                         f"{p}.{k}") for k in KEYS} for p in experts[role]]
+                                         f"{p}.{k}") for k in KEYS if f"{p}.{k}" in index} for p in experts[role]]
         arena = _arena(dev, 2 * nbytes)
         pack.CHUNK_ELEMENTS = chunk
         try:

@@ -6,6 +6,7 @@
     moedesk-cli synth --shape NAME --bpw B --out DIR
     moedesk-cli convert --model HF_DIR --bpw B --out DIR [--calibration FILE] [--head-bits H]
     moedesk-cli import PATH_OR_REPO [--out DIR] [--bpw B] [--width W] [--no-calibrate]
+    moedesk-cli requantize --model EXL2_DIR --bpw B --out DIR [--experts all|cold] [--linears experts|mlp]
     moedesk-cli bench --model NAME_OR_DIR [...] --out bench/results/
     moedesk-cli setup-gpu [--check] [--arch-list "8.6;9.0"] [--json]
     moedesk-cli bench-spec --model NAME_OR_DIR [--what lookup|verify|all] [--forced-acceptance] --out bench/results/
@@ -33,6 +34,8 @@ SUBCOMMANDS = {
                                                 "write JSON to bench/results/."),
     "bench-worker": ("bench.worker", "Hold a conversation through a real worker process as the GUI does; "
                                      "per answer TTFT, decode speed, longest token gap; JSON to bench/results/."),
+    "requantize": ("runtime.exl2.requantize", "Quantize an EXL2 model's experts again at a lower width, calibrated "
+                                              "on its own activations; no bf16 checkpoint needed."),
 }
 
 

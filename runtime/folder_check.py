@@ -1,11 +1,16 @@
 """What every model folder check shares: the error it raises (runtime/errors.py), numbers and rope fields checked by name,
-and the layout of a model's tensors (no torch)."""
+the layout of a model's tensors and an EXL2 linear's headers (no torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import InvalidModel
+
+EXL2_PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+# Optional: exact fp16 scales [G, N], one per group and column, that readers computing a dense scale per group and
+# column take instead of q_scale / q_scale_max (runtime/exl2/format.py's docstring; written by the GPTQ import)
+EXL2_EXACT = "q_scale_exact"
 
 
 def _invalid(file: Path | str, problem: str) -> InvalidModel:
@@ -55,3 +60,22 @@ class Layout:
     plain: dict[str, tuple[int, ...]]
     linears: dict[str, tuple[int, int]]
     expert_params: int = 0           # parameters of the experts a token does not use, summed over layers
+
+
+def check_exl2_headers(prefix: str, out: int, inp: int, header_of, where) -> None:
+    """The headers of the EXL2 linear `prefix` [out, in]: every part present, columns and permutation as the
+    config implies, the optional exact scales F16 [groups, columns]. `header_of(name)` gives a stored tensor's
+    safetensors entry ({"dtype", "shape"}) or None, `where(name)` the file to name."""
+    heads = {part: header_of(f"{prefix}.{part}") for part in (*EXL2_PARTS, EXL2_EXACT)}
+    for part in EXL2_PARTS:
+        if heads[part] is None:
+            raise _invalid(where(f"{prefix}.q_weight"), f"EXL2 tensor '{prefix}.{part}' is missing")
+    perm, qw = heads["q_invperm"]["shape"], heads["q_weight"]["shape"]
+    if perm != [inp] or len(qw) != 2 or not out <= qw[1] <= -(-out // 32) * 32:   # columns padded to 32
+        raise _invalid(where(f"{prefix}.q_weight"), f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
+                                                   f"the config implies {out} outputs and {inp} inputs")
+    exact = heads[EXL2_EXACT]
+    want = [heads["q_scale_max"]["shape"][0] if len(heads["q_scale_max"]["shape"]) == 1 else -1, qw[1]]
+    if exact is not None and (exact["dtype"] != "F16" or exact["shape"] != want):
+        raise _invalid(where(f"{prefix}.{EXL2_EXACT}"), f"'{prefix}.{EXL2_EXACT}' is {exact['dtype']}{exact['shape']}; "
+                                                        f"it must hold an fp16 scale per group and column: F16{want}")

@@ -10,7 +10,8 @@ engines rely on and raises a `ModelFolderError` (runtime/errors.py) naming the f
   whose byte size matches the offsets, offsets contiguous and within the file (a short file is
   reported as truncated);
 - the shard index, when present, names shards that exist and tensors those shards hold;
-- every tensor the architecture needs, stored plain (`X.weight`) or as EXL2 (`X.q_weight`, ...).
+- every tensor the architecture needs, stored plain (`X.weight`) or as EXL2 (`X.q_weight`, ...; the optional
+  exact scales `X.q_scale_exact` F16 [groups, columns]; their values are checked where they are read).
 
 `ModelFolder(path)` validates, then opens shards with safetensors on demand (torch imported lazily)
 and gives `.tensor(name)` and `.linear(prefix)`: a dense float weight [out, in] either way.
@@ -28,7 +29,8 @@ from typing import Any, Optional
 
 from runtime import gptq_spec, qwen35
 from runtime.errors import InvalidModel, ModelFolderError, ModelNotFound, UnsupportedArchitecture  # noqa: F401
-from runtime.folder_check import Layout, _check_number, _invalid, check_rope  # noqa: F401
+from runtime.folder_check import (EXL2_EXACT, EXL2_PARTS, Layout, _check_number, _invalid,  # noqa: F401
+                                  check_exl2_headers, check_rope)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
                            "DbrxForCausalLM") + qwen35.ARCHITECTURES
@@ -85,7 +87,6 @@ DBRX_KEYS = {"hidden_size": ("", "d_model"), "num_hidden_layers": ("", "n_layers
              "clip_qkv": ("attn_config", "clip_qkv"), "intermediate_size": ("ffn_config", "ffn_hidden_size"),
              "num_experts": ("ffn_config", "moe_num_experts"), "num_experts_per_tok": ("ffn_config", "moe_top_k"),
              "moe_normalize_expert_weights": ("ffn_config", "moe_normalize_expert_weights")}
-EXL2_PARTS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024        # the safetensors format's own limit
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
@@ -468,16 +469,7 @@ def _check_tensors(lay, names: set, shard_of: dict, headers: dict, where, missin
         if f"{prefix}.q_weight" not in names:
             raise InvalidModel(missing_in, f"tensor '{prefix}.weight' is missing")
         is_exl2 = True
-        for part in EXL2_PARTS:
-            if f"{prefix}.{part}" not in names:
-                raise InvalidModel(where(f"{prefix}.q_weight"),
-                                   f"EXL2 tensor '{prefix}.{part}' is missing")
-        perm = headers[shard_of[f"{prefix}.q_invperm"]][f"{prefix}.q_invperm"]["shape"]
-        qw = headers[shard_of[f"{prefix}.q_weight"]][f"{prefix}.q_weight"]["shape"]
-        if perm != [inp] or len(qw) != 2 or not out <= qw[1] <= -(-out // 32) * 32:   # columns padded to 32
-            raise InvalidModel(where(f"{prefix}.q_weight"),
-                               f"EXL2 linear '{prefix}' has q_weight {qw} / q_invperm {perm}, "
-                               f"the config implies {out} outputs and {inp} inputs")
+        check_exl2_headers(prefix, out, inp, lambda n: headers[shard_of[n]][n] if n in names else None, where)
     return is_exl2
 
 
@@ -580,13 +572,18 @@ class ModelFolder:
         if self.has(f"{prefix}.weight"):
             return self.tensor(f"{prefix}.weight").to(device, dtype)
         from runtime.exl2.format import Exl2FormatError, dequantize
-        parts = {part: self.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
+        parts = self.exl2_tensors(prefix)
         out = self._shapes[prefix][0] if prefix in self._shapes else None
         try:
             return dequantize(parts, dtype=dtype, out_features=out, name=prefix, device=device)
         except Exl2FormatError as e:
             raise InvalidModel(self.path / self.info.shard_of[f"{prefix}.q_weight"],
                                f"invalid EXL2 tensors: {e}") from None
+
+    def exl2_tensors(self, prefix: str) -> dict:
+        """The EXL2 tensor set of the linear `prefix`: its parts, and its exact scales where it has them."""
+        parts = (*EXL2_PARTS, EXL2_EXACT) if self.has(f"{prefix}.{EXL2_EXACT}") else EXL2_PARTS
+        return {part: self.tensor(f"{prefix}.{part}") for part in parts}
 
     def bias(self, prefix: str, dtype: Optional[Any] = None):
         """The bias of a linear layer, or None."""

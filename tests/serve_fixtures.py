@@ -15,6 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def no_end_of_answer(model: Path) -> dict[str, int]:
+    """A logit_bias that bans the model's end-of-answer tokens, so an answer runs to its max_tokens."""
+    from runtime.tokenizer import Tokenizer
+    return {str(t): -100 for t in Tokenizer.from_folder(model).eos_ids}
+
+
 @contextlib.contextmanager
 def running_server(demo_model: Path, home: Path, *args: str,
                    quiet_stdout: bool = False) -> Iterator[tuple[str, Path, str]]:

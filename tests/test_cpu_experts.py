@@ -138,6 +138,33 @@ def test_exl2_kernel_is_exact_on_integer_activations(bits, isa_restored):
         assert y.shape == (5, sum(outs)) and _rel(y, ref) < 2e-6, isa
 
 
+def test_exact_scales_are_what_the_store_computes_with(tmp_path):
+    """Experts with exact scales (q_scale_exact, as the GPTQ import writes them): the exl2 store's codes times those
+    scales, not the steps of q_scale / q_scale_max; read from a model folder with them too."""
+    from bench.check_experts import with_exact_scales
+    gen = torch.Generator().manual_seed(11)
+    experts = [{p: with_exact_scales(t, gen) for p, t in _expert(gen, 4).items()} for _ in range(E)]
+    steps = [{p: {k: v for k, v in t.items() if k != "q_scale_exact"} for p, t in e.items()} for e in experts]
+    assert _dense(experts)[0][0].shape == (I, H) and not torch.equal(_dense(experts)[0][0], _dense(steps)[0][0])
+    x, ids, w = _routing(torch.Generator().manual_seed(3), 4)
+    store = ce.CpuExperts.from_exl2(experts, "bf16")
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts), x, ids, w)) < TOL["bf16"]
+    _kernel_or_skip()
+    store = ce.CpuExperts.from_exl2(experts, "exl2")
+    assert _rel(store.forward(x, ids, w), ce.reference_forward(_dense(experts), x, ids, w)) < TOL["exl2"]
+    for e, p in ((e, p) for e in range(E) for p in ce.PROJS):
+        exact = experts[e][p]["q_scale_exact"]
+        assert torch.equal(packed_scales(store._flat["sc"], store._flat["desc"][e, ce.PROJS.index(p)], exact.shape[1]),
+                           exact), (e, p)
+
+
+def packed_scales(sc: torch.Tensor, desc: torch.Tensor, n: int) -> torch.Tensor:
+    """The scales of one projection in the kernel's flat stream `sc` ([N/16, G, 16] from desc[1], G = desc[3]),
+    as [G, n] (n: its columns as stored, padded)."""
+    g, o = int(desc[3]), int(desc[1])
+    return sc[o:o + g * n].view(n // 16, g, 16).permute(1, 0, 2).reshape(g, n)
+
+
 @pytest.mark.parametrize("bits", [[8, 6], [6, 5], [5, 4], [4, 3, 2], 2, 3])
 def test_exl2_kernel_every_width_on_every_path(bits, isa_restored):
     _kernel_or_skip()
@@ -281,3 +308,16 @@ def test_experts_from_a_model_folder(tmp_path):
     assert _rel(store.forward(x, ids, w), ce.reference_forward(dense, x, ids, w)) < TOL["int8"]
     with pytest.raises(ce.CpuExpertsError, match="expert 99"):
         ce.read_experts(folder, 0, [99])
+
+
+def test_experts_from_an_import_carry_their_exact_scales(tmp_path):
+    from runtime.exl2.gptq_import import import_model
+    from runtime.modelfolder import ModelFolder
+    from tests.convert_fixtures import tiny_checkpoint
+    from tests.gptq_fixtures import dequantize, gptq_folder
+    build = gptq_folder(tiny_checkpoint(tmp_path / "hf", "qwen3_moe", layers=1), tmp_path / "gptq", group_size=32)
+    import_model(tmp_path / "gptq", tmp_path / "out", calibrate=False, say=lambda m: None)
+    expert = ce.read_experts(ModelFolder(tmp_path / "out"), 0, [2])[0]
+    assert all("q_scale_exact" in t for t in expert.values())
+    down = build["model.layers.0.mlp.experts.2.down_proj"]
+    assert torch.equal(fmt.dequantize(expert["down"], out_features=64), dequantize(down, 4, "gptq", 1, 32, 64))

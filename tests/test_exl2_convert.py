@@ -233,11 +233,13 @@ def test_uniform_widths_store_the_bpw_target(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_one_hessian_inverse_per_shared_input(tmp_path, monkeypatch, arch):
     # q/k/v share one input, gate/up another (per expert in MoE; the experts that fall back to all the
-    # layer's tokens share that one Hessian): each is damped and inverted once
+    # layer's tokens share that one Hessian): each is damped and inverted once (the experts' in batches)
     from runtime.exl2 import calibrate
     calls = []
-    real = calibrate.prepare
+    real, real_many = calibrate.prepare, calibrate.prepare_many
     monkeypatch.setattr(calibrate, "prepare", lambda *a, **kw: calls.append(kw["name"]) or real(*a, **kw))
+    monkeypatch.setattr(calibrate, "prepare_many",
+                        lambda *a, **kw: calls.extend(kw["names"]) or real_many(*a, **kw))
     src = tiny_checkpoint(tmp_path / "hf", arch)
     qc = json.loads((_convert(src, tmp_path / "q", 4.0) / "config.json").read_text())["quantization_config"]
     assert len(calls) == qc["hessian_inverses"], calls
@@ -246,10 +248,11 @@ def test_one_hessian_inverse_per_shared_input(tmp_path, monkeypatch, arch):
     if arch == "llama":
         assert len(calls) == layers * 4, calls                       # q/k/v, o, gate/up, down
         return
-    gates = [n for n in calls if n.endswith("gate_proj")]
+    gates = [n for n in calls if n.endswith("gate_proj")]            # the routed experts' own
+    shared = [n for n in calls if n.endswith("(all tokens)")]         # one per layer for those fed all tokens
     fallback = qc["experts_all_token_fallback"]
-    assert len(calls) == layers * (2 + 4) + len(gates), calls       # q/k/v and o, 4 downs, the gate/up ones
-    assert qc["experts_routed"] + (fallback > 0) <= len(gates) <= qc["experts_routed"] + min(layers, fallback)
+    assert len(gates) == qc["experts_routed"] and (fallback > 0) <= len(shared) <= min(layers, fallback)
+    assert len(calls) == layers * (2 + 4) + len(gates) + len(shared), calls     # q/k/v and o, 4 downs
 
 
 def test_cli_calibrates_on_exllamav2s_standard_set_by_default(tmp_path, capsys, monkeypatch):

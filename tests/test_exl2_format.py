@@ -186,6 +186,29 @@ def test_hand_built_layer_dequantizes_to_the_formula():
     assert torch.equal(w, expect.unsqueeze(0).expand(32, 32))
 
 
+def test_exact_scales_are_taken_instead_of_the_steps(tmp_path):
+    """q_scale_exact (any fp16 scale per group and column): the weight is fp16(code * scale), the steps' values
+    left aside; through safetensors too, and `step_sizes` gives the exact scales."""
+    g = torch.Generator().manual_seed(5)
+    k, n, out = 96, 64, 50
+    codes = torch.randint(-8, 8, (k, n), generator=g)
+    perm = torch.randperm(k, generator=g)
+    exact = (torch.rand(3, n, generator=g) * 0.02 + 1e-4).half()
+    t = fmt.assemble(codes, torch.randint(1, 17, (3, n), generator=g).float(), torch.tensor([0.5, 0.25, 1.0]).half(),
+                     [(4, 32)] * 3, perm)
+    t["q_scale_exact"] = exact
+    wt = (codes.half() * exact.repeat_interleave(32, dim=0)).float()          # [K, N] packed order, fp16 products
+    want = torch.empty_like(wt)
+    want[perm] = wt
+    assert torch.equal(fmt.dequantize(t, out_features=out), want.t()[:out])
+    assert torch.equal(fmt.dequantize(_roundtrip(tmp_path, t), out_features=out), want.t()[:out])
+    steps = torch.empty(k, n)
+    steps[perm] = exact.float().repeat_interleave(32, dim=0)
+    assert torch.equal(fmt.step_sizes(t), steps.t())
+    without = {key: v for key, v in t.items() if key != "q_scale_exact"}
+    assert not torch.equal(fmt.dequantize(without, out_features=out), want.t()[:out])
+
+
 # ------------------------------------------------------------------------------------------
 # Bad input
 
@@ -204,6 +227,11 @@ def _good():
     (lambda t: t.update(q_invperm=torch.arange(96, dtype=torch.int32)), r"groups cover 64 input rows but q_invperm has 96"),
     (lambda t: t.update(q_scale=t["q_scale"][:, :2]), r"layer\.q_scale: 2 words hold 16 scales"),
     (lambda t: t.update(q_weight=t["q_weight"][:-1]), r"not a whole multiple of 32 input rows"),
+    (lambda t: t.update(q_scale_exact=torch.ones(2, 32)), r"layer\.q_scale_exact: expected float16 \[2, 32\]"),
+    (lambda t: t.update(q_scale_exact=torch.ones(1, 32).half()), r"layer\.q_scale_exact: expected float16 \[2, 32\]"),
+    (lambda t: t.update(q_scale_exact=torch.full((2, 32), float("nan")).half()),
+     r"layer\.q_scale_exact: holds scales that are not finite numbers"),
+    (lambda t: t.update(q_scale_exact=torch.full((2, 32), float("inf")).half()), r"not finite"),
 ])
 def test_bad_tensors_raise_clear_value_errors(mutate, match):
     t = _good()

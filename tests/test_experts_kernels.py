@@ -28,6 +28,8 @@ def _results(args: list[str]) -> int:
     ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "5", "--bits", "3", "--rows", "1,13"],
     ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
      "--rows", "1,33"],                                     # 3-bit with tiles of >= 64 rows
+    ["--experts", "6", "--hidden", "64", "--inter", "64", "--top-k", "3", "--bits", "4", "--exact",
+     "--rows", "1,3,25"],                                   # imported GPTQ experts: exact scales (q_scale_exact)
 ])
 @pytest.mark.parametrize("splitk", [None])
 def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
@@ -251,7 +253,8 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, su
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
     the layer is put in down's intermediate order (bit for bit the same output). Cut steps of 32
     rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row). The same with
-    each tile summed by columns (MOEDESK_GEMV_SUMS)."""
+    each tile summed by columns (MOEDESK_GEMV_SUMS). The host function computes with int8 activations (the
+    integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
     env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align, MOEDESK_GEMV_SUMS=sums)
     if splitk:
         env["MOEDESK_SPLITK"] = splitk

@@ -50,6 +50,44 @@ def test_pack_experts_is_lossless_and_reports_layout():
     assert torch.equal(dequantize_packed(p4, 0).half().float(), exl2.dequantize(t4[0]))
 
 
+def _exact(t, seed):
+    from bench.check_experts import with_exact_scales
+    return with_exact_scales(t, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits,props,gs", [(4, None, 32), ([5, 4], [0.25, 0.75], {5: 32, 4: 64}), (3, None, 32)])
+def test_exact_scales_are_packed_instead_of_the_steps(bits, props, gs):
+    """Experts with q_scale_exact pack to the weights format.dequantize gives with them (not the steps'), beside
+    experts without in one projection (batches of one layout each), through pack_layer's column order too."""
+    ts = [_q(64, 128, bits, gs, seed=e, bits_prop=props) for e in range(4)]
+    ts = [_exact(t, e) if e % 2 == 0 else t for e, t in enumerate(ts)]
+    assert not torch.equal(exl2.dequantize(ts[0]), exl2.dequantize({k: v for k, v in ts[0].items()
+                                                                    if k != "q_scale_exact"}))
+    u = unpack_exl2(ts[0])
+    assert torch.equal(dequantize_codes(u).half().float(), exl2.dequantize(ts[0]))
+    p = pack_experts(ts, "layer.up")
+    for e in range(4):
+        assert torch.equal(dequantize_packed(p, e).half().float(), exl2.dequantize(ts[e])), e
+    cols = [torch.randperm(64, generator=torch.Generator().manual_seed(e)) for e in range(4)]
+    pc = pack_experts(ts, "layer.up", columns=cols)
+    for e in range(4):
+        assert torch.equal(dequantize_packed(pc, e).half().float(), exl2.dequantize(ts[e])[cols[e]]), e
+
+
+def test_bad_exact_scales_are_refused_naming_the_expert():
+    t = _exact(_q(32, 64, 4, 32), 0)
+    with pytest.raises(PackError, match=r"layer.7.down\[1\]: q_scale_exact is torch.float32 \(2, 32\), not float16"):
+        pack_experts([t, {**t, "q_scale_exact": t["q_scale_exact"].float()}], "layer.7.down")
+    with pytest.raises(PackError, match=r"layer.7.down\[0\]: q_scale_exact is torch.float16 \(1, 32\)"):
+        pack_experts([{**t, "q_scale_exact": t["q_scale_exact"][:1]}], "layer.7.down")
+    bad = t["q_scale_exact"].clone()
+    bad[1, 3] = float("inf")
+    with pytest.raises(PackError, match=r"layer.7.down\[2\]: q_scale_exact holds scales that are not finite"):
+        pack_experts([t, t, {**t, "q_scale_exact": bad}], "layer.7.down")
+    with pytest.raises(PackError, match=r"one: q_scale_exact holds scales that are not finite"):
+        unpack_exl2({**t, "q_scale_exact": bad}, "one")
+
+
 def test_pack_errors_name_the_tensor():
     t = _q(32, 64, 4, 32)
     with pytest.raises(PackError, match="layer.7.down\\[0\\].*q_scale_max"):

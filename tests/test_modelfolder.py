@@ -316,6 +316,43 @@ def test_exl2_linear_with_missing_part(tmp_path):
     assert f"{p}.q_invperm" in e.message and "EXL2" in e.message
 
 
+def _with_exl2_expert(folder: Path, exact) -> str:
+    """One expert projection of the folder ([32, 32]: one group of 32 rows) stored as EXL2 with `exact` as its
+    q_scale_exact; -> its prefix."""
+    from safetensors.torch import load_file
+    from runtime.exl2 import format as fmt
+    p = "model.layers.0.mlp.experts.1.down_proj"
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({f"{p}.{k}": v for k, v in fmt.quantize(tensors.pop(f"{p}.weight"), 4, 32).items()})
+    tensors[f"{p}.q_scale_exact"] = exact
+    save_file(tensors, str(folder / "model.safetensors"))
+    return p
+
+
+def test_exact_scales_are_checked_and_read(tmp_path):
+    cfg = {**QWEN3_MOE, "hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 32}
+    good = make_folder(tmp_path / "good", cfg)
+    exact = (torch.rand(1, 32) * 0.1 + 0.01).half()
+    p = _with_exl2_expert(good, exact)
+    mf = ModelFolder(good)
+    assert set(mf.exl2_tensors(p)) == {"q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_scale_exact"}
+    from runtime.exl2 import format as fmt
+    parts = mf.exl2_tensors(p)
+    assert torch.equal(mf.linear(p), fmt.dequantize(parts, out_features=32))          # the exact scales', not
+    assert not torch.equal(mf.linear(p), fmt.dequantize({k: v for k, v in parts.items() if k != "q_scale_exact"}))
+    for name, bad, words in [("dtype", exact.float(), "F32[1, 32]; it must hold an fp16 scale per group and column: "
+                                                      "F16[1, 32]"),
+                             ("shape", exact[:, :16].contiguous(), "F16[1, 16]")]:
+        folder = make_folder(tmp_path / name, cfg)
+        _with_exl2_expert(folder, bad)
+        e = error(folder)
+        assert f"'{p}.q_scale_exact' is {words}" in e.message and e.file.endswith("model.safetensors")
+    folder = make_folder(tmp_path / "nan", cfg)
+    _with_exl2_expert(folder, torch.full((1, 32), float("nan")).half())
+    with pytest.raises(ModelFolderError, match="q_scale_exact: holds scales that are not finite numbers"):
+        ModelFolder(folder).linear(p)
+
+
 def test_model_folder_reads_lazily(tmp_path):
     folder = make_folder(tmp_path / "m", QWEN3_MOE, shards=2)
     mf = ModelFolder(folder)

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.serve_fixtures import running_server
+from tests.serve_fixtures import no_end_of_answer, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -133,10 +133,17 @@ def wait_for_log(log, start: int, pattern: str, count: int = 1, timeout: float =
         time.sleep(0.1)
 
 
-def test_a_plain_client_that_leaves_mid_answer_is_cancelled(server):
+@pytest.fixture(scope="module")
+def endless(demo_model):
+    """The long answers ban the end of answer, so they run to max_tokens: the integer CPU kernel decodes fast
+    enough that a greedy story could end on its own before its client left it."""
+    return {"logit_bias": no_end_of_answer(demo_model)}
+
+
+def test_a_plain_client_that_leaves_mid_answer_is_cancelled(server, endless):
     url, log, model = server
     start = len(log.read_text())
-    sock = send_and_keep(url, ask(model, 3000, messages=STORY))
+    sock = send_and_keep(url, ask(model, 3000, messages=STORY, **endless))
     time.sleep(2.0)                                   # well into the answer (the prompt is short)
     sock.close()
     assert wait_for_log(log, start, r"client closed the connection; its request is cancelled")
@@ -145,12 +152,12 @@ def test_a_plain_client_that_leaves_mid_answer_is_cancelled(server):
     assert "Paris" in post(url, ask(model, 12)).json()["choices"][0]["message"]["content"]
 
 
-def test_clients_that_leave_while_queued_free_the_queue(server):
+def test_clients_that_leave_while_queued_free_the_queue(server, endless):
     url, log, model = server
     start = len(log.read_text())
-    running = send_and_keep(url, ask(model, 3000, stream=True, messages=STORY))     # holds the engine
+    running = send_and_keep(url, ask(model, 3000, stream=True, messages=STORY, **endless))     # holds the engine
     time.sleep(1.0)
-    queued = [send_and_keep(url, ask(model, 800, messages=STORY)) for _ in range(8)]      # fills the queue (8)
+    queued = [send_and_keep(url, ask(model, 800, messages=STORY, **endless)) for _ in range(8)]      # fills the queue (8)
     time.sleep(1.0)
     for sock in queued:
         sock.close()

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serve_fixtures import running_server
+from tests.serve_fixtures import no_end_of_answer, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -212,9 +212,9 @@ def test_logit_bias_and_penalties(client, demo_model):
     banned = {str(t): -100 for t in set(tok.encode(" Paris") + tok.encode("Paris"))}
     assert "Paris" not in chat(client, messages=ask, max_tokens=12, logit_bias=banned).choices[0].message.content
     story = [{"role": "user", "content": "Tell me a story about a dragon."}]
-    plain = chat(client, messages=story, max_tokens=30).choices[0].message.content
+    plain = chat(client, messages=story, max_tokens=60).choices[0].message.content
     assert plain.count("dragon") >= 2                                # greedy says "dragon" again...
-    penalised = chat(client, messages=story, max_tokens=30, frequency_penalty=2.0, presence_penalty=1.0)
+    penalised = chat(client, messages=story, max_tokens=60, frequency_penalty=2.0, presence_penalty=1.0)
     assert penalised.choices[0].message.content.count("dragon") == 1  # ...penalised, once
 
 
@@ -271,8 +271,7 @@ def test_left_out_max_tokens_keeps_every_turn(client):
 # --- fair turns ------------------------------------------------------------------------------------------
 
 def test_a_short_request_is_not_stuck_behind_a_long_one(client, demo_model):
-    from runtime.tokenizer import Tokenizer
-    eos = {str(t): -100 for t in Tokenizer.from_folder(demo_model).eos_ids}      # the long one never stops early
+    eos = no_end_of_answer(demo_model)                                              # the long one never stops early
     done: dict = {}
 
     def long_answer():

@@ -38,7 +38,7 @@ from runtime.backends.hybrid_state import HybridCache
 from runtime.errors import InvalidModel, UnsupportedArchitecture
 from runtime.experts.layer import ExpertLayer
 from runtime.experts.pack import HostArena, pack_layer
-from runtime.modelfolder import EXL2_PARTS, ModelFolder
+from runtime.modelfolder import ModelFolder
 from runtime.reference import deltanet, rope
 
 CHUNK = deltanet.CHUNK
@@ -319,7 +319,7 @@ def _expert_tensors(folder: ModelFolder, prefix: str) -> dict:
     if not folder.has(f"{prefix}.q_weight"):
         raise UnsupportedArchitecture(folder.path, f"{prefix} is not EXL2-quantized: the GPU engine runs EXL2 "
                                                    "experts only (the CPU reference engine runs this folder)")
-    return {part: folder.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
+    return folder.exl2_tensors(prefix)                 # exact scales included where stored
 
 
 def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, context: int,

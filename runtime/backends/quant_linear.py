@@ -270,6 +270,9 @@ def is_exl2(folder: ModelFolder, prefix: str) -> bool:
 
 
 def exl2_parts(folder: ModelFolder, prefix: str) -> dict:
+    """A dense linear's EXL2 tensors without its exact scales (q_scale_exact) where it has them: exllamav2's Q
+    matrix reads only q_scale / q_scale_max, and the split-K GEMV in front of it and the CPU's dequantized copy
+    compute what it computes, so that every row count and device gives the same weights."""
     return {part: folder.tensor(f"{prefix}.{part}") for part in EXL2_PARTS}
 
 

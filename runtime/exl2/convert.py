@@ -13,10 +13,10 @@ Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) takes the same steps with 
 own layers in place of transformers' modules: convert_qwen35.py (on either device). Mixtral's tensors keep the
 Hub's names (modelfolder.stored_name); DBRX's blocks are rebuilt and renamed as exllamav2 names them
 (convert_dbrx.py).
-Memory: one layer's weights (float32) plus the calibration activations (rows x seq_len x hidden, float32,
-twice; the experts' inputs once more in float16) plus the Hessians: the dense linears' (inputs shared
-by several linears share one) and at most `hessian_budget` bytes for a group of experts (their Hessians,
-inverses and batched GPTQ loop: calibrate.expert_bytes).
+Memory: one layer's weights (float32; Qwen3.5's experts as stored) plus the calibration activations (rows x
+seq_len x hidden, float32, twice; the experts' inputs in float16) plus the Hessians: the dense linears' (shared
+inputs share one) and at most `hessian_budget` bytes for a group of experts (calibrate.expert_bytes; on a GPU by
+default what it has free). While a layer is quantized a thread reads the next one into the page cache (readahead.py).
 
 MoE experts (Qwen3-MoE, Mixtral, DBRX): each expert's gate/up Hessian sums only the tokens the router sent to it and its
 down Hessian only its own intermediate activations of those tokens; experts routed too few tokens fall
@@ -69,14 +69,15 @@ from safetensors.torch import save_file
 from runtime import cpu_load, qwen35
 from runtime.modelfolder import stored_name
 from runtime.options import (CONVERT_CALIBRATION_ROWS, CONVERT_CALIBRATION_SEQ_LEN, CONVERT_GROUP_SIZE,
-                             CONVERT_HEAD_BITS, CONVERT_MEASURE_MIN_TOKENS)
+                             CONVERT_HEAD_BITS)
 
-from . import allocate, caldata, convert_dbrx
+from . import allocate, caldata, convert_args, convert_dbrx
 from . import format as fmt
 from .convert_check import ConvertError, check_output, check_source, copy_extras, make_staging, read_state, staging_dir
-from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, quantize_jobs,
-                        quantize_layer)
+from .calibrate import (DEFAULT_HESSIAN_BUDGET, MIN_EXPERT_TOKENS_PER_INPUT, CalibrationError, Collector, LayerReport,
+                        quantize_jobs, quantize_layer)
 from .gptq import DAMP_PER_INPUT, DEFAULT_DAMP, HessianAccumulator, quantize_gptq
+from .readahead import Readahead
 from .writer import ModelWriter, exllamav2_config, quantization_config
 
 ARCHITECTURES = {     # HF class -> (transformers module, decoder layer, rotary embedding, RMS norm)
@@ -225,7 +226,6 @@ def _run_layer(layer, rotary, hidden: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The whole model
 
@@ -235,7 +235,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
             rows: int = CONVERT_CALIBRATION_ROWS, seq_len: int = CONVERT_CALIBRATION_SEQ_LEN,
             group_size: int = CONVERT_GROUP_SIZE, damp: float = DEFAULT_DAMP, say: Say = print,
             measure: bool | None = None, stop_after_layers: int | None = None,
-            hessian_budget: int = DEFAULT_HESSIAN_BUDGET, device: str = "cpu",
+            hessian_budget: int | None = None, device: str = "cpu",
             progress: Callable[[dict], None] | None = None, threads: int = 0) -> Path:
     """Convert an HF checkpoint into an EXL2 folder at out_dir; -> out_dir.
 
@@ -247,10 +247,10 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
 
     Resumes from the staging folder when one with the same settings exists. `stop_after_layers`
     stops (ConvertError) once that many layers are done in this run: what an interruption leaves.
-    `hessian_budget` bounds the bytes a group of experts holds at once (calibrate.expert_bytes: their
-    Hessians, inverses and batched GPTQ loop; it does not change the result).
-    `device` runs the layers, Hessians and GPTQ there ("cuda"; "auto": `choose_device`); `progress` gets a
-    dict per finished layer (layer, seconds, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
+    `hessian_budget` bounds the bytes a group of experts holds at once (calibrate.expert_bytes; None: what
+    calibrate.expert_budget gives; it does not change the result). `device` runs the layers, Hessians and GPTQ
+    there ("cuda"; "auto": `choose_device`); `progress` gets a dict per finished layer (layer, kind, seconds,
+    phases: seconds per step, hessian_peak_bytes, experts_per_group, expert_seconds, cpu_threads).
     """
     if threads < 0:
         raise ConvertError(f"threads must be 0 (automatic) or a positive count, got {threads}")
@@ -285,7 +285,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: floa
                         f"CPU threads: {why}", retune)
 
 
-def choose_device(device: str, model_dir, out_dir, hessian_budget: int) -> tuple[str, str]:
+def choose_device(device: str, model_dir, out_dir, hessian_budget: int | None) -> tuple[str, str]:
     """-> (device, why). "auto": the device an interrupted conversion into out_dir started on; else CUDA when
     torch sees a GPU with room for one layer (its float32 weights and a half more, the Hessian budget, a
     margin: what is free, so a model loaded beside it counts), else the CPU. Any other value as given."""
@@ -303,10 +303,10 @@ def choose_device(device: str, model_dir, out_dir, hessian_budget: int) -> tuple
                            f"no CUDA GPU is visible now; resume it where a GPU is, or remove that folder to start over")
     if not torch.cuda.is_available():
         return "cpu", "no CUDA GPU is visible"
-    ckpt = Checkpoint(model_dir)
+    ckpt = model_dir if hasattr(model_dir, "keeps") else Checkpoint(model_dir)     # requantize.Exl2Source or a folder
     layers = {n.split(".layers.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".layers." in n}
     layers |= {n.split(".blocks.", 1)[1].split(".", 1)[0] for n in ckpt.shard_of if ".blocks." in n}
-    need = ckpt.total_bytes() * 3 // max(1, len(layers)) + hessian_budget + AUTO_MARGIN   # bf16 -> fp32 x 1.5
+    need = ckpt.total_bytes() * 3 // max(1, len(layers)) + (hessian_budget or DEFAULT_HESSIAN_BUDGET) + AUTO_MARGIN
     free = torch.cuda.mem_get_info()[0]
     if free < need:
         return "cpu", f"the GPU has {free / 2**30:.1f} GiB free, a layer needs about {need / 2**30:.1f} GiB"
@@ -322,13 +322,13 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         raise ConvertError(f"bits per weight {bits} is outside {STORED_BPW_MIN}..{STORED_BPW_MAX} (bits stored per "
                            f"weight of the quantized linears, scales and permutation included)")
     fmt.resolve_bits(head_bits, name="head_bits")
-    if hessian_budget <= 0:
+    if hessian_budget is not None and hessian_budget <= 0:
         raise ConvertError(f"hessian_budget must be positive, got {hessian_budget} bytes")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise ConvertError(f"device {device!r} is not available here; use cpu or a visible cuda device")
     out_dir = Path(out_dir)
     staging = check_output(out_dir)
-    ckpt = Checkpoint(model_dir)
+    ckpt = model_dir if hasattr(model_dir, "keeps") else Checkpoint(model_dir)
     hybrid = None
     if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
         from .convert_qwen35 import HybridLayers
@@ -349,7 +349,7 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             embed_name, norm_name = convert_dbrx.EMBED, convert_dbrx.NORM
     settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
                 "bits_counted": "stored", "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT,
-                "measure": measure,
+                "measure": measure, **getattr(ckpt, "settings", {}),
                 "rows": rows, "seq_len": seq_len,
                 "calibration_sha256": caldata.fingerprint(calibration_text)}
     if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
@@ -387,15 +387,14 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     out_name = convert_dbrx.stored_name if ckpt.arch == convert_dbrx.ARCH else partial(stored_name, ckpt.arch)
     def jobs_done(jobs, experts=None):           # Qwen3.5's layers: their linears, then their experts in groups
         return quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured,
-                             None if experts is None else (*experts, hessian_budget))
-    done_now = 0
+                             None if experts is None else (*experts, hessian_budget), report, ckpt)
+    done_now, ahead = 0, Readahead(ckpt.shard_of)
     for i in range(k, n_layers):
         if stop_after_layers is not None and done_now >= stop_after_layers:
             raise ConvertError(f"conversion stopped after layer {i} of {n_layers}; run it again to resume")
-        t0 = time.perf_counter()
-        collector = None
+        t0, report = time.perf_counter(), LayerReport()
         if hybrid is not None:
-            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done)
+            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done, report, lambda: ahead.start(i + 1))
         else:
             prefix = f"model.layers.{i}."
             if ckpt.arch == convert_dbrx.ARCH:
@@ -403,17 +402,18 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
             else:
                 layer = _new_layer(layer_cls, cfg, i, device)
                 _load_layer(layer, ckpt, prefix)
-            collector = Collector(layer)
+            ahead.start(i + 1)
+            report = collector = Collector(layer, {"read": time.perf_counter() - t0})
             _run_layer(layer, rotary, hidden)
             collector.remove()
             try:
                 tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measured,
-                                         hessian_budget)
+                                         hessian_budget, ckpt)
             except CalibrationError as e:
                 raise ConvertError(str(e)) from e
             tensors = {out_name(k): v for k, v in tensors.items()}
             hidden = _run_layer(layer, rotary, hidden)
-            del layer                                              # before the next layer is read
+            del layer, collector                                   # before the next layer is read
         need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
         _check_disk(staging, need, f"write layer {i}")
         try:
@@ -427,12 +427,13 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         (staging / f"hidden-{i:05d}.safetensors").unlink(missing_ok=True)
         done_now += 1
         say(f"layer {i + 1}/{n_layers} quantized")
-        if progress is not None and collector is not None:
-            progress({"layer": i, "seconds": time.perf_counter() - t0, "hessian_peak_bytes": collector.peak,
-                      "experts_per_group": collector.experts_per_group, "expert_seconds": collector.expert_seconds,
+        if progress is not None:
+            progress({"layer": i, "kind": hybrid.spec.kinds[i] if hybrid else "decoder", "phases": dict(report.seconds),
+                      "seconds": time.perf_counter() - t0, "hessian_peak_bytes": report.peak,
+                      "experts_per_group": report.experts_per_group, "expert_seconds": report.expert_seconds,
                       "cpu_threads": torch.get_num_threads() if device == "cpu" else None})
-        del collector
         after_layer()
+    ahead.close()
 
     head = None
     if not tied:
@@ -445,8 +446,9 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
                 norm = norm.to(device)
                 norm.weight.data = ckpt.get(norm_name).to(device)
                 acc.add(norm(hidden))
-        head = quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
-                             name="lm_head")
+        head = (getattr(ckpt, "keeps", lambda k: None)("lm_head")      # as stored, when requantizing (requantize.py)
+                or quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
+                                 name="lm_head"))
     mtp = {}
     if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
         mtp = hybrid.quantize_mtp(ids, hidden, jobs_done)
@@ -504,54 +506,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"bits stored per weight of the quantized linears on average, scales and permutation included, "
                         f"as exllamav2's -b ({STORED_BPW_MIN:g}..{STORED_BPW_MAX:g}; codes take ~0.2 less at groups of 32)")
     p.add_argument("--out", required=True, help="output folder (must not exist; an interrupted run resumes)")
-    p.add_argument("--calibration", help="UTF-8 text file to calibrate on (default: exllamav2's standard calibration "
-                                         "set, or a short public-domain English text where it is not installed)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head (default {CONVERT_HEAD_BITS})")
-    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose each linear's width by measured error to hit --bpw on average (default when the "
-                        f"calibration has at least {CONVERT_MEASURE_MIN_TOKENS} tokens; --measure forces it on a "
-                        "smaller one; --no-measure: every linear at --bpw, ~3x faster)")
-    p.add_argument("--rows", type=int, default=CONVERT_CALIBRATION_ROWS,
-                   help=f"calibration sequences (default {CONVERT_CALIBRATION_ROWS})")
-    p.add_argument("--seq-len", type=int, default=CONVERT_CALIBRATION_SEQ_LEN,
-                   help=f"tokens per calibration sequence (default {CONVERT_CALIBRATION_SEQ_LEN})")
-    p.add_argument("--hessian-memory", type=float, default=DEFAULT_HESSIAN_BUDGET / 2**30,
-                   help="GiB a group of MoE experts holds at once (Hessians, inverses, the GPTQ loop); experts are "
-                        "calibrated in groups that fit "
-                        f"(default {DEFAULT_HESSIAN_BUDGET / 2**30:g}; does not change the result)")
-    p.add_argument("--device", default="auto",
-                   help="where layers, Hessians and GPTQ run: auto (default: where an interrupted conversion started, "
-                        "else the GPU when one has room for a layer, else the CPU), cpu or cuda")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the conversion (default 0: the physical cores less those other programs "
-                        "keep busy, looked at again after each layer)")
+    convert_args.add_calibration_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_with(args, "convert", lambda kw: convert(args.model, args.out, args.bpw, head_bits=args.head_bits, **kw))
+
+
+def run_with(args: argparse.Namespace, prog: str, start: Callable[[dict], object]) -> int:
+    """start(convert's keyword arguments from the calibration flags, checked: convert_args.py); errors as one
+    line on stderr (exit 1), an interruption says how to resume (exit 130)."""
     try:
-        if args.rows < 1 or args.seq_len < 8:
-            raise ConvertError(f"--rows must be >= 1 and --seq-len >= 8, got {args.rows} and {args.seq_len}")
-        if not args.hessian_memory > 0:
-            raise ConvertError(f"--hessian-memory must be a positive number of GiB, got {args.hessian_memory}")
-        if args.calibration:
-            cal = Path(args.calibration)
-            try:
-                text, source = cal.read_text(encoding="utf-8"), cal.name
-            except (OSError, UnicodeDecodeError) as e:
-                raise ConvertError(f"{cal}: cannot read the calibration text ({e})") from e
-        else:
-            text, source, note = caldata.default_texts()
-            if note:
-                print(f"moedesk-cli convert: note: {note}", file=sys.stderr)
-        convert(args.model, args.out, args.bpw, head_bits=args.head_bits, calibration_text=text,
-                calibration_source=source, rows=args.rows, seq_len=args.seq_len, measure=args.measure,
-                hessian_budget=int(args.hessian_memory * 2**30), device=args.device, threads=args.threads)
+        start(convert_args.convert_kwargs(args, prog, ConvertError))
         return 0
     except (ConvertError, fmt.Exl2FormatError, OSError) as e:       # OSError: its message names the file
-        print(f"moedesk-cli convert: {e}", file=sys.stderr)
+        print(f"moedesk-cli {prog}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"moedesk-cli convert: stopped; the finished layers are kept in {staging_dir(Path(args.out))}, "
+        print(f"moedesk-cli {prog}: stopped; the finished layers are kept in {staging_dir(Path(args.out))}, "
               f"run the same command again to resume", file=sys.stderr)
         return 130

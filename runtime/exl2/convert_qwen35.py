@@ -13,6 +13,11 @@ fallback of convert.py for experts that saw too few tokens. Kept in fp16 as stor
 them: norms, conv1d, A_log, dt_bias, the router, the shared expert's scalar gate and the small per-head
 gates in_proj_a / in_proj_b. The MTP head (`mtp.*`), when there is one, is converted last, calibrated on
 the quantized model's final hidden states and the next tokens' embeddings (what it reads as a draft).
+
+The routed experts' weights stay on the device as the checkpoint stores them (bf16: 4.8 GB a layer at
+Qwen3.5-122B's widths, where float32 took 9.7 GB of a 24 GB card); the layer's forward and GPTQ read them in
+float32, which holds every bf16 value exactly, and their dequantized weights come back as fp16, which holds
+every EXL2 value exactly.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from runtime.reference import qwen35 as q35
 from runtime.reference import rope
 from runtime.reference.weights import Linear
 
-from .calibrate import RoutedInputs
+from .calibrate import LayerReport, RoutedInputs
 from .gptq import HessianAccumulator
 
 PLAIN_LINEARS = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
@@ -70,8 +75,8 @@ class _ExpertWeights:
         self.down_proj = _Rows(lambda e: weights[f"{m}.{e}.down_proj"], (n, *down.shape), down.device)
 
     def parts(self, e: int) -> dict:
-        def setter(name: str):
-            return lambda d: self.weights.__setitem__(name, d.to(self.weights[name].device))
+        def setter(name: str):              # EXL2's values are fp16 values: kept exactly, in half the memory
+            return lambda d: self.weights.__setitem__(name, d.to(self.weights[name].device, torch.float16))
         names = {part: f"{self.m}.{e}.{part}" for part in ("gate_proj", "up_proj", "down_proj")}
         return {part: (self.weights[name], setter(name)) for part, name in names.items()}
 
@@ -118,18 +123,20 @@ class HybridLayers:
         return self.ckpt.get(name).to(self.device)
 
     def _weights(self, p: str, lay) -> dict[str, torch.Tensor]:
-        """Every float32 linear weight of the layer at prefix p by Hugging Face prefix (stacked experts split)."""
+        """Every linear weight of the layer at prefix p by Hugging Face prefix (stacked experts split): float32,
+        the routed experts' as stored."""
         out = {}
         for name, shape in lay.linears.items():
             if name.startswith(p + "."):
-                w = self._get(f"{name}.weight")
+                expert = name.startswith(f"{p}.mlp.experts.")
+                w = self.ckpt.get_raw(f"{name}.weight").to(self.device) if expert else self._get(f"{name}.weight")
                 if tuple(w.shape) != shape:
                     raise self.error(f"{self.ckpt.path}: {name}.weight has shape {list(w.shape)}, the config "
                                      f"implies {list(shape)}")
                 out[name] = w
         if self.ckpt.has(f"{p}.mlp.experts.gate_up_proj"):
             m = f"{p}.mlp.experts"
-            gate_up, down = self._get(f"{m}.gate_up_proj"), self._get(f"{m}.down_proj")
+            gate_up, down = (self.ckpt.get_raw(f"{m}.{t}").to(self.device) for t in ("gate_up_proj", "down_proj"))
             inter = gate_up.shape[1] // 2
             for j in range(self.spec.experts):
                 out[f"{m}.{j}.gate_proj"], out[f"{m}.{j}.up_proj"] = gate_up[j, :inter], gate_up[j, inter:]
@@ -164,12 +171,16 @@ class HybridLayers:
                                            rot, mask, 0, t)
         return out
 
-    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor):
+    def calibrate(self, p: str, kind: str, lay, hidden: torch.Tensor, report: LayerReport | None = None,
+                  after_read=lambda: None):
         """Run the layer at prefix p over the calibration rows recording every linear's input Hessian and the
         routed experts' inputs -> (weights by HF prefix, jobs for convert.py: (name, weight, hessian, set
-        dequantized weight), the experts for calibrate.quantize_jobs: (RoutedInputs, their prefix))."""
-        spec = self.spec
-        weights = self._weights(p, lay)
+        dequantized weight), the experts for calibrate.quantize_jobs: (RoutedInputs, their prefix)).
+        `report` times the reading and the run; `after_read` is called once the weights are read."""
+        spec, report = self.spec, report or LayerReport()
+        with report.phase("read", self.device):
+            weights = self._weights(p, lay)
+        after_read()
         layer = self._layer(p, kind, weights)
         widths = (("proj", spec.hidden), ("moe", spec.hidden), ("out", layer.out.weight.shape[1]),
                   ("shared_down", layer.shared_down.weight.shape[1]))
@@ -179,7 +190,8 @@ class HybridLayers:
         layer.out = _Recording(layer.out.weight, acc["out"])
         layer.shared_gate_up = _Recording(layer.shared_gate_up.weight, acc["moe"], moe_inputs)
         layer.shared_down = _Recording(layer.shared_down.weight, acc["shared_down"])
-        self.run(layer, hidden)
+        with report.phase("forward", self.device):
+            self.run(layer, hidden)
 
         a = f"{p}.self_attn" if kind == qwen35.FULL else f"{p}.linear_attn"
         source = {f"{a}.{n}": "proj" for n in ("q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z")}
@@ -204,14 +216,15 @@ class HybridLayers:
         w = 1.0 + self._get(self.norm_name)
         return F.rms_norm(hidden, (self.spec.hidden,), w, self.spec.eps)
 
-    def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs
-                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def quantize_layer(self, i: int, hidden: torch.Tensor, quantize_jobs, report: LayerReport | None = None,
+                       after_read=lambda: None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """-> (tensors to write for layer i, the next layer's inputs through the dequantized layer)."""
-        p, kind = self._prefix(i), self.spec.kinds[i]
-        weights, jobs, experts = self.calibrate(p, kind, self.layout, hidden)
+        p, kind, report = self._prefix(i), self.spec.kinds[i], report or LayerReport()
+        weights, jobs, experts = self.calibrate(p, kind, self.layout, hidden, report, after_read)
         tensors = quantize_jobs(jobs, experts)
         tensors.update(self.plain_tensors(p, self.layout))
-        return tensors, self.run(self._layer(p, kind, weights), hidden)
+        with report.phase("forward", self.device):
+            return tensors, self.run(self._layer(p, kind, weights), hidden)
 
     def has_mtp(self) -> bool:
         return qwen35.has_mtp(set(self.ckpt.shard_of))

@@ -8,6 +8,8 @@ On-disk layout of one quantized linear layer `K` (HF weight W of shape [out, in]
     K.q_groups     int16  [2G]                pairs (bits of group g, first q_weight row of group g)
     K.q_invperm    int32  [in]                inverse input permutation (q_perm = argsort(q_invperm))
     K.bias         fp16   [N]                 optional, left to the caller
+    K.q_scale_exact fp16  [G, N]              optional (ours, not exllamav2's): the exact scale of each group
+                                              and column, taken instead of q_scale / q_scale_max below
 
 N = out rounded up to a multiple of 32: padded columns hold the zero code 2**(b-1), so their weights
 dequantize to 0. Rows are input channels in "packed order" (the quantizer's activation order, here
@@ -25,6 +27,13 @@ ext.py make_q_matrix), all in fp16 with one rounding per operation:
     Wt[k,n]    = fp16((code[k,n] - 2**(b_g-1)) * scale[g(k),n])   k a packed row in group g(k)
     W.T        = Wt[q_invperm]                                    [in, N];  W = (W.T).T, first `out` rows
 
+With `q_scale_exact`, scale[g,n] = q_scale_exact[g,n]: any fp16 value, where q_scale / q_scale_max give one of
+16 steps per group. The GPTQ import (gptq_tensors.py) writes it so that a build's free per-column scales survive
+bit for bit; q_scale / q_scale_max then hold the nearest steps, for readers that know only those (exllamav2's
+own QMatrix). Every reader here that makes a dense scale per group and column takes it: `dequantize` (the CPU
+engine, the oracle), runtime/experts/pack.py (the GPU experts) and the CPU experts' packing. Its values must be
+finite (`read_layout` checks them).
+
 Bit mixes: any descending subset of {8,6,5,4,3,2} runs (exllamav2 falls back to its general GEMM
 kernel); `SUPPORTED_MIXES` are the ones with a specialised kernel (comp_units/kernel_select.cuh)
 plus [8, 4], which exllamav2's own converter emits. The quantizer only produces those.
@@ -41,6 +50,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
+
+from runtime.folder_check import EXL2_EXACT
 
 from .bitpack import pack_codes, pack_scales, unpack_codes, unpack_scales
 
@@ -201,6 +212,13 @@ def read_layout(tensors: Mapping[str, torch.Tensor], name: str = "tensor") -> tu
         raise Exl2FormatError(name, f"groups cover {row} input rows but q_invperm has {in_features}")
     if not torch.equal(torch.sort(inv.to(torch.int64)).values, torch.arange(in_features, device=inv.device)):
         raise Exl2FormatError(f"{name}.q_invperm", f"not a permutation of 0..{in_features - 1}")
+    exact = tensors.get(EXL2_EXACT)
+    if exact is not None:
+        if exact.dtype != torch.float16 or tuple(exact.shape) != (ngroups, n):
+            raise Exl2FormatError(f"{name}.{EXL2_EXACT}", f"expected float16 [{ngroups}, {n}] (a scale per group and "
+                                                          f"column), got {exact.dtype} {list(exact.shape)}")
+        if not bool(torch.isfinite(exact).all()):
+            raise Exl2FormatError(f"{name}.{EXL2_EXACT}", "holds scales that are not finite numbers")
     return in_features, n, groups
 
 
@@ -218,9 +236,12 @@ def _decode(tensors, name):
         q1 = groups[j].first_qrow if j < len(groups) else qw.shape[0]
         codes[r0:r1] = unpack_codes(qw[groups[i].first_qrow:q1], b) - (1 << (b - 1))
         i = j
-    mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)                  # [G] fp16, as make_q_matrix
-    qscale = unpack_scales(tensors["q_scale"])                                  # [G, N]
-    scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)               # [G, N] fp16, as dq_scale
+    if EXL2_EXACT in tensors:
+        scale = tensors[EXL2_EXACT]                                             # [G, N] fp16, checked above
+    else:
+        mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)              # [G] fp16, as make_q_matrix
+        qscale = unpack_scales(tensors["q_scale"])                              # [G, N]
+        scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)           # [G, N] fp16, as dq_scale
     row_group = torch.repeat_interleave(torch.arange(len(groups), device=qw.device),
                                         torch.tensor([g.rows for g in groups], device=qw.device))
     return codes, scale[row_group], tensors["q_invperm"].to(torch.int64)
@@ -360,23 +381,30 @@ def assemble(codes: torch.Tensor, qscale: torch.Tensor, q_scale_max: torch.Tenso
     """The EXL2 tensor set from centred codes [in, N] in packed order (integers in [-2**(b-1), 2**(b-1))),
     4-bit scales qscale [G, N] (1..16), q_scale_max [G] fp16 and the groups' (bits, rows)."""
     codes = codes.cpu()
-    packed, qgroups, qrow, r = [], [], 0, 0
+    packed, r = [], 0
+    q_groups = group_table(groups, name)
     for b in dict.fromkeys(b for b, _ in groups):
         rows = sum(gr for bb, gr in groups if bb == b)
         packed.append(pack_codes(codes[r:r + rows] + (1 << (b - 1)), b))
         r += rows
+    return {
+        "q_weight": torch.cat(packed, dim=0),
+        "q_scale": pack_scales(qscale.cpu()),
+        "q_scale_max": q_scale_max.cpu().to(torch.float16),
+        "q_groups": q_groups,
+        "q_invperm": torch.argsort(perm.cpu().to(torch.int64)).to(torch.int32),
+    }
+
+
+def group_table(groups: Sequence[tuple[int, int]], name: str = "weight") -> torch.Tensor:
+    """q_groups for groups of (bits, rows): (bits, first q_weight row) per group, int16."""
+    qgroups, qrow = [], 0
     for b, rows in groups:
         qgroups += [b, qrow]
         qrow += rows * b // 32
     if qrow >= 2 ** 15:
         raise Exl2FormatError(name, f"{qrow} packed rows overflow q_groups' int16 offsets")
-    return {
-        "q_weight": torch.cat(packed, dim=0),
-        "q_scale": pack_scales(qscale.cpu()),
-        "q_scale_max": q_scale_max.cpu().to(torch.float16),
-        "q_groups": torch.tensor(qgroups, dtype=torch.int16),
-        "q_invperm": torch.argsort(perm.cpu().to(torch.int64)).to(torch.int32),
-    }
+    return torch.tensor(qgroups, dtype=torch.int16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +413,7 @@ def assemble(codes: torch.Tensor, qscale: torch.Tensor, q_scale_max: torch.Tenso
 SCALE_GRID = tuple(0.70 + 0.05 * i for i in range(11))   # multipliers of the absmax step tried per group,
 SCALE_FINE = tuple(0.01 * i for i in (-4, -3, -2, -1, 1, 2, 3, 4))   # then these around the best of them
 ERROR_NORM = 3.5                                         # the search minimises sum |w - deq| ** ERROR_NORM
-SEARCH_ELEMENTS = 1 << 23                                # float32 temporaries of the search at most (32 MiB)
+SEARCH_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}      # float32 temporaries of the search at most (per device)
 
 
 def group_steps(qscale: torch.Tensor, q_scale_max: torch.Tensor) -> torch.Tensor:
@@ -394,44 +422,78 @@ def group_steps(qscale: torch.Tensor, q_scale_max: torch.Tensor) -> torch.Tensor
     return ((qscale * qscale).to(torch.float16) * mx).float()
 
 
-def _clip_error(w: torch.Tensor, step: torch.Tensor, zero: int) -> torch.Tensor:
-    """Per column sum of |w - code * step| ** ERROR_NORM, codes rounded and clamped to the b-bit range."""
+def _clip_error(w: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """w [R, B, N], step [B, N], zero [B, 1] -> per column sum over the rows of |w - code * step| ** ERROR_NORM,
+    codes rounded and clamped to the b-bit range [-zero, zero - 1]."""
     q = torch.div(w, step).round_().clamp_(-zero, zero - 1)
     return (w - q * step).abs_().pow_(ERROR_NORM).sum(dim=0)
 
 
-def _best_multiplier(w, qscale, top, grid, zero) -> float:
-    """The multiplier of `grid` whose q_scale_max = fp16(top x it) gives the least error; all at once."""
-    qsms = (top * torch.tensor(grid, device=w.device)).to(torch.float16)       # [P] candidate q_scale_max
-    steps = group_steps(qscale.unsqueeze(0), qsms.unsqueeze(1))               # [P, N]
-    total = torch.zeros(len(grid), device=w.device)
-    chunk = max(1, SEARCH_ELEMENTS // (len(grid) * w.shape[0]))
-    for c0 in range(0, w.shape[1], chunk):
-        wc, sc = w[:, c0:c0 + chunk], steps[:, c0:c0 + chunk].unsqueeze(1)     # [rows, c], [P, 1, c]
-        q = torch.div(wc, sc).round_().clamp_(-zero, zero - 1)
-        total += (wc - q * sc).abs_().pow_(ERROR_NORM).sum(dim=(1, 2))
-    return grid[int(torch.argmin(total))]
+def _best_multiplier(w, qscale, top, grid, zero) -> torch.Tensor:
+    """w [R, B, N], qscale [B, N], top [B], grid [B, P] float64 multipliers, zero [B, 1] -> the multiplier of each
+    row of `grid` whose q_scale_max = fp16(top x it) gives the least error [B] (float64); B in slices that keep
+    the temporaries [R, b, P, N] under SEARCH_ELEMENTS."""
+    rows, b_all, n = w.shape
+    p = grid.shape[1]
+    qsms = (top.unsqueeze(1) * grid.to(torch.float32)).to(torch.float16)      # [B, P] candidate q_scale_max
+    steps = group_steps(qscale.unsqueeze(1), qsms.unsqueeze(2))               # [B, P, N]
+    limit = SEARCH_ELEMENTS.get(w.device.type, SEARCH_ELEMENTS["cpu"])
+    per_b = rows * p * n
+    total = torch.empty((b_all, p), device=w.device)
+    b_step = max(1, limit // per_b)
+    for b0 in range(0, b_all, b_step):
+        b1 = min(b_all, b0 + b_step)
+        if per_b <= limit:
+            wc, sc, z = w[:, b0:b1].unsqueeze(2), steps[b0:b1], zero[b0:b1].unsqueeze(1)   # [R, b, 1, N]...
+            total[b0:b1] = _clip_error(wc, sc, z).sum(dim=-1)
+            continue
+        for bi in range(b0, b1):                          # one slice of columns at a time (wide tensors)
+            acc = torch.zeros(p, device=w.device)
+            chunk = max(1, limit // (p * rows))
+            for c0 in range(0, n, chunk):
+                wc = w[:, bi, c0:c0 + chunk].unsqueeze(1)                          # [R, 1, c]
+                acc += _clip_error(wc, steps[bi, :, c0:c0 + chunk], zero[bi].view(1, 1)).sum(dim=-1)
+            total[bi] = acc
+    return grid.gather(1, torch.argmin(total, dim=1, keepdim=True)).squeeze(1)
 
 
-def search_scales(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scales of one group w [rows, N] (packed order) that may clip the largest weights when that lowers the
-    error, as exllamav2's quantizer does: the group's maximum step times a multiplier in 0.70-1.20 (q_scale_max;
-    SCALE_GRID, then SCALE_FINE around the best: 19 tried where exllamav2 tries 97 on a GPU), the columns'
-    4-bit qscale rounded to their absmax step under it, the multiplier of least error kept; then each
-    column's qscale moved by one where that lowers its error.
-    -> (qscale [N] float 1..16, q_scale_max fp16 scalar, step [N] float32), on w's device."""
-    zero = 1 << (bits - 1)
-    w = w.float()
-    base = (w.abs().amax(dim=0) + 1e-12) / ((2 ** bits - 1) / 2)              # no-clipping step per column
-    top = base.max().clamp(min=2.0 ** -14)
-    qscale = torch.clamp(torch.round(torch.sqrt(base / top) * 16), 1, 16)
-    coarse = _best_multiplier(w, qscale, top, SCALE_GRID, zero)
-    qsm = _best_multiplier(w, qscale, top, (coarse, *(coarse + f for f in SCALE_FINE)), zero)
-    qsm = (top * qsm).to(torch.float16)
-    err = _clip_error(w, group_steps(qscale, qsm), zero)
+_GRIDS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _grids(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SCALE_GRID and (0, *SCALE_FINE) as float64 tensors on `device`, made once (a copy from host memory to a
+    GPU waits for the GPU's queue: once per group it would stall the loop)."""
+    if device not in _GRIDS:
+        _GRIDS[device] = (torch.tensor(SCALE_GRID, dtype=torch.float64, device=device),
+                          torch.tensor((0.0, *SCALE_FINE), dtype=torch.float64, device=device))
+    return _GRIDS[device]
+
+
+def search_scales(w: torch.Tensor, bits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scales of groups w [rows, *B, N] (packed order: rows are input channels, N output columns; B any batch of
+    independent groups, e.g. experts x candidate widths) that may clip the largest weights when that lowers the
+    error, as exllamav2's quantizer does: each group's maximum step times a multiplier in 0.70-1.20 (q_scale_max;
+    SCALE_GRID, then SCALE_FINE around the best: 19 tried where exllamav2 tries 97 on a GPU), the columns' 4-bit
+    qscale rounded to their absmax step under it, the multiplier of least error kept; then each column's qscale
+    moved by one where that lowers its error. `bits`: the code width, an int or a tensor broadcastable to B.
+    Every group of the batch is searched at once, without leaving the device (no host synchronisation).
+    -> (qscale [*B, N] float 1..16, q_scale_max [*B] fp16, step [*B, N] float32), on w's device."""
+    rows, n, batch = w.shape[0], w.shape[-1], w.shape[1:-1]
+    w = w.float().reshape(rows, -1, n)                                          # [R, B, N]
+    bits = torch.as_tensor(bits, device=w.device).expand(batch).reshape(-1, 1).to(torch.float32)   # [B, 1]
+    zero = torch.exp2(bits - 1)
+    base = (w.abs().amax(dim=0) + 1e-12) / ((torch.exp2(bits) - 1) / 2)      # no-clipping step per column [B, N]
+    top = base.amax(dim=1).clamp(min=2.0 ** -14)                               # [B]
+    qscale = torch.clamp(torch.round(torch.sqrt(base / top.unsqueeze(1)) * 16), 1, 16)
+    grid, fine = _grids(w.device)
+    coarse = _best_multiplier(w, qscale, top, grid.expand(w.shape[1], -1), zero)
+    mult = _best_multiplier(w, qscale, top, coarse.unsqueeze(1) + fine, zero)
+    qsm = (top * mult.to(torch.float32)).to(torch.float16)                     # [B]
+    err = _clip_error(w, group_steps(qscale, qsm.unsqueeze(1)), zero)
     for delta in (-1, 1):
         cand = (qscale + delta).clamp(1, 16)
-        cerr = _clip_error(w, group_steps(cand, qsm), zero)
+        cerr = _clip_error(w, group_steps(cand, qsm.unsqueeze(1)), zero)
         better = cerr < err
         qscale, err = torch.where(better, cand, qscale), torch.where(better, cerr, err)
-    return qscale, qsm, group_steps(qscale, qsm)
+    step = group_steps(qscale, qsm.unsqueeze(1))
+    return qscale.view(*batch, n), qsm.view(batch), step.view(*batch, n)

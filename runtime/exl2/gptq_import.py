@@ -8,15 +8,18 @@ download code into the models folder's `.import-sources/` (pause with Ctrl+C, ru
 
 Flow, per decoder layer (then the head, Qwen3.5's MTP head, and the assembly), as `moedesk-cli convert` works:
 1. The layer's quantized linears (qweight / qzeros / scales / g_idx) are repacked into EXL2 tensors
-   (gptq_tensors.py): bit-exact where the build's scales are steps EXL2 can store, else the least error found;
-   the error is summed and reported (quantization_config["import"], and the last line of the log).
+   (gptq_tensors.py) with exact scales (q_scale_exact): bit-exact for symmetric builds, and asymmetric ones at
+   --width above their bits (elsewhere the least error found); exllamav2's own Q matrix, which reads the linears
+   other than the routed experts on a GPU, takes the nearest EXL2 steps (gptq_source.py). The error is summed
+   and reported (quantization_config["import"], and the last line of the log).
 2. The linears the build kept in 16 bits (Qwen3.5's attention, Gated DeltaNet projections and shared expert;
    whatever a build left unquantized) are quantized at `--bpw` stored bits per weight (default
    IMPORT_BPW), through the converter's calibration and GPTQ, with the imported weights in the layer while it
    runs on the calibration text, or (`--no-calibrate`) rounded to nearest without any forward pass.
 3. Norms, routers and small gates are kept in fp16.
 Memory: one layer's weights in float32 (plus, calibrating, what convert.py's docstring lists). Output on disk: the
-imported linears at their width (~4.1 stored bits per weight for 4-bit codes in groups of 32), the rest at --bpw.
+imported linears at their width (4-bit codes in groups of 32: ~4.6 stored bits per weight with exact scales, about
+the build's own size; ~4.1 without), the rest at --bpw.
 
 Resume and safety as the converter's: a hidden staging folder `.NAME.partial` next to the output; after each layer
 its tensors go to `layer-NNNNN.safetensors`, the calibration's hidden states to `hidden-NNNNN.safetensors`, and
@@ -24,7 +27,8 @@ its tensors go to `layer-NNNNN.safetensors`, the calibration's hidden states to 
 only once complete. The log line of each layer says how long the rest should take.
 
 --width: the EXL2 width of the imported linears (default: the build's own, 4 or 8; 5, 6 or 8 for less error
-at more size). The build's group size is kept (EXL2 groups of the same rows).
+where the steps are searched: asymmetric builds, exact at their bits + 1). The build's group size is kept (EXL2
+groups of the same rows).
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ class Plan:
     damp: float
     device: str
     hessian_budget: int
+    exact: bool = True
 
 
 def import_model(source_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: float = IMPORT_BPW, *,
@@ -78,11 +83,12 @@ def import_model(source_dir: str | os.PathLike, out_dir: str | os.PathLike, bits
                  calibration_text=None, calibration_source: str = "calibration", rows: int = CONVERT_CALIBRATION_ROWS,
                  seq_len: int = CONVERT_CALIBRATION_SEQ_LEN, damp: float = DEFAULT_DAMP, device: str = "cpu",
                  say: Say = print, progress: Progress | None = None, stop_after_layers: int | None = None,
-                 hessian_budget: int = DEFAULT_HESSIAN_BUDGET) -> Path:
+                 hessian_budget: int = DEFAULT_HESSIAN_BUDGET, exact: bool = True) -> Path:
     """Import the GPTQ-family folder `source_dir` into an EXL2 folder at `out_dir`; -> out_dir.
 
     `bits`: stored bits per weight of the linears the build kept in 16 bits; `width`: EXL2 code width of the
-    imported ones (None: the build's). `progress(done, total)` after each layer (total: the decoder layers).
+    imported ones (None: the build's); `exact`: exact scales where the codes fit (False: the steps searched, as
+    before they existed). `progress(done, total)` after each layer (total: the decoder layers).
     `stop_after_layers` stops (ImportFailed) once that many layers are done in this run: what a kill leaves."""
     if not cv.STORED_BPW_MIN <= bits <= cv.STORED_BPW_MAX:
         raise ImportFailed(f"bits per weight {bits} is outside {cv.STORED_BPW_MIN}..{cv.STORED_BPW_MAX}")
@@ -94,8 +100,8 @@ def import_model(source_dir: str | os.PathLike, out_dir: str | os.PathLike, bits
         raise ImportFailed(f"{out_dir}: already exists; choose another output folder or remove it")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = Plan(float(bits), width, int(head_bits), calibrate, rows, seq_len, damp, device, hessian_budget)
-    source = Source(source_dir, width, device)
+    plan = Plan(float(bits), width, int(head_bits), calibrate, rows, seq_len, damp, device, hessian_budget, exact)
+    source = Source(source_dir, width, device, exact)
     if calibrate and calibration_text is None:
         calibration_text, calibration_source, note = caldata.default_texts()
         if note:
@@ -139,7 +145,7 @@ class _Import:
         p = self.plan
         settings = {"source": str(self.source.path.resolve()), "bits": p.bits, "width": p.width,
                     "head_bits": p.head_bits, "calibrate": p.calibrate, "group_size": GROUP_SIZE,
-                    "device": p.device.split(":")[0]}
+                    "device": p.device.split(":")[0], "exact": p.exact}
         if p.calibrate:
             settings.update(rows=p.rows, seq_len=p.seq_len, damp=p.damp, calibration_sha256=caldata.fingerprint(text))
         state = {"settings": settings, "layers_done": 0, "rows_used": 0, "repack": RepackStats().state(),
@@ -313,7 +319,8 @@ class _Import:
             **quantization_config(p.bits, p.head_bits), "method": "import",
             "source": {"quant_method": src.spec.method, "bits": src.spec.bits, "group_size": src.spec.group_size,
                        "sym": src.spec.sym, "desc_act": src.spec.desc_act},
-            "imported_width": p.width or src.spec.bits, "import": src.stats.report(), "calibrated": p.calibrate,
+            "imported_width": p.width or src.spec.bits, "exact_scales": p.exact, "import": src.stats.report(),
+            "calibrated": p.calibrate,
             "bits_counted": "bits stored per weight of the linears the build kept in 16 bits (codes, scales, "
                             "group table, permutation), as exllamav2's -b"}
         if p.calibrate:
@@ -353,8 +360,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"bits stored per weight of the linears the build kept in 16 bits (attention, Gated DeltaNet, "
                         f"shared experts), scales included (default {IMPORT_BPW:g})")
     p.add_argument("--width", type=int, choices=IMPORT_WIDTHS,
-                   help="EXL2 code width of the imported linears (default: the build's own bits; wider: less error, "
-                        "larger)")
+                   help="EXL2 code width of the imported linears (default: the build's own bits; wider: larger; "
+                        "asymmetric builds are exact at their bits + 1)")
     p.add_argument("--head-bits", type=int, default=CONVERT_HEAD_BITS,
                    help=f"bits of lm_head where the build kept it in 16 bits (default {CONVERT_HEAD_BITS})")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,

@@ -6,6 +6,14 @@ what convert.Checkpoint offers (`path`, `config`, `arch`, `shard_of`, `has`, `ge
 A quantized linear `K` answers to `K.weight` too: the dequantized EXL2 weight it was imported as
 (`import_linears`), so the converter's layers run on what the imported model will compute.
 
+Every imported linear whose codes fit the EXL2 width carries exact scales (q_scale_exact, gptq_tensors.py), and
+the nearest steps in q_scale / q_scale_max. The project's own readers take the exact ones (the CPU engine, the GPU
+experts' packing, the CPU experts' packing); on a GPU, exllamav2's own Q matrix reads the linears other than the
+routed experts (attention, dense MLPs, shared experts, a quantized head) and takes the steps: with the build's
+codes as they are, a better model than the search's steps and re-rounded codes at the build's own width
+(bench/gptq_quality.py: perplexity 53.6 against 56.0 at g32, 59.0 against 60.6 at g128, on the demo model).
+`exact=False` (the bench's comparison) searches the steps for every linear, as before exact scales existed.
+
 One layer (`LayerWork`): its quantized linears repacked into EXL2 (gptq_tensors.py); its FP16/BF16 linears
 quantized at the stored width asked for, either with calibration (the converter's: the layer runs on the
 calibration hidden states, Hessians and GPTQ as `moedesk-cli convert` does them, only the linears the build
@@ -41,8 +49,8 @@ class ImportFailed(RuntimeError):
 class Source:
     """A validated GPTQ-family folder, read one tensor at a time."""
 
-    def __init__(self, path: str | Path, width: int | None = None, device: str = "cpu"):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, width: int | None = None, device: str = "cpu", exact: bool = True):
+        self.path, self.exact = Path(path), exact
         try:
             raw = read_json(self.path / "config.json") if (self.path / "config.json").is_file() else None
             if isinstance(raw, dict) and gptq_spec.quant_method(raw) is None:
@@ -130,7 +138,7 @@ class Source:
     def _repack(self, batch: list, width: int) -> None:
         names = [p for p, _ in batch]
         try:
-            results = repack_many([lin for _, lin in batch], width, names)
+            results = repack_many([lin for _, lin in batch], width, names, self.exact)
         except ModelFolderError as e:
             raise ImportFailed(f"{self.path}: {e.file}: {e.problem}") from None
         for name, (tensors, stats) in zip(names, results):

@@ -6,12 +6,19 @@ B the EXL2 width (B >= b), j = q - zero the source's centred code, s its fp16 sc
 The source's weight is W[o, i] = fp16(s[g, o] * j[i, o]), g = g_idx[i] (`dequantize`: the product is exact in
 float32, so this is what an fp16 kernel computes). EXL2 (format.py) stores per group one q_scale_max and per
 column a 4-bit qscale, its step t = fp16(fp16(qscale**2) * fp16(q_scale_max / 256)): 16 steps per group to choose
-from, where the source has an arbitrary fp16 scale per group and column. So:
+from, where the source has an arbitrary fp16 scale per group and column; and, optionally, the exact fp16 scale of
+each group and column (q_scale_exact), which our own readers take instead. So:
 
 - Rows: EXL2 groups are contiguous runs of packed rows. Packed row k is input row perm[k], perm the rows sorted
   by their group (stable), so a desc_act build's groups become EXL2 groups through q_invperm. Every group must
   hold a multiple of 32 rows (EXL2's kernels step 32 rows at a time); a g_idx that makes other counts is refused.
-- Steps: per group, q_scale_max is chosen so that the column of the largest ideal step gets it exactly (where
+- Exact (`exact=True`, where every j of the linear is a B-bit code: symmetric builds at any B >= b, asymmetric
+  ones, whose j = q - zero spans 2**(b+1) - 1 values, at B > b): the codes are j, q_scale_exact is s, so
+  fp16(j * s) is W bit for bit (s rounded to fp16 where the build stored bf16 or fp32 scales: exact for bf16
+  within fp16's range). q_scale and q_scale_max hold, for readers of those alone, the step nearest each s, the
+  codes as they are (on the demo model's linears, bench/gptq_quality.py: more squared error than the search's at
+  B = b, yet a lower perplexity; the search's error falls with B, this one's does not).
+- Steps (the rest): per group, q_scale_max is chosen so that the column of the largest ideal step gets it exactly (where
   q_scale_max / 256 is a normal fp16 number); each column then takes, of the three steps nearest its ideal, the
   one of least squared error, its codes rounded to nearest (`_search`). The ideal step is s * 2**(b - B) (the
   source's grid, finer when B > b); asymmetric builds also try the step that spans the column's range without
@@ -19,7 +26,7 @@ from, where the source has an arbitrary fp16 scale per group and column. So:
   carry an error: measured and returned (`RepackStats`), never hidden.
 
 Measured on random GPTQ-like groups (32 rows, columns' scales spread as trained weights' are): at B = b = 4 the
-repack adds about 37% to the noise energy the 4-bit source already has against its original weights
+search adds about 37% to the noise energy the 4-bit source already has against its original weights
 (`added_noise`), about 10% at B = 5, 3% at B = 6, 0.2% at B = 8; trying every one of the 16 steps instead of the
 nearest three changes that by under 0.1%.
 """
@@ -32,6 +39,8 @@ import torch
 
 from runtime.errors import InvalidModel
 from runtime.gptq_spec import GptqSpec, LinearLayout
+
+from runtime.folder_check import EXL2_EXACT
 
 from . import format as fmt
 
@@ -128,7 +137,10 @@ def unpack(parts: Mapping[str, torch.Tensor], spec: GptqSpec, lay: LinearLayout,
         if lo < 0 or hi >= lay.groups:
             raise InvalidModel(f"{name}.g_idx", f"holds group {lo if lo < 0 else hi}, outside 0..{lay.groups - 1} "
                                                 f"(the groups its scales hold)")
-    return GptqLinear(codes, zeros.to(torch.int16), parts["scales"].to(device, torch.float32), group, lay.bits)
+    scales = parts["scales"].to(device, torch.float32)
+    if not bool(torch.isfinite(scales.half()).all()):
+        raise InvalidModel(f"{name}.scales", "holds values that are not finite fp16 numbers (beyond +-65504)")
+    return GptqLinear(codes, zeros.to(torch.int16), scales, group, lay.bits)
 
 
 def dequantize(lin: GptqLinear) -> torch.Tensor:
@@ -215,12 +227,20 @@ def _stack(lins: list[GptqLinear]) -> GptqLinear:
                       lins[0].bits)
 
 
-def repack(lin: GptqLinear, width: int, name: str) -> tuple[dict[str, torch.Tensor], RepackStats]:
-    """EXL2 tensors (format.py) of width `width` >= the source's bits, and how far they are from the source."""
-    return repack_many([lin], width, [name])[0]
+def repack(lin: GptqLinear, width: int, name: str, exact: bool = False) -> tuple[dict[str, torch.Tensor], RepackStats]:
+    """EXL2 tensors (format.py) of width `width` >= the source's bits, and how far they are from the source;
+    `exact`: with q_scale_exact where the codes fit the width (the module docstring)."""
+    return repack_many([lin], width, [name], exact)[0]
 
 
-def repack_many(lins: list[GptqLinear], width: int, names: list[str]) -> list[tuple[dict[str, torch.Tensor], RepackStats]]:
+def fits(lin: GptqLinear, width: int) -> bool:
+    """Whether every centred code j = q - zero of the linear is a `width`-bit EXL2 code."""
+    j = lin.codes - lin.zeros[lin.group]
+    return -(1 << (width - 1)) <= int(j.min()) and int(j.max()) < 1 << (width - 1)
+
+
+def repack_many(lins: list[GptqLinear], width: int, names: list[str],
+                exact: bool = False) -> list[tuple[dict[str, torch.Tensor], RepackStats]]:
     """`repack` of linears of one shape and width in one pass (an MoE layer's experts: their groups searched
     together, hundreds of small linears without a loop over them); each result as `repack` gives it."""
     k_in, out = lins[0].codes.shape
@@ -230,10 +250,24 @@ def repack_many(lins: list[GptqLinear], width: int, names: list[str]) -> list[tu
     if k_in % 32 or k_in > fmt.MAX_IN_FEATURES:
         raise InvalidModel(names[0], f"{k_in} inputs: EXL2 takes multiples of 32 up to {fmt.MAX_IN_FEATURES}")
     counts = [_group_rows(lin, name) for lin, name in zip(lins, names)]
+    as_is = [exact and fits(lin, width) for lin in lins]
+    results: list = [None] * len(lins)
+    for mode in (False, True):                     # searched, then exact (each a pass over its own linears)
+        idx = [i for i, e in enumerate(as_is) if e == mode]
+        if idx:
+            done = _repack_stacked([lins[i] for i in idx], width, [names[i] for i in idx], [counts[i] for i in idx],
+                                   mode)
+            for i, r in zip(idx, done):
+                results[i] = r
+    return results
+
+
+def _repack_stacked(lins: list[GptqLinear], width: int, names: list[str], counts: list[list[int]], exact: bool):
+    k_in, out = lins[0].codes.shape
     lin = _stack(lins)
     perm = torch.sort(lin.group, stable=True).indices                 # packed row k is input row perm[k]
     groups = [(g, n) for g, n in enumerate(c for cs in counts for c in cs) if n]
-    codes, qscale, mx, per_group = _encode(lin, width, perm, groups)
+    codes, qscale, mx, scales, per_group = _encode(lin, width, perm, groups, exact)
     results, row, g0 = [], 0, 0
     for i, name in enumerate(names):
         rows = [n for n in counts[i] if n]
@@ -244,19 +278,23 @@ def repack_many(lins: list[GptqLinear], width: int, names: list[str]) -> list[tu
                             max_error=float(per_group["max"][g0:g1].max()))
         tensors = fmt.assemble(codes[row:row + k_in], qscale[g0:g1], (mx[g0:g1].float() * 256).to(torch.float16),
                                [(width, r) for r in rows], perm[row:row + k_in] - i * k_in, name)
+        if exact:
+            tensors[EXL2_EXACT] = scales[g0:g1].clone()
         results.append((tensors, stats))
         row, g0 = row + k_in, g1
     return results
 
 
-def _encode(lin: GptqLinear, width: int, perm: torch.Tensor, groups: list[tuple[int, int]]):
-    """The search over every group -> (centred codes [K, N] in packed order, qscale [G, N], mx fp16 [G], per group
-    float64 sums on the CPU: "err" squared error, "w" squared weights, "noise" the source's rounding noise, "max")."""
+def _encode(lin: GptqLinear, width: int, perm: torch.Tensor, groups: list[tuple[int, int]], exact: bool):
+    """Every group's codes and steps: the source's as they are (`exact`) or searched -> (centred codes [K, N] in
+    packed order, qscale [G, N], mx fp16 [G], exact scales fp16 [G, N] (zeros unless `exact`), per group float64
+    sums on the CPU: "err" squared error, "w" squared weights, "noise" the source's rounding noise, "max")."""
     k_in, out = lin.codes.shape
     dev, n = lin.codes.device, out + (-out % 32)
     codes = torch.zeros((k_in, n), dtype=torch.int16, device=dev)
     qscale = torch.full((len(groups), n), 16.0, device=dev)
     mx = torch.empty(len(groups), dtype=torch.float16, device=dev)
+    scales = torch.zeros((len(groups), n), dtype=torch.float16, device=dev)
     sums = {k: torch.empty(len(groups), dtype=torch.float64, device=dev) for k in ("err", "w", "noise", "max")}
     src_groups, row = torch.tensor([g for g, _ in groups], device=dev), 0
     for i, j, rows in _chunks(groups, out, dev):
@@ -265,12 +303,18 @@ def _encode(lin: GptqLinear, width: int, perm: torch.Tensor, groups: list[tuple[
         jc = lin.codes[rows_in].float() - lin.zeros[src].unsqueeze(1).float()         # [g, R, N]
         s = lin.scales[src]                                                            # [g, N]
         w = (jc * s.unsqueeze(1)).to(torch.float16).float()                            # the source's weights
-        ideals = [s * 2.0 ** (lin.bits - width)]
-        if not bool((lin.zeros[src] == 1 << (lin.bits - 1)).all()):                 # asymmetric: no-clip step too
-            half = 1 << (width - 1)
-            ideals.append(torch.maximum(w.amax(1) / (half - 1), -w.amin(1) / half))
-        mx[i:j], levels = _levels(torch.stack(ideals).amax(0).amax(1))
-        qs, c, d = _search(w, ideals, levels, width)
+        if exact:                      # the codes as they are, s in fp16; for other readers the nearest steps
+            se = s.to(torch.float16)
+            mx[i:j], levels = _levels(se.float().amax(1))
+            qs, c, d = _nearest(levels, se.float()) + 1, jc, (jc * se.float().unsqueeze(1)).to(torch.float16).float()
+            scales[i:j, :out] = se
+        else:
+            ideals = [s * 2.0 ** (lin.bits - width)]
+            if not bool((lin.zeros[src] == 1 << (lin.bits - 1)).all()):             # asymmetric: no-clip step too
+                half = 1 << (width - 1)
+                ideals.append(torch.maximum(w.amax(1) / (half - 1), -w.amin(1) / half))
+            mx[i:j], levels = _levels(torch.stack(ideals).amax(0).amax(1))
+            qs, c, d = _search(w, ideals, levels, width)
         qscale[i:j, :out], codes[row:row + (j - i) * rows, :out] = qs, c.view(-1, out).to(torch.int16)
         err = (d - w).abs()
         sums["err"][i:j] = err.double().square().sum(dim=(1, 2))
@@ -278,4 +322,4 @@ def _encode(lin: GptqLinear, width: int, perm: torch.Tensor, groups: list[tuple[
         sums["noise"][i:j] = (s.double().square() * rows / 12).sum(dim=1)
         sums["max"][i:j] = err.amax(dim=(1, 2)).double()
         row += (j - i) * rows
-    return codes.cpu(), qscale.cpu(), mx.cpu(), {k: v.cpu() for k, v in sums.items()}
+    return codes.cpu(), qscale.cpu(), mx.cpu(), scales.cpu(), {k: v.cpu() for k, v in sums.items()}

@@ -175,14 +175,13 @@ def flatten(parts: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torc
 
 def read_experts(folder, layer: int, experts: Sequence[int]) -> list[dict[str, dict[str, torch.Tensor]]]:
     """EXL2 tensors of some experts of one layer of a ModelFolder (Qwen3-MoE names), for from_exl2."""
-    from runtime.modelfolder import EXL2_PARTS
     out = []
     for e in experts:
         prefix = f"model.layers.{layer}.mlp.experts.{e}"
         if not folder.has(f"{prefix}.gate_proj.q_weight"):
             raise CpuExpertsError(f"{prefix}: no EXL2 expert tensors in the model folder (layer {layer} "
                                   f"is not MoE, expert {e} does not exist, or the experts are not EXL2)")
-        out.append({p: {k: folder.tensor(f"{prefix}.{p}_proj.{k}") for k in EXL2_PARTS} for p in PROJS})
+        out.append({p: folder.exl2_tensors(f"{prefix}.{p}_proj") for p in PROJS})
     return out
 
 

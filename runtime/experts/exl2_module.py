@@ -21,7 +21,7 @@ from runtime.experts.layer import ExpertLayer
 from runtime.experts.pack import HostArena, pack_layer
 from runtime.experts.st_read import MappedFiles
 
-EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups"]
+EXL2_KEYS = ["q_weight", "q_invperm", "q_scale", "q_scale_max", "q_groups", "q_scale_exact"]   # the last: where stored
 
 
 class OwnMoE(ExLlamaV2MoEMLP):

@@ -12,6 +12,7 @@ size per tensor, so at load each expert projection is rewritten, losslessly:
            K // 32 words of the high bit (32 codes per word): exactly 3 bits per weight.
     scale[g, n] = fp16((q_scale[g, n] + 1)**2) * fp16(q_scale_max[g] / 256)   (fp16, as exllamav2;
                                                                     groups split to one size)
+                  or q_scale_exact[g, n] where the linear has it (exact fp16 scales, runtime/exl2/format.py)
     W^T[perm[k], n] = c[k, n] * scale[k // group, n]                 (perm = argsort(q_invperm))
 
 Cost in bytes, honestly: 3-bit and 2-bit groups cost 3 bits (2-bit wastes a third), 4-bit 4 bits,
@@ -31,6 +32,7 @@ import torch
 
 from runtime.cpu_load import fix_thread_count
 from runtime.experts.st_read import copy_into
+from runtime.folder_check import EXL2_EXACT
 
 
 class PackError(ValueError):
@@ -137,9 +139,13 @@ def _build_row_table(groups: torch.Tensor, Q: int, K: int, name: str):
 
 
 def unpack_exl2(t: Mapping[str, torch.Tensor], name: str = "linear") -> Exl2Codes:
-    """EXL2 tensors (q_weight, q_scale, q_scale_max, q_groups, q_invperm) -> codes and scales."""
+    """EXL2 tensors (q_weight, q_scale, q_scale_max, q_groups, q_invperm, optional q_scale_exact) -> codes and
+    scales."""
     lay = _layout(t, name)
-    codes, scales, perm = _unpack_batch(*(t[k][None] for k in ("q_weight", "q_scale", "q_scale_max", "q_invperm")), lay)
+    parts = [t[k][None] for k in lay.unpacked]
+    codes, scales, perm = _unpack_batch(*parts[:4], lay, *parts[4:])
+    if lay.exact:
+        _check_finite(_finite(scales), [name])
     return Exl2Codes(codes=codes[0], scales=scales[0], group=lay.group, perm=perm[0], max_bits=lay.max_bits)
 
 
@@ -285,7 +291,7 @@ CHUNK_ELEMENTS = 32 << 20      # codes unpacked at once (its int64 temporaries: 
                                # experts, or a range of one expert's columns where it alone is larger
 COPY_THREADS = 8               # threads gathering experts' tensors into one buffer (memory copies)
 COPY_MIN_BYTES = 4 << 20       # ... in pieces of this size (smaller buffers: copied on the gathering thread)
-UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")
+UNPACKED = ("q_weight", "q_scale", "q_scale_max", "q_invperm")    # (+ q_scale_exact where the layout has it)
 _POOLS: dict = {}
 
 
@@ -308,6 +314,12 @@ class _Layout:
     K: int
     N: int
     table: tuple               # _row_table's (word, shift, width, rows_per_group, max_bits)
+    exact: bool                # scales from q_scale_exact
+
+    @property
+    def unpacked(self) -> tuple[str, ...]:
+        """The tensors `_unpack_batch` takes, in its order."""
+        return (*UNPACKED, EXL2_EXACT) if self.exact else UNPACKED
 
     @property
     def max_bits(self) -> int:
@@ -329,14 +341,19 @@ def _layout(t: Mapping[str, torch.Tensor], name: str) -> _Layout:
     if tuple(t["q_scale"].shape) != (G0, N // 8) or t["q_scale_max"].numel() != G0:
         raise PackError(f"{name}: q_scale {tuple(t['q_scale'].shape)} / q_scale_max {tuple(t['q_scale_max'].shape)} "
                         f"do not match {G0} groups and {N} columns")
+    exact = t.get(EXL2_EXACT)
+    if exact is not None and (exact.dtype != torch.float16 or tuple(exact.shape) != (G0, N)):
+        raise PackError(f"{name}: {EXL2_EXACT} is {exact.dtype} {tuple(exact.shape)}, not float16 {(G0, N)} (a scale "
+                        f"per group and column)")
     table = _row_table(groups, Q, K, name)
-    return _Layout((tuple(groups.flatten().tolist()), Q, N, K), K, N, table)
+    return _Layout((tuple(groups.flatten().tolist()), Q, N, K, exact is not None), K, N, table, exact is not None)
 
 
-def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout):
+def _unpack_batch(qw: torch.Tensor, qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout,
+                  exact: Optional[torch.Tensor] = None):
     """`unpack_exl2` of B experts of one layout at once, where the tensors are: codes int8 [B, K, N],
     scales float32 [B, K // group, N], perm int64 [B, K]. In-place int64 steps (two [B, K, N] at most)."""
-    return (_unpack_codes(qw, lay), *_unpack_scales(qs, qsm, invperm, lay))
+    return (_unpack_codes(qw, lay), *_unpack_scales(qs, qsm, invperm, lay, exact))
 
 
 def _unpack_codes(qw: torch.Tensor, lay: _Layout) -> torch.Tensor:
@@ -359,15 +376,19 @@ def _unpack_codes(qw: torch.Tensor, lay: _Layout) -> torch.Tensor:
     return pair.to(torch.int8)
 
 
-def _unpack_scales(qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B experts' scales float32 [B, K // group, N] and input permutation int64 [B, K]."""
+def _unpack_scales(qs: torch.Tensor, qsm: torch.Tensor, invperm: torch.Tensor, lay: _Layout,
+                   exact: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """B experts' scales float32 [B, K // group, N] (q_scale_exact [B, G0, N] where given) and input
+    permutation int64 [B, K]."""
     B, G0 = qs.shape[0], qs.shape[1]
     dev = qs.device
-    nib = torch.arange(8, device=dev) * 4
-    qs4 = (((qs.to(torch.int64) & 0xFFFFFFFF)[..., None] >> nib) & 15).reshape(B, G0, -1)
-    mx = qsm.reshape(B, G0).to(torch.float16) * (1 / 256)   # fp16 roundings as exllamav2's dq_scale
-    scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[..., None]).to(torch.float32)
+    if exact is not None:
+        scale0 = exact.to(torch.float32)
+    else:
+        nib = torch.arange(8, device=dev) * 4
+        qs4 = (((qs.to(torch.int64) & 0xFFFFFFFF)[..., None] >> nib) & 15).reshape(B, G0, -1)
+        mx = qsm.reshape(B, G0).to(torch.float16) * (1 / 256)   # fp16 roundings as exllamav2's dq_scale
+        scale0 = (((qs4 + 1) ** 2).to(torch.float16) * mx[..., None]).to(torch.float32)
     reps = torch.tensor([r // lay.group for r in lay.table[3]], device=dev)
     scales = torch.repeat_interleave(scale0, reps, dim=1, output_size=lay.K // lay.group)   # no device wait
     return scales, torch.argsort(invperm.to(torch.int64), dim=-1)
@@ -392,11 +413,24 @@ def _copy_into(out: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         f.result()
 
 
-def _gather(experts: Sequence[Mapping[str, torch.Tensor]], dev: torch.device) -> list[torch.Tensor]:
-    """A batch's tensors (UNPACKED), each stacked in host memory (page-locked when `dev` is a GPU)."""
+def _check_finite(ok: torch.Tensor, names: Sequence[str]) -> None:
+    """ok [B]: whether each of the experts `names` has finite exact scales; else a PackError naming the first that
+    has not (one wait for the device)."""
+    if not bool(ok.all()):
+        raise PackError(f"{names[int((~ok).nonzero()[0])]}: {EXL2_EXACT} holds scales that are not finite numbers")
+
+
+def _finite(scales: torch.Tensor) -> torch.Tensor:
+    """[B, G, N] -> bool [B]: each expert's scales all finite (on their device, no wait)."""
+    return torch.isfinite(scales).flatten(1).all(dim=1)
+
+
+def _gather(experts: Sequence[Mapping[str, torch.Tensor]], dev: torch.device, keys: Sequence[str]) -> list[torch.Tensor]:
+    """A batch's tensors `keys` (its layout's `unpacked`), each stacked in host memory (page-locked when `dev`
+    is a GPU)."""
     out = []
     with torch.inference_mode():
-        for k in UNPACKED:
+        for k in keys:
             ts = [t[k].cpu() for t in experts]
             buf = torch.empty((len(ts), *ts[0].shape), dtype=ts[0].dtype, pin_memory=dev.type == "cuda")
             _copy_into(buf, ts)
@@ -453,16 +487,21 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
     # host tensors (views of the model's files): the next batch is gathered on a thread while this one
     # is unpacked; tensors already on `dev` are stacked there, on this thread's stream
     on_dev = all(t["q_weight"].device == dev for t in experts)
-    ahead = None if on_dev else _pool("pack-gather", 1).submit(_gather, experts[:batches[0][1]], dev)
+    ahead = None if on_dev else _pool("pack-gather", 1).submit(_gather, experts[:batches[0][1]], dev,
+                                                                lays[0].unpacked)
+    finite = torch.ones(E, dtype=torch.bool, device=dev) if any(lay.exact for lay in lays) else None
     for i, (e0, e1) in enumerate(batches):
         if on_dev:
-            parts = [torch.stack([t[k] for t in experts[e0:e1]]) for k in UNPACKED]
+            parts = [torch.stack([t[k] for t in experts[e0:e1]]) for k in lays[e0].unpacked]
         else:
             parts = [p.to(dev, non_blocking=True) for p in ahead.result()]
             if i + 1 < len(batches):
-                ahead = _pool("pack-gather", 1).submit(_gather, experts[e1:batches[i + 1][1]], dev)
+                e2 = batches[i + 1][1]
+                ahead = _pool("pack-gather", 1).submit(_gather, experts[e1:e2], dev, lays[e1].unpacked)
         qw, Q = parts[0], parts[0].shape[1]
-        sc, pm = _unpack_scales(*parts[1:], lays[e0])
+        sc, pm = _unpack_scales(*parts[1:4], lays[e0], *parts[4:])
+        if lays[e0].exact:
+            finite[e0:e1] = _finite(sc)
         idx = None
         if columns is not None:
             idx = torch.stack([columns[e].to(dev, torch.long) for e in range(e0, e1)])[:, None, :]   # [B, 1, N]
@@ -474,6 +513,8 @@ def pack_experts(experts: Sequence[Mapping[str, torch.Tensor]], name: str = "exp
             qweight[e0:e1, :, n0:n1].copy_(_pack_words(_unpack_codes(words, lays[e0]), bits))
         scales[e0:e1] = torch.repeat_interleave(sc, lays[e0].group // group, dim=1).to(dev, torch.float16)
         perm[e0:e1] = pm.to(dev, torch.int32)
+    if finite is not None:                        # exact scales all finite: one wait, after the whole projection
+        _check_finite(finite, [f"{name}[{e}]" for e in range(E)])
     return PackedExperts(qweight=qweight, scales=scales, perm=perm, bits=bits, group=group,
                          in_features=K, out_features=N, cold=qweight if host is not None else None)
 

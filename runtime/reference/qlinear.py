@@ -3,7 +3,8 @@
 
 The weights are codes with a scale per group of input rows and output column:
 - EXL2 linears keep their own codes (2..8 bits) and scales, bit for bit (`from_exl2`): a 3-bit model
-  reads 3 bits a weight;
+  reads 3 bits a weight; where a linear has exact scales (q_scale_exact, an imported GPTQ build's), those are
+  the scales kept, so the kernel computes with the build's own weights;
 - plain weights are quantized to 8-bit codes per group of 128 inputs, one fp16 scale per group and
   output (`from_float`): finer than one scale per output row.
 Each call quantizes x to int8 per group of the codes (in the kernel), so a decode step reads each weight
@@ -80,7 +81,8 @@ class QLinear:
     @classmethod
     def from_exl2(cls, parts: Sequence[Mapping[str, torch.Tensor]], outs: Sequence[int], bias, ext,
                   name: str = "linear") -> "QLinear":
-        """EXL2 tensor sets of P projections of one input (their codes and scales kept) -> QLinear; raises
+        """EXL2 tensor sets of P projections of one input (their codes and scales kept: q_scale_exact where a
+        set has it, ModelFolder.exl2_tensors) -> QLinear; raises
         CpuExpertsError where the kernel cannot take them (rows of a group not a multiple of 32)."""
         from runtime.experts.cpu_experts import _to_exl2
         conv = [_to_exl2(t, o, f"{name}[{i}]") for i, (t, o) in enumerate(zip(parts, outs))]

@@ -267,7 +267,7 @@ def mix(layer: Layer, spec: Spec, mixed: torch.Tensor, g: torch.Tensor, beta: to
 
 def _moe(layer: Layer, spec: Spec, h: torch.Tensor) -> torch.Tensor:
     routed = model._moe(layer, spec, h)                                     # softmax, top-k, renormalised
-    i = layer.shared_down.weight.shape[1]
+    i = layer.shared_down.in_features
     gu = layer.shared_gate_up(h)                                            # [T, 2Is + 1]
     shared = layer.shared_down(F.silu(gu[:, :i]) * gu[:, i:2 * i])
     return routed + torch.sigmoid(gu[:, 2 * i:]) * shared

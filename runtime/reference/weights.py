@@ -3,7 +3,8 @@
 Fusions (done once at load): q/k/v into one [Q+2K, H] matrix, gate/up into one [2I, H] matrix (per
 expert for MoE). Storage precision is chosen per load: "float32" (parity with transformers),
 "bfloat16" (half the bytes per token) or "int8" (integer codes and int8 activations through the CPU
-kernel, qlinear.py: an EXL2 folder's own codes, plain weights as 8-bit codes per group; bfloat16
+kernel, qlinear.py: an EXL2 folder's own codes and scales, its exact scales where a linear has them (an imported
+GPTQ build's), plain weights as 8-bit codes per group; bfloat16
 activations between the projections).
 
 H hidden, V vocab, I intermediate, E experts, D head dim, Q = heads*D, K = kv heads*D.
@@ -17,8 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runtime.modelfolder import (EXL2_PARTS, MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim,
-                                 is_moe_layer, kv_heads)
+from runtime.modelfolder import (MOE_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelFolder, head_dim, is_moe_layer,
+                                 kv_heads)
 from runtime.errors import UnsupportedArchitecture
 from runtime.reference import qlinear
 from runtime.reference.rope import RopeConfig, rope_config
@@ -88,6 +89,7 @@ class Linear:
                  exl2: Optional[tuple[list, list[int]]] = None):
         """exl2: (EXL2 tensor sets, out features) of the projections `weight` was dequantized from."""
         self.bias = None if bias is None else bias.to(_act_dtype(precision))
+        self.in_features = weight.shape[1]               # kept: the int8 kernel's linear holds no float weight
         self.q = None
         self._norm: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (norm weight, its float32 copy)
         if precision == "int8" and (ext := qlinear.kernel()) is not None:
@@ -213,10 +215,11 @@ def load_weights(folder: ModelFolder, spec: Spec, precision: str,
         return folder.tensor(name).to(device)
 
     def exl2(prefixes: list[str], ws: list[torch.Tensor]) -> Optional[tuple[list, list[int]]]:
-        """The EXL2 tensor sets of the projections (the integer kernel keeps their codes), or None."""
+        """The EXL2 tensor sets of the projections (the integer kernel keeps their codes, and their exact scales
+        where they have them), or None."""
         if precision != "int8" or not all(folder.has(f"{p}.q_weight") for p in prefixes):
             return None
-        return [{part: folder.tensor(f"{p}.{part}") for part in EXL2_PARTS} for p in prefixes], [w.shape[0] for w in ws]
+        return [folder.exl2_tensors(p) for p in prefixes], [w.shape[0] for w in ws]
 
     def fused(prefixes: list[str]) -> Linear:
         ws = [folder.linear(p, f32, device) for p in prefixes]
