@@ -114,11 +114,29 @@ static int64_t bad_shapes(const Layer& L, const Pairs& S, int64_t H) {
   return -1;
 }
 
+// Scratch of run_pairs, kept by the calling thread between calls (grown, never shrunk): no allocation
+// per call once warm. The team reads it through the caller's pointers.
+struct PairScratch {
+  std::vector<Acts> acts;          // per expert: activations for gate, up and down
+  std::vector<float> g, h;         // gate's outputs, then silu(gate) * up: [X, T, I]
+};
+
+// [lo, hi) of n items for member t of a team of nt: equal contiguous shares.
+static inline void share(int64_t n, int t, int nt, int64_t* lo, int64_t* hi) {
+  *lo = n * t / nt;
+  *hi = n * (t + 1) / nt;
+}
+
 // y [T, H] (zeroed by the caller) += sum over S's pairs of w * down(silu(gate(x)) * up(x)).
 // Shapes checked by the caller (bad_shapes); no torch, no Python, no exception: it also runs on the
 // CUDA driver's host-function thread (moedesk_cpu_experts_host).
 // cut > 0: only the first `cut` intermediate features of every expert (gate/up columns, down rows; a
 // multiple of down's groups in the store), the rest being computed elsewhere (the GPU).
+// Work is split by columns, statically: member t of the team takes the same contiguous share of the
+// tiles of every projection (all tiles of a projection are the same size, so the shares are equal in
+// bytes) and reads each expert's share as one sequential stream. Three barriers: after x's quantization,
+// after gate/up (down's input needs whole rows), after down's input's quantization. Each member owns its
+// columns of y and adds the experts into them in the order of S.used, as the sum always was.
 static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const Pairs& S, float* y, int threads,
                       int64_t cut = 0) {
   const int64_t X = (int64_t)S.used.size();
@@ -139,65 +157,69 @@ static void run_pairs(const Layer& L, const float* xd, int T, int64_t H, const P
     }
     return d;
   };
-  // Scratch: activations quantized for gate, up and down of each expert, gate/up outputs [X, 2, T, I],
-  // down's [X, T, H].
-  std::vector<Acts> acts(X * 3);
-  std::unique_ptr<float[]> gu(new float[X * 2 * T * I]), dn(new float[X * T * H]);
+  static thread_local PairScratch scratch;
+  if ((int64_t)scratch.acts.size() < X * 3) scratch.acts.resize(X * 3);
+  if ((int64_t)scratch.g.size() < X * T * I) { scratch.g.resize(X * T * I); scratch.h.resize(X * T * I); }
+  Acts* acts = scratch.acts.data();
+  float* gbuf = scratch.g.data();
+  float* hbuf = scratch.h.data();
   const int64_t tiles_i = (I + TILE - 1) / TILE, tiles_h = (H + TILE - 1) / TILE;
 
-  // One thread team for the whole call; five loops with a barrier after each. Items are handed out
-  // dynamically, so a thread that the OS (or the GPU-feeding thread) slows down takes fewer of them.
-  const int64_t n1 = X * 2, n2 = X * 2 * tiles_i;
 #pragma omp parallel num_threads(std::max(1, threads))
   {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     float res[MAX_T][TILE];
-    std::vector<float> h(T * I);
-    std::vector<int64_t> ident(T);
-    for (int r = 0; r < T; ++r) ident[r] = r;
+    int64_t ident[MAX_T];
+    for (int r = 0; r < MAX_T; ++r) ident[r] = r;
+    int64_t lo, hi;
     // 1. x quantized for each gate/up (each has its own input order).
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n1; ++i) {
+    share(X * 2, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; ++i) {
       const int64_t j = i / 2; const int p = (int)(i % 2);
       acts[j * 3 + p].fill(L.proj(used[j], p), xd, false, H, rows[j].data(), (int)rows[j].size());
     }
-    // 2. gate and up, one tile of 16 columns per item.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n2; ++i) {
-      const int64_t j = i / (2 * tiles_i), p = (i / tiles_i) % 2, tile = i % tiles_i;
-      const int R = (int)rows[j].size();
-      acts[j * 3 + p].tile(isa, L.proj(used[j], (int)p), tile, R, res);
-      float* dst = &gu[(j * 2 + p) * T * I];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < TILE && tile * TILE + c < I; ++c) dst[r * I + tile * TILE + c] = res[r][c];
-    }
-    // 3. h = silu(gate) * up, quantized for down.
-#pragma omp for schedule(dynamic, 1)
+#pragma omp barrier
+    // 2. gate then up over this member's tiles of each expert; h = silu(gate) * up on those columns.
+    share(tiles_i, t, nt, &lo, &hi);
     for (int64_t j = 0; j < X; ++j) {
       const int R = (int)rows[j].size();
-      const float* g = &gu[(j * 2) * T * I];
-      const float* u = &gu[(j * 2 + 1) * T * I];
-      for (int64_t k = 0; k < R * I; ++k) h[k] = silu(g[k]) * u[k];
-      acts[j * 3 + 2].fill(down(used[j]), h.data(), false, I, ident.data(), R);
+      float* g = gbuf + j * T * I;
+      float* h = hbuf + j * T * I;
+      const qdot::Codes cg = L.proj(used[j], 0), cu = L.proj(used[j], 1);
+      for (int64_t tile = lo; tile < hi; ++tile) {
+        acts[j * 3].tile(isa, cg, tile, R, res);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < TILE && tile * TILE + c < I; ++c) g[r * I + tile * TILE + c] = res[r][c];
+      }
+      for (int64_t tile = lo; tile < hi; ++tile) {
+        acts[j * 3 + 1].tile(isa, cu, tile, R, res);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < TILE && tile * TILE + c < I; ++c) {
+            const int64_t k = r * I + tile * TILE + c;
+            h[k] = silu(g[k]) * res[r][c];
+          }
+      }
     }
-    // 4. down: one (expert, tile of H) per item, each expert's tiles in turn (one stream at a time),
-    // into its own rows of dn; 5. summed into y with the routing weights, one tile of H per item.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < X * tiles_h; ++i) {
-      const int64_t j = i / tiles_h, tile = i % tiles_h;
+#pragma omp barrier
+    // 3. h quantized for down, expert by expert.
+    share(X, t, nt, &lo, &hi);
+    for (int64_t j = lo; j < hi; ++j)
+      acts[j * 3 + 2].fill(down(used[j]), hbuf + j * T * I, false, I, ident, (int)rows[j].size());
+#pragma omp barrier
+    // 4. down over this member's tiles of H, expert after expert, added into y with the routing weights.
+    share(tiles_h, t, nt, &lo, &hi);
+    for (int64_t j = 0; j < X; ++j) {
       const int R = (int)rows[j].size();
-      acts[j * 3 + 2].tile(isa, down(used[j]), tile, R, res);
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dn[(j * T + r) * H + tile * TILE + c] = res[r][c];
-    }
-#pragma omp for schedule(static)
-    for (int64_t tile = 0; tile < tiles_h; ++tile)
-      for (int64_t j = 0; j < X; ++j)
-        for (int r = 0; r < (int)rows[j].size(); ++r) {
+      const qdot::Codes cd = down(used[j]);
+      for (int64_t tile = lo; tile < hi; ++tile) {
+        acts[j * 3 + 2].tile(isa, cd, tile, R, res);
+        for (int r = 0; r < R; ++r) {
           float* dst = y + rows[j][r] * H + tile * TILE;
-          const float* src = &dn[(j * T + r) * H + tile * TILE];
           const float wgt = rws[j][r];
-          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * src[c];
+          for (int c = 0; c < TILE && tile * TILE + c < H; ++c) dst[c] += wgt * res[r][c];
         }
+      }
+    }
   }
 }
 
