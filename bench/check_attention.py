@@ -1,7 +1,7 @@
 """GPU check of the decode/verify attention kernel against the bmm path, both timed in a CUDA graph.
 
-The kernel is runtime/backends/attention.py; the bmm path is what the decode graph runs with
-MOEDESK_GRAPH_ATTN=bmm.
+The kernel is runtime/backends/attention.py; the bmm path is what the decode graphs ran before it (two
+index_copy_ and two batched matmuls over a mask), kept here as the reference.
 
     python -m bench.check_attention --check
 """
@@ -14,16 +14,27 @@ import triton
 
 from bench.checks import check_main
 from runtime.backends.attention import chunk_rows, decode_attention
-from runtime.backends.exl2_graph import DecodeGraphs
+
+
+def _attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale):
+    """Two batched matmuls over the KV heads; q [1, T, Hq*D], mask: fp32 additive [T, L]."""
+    T, R = q.shape[1], Hq // Hk
+    Kl = K[0, :L].permute(1, 2, 0)                                 # [Hk, D, L] (a view)
+    Vl = V[0, :L].permute(1, 0, 2)                                 # [Hk, L, D]
+    qh = q.view(T, Hk, R, D).transpose(0, 1).reshape(Hk, T * R, D)    # rows (t, r)
+    s = torch.bmm(qh, Kl).float().view(Hk, T, R, L)                # [Hk, T, R, L]
+    p = torch.softmax(s * scale + mask.view(1, T, 1, L), dim=-1).half().view(Hk, T * R, L)
+    o = torch.bmm(p, Vl)                                           # [Hk, T*R, D]
+    return o.view(Hk, T, R, D).transpose(0, 1).reshape(1, T, Hq * D)
 
 
 def _bmm_path(q, k, v, K, V, pos64, mask, L, Hq, Hk, D, scale):
-    """What the graph runs with MOEDESK_GRAPH_ATTN=bmm: two index_copy_ and the bmm attention over a
-    precomputed mask; pos64 [T] the rows' positions, mask fp32 [T, L]."""
+    """The bmm path: two index_copy_ and the bmm attention over a precomputed mask; pos64 [T] the rows'
+    positions, mask fp32 [T, L]."""
     T = q.shape[1]
     K.index_copy_(1, pos64, k.view(1, T, Hk, D))
     V.index_copy_(1, pos64, v.view(1, T, Hk, D))
-    return DecodeGraphs._attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale)
+    return _attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale)
 
 
 def check(S: int = 4096) -> bool:

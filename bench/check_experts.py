@@ -73,11 +73,31 @@ def random_layer(E: int, H: int, I: int, top_k: int, bits, device: str, seed: in
     return ExpertLayer(gate, w1, w3, w2, top_k)
 
 
+def align_by_torch(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill's sort into blocks as the torch ops the one launch (grouped.align) replaced computed it: a
+    scatter-add for the counts, a stable argsort, cumulative sums, a searchsorted for the blocks' experts. The
+    oracle the kernel is held to, bit for bit."""
+    from runtime.experts.grouped import align_blocks
+    P, dev = ids.numel(), ids.device
+    nblocks = align_blocks(P, num_experts, bm)
+    ids = ids.long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    nb = (counts + bm - 1) // bm
+    cum_nb = torch.cumsum(nb, 0)
+    order = torch.argsort(ids, stable=True)
+    se = ids[order]
+    rank = torch.arange(P, device=dev) - (torch.cumsum(counts, 0) - counts)[se]
+    pairs = torch.full((nblocks * bm,), P, dtype=torch.int32, device=dev)
+    pairs[(cum_nb - nb)[se] * bm + rank] = order.to(torch.int32)
+    bexp = torch.searchsorted(cum_nb, torch.arange(nblocks, device=dev), right=True)
+    return pairs, torch.where(bexp < num_experts, bexp, -1).to(torch.int32)
+
+
 def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> CheckResult:
     """Fused router + top-k against torch (softmax, topk, renormalise): same experts wherever the
     k-th and (k+1)-th probabilities are not within 1e-5 (a near tie may go either way), and the
     largest weight difference as the error."""
-    from runtime.experts.kernels import route_fused
+    from runtime.experts.routing import route_fused
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, layer.gate_w.shape[1], generator=g).half().to(device)
     counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=device)
@@ -95,8 +115,8 @@ def check_routing(layer: ExpertLayer, rows: int, device: str, seed: int = 2) -> 
 def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
     """(union_reads, name) of every kernel path `experts_forward` takes for this many rows: few rows
     run the split-K GEMVs and, as verify rows of offloaded layers do, the grouped kernels."""
-    from runtime import tuning
-    if rows * top_k > tuning.current().gemv_max_pairs:
+    from runtime.experts.decode import GEMV_MAX_PAIRS
+    if rows * top_k > GEMV_MAX_PAIRS:
         return [(False, "grouped")]
     return [(False, "splitk")] + ([(True, "grouped(union)")] if rows > 1 else [])
 
@@ -104,11 +124,16 @@ def kernel_paths(rows: int, top_k: int) -> list[tuple[bool, str]]:
 def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1,
           residual: bool = False) -> list[CheckResult]:
     """Each row count through every kernel path, the grouped kernels reading the input as the layer's
-    permutations allow (kernels.input_order). residual: the split-K path also with a residual to add into
-    (`moe_finish.experts_added`: the down kernel's last slice adds it with MOEDESK_MOE_FINISH), checked as
-    (out - residual) against the oracle."""
-    from runtime.experts.kernels import experts_forward, input_order
-    from runtime.experts.moe_finish import experts_added
+    permutations allow (grouped.input_order), in the launch shapes MOEDESK_GROUPED and MOEDESK_SPLITK ask for
+    (runtime/tuning.py; default the timed ones). residual:
+    the split-K path also with a residual to add into (`decode.experts_finish`: the down kernel's last slice
+    adds it, as layers all in VRAM decode), checked as (out - residual) against the oracle."""
+    from runtime.experts.decode import experts_finish
+    from runtime.experts.grouped import input_order
+    from runtime.experts.layer import experts_forward
+    from runtime.tuning import Tuning
+    t = Tuning.from_environment()
+    grouped, splitk = t.grouped, t.splitk
     order = input_order(layer.w1, layer.w3, layer.w2)
     g = torch.Generator().manual_seed(seed)
     H = layer.gate_w.shape[1]
@@ -118,16 +143,18 @@ def check(layer: ExpertLayer, rows: list[int], device: str, seed: int = 1,
         r = route(x, layer.gate_w, layer.top_k)
         ref = experts_reference(x, r, layer.w1, layer.w3, layer.w2)
         for union, path in kernel_paths(T, layer.top_k):
-            y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union, order=order)
+            y = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union, order=order,
+                                grouped=grouped, splitk=splitk)
             out.append(CheckResult(T, path, ((y - ref).norm() / ref.norm()).item()))
             if residual and path == "splitk":
                 res = (torch.randn(T, H, generator=g) * 0.1).half().to(device)
-                z = experts_added(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res, order=order)
+                z = experts_finish(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res, order.ordered_down, splitk)
                 assert z.dtype == torch.float16 and z.shape == res.shape, (z.dtype, z.shape)
                 out.append(CheckResult(T, "splitk+res", ((z.float() - res.float() - ref).norm() / ref.norm()).item()))
             if order.ordered_down or path.startswith("grouped") and (order.shared is not None or order.per_expert):
                 # the same sums as the per-tile gathers (the split-K GEMVs: down reading gate/up's output in runs)
-                y0 = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union)
+                y0 = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, union_reads=union,
+                                     grouped=grouped, splitk=splitk)
                 out.append(CheckResult(T, path + " vs gathered", ((y - y0).norm() / y0.norm()).item()))
     return out
 
@@ -137,9 +164,9 @@ def check_offload(E: int, H: int, I: int, top_k: int, bits, rows: list[int], dev
     """The kernels with about half the experts cold (host memory, read in place or staged for many
     rows) against the same layer all resident: `rel_err` is the largest difference
     relative to the largest output."""
-    from runtime.experts.budget import MemoryBudget
-    from runtime.experts.kernels import experts_forward
-    from runtime.experts.manager import OffloadManager
+    from runtime.budget import MemoryBudget
+    from runtime.experts.layer import experts_forward
+    from runtime.offload.manager import OffloadManager
     import dataclasses
     ref = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     host = HostArena(1 << 20)
@@ -177,11 +204,13 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     for whole experts, the oracle) against the kernels without a mask. The layer is first put in
     down's intermediate order (pack.align_intermediate), checked against the layer before.
     `rel_err`: largest difference relative to the largest output."""
-    from runtime import tuning
-    from runtime.experts.kernels import experts_forward, input_order
+    from runtime.experts.decode import CUT_ALIGN, GEMV_MAX_PAIRS
+    from runtime.experts.grouped import input_order
+    from runtime.experts.layer import experts_forward
     from runtime.experts.pack import align_intermediate
-    align = tuning.current().cut_align
-    rows = [T for T in rows if T * top_k <= tuning.current().gemv_max_pairs]        # the mask is for the split-K GEMVs
+    from runtime.tuning import Tuning
+    align, splitk = CUT_ALIGN, Tuning.from_environment().splitk
+    rows = [T for T in rows if T * top_k <= GEMV_MAX_PAIRS]        # the mask is for the split-K GEMVs
     layer = random_layer(E, H, I, top_k, bits, device, bits_prop=bits_prop, group_size=group_size)
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -196,7 +225,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
     for cut in cuts:
         cpu = None
         try:
-            from runtime.experts.cpu_path import WHOLE, CpuPath
+            from runtime.cpu.path import WHOLE, CpuPath
             cpu = CpuPath((layer.w1, layer.w3, layer.w2), list(range(E)), top_k, threads=1, device="cpu",
                           width=cut) if device == "cpu" else None
         except ValueError:
@@ -212,7 +241,7 @@ def check_skip(E: int, H: int, I: int, top_k: int, bits, rows: list[int], device
                 r = route(x, layer.gate_w, top_k)
                 want = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2)
                 got = experts_forward(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, skip=skip.to(device),
-                                      cut=cut_t, order=order)
+                                      cut=cut_t, order=order, splitk=splitk)
                 keep = skip.to(device)[r.ids].float()
                 if cpu is not None and T == 1:
                     for e in range(E):
@@ -246,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", action="store_true",
                     help="split-K kernels with a skip mask + the skipped experts computed apart vs no mask")
     ap.add_argument("--residual", action="store_true",
-                    help="the split-K path also adding into a residual (MOEDESK_MOE_FINISH: in the down kernel)")
+                    help="the split-K path also adding into a residual (decode.experts_finish: in the down kernel)")
     ap.add_argument("--exact", action="store_true",
                     help="every other expert with exact scales (q_scale_exact, as imported GPTQ experts have them)")
     a = ap.parse_args(argv)
@@ -276,7 +305,7 @@ def main(argv=None) -> int:
     if a.aligned:
         from runtime.experts.pack import align_intermediate
         align_intermediate(layer.w1, layer.w3, layer.w2)
-    from runtime.experts.kernels import input_order
+    from runtime.experts.grouped import input_order
     o = input_order(layer.w1, layer.w3, layer.w2)
     print("input order:", "one per layer" if o.shared is not None else "one per expert" if o.per_expert else "each its own",
           "| down reads h", "in runs" if o.ordered_down else "through its permutation")

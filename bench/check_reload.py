@@ -8,7 +8,7 @@ reference (runtime/reference, on the GPU) and, from the second load on, the firs
 module list: attention, MoE/MLP, norms, head; inside an attention its norm and its q/k/v/o projections
 where it calls them one by one) whose output differs from the first load's at all, and the first by more
 than 1e-3 relative. With --rechoose, the expert kernels' launch shapes are timed again before every load
-but the first (`kernels._CHOSEN` emptied, as in a fresh process). With --poison, before every load but the
+but the first (`shapes.CHOSEN` emptied, as in a fresh process). With --poison, before every load but the
 first, most of the free VRAM is filled with NaN and handed back to torch's cache (where the next load's
 tensors come from): a load that reads memory it never wrote then answers NaN.
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         return 2
     from runtime import reference
     from runtime.backends import exl2
-    from runtime.experts import kernels
+    from runtime.experts import shapes
     from runtime.options import LoadOptions
     ref = reference.load(args.model, LoadOptions(), lambda *a: None, precision="float32", device="cuda")[0]
     g = torch.Generator().manual_seed(args.seed)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     first = None
     for load in range(args.loads):
         if load and args.rechoose:
-            kernels._CHOSEN.clear()
+            shapes.CHOSEN.clear()
         if load and args.poison:
             free = torch.cuda.mem_get_info()[0]
             torch.empty(int(free * 0.8) // 2, dtype=torch.float16, device="cuda").fill_(float("nan"))

@@ -40,9 +40,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.cpu import experts as ce
 from runtime.exl2.shapes import SHAPES
 from runtime.exl2.synth import _random_linear      # synthetic EXL2 linears, written in the quantized domain
-from runtime.experts import cpu_experts as ce
 
 DEFAULT_SHAPES = ("q125-a11", "qwen3-30b-a3b")
 

@@ -40,7 +40,7 @@ fi
 log "synth done"
 
 if [ "${ONLY:-}" != placement ]; then
-STATS=$($PY -c "import sys; from pathlib import Path; from runtime.experts.routing_stats import stats_path; \
+STATS=$($PY -c "import sys; from pathlib import Path; from runtime.offload.routing_stats import stats_path; \
 from runtime.paths import cache_dir; print(stats_path(cache_dir(), Path(sys.argv[1])))" "$MODEL")
 rm -f "$STATS" && log "routing statistics of the model removed: the worker's load is its first"
 budget=$(( $(left) - 160 ))                # the GPU tests after it; the JSON is on disk after every answer

@@ -8,8 +8,8 @@
 #                                     at most 16 MiB (the whole suite's kernels came to 16 MB, and were not saved)
 # Triton's cache is TRITON_CACHE_DIR (default ~/.triton/cache; export it before both steps to use another),
 # keyed by each kernel's source, its compile-time arguments and the GPU: a kernel changed since is compiled
-# again, the rest are found. The torch extension root holds the CPU expert kernel (runtime/experts/
-# cpu_experts.py, built at the first load with the CPU path). Compiling is the suspected share of the GPU
+# again, the rest are found. The torch extension root holds the CPU expert kernel (runtime/cpu/
+# experts.py, built at the first load with the CPU path). Compiling is the suspected share of the GPU
 # suite's slow cases (test_dense_gemv_gpu's took 23-34 s each, two of them under 1 s, on 2026-12-04,
 # the suite's log committed at be03b0e): a run with the cache restored tells. MAX_MB (60) bounds the
 # whole, as the carry into a call is bounded.

@@ -9,6 +9,8 @@
 #   PLACEMENTS="auto cpu"  the offload runs' placements, each at both commits (default auto); "cpu" forces
 #                the CPU expert path, to compare its speed alone
 #   VRAM=0       leave out the all-in-VRAM runs; OFFLOAD=0 leave out the offload runs
+#   CUDA_FLAGS   the all-in-VRAM runs' prompts and decode (default --prompts 512 --decode 256; the table of the
+#                engine's defaults, docs/engine-notes.md, was measured with --prompts 512,4096 --decode 128)
 #   TREES="before after"  which commits run (default both, in that order)
 #   OFFLOAD_FLAGS  extra flags of the offload runs (default --prefetch-modes=: the decode prefetch's
 #                modes are not measured again one by one, which saves about 20 s a run)
@@ -57,7 +59,7 @@ run() {   # tree label commit: one offload run at 24 GB and one all-in-VRAM run,
     log "$label: all in VRAM ($(left) s left)"
     (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" MOEDESK_HOME="$M/home-$label" timeout $(( $(left) - 10 )) \
         $PY -m bench.cuda --model "$M/q30b" --label "qwen3-30b-a3b-$label" --bpw 4.0 --baseline none \
-        --prompts 512 --decode 256 2>&1 | tail -4) | tee -a "$OUT/gpu_speed_check.log"
+        ${CUDA_FLAGS:---prompts 512 --decode 256} 2>&1 | tail -4) | tee -a "$OUT/gpu_speed_check.log"
     fresh "$tree" "$label"
 }
 for t in ${TREES:-before after}; do

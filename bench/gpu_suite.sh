@@ -51,7 +51,7 @@ test_load_repack_gpu.py:60 test_exl2_engine.py:480 test_out_of_memory_gpu.py:60 
 test_warmup_gpu.py:300 test_route_normed_gpu.py:150"
 GROUP_B="test_offload_gpu.py:360 test_mixtral_dbrx_gpu.py:480"
 GROUP_C="test_qwen35_hybrid_gpu.py:540 test_gdn_fla_gpu.py:150"
-GROUP_D="test_load_measures_gpu.py:150 test_route_prior_gpu.py:180 test_dense_gemv_gpu.py:480 test_roofline_gpu.py:150
+GROUP_D="test_load_measures_gpu.py:150 test_route_prior_gpu.py:180 test_attention_gemv_gpu.py:480 test_roofline_gpu.py:150
 test_constrained_gpu.py:120 test_gptq_import_gpu.py:240"
 LANES=${LANES:-1}
 # CPU threads of each file's torch (synthetic models, float32 references): the cores shared among the lanes.

@@ -12,9 +12,9 @@ expert count. Needs a CUDA device.
 Per shape: ms per layer, TFLOP/s (6 * H * I flops per (row, expert) pair), GB/s of expert weights (the codes
 and scales of the experts the rows picked, each counted once: at a few rows, where the split-K GEMVs run, read
 once per (row, expert) pair, the rate to hold against the HBM's), relative difference to the first shape.
-`--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line per way of summing a
-tile, `--sums weights columns rows`). The default shape (MOEDESK_GROUPED unset) is always measured first.
-`--orders` says how the kernels read their input (kernels.InputOrder), each timed over the shapes: "gathered"
+`--rows 1` times the decode step's kernels (the launch shapes then do not apply: one line). The default shape
+(MOEDESK_GROUPED unset) is always measured first.
+`--orders` says how the kernels read their input (grouped.InputOrder), each timed over the shapes: "gathered"
 through each projection's permutation per tile (as before the orders were used; the same layer as "layer"),
 "layer" one order for every expert's gate and up (the Hub's EXL2 files), "expert" one per expert (our
 converter's); down's permutation is the identity, as a load packs it. "gathered" and "layer" compute the same
@@ -35,7 +35,9 @@ import torch
 from runtime.exl2.shapes import SHAPES
 from runtime.exl2.synth import _random_linear
 from runtime import tuning
-from runtime.experts import kernels
+from runtime.experts.decode import GEMV_MAX_PAIRS
+from runtime.experts.grouped import InputOrder, input_order
+from runtime.experts.layer import experts_forward
 from runtime.experts.pack import PackedExperts, pack_experts
 
 SWEEP = ["16,64,64,64,4,0", "16,64,64,128,4,0", "16,64,128,64,4,0", "16,64,128,64,8,0", "16,64,128,128,8,0",
@@ -78,7 +80,7 @@ def with_order(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts, order: s
     ident = torch.arange(w2.in_features, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm)
     w2 = dataclasses.replace(w2, perm=ident.contiguous())
     # "gathered": the same layer as "layer", read the way the kernels read every layer before
-    return w1, w3, w2, kernels.InputOrder() if order == "gathered" else kernels.input_order(w1, w3, w2)
+    return w1, w3, w2, InputOrder() if order == "gathered" else input_order(w1, w3, w2)
 
 
 def _expert_bytes(p: PackedExperts) -> int:
@@ -99,21 +101,21 @@ def _time(fn, reps: int) -> float:
 
 
 def run(shape: str, rows: int, bits: float, configs: Sequence[str], reps: int = 10, say=print,
-        orders: Sequence[str] = ("layer",), sums: Sequence[str] = ("weights",)) -> list[dict]:
+        orders: Sequence[str] = ("layer",)) -> list[dict]:
     if not torch.cuda.is_available():
         raise RuntimeError("the grouped kernels' benchmark needs a CUDA device")
     out: list[dict] = []
     base, refs = layer(shape, bits), {}
     for order in orders:
         say(f"# input order: {order}")
-        out += _run(shape, rows, configs, reps, say, order, *with_order(*base, order), refs, sums)
+        out += _run(shape, rows, configs, reps, say, order, *with_order(*base, order), refs)
     return out
 
 
 def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_name: str, w1, w3, w2, order,
-         refs: dict, sums: Sequence[str]) -> list[dict]:
-    """One order over the shapes (split-K: over the ways of summing a tile); refs: the first output of each
-    layer ("expert" has its own weights)."""
+         refs: dict) -> list[dict]:
+    """One order over the shapes (split-K: the default alone); refs: the first output of each layer ("expert"
+    has its own weights)."""
     s = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(rows, s.hidden, device="cuda", generator=gen) * 0.5).half()
@@ -125,27 +127,25 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
     weights = "expert" if order_name == "expert" else "layer"
     ref = refs.get(weights)
     shapes = [dataclasses.astuple(before)] + [c for c in configs if tuning.Grouped.parse(c) != before]
-    runs = [(text, tuning.current().gemv_sums) for text in shapes]
-    if rows * s.experts_per_token <= tuning.current().gemv_max_pairs:
-        runs = [(shapes[0], m) for m in sums]          # the split-K GEMVs: no grouped launch shape applies
-    for text, m in runs:
+    if rows * s.experts_per_token <= GEMV_MAX_PAIRS:
+        shapes = shapes[:1]                            # the split-K GEMVs: no grouped launch shape applies
+    for text in shapes:
         g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
         try:
-            with tuning.use(tuning.with_changes(grouped=g, gemv_sums=m)):
-                y = kernels.experts_forward(x, ids, w, w1, w3, w2, order=order)
-                ms = _time(lambda: kernels.experts_forward(x, ids, w, w1, w3, w2, order=order), reps)
+            y = experts_forward(x, ids, w, w1, w3, w2, order=order, grouped=g)
+            ms = _time(lambda: experts_forward(x, ids, w, w1, w3, w2, order=order, grouped=g), reps)
         except Exception as e:                         # a shape the compiler or the device refuses
             say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             out.append({"order": order_name, "config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
             continue
         diff = 0.0 if ref is None else ((y - ref).abs().max() / ref.abs().max()).item()
-        r = {"order": order_name, "config": dataclasses.asdict(g), "sums": m, "ms_per_layer": ms,
+        r = {"order": order_name, "config": dataclasses.asdict(g), "ms_per_layer": ms,
              "tflops": flops / ms / 1e9,
              "weights_gb_s": weight_bytes / ms / 1e6, "rel_diff": diff}
         if ref is None:
             ref = refs[weights] = y
         out.append(r)
-        say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {m:7s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
+        say(f"{','.join(map(str, dataclasses.astuple(g))):22s} {ms:8.3f} ms/layer  {r['tflops']:6.1f} TFLOP/s  "
             f"{r['weights_gb_s']:7.0f} GB/s of weights  diff {diff:.1e}")
     return out
 
@@ -158,8 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", nargs="*", default=SWEEP, help="bm_small,bm_large,bn,bk,warps,stages each")
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=["gathered", "layer"],
                    help="how the kernels read their input, each timed over the shapes (module docstring)")
-    p.add_argument("--sums", nargs="+", choices=("weights", "columns", "rows"), default=["weights"],
-                   help="with few rows (the split-K GEMVs): each way of summing a tile timed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -173,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     print(f"# {torch.cuda.get_device_name()}, {a.shape}, {a.rows} rows, {a.bits} bits", flush=True)
-    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True), orders=a.orders,
-              sums=a.sums)
+    res = run(a.shape, a.rows, a.bits, a.configs, a.reps, say=lambda s: print(s, flush=True), orders=a.orders)
     if a.json:
         with open(a.json, "w") as f:
             from bench.engine import git_commit

@@ -3,9 +3,9 @@ GPU on any machine, no GPU needed (Triton's own ptxas and cuobjdump), and their 
 counted per weight.
 
     python -m bench.kernel_sass [--shape mixtral-8x22b] [--bits 3] [--group 128] [--arch 90]
-        [--bn 64] [--ksplit 4] [--warps 4] [--sums weights|columns|rows] [--finish] [--prologue] [--json OUT]
+        [--bn 64] [--ksplit 4] [--warps 4] [--finish] [--prologue] [--json OUT]
 
---finish adds the two-launch experts' kernels (runtime/experts/moe_finish.py) at the same constants; --prologue
+--finish adds the two-launch experts' kernels (runtime/experts/decode.py) at the same constants; --prologue
 attention's one-launch prologue (runtime/experts/qkv_prologue.py, one row, heads of the shape's head size) and
 `_linear_splitk` over q at the same tile.
 
@@ -22,9 +22,6 @@ Per kernel: the loop's instructions, the weights each thread handles per pass (B
 the first kernel, over the warps' threads), instructions per weight, barriers per pass (layout changes through
 shared memory), and the loop's most frequent instructions. The K tile is what the engine uses: the scale
 group, at most 128 rows. Launch shapes (BN, KSPLIT, warps) are timed on the GPU at load; give the ones to study.
-`--sums columns` compiles the kernels as MOEDESK_GEMV_SUMS=columns runs them (the scale and the codes' offset
-once per column sum, `triton_kernels._tile_dot`); `--sums rows` as MOEDESK_GEMV_SUMS=rows (each thread sums whole
-columns of the tile's code words, `gemv_rows.py`; its launch shapes have 128 columns per warp: `--bn 128 --warps 1`).
 """
 from __future__ import annotations
 
@@ -60,7 +57,6 @@ _BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
 @dataclass
 class LoopCost:
     kernel: str
-    sums: str
     K: int
     N: int
     bits: int
@@ -88,43 +84,39 @@ def _tools() -> str:
 
 
 def compile_kernel(kernel: str, K: int, N: int, bits: int, group: int, bk: int, bn: int, ksplit: int,
-                   warps: int, arch: int, sums: str = "weights") -> bytes:
+                   warps: int, arch: int) -> bytes:
     """The cubin of one split-K kernel for these constants (no skip mask; down reads gate/up in order). The
-    two-launch experts' kernels (runtime/experts/moe_finish.py) take the same constants but the rows sums;
-    "linear" is `_linear_splitk` at one row, N columns, K cut, finishing in its launch."""
-    if sums not in ("weights", "columns", "rows"):
-        raise ValueError(f"sums: weights, columns or rows, got {sums!r}")
+    two-launch experts' kernels (runtime/experts/decode.py) take the same constants; "linear" is
+    `_linear_splitk` at one row, N columns, K cut, finishing in its launch."""
+    from runtime.experts import decode
     if kernel in ("gate_up_finish", "down_finish", "linear"):
-        from runtime.experts import moe_finish
-        from runtime.experts import triton_kernels as tk
-        if sums == "rows":
-            raise ValueError(f"{kernel}: sums over weights or columns only")
+        from runtime.experts import linear_gemv
         const = {"gate_up_finish": dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn,
-                                        KSPLIT=ksplit, COLUMNS=sums == "columns"),
+                                        KSPLIT=ksplit),
                  "down_finish": dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit,
-                                     ORDERED=True, COLUMNS=sums == "columns"),
+                                     ORDERED=True),
                  "linear": dict(K=K, N=N, NOUT=N, BITS=bits, G=group, BK=bk, BN=bn, BT=1, KSPLIT=ksplit, DOT=True,
                                 ADD=False, FINISH=ksplit > 1)}[kernel]
-        fn = {"gate_up_finish": moe_finish._gate_up_finish, "down_finish": moe_finish._down_finish,
-              "linear": tk._linear_splitk}[kernel]
+        fn = {"gate_up_finish": decode._gate_up_finish, "down_finish": decode._down_finish,
+              "linear": linear_gemv._linear_splitk}[kernel]
         return compile_jit(fn, _TYPES, const, warps, arch)
-    from runtime.experts import triton_kernels as tk
     if kernel == "gate_up":
-        fn = tk._gate_up_splitk
+        fn = decode._gate_up_splitk
         const = dict(K=K, N=N, A=1, BITS1=bits, G1=group, BITS3=bits, G3=group, BK=bk, BN=bn, KSPLIT=ksplit,
-                     SKIP=False, COLUMNS=sums == "columns", ROWS=sums == "rows")
+                     SKIP=False)
     elif kernel == "down":
-        fn = tk._down_splitk
+        fn = decode._down_splitk
         const = dict(K=K, N=N, HS=K, NOUT=N, A=1, BITS=bits, G=group, BK=bk, BN=bn, KSPLIT=ksplit, SKIP=False,
-                     ORDERED=True, COLUMNS=sums == "columns", ROWS=sums == "rows")
+                     ORDERED=True)
     else:
         raise ValueError(f"kernel: one of {', '.join(KERNELS)}, got {kernel!r}")
     return compile_jit(fn, _POINTERS[kernel], const, warps, arch)
 
 
-def compile_jit(fn, types: dict, const: dict, warps: int, arch: int) -> bytes:
-    """The cubin of any of the project's Triton kernels: `types` the Triton types of its runtime arguments
-    (those not named: "*fp16"), `const` its constexprs."""
+def compiled(fn, types: dict, const: dict, warps: int, arch: int):
+    """Any of the project's Triton kernels compiled (Triton's CompiledKernel: its cubin in .asm, the dynamic
+    shared memory it asks for in .metadata.shared): `types` the Triton types of its runtime arguments (those
+    not named: "*fp16"), `const` its constexprs."""
     _tools()                                   # ptxas, or the clear error before Triton's own
     import triton
     from triton.backends.compiler import GPUTarget
@@ -132,7 +124,12 @@ def compile_jit(fn, types: dict, const: dict, warps: int, arch: int) -> bytes:
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, "*fp16") for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def compile_jit(fn, types: dict, const: dict, warps: int, arch: int) -> bytes:
+    """The cubin of any of the project's Triton kernels (`compiled`)."""
+    return compiled(fn, types, const, warps, arch).asm["cubin"]
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
@@ -174,20 +171,20 @@ def main_loop(code: list[tuple[int, str, str]], passes: int) -> list[tuple[int, 
 
 
 def loop_cost(kernel: str, K: int, N: int, bits: int, group: int, bn: int, ksplit: int, warps: int,
-              arch: int = 90, sums: str = "weights") -> LoopCost:
+              arch: int = 90) -> LoopCost:
     bk = min(128, group)
     if K % (bk * ksplit):
         raise ValueError(f"{kernel}: K {K} is not a whole number of {ksplit} slices of {bk}-row tiles")
-    body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch, sums)),
+    body = main_loop(disassemble(compile_kernel(kernel, K, N, bits, group, bk, bn, ksplit, warps, arch)),
                      K // (bk * ksplit))
-    return _cost(kernel, sums, K, N, bits, bk, bn, ksplit, warps, body)
+    return _cost(kernel, K, N, bits, bk, bn, ksplit, warps, body)
 
 
-def _cost(kernel: str, sums: str, K: int, N: int, bits: int, bk: int, bn: int, ksplit: int, warps: int,
+def _cost(kernel: str, K: int, N: int, bits: int, bk: int, bn: int, ksplit: int, warps: int,
           body: list) -> LoopCost:
     ops = collections.Counter(op for _, op, _ in body)
     weights = (2 if kernel.startswith("gate_up") else 1) * bk * bn // (32 * warps)
-    return LoopCost(kernel, sums, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
+    return LoopCost(kernel, K, N, bits, bk, bn, ksplit, warps, len(body), weights, len(body) / weights,
                     ops["BAR"], dict(ops.most_common(10)))
 
 
@@ -206,23 +203,23 @@ def prologue_cost(shape: str, bits: int, group: int, ksplit: int, warps: int, ar
     passes = K // (bk * ksplit)
     body = main_loop(disassemble(compile_jit(_qkv_prologue, _TYPES, const, warps, arch)), passes)
     linear = main_loop(disassemble(compile_kernel("linear", K, nq, bits, group, bk, D, ksplit, warps, arch)), passes)
-    return [_cost("qkv_prologue", "weights", K, nq + 2 * nkv, bits, bk, D, ksplit, warps, body),
-            _cost("linear", "weights", K, nq, bits, bk, D, ksplit, warps, linear)]
+    return [_cost("qkv_prologue", K, nq + 2 * nkv, bits, bk, D, ksplit, warps, body),
+            _cost("linear", K, nq, bits, bk, D, ksplit, warps, linear)]
 
 
 def run(shape: str, bits: int, group: int, bn: int, ksplit: int, warps: int, arch: int,
-        sums: str = "weights", finish: bool = False) -> list[LoopCost]:
+        finish: bool = False) -> list[LoopCost]:
     """The split-K GEMVs' K loops at the shape's expert widths; finish: the two-launch experts' kernels beside."""
     from runtime.exl2.shapes import SHAPES
     s = SHAPES[shape]
     if not s.is_moe:
         raise ValueError(f"shape {shape!r} is not an MoE shape")
     h, i = s.hidden, s.expert_intermediate
-    out = [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch, sums),
-           loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch, sums)]
+    out = [loop_cost("gate_up", h, i, bits, group, bn, ksplit, warps, arch),
+           loop_cost("down", i, h, bits, group, bn, ksplit, warps, arch)]
     if finish:
-        out += [loop_cost("gate_up_finish", h, i, bits, group, bn, ksplit, warps, arch, sums),
-                loop_cost("down_finish", i, h, bits, group, bn, ksplit, warps, arch, sums)]
+        out += [loop_cost("gate_up_finish", h, i, bits, group, bn, ksplit, warps, arch),
+                loop_cost("down_finish", i, h, bits, group, bn, ksplit, warps, arch)]
     return out
 
 
@@ -236,25 +233,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bn", type=int, default=64)
     p.add_argument("--ksplit", type=int, default=4)
     p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--sums", default="weights", choices=("weights", "columns", "rows"),
-                   help="how a tile is summed (MOEDESK_GEMV_SUMS)")
     p.add_argument("--finish", action="store_true",
-                   help="also the two-launch experts' kernels (MOEDESK_MOE_FINISH, runtime/experts/moe_finish.py)")
+                   help="also the two-launch experts' kernels (runtime/experts/decode.py)")
     p.add_argument("--prologue", action="store_true",
-                   help="also attention's one-launch prologue and _linear_splitk over q (MOEDESK_QKV_FUSED)")
+                   help="also attention's one-launch prologue and _linear_splitk over q")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.shape not in SHAPES or not SHAPES[a.shape].is_moe:
         p.error(f"unknown MoE shape {a.shape!r}; choose from {sorted(k for k, s in SHAPES.items() if s.is_moe)}")
     try:
-        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch, a.sums, a.finish)
+        res = run(a.shape, a.bits, a.group, a.bn, a.ksplit, a.warps, a.arch, a.finish)
         if a.prologue:
             res += prologue_cost(a.shape, a.bits, a.group, a.ksplit, a.warps, a.arch)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"# {a.shape}, {a.bits}-bit codes, groups of {a.group}, sm_{a.arch}, BN {a.bn}, KSPLIT {a.ksplit}, "
-          f"{a.warps} warps, sums over {a.sums}")
+          f"{a.warps} warps")
     for r in res:
         top = ", ".join(f"{k} {v}" for k, v in r.top.items())
         print(f"{r.kernel:14s} K {r.K:6d} N {r.N:6d}: {r.loop_instructions} instructions per pass over "

@@ -42,7 +42,8 @@ from bench.roofline import hbm_bandwidth, pinned_h2d_bandwidth, sync_time
 from bench.verify import layer_loop
 from runtime import tuning
 from runtime.engine import offered, random_tokens
-from runtime.experts import manager as expert_manager
+from runtime.offload import manager as expert_manager
+from runtime.offload.cpu_share import CPU_BALANCE
 from runtime.options import LoadOptions, OffloadOptions
 
 GiB = 1024 ** 3
@@ -118,7 +119,7 @@ def decode_counted(engine, tok: int, n: int, warm: int) -> tuple[float, int, dic
 def force_uniform_routing(engine) -> None:
     """Every MoE layer picks its experts uniformly at random from now on, after its router has run as
     always (graphs captured again). The pick sets (2 MB for 128 experts, top-8) are outside the ledger."""
-    from runtime.experts.kernels import UniformPicks
+    from runtime.experts.routing import UniformPicks
     first = engine.moe[0].experts
     picks = UniformPicks.draw(first.num_experts, first.top_k, first.gate_w.device)
     engine.set_experiment(engine.experiment.replace(
@@ -368,15 +369,15 @@ def measure_cut(engine, rows: int, prompt: int, n_decode: int) -> dict[str, Any]
     """Decode again with every layer's CPU part held at `rows` intermediate rows (re-balancing off),
     then back to the cut the run had: the speed against the cut, side by side in one process."""
     m = engine.offload
-    kept, run = m.cut, engine.experiment
+    kept, run = m.cpu.cut, engine.experiment
     engine.set_experiment(run.replace(fixed_cut=True))
     try:
-        m.set_cut(rows)
-        before = m.balance_totals()
+        m.cpu.set_cut(rows)
+        before = m.cpu.balance_totals()
         tps, d = decode_after_prompt(engine, prompt, n_decode)
-        after = m.balance_totals()
+        after = m.cpu.balance_totals()
     finally:
-        m.set_cut(kept)
+        m.cpu.set_cut(kept)
         engine.set_experiment(run)
     first = after[0] - before[0]
     return {"cut_rows": rows, "decode_tps": tps, "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode,
@@ -395,7 +396,7 @@ def measure_without_lending(engine, prompt: int, n_decode: int) -> dict[str, Any
             raise RuntimeError("the prefill did not take the lent staging pages back")
     finally:
         engine.set_experiment(run)
-    return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]), "cut_rows": m.cut,
+    return {"decode_tps": tps, "hit_rate": d["hits"] / max(1, d["pairs"]), "cut_rows": m.cpu.cut,
             "cpu_ms_per_token": d["cpu_ns"] / 1e6 / n_decode}
 
 
@@ -628,8 +629,8 @@ def main(argv=None) -> int:
             "calibration_tokens": a.calibrate, "routing": a.routing, "prefetch_oracles": a.prefetch_oracle,
             "prefetch_pages": expert_manager.PREFETCH_PAGES,
             "grouped_kernels": dataclasses.asdict(tuning.current().grouped),    # prefill launch shape
-            "cpu_balance": expert_manager.CPU_BALANCE,                       # MOEDESK_CPU_BALANCE (0: static split)
-            "cpu_split": expert_manager.CPU_SPLIT,                           # MOEDESK_CPU_SPLIT: cut or experts
+            "cpu_balance": CPU_BALANCE,                                       # whole experts' balanced split
+            "cpu_split": "cut",                                               # where the layout allows it
             "notes": (("Budget 'all': every expert in VRAM, a load of its own without a budget, measured before "
                        "the budgets' load; its baseline decodes through the layer loop without the decode graphs. "
                        if a.all_in_vram else "")
@@ -707,7 +708,7 @@ def main(argv=None) -> int:
                                rig_ram)
             progress(f"measured: decode {r['decode_tps']:.1f} tok/s, ttft {r['ttft_s']:.2f} s, hit rate "
                      f"{r['hit_rate']:.1%}" + (f", cut {r['telemetry'].get('cpu_expert_cut')}"
-                                               if engine.offload.cut is not None else ""))
+                                               if engine.offload.cpu.cut is not None else ""))
             if i == 0:
                 r["vram_breakdown_gb"] = vram_breakdown(engine)
                 r["context_peak"] = context_peak(engine)
@@ -717,16 +718,16 @@ def main(argv=None) -> int:
                 r["profile"] = profile_after_prompt(engine, a.prompt,
                                                     Path(a.profile) / f"offload-{label}-{b:g}gb-{stamp}.txt")
                 progress(f"profiled: {r['profile']}")
-            if engine.offload.cpu_active and a.try_threads:
+            if engine.offload.cpu.active and a.try_threads:
                 r["other_threads"] = [measure_threads(engine, int(t), a.prompt, a.decode) for t in a.try_threads.split(",")]
                 progress("other team sizes: " + ", ".join(f"{x['threads']}: {x['decode_tps']:.1f} tok/s"
                                                           for x in r["other_threads"]))
-            if engine.offload.cpu_active and engine.offload.cut is not None and a.try_cuts:
+            if engine.offload.cpu.active and engine.offload.cpu.cut is not None and a.try_cuts:
                 r["other_cuts"] = [measure_cut(engine, int(c), a.prompt, a.decode) for c in a.try_cuts.split(",")
-                                   if int(c) <= engine.offload.cut_width]
+                                   if int(c) <= engine.offload.cpu.cut_width]
                 progress("other cuts: " + ", ".join(f"{x['cut_rows']}: {x['decode_tps']:.1f} tok/s "
                                                     f"(CPU first {x['cpu_first_share']:.0%})" for x in r["other_cuts"]))
-            if engine.offload.staging.lend and engine.offload.stage_capacity:
+            if engine.offload.staging.lend and engine.offload.staging.capacity:
                 r["without_lending"] = measure_without_lending(engine, a.prompt, a.decode)
                 progress(f"without lending staging pages: decode {r['without_lending']['decode_tps']:.1f} tok/s, "
                          f"hit rate {r['without_lending']['hit_rate']:.1%} (with: {r['lent_experts']} experts lent)")
@@ -754,7 +755,7 @@ def main(argv=None) -> int:
                     engine.recheck_placement()          # the run's routing again
                 progress("other routing: " + ", ".join(f"{x['routing']}: {x['decode_tps']:.1f} tok/s, hit rate "
                                                        f"{x['hit_rate']:.1%}" for x in r["other_routing"]))
-            if engine.offload.cpu_active:
+            if engine.offload.cpu.active:
                 r["without_cpu_path"] = measure_without_cpu_path(engine, a.prompt, a.decode, rig_hbm, rig_h2d, rig_ram)
                 progress(f"measured without the CPU path: decode {r['without_cpu_path']['decode_tps']:.1f} tok/s")
             r["setup"], r["setup_s"], r["applied"] = how, setup_s, applied
@@ -772,13 +773,13 @@ def main(argv=None) -> int:
                   f"{r['hit_rate']:.1%}, PCIe {r['pcie_bytes_per_token'] / 1e9:.2f} GB/token, uniform-routing roofline "
                   f"{r['roofline_uniform_routing']['overlapped_tps']:.1f}, top-8 experts take "
                   f"{r['routing_concentration'].get('top8', float('nan')):.0%} of picks"
-                  + (f", cut {r['telemetry'].get('cpu_expert_cut')}" if engine.offload.cut is not None else "")
+                  + (f", cut {r['telemetry'].get('cpu_expert_cut')}" if engine.offload.cpu.cut is not None else "")
                   + (f" (with the CPU path {r['roofline_uniform_routing']['pcie_and_cpu_overlapped_tps']:.1f})"
                      f", CPU experts {r['cpu_ms_per_token']:.2f} ms/token, {r['cpu_bytes_per_token'] / 1e9:.2f} GB/token "
                      f"at {r['cpu_gb_per_s']:.1f} GB/s, signal {(r['cpu_signal'] or '?').split(':')[0]} (per token: worker wake-up "
                      f"{r['cpu_timeline_ms_per_token']['wake']:.2f} ms, GPU kernels beside it "
                      f"{r['cpu_timeline_ms_per_token']['gpu']:.2f} ms, stream held for the CPU "
-                     f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if engine.offload.cpu_active else "") + "; naive: decode "
+                     f"{r['cpu_timeline_ms_per_token']['stall']:.2f} ms)" if engine.offload.cpu.active else "") + "; naive: decode "
                   f"{nv.get('decode_tps', float('nan')):.1f} tok/s, ttft {nv.get('ttft_s', float('nan')):.2f} s",
                   flush=True)
     finally:

@@ -35,7 +35,7 @@ def _child(case: str, threads: int, docked: int, shape: str, pool_mb: int, calls
     import torch
     from bench.cpu_experts import _pool, bench_store
     from runtime.exl2.shapes import SHAPES
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     if (why := ce.kernel_unavailable_reason()):
         raise SystemExit(f"the CPU expert kernel is unavailable: {why}")
     torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """Is the "auto" expert-path decision stable? Loads of one model at one budget under forced uniform
-routing, each deciding the CPU path from measured decode steps (runtime/experts/path_judge.py), then
+routing, each deciding the CPU path from measured decode steps (runtime/offload/path_judge.py), then
 decoding. GPU only.
 
     python -m bench.placement_loads --model DIR --vram-budget 24 --loads 5 [--measure-each-load] [--deadline-s 360]
@@ -88,9 +88,9 @@ def another_load_fits(elapsed_s: float, load_s: Sequence[float], deadline_s: flo
 def saved_gpu_only(engine) -> str:
     """The reason of a GPU-only decision saved for the engine's model, budget and forced routing
     ("" when none is saved, or it is the CPU path)."""
-    from runtime.backends.exl2_decisions import decisions_file
-    from runtime.backends.exl2_placement import decision_key
-    from runtime.experts.path_judge import read_decision
+    from runtime.offload.path_judge import decisions_file
+    from runtime.backends.expert_path import decision_key
+    from runtime.offload.path_judge import read_decision
     prior = read_decision(decisions_file(), decision_key(engine))
     if prior is None or prior.get("path") != "stream":
         return ""
@@ -147,7 +147,7 @@ def one_load(model: str, budget: float, context: int, prompt: int, warm: int, de
                 "decision_at_load_model_routing": at_load, "decision": decision, "decide_s": decide_s,
                 "decision_after_decode": checked, "decode_tps": tps, "decode_tps_median_step": tps_median,
                 "decode_steps": len(steps), "hit_rate": d["hits"] / max(1, d["pairs"]),
-                "cpu_threads": cpu[0].ctx.threads if cpu else None, "cpu_cut": engine.offload.cut,
+                "cpu_threads": cpu[0].ctx.threads if cpu else None, "cpu_cut": engine.offload.cpu.cut,
                 "residents": [len(lo.expert_slot) for lo in engine.offload.layers],
                 "lent_experts": sum(len(lo.lent) for lo in engine.offload.layers),
                 "applied_placement": applied.get("offload.placement"), "redecisions": again,

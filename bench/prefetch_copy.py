@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from runtime.experts import kernels as K
+from runtime.offload import prefetch as K
 from bench.grouped import _time
 
 

@@ -5,7 +5,7 @@ weights once, at the bandwidth measured on the machine it ran on.
   token the engine reports (`weight_bytes_per_token`).
 - CUDA engines: HBM copy bandwidth, read plus write (`hbm_bandwidth` below) / the same bytes
   (for the EXL2 engine, which reports none, from the folder's tensor sizes: bench/weight_bytes.py). With expert offload, where the telemetry gives the expert hit rate and the bytes
-  per token by part, the placement's bound too (runtime/experts/placement.py `bytes_roofline`): the
+  per token by part, the placement's bound too (runtime/offload/placement.py `bytes_roofline`): the
   resident share of the top-k experts and the dense weights from HBM, the cold share over PCIe (pinned
   host->device bandwidth, `pinned_h2d_bandwidth` below) or, the CPU path's share, from host RAM.
 
@@ -114,7 +114,7 @@ def measure_ceilings_apart(backend: str, timeout: float = 300.0) -> dict[str, fl
 
 def _placement(tel: dict, ceilings: dict) -> Optional[dict[str, Any]]:
     """The offloaded placement's bound from the telemetry's hit rate, or None where it lacks what is needed."""
-    from runtime.experts.placement import bytes_roofline
+    from runtime.offload.placement import bytes_roofline
     hit, parts = tel.get("expert_hit_rate"), tel.get("weight_bytes_per_token_parts") or {}
     if hit is None or not parts.get("experts") or "pinned_h2d_gbps" not in ceilings:
         return None

@@ -20,7 +20,7 @@ The placement check (`compare_policies`): per layer, a cache of C expert slots r
 LRU (every miss copied in, the least recently used out), by the manager's frequency placement (the
 most routed experts of a calibration prefix resident, then swaps when a cold expert's decayed count
 beats the weakest resident's by the manager's margin, at most 2 per 16 tokens:
-runtime/experts/manager.OffloadManager.decide), and by the same rule on recent counts (a short
+runtime/offload/residency.Residency.decide), and by the same rule on recent counts (a short
 half-life, more swaps: a mix of the two). Hit rates alone favour recency; what the GPU pays is the
 PCIe traffic, where every LRU miss is read in place and copied in as well. Pure numpy.
 """
@@ -193,10 +193,10 @@ def compare_policies(picks: np.ndarray, num_experts: int, capacities, calibrate:
 
 def forced_picks(num_layers: int, num_experts: int, top_k: int, device, tokens: int = 8192,
                  profile: str = "qwen3-30b-a3b", seed: int = 0) -> list:
-    """One kernels.UniformPicks per layer whose table is that layer's trace (the forced-pick mechanism
+    """One routing.UniformPicks per layer whose table is that layer's trace (the forced-pick mechanism
     of `--routing uniform`, fed a trace instead of uniform draws; each routed row takes the next row)."""
     import torch
-    from runtime.experts.kernels import UniformPicks
+    from runtime.experts.routing import UniformPicks
     picks = generate(tokens, num_experts, top_k, PROFILES[profile], layers=num_layers, seed=seed)
     return [UniformPicks(torch.from_numpy(picks[i]).to(device), torch.zeros(1, dtype=torch.int64, device=device))
             for i in range(num_layers)]

@@ -2,7 +2,7 @@
 logit bias, and the log-probabilities it reports. Applied to each row of logits before runtime/sampling.py.
 
     steer = steering_for(cmd, tokenizer, vocab, prompt_len, tool_format)   # None when the request asks nothing
-    tok = choose(raw_row, history, opts, generator, steer)                  # what every decoder samples through
+    tok = sampling.choose(raw_row, history, opts, generator, steer)         # what every decoder samples through
 
 `Steering.row(raw, history)` is the row the sampler sees: logit bias, then presence and frequency penalties
 over the answer's tokens so far, then the grammar's mask (tokens the grammar refuses at -inf). Whoever takes
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from runtime import grammars
-from runtime import sampling
 from runtime.errors import BadRequest, EngineError
 
 MAX_TOP_LOGPROBS = 20
@@ -165,16 +164,6 @@ class Steering:
     def pop_records(self, n: int) -> list:
         out, self.records = self.records[:n], self.records[n:]
         return out
-
-
-def choose(raw: torch.Tensor, history: Sequence[int], opts: Any, generator: Any = None,
-           steer: Optional[Steering] = None) -> int:
-    """One token from a raw row of logits, through the request's steering (None: plain sampling)."""
-    if steer is None:
-        return sampling.sample(raw, history, opts, generator)
-    tok = sampling.sample(steer.row(raw, history), history, opts, generator)
-    steer.took(raw, tok)
-    return tok
 
 
 def steering_for(cmd: Any, tokenizer: Any, vocab: int, prompt: Sequence[int], prefix_tokens: int,

@@ -7,6 +7,9 @@ a cancel takes effect within one step).
 Cache contract (shared with runtime/speculative/): between steps the engine's cache holds every
 token of the sequence but the last, pending one. A decoder's `step(tokens, max_new) -> new` returns
 1..max_new new tokens and leaves the cache holding `tokens + new[:-1]`.
+
+Stop strings (`StopMatcher`) are found in the streamed text, holding back any tail that could still
+become one, so a stop string is never emitted even when it arrives split over several deltas.
 """
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from runtime.constrained import Steering, choose
+from runtime.constrained import Steering
 from runtime.engine import Engine, offered
 from runtime.errors import BadRequest, ContextOverflow
 from runtime.options import DraftOptions, SamplingOptions
 from runtime.records import DraftStats, GenerationStats
-from runtime.tokenizer import StopMatcher
+from runtime.sampling import choose
 
 TextFn = Callable[[str, int], None]          # (text delta, tokens it covers)
 StepFn = Callable[["LiveStats"], None]       # called after every prefill chunk and decode step
@@ -59,6 +62,43 @@ class PlainDecoder:
 
     def stats(self) -> Optional[DraftStats]:
         return None
+
+
+class StopMatcher:
+    """Stop strings over streamed text: `feed(delta) -> (text safe to emit, stopped)`."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped: Optional[str] = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped is not None:
+            return "", True
+        buf = self._held + text
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
+        if hits:
+            at, stop = min(hits)
+            self._held, self.stopped = "", stop
+            return buf[:at], True
+        keep = self._longest_pending(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail when the stream ends without a stop string."""
+        out, self._held = self._held, ""
+        return "" if self.stopped is not None else out
+
+    def _longest_pending(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
 
 
 def make_generator(seed: Optional[int]):
@@ -159,18 +199,28 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
     tokens = prompt + [choose(offered(engine, logits)[-1].float(), prompt, sampling, generator, steer)]
     t_first = time.perf_counter()
     live.phase, live.ttft_s = "decode", t_first - t0
-    new = [tokens[-1]]
     generated: list[int] = []
-    reason = None
+    reason = _decode(decoder, tokens, generated, limit, eos, lambda tok: stops.feed(detok.push([tok])), emit, live,
+                     step_hook, should_stop, t_first)
+    if reason != "stop_string":
+        emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
+    return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
 
-    # Decode: account for each new token, then ask the decoder for more.
+
+def _decode(decoder: Any, tokens: list[int], generated: list[int], limit: int, eos: frozenset,
+            feed: Callable[[int], tuple[str, bool]], emit: Callable[[str, int], None], live: LiveStats,
+            step_hook: StepFn, should_stop: Callable[[], bool], t_first: float) -> str:
+    """Decode after the first token (tokens[-1]): account for each new token (into `generated`, its text
+    through `feed` to the stop strings and `emit`), then ask the decoder for more; the reason it ended."""
+    new = [tokens[-1]]
     while True:
+        reason = None
         for tok in new:
             generated.append(tok)
             if tok in eos:
                 reason = "eos"
                 break
-            text, stopped = stops.feed(detok.push([tok]))
+            text, stopped = feed(tok)
             emit(text, 1)
             if stopped:
                 reason = "stop_string"
@@ -184,16 +234,11 @@ def generate(engine: Engine, tokenizer: Any, prompt: Sequence[int], sampling: Sa
         live.draft = decoder.stats()
         step_hook(live)
         if reason:
-            break
+            return reason
         if should_stop():
-            reason = "cancelled"
-            break
+            return "cancelled"
         new = decoder.step(tokens, max_new=limit - len(generated))   # drafting never runs past the limit
         tokens.extend(new)
-
-    if reason != "stop_string":
-        emit(stops.feed(detok.flush())[0] + stops.flush(), 0)
-    return _finish(reason, live, t0, t_first, generated, out_text, decoder, tokens[:-1])
 
 
 def _finish(reason: str, live: LiveStats, t0: float, t_first: Optional[float], generated: list[int],

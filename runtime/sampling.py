@@ -3,6 +3,7 @@
     transform(logits, history, opts)      -> logits'  [V]  masked tokens are -inf
     probabilities(logits, history, opts)  -> probs    [V]  softmax of transform (one-hot at temperature 0)
     sample(logits, history, opts, gen)    -> int           temperature 0: argmax of the penalised logits
+    choose(raw, history, opts, gen, steer) -> int          sample through a request's steering (runtime/constrained.py)
 
 Order, as in Hugging Face transformers' generate: repetition penalty (over the tokens in `history`:
 positive logits divided by the penalty, negative ones multiplied), temperature, top-k, top-p (the
@@ -16,10 +17,11 @@ Shapes: V vocabulary, C candidate tokens (top-k of V, or all V sorted). Works on
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from runtime.constrained import Steering
 from runtime.options import SamplingOptions
 
 History = Union[Sequence[int], torch.Tensor]
@@ -80,6 +82,17 @@ def sample(logits: torch.Tensor, history: History, opts: SamplingOptions,
         _check(logits, opts)
         return int(torch.argmax(penalise(logits, history, opts.repetition_penalty)))
     return draw(probabilities(logits, history, opts), generator)
+
+
+def choose(raw: torch.Tensor, history: Sequence[int], opts: SamplingOptions, generator: Any = None,
+           steer: Optional[Steering] = None) -> int:
+    """One token from a raw row of logits, through the request's steering (a runtime/constrained.py
+    `Steering`: grammar, penalties, logprobs; None: plain sampling). Every decoder samples through it."""
+    if steer is None:
+        return sample(raw, history, opts, generator)
+    tok = sample(steer.row(raw, history), history, opts, generator)
+    steer.took(raw, tok)
+    return tok
 
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:

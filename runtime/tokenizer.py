@@ -8,8 +8,8 @@
   folder is read.
 - `StreamDecoder`: turns token ids into text deltas that never end inside a UTF-8 character
   (byte-level BPE and byte-fallback tokens like <0xE2> can split one character over several tokens).
-- `StopMatcher`: finds stop strings in streamed text, holding back any tail that could still
-  become one, so a stop string is never emitted even when it arrives split over several deltas.
+
+Stop strings in the streamed text: `runtime/generate.py`'s `StopMatcher`.
 """
 from __future__ import annotations
 
@@ -221,40 +221,3 @@ class StreamDecoder:
         after = self._decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         self._prefix = self._read = len(self._ids)
         return after[len(before):].rstrip(REPLACEMENT)
-
-
-class StopMatcher:
-    """Stop strings over streamed text: `feed(delta) -> (text safe to emit, stopped)`."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self._held = ""
-        self.stopped: Optional[str] = None
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if self.stopped is not None:
-            return "", True
-        buf = self._held + text
-        hits = [(buf.find(s), s) for s in self.stops if s in buf]
-        if hits:
-            at, stop = min(hits)
-            self._held, self.stopped = "", stop
-            return buf[:at], True
-        keep = self._longest_pending(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        """The held-back tail when the stream ends without a stop string."""
-        out, self._held = self._held, ""
-        return "" if self.stopped is not None else out
-
-    def _longest_pending(self, buf: str) -> int:
-        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

@@ -3,8 +3,13 @@
 `Tuning` holds every MOEDESK_ tuning switch, typed, with its default, description and allowed values
 (in the style of runtime/options.py, whose options the user sets in the app; these are for experiments,
 comparisons and tests). `Tuning.from_environment()` builds one and refuses a bad value with a message
-naming the variable and what it allows. The worker builds it once at start (`install`); the engine's
-modules read the installed one through `current()`. Tests build their own and install it with `use`.
+naming the variable and what it allows. The worker builds it once at start (`install`); an engine's load
+reads the installed one once (`current()`) and hands its fields to the constructors of what it builds, so
+no forward reads a global (a captured CUDA graph keeps what it saw). Tests build their own and install it
+with `use`, or hand it to a load.
+
+Switches that chose between implementations of the same math were measured and cut (docs/engine-notes.md,
+"Tuning"): what is left are launch shapes, what a measurement showed winning somewhere, and load steps.
 
 The accessor functions below read the variables that are not tuning (where the app keeps its files,
 the CUDA toolchain, the server's API key, ...). Pure Python: the GUI imports this module too.
@@ -81,73 +86,22 @@ def parse_splitk(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Tuning:
-    # the expert kernels (runtime/experts/kernels.py)
-    gemv_max_pairs: int = knob(64, "MOEDESK_GEMV_MAX_PAIRS", "Most (token, expert) pairs the split-K GEMVs "
-                               "take; more go to the grouped kernels (one read per expert and block of rows).",
-                               min=1, max=1 << 16)
+    # launch shapes of the expert kernels (runtime/experts/): the same kernels, timed in other shapes
     grouped: Grouped = knob(Grouped(), "MOEDESK_GROUPED", "Launch shape of the grouped (prefill) kernels: "
-                            "bm_small,bm_large,bn,bk,warps,stages.")
+                            "bm_small,bm_large,bn,bk,warps,stages (bench.grouped times others).")
     splitk: Optional[tuple[int, int]] = knob(None, "MOEDESK_SPLITK", "One split-K GEMV launch shape BNxKSPLIT "
-                                             "instead of the fastest timed (empty: timed).")
-    verify_reads: str = knob("union", "MOEDESK_VERIFY_READS", "How offloaded layers read the experts of a "
-                             "verify's rows (2-9): each chosen expert once through the grouped kernels (union), "
-                             "or per row and expert through the split-K GEMVs (rows) as all-in-VRAM layers do.",
-                             choices=("union", "rows"))
-    gemv_sums: str = knob("weights", "MOEDESK_GEMV_SUMS", "How the split-K GEMVs sum a tile: every weight scaled "
-                          "and centred (weights), or the scale and the codes' offset applied once to each column's sum "
-                          "(columns: fewer instructions per weight, bench.kernel_sass), or as columns but each thread "
-                          "summing whole columns of the tile's code words (rows: no data moved between threads; 4- and "
-                          "8-bit codes, 3-bit ones by columns; runtime/experts/gemv_rows.py). Off until measured.",
-                          choices=("weights", "columns", "rows"))
-    cut_align: int = knob(64, "MOEDESK_CUT_ALIGN", "Rows of a step of the CPU cut of an expert's intermediate.",
-                          choices=(32, 64, 128))
-    # the CPU expert path (runtime/experts/cpu_path.py, cpu_signal.py, cpu_experts.py, manager.py)
-    cpu_signal: str = knob("auto", "MOEDESK_CPU_SIGNAL", "How a decode step's stream signals the CPU thread: "
-                           "stream memory operations where they work (auto), or one of them forced.",
-                           choices=("auto", "memops", "hostfunc"))
+                                             "instead of the fastest timed (empty: timed; tests cut K with it).")
     cpu_kernel_isa: str = knob("auto", "MOEDESK_CPU_KERNEL_ISA", "The vector path of the CPU kernels: the best "
                                "this CPU runs (auto), or a lower one forced (docs/cpu-kernel.md).",
                                choices=("auto", "avx512_vnni", "avx2", "scalar"))
-    auto_cpu_path: bool = knob(True, "MOEDESK_AUTO_CPU_PATH", "Placement 'auto' takes the CPU expert path "
-                               "where it pays (0: only placement 'cpu' does).")
-    cpu_split: str = knob("cut", "MOEDESK_CPU_SPLIT", "How cold picks are shared: each cut between CPU and "
-                          "GPU (cut), or whole experts to either side (experts).", choices=("cut", "experts"))
-    cpu_balance: float = knob(1.5, "MOEDESK_CPU_BALANCE", "Balanced split: CPU copies of this many times the "
-                              "static split's experts; 0 is the static split.", min=0.0, max=64.0)
+    # expert offload (runtime/offload/)
     lend_staging: bool = knob(True, "MOEDESK_LEND_STAGING", "Lend the staging pages to cold experts between "
-                              "prefills (0: off, to compare).")
-    prefetch_pages: int = knob(1, "MOEDESK_PREFETCH", "Experts per layer copied ahead while decoding (0: off).",
-                               min=0, max=8)
+                              "prefills (0: off; it lost in two of four runs, docs/engine-notes.md).")
     route_prior: bool = knob(True, "MOEDESK_ROUTE_PRIOR", "Measure a routing prior from a calibration prompt at "
                              "a load without saved routing statistics (0: experts placed as if uniform).")
-    route: str = knob("fused", "MOEDESK_ROUTE", "Routing: the fused kernel after the norm's, the norm and routing "
-                      "in one launch (normed: RMSNorm layers; not yet measured), or plain torch (to compare).",
-                      choices=("fused", "normed", "torch"))
-    align: str = knob("torch", "MOEDESK_ALIGN", "How a prefill's pairs are sorted into the grouped kernels' "
-                      "blocks: torch ops, or one Triton launch (kernel; not yet measured).",
-                      choices=("torch", "kernel"))
-    moe_add: str = knob("fused", "MOEDESK_MOE_ADD", "The MoE output added to the residual by the kernel "
-                        "(fused) or by torch (plain).", choices=("fused", "plain"))
-    moe_finish: bool = knob(False, "MOEDESK_MOE_FINISH", "Decode experts of layers all in VRAM in two launches: "
-                            "gate/up's last K slice stores SiLU(gate) x up, down's adds the sum into the residual "
-                            "(no memset, no add; runtime/experts/moe_finish.py; 1: on, off until measured).")
     pin_ahead: int = knob(1, "MOEDESK_PIN_AHEAD", "Blocks of page-locked host RAM for offloaded experts (4 GiB "
                           "each) prepared ahead of the load, on as many threads.", min=0, max=4)
-    # the EXL2 backend (runtime/backends/)
-    graph_attn: str = knob("triton", "MOEDESK_GRAPH_ATTN", "Attention inside the decode graphs.",
-                           choices=("triton", "bmm", "sdpa"))
-    capture_mode: str = knob("relaxed", "MOEDESK_CAPTURE_MODE", "CUDA graph capture error mode.",
-                             choices=("relaxed", "global", "thread_local"))
-    prefill_attn: str = knob("auto", "MOEDESK_PREFILL_ATTN", "Prefill attention: flash/SDPA where they apply "
-                             "(auto), or exllamav2's matmul attention.", choices=("auto", "matmul"))
-    dense_gemv: bool = knob(False, "MOEDESK_DENSE_GEMV", "Dense EXL2 projections (attention's q/k/v/o) on "
-                            "1-9 rows through the experts' split-K GEMV instead of exllamav2's GEMM (1: on; "
-                            "off until measured).")
-    qkv_fused: bool = knob(False, "MOEDESK_QKV_FUSED", "Attention's decode prologue (norm, q/k/v, head norms, "
-                           "RoPE) in one launch of the split-K GEMV, its o through the GEMV too (1: on; implies "
-                           "MOEDESK_DENSE_GEMV for the attentions it takes; off until measured).")
-    graphs: bool = knob(True, "MOEDESK_NO_GRAPHS", "Decode through CUDA graphs (set the variable to turn off).",
-                        flag=True)
+    # the load (runtime/backends/)
     warmup: bool = knob(True, "MOEDESK_NO_WARMUP", "Warm the kernels up at load (set the variable to turn off).",
                         flag=True)
     # chat templates (runtime/chat_template.py)
@@ -208,8 +162,6 @@ def _parse(tp: Any, f: dataclasses.Field, name: str, text: str) -> Any:
         raise bad(f"want {_allowed(f)}")
     if m["min"] is not None and not (m["min"] <= value <= m["max"]):
         raise bad(f"want {_allowed(f)}")
-    if f.name == "cpu_balance" and 0 < value < 1:
-        raise bad("want 0 (off) or the copies' factor, at least 1 (e.g. 1.5)")
     return value
 
 

@@ -354,10 +354,10 @@ class Worker:
         else:
             raise BadRequest("generate: messages is empty and no prompt was given")
         prompt = fitted.tokens
-        generator = make_generator(cmd.sampling.seed)
-        draft = cmd.draft if cmd.draft is not None else self.load_options.draft
         vocab = self.engine.info.vocab_size
         steer = steering_for(cmd, self.tokenizer, vocab, prompt, fitted.prefix_tokens, fmt)   # grammar, penalties...
+        generator = make_generator(cmd.sampling.seed)
+        draft = cmd.draft if cmd.draft is not None else self.load_options.draft
         decoder = make_decoder(self.engine, cmd.sampling, generator, draft, self.draft_engine, steer)
         rid = cmd.request_id
         scored = steer is not None and steer.top_logprobs is not None

@@ -269,25 +269,18 @@ def test_warm_attention_runs_each_variant_once_and_restores_the_cache(attn, monk
     assert all(d <= t for _, _, d, t in seen)
 
 
-# -- the graph's alternative attention paths (MOEDESK_GRAPH_ATTN=bmm / sdpa), plain torch --------------
+# -- the GPU check's reference (bench/check_attention.py: the bmm path the graphs ran before), plain torch ----
 
 @pytest.mark.skipif(INTERPRETED, reason="plain torch: runs in the parent")
-@pytest.mark.parametrize("kind", ["bmm", "sdpa"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_bmm_and_sdpa_paths_match_reference(kind, T):
+def test_the_bmm_reference_matches_the_plain_one(T):
     from bench.check_attention import _bmm_path
-    from runtime.backends.exl2_graph import DecodeGraphs
     Hq, Hk, D, S, L, pos = 8, 2, 64, 64, 48, 21
     q, k, v, K, V = make(Hq, Hk, D, S, seed=6, T=T)
     K0, V0 = K.clone(), V.clone()
     pos64 = pos + torch.arange(T)
     mask = torch.where(torch.arange(L)[None, :] <= pos64[:, None], 0.0, float("-inf"))     # [T, L]
-    if kind == "bmm":
-        o = _bmm_path(q, k, v, K, V, pos64, mask, L, Hq, Hk, D, D ** -0.5)
-    else:
-        K.index_copy_(1, pos64, k.view(1, T, Hk, D))
-        V.index_copy_(1, pos64, v.view(1, T, Hk, D))
-        o = DecodeGraphs._attn_sdpa(q.float(), K.float(), V.float(), L, mask, Hq, Hk, D, D ** -0.5)
+    o = _bmm_path(q, k, v, K, V, pos64, mask, L, Hq, Hk, D, D ** -0.5)
     assert o.shape == q.shape
     assert rel(o.float().view(-1), reference(q, k, v, K0, V0, pos, D ** -0.5)) < 2e-3
     assert torch.equal(K[0, pos:pos + T], k.view(T, Hk, D))

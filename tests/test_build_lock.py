@@ -71,7 +71,7 @@ def test_the_cpu_kernel_builds_in_its_own_folder_under_the_lock(tmp_path, monkey
     dead build's baton there no longer makes the load wait."""
     import torch
     import torch.utils.cpp_extension as cpp_extension
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
     monkeypatch.setattr(ce, "_EXT", None)
     monkeypatch.setattr(ce, "_EXT_ERROR", None)

@@ -16,9 +16,10 @@ import torch
 
 from runtime import protocol as P
 from runtime import sampling
-from runtime.constrained import Constraint, Steering, choose, steering_for
+from runtime.constrained import Constraint, Steering, steering_for
 from runtime.errors import BadRequest
 from runtime.options import DraftOptions, SamplingOptions
+from runtime.sampling import choose
 from runtime.speculative import core, make_decoder
 from tests.test_speculative_toy import MarkovEngine, chi_square, start
 

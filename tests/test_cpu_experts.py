@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from runtime.cpu import experts as ce
 from runtime.exl2 import format as fmt
-from runtime.experts import cpu_experts as ce
 
 H, I, E, A = 256, 128, 6, 3
 # Relative max error vs the float64 forward of the fp16-dequantized weights (max |y - ref| / max |ref|):
@@ -191,7 +191,7 @@ def test_a_path_is_forced_by_the_environment_and_a_missing_one_refused():
     import subprocess
     import sys
     _kernel_or_skip()
-    code = ("from runtime.experts import cpu_experts as ce\n"
+    code = ("from runtime.cpu import experts as ce\n"
             "why = ce.kernel_unavailable_reason()\n"
             "print(ce.load_kernel().isa() if why is None else why)")
     for isa in _isas():

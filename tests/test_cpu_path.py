@@ -9,10 +9,10 @@ from typing import Sequence
 import pytest
 import torch
 
+from runtime.budget import BudgetError, MemoryBudget
+from runtime.cpu import experts as ce
+from runtime.cpu import path as cpath
 from runtime.exl2 import format as fmt
-from runtime.experts import cpu_experts as ce
-from runtime.experts import cpu_path as cpath
-from runtime.experts.budget import BudgetError, MemoryBudget
 from runtime.experts.pack import PackedExperts, dequantize_packed, pack_experts
 
 H, I, E, A = 128, 96, 6, 3
@@ -395,7 +395,7 @@ def test_throughput_is_measured_once_per_shape():
 
 def _manager(policy="cpu", ram=None, n=2):
     from bench.check_experts import random_layer
-    from runtime.experts.manager import OffloadManager
+    from runtime.offload.manager import OffloadManager
     layers = [random_layer(8, 64, 32, 2, 4, "cpu", seed=i, host_codes=True) for i in range(n)]
     return OffloadManager(layers, MemoryBudget(1 << 40), policy, cpu_threads=1, ram=ram)
 
@@ -403,7 +403,7 @@ def _manager(policy="cpu", ram=None, n=2):
 @pytest.fixture
 def slow_pcie(monkeypatch):
     """Rates that make the CPU worth it at these tiny shapes (measured CPU rate, no fixed overhead)."""
-    from runtime.experts import cpu_share
+    from runtime.offload import cpu_share
     monkeypatch.setattr(cpath, "PCIE_GUESS", 1e3)
     monkeypatch.setattr(cpu_share, "CPU_OVERHEAD_S", 0.0)
 
@@ -413,7 +413,7 @@ def test_placement_cpu_gives_layers_cpu_copies_of_cold_experts_only(slow_pcie):
     m = _manager(ram=ram)
     m.apply([[0, 2, 5], list(range(8))])
     a, b = m.layers
-    assert m.cpu_active and m.cpu_reason == "" and b.cpu is None and b.path == "vram"
+    assert m.cpu.active and m.cpu.reason == "" and b.cpu is None and b.path == "vram"
     assert a.path == "cpu+stream" and a.cpu.owned_set and not a.cpu.owned_set & {0, 2, 5}
     assert a.cpu.skip.tolist() == [int(e in a.cpu.owned_set) for e in range(8)]
     assert ram.used_bytes == a.cpu.nbytes > 0
@@ -453,7 +453,7 @@ def test_a_lent_expert_is_the_gpus_until_its_page_is_taken_back(slow_pcie):
     m.apply([[0, 1]])
     lo = m.layers[0]
     owned = set(lo.cpu.owned_set)
-    assert owned and m.stage_capacity * 2 >= 6
+    assert owned and m.staging.capacity * 2 >= 6
     m.step_boundary(1)
     assert lo.cpu.owned_set == owned                             # copies queued: still the CPU's
     m.step_boundary(1)
@@ -465,48 +465,42 @@ def test_a_lent_expert_is_the_gpus_until_its_page_is_taken_back(slow_pcie):
 
 
 def test_auto_takes_the_cpu_path_where_it_pays_and_streams_when_ram_is_short(slow_pcie, monkeypatch):
-    from runtime.experts import manager as mgr
     m = _manager(policy="auto")
     m.apply([[0], [1]])
-    assert m.cpu_active and m.cpu_reason == "" and m.telemetry().cpu_expert_path == "on"
+    assert m.cpu.active and m.cpu.reason == "" and m.telemetry().cpu_expert_path == "on"
     m = _manager(policy="stream")
     m.apply([[0], [1]])
-    assert not m.cpu_active and m.cpu_reason == "placement 'stream'"
-    monkeypatch.setattr(mgr, "AUTO_CPU", False)
-    m = _manager(policy="auto")
-    m.apply([[0], [1]])
-    assert not m.cpu_active and "MOEDESK_AUTO_CPU_PATH=0" in m.cpu_reason
-    monkeypatch.setattr(mgr, "AUTO_CPU", True)
+    assert not m.cpu.active and m.cpu.reason == "placement 'stream'"
     short = MemoryBudget(1000, "RAM")                            # "auto": stream, and say why
     m = _manager(policy="auto", ram=short)
     m.apply([[0], [1]])
-    assert not m.cpu_active and "the RAM budget is short for the CPU copies" in m.cpu_reason and short.used_bytes == 0
-    assert "of RAM but only" in m.cpu_reason                    # what ran out, and how much was left
+    assert not m.cpu.active and "the RAM budget is short for the CPU copies" in m.cpu.reason and short.used_bytes == 0
+    assert "of RAM but only" in m.cpu.reason                    # what ran out, and how much was left
     assert m.telemetry().cpu_expert_path.startswith("off: ") and m.telemetry().expert_paths == ["stream"] * 2
     m = _manager(policy="cpu")
     m.apply([list(range(8))] * 2)
-    assert not m.cpu_active and m.cpu_reason == "every expert is in VRAM"
+    assert not m.cpu.active and m.cpu.reason == "every expert is in VRAM"
 
 
 def test_the_cpu_path_switched_off_and_on_again_between_forwards(slow_pcie, monkeypatch):
-    """What the expert-path judge does (runtime/backends/exl2_placement.py): off, then on whatever the
+    """What the expert-path judge does (runtime/backends/expert_path.py): off, then on whatever the
     predicted gain, for the same resident sets; lent pages are taken back first (measuring PCIe for
     the split writes a staging page)."""
-    from runtime.experts import cpu_share
+    from runtime.offload import cpu_share
     m = _manager(policy="auto", n=1)
     m.staging.lend = True
     m.apply([[0, 1]])
     lo = m.layers[0]
     owned = set(lo.cpu.owned_set)
-    assert m.cpu_active and m.cpu_predicted_gain > 0 and m.cpu_unavailable == ""
+    assert m.cpu.active and m.cpu.predicted_gain > 0 and m.cpu.unavailable == ""
     m.step_boundary(1)
     m.step_boundary(1)
     assert lo.lent                                               # pages lent to cold experts
-    assert not m.set_cpu_path(False, "measured slower")
-    assert not lo.lent and lo.cpu is None and m.cpu.split is None and m.cpu_reason == "measured slower"
+    assert not m.cpu.set_path(False, "measured slower")
+    assert not lo.lent and lo.cpu is None and m.cpu.split is None and m.cpu.reason == "measured slower"
     assert lo.path == "stream" and m.telemetry().cpu_expert_path == "off: measured slower"
     monkeypatch.setattr(cpu_share, "AUTO_CPU_MIN_GAIN", 1e9)           # a gain "auto" alone would not take
-    assert m.set_cpu_path(True)
+    assert m.cpu.set_path(True)
     assert lo.cpu.owned_set == owned and lo.path == "cpu+stream" and sorted(lo.expert_slot) == [0, 1]
     m.close()
 
@@ -520,14 +514,14 @@ def test_the_cpu_path_set_aside_comes_back_at_once_with_its_ownership_synced(slo
     lo = m.layers[0]
     cpu, used = lo.cpu, ram.used_bytes
     e = sorted(cpu.owned_set)[0]
-    assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
+    assert not m.cpu.set_path(False, "timing the GPU-only path", keep=True)
     assert lo.cpu is None and lo.path == "stream" and ram.used_bytes == used       # copies kept
     m.residency.swap(0, 1, e)                                  # a promotion while set aside
     lo.poll()
-    assert m.set_cpu_path(True)
+    assert m.cpu.set_path(True)
     assert lo.cpu is cpu and e not in cpu.owned_set and (1 in cpu.owned_set) == cpu.stores(1)
     assert cpu.skip.tolist() == [int(i in cpu.owned_set) for i in range(8)]
-    assert not m.set_cpu_path(False, "measured slower")          # off for good: the copies freed
+    assert not m.cpu.set_path(False, "measured slower")          # off for good: the copies freed
     assert ram.used_bytes == 0 and m.cpu._parked is None
     m.close()
 
@@ -539,25 +533,25 @@ def test_a_trial_s_end_frees_the_cpu_copies_it_set_aside(slow_pcie):
     ram = MemoryBudget(1 << 30, "RAM")
     m = _manager(policy="auto", ram=ram, n=1)
     m.apply([[0, 1]])
-    assert m.cpu_active and ram.used_bytes > 0
-    assert not m.set_cpu_path(False, "timing the GPU-only path", keep=True)
+    assert m.cpu.active and ram.used_bytes > 0
+    assert not m.cpu.set_path(False, "timing the GPU-only path", keep=True)
     assert ram.used_bytes > 0                                      # set aside, still held
-    m.release_parked_cpu_path()
-    assert ram.used_bytes == 0 and m.cpu._parked is None and not m.cpu_active
-    m.release_parked_cpu_path()                                    # nothing set aside: nothing to do
-    assert m.set_cpu_path(True) and ram.used_bytes > 0             # a later trial builds its own
+    m.cpu.release_parked()
+    assert ram.used_bytes == 0 and m.cpu._parked is None and not m.cpu.active
+    m.cpu.release_parked()                                    # nothing set aside: nothing to do
+    assert m.cpu.set_path(True) and ram.used_bytes > 0             # a later trial builds its own
     m.close()
 
 
 def test_no_expert_worth_the_cpu_at_real_overheads():
-    from runtime.backends.exl2_offload import OffloadSetup, cpu_path_applied
+    from runtime.backends.gpu_offload import OffloadSetup, cpu_path_applied
     m = _manager()                                               # tiny experts: 30 us of overhead wins
     m.apply([[0], [1]])
-    assert not m.cpu_active and "no cold expert is worth the CPU" in m.cpu_reason
+    assert not m.cpu.active and "no cold expert is worth the CPU" in m.cpu.reason
     setup = OffloadSetup(m.vram, MemoryBudget(1 << 30, "RAM"), None, "cpu", False, {})
     cpu_path_applied(setup, m)
     assert setup.applied["offload.placement"] == (
-        f"ignored: no layer computes experts on the CPU ({m.cpu_reason}); cold experts are read from host RAM "
+        f"ignored: no layer computes experts on the CPU ({m.cpu.reason}); cold experts are read from host RAM "
         "by the GPU ('stream')")
 
 
@@ -565,11 +559,11 @@ def test_host_ram_short_for_the_copies_is_a_clear_error(slow_pcie):
     m = _manager(ram=MemoryBudget(4096, "RAM"))
     with pytest.raises(BudgetError, match="CPU copies of MoE layer 0's experts needs"):
         m.apply([[0], [1]])
-    assert not m.cpu_active and m.cpu.ram.used_bytes == 0
+    assert not m.cpu.active and m.cpu.ram.used_bytes == 0
 
 
 def test_applied_says_whether_the_cpu_path_runs(slow_pcie):
-    from runtime.backends.exl2_offload import OffloadSetup, cpu_path_applied
+    from runtime.backends.gpu_offload import OffloadSetup, cpu_path_applied
     for policy, layout, want in (("cpu", [[0], [1]], "applied"), ("cpu", [list(range(8))] * 2, "ignored"),
                                  ("auto", [[0], [1]], "applied"), ("stream", [[0], [1]], "ignored")):
         m = _manager(policy=policy)
@@ -711,7 +705,7 @@ def test_flat_buffers_that_do_not_fit_say_which():
 
 
 def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
-    from runtime.experts.budget import BudgetError, MemoryBudget
+    from runtime.budget import BudgetError, MemoryBudget
     _, packs = _layer(3, seed=21)
     ram = MemoryBudget(10 ** 9, "RAM")
     cp = cpath.CpuPath(packs, [0, 2, 4], A, threads=1, device="cpu", ram=ram)
@@ -723,15 +717,15 @@ def test_ram_is_reserved_before_the_copies_are_built_and_matches_them():
 
 
 def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkeypatch):
-    from runtime.experts import cpu_share, manager as mgr
-    from runtime.experts.kernels import SHARE_DEN
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.cpu.device import SHARE_DEN
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
-    assert mgr.CPU_BALANCE == 1.5                                         # the default
-    monkeypatch.setattr(mgr, "CPU_BALANCE", 0.0)
+    assert cpu_share.CPU_BALANCE == 1.5
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", 0.0)                    # the static split, to compare
     static = _manager(n=1)
     static.apply([[0]])
-    monkeypatch.setattr(mgr, "CPU_BALANCE", 1.5)
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", 1.5)
     wide = _manager(n=1)
     wide.apply([[0]])
     a, b = static.layers[0].cpu, wide.layers[0].cpu
@@ -744,12 +738,6 @@ def test_balanced_split_stores_more_copies_and_gives_each_layer_its_share(monkey
     assert b.share is None
     static.close()
     wide.close()
-    from runtime.tuning import Tuning
-    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "0"}).cpu_balance == 0.0
-    assert Tuning.from_environment({"MOEDESK_CPU_BALANCE": "1.5"}).cpu_balance == 1.5
-    for bad in ("yes", "0.5", "-1"):
-        with pytest.raises(ValueError, match="MOEDESK_CPU_BALANCE"):
-            Tuning.from_environment({"MOEDESK_CPU_BALANCE": bad})
 
 
 def _aligned_layer(inter=128):
@@ -811,7 +799,7 @@ def test_copies_cut_from_experts_not_in_down_order_are_refused():
 
 
 def _cut_manager(n=2):
-    from runtime.experts.manager import OffloadManager
+    from runtime.offload.manager import OffloadManager
     from bench.check_experts import random_layer
     from runtime.experts.pack import align_intermediate
     layers = [random_layer(8, 64, 256, 2, 3, "cpu", seed=i, group_size=64, host_codes=True) for i in range(n)]
@@ -821,19 +809,18 @@ def _cut_manager(n=2):
 
 
 def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance(monkeypatch):
-    """MOEDESK_CPU_SPLIT=cut (the default): every cold expert gets a copy of its first rows, one cut
+    """The cut split (wherever the layout allows it): every cold expert gets a copy of its first rows, one cut
     for all layers from the planned share (rounded to 64 rows), copies two steps wider; the cut then
     climbs by measured decode step times: to a neighbour measured 1% faster, else to one not measured
     lately (the worker's counts say which first), else it stays."""
-    from runtime.experts import cpu_share, manager as mgr
-    from runtime.experts.placement import CpuSplitCosts
-    assert mgr.CPU_SPLIT == "cut"
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     m = _cut_manager()
     m.apply([[0, 1], [2]])
     a, b = (lo.cpu for lo in m.layers)
     assert a.owned_set == set(range(2, 8)) and b.owned_set == set(range(8)) - {2}
-    assert m.cut == a.cut == b.cut == 128 and a.width == b.width == 256         # half of 256 at equal rates
+    assert m.cpu.cut == a.cut == b.cut == 128 and a.width == b.width == 256         # half of 256 at equal rates
     tel = m.telemetry().cpu_expert_cut
     assert tel.rows == 128 and tel.of == 256 and tel.copied == 256
     state = {"a": [0, 0], "b": [0, 0]}
@@ -846,7 +833,7 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
         m.cpu._window = [ms / 1e3] * 15 + [ms / 1e3 * 40]      # one slow step (a graph capture) does not count
         m.counters.forwards += 16
         m.cpu.rebalance(m.counters.forwards)
-        return m.cut
+        return m.cpu.cut
     assert window(28, 4, 30.0) == 192 and a.cut == b.cut == 192 and int(a.cut_dev) == 192 and a.ctx.cut == 192
     assert window(6, 14, 25.0) == 256               # 128 measured slower; 256 not tried yet
     assert window(30, 2, 27.5) == 192               # 192 measured faster: back
@@ -859,7 +846,7 @@ def test_the_cut_split_copies_every_cold_expert_and_moves_the_cut_toward_balance
     m.cpu._window = [0.02] * 4                                 # too few steps (a prefill in the window): nothing
     m.counters.forwards += 16
     m.cpu.rebalance(m.counters.forwards)
-    assert m.cut == 256 and [c for _, c, _ in m.cpu.cut_log] == [192, 256, 192, 128, 192, 256]
+    assert m.cpu.cut == 256 and [c for _, c, _ in m.cpu.cut_log] == [192, 256, 192, 128, 192, 256]
     m.close()
 
 
@@ -870,8 +857,8 @@ def test_the_cut_of_wide_experts_moves_by_a_share_of_their_rows():
     experts keep the kernels' 64-row step. Simulated: a decode step takes the slower of the CPU's
     part (too slow at the planned 7,488 rows) and the GPU's; the balance is at ~5,375 rows."""
     import types
-    from runtime.experts import cpu_share
-    from runtime.experts.cpu_share import CpuShare, cut_stride
+    from runtime.offload import cpu_share
+    from runtime.offload.cpu_share import CpuShare, cut_stride
     assert cut_stride(16384, 64) == 512 and cut_stride(10752, 64) == 320 and cut_stride(1536, 64) == 64
     counts = [0, 0, 0]
     cpu = types.SimpleNamespace(width=16384, balance=lambda: tuple(counts))
@@ -900,8 +887,8 @@ def test_the_cpu_copies_leave_the_cut_room_to_climb(monkeypatch):
     them (DBRX on the H200: its cut stayed at the copies' edge, the CPU idle 44 ms a token), else
     room for one move; never more rows than the expert has."""
     import types
-    from runtime.experts.budget import MemoryBudget
-    from runtime.experts.cpu_share import CpuShare, copy_widths
+    from runtime.budget import MemoryBudget
+    from runtime.offload.cpu_share import CpuShare, copy_widths
     assert copy_widths(10752, 5056, 64) == (5056 + 320, 5056 + 2688)
     assert copy_widths(16384, 7488, 64) == (7488 + 512, 7488 + 4096)
     assert copy_widths(256, 128, 64) == (256, 256) and copy_widths(16384, 15040, 64) == (15552, 16384)
@@ -915,14 +902,6 @@ def test_the_cpu_copies_leave_the_cut_room_to_climb(monkeypatch):
     assert share._copy_width(10752, 5056, 64, owned) == 5376        # short: one move of room
     share.ram = None
     assert share._copy_width(10752, 5056, 64, owned) == 7744
-
-
-def test_the_cut_split_mode_is_checked(monkeypatch):
-    from runtime.tuning import Tuning
-    assert Tuning.from_environment({"MOEDESK_CPU_SPLIT": "experts"}).cpu_split == "experts"
-    with pytest.raises(ValueError, match="MOEDESK_CPU_SPLIT='halves'"):
-        Tuning.from_environment({"MOEDESK_CPU_SPLIT": "halves"})
-
 
 
 # -- the CPU copies a step at a time (the worker's idle time: a command waits for one step at most) ---------
@@ -941,9 +920,9 @@ def test_stepped_copies_take_effect_only_in_the_last_step(slow_pcie):
     m = _manager(policy="auto", ram=ram, n=3)
     m.apply([[0], [1], [2]])
     at_once = _cpu_paths(m)
-    assert all(at_once) and not m.set_cpu_path(False, "measured slower") and ram.used_bytes == 0
+    assert all(at_once) and not m.cpu.set_path(False, "measured slower") and ram.used_bytes == 0
     e = at_once[0][0][0]
-    steps, seen, used = m.set_cpu_path_steps(True), [], []
+    steps, seen, used = m.cpu.set_path_steps(True), [], []
     while True:
         try:
             seen.append(next(steps))
@@ -952,12 +931,12 @@ def test_stepped_copies_take_effect_only_in_the_last_step(slow_pcie):
             break
         used.append(ram.used_bytes)
         assert all(lo.cpu is None and lo.path == "stream" for lo in m.layers)
-        assert not m.cpu_active and m.cpu.split is None and m.cpu_reason == "measured slower"
+        assert not m.cpu.active and m.cpu.split is None and m.cpu.reason == "measured slower"
         if len(seen) == 2:                                     # a forward between the steps promotes e
             m.residency.swap(0, 0, e)
             m.layers[0].poll()
     assert len(seen) == 1 + 3 and used[0] == 0 and used[1] < used[2] < used[3] == ram.used_bytes
-    assert m.cpu_active and m.cpu_reason == "" and m.cpu.split is not None
+    assert m.cpu.active and m.cpu.reason == "" and m.cpu.split is not None
     assert all(lo.path == "cpu+stream" for lo in m.layers) and e in m.layers[0].expert_slot
     want = at_once[0][0][1:]
     assert _cpu_paths(m)[0][:2] == (want, [int(i in want) for i in range(8)])
@@ -970,15 +949,15 @@ def test_stepped_copies_closed_midway_or_dropped_by_a_placement_are_freed(slow_p
     ram = MemoryBudget(1 << 30, "RAM")
     m = _manager(policy="auto", ram=ram, n=3)
     m.apply([[0], [1], [2]])
-    m.set_cpu_path(False)
-    steps = m.set_cpu_path_steps(True)
+    m.cpu.set_path(False)
+    steps = m.cpu.set_path_steps(True)
     next(steps), next(steps)                                   # the rates, layer 0's copies
     built = [cp for cp in m.cpu._building if cp is not None]
     assert len(built) == 1 and ram.used_bytes == built[0].nbytes > 0
     steps.close()                                              # the trial abandoned
     assert ram.used_bytes == 0 and built[0].ram is None and m.cpu._building is None
-    assert not m.cpu_active and all(lo.cpu is None for lo in m.layers)
-    steps = m.set_cpu_path_steps(True)
+    assert not m.cpu.active and all(lo.cpu is None for lo in m.layers)
+    steps = m.cpu.set_path_steps(True)
     next(steps), next(steps), next(steps)
     built = [cp for cp in m.cpu._building if cp is not None]
     assert len(built) == 2
@@ -991,21 +970,21 @@ def test_stepped_copies_closed_midway_or_dropped_by_a_placement_are_freed(slow_p
 
 
 def test_stepped_and_at_once_builds_cut_alike(monkeypatch):
-    from runtime.experts import cpu_share
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     m = _cut_manager()
     m.apply([[0, 1], [2]])
-    at_once, cut = _cpu_paths(m), m.cut
+    at_once, cut = _cpu_paths(m), m.cpu.cut
     assert cut == 128 and all(at_once)
-    m.set_cpu_path(False)
-    assert len(list(m.set_cpu_path_steps(True))) == 1 + 2
-    assert m.cut == cut and _cpu_paths(m) == at_once and all(int(lo.cpu.cut_dev) == cut for lo in m.layers)
+    m.cpu.set_path(False)
+    assert len(list(m.cpu.set_path_steps(True))) == 1 + 2
+    assert m.cpu.cut == cut and _cpu_paths(m) == at_once and all(int(lo.cpu.cut_dev) == cut for lo in m.layers)
     m.close()
 
 _PINNED_IO_CHECK = """
 import torch
-from runtime.experts.kernels import add_from_host, cpu_inputs
+from runtime.cpu.device import add_from_host, cpu_inputs
 H, A, E = 96, 3, 10
 x, ids = torch.randn(1, H).half(), torch.tensor([[7, 2, 5]], dtype=torch.int32)
 w, mask = torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([0, 1, 0, 0, 0, 1, 0, 1, 0, 0], dtype=torch.uint8)
@@ -1113,22 +1092,22 @@ def test_a_saved_gpu_only_decision_builds_no_cpu_copies_until_measured_again(slo
     m.on_stage = stages.append
     m.cpu.saved_off = "as measured on an earlier load (measured: ...)"
     m.apply([[0], [1]])
-    assert not m.cpu_active and ram.used_bytes == 0 and m.cpu_reason.startswith("as measured on an earlier load")
+    assert not m.cpu.active and ram.used_bytes == 0 and m.cpu.reason.startswith("as measured on an earlier load")
     assert "Placing experts: copying cold experts for the CPU" not in stages
-    assert m.cpu_predicted_gain is not None and m.cpu_unavailable == ""   # still measurable
-    assert m.set_cpu_path(True) and ram.used_bytes > 0                     # built when timed
+    assert m.cpu.predicted_gain is not None and m.cpu.unavailable == ""   # still measurable
+    assert m.cpu.set_path(True) and ram.used_bytes > 0                     # built when timed
     m.close()
     m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"))
     m.cpu.saved_off = "as measured on an earlier load"
     m.apply([[0], [1]])
-    assert not m.cpu_active
+    assert not m.cpu.active
     m.apply([[0], [1]])                                # once: a later placement (a new budget) decides anew
-    assert m.cpu_active
+    assert m.cpu.active
     m.close()
 
 
 def test_the_routing_priors_placement_keeps_a_saved_gpu_only_decision(slow_pcie):
-    """A first load's routing prior (runtime/experts/route_prior.py) places the experts a second time
+    """A first load's routing prior (runtime/offload/route_prior.py) places the experts a second time
     in the same load: a saved GPU-only decision still rules out CPU copies then."""
     import numpy as np
     ram = MemoryBudget(1 << 30, "RAM")
@@ -1136,7 +1115,7 @@ def test_the_routing_priors_placement_keeps_a_saved_gpu_only_decision(slow_pcie)
     m.vram.total_bytes = 16 * m.layers[0].code_bytes            # staging only: every expert cold
     m.cpu.saved_off = m.saved_off = "as measured on an earlier load"
     m.place()
-    assert not m.cpu_active and ram.used_bytes == 0
+    assert not m.cpu.active and ram.used_bytes == 0
     m.prior_reason = "no saved routing statistics"
     stages = []
     m.on_stage = stages.append
@@ -1144,7 +1123,7 @@ def test_the_routing_priors_placement_keeps_a_saved_gpu_only_decision(slow_pcie)
     picks[:, 3] = 10
     m.learn_prior(np.zeros((4, 8), dtype=np.int64), picks)
     assert "Placing experts: filling the hot experts' slots" in stages
-    assert not m.cpu_active and ram.used_bytes == 0, stages
+    assert not m.cpu.active and ram.used_bytes == 0, stages
     assert "Placing experts: copying cold experts for the CPU" not in stages
     m.close()
 
@@ -1167,9 +1146,9 @@ def test_a_cpu_path_timed_where_the_statistics_route_nothing_cold_is_built_for_u
     m = _manager(policy="auto", ram=ram)
     _routed_to(m, [[0], [1]])
     m.apply([[0], [1]])
-    assert not m.cpu_active and "predict a gain of 0%" in m.cpu_reason and m.cpu_unavailable == ""
-    assert m.cpu_predicted_gain == 0.0                          # measurable: the judge times both
-    assert m.set_cpu_path(True) and ram.used_bytes > 0
+    assert not m.cpu.active and "predict a gain of 0%" in m.cpu.reason and m.cpu.unavailable == ""
+    assert m.cpu.predicted_gain == 0.0                          # measurable: the judge times both
+    assert m.cpu.set_path(True) and ram.used_bytes > 0
     assert all(lo.cpu.owned_set == set(range(8)) - {lo.index} for lo in m.layers)
     assert m.cpu.planned_for.startswith("uniform routing (the statistics route 0.0% of the picks")
     m.close()
@@ -1186,25 +1165,25 @@ def test_no_cpu_copies_before_the_routing_priors_placement(slow_pcie):
     m.on_stage = stages.append
     m.prior_reason = "no saved routing statistics"
     m.place()
-    assert not m.cpu_active and ram.used_bytes == 0 and "routing prior" in m.cpu_reason
+    assert not m.cpu.active and ram.used_bytes == 0 and "routing prior" in m.cpu.reason
     assert "Placing experts: copying cold experts for the CPU" not in stages
-    assert m.cpu_predicted_gain is not None and m.cpu_unavailable == ""
+    assert m.cpu.predicted_gain is not None and m.cpu.unavailable == ""
     m.learn_prior(np.zeros((4, 8), dtype=np.int64), np.ones((4, 8), dtype=np.int64))
-    assert m.cpu_active and "Placing experts: copying cold experts for the CPU" in stages
+    assert m.cpu.active and "Placing experts: copying cold experts for the CPU" in stages
     m.close()
     m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"), n=4)
     m.vram.total_bytes = 16 * m.layers[0].code_bytes
     m.prior_reason = "no saved routing statistics"
     m.place()
-    assert not m.cpu_active
+    assert not m.cpu.active
     m.prior_not_measured("the engine refused the calibration prompt")      # no prior after all: copies now
-    assert m.cpu_active and m.prior_reason is None and m.cpu_reason == ""
+    assert m.cpu.active and m.prior_reason is None and m.cpu.reason == ""
     m.close()
 
 
 def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):
-    from runtime.experts import cpu_share
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(1e3, 50e9, 0.0))
 
     def refuse(*a, **k):
@@ -1212,8 +1191,8 @@ def test_a_failed_build_says_what_ran_out(slow_pcie, monkeypatch):
     monkeypatch.setattr(cpath, "CpuPath", refuse)
     m = _manager(policy="auto", ram=MemoryBudget(1 << 30, "RAM"))
     m.apply([[0], [1]])
-    assert not m.cpu_active and m.cpu_reason.startswith("page-locked host memory ran out")
-    assert "ulimit -l" in m.cpu_reason and "cudaHostAlloc" in m.cpu_reason and m.cpu.ram.used_bytes == 0
+    assert not m.cpu.active and m.cpu.reason.startswith("page-locked host memory ran out")
+    assert "ulimit -l" in m.cpu.reason and "cudaHostAlloc" in m.cpu.reason and m.cpu.ram.used_bytes == 0
     m = _manager(policy="cpu")
     with pytest.raises(RuntimeError):                            # placement "cpu": the error as it is
         m.apply([[0], [1]])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.experts.placement import CpuSplitCosts, plan_cpu_split
+from runtime.offload.placement import CpuSplitCosts, plan_cpu_split
 
 E, A = 16, 4
 MB = 1 << 20

@@ -92,14 +92,14 @@ def test_verify_sized_forwards_never_stage_with_few_experts(E, top_k):
     experts 2 x E pairs would have staged (copied every cold expert of every layer) from 8 rows."""
     from bench.check_experts import random_layer
     from runtime.backends.exl2_graph import MAX_ROWS
-    from runtime.experts.budget import MemoryBudget
-    from runtime.experts.manager import OffloadManager
+    from runtime.budget import MemoryBudget
+    from runtime.offload.manager import OffloadManager
     layers = [random_layer(E, 64, 32, top_k, 4, "cpu", seed=i, host_codes=True) for i in range(2)]
     m = OffloadManager(layers, MemoryBudget(1 << 40))
     m.apply([[0, 1], [2]])
-    assert m.stage_capacity > 0
-    assert not any(m.stage_worth(rows) for rows in range(1, MAX_ROWS + 1))
-    assert m.stage_worth(512)
+    assert m.staging.capacity > 0
+    assert not any(m.staging.worth(rows) for rows in range(1, MAX_ROWS + 1))
+    assert m.staging.worth(512)
 
 
 @pytest.mark.parametrize("shape, budget_gb", [("mixtral-8x22b", 24), ("mixtral-8x22b", 40), ("dbrx", 24)])
@@ -108,8 +108,8 @@ def test_placement_of_few_large_experts_fills_the_budget(shape, budget_gb):
     for every expert of a layer (double-buffered) and the rest of the budget in hot slots, spread
     evenly under uniform routing; the ledger never exceeds what was free."""
     from bench.check_experts import random_layer
-    from runtime.experts.budget import MemoryBudget
-    from runtime.experts.manager import OffloadManager
+    from runtime.budget import MemoryBudget
+    from runtime.offload.manager import OffloadManager
     s = SHAPES[shape]
     cb = _bytes_per_expert(shape)
     L = 8                                               # of the model's layers, with their share of the budget
@@ -117,24 +117,24 @@ def test_placement_of_few_large_experts_fills_the_budget(shape, budget_gb):
     layers = [random_layer(s.experts, 64, 32, s.experts_per_token, 4, "cpu", seed=0, host_codes=True)
               for _ in range(L)]
     m = OffloadManager(layers, MemoryBudget(free))
-    m.code_bytes = m.residency.code_bytes = lambda: [cb] * L
+    m.residency.code_bytes = lambda: [cb] * L
     m.place(free_bytes=free)
     residents = [len(lo.expert_slot) for lo in m.layers]
     assert m.vram.used_bytes <= free
-    assert m.vram.items["prefill staging"] == 2 * m.stage_capacity * cb
-    assert m.stage_capacity >= s.experts - min(residents)               # every cold expert has a place
+    assert m.vram.items["prefill staging"] == 2 * m.staging.capacity * cb
+    assert m.staging.capacity >= s.experts - min(residents)               # every cold expert has a place
     slack = free - m.vram.used_bytes
     assert slack < cb or min(residents) == s.experts                    # no expert left out that fit
     assert 0 < sum(residents) < L * s.experts
-    assert all(m.stage_worth(r) is False for r in range(1, 10))
+    assert all(m.staging.worth(r) is False for r in range(1, 10))
 
 
 @pytest.mark.parametrize("shape", ["mixtral-8x22b", "dbrx"])
 def test_cpu_cut_of_few_large_experts(shape):
     """The CPU split at the real sizes: every cold expert cut, a share in (0, 1), and the cut the
     manager derives from it a multiple of the kernels' alignment within the intermediate."""
-    from runtime.experts.kernels import CUT_ALIGN
-    from runtime.experts.placement import CpuSplitCosts, plan_cpu_split, plan_resident
+    from runtime.experts.decode import CUT_ALIGN
+    from runtime.offload.placement import CpuSplitCosts, plan_cpu_split, plan_resident
     s = SHAPES[shape]
     cb = _bytes_per_expert(shape)
     freq = np.full((s.layers, s.experts), 1.0 / s.experts)

@@ -22,37 +22,41 @@ def test_load_without_cuda_says_so(tmp_path):
 
 
 def test_out_of_memory_recognised():
-    from runtime.backends.exl2 import _is_oom
-    assert _is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not _is_oom(RuntimeError("shape mismatch"))
-    assert not _is_oom(ValueError("out of memory"))
+    from runtime.backends.gpu_engine import is_oom
+    assert is_oom(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+    assert not is_oom(ValueError("out of memory"))
 
 
-@pytest.mark.parametrize("step,words", [("check", "first checks on the GPU"), ("build", "weights and a 4096-token"),
-                                        ("engine", "decode graphs"), ("warm-up", "warm-up")])
+@pytest.mark.parametrize("step,words", [("check_folder", "first checks on the GPU"),
+                                        ("read_config", "first checks on the GPU"),
+                                        ("build_model", "weights and a 4096-token"),
+                                        ("place_experts", "weights and a 4096-token"),
+                                        ("make_engine", "decode graphs"), ("warm_up", "warm-up")])
 def test_out_of_memory_at_any_step_of_a_load_is_an_out_of_memory_error(monkeypatch, tmp_path, step, words):
     """The H200 showed a load with 8 MiB of the GPU free run out in its first check (the prefill attention's
     probe, whose kernel loaded on first use): torch raised an AcceleratorError, which the load mapped only
     in its build and engine steps, so it reached the caller raw. Every step's out-of-memory is OutOfMemory."""
-    from runtime.backends import exl2
+    from runtime.backends import exl2, gpu_engine, gpu_offload
     from runtime.errors import OutOfMemory
     from runtime.options import OffloadOptions
-    monkeypatch.setattr(exl2, "return_cached_memory", lambda: None)
-    monkeypatch.setattr(exl2, "_free_vram", lambda: (8 << 20, "0.0 GiB free of 140.0 GiB"))
+    monkeypatch.setattr(gpu_offload, "return_cached_memory", lambda: None)
+    monkeypatch.setattr(gpu_engine, "free_vram", lambda: (8 << 20, "0.0 GiB free of 140.0 GiB"))
     loading = exl2._Loading(tmp_path, LoadOptions(offload=OffloadOptions(context_length=4096)), lambda *a: None,
                             "own", True)
+    assert step in loading.steps()
     loading.step = step
-    make = loading.failure(RuntimeError("CUDA error: out of memory"))     # an AcceleratorError is a RuntimeError
+    make = gpu_engine.failure(loading, RuntimeError("CUDA error: out of memory"))   # an AcceleratorError is one
     assert make is not None
     err = make()
     assert isinstance(err, OutOfMemory) and words in err.message and err.free_bytes == 8 << 20, err.message
-    assert loading.failure(RuntimeError("shape mismatch")) is None
+    assert gpu_engine.failure(loading, RuntimeError("shape mismatch")) is None
 
 
 def test_out_of_memory_under_a_budget_names_the_budget_and_where():
     """A load held to a VRAM budget that runs out says so (the GPU's free memory, the only figure
     before, said 137 GiB free), and its detail keeps torch's words and the frames it came from."""
-    from runtime.backends.exl2 import _oom, _oom_context
+    from runtime.backends.gpu_engine import oom as _oom, oom_context as _oom_context
 
     def pack_experts():
         raise RuntimeError("CUDA out of memory. Tried to allocate 768.00 MiB")
@@ -246,10 +250,7 @@ def test_forwards_that_stage_offloaded_experts_run_the_loop(monkeypatch):
             pass
 
         def begin_forward(self, rows):
-            pass
-
-        def stage_worth(self, rows):
-            return rows >= 8
+            return rows >= 8                    # staged: copies from the host, no graph
 
     g = StepGraphs()
     eng = _engine(g)
@@ -374,7 +375,6 @@ def _failing_load(monkeypatch, step: str, error: BaseException):
     for name in ("check_folder", "prepare_kernels", "read_config", "plan_offload", "build_model", "allocate_cache",
                  "place_experts", "make_engine", "warm_up", "settle_expert_path"):
         def fake(self, name=name):
-            self.step = {"build_model": "build", "make_engine": "engine"}.get(name, self.step)
             log.append(name)
             if name == step:
                 raise error

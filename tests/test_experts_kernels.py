@@ -50,30 +50,15 @@ def test_decode_kernels_with_other_launch_shapes(splitk):
         ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
 
 
-@pytest.mark.parametrize("args", [
-    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5"],
-    ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3"],
-    ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
-     "--rows", "1,9"],                                      # 3-bit with tiles of >= 64 rows
-])
-@pytest.mark.parametrize("sums", ["columns", "rows"])
-def test_decode_kernels_summing_columns_match_the_oracle(args, sums):
-    """MOEDESK_GEMV_SUMS=columns: the split-K GEMVs take each tile's scale and the codes' offset once per column
-    sum (fewer instructions per weight) and still give the oracle's result. rows: the same sums with each thread
-    summing whole columns of the tile's code words (gemv_rows.py: 4 bits, 8 for the 5-bit groups; 3 bits by
-    columns)."""
-    test_kernels_match_oracle_in_interpreter(args, None, {"MOEDESK_GEMV_SUMS": sums})
-
-
-def test_summing_rows_takes_shapes_of_128_columns_a_warp_and_tiles_of_16_word_rows():
-    """The launch shapes timed for the rows sums hold every row of a thread's columns in that thread: 128
-    columns per warp, the default first; a K tile is at most 16 rows of words (128 rows of 4-bit codes, 64 of
-    8-bit ones)."""
-    from runtime.experts.kernels import SplitK, _candidates
-    got = _candidates(2048, 768, 8, 128, rows=True)
-    assert got[0] == SplitK(128, got[0].ksplit, 1) and all(c.bn == 128 * c.warps for c in got), got
-    assert {c.bn for c in got} == {128, 256, 512} and all(2048 % (c.ksplit * 128) == 0 for c in got)
-    assert all(c.bn in (32, 64, 128) and c.warps == 4 for c in _candidates(2048, 768, 8, 128))
+def test_the_split_k_shapes_offered_keep_whole_tiles_and_a_forced_one_alone():
+    """The experts' split-K candidates: the default first (64 columns), then shapes of 32..128 columns whose
+    K slices are whole tiles; a forced shape (Tuning.splitk) alone where K takes it, else the default."""
+    from runtime.experts.shapes import SplitK, candidates
+    got = candidates(2048, 768, 8, 128)
+    assert got[0].bn == 64 and all(c.bn in (32, 64, 128) and c.warps == 4 for c in got), got
+    assert all(2048 % (c.ksplit * 128) == 0 for c in got) and len(set(got)) == len(got)
+    assert candidates(2048, 768, 8, 128, forced=(32, 4)) == [SplitK(32, 4)]
+    assert candidates(2048, 768, 8, 128, forced=(32, 3)) == [got[0]]          # 2048 is no 3 whole tiles
 
 
 @pytest.mark.parametrize("bits", ["3", "4"])
@@ -88,10 +73,10 @@ def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
 
 def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
     from bench.check_experts import random_layer
-    from runtime.experts.kernels import _bk_span
+    from runtime.experts.grouped import tile_span
     lay = random_layer(4, 256, 128, 2, 4, "cpu", group_size=128)          # K 256 (gate, up), 128 (down)
-    assert [_bk_span(lay.w1, lay.w3, want=w) for w in (32, 64, 128, 256)] == [32, 64, 128, 256]
-    assert _bk_span(lay.w2, want=256) == 128         # more than down's K (128): one whole group
+    assert [tile_span(lay.w1, lay.w3, want=w) for w in (32, 64, 128, 256)] == [32, 64, 128, 256]
+    assert tile_span(lay.w2, want=256) == 128         # more than down's K (128): one whole group
 
 
 @pytest.mark.parametrize("perms, aligned, order", [
@@ -171,58 +156,48 @@ def test_verify_rows_read_through_the_grouped_kernels():
         assert "FAIL" not in r.stdout
 
 
-def test_align_groups_pairs_by_expert_in_whole_blocks():
-    """The device-side sort the prefill kernels rely on (plain torch ops, checked on the CPU)."""
-    import torch
-    from runtime.experts.kernels import align
-    g = torch.Generator().manual_seed(0)
-    for P, E, bm in [(1, 128, 16), (7, 4, 16), (300, 128, 16), (4096, 128, 64), (50, 3, 64)]:
-        ids = torch.randint(0, E, (P,), generator=g)
-        pairs, bexp = align(ids, E, bm)
-        assert pairs.numel() == bexp.numel() * bm
-        seen = []
-        for b, e in enumerate(bexp.tolist()):
-            rows = pairs[b * bm:(b + 1) * bm].tolist()
-            real = [r for r in rows if r < P]
-            if e < 0:
-                assert not real                                   # unused blocks hold only padding
-                continue
-            assert real and all(ids[r] == e for r in real)        # one expert per block
-            assert rows == real + [P] * (bm - len(real))          # padding only at the end
-            seen += real
-        assert sorted(seen) == list(range(P))                     # every pair exactly once
-
-
-def test_align_in_one_launch_equals_the_torch_ops_bit_for_bit():
-    """MOEDESK_ALIGN=kernel: the same pairs and block experts as `kernels.align`, in one Triton program, under
-    the interpreter (hot experts, experts never picked, a single pair, more blocks than experts)."""
-    from tests.interpreted import run_interpreted
-    run_interpreted("""
+_ALIGN_CHECK = """
 import torch
-from runtime.experts import align_kernel, kernels
+from bench.check_experts import align_by_torch as by_torch
+from runtime.experts.grouped import align
 g = torch.Generator().manual_seed(0)
 cases = [(1, 128, 16), (7, 4, 16), (300, 128, 16), (4096, 128, 64), (50, 3, 64), (1000, 256, 64), (260, 60, 32)]
 for P, E, bm in cases:
     ids = torch.randint(0, E, (P,), generator=g).to(torch.int32)
     if P > 100:
         ids[: P // 3] = 5
-    want, got = kernels.align(ids, E, bm), align_kernel.align(ids, E, bm)
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (P, E, bm)
+    pairs, bexp = align(ids, E, bm)
+    assert pairs.numel() == bexp.numel() * bm
+    seen = []
+    for b, e in enumerate(bexp.tolist()):
+        rows = pairs[b * bm:(b + 1) * bm].tolist()
+        real = [r for r in rows if r < P]
+        if e < 0:
+            assert not real                                   # unused blocks hold only padding
+            continue
+        assert real and all(ids[r] == e for r in real)        # one expert per block
+        assert rows == real + [P] * (bm - len(real))          # padding only at the end
+        seen += real
+    assert sorted(seen) == list(range(P))                     # every pair exactly once
+    want = by_torch(ids, E, bm)
+    assert torch.equal(want[0], pairs) and torch.equal(want[1], bexp), (P, E, bm)
 print("aligned")
-""", "aligned")
+"""
 
 
-def test_kernels_with_the_one_launch_align_match_the_oracle():
-    """The grouped kernels (17 and 40 rows) fed by the one-launch align give the oracle's output."""
-    test_kernels_match_oracle_in_interpreter(
-        ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "4", "--rows", "17,40"], None,
-        extra_env={"MOEDESK_ALIGN": "kernel"})
+def test_align_groups_pairs_by_expert_in_whole_blocks_in_one_launch():
+    """The prefill's sort into the grouped kernels' blocks (one Triton program, in the interpreter): one
+    expert per block, padding only at a block's end, every pair once, and, bit for bit, what the stable
+    torch sort it replaced gives (hot experts, experts never picked, a single pair, more blocks than
+    experts)."""
+    from tests.interpreted import run_interpreted
+    run_interpreted(_ALIGN_CHECK, "aligned")
 
 
 def test_ksplit_keeps_whole_tiles():
-    from runtime.experts.kernels import SM_TARGET, _ksplit
+    from runtime.experts.shapes import SM_TARGET, ksplit
     for K, bk, programs in [(2048, 128, 96), (768, 128, 256), (4096, 128, 192), (64, 32, 8), (2048, 128, 2000)]:
-        ks = _ksplit(K, bk, programs)
+        ks = ksplit(K, bk, programs)
         assert K % (ks * bk) == 0 and ks >= 1
         assert ks == 1 or programs * ks <= SM_TARGET
 
@@ -242,20 +217,15 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
-@pytest.mark.parametrize("bits,splitk,align,sums", [
-    ("4", None, "64", "weights"), ("3", None, "64", "weights"), ("4", "32x3", "64", "weights"),
-    ("4", "128x2", "64", "weights"), ("3", None, "32", "weights"), ("3", None, "64", "columns"),
-    ("4", "32x3", "32", "columns"), ("4", None, "64", "rows"), ("5,4", None, "32", "rows")])
-def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, sums):
+@pytest.mark.parametrize("bits,splitk", [("4", None), ("3", None), ("4", "32x3"), ("4", "128x2"), ("5,4", None)])
+def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
     for the default and the other launch shapes; also with experts cut between the two (the CPU's
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
-    the layer is put in down's intermediate order (bit for bit the same output). Cut steps of 32
-    rows: cuts at 32, 64 and 96 (down's tile of 32 rows reads the 3-bit high plane row by row). The same with
-    each tile summed by columns (MOEDESK_GEMV_SUMS). The host function computes with int8 activations (the
-    integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_CUT_ALIGN=align, MOEDESK_GEMV_SUMS=sums)
+    the layer is put in down's intermediate order (bit for bit the same output). The host function computes with
+    int8 activations (the integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
@@ -263,7 +233,7 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, su
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout
-    cuts = [c for c in (32, 64, 96) if c % int(align) == 0]
+    cuts = [64]
     host = r.stdout.count("cpu host")
     assert host in (0, 3 + 3 * len(cuts)), r.stdout    # one row: the host function, whole and cut (none without a kernel)
     assert r.stdout.count(" ok") == 7 + (3 * len(cuts) if host else 0) and "FAIL" not in r.stdout, r.stdout
@@ -273,7 +243,7 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, align, su
 
 _SHARE_MASK_CHECK = """
 import torch
-from runtime.experts.kernels import SHARE_DEN, cpu_share_mask
+from runtime.cpu.device import SHARE_DEN, cpu_share_mask
 g = torch.Generator().manual_seed(0)
 E, A = 12, 5
 cases = [(int(s), i) for i, s in enumerate(torch.randint(0, SHARE_DEN + 1, (60,), generator=g))]
@@ -308,7 +278,7 @@ def test_cpu_share_mask_gives_the_cpu_its_share_of_each_tokens_cold_picks():
 
 def test_cpu_share_mask_refuses_bad_arguments():
     import torch
-    from runtime.experts.kernels import cpu_share_mask
+    from runtime.cpu.device import cpu_share_mask
     owned, resident, out = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="one row of expert ids"):
         cpu_share_mask(torch.zeros(2, 2, dtype=torch.int32), owned, resident, 512, out)
@@ -326,25 +296,21 @@ def test_the_grouped_benchmark_counts_each_experts_codes_and_scales():
         assert _expert_bytes(p) == want > 0
 
 
-@pytest.mark.parametrize("args,splitk,sums", [
-    (["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,17"], None,
-     "weights"),
-    (["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "1,3"], "32x2",
-     "weights"),
+@pytest.mark.parametrize("args,splitk", [
+    (["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,17"], None),
+    (["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "1,3"], "32x2"),
     (["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
-      "--rows", "1,9"], "128x1", "columns"),
+      "--rows", "1,9"], "128x1"),
     (["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--aligned",
-      "--rows", "1,3"], "32x3", "columns"),
-    (["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "2"], None,
-     "rows"),                                                 # the rows sums: the three launches and torch's add
+      "--rows", "1,3"], "32x3"),
 ])
-def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk, sums):
-    """MOEDESK_MOE_FINISH: the split-K path with a residual (runtime/experts/moe_finish.py: gate/up's last slice
-    stores SiLU(gate) x up, down's last adds the sum into the residual) gives residual + the oracle's sum, K
-    whole or cut, summed by weights or columns, down reading h in runs or through its permutation."""
+def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk):
+    """Layers all in VRAM decode in two launches adding into the residual (runtime/experts/decode.py:
+    gate/up's last slice stores SiLU(gate) x up, down's last adds the sum into the residual): residual + the
+    oracle's sum, K whole or cut, down reading h in runs or through its permutation."""
     rows = [int(t) for t in args[-1].split(",")]
     top_k = int(args[args.index("--top-k") + 1])
-    env = dict(os.environ, TRITON_INTERPRET="1", MOEDESK_MOE_FINISH="1", MOEDESK_GEMV_SUMS=sums)
+    env = dict(os.environ, TRITON_INTERPRET="1")
     if splitk:
         env["MOEDESK_SPLITK"] = splitk
     r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--residual", *args],
@@ -354,40 +320,30 @@ def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk, 
     assert len(added) == sum(t * top_k <= 64 for t in rows) and all(line.endswith(" ok") for line in added), r.stdout
 
 
-def test_the_two_launches_take_the_split_k_range_and_leave_their_workspace_at_zero():
-    """experts_finish itself (not the fallback) runs where `takes` says, K whole and cut in 2 and 4, equal to the
-    three launches plus torch's add to fp16 rounding; its workspace and counters are zero after; the switch off,
-    too many pairs or the rows sums are not taken."""
+def test_the_two_launches_leave_their_workspace_at_zero():
+    """experts_finish itself, K whole and cut in 2 and 4, equals the three launches plus torch's add to fp16
+    rounding; its workspace and counters are zero after."""
     from tests.interpreted import run_interpreted
     run_interpreted("""
 import torch
-from runtime import tuning
-from runtime.experts import kernels, linear_gemv, moe_finish
+from runtime.experts import decode, shapes
 from runtime.experts.layer import route
 from bench.check_experts import random_layer
 layer = random_layer(6, 128, 128, 3, 4, "cpu", seed=5)
 g = torch.Generator().manual_seed(6)
 for ks in (1, 2, 4):
-    with tuning.use(tuning.with_changes(moe_finish=True, splitk=(32, ks))):
-        kernels._CHOSEN.clear()
-        for T in (1, 3):
-            x = torch.randn(T, 128, generator=g).half()
-            res = (torch.randn(T, 128, generator=g) * 0.1).half()
-            r = route(x, layer.gate_w, 3)
-            assert moe_finish.takes(x, r.ids)
-            got = moe_finish.experts_finish(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res)
-            want = torch.add(res, kernels.experts_decode(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2))
-            err = (got.float() - want.float()).abs().max().item()
-            assert got.dtype == torch.float16 and err <= 2e-3 * want.float().abs().max().item(), (ks, T, err)
-            ws, counts = linear_gemv._WORKSPACES[torch.device("cpu")][-1]
-            assert not ws.any() and not counts.any(), (ks, T)
-x = torch.zeros(22, 128).half()
-ids = torch.zeros(22, 3, dtype=torch.int32)
-with tuning.use(tuning.with_changes(moe_finish=True)):
-    assert moe_finish.takes(x[:21], ids[:21]) and not moe_finish.takes(x, ids)       # 64 pairs at most
-with tuning.use(tuning.with_changes(moe_finish=True, gemv_sums="rows")):
-    assert not moe_finish.takes(x[:1], ids[:1])
-assert not moe_finish.takes(x[:1], ids[:1])
+    shapes.CHOSEN.clear()
+    for T in (1, 3):
+        x = torch.randn(T, 128, generator=g).half()
+        res = (torch.randn(T, 128, generator=g) * 0.1).half()
+        r = route(x, layer.gate_w, 3)
+        got = decode.experts_finish(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res, splitk=(32, ks))
+        want = torch.add(res, decode.experts_decode(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2,
+                                                    splitk=(32, ks)))
+        err = (got.float() - want.float()).abs().max().item()
+        assert got.dtype == torch.float16 and err <= 2e-3 * want.float().abs().max().item(), (ks, T, err)
+        ws, counts = shapes._WORKSPACES[torch.device("cpu")][-1]
+        assert not ws.any() and not counts.any(), (ks, T)
 print("finish ok")
 """, "finish ok")
 

@@ -252,7 +252,7 @@ def _kernel_holds_the_build(flat: dict, desc: torch.Tensor, folder, prefixes: li
     """Projections `prefixes` of one input as the CPU kernel stores them (flat buffers, desc [P, 8]): their scale
     stream is the import's exact scales, and on inputs int8 keeps the kernel's output is the float64 product with
     the build's own weights (scale * (q - zero) before fp16's rounding), up to float32 sums."""
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     from tests.test_cpu_experts import packed_scales
     tensors = [folder.exl2_tensors(p) for p in prefixes]
     for d, t, p in zip(desc, tensors, prefixes):
@@ -269,7 +269,7 @@ def test_the_integer_kernel_computes_with_an_imports_exact_scales(tmp_path):
     """The CPU kernel's readers of an import (experts and attention quantized, act order): the CPU engine's int8
     precision (runtime/reference/weights.py, qlinear.py: attention, each expert) and the CPU expert store (its exl2
     format) pack the build's fp16 scales, and compute with the build's own weights."""
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     from tests.test_cpu_experts import _kernel_or_skip
     _kernel_or_skip()
     build = gptq_folder(_hf(tmp_path, "qwen3_moe"), tmp_path / "gptq", method="gptq", group_size=32, desc_act=True,

@@ -46,39 +46,34 @@ def test_main_prints_and_writes_the_figures_and_refuses_what_does_not_fit(tmp_pa
     assert "unknown MoE shape" in capsys.readouterr().err
 
 
-def test_every_way_of_summing_a_tile_compiles_and_is_counted():
-    """--sums columns and rows compile the kernels as MOEDESK_GEMV_SUMS runs them; summed by rows of code words
-    at the launch shape they are timed in (128 columns a warp), nothing moves between threads: no barrier in the
-    loop (gemv_rows.py). An unknown way is refused."""
-    got = {sums: kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=64, ksplit=1, warps=4, arch=90, sums=sums)
-           for sums in ("weights", "columns")}
-    got["rows"] = kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=128, ksplit=1, warps=1, arch=90, sums="rows")
-    for sums, res in got.items():
-        assert [r.sums for r in res] == [sums, sums] and all(3 < r.instructions_per_weight < 60 for r in res)
-    assert [r.barriers_per_pass for r in got["rows"]] == [0, 0], got["rows"]
-    assert all(r.barriers_per_pass > 0 for r in got["weights"]), got["weights"]
-    with pytest.raises(ValueError, match="sums: weights, columns or rows"):
-        kernel_sass.compile_kernel("down", 768, 2048, 4, 128, 128, 64, 1, 4, 90, sums="words")
-
-
-@pytest.mark.parametrize("bits,ksplit,columns", [(4, 1, False), (4, 4, True), (3, 2, False), (3, 2, True)])
-def test_the_two_launch_moe_kernels_compile_with_nothing_spilled(bits, ksplit, columns):
-    """runtime/experts/moe_finish.py's kernels (MOEDESK_MOE_FINISH) compiled for sm_90 at Qwen3-30B-A3B's expert
-    shapes: what the interpreter does not check; nothing spilled to local memory and no larger a stack frame
-    than the split-K kernels they stand for (3-bit codes summed by columns keep 8 bytes in both)."""
-    from runtime.experts import triton_kernels as tk
-    from runtime.experts.moe_finish import _down_finish, _gate_up_finish
-    gate_up = dict(K=2048, N=768, A=8, BITS1=bits, G1=128, BITS3=bits, G3=128, BK=128, BN=64, KSPLIT=ksplit,
-                   COLUMNS=columns)
-    down = dict(K=768, N=2048, HS=768, NOUT=2048, A=8, BITS=bits, G=128, BK=128, BN=64, KSPLIT=ksplit,
-                ORDERED=True, COLUMNS=columns)
-    for fn, name, const in ((_gate_up_finish, "gate_up", gate_up), (_down_finish, "down", down)):
+@pytest.mark.parametrize("bits,ksplit", [(4, 1), (4, 4), (3, 2)])
+def test_the_two_launch_moe_kernels_compile_with_nothing_spilled(bits, ksplit):
+    """runtime/experts/decode.py's two-launch kernels (the decode of layers all in VRAM) compiled for sm_90 at
+    Qwen3-30B-A3B's expert shapes: what the interpreter does not check; nothing spilled to local memory and no
+    larger a stack frame than the three-launch split-K kernels beside them."""
+    from runtime.experts import decode
+    gate_up = dict(K=2048, N=768, A=8, BITS1=bits, G1=128, BITS3=bits, G3=128, BK=128, BN=64, KSPLIT=ksplit)
+    down = dict(K=768, N=2048, HS=768, NOUT=2048, A=8, BITS=bits, G=128, BK=128, BN=64, KSPLIT=ksplit, ORDERED=True)
+    for fn, name, const in ((decode._gate_up_finish, "gate_up", gate_up), (decode._down_finish, "down", down)):
         usage = kernel_sass.resource_usage(kernel_sass.compile_jit(fn, kernel_sass._TYPES, const, 4, 90))
-        old = getattr(tk, f"_{name}_splitk")
+        old = getattr(decode, f"_{name}_splitk")
         was = kernel_sass.resource_usage(kernel_sass.compile_jit(old, kernel_sass._POINTERS[name],
-                                                                 dict(const, SKIP=False, ROWS=False), 4, 90))
+                                                                 dict(const, SKIP=False), 4, 90))
         assert 0 < usage["registers"] <= 255 and usage["local"] == 0, (fn, usage)
         assert usage["stack"] <= was["stack"], (fn, usage, was)
+
+
+@pytest.mark.parametrize("experts", [128, 256, 512])
+def test_the_one_launch_sort_compiles_for_the_expert_counts_of_real_models(experts):
+    """grouped._align (the prefill's sort into blocks, one program) compiled for sm_90 at 128 (Qwen3-30B-A3B),
+    256 (Qwen3.5-122B-A10B) and 512 experts: the shared memory it asks for fits a program's (227 KB on the
+    H100) and nothing spills."""
+    from runtime.experts import grouped
+    const = dict(E=experts, BE=experts, BM=64, CH=grouped.CHUNK, BB=64)
+    kernel = kernel_sass.compiled(grouped._align, {"ids_ptr": "*i32", "pairs_ptr": "*i32", "bexp_ptr": "*i32",
+                                                   "P": "i32", "NB": "i32"}, const, 8, 90)
+    usage = kernel_sass.resource_usage(kernel.asm["cubin"])
+    assert kernel.metadata.shared <= 227 * 1024 and usage["local"] == 0, (kernel.metadata.shared, usage)
 
 
 def test_the_one_launch_kernels_are_counted_beside_the_ones_they_stand_for(capsys):
@@ -91,5 +86,3 @@ def test_the_one_launch_kernels_are_counted_beside_the_ones_they_stand_for(capsy
     for r in kernel_sass.run("qwen3-30b-a3b", 3, 128, bn=64, ksplit=2, warps=4, arch=90, finish=True)[2:] + \
             kernel_sass.prologue_cost("qwen3-30b-a3b", 3, 128, ksplit=2, warps=4):
         assert 3 < r.instructions_per_weight < 60, r
-    with pytest.raises(ValueError, match="weights or columns"):
-        kernel_sass.run("qwen3-30b-a3b", 4, 128, bn=128, ksplit=2, warps=1, arch=90, sums="rows", finish=True)

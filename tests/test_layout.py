@@ -1,6 +1,6 @@
 """The repository's layout, read from its source with `ast` (nothing is imported): no benchmark or
 diagnostic inside the runtime, no import cycle anywhere (runtime/, app/, bench/, tests/, packaging/),
-runtime modules a reader can hold in mind, and a code map (docs/code-map.md) that names every file by
+runtime modules and functions a reader can hold in mind, and a code map (docs/code-map.md) that names every file by
 its path."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ PACKAGES = ("runtime", "app", "bench", "tests", "packaging")   # every folder of
 MAPPED = ("runtime", "app", "bench")                           # the code map's folders
 CODE_MAP = ROOT / "docs" / "code-map.md"
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 80
 
 
 def module_name(path: Path) -> str:
@@ -145,6 +146,35 @@ def test_every_runtime_module_within_the_limit():
     """A module a reader can hold in mind: split by idea before one grows past MAX_LINES."""
     over = {name: n for name, n in line_counts().items() if n > MAX_LINES}
     assert over == {}
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """Lines of every function and method in the file (from its `def` to its last line), by qualified name."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[prefix + child.name] = child.end_lineno - child.lineno + 1
+                visit(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return out
+
+
+def test_every_runtime_function_within_the_limit():
+    """A function a reader can follow in one look: split by step before one grows past MAX_FUNCTION_LINES."""
+    over = {f"{name}:{fn}": n for name, path in runtime_modules().items()
+            for fn, n in function_lengths(path).items() if n > MAX_FUNCTION_LINES}
+    assert over == {}
+
+
+def test_function_lengths_count_from_def_to_the_last_line(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    x = 1\n\n    return x\n\n\nclass C:\n    def g(self):\n        def h():\n"
+                   "            pass\n        return h\n")
+    assert function_lengths(src) == {"f": 4, "C.g": 4, "C.g.h": 2}
 
 
 def mapped_files() -> list[str]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from bench.check_experts import random_layer
-from runtime.experts.budget import MemoryBudget
-from runtime.experts.manager import OffloadManager
-from runtime.experts.residency import offload_bytes
+from runtime.budget import MemoryBudget
+from runtime.offload.manager import OffloadManager
+from runtime.offload.residency import offload_bytes
 from runtime.options import OffloadOptions
 
 E, TOP_K = 8, 2
@@ -26,7 +26,7 @@ def _manager(n=4, prefetch_pages=0, total=1 << 40):
 @pytest.mark.parametrize("pages", [0, 1])
 def test_offload_bytes_is_what_the_planner_needs_for_that_many_residents(pages):
     m = _manager(prefetch_pages=pages)
-    cb = m.code_bytes()
+    cb = m.residency.code_bytes()
     for r in range(E):
         need = offload_bytes(cb, E, r, pages)
         m.place(free_bytes=need)
@@ -34,7 +34,7 @@ def test_offload_bytes_is_what_the_planner_needs_for_that_many_residents(pages):
         if need >= sum(cb) * E:                # as much as every expert: all stay in VRAM
             assert r >= E - 2 and kept == [E] * 4, (r, kept)
             continue
-        assert m.stage_capacity == min(E, E - r + 1)
+        assert m.staging.capacity == min(E, E - r + 1)
         # staging for every expert (r <= 1) asks no layer to keep any: the r x 4 slots may go anywhere
         assert kept == [r] * 4 if r > 1 else sum(kept) == 4 * r, (r, need, kept)
         if r:                                  # a byte less: fewer slots
@@ -48,7 +48,7 @@ def test_budget_for_adds_the_ledger_s_fixed_items_and_a_load_at_it_keeps_that_ma
     m = _manager(prefetch_pages=1)
     assert m.fixed_bytes() == sum(FIXED.values())
     budget = m.budget_for(5)
-    assert budget == sum(FIXED.values()) + offload_bytes(m.code_bytes(), E, 5, 1)
+    assert budget == sum(FIXED.values()) + offload_bytes(m.residency.code_bytes(), E, 5, 1)
     m.vram.total_bytes = budget                 # a load at that budget: the ledger has exactly that left
     m.place()
     assert [len(lo.resident()) for lo in m.layers] == [5] * 4 and m.vram.free_bytes == 0
@@ -71,10 +71,10 @@ def test_a_load_gives_torch_s_cached_blocks_back_before_it_measures_free_memory(
     """A tensor deleted just before a load leaves its blocks in torch's cache, where allocations outside
     torch (kernel modules, mappings of page-locked memory) cannot use them: the load hands them back
     first, device and page-locked host blocks, after the device's queued copies."""
-    from runtime.backends import exl2_offload
+    from runtime.backends import gpu_offload
     calls = []
     _fake_cuda(monkeypatch, calls)
-    setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)
+    setup = gpu_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)
     assert calls == ["sync", "blas", "empty", "host", "measure"], calls
     assert not setup.offload and setup.vram.total_bytes == 8 << 20
 
@@ -84,29 +84,29 @@ def test_cublas_workspaces_go_back_only_while_no_engine_is_open(monkeypatch):
     open engine's CUDA graphs replay the workspace they captured, so not while one is open (a draft
     model loading beside its target)."""
     import gc
-    from runtime.backends import exl2_offload
+    from runtime.backends import gpu_offload
 
     class Engine:
         pass
     calls = []
     _fake_cuda(monkeypatch, calls)
     target = Engine()
-    exl2_offload.engine_opened(target)
-    exl2_offload.return_cached_memory()
+    gpu_offload.engine_opened(target)
+    gpu_offload.return_cached_memory()
     assert calls == ["sync", "empty", "host"], calls
-    exl2_offload.engine_closed(target)
+    gpu_offload.engine_closed(target)
     calls.clear()
-    exl2_offload.return_cached_memory()
+    gpu_offload.return_cached_memory()
     assert calls == ["sync", "blas", "empty", "host"], calls
     leaked = Engine()                        # never closed: open while alive, gone with it
-    exl2_offload.engine_opened(leaked)
+    gpu_offload.engine_opened(leaked)
     calls.clear()
-    exl2_offload.return_cached_memory()
+    gpu_offload.return_cached_memory()
     assert "blas" not in calls
     del leaked
     gc.collect()
     calls.clear()
-    exl2_offload.return_cached_memory()
+    gpu_offload.return_cached_memory()
     assert "blas" in calls
 
 
@@ -114,7 +114,7 @@ def test_under_a_budget_the_ledger_counts_what_torch_still_holds_unused_before_t
     """The allocator's cap counts every reserved byte; blocks torch holds but cannot give back (a live
     tensor's segment, a graph pool something still refers to) were missing from the ledger, and the
     planner filled that much of the cap twice (the GPU tests' loads after others ran out of memory)."""
-    from runtime.backends import exl2_offload
+    from runtime.backends import gpu_offload
     from runtime.errors import OutOfMemory
     calls, caps = [], []
     _fake_cuda(monkeypatch, calls)
@@ -122,22 +122,22 @@ def test_under_a_budget_the_ledger_counts_what_torch_still_holds_unused_before_t
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 5 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 << 30)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, *a: caps.append(f))
-    setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=24), own_moe=False)
+    setup = gpu_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=24), own_moe=False)
     assert setup.vram.total_bytes == 24 << 30 and setup.capped and caps == [24 / 140]
-    assert setup.vram.items == {exl2_offload.HELD_BEFORE: 3 << 30}
-    setup = exl2_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)     # no budget, no cap
+    assert setup.vram.items == {gpu_offload.HELD_BEFORE: 3 << 30}
+    setup = gpu_offload.prepare(tmp_path, None, OffloadOptions(), own_moe=False)     # no budget, no cap
     assert setup.vram.items == {} and not setup.capped and caps == [24 / 140]
     with pytest.raises(OutOfMemory, match=r"held before the load \(unused blocks .*\) needs 3.00 GiB of VRAM"):
-        exl2_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=2), own_moe=False)
+        gpu_offload.prepare(tmp_path, None, OffloadOptions(vram_budget_gb=2), own_moe=False)
     assert caps == [24 / 140]                  # no cap is left set by a load that could not start
 
 
 def test_the_repacking_s_page_locked_batches_go_back_after_the_weights(monkeypatch, tmp_path):
-    from runtime.backends import exl2_offload
-    setup = exl2_offload.OffloadSetup(MemoryBudget(1 << 30), None, None, "auto", False)
+    from runtime.backends import gpu_offload
+    setup = gpu_offload.OffloadSetup(MemoryBudget(1 << 30), None, None, "auto", False)
     calls = []
     _fake_cuda(monkeypatch, calls)
-    assert exl2_offload.start(setup, None, None, tmp_path) is None     # all in VRAM: no manager
+    assert gpu_offload.start(setup, None, None, tmp_path) is None     # all in VRAM: no manager
     assert calls == ["sync", "host"], calls
     assert setup.vram.items == {"weights, KV cache and kernel workspaces": 0}
 

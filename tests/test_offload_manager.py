@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.experiment import Experiment
+from runtime.budget import BudgetError, MemoryBudget
+from runtime.offload.experiment import Experiment
 from bench.check_experts import random_layer
-from runtime.experts.manager import OffloadManager, cold_offsets_ok
-from runtime.experts.offload import cold_base
-from runtime.experts.routing_stats import RoutingStats
+from runtime.offload.manager import OffloadManager, cold_offsets_ok
+from runtime.offload.routing_stats import RoutingStats
+from runtime.offload.slots import cold_base
 
 E, TOP_K = 8, 2
 
@@ -36,11 +36,11 @@ def test_tables_point_at_slots_or_host_memory_and_the_ledger_counts_them():
     assert cold_offsets_ok(a) and cold_offsets_ok(b) and _resident_codes_ok(a) and _resident_codes_ok(b)
     assert a.mask.tolist() == [1, 0, 1, 0, 0, 1, 0, 0]
     cb = a.code_bytes
-    assert m.stage_capacity == E - 1 + 1                         # layer 1 leaves 7 cold, + 1 in flight
-    assert m.vram.items["prefill staging"] == 2 * m.stage_capacity * cb
+    assert m.staging.capacity == E - 1 + 1                         # layer 1 leaves 7 cold, + 1 in flight
+    assert m.vram.items["prefill staging"] == 2 * m.staging.capacity * cb
     assert m.vram.items["hot experts"] == 4 * cb
     m.apply([list(range(E)), list(range(E))])                    # everything fits: no staging, "vram"
-    assert m.stage_capacity == 0 and [lo.path for lo in m.layers] == ["vram", "vram"]
+    assert m.staging.capacity == 0 and [lo.path for lo in m.layers] == ["vram", "vram"]
     for lo in m.layers:
         assert all(int(p.woff[e]) == e * p.words_per_expert for p in lo.packs for e in range(E))
 
@@ -55,13 +55,13 @@ def test_placement_keeps_the_most_routed_experts_within_the_budget():
     # share (staging for all 8 would leave 8 slots; for 7, 10 slots but fewer where they matter).
     m.place(free_bytes=24 * cb)
     assert {3, 6} <= set(m.layers[0].resident()) and [len(lo.expert_slot) for lo in m.layers] == [3] * 4
-    assert m.stage_capacity == 6 and m.vram.used_bytes == 24 * cb
+    assert m.staging.capacity == 6 and m.vram.used_bytes == 24 * cb
     assert all(cold_offsets_ok(lo) and _resident_codes_ok(lo) for lo in m.layers)
     with pytest.raises(BudgetError, match="offloaded experts needs") as e:
         m.place(free_bytes=15 * cb)                              # staging for every expert (x2) does not fit
     assert e.value.needed == 16 * cb and e.value.needed > e.value.available    # the least any placement takes
     m.place(free_bytes=32 * cb)                                  # all fit: no staging
-    assert m.path_counts() == {"vram": 4} and m.stage_capacity == 0
+    assert m.telemetry().expert_path_counts == {"vram": 4} and m.staging.capacity == 0
 
 
 def test_swap_points_the_victim_at_host_memory_first_and_the_new_expert_after_its_copy():
@@ -206,7 +206,7 @@ def test_staging_pages_are_lent_to_cold_experts_between_prefills_and_reclaimed_b
     m.staging.lend = True                                      # on a GPU by default; CPU tensors here
     m.apply([[0, 2, 5], [1]])
     a, b = m.layers
-    assert 2 * m.stage_capacity >= len(a.cold()) + len(b.cold())  # pages enough for every cold expert
+    assert 2 * m.staging.capacity >= len(a.cold()) + len(b.cold())  # pages enough for every cold expert
     m.step_boundary(1)                                           # a decode step: the copies are queued
     assert m.telemetry().expert_lent_pending == 12 and not a.lent
     m.step_boundary(1)                                           # the next boundary points the tables
@@ -260,7 +260,7 @@ def test_lent_pages_go_to_the_experts_routed_most_spread_over_layers():
     m = _manager(n=4, stats=stats)
     m.staging.lend = True
     m.apply([list(range(6))] * 4)                                # 2 cold per layer, staging for 3 (x2)
-    assert 2 * m.stage_capacity == 6
+    assert 2 * m.staging.capacity == 6
     plan = m.staging.lend_plan()
     assert len(plan) == 6 and {(3, 6), (3, 7)} <= set(plan)
     per_layer = [sum(1 for l, _ in plan if l == i) for i in range(4)]
@@ -294,7 +294,7 @@ def test_offload_needs_host_codes():
 
 def test_prefill_scratch_estimate_grows_with_the_chunk_and_the_context():
     from types import SimpleNamespace
-    from runtime.backends.exl2_offload import SCRATCH_MARGIN, prefill_scratch_bytes
+    from runtime.backends.gpu_offload import SCRATCH_MARGIN, prefill_scratch_bytes
     cfg = SimpleNamespace(max_input_len=2048, max_seq_len=8192, hidden_size=4096, vocab_size=151936,
                           num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                           num_experts_per_token=8, intermediate_size=1536)

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from runtime.experts.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
-from runtime.experts.placement import PathCosts, decode_roofline, plan_placement
-from runtime.experts.routing_stats import RoutingStats, drift, stats_path
+from runtime.budget import GB, BudgetError, MemoryBudget, ram_budget, vram_budget
+from runtime.offload.placement import PathCosts, decode_roofline, plan_placement
+from runtime.offload.routing_stats import RoutingStats, drift, stats_path
 
 GiB_s = float(GB)
 RIG = PathCosts(pcie_bytes_per_s=51.7 * GiB_s, cpu_bytes_per_s=92 * GiB_s)  # measured H200-rig ceilings
@@ -172,7 +172,7 @@ def test_routing_concentration_and_uniform_roofline():
 
 _FORCED_ROUTING_CHECK = """
 import torch
-from runtime.experts.kernels import UniformPicks, route_fused
+from runtime.experts.routing import UniformPicks, route_fused
 torch.manual_seed(0)
 E, A, H = 16, 4, 64
 picks = UniformPicks.draw(E, A, "cpu", rows=1000, seed=3)

@@ -1,4 +1,4 @@
-"""The seams of the expert-offload rooms (runtime/experts/manager.py and the modules it wires): what a
+"""The seams of the expert-offload rooms (runtime/offload/manager.py and the modules it wires): what a
 layer gets instead of the manager, the Experiment argument, and the telemetry snapshot."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from bench.check_experts import random_layer
-from runtime.experts.budget import MemoryBudget
-from runtime.experts.experiment import NO_EXPERIMENT, Experiment, apply_experiment
-from runtime.experts.manager import LayerHooks, OffloadManager
-from runtime.experts.telemetry import OffloadTelemetry
+from runtime.budget import MemoryBudget
+from runtime.offload.experiment import NO_EXPERIMENT, Experiment, apply_experiment
+from runtime.offload.manager import LayerHooks, OffloadManager
+from runtime.offload.telemetry import OffloadTelemetry
 
 E, TOP_K = 8, 2
 
@@ -152,7 +152,7 @@ def test_lending_off_is_an_experiment_and_the_apps_switch_stays():
 
 
 def test_a_fixed_cut_is_never_moved(monkeypatch):
-    from runtime.experts import cpu_share
+    from runtime.offload import cpu_share
     m = _manager(policy="stream")
     m.apply([[0], [1]])
     moved = []
@@ -179,16 +179,16 @@ def test_telemetry_is_a_frozen_snapshot_with_the_events_keys():
         t.expert_pairs = 3
     d = t.as_dict()
     assert set(d) == BASE_KEYS and d["cpu_expert_path"] == "off: placement 'stream'"
-    assert d["expert_residents"] == [3, 1] and d["expert_staging_capacity"] == m.stage_capacity
+    assert d["expert_residents"] == [3, 1] and d["expert_staging_capacity"] == m.staging.capacity
     json.dumps(d)                                              # the event goes out as JSON
     m.counters.bytes["staged"] = 7
     assert t.expert_moved_bytes["staged"] == 0 and m.telemetry().expert_moved_bytes["staged"] == 7
 
 
 def test_telemetry_keys_of_the_cpu_path_only_where_they_apply(monkeypatch):
-    from runtime.experts import cpu_share
+    from runtime.offload import cpu_share
     from runtime.experts.pack import align_intermediate
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs",
                         lambda self, resident, threads: CpuSplitCosts(50e9, 50e9, 0.0))
     layers = [random_layer(8, 64, 256, 2, 3, "cpu", seed=i, group_size=64, host_codes=True) for i in range(2)]
@@ -200,8 +200,8 @@ def test_telemetry_keys_of_the_cpu_path_only_where_they_apply(monkeypatch):
     assert set(d) == BASE_KEYS | {"cpu_expert_cut", "cpu_expert_signal", "cpu_expert_predicted_gain"}
     assert d["cpu_expert_path"] == "on" and d["cpu_expert_predicted_gain"] == m.cpu.split.gain
     assert set(d["cpu_expert_cut"]) == {"rows", "of", "copied", "cpu_first_share", "cpu_idle_ms_per_token", "moves"}
-    assert d["cpu_expert_cut"]["rows"] == m.cut
-    m.set_cpu_path(False, "measured slower")
+    assert d["cpu_expert_cut"]["rows"] == m.cpu.cut
+    m.cpu.set_path(False, "measured slower")
     d = m.telemetry().as_dict()
     assert set(d) == BASE_KEYS and d["cpu_expert_path"] == "off: measured slower"
     m.close()

@@ -9,7 +9,7 @@ import pytest
 
 def test_the_three_cases_run_apart_and_say_their_threads(tmp_path, capsys):
     from bench import omp_teams
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     if (why := ce.kernel_unavailable_reason()):
         pytest.skip(f"the CPU expert kernel is unavailable here: {why}")
     out = tmp_path / "omp.json"

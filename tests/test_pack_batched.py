@@ -150,7 +150,7 @@ def test_synthetic_layer_repacks_bit_for_bit_from_the_mapped_files(tmp_path, mon
     assert E > 5
     # every expert's gate and up read the input in one order (as exllamav2's converter writes MoE layers), and
     # down reads the intermediate in order: the grouped kernels permute the input once and read h in runs
-    from runtime.experts.kernels import input_order
+    from runtime.experts.grouped import input_order
     order = input_order(w1, w3, w2)
     assert order.shared is not None and order.ordered_down
     assert torch.equal(order.shared, w1.perm[E - 1].long())

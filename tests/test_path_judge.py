@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from runtime.experts.path_judge import (CLOSE, DRIFT_WINDOW, MAX_ROUNDS, RECHECK_STEPS, TRIAL_CHUNK, TRIAL_STEPS,
+from runtime.offload.path_judge import (CLOSE, DRIFT_WINDOW, MAX_ROUNDS, RECHECK_STEPS, TRIAL_CHUNK, TRIAL_STEPS,
                                         PathJudge, read_decision, write_decision)
 
 RUNS = -(-TRIAL_STEPS // TRIAL_CHUNK)       # runs of timed steps per path and round (a step each)
@@ -137,33 +137,38 @@ def test_drift_and_age_ask_for_a_new_measurement():
 
 
 class FakeManager:
-    """The manager's side of a switch: whether the CPU path runs, and whether it can be built."""
+    """The manager's side of a switch: its CPU share (here the fake itself, `cpu`): whether the CPU path runs,
+    and whether it can be built."""
 
     def __init__(self, cpu: bool, gain: float, buildable: bool = True):
-        self.cpu_active, self.cpu_predicted_gain, self.buildable = cpu, gain, buildable
-        self.cpu_policy, self.cpu_unavailable, self.cpu_reason = "auto", "", ""
+        self.active, self.predicted_gain, self.buildable = cpu, gain, buildable
+        self.policy, self.unavailable, self.reason = "auto", "", ""
         self.switches = 0
-        self.build_steps = 0           # steps set_cpu_path_steps yields before a switch on takes effect
+        self.build_steps = 0           # steps set_path_steps yields before a switch on takes effect
         self.abandoned = 0             # ... and how often it was closed before that
         self.released = 0              # trials' ends: the CPU copies set aside freed
 
-    def set_cpu_path(self, on: bool, reason: str = "", keep: bool = False) -> bool:
-        self.switches += 1
-        self.cpu_active = on and self.buildable
-        return self.cpu_active
+    @property
+    def cpu(self):
+        return self
 
-    def release_parked_cpu_path(self) -> None:
+    def set_path(self, on: bool, reason: str = "", keep: bool = False) -> bool:
+        self.switches += 1
+        self.active = on and self.buildable
+        return self.active
+
+    def release_parked(self) -> None:
         self.released += 1
 
-    def set_cpu_path_steps(self, on: bool, reason: str = "", keep: bool = False):
+    def set_path_steps(self, on: bool, reason: str = "", keep: bool = False):
         done = False
         try:
-            for i in range(self.build_steps if on and not self.cpu_active else 0):
+            for i in range(self.build_steps if on and not self.active else 0):
                 yield f"copied layer {i}"
             done = True
         finally:
             self.abandoned += not done
-        return self.set_cpu_path(on, reason, keep)
+        return self.set_path(on, reason, keep)
 
 
 class FakeGraphs:
@@ -199,12 +204,12 @@ class FakeEngine:
 def fake_timing(monkeypatch, cpu_ms: float, stream_ms: float, seed: int = 0, log: list | None = None):
     """time_decode_steps replaced: noisy step times of the path that runs; each run logged as
     (path, steps asked, cache position), and checked to find its bucket's decode graph captured."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     from runtime.backends.exl2_graph import bucket
     rng = random.Random(seed)
 
     def timed(e, n=TRIAL_STEPS, seed=0):
-        path = "cpu" if e.offload.cpu_active else "stream"
+        path = "cpu" if e.offload.cpu.active else "stream"
         if isinstance(e, FakeEngine):
             assert (bucket(e.position, 1, e.info.context_length), 1) in e.graphs.captured()
         if log is not None:
@@ -220,13 +225,13 @@ def fake_timing(monkeypatch, cpu_ms: float, stream_ms: float, seed: int = 0, log
     (True, 34.1, 25.2, "stream", 1)])
 def test_trial_times_both_paths_in_bounded_steps_and_keeps_the_faster(monkeypatch, starts_on, cpu_ms, stream_ms,
                                                                       want, switches):
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(starts_on, 0.05)
     engine = FakeEngine(manager)
     fake_timing(monkeypatch, cpu_ms, stream_ms)
     judge = xp.make_judge(manager)
     messages = list(xp.trial(engine, judge))
-    assert judge.path == want and manager.cpu_active == (want == "cpu")
+    assert judge.path == want and manager.cpu.active == (want == "cpu")
     assert manager.switches == switches and engine.dropped == switches
     assert manager.released == 1                          # the copies set aside, if any, freed at the end
     assert len(messages) == 2 * (1 + RUNS) + switches    # per path: capture, the runs of timing; each switch
@@ -234,14 +239,14 @@ def test_trial_times_both_paths_in_bounded_steps_and_keeps_the_faster(monkeypatc
 
 
 def test_trial_when_the_cpu_path_cannot_be_built(monkeypatch):
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(False, 0.0, buildable=False)
     engine = FakeEngine(manager)
-    manager.cpu_reason = "the RAM budget is short for the CPU copies (... needs 9 GiB of RAM but only 2 GiB ...)"
+    manager.cpu.reason = "the RAM budget is short for the CPU copies (... needs 9 GiB of RAM but only 2 GiB ...)"
     monkeypatch.setattr(xp, "time_decode_steps", lambda e, n=TRIAL_STEPS, seed=0: [0.03] * n)
     judge = xp.make_judge(manager)
     messages = list(xp.trial(engine, judge))
-    assert judge.path == "stream" and not manager.cpu_active
+    assert judge.path == "stream" and not manager.cpu.active
     assert judge.reason.startswith("the CPU path could not be built: the RAM budget is short")
     assert any("the RAM budget is short" in m for m in messages)       # the load's progress says it too
 
@@ -251,14 +256,14 @@ def test_trial_builds_the_cpu_copies_a_step_at_a_time(monkeypatch):
     """In idle time a command waits for one step at most: building the CPU path yields after each
     layer's copies, graphs are dropped again after it (a command between the steps captured the
     GPU-only path's), and a trial abandoned midway closes the build (its copies freed)."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     monkeypatch.setattr(xp, "time_decode_steps",
-                        lambda e, n=TRIAL_STEPS, seed=0: [0.025 if e.offload.cpu_active else 0.034] * n)
+                        lambda e, n=TRIAL_STEPS, seed=0: [0.025 if e.offload.cpu.active else 0.034] * n)
     manager = FakeManager(False, 0.05)
     manager.build_steps = 3
     engine = FakeEngine(manager)
     messages = list(xp.trial(engine, xp.make_judge(manager)))
-    assert manager.cpu_active and [m for m in messages if m.startswith("copied")] == ["copied layer 0", "copied layer 1",
+    assert manager.cpu.active and [m for m in messages if m.startswith("copied")] == ["copied layer 0", "copied layer 1",
                                                                                       "copied layer 2"]
     assert len(messages) == 2 * (1 + RUNS) + 1 + 3 and engine.dropped == 2 and manager.abandoned == 0
     manager = FakeManager(False, 0.05)
@@ -267,7 +272,7 @@ def test_trial_builds_the_cpu_copies_a_step_at_a_time(monkeypatch):
     while next(trial) != "copied layer 1":
         pass
     trial.close()
-    assert manager.abandoned == 1 and manager.switches == 0 and not manager.cpu_active
+    assert manager.abandoned == 1 and manager.switches == 0 and not manager.cpu.active
 
 def _recording(judge: PathJudge) -> list[tuple[str, int]]:
     """The judge's record calls as (path, samples), the judge still recording them."""
@@ -285,7 +290,7 @@ def test_an_idle_trial_times_each_path_in_runs_yielding_between_them(monkeypatch
     """A command that arrives while a path is timed waits for one run of TRIAL_CHUNK steps, not all
     TRIAL_STEPS: each step of the trial times one run at most; the judge still gets all TRIAL_STEPS
     of each path as one round's (the rounds and medians as before)."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(False, 0.05)
     engine = FakeEngine(manager)
     log = []
@@ -305,7 +310,7 @@ def test_commands_between_the_runs_leave_the_timing_correct(monkeypatch):
     """Between two runs of timed steps an answer moves the cache (past a bucket, or back) and a
     command drops the graphs: the next run starts from the position then, with its bucket's decode
     graph captured first (in a step of its own: fake_timing checks it), and the judge gets every step."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(True, 0.05)
     engine = FakeEngine(manager)
     log = []
@@ -319,7 +324,7 @@ def test_commands_between_the_runs_leave_the_timing_correct(monkeypatch):
             engine.position = next(moves, engine.position)
             engine._drop_graphs()
     assert [pos for _, _, pos in log] == [0, 300, 17, 1000, 0, 600, 4000, 4000]
-    assert seen == [("cpu", TRIAL_STEPS), ("stream", TRIAL_STEPS)] and judge.path == "cpu" and manager.cpu_active
+    assert seen == [("cpu", TRIAL_STEPS), ("stream", TRIAL_STEPS)] and judge.path == "cpu" and manager.cpu.active
     assert sum(m == "decode graph captured" for m in messages) == len(log)      # recaptured before each run
     assert judge.step_ms["cpu"] < judge.step_ms["stream"] and not judge.wants_recheck()
 
@@ -330,7 +335,7 @@ def test_a_trial_the_engine_changed_under_ends_and_starts_afresh(monkeypatch, co
     """A command between two runs that changes what the timings stand on (the path, the judge, the
     engine, the routing) ends the trial without a decision: its steps dropped, the last decision's
     step times back, a re-measure still asked for (a new trial completes); nothing is left half-set."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(True, 0.05)
     engine = FakeEngine(manager)
     fake_timing(monkeypatch, 25.0, 34.0)
@@ -345,7 +350,7 @@ def test_a_trial_the_engine_changed_under_ends_and_starts_afresh(monkeypatch, co
         pass
     assert next(trial).startswith("decode graph captured") and next(trial).startswith("timed without")
     if command == "switched the path":
-        manager.cpu_active = True
+        manager.cpu.active = True
     elif command == "replaced the judge":
         engine.path_judge = xp.make_judge(manager)
     elif command == "closed the engine":
@@ -357,14 +362,14 @@ def test_a_trial_the_engine_changed_under_ends_and_starts_afresh(monkeypatch, co
     assert judge.path == "stream" and judge.wants_recheck()
     if command in ("switched the path", "ran an experiment"):                  # the judge is still the engine's
         list(xp.trial(engine, judge))
-        assert judge.trials == 2 and judge.path == "cpu" and manager.cpu_active and not judge.wants_recheck()
+        assert judge.trials == 2 and judge.path == "cpu" and manager.cpu.active and not judge.wants_recheck()
 
 
 def test_a_trial_closed_midway_leaves_a_valid_path_and_no_dangling_state(monkeypatch, tmp_path):
     """The trial generator closed between runs: the path as it runs, the judge's steps dropped; closed
     while building the copies of the path it chose: the build freed, the path before the switch, the
     judge asking to measure again. settle_cpu_path (a load, recheck_placement) closes an idle trial."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
     manager = FakeManager(True, 0.05)
     engine = FakeEngine(manager)
@@ -375,22 +380,22 @@ def test_a_trial_closed_midway_leaves_a_valid_path_and_no_dangling_state(monkeyp
         if msg.startswith("timed without"):                # a run of the GPU-only path's timing
             break
     trial.close()
-    assert judge._steps == {} and judge.step_ms == {} and judge.rounds == 0 and not manager.cpu_active
+    assert judge._steps == {} and judge.step_ms == {} and judge.rounds == 0 and not manager.cpu.active
     assert manager.abandoned == 0 and judge.plan() == ["cpu", "stream"] and judge.path == ""
     assert manager.released == 1                           # the CPU copies set aside to time the other: freed
-    manager.cpu_active, manager.build_steps = True, 3      # the faster (CPU) path to be built again after
+    manager.cpu.active, manager.build_steps = True, 3      # the faster (CPU) path to be built again after
     trial = xp.trial(engine, judge)
     while next(trial) != "copied layer 1":
         pass
     trial.close()
-    assert manager.abandoned == 1 and not manager.cpu_active and judge.path == "cpu" and judge.wants_recheck()
+    assert manager.abandoned == 1 and not manager.cpu.active and judge.path == "cpu" and judge.wants_recheck()
     engine._trial = xp.trial(engine, judge)                # an idle re-measure in progress, then a load's settle
     while not next(engine._trial).startswith("timed"):
         pass
     stale = engine._trial
     engine.info.path, engine.prepare_graphs = str(tmp_path / "model"), lambda progress: None
     from types import SimpleNamespace
-    engine.budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
+    engine.setup = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
                                     applied={})
     xp.settle_cpu_path(engine, lambda *a: None)
     assert stale.gi_frame is None and engine._trial is None and judge._steps == {}
@@ -405,7 +410,7 @@ def test_an_untimed_decision_says_what_the_prediction_placed():
 
 
 def test_a_measured_trial_is_saved_and_a_close_one_alternates_rounds(monkeypatch, tmp_path):
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(True, 0.05)
     engine = FakeEngine(manager)
     log = []
@@ -426,7 +431,7 @@ def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_p
     """settle_cpu_path as a load runs it: the first load times both and saves; the next (placed the
     other way by its prediction) switches to the saved path untimed; a recheck times both again."""
     from types import SimpleNamespace
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
     timed = []
     fake_timing(monkeypatch, 25.0, 34.0, log=timed)
@@ -434,22 +439,22 @@ def test_loads_reuse_the_saved_path_and_a_recheck_times_again(monkeypatch, tmp_p
     def engine(cpu_on: bool):
         e = FakeEngine(FakeManager(cpu_on, 0.5))
         e.info.path = str(tmp_path / "model")
-        e.budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
+        e.setup = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto",
                                    applied={})
         e.prepare_graphs = lambda progress: None
         return e
 
     first, shown = engine(False), []
     xp.settle_cpu_path(first, lambda stage, msg, done, total: shown.append((done, total)))
-    assert first.path_judge.path == "cpu" and len(timed) == 2 * RUNS and first.offload.cpu_active
+    assert first.path_judge.path == "cpu" and len(timed) == 2 * RUNS and first.offload.cpu.active
     assert len(shown) >= 2 * (1 + RUNS)                    # a message per run of timed steps
     assert all(0 <= d < t for d, t in shown) and [d for d, _ in shown] == sorted(d for d, _ in shown)
     second = engine(False)
     messages = []
     xp.settle_cpu_path(second, lambda stage, msg, d, t: messages.append(msg))
-    assert len(timed) == 2 * RUNS and second.offload.cpu_active and second.path_judge.telemetry()["reused"]
+    assert len(timed) == 2 * RUNS and second.offload.cpu.active and second.path_judge.telemetry()["reused"]
     assert "earlier load" in messages[-1], messages
-    assert second.budget.applied["offload.placement"].startswith("applied: CPU expert path on"), second.budget.applied
+    assert second.setup.applied["offload.placement"].startswith("applied: CPU expert path on"), second.setup.applied
     xp.settle_cpu_path(second, lambda *a: None, measure=True)
     assert len(timed) == 4 * RUNS and second.path_judge.trials == 1
 
@@ -538,7 +543,7 @@ class ReplayEngine:
 def test_the_timed_steps_decode_as_an_answer_does():
     """Each timed step feeds the argmax of the one before, at the next position (not a random token
     whose experts answers never use), and the cache ends where it began."""
-    from runtime.backends.exl2_placement import time_decode_steps
+    from runtime.backends.expert_path import time_decode_steps
     e = ReplayEngine()
     e.position = 100
     out = time_decode_steps(e, steps=20)
@@ -557,8 +562,8 @@ def test_a_benchmarks_trial_decodes_its_random_stream_and_is_saved_apart():
     bench.offload decodes; a random model's greedy continuation loops over a few experts), the same for the
     same seed, and the decision is keyed apart from the model's own."""
     from types import SimpleNamespace
-    from runtime.backends import exl2_placement as xp
-    from runtime.experts.experiment import NO_EXPERIMENT
+    from runtime.backends import expert_path as xp
+    from runtime.offload.experiment import NO_EXPERIMENT
     e = ReplayEngine(vocab=1000)
     e.experiment = NO_EXPERIMENT.replace(trial_stream=True)
     e.position = 100
@@ -569,7 +574,7 @@ def test_a_benchmarks_trial_decodes_its_random_stream_and_is_saved_apart():
     again.experiment, again.position = e.experiment, 100
     xp.time_decode_steps(again, steps=20)
     assert [t for t, _ in again.fed] == [t for t, _ in e.fed]
-    eng = SimpleNamespace(info=SimpleNamespace(path="/models/m"), budget=None, experiment=NO_EXPERIMENT)
+    eng = SimpleNamespace(info=SimpleNamespace(path="/models/m"), setup=None, experiment=NO_EXPERIMENT)
     plain = xp.decision_key(eng)
     eng.experiment = e.experiment
     assert xp.decision_key(eng) == plain + "|trials on a random token stream"
@@ -580,7 +585,7 @@ def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path)
     GPU-only decision for this model, budget and machine; nothing for a saved CPU path, another
     budget, or a placement other than "auto"."""
     from types import SimpleNamespace
-    from runtime.backends import exl2_decisions as xp
+    from runtime.offload import path_judge as xp
     monkeypatch.setattr(xp, "decisions_file", lambda: tmp_path / "decisions.json")
     budget = SimpleNamespace(vram=SimpleNamespace(total_bytes=24 << 30), cpu_threads=0, policy="auto")
     model = tmp_path / "model"
@@ -602,7 +607,7 @@ def test_a_saved_gpu_only_decision_is_read_before_placing(monkeypatch, tmp_path)
 def test_the_judge_tells_how_each_paths_timing_went(monkeypatch):
     """Telemetry carries, per path, each run's median step in order (a CPU path whose cut still
     climbs shows as runs getting faster) and the cut before and after the timing with its moves."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(False, 0.05)
     engine = FakeEngine(manager)
     fake_timing(monkeypatch, 20.0, 30.0)
@@ -622,8 +627,8 @@ def test_a_timing_run_s_figures_come_from_the_layers_traffic():
     """What each timed run reports beside its median step: from the MoE layers' counters read before and
     after it, its hit rate and the CPU's pairs and milliseconds per forward; the CPU path's team size."""
     import types
-    from runtime.backends import exl2_placement as xp
-    from runtime.experts.cpu_share import CpuShare
+    from runtime.backends import expert_path as xp
+    from runtime.offload.cpu_share import CpuShare
 
     class Ctx:
         threads = 14
@@ -649,16 +654,16 @@ def test_the_cpu_paths_cut_settles_untimed_before_it_is_timed(monkeypatch):
     until two runs in a row leave the cut put (bounded), and only then times it; the judge's telemetry
     shows no move during the timing. The GPU-only path is timed at once."""
     import types
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(False, 0.05)
-    manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
+    manager.cut, manager.cut_log = 512, []              # (the fake is its own CPU share)
     engine = FakeEngine(manager)
     log = []
     fake_timing(monkeypatch, 20.0, 30.0, log=log)
     timed = xp.time_decode_steps
 
     def climbing(e, n=TRIAL_STEPS, seed=0):            # the cut moves in the first three runs with the CPU path
-        if e.offload.cpu_active and sum(1 for p, *_ in log if p == "cpu") < 3:
+        if e.offload.cpu.active and sum(1 for p, *_ in log if p == "cpu") < 3:
             manager.cpu.cut += 64
             manager.cpu.cut_log.append((0, manager.cpu.cut, 0.5))
         return timed(e, n, seed)
@@ -682,9 +687,9 @@ def test_settling_is_bounded_and_done_once_a_trial(monkeypatch, cpu_ms, stream_m
     close to call) times it at once (on the H200 a restless Mixtral cut spent 128 untimed steps, 22 s,
     in each of three rounds)."""
     import types
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     manager = FakeManager(True, 0.05)
-    manager.cpu = types.SimpleNamespace(cut=512, cut_log=[])
+    manager.cut, manager.cut_log = 512, []              # (the fake is its own CPU share)
     engine = FakeEngine(manager)
     log = []
     fake_timing(monkeypatch, cpu_ms, stream_ms, log=log)
@@ -705,7 +710,7 @@ def test_settling_is_bounded_and_done_once_a_trial(monkeypatch, cpu_ms, stream_m
 def test_the_step_clock_hands_the_judge_one_row_steps_only(monkeypatch):
     """Both GPU engines tick a StepClock at every forward: the judge hears the time from one one-row
     forward's start to the next forward's, not a verify's or a prefill's, nor a pause over a second."""
-    from runtime.backends import exl2_placement as xp
+    from runtime.backends import expert_path as xp
     now = [100.0]
     monkeypatch.setattr(xp.time, "perf_counter", lambda: now[0])
     heard: list[float] = []

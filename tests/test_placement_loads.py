@@ -10,7 +10,7 @@ import torch
 
 from bench import offload as bo
 from bench import placement_loads as pl
-from runtime.experts.budget import MemoryBudget
+from runtime.budget import MemoryBudget
 
 
 class FakeEngine:
@@ -68,7 +68,7 @@ def test_a_load_starts_only_where_the_last_ones_wall_time_ends_by_the_deadline()
 
 
 def test_uniform_statistics_are_uniform_and_weigh_a_half_life():
-    from runtime.experts.routing_stats import RoutingStats
+    from runtime.offload.routing_stats import RoutingStats
     s = RoutingStats.empty(3, 8)
     s.counts[0, 2] = 1e6
     bo.uniform_statistics(s, top_k=2)
@@ -80,7 +80,7 @@ def test_uniform_statistics_are_uniform_and_weigh_a_half_life():
 
 def _manager(seed_stats):
     from bench.check_experts import random_layer
-    from runtime.experts.manager import OffloadManager
+    from runtime.offload.manager import OffloadManager
     layers = [random_layer(8, 64, 32, 2, 4, "cpu", seed=i, host_codes=True) for i in range(4)]
     m = OffloadManager(layers, MemoryBudget(1 << 40), "stream")
     m.vram.total_bytes = 22 * m.layers[0].code_bytes
@@ -102,7 +102,7 @@ def test_two_loads_placed_by_other_statistics_place_alike_from_uniform_statistic
     for m in (a, b):
         bo.uniform_statistics(m.stats, m.top_k)
         m.place()
-    assert sets(a) == sets(b) and a.stage_capacity == b.stage_capacity
+    assert sets(a) == sets(b) and a.staging.capacity == b.staging.capacity
     assert sum(map(len, sets(a))) >= before                      # no fewer experts hot under uniform picks
 
 
@@ -121,9 +121,9 @@ def test_placing_for_uniform_routing_saves_no_statistics_and_counts_no_earlier_t
 
 
 def test_a_decision_under_forced_routing_is_saved_apart_from_the_models_own():
-    from runtime.backends.exl2_placement import decision_key
-    from runtime.experts.experiment import NO_EXPERIMENT
-    engine = types.SimpleNamespace(info=types.SimpleNamespace(path="/models/q"), budget=None,
+    from runtime.backends.expert_path import decision_key
+    from runtime.offload.experiment import NO_EXPERIMENT
+    engine = types.SimpleNamespace(info=types.SimpleNamespace(path="/models/q"), setup=None,
                                    experiment=NO_EXPERIMENT)
     own = decision_key(engine)
     engine.experiment = NO_EXPERIMENT.replace(forced_routing=(object(),), routing_label="uniform")

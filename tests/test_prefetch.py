@@ -1,23 +1,23 @@
-"""Decode prefetch (runtime/experts/prefetch.py): the plan and copy kernels in Triton's interpreter, the
+"""Decode prefetch (runtime/offload/prefetch.py): the plan and copy kernels in Triton's interpreter, the
 pages in the VRAM ledger, and the switch that stops copying when predictions do not come true.
 (On the GPU, tests/gpu/test_offload_gpu.py runs it inside captured decode steps against all-in-VRAM.)"""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from runtime.experts import prefetch as pfm
-from runtime.experts.budget import MemoryBudget
 from bench.check_experts import random_layer
-from runtime.experts.manager import OffloadManager
-from runtime.experts.offload import word_distance
+from runtime.budget import MemoryBudget
+from runtime.offload import prefetch as pfm
+from runtime.offload.manager import OffloadManager
+from runtime.offload.slots import word_distance
 from tests.interpreted import run_interpreted
 
 
 _KERNELS = r"""
 import torch
-from runtime.experts.kernels import UniformPicks, predict_logits, prefetch_copy, prefetch_plan
+from runtime.experts.routing import UniformPicks
+from runtime.offload.prefetch import predict_logits, prefetch_copy, prefetch_plan
 torch.manual_seed(0)
 E, A, H, P = 8, 3, 64, 2
 W = [48, 48, 32]                                       # words per expert of gate, up, down
@@ -170,7 +170,7 @@ def test_a_plan_waits_for_its_release_and_predicts_from_the_residual_kept(monkey
     layer l+1's q/k/v are queued (the decode graphs' `release_prefetch`; exllamav2's GEMM there is wrong
     beside a kernel reading host memory) or, on other paths, at l+1's router (`planned`); never for
     another layer, once per forward, from the residual as layer l left it."""
-    from runtime.experts import kernels
+    from runtime.offload import prefetch as kernels
     m = _manager(1)
     m.place(free_bytes=20 * m.layers[0].code_bytes)
     pf = m.prefetch
@@ -206,30 +206,3 @@ def test_a_plan_waits_for_its_release_and_predicts_from_the_residual_kept(monkey
     pf.begin()                                  # a new forward drops what was pending
     m.release_prefetch(l1.layer)
     assert calls == [] and not pf.planned(l1)
-
-
-def test_the_page_count_is_checked():
-    from runtime.tuning import Tuning
-    assert Tuning.from_environment({"MOEDESK_PREFETCH": "2"}).prefetch_pages == 2
-    assert Tuning.from_environment({"MOEDESK_PREFETCH": "0"}).prefetch_pages == 0
-    for bad in ("-1", "9", "one"):
-        with pytest.raises(ValueError, match="MOEDESK_PREFETCH="):
-            Tuning.from_environment({"MOEDESK_PREFETCH": bad})
-
-
-def test_telemetry_counts_unpicked_copies_as_wasted_pcie_bytes():
-    m = _manager(1)
-    m.place(free_bytes=20 * m.layers[0].code_bytes)
-    with torch.inference_mode():
-        m.prefetch.score[1] += torch.tensor([10, 4, 10, 4])
-    tel = m.telemetry()
-    assert tel.expert_prefetch_wasted_bytes == 6 * m.layers[1].code_bytes
-    assert np.isclose(tel.expert_prefetch["accuracy"], 0.4)
-
-
-def test_the_benchmarks_oracle_list_is_checked():
-    import argparse
-    from bench.offload import _oracles
-    assert _oracles("none,1.0,0.6") == [None, 1.0, 0.6]
-    with pytest.raises(argparse.ArgumentTypeError, match="'1.5': want 'none' or a probability"):
-        _oracles("none,1.5")

@@ -1,9 +1,9 @@
-"""Attention's decode prologue in one launch (runtime/experts/qkv_prologue.py, MOEDESK_QKV_FUSED) equals the steps
+"""Attention's decode prologue in one launch (runtime/experts/qkv_prologue.py) equals the steps
 it fuses, done one by one in torch as exllamav2 does them (RMSNorm rounded to fp16, the dequantized q/k/v
 weights, the GEMM's fp16 output, RMS head norms, NEOX RoPE), at 1..9 rows, each part at its own width, K whole
-or cut; and exl2_gemv.install gives the attentions it can take this prologue, the others the GEMV's hooks.
+or cut; and exl2_gemv.install gives the attentions it can take this prologue, the others none.
 
-As in test_dense_gemv.py, the kernel tests run in a child pytest with TRITON_INTERPRET=1 and are skipped in the
+As in test_linear_gemv.py, the kernel tests run in a child pytest with TRITON_INTERPRET=1 and are skipped in the
 parent."""
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def _close(got, want, what):
 
 def _force(shape, packs, T, head_w, tables):
     """The launch shape the next call at T rows takes (the interpreter would take the default)."""
-    from runtime.experts import kernels
+    from runtime.experts import shapes
     key = ("qkv", K, HQ, HK, D, T, tuple((p.out_features, p.bits, p.group) for p in packs), head_w is not None,
            tables is not None, torch.device("cpu"))
-    kernels._CHOSEN[key] = shape
+    shapes.CHOSEN[key] = shape
 
 
 def _packs(parts):
@@ -95,10 +95,10 @@ def _weights(seed: int):
     (([4, 3], 8, 4), 8, True, "none"), ((4, 4, 8), 2, False, "norms+rope"), ((8, 4, 4), 1, False, "norms"),
 ])
 def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, steps):
-    from runtime.experts import kernels, linear_gemv
-    from runtime.experts.kernels import SplitK
+    from runtime.experts import shapes
     from runtime.experts.qkv_prologue import qkv_prologue
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    from runtime.experts.shapes import SplitK
+    shapes.CHOSEN.clear()
     parts = [_linear(h * D, K, b, s, group=32 if b != [4, 3] else 64) for h, b, s in zip((HQ, HK, HK), bits, (1, 2, 3))]
     packs = _packs(parts)
     norm_w, head_w = _weights(4)
@@ -115,7 +115,7 @@ def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, st
         qkv_prologue(x, norm_w, 1e-6, packs, (HQ, HK, D), q, k, v, head_w, (1e-6, 1e-5), tables)
         for got, want, name in zip((q, k, v), reference(x, norm_w, 1e-6, parts, head_w, (1e-6, 1e-5), tables), "qkv"):
             _close(got, want, (name, T))
-        ws, counts = linear_gemv._WORKSPACES[torch.device("cpu")][-1]
+        ws, counts = shapes._WORKSPACES[torch.device("cpu")][-1]
         assert not ws.any() and not counts.any(), "the workspace and counters are left at zero"
 
 
@@ -124,10 +124,9 @@ def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, st
 def test_the_default_shape_and_each_candidate_give_the_same_heads(monkeypatch, T):
     """Every launch shape the timing may pick (K cut in 1..8, 4 or 8 warps, with or without the dot) stores the
     same heads, to the order of the split-K sums."""
-    from runtime.experts import kernels
-    from runtime.experts.kernels import _bk
+    from runtime.experts import shapes
     from runtime.experts.qkv_prologue import candidates, qkv_prologue
-    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    shapes.CHOSEN.clear()
     parts = [_linear(h * D, K, 4, s) for h, s in ((HQ, 7), (HK, 8), (HK, 9))]
     packs = _packs(parts)
     norm_w, head_w = _weights(5)
@@ -135,9 +134,9 @@ def test_the_default_shape_and_each_candidate_give_the_same_heads(monkeypatch, T
     tables = (sin, cos, torch.tensor([3], dtype=torch.int32))
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(11)).half()
     want = reference(x, norm_w, 1e-6, parts, head_w, (1e-6, 1e-6), tables)
-    shapes = candidates(K, HQ + 2 * HK, _bk(*packs, cap=128), D, T)
-    assert shapes[0].bn == D and len(set(shapes)) == len(shapes) and any(not c.dot for c in shapes) == (T > 1)
-    for c in shapes:
+    offered = candidates(K, HQ + 2 * HK, shapes.tile(*packs, cap=128), D, T)
+    assert offered[0].bn == D and len(set(offered)) == len(offered) and any(not c.dot for c in offered) == (T > 1)
+    for c in offered:
         _force(c, packs, T, head_w, tables)
         q, k, v = (torch.empty((T, h * D), dtype=torch.float16) for h in (HQ, HK, HK))
         qkv_prologue(x, norm_w, 1e-6, packs, (HQ, HK, D), q, k, v, head_w, (1e-6, 1e-6), tables)
@@ -175,11 +174,11 @@ def test_bad_inputs_are_refused_with_what_is_wrong():
 
 
 def test_candidates_keep_whole_tiles_and_the_default_first():
-    from runtime.experts.kernels import SplitK, _ksplit
     from runtime.experts.linear_gemv import FMA_MAX_TILE, linear_rows_block
     from runtime.experts.qkv_prologue import candidates
+    from runtime.experts.shapes import SplitK, ksplit
     one = candidates(2048, 40, 128, 128)
-    assert one[0] == SplitK(128, _ksplit(2048, 128, 40)) and all(c.dot and c.bn == 128 for c in one)
+    assert one[0] == SplitK(128, ksplit(2048, 128, 40)) and all(c.dot and c.bn == 128 for c in one)
     assert all(2048 % (c.ksplit * 128) == 0 for c in one) and {c.warps for c in one} == {4, 8}
     for t in (2, 8):
         few = candidates(2048, 40, 64, 128, t)
@@ -192,12 +191,11 @@ def test_candidates_keep_whole_tiles_and_the_default_first():
 
 @interpreted
 def test_install_gives_the_attentions_it_takes_the_one_launch_prologue(monkeypatch):
-    """With MOEDESK_QKV_FUSED: a plain attention's prologue is one launch whose q/k/v equal the steps'; an
-    attention with a LayerNorm before, GPTJ's RoPE or a head norm's bias keeps the GEMV's hooks (exllamav2's RoPE
-    called); a call with a RoPE other than NEOX or past 9 rows goes the hooks' way; o is the GEMV's either way."""
-    from test_dense_gemv import _Folder, _attention, _standin_exllamav2, attention_tensors
+    """With no switch: a plain attention's prologue is one launch whose q/k/v equal the steps'; an attention
+    with a LayerNorm before, GPTJ's RoPE or a head norm's bias keeps exllamav2's path (no hooks); a call with a
+    RoPE other than NEOX or past 9 rows runs exllamav2's prologue."""
+    from test_linear_gemv import _Folder, _attention, _standin_exllamav2, attention_tensors
 
-    from runtime import tuning
     from runtime.backends import exl2_gemv
     from runtime.modelfolder import EXL2_PARTS
     calls = []
@@ -210,11 +208,9 @@ def test_install_gives_the_attentions_it_takes_the_one_launch_prologue(monkeypat
     biased = _attention(Attention, RMSNorm, "l3", K, HQ, HK, D)
     biased.k_norm.bias = torch.zeros(D)
     model = types.SimpleNamespace(modules=[object(), plain, layer_norm, gptj, biased])
-    with tuning.use(tuning.with_changes(qkv_fused=True)):
-        assert exl2_gemv.install(model, _Folder(tensors)) == 4
-    assert plain.moedesk_qkv.func is exl2_gemv.fused_qkv
-    assert all(a.moedesk_qkv.func is exl2_gemv.gemv_qkv for a in (layer_norm, gptj, biased))
-    assert all(a.moedesk_o.func is exl2_gemv.gemv_o for a in (plain, layer_norm, gptj, biased))
+    assert exl2_gemv.install(model, _Folder(tensors)) == 1
+    assert plain.moedesk_qkv.func is exl2_gemv.fused_qkv and plain.moedesk_o.func is exl2_gemv.gemv_o
+    assert not any(hasattr(a, "moedesk_qkv") or hasattr(a, "moedesk_o") for a in (layer_norm, gptj, biased))
 
     parts = [{p: tensors[f"l0.{n}.{p}"] for p in EXL2_PARTS} for n in ("q_proj", "k_proj", "v_proj")]
     sin, cos = _tables()
@@ -225,20 +221,17 @@ def test_install_gives_the_attentions_it_takes_the_one_launch_prologue(monkeypat
         q, k, v = (torch.empty((1, T, n * D), dtype=torch.float16) for n in (HQ, HK, HK))
         calls.clear()
         plain.moedesk_qkv(x, T, pos, q, k, v, sin, cos)
-        assert calls == [], "one launch: exllamav2's RoPE not called"
+        assert calls == [], "one launch: exllamav2's kernels not called"
         want = reference(x.view(T, K), plain.pre_layernorm.weight, 1e-6, parts, norms, (1e-6, 1e-6), (sin, cos, pos))
         for got, w, name in zip((q, k, v), want, "qkv"):
             _close(got.view(T, -1), w, (name, T))
     x = torch.randn(1, 2, K).half()
     q, k, v = (torch.empty((1, 2, n * D), dtype=torch.float16) for n in (HQ, HK, HK))
-    layer_norm.pre_layernorm = RMSNorm(torch.rand(K) + 0.5)           # exl2_arch.pre_norm takes it from here
-    calls.clear()
-    layer_norm.moedesk_qkv(x, 2, pos, q, k, v, sin, cos)
-    assert calls == [("rope", HQ, True), ("rope", HK, True)], "the GEMV's hooks: exllamav2's RoPE"
     plain.archparams.rope_style = 2                                   # GPTJ
     calls.clear()
     plain.moedesk_qkv(x, 2, pos, q, k, v, sin, cos)
-    assert calls == [("rope", HQ, False), ("rope", HK, False)]
+    assert calls == [("forward_1", 2)], "exllamav2's prologue"
+    plain.archparams.rope_style = 1
     calls.clear()
     plain.moedesk_qkv(torch.zeros(1, 10, K).half(), 10, pos, q, k, v, sin, cos)
     assert calls == [("forward_1", 10)]

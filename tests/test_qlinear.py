@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.experts import cpu_experts as ce
+from runtime.cpu import experts as ce
 from runtime.reference import qlinear
 from runtime.reference.weights import Linear
 

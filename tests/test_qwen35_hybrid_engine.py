@@ -308,8 +308,8 @@ def test_an_experiment_reaches_every_moe_layer_and_the_offload_manager(folder):
     """bench.offload drives this engine as the exllamav2 one: `set_experiment` hands forced picks to every
     MoE layer (uniform routing: the GPU kernels apply them, this CPU path keeps the router's) and the rest
     to the offload manager; a wrong number of pick sets is refused in words; NO_EXPERIMENT undoes it."""
-    from runtime.experts.experiment import NO_EXPERIMENT, Experiment
-    from runtime.experts.kernels import UniformPicks
+    from runtime.offload.experiment import NO_EXPERIMENT, Experiment
+    from runtime.experts.routing import UniformPicks
     off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
                          window=WINDOW, host_experts=True)
     try:
@@ -338,11 +338,11 @@ def test_an_experiment_reaches_every_moe_layer_and_the_offload_manager(folder):
 
 
 def test_the_expert_path_trials_steps_leave_the_conversation_as_it_was(ref, eng):
-    """exl2_placement.time_decode_steps (the CPU expert path's trial) decodes past the cache's end and
+    """expert_path.time_decode_steps (the CPU expert path's trial) decodes past the cache's end and
     comes back through `hold_position`: 20 steps, more than the rollback window, need no replay of the
     conversation, and the next step's logits are the reference's; a truncate before the held position
     still works (by replaying)."""
-    from runtime.backends.exl2_placement import time_decode_steps
+    from runtime.backends.expert_path import time_decode_steps
     seq = _tokens(60, 12)
     ref.reset(), eng.reset()
     _both(ref, eng, seq[:40], "prefill")
@@ -380,10 +380,10 @@ def test_exllamav2s_kernels_get_no_inconsistent_exl2_tensors(break_it, says):
 
 
 def test_the_expert_path_decision_runs_on_this_engine(folder, tmp_path, monkeypatch):
-    """exl2_placement's decision (shared with the exllamav2 engine) finds on this engine what it asks for:
+    """expert_path's decision (shared with the exllamav2 engine) finds on this engine what it asks for:
     the judge made and consulted, its telemetry, the idle step with nothing to re-check, a new budget's
     judge. (On the CPU the offload manager streams: the decision is the GPU-only path, untimed.)"""
-    from runtime.backends.exl2_placement import settle_cpu_path
+    from runtime.backends.expert_path import settle_cpu_path
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
     off, _ = hybrid.load(folder, LoadOptions(offload=OffloadOptions(context_length=512)), device="cpu",
                          window=WINDOW, host_experts=True)

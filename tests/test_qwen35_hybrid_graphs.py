@@ -24,12 +24,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime import tuning
 from runtime.backends import hybrid
 from runtime.backends.exl2_graph import bucket
 from runtime.backends.hybrid_graphs import StepGraphs
 from runtime.experts.layer import ExpertLayer, route
 from runtime.experts.pack import dequantize_packed
+from runtime.experts.shapes import CAPTURE_MODE
 from runtime.options import LoadOptions, OffloadOptions
 
 K = 5
@@ -248,7 +248,7 @@ def test_the_gpu_tests_sequence_captures_each_bucket_and_row_count_once_and_repl
         assert eng.graphs.captured() == every, eng.graphs.captured()
         assert (eng.position, eng.tokens) == (3, [5, 6, 7]) and _same_state(eng, before)
         captures = [e for e in fake.log if e[0] == "capture"]
-        mode = tuning.current().capture_mode
+        mode = CAPTURE_MODE
         first_pool = ("pool of", id(eng.graphs.graphs[(512, 3)][0]))
         assert captures[0] == ("capture", 3, 512, None, "side", mode), captures[0]
         # idle time: the decode step of this bucket and the next two first, then the verifies'
@@ -503,7 +503,8 @@ def test_under_offload_short_steps_replay_graphs_and_a_replacement_drops_them(fo
             off.forward([seq[i]])
         off.forward(seq[23:23 + WINDOW])
         assert [e[0] for e in api.log] == ["capture", "replay", "replay", "capture"], api.log
-        monkeypatch.setattr(off.offload, "stage_worth", lambda rows: rows >= 2)   # as for a long forward
+        begin = off.offload.begin_forward
+        monkeypatch.setattr(off.offload, "begin_forward", lambda rows: begin(rows) or rows >= 2)   # as for a long one
         off.forward(seq[30:33])
         assert len(api.log) == 4, "a staged forward went through a graph"
         monkeypatch.undo()

@@ -217,7 +217,7 @@ def test_a_broken_head_is_refused_by_name(tiny_qwen35, tmp_path, name, value, me
 def test_the_expert_path_trial_leaves_the_heads_slots_as_they_were(ref, eng):
     """The trial's timed steps (run under hold_position) move the head's slots and kept rows past the
     conversation's end; afterwards the drafts are the reference's, with no rebuild."""
-    from runtime.backends.exl2_placement import time_decode_steps
+    from runtime.backends.expert_path import time_decode_steps
     seq = _tokens(40, 6)
     for e in (ref, eng):
         e.reset()

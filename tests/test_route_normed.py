@@ -1,4 +1,4 @@
-"""The MoE block's entry in one launch (runtime/experts/route_normed.py), in Triton's interpreter: the
+"""The MoE block's entry in one launch (runtime/experts/routing.py, route_normed), in Triton's interpreter: the
 normed rows equal exllamav2's rms_norm (its arithmetic in PyTorch), and the picks, weights and counts equal
 route_fused's on those rows; the per-row counters are back at 0 after every launch; forced (uniform) routing
 and bad shapes."""
@@ -10,8 +10,8 @@ from tests.interpreted import run_interpreted
 
 _CHECK = """
 import torch
-from runtime.experts.kernels import UniformPicks, route_fused
-from runtime.experts.route_normed import RowCounters, route_normed
+from runtime.experts.routing import UniformPicks, route_fused
+from runtime.experts.routing import RowCounters, route_normed
 
 
 def rms_norm_like_exllamav2(h, norm_w, eps):
@@ -69,7 +69,7 @@ def test_the_fused_entry_equals_the_norm_then_the_router_in_the_interpreter():
 
 def test_the_counters_buffer_never_moves_and_a_capture_gets_no_new_one(monkeypatch):
     import torch
-    from runtime.experts.route_normed import RowCounters
+    from runtime.experts.routing import RowCounters
     c = RowCounters("cpu", rows=4)
     buf = c.buf
     assert c.for_rows(3) is buf

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from bench.check_experts import random_layer
 from runtime.backends import routing_prior
+from runtime.budget import MemoryBudget
 from runtime.errors import BadRequest
-from runtime.experts import route_prior as rp
-from runtime.experts.budget import MemoryBudget
-from runtime.experts.manager import OffloadManager
-from runtime.experts.routing_stats import RoutingStats
+from runtime.offload import route_prior as rp
+from runtime.offload.manager import OffloadManager
+from runtime.offload.routing_stats import RoutingStats
 
 E, TOP_K, L = 8, 2, 4
 HOT = (5, 6, 7)                 # the experts the fake calibration prompt routes to
@@ -49,8 +49,7 @@ def test_saved_statistics_say_a_first_load_measures_and_a_later_one_does_not(tmp
     from runtime import tuning
     off = tuning.Tuning.from_environment({"MOEDESK_ROUTE_PRIOR": "0"})
     assert not off.route_prior
-    with tuning.use(off):
-        assert routing_prior.saved_statistics(model, L, E, cache=tmp_path)[3] is None
+    assert routing_prior.saved_statistics(model, L, E, cache=tmp_path, route_prior=off.route_prior)[3] is None
 
 
 # -- what is counted, with which weight --------------------------------------------------------------
@@ -90,7 +89,7 @@ def test_the_users_traffic_outweighs_the_prior_after_about_its_weight_in_tokens(
 def test_the_calibration_conversation_ships_with_the_runtime():
     messages, answer = rp.calibration_messages()
     assert [m["role"] for m in messages] == ["system", "user"] and len(answer) > 200
-    assert rp.calibration_messages.__defaults__[0].parent.name == "experts"
+    assert rp.calibration_messages.__defaults__[0].parent.name == "offload"
 
 
 def test_a_broken_calibration_file_says_what_is_wrong(tmp_path):
@@ -288,7 +287,7 @@ def test_the_hybrid_engine_runs_the_same_step(tmp_path, monkeypatch):
                          window=6, host_experts=True)
     try:
         m = eng.offload
-        m.vram.total_bytes = 3 * m.E * sum(m.code_bytes()) // 4
+        m.vram.total_bytes = 3 * m.E * sum(m.residency.code_bytes()) // 4
         m.place()
         before = [lo.resident() for lo in m.layers]
         assert all(0 < len(r) < m.E for r in before), before

@@ -1,5 +1,5 @@
 """The GPU tests' record/replay of router picks (tests/gpu/routing_replay.py), on the CPU: a stand-in
-engine whose layers route through `kernels.route_fused` as the CUDA engine's do, with a CPU top-k in place
+engine whose layers route through `layer.route_fused` as the CUDA engine's do, with a CPU top-k in place
 of the Triton router. A replay must hold (every layer computes with the picks given) and must say so when
 a layer escapes it."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.experts import kernels
+from runtime.experts import layer as expert_layer
 from tests.gpu.routing_replay import Picks, Routing
 
 E, A, H = 8, 2, 16
@@ -40,7 +40,7 @@ class _Engine:
         x = torch.stack([torch.randn(H, generator=torch.Generator().manual_seed(t)) for t in tokens])
         self.used = []
         for i, m in enumerate(self.moe):
-            route = self.bound if i in self.escaped else kernels.route_fused
+            route = self.bound if i in self.escaped else expert_layer.route_fused
             ids, w = route(x, m.experts.gate_w, A, torch.zeros(E, dtype=torch.int64))
             self.used.append(ids.clone())
         return torch.stack(self.used).float().sum(0)
@@ -48,7 +48,7 @@ class _Engine:
 
 @pytest.fixture
 def routing(monkeypatch):
-    monkeypatch.setattr(kernels, "route_fused", _cpu_route)
+    monkeypatch.setattr(expert_layer, "route_fused", _cpu_route)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # (a CPU-only torch has none)
     r = Routing(monkeypatch)
     yield r

@@ -9,7 +9,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from runtime.errors import EngineError, InvalidModel
-from runtime.tokenizer import REPLACEMENT, StopMatcher, StreamDecoder, Tokenizer
+from runtime.generate import StopMatcher
+from runtime.tokenizer import REPLACEMENT, StreamDecoder, Tokenizer
 
 TEXTS = ["hello world", "héllo wörld", "日本語のテキスト", "emoji 🙂👍🏽 and ZWJ 👨‍👩‍👧 family", "mixed: a€b😀c\nnew line"]
 

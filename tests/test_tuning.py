@@ -20,52 +20,40 @@ READER = ROOT / "runtime" / "tuning.py"
 def test_an_empty_environment_gives_the_defaults():
     t = Tuning.from_environment({})
     assert t == Tuning()
-    assert (t.gemv_max_pairs, t.cut_align, t.grouped, t.splitk) == (64, 64, Grouped(), None)
-    assert (t.cpu_split, t.cpu_balance, t.auto_cpu_path, t.lend_staging, t.prefetch_pages) == ("cut", 1.5, True, True, 1)
-    assert (t.route, t.moe_add, t.graph_attn, t.capture_mode, t.graphs, t.warmup) == \
-        ("fused", "fused", "triton", "relaxed", True, True)
-    assert Tuning.from_environment({"MOEDESK_CUT_ALIGN": "", "MOEDESK_GROUPED": ""}) == Tuning()   # empty: unset
+    assert (t.grouped, t.splitk, t.lend_staging, t.route_prior, t.pin_ahead, t.warmup) == \
+        (Grouped(), None, True, True, 1, True)
+    assert Tuning.from_environment({"MOEDESK_PIN_AHEAD": "", "MOEDESK_GROUPED": ""}) == Tuning()   # empty: unset
+
+
+def test_what_is_left_is_launch_shapes_load_steps_and_what_won_somewhere():
+    """The switches between implementations of the same math were measured and cut (the one-launch set, the
+    one-launch sort, the tile sums, the dense GEMV, the attention and routing variants, the CPU split and
+    signal, ...): what is left names launch shapes, load steps, and lending (which lost in two runs of
+    four). A variable that named a cut switch is no longer read."""
+    assert [f.name for f in dataclasses.fields(Tuning)] == [
+        "grouped", "splitk", "cpu_kernel_isa", "lend_staging", "route_prior", "pin_ahead", "warmup",
+        "template_timeout_s"]
+    gone = {"MOEDESK_QKV_FUSED": "0", "MOEDESK_ROUTE": "torch", "MOEDESK_MOE_FINISH": "0", "MOEDESK_ALIGN": "torch",
+            "MOEDESK_DENSE_GEMV": "1", "MOEDESK_GEMV_SUMS": "rows", "MOEDESK_GRAPH_ATTN": "bmm",
+            "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_PREFETCH": "0"}
+    assert Tuning.from_environment(gone) == Tuning()
 
 
 def test_each_variable_sets_its_field():
-    env = {"MOEDESK_GEMV_MAX_PAIRS": "32", "MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2",
-           "MOEDESK_GEMV_SUMS": "columns",
-           "MOEDESK_CUT_ALIGN": "32", "MOEDESK_CPU_SIGNAL": "hostfunc", "MOEDESK_CPU_KERNEL_ISA": "avx2",
-           "MOEDESK_AUTO_CPU_PATH": "0", "MOEDESK_CPU_SPLIT": "experts", "MOEDESK_CPU_BALANCE": "0",
-           "MOEDESK_LEND_STAGING": "0", "MOEDESK_PREFETCH": "2", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
-           "MOEDESK_ROUTE": "torch", "MOEDESK_ALIGN": "kernel", "MOEDESK_MOE_ADD": "plain",
-           "MOEDESK_MOE_FINISH": "1",
-           "MOEDESK_VERIFY_READS": "rows",
-           "MOEDESK_GRAPH_ATTN": "bmm", "MOEDESK_CAPTURE_MODE": "global", "MOEDESK_PREFILL_ATTN": "matmul",
-           "MOEDESK_DENSE_GEMV": "1", "MOEDESK_QKV_FUSED": "1", "MOEDESK_NO_GRAPHS": "1", "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
+    env = {"MOEDESK_GROUPED": "32,32,64,128,8,2", "MOEDESK_SPLITK": "128x2", "MOEDESK_CPU_KERNEL_ISA": "avx2",
+           "MOEDESK_LEND_STAGING": "0", "MOEDESK_ROUTE_PRIOR": "0", "MOEDESK_PIN_AHEAD": "3",
+           "MOEDESK_NO_WARMUP": "", "MOEDESK_TEMPLATE_TIMEOUT_S": "0.5"}
     t = Tuning.from_environment(env)
-    assert t == Tuning(gemv_max_pairs=32, grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), gemv_sums="columns",
-                       cut_align=32,
-                       cpu_signal="hostfunc", cpu_kernel_isa="avx2", auto_cpu_path=False, cpu_split="experts",
-                       cpu_balance=0.0, lend_staging=False, prefetch_pages=2, route_prior=False, pin_ahead=3,
-                       route="torch", align="kernel", moe_add="plain", moe_finish=True, verify_reads="rows",
-                       graph_attn="bmm", capture_mode="global", prefill_attn="matmul", dense_gemv=True, qkv_fused=True,
-                       graphs=False,
-                       warmup=False, template_timeout_s=0.5)
+    assert t == Tuning(grouped=Grouped(32, 32, 64, 128, 8, 2), splitk=(128, 2), cpu_kernel_isa="avx2",
+                       lend_staging=False, route_prior=False, pin_ahead=3, warmup=False, template_timeout_s=0.5)
     named = {env for env, _, _ in t.describe()}
     assert named == set(env), "every field is read from one variable, and the test sets each"
 
 
 @pytest.mark.parametrize("name,value,says", [
-    ("MOEDESK_CUT_ALIGN", "48", "one of 32, 64, 128"),
-    ("MOEDESK_GEMV_SUMS", "words", "one of weights, columns, rows"),
     ("MOEDESK_PIN_AHEAD", "5", "0 to 4"),
-    ("MOEDESK_CUT_ALIGN", "sixty", "one of 32, 64, 128"),
-    ("MOEDESK_PREFETCH", "9", "0 to 8"),
-    ("MOEDESK_PREFETCH", "-1", "0 to 8"),
-    ("MOEDESK_GEMV_MAX_PAIRS", "0", "1 to 65536"),
-    ("MOEDESK_CPU_BALANCE", "0.5", "at least 1"),
-    ("MOEDESK_CPU_BALANCE", "yes", "a number"),
-    ("MOEDESK_CPU_SPLIT", "halves", "one of cut, experts"),
-    ("MOEDESK_CPU_SIGNAL", "doorbell", "one of auto, memops, hostfunc"),
-    ("MOEDESK_AUTO_CPU_PATH", "maybe", "want 1 (on) or 0 (off)"),
-    ("MOEDESK_GRAPH_ATTN", "flash", "one of triton, bmm, sdpa"),
-    ("MOEDESK_ROUTE", "torchy", "one of fused, normed, torch"),
+    ("MOEDESK_PIN_AHEAD", "many", "a whole number"),
+    ("MOEDESK_LEND_STAGING", "maybe", "want 1 (on) or 0 (off)"),
     ("MOEDESK_GROUPED", "16,64", "six integers"),
     ("MOEDESK_GROUPED", "16,64,48,32,4,0", "not a power of two"),
     ("MOEDESK_SPLITK", "64", "BNxKSPLIT"),
@@ -88,23 +76,21 @@ def test_every_field_has_a_variable_a_description_and_its_type():
 
 def test_use_installs_a_tuning_for_a_block_only():
     before = tuning.current()
-    with tuning.use(Tuning(cut_align=32)) as t:
+    with tuning.use(Tuning(pin_ahead=2)) as t:
         assert tuning.current() is t
-        from runtime.experts import kernels
-        assert kernels.CUT_ALIGN == 32 and kernels.cut_align() == 32
-        assert tuning.with_changes(prefetch_pages=0) == Tuning(cut_align=32, prefetch_pages=0)
+        assert tuning.with_changes(lend_staging=False) == Tuning(pin_ahead=2, lend_staging=False)
     assert tuning.current() is before
     with pytest.raises(dataclasses.FrozenInstanceError):
-        before.cut_align = 32                                    # type: ignore[misc]
+        before.pin_ahead = 2                                     # type: ignore[misc]
 
 
 def test_the_worker_refuses_a_bad_tuning_at_start_and_says_which():
     from runtime.client import worker_command, worker_env
     env = worker_env()
-    env["MOEDESK_PREFETCH"] = "lots"
+    env["MOEDESK_PIN_AHEAD"] = "lots"
     r = subprocess.run(worker_command(), env=env, input="", capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "MOEDESK_PREFETCH='lots': want a whole number, 0 to 8" in r.stderr
+    assert "MOEDESK_PIN_AHEAD='lots': want a whole number, 0 to 4" in r.stderr
 
 
 def test_the_other_variables_have_accessors(monkeypatch, tmp_path):
@@ -204,25 +190,23 @@ def test_tuning_reads_no_module_global_of_the_engine():
     assert r.stdout.strip() == "False", r.stderr
 
 
-def test_the_cpu_path_cuts_in_steps_of_the_installed_tuning():
-    """The CPU copies' width is checked against Tuning.cut_align when asked, not a value frozen at import."""
-    pytest.importorskip("triton")
-    from bench.check_experts import random_layer
-    from runtime.experts.cpu_path import cpu_expert_bytes
-    from runtime.experts.pack import align_intermediate
-    layer = random_layer(4, 64, 128, 2, 4, "cpu", group_size=32)
-    align_intermediate(layer.w1, layer.w3, layer.w2)
-    packs = (layer.w1, layer.w3, layer.w2)
-    with tuning.use(Tuning(cut_align=64)):
-        with pytest.raises(ValueError, match="want a multiple of 64 in 64..128"):
-            cpu_expert_bytes(packs, 96)
-    with tuning.use(Tuning(cut_align=32)):
-        assert 0 < cpu_expert_bytes(packs, 96) < cpu_expert_bytes(packs, 128)
+def test_the_engine_reads_no_tuning_global_inside_its_modules():
+    """The engine's tuning is read once at load (an engine's `load`, from `current()` under another name) and
+    handed to constructors: no module of the engine calls `tuning.current()` (a captured CUDA graph keeps what
+    it saw). The process-wide reads left are the chat template's timeout and the CPU kernel's build flags."""
+    allowed = {"runtime/chat_template.py", "runtime/cpu/experts.py", "runtime/cpu/experts.py"}
+    offenders = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if path == READER or rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "current" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("tuning", "_tuning"):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert offenders == []
 
 
-def test_offloaded_layers_read_a_verifys_experts_once_unless_the_tuning_says_per_row():
+def test_offloaded_layers_read_a_verifys_experts_once():
     from runtime.experts.layer import union_reads
     assert union_reads(5, "stream") and not union_reads(1, "stream") and not union_reads(5, "vram")
-    with tuning.use(Tuning(verify_reads="rows")):
-        assert not union_reads(5, "stream")
-    assert union_reads(5, "stream")

@@ -4,85 +4,46 @@
 only inside functions (here, exl2_kernels.py, exl2_fixes.py), never at module level: on a machine
 without CUDA its import itself fails.
 
-- Attention, norms, embeddings and the head are exllamav2's; MoE layers are `OwnMoE`
-  (runtime/experts/) unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
+- Attention, norms, embeddings and the head are exllamav2's (a load without offload runs the decode graphs'
+  attention prologue and o in our launches, exl2_gemv.py); MoE layers are `OwnMoE` (runtime/experts/)
+  unless `moe="stock"` (kept for comparisons and the benchmark's baseline).
 - `forward(tokens)` appends at the cache position and returns fp16 logits [T, vocab] on the GPU:
   with an FP16 cache, 1..9 tokens (the decode step, a verify) replay a CUDA graph of the whole forward,
   one per (context bucket, T) (exl2_graph.py); anything else (prefill) runs exllamav2's layer loop.
   `truncate(n)` rolls back by moving the cache position (the next forward overwrites what lies past it).
 - CUDA out-of-memory, in load or forward, frees what was taken and raises OutOfMemory (runtime/errors.py)
   saying what did not fit and how much was free, so the worker survives. `load` runs named steps
-  (`_Loading`); a failure at any of them goes through its one cleanup, `_Loading.close`.
+  (`_Loading`, the hybrid engine's alike, through runtime/backends/gpu_engine.run); a failure at any of them
+  goes through its one cleanup, `_Loading.close`, and the one failure mapping, gpu_engine.failure.
 """
 from __future__ import annotations
 
 import gc
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from runtime import tuning
 from runtime.backends import exl2_arch
 from runtime.backends.exl2_fixes import causal_sdpa_attention, prefill_attention_is_causal, rms_head_norms
 from runtime.backends.exl2_gemv import settle_kernels
 from runtime.backends.exl2_kernels import build_kernels
-from runtime.backends.exl2_offload import budget_error, engine_closed, engine_opened, return_cached_memory
-from runtime.backends.exl2_placement import StepClock, idle_trial_step
+from runtime.backends.expert_path import StepClock, idle_trial_step
+from runtime.backends.gpu_engine import GpuEngine, is_oom, oom, run
+from runtime.backends.gpu_offload import engine_closed, engine_opened, return_cached_memory
 from runtime.cpu_load import on_cores, physical_cores
 from runtime.engine import Engine, ModelInfo, ProgressFn
-from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed, OutOfMemory,
+from runtime.errors import (ContextOverflow, CudaUnavailable, EngineError, InvalidModel, KernelBuildFailed,
                             UnsupportedArchitecture)
-from runtime.experts.budget import BudgetError
 from runtime.options import LoadOptions
+from runtime.tuning import Tuning, current as current_tuning
 
 SUPPORTED = exl2_arch.SUPPORTED     # per-architecture differences: runtime/backends/exl2_arch.py
-GiB = 1024 ** 3
 # Prefill chunk sizes run at load so that their kernels compile before the first answer: the loop's chunk
 # (512), a staged and an unstaged tail that Triton specializes apart (not multiples of 16), a multiple of 16.
 PREFILL_WARM_ROWS = (512, 203, 37, 12, 64)
 MAX_WARM_ROWS = 9               # decode graphs cover 1..9 rows (exl2_graph.MAX_ROWS)
 MAX_DQ_ELEMENTS = 64 << 20       # exllamav2's dequantization scratch: 128 MiB (its default: 1 GiB)
-
-
-def _free_vram() -> tuple[Optional[int], str]:
-    """Free GPU memory in bytes (None: unknown), and in words."""
-    try:
-        free, total = torch.cuda.mem_get_info()
-        return free, f"{free / GiB:.1f} GiB free of {total / GiB:.1f} GiB"
-    except Exception:
-        return None, "free memory unknown"
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
-
-
-def _oom(what: str, err: BaseException, cap: Optional[int] = None, context: str = "") -> OutOfMemory:
-    """`cap`: the VRAM budget the allocator was held to (bytes), where the load had one: the GPU's free
-    memory then says nothing of why it ran out. `context`: where and with what torch held (detail)."""
-    return_cached_memory()                      # device blocks and page-locked host blocks
-    free, words = _free_vram()
-    within = "" if cap is None else f" within the VRAM budget of {cap / GiB:.1f} GiB"
-    larger = "" if cap is None else "a larger VRAM budget, "
-    return OutOfMemory(f"Not enough GPU memory for {what}{within} ({words} after freeing what was taken). "
-                       f"Try {larger}a shorter context, a quantized KV cache, or a smaller model.",
-                       "; ".join(filter(None, (str(err), context))), free_bytes=free)
-
-
-def _oom_context(e: BaseException) -> str:
-    """Where an out-of-memory was raised (the innermost frames, exllamav2's and torch's included) and
-    what torch's allocator held then: taken before the cleanup, for the error's detail."""
-    import traceback
-    frames = traceback.extract_tb(e.__traceback__)[::-1][:5]
-    where = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames)
-    try:
-        held = (f"torch held {torch.cuda.memory_allocated() / GiB:.2f} GiB allocated, "
-                f"{torch.cuda.memory_reserved() / GiB:.2f} GiB reserved")
-    except Exception:
-        held = ""
-    return "; ".join(filter(None, (f"raised at {where}" if where else "", held)))
 
 
 def choose_prefill_attention(config, head_dim: int = 128) -> str:
@@ -92,7 +53,7 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
     `_attn_torch` runs, and its SDPA branch is not causal (`causal_sdpa_attention`): it is replaced,
     once per process, by the wrapper, then checked on a small problem; if the check fails (a torch
     whose SDPA backends mishandle the lower-right bias), cuDNN's SDPA is turned off and, failing that,
-    exllamav2's matmul attention (explicit mask) runs. `MOEDESK_PREFILL_ATTN=matmul` forces the latter."""
+    exllamav2's matmul attention (explicit mask) runs."""
     from exllamav2 import attn as xattn
     if (xattn.has_flash_attn and not config.no_flash_attn) or (xattn.has_xformers and not config.no_xformers):
         return "flash-attn" if xattn.has_flash_attn and not config.no_flash_attn else "xformers"
@@ -102,9 +63,6 @@ def choose_prefill_attention(config, head_dim: int = 128) -> str:
             config.no_sdpa = True
             return "matmul (this torch has no lower-right causal bias)"
         cls._attn_torch = causal_sdpa_attention(cls._attn_torch)
-    if tuning.current().prefill_attn == "matmul":
-        config.no_sdpa = True
-        return "matmul (forced)"
     if prefill_attention_is_causal(cls._attn_torch, config, head_dim):
         return "sdpa (causal)"
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -122,14 +80,14 @@ def _cache_class(kind: str):
     return {"fp16": ExLlamaV2Cache, "q8": ExLlamaV2Cache_Q8, "q6": ExLlamaV2Cache_Q6, "q4": ExLlamaV2Cache_Q4}[kind]
 
 
-class Exl2Engine(Engine):
+class Exl2Engine(GpuEngine, Engine):
     backend = "cuda"
 
-    def __init__(self, model, cache, info: ModelInfo, graphs: bool, offload=None, budget=None):
+    def __init__(self, model, cache, info: ModelInfo, graphs: bool, offload=None, setup=None):
         engine_opened(self)
         self.model = model
-        self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all in VRAM
-        self.budget = budget            # runtime/backends/exl2_offload.OffloadSetup (VRAM ledger, cap)
+        self.offload = offload          # runtime/offload/manager.OffloadManager, or None: all in VRAM
+        self.setup = setup              # runtime/backends/gpu_offload.OffloadSetup (VRAM ledger, cap)
         self.cache = cache
         self.info = info
         self.vocab = info.vocab_size
@@ -141,16 +99,14 @@ class Exl2Engine(Engine):
             if self.graphs is not None and offload is not None:
                 self.graphs.after_qkv = offload.release_prefetch
         self.warm_rows = 1              # rows whose graphs are captured ahead of need (1 + drafts)
-        self.path_judge = None          # runtime/experts/path_judge.PathJudge: the CPU expert path, decided
-        self._trial = None              # its measurement in progress (idle time): a generator of steps
-        self.decision_save = None       # (file, key) where a measured decision is saved (exl2_placement)
-        self._clock = StepClock()       # one-row steps' times for the judge's drift check
+        self._clock = StepClock()       # one-row steps' times for the expert-path judge's drift check
         self.moe = []
         if info.num_experts:
             from runtime.experts.exl2_module import moe_layers
             self.moe = moe_layers(model)
-        from runtime.experts.experiment import NO_EXPERIMENT
-        self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
+
+    def expert_layers(self) -> list:
+        return [m.experts for m in self.moe]
 
     # -- Engine interface ---------------------------------------------------------------------------
 
@@ -184,13 +140,12 @@ class Exl2Engine(Engine):
             from exllamav2.device import set_device_streams
             set_device_streams()                      # table writes go on the stream the step runs on
             self.offload.step_boundary(T)             # finish promotions, maybe start new ones
-            self.offload.begin_forward(T)             # many rows: start staging the first layer
+        # many rows: the offload starts staging the first layer (copies scheduled from the host per call, so
+        # not through a graph; with 128 experts it stages from 32 rows on, far above a verify)
+        stages = self.offload is not None and self.offload.begin_forward(T)
         failure, pos0 = None, self.position
         try:
-            # Not where offload stages cold experts for these rows (copies scheduled from the host per
-            # call); with 128 experts it stages from 32 rows on, far above a verify.
-            if (self.graphs is not None and T <= self.graphs.max_rows
-                    and (self.offload is None or not self.offload.stage_worth(T))):
+            if self.graphs is not None and T <= self.graphs.max_rows and not stages:
                 try:
                     logits = self.graphs.step(ids, self.position)      # [T, V'] fp16, reused next step
                 except RuntimeError as e:
@@ -204,12 +159,12 @@ class Exl2Engine(Engine):
             logits = self.model.forward(ids, self.cache, last_id_only=last_only)   # [1, T or 1, V'] fp16
             return logits[0, :, : self.vocab]
         except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
             failure = str(e)
         # outside the except block, so the traceback no longer holds the step's tensors
         self.cache.current_seq_len = pos0
-        raise _oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
+        raise oom(f"a forward pass of {T} tokens at position {self.position}", RuntimeError(failure))
 
     # -- warm-up: what compiles or captures on first use happens at load and while idle ---------------
 
@@ -267,7 +222,7 @@ class Exl2Engine(Engine):
     def _graph_failed(self, e: RuntimeError, T: int, when: str = "") -> None:
         """A capture this torch/driver refuses: the layer loop runs from now on, for this and larger
         row counts only when the one-row step still works. Out of memory is re-raised."""
-        if _is_oom(e):
+        if is_oom(e):
             raise e
         self.graph_error = f"{type(e).__name__} ({T} rows{when}): {e}"[:500]
         if T > 1:
@@ -321,55 +276,8 @@ class Exl2Engine(Engine):
             shapes = self.graphs.captured()                        # [(bucket L, rows T)]
             out["graph_buckets"] = sorted({L for L, _ in shapes})
             out["graph_shapes"] = [list(s) for s in shapes]
-        if self.offload is not None:
-            out.update(self.offload.telemetry().as_dict())
-            if self.path_judge is not None:
-                out["placement_decision"] = self.path_judge.telemetry()
-        elif self.budget is not None:
-            out["vram_budget_bytes"] = self.budget.vram.total_bytes
-            out["vram_budget_used_bytes"] = self.budget.vram.used_bytes
+        out.update(self.offload_telemetry())
         return out
-
-    def set_vram_budget(self, vram_budget_gb: float) -> None:
-        """Re-place the offloaded experts for another VRAM budget without reloading (benchmarks):
-        the allocator cap moves, hot slots and staging are planned anew, captured graphs (which hold
-        the old slots' addresses) are dropped and recaptured at the next step."""
-        if self.offload is None:
-            raise EngineError("set_vram_budget needs a model loaded with expert offload")
-        from runtime.backends.exl2_placement import set_vram_budget
-        set_vram_budget(self, vram_budget_gb)
-
-    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
-        """Decide the CPU expert path again now (benchmarks, after the routing or the budget
-        changed; the worker does it while idle when decode steps drift), timing both paths; a path
-        saved for this model and budget stays unless the other is clearly faster. measure=False:
-        the saved decision is reused untimed where there is one (as a load does)."""
-        if self.offload is not None:
-            from runtime.backends.exl2_placement import settle_cpu_path
-            settle_cpu_path(self, progress, measure)
-
-    def place_experts(self, resident: list[list[int]]) -> None:
-        """Make exactly these experts resident per MoE layer (tests, experiments), within the ledger."""
-        if self.offload is None:
-            raise EngineError("place_experts needs a model loaded with expert offload")
-        self._drop_graphs()
-        self.offload.apply(resident)
-
-    def set_experiment(self, experiment) -> None:
-        """Benchmarks and tests: run the MoE layers under `experiment` (runtime/experts/experiment.py)
-        from the next forward; captured graphs are dropped where it changes what they captured."""
-        from runtime.experts.experiment import apply_experiment
-        if self.experiment.changes_graphs(experiment):
-            self._drop_graphs()
-        try:
-            apply_experiment(experiment, [m.experts for m in self.moe], self.offload)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        self.experiment = experiment
-
-    def reset_graphs(self) -> None:
-        """Benchmarks and tests, after changing what a step does by hand: graphs captured again."""
-        self._drop_graphs()
 
     def _drop_graphs(self) -> None:
         """Before the slots move: wait for queued steps, drop graphs that captured the old addresses."""
@@ -393,50 +301,57 @@ class Exl2Engine(Engine):
             self.moe = []
             engine_closed(self)
             gc.collect()
-            if self.budget is not None:
-                self.budget.release()                 # allocator cap off, page-locked experts freed
+            if self.setup is not None:
+                self.setup.release()                  # allocator cap off, page-locked experts freed
             return_cached_memory()
 
 
 def load(path, options: LoadOptions, progress: ProgressFn, *, moe: str = "own",
-         graphs: bool = True, warm: bool = True) -> tuple[Engine, dict[str, str]]:
+         graphs: bool = True, warm: bool = True, tuning: Optional[Tuning] = None) -> tuple[Engine, dict[str, str]]:
     """Load an EXL2 model folder on the GPU. moe: "own" (runtime/experts) or "stock" (exllamav2's).
     warm: compile kernels and capture the first decode graphs at load (Exl2Engine.warm_up), and
-    settle the CPU expert path by measured decode steps ("auto" placement)."""
-    loading = _Loading(Path(path), options, progress, moe, graphs)
-    try:
-        loading.check_folder()
-        loading.prepare_kernels()
-        loading.read_config()
-        loading.plan_offload()
-        for step in (loading.build_model, loading.allocate_cache, loading.place_experts):
-            on_cores(physical_cores(), step)    # the repacking's host work, the CPU path's copies: every core
-        loading.make_engine()
-        if warm and tuning.current().warmup:
-            loading.warm_up()
-            loading.settle_expert_path()
-        return loading.engine, loading.applied
-    except BaseException as e:
-        failure = loading.failure(e)
-        if failure is None:                     # not a failure the load knows: re-raised as it is, after the cleanup
-            loading.close()
-            raise
-    loading.close()                             # outside the except: its traceback no longer pins tensors
-    raise failure() from None
+    settle the CPU expert path by measured decode steps ("auto" placement). tuning: the engine tuning
+    (default: the process's, runtime/tuning.py), read here once and handed to what the load builds."""
+    return run(_Loading(Path(path), options, progress, moe, graphs, warm, tuning or current_tuning()))
 
 
 class _Loading:
-    """One load in progress, step by step; what the steps opened, so that `close` frees it on failure."""
+    """One load in progress, step by step (gpu_engine.Loading); what the steps opened, so that `close` frees
+    it on failure."""
 
-    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, moe: str, graphs: bool):
+    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, moe: str, graphs: bool,
+                 warm: bool = True, tuning: Optional[Tuning] = None):
         self.path, self.options, self.off, self.progress = path, options, options.offload, progress
-        self.moe, self.graphs = moe, graphs
+        self.tuning = tuning or current_tuning()
+        self.moe, self.graphs, self.warm = moe, graphs, warm and self.tuning.warmup
         self.applied: dict[str, str] = {}
-        self.step = "check"                     # the step running: says what an out-of-memory meant
+        self.step = "check_folder"              # the step running: says what an out-of-memory meant
         self.config = self.setup = self.model = self.cache = self.manager = self.engine = None
         self.arch = None                        # runtime/backends/exl2_arch.ArchPlan, from config.json
         self.is_moe = self.use_graphs = False
         self.prefill_attention = ""
+
+    def steps(self) -> list[str]:
+        warm = ["warm_up", "settle_expert_path"] if self.warm else []
+        return ["check_folder", "prepare_kernels", "read_config", "plan_offload", "build_model", "allocate_cache",
+                "place_experts", "make_engine"] + warm
+
+    def run_step(self, name: str) -> None:
+        if name in ("build_model", "allocate_cache", "place_experts"):
+            on_cores(physical_cores(), getattr(self, name))   # the repacking's host work, the CPU path's copies
+        else:
+            getattr(self, name)()
+
+    def what(self, step: str) -> str:
+        ctx = f"a {self.off.context_length}-token {self.off.kv_cache} KV cache"
+        if step in ("build_model", "allocate_cache", "place_experts"):
+            return f"the model's weights and {ctx}"
+        return {"make_engine": "the decode graphs", "warm_up": "the kernels' warm-up and the first decode graphs",
+                "settle_expert_path": "the kernels' warm-up and the first decode graphs"}.get(
+            step, "the load's first checks on the GPU (the prefill attention's, before any weights)")
+
+    def vram_cap(self) -> Optional[int]:
+        return self.setup.vram.total_bytes if self.setup is not None and self.setup.capped else None
 
     def check_folder(self) -> None:
         if not torch.cuda.is_available():
@@ -473,8 +388,7 @@ class _Loading:
         # dequantized in slices of rows instead (exllamav2's max_dq_rows), same result.
         config.max_dq_size = MAX_DQ_ELEMENTS
         is_moe = self.is_moe = bool(config.arch.lm.is_moe)
-        use_graphs = (self.graphs and off.kv_cache == "fp16" and (self.moe == "own" or not is_moe)
-                      and tuning.current().graphs)
+        use_graphs = self.graphs and off.kv_cache == "fp16" and (self.moe == "own" or not is_moe)
         if use_graphs:
             config.no_graphs = True          # exllamav2's own per-module graphs cannot nest in ours
         self.config, self.use_graphs = config, use_graphs
@@ -482,21 +396,24 @@ class _Loading:
         self.applied["offload.kv_cache"] = "applied"
 
     def plan_offload(self) -> None:
-        """Budgets and the allocator cap (runtime/backends/exl2_offload)."""
-        from runtime.backends import exl2_offload
-        self.setup = exl2_offload.prepare(self.path, self.config, self.off, self.is_moe and self.moe == "own")
+        """Budgets and the allocator cap (runtime/backends/gpu_offload)."""
+        from runtime.backends import gpu_offload
+        self.setup = gpu_offload.prepare(self.path, self.config, self.off, self.is_moe and self.moe == "own",
+                                          self.tuning)
         self.applied.update(self.setup.applied)
         self.applied["offload.backend"] = "applied"
 
     def build_model(self) -> None:
         from exllamav2 import ExLlamaV2
-        self.step = "build"
         self.model = ExLlamaV2(self.config)
         exl2_arch.install(self.model, self.arch)
         exl2_arch.install_rope(self.model, self.arch)     # RoPE tables from runtime/reference/rope.py
         if self.is_moe and self.moe == "own":
             from runtime.experts.exl2_module import install
-            install(self.model, host_ram=self.setup.ram, host_arena=self.setup.arena, renormalize=self.arch.renormalize)
+            ram = self.setup.ram
+            on_host = None if ram is None else lambda what, n: ram.reserve(
+                what, n, "raise the RAM budget, close other programs, or raise the VRAM budget")
+            install(self.model, on_host, self.setup.arena, self.arch.renormalize, self.tuning)
         self.model.load(callback=lambda i, total: self.progress("load", "Loading weights", i, total))
 
     def allocate_cache(self) -> None:
@@ -505,20 +422,21 @@ class _Loading:
         self.cache = _cache_class(self.off.kv_cache)(self.model, max_seq_len=self.off.context_length)
         progress("load", "Allocating the KV cache", 1, 1)
         progress("load", "Tuning GPU kernels", 0, 1)
-        settle_kernels(self.model, offload=self.setup.offload)
+        settle_kernels(self.model, offload=self.setup.offload, splitk=self.tuning.splitk)
         progress("load", "Tuning GPU kernels", 1, 1)
 
     def place_experts(self) -> None:
         """The VRAM ledger and the hot experts (offload), the CPU expert path by prediction."""
-        from runtime.backends import exl2_offload
+        from runtime.backends import gpu_offload
+        from runtime.experts.exl2_module import moe_layers
         if self.setup.offload:
             self.progress("load", "Placing experts", 0, 1)
-        self.manager = exl2_offload.start(self.setup, self.model, self.config, self.path, progress=self.progress,
-                                          matmul_attention=self.prefill_attention.startswith("matmul"))
+        scratch = gpu_offload.prefill_scratch_bytes(self.config, self.prefill_attention.startswith("matmul"))
+        self.manager = gpu_offload.start(self.setup, [m.experts for m in moe_layers(self.model)], self.path,
+                                         scratch, progress=self.progress)
         self.applied.update(self.setup.applied)
 
     def make_engine(self) -> None:
-        self.step = "engine"
         config, is_moe, path = self.config, self.is_moe, self.path
         info = ModelInfo(
             name=path.name, path=str(path), architecture=config.architecture, vocab_size=config.vocab_size,
@@ -530,45 +448,21 @@ class _Loading:
         if self.setup.stats_warning:
             info.extra["routing_stats_warning"] = self.setup.stats_warning
         self.engine = Exl2Engine(self.model, self.cache, info, graphs=self.use_graphs, offload=self.manager,
-                                 budget=self.setup)
+                                 setup=self.setup)
 
     def warm_up(self) -> None:
         """Kernels compiled and first graphs captured; with offload the graphs wait for the settled
         expert path (a switch drops them)."""
-        self.step = "warm-up"
         draft = self.options.draft
         self.engine.warm_up(self.progress, draft.draft_tokens + 1 if draft.mode != "off" else 1,
                             capture=self.manager is None)
 
     def settle_expert_path(self) -> None:
         if self.manager is not None:
-            from runtime.backends.exl2_placement import settle_cpu_path
+            from runtime.backends.expert_path import settle_cpu_path
             settle_cpu_path(self.engine, self.progress, load=True)      # (the routing prior first)
             self.applied.update(self.setup.applied)
             self.manager.forget_warmup()
-
-    def failure(self, e: BaseException) -> Optional[Callable[[], EngineError]]:
-        """The error a failed step reports, made after the cleanup (free memory is measured then) and
-        holding none of the step's frames; None: not a known failure, re-raise `e`."""
-        if isinstance(e, BudgetError):
-            err = budget_error(e)
-        elif isinstance(e, EngineError):
-            err = e
-        elif self.step == "build" and isinstance(e, MemoryError) and not _is_oom(e):   # page-locking experts
-            err = OutOfMemory(str(e) or "out of host memory while loading experts")
-        elif self.step == "build" and isinstance(e, (ValueError, KeyError, AssertionError, OSError)):
-            err = InvalidModel(self.path, f"could not load the model: {type(e).__name__}: {e}")
-        elif _is_oom(e):                        # at any step: with the GPU nearly full, even a first check's kernels
-            ctx = f"a {self.off.context_length}-token {self.off.kv_cache} KV cache"
-            what = {"check": "the load's first checks on the GPU (the prefill attention's, before any weights)",
-                    "build": f"the model's weights and {ctx}", "engine": "the decode graphs",
-                    "warm-up": "the kernels' warm-up and the first decode graphs"}.get(self.step, self.step)
-            cap = self.setup.vram.total_bytes if self.setup is not None and self.setup.capped else None
-            return lambda text=str(e), context=_oom_context(e): _oom(what, RuntimeError(text), cap, context)
-        else:
-            return None
-        err.__traceback__, err.__context__ = None, None      # keep no frames (and their tensors) alive
-        return lambda: err
 
     def close(self) -> None:
         """The one cleanup path: free what the steps opened, the engine or its parts."""

@@ -1,47 +1,45 @@
-"""The decode graphs' attention projections through the split-K GEMV (tuning switch MOEDESK_DENSE_GEMV).
+"""The decode graphs' attention in two of our launches where it allows them: the prologue in one, o in one.
 
-In the exllamav2 engine's decode graphs (runtime/backends/exl2_graph.py) each attention's prologue is
-exllamav2's fused `q_attn_forward_1` (norm, q/k/v GEMMs, head norms, RoPE) and its epilogue
-`q_attn_forward_2` (o GEMM added into the residual). With the switch on, `install` gives every plain
-attention (pre-norm, residual, no bias, no post-norm, no prologue of its architecture's own) two hooks
-that the graph calls instead: `moedesk_qkv` (exllamav2's norm, our GEMV for q, k and v, each part stored
-straight into the graph's q, k and v, its head norms and RoPE) and `moedesk_o` (our GEMV of o added into x
-by the kernel). The GEMVs are `TritonExl2Linear`s packed from the
-model folder's EXL2 tensors (exllamav2's own copies have their codes reordered by its Q matrices): the
-attention weights are held twice in VRAM, so only loads without offload take them.
-
-With the switch MOEDESK_QKV_FUSED the prologue is one launch where the attention allows it (`fused_qkv`: an
-RMSNorm before, RMS head norms without bias or none, NEOX RoPE over whole heads or none;
-runtime/experts/qkv_prologue.py), else the hooks above.
+In the exllamav2 engine's decode graphs (runtime/backends/exl2_graph.py) an attention's prologue is
+exllamav2's fused `q_attn_forward_1` (the input norm, three GEMMs, two head norms, RoPE: seven launches)
+and its epilogue `q_attn_forward_2` (the o GEMM added into the residual). For a load without offload,
+`install` gives every attention that allows it two hooks the graph calls instead:
+- `moedesk_qkv`: the prologue in one launch (runtime/experts/qkv_prologue.py), where the attention is plain
+  (pre-norm, residual, no bias, no post-norm, no prologue of its architecture's own) and the one launch takes
+  it (`_fusable`: an RMSNorm before, RMS head norms without bias or none, NEOX RoPE over whole heads or none);
+  a call it cannot take (more rows than the GEMV's, a partial rotation) runs exllamav2's prologue;
+- `moedesk_o`: o through the split-K GEMV (runtime/experts/linear_gemv.py), added into x by the kernel.
+With the experts' norm, routing and sums in three launches (runtime/experts/layer.py) this is the measured
+one-launch set: 290.8 against 239.1 tok/s decode on the H100 at 524eb12 (qwen3-30b-a3b 4.0 bpw,
+docs/engine-notes.md). The projections are packed from the model folder's EXL2 tensors (exllamav2's own
+copies have their codes reordered by its Q matrices): the attention weights are held twice in VRAM, which
+loads with offload leave to the experts. Attentions the one launch does not take keep exllamav2's path.
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional, Sequence
 
 import torch
 
-from runtime import tuning
 from runtime.errors import InvalidModel
 
 
-def settle_kernels(model, offload: bool) -> None:
+def settle_kernels(model, offload: bool, splitk: Optional[tuple[int, int]] = None) -> None:
     """exllamav2's GEMM past its autotuning (exl2_kernels.settle_gemm_autotune), then, for a load
     without offload, `install`."""
     from runtime.backends.exl2_kernels import settle_gemm_autotune
     settle_gemm_autotune(model)
     if not offload:
-        install(model)
+        install(model, splitk=splitk)
 
 
-def install(model, folder=None) -> int:
-    """Hooks on every attention it applies to (see the module docstring), their launch shapes chosen
-    (before any capture); returns how many attentions have them. Nothing with the switch off.
-    folder: the model's tensors (a ModelFolder, closed here; default: the model's own folder)."""
-    t = tuning.current()
-    if not (t.dense_gemv or t.qkv_fused):
-        return 0
+def install(model, folder=None, splitk: Optional[tuple[int, int]] = None) -> int:
+    """Hooks on every attention they apply to (see the module docstring), their launch shapes chosen (before
+    any capture); returns how many attentions have them. folder: the model's tensors (a ModelFolder, closed
+    here; default: the model's own folder); splitk: one forced launch shape of o's GEMV (Tuning.splitk)."""
     from exllamav2.attn import ExLlamaV2Attention
-    from runtime.backends.quant_linear import TritonExl2Linear, exl2_parts, is_exl2, settle_gemv
+    from runtime.backends.quant_linear import is_exl2
     if folder is None:
         from runtime.modelfolder import ModelFolder
         folder = ModelFolder(model.config.model_dir)
@@ -53,32 +51,41 @@ def install(model, folder=None) -> int:
             if getattr(a, "moedesk_o", None) is not None:      # installed before (a second graph build)
                 n += 1
                 continue
-            if not _plain(a):
+            lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            if not (_plain(a) and _fusable(a) and all(is_exl2(folder, lin.key) for lin in lins)):
                 continue
-            projs = (a.q_proj, a.k_proj, a.v_proj)
-            if not all(is_exl2(folder, lin.key) for lin in projs + (a.o_proj,)):
-                continue
-            dev = a.o_proj.device()
             try:
-                qkv = TritonExl2Linear([exl2_parts(folder, lin.key) for lin in projs],
-                                       [lin.out_features for lin in projs], [lin.key for lin in projs], dev, None)
-                o = TritonExl2Linear([exl2_parts(folder, a.o_proj.key)], [a.o_proj.out_features], [a.o_proj.key],
-                                     dev, None)
+                qkv, o = (_packs(folder, lins[:3], a.o_proj.device()), _packs(folder, lins[3:], a.o_proj.device()))
             except InvalidModel:
                 continue                                  # a layout the GEMV does not take: exllamav2's
-            settle_gemv(qkv)
-            settle_gemv(o)
-            fused = t.qkv_fused and _fusable(a)
-            if fused:
-                settle_fused(a, qkv)
-            a.moedesk_qkv = functools.partial(fused_qkv if fused else gemv_qkv, a, qkv)
-            a.moedesk_o = functools.partial(gemv_o, a, o)
+            settle(a, qkv, o, splitk)
+            a.moedesk_qkv = functools.partial(fused_qkv, a, qkv)
+            a.moedesk_o = functools.partial(gemv_o, a, o, splitk)
             n += 1
     finally:
         folder.close()
     if n and torch.cuda.is_available():
         torch.cuda.synchronize()
     return n
+
+
+def _packs(folder, lins: Sequence, device) -> list:
+    """Each linear packed as a single expert for the split-K GEMV; InvalidModel naming the one whose layout
+    the GEMV's K tile cannot take."""
+    from runtime.backends.quant_linear import exl2_parts
+    from runtime.experts.linear_gemv import linear_tile
+    from runtime.experts.pack import PackError, pack_experts
+    out = []
+    for lin in lins:
+        try:
+            p = pack_experts([exl2_parts(folder, lin.key)], lin.key, device=device)
+            linear_tile(p)
+        except (PackError, ValueError) as e:
+            raise InvalidModel(lin.key, f"no split-K GEMV for this layout: {e}") from None
+        if not 0 < lin.out_features <= p.out_features:
+            raise InvalidModel(lin.key, f"{lin.out_features} output features but {p.out_features} stored columns")
+        out.append(p)
+    return out
 
 
 def _plain(a) -> bool:
@@ -109,70 +116,54 @@ def _fusable(a) -> bool:
         for n in (a.q_norm, a.k_norm))
 
 
-def settle_fused(a, lin) -> None:
-    """The one-launch prologue's shapes chosen at every row count it takes (timed, with host synchronisations),
-    before any graph capture; tables of zeros stand in for the RoPE's (the timing does not read them). On a GPU
-    only: elsewhere nothing is timed."""
-    dev = lin.packs[0].scales.device
+def settle(a, qkv: list, o: list, splitk: Optional[tuple[int, int]] = None) -> None:
+    """The prologue's and o's launch shapes chosen at every row count they take (timed, with host
+    synchronisations), before any graph capture; tables of zeros stand in for the RoPE's (the timing does not
+    read them). On a GPU only: elsewhere nothing is timed."""
+    from runtime.experts.linear_gemv import LINEAR_MAX_ROWS, linear_into
+    dev = o[0].scales.device
     if dev.type != "cuda":
         return
     Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    K, N = o[0].in_features, a.o_proj.out_features
     table = torch.zeros((1, D), dtype=torch.float16, device=dev)      # rows of D: the rotation of whole heads
     pos = torch.zeros(1, dtype=torch.int32, device=dev)
-    for T in range(1, lin.max_rows + 1):
-        x = torch.zeros((1, T, lin.in_features), dtype=torch.float16, device=dev)
+    for T in range(1, LINEAR_MAX_ROWS + 1):
+        x = torch.zeros((1, T, qkv[0].in_features), dtype=torch.float16, device=dev)
         q, k, v = (torch.empty((1, T, h * D), dtype=torch.float16, device=dev) for h in (Hq, Hk, Hk))
-        fused_qkv(a, lin, x, T, pos, q, k, v, table, table)
+        fused_qkv(a, qkv, x, T, pos, q, k, v, table, table)
+        linear_into(torch.zeros((T, K), dtype=torch.float16, device=dev), o,
+                    [torch.empty((T, N), dtype=torch.float16, device=dev)], splitk=splitk)
 
 
-def fused_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:
-    """`gemv_qkv` in one launch (runtime/experts/qkv_prologue.py) where the RoPE is NEOX over whole heads or
-    none; else, and above the GEMV's rows, `gemv_qkv`."""
+def fused_qkv(a, packs: list, x, T: int, pos32, q, k, v, sin, cos) -> None:
+    """The graph's attention prologue: x fp16 [1, T, H] (the residual, unchanged) -> q [1, T, Hq*D],
+    k, v [1, T, Hk*D] at positions pos32[0] + t, in one launch (runtime/experts/qkv_prologue.py) where the RoPE
+    is NEOX over whole heads or none and the GEMV takes T rows; else exllamav2's prologue."""
     from exllamav2.architecture import RopeStyle
+    from runtime.experts.linear_gemv import LINEAR_MAX_ROWS
     from runtime.experts.qkv_prologue import qkv_prologue
     style, D = a.archparams.rope_style, a.head_dim
-    if T > lin.max_rows or style not in (RopeStyle.NONE, RopeStyle.NEOX) \
+    if T > LINEAR_MAX_ROWS or style not in (RopeStyle.NONE, RopeStyle.NEOX) \
             or style == RopeStyle.NEOX and sin.shape[-1] != D:
-        gemv_qkv(a, lin, x, T, pos32, q, k, v, sin, cos)
+        from exllamav2.ext import exllamav2_ext as ext, none_tensor
+        ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, pos32, q, k, v, sin, cos, [], none_tensor)
         return
     ln = a.pre_layernorm
     norms = None if a.q_norm is None else (a.q_norm, a.k_norm)
-    qkv_prologue(x.view(T, -1), ln.weight, ln.variance_epsilon, lin.packs,
+    qkv_prologue(x.view(T, -1), ln.weight, ln.variance_epsilon, packs,
                  (a.num_attention_heads, a.num_key_value_heads, D), q.view(T, -1), k.view(T, -1), v.view(T, -1),
                  None if norms is None else tuple(n.weight.data for n in norms),
                  (0.0, 0.0) if norms is None else tuple(n.variance_epsilon for n in norms),
                  (sin, cos, pos32) if style == RopeStyle.NEOX else None)
 
 
-def gemv_qkv(a, lin, x, T: int, pos32, q, k, v, sin, cos) -> None:
-    """The graph's attention prologue: x fp16 [1, T, H] (the residual, unchanged) -> q [1, T, Hq*D],
-    k, v [1, T, Hk*D]: norm, q/k/v through the GEMV, head norms, RoPE at positions pos32[0] + t
-    (exllamav2's fused prologue above the GEMV's rows)."""
-    from exllamav2.architecture import RopeStyle
-    from exllamav2.ext import exllamav2_ext as ext, none_tensor
-    from runtime.backends.exl2_arch import pre_norm
-    if T > lin.max_rows:                                  # exllamav2's prologue, as without the hook
-        ext.q_attn_forward_1(a.q_handle, x, 1, T, -1, pos32, q, k, v, sin, cos, [], none_tensor)
-        return
-    lin.into(pre_norm(a, x.view(T, -1)), [q.view(T, -1), k.view(T, -1), v.view(T, -1)])
-    Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    if a.q_norm is not None:
-        rms = a.archparams.headnorm == "rmsnorm"
-        for norm, t, heads in ((a.q_norm, q, Hq), (a.k_norm, k, Hk)):
-            t4 = t.view(1, T, heads, D)
-            ext.head_norm(t4, norm.weight.data, norm.bias.data if norm.bias is not None else none_tensor, t4,
-                          norm.variance_epsilon, rms)
-    style = a.archparams.rope_style
-    if style != RopeStyle.NONE:
-        neox = style == RopeStyle.NEOX
-        ext.rope_(q, sin, cos, -1, Hq, D, pos32, neox)
-        ext.rope_(k, sin, cos, -1, Hk, D, pos32, neox)
-
-
-def gemv_o(a, lin, x, o, T: int) -> None:
-    """The graph's attention epilogue: x fp16 [1, T, H] += o [1, T, Hq*D] @ W_o.T (in place)."""
-    if T <= lin.max_rows:
-        lin.into(o.view(T, -1), [x.view(T, -1)], add=True)
-    else:                                                 # exllamav2's epilogue, as without the hook
+def gemv_o(a, packs: list, splitk: Optional[tuple[int, int]], x, o, T: int) -> None:
+    """The graph's attention epilogue: x fp16 [1, T, H] += o [1, T, Hq*D] @ W_o.T (in place, one launch;
+    exllamav2's above the GEMV's rows)."""
+    from runtime.experts.linear_gemv import LINEAR_MAX_ROWS, linear_into
+    if T <= LINEAR_MAX_ROWS:
+        linear_into(o.view(T, -1), packs, [x.view(T, -1)], add=True, splitk=splitk)
+    else:
         from exllamav2.ext import exllamav2_ext as ext, none_tensor
         ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], none_tensor)

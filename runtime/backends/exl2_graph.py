@@ -7,11 +7,11 @@ device-side state only:
 - the position `pos` of the first row lives in a device tensor: RoPE reads it (exllamav2's
   `past_lens` with past_len = -1; row t gets position pos + t), and so does the attention;
 - attention runs over the first L cache rows, L = the last row's position pos + T - 1 rounded up to
-  a bucket of `BUCKET` tokens, so one graph serves every position in its bucket. By default one
-  Triton kernel (plus a small merge) writes the T new K/V rows and attends, causally, rows 0..pos+t
-  for row t (`runtime/backends/attention.py`); `MOEDESK_GRAPH_ATTN=bmm` selects two batched matmuls
-  with `index_copy_` and a mask instead, `=sdpa` torch's fused attention with the same mask (where it
-  agrees with bmm);
+  a bucket of `BUCKET` tokens, so one graph serves every position in its bucket. One Triton kernel
+  (plus a small merge) writes the T new K/V rows and attends, causally, rows 0..pos+t for row t
+  (`runtime/backends/attention.py`; it replaced two batched matmuls with a mask at 2d85c67, which with the
+  fp16 router and timed GEMV shapes took decode from 182.0 to 243.4 tok/s on the H200);
+- attentions the one-launch prologue takes run it and o through the split-K GEMV (exl2_gemv.py);
 - MoE layers are `OwnMoE`, whose kernels read the routing on the device (GEMV path up to 64
   (row, expert) pairs, the grouped path above: both free of host synchronisation).
 The embedding stays on the CPU (as exllamav2 keeps it); its rows are copied into the graph's input.
@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from runtime import tuning
 from runtime.backends.attention import MAX_QUERY_ROWS, decode_attention, variant
+from runtime.experts.shapes import CAPTURE_MODE
 
 BUCKET = 512
 MAX_ROWS = 9                 # rows a graph covers: the decode step and a verify of up to 8 drafts
 MAX_GRAPHS = 64              # captured graphs kept (least recently used dropped): 9 row counts x ~7 buckets
 AHEAD_BUCKETS = 2            # buckets past the current one whose graphs are captured ahead of need
-ATTENTION_KINDS = ("triton", "bmm", "sdpa")
 
 
 def bucket(position: int, rows: int, max_seq_len: int) -> int:
@@ -119,23 +118,16 @@ class DecodeGraphs:
         cfg = model.config
         self.x_in = torch.zeros((1, MAX_ROWS, cfg.hidden_size), dtype=torch.float16, device=dev)
         self.pos32 = torch.zeros((1,), dtype=torch.int32, device=dev)                  # first row's position
-        self.pos64 = torch.zeros((MAX_ROWS,), dtype=torch.int64, device=dev)           # every row's position
-        self.row = torch.arange(MAX_ROWS, device=dev)
-        self.arange = torch.arange(cache.max_seq_len, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # (L, T) ->
         self.pool = None
         self.stream = torch.cuda.Stream(device=dev)
         # Called with the MoE layer after an attention once its q/k/v projections are queued (the offload
-        # manager's release_prefetch: runtime/experts/prefetch.py says why not before), or None.
+        # manager's release_prefetch: runtime/offload/prefetch.py says why not before), or None.
         self.after_qkv = None
         from runtime.experts.exl2_module import OwnMoE
         self.moe_after = {i: n.experts for i, (m, n) in enumerate(zip(self.body, self.body[1:]))
                           if isinstance(m, self.Attention) and isinstance(n, OwnMoE) and n.experts is not None}
-        kind = tuning.current().graph_attn                      # one of ATTENTION_KINDS
-        # SDPA inside a captured graph failed on the test machine (torch 2.11, cuDNN attention): opt-in only.
-        if kind == "sdpa" and not self._pick_attention():
-            kind = "bmm"
-        self.attention = kind
+        self.attention = "triton"                                # (telemetry: the kernel the graphs attend with)
 
     @classmethod
     def build_if_supported(cls, model, cache) -> "DecodeGraphs | None":
@@ -154,7 +146,7 @@ class DecodeGraphs:
             if isinstance(m, ExLlamaV2Attention):
                 if m.q_handle is None or m.sliding_window or model.config.attn_logit_softcapping:
                     return None
-            elif isinstance(m, ExLlamaV2MoEMLP) and not isinstance(m, OwnMoE):
+            elif isinstance(m, ExLlamaV2MoEMLP):
                 return None                                  # stock MoE synchronises with the host
             elif not isinstance(m, (ExLlamaV2MLP, ExLlamaV2RMSNorm, ExLlamaV2Linear, OwnMoE) + graph_modules()):
                 return None
@@ -162,7 +154,7 @@ class DecodeGraphs:
 
     # -- the captured step ---------------------------------------------------------------------------
 
-    def _attention(self, a, x: torch.Tensor, L: int, T: int, mask: torch.Tensor | None, moe=None) -> torch.Tensor:
+    def _attention(self, a, x: torch.Tensor, L: int, T: int, moe=None) -> torch.Tensor:
         Hq, Hk, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         q = torch.empty((1, T, Hq * D), dtype=torch.float16, device=x.device)
         k = torch.empty((1, T, Hk * D), dtype=torch.float16, device=x.device)
@@ -170,7 +162,7 @@ class DecodeGraphs:
         ctx = self.model.get_device_context(a.device_idx)
         # Norm, Q/K/V projections, head norms, RoPE at positions pos32 + t (past_len -1: read on the device);
         # an architecture that changes this prologue (DBRX's clip_qkv) brings its own (exl2_arch.install);
-        # so does the split-K GEMV for the projections (exl2_gemv.install, tuning switch dense_gemv)
+        # so does the one-launch prologue (exl2_gemv.install)
         own = getattr(a, "moedesk_qkv", None)
         if own is not None:
             own(x, T, self.pos32, q, k, v, ctx.sin[a.rope_index], ctx.cos[a.rope_index])
@@ -181,13 +173,7 @@ class DecodeGraphs:
             self.after_qkv(moe)
         K = self.cache.key_states[a.layer_idx]                        # [1, S, Hk, D]
         V = self.cache.value_states[a.layer_idx]
-        if self.attention == "triton":
-            o = decode_attention(q, k, v, K, V, self.pos32, L, a.scaling)   # writes rows pos.. of K, V
-        else:
-            K.index_copy_(1, self.pos64[:T], k.view(1, T, Hk, D))
-            V.index_copy_(1, self.pos64[:T], v.view(1, T, Hk, D))
-            attend = self._attn_sdpa if self.attention == "sdpa" else self._attn_bmm
-            o = attend(q, K, V, L, mask, Hq, Hk, D, a.scaling)
+        o = decode_attention(q, k, v, K, V, self.pos32, L, a.scaling)      # writes rows pos.. of K, V
         own_o = getattr(a, "moedesk_o", None)                         # the split-K GEMV (exl2_gemv.install)
         if own_o is not None:
             own_o(x, o, T)
@@ -195,60 +181,11 @@ class DecodeGraphs:
             self.ext.q_attn_forward_2(a.q_handle, x, o, 1, T, [], self.none)
         return x
 
-    @staticmethod
-    def _attn_bmm(q, K, V, L, mask, Hq, Hk, D, scale):
-        """Two batched matmuls over the KV heads; q [1, T, Hq*D], mask: fp32 additive [T, L]."""
-        T, R = q.shape[1], Hq // Hk
-        Kl = K[0, :L].permute(1, 2, 0)                                 # [Hk, D, L] (a view)
-        Vl = V[0, :L].permute(1, 0, 2)                                 # [Hk, L, D]
-        qh = q.view(T, Hk, R, D).transpose(0, 1).reshape(Hk, T * R, D)    # rows (t, r)
-        s = torch.bmm(qh, Kl).float().view(Hk, T, R, L)                # [Hk, T, R, L]
-        p = torch.softmax(s * scale + mask.view(1, T, 1, L), dim=-1).half().view(Hk, T * R, L)
-        o = torch.bmm(p, Vl)                                           # [Hk, T*R, D]
-        return o.view(Hk, T, R, D).transpose(0, 1).reshape(1, T, Hq * D)
-
-    @staticmethod
-    def _attn_sdpa(q, K, V, L, mask, Hq, Hk, D, scale):
-        """One fused attention call (grouped-query heads, boolean mask [T, L] over the L rows)."""
-        import torch.nn.functional as F
-        T = q.shape[1]
-        qh = q.view(1, T, Hq, D).transpose(1, 2)                       # [1, Hq, T, D]
-        Kl = K[:, :L].transpose(1, 2)                                  # [1, Hk, L, D] (a view)
-        Vl = V[:, :L].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qh, Kl, Vl, attn_mask=(mask == 0).view(1, 1, T, L),
-                                           scale=scale, enable_gqa=True)
-        return o.transpose(1, 2).reshape(1, T, Hq * D)
-
-    def _pick_attention(self) -> bool:
-        """Use SDPA where this torch runs it with these shapes and it agrees with the bmm path."""
-        a = next(m for m in self.body if isinstance(m, self.Attention))
-        Hq, Hk, D, L = a.num_attention_heads, a.num_key_value_heads, a.head_dim, 64
-        dev = self.device
-        q = torch.randn(1, 3, Hq * D, device=dev, dtype=torch.float16)
-        K = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
-        V = torch.randn(1, L, Hk, D, device=dev, dtype=torch.float16)
-        mask = torch.where(torch.arange(L, device=dev) <= 40 + torch.arange(3, device=dev)[:, None],
-                           0.0, float("-inf"))                         # [3, L]
-        try:
-            ref = self._attn_bmm(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
-            got = self._attn_sdpa(q, K, V, L, mask, Hq, Hk, D, a.scaling).float()
-            return bool(((got - ref).norm() / ref.norm()) < 5e-3)
-        except Exception:
-            return False
-
-    def _mask(self, L: int, T: int) -> torch.Tensor | None:
-        """fp32 additive [T, L] (row t: rows 0..pos+t) for the bmm/sdpa paths; the Triton kernel reads
-        the position itself."""
-        if self.attention == "triton":
-            return None
-        return torch.where(self.arange[None, :L] <= self.pos64[:T, None], 0.0, float("-inf"))
-
     def _step(self, L: int, T: int) -> torch.Tensor:
         x = self.x_in[:, :T].clone()                                   # [1, T, H]
-        mask = self._mask(L, T)
         for i, m in enumerate(self.body):
             if isinstance(m, self.Attention):
-                x = self._attention(m, x, L, T, mask, self.moe_after.get(i))
+                x = self._attention(m, x, L, T, self.moe_after.get(i))
             else:
                 x = m.forward(x)
         return x.view(T, -1)                                           # [T, V'] logits
@@ -282,8 +219,8 @@ class DecodeGraphs:
         # "relaxed": calls that are unsafe but harmless during a capture (a library allocating its
         # workspace, a kernel module loaded lazily on first launch, another thread querying the
         # device) run instead of invalidating it. The first measured capture ran in the default
-        # "global" mode; later ones failed there and in "thread_local" (see runtime/experts/NOTES.md).
-        mode = tuning.current().capture_mode
+        # "global" mode; later ones failed there and in "thread_local" (docs/engine-notes.md).
+        mode = CAPTURE_MODE
         try:
             with torch.cuda.graph(g, pool=self.pool, stream=s, capture_error_mode=mode):
                 out = self._step(L, T)
@@ -318,12 +255,8 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g, stream=s, capture_error_mode=mode):
-                mask = self._mask(L, T)
-                if status() == 2:
-                    culprit = "the attention mask"
-                    raise Stop
                 for m in self.body:
-                    x = self._attention(m, x, L, T, mask) if isinstance(m, self.Attention) else m.forward(x)
+                    x = self._attention(m, x, L, T) if isinstance(m, self.Attention) else m.forward(x)
                     if status() == 2:
                         culprit = f"{type(m).__name__} {getattr(m, 'key', '?')}"
                         raise Stop
@@ -349,8 +282,6 @@ class DecodeGraphs:
         emb = self.embed.forward(ids)                                  # [1, T, H] on the CPU
         self.x_in[:, :T].copy_(emb.view(1, T, -1))
         self.pos32.fill_(position)
-        if self.attention != "triton":
-            torch.add(self.row, position, out=self.pos64)              # the index_copy_ and mask paths
         L = bucket(position, T, self.cache.max_seq_len)
         key = (L, T)
         if key not in self.graphs:
@@ -371,8 +302,6 @@ class DecodeGraphs:
             return False
         set_device_streams()
         self.pos32.fill_(pos)
-        if self.attention != "triton":
-            torch.add(self.row, pos, out=self.pos64)
         while len(self.graphs) >= MAX_GRAPHS:
             del self.graphs[next(iter(self.graphs))]
         self._capture(L, T)
@@ -388,8 +317,6 @@ class DecodeGraphs:
         position 0 on the cache of the first attention layer of each head shape, whose rows 0..T-1 it
         writes and then restores; `pos32` is left alone (the kernel's variant does not depend on the
         cache length or the position). Returns the runs."""
-        if self.attention != "triton":
-            return 0
         rows = self.max_rows if rows is None else max(1, min(rows, self.max_rows))
         heads = {}                                               # (Hq, Hk, D) -> its first layer
         for a in self.body:

@@ -7,7 +7,7 @@ same code with the projections dequantized: how its tests run without a GPU).
 exllamav2 has neither linear attention nor shared experts, so this engine builds the model itself
 (runtime/backends/hybrid_layers.py) and uses exllamav2 only for its quantized GEMM
 (runtime/backends/quant_linear.py). The routed experts are our `ExpertLayer`s: with offload the
-manager (runtime/experts/manager.py) places them as it does for the exllamav2 engine.
+manager (runtime/offload/manager.py) places them as it does for the exllamav2 engine.
 
 Rollback (a verify of K drafts, then a truncate to the accepted prefix): the cache keeps the DeltaNet
 states after each row of the last `window` rows (runtime/backends/hybrid_state.py), so a truncate
@@ -24,7 +24,7 @@ its bucket at or past the cache's end, then rolls the cache back through the sna
 Under offload a step replays its graph unless the manager stages its cold experts for that many rows
 (copies scheduled from the host: prefill-sized forwards, never a verify window), as the exllamav2
 engine's; a re-placement that moves the slots (`place_experts`, the routing prior) drops the graphs.
-The CPU expert path is decided as for the exllamav2 engine (runtime/backends/exl2_placement.py, shared:
+The CPU expert path is decided as for the exllamav2 engine (runtime/backends/expert_path.py, shared:
 saved per model, budget and machine, else both paths timed at load, again while idle when the live
 steps drift); its timed steps run under `hold_position`.
 """
@@ -38,35 +38,35 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from runtime import tuning
-from runtime.backends import exl2_offload, hybrid_layers, hybrid_mtp
-from runtime.backends.hybrid_mtp import MtpHead, MtpHooks
+from runtime.backends import gpu_offload, hybrid_layers, hybrid_mtp
 from runtime.backends.exl2_graph import answer_plan, bucket, capture_position, warm_plan
-from runtime.backends.exl2_placement import StepClock, idle_trial_step
+from runtime.backends.expert_path import StepClock, idle_trial_step
+from runtime.backends.gpu_engine import GpuEngine, run
 from runtime.backends.hybrid_graphs import StepGraphs
+from runtime.backends.hybrid_mtp import MtpHead, MtpHooks
 from runtime.backends.hybrid_state import HybridCache
+from runtime.budget import MemoryBudget
 from runtime.engine import Engine, ModelInfo, ProgressFn
-from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, InvalidModel, NoModel,
-                            OutOfMemory, UnsupportedArchitecture)
-from runtime.experts.budget import BudgetError, MemoryBudget
-from runtime.experts.experiment import NO_EXPERIMENT
+from runtime.errors import (BadRequest, ContextOverflow, CudaUnavailable, EngineError, NoModel, OutOfMemory,
+                            UnsupportedArchitecture)
 from runtime.options import LoadOptions
 from runtime.reference.mtp import MtpCache
+from runtime.tuning import Tuning, current as current_tuning
 
 REPLAY_CHUNK = 512          # tokens per forward when a truncate replays the kept tokens
 PREFILL_CHUNK = 512         # rows per forward at most (longer ones are cut)
 MIN_WINDOW = 2              # rows of rollback kept without drafting (a regenerate's one-token step back)
 
 
-class HybridExl2Engine(MtpHooks, Engine):
+class HybridExl2Engine(MtpHooks, GpuEngine, Engine):
     def __init__(self, info: ModelInfo, spec, model: hybrid_layers.HybridModel, cache: HybridCache,
                  offload=None, setup=None, graphs: bool = False, mtp_head: Optional[MtpHead] = None):
-        exl2_offload.engine_opened(self)
+        gpu_offload.engine_opened(self)
         self.info, self.spec, self.model, self.cache = info, spec, model, cache
         self.refused_tokens = spec.media_tokens      # refused as input (`_check`), so never sampled
         self.backend = "cuda" if model.device.type == "cuda" else "cpu"
-        self.offload = offload          # runtime/experts/manager.OffloadManager, or None: all experts resident
-        self.setup = setup              # runtime/backends/exl2_offload.OffloadSetup (budgets), or None
+        self.offload = offload          # runtime/offload/manager.OffloadManager, or None: all experts resident
+        self.setup = setup              # runtime/backends/gpu_offload.OffloadSetup (budgets), or None
         self.tokens: list[int] = []     # what the cache holds: replayed by a truncate before the snapshots
         self.static = False             # short forwards with fixed shapes (always on under graphs)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
@@ -76,12 +76,7 @@ class HybridExl2Engine(MtpHooks, Engine):
         self.mtp_head = mtp_head        # the multi-token-prediction head (hybrid_mtp.py), when the load asked for it
         self.mtp = MtpCache(spec, cache.capacity, model.dtype, model.device) if mtp_head is not None else None
         self.mtp_on = False             # the head follows the forwards (a drafter asked for it)
-        self.experiment = NO_EXPERIMENT  # benchmarks and tests only: set_experiment
-        # the CPU expert path's decision under offload (runtime/backends/exl2_placement.py, shared)
-        self.path_judge = None           # runtime/experts/path_judge.PathJudge, once decided at load
-        self._trial = None               # its measurement in progress (idle time): a generator of steps
-        self.decision_save = None        # (file, key) where a measured decision is saved
-        self._clock = StepClock()        # one-row steps' times for the judge's drift check
+        self._clock = StepClock()        # one-row steps' times for the expert-path judge's drift check
 
     @property
     def position(self) -> int:
@@ -152,10 +147,10 @@ class HybridExl2Engine(MtpHooks, Engine):
         at = start if at is None else at
         if self.offload is not None:
             self.offload.step_boundary(t)
-            self.offload.begin_forward(t)
+        stages = self.offload is not None and self.offload.begin_forward(t)      # copies from the host: no graph
         logged = cache.begin(t, at)
         try:
-            if logged and self.graphs is not None and (self.offload is None or not self.offload.stage_worth(t)):
+            if logged and self.graphs is not None and not stages:
                 out = self.graphs.step(ids, at, keep)
             else:
                 dev = torch.tensor(ids, dtype=torch.long).to(self.model.device, non_blocking=True)
@@ -261,13 +256,6 @@ class HybridExl2Engine(MtpHooks, Engine):
         for L, t in answer_plan(self.position, max_new_tokens, w, self.cache.capacity, self.graphs.captured(), w):
             self._prepare_graph(L, t)
 
-    def place_experts(self, resident: list[list[int]]) -> None:
-        """Tests and benchmarks: these experts of each layer in VRAM slots, the others read from host memory."""
-        if self.offload is None:
-            raise EngineError("place_experts needs a model loaded with expert offload")
-        self._drop_graphs()
-        self.offload.apply(resident)
-
     # -- benchmarks and tests (bench/offload.py drives both GPU engines through these) ------------
 
     @property
@@ -275,11 +263,6 @@ class HybridExl2Engine(MtpHooks, Engine):
         """Drafts a verify may carry: its rows (drafts + 1) must fit the snapshot ring to be rolled back
         (speculative.make_decoder caps a request's draft tokens here)."""
         return self.cache.window - 1
-
-    @property
-    def budget(self):
-        """The load's budgets (exl2_offload.OffloadSetup), as the expert-path trial names them."""
-        return self.setup
 
     @property
     def vocab(self) -> int:
@@ -311,35 +294,8 @@ class HybridExl2Engine(MtpHooks, Engine):
         """The MoE blocks (each with its `experts`), in layer order."""
         return [block[4] for block in self.model.blocks]
 
-    def set_experiment(self, experiment) -> None:
-        """Run the MoE layers under `experiment` (runtime/experts/experiment.py) from the next forward;
-        captured graphs are dropped where it changes what they captured (the naive baseline runs none:
-        the benchmark sets the graphs aside)."""
-        from runtime.experts.experiment import apply_experiment
-        if self.experiment.changes_graphs(experiment):
-            self._drop_graphs()
-        try:
-            apply_experiment(experiment, self.model.expert_layers(), self.offload)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        self.experiment = experiment
-
-    def set_vram_budget(self, vram_budget_gb: float) -> None:
-        """Place the offloaded experts again for another VRAM budget, without reloading."""
-        if self.offload is None or self.setup is None:
-            raise EngineError("set_vram_budget needs a model loaded with expert offload")
-        from runtime.backends.exl2_placement import set_vram_budget
-        set_vram_budget(self, vram_budget_gb)
-
-    def recheck_placement(self, progress: ProgressFn = lambda *a: None, measure: bool = True) -> None:
-        """Decide the CPU expert path again now, timing both (benchmarks: after the routing changed)."""
-        if self.offload is not None:
-            from runtime.backends.exl2_placement import settle_cpu_path
-            settle_cpu_path(self, progress, measure)
-
-    def reset_graphs(self) -> None:
-        """After changing what a step does by hand: graphs captured again."""
-        self._drop_graphs()
+    def expert_layers(self) -> list:
+        return self.model.expert_layers()
 
     def _drop_graphs(self) -> None:
         """Before the slots move (routing_prior.py calls it too): wait for queued steps, drop the graphs
@@ -369,10 +325,7 @@ class HybridExl2Engine(MtpHooks, Engine):
             out["graph_error"] = self.graph_error
         if self.backend == "cuda":
             out["vram_allocated_bytes"] = torch.cuda.memory_allocated()
-        if self.offload is not None:
-            out.update(self.offload.telemetry().as_dict())
-            if self.path_judge is not None:
-                out["placement_decision"] = self.path_judge.telemetry()
+        out.update(self.offload_telemetry())
         return out
 
     def close(self) -> None:
@@ -384,11 +337,11 @@ class HybridExl2Engine(MtpHooks, Engine):
         finally:
             self.graphs = None
             self.offload = self.model = self.cache = self.mtp_head = self.mtp = None
-            exl2_offload.engine_closed(self)
+            gpu_offload.engine_closed(self)
             gc.collect()                              # (before the page-locked experts go)
             if self.setup is not None:
                 self.setup.release()
-            exl2_offload.return_cached_memory()
+            gpu_offload.return_cached_memory()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,110 +364,174 @@ def rollback_window(options: LoadOptions) -> int:
 def load(path, options: Optional[LoadOptions] = None, progress: Optional[ProgressFn] = None, *,
          device: Optional[str] = None, window: Optional[int] = None, dtype: Optional[torch.dtype] = None,
          graphs: Optional[bool] = None, host_experts: Optional[bool] = None,
-         mtp: Optional[bool] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
+         mtp: Optional[bool] = None, tuning: Optional[Tuning] = None) -> tuple[HybridExl2Engine, dict[str, str]]:
     """Load a Qwen3.5-MoE EXL2 folder. device: "cuda" (default, needs a GPU) or "cpu" (tests: the
     projections dequantized). window: rollback rows (default from the draft options). dtype: activations
     (float16 on CUDA, as exllamav2's GEMM takes; float32 on the CPU). host_experts: experts' codes in
     host memory for offload (default: as the budgets decide, CUDA only). mtp: load the folder's MTP head
     (default: when the draft options choose "mtp"; it holds one layer's weights, its experts in VRAM; left
-    out, it is read on first use where there is room)."""
-    from runtime import qwen35
-    from runtime.modelfolder import ModelFolder
-    from runtime.reference import qwen35 as reference35
-
+    out, it is read on first use where there is room). tuning: the engine tuning (default: the process's)."""
     options = options or LoadOptions()
-    progress = progress or (lambda stage, message, done, total: None)
-    off = options.offload
-    dev = _device(device)
-    cuda = dev.type == "cuda"
-    dtype = dtype or (torch.float16 if cuda else torch.float32)
-    if cuda:
-        from runtime.backends.exl2_kernels import build_kernels
-        build_kernels(progress)
-    progress("validate", f"Checking {Path(path).name}", 0, 1)
-    folder = ModelFolder(path)
-    setup = engine = None
-    try:
-        info = folder.info
+    return run(_Loading(Path(path), options, progress or (lambda stage, message, done, total: None), device,
+                        window or rollback_window(options), dtype, graphs, host_experts,
+                        options.draft.mode == "mtp" if mtp is None else mtp, tuning or current_tuning()))
+
+
+class _Loading:
+    """One load in progress, step by step (gpu_engine.Loading, as the exllamav2 engine's); what the steps
+    opened, so that `close` frees it on failure."""
+
+    def __init__(self, path: Path, options: LoadOptions, progress: ProgressFn, device: Optional[str], window: int,
+                 dtype: Optional[torch.dtype], graphs: Optional[bool], host_experts: Optional[bool], mtp: bool,
+                 tuning: Tuning):
+        self.path, self.options, self.off, self.progress = path, options, options.offload, progress
+        self.device, self.window, self.dtype = device, window, dtype
+        self.graphs, self.host_experts, self.mtp, self.tuning = graphs, host_experts, mtp, tuning
+        self.applied: dict[str, str] = {}
+        self.step = "check_folder"
+        self.folder = self.spec = self.setup = self.model = self.head = self.cache = self.manager = None
+        self.engine: Optional[HybridExl2Engine] = None
+        self.context = 0
+
+    def steps(self) -> list[str]:
+        return ["check_folder", "read_config", "plan_offload", "build_model", "allocate_cache", "place_experts",
+                "make_engine", "settle_expert_path"]
+
+    def run_step(self, name: str) -> None:
+        getattr(self, name)()
+
+    def what(self, step: str) -> str:
+        if step in ("build_model", "allocate_cache", "place_experts"):
+            return f"the model's weights and a {self.off.context_length}-token cache"
+        return {"make_engine": "the decode graphs", "settle_expert_path": "the expert path's trial and the first "
+                "decode graphs"}.get(step, "the load's first checks on the GPU")
+
+    def vram_cap(self) -> Optional[int]:
+        return self.setup.vram.total_bytes if self.setup is not None and self.setup.capped else None
+
+    def check_folder(self) -> None:
+        """The device (a GPU unless asked otherwise; its kernels built), the folder Qwen3.5-MoE in EXL2."""
+        from runtime import qwen35
+        from runtime.modelfolder import ModelFolder
+        self.device = _device(self.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = self.dtype or (torch.float16 if self.cuda else torch.float32)
+        if self.cuda:
+            from runtime.backends.exl2_kernels import build_kernels
+            build_kernels(self.progress)
+        self.progress("validate", f"Checking {self.path.name}", 0, 1)
+        folder = self.folder = ModelFolder(self.path)
         if folder.config["architectures"][0] not in qwen35.ARCHITECTURES:
-            raise UnsupportedArchitecture(folder.path, f"{info.architecture} is not Qwen3.5-MoE: this engine runs "
-                                                       "Qwen3.5-MoE only")
-        if not info.is_exl2:
+            raise UnsupportedArchitecture(folder.path, f"{folder.info.architecture} is not Qwen3.5-MoE: this engine "
+                                                       "runs Qwen3.5-MoE only")
+        if not folder.info.is_exl2:
             raise UnsupportedArchitecture(folder.path, "not an EXL2 folder: the GPU engine runs EXL2-quantized "
                                                        "models (the CPU reference engine runs this one)")
-        spec = reference35.Spec.from_config(folder.config, str(folder.path / "config.json"))
-        context = min(off.context_length, spec.max_positions)
-        window = window or rollback_window(options)
-        applied = {"offload.context_length": "applied" if context == off.context_length else
-                   f"applied: capped at {context}, the model's max_position_embeddings",
-                   "offload.kv_cache": "applied" if off.kv_cache == "fp16" else
-                   f"ignored: the Qwen3.5 engine keeps its attention cache in {str(dtype).removeprefix('torch.')}"}
-        setup = _prepare_offload(folder, spec, off, cuda, host_experts, applied)
+
+    def read_config(self) -> None:
+        from runtime.reference import qwen35 as reference35
+        off, folder = self.off, self.folder
+        self.spec = reference35.Spec.from_config(folder.config, str(folder.path / "config.json"))
+        self.context = min(off.context_length, self.spec.max_positions)
+        self.applied.update({
+            "offload.context_length": "applied" if self.context == off.context_length else
+            f"applied: capped at {self.context}, the model's max_position_embeddings",
+            "offload.kv_cache": "applied" if off.kv_cache == "fp16" else
+            f"ignored: the Qwen3.5 engine keeps its attention cache in {str(self.dtype).removeprefix('torch.')}"})
+
+    def plan_offload(self) -> None:
+        self.setup = _prepare_offload(self.folder, self.spec, self.off, self.cuda, self.host_experts, self.applied,
+                                      self.tuning)
+
+    def build_model(self) -> None:
+        """Every layer from the folder (the experts' codes into page-locked memory under offload), the MTP head."""
+        setup, progress, spec = self.setup, self.progress, self.spec
+        offload = setup is not None and setup.offload
         progress("load", "Loading weights", 0, spec.layers + 1)
-        model = hybrid_layers.load(
-            folder, spec, dev, dtype, context, host=setup.arena if setup is not None and setup.offload else None,
+        self.model = hybrid_layers.load(
+            self.folder, spec, self.device, self.dtype, self.context, host=setup.arena if offload else None,
             on_host=(lambda what, n: setup.ram.reserve(what, n, "raise the RAM budget or the VRAM budget"))
-            if setup is not None and setup.offload else None,
-            progress=lambda done, total: progress("load", "Loading weights", done, total))
-        head = None
-        if options.draft.mode == "mtp" if mtp is None else mtp:
+            if offload else None,
+            progress=lambda done, total: progress("load", "Loading weights", done, total), tuning=self.tuning)
+        if self.mtp:
             progress("load", "Loading the multi-token-prediction head", 0, 1)
-            head = hybrid_mtp.load(folder, spec, dev, dtype)
+            self.head = hybrid_mtp.load(self.folder, spec, self.device, self.dtype)
+
+    def allocate_cache(self) -> None:
+        progress = self.progress
         progress("load", "Allocating the cache", 0, 1)
-        cache = HybridCache(spec, context, window, dtype, dev)
-        if cuda:
+        self.cache = HybridCache(self.spec, self.context, self.window, self.dtype, self.device)
+        if self.cuda:
+            from runtime.backends import gdn_kernels
             from runtime.backends.quant_linear import settle_autotune
             progress("load", "Tuning GPU kernels", 0, 1)
-            settle_autotune(model.linears())
-            from runtime.backends import gdn_kernels
-            gdn_kernels.warm(spec, dev, dtype)             # fla's autotuning here, not in the first prefill
+            settle_autotune(self.model.linears())
+            gdn_kernels.warm(self.spec, self.device, self.dtype)   # fla's autotuning here, not in the first prefill
             progress("load", "Tuning GPU kernels", 1, 1)
-        manager = _start_offload(setup, model, folder.path, off, progress) if setup is not None else None
+
+    def place_experts(self) -> None:
+        """The VRAM ledger and the hot experts (gpu_offload.start, as the exllamav2 engine's)."""
+        if self.setup is not None:
+            layers = self.model.expert_layers()
+            self.manager = gpu_offload.start(self.setup, layers, self.path, prefill_scratch(self.spec, layers),
+                                             self.progress)
+
+    def make_engine(self) -> None:
+        from runtime import qwen35
+        info, spec = self.folder.info, self.spec
         model_info = ModelInfo(name=info.name, path=str(info.path), architecture=info.architecture,
-                               vocab_size=spec.vocab, context_length=context, num_layers=spec.layers,
+                               vocab_size=spec.vocab, context_length=self.context, num_layers=spec.layers,
                                num_experts=spec.experts, experts_per_token=spec.top_k,
                                bits_per_weight=info.bits_per_weight,
-                               extra={"engine": "hybrid", "rollback_window": window, "device": str(dev),
+                               extra={"engine": "hybrid", "rollback_window": self.window, "device": str(self.device),
                                       "num_params": info.num_params, "active_params": info.active_params})
-        use_graphs = cuda and tuning.current().graphs if graphs is None else graphs
-        engine = HybridExl2Engine(model_info, spec, model, cache, manager, setup, graphs=bool(use_graphs and cuda),
-                                  mtp_head=head)
-        if head is None and qwen35.has_mtp(set(folder.info.shard_of)):
-            engine.mtp_source = folder.path               # read on first use (hybrid_mtp.MtpHooks)
-        try:
-            if manager is not None and cuda:
-                # the routing prior where the model has no saved statistics, then the CPU expert path
-                # (saved for this model, budget and machine, else both paths timed), then the graphs
-                from runtime.backends.exl2_placement import settle_cpu_path
-                settle_cpu_path(engine, progress, load=True)
-                applied.update(setup.applied)
-                manager.forget_warmup()       # the prior's and the trial's staged bytes are no answer's
-            elif engine.graphs is not None:
-                engine.prepare_graphs(progress)
-        except BaseException:
-            engine.close()                    # the model, the manager, the budgets
-            raise
-        applied["offload.backend"] = "applied"
-        return engine, applied
-    except BudgetError as e:
-        from runtime.backends.exl2_offload import budget_error
-        err = budget_error(e)
-    except MemoryError as e:
-        err = OutOfMemory(f"not enough host memory to load {folder.info.name}", str(e))
-    except torch.cuda.OutOfMemoryError as e:
-        err = OutOfMemory(f"not enough GPU memory to load {folder.info.name} with a {off.context_length}-token "
-                          "context", str(e))
-    except (ValueError, KeyError) as e:
-        err = InvalidModel(folder.path, f"could not load the model: {type(e).__name__}: {e}")
-    finally:
-        folder.close()
-        if engine is None and setup is not None:
-            setup.release()
-    raise err from None
+        graphs = self.cuda if self.graphs is None else self.graphs
+        self.engine = HybridExl2Engine(model_info, spec, self.model, self.cache, self.manager, self.setup,
+                                       graphs=bool(graphs and self.cuda), mtp_head=self.head)
+        if self.head is None and qwen35.has_mtp(set(info.shard_of)):
+            self.engine.mtp_source = self.folder.path     # read on first use (hybrid_mtp.MtpHooks)
+        self.folder.close()                               # every tensor is read
+
+    def settle_expert_path(self) -> None:
+        """Under offload on a GPU: the routing prior where the model has no saved statistics, then the CPU expert
+        path (saved for this model, budget and machine, else both paths timed), then the graphs; else the
+        graphs."""
+        if self.manager is not None and self.cuda:
+            from runtime.backends.expert_path import settle_cpu_path
+            settle_cpu_path(self.engine, self.progress, load=True)
+            self.applied.update(self.setup.applied)
+            self.manager.forget_warmup()       # the prior's and the trial's staged bytes are no answer's
+        elif self.engine.graphs is not None:
+            self.engine.prepare_graphs(self.progress)
+        self.applied["offload.backend"] = "applied"
+
+    def close(self) -> None:
+        """The one cleanup path: free what the steps opened, the engine or its parts."""
+        if self.folder is not None:
+            self.folder.close()
+        if self.engine is not None:
+            self.engine.close()                # the model, the manager, the budgets
+        else:
+            try:
+                if self.manager is not None:
+                    self.manager.close()
+            finally:
+                gc.collect()
+                if self.setup is not None:
+                    self.setup.release()
+                gpu_offload.return_cached_memory()
+        self.engine = self.manager = self.cache = self.model = self.head = self.setup = self.folder = None
 
 
-def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool], applied: dict):
-    """Budgets (runtime/backends/exl2_offload.prepare) on CUDA; None on the CPU (unless host_experts,
+def prefill_scratch(spec, layers: list) -> int:
+    """VRAM a prefill chunk of up to 2048 rows needs beyond the weights and the cache (MoE intermediates, the
+    DeltaNet's chunked rule, the logits of a verify, a margin): the offload's reserve."""
+    return (2048 * (spec.top_k * (layers[0].w1.out_features * 2 + spec.hidden * 4) + spec.hidden * 32
+                    + spec.conv_channels * 8) + 16 * spec.vocab * 4 + (512 << 20))
+
+
+def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool], applied: dict, tuning: Tuning):
+    """Budgets (runtime/backends/gpu_offload.prepare) on CUDA; None on the CPU (unless host_experts,
     for tests: every expert's codes in host memory, placed by hand)."""
     from types import SimpleNamespace
     if not cuda:
@@ -522,56 +539,17 @@ def _prepare_offload(folder, spec, off, cuda: bool, host_experts: Optional[bool]
             applied[f"offload.{key}"] = "ignored: the hybrid engine on the CPU keeps every weight in RAM"
         if not host_experts:
             return None
-        from runtime.backends.exl2_offload import OffloadSetup
+        from runtime.backends.gpu_offload import OffloadSetup
         from runtime.experts.pack import HostArena
-        return OffloadSetup(MemoryBudget(1 << 50), MemoryBudget(1 << 50), HostArena(1 << 20), "stream", False)
-    from runtime.backends import exl2_offload
+        return OffloadSetup(MemoryBudget(1 << 50), MemoryBudget(1 << 50), HostArena(1 << 20), "stream", False,
+                            tuning=tuning)
+    from runtime.backends import gpu_offload
     config = SimpleNamespace(num_hidden_layers=spec.layers, num_experts=spec.experts, hidden_size=spec.hidden,
                              intermediate_size=folder.config["moe_intermediate_size"])
     if host_experts is False:
         off = dataclasses.replace(off, placement="vram")
-    setup = exl2_offload.prepare(folder.path, config, off, own_moe=True)
+    setup = gpu_offload.prepare(folder.path, config, off, own_moe=True, tuning=tuning)
     if host_experts and not setup.offload:
         raise EngineError("offload was asked for but the budgets keep every expert in VRAM")
     applied.update(setup.applied)
     return setup
-
-
-def _start_offload(setup, model, path: Path, off, progress):
-    """After the weights and the cache: the VRAM ledger, then the offload manager places hot experts."""
-    if not setup.offload:
-        if model.device.type == "cuda" and setup.vram.fits(torch.cuda.memory_allocated()):
-            setup.vram.reserve("weights and cache", torch.cuda.memory_allocated())
-        return None
-    from runtime.experts.manager import OffloadManager
-    layers = model.expert_layers()
-    cuda = model.device.type == "cuda"
-    if cuda:
-        setup.vram.reserve("weights and cache", torch.cuda.memory_allocated(),
-                           "lower the context length or raise the VRAM budget")
-        s = model.spec
-        scratch = 2048 * (s.top_k * (layers[0].w1.out_features * 2 + s.hidden * 4) + s.hidden * 32
-                          + s.conv_channels * 8) + 16 * s.vocab * 4 + (512 << 20)
-        setup.vram.reserve("prefill scratch", scratch, "lower the context length")
-        from runtime.backends.routing_prior import saved_statistics
-        stats, stats_file, setup.stats_warning, prior = saved_statistics(path, len(layers), layers[0].num_experts)
-    else:
-        stats_file, stats, prior = None, None, None
-    manager = OffloadManager(layers, setup.vram, setup.policy if cuda else "stream", stats, stats_file,
-                             cpu_threads=setup.cpu_threads, ram=setup.ram if cuda else None)
-    manager.prior_reason = prior                  # measured once the engine is made (routing_prior.py)
-    if cuda:
-        from runtime.backends.exl2_decisions import saved_off
-        # no CPU copies that a saved decision drops at once (again at the routing prior's placement)
-        manager.cpu.saved_off = manager.saved_off = saved_off(path, setup)
-        manager.on_stage = lambda message: progress("load", message, 0, 1)
-        try:
-            manager.place()
-        except BudgetError:
-            manager.close()
-            raise
-        finally:
-            manager.on_stage = lambda message: None
-        from runtime.backends.exl2_offload import cpu_path_applied
-        cpu_path_applied(setup, manager)
-    return manager

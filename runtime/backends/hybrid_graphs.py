@@ -20,7 +20,7 @@ Per (L, T):
   launch-shape timing, exllamav2's GEMM tuning outside the settled shapes, cuBLAS's workspace for that
   stream);
 - then the same forward is captured on that stream into one private memory pool shared by every
-  graph (`torch.cuda.graph`), in tuning's capture mode ("relaxed", as the exllamav2 engine's graphs).
+  graph (`torch.cuda.graph`), in the "relaxed" capture mode (as the exllamav2 engine's graphs).
   A capture records kernels and runs none: the cache stays as the eager run left it;
 - later forwards of T rows in bucket L: the token buffer filled, the graph replayed on the current
   stream, its output copied out (the next replay of another graph may reuse the pool's free memory).
@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from runtime import tuning
+from runtime.experts.shapes import CAPTURE_MODE
 from runtime.backends.exl2_graph import MAX_GRAPHS, bucket
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class StepGraphs:
             del self.graphs[next(iter(self.graphs))]
         graph, hidden = self.cuda.CUDAGraph(), []
         with self.cuda.graph(graph, pool=self.pool, stream=self.stream,
-                             capture_error_mode=tuning.current().capture_mode):
+                             capture_error_mode=CAPTURE_MODE):
             out = self._forward(L, t, keep=hidden)
         if self.pool is None:
             self.pool = graph.pool()
@@ -156,7 +156,7 @@ class StepGraphs:
         try:
             self.cuda.synchronize()
             graph = self.cuda.CUDAGraph()
-            with self.cuda.graph(graph, stream=self.stream, capture_error_mode=tuning.current().capture_mode):
+            with self.cuda.graph(graph, stream=self.stream, capture_error_mode=CAPTURE_MODE):
                 self._forward(L, t, probe=probe)
             found = "a second capture succeeded"
         except _Stop as stop:

@@ -40,6 +40,7 @@ from runtime.experts.layer import ExpertLayer
 from runtime.experts.pack import HostArena, pack_layer
 from runtime.modelfolder import ModelFolder
 from runtime.reference import deltanet, rope
+from runtime.tuning import Tuning
 
 CHUNK = deltanet.CHUNK
 # The attention kernels of a static forward (the one CUDA graphs capture): memory-efficient attention
@@ -289,9 +290,11 @@ def attention_layer(folder: ModelFolder, a: str, spec, index: int, device: torch
 
 
 def moe_block(folder: ModelFolder, mp: str, spec, mlp_norm: torch.Tensor, device: torch.device, dtype: torch.dtype,
-              host: Optional[HostArena], on_host: Optional[Callable[[str, int], None]], where: str) -> MoeBlock:
+              host: Optional[HostArena], on_host: Optional[Callable[[str, int], None]], where: str,
+              tuning: Tuning = Tuning()) -> MoeBlock:
     """The routed experts (EXL2 only) and the shared expert under prefix `mp` (`...layers.3.mlp`). host:
-    the experts' codes go to this page-locked arena (offload), `on_host(what, bytes)` hearing each stack."""
+    the experts' codes go to this page-locked arena (offload), `on_host(what, bytes)` hearing each stack;
+    tuning: the expert kernels' launch shapes."""
     config, h = folder.config, spec.hidden
     ms, m = config["shared_expert_intermediate_size"], config["moe_intermediate_size"]
 
@@ -306,7 +309,7 @@ def moe_block(folder: ModelFolder, mp: str, spec, mlp_norm: torch.Tensor, device
     packs = pack_layer(lambda name: [_expert_tensors(folder, f"{mp}.experts.{e}.{name}") for e in range(spec.experts)],
                        f"{mp}.experts", device=device, host=host, on_packed=on_packed)
     router = folder.linear(f"{mp}.gate", torch.float32).to(device)
-    experts = ExpertLayer(router, *packs, spec.top_k, spec.norm_topk_prob)
+    experts = ExpertLayer(router, *packs, spec.top_k, spec.norm_topk_prob, tuning.grouped, tuning.splitk)
     experts.norm_w = mlp_norm.half()
     moe = MoeBlock(experts, lin([f"{mp}.shared_expert.gate_proj", f"{mp}.shared_expert.up_proj"], [ms, ms]),
                    lin([f"{mp}.shared_expert.down_proj"], [h]), lin([f"{mp}.shared_expert_gate"], [1]))
@@ -324,9 +327,10 @@ def _expert_tensors(folder: ModelFolder, prefix: str) -> dict:
 
 def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, context: int,
          host: Optional[HostArena] = None, on_host: Optional[Callable[[str, int], None]] = None,
-         progress: Callable[[int, int], None] = lambda done, total: None) -> HybridModel:
+         progress: Callable[[int, int], None] = lambda done, total: None, tuning: Tuning = Tuning()) -> HybridModel:
     """Build every layer from the folder. host: the experts' codes go to this page-locked arena
-    (offload; `on_host(what, bytes)` hears each stack, for the RAM ledger)."""
+    (offload; `on_host(what, bytes)` hears each stack, for the RAM ledger); tuning: the expert kernels'
+    launch shapes."""
     config, p0 = folder.config, qwen35.prefix(folder.config)
     present = set(folder.info.shard_of)
 
@@ -355,7 +359,7 @@ def load(folder: ModelFolder, spec, device: torch.device, dtype: torch.dtype, co
                 folder.tensor(f"{a}.norm.weight").to(device, dtype))
             linear += 1
         mlp_norm = centred(folder, f"{p}.post_attention_layernorm.weight", device)
-        moe = moe_block(folder, mp, spec, mlp_norm, device, dtype, host, on_host, f"layer {i}")
+        moe = moe_block(folder, mp, spec, mlp_norm, device, dtype, host, on_host, f"layer {i}", tuning)
         blocks.append((kind, centred(folder, f"{p}.input_layernorm.weight", device), mlp_norm, mixer, moe))
         progress(i + 1, spec.layers + 1)
     embed = folder.tensor(f"{p0}.embed_tokens.weight").to(device, dtype)

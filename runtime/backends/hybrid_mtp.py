@@ -78,7 +78,7 @@ class MtpHooks(MtpDrafting):
 
     def _load_head_now(self) -> None:
         from runtime.errors import OutOfMemory
-        from runtime.experts.budget import BudgetError
+        from runtime.budget import BudgetError
         again = ("load the model again with the draft mode 'MTP head' (the experts are then placed around "
                  "the head)")
         folder, head, cache = ModelFolder(self.mtp_source), None, None

@@ -2,16 +2,12 @@
 
 A `QuantLinear` is y = x @ W.T for one or several stored linears whose outputs are concatenated (a
 fused projection: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a are one call). Two
-implementations of the EXL2 case:
+implementations of the EXL2 case, one per device:
 
 - `CudaExl2Linear`: exllamav2's quantized matmul (`exllamav2_ext.gemm_half_q_half` on a Q matrix made
   by `exllamav2.ext.make_q_matrix`, as `ExLlamaV2Linear.load` makes it): fp16 in, fp16 out. Large row
   counts dequantize into `temp_dq` and use cuBLAS inside the extension, in slices of `max_dq_rows`.
   Imports exllamav2 when built (CUDA machines only).
-- `TritonExl2Linear` (tuning switch MOEDESK_DENSE_GEMV, CUDA): each stored linear repacked losslessly
-  as one "expert" (runtime/experts/pack.py) and computed by the experts' split-K GEMV
-  (runtime/experts/kernels.py `linear_decode`) for 1..9 rows (decode, verify); more rows go to its
-  fallback (on CUDA the `CudaExl2Linear` of the same tensors, which it keeps: the codes live twice).
 - `CpuExl2Linear`: the same tensors dequantized once (runtime/exl2/format.py, exactly the values
   exllamav2 reconstructs) into one dense matrix, in the engine's activation dtype.
 
@@ -140,60 +136,6 @@ class CudaExl2Linear:
         return [(self.in_features, n, h) for h, n in zip(self.handles, self.widths)]
 
 
-class TritonExl2Linear:
-    """The experts' split-K GEMV on few rows (fp16 in, fp16 out), `fallback` above LINEAR_MAX_ROWS.
-
-    Each part is packed as a single expert; a layout the kernel's K tile cannot take (or the packing
-    refuses) raises InvalidModel naming the part, so `build` can keep the CUDA path for it."""
-
-    def __init__(self, parts: Sequence[dict], outs: Sequence[int], names: Sequence[str], device: torch.device,
-                 fallback: QuantLinear | None):
-        from runtime.experts.linear_gemv import LINEAR_MAX_ROWS, linear_tile
-        from runtime.experts.pack import PackError, pack_experts
-        self.max_rows = LINEAR_MAX_ROWS
-        self.packs, self.outs = [], [int(o) for o in outs]
-        for t, out, name in zip(parts, self.outs, names):
-            try:
-                p = pack_experts([t], name, device=device)
-                linear_tile(p)
-            except (PackError, ValueError) as e:
-                raise InvalidModel(name, f"no split-K GEMV for this layout: {e}") from None
-            if self.packs and p.in_features != self.packs[0].in_features:
-                raise InvalidModel(name, f"takes {p.in_features} inputs, the projection it is fused with "
-                                         f"{self.packs[0].in_features}")
-            if not 0 < out <= p.out_features:
-                raise InvalidModel(name, f"{out} output features but {p.out_features} stored columns")
-            self.packs.append(p)
-        self.in_features = self.packs[0].in_features
-        self.out_features = sum(self.outs)
-        if fallback is not None and (fallback.in_features, fallback.out_features) != (self.in_features,
-                                                                                       self.out_features):
-            raise EngineError(f"{', '.join(names)}: fallback is [{fallback.out_features}, {fallback.in_features}], "
-                              f"the split-K GEMV [{self.out_features}, {self.in_features}]")
-        self.fallback = fallback
-        self.stored_bytes = sum(sum(v.numel() * v.element_size() for v in t.values()) for t in parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            if self.fallback is None:
-                raise EngineError(f"{x.shape[0]} rows: the split-K GEMV takes 1..{self.max_rows} and there is "
-                                  "no fallback")
-            return self.fallback(x)
-        from runtime.experts.linear_gemv import linear_decode
-        return linear_decode(x.half(), self.packs, self.outs)
-
-    def into(self, x: torch.Tensor, dests: Sequence[torch.Tensor], add: bool = False) -> None:
-        """Part i of x (fp16, 1..max_rows rows) into dests[i] fp16 [T, outs[i]] (a decode graph's q, k and v),
-        or added to it (`add`: the residual stream), each in one launch (linear_gemv.linear_into)."""
-        from runtime.experts.linear_gemv import linear_into
-        if [d.shape[1] for d in dests] != self.outs:
-            raise EngineError(f"destinations of {[d.shape[1] for d in dests]} columns, the parts have {self.outs}")
-        linear_into(x.half(), self.packs, dests, add)
-
-    def nbytes(self) -> int:
-        return self.stored_bytes
-
-
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 
@@ -223,9 +165,6 @@ def settle_autotune(linears: Sequence) -> int:
     ext = None
     linears = [p for lin in linears for p in getattr(lin, "parts", [lin])]      # ConcatLinear's parts
     for lin in linears:
-        if isinstance(lin, TritonExl2Linear):
-            settle_gemv(lin)
-    for lin in [getattr(lin, "fallback", lin) for lin in linears]:
         if isinstance(lin, CudaExl2Linear):
             ext = lin.ext
             for k, n, handle in lin.shapes():
@@ -239,30 +178,6 @@ def settle_autotune(linears: Sequence) -> int:
     if seen:
         torch.cuda.synchronize()
     return len(seen)
-
-
-def cuda_exl2(parts: Sequence[dict], outs: Sequence[int], names: Sequence[str], device: torch.device) -> QuantLinear:
-    """exllamav2's GEMM; with the tuning switch dense_gemv, the split-K GEMV for 1..9 rows in front of
-    it (a layout the GEMV cannot take keeps exllamav2's GEMM alone)."""
-    from runtime import tuning
-    if not tuning.current().dense_gemv:
-        return CudaExl2Linear(parts, outs, names, device)
-    # packed first: exllamav2's Q matrix reorders the codes of its tensors in place (a copy on the
-    # device, unless the tensors are there already)
-    try:
-        gemv = TritonExl2Linear(parts, outs, names, device, fallback=None)
-    except InvalidModel:
-        return CudaExl2Linear(parts, outs, names, device)
-    gemv.fallback = CudaExl2Linear(parts, outs, names, device)
-    return gemv
-
-
-def settle_gemv(lin: TritonExl2Linear) -> None:
-    """Choose the split-K GEMV's launch shapes (timed, with host synchronisations) at every row count it
-    takes, before any graph capture."""
-    dev = lin.packs[0].scales.device
-    for r in range(1, lin.max_rows + 1):
-        lin(torch.zeros((r, lin.in_features), dtype=torch.float16, device=dev))
 
 
 def is_exl2(folder: ModelFolder, prefix: str) -> bool:
@@ -293,7 +208,7 @@ def build(folder: ModelFolder, prefixes: Sequence[str], outs: Sequence[int], dev
     if all(exl2):
         parts = [exl2_parts(folder, p) for p in prefixes]
         if device.type == "cuda":
-            return cuda_exl2(parts, outs, prefixes, device)
+            return CudaExl2Linear(parts, outs, prefixes, device)
         return CpuExl2Linear(parts, outs, [f"{folder.path}: {p}" for p in prefixes], dtype)
     ws = [folder.tensor(f"{p}.weight").float() for p in prefixes]
     return DenseLinear(torch.cat(ws) if len(ws) > 1 else ws[0], dtype, device)

@@ -1,4 +1,4 @@
-"""The routing prior at load (runtime/experts/route_prior.py), for any engine with expert offload.
+"""The routing prior at load (runtime/offload/route_prior.py), for any engine with expert offload.
 
 `saved_statistics` reads a model's saved routing statistics for the offload's start and says whether
 this load measures a prior; `measure_at_load` then runs the calibration prefill (after the warm-up's
@@ -6,7 +6,7 @@ kernels, before the expert path is timed: the paths are timed on the placement t
 hands its routing counts to the manager and lets it place the experts again, once. Behind the load's
 progress: "Placing experts: from a calibration prompt". The engine's part is `prefill`, `truncate`,
 `position`, `vocab`, `info` and `offload`: the exllamav2 engine (runtime/backends/exl2.py, through
-exl2_placement.settle_cpu_path) and the Qwen3.5 hybrid engine (hybrid.py) run the same.
+expert_path.settle_cpu_path) and the Qwen3.5 hybrid engine (hybrid.py) run the same.
 """
 from __future__ import annotations
 
@@ -14,25 +14,26 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from runtime import tuning
 from runtime.engine import ProgressFn
 from runtime.errors import BadRequest
-from runtime.experts.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
-from runtime.experts.routing_stats import RoutingStats, stats_path
+from runtime.offload.route_prior import MAX_TOKENS, MIN_TOKENS, calibration_ids, prior_reason
+from runtime.offload.routing_stats import RoutingStats, stats_path
 
 log = logging.getLogger(__name__)
 MESSAGE = "Placing experts: from a calibration prompt"
 
 
-def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional[Path] = None):
+def saved_statistics(model_dir: Path, layers: int, experts: int, cache: Optional[Path] = None,
+                     route_prior: bool = True):
     """(statistics or None, their file, a warning or None, why a prior is measured or None) for a
-    model about to be placed; `cache`: the user cache (default runtime.paths.cache_dir())."""
+    model about to be placed; `cache`: the user cache (default runtime.paths.cache_dir()); route_prior:
+    False measures none (Tuning.route_prior: the experts placed as if routing were uniform)."""
     if cache is None:
         from runtime.paths import cache_dir
         cache = cache_dir()
     stats_file = stats_path(cache, model_dir)
     stats, warning = RoutingStats.load(stats_file, layers, experts)
-    reason = prior_reason(stats, warning) if tuning.current().route_prior else None
+    reason = prior_reason(stats, warning) if route_prior else None
     return stats, stats_file, warning, reason
 
 

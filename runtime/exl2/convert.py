@@ -313,11 +313,7 @@ def choose_device(device: str, model_dir, out_dir, hessian_budget: int | None) -
     return "cuda", f"the GPU has {free / 2**30:.1f} GiB free, a layer needs about {need / 2**30:.1f} GiB"
 
 
-def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len, group_size,
-             damp, say: Say, measure, stop_after_layers, hessian_budget, device, progress,
-             threads_note: str = "", after_layer: Callable[[], None] = lambda: None) -> Path:
-    from transformers import AutoConfig, AutoTokenizer
-
+def _check_arguments(bits, head_bits, hessian_budget, device) -> None:
     if not STORED_BPW_MIN <= bits <= STORED_BPW_MAX:
         raise ConvertError(f"bits per weight {bits} is outside {STORED_BPW_MIN}..{STORED_BPW_MAX} (bits stored per "
                            f"weight of the quantized linears, scales and permutation included)")
@@ -326,134 +322,97 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
         raise ConvertError(f"hessian_budget must be positive, got {hessian_budget} bytes")
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise ConvertError(f"device {device!r} is not available here; use cpu or a visible cuda device")
-    out_dir = Path(out_dir)
-    staging = check_output(out_dir)
-    ckpt = model_dir if hasattr(model_dir, "keeps") else Checkpoint(model_dir)
-    hybrid = None
+
+
+def _model_kind(ckpt: Checkpoint, seq_len: int, device: str) -> tuple:
+    """How the checkpoint's layers are run: (Qwen3.5's by our own forward, or None; else transformers' config and
+    its layer, rotary and norm classes; the layers; whether the head is tied; the embedding's and final norm's
+    names)."""
+    from transformers import AutoConfig
     if ckpt.arch in qwen35.ARCHITECTURES:                        # our own forward calibrates it
         from .convert_qwen35 import HybridLayers
         hybrid = HybridLayers(ckpt, seq_len, ConvertError, device)
-        n_layers, tied = hybrid.n_layers, bool(hybrid.config.get("tie_word_embeddings", False))
-        embed_name, norm_name = hybrid.embed_name, hybrid.norm_name
-    else:
-        try:
-            cfg = AutoConfig.from_pretrained(ckpt.path)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ConvertError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({e})") from None
-        cfg._attn_implementation = "sdpa"
-        layer_cls, rope_cls, norm_cls = _classes(ckpt.arch)
-        n_layers = cfg.num_hidden_layers
-        tied = bool(ckpt.config.get("tie_word_embeddings", False))
-        embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
-        if ckpt.arch == convert_dbrx.ARCH:
-            embed_name, norm_name = convert_dbrx.EMBED, convert_dbrx.NORM
-    settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
-                "bits_counted": "stored", "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT,
-                "measure": measure, **getattr(ckpt, "settings", {}),
-                "rows": rows, "seq_len": seq_len,
-                "calibration_sha256": caldata.fingerprint(calibration_text)}
-    if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
-        settings["device"] = device.split(":")[0]
+        tied = bool(hybrid.config.get("tie_word_embeddings", False))
+        return hybrid, None, (None, None, None), hybrid.n_layers, tied, hybrid.embed_name, hybrid.norm_name
+    try:
+        cfg = AutoConfig.from_pretrained(ckpt.path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConvertError(f"{ckpt.path / 'config.json'}: transformers cannot read it ({e})") from None
+    cfg._attn_implementation = "sdpa"
+    embed_name, norm_name = "model.embed_tokens.weight", "model.norm.weight"
+    if ckpt.arch == convert_dbrx.ARCH:
+        embed_name, norm_name = convert_dbrx.EMBED, convert_dbrx.NORM
+    return (None, cfg, _classes(ckpt.arch), cfg.num_hidden_layers, bool(ckpt.config.get("tie_word_embeddings", False)),
+            embed_name, norm_name)
 
-    state = read_state(staging, settings, n_layers, ckpt.sizes["hidden_size"])
+
+def _resume_state(staging: Path, settings: dict, n_layers: int, hidden_size: int, say: Say) -> dict:
+    """The state of an interrupted conversion with these settings, or a new one (its staging folder made)."""
+    state = read_state(staging, settings, n_layers, hidden_size)
     if state is not None:
         say(f"resuming after layer {state['layers_done']} of {n_layers}")
-    else:
-        state = {"settings": settings, "layers_done": 0, "rows_used": 0,
-                 "stats": {"experts_routed": 0, "experts_all_token_fallback": 0}}
-        make_staging(staging)
-    # output ~ bits/8 of the fp32 count, kept twice at the end (layer files + assembled model)
-    _check_disk(staging, int(ckpt.total_bytes() / 2 * max(bits, head_bits) / 8 * 2), "convert this model")
+        return state
+    make_staging(staging)
+    return {"settings": settings, "layers_done": 0, "rows_used": 0,
+            "stats": {"experts_routed": 0, "experts_all_token_fallback": 0}}
 
-    k = state["layers_done"]
+
+def _quantize_head(ckpt: Checkpoint, hybrid, cfg, norm_cls, norm_name: str, hidden: torch.Tensor, head_bits, group_size,
+                   damp, device):
+    """lm_head by GPTQ on the final norm of the last layer's output (as stored, when requantizing)."""
+    acc = HessianAccumulator(hidden.shape[-1], device=device)
+    with torch.no_grad():
+        if hybrid is not None:
+            acc.add(hybrid.head_input(hidden))
+        else:
+            norm = (norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps) if norm_cls else convert_dbrx.head_norm(cfg))
+            norm = norm.to(device)
+            norm.weight.data = ckpt.get(norm_name).to(device)
+            acc.add(norm(hidden))
+    return (getattr(ckpt, "keeps", lambda k: None)("lm_head")      # as stored, when requantizing (requantize.py)
+            or quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
+                             name="lm_head"))
+
+
+def _calibration_ids(ckpt: Checkpoint, text: str, rows: int, seq_len: int, source: str) -> torch.Tensor:
+    from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(ckpt.path)
     except Exception as e:                        # whatever the library raises on broken tokenizer files
         raise ConvertError(f"{ckpt.path}: its tokenizer cannot be read ({type(e).__name__}: {e})") from None
-    ids = calibration_ids(tok, calibration_text, rows, seq_len, calibration_source)
-    allocation = allocate.choose_allocation(ids.numel(), measure)
-    measured = allocation["widths"] == "measured"
-    say(f"bit allocation: {allocation['widths']} ({allocation['reason']})")
-    if threads_note:
-        say(threads_note)
+    return calibration_ids(tok, text, rows, seq_len, source)
+
+
+def _first_hidden(ckpt: Checkpoint, staging: Path, state: dict, ids: torch.Tensor, embed_name: str) -> torch.Tensor:
+    """The first layer's input: the calibration rows embedded, or where a resumed conversion left off."""
+    k = state["layers_done"]
     if k == 0:
-        hidden = torch.nn.functional.embedding(ids, ckpt.get_raw(embed_name)).float()
         state["rows_used"] = ids.shape[0]
-    else:
-        with safe_open(str(staging / f"hidden-{k:05d}.safetensors"), "pt") as f:
-            hidden = f.get_tensor("hidden")
-    hidden = hidden.to(device)
-    rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
-    out_name = convert_dbrx.stored_name if ckpt.arch == convert_dbrx.ARCH else partial(stored_name, ckpt.arch)
-    def jobs_done(jobs, experts=None):           # Qwen3.5's layers: their linears, then their experts in groups
-        return quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured,
-                             None if experts is None else (*experts, hessian_budget), report, ckpt)
-    done_now, ahead = 0, Readahead(ckpt.shard_of)
-    for i in range(k, n_layers):
-        if stop_after_layers is not None and done_now >= stop_after_layers:
-            raise ConvertError(f"conversion stopped after layer {i} of {n_layers}; run it again to resume")
-        t0, report = time.perf_counter(), LayerReport()
-        if hybrid is not None:
-            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done, report, lambda: ahead.start(i + 1))
-        else:
-            prefix = f"model.layers.{i}."
-            if ckpt.arch == convert_dbrx.ARCH:
-                layer = convert_dbrx.new_layer(cfg, i, ckpt, device, ConvertError)
-            else:
-                layer = _new_layer(layer_cls, cfg, i, device)
-                _load_layer(layer, ckpt, prefix)
-            ahead.start(i + 1)
-            report = collector = Collector(layer, {"read": time.perf_counter() - t0})
-            _run_layer(layer, rotary, hidden)
-            collector.remove()
-            try:
-                tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measured,
-                                         hessian_budget, ckpt)
-            except CalibrationError as e:
-                raise ConvertError(str(e)) from e
-            tensors = {out_name(k): v for k, v in tensors.items()}
-            hidden = _run_layer(layer, rotary, hidden)
-            del layer, collector                                   # before the next layer is read
-        need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
-        _check_disk(staging, need, f"write layer {i}")
-        try:
-            _atomic_save(tensors, staging / f"layer-{i:05d}.safetensors")
-            _atomic_save({"hidden": hidden.cpu()}, staging / f"hidden-{i + 1:05d}.safetensors")
-        except OSError as e:
-            raise ConvertError(f"{staging}: writing layer {i} failed ({e}); free space and run again to resume") from e
-        del tensors
-        state["layers_done"] = i + 1
-        _write_state(staging, state)
-        (staging / f"hidden-{i:05d}.safetensors").unlink(missing_ok=True)
-        done_now += 1
-        say(f"layer {i + 1}/{n_layers} quantized")
-        if progress is not None:
-            progress({"layer": i, "kind": hybrid.spec.kinds[i] if hybrid else "decoder", "phases": dict(report.seconds),
-                      "seconds": time.perf_counter() - t0, "hessian_peak_bytes": report.peak,
-                      "experts_per_group": report.experts_per_group, "expert_seconds": report.expert_seconds,
-                      "cpu_threads": torch.get_num_threads() if device == "cpu" else None})
-        after_layer()
-    ahead.close()
+        return torch.nn.functional.embedding(ids, ckpt.get_raw(embed_name)).float()
+    with safe_open(str(staging / f"hidden-{k:05d}.safetensors"), "pt") as f:
+        return f.get_tensor("hidden")
 
-    head = None
-    if not tied:
-        acc = HessianAccumulator(hidden.shape[-1], device=device)
-        with torch.no_grad():
-            if hybrid is not None:
-                acc.add(hybrid.head_input(hidden))
-            else:
-                norm = (norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps) if norm_cls else convert_dbrx.head_norm(cfg))
-                norm = norm.to(device)
-                norm.weight.data = ckpt.get(norm_name).to(device)
-                acc.add(norm(hidden))
-        head = (getattr(ckpt, "keeps", lambda k: None)("lm_head")      # as stored, when requantizing (requantize.py)
-                or quantize_gptq(ckpt.get("lm_head.weight"), acc.h, head_bits, group_size, damp=damp, tokens=acc.tokens,
-                                 name="lm_head"))
-    mtp = {}
-    if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
-        mtp = hybrid.quantize_mtp(ids, hidden, jobs_done)
-    del hidden
 
+def _save_layer(staging: Path, state: dict, i: int, tensors: dict, hidden: torch.Tensor) -> None:
+    """Layer i's quantized tensors and the next layer's input into the staging folder, the state moved past it
+    (an interrupted conversion resumes there)."""
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + hidden.numel() * 4
+    _check_disk(staging, need, f"write layer {i}")
+    try:
+        _atomic_save(tensors, staging / f"layer-{i:05d}.safetensors")
+        _atomic_save({"hidden": hidden.cpu()}, staging / f"hidden-{i + 1:05d}.safetensors")
+    except OSError as e:
+        raise ConvertError(f"{staging}: writing layer {i} failed ({e}); free space and run again to resume") from e
+    state["layers_done"] = i + 1
+    _write_state(staging, state)
+    (staging / f"hidden-{i:05d}.safetensors").unlink(missing_ok=True)
+
+
+def _assemble(ckpt: Checkpoint, staging: Path, out_dir: Path, n_layers: int, embed_name: str, norm_name: str, head,
+              mtp: dict, bits, head_bits, group_size, damp, calibration_source, seq_len, settings: dict, state: dict,
+              allocation: dict, measured: bool, say: Say) -> None:
+    """The quantized layers, embedding, norm, head and MTP head into one model folder with its config and
+    tokenizer files, moved into place; the staging folder removed."""
     config = exllamav2_config(ckpt.config)
     config["quantization_config"] = {
         **quantization_config(bits, head_bits), "method": "gptq", "act_order": True, "damp": damp,
@@ -491,6 +450,97 @@ def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_
     os.replace(assembled, out_dir)
     shutil.rmtree(staging)
     say(f"wrote {out_dir}")
+
+
+def _quantize_decoder_layer(ckpt: Checkpoint, cfg, layer_cls, rotary, i: int, hidden: torch.Tensor, ahead: Readahead,
+                            t0: float, bits, group_size, damp, state: dict, measured: bool, hessian_budget,
+                            device) -> tuple[dict, torch.Tensor, Collector]:
+    """Layer i of a transformers model (or DBRX's rebuilt block): read (the next one read ahead meanwhile), run
+    on the calibration rows while its linears' inputs are collected, quantized, run again for the next layer's
+    input. -> (its quantized tensors by the checkpoint's names, the next input, its report)."""
+    prefix = f"model.layers.{i}."
+    if ckpt.arch == convert_dbrx.ARCH:
+        layer = convert_dbrx.new_layer(cfg, i, ckpt, device, ConvertError)
+    else:
+        layer = _new_layer(layer_cls, cfg, i, device)
+        _load_layer(layer, ckpt, prefix)
+    ahead.start(i + 1)
+    collector = Collector(layer, {"read": time.perf_counter() - t0})
+    _run_layer(layer, rotary, hidden)
+    collector.remove()
+    try:
+        tensors = quantize_layer(layer, prefix, bits, group_size, damp, state["stats"], collector, measured,
+                                 hessian_budget, ckpt)
+    except CalibrationError as e:
+        raise ConvertError(str(e)) from e
+    hidden = _run_layer(layer, rotary, hidden)
+    return tensors, hidden, collector          # the layer is dropped on return: before the next layer is read
+
+
+def _convert(model_dir, out_dir, bits, head_bits, calibration_text, calibration_source, rows, seq_len, group_size,
+             damp, say: Say, measure, stop_after_layers, hessian_budget, device, progress,
+             threads_note: str = "", after_layer: Callable[[], None] = lambda: None) -> Path:
+    _check_arguments(bits, head_bits, hessian_budget, device)
+    out_dir = Path(out_dir)
+    staging = check_output(out_dir)
+    ckpt = model_dir if hasattr(model_dir, "keeps") else Checkpoint(model_dir)     # requantize.Exl2Source or a folder
+    hybrid, cfg, classes, n_layers, tied, embed_name, norm_name = _model_kind(ckpt, seq_len, device)
+    layer_cls, rope_cls, norm_cls = classes
+    settings = {"source": str(ckpt.path.resolve()), "bits": float(bits), "head_bits": int(head_bits),
+                "bits_counted": "stored", "group_size": group_size, "damp": damp, "damp_per_input": DAMP_PER_INPUT,
+                "measure": measure, **getattr(ckpt, "settings", {}),
+                "rows": rows, "seq_len": seq_len,
+                "calibration_sha256": caldata.fingerprint(calibration_text)}
+    if device != "cpu":                 # other rounding in the layer runs: not resumed on another device
+        settings["device"] = device.split(":")[0]
+    state = _resume_state(staging, settings, n_layers, ckpt.sizes["hidden_size"], say)
+    # output ~ bits/8 of the fp32 count, kept twice at the end (layer files + assembled model)
+    _check_disk(staging, int(ckpt.total_bytes() / 2 * max(bits, head_bits) / 8 * 2), "convert this model")
+
+    ids = _calibration_ids(ckpt, calibration_text, rows, seq_len, calibration_source)
+    allocation = allocate.choose_allocation(ids.numel(), measure)
+    measured = allocation["widths"] == "measured"
+    say(f"bit allocation: {allocation['widths']} ({allocation['reason']})")
+    if threads_note:
+        say(threads_note)
+    hidden = _first_hidden(ckpt, staging, state, ids, embed_name).to(device)
+    rotary = rope_cls(config=cfg).to(device) if hybrid is None else None
+    out_name = convert_dbrx.stored_name if ckpt.arch == convert_dbrx.ARCH else partial(stored_name, ckpt.arch)
+    def jobs_done(jobs, experts=None):           # Qwen3.5's layers: their linears, then their experts in groups
+        return quantize_jobs(jobs, bits, group_size, damp, state["stats"], measured,
+                             None if experts is None else (*experts, hessian_budget), report, ckpt)
+    done_now, ahead = 0, Readahead(ckpt.shard_of)
+    for i in range(state["layers_done"], n_layers):
+        if stop_after_layers is not None and done_now >= stop_after_layers:
+            raise ConvertError(f"conversion stopped after layer {i} of {n_layers}; run it again to resume")
+        t0, report = time.perf_counter(), LayerReport()
+        if hybrid is not None:
+            tensors, hidden = hybrid.quantize_layer(i, hidden, jobs_done, report, lambda: ahead.start(i + 1))
+        else:
+            tensors, hidden, report = _quantize_decoder_layer(ckpt, cfg, layer_cls, rotary, i, hidden, ahead, t0, bits,
+                                                              group_size, damp, state, measured, hessian_budget, device)
+            tensors = {out_name(k): v for k, v in tensors.items()}
+        _save_layer(staging, state, i, tensors, hidden)
+        del tensors
+        done_now += 1
+        say(f"layer {i + 1}/{n_layers} quantized")
+        if progress is not None:
+            progress({"layer": i, "kind": hybrid.spec.kinds[i] if hybrid else "decoder", "phases": dict(report.seconds),
+                      "seconds": time.perf_counter() - t0, "hessian_peak_bytes": report.peak,
+                      "experts_per_group": report.experts_per_group, "expert_seconds": report.expert_seconds,
+                      "cpu_threads": torch.get_num_threads() if device == "cpu" else None})
+        after_layer()
+    ahead.close()
+
+    head = None if tied else _quantize_head(ckpt, hybrid, cfg, norm_cls, norm_name, hidden, head_bits, group_size,
+                                            damp, device)
+    mtp = {}
+    if hybrid is not None and hybrid.has_mtp():                  # Qwen3.5's MTP head: read where it drafts
+        mtp = hybrid.quantize_mtp(ids, hidden, jobs_done)
+    del hidden
+
+    _assemble(ckpt, staging, out_dir, n_layers, embed_name, norm_name, head, mtp, bits, head_bits, group_size, damp,
+              calibration_source, seq_len, settings, state, allocation, measured, say)
     return out_dir
 
 

@@ -57,7 +57,7 @@ class PackedExperts:
     in `qweight` (no offload) `woff[e] = e * words_per_expert`. With offload, `cold` holds every
     expert's codes in pinned host memory (readable by GPU kernels at its own address), `qweight` is a
     VRAM stack of S hot slots, and `woff` points each expert at its slot or at its place in `cold`
-    (runtime/experts/offload.py keeps the table). Scales and permutations stay on the device."""
+    (runtime/offload/slots.py keeps the table). Scales and permutations stay on the device."""
     qweight: torch.Tensor      # int32 [S, K * bits // 32, N] (bits 3: two planes, see the module docstring), S = E without offload
     scales: torch.Tensor       # float16 [E, K // group, N]
     perm: torch.Tensor         # int32 [E, K]
@@ -574,7 +574,7 @@ def align_intermediate(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
     n move to where down reads them (new column j = old column perm2[e][j]), and down's permutation
     becomes the identity. The expert computes the same function (the intermediate's order is
     internal to it); what changes is that a range of down's packed rows is a range of gate/up
-    columns, so an expert can be cut into two parts computed in two places (runtime/experts/cpu_path.py).
+    columns, so an expert can be cut into two parts computed in two places (runtime/cpu/path.py).
 
     Codes in host memory (`cold`) are permuted through `device` when given (a GPU: one expert
     at a time there and back), else where they are."""
@@ -593,3 +593,4 @@ def align_intermediate(w1: PackedExperts, w3: PackedExperts, w2: PackedExperts,
             work = dev if dev is not None and codes.device != dev else codes.device
             codes.copy_(codes.to(work, non_blocking=True)[:, idx.to(work)])
     w2.perm.copy_(torch.arange(I, dtype=w2.perm.dtype, device=w2.perm.device).expand_as(w2.perm))
+

@@ -1,13 +1,13 @@
-"""Attention's decode prologue in one launch (tuning switch MOEDESK_QKV_FUSED): the input RMSNorm, the q/k/v
-projections through the split-K GEMV, the q and k head norms (RMS) and RoPE (NEOX, the whole head rotated).
+"""Attention's decode prologue in one launch: the input RMSNorm, the q/k/v projections through the split-K GEMV,
+the q and k head norms (RMS) and RoPE (NEOX, the whole head rotated); the decode graphs' prologue wherever the
+attention allows it (runtime/backends/exl2_gemv.py).
 
-exllamav2's prologue (`q_attn_forward_1`) is seven launches (the norm, three GEMMs, two head norms, one RoPE);
-the dense GEMV's hooks (runtime/backends/exl2_gemv.py) made it nine. Here one program per head of q, k and v
-and K slice (grid: heads x KSPLIT):
+exllamav2's prologue (`q_attn_forward_1`) is seven launches (the norm, three GEMMs, two head norms, one RoPE).
+Here one program per head of q, k and v and K slice (grid: heads x KSPLIT):
 - each program sums the squares of its rows of x itself (a few KB, read from L2 by every program), then reads
   its K slice of the head's packed weights, x normalized on the fly through the part's permutation and
   rounded to fp16 as exllamav2's norm stores it;
-- a head whose K is cut adds its slices into the split-K workspace of runtime/experts/linear_gemv.py and
+- a head whose K is cut adds its slices into the split-K workspace of runtime/experts/shapes.py and
   counts them there; the slice that comes last takes the head whole, rounds it to fp16 as exllamav2's GEMM
   stores it, applies the head's RMSNorm (rounded again) and the rotation at positions pos[0] + t, stores it
   into q, k or v, and leaves the workspace and the counter at zero.
@@ -21,11 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.experts import kernels
-from runtime.experts.kernels import SplitK, _bk, _ksplit
-from runtime.experts.linear_gemv import FMA_MAX_ROWS, FMA_MAX_TILE, LINEAR_MAX_ROWS, linear_rows_block, workspace
+from runtime.experts.linear_gemv import FMA_MAX_ROWS, FMA_MAX_TILE, LINEAR_MAX_ROWS, linear_rows_block
 from runtime.experts.pack import PackedExperts
-from runtime.experts.triton_kernels import _dequant_tile, last_slice, take_sums
+from runtime.experts.shapes import CHOSEN, SplitK, choose, ksplit, tile, workspace
+from runtime.experts.tiles import _dequant_tile, last_slice, take_sums
 
 XB = 256            # columns of x per step of the programs' sums of squares
 
@@ -84,7 +83,7 @@ def _finish(acc, hb, offs_t, mask_t, ws_ptr, cnt_ptr, hn_ptr, hns, heps, sin_ptr
             NT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, KSPLIT: tl.constexpr, NORM: tl.constexpr,
             ROPE: tl.constexpr):
     """This slice's sums of head block hb: stored when K is whole; else added into the workspace, and the last
-    slice stores the head (triton_kernels.last_slice, take_sums)."""
+    slice stores the head (tiles.last_slice, take_sums)."""
     if KSPLIT == 1:
         _store_head(acc, offs_t, mask_t, hn_ptr, hns, heps, sin_ptr, cos_ptr, pos_ptr, out_ptr, LDO, head, D, BT,
                     NORM, ROPE)
@@ -144,7 +143,7 @@ def candidates(K: int, heads: int, bk: int, D: int, rows: int = 1) -> list[Split
     """Launch shapes for `heads` head blocks of D columns (bn is D): the default first (the interpreter's and a
     capture's), then K whole or cut in 2, 4, 8 whole tiles, at 4 and 8 warps; at 2 to FMA_MAX_ROWS rows also
     without the tensor-core dot where the [rows, BK, D] block is small enough."""
-    out = [SplitK(D, _ksplit(K, bk, heads))]
+    out = [SplitK(D, ksplit(K, bk, heads))]
     for ks in (1, 2, 4, 8):
         for warps in (4, 8):
             c = SplitK(D, ks, warps)
@@ -195,13 +194,13 @@ def qkv_prologue(x: torch.Tensor, norm_w: torch.Tensor, eps: float, packs: Seque
     the projections packs = (q, k, v) (heads = (Hq, Hk, D)), the head norms head_w = (q's, k's: [D], or
     [heads, D] as exllamav2 holds them) with their eps, and the NEOX rotation by tables = (sin, cos, pos):
     sin and cos fp16 [.., S, D], the first row's position pos int32 [1] on the device. One launch; the shape
-    timed once per shape and row count on the GPU (in a graph, kernels._choose). Nothing read on the host:
+    timed once per shape and row count on the GPU (in a graph, shapes.choose). Nothing read on the host:
     capturable once the shape is chosen."""
     _check(x, norm_w, packs, heads, (q, k, v), head_w, tables)
     T, K = x.shape
     Hq, Hk, D = heads
     NT = Hq + 2 * Hk
-    bk = _bk(*packs, cap=128)
+    bk = tile(*packs, cap=128)
     ws = workspace(x.device, T * NT * D, NT)
     hn = head_w if head_w is not None else (norm_w, norm_w)                  # not read without HEADNORM
     strides = [D if w.dim() == 2 else 0 for w in hn]
@@ -222,8 +221,8 @@ def qkv_prologue(x: torch.Tensor, norm_w: torch.Tensor, eps: float, packs: Seque
 
     key = ("qkv", K, Hq, Hk, D, T, tuple((p.out_features, p.bits, p.group) for p in packs), head_w is not None,
            tables is not None, x.device)
-    c = kernels._CHOSEN.get(key)
+    c = CHOSEN.get(key)
     if c is None:           # timed into scratch outputs, as its launch runs in the step
         scratch = [torch.empty_like(t) for t in (q, k, v)]
-        c = kernels._choose(key, candidates(K, NT, bk, D, T), lambda c: launch(c, *scratch), graph=True)
+        c = choose(key, candidates(K, NT, bk, D, T), lambda c: launch(c, *scratch), graph=True)
     launch(c, q, k, v)

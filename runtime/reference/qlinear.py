@@ -1,5 +1,5 @@
 """The CPU engine's integer projections: y = x @ W.T (+ b) by the CPU kernel's integer dot products
-(runtime/experts/csrc/qdot.cpp), the same that compute the experts of the offload's CPU path.
+(runtime/cpu/csrc/qdot.cpp), the same that compute the experts of the offload's CPU path.
 
 The weights are codes with a scale per group of input rows and output column:
 - EXL2 linears keep their own codes (2..8 bits) and scales, bit for bit (`from_exl2`): a 3-bit model
@@ -28,7 +28,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def kernel():
     """The CPU kernel module, or None when it cannot be built here (no compiler): the caller keeps its
     torch path then."""
-    from runtime.experts import cpu_experts as ce
+    from runtime.cpu import experts as ce
     try:
         return ce.load_kernel()
     except ce.CpuExpertsError:
@@ -36,7 +36,7 @@ def kernel():
 
 
 def quantize_plain(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A plain weight [N, K] -> one projection of the kernel's store (as cpu_experts._to_exl2 gives an EXL2
+    """A plain weight [N, K] -> one projection of the kernel's store (as runtime/cpu/experts._to_exl2 gives an EXL2
     one): 8-bit codes (w / s rounded, plus 128) per group of GROUP inputs, s = max |w| / 127 of the group's
     column, as fp16. K is padded with zero weights to a multiple of 32 (their inputs read feature 0) and N
     with zero columns to a multiple of 16."""
@@ -69,7 +69,7 @@ class QLinear:
 
     def __init__(self, parts: Sequence[Mapping[str, torch.Tensor]], in_features: int, bias: Optional[torch.Tensor],
                  ext):
-        from runtime.experts.cpu_experts import flatten
+        from runtime.cpu.experts import flatten
         self.flat, self.desc = flatten(parts)
         self.in_features = in_features
         self.out_features = int(self.desc[:, 6].sum())
@@ -84,7 +84,7 @@ class QLinear:
         """EXL2 tensor sets of P projections of one input (their codes and scales kept: q_scale_exact where a
         set has it, ModelFolder.exl2_tensors) -> QLinear; raises
         CpuExpertsError where the kernel cannot take them (rows of a group not a multiple of 32)."""
-        from runtime.experts.cpu_experts import _to_exl2
+        from runtime.cpu.experts import _to_exl2
         conv = [_to_exl2(t, o, f"{name}[{i}]") for i, (t, o) in enumerate(zip(parts, outs))]
         return cls(conv, int(conv[0]["shape"][0]), bias, ext)
 

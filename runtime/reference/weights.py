@@ -93,7 +93,7 @@ class Linear:
         self.q = None
         self._norm: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (norm weight, its float32 copy)
         if precision == "int8" and (ext := qlinear.kernel()) is not None:
-            from runtime.experts.cpu_experts import CpuExpertsError
+            from runtime.cpu.experts import CpuExpertsError
             try:
                 self.q = qlinear.QLinear.from_exl2(*exl2, self.bias, ext) if exl2 else None
             except CpuExpertsError:                         # groups the kernel cannot take: requantized

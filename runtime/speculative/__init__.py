@@ -16,7 +16,7 @@ from typing import Optional
 from runtime.engine import Engine
 from runtime.options import DraftOptions, SamplingOptions
 from runtime.speculative.adaptive import DraftPolicy
-from runtime.speculative.decoder import SpeculativeDecoder
+from runtime.speculative.decoder import Drafter, SpeculativeDecoder
 from runtime.speculative.drafters import ModelDrafter, MtpDrafter, NgramDrafter
 
 __all__ = ["make_decoder", "SpeculativeDecoder"]
@@ -26,21 +26,13 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
                  draft_engine: Optional[Engine] = None, steer=None) -> SpeculativeDecoder:
     """A decoder for one request. Raises ValueError naming the problem for an unusable combination.
     `steer`: the request's grammar, penalties and logprobs (runtime/constrained.py), or None."""
-    if draft.mode == "model":
-        if draft_engine is None:
-            raise ValueError("draft.mode is 'model' but no draft model is loaded (set draft.model)")
-        drafter = ModelDrafter(draft_engine, sampling, generator, steer)
-    elif draft.mode == "mtp":
-        if not getattr(engine, "has_mtp", False):
-            raise ValueError(f"draft.mode is 'mtp' but {engine.info.name} has no multi-token-prediction head "
-                             f"(mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
-        drafter = MtpDrafter(engine, sampling, generator, steer)
-    elif draft.mode == "ngram":
-        drafter = NgramDrafter()
-    elif draft.mode == "off":
-        drafter = None
-    else:
+    if draft.mode not in ("off", "model", "mtp", "ngram"):
         raise ValueError(f"draft.mode: {draft.mode!r} is not one of off, model, mtp, ngram")
+    if draft.mode == "model" and draft_engine is None:
+        raise ValueError("draft.mode is 'model' but no draft model is loaded (set draft.model)")
+    if draft.mode == "mtp" and not getattr(engine, "has_mtp", False):
+        raise ValueError(f"draft.mode is 'mtp' but {engine.info.name} has no multi-token-prediction head "
+                         f"(mtp.* tensors; Qwen3.5-MoE checkpoints have one)")
     if draft.draft_tokens < 1:
         raise ValueError(f"draft.draft_tokens: must be at least 1, got {draft.draft_tokens}")
     most = getattr(engine, "max_draft_tokens", None)
@@ -48,8 +40,15 @@ def make_decoder(engine: Engine, draft: DraftOptions, sampling: SamplingOptions,
         # an engine that rolls back only so many rows (the Qwen3.5 GPU engine's snapshot ring, sized at
         # load): a longer verify could not be taken back but by running the whole conversation again
         draft = dataclasses.replace(draft, draft_tokens=max(1, most))
-    return SpeculativeDecoder(engine, drafter, draft, sampling, generator,
-                              policy=_policy(engine, draft, draft_engine), steer=steer)
+    policy = _policy(engine, draft, draft_engine)
+    drafter: Optional[Drafter] = None
+    if draft.mode == "model":
+        drafter = ModelDrafter(draft_engine, sampling, generator, steer)
+    elif draft.mode == "mtp":
+        drafter = MtpDrafter(engine, sampling, generator, steer)
+    elif draft.mode == "ngram":
+        drafter = NgramDrafter()
+    return SpeculativeDecoder(engine, drafter, draft, sampling, generator, policy, steer=steer)
 
 
 _POLICIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # engine -> {(mode, K, adaptive, draft engine): policy}

@@ -11,7 +11,7 @@ Two questions, answered from measurements made while decoding:
    experts and may pull cold ones over PCIe; the cost may even land in later steps (copies in flight,
    re-placement): only the windows' wall time sees all of it. On the H200 the acceptance-based
    model below claimed large speedups while n-gram drafting decoded slower than plain decoding
-   (runtime/experts/NOTES.md, issue "What the user runs is what we measure").
+   (docs/engine-notes.md, issue "What the user runs is what we measure").
 2. **How many drafts (K)?** From the model, per request:
     alpha        chance that a draft token is accepted, from recent steps (decayed counts)
     E(K)         tokens per speculative step = 1 + alpha + ... + alpha^K

@@ -13,9 +13,10 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from runtime import sampling
-from runtime.constrained import Steering, choose
+from runtime.constrained import Steering
 from runtime.engine import Engine, offered
 from runtime.options import SamplingOptions
+from runtime.sampling import choose
 
 
 @dataclass

@@ -22,15 +22,13 @@ class SpeculativeDecoder:
     `tokens + new[:-1]` (the contract of runtime/generate.py's plain decoder)."""
 
     def __init__(self, target: Engine, drafter: Optional[Drafter], draft: DraftOptions,
-                 opts: SamplingOptions, generator: Optional[torch.Generator], policy: Optional[DraftPolicy] = None,
-                 steer=None):
+                 opts: SamplingOptions, generator: Optional[torch.Generator], policy: DraftPolicy, steer=None):
         self.target = target
         self.steer = steer                    # the request's grammar, penalties, logprobs (or None)
         self.drafter = drafter
         self.opts = opts
         self.generator = generator
-        # the engine's policy, kept across requests (make_decoder), else this request's own
-        self.policy = policy if policy is not None else DraftPolicy(draft.draft_tokens, adaptive=draft.adaptive)
+        self.policy = policy                  # the engine's, kept across requests (make_decoder)
         # Figures for stats()
         self.histogram = [0] * (draft.draft_tokens + 1)   # speculative steps by accepted drafts
         self.drafted = self.accepted = 0

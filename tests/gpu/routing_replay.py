@@ -25,8 +25,8 @@ MAX_ROWS = 8192         # the largest forward routed through it (a load's warm-u
 
 class Routing:
     def __init__(self, monkeypatch):
-        from runtime.experts import kernels, route_normed
-        self.real, self.real_normed = kernels.route_fused, route_normed.route_normed
+        from runtime.experts import layer
+        self.real, self.real_normed = layer.route_fused, layer.route_normed
         self.mode = "record"
         self.ids: dict[int, torch.Tensor] = {}      # gate_w's address -> int32 [MAX_ROWS, A]
         self.weights: dict[int, torch.Tensor] = {}  # fp32 [MAX_ROWS, A]
@@ -35,8 +35,9 @@ class Routing:
         self.followed: dict[int, list] = {}         # gate_w address -> every eager call's (ids, weights) (`follow`)
         self.cursor: dict[int, int] = {}
         self.monkeypatch = monkeypatch
-        monkeypatch.setattr(kernels, "route_fused", self._route)
-        monkeypatch.setattr(route_normed, "route_normed", self._route_normed)     # the norm in the routing's launch
+        # where the layers call them (runtime/experts/layer.py)
+        monkeypatch.setattr(layer, "route_fused", self._route)
+        monkeypatch.setattr(layer, "route_normed", self._route_normed)     # the norm in the routing's launch
 
     def undo(self) -> None:
         self.monkeypatch.undo()

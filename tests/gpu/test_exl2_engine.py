@@ -181,35 +181,20 @@ def test_moe_layer_rows_are_independent_at_real_size(real_layer):
         assert e < (1e-4 if n <= 8 else TOLERANCE)
 
 
-@pytest.mark.parametrize("sums,bits", [("columns", 3), ("columns", 4), ("rows", 4)])
-def test_gemv_sums_by_columns_match_the_oracle_at_real_size(sums, bits, real_layer):
-    """MOEDESK_GEMV_SUMS=columns (each tile's scale and the codes' offset taken once per column sum) and rows (the
-    same, each thread summing whole columns of the tile's code words, runtime/experts/gemv_rows.py): the split-K
-    GEMVs at qwen3-30b-a3b's layer shape, 1 to 9 rows, match the fp32 oracle as the default sums do."""
+@pytest.mark.parametrize("bits", [4, 3])
+def test_two_launch_experts_add_into_the_residual_at_real_size(bits, real_layer):
+    """Layers all in VRAM decode in two launches (runtime/experts/decode.py: gate/up's last K slice stores h,
+    down's adds the sum into the residual): at qwen3-30b-a3b's layer shape, 1 to 9 rows, residual + the fp32
+    oracle's sum."""
     from bench.check_experts import TOLERANCE, check
-    from runtime import tuning
+    from runtime.experts import shapes
     layer = real_layer(bits)
-    with tuning.use(tuning.with_changes(gemv_sums=sums)):
-        for r in check(layer, [1, 2, 5, 9], "cuda"):
-            _record(test=f"moe_layer_{sums}_vs_oracle", bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
-            assert r.rel_err < TOLERANCE, r
-
-
-@pytest.mark.parametrize("sums,bits", [("weights", 4), ("columns", 3)])
-def test_two_launch_experts_add_into_the_residual_at_real_size(sums, bits, real_layer):
-    """MOEDESK_MOE_FINISH (runtime/experts/moe_finish.py: gate/up's last K slice stores h, down's adds the sum into
-    the residual): at qwen3-30b-a3b's layer shape, 1 to 9 rows, residual + the fp32 oracle's sum."""
-    from bench.check_experts import TOLERANCE, check
-    from runtime import tuning
-    from runtime.experts import kernels
-    layer = real_layer(bits)
-    with tuning.use(tuning.with_changes(gemv_sums=sums, moe_finish=True)):
-        results = check(layer, [1, 2, 5, 9], "cuda", residual=True)
+    results = check(layer, [1, 2, 5, 9], "cuda", residual=True)
     for r in results:
-        _record(test="moe_finish_vs_oracle", sums=sums, bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
+        _record(test="moe_finish_vs_oracle", bits=bits, rows=r.rows, path=r.path, rel_err=r.rel_err)
         assert r.rel_err < TOLERANCE, r
     assert sum(r.path == "splitk+res" for r in results) == 4, results
-    assert any(k[0] == "down_finish" for k in kernels._CHOSEN), "the two launches ran"
+    assert any(k[0] == "down_finish" for k in shapes.CHOSEN), "the two launches ran"
 
 
 @pytest.mark.parametrize("perms", ["layer", "expert"])

@@ -33,7 +33,7 @@ class NoCpu:
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_a_layer_computes_with_what_its_hooks_hand_it(rows):
     from bench.check_experts import random_layer
-    from runtime.experts.kernels import UniformPicks
+    from runtime.experts.routing import UniformPicks
     layer = random_layer(E, H, I, TOP_K, 4, "cuda")
     x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows)).half().cuda()
     want = layer(x)                                         # no offload: the layer's own packs

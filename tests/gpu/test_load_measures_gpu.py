@@ -70,7 +70,7 @@ def test_auto_load_counts_right_times_like_decoding_and_skips_copies_a_saved_dec
         assert d["path"] == path and d["reused"], d
         if path == "stream":
             assert "Placing experts: copying cold experts for the CPU" not in messages, messages
-            assert not eng.offload.cpu_active
+            assert not eng.offload.cpu.active
         eng.recheck_placement(measure=True)                     # the judge can still time the CPU path
         assert set(eng.path_judge.step_ms) <= {"cpu", "stream"}
     finally:

@@ -222,9 +222,9 @@ def _compare(got, want, label, size):
 @pytest.mark.parametrize("size", ["real", "tiny"])
 @pytest.mark.parametrize("kind", ["mixtral", "dbrx"])
 def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
-    from runtime.backends.exl2_offload import prefill_scratch_bytes, return_cached_memory
-    from runtime.experts import cpu_share, manager as mgr
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.backends.gpu_offload import prefill_scratch_bytes, return_cached_memory
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     path = models(kind, size, 4)
     routing = Routing(monkeypatch)
     ref, applied = _load(path)
@@ -239,7 +239,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
     finally:
         ref.close()
     # what torch still holds unused after the hand-back a load starts with: a budgeted load's ledger
-    # counts it (exl2_offload.HELD_BEFORE), so the budget includes it
+    # counts it (gpu_offload.HELD_BEFORE), so the budget includes it
     return_cached_memory()
     held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     expert = codes // n_experts
@@ -282,7 +282,7 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
 
     # the CPU computes the first part of every cold pick, the GPU the rest (split forced: equal rates)
     real_costs = cpu_share.CpuShare._split_costs
-    monkeypatch.setattr(mgr, "CPU_SPLIT", "cut")
+    monkeypatch.setattr(cpu_share, "CPU_SPLIT", "cut")
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(
         50e9, 50e9, 0.0, real_costs(self, resident, threads).cpu_bytes_ratio))
     eng, applied = load(placement="cpu", cpu_threads=4)
@@ -292,8 +292,8 @@ def test_offload_cold_paths_match_all_in_vram(kind, size, models, monkeypatch):
         tel = eng.telemetry()
         assert set(tel["expert_paths"]) == {"cpu+stream"} and tel["cpu_expert_path"] == "on", tel
         m = eng.offload
-        assert m.cut is not None and m.cut % 64 == 0 and 0 < m.cut < eng.moe[0].experts.w2.in_features
-        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} cpu cut {m.cut}", size)
+        assert m.cpu.cut is not None and m.cpu.cut % 64 == 0 and 0 < m.cpu.cut < eng.moe[0].experts.w2.in_features
+        _compare(_script(eng, toks, routing, picks)[0], want, f"{kind}-{size} cpu cut {m.cpu.cut}", size)
         tel = eng.telemetry()
         assert tel["decode_graphs"], tel.get("graph_error")
         assert tel["cpu_expert_pairs"] > 0 and "cpu_expert_errors" not in tel, tel

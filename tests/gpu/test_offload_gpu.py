@@ -57,7 +57,7 @@ def _script(eng, toks, lend: bool = False, wrap: Picks | None = None) -> dict[st
         if lend and i == 40:
             from exllamav2.device import set_device_streams
             set_device_streams()                          # table writes on the stream the steps run on
-            eng.offload.settle_lending()
+            eng.offload.staging.settle_lending()
             assert eng.telemetry()["expert_lent"] > 0
     for R in (2, 5, 8):
         forward(f"verify_{R}", toks[44:44 + R])
@@ -90,7 +90,7 @@ def _all_in_vram(path, seed: int, uniform: bool = False, routing: Routing | None
     """The reference run, every expert in VRAM: (tokens, its outputs, expert code bytes, other VRAM in
     use, prefill scratch, its picks per forward with `routing`, else None), for sizing a budget that forces
     offload. uniform: under forced uniform routing."""
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    from runtime.backends.gpu_offload import prefill_scratch_bytes
     toks = torch.randint(0, 151936, (68,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref, applied = _load(path)
     try:
@@ -207,17 +207,17 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
     prefill keep the GPU paths. The split is forced (equal CPU and PCIe rates, no overhead) so every
     layer owns experts whatever this host measures; the measured rates are recorded. Balanced: copies
     of 1.5x the experts, each step's mask computed on the device from the token's picks
-    (MOEDESK_CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
-    the planned cut and at one set while the decode graphs stay captured (MOEDESK_CPU_SPLIT). No routing
+    (cpu_share.CPU_BALANCE). Cut: every cold expert's first rows on the CPU, the rest on the GPU, at
+    the planned cut and at one set while the decode graphs stay captured (cpu_share.CPU_SPLIT). No routing
     prior: the experts are placed by uniform statistics, so every layer keeps some cold (the calibration
     prompt's picks in this synthetic model's layer 0 fell on 110 of its 128 experts, which the budget then
     kept in VRAM, and a layer whose cold experts no statistic picks gives the CPU nothing)."""
     from runtime import tuning
-    from runtime.experts import cpu_share, cpu_signal
-    from runtime.experts import manager as mgr
-    from runtime.experts.placement import CpuSplitCosts
-    monkeypatch.setattr(mgr, "CPU_BALANCE", balance)
-    monkeypatch.setattr(mgr, "CPU_SPLIT", split)
+    from runtime.offload import cpu_share
+    from runtime.cpu import doorbell as cpu_signal
+    from runtime.offload.placement import CpuSplitCosts
+    monkeypatch.setattr(cpu_share, "CPU_BALANCE", balance)
+    monkeypatch.setattr(cpu_share, "CPU_SPLIT", split)
     if signal == "hostfunc":
         monkeypatch.setattr(cpu_signal, "_SIGNAL", ("hostfunc", "forced by the test"))
     toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=8, routing=routing)
@@ -250,10 +250,10 @@ def test_cpu_path_matches_all_in_vram(moe_8l, monkeypatch, routing, split, balan
         if split == "cut":
             m = eng.offload
             # of 768 rows; the copies a quarter of them wider (cpu_share.copy_widths: the RAM budget holds it)
-            assert m.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 576 for lo in m.layers)
+            assert m.cpu.cut == 384 and all(lo.cpu.cut == 384 and lo.cpu.width == 576 for lo in m.layers)
             run = eng.experiment
             eng.set_experiment(run.replace(fixed_cut=True))
-            m.set_cut(128)
+            m.cpu.set_cut(128)
             _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "cpu path, cut 128 of 768")
             eng.set_experiment(run)
         _record(test="cpu_path", split=split, balance=balance, signal=tel["cpu_expert_signal"], errors=errs, cpu_ms_per_token=tel["cpu_expert_ms_per_token"],
@@ -314,12 +314,12 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement, rou
     pages are read); the oracle keeping none (copies of experts not picked: the pages and step tables change,
     nothing reads them); the router's own prediction (scored, near chance); the oracle again, and eagerly (no
     decode graphs). The logits equal all in VRAM's in every phase. Until the side stream waited for the next
-    attention's q/k/v (runtime/experts/prefetch.py says why), the copying phases came out 1e-2 to 2e-2 off on
+    attention's q/k/v (runtime/offload/prefetch.py says why), the copying phases came out 1e-2 to 2e-2 off on
     the H200 in both placements, varying from run to run, also with the copies written elsewhere and never
     read: exllamav2's q/k/v GEMMs beside the copy kernel."""
-    from runtime.experts import cpu_share
-    from runtime.experts import manager as mgr
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.offload import manager as mgr
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setattr(mgr, "PREFETCH_PAGES", 4)
     if placement == "cpu":
         monkeypatch.setattr(cpu_share.CpuShare, "_split_costs",
@@ -372,20 +372,3 @@ def test_decode_prefetch_matches_all_in_vram(moe_8l, monkeypatch, placement, rou
         assert tel["decode_graphs"] or not graphs, tel.get("graph_error")
         if placement == "cpu":
             assert tel["cpu_expert_path"] == "on" and cpu_pairs > 0, (tel["cpu_expert_path"], cpu_pairs)
-
-
-def test_verify_rows_read_per_row_match_all_in_vram(moe_8l, routing):
-    """MOEDESK_VERIFY_READS=rows: offloaded layers verify 2/5/8 rows through the split-K GEMVs (cold
-    experts read in place per row), graphs captured under that choice; the logits as all in VRAM."""
-    from runtime import tuning
-    from runtime.tuning import Tuning
-    toks, want, codes, others, scratch, picks = _all_in_vram(moe_8l, seed=4, routing=routing)
-    budget = others + scratch + codes // 2 + (64 << 20)
-    with tuning.use(Tuning(verify_reads="rows")):
-        eng, _ = _load(moe_8l, vram_budget_gb=budget / GiB, placement="stream")
-        try:
-            assert eng.telemetry()["expert_paths"] == ["stream"] * 8
-            _compare(_script(eng, toks, wrap=Picks(routing, eng, picks)), want, "verify reads per row")
-            assert eng.telemetry()["decode_graphs"], eng.telemetry().get("graph_error")
-        finally:
-            eng.close()

@@ -315,8 +315,8 @@ def test_the_cpu_expert_path_under_graphs_matches_all_in_vram(size, models, monk
     """Placement 'cpu' on the Qwen3.5 engine: part of each layer's cold experts computed on the CPU
     inside the captured decode steps, as on the exllamav2 engine (tests/gpu/test_offload_gpu.py; the
     split forced so that every layer owns experts whatever this host measures)."""
-    from runtime.experts import cpu_share
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     real_costs = cpu_share.CpuShare._split_costs
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, resident, threads: CpuSplitCosts(
         50e9, 50e9, 0.0, real_costs(self, resident, threads).cpu_bytes_ratio))
@@ -332,7 +332,7 @@ def test_the_cpu_expert_path_under_graphs_matches_all_in_vram(size, models, monk
                          off={"vram_budget_gb": 0.9 * free / GiB, "placement": "cpu", "cpu_threads": 4})
     try:
         eng.place_experts([list(range(eng.spec.experts // 4))] * eng.spec.layers)
-        eng.offload.set_cpu_path(True, "forced by the test")
+        eng.offload.cpu.set_path(True, "forced by the test")
         tel = eng.telemetry()
         assert tel["cpu_expert_path"] == "on" and tel["expert_paths"] == ["cpu+stream"] * eng.spec.layers, tel
         got = _script(eng, Picks(routing, eng, rec.picks))

@@ -1,4 +1,4 @@
-"""The routing prior at a first load (runtime/experts/route_prior.py), on the GPU.
+"""The routing prior at a first load (runtime/offload/route_prior.py), on the GPU.
 
 Model: conftest's moe_8l at a VRAM budget that keeps about half of each layer's experts resident
 ("stream" placement: no CPU path trials). A fresh load (empty user cache) prefills the calibration
@@ -111,7 +111,7 @@ def test_a_first_load_places_by_a_measured_prior_and_the_first_answer_hits_as_th
         moe_8l, budget, monkeypatch, tmp_path):
     from runtime import tuning
     from runtime.backends.routing_prior import MESSAGE
-    from runtime.experts.route_prior import PRIOR_TOKENS
+    from runtime.offload.route_prior import PRIOR_TOKENS
     prompt, answer = _prompt(moe_8l)
     allocated = torch.cuda.memory_allocated()
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "blind"))
@@ -176,7 +176,7 @@ def test_the_hybrid_engine_measures_the_same_prior(tiny_q35, monkeypatch, tmp_pa
     each layer's residents are then its most routed experts in the prior."""
     from runtime.backends import hybrid
     from runtime.backends.routing_prior import MESSAGE
-    from runtime.experts.route_prior import PRIOR_TOKENS
+    from runtime.offload.route_prior import PRIOR_TOKENS
     free = torch.cuda.mem_get_info()[0]
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "fits"))
     off = OffloadOptions(context_length=1024, vram_budget_gb=0.9 * free / GiB, placement="stream")
@@ -189,7 +189,7 @@ def test_the_hybrid_engine_measures_the_same_prior(tiny_q35, monkeypatch, tmp_pa
         assert MESSAGE not in heard and m.prior_reason is None and m.stats.tokens == 0   # all fit: none measured
         # A quarter resident, plus half an expert of slack: this model's experts are ~40 KB, so a slack
         # in MiB (gpu_budget.SLACK) would fit all 64 of them and nothing would be placed cold
-        budget = m.budget_for(m.E // 4) + max(m.code_bytes()) // 2
+        budget = m.budget_for(m.E // 4) + max(m.residency.code_bytes()) // 2
     finally:
         eng.close()
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path / "cold"))     # no saved statistics here either

@@ -104,13 +104,13 @@ def _load_close_call(path, monkeypatch, tmp_path, routing=None):
     """An "auto" load whose forced rates make the planner predict ~20% (within +-25%), at a budget
     that holds half the experts: both paths are timed at load. `routing` (routing_replay.Routing, installed
     before): reset for the second load, whose layers may take the first one's addresses."""
-    from runtime.experts import cpu_share
-    from runtime.experts.placement import CpuSplitCosts
+    from runtime.offload import cpu_share
+    from runtime.offload.placement import CpuSplitCosts
     monkeypatch.setenv("MOEDESK_HOME", str(tmp_path))
     real_costs = cpu_share.CpuShare._split_costs
     monkeypatch.setattr(cpu_share.CpuShare, "_split_costs", lambda self, r, threads: CpuSplitCosts(
         50e9, 10e9, 0.0, real_costs(self, r, threads).cpu_bytes_ratio))
-    from runtime.backends.exl2_offload import prefill_scratch_bytes
+    from runtime.backends.gpu_offload import prefill_scratch_bytes
     ref, _, _ = _load(path, context_length=512)
     codes = sum(p.qweight.numel() * 4 for m in ref.moe for p in (m.experts.w1, m.experts.w3, m.experts.w2))
     others = torch.cuda.memory_allocated() - codes
@@ -131,7 +131,7 @@ def test_auto_placement_times_both_paths_when_the_prediction_is_close(moe_8l, mo
         assert abs(d["predicted_gain"]) <= 0.25 and set(d["step_ms"]) == {"cpu", "stream"}, d
         faster = min(d["step_ms"], key=d["step_ms"].get)
         assert d["path"] in (faster, "stream")                  # "stream" also on a tie (within 5%)
-        assert (d["path"] == "cpu") == eng.offload.cpu_active
+        assert (d["path"] == "cpu") == eng.offload.cpu.active
         assert applied["offload.placement"].startswith("applied: CPU expert path"), applied
         assert any("Choosing the expert path" in m for _, m in stages), stages
         assert (512, 1) in eng.graphs.captured(), eng.graphs.captured()    # captured again after the switches
@@ -165,7 +165,7 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
     try:
         toks, pos, want, again = _prompt_and_logits(eng, 40, 1, routing)
         eng._drop_graphs()
-        eng.offload.set_cpu_path(False, "off for the test")
+        eng.offload.cpu.set_path(False, "off for the test")
         eng.path_judge.ask_again()
         building, times = 0, []
         while True:
@@ -176,7 +176,7 @@ def test_an_idle_recheck_builds_the_cpu_copies_a_layer_a_step(moe_8l, monkeypatc
             assert len(times) < 500
             if eng.offload.cpu._building is not None:             # a build in progress: nothing of it active
                 building += 1
-                assert not eng.offload.cpu_active and all(lo.cpu is None for lo in eng.offload.layers)
+                assert not eng.offload.cpu.active and all(lo.cpu is None for lo in eng.offload.layers)
                 got = again()
                 eng.truncate(pos)
                 assert _rel(got, want) < TOL, _rel(got, want)
@@ -194,7 +194,7 @@ def test_an_idle_recheck_times_in_runs_with_answers_between_them(moe_8l, monkeyp
     TRIAL_CHUNK decode steps at most and leaves the cache where it found it; a command between two
     steps (a prefill that moves the cache into another bucket, graphs dropped) leaves the trial
     valid: every path still gets TRIAL_STEPS timed steps, a decision is made, the logits are as before."""
-    from runtime.experts.path_judge import TRIAL_STEPS
+    from runtime.offload.path_judge import TRIAL_STEPS
     eng, _, _ = _load_close_call(moe_8l, monkeypatch, tmp_path, routing)
     try:
         toks, pos, want, again = _prompt_and_logits(eng, 200, 2, routing)
