@@ -18,9 +18,10 @@ import torch
 from runtime.exl2 import format as exl2
 from runtime.experts.layer import ExpertLayer, experts_reference, route
 from runtime.experts.pack import HostArena, pack_experts
+from runtime.reference.qlinear import INT8_ACTIVATIONS_TOLERANCE
 
 TOLERANCE = 2e-3     # fp16 operands (x, h, tile weights in the dot path) with fp32 accumulation
-HOST_TOLERANCE = 3e-2  # the CPU path's host function: the integer kernel rounds activations to int8 per group
+HOST_TOLERANCE = INT8_ACTIVATIONS_TOLERANCE  # the CPU path's host function: the integer kernel's int8 activations
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 
 from runtime.cpu import experts as ce
 from runtime.exl2 import format as fmt
+from runtime.reference.qlinear import INT8_ACTIVATIONS_TOLERANCE
 
 H, I, E, A = 256, 128, 6, 3
 # Relative max error vs the float64 forward of the fp16-dequantized weights (max |y - ref| / max |ref|):
@@ -17,7 +18,7 @@ H, I, E, A = 256, 128, 6, 3
 # multiplies them with int8 activations (one scale per group of each row's inputs, csrc/qdot.cpp): its
 # error is the activations' rounding, as the int8 format's (test_exl2_kernel_is_exact_on_integer_activations:
 # none besides).
-TOL = {"bf16": 2e-2, "int8": 3e-2, "int4": 2e-2, "exl2": 3e-2}
+TOL = {"bf16": 2e-2, "int8": INT8_ACTIVATIONS_TOLERANCE, "int4": 2e-2, "exl2": INT8_ACTIVATIONS_TOLERANCE}
 ISAS = ("scalar", "avx2", "avx512_vnni")          # the kernel's vector paths, lowest first
 
 

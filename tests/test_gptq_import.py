@@ -35,12 +35,13 @@ from runtime.exl2.gptq_import import import_model  # noqa: E402
 from runtime.exl2.gptq_source import ImportFailed  # noqa: E402
 from runtime.modelfolder import EXL2_PARTS, ModelFolder, validate  # noqa: E402
 from runtime.reference import load  # noqa: E402
+from runtime.reference.qlinear import INT8_ACTIVATIONS_TOLERANCE  # noqa: E402
 from tests.convert_fixtures import TEXT, tiny_checkpoint  # noqa: E402
 from tests.gptq_fixtures import dequantize, gptq_folder  # noqa: E402
 from tests.test_exl2_convert_qwen35 import one_thread  # noqa: E402,F401 (autouse: one torch thread)
 
 TOL_FP32 = 1e-4                      # tests/test_reference_parity.py's
-TOL_INT8 = 3e-2                      # tests/test_qlinear.py's (int8 activations), of the logits' largest
+TOL_INT8 = INT8_ACTIVATIONS_TOLERANCE  # int8 activations, of the logits' largest
 
 
 def _hf(tmp_path, arch: str, hidden: int = 64):

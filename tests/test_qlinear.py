@@ -10,10 +10,11 @@ import torch.nn.functional as F
 
 from runtime.cpu import experts as ce
 from runtime.reference import qlinear
+from runtime.reference.qlinear import INT8_ACTIVATIONS_TOLERANCE
 from runtime.reference.weights import Linear
 
 ISAS = ("scalar", "avx2", "avx512_vnni")
-TOL = 3e-2          # int8 activations (tests/test_cpu_experts.py: TOL["exl2"])
+TOL = INT8_ACTIVATIONS_TOLERANCE
 
 
 @pytest.fixture(scope="module")

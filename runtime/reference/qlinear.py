@@ -20,6 +20,10 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 GROUP = 128        # input rows per scale of quantized plain weights
+# What rounding the activations to int8 per group costs, relative to the largest output of the float reference:
+# the bound every check of the integer kernels uses (the linears, the CPU experts, an import's logits, the
+# CPU path's host rows of bench.check_experts).
+INT8_ACTIVATIONS_TOLERANCE = 3e-2
 CHUNK = 32         # the kernel's rows per chunk: K is padded up to a multiple
 TILE = 16          # the kernel's columns per tile: N is padded up to a multiple
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
