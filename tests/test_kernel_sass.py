@@ -64,16 +64,18 @@ def test_the_two_launch_moe_kernels_compile_with_nothing_spilled(bits, ksplit):
 
 
 @pytest.mark.parametrize("experts", [128, 256, 512])
-def test_the_one_launch_sort_compiles_for_the_expert_counts_of_real_models(experts):
-    """grouped._align (the prefill's sort into blocks, one program) compiled for sm_90 at 128 (Qwen3-30B-A3B),
-    256 (Qwen3.5-122B-A10B) and 512 experts: the shared memory it asks for fits a program's (227 KB on the
-    H100) and nothing spills."""
+def test_the_sort_compiles_for_the_expert_counts_of_real_models(experts):
+    """grouped._align_count and _align_place (the prefill's sort into blocks) compiled for sm_90 at 128
+    (Qwen3-30B-A3B), 256 (Qwen3.5-122B-A10B) and 512 experts: the shared memory each asks for fits a program's
+    (227 KB on the H100) and nothing spills."""
     from runtime.experts import grouped
-    const = dict(E=experts, BE=experts, BM=64, CH=grouped.CHUNK, BB=64)
-    kernel = kernel_sass.compiled(grouped._align, {"ids_ptr": "*i32", "pairs_ptr": "*i32", "bexp_ptr": "*i32",
-                                                   "P": "i32", "NB": "i32"}, const, 8, 90)
-    usage = kernel_sass.resource_usage(kernel.asm["cubin"])
-    assert kernel.metadata.shared <= 227 * 1024 and usage["local"] == 0, (kernel.metadata.shared, usage)
+    ints = {"ids_ptr": "*i32", "hist_ptr": "*i32", "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "R": "i32",
+            "NB": "i32", "NP": "i32", "SPAN": "i32", "PSPAN": "i32", "BSPAN": "i32"}
+    for fn, const in ((grouped._align_count, dict(BE=experts, CH=grouped.CHUNK)),
+                      (grouped._align_place, dict(E=experts, BE=experts, BM=64, CH=grouped.CHUNK, BC=32, BB=64))):
+        kernel = kernel_sass.compiled(fn, {n: t for n, t in ints.items() if n in fn.arg_names}, const, 8, 90)
+        usage = kernel_sass.resource_usage(kernel.asm["cubin"])
+        assert kernel.metadata.shared <= 227 * 1024 and usage["local"] == 0, (fn, kernel.metadata.shared, usage)
 
 
 def test_the_one_launch_kernels_are_counted_beside_the_ones_they_stand_for(capsys):

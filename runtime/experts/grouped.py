@@ -3,11 +3,15 @@ device, then one program per (block, column block), tensor-core dots on dequanti
 chosen expert's weights read once per block of rows. Offloaded layers verify their rows here too
 (layer.union_reads), so a cold expert several rows chose crosses PCIe once.
 
-The sort is one launch (`_align`): the counts (pairs compared with every expert, a chunk at a time), the
-blocks per expert and their starts, each pair's rank among the earlier pairs of its expert (the order of a
-stable sort), the padding, and each block's expert. It replaced about twenty torch launches per MoE layer and
-prefill chunk: +26% prefill at 512 tokens and +18% at 4096 on the H100 (bench/results/cuda-qwen3-30b-a3b-
-{align,default2}-4.0bpw-20261205-*.json).
+The sort is two launches over runs of the pairs, a program each (`align`): the counts of each run
+(`_align_count`, pairs compared with every expert, a chunk at a time) and the padding; then in each run's
+program the blocks per expert and their starts, each pair's rank among the earlier pairs of its expert (the
+order of a stable sort) and each block's expert (`_align_place`). It replaced about twenty torch launches per
+MoE layer and prefill chunk. Its first form was one program for all the pairs (+26% prefill at 512 tokens on
+the H100, bench/results/cuda-qwen3-30b-a3b-{align,default2}-4.0bpw-20261205-*.json): a chunk of 2048 rows x 8
+picks took its 128 chunks one after another on one multiprocessor, while the torch sort's launches hid behind
+the experts' kernels; the 4096-token prefill was 0.79-0.89x the commit before it on the H200
+(docs/engine-notes.md). bench.align_sort times the two forms and the torch sort.
 
 The launch shape is Tuning.grouped (bm_small / bm_large rows per block below / from 4096 pairs, bn columns,
 K tile, warps, stages), handed over by the layer. The input is read in the layer's order (`InputOrder`).
@@ -29,6 +33,7 @@ from runtime.tuning import Grouped
 
 
 CHUNK = 128               # pairs compared with every expert at a time
+SORT_PROGRAMS = 128       # most programs of the sort's two launches (about one per multiprocessor)
 
 
 def align_blocks(P: int, num_experts: int, bm: int) -> int:
@@ -36,25 +41,57 @@ def align_blocks(P: int, num_experts: int, bm: int) -> int:
     return (P + min(num_experts, P) * (bm - 1)) // bm
 
 
+def align_programs(P: int, most: int = SORT_PROGRAMS) -> tuple[int, int]:
+    """(programs, span): the sort's launches cut the P pairs into runs of `span` (whole chunks of CHUNK), one a
+    program, at most `most` programs: a prefill chunk of 2048 rows x 8 picks is 128 programs of one chunk each,
+    where one program would take the 128 chunks one after another."""
+    chunks = max(1, triton.cdiv(P, CHUNK))
+    span = CHUNK * triton.cdiv(chunks, max(1, most))
+    return triton.cdiv(max(P, 1), span), span
+
+
 @triton.jit
-def _align(ids_ptr, pairs_ptr, bexp_ptr, P, NB, E: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr,
-           CH: tl.constexpr, BB: tl.constexpr):
-    """ids int32 [P] -> pairs int32 [NB * BM] (P: padding), bexp int32 [NB] (-1: unused). One program."""
+def _align_count(ids_ptr, hist_ptr, pairs_ptr, P, R, SPAN, PSPAN, BE: tl.constexpr, CH: tl.constexpr):
+    """Program c: hist[c] int32 [BE] = the pairs per expert of its run (pairs c*SPAN .. (c+1)*SPAN), and its
+    share of pairs [R] (rows c*PSPAN .. (c+1)*PSPAN) set to padding (P), before `_align_place` stores pairs."""
+    pid = tl.program_id(0)
     e = tl.arange(0, BE)
-    em = e < E
     c = tl.arange(0, CH)
     counts = tl.zeros([BE], dtype=tl.int32)
-    for s in range(0, P, CH):                                   # pairs per expert
+    for i in range(0, SPAN, CH):
+        s = pid * SPAN + i
         ids = tl.load(ids_ptr + s + c, mask=s + c < P, other=-1)
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(hist_ptr + pid * BE + e, counts)
+    for i in range(0, PSPAN, CH):
+        s = pid * PSPAN + i
+        tl.store(pairs_ptr + s + c, tl.zeros([CH], dtype=tl.int32) + P, mask=s + c < R)
+
+
+@triton.jit
+def _align_place(ids_ptr, hist_ptr, pairs_ptr, bexp_ptr, P, NB, NP, SPAN, BSPAN, E: tl.constexpr,
+                 BE: tl.constexpr, BM: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, BB: tl.constexpr):
+    """Program c of NP: from every run's counts (hist [NP, BE]), the blocks per expert and their starts and how
+    many pairs of each expert the runs before c hold; then each pair of its run stored at its row (its rank
+    among the earlier pairs of its expert: the order of a stable sort), and its share of the blocks' experts
+    (bexp int32 [NB], -1: unused; blocks c*BSPAN .. (c+1)*BSPAN)."""
+    pid = tl.program_id(0)
+    e = tl.arange(0, BE)
+    em = e < E
+    r = tl.arange(0, BC)
+    counts = tl.zeros([BE], dtype=tl.int32)
+    seen = tl.zeros([BE], dtype=tl.int32)                       # pairs of each expert before this program's
+    for j0 in range(0, NP, BC):
+        j = j0 + r
+        h = tl.load(hist_ptr + j[:, None] * BE + e[None, :], mask=(j < NP)[:, None], other=0)
+        counts += tl.sum(h, axis=0)
+        seen += tl.sum(h * (j < pid).to(tl.int32)[:, None], axis=0)
     nb = (counts + BM - 1) // BM                                # blocks per expert
     cum_nb = tl.cumsum(nb, axis=0)
     start = (cum_nb - nb) * BM                                  # each expert's first row
-    for s in range(0, NB * BM, CH):                             # padding everywhere first
-        tl.store(pairs_ptr + s + c, tl.zeros([CH], dtype=tl.int32) + P, mask=s + c < NB * BM)
-    tl.debug_barrier()                                          # the padding stored before the pairs
-    seen = tl.zeros([BE], dtype=tl.int32)                       # pairs of each expert placed so far
-    for s in range(0, P, CH):
+    c = tl.arange(0, CH)
+    for i in range(0, SPAN, CH):
+        s = pid * SPAN + i
         ids = tl.load(ids_ptr + s + c, mask=s + c < P, other=-1)
         hit = (ids[:, None] == e[None, :]).to(tl.int32)         # [CH, BE]
         before = tl.cumsum(hit, axis=0) - hit                   # earlier pairs of the same expert in the chunk
@@ -62,8 +99,8 @@ def _align(ids_ptr, pairs_ptr, bexp_ptr, P, NB, E: tl.constexpr, BE: tl.constexp
         tl.store(pairs_ptr + row, s + c, mask=s + c < P)
         seen += tl.sum(hit, axis=0)
     b = tl.arange(0, BB)
-    for s in range(0, NB, BB):                                  # each block's expert: cum_nb's first > block
-        blk = s + b
+    for i in range(0, BSPAN, BB):                               # each block's expert: cum_nb's first > block
+        blk = pid * BSPAN + i + b
         owner = tl.sum((cum_nb[None, :] <= blk[:, None]).to(tl.int32) * em[None, :].to(tl.int32), axis=1)
         tl.store(bexp_ptr + blk, tl.where(owner < E, owner, -1), mask=blk < NB)
 
@@ -154,17 +191,25 @@ def _gather_pairs(x_ptr, ids_ptr, perm_ptr, out_ptr, K: tl.constexpr, A: tl.cons
     tl.store(out_ptr + p.to(tl.int64) * K + kk, v, mask=mask)
 
 
-def align(ids: torch.Tensor, num_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs sorted by expert, each expert's run padded to whole blocks of bm rows, in one launch: ids int [P]
-    -> (pairs int32 [B * bm], P = padding; block_expert int32 [B], -1 = unused block), B an upper bound that
-    depends only on P (`align_blocks`), so no host synchronisation."""
+def align(ids: torch.Tensor, num_experts: int, bm: int,
+          most: int = SORT_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert, each expert's run padded to whole blocks of bm rows, in two launches of up to
+    `most` programs each (`align_programs`): ids int [P] -> (pairs int32 [B * bm], P = padding; block_expert
+    int32 [B], -1 = unused block), B an upper bound that depends only on P (`align_blocks`), so no host
+    synchronisation. most=1: one program does it all, as the sort's first kernel did (bench.align_sort)."""
     P = ids.numel()
     nblocks = align_blocks(P, num_experts, bm)
     ids = ids.to(torch.int32).contiguous()
     pairs = torch.empty(nblocks * bm, dtype=torch.int32, device=ids.device)
     bexp = torch.empty(nblocks, dtype=torch.int32, device=ids.device)
-    _align[(1,)](ids, pairs, bexp, P, nblocks, E=num_experts, BE=triton.next_power_of_2(num_experts), BM=bm,
-                 CH=CHUNK, BB=64, num_warps=8)
+    programs, span = align_programs(P, most)
+    BE = triton.next_power_of_2(num_experts)
+    hist = torch.empty((programs, BE), dtype=torch.int32, device=ids.device)
+    pspan = CHUNK * triton.cdiv(triton.cdiv(nblocks * bm, programs), CHUNK)
+    bspan = 64 * triton.cdiv(triton.cdiv(nblocks, programs), 64)
+    _align_count[(programs,)](ids, hist, pairs, P, nblocks * bm, span, pspan, BE=BE, CH=CHUNK, num_warps=8)
+    _align_place[(programs,)](ids, hist, pairs, bexp, P, nblocks, programs, span, bspan, E=num_experts, BE=BE,
+                              BM=bm, CH=CHUNK, BC=32, BB=64, num_warps=8)
     return pairs, bexp
 
 
