@@ -16,7 +16,13 @@ pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in a child process with TRITON_INTERPRET=1")
-CHILD_TESTS = 8 + 2 + 1 + 2 + 10 + 2 + 7 + 5 + 6 + 2 + 1 + 3   # + 3: the tests without a kernel
+CHILD_TESTS = 8 + 2 + 1 + 2 + 10 + 2 + 7 + 5 + 3 + 2 + 1 + 3   # + 3: the tests without a kernel
+
+# The rows a kernel test runs. `_linear_splitk` has one branch per row block (`linear_rows_block`): 1 row the
+# GEMV (BT 1); 2..9 rows with the dot all in BT 16, the rows past T masked, so 9 (the most the GEMV takes)
+# stands for 2..8 there; without the dot BT is the power of two >= T (the 2..8 rows test reaches each one).
+# The interpreter runs every launch in Python: each row count more is a launch per part more.
+DOT_ROWS = (1, 9)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -65,12 +71,12 @@ def rows(t: int, k: int, seed: int = 1):
 @pytest.mark.parametrize("bits,props,group", [
     (4, None, 32), (3, None, 32), (3, None, 128), (5, None, 32), (6, None, 64), (8, None, 32),
     ([4, 3], [0.5, 0.5], 32), ([5, 3], [0.25, 0.75], 32),       # mixed widths: stored at 4 / at 8 bits
-])
-def test_q_k_v_fused_and_o_at_1_to_9_rows(bits, props, group):
+])       # every width and mix (stored at 3, 4, 8 bits; 3 bits by tiles of 32 and of 128), at DOT_ROWS
+def test_q_k_v_fused_and_o_at_1_and_9_rows(bits, props, group):
     q, k, v = (exl2_linear(n, 128, bits, s, group, props) for n, s in ((256, 0), (32, 1), (32, 2)))
     o = exl2_linear(128, 256, bits, 3, group, props)
     qkv, lo = _packs([q, k, v]), _packs([o])
-    for t in range(1, 10):
+    for t in DOT_ROWS:
         x = rows(t, 128, seed=t)
         close(linear_decode(x, qkv, [256, 32, 32]), reference([q, k, v], [256, 32, 32], x))
         h = rows(t, 256, seed=10 + t)
@@ -82,7 +88,7 @@ def test_q_k_v_fused_and_o_at_1_to_9_rows(bits, props, group):
 def test_other_launch_shapes(splitk):
     """Launch shapes the GPU may pick by timing (narrow / wide column blocks, K cut in 1 or 2)."""
     t = exl2_linear(96, 256, 4, 5)
-    for r in (1, 4, 9):
+    for r in DOT_ROWS:
         x = rows(r, 256, seed=r)
         close(linear_decode(x, _packs([t]), [96], tuple(int(v) for v in splitk.split("x"))), reference([t], [96], x))
 
@@ -114,12 +120,12 @@ def _packs(parts):
 @interpreted
 @pytest.mark.parametrize("splitk", ["32x1", "64x4"])
 @pytest.mark.parametrize("bits", [3, 4, 6, 8, 4.5])
-def test_linear_decode_is_fp16_at_1_to_9_rows(bits, splitk):
+def test_linear_decode_is_fp16_at_1_and_9_rows(bits, splitk):
     """`linear_into` stores fp16 equal to x @ W.T, q/k/v fused, with K whole (KSPLIT 1: stored straight into
-    the output) and cut in 4 (the workspace, finished in the launch)."""
+    the output) and cut in 4 (the workspace, finished in the launch), at DOT_ROWS."""
     parts = [exl2_linear(n, 128, bits, s) for n, s in ((256, 20), (32, 21), (32, 22))]
     packs = _packs(parts)
-    for t in range(1, 10):
+    for t in DOT_ROWS:
         x = rows(t, 128, seed=30 + t)
         close(linear_decode(x, packs, [256, 32, 32], tuple(int(v) for v in splitk.split("x"))),
               reference(parts, [256, 32, 32], x))
@@ -136,7 +142,7 @@ def test_fused_columns_with_each_part_its_own_shape(monkeypatch, ks):
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((96, 23), (40, 24), (64, 25))]
     outs = [96, 33, 64]                                     # k: 7 padded columns cut
     packs = _packs(parts)
-    for t in (1, 2, 9):
+    for t in DOT_ROWS:
         chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, None, torch.device("cpu")): SplitK(bn, k)
                   for p, n, bn, k in zip(packs, outs, (32, 16, 64), ks)}
         monkeypatch.setattr(shapes, "CHOSEN", chosen)
@@ -201,8 +207,11 @@ def test_kernel_finishes_a_cut_k_in_its_own_launch(t, ksplit, dot, add):
 
 
 @interpreted
-@pytest.mark.parametrize("splitk", ["32x1", "64x4", "16x8"])
-@pytest.mark.parametrize("room", [True, False])
+# 32x1: K whole, stored / added in the launch (a workspace or none: the same launch, so once); 16x8: q/k/v's
+# K of 128 takes no 8 slices, so they run the default 64x4 and o (K 256) 16x8: with the workspace every part
+# FINISHes in its launch (stored, and added into the residual), without one they go through the zeroed
+# buffer, copied (q/k/v) and added (o). These reach every branch the dropped 64x4 did.
+@pytest.mark.parametrize("splitk,room", [("32x1", True), ("16x8", True), ("16x8", False)])
 def test_linear_into_stores_or_adds_into_its_destinations(monkeypatch, splitk, room):
     """`linear_into`: q, k and v straight into a graph's own tensors, o added into the residual stream (rows
     further apart than the part is wide), K whole or cut; with a workspace (each part one launch, the
@@ -216,7 +225,7 @@ def test_linear_into_stores_or_adds_into_its_destinations(monkeypatch, splitk, r
     o = exl2_linear(128, 256, 4, 33)
     qkv, lo = _packs([q, k, v]), _packs([o])
     force = tuple(int(v) for v in splitk.split("x"))
-    for t in (1, 4, 9):
+    for t in DOT_ROWS:
         x = rows(t, 128, seed=100 + t)
         dq, dk, dv = (torch.full((t, n), float("nan"), dtype=torch.float16) for n in (256, 32, 32))
         linear_into(x, qkv, [dq, dk, dv], splitk=force)
@@ -238,13 +247,16 @@ def test_linear_into_stores_or_adds_into_its_destinations(monkeypatch, splitk, r
 @pytest.mark.parametrize("ks", [1, 2])
 def test_linear_into_without_the_dot_at_2_to_8_rows(monkeypatch, ks):
     """The shapes that sum a verify's rows on the CUDA cores (no padding to 16 for a tensor-core dot),
-    which the timing may pick at 2..8 rows: the same x @ W.T, q/k/v fused."""
+    which the timing may pick at 2..8 rows: the same x @ W.T, q/k/v fused. Rows 2, 3, 4, 5, 8: each row block
+    (BT 2, 4, 8), filled (2, 4, 8) and with masked rows (3 in 4, 5 in 8; 6 and 7 are masked 8s too). Column
+    blocks of 32: q's 256 columns in 8 programs, k's and v's 32 in one (16 ran twice the programs through
+    the interpreter for the same code)."""
     from runtime.experts.shapes import SplitK
     parts = [exl2_linear(n, 128, 4, s) for n, s in ((256, 60), (32, 61), (32, 62))]
     outs, packs = [256, 32, 32], _packs(parts)
-    for t in range(2, 9):
+    for t in (2, 3, 4, 5, 8):
         chosen = {("linear", 128, p.out_features, n, t, p.bits, p.group, None, torch.device("cpu")):
-                  SplitK(16, ks, dot=False) for p, n in zip(packs, outs)}
+                  SplitK(32, ks, dot=False) for p, n in zip(packs, outs)}
         monkeypatch.setattr("runtime.experts.linear_gemv.CHOSEN", chosen)
         x = rows(t, 128, seed=70 + t)
         close(linear_decode(x, packs, outs), reference(parts, outs, x))

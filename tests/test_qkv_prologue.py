@@ -89,12 +89,18 @@ def _weights(seed: int):
             ((torch.rand(D, generator=g) + 0.5).half(), (torch.rand(D, generator=g) + 0.5).half()))
 
 
+# The rows: the kernel's row block is linear_rows_block's. With the dot, 1 row is the GEMV (BT 1) and 2..9 rows
+# one block of 16 whose rows past T are masked, so 1 and 9 reach both. Without the dot (2..8 rows) the block
+# is the power of two >= T: between the two cases every block (2, 4, 8) filled (2, 4, 8) and with masked rows
+# (3, 5), the masked ones where K is cut (the workspace's masked sums) and rotated (masked table loads).
+# The interpreter runs each row count as one more launch: the other counts repeat these blocks.
 @interpreted
-@pytest.mark.parametrize("bits,ksplit,dot,steps", [
-    ((4, 4, 4), 1, True, "norms+rope"), ((4, 8, 3), 2, True, "per-head norms+rope"), ((3, 3, 3), 4, True, "rope"),
-    (([4, 3], 8, 4), 8, True, "none"), ((4, 4, 8), 2, False, "norms+rope"), ((8, 4, 4), 1, False, "norms"),
+@pytest.mark.parametrize("bits,ksplit,dot,steps,rows", [
+    ((4, 4, 4), 1, True, "norms+rope", (1, 9)), ((4, 8, 3), 2, True, "per-head norms+rope", (1, 9)),
+    ((3, 3, 3), 4, True, "rope", (1, 9)), (([4, 3], 8, 4), 8, True, "none", (1, 9)),
+    ((4, 4, 8), 2, False, "norms+rope", (2, 3, 5)), ((8, 4, 4), 1, False, "norms", (4, 8)),
 ])
-def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, steps):
+def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, steps, rows):
     from runtime.experts import shapes
     from runtime.experts.qkv_prologue import qkv_prologue
     from runtime.experts.shapes import SplitK
@@ -106,7 +112,6 @@ def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, st
     if steps.startswith("per-head"):           # as exllamav2 holds them: [heads, D]
         head_w = tuple(torch.rand(h, D, generator=torch.Generator().manual_seed(h)).half() + 0.5 for h in (HQ, HK))
     head_w = head_w if "norms" in steps else None
-    rows = range(1, 10) if dot else range(2, 9)
     for T in rows:
         tables = (sin, cos, torch.tensor([5 * T], dtype=torch.int32)) if "rope" in steps else None
         _force(SplitK(D, ksplit, 4, dot), packs, T, head_w, tables)
@@ -123,7 +128,8 @@ def test_one_launch_equals_the_steps_it_fuses(monkeypatch, bits, ksplit, dot, st
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_default_shape_and_each_candidate_give_the_same_heads(monkeypatch, T):
     """Every launch shape the timing may pick (K cut in 1..8, 4 or 8 warps, with or without the dot) stores the
-    same heads, to the order of the split-K sums."""
+    same heads, to the order of the split-K sums. The interpreter takes no warps (it runs a program's block
+    whole), so the shapes that differ only in them are one launch here: each K cut, with and without the dot."""
     from runtime.experts import shapes
     from runtime.experts.qkv_prologue import candidates, qkv_prologue
     shapes.CHOSEN.clear()
@@ -136,7 +142,10 @@ def test_the_default_shape_and_each_candidate_give_the_same_heads(monkeypatch, T
     want = reference(x, norm_w, 1e-6, parts, head_w, (1e-6, 1e-6), tables)
     offered = candidates(K, HQ + 2 * HK, shapes.tile(*packs, cap=128), D, T)
     assert offered[0].bn == D and len(set(offered)) == len(offered) and any(not c.dot for c in offered) == (T > 1)
-    for c in offered:
+    assert {c.warps for c in offered} == {4, 8}
+    run = [c for i, c in enumerate(offered) if all((c.ksplit, c.dot) != (b.ksplit, b.dot) for b in offered[:i])]
+    assert len(run) == (8 if T > 1 else 4), run            # K whole, cut in 2, 4, 8; with the dot (and without)
+    for c in run:
         _force(c, packs, T, head_w, tables)
         q, k, v = (torch.empty((T, h * D), dtype=torch.float16) for h in (HQ, HK, HK))
         qkv_prologue(x, norm_w, 1e-6, packs, (HQ, HK, D), q, k, v, head_w, (1e-6, 1e-6), tables)
