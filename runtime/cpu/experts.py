@@ -81,10 +81,7 @@ def _to_exl2(t: Mapping[str, torch.Tensor], out: int, name: str) -> dict[str, to
     k, n, groups, perm = _layout(t, name)
     qw = t["q_weight"].contiguous()
     q = qw.shape[0]
-    scale = fmt.step_sizes(t, name=name).t()                            # [K, N] float32 (fp16 values)
-    scale = scale[perm]                                                  # packed order [K, N]
-    first = torch.tensor([g.first_row for g in groups])
-    sc = scale[first].to(torch.float16)                                  # [G, N]
+    sc = fmt.group_scales(t, name=name)                                  # [G, N] fp16 (what step_sizes spreads)
     grp = torch.tensor([[g.bits, g.first_qrow, g.first_row, g.rows] for g in groups], dtype=torch.int32)
     tiles = qw.view(q, n // 16, 16).permute(1, 0, 2).contiguous()
     load_kernel().to_planes(tiles, grp)                                  # the kernel's order of the same bits

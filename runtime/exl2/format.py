@@ -222,6 +222,23 @@ def read_layout(tensors: Mapping[str, torch.Tensor], name: str = "tensor") -> tu
     return in_features, n, groups
 
 
+def _group_scales(tensors) -> torch.Tensor:
+    """-> the fp16 scale of each group and column [G, N] (tensors checked by read_layout)."""
+    if EXL2_EXACT in tensors:
+        return tensors[EXL2_EXACT]                                              # [G, N] fp16
+    mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)                  # [G] fp16, as make_q_matrix
+    qscale = unpack_scales(tensors["q_scale"])                                  # [G, N]
+    return (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)               # [G, N] fp16, as dq_scale
+
+
+def group_scales(tensors: Mapping[str, torch.Tensor], *, name: str = "tensor") -> torch.Tensor:
+    """The quantization step of each group and column, fp16 [G, N] (G in packed order, N padded): what
+    step_sizes spreads over the group's rows, without unpacking the codes."""
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    read_layout(tensors, name)
+    return _group_scales(tensors)
+
+
 def _decode(tensors, name):
     """-> (centred codes [in, N] in packed order, fp16 scale per packed row and column [in, N], invperm)."""
     in_features, n, groups = read_layout(tensors, name)
@@ -236,12 +253,7 @@ def _decode(tensors, name):
         q1 = groups[j].first_qrow if j < len(groups) else qw.shape[0]
         codes[r0:r1] = unpack_codes(qw[groups[i].first_qrow:q1], b) - (1 << (b - 1))
         i = j
-    if EXL2_EXACT in tensors:
-        scale = tensors[EXL2_EXACT]                                             # [G, N] fp16, checked above
-    else:
-        mx = tensors["q_scale_max"].to(torch.float16) * (1 / 256)              # [G] fp16, as make_q_matrix
-        qscale = unpack_scales(tensors["q_scale"])                              # [G, N]
-        scale = (qscale * qscale).to(torch.float16) * mx.unsqueeze(1)           # [G, N] fp16, as dq_scale
+    scale = _group_scales(tensors)
     row_group = torch.repeat_interleave(torch.arange(len(groups), device=qw.device),
                                         torch.tensor([g.rows for g in groups], device=qw.device))
     return codes, scale[row_group], tensors["q_invperm"].to(torch.int64)
