@@ -223,12 +223,14 @@ def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args, check
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
-# Each stored width once (3, 4, and 8 for 5,4), each launch shape once: SKIP does not depend on BITS. 32x3: gate/up
-# in 32 columns (the cut at 64 skips two whole blocks) and 3 K slices, down the default (64 columns, 4 slices of
-# one tile: two skipped whole); 128x2: gate/up the default (64 columns, K whole), down 128 columns (more than
-# H: masked lanes) and 2 slices of two tiles; None: both defaults. 4 experts, top-2, 1 and 2 rows: a token's picks
-# masked, kept or both (half the experts masked), one row and several (the host function, the oracle).
-@pytest.mark.parametrize("bits,splitk", [("4", "32x3"), ("3", "128x2"), ("5,4", None)])
+# Each stored width once (3, 4, and 8 for 5,4), each launch shape once: SKIP does not depend on BITS. H 64, I 128,
+# tiles of 32, the cut at 64. 32x2: gate/up and down in 32 columns (the cut skips two of gate/up's four blocks
+# whole), 2 K slices (down's: two tiles each, the cut skipping the first whole); 128x2: gate/up in one block of
+# 128 columns (the cut masks its first half's lanes), down 128 columns (more than H: masked lanes), 2 slices each;
+# None: the defaults (gate/up 64 columns x 2 slices, down 64 x 4 slices of one tile). 4 experts, top-2, 1 and 2
+# rows: a token's picks masked, kept or both (half the experts masked), one row and several (the host function,
+# the oracle).
+@pytest.mark.parametrize("bits,splitk", [("4", "32x2"), ("3", "128x2"), ("5,4", None)])
 def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, checks):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
     apart (one row: the CPU path's host function; two rows: the oracle) equal the unmasked kernels,
@@ -236,7 +238,7 @@ def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, checks):
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
     the layer is put in down's intermediate order (bit for bit the same output). The host function computes with
     int8 activations (the integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
-    args = ["--experts", "4", "--hidden", "96", "--inter", "128", "--top-k", "2", "--bits", bits, "--rows", "1,2"]
+    args = ["--experts", "4", "--hidden", "64", "--inter", "128", "--top-k", "2", "--bits", bits, "--rows", "1,2"]
     r = checks.run(["--device", "cpu", "--skip", *args], {"MOEDESK_SPLITK": splitk} if splitk else None)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout
