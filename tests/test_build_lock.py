@@ -86,7 +86,12 @@ def test_the_cpu_kernel_builds_in_its_own_folder_under_the_lock(tmp_path, monkey
     monkeypatch.setattr(cpp_extension, "load", load)
     folder = ce.kernel_folder(ce.KERNEL_NAME)
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    assert folder == tmp_path / f"moedesk-{py}-torch{torch.__version__}" / ce.KERNEL_NAME
+    assert folder.parent == tmp_path / f"moedesk-{py}-torch{torch.__version__}"
+    assert folder.name.startswith(ce.KERNEL_NAME + "-")
+    here = ce.CSRC
+    monkeypatch.setattr(ce, "CSRC", tmp_path / "another-checkout" / "csrc")
+    assert ce.kernel_folder(ce.KERNEL_NAME) != folder           # another checkout: its own build
+    monkeypatch.setattr(ce, "CSRC", here)
     folder.mkdir(parents=True)
     (folder / BATON).touch()
     assert ce.load_kernel() is module

@@ -3,15 +3,18 @@
 Small shapes only (the interpreter is slow); the GPU tests run the same check at real sizes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checks():
+    """bench.check_experts's runs, one child for the module (tests/interpreted.ExpertChecks)."""
+    from tests.interpreted import ExpertChecks
+    c = ExpertChecks()
+    yield c
+    c.close()
 
 
 def _results(args: list[str]) -> int:
@@ -22,8 +25,11 @@ def _results(args: list[str]) -> int:
     return len(rows) + sum(1 < t and t * top_k <= 64 for t in rows)
 
 
+# Rows: 1 (the split-K GEMVs alone), 2+ of at most 64 pairs (the GEMVs and the grouped kernels' union read: 2 here,
+# 3 twice below; 2..8 in test_verify_rows_...), more than 64 pairs (the grouped kernels alone: 17, 40, 13 x 5, 33,
+# 25). A fourth row count of the first case (5: 20 pairs, as 2) added no path.
 @pytest.mark.parametrize("args", [
-    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,5,17"],
+    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,2,17"],
     ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "3,40"],
     ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "5", "--bits", "3", "--rows", "1,13"],
     ["--experts", "4", "--hidden", "128", "--inter", "128", "--top-k", "2", "--bits", "3", "--group", "128",
@@ -31,23 +37,25 @@ def _results(args: list[str]) -> int:
     ["--experts", "6", "--hidden", "64", "--inter", "64", "--top-k", "3", "--bits", "4", "--exact",
      "--rows", "1,3,25"],                                   # imported GPTQ experts: exact scales (q_scale_exact)
 ])
-@pytest.mark.parametrize("splitk", [None])
-def test_kernels_match_oracle_in_interpreter(args, splitk, extra_env=None):
-    env = dict(os.environ, TRITON_INTERPRET="1", **(extra_env or {}))
-    if splitk:
-        env["MOEDESK_SPLITK"] = splitk
-    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_kernels_match_oracle_in_interpreter(args, checks):
+    _match_oracle(checks, args)
+
+
+def _match_oracle(checks, args, env=None):
+    r = checks.run(["--device", "cpu", *args], env)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == _results(args) + 1, r.stdout            # + the routing check
 
 
-@pytest.mark.parametrize("splitk", ["32x3", "128x2", "32x1"])
-def test_decode_kernels_with_other_launch_shapes(splitk):
+# 32x3 (gate/up in 32 columns and 3 K slices, down the default) on this very layer runs in
+# test_decode_experts_adding_into_the_residual_match_the_oracle's last case, whose "vs gathered" line takes
+# the split-K GEMVs through down's permutation as here (and once more in runs): not repeated here.
+@pytest.mark.parametrize("splitk", ["128x2", "32x1"])
+def test_decode_kernels_with_other_launch_shapes(splitk, checks):
     """The launch shapes the GPU may pick by timing (narrow/wide column blocks, K cut in 1, 2 or 3)
     give the oracle's result too; a shape that does not divide K falls back to the default."""
-    test_kernels_match_oracle_in_interpreter(
-        ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--rows", "1,3"], splitk)
+    _match_oracle(checks, ["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4",
+                           "--rows", "1,3"], {"MOEDESK_SPLITK": splitk})
 
 
 def test_the_split_k_shapes_offered_keep_whole_tiles_and_a_forced_one_alone():
@@ -63,12 +71,11 @@ def test_the_split_k_shapes_offered_keep_whole_tiles_and_a_forced_one_alone():
 
 @pytest.mark.parametrize("bits", ["3", "4"])
 @pytest.mark.parametrize("grouped", ["16,16,32,64,4,0", "32,32,64,128,8,2"])
-def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped):
+def test_grouped_kernels_with_k_tiles_spanning_scale_groups(bits, grouped, checks):
     """The prefill kernels' K tile may span several scale groups (groups of 32 rows, tiles of 64 and
     128: each row of the tile takes its own group's scales); other block shapes too."""
-    test_kernels_match_oracle_in_interpreter(
-        ["--experts", "5", "--hidden", "128", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "40"],
-        None, {"MOEDESK_GROUPED": grouped})
+    _match_oracle(checks, ["--experts", "5", "--hidden", "128", "--inter", "128", "--top-k", "3", "--bits", bits,
+                           "--rows", "40"], {"MOEDESK_GROUPED": grouped})
 
 
 def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
@@ -84,16 +91,14 @@ def test_the_k_tile_asked_for_is_used_within_a_group_or_across_whole_groups():
     ("expert", False, "input order: one per expert | down reads h through its permutation"),
     ("each", True, "input order: each its own | down reads h in runs"),
 ])
-def test_grouped_kernels_read_the_input_as_the_layers_orders_allow(perms, aligned, order):
+def test_grouped_kernels_read_the_input_as_the_layers_orders_allow(perms, aligned, order, checks):
     """One input order for every gate and up of the layer (exllamav2's converter): the input is permuted once;
     one per expert (ours): gathered once per pair; down in the intermediate's order: h (and the split-K
     GEMVs' gate/up output) read in runs. Each way gives the oracle's result and, bit for bit, what the
     per-tile gathers give."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
     args = ["--experts", "5", "--hidden", "128", "--inter", "128", "--top-k", "3", "--bits", "4", "--rows", "40,3",
             "--perms", perms] + (["--aligned"] if aligned else [])
-    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = checks.run(["--device", "cpu", *args])
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert order in r.stdout, r.stdout
     same = [line for line in r.stdout.splitlines() if "vs gathered" in line]
@@ -141,18 +146,19 @@ def test_grouped_benchmark_refuses_bad_shapes_and_a_missing_gpu(capsys):
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_verify_rows_read_through_the_grouped_kernels():
+def test_verify_rows_read_through_the_grouped_kernels(checks):
     """Verify rows of offloaded layers take the grouped kernels (each chosen expert read once per block
     of rows): 4 experts and top-2 make 2..8 rows share experts heavily; 3-bit and 4-bit, against the
-    oracle (each row count is also checked through the split-K GEMVs)."""
-    for bits in ("4", "3"):
+    oracle (each row count is also checked through the split-K GEMVs). 3-bit at the fewest and the most
+    rows only: its codes differ from 4-bit's in the tile's load alone (the grouped kernels take it at 13, 33
+    and 40 rows in the tests above)."""
+    for bits, rows in (("4", "2,3,5,8"), ("3", "2,8")):
         args = ["--experts", "4", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", bits,
-                "--rows", "2,3,5,8"]
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", *args],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                "--rows", rows]
+        r = checks.run(["--device", "cpu", *args])
         assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-        assert r.stdout.count("grouped(union)") == 4 and r.stdout.count("splitk") == 4, r.stdout
+        n = len(rows.split(","))
+        assert r.stdout.count("grouped(union)") == n and r.stdout.count("splitk") == n, r.stdout
         assert "FAIL" not in r.stdout
 
 
@@ -172,7 +178,8 @@ class Spy:                                                    # the grids the so
         return self.kernel[grid]
 
 
-grouped._align_count, grouped._align_place = Spy(grouped._align_count), Spy(grouped._align_place)
+kernels = grouped._align_count, grouped._align_place
+grouped._align_count, grouped._align_place = Spy(kernels[0]), Spy(kernels[1])
 g = torch.Generator().manual_seed(0)
 cases = [(1, 128, 16), (7, 4, 16), (300, 128, 16), (4096, 128, 64), (50, 3, 64), (1000, 256, 64), (260, 60, 32),
          (4096 * 8, 128, 64)]
@@ -198,17 +205,18 @@ for P, E, bm in cases:
         assert sorted(seen) == list(range(P))                     # every pair exactly once
         want = by_torch(ids, E, bm)
         assert torch.equal(want[0], pairs) and torch.equal(want[1], bexp), (P, E, bm, most)
+grouped._align_count, grouped._align_place = kernels      # the module's child runs other checks after this one
 print("aligned")
 """
 
 
-def test_align_groups_pairs_by_expert_in_whole_blocks():
+def test_align_groups_pairs_by_expert_in_whole_blocks(checks):
     """The prefill's sort into the grouped kernels' blocks (two Triton launches, in the interpreter), over as
     many programs as it takes, three, or one: one expert per block, padding only at a block's end, every pair
     once, and, bit for bit, what the stable torch sort it replaced gives (hot experts, experts never picked, a
     single pair, more blocks than experts, 4096 rows of 8 picks)."""
-    from tests.interpreted import run_interpreted
-    run_interpreted(_ALIGN_CHECK, "aligned")
+    r = checks.run(_ALIGN_CHECK)
+    assert r.returncode == 0 and "aligned" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_a_long_prefill_sorts_its_pairs_on_many_programs():
@@ -235,35 +243,38 @@ def test_ksplit_keeps_whole_tiles():
         assert ks == 1 or programs * ks <= SM_TARGET
 
 
+# The offload manager's hooks do not depend on the row count (staging is forced on or off by min_pairs): more
+# than 64 pairs (the grouped kernels alone, several blocks per expert) are the 40 and 30 rows of the last two.
 @pytest.mark.parametrize("args", [
-    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,3,17"],
+    ["--experts", "8", "--hidden", "64", "--inter", "64", "--top-k", "4", "--bits", "4", "--rows", "1,3"],
     ["--experts", "6", "--hidden", "64", "--inter", "96", "--top-k", "2", "--bits", "5,4", "--rows", "2,40"],
     ["--experts", "5", "--hidden", "64", "--inter", "64", "--top-k", "3", "--bits", "3", "--rows", "1,30"],
 ])
-def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args):
+def test_kernels_with_cold_experts_equal_all_resident_in_interpreter(args, checks):
     """Half the experts in host memory (read in place, or staged for many rows) give the same
     output, bit for bit, as every expert in the slot stack."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--offload", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = checks.run(["--device", "cpu", "--offload", *args])
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.count(" ok") == 2 * _results(args), r.stdout             # in place and staged
 
 
-@pytest.mark.parametrize("bits,splitk", [("4", None), ("3", None), ("4", "32x3"), ("4", "128x2"), ("5,4", None)])
-def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk):
+# Each stored width once (3, 4, and 8 for 5,4), each launch shape once: SKIP does not depend on BITS. H 64, I 128,
+# tiles of 32, the cut at 64. 32x2: gate/up and down in 32 columns (the cut skips two of gate/up's four blocks
+# whole), 2 K slices (down's: two tiles each, the cut skipping the first whole); 128x2: gate/up in one block of
+# 128 columns (the cut masks its first half's lanes), down 128 columns (more than H: masked lanes), 2 slices each;
+# None: the defaults (gate/up 64 columns x 2 slices, down 64 x 4 slices of one tile). 4 experts, top-2, 1 and 2
+# rows: a token's picks masked, kept or both (half the experts masked), one row and several (the host function,
+# the oracle).
+@pytest.mark.parametrize("bits,splitk", [("4", "32x2"), ("3", "128x2"), ("5,4", None)])
+def test_skip_mask_leaves_out_exactly_the_masked_experts(bits, splitk, checks):
     """Split-K kernels with a skip mask (none, half, all experts masked) + the masked experts computed
-    apart (one row: the CPU path's host function; three rows: the oracle) equal the unmasked kernels,
+    apart (one row: the CPU path's host function; two rows: the oracle) equal the unmasked kernels,
     for the default and the other launch shapes; also with experts cut between the two (the CPU's
     host function computes the first 64 of 128 intermediate features, the kernels the rest), after
     the layer is put in down's intermediate order (bit for bit the same output). The host function computes with
     int8 activations (the integer CPU kernel): its rows are held to that kernel's tolerance, the kernels' to fp16's."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    if splitk:
-        env["MOEDESK_SPLITK"] = splitk
-    args = ["--experts", "6", "--hidden", "96", "--inter", "128", "--top-k", "3", "--bits", bits, "--rows", "1,3"]
-    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--skip", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    args = ["--experts", "4", "--hidden", "64", "--inter", "128", "--top-k", "2", "--bits", bits, "--rows", "1,2"]
+    r = checks.run(["--device", "cpu", "--skip", *args], {"MOEDESK_SPLITK": splitk} if splitk else None)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "aligned intermediate    max diff 0.00e+00" in r.stdout, r.stdout
     cuts = [64]
@@ -298,13 +309,11 @@ print("share mask ok", len(cases))
 """
 
 
-def test_cpu_share_mask_gives_the_cpu_its_share_of_each_tokens_cold_picks():
+def test_cpu_share_mask_gives_the_cpu_its_share_of_each_tokens_cold_picks(checks):
     """The balanced split's per-token mask (one Triton program, in the interpreter) against a plain
     loop: of a token's cold picks, those the CPU has copies of, in pick order, up to round(share x cold
     picks); never a resident or uncopied expert; every other entry 0."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _SHARE_MASK_CHECK], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = checks.run(_SHARE_MASK_CHECK)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "share mask ok 63" in r.stdout
 
@@ -337,38 +346,34 @@ def test_the_grouped_benchmark_counts_each_experts_codes_and_scales():
     (["--experts", "5", "--hidden", "96", "--inter", "64", "--top-k", "2", "--bits", "4", "--aligned",
       "--rows", "1,3"], "32x3"),
 ])
-def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk):
+def test_decode_experts_adding_into_the_residual_match_the_oracle(args, splitk, checks):
     """Layers all in VRAM decode in two launches adding into the residual (runtime/experts/decode.py:
     gate/up's last slice stores SiLU(gate) x up, down's last adds the sum into the residual): residual + the
     oracle's sum, K whole or cut, down reading h in runs or through its permutation."""
     rows = [int(t) for t in args[-1].split(",")]
     top_k = int(args[args.index("--top-k") + 1])
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    if splitk:
-        env["MOEDESK_SPLITK"] = splitk
-    r = subprocess.run([sys.executable, "-m", "bench.check_experts", "--device", "cpu", "--residual", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = checks.run(["--device", "cpu", "--residual", *args], {"MOEDESK_SPLITK": splitk} if splitk else None)
     assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr[-3000:]
     added = [line for line in r.stdout.splitlines() if "splitk+res" in line]
     assert len(added) == sum(t * top_k <= 64 for t in rows) and all(line.endswith(" ok") for line in added), r.stdout
 
 
-def test_the_two_launches_leave_their_workspace_at_zero():
-    """experts_finish itself, K whole and cut in 2 and 4, equals the three launches plus torch's add to fp16
-    rounding; its workspace and counters are zero after."""
-    from tests.interpreted import run_interpreted
-    run_interpreted("""
+def test_the_two_launches_leave_their_workspace_at_zero(checks):
+    """experts_finish itself, K whole and cut in 2, equals the three launches plus torch's add to fp16
+    rounding; its workspace and counters are zero after. K 64 in 32-row tiles: ks 1 stores h at once, ks 2
+    finishes in the last slice (two column blocks, two rows' counters); more slices take the same branches."""
+    r = checks.run("""
 import torch
 from runtime.experts import decode, shapes
 from runtime.experts.layer import route
 from bench.check_experts import random_layer
-layer = random_layer(6, 128, 128, 3, 4, "cpu", seed=5)
+layer = random_layer(6, 64, 64, 3, 4, "cpu", seed=5)
 g = torch.Generator().manual_seed(6)
-for ks in (1, 2, 4):
+for ks in (1, 2):
     shapes.CHOSEN.clear()
-    for T in (1, 3):
-        x = torch.randn(T, 128, generator=g).half()
-        res = (torch.randn(T, 128, generator=g) * 0.1).half()
+    for T in (1, 2):
+        x = torch.randn(T, 64, generator=g).half()
+        res = (torch.randn(T, 64, generator=g) * 0.1).half()
         r = route(x, layer.gate_w, 3)
         got = decode.experts_finish(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2, res, splitk=(32, ks))
         want = torch.add(res, decode.experts_decode(x, r.ids, r.weights, layer.w1, layer.w3, layer.w2,
@@ -378,7 +383,8 @@ for ks in (1, 2, 4):
         ws, counts = shapes._WORKSPACES[torch.device("cpu")][-1]
         assert not ws.any() and not counts.any(), (ks, T)
 print("finish ok")
-""", "finish ok")
+""")
+    assert r.returncode == 0 and "finish ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_a_layer_given_a_residual_returns_it_added_and_offloaded_layers_refuse_one():

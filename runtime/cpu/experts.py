@@ -217,12 +217,16 @@ def build_kernel_in_background() -> None:
 
 def kernel_folder(name: str) -> Path:
     """Where the kernel `name` is built: under torch's extension root, one folder per Python and torch build
-    (a module built against another torch must not be imported)."""
+    (a module built against another torch must not be imported) and per checkout of the sources (`name`-<digest
+    of csrc/'s path>): the build's commands name the sources by their path, so two checkouts sharing a folder
+    rebuilt it in turn, half a minute of compiler each time, whenever their loads alternated."""
+    import hashlib
     import sys
 
     from torch.utils.cpp_extension import get_default_build_root
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(get_default_build_root()) / f"moedesk-{py}-torch{torch.__version__}" / name
+    where = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:8]
+    return Path(get_default_build_root()) / f"moedesk-{py}-torch{torch.__version__}" / f"{name}-{where}"
 
 
 def load_kernel():
