@@ -37,10 +37,11 @@ run: demo gpu
 	$(BIN)/moedesk
 
 # The suite runs on every core (pytest-xdist, a test file per worker at a time: module fixtures such as a running
-# worker or server are set up once); TEST_WORKERS=0 runs it in this process. The 20 slowest tests are listed.
+# worker or server are set up once), the slowest files first (tests/conftest.SLOW_FILES; xdist's own reordering,
+# by test count, is off); TEST_WORKERS=0 runs it in this process. The 20 slowest tests are listed.
 TEST_WORKERS ?= auto
 test: demo
-	@status=0; QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 \
+	@status=0; QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 \
 	  || status=$$?; \
 	if [ $$status = 5 ]; then echo "pytest collected no test (exit status 5): the suite is missing" >&2; fi; \
 	exit $$status
