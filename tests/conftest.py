@@ -78,4 +78,11 @@ def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and workers.isdigit() and int(workers) > 1:
         import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+        from runtime import cpu_load
+        share = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(share)
+        # An engine loaded in this process sizes its team from the machine's cores (reference.load, the
+        # conversions): it gets the worker's share too. Set before any test module imports the name: two
+        # workers' in-process engines at two threads each ran 3-4x slower on two cores than alone.
+        cpu_load.physical_cores = lambda: share
