@@ -624,11 +624,11 @@ def test_an_automatic_team_is_sized_from_the_rates_it_reaches():
 
 
 def test_automatic_threads_leave_two_cores_to_the_spinning_threads(monkeypatch):
-    import psutil
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if not logical else 32)
+    from runtime import cpu_load
+    monkeypatch.setattr(cpu_load, "physical_cores", lambda: 16)        # 16 physical cores (32 logical)
     assert cpath.resolve_threads(0) == 14 and cpath.resolve_threads(5) == 5
     assert cpath.resolve_threads(0, others=2.0) == 12 and cpath.resolve_threads(5, others=2.0) == 5
-    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    monkeypatch.setattr(cpu_load, "physical_cores", lambda: 2)
     assert cpath.resolve_threads(0) == 1                          # never fewer than one
     with pytest.raises(ValueError, match="0 \\(automatic\\) or more"):
         cpath.resolve_threads(-1)
