@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -97,8 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     res = run(rows, a.experts, a.top_k, max(1, min(a.reps, 1000)))
     if a.json:
+        from bench.engine import git_commit
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+            json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "git_commit": git_commit(),
+                       "device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
     return 0
 
 
