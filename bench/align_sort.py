@@ -24,17 +24,8 @@ from typing import Callable, Sequence
 import torch
 
 from bench.check_experts import align_by_torch
+from bench.grouped import cuda_ms
 from runtime.experts.grouped import SORT_PROGRAMS, align, align_programs
-
-
-def _events_ms(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _graph_ms(fn: Callable[[], object], reps: int) -> float | None:
@@ -51,7 +42,7 @@ def _graph_ms(fn: Callable[[], object], reps: int) -> float | None:
                 g.capture_end()
         torch.cuda.current_stream().wait_stream(s)
         g.replay()
-        return min(_events_ms(g.replay, 1) for _ in range(3)) / reps
+        return min(cuda_ms(g.replay, 1) for _ in range(3)) / reps
     except RuntimeError:
         torch.cuda.synchronize()
         return None
@@ -74,7 +65,7 @@ def run(rows: Sequence[int], experts: int, top_k: int, reps: int = 50) -> list[d
             fn()
             torch.cuda.synchronize()
             programs = None if name == "torch" else align_programs(P, 1 if name == "one" else SORT_PROGRAMS)[0]
-            r = {"rows": T, "pairs": P, "form": name, "programs": programs, "ms_per_call": _events_ms(fn, reps), "gpu_ms_per_call": _graph_ms(fn, reps)}
+            r = {"rows": T, "pairs": P, "form": name, "programs": programs, "ms_per_call": cuda_ms(fn, reps), "gpu_ms_per_call": _graph_ms(fn, reps)}
             out.append(r)
             gpu = "-" if r["gpu_ms_per_call"] is None else f"{r['gpu_ms_per_call']:.4f}"
             print(f"{T:5d} rows {P:6d} pairs  {name:8s}  {r['ms_per_call']:.4f} ms/call  gpu {gpu} ms", flush=True)

@@ -88,7 +88,8 @@ def _expert_bytes(p: PackedExperts) -> int:
     return p.words_per_expert * 4 + p.scales[0].numel() * p.scales.element_size()
 
 
-def _time(fn, reps: int) -> float:
+def cuda_ms(fn, reps: int) -> float:
+    """Milliseconds a call of fn, by CUDA events over reps calls after one warm-up call."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,7 +134,7 @@ def _run(shape: str, rows: int, configs: Sequence[str], reps: int, say, order_na
         g = tuning.Grouped.parse(text if isinstance(text, str) else ",".join(map(str, text)))
         try:
             y = experts_forward(x, ids, w, w1, w3, w2, order=order, grouped=g)
-            ms = _time(lambda: experts_forward(x, ids, w, w1, w3, w2, order=order, grouped=g), reps)
+            ms = cuda_ms(lambda: experts_forward(x, ids, w, w1, w3, w2, order=order, grouped=g), reps)
         except Exception as e:                         # a shape the compiler or the device refuses
             say(f"{g}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             out.append({"order": order_name, "config": dataclasses.asdict(g), "error": f"{type(e).__name__}: {e}"[:400]})
