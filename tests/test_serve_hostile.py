@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 import time
 from urllib.parse import urlsplit
 
@@ -162,16 +161,11 @@ def test_clients_that_leave_while_queued_free_the_queue(server, endless):
     for sock in queued:
         sock.close()
     assert len(wait_for_log(log, start, r"client closed the connection", count=8, timeout=20)) == 8
-    outcome = {}
-
-    def next_one():
-        outcome["r"] = post(url, ask(model, 12), timeout=120)
-    waiter = threading.Thread(target=next_one)
-    waiter.start()                # not refused: served at the running answer's next turn (app/serve/fair.py)
-    waiter.join(120)
-    assert outcome["r"].status_code == 200, outcome["r"].text
-    assert "Paris" in outcome["r"].json()["choices"][0]["message"]["content"]
-    running.close()               # back on the engine after the waiter's turn
+    # Not refused: served at the running answer's next turn (app/serve/fair.py).
+    r = post(url, ask(model, 12), timeout=120)
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    running.close()               # back on the engine after that turn
     stopped = wait_for_log(log, start, r"the engine stopped \(cancelled\)")
     assert len(stopped) == 1, log.read_text()[start:]          # only the running one: no queued one reached the engine
 
